@@ -1,0 +1,52 @@
+# specdeploy: `make demo` runs the main job end to end on the embedded default; `make test` runs the tests.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+RECIPE ?= build/smollm2-135m.yaml
+SD     := $(BIN)/specdeploy
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+
+.PHONY: setup demo test bench clean found models check quantize build generate repo serve stop status validate run
+
+setup: $(VENV)/.installed
+
+# torch first, from the local CPU wheel; anything else that asks for torch then finds it installed.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $@
+
+found: setup
+	@$(BIN)/python -c "import torch; print('GPU:', 'yes' if torch.cuda.is_available() else 'no (GPU backends: dry runs only)')"
+	@$(SD) doctor | grep -E 'tritonserver|GPU' || true
+
+models: setup
+	$(SD) models fetch smollm2-135m-instruct
+
+check: setup
+	$(SD) check $(RECIPE)
+
+demo: found models
+	$(SD) run $(RECIPE)
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+bench: setup models
+	$(BIN)/python bench/engine.py
+
+quantize build generate repo validate run: setup
+	$(SD) $@ $(RECIPE)
+
+serve: setup
+	$(SD) serve $(RECIPE) --detach
+
+stop status: setup
+	$(SD) $@ $(RECIPE)
+
+clean:
+	rm -rf engines/*/ triton_repo/*/ .pytest_cache
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

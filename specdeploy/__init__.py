@@ -1,0 +1,1 @@
+"""specdeploy: validated speculative-decoding deployments on Triton."""

@@ -1,0 +1,71 @@
+"""`specdeploy doctor`: one line per thing this machine has or lacks for each backend."""
+
+from __future__ import annotations
+
+import importlib.util
+import platform
+import shutil
+import socket
+import sys
+
+from specdeploy import artifacts
+
+
+def _line(ok: bool | None, what: str, detail: str) -> str:
+    mark = {True: "ok  ", False: "no  ", None: "--  "}[ok]
+    return f"{mark}{what:18s} {detail}"
+
+
+def _version(dist: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _free_port() -> int | None:
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    except OSError:
+        return None
+
+
+def _server_line() -> str:
+    try:
+        from specdeploy.triton import server
+    except ImportError:
+        return _line(None, "tritonserver", "server support not installed")
+    found = server.find_binary(fetch=False)
+    if found is None:
+        return _line(False, "tritonserver", "not found yet (specdeploy serve fetches it from the nvidia-pytriton wheel)")
+    return _line(True, "tritonserver", str(found))
+
+
+def _gpu_lines() -> list[str]:
+    try:
+        from specdeploy import trtllm
+    except ImportError:
+        return [_line(None, "GPU", "GPU backend support not installed")]
+    return trtllm.gpu_report_lines()
+
+
+def report_lines() -> list[str]:
+    torch_version = _version("torch")
+    lines = [
+        _line(sys.version_info >= (3, 10), "python", f"{platform.python_version()} ({sys.executable})"),
+        _line(torch_version is not None, "torch", torch_version or "not installed (make setup)"),
+        *_gpu_lines(),
+        _line(_version("nvidia-modelopt") is not None, "modelopt", _version("nvidia-modelopt") or "not installed"),
+        _line(importlib.util.find_spec("tritonclient") is not None, "tritonclient", _version("tritonclient") or "missing"),
+        _server_line(),
+    ]
+    port = _free_port()
+    lines.append(_line(port is not None, "free ports", f"loopback port {port} was free" if port else "cannot bind 127.0.0.1"))
+    home = artifacts.home()
+    usage = shutil.disk_usage(home if home.exists() else home.parent if home.parent.exists() else "/")
+    lines.append(_line(True, "cache dir", f"{home} ({usage.free / 2**30:.1f} GiB free)"))
+    return lines

@@ -1,0 +1,66 @@
+"""`specdeploy check`: the resolved plan of a recipe, stage by stage, with what is already built."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from specdeploy import models
+from specdeploy.artifacts import Layout, Manifest
+from specdeploy.config import ROLES, Recipe
+
+
+def _state(directory: Path) -> str:
+    manifest = Manifest.read(directory)
+    if manifest is None:
+        return "missing"
+    return f"present ({manifest.stage}, {manifest.created}, fingerprint {manifest.fingerprint})"
+
+
+def _model_source(name: str) -> tuple[str, Path | None]:
+    """Describe a recipe model without downloading anything; the path when it is available locally."""
+    if name in models.BUNDLED:
+        if models.is_fetched(name):
+            return f"bundled {name}, fetched at {models.cached_path(name)}", models.cached_path(name)
+        return f"bundled {name}, not fetched yet (specdeploy models fetch {name})", None
+    return f"local folder {name}", models.resolve(name)
+
+
+def describe(recipe: Recipe, layout: Layout, recipe_path: str) -> str:
+    """Check the model pairing that can be checked offline and render the plan as text."""
+    sources = {role: _model_source(recipe.model(role).model) for role in ROLES}
+    target_dir, draft_dir = sources["target"][1], sources["draft"][1]
+    if target_dir is not None and draft_dir is not None:
+        models.check_same_tokenizer(target_dir, draft_dir)
+        pairing = "draft and target share one tokenizer"
+    else:
+        pairing = "tokenizer pairing is checked once both models are fetched"
+    s, e = recipe.speculative, recipe.engine
+    lines = [
+        f"recipe {recipe.name} ({recipe_path}) is valid; backend {recipe.backend}",
+        f"  speculative: num_draft_tokens {s.num_draft_tokens} <= max_draft_len {s.max_draft_len}, "
+        f"use_draft_logits {s.use_draft_logits}; {pairing}",
+        f"  engine limits: dtype {e.dtype}, max_batch_size {e.max_batch_size}, max_input_len {e.max_input_len}, "
+        f"max_seq_len {e.max_seq_len}",
+        "",
+        "stages:",
+    ]
+    for role in ROLES:
+        m = recipe.model(role)
+        q = m.quantization
+        lines += [
+            f"  1. quantize {role}: {sources[role][0]}",
+            f"       qformat {q.qformat}, kv_cache_dtype {q.kv_cache_dtype or 'null'}, calib {q.calib_dataset} "
+            f"({q.calib_size} x {q.calib_max_seq_length} tokens), tp {m.tp_size} pp {m.pp_size}",
+            f"       -> {layout.checkpoint(role)}: {_state(layout.checkpoint(role))}",
+        ]
+    for role in ROLES:
+        lines.append(f"  2. build {role} ({recipe.backend}) -> {layout.engine(role)}: {_state(layout.engine(role))}")
+    lines += [
+        f"  3. repo -> {layout.repo}: {_state(layout.repo)}",
+        f"  4. serve: tritonserver on grpc {recipe.triton.grpc_port or 'free port'}, "
+        f"{recipe.triton.instance_count} instance(s), decoupled {recipe.triton.decoupled}",
+        f"  5. validate: prompts {recipe.validation.prompt_set}, max_tokens {recipe.validation.max_tokens}, "
+        f"concurrency {list(recipe.validation.concurrency)}, gate parity >= {recipe.validation.min_parity}, "
+        f"speedup >= {recipe.validation.min_speedup} -> {layout.report}",
+    ]
+    return "\n".join(lines)

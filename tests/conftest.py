@@ -1,0 +1,42 @@
+"""Shared fixtures: tiny random models built from transformers configs (fast, no downloads)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest
+import torch
+
+from specdeploy.testing import make_tiny_model, make_tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory):
+    """A byte-level BPE tokenizer (vocab 512) with <s>, </s>, <pad> special tokens."""
+    path = tmp_path_factory.mktemp("tokenizer")
+    make_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, tiny_tokenizer_dir):
+    """A random tiny LlamaForCausalLM (GQA, untied embeddings) saved as an HF folder with tokenizer."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    make_tiny_model(path, tiny_tokenizer_dir, seed=0)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_draft_dir(tmp_path_factory, tiny_tokenizer_dir):
+    """A second, smaller random model with the same tokenizer (a draft for tiny_llama_dir)."""
+    path = tmp_path_factory.mktemp("tiny-llama-draft")
+    make_tiny_model(path, tiny_tokenizer_dir, seed=1, num_hidden_layers=1)
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    torch.manual_seed(0)

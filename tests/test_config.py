@@ -1,0 +1,117 @@
+import copy
+
+import pytest
+import yaml
+
+from specdeploy import config as cfg
+from specdeploy.errors import ConfigError
+
+RECIPE = "build/smollm2-135m.yaml"
+
+
+def raw_default():
+    with open(RECIPE) as fh:
+        return yaml.safe_load(fh)
+
+
+def with_change(path: str, value):
+    raw = copy.deepcopy(raw_default())
+    node = raw
+    *parents, last = path.split(".")
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[last] = value
+    return raw
+
+
+def test_default_recipe_loads_into_frozen_dataclasses():
+    r = cfg.load_recipe(RECIPE)
+    assert r.name == "smollm2-135m"
+    assert r.backend == "cpu"
+    assert r.target.quantization.qformat == "fp8"
+    assert r.draft.quantization.qformat == "int8_wo"
+    assert r.speculative.num_draft_tokens <= r.speculative.max_draft_len
+    assert isinstance(r.validation.concurrency, tuple)
+    with pytest.raises(AttributeError):
+        r.name = "other"
+
+
+def test_every_shipped_recipe_validates():
+    import glob
+
+    paths = glob.glob("build/*.yaml")
+    assert RECIPE in paths
+    for path in paths:
+        cfg.load_recipe(path)
+
+
+@pytest.mark.parametrize(
+    "path, value, message",
+    [
+        ("colour", "red", "unknown key 'colour'"),
+        ("target.quantization.bogus", 1, "unknown key 'target.quantization.bogus'"),
+        ("target.quantization.qformat", "int3", "key 'target.quantization.qformat' has invalid value 'int3'"),
+        ("draft.quantization.kv_cache_dtype", "fp4", "key 'draft.quantization.kv_cache_dtype'"),
+        ("draft.quantization.awq_block_size", 32, "awq_block_size"),
+        ("backend", "tpu", "key 'backend' has invalid value 'tpu'"),
+        ("speculative.num_draft_tokens", 9, "num_draft_tokens' is 9, larger than speculative.max_draft_len"),
+        ("speculative.max_draft_len", "four", "must be int"),
+        ("speculative.use_draft_logits", "yes", "must be bool"),
+        ("engine.dtype", "int8", "key 'engine.dtype'"),
+        ("engine.max_seq_len", 512, "must be larger than engine.max_input_len"),
+        ("engine.max_batch_size", 0, "engine.max_batch_size' is 0, must be >= 1"),
+        ("triton.grpc_port", 70000, "triton.grpc_port"),
+        ("validation.concurrency", [], "validation.concurrency' is empty"),
+        ("validation.concurrency", [1, 0], "validation.concurrency[1]"),
+        ("validation.min_parity", 1.5, "validation.min_parity"),
+        ("target.tp_size", 2, "ranks on backend 'cpu'"),
+        ("name", "has space", "key 'name'"),
+        ("target", "just-a-string", "must be a mapping"),
+    ],
+)
+def test_invalid_recipes_name_the_key(path, value, message):
+    with pytest.raises(ConfigError) as err:
+        cfg.parse_recipe(with_change(path, value))
+    assert message in str(err.value)
+
+
+def test_num_draft_tokens_error_names_both_values_and_fix():
+    raw = with_change("speculative.num_draft_tokens", 9)
+    raw["speculative"]["max_draft_len"] = 4
+    with pytest.raises(ConfigError) as err:
+        cfg.parse_recipe(raw)
+    assert "9" in err.value.message and "4" in err.value.message
+    assert "num_draft_tokens <= 4" in err.value.hint
+
+
+def test_backend_that_cannot_run_qformat_is_rejected():
+    raw = with_change("backend", "trtllm-llmapi")
+    raw["draft"]["quantization"]["qformat"] = "int8_wo"
+    with pytest.raises(ConfigError) as err:
+        cfg.parse_recipe(raw)
+    assert "cannot run" in err.value.message and "fp8" in err.value.hint
+
+
+def test_missing_required_key():
+    raw = raw_default()
+    del raw["target"]
+    with pytest.raises(ConfigError, match="missing required key 'target'"):
+        cfg.parse_recipe(raw)
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        cfg.load_recipe(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        cfg.load_recipe(bad)
+
+
+def test_int_accepted_for_float_and_section_hash_is_stable():
+    a = cfg.parse_recipe(with_change("validation.min_speedup", 2))
+    assert a.validation.min_speedup == 2.0
+    b = cfg.parse_recipe(with_change("validation.min_speedup", 2.0))
+    assert a.section_hash("target", "engine") == b.section_hash("target", "engine")
+    c = cfg.parse_recipe(with_change("target.quantization.qformat", "int8_wo"))
+    assert a.section_hash("target") != c.section_hash("target")
