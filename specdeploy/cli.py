@@ -118,3 +118,261 @@ def models_fetch(name):
 
 # ---------------------------------------------------------------- stages
 # Each stage adds its command below, in pipeline order.
+
+
+# ---- quantize (specdeploy.quantize)
+
+
+@main.command()
+@RECIPE
+@click.option("--force", is_flag=True, help="Quantize again even when the checkpoints are up to date.")
+@click.option("--no-progress", is_flag=True, help="No progress bars.")
+@pass_ctx
+@handle_errors
+def quantize(ctx, recipe, force, no_progress):
+    """Quantize the draft and target into TensorRT-LLM checkpoints with ModelOpt and print their quality."""
+    from specdeploy import quantize as quant
+
+    r = ctx.recipe(recipe)
+    quant.quantize_recipe(r, ctx.layout(r), force=force, echo=click.echo, progress=not no_progress)
+
+
+# ---- build (specdeploy.build: one builder per backend)
+
+
+@main.command()
+@RECIPE
+@click.option("--force", is_flag=True, help="Build again even when the engines are up to date.")
+@click.option("--dry-run", is_flag=True, help="GPU backends: print the pre-flight checks and build commands; write nothing.")
+@pass_ctx
+@handle_errors
+def build(ctx, recipe, force, dry_run):
+    """Build the draft and target engines from the quantized checkpoints (target with max_draft_len)."""
+    from specdeploy import build as builder
+
+    r = ctx.recipe(recipe)
+    builder.build(r, ctx.layout(r), force=force, echo=click.echo, dry_run=dry_run)
+
+
+# ---- repo / serve / stop / status (specdeploy.triton)
+
+
+@main.command()
+@RECIPE
+@click.option("--force", is_flag=True, help="Regenerate even when the repository is up to date.")
+@pass_ctx
+@handle_errors
+def repo(ctx, recipe, force):
+    """Generate the Triton model repository (triton_repo/<recipe>/) wiring the draft and target engines."""
+    from specdeploy.triton import repository
+
+    r = ctx.recipe(recipe)
+    path, written = repository.generate_repository(r, ctx.layout(r), recipe_path=recipe, force=force)
+    click.echo(f"{'wrote' if written else 'up to date:'} {path}")
+
+
+@main.command()
+@RECIPE
+@click.option("--detach", is_flag=True, help="Leave the server running in the background (see `stop`, `status`).")
+@click.option(
+    "--server-binary",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="A tritonserver binary (default: $SPECDEPLOY_TRITONSERVER, else the one in the nvidia-pytriton wheel).",
+)
+@click.option("--print-only", is_flag=True, help="GPU backends: print the launch and its docker equivalent; start nothing.")
+@click.option("--print-k8s", is_flag=True, help="GPU backends: print Kubernetes manifests (Deployment, Service, HPA).")
+@click.option("--image", default=None, help="GPU backends: the NGC TensorRT-LLM Triton image for docker/Kubernetes.")
+@pass_ctx
+@handle_errors
+def serve(ctx, recipe, detach, server_binary, print_only, print_k8s, image):
+    """Serve the recipe's model repository on tritonserver (loopback; ports from the recipe or free ones)."""
+    from specdeploy.triton import repository, server
+
+    r = ctx.recipe(recipe)
+    layout = ctx.layout(r)
+    if r.backend != "cpu":  # GPU backends: specdeploy.launch (mpirun / orchestrator / llmapi, docker, k8s)
+        from specdeploy import launch
+
+        launch.serve_gpu(r, layout, print_k8s=print_k8s, print_only=print_only, image=image,
+                         tritonserver=server_binary, echo=click.echo)  # fmt: skip
+        return
+    repository.require_repository(r, layout, recipe_path=recipe)
+    server.serve(
+        layout.repo, layout.server_state, r.triton, binary=server_binary, detach=detach, echo=click.echo, recipe_path=recipe
+    )
+
+
+@main.command()
+@RECIPE
+@pass_ctx
+@handle_errors
+def stop(ctx, recipe):
+    """Stop the server that `serve --detach` started for RECIPE."""
+    from specdeploy.triton import server
+
+    r = ctx.recipe(recipe)
+    click.echo(server.stop(ctx.layout(r).server_state))
+
+
+@main.command()
+@RECIPE
+@pass_ctx
+@handle_errors
+def status(ctx, recipe):
+    """Say whether the detached server of RECIPE is running and ready, and where."""
+    from specdeploy.triton import server
+
+    r = ctx.recipe(recipe)
+    _, line = server.status(ctx.layout(r).server_state)
+    click.echo(line)
+
+
+@main.command()
+@RECIPE
+@click.option("--prompt", required=True, help="Text to continue (sent as is, like the Triton preprocessing model).")
+@click.option("--no-spec", is_flag=True, help="Run the target alone (the unaccelerated control).")
+@click.option("--num-draft-tokens", type=int, default=None, help="Draft tokens per round [recipe speculative.num_draft_tokens].")
+@click.option("--max-tokens", type=int, default=None, help="Tokens to generate [recipe validation.max_tokens].")
+@click.option("--temperature", type=float, default=None, help="Sampling temperature; ignored unless --top-k or --top-p is set (TensorRT-LLM semantics).")
+@click.option("--top-k", type=int, default=None, help="Top-k sampling (0: not set).")
+@click.option("--top-p", type=float, default=None, help="Top-p sampling (0: not set).")
+@click.option("--seed", type=int, default=None, help="Random seed for sampling.")
+@click.option("--use-draft-logits/--no-draft-logits", default=None, help="Accept by rejection sampling on draft logits [recipe speculative.use_draft_logits].")
+@click.option("--chat/--raw", default=True, help="Wrap the prompt in the tokenizer's chat template (default), or send it as is like the Triton preprocessing model.")
+@pass_ctx
+@handle_errors
+def generate(ctx, recipe, prompt, no_spec, num_draft_tokens, max_tokens, temperature, top_k, top_p, seed, use_draft_logits, chat):
+    """Generate from RECIPE's built CPU engines in-process: stream the text, then print statistics."""
+    from specdeploy import generate as gen
+    from specdeploy.errors import ConfigError
+    from specdeploy.speculative import SamplingParams
+
+    r = ctx.recipe(recipe)
+    if r.backend != "cpu":
+        raise ConfigError(f"'specdeploy generate' runs the cpu backend; recipe {r.name} uses {r.backend}", "use a cpu recipe, or serve and validate the GPU deployment")
+    k = r.speculative.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
+    if not no_spec and not 1 <= k <= r.speculative.max_draft_len:
+        raise ConfigError(f"--num-draft-tokens {k} is outside 1..{r.speculative.max_draft_len} (speculative.max_draft_len)", "pick a smaller k, or rebuild with a larger max_draft_len")
+    default = SamplingParams()
+    sampling = SamplingParams(
+        temperature=default.temperature if temperature is None else temperature,
+        top_k=default.top_k if top_k is None else top_k,
+        top_p=default.top_p if top_p is None else top_p,
+        seed=seed,
+    )
+    session = gen.Session.from_recipe(r, ctx.layout(r), speculative=not no_spec, recipe_path=recipe)
+    result = gen.generate(
+        session,
+        prompt,
+        max_tokens or r.validation.max_tokens,
+        0 if no_spec else k,
+        sampling,
+        r.speculative.use_draft_logits if use_draft_logits is None else use_draft_logits,
+        on_text=lambda piece: click.echo(piece, nl=False),
+        chat=chat,
+    )
+    click.echo("\n")
+    mode = "target only" if no_spec else f"speculative, k={k}"
+    click.secho(f"-- {mode}", bold=True, err=True)
+    for line in gen.stats_lines(result, speculative=not no_spec):
+        click.echo(line, err=True)
+
+
+# ---- validate / run (specdeploy.client)
+
+
+def _print_validation(report, paths, verdict) -> None:
+    from specdeploy.client.validate import summary_lines
+
+    for line in summary_lines(report):
+        click.echo(line, err=line.startswith(("warning", "error")))
+    click.echo(f"report: {paths['markdown']}")
+    click.secho(verdict.line, fg="green" if verdict.passed else "red", bold=True)
+
+
+@main.command()
+@RECIPE
+@click.option("--url", default=None, help="gRPC host:port of the deployment [the server `serve --detach` started for RECIPE].")
+@click.option("--baseline-url", default=None, help="A second deployment (e.g. the unquantized target) to compare outputs with; informative.")
+@click.option("--report-dir", type=click.Path(file_okay=False), default=None, help="Where to write the report [engines/<recipe>/report/].")
+@click.option("--min-parity", type=float, default=None, help="Least share of prompts with greedy parity [recipe validation.min_parity].")
+@click.option("--min-speedup", type=float, default=None, help="Least speedup at the lowest concurrency; 0 disables [recipe validation.min_speedup].")
+@click.option("--sweep-draft-tokens", default=None, metavar="1..K", help="Also measure each draft length (e.g. 1..6), fit the speedup model, recommend k.")
+@click.option("--max-prompts", type=int, default=None, help="Use at most N prompts, spread over the categories [recipe validation.max_prompts].")
+@click.option("--prompt-set", default=None, help="'builtin' or a .jsonl file (prompt, category, max_tokens) [recipe validation.prompt_set].")
+@click.option("--top-k", type=int, default=None, help="Also compare sampled outputs statistically with this top-k.")
+@click.option("--top-p", type=float, default=None, help="Also compare sampled outputs statistically with this top-p.")
+@click.option("--temperature", type=float, default=1.0, show_default=True, help="Temperature of the sampling comparison.")
+@click.option("--samples", type=int, default=200, show_default=True, help="Seeded samples per side and prompt in the sampling comparison.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@pass_ctx
+@handle_errors
+def validate(ctx, recipe, url, baseline_url, report_dir, min_parity, min_speedup, sweep_draft_tokens, max_prompts, prompt_set, top_k, top_p, temperature, samples, no_progress):
+    """Check greedy parity and measure the speedup of the deployment against its unaccelerated control.
+
+    Exit code 0 when every threshold holds; 1 incomplete run (server fault), 3 parity, 4 speedup.
+    """
+    from specdeploy.client import validate as val
+    from specdeploy.client.protocol import Sampling
+
+    r = ctx.recipe(recipe)
+    sampling = Sampling(temperature, top_k or 0, top_p or 0.0, seed=0) if (top_k or top_p) else None
+    report, paths, verdict = val.validate_recipe(
+        r,
+        ctx.layout(r),
+        url=url,
+        baseline_url=baseline_url,
+        report_dir=report_dir,
+        progress=not no_progress,
+        min_parity=min_parity,
+        min_speedup=min_speedup,
+        max_prompts=max_prompts,
+        prompt_set=prompt_set,
+        sweep_draft_tokens=val.parse_range(sweep_draft_tokens) if sweep_draft_tokens else None,
+        sampling=sampling,
+        samples_per_prompt=samples,
+    )
+    _print_validation(report, paths, verdict)
+    sys.exit(verdict.exit_code)
+
+
+@main.command("run")
+@RECIPE
+@click.option("--report-dir", type=click.Path(file_okay=False), default=None, help="Where to write the report [engines/<recipe>/report/].")
+@click.option("--min-parity", type=float, default=None, help="Least share of prompts with greedy parity [recipe validation.min_parity].")
+@click.option("--min-speedup", type=float, default=None, help="Least speedup at the lowest concurrency; 0 disables [recipe validation.min_speedup].")
+@click.option("--sweep-draft-tokens", default=None, metavar="1..K", help="Also measure each draft length and recommend k.")
+@click.option("--max-prompts", type=int, default=None, help="Use at most N prompts [recipe validation.max_prompts].")
+@click.option(
+    "--server-binary",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="A tritonserver binary (default: $SPECDEPLOY_TRITONSERVER, else the one in the nvidia-pytriton wheel).",
+)
+@click.option("--no-progress", is_flag=True, help="No progress bars.")
+@pass_ctx
+@handle_errors
+def run_all(ctx, recipe, report_dir, min_parity, min_speedup, sweep_draft_tokens, max_prompts, server_binary, no_progress):
+    """Every stage in one go: quantize -> build -> repo -> serve -> validate -> stop; ends with the verdict.
+
+    Exit code as `validate`: 0 when every threshold holds; 1 incomplete, 3 parity, 4 speedup.
+    """
+    from specdeploy.client import validate as val
+
+    r = ctx.recipe(recipe)
+    report, paths, verdict = val.run_pipeline(
+        r,
+        ctx.layout(r),
+        recipe,
+        echo=click.echo,
+        progress=not no_progress,
+        server_binary=server_binary,
+        report_dir=report_dir,
+        min_parity=min_parity,
+        min_speedup=min_speedup,
+        max_prompts=max_prompts,
+        sweep_draft_tokens=val.parse_range(sweep_draft_tokens) if sweep_draft_tokens else None,
+    )
+    _print_validation(report, paths, verdict)
+    sys.exit(verdict.exit_code)

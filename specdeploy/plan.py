@@ -22,6 +22,8 @@ def _model_source(name: str) -> tuple[str, Path | None]:
         if models.is_fetched(name):
             return f"bundled {name}, fetched at {models.cached_path(name)}", models.cached_path(name)
         return f"bundled {name}, not fetched yet (specdeploy models fetch {name})", None
+    if not Path(name).expanduser().exists():
+        return f"local folder {name} (not on this machine; needed when a stage runs)", None
     return f"local folder {name}", models.resolve(name)
 
 
@@ -33,7 +35,7 @@ def describe(recipe: Recipe, layout: Layout, recipe_path: str) -> str:
         models.check_same_tokenizer(target_dir, draft_dir)
         pairing = "draft and target share one tokenizer"
     else:
-        pairing = "tokenizer pairing is checked once both models are fetched"
+        pairing = "tokenizer pairing is checked once both models are present"
     s, e = recipe.speculative, recipe.engine
     lines = [
         f"recipe {recipe.name} ({recipe_path}) is valid; backend {recipe.backend}",

@@ -1,0 +1,107 @@
+"""The CI gate: thresholds over a validation report, an exit code, and a one-line verdict.
+
+Exit codes: 0 every check holds; 1 the run is incomplete (a fault stopped it); 3 parity below
+`min_parity` (or the sampling comparison rejects equal distributions); 4 speedup below
+`min_speedup` at the lowest concurrency level. With several failures, the first in that order wins.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specdeploy.client.parity import SAMPLING_ALPHA
+
+EXIT_OK, EXIT_INCOMPLETE, EXIT_PARITY, EXIT_SPEED = 0, 1, 3, 4
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    exit_code: int
+
+
+@dataclass
+class Verdict:
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+    @property
+    def exit_code(self) -> int:
+        failed = [c.exit_code for c in self.checks if not c.ok]
+        return min(failed) if failed else EXIT_OK
+
+    @property
+    def line(self) -> str:
+        word = "PASS" if self.passed else "FAIL"
+        return f"{word}: " + "; ".join(c.detail for c in self.checks)
+
+    def to_dict(self) -> dict:
+        return {
+            "passed": self.passed,
+            "exit_code": self.exit_code,
+            "line": self.line,
+            "checks": [c.__dict__ for c in self.checks],
+        }
+
+
+def evaluate(report: dict, min_parity: float, min_speedup: float) -> Verdict:
+    """Check completeness, greedy parity, the sampling test (if run) and the speedup at the lowest concurrency."""
+    verdict = Verdict()
+    if not report.get("complete", False):
+        errors = "; ".join(report.get("errors", [])) or "unknown error"
+        verdict.checks.append(Check("complete", False, f"incomplete run ({errors})", EXIT_INCOMPLETE))
+
+    parity = report.get("parity") or {}
+    summary = (parity.get("summary") or {}).get("all")
+    if summary and summary["prompts"]:
+        rate = summary["parity_rate"]
+        planned = len(report.get("prompts") or []) or summary["prompts"]
+        ok = rate >= min_parity
+        verdict.checks.append(
+            Check(
+                "parity",
+                ok,
+                f"parity {rate:.1%} {'>=' if ok else '<'} {min_parity:.1%} ({summary['exact']}/{summary['prompts']} exact, "
+                f"{summary['near_ties']} near-ties, {summary['mismatches']} mismatches"
+                + (f"; only {summary['prompts']} of {planned} prompts checked)" if summary["prompts"] < planned else ")"),
+                EXIT_PARITY,
+            )
+        )
+    else:
+        verdict.checks.append(Check("parity", False, "parity not measured", EXIT_INCOMPLETE))
+
+    sampling = report.get("sampling")
+    if sampling and sampling.get("combined_p_value") is not None:
+        p = sampling["combined_p_value"]
+        ok = p >= SAMPLING_ALPHA
+        verdict.checks.append(
+            Check("sampling", ok, f"sampling p={p:.3g} {'>=' if ok else '<'} {SAMPLING_ALPHA}", EXIT_PARITY)
+        )
+
+    if min_speedup > 0:
+        verdict.checks.append(_speed_check(report, min_speedup))
+    return verdict
+
+
+def _speed_check(report: dict, min_speedup: float) -> Check:
+    rows = [r for r in ((report.get("latency") or {}).get("speedups") or []) if r["category"] == "all" and r["median"] is not None]
+    if not rows:
+        return Check("speedup", False, "speedup not measured", EXIT_INCOMPLETE)
+    row = min(rows, key=lambda r: r["concurrency"])
+    levels = {r["concurrency"]: r for r in (report["latency"].get("levels") or []) if r["mode"] == "speculative"}
+    rate = (levels.get(row["concurrency"]) or {}).get("acceptance_rate")
+    k = (report.get("settings") or {}).get("num_draft_tokens")
+    extra = f", k={k}" + (f", acceptance {rate:.2f}" if rate is not None else "")
+    ok = row["median"] >= min_speedup
+    return Check(
+        "speedup",
+        ok,
+        f"speedup {row['median']:.2f}x {'>=' if ok else '<'} {min_speedup:.2f}x at concurrency {row['concurrency']}"
+        f" (repeats {row['min']:.2f}..{row['max']:.2f}{extra})",
+        EXIT_SPEED,
+    )

@@ -1,0 +1,103 @@
+"""What crosses the seam between the validation core and a transport (Triton gRPC or a scripted fake).
+
+The core (parity, latency, report, gate) sees only these dataclasses and the `Endpoint` protocol;
+`triton_adapter.TritonEndpoint` maps them to Triton tensor names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import numpy as np
+
+# Model names of the inflight_batcher_llm layout (../shared/DESIGN.md).
+CONTROL_MODEL = "ensemble"  # preprocessing -> tensorrt_llm -> postprocessing: no speculation
+SPECULATIVE_MODEL = "tensorrt_llm_bls"  # draft + target rounds
+TARGET_MODEL = "tensorrt_llm"
+PREPROCESSING_MODEL = "preprocessing"
+REQUIRED_MODELS = (CONTROL_MODEL, SPECULATIVE_MODEL)
+TRIAGE_MODELS = (PREPROCESSING_MODEL, TARGET_MODEL)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling knobs as TensorRT-LLM reads them: greedy unless top_k or top_p is set (> 0)."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 0.0
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    prompt: str
+    max_tokens: int
+    num_draft_tokens: int | None = None  # only for the speculative model
+    sampling: Sampling | None = None  # None: greedy
+    stream: bool = False  # decoupled deployments: stream for a client-side TTFT
+    return_perf_metrics: bool = True
+
+
+@dataclass(frozen=True)
+class PerfMetrics:
+    """The server's perf outputs (each None when the model did not return it)."""
+
+    total_draft_tokens: int | None = None
+    total_accepted_draft_tokens: int | None = None
+    acceptance_rate: float | None = None
+    arrival_time_ns: int | None = None
+    first_token_time_ns: int | None = None
+    last_token_time_ns: int | None = None
+
+    @property
+    def server_ttft_s(self) -> float | None:
+        if self.arrival_time_ns and self.first_token_time_ns and self.first_token_time_ns >= self.arrival_time_ns:
+            return (self.first_token_time_ns - self.arrival_time_ns) / 1e9
+        return None
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    text: str
+    latency_s: float  # client-side, request sent -> last response received
+    ttft_s: float | None = None  # client-side first response when streamed, else the server's
+    ttft_source: str | None = None  # "stream" | "server" | None
+    responses: int = 1
+    perf: PerfMetrics = field(default_factory=PerfMetrics)
+    token_ids: list[int] | None = None  # generated ids, when the model returns `output_ids`
+
+
+@dataclass(frozen=True)
+class TargetTrace:
+    """The control's exact greedy tokens and the target's logits at every generated position."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    logits: np.ndarray | None  # [output_len, vocab] fp32; None when the server returned none
+
+
+class Endpoint(Protocol):
+    url: str
+
+    def check_ready(self, models: Sequence[str]) -> None:
+        """Raise ClientError (quickly) when the server is unreachable or a model is missing/not ready."""
+
+    def is_decoupled(self, model: str) -> bool: ...
+
+    def generate(self, model: str, request: GenerateRequest, timeout_s: float) -> GenerateResult:
+        """One request with a deadline; ClientError on any failure (timeout, server gone, model error)."""
+
+    def trace(self, prompt: str, max_tokens: int, timeout_s: float) -> TargetTrace:
+        """Greedy tokens and generation logits of the target alone (preprocessing + tensorrt_llm)."""
+
+    def close(self) -> None: ...
+
+
+class TokenCodec(Protocol):
+    """The target's tokenizer, used to count tokens and to locate divergences in text outputs."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...

@@ -1,0 +1,307 @@
+"""The one module that speaks Triton: `Endpoint` over tritonclient gRPC.
+
+Maps `GenerateRequest` to the inflight_batcher_llm tensor names (`text_input`, `max_tokens`,
+`num_draft_tokens`, `stream`, `return_perf_metrics`, ...), and every failure to a ClientError
+that says what to do. Every call carries a deadline (`client_timeout` / `stream_timeout`), so a
+dead or stuck server ends a run instead of hanging it. Decoupled models are called through the
+gRPC stream API (required by Triton for them), which also gives a client-side TTFT.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Sequence
+
+import numpy as np
+
+from specdeploy.client.protocol import (
+    PREPROCESSING_MODEL,
+    TARGET_MODEL,
+    GenerateRequest,
+    GenerateResult,
+    PerfMetrics,
+    TargetTrace,
+)
+from specdeploy.errors import ClientError
+
+CONNECT_TIMEOUT_S = 5.0
+PERF_OUTPUTS = (
+    "total_draft_tokens",
+    "total_accepted_draft_tokens",
+    "acceptance_rate",
+    "arrival_time_ns",
+    "first_token_time_ns",
+    "last_token_time_ns",
+)
+
+
+def _tc():
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    return grpcclient, InferenceServerException
+
+
+class TritonEndpoint:
+    """A Triton server at `url` (host:port of its gRPC endpoint)."""
+
+    def __init__(self, url: str):
+        if "://" in url:
+            url = url.split("://", 1)[1]
+        self.url = url
+        self._local = threading.local()
+        self._decoupled: dict[str, bool] = {}
+        self._configs: dict[str, dict] = {}
+
+    # ------------------------------------------------------------ plumbing
+
+    def _client(self):
+        client = getattr(self._local, "client", None)
+        if client is None:
+            grpcclient, _ = _tc()
+            try:
+                client = grpcclient.InferenceServerClient(self.url)
+            except Exception as exc:  # a malformed address
+                raise ClientError(f"cannot create a gRPC client for {self.url}: {exc}", "pass --url host:port") from exc
+            self._local.client = client
+        return client
+
+    def _error(self, exc, what: str, timeout_s: float) -> ClientError:
+        status = str(getattr(exc, "status", lambda: "")() or "")
+        message = getattr(exc, "message", lambda: str(exc))() or str(exc)
+        if "DEADLINE_EXCEEDED" in status or "Deadline Exceeded" in message:
+            return ClientError(
+                f"{what} timed out after {timeout_s:.0f} s (server {self.url})",
+                "the server may be overloaded or stuck; raise validation.request_timeout_s or check the server log",
+            )
+        if "UNAVAILABLE" in status or "failed to connect" in message.lower() or "connection refused" in message.lower():
+            return ClientError(
+                f"the server at {self.url} is unreachable or went away during {what}: {message.strip()[:300]}",
+                "start it (specdeploy serve RECIPE --detach) or check --url and the server log",
+            )
+        return ClientError(f"{what} failed on {self.url}: {message.strip()[:500]}", "see the server log for details")
+
+    def _call(self, what: str, timeout_s: float, fn, *args, **kwargs):
+        _, InferenceServerException = _tc()
+        try:
+            return fn(*args, **kwargs)
+        except InferenceServerException as exc:
+            raise self._error(exc, what, timeout_s) from None
+
+    # ------------------------------------------------------------ readiness
+
+    def check_ready(self, models: Sequence[str]) -> None:
+        client = self._client()
+        live = self._call("the liveness check", CONNECT_TIMEOUT_S, client.is_server_live, client_timeout=CONNECT_TIMEOUT_S)
+        if not live:
+            raise ClientError(f"the server at {self.url} is not live", "check the server log")
+        for model in models:
+            ready = self._call(f"the readiness check of {model}", CONNECT_TIMEOUT_S, client.is_model_ready, model, client_timeout=CONNECT_TIMEOUT_S)
+            if ready:
+                continue
+            index = self._call("the model index", CONNECT_TIMEOUT_S, client.get_model_repository_index, as_json=True, client_timeout=CONNECT_TIMEOUT_S)
+            entries = {m.get("name"): m for m in index.get("models", [])}
+            if model not in entries:
+                raise ClientError(
+                    f"model '{model}' is missing on {self.url} (it serves: {', '.join(sorted(entries)) or 'nothing'})",
+                    "regenerate the repository (specdeploy repo RECIPE) and restart the server",
+                )
+            entry = entries[model]
+            raise ClientError(
+                f"model '{model}' on {self.url} is not ready (state {entry.get('state', '?')}: {entry.get('reason', '')})",
+                "see the server log for why it failed to load",
+            )
+
+    def _config(self, model: str) -> dict:
+        if model not in self._configs:
+            self._configs[model] = self._call(
+                f"reading the config of {model}", CONNECT_TIMEOUT_S, self._client().get_model_config, model, as_json=True, client_timeout=CONNECT_TIMEOUT_S
+            ).get("config", {})
+        return self._configs[model]
+
+    def _has_output(self, model: str, name: str) -> bool:
+        return any(o.get("name") == name for o in self._config(model).get("output", []))
+
+    def _declared(self, model: str, inputs: dict, required: Sequence[str]) -> dict:
+        """Leave out optional inputs the model does not declare (older deployments lack some)."""
+        declared = {i.get("name") for i in self._config(model).get("input", [])}
+        if not declared:  # a config without an input list (auto-complete): send everything
+            return inputs
+        missing = [name for name in required if name not in declared]
+        if missing:
+            raise ClientError(
+                f"model '{model}' on {self.url} has no input {missing[0]!r}; it is not an inflight_batcher_llm deployment",
+                "point --url at a deployment generated by specdeploy repo or NVIDIA's tensorrtllm_backend",
+            )
+        if "seed" in inputs and "seed" not in declared and "random_seed" in declared:  # older NVIDIA name
+            inputs = {**inputs, "random_seed": inputs["seed"]}
+        return {name: value for name, value in inputs.items() if name in declared}
+
+    def is_decoupled(self, model: str) -> bool:
+        if model not in self._decoupled:
+            config = self._config(model)
+            decoupled = bool(config.get("model_transaction_policy", {}).get("decoupled", False))
+            steps = config.get("ensemble_scheduling", {}).get("step", [])
+            decoupled = decoupled or any(self.is_decoupled(s["model_name"]) for s in steps)
+            self._decoupled[model] = decoupled
+        return self._decoupled[model]
+
+    # ------------------------------------------------------------ requests
+
+    def generate(self, model: str, request: GenerateRequest, timeout_s: float) -> GenerateResult:
+        inputs = {
+            "text_input": np.array([[request.prompt.encode("utf-8")]], dtype=object),
+            "max_tokens": np.array([[request.max_tokens]], dtype=np.int32),
+            "exclude_input_in_output": np.array([[True]]),
+            "return_perf_metrics": np.array([[request.return_perf_metrics]]),
+        }
+        if request.stream:
+            inputs["stream"] = np.array([[True]])
+        if request.num_draft_tokens is not None:
+            inputs["num_draft_tokens"] = np.array([[request.num_draft_tokens]], dtype=np.int32)
+        if request.sampling is not None:
+            s = request.sampling
+            inputs["temperature"] = np.array([[s.temperature]], dtype=np.float32)
+            inputs["top_k"] = np.array([[s.top_k]], dtype=np.int32)
+            inputs["top_p"] = np.array([[s.top_p]], dtype=np.float32)
+            if s.seed is not None:
+                inputs["seed"] = np.array([[s.seed]], dtype=np.uint64)
+        inputs = self._declared(model, inputs, required=("text_input", "max_tokens"))
+        outputs = ["text_output", *(o for o in (PERF_OUTPUTS if request.return_perf_metrics else ()) if self._has_output(model, o))]
+        with_ids = self._has_output(model, "output_ids")  # exact tokens, where the deployment offers them
+        if with_ids:
+            outputs.append("output_ids")
+        what = f"a request to {model}"
+        start = time.perf_counter()
+        if self.is_decoupled(model):
+            responses, first_s = self._stream(model, inputs, outputs, timeout_s, what)
+        else:
+            responses, first_s = [self._infer(model, inputs, outputs, timeout_s, what)], None
+        latency = time.perf_counter() - start
+        text = "".join(_text(r) for r in responses)
+        perf = _perf(responses[-1]) if request.return_perf_metrics and responses else PerfMetrics()
+        if request.stream and first_s is not None:
+            ttft, source = first_s - start, "stream"
+        else:
+            ttft, source = perf.server_ttft_s, ("server" if perf.server_ttft_s is not None else None)
+        ids = [int(t) for r in responses for t in _ids(r)] if with_ids else None
+        return GenerateResult(text, latency, ttft, source, len(responses), perf, ids)
+
+    def trace(self, prompt: str, max_tokens: int, timeout_s: float) -> TargetTrace:
+        pre = self._run(
+            PREPROCESSING_MODEL,
+            {"QUERY": np.array([[prompt.encode("utf-8")]], dtype=object), "REQUEST_OUTPUT_LEN": np.array([[max_tokens]], dtype=np.int32)},
+            ["INPUT_ID", "REQUEST_INPUT_LEN", "OUT_END_ID", "OUT_PAD_ID"],
+            timeout_s,
+        )[-1]
+        input_ids = pre.as_numpy("INPUT_ID").astype(np.int32).reshape(1, -1)
+        llm_inputs = {
+            "input_ids": input_ids,
+            "input_lengths": pre.as_numpy("REQUEST_INPUT_LEN").astype(np.int32).reshape(1, 1),
+            "request_output_len": np.array([[max_tokens]], dtype=np.int32),
+            "exclude_input_in_output": np.array([[True]]),
+            "return_generation_logits": np.array([[True]]),
+        }
+        for src, dst in (("OUT_END_ID", "end_id"), ("OUT_PAD_ID", "pad_id")):
+            value = pre.as_numpy(src)
+            if value is not None:
+                llm_inputs[dst] = value.astype(np.int32).reshape(1, 1)
+        out = self._run(TARGET_MODEL, llm_inputs, ["output_ids", "sequence_length", "generation_logits"], timeout_s)[-1]
+        ids = out.as_numpy("output_ids").reshape(-1)
+        n = int(out.as_numpy("sequence_length").reshape(-1)[0])
+        logits = out.as_numpy("generation_logits")
+        if logits is not None and logits.size:
+            logits = logits.reshape(-1, logits.shape[-1]).astype(np.float32)  # [generated, vocab]
+        else:
+            logits = None
+        return TargetTrace(input_ids.reshape(-1).tolist(), [int(t) for t in ids[:n]], logits)
+
+    def close(self) -> None:
+        client = getattr(self._local, "client", None)
+        if client is not None:
+            try:
+                client.close()
+            except Exception:  # closing is best effort
+                pass
+            self._local.client = None
+
+    # ------------------------------------------------------------ transport
+
+    def _run(self, model, inputs, outputs, timeout_s):
+        what = f"a request to {model}"
+        if self.is_decoupled(model):
+            return self._stream(model, inputs, outputs, timeout_s, what)[0]
+        return [self._infer(model, inputs, outputs, timeout_s, what)]
+
+    def _tensors(self, inputs: dict, outputs: Sequence[str]):
+        grpcclient, _ = _tc()
+        from tritonclient.utils import np_to_triton_dtype
+
+        tensors = []
+        for name, array in inputs.items():
+            t = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+            t.set_data_from_numpy(array)
+            tensors.append(t)
+        return tensors, [grpcclient.InferRequestedOutput(n) for n in outputs]
+
+    def _infer(self, model, inputs, outputs, timeout_s, what):
+        tensors, requested = self._tensors(inputs, outputs)
+        return self._call(what, timeout_s, self._client().infer, model, tensors, outputs=requested, client_timeout=timeout_s)
+
+    def _stream(self, model, inputs, outputs, timeout_s, what):
+        """All responses of one request on the gRPC stream, and the time of the first non-empty one."""
+        tensors, requested = self._tensors(inputs, outputs)
+        client = self._client()
+        results: queue.Queue = queue.Queue()
+        client.start_stream(callback=lambda result, error: results.put((result, error, time.perf_counter())), stream_timeout=timeout_s)
+        responses, first_s = [], None
+        deadline = time.monotonic() + timeout_s
+        try:
+            self._call(what, timeout_s, client.async_stream_infer, model, tensors, outputs=requested, enable_empty_final_response=True)
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise ClientError(f"{what} timed out after {timeout_s:.0f} s (server {self.url})", "raise validation.request_timeout_s or check the server log")
+                try:
+                    result, error, at = results.get(timeout=remaining)
+                except queue.Empty:
+                    continue
+                if error is not None:
+                    raise self._error(error, what, timeout_s)
+                response = result.get_response()
+                final = response.parameters.get("triton_final_response")
+                if response.outputs:
+                    responses.append(result)
+                    if first_s is None and _text(result):
+                        first_s = at
+                if final is not None and final.bool_param:
+                    return responses, first_s
+        finally:
+            try:
+                client.stop_stream(cancel_requests=True)
+            except Exception:  # the stream may already be broken; nothing left to clean up
+                pass
+
+
+def _text(result) -> str:
+    array = result.as_numpy("text_output")
+    if array is None:
+        return ""
+    return "".join(v.decode("utf-8", errors="replace") if isinstance(v, bytes) else str(v) for v in array.reshape(-1))
+
+
+def _ids(result) -> list[int]:
+    array = result.as_numpy("output_ids")
+    return [] if array is None else array.reshape(-1).tolist()
+
+
+def _perf(result) -> PerfMetrics:
+    values = {}
+    for name in PERF_OUTPUTS:
+        array = result.as_numpy(name)
+        if array is not None and array.size:
+            value = array.reshape(-1)[0].item()
+            values[name] = float(value) if name == "acceptance_rate" else int(value)
+    return PerfMetrics(**values)

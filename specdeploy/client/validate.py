@@ -1,0 +1,532 @@
+"""One validation run: readiness -> greedy parity -> (sampling) -> warm-up -> latency -> (draft-length sweep).
+
+Transport-free: it drives an `Endpoint` (Triton gRPC in production, a scripted fake in tests) and
+returns the report as a plain dict. A fault (server unreachable, model not ready, timeout, server
+gone) never escapes as an exception: it ends the run, and the report keeps what finished, marked
+incomplete, with the error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from specdeploy.client import latency as lat
+from specdeploy.client import parity as par
+from specdeploy.client.prompts import Prompt, load_prompt_set
+from specdeploy.client.protocol import (
+    CONTROL_MODEL,
+    REQUIRED_MODELS,
+    TRIAGE_MODELS,
+    Endpoint,
+    GenerateRequest,
+    Sampling,
+    TokenCodec,
+)
+from specdeploy.errors import ClientError, ConfigError
+
+REPORT_SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Options:
+    """Everything a run needs; `from_recipe` takes the recipe's `validation`/`speculative` sections."""
+
+    prompt_set: str = "builtin"
+    max_prompts: int = 0
+    max_tokens: int = 64
+    concurrency: tuple[int, ...] = (1, 2, 4)
+    repeats: int = 3
+    min_parity: float = 1.0
+    min_speedup: float = 1.0
+    near_tie_margin: float = 0.05
+    request_timeout_s: float = 120.0
+    num_draft_tokens: int = 4
+    max_draft_len: int = 4
+    stream: bool = False  # decoupled deployments: stream for a client-side TTFT
+    sweep_draft_tokens: tuple[int, ...] = ()
+    sampling: Sampling | None = None  # set: also run the statistical sampling comparison
+    samples_per_prompt: int = 200
+    sample_prompts: int = 4
+    sample_max_tokens: int = 2
+    warmup_requests: int = 2
+
+    @classmethod
+    def from_recipe(cls, recipe, **overrides) -> "Options":
+        v, s = recipe.validation, recipe.speculative
+        base = dict(
+            prompt_set=v.prompt_set,
+            max_prompts=v.max_prompts,
+            max_tokens=v.max_tokens,
+            concurrency=tuple(v.concurrency),
+            repeats=v.repeats,
+            min_parity=v.min_parity,
+            min_speedup=v.min_speedup,
+            near_tie_margin=v.near_tie_margin,
+            request_timeout_s=v.request_timeout_s,
+            num_draft_tokens=s.num_draft_tokens,
+            max_draft_len=s.max_draft_len,
+            stream=recipe.triton.decoupled,
+        )
+        base.update({k: v for k, v in overrides.items() if v is not None})
+        options = cls(**base)
+        for k in options.sweep_draft_tokens:
+            if not 1 <= k <= options.max_draft_len:
+                raise ConfigError(
+                    f"--sweep-draft-tokens asks for k={k}, outside 1..{options.max_draft_len} (speculative.max_draft_len)",
+                    f"sweep within 1..{options.max_draft_len}; the target engine is built for at most that many draft tokens",
+                )
+        return options
+
+
+def parse_range(text: str) -> tuple[int, ...]:
+    """'1..6' -> (1, ..., 6); '1,2,4' -> (1, 2, 4)."""
+    try:
+        if ".." in text:
+            low, high = (int(x) for x in text.split("..", 1))
+            values = tuple(range(low, high + 1))
+        else:
+            values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError as exc:
+        raise ConfigError(f"--sweep-draft-tokens {text!r} is not a range", "write e.g. 1..6 or 1,2,4") from exc
+    if not values:
+        raise ConfigError(f"--sweep-draft-tokens {text!r} is empty", "write e.g. 1..6")
+    return values
+
+
+class HFCodec:
+    """The target's Hugging Face tokenizer (encode without special tokens, decode skipping them)."""
+
+    def __init__(self, tokenizer_dir: str | Path):
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+class _Progress:
+    """A tqdm bar on stderr (progress=True), a callback per finished request (a callable), or nothing."""
+
+    def __init__(self, total: int, enabled):
+        self.bar = None
+        self.callback = enabled if callable(enabled) else None
+        if enabled is True:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc="validate", unit="req", dynamic_ncols=True, leave=False)
+
+    def phase(self, name: str) -> None:
+        if self.bar is not None:
+            self.bar.set_description(name)
+
+    def __call__(self, n: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+        if self.callback is not None:
+            self.callback(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def validate(
+    endpoint: Endpoint,
+    codec: TokenCodec,
+    options: Options,
+    recipe_name: str = "",
+    baseline: Endpoint | None = None,
+    quality: dict | None = None,
+    progress=True,
+) -> dict:
+    """Run every phase against `endpoint` and return the report dict (never raises on a server fault)."""
+    prompts = load_prompt_set(options.prompt_set, options.max_tokens, options.max_prompts)
+    report = _new_report(recipe_name, endpoint, baseline, options, prompts, quality)
+    bar = _Progress(_total_steps(options, prompts, baseline is not None), progress)
+    started = time.perf_counter()
+    try:
+        _run_phases(report, endpoint, codec, options, prompts, baseline, bar)
+    except ClientError as exc:
+        _fail(report, exc.message)
+    except KeyboardInterrupt:
+        _fail(report, "interrupted (Ctrl-C)")
+    finally:
+        bar.close()
+        report["duration_s"] = time.perf_counter() - started
+    return report
+
+
+def _run_phases(report, endpoint, codec, options, prompts, baseline, bar) -> None:
+    bar.phase("connect")
+    endpoint.check_ready(REQUIRED_MODELS)
+    if baseline is not None:
+        baseline.check_ready((CONTROL_MODEL,))
+    decoupled = options.stream or endpoint.is_decoupled(CONTROL_MODEL)
+    report["settings"]["stream"] = decoupled
+
+    bar.phase("parity")
+    try:
+        endpoint.check_ready(TRIAGE_MODELS)
+        triage = True
+    except ClientError as exc:
+        triage = False
+        report["warnings"].append(f"divergences cannot be triaged: {exc.message}")
+    _parity(report, endpoint, codec, options, prompts, triage, bar)
+    if baseline is not None:
+        _baseline_parity(report, endpoint, baseline, codec, options, prompts, bar)
+    if options.sampling is not None:
+        bar.phase("sampling")
+        _sampling(report, endpoint, options, prompts, bar)
+
+    bar.phase("warm-up")
+    lat.warm_up(endpoint, prompts, options.num_draft_tokens, options.request_timeout_s, options.warmup_requests)
+    bar.phase("latency")
+    _latency(report, endpoint, codec, options, prompts, decoupled, bar)
+    if options.sweep_draft_tokens:
+        bar.phase("sweep")
+        _sweep(report, endpoint, codec, options, prompts, decoupled, bar)
+    _speed_warnings(report, options)
+
+
+def _new_report(recipe_name, endpoint, baseline, options, prompts, quality) -> dict:
+    settings = dataclasses.asdict(options)
+    return {
+        "schema_version": REPORT_SCHEMA_VERSION,
+        "recipe": recipe_name,
+        "url": endpoint.url,
+        "baseline_url": baseline.url if baseline is not None else None,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "complete": True,
+        "errors": [],
+        "warnings": [],
+        "settings": settings,
+        "prompts": [dataclasses.asdict(p) for p in prompts],
+        "parity": None,
+        "baseline_parity": None,
+        "sampling": None,
+        "latency": None,
+        "sweep": None,
+        "quality": quality or {},
+    }
+
+
+def _fail(report: dict, message: str) -> None:
+    report["complete"] = False
+    report["errors"].append(message)
+
+
+def _total_steps(options: Options, prompts: list[Prompt], with_baseline: bool) -> int:
+    n = len(prompts)
+    steps = n * (2 if with_baseline else 1)
+    if options.sampling is not None:
+        steps += options.sample_prompts * options.samples_per_prompt
+    steps += 2 * n * len(options.concurrency) * options.repeats
+    steps += n * (1 + len(options.sweep_draft_tokens)) * options.repeats
+    return steps
+
+
+def _parity(report, endpoint, codec, options, prompts, triage: bool, bar) -> None:
+    items: list[par.PromptParity] = []
+    report["parity"] = {"items": [], "summary": {}, "near_tie_margin": options.near_tie_margin, "num_draft_tokens": options.num_draft_tokens}
+
+    def publish():
+        report["parity"]["items"] = [dataclasses.asdict(i) for i in items]
+        report["parity"]["summary"] = {k: v.to_dict() for k, v in par.summarize(items).items()}
+
+    try:
+        for prompt in prompts:
+            items.append(
+                par.check_prompt(
+                    endpoint, prompt, codec, options.num_draft_tokens, options.near_tie_margin, options.request_timeout_s, triage
+                )
+            )
+            publish()
+            bar(1)
+    finally:
+        publish()
+
+
+def _baseline_parity(report, endpoint, baseline, codec, options, prompts, bar) -> None:
+    """Speculative output against a separate deployment's control (e.g. an unquantized target); informative."""
+    items: list[par.PromptParity] = []
+    report["baseline_parity"] = {"items": [], "summary": {}}
+    control_texts = {i["prompt_id"]: i["speculative_text"] for i in report["parity"]["items"]}
+    try:
+        for prompt in prompts:
+            base = baseline.generate(CONTROL_MODEL, GenerateRequest(prompt.text, prompt.max_tokens), options.request_timeout_s)
+            items.append(par.compare_greedy(prompt, base.text, control_texts[prompt.id], codec, None, options.near_tie_margin))
+            bar(1)
+    finally:
+        report["baseline_parity"]["items"] = [dataclasses.asdict(i) for i in items]
+        report["baseline_parity"]["summary"] = {k: v.to_dict() for k, v in par.summarize(items).items()}
+
+
+def _sampling(report, endpoint, options, prompts, bar) -> None:
+    s = options.sampling
+    section = report["sampling"] = {
+        "settings": dataclasses.asdict(s),
+        "samples_per_prompt": options.samples_per_prompt,
+        "max_tokens": options.sample_max_tokens,
+        "alpha": par.SAMPLING_ALPHA,
+        "tests": [],
+        "combined_p_value": None,
+    }
+    by_category: dict[str, list[Prompt]] = {}
+    for p in prompts:
+        by_category.setdefault(p.category, []).append(p)
+    chosen = [p for group in by_category.values() for p in group][: options.sample_prompts]
+    try:
+        for i, prompt in enumerate(chosen):
+            test = par.check_prompt_sampling(
+                endpoint,
+                prompt,
+                s,
+                options.samples_per_prompt,
+                options.sample_max_tokens,
+                options.num_draft_tokens,
+                options.request_timeout_s,
+                seed_base=(s.seed or 0) + i * 1_000_003,
+                progress=bar,
+            )
+            section["tests"].append(dataclasses.asdict(test))
+    finally:
+        section["combined_p_value"] = par.combine_p_values([t["p_value"] for t in section["tests"]]) if section["tests"] else None
+
+
+def _run_levels(report_section, endpoint, codec, options, prompts, decoupled, bar, plan) -> None:
+    """Run (mode, concurrency, repeat, k) in order; stop at the first failed run (its samples are kept)."""
+    for mode, level, repeat, k in plan:
+        run = lat.run_level(
+            endpoint, codec, prompts, mode, level, repeat, options.request_timeout_s, k, decoupled, progress=bar
+        )
+        report_section["runs"].append(run)
+        if run.error is not None:
+            raise ClientError(f"{mode} run at concurrency {level} stopped: {run.error}")
+
+
+def _latency(report, endpoint, codec, options, prompts, decoupled, bar) -> None:
+    section = {"runs": []}
+    plan = [
+        (mode, level, repeat, options.num_draft_tokens)
+        for repeat in range(options.repeats)
+        for level in options.concurrency
+        for mode in (lat.CONTROL, lat.SPECULATIVE)  # interleaved so drift hits both sides alike
+    ]
+    try:
+        _run_levels(section, endpoint, codec, options, prompts, decoupled, bar, plan)
+    finally:
+        runs = section["runs"]
+        report["latency"] = {
+            "runs": [r.to_dict() for r in runs],
+            "levels": lat.summarize_levels(runs),
+            "speedups": lat.speedup_table(runs),
+        }
+
+
+def _sweep(report, endpoint, codec, options, prompts, decoupled, bar) -> None:
+    section = {"runs": []}
+    plan = []
+    for repeat in range(options.repeats):
+        plan.append((lat.CONTROL, 1, repeat, None))
+        plan += [(lat.SPECULATIVE, 1, repeat, k) for k in options.sweep_draft_tokens]
+    try:
+        _run_levels(section, endpoint, codec, options, prompts, decoupled, bar, plan)
+    finally:
+        runs = section["runs"]
+        points = lat.sweep_points(runs)
+        alpha, cost_ratio = lat.fit_speedup_model(points)
+        report["sweep"] = {
+            "runs": [r.to_dict() for r in runs],
+            "points": points,
+            "alpha": alpha,
+            "cost_ratio": cost_ratio,
+            "recommendation": lat.recommend_k(points, alpha, cost_ratio, options.max_draft_len),
+        }
+
+
+def _speed_warnings(report: dict, options: Options) -> None:
+    for level in (report["latency"] or {}).get("levels", []):
+        ttft, e2e = level.get("ttft_s_p50"), level.get("e2e_s_p50")
+        if level.get("ttft_source") == "server" and ttft is not None and e2e and ttft > 0.9 * e2e:
+            report["warnings"].append(
+                f"TTFT of the {level['mode']} path comes from the server's perf outputs and is close to the whole latency "
+                "(a non-streaming model reports its first token when the output is complete): for a real TTFT and TPOT "
+                "deploy in decoupled mode (triton.decoupled: true), which validate then streams"
+            )
+            break
+    rows = [r for r in (report["latency"] or {}).get("speedups", []) if r["category"] == "all" and r["median"] is not None]
+    lowest = min(options.concurrency)
+    for row in rows:
+        if row["median"] < 1.0:
+            why = (
+                " (expected at high concurrency: the target is then busy with other requests' tokens, so the"
+                " draft's work and the rejected tokens cost real throughput)"
+                if row["concurrency"] > lowest
+                else ""
+            )
+            report["warnings"].append(
+                f"speculation is slower than the control at concurrency {row['concurrency']}: "
+                f"{row['median']:.2f}x{why}"
+            )
+    sweep = report.get("sweep")
+    if sweep and sweep["recommendation"].get("recommended_k") is not None:
+        rec = sweep["recommendation"]
+        best = rec.get("best_measured_speedup")
+        if best is not None and best < 1.0:
+            report["warnings"].append(f"no draft length made speculation faster (best {best:.2f}x at k={rec['best_measured_k']})")
+        if rec["recommended_k"] != options.num_draft_tokens:
+            report["warnings"].append(
+                f"the sweep recommends num_draft_tokens={rec['recommended_k']} (recipe: {options.num_draft_tokens})"
+            )
+
+
+def read_quality(layout) -> dict:
+    """The quantize stage's quality reports (`extra["quality"]` of each checkpoint manifest), by role."""
+    from specdeploy.artifacts import Manifest
+    from specdeploy.config import ROLES
+
+    out = {}
+    for role in ROLES:
+        manifest = Manifest.read(layout.checkpoint(role))
+        if manifest is not None and manifest.extra.get("quality") is not None:
+            out[role] = {"qformat": manifest.settings.get("qformat"), **_flat(manifest.extra["quality"])}
+    return out
+
+
+def _flat(value) -> dict:
+    return value if isinstance(value, dict) else {"value": value}
+
+
+# ---------------------------------------------------------------- the stage, for the CLI and `run`
+
+
+def tokenizer_dir(recipe, layout) -> Path:
+    """The tokenizer the server uses (the `tokenizer_dir` of the repository's preprocessing model),
+    else the target's source model."""
+    from specdeploy.client.protocol import PREPROCESSING_MODEL
+
+    config_path = Path(layout.repo) / PREPROCESSING_MODEL / "config.pbtxt"
+    if config_path.is_file():
+        from specdeploy.triton.repository import check_config
+
+        param = check_config(config_path.read_text()).parameters.get("tokenizer_dir")
+        if param is not None and param.string_value:
+            path = Path(param.string_value)
+            path = path if path.is_absolute() else (config_path.parent / path).resolve()
+            if (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file():
+                return path
+    from specdeploy import models
+
+    return models.resolve(recipe.target.model)
+
+
+def server_url(layout) -> str:
+    """The gRPC address of the server `serve --detach` (or `run`) started for this recipe."""
+    from specdeploy.triton import server
+
+    state, line = server.status(layout.server_state)
+    if state is None or not server.pid_alive(state.pid):
+        raise ClientError(f"no running server for this recipe: {line}", "start one with: specdeploy serve RECIPE --detach, or pass --url host:port")
+    return state.grpc_url
+
+
+def validate_recipe(
+    recipe,
+    layout,
+    url: str | None = None,
+    baseline_url: str | None = None,
+    report_dir: str | Path | None = None,
+    progress=True,
+    **overrides,
+):
+    """Validate the deployment of `recipe` at `url` and write the report; returns (report, paths, verdict).
+
+    Server faults do not raise: the verdict then fails with exit code 1 and the report is marked
+    incomplete. `overrides` replace Options fields (min_parity, min_speedup, max_prompts, ...).
+    """
+    from specdeploy.client import gate
+    from specdeploy.client.report import write_report
+    from specdeploy.client.triton_adapter import TritonEndpoint
+
+    options = Options.from_recipe(recipe, **overrides)
+    codec = HFCodec(tokenizer_dir(recipe, layout))
+    endpoint = TritonEndpoint(url or server_url(layout))
+    baseline = TritonEndpoint(baseline_url) if baseline_url else None
+    try:
+        report = validate(endpoint, codec, options, recipe.name, baseline, read_quality(layout), progress)
+    finally:
+        endpoint.close()
+        if baseline is not None:
+            baseline.close()
+    verdict = gate.evaluate(report, options.min_parity, options.min_speedup)
+    report["gate"] = verdict.to_dict()
+    paths = write_report(report, Path(report_dir) if report_dir else layout.report)
+    return report, paths, verdict
+
+
+def summary_lines(report: dict) -> list[str]:
+    """A few lines for the terminal: parity, speed per concurrency, sweep recommendation, warnings, errors."""
+    lines = []
+    parity = (report.get("parity") or {}).get("summary", {}).get("all")
+    if parity:
+        lines.append(
+            f"parity: {parity['exact']}/{parity['prompts']} exact, {parity['near_ties']} near-ties, "
+            f"{parity['mismatches']} mismatches, token agreement {parity['token_agreement']:.1%}"
+        )
+    levels = {(r["mode"], r["concurrency"]): r for r in (report.get("latency") or {}).get("levels", [])}
+    for row in (report.get("latency") or {}).get("speedups", []):
+        if row["category"] != "all" or row["median"] is None:
+            continue
+        spec = levels.get(("speculative", row["concurrency"]), {})
+        rate = spec.get("acceptance_rate")
+        lines.append(
+            f"concurrency {row['concurrency']}: speedup {row['median']:.2f}x (repeats {row['min']:.2f}..{row['max']:.2f})"
+            + (f", acceptance rate {rate:.2f}, acceptance length {spec['acceptance_length']:.2f}" if rate is not None else "")
+        )
+    sweep = report.get("sweep")
+    if sweep and sweep["recommendation"].get("recommended_k") is not None:
+        rec = sweep["recommendation"]
+        lines.append(
+            f"sweep: alpha {sweep['alpha']:.3f}, c {sweep['cost_ratio'] or 0:.3f}; recommended num_draft_tokens {rec['recommended_k']}"
+        )
+    lines += [f"warning: {w}" for w in report.get("warnings", [])]
+    lines += [f"error: {e}" for e in report.get("errors", [])]
+    return lines
+
+
+def run_pipeline(recipe, layout, recipe_path: str, echo=print, progress=True, server_binary: str | None = None, **overrides):
+    """quantize -> build -> repo -> serve -> validate -> stop, each stage's own function (unchanged
+    artifacts are not redone). The server started here is always stopped, also on failure or Ctrl-C.
+    Returns validate_recipe's (report, paths, verdict)."""
+    from specdeploy import build as builder
+    from specdeploy.quantize import quantize_recipe
+    from specdeploy.triton import repository, server
+
+    echo("== quantize")
+    quantize_recipe(recipe, layout, echo=echo, progress=progress is True)
+    echo("== build")
+    builder.build(recipe, layout, echo=echo)
+    echo("== repo")
+    path, written = repository.generate_repository(recipe, layout, recipe_path=recipe_path)
+    echo(f"{'wrote' if written else 'up to date:'} {path}")
+    echo("== serve")
+    t = recipe.triton
+    ports = server.Ports.pick(t.grpc_port, t.http_port, t.metrics_port)
+    running = server.start(layout.repo, ports, Path(layout.server_state) / server.LOG_FILE, binary=server_binary)
+    try:
+        server.wait_ready(running, t.startup_timeout_s)
+        echo(f"tritonserver ready (pid {running.state.pid}, grpc {running.state.grpc_url}, log {running.state.log})")
+        echo("== validate")
+        return validate_recipe(recipe, layout, url=running.state.grpc_url, progress=progress, **overrides)
+    finally:
+        echo("== stop")
+        running.stop()
+        echo("stopped tritonserver")

@@ -1,0 +1,266 @@
+"""In-process generation: the built CPU engines, the speculative loop, local adapters, streamed text.
+
+`specdeploy generate RECIPE --prompt ...` uses this to try a deployment without a server. The
+adapters below connect `specdeploy.speculative.speculative_generate` to two `Executor`s, the way
+the Triton BLS model connects it to the `tensorrt_llm_draft` and `tensorrt_llm` models.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+
+from specdeploy import speculative as spec
+from specdeploy.engine.executor import Executor, GenerationRequest, run
+from specdeploy.errors import BuildError, ModelError
+from specdeploy.speculative import Proposal, SamplingParams, SpecStats
+
+# ---------------------------------------------------------------- local adapters
+
+
+class ExecutorProposer:
+    """Proposer over a draft Executor: generate k tokens from the whole sequence (prefix KV reuse
+    makes that cost only the new positions)."""
+
+    def __init__(self, executor: Executor, end_id: int | None = None, bad_words: Sequence[Sequence[int]] = ()):
+        self.executor = executor
+        self.end_id = end_id
+        self.bad_words = [list(w) for w in bad_words]
+
+    def propose(self, sequence: list[int], num_tokens: int, sampling: SamplingParams, return_logits: bool) -> Proposal:
+        request = GenerationRequest(
+            input_ids=sequence,
+            max_new_tokens=num_tokens,
+            sampling=sampling,
+            end_id=self.end_id,
+            bad_words=self.bad_words,
+            return_logits=return_logits,
+        )
+        chunk = run(self.executor, request)
+        return Proposal(chunk.token_ids, chunk.logits)
+
+
+class ExecutorVerifier:
+    """Verifier over a target Executor: one pass over sequence + draft, request_output_len = k + 1."""
+
+    def __init__(
+        self,
+        executor: Executor,
+        end_id: int | None = None,
+        stop_words: Sequence[Sequence[int]] = (),
+        bad_words: Sequence[Sequence[int]] = (),
+    ):
+        self.executor = executor
+        self.end_id = end_id
+        self.stop_words = [list(w) for w in stop_words]
+        self.bad_words = [list(w) for w in bad_words]
+
+    def verify(self, sequence: list[int], draft_tokens: list[int], draft_logits: torch.Tensor | None, sampling: SamplingParams) -> list[int]:
+        request = GenerationRequest(
+            input_ids=sequence,
+            max_new_tokens=len(draft_tokens) + 1,
+            sampling=sampling,
+            end_id=self.end_id,
+            stop_words=self.stop_words,
+            bad_words=self.bad_words,
+            draft_tokens=draft_tokens or None,
+            draft_logits=draft_logits if draft_tokens else None,
+        )
+        return run(self.executor, request).token_ids
+
+
+def target_only_generate(
+    target: Executor,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    sampling: SamplingParams = spec.GREEDY,
+    end_id: int | None = None,
+    stop_words: Sequence[Sequence[int]] = (),
+    bad_words: Sequence[Sequence[int]] = (),
+) -> Iterator[list[int] | SpecStats]:
+    """The unaccelerated control: the target alone, streamed; same event shape as speculative_generate."""
+    request = GenerationRequest(
+        input_ids=list(prompt_ids),
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
+        end_id=end_id,
+        stop_words=[list(w) for w in stop_words],
+        bad_words=[list(w) for w in bad_words],
+        streaming=True,
+    )
+    stats = SpecStats()
+    for chunk in target.generate(request):
+        stats.output_tokens += len(chunk.token_ids)
+        if chunk.token_ids:
+            yield chunk.token_ids
+        if chunk.finished:
+            stats.target_iterations = chunk.stats.iterations
+            stats.target_time_s = chunk.stats.forward_time_s
+            stats.finish_reason = chunk.finish_reason
+    yield stats
+
+
+# ---------------------------------------------------------------- loading
+
+
+def load_engine(engine_dir: Path, role: str, recipe_path: str = "RECIPE"):
+    """Load a built CPU engine, or say which command builds it."""
+    engine_dir = Path(engine_dir)
+    if not (engine_dir / "config.json").is_file():
+        raise BuildError(
+            f"no {role} engine at {engine_dir}",
+            f"build it with: specdeploy build {recipe_path}",
+        )
+    try:
+        from specdeploy.engine import CpuEngine
+    except ImportError as exc:  # the runtime is a separate part of the package
+        raise BuildError(f"the CPU engine runtime is not available: {exc}", "reinstall specdeploy") from exc
+    return CpuEngine.load(engine_dir)
+
+
+def load_tokenizer(engine_dir: Path, model: str):
+    """The tokenizer saved with the engine, else the one of the source model."""
+    from transformers import AutoTokenizer
+
+    source = Path(engine_dir)
+    if not (source / "tokenizer_config.json").is_file():
+        from specdeploy.models import resolve
+
+        source = resolve(model)
+    try:
+        return AutoTokenizer.from_pretrained(str(source))
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"cannot load a tokenizer from {source}: {exc}", "check that the model directory has its tokenizer files") from exc
+
+
+@dataclass
+class Session:
+    """Target (and draft) executors plus the tokenizer, ready to generate."""
+
+    tokenizer: object
+    target: Executor
+    draft: Executor | None = None
+    stop_words: list[list[int]] = field(default_factory=list)
+
+    @classmethod
+    def from_recipe(cls, recipe, layout, speculative: bool = True, recipe_path: str = "RECIPE", max_cached_sequences: int = 2) -> "Session":
+        target_engine = load_engine(layout.engine("target"), "target", recipe_path)
+        draft_engine = load_engine(layout.engine("draft"), "draft", recipe_path) if speculative else None
+        tokenizer = load_tokenizer(layout.engine("target"), recipe.target.model)
+        return cls(
+            tokenizer,
+            Executor(target_engine, max_cached_sequences),
+            Executor(draft_engine, max_cached_sequences) if draft_engine is not None else None,
+        )
+
+    @property
+    def end_id(self) -> int | None:
+        return getattr(self.tokenizer, "eos_token_id", None)
+
+    def encode(self, prompt: str, chat: bool = False) -> list[int]:
+        """Token ids of the prompt: as is (like the Triton preprocessing model), or wrapped in the
+        tokenizer's chat template as one user turn when `chat` and the tokenizer has one."""
+        if chat and getattr(self.tokenizer, "chat_template", None):
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return list(self.tokenizer(prompt)["input_ids"])
+
+    def stream(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        num_draft_tokens: int = 0,
+        sampling: SamplingParams = spec.GREEDY,
+        use_draft_logits: bool = False,
+    ) -> Iterator[list[int] | SpecStats]:
+        """Speculative when a draft is loaded and num_draft_tokens > 0, else the target alone."""
+        if self.draft is None or num_draft_tokens <= 0:
+            return target_only_generate(self.target, prompt_ids, max_new_tokens, sampling, self.end_id, self.stop_words)
+        return spec.speculative_generate(
+            ExecutorProposer(self.draft, self.end_id),
+            ExecutorVerifier(self.target, self.end_id, self.stop_words),
+            prompt_ids,
+            max_new_tokens,
+            num_draft_tokens,
+            sampling,
+            self.end_id,
+            self.stop_words,
+            use_draft_logits,
+        )
+
+
+class TextStream:
+    """Incremental detokenization: feed token ids, get the newly printable text."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.text = ""
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        self.tokens.extend(token_ids)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
+            return ""
+        new, self.text = text[len(self.text) :], text
+        return new
+
+
+@dataclass
+class GenerateResult:
+    text: str
+    token_ids: list[int]
+    stats: SpecStats
+    wall_time_s: float
+    first_token_time_s: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.token_ids) / self.wall_time_s if self.wall_time_s else 0.0
+
+
+def generate(session: Session, prompt: str, max_new_tokens: int, num_draft_tokens: int = 0,
+             sampling: SamplingParams = spec.GREEDY, use_draft_logits: bool = False, on_text=None,
+             chat: bool = False) -> GenerateResult:
+    """Generate from a text prompt; `on_text(str)` receives the text as it streams."""
+    prompt_ids = session.encode(prompt, chat)
+    text = TextStream(session.tokenizer)
+    start = time.perf_counter()
+    first = 0.0
+    stats = SpecStats()
+    for item in session.stream(prompt_ids, max_new_tokens, num_draft_tokens, sampling, use_draft_logits):
+        if isinstance(item, SpecStats):
+            stats = item
+            continue
+        if not first:
+            first = time.perf_counter() - start
+        piece = text.push(item)
+        if piece and on_text is not None:
+            on_text(piece)
+    wall = time.perf_counter() - start
+    return GenerateResult(text.text, text.tokens, stats, wall, first)
+
+
+def stats_lines(result: GenerateResult, speculative: bool) -> list[str]:
+    """The statistics `specdeploy generate` prints after the text."""
+    s = result.stats
+    lines = [
+        f"output tokens      {len(result.token_ids)} ({s.finish_reason or 'done'})",
+        f"tokens/s           {result.tokens_per_s:.1f}  ({1000 * result.wall_time_s / max(1, len(result.token_ids)):.1f} ms/token, "
+        f"first token {1000 * result.first_token_time_s:.0f} ms)",
+        f"target iterations  {s.target_iterations}",
+    ]
+    if speculative:
+        lines += [
+            f"drafted            {s.drafted}",
+            f"accepted           {s.accepted}",
+            f"acceptance rate    {s.acceptance_rate:.1%}",
+            f"acceptance length  {s.acceptance_length:.2f} tokens per target call",
+            f"time in draft      {s.draft_time_s:.3f} s",
+        ]
+    lines.append(f"time in target     {s.target_time_s:.3f} s (wall {result.wall_time_s:.3f} s)")
+    return lines

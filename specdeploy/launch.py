@@ -1,0 +1,373 @@
+"""Launching a GPU deployment: the tritonserver command, its container equivalent, and Kubernetes manifests.
+
+The launch follows tensorrtllm_backend's `scripts/launch_triton_server.py`:
+- one process when the target and the draft each run on one GPU;
+- `mpirun` with one rank per GPU ("leader mode") when tp x pp > 1 and the draft has the same number of
+  ranks as the target (every rank loads both TensorRT-LLM models; ranks > 0 load only those);
+- "orchestrator mode" (`--multi-model`: one tritonserver with TRTLLM_ORCHESTRATOR=1, the backend spawns
+  the per-GPU workers of each model) when the draft and the target differ in ranks, e.g. a TP 4 target
+  with a TP 1 draft. TensorRT-LLM's draft_target_model/README.md: "--multi-model is necessary if TP
+  mode is used".
+- `trtllm-llmapi`: one tritonserver; LLM(...) inside the llmapi model starts its own TP/PP workers.
+
+Nothing here needs a GPU to produce commands; `start` refuses without the server binary.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from specdeploy.artifacts import Layout
+from specdeploy.config import Recipe
+from specdeploy.errors import ConfigError, ServerError
+
+TRITONSERVER = "/opt/tritonserver/bin/tritonserver"  # in NGC Triton images
+# NGC Triton + TensorRT-LLM images: nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3. 25.03 ships
+# TensorRT-LLM 0.18 with trtllm-build (draft_target_model/README.md); the LLM-API path needs a current one.
+DEFAULT_IMAGES = {
+    "trtllm-engine": "nvcr.io/nvidia/tritonserver:25.03-trtllm-python-py3",
+    "trtllm-llmapi": "nvcr.io/nvidia/tritonserver:25.12-trtllm-python-py3",
+}
+DEFAULT_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
+ENGINE_MODELS = ("tensorrt_llm", "tensorrt_llm_draft")
+# Triton's Prometheus counter of cumulative queue time; an adapter rule turns it into a per-second rate.
+HPA_METRIC = "nv_inference_queue_duration_us"
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    mode: str  # single | leader | orchestrator | llmapi
+    command: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    gpus: int = 1  # GPUs one replica needs
+
+    @property
+    def command_line(self) -> str:
+        prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
+        return (prefix + " " if prefix else "") + shlex.join(self.command)
+
+
+def _ports(recipe: Recipe) -> dict[str, int]:
+    t = recipe.triton
+    return {
+        "http": t.http_port or DEFAULT_PORTS["http"],
+        "grpc": t.grpc_port or DEFAULT_PORTS["grpc"],
+        "metrics": t.metrics_port or DEFAULT_PORTS["metrics"],
+    }
+
+
+def _server_args(repo: Path, ports: dict[str, int], rank: int, auto_complete: bool) -> list[str]:
+    args = [
+        f"--model-repository={repo}",
+        f"--grpc-port={ports['grpc']}",
+        f"--http-port={ports['http']}",
+        f"--metrics-port={ports['metrics']}",
+    ]
+    if not auto_complete:
+        args.append("--disable-auto-complete-config")
+    # launch_triton_server.py: a separate python-backend shared-memory prefix per rank
+    args.append(f"--backend-config=python,shm-region-prefix-name=prefix{rank}_")
+    return args
+
+
+def specdeploy_site() -> str:
+    """The directory holding the specdeploy package: the python models of the repository import it."""
+    import specdeploy
+
+    return str(Path(specdeploy.__file__).resolve().parent.parent)
+
+
+def launch_plan(recipe: Recipe, layout: Layout, tritonserver: str = TRITONSERVER, mode: str = "auto") -> LaunchPlan:
+    """The command that starts tritonserver for the recipe's GPU backend."""
+    plan = _launch_plan(recipe, layout, tritonserver, mode)
+    if recipe.backend == "trtllm-engine":
+        # preprocessing / postprocessing / tensorrt_llm_bls are specdeploy python models (SPECDEPLOY_SITE)
+        plan = LaunchPlan(plan.mode, plan.command, {**plan.env, "SPECDEPLOY_SITE": specdeploy_site()}, plan.gpus)
+    return plan
+
+
+def _launch_plan(recipe: Recipe, layout: Layout, tritonserver: str, mode: str) -> LaunchPlan:
+    repo = Path(layout.repo).resolve()
+    ports = _ports(recipe)
+    target_ranks = recipe.target.tp_size * recipe.target.pp_size
+    draft_ranks = recipe.draft.tp_size * recipe.draft.pp_size
+    gpus = max(target_ranks, draft_ranks)
+    if recipe.backend == "trtllm-llmapi":
+        # the llmapi model sets max_batch_size/decoupled in auto_complete_config: keep auto-complete on
+        return LaunchPlan("llmapi", [tritonserver, *_server_args(repo, ports, 0, auto_complete=True)], gpus=target_ranks)
+    if recipe.backend != "trtllm-engine":
+        raise ConfigError(f"launch plans are for GPU backends; recipe backend is {recipe.backend!r}",
+                          "the cpu backend starts with specdeploy serve")  # fmt: skip
+    if mode == "auto":
+        mode = "single" if gpus == 1 else ("leader" if draft_ranks == target_ranks else "orchestrator")
+    if mode == "single":
+        return LaunchPlan("single", [tritonserver, *_server_args(repo, ports, 0, auto_complete=False)], gpus=1)
+    if mode == "orchestrator":
+        env = {"TRTLLM_ORCHESTRATOR": "1", "TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES": "1"}
+        return LaunchPlan("orchestrator", [tritonserver, *_server_args(repo, ports, 0, auto_complete=False)], env, gpus)
+    if mode != "leader":
+        raise ConfigError(f"unknown launch mode {mode!r}", "choices: auto, single, leader, orchestrator")
+    if draft_ranks != target_ranks:
+        raise ConfigError(
+            f"leader mode runs every model on all {target_ranks} ranks, but the draft has {draft_ranks}",
+            "use mode orchestrator, or give the draft the target's tp_size/pp_size",
+        )
+    cmd = ["mpirun", "--allow-run-as-root"]
+    for rank in range(target_ranks):
+        cmd += ["-n", "1", tritonserver, *_server_args(repo, ports, rank, auto_complete=False)]
+        if rank > 0:  # ranks > 0 serve only the TensorRT-LLM models (launch_triton_server.py)
+            cmd[-1:-1] = ["--model-control-mode=explicit", *[f"--load-model={m}" for m in ENGINE_MODELS]]
+        cmd.append(":")
+    cmd.pop()  # no separator after the last rank
+    return LaunchPlan("leader", cmd, gpus=target_ranks)
+
+
+def docker_command(plan: LaunchPlan, recipe: Recipe, layout: Layout, image: str | None = None) -> list[str]:
+    """The same launch inside the NGC TensorRT-LLM Triton image; the project root is mounted at its own path
+    so the engine paths written into config.pbtxt stay valid."""
+    root = str(Path(layout.root).resolve())
+    ports = _ports(recipe)
+    cmd = ["docker", "run", "--rm", "--gpus", "all", "--ipc=host", "--shm-size=2g",
+           "--ulimit", "memlock=-1", "--ulimit", "stack=67108864"]  # fmt: skip
+    for port in ports.values():
+        cmd += ["-p", f"{port}:{port}"]
+    cmd += ["-v", f"{root}:{root}", "-w", root]
+    site = plan.env.get("SPECDEPLOY_SITE")
+    if site and not Path(site).is_relative_to(root):
+        cmd += ["-v", f"{site}:{site}:ro"]
+    for key, value in plan.env.items():
+        cmd += ["-e", f"{key}={value}"]
+    return cmd + [image or DEFAULT_IMAGES[recipe.backend], *plan.command]
+
+
+# ---------------------------------------------------------------- Kubernetes
+
+
+def k8s_name(recipe: Recipe) -> str:
+    name = re.sub(r"[^a-z0-9-]+", "-", recipe.name.lower()).strip("-")
+    return f"specdeploy-{name}"[:63].rstrip("-")
+
+
+def k8s_manifests(
+    recipe: Recipe,
+    layout: Layout,
+    image: str | None = None,
+    max_replicas: int = 4,
+    queue_us_per_second: int = 100_000,
+    volume_claim: str | None = None,
+) -> list[dict]:
+    """Deployment (GPU requests, health probes), Service and HorizontalPodAutoscaler for one recipe.
+
+    The pod mounts a PersistentVolumeClaim holding the project root (engines/ and triton_repo/) at the same
+    path as on the build machine. The HPA scales on the per-pod rate of Triton's
+    nv_inference_queue_duration_us (microseconds spent queued per second), which a prometheus-adapter rule
+    must expose as a custom metric of that name.
+    """
+    name = k8s_name(recipe)
+    plan = launch_plan(recipe, layout, TRITONSERVER)
+    ports = _ports(recipe)
+    root = str(Path(layout.root).resolve())
+    labels = {"app.kubernetes.io/name": name, "app.kubernetes.io/part-of": "specdeploy"}
+    startup_s = int(recipe.triton.startup_timeout_s)
+    container = {
+        "name": "tritonserver",
+        "image": image or DEFAULT_IMAGES[recipe.backend],
+        "command": plan.command,
+        "env": [{"name": k, "value": v} for k, v in plan.env.items()],
+        "ports": [{"name": n, "containerPort": p} for n, p in ports.items()],
+        "resources": {
+            "requests": {"nvidia.com/gpu": plan.gpus},
+            "limits": {"nvidia.com/gpu": plan.gpus},
+        },
+        # Triton's KServe v2 health endpoints; engines take minutes to load, so a startup probe guards
+        # the liveness probe until the server first answers.
+        "startupProbe": {
+            "httpGet": {"path": "/v2/health/live", "port": "http"},
+            "periodSeconds": 10,
+            "failureThreshold": max(1, startup_s // 10),
+        },
+        "readinessProbe": {"httpGet": {"path": "/v2/health/ready", "port": "http"}, "periodSeconds": 5,
+                           "failureThreshold": 3},  # fmt: skip
+        "livenessProbe": {"httpGet": {"path": "/v2/health/live", "port": "http"}, "periodSeconds": 10,
+                          "failureThreshold": 3},  # fmt: skip
+        "volumeMounts": [{"name": "project", "mountPath": root}, {"name": "dshm", "mountPath": "/dev/shm"}],
+    }
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "labels": dict(labels)},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": dict(labels)},
+            "template": {
+                "metadata": {
+                    "labels": dict(labels),
+                    "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(ports["metrics"]),
+                                    "prometheus.io/path": "/metrics"},  # fmt: skip
+                },
+                "spec": {
+                    "containers": [container],
+                    "volumes": [
+                        {"name": "project", "persistentVolumeClaim": {"claimName": volume_claim or f"{name}-project"}},
+                        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+                    ],
+                    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                },
+            },
+        },
+    }
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "labels": dict(labels)},
+        "spec": {
+            "selector": dict(labels),
+            "ports": [{"name": n, "port": p, "targetPort": n} for n, p in ports.items()],
+        },
+    }
+    hpa = {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": {"name": name, "labels": dict(labels)},
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
+            "minReplicas": 1,
+            "maxReplicas": max_replicas,
+            "metrics": [{
+                "type": "Pods",
+                "pods": {
+                    "metric": {"name": HPA_METRIC},
+                    "target": {"type": "AverageValue", "averageValue": str(queue_us_per_second)},
+                },
+            }],  # fmt: skip
+            # engines load slowly: scale down only after a quiet period
+            "behavior": {"scaleDown": {"stabilizationWindowSeconds": 600}},
+        },
+    }
+    return [deployment, service, hpa]
+
+
+PROMETHEUS_ADAPTER_RULE = f"""\
+# prometheus-adapter rule that exposes the HPA metric (per-pod rate of Triton's queue time):
+# rules:
+#   - seriesQuery: '{HPA_METRIC}{{namespace!="",pod!=""}}'
+#     resources: {{overrides: {{namespace: {{resource: namespace}}, pod: {{resource: pod}}}}}}
+#     name: {{matches: "{HPA_METRIC}", as: "{HPA_METRIC}"}}
+#     metricsQuery: 'sum(rate(<<.Series>>{{<<.LabelMatchers>>}}[1m])) by (<<.GroupBy>>)'
+"""
+
+
+def k8s_yaml(recipe: Recipe, layout: Layout, **kwargs) -> str:
+    docs = k8s_manifests(recipe, layout, **kwargs)
+    header = (
+        f"# Kubernetes manifests for specdeploy recipe {recipe.name} (backend {recipe.backend}).\n"
+        f"# The PersistentVolumeClaim must hold {Path(layout.root).resolve()} (engines/ and triton_repo/)"
+        + (f" and the specdeploy source at SPECDEPLOY_SITE ({specdeploy_site()}), or bake it into the image"
+           if recipe.backend == "trtllm-engine" else "")
+        + ".\n"
+        + PROMETHEUS_ADAPTER_RULE
+    )
+    return header + "---\n".join(yaml.safe_dump(d, sort_keys=False) for d in docs)
+
+
+# ---------------------------------------------------------------- starting on this machine
+
+
+def print_lines(recipe: Recipe, layout: Layout, image: str | None = None, tritonserver: str = TRITONSERVER) -> list[str]:
+    plan = launch_plan(recipe, layout, tritonserver)
+    lines = [f"# launch ({plan.mode}, {plan.gpus} GPU(s)):", plan.command_line,
+             "# the same in the NGC TensorRT-LLM Triton container:",
+             shlex.join(docker_command(plan, recipe, layout, image))]  # fmt: skip
+    if recipe.backend == "trtllm-llmapi":
+        lines.append("# the llmapi model needs model.py and helpers.py from TensorRT-LLM "
+                     "triton_backend/all_models/llmapi/tensorrt_llm/1/ in triton_repo/<recipe>/tensorrt_llm/1/")  # fmt: skip
+    return lines
+
+
+def find_tritonserver(explicit: str | None = None) -> str | None:
+    for candidate in (explicit, shutil.which("tritonserver"), TRITONSERVER):
+        if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def start(recipe: Recipe, layout: Layout, tritonserver: str | None = None, log_path: Path | None = None,
+          timeout_s: float | None = None) -> subprocess.Popen:  # fmt: skip
+    """Start the GPU deployment here and wait for /v2/health/ready; ServerError with the log tail otherwise."""
+    exe = find_tritonserver(tritonserver)
+    if exe is None:
+        raise ServerError(
+            "no tritonserver with the TensorRT-LLM backend on this machine",
+            "run inside the NGC image (see the docker command from specdeploy serve --print-only), or pass --tritonserver",
+        )
+    plan = launch_plan(recipe, layout, exe)
+    if plan.command[0] == "mpirun" and shutil.which("mpirun") is None:
+        raise ServerError("mpirun is not on PATH but the target needs one rank per GPU", "install OpenMPI or use the NGC image")
+    log_path = Path(log_path or Path(layout.server_state) / "tritonserver.log")
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = open(log_path, "w")
+    proc = subprocess.Popen(plan.command, env={**os.environ, **plan.env}, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{_ports(recipe)['http']}/v2/health/ready"
+    deadline = time.monotonic() + (timeout_s or recipe.triton.startup_timeout_s)
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            break
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return proc
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(2)
+    if proc.poll() is None:
+        proc.terminate()
+    tail = log_path.read_text(errors="replace").splitlines()[-30:] if log_path.is_file() else []
+    raise ServerError("tritonserver did not become ready; last log lines:\n" + "\n".join(tail), f"full log: {log_path}")
+
+
+def serve_gpu(
+    recipe: Recipe,
+    layout: Layout,
+    *,
+    print_k8s: bool = False,
+    print_only: bool = False,
+    image: str | None = None,
+    tritonserver: str | None = None,
+    k8s_out: Path | None = None,
+    echo=print,
+) -> subprocess.Popen | None:
+    """`specdeploy serve` for a GPU backend: print the K8s manifests, or print the launch (and its container
+    equivalent) and, unless print_only, start it here after the pre-flight checks."""
+    if print_k8s:
+        text = k8s_yaml(recipe, layout, image=image)
+        if k8s_out:
+            Path(k8s_out).write_text(text)
+            echo(f"wrote {k8s_out}")
+        else:
+            echo(text.rstrip())
+        return None
+    for line in print_lines(recipe, layout, image, tritonserver or TRITONSERVER):
+        echo(line)
+    if print_only:
+        return None
+    from specdeploy import preflight
+
+    findings = preflight.run_all(recipe, layout)
+    for f in findings:
+        if f.level == "warning":
+            echo(f"warning: {f.message}")
+    preflight.raise_on_errors(findings)
+    proc = start(recipe, layout, tritonserver)
+    echo(f"tritonserver is ready (pid {proc.pid}); http {_ports(recipe)['http']}, grpc {_ports(recipe)['grpc']}")
+    return proc

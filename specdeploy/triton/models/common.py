@@ -1,0 +1,205 @@
+"""Helpers shared by the python-backend models (imported inside tritonserver's python stub).
+
+Nothing here imports `triton_python_backend_utils`: the models pass their tensors in as numpy
+arrays and turn `RequestError` into a Triton error, so these helpers are testable without a server.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+
+class RequestError(Exception):
+    """Something wrong with one request: answered with a Triton error, the server keeps serving."""
+
+
+# ---------------------------------------------------------------- model parameters
+
+
+def parameters(args: dict) -> dict[str, str]:
+    """The `parameters` of a model's config as {key: string_value}."""
+    import json
+
+    config = json.loads(args["model_config"])
+    return {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+
+
+def is_decoupled(args: dict) -> bool:
+    import json
+
+    config = json.loads(args["model_config"])
+    return bool(config.get("model_transaction_policy", {}).get("decoupled", False))
+
+
+def flag(value: str | None, default: bool = False) -> bool:
+    if value is None or value == "":
+        return default
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+def resolve_dir(value: str, args: dict) -> Path:
+    """A directory parameter: absolute, or relative to the model's own folder in the repository."""
+    path = Path(value)
+    if not path.is_absolute():
+        path = Path(args["model_repository"]) / path
+    return path.resolve()
+
+
+def load_tokenizer(tokenizer_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tokenizer_dir))
+
+
+def load_object(spec: str):
+    """Import 'package.module:attribute'."""
+    module, _, attr = spec.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def load_cpu_executor(engine_dir: str):
+    """The default executor factory: specdeploy's CPU engine behind the KV-reusing Executor."""
+    from specdeploy.engine import CpuEngine
+    from specdeploy.engine.executor import Executor
+
+    return Executor(CpuEngine.load(engine_dir), max_cached_sequences=int(os.environ.get("SPECDEPLOY_KV_POOL", "4")))
+
+
+# ---------------------------------------------------------------- reading request tensors
+
+
+def scalar(array: np.ndarray | None, name: str, kind, default=None):
+    """One value per request (tensor [1, 1] or [1]); the default when the optional input is absent."""
+    if array is None:
+        return default
+    flat = np.asarray(array).reshape(-1)
+    if flat.size != 1:
+        raise RequestError(f"input '{name}' must hold one value per request, got shape {list(np.shape(array))}")
+    value = flat[0]
+    return kind(value.item() if hasattr(value, "item") else value)
+
+
+def batch_size(array: np.ndarray, name: str) -> int:
+    if array.ndim == 0:
+        raise RequestError(f"input '{name}' has no batch dimension")
+    return int(array.shape[0])
+
+
+def require_single(array: np.ndarray, name: str) -> None:
+    n = batch_size(array, name)
+    if n != 1:
+        raise RequestError(f"input '{name}' has batch size {n}; this model takes one sequence per request (send batch 1)")
+
+
+def decode_utf8(value, name: str) -> str:
+    if isinstance(value, str):
+        return value
+    raw = bytes(value)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RequestError(
+            f"input '{name}' is not valid UTF-8 (byte 0x{raw[exc.start]:02x} at offset {exc.start}); send UTF-8 text"
+        ) from None
+
+
+def strings(array: np.ndarray | None, name: str) -> list[str]:
+    """A STRING tensor of one batch item as a list of non-empty strings ([] when absent)."""
+    if array is None:
+        return []
+    return [s for s in (decode_utf8(v, name) for v in np.asarray(array).reshape(-1)) if s]
+
+
+# ---------------------------------------------------------------- tokens
+
+
+def encode_prompt(tokenizer, text: str, add_special_tokens: bool, max_input_len: int) -> list[int]:
+    """Token ids of a prompt, checked: not empty, at most max_input_len tokens."""
+    if not text:
+        raise RequestError("text_input is empty; send a non-empty prompt")
+    ids = list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+    if not ids:
+        raise RequestError("text_input tokenizes to no tokens; send a non-empty prompt")
+    if len(ids) > max_input_len:
+        raise RequestError(f"the prompt has {len(ids)} tokens, more than max_input_len ({max_input_len}); shorten it")
+    return ids
+
+
+def encode_words(tokenizer, words: Sequence[str]) -> list[list[int]]:
+    return [ids for ids in (list(tokenizer(w, add_special_tokens=False).input_ids) for w in words) if ids]
+
+
+def to_words_list(words: list[list[int]]) -> np.ndarray:
+    """TensorRT-LLM's word-list format [2, L] (int32): flat ids, then end offsets padded with -1."""
+    flat = [t for w in words for t in w]
+    offsets = np.cumsum([len(w) for w in words]).tolist() if words else []
+    length = max(1, len(flat))
+    out = np.zeros((2, length), dtype=np.int32)
+    out[1, :] = -1
+    out[0, : len(flat)] = flat
+    out[1, : len(offsets)] = offsets
+    return out
+
+
+def from_words_list(array: np.ndarray | None, name: str) -> list[list[int]]:
+    """Inverse of to_words_list for one batch item ([1, 2, L] or [2, L])."""
+    if array is None:
+        return []
+    arr = np.asarray(array)
+    if arr.ndim == 3:
+        arr = arr[0]
+    if arr.ndim != 2 or arr.shape[0] != 2:
+        raise RequestError(f"input '{name}' must have shape [2, L] per request (ids, end offsets), got {list(np.shape(array))}")
+    ids, offsets = arr[0].tolist(), [int(o) for o in arr[1].tolist() if o >= 0]
+    words, start = [], 0
+    for end in offsets:
+        if not start <= end <= len(ids):
+            raise RequestError(f"input '{name}' has an offset {end} outside its {len(ids)} ids")
+        if end > start:
+            words.append([int(t) for t in ids[start:end]])
+        start = end
+    return words
+
+
+def check_token_ids(ids: Sequence[int], vocab_size: int | None, name: str) -> None:
+    if vocab_size is None:
+        return
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError(f"input '{name}' holds token id {bad[0]}, outside the vocabulary [0, {vocab_size})")
+
+
+class TextStream:
+    """Incremental detokenization: the text of all tokens so far, sent as the new suffix each time.
+
+    A trailing partial UTF-8 character decodes to U+FFFD; it is held back until the next token
+    completes it, so the concatenated deltas equal the decoding of the whole output.
+    """
+
+    def __init__(self, tokenizer, skip_special_tokens: bool, prefix_ids: Sequence[int] = ()):
+        self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
+        self.ids = list(prefix_ids)
+        self.sent = len(self._decode())
+
+    def _decode(self) -> str:
+        return self.tokenizer.decode(self.ids, skip_special_tokens=self.skip)
+
+    def push(self, new_ids: Sequence[int]) -> str:
+        self.ids.extend(new_ids)
+        text = self._decode()
+        stable = len(text.rstrip("\ufffd"))
+        delta = text[self.sent : stable] if stable > self.sent else ""
+        self.sent = max(self.sent, stable)
+        return delta
+
+    def flush(self) -> str:
+        text = self._decode()
+        delta = text[self.sent :]
+        self.sent = len(text)
+        return delta

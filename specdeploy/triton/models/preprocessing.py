@@ -1,0 +1,89 @@
+"""preprocessing: text -> token ids (QUERY -> INPUT_ID), stop/bad words -> TensorRT-LLM word lists.
+
+Same tensors as NVIDIA's inflight_batcher_llm preprocessing model.
+"""
+
+import os
+import sys
+
+# The python stub runs in isolated mode (PYTHONPATH ignored): the launcher passes our site-packages.
+sys.path[:0] = [p for p in os.environ.get("SPECDEPLOY_SITE", "").split(os.pathsep) if p]
+
+import numpy as np  # noqa: E402
+import triton_python_backend_utils as pb_utils  # noqa: E402
+
+from specdeploy.triton.models import common  # noqa: E402
+from specdeploy.triton.models.common import RequestError  # noqa: E402
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        params = common.parameters(args)
+        self.tokenizer = common.load_tokenizer(common.resolve_dir(params["tokenizer_dir"], args))
+        self.add_special_tokens = common.flag(params.get("add_special_tokens"), True)
+        self.max_input_len = int(params["max_input_len"])
+        self.end_id = self.tokenizer.eos_token_id
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.end_id
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            try:
+                responses.append(self._run(request))
+            except RequestError as exc:
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"preprocessing: {exc}")))
+        return responses
+
+    def _input(self, request, name):
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        return None if tensor is None else tensor.as_numpy()
+
+    def _run(self, request):
+        query = self._input(request, "QUERY")
+        out_len = self._input(request, "REQUEST_OUTPUT_LEN")
+        batch = common.batch_size(query, "QUERY")
+        bad = self._input(request, "BAD_WORDS_DICT")
+        stop = self._input(request, "STOP_WORDS_DICT")
+        end_in = self._input(request, "END_ID")
+        pad_in = self._input(request, "PAD_ID")
+
+        ids, out_lens, bad_lists, stop_lists, ends, pads = [], [], [], [], [], []
+        for i in range(batch):
+            text = common.decode_utf8(query[i].reshape(-1)[0], "text_input")
+            ids.append(common.encode_prompt(self.tokenizer, text, self.add_special_tokens, self.max_input_len))
+            n = common.scalar(out_len[i], "max_tokens", int)
+            if n <= 0:
+                raise RequestError(f"max_tokens is {n}; ask for at least 1 token")
+            out_lens.append(n)
+            bad_lists.append(common.to_words_list(common.encode_words(self.tokenizer, common.strings(None if bad is None else bad[i], "bad_words"))))
+            stop_lists.append(common.to_words_list(common.encode_words(self.tokenizer, common.strings(None if stop is None else stop[i], "stop_words"))))
+            ends.append(common.scalar(None if end_in is None else end_in[i], "end_id", int, self.end_id))
+            pads.append(common.scalar(None if pad_in is None else pad_in[i], "pad_id", int, self.pad_id))
+
+        width = max(len(x) for x in ids)
+        input_id = np.full((batch, width), pads[0] if pads[0] is not None else 0, dtype=np.int32)
+        for i, x in enumerate(ids):
+            input_id[i, : len(x)] = x
+        outputs = [
+            pb_utils.Tensor("INPUT_ID", input_id),
+            pb_utils.Tensor("REQUEST_INPUT_LEN", np.array([[len(x)] for x in ids], dtype=np.int32)),
+            pb_utils.Tensor("BAD_WORDS_IDS", _stack(bad_lists)),
+            pb_utils.Tensor("STOP_WORDS_IDS", _stack(stop_lists)),
+            pb_utils.Tensor("REQUEST_OUTPUT_LEN", np.array([[n] for n in out_lens], dtype=np.int32)),
+            pb_utils.Tensor("OUT_END_ID", np.array([[-1 if e is None else e] for e in ends], dtype=np.int32)),
+            pb_utils.Tensor("OUT_PAD_ID", np.array([[-1 if p is None else p] for p in pads], dtype=np.int32)),
+        ]
+        return pb_utils.InferenceResponse(output_tensors=outputs)
+
+    def finalize(self):
+        pass
+
+
+def _stack(lists):
+    """Word lists [2, L_i] of a batch -> [batch, 2, max L] (ids padded with 0, offsets with -1)."""
+    width = max(x.shape[1] for x in lists)
+    out = np.zeros((len(lists), 2, width), dtype=np.int32)
+    out[:, 1, :] = -1
+    for i, x in enumerate(lists):
+        out[i, :, : x.shape[1]] = x
+    return out

@@ -1,0 +1,664 @@
+"""The Triton model repository: typed model configs -> checked `config.pbtxt` files -> `triton_repo/<recipe>/`.
+
+Layout and tensor names are those of NVIDIA's `inflight_batcher_llm` (../shared/DESIGN.md) so that
+clients written for a TensorRT-LLM deployment work unchanged:
+
+    preprocessing ─▶ tensorrt_llm ─▶ postprocessing      = ensemble (the unaccelerated control)
+    tensorrt_llm_bls: tokenize, then rounds of tensorrt_llm_draft (k tokens) + tensorrt_llm
+                      (draft_input_ids, k + 1 tokens), then detokenize
+
+preprocessing, postprocessing, ensemble and tensorrt_llm_bls are the same on every backend; the
+two engine models (`tensorrt_llm`, `tensorrt_llm_draft`) come from `ENGINE_MODELS[recipe.backend]`.
+Every config is rendered from the dataclasses below and parsed with Triton's own `ModelConfig`
+protobuf before anything is written.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from specdeploy.artifacts import Manifest, atomic_output, fingerprint, require, tool_versions
+from specdeploy.config import ROLES, Recipe, to_plain
+from specdeploy.errors import RepoError
+
+STAGE = "repo"
+MODEL_SOURCES = Path(__file__).parent / "models"
+TOKENIZER_SUBDIR = "tokenizer"
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+CPU_EXECUTOR_FACTORY = "specdeploy.triton.models.common:load_cpu_executor"
+
+# Model names of the layout (clients import them from specdeploy.client.protocol too).
+PREPROCESSING, POSTPROCESSING, ENSEMBLE = "preprocessing", "postprocessing", "ensemble"
+TARGET_MODEL, DRAFT_MODEL, BLS = "tensorrt_llm", "tensorrt_llm_draft", "tensorrt_llm_bls"
+ENGINE_MODEL_NAMES = {"target": TARGET_MODEL, "draft": DRAFT_MODEL}
+
+
+# ---------------------------------------------------------------- typed config objects
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    dtype: str  # Triton's data type without the TYPE_ prefix: INT32, FP32, BOOL, STRING, UINT64, INT64
+    dims: tuple[int, ...]  # per batch item
+    optional: bool = False
+    ragged: bool = False  # allow_ragged_batch
+
+
+@dataclass(frozen=True)
+class EnsembleStep:
+    model: str
+    input_map: tuple[tuple[str, str], ...]  # (step model's input, ensemble tensor)
+    output_map: tuple[tuple[str, str], ...]  # (step model's output, ensemble tensor)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything a config.pbtxt says, plus which model.py source (if any) goes into version 1/."""
+
+    name: str
+    max_batch_size: int
+    inputs: tuple[Tensor, ...]
+    outputs: tuple[Tensor, ...]
+    backend: str | None = "python"
+    platform: str | None = None  # "ensemble"
+    parameters: dict[str, str] = field(default_factory=dict)
+    instance_count: int = 1
+    decoupled: bool = False
+    dynamic_batching_delay_us: int | None = None  # None: no dynamic_batching block
+    steps: tuple[EnsembleStep, ...] = ()
+    source: str | None = None  # file name in specdeploy/triton/models/, copied as <name>/1/model.py
+
+
+def _t(name, dtype, dims, optional=False, ragged=False) -> Tensor:
+    return Tensor(name, dtype, tuple(dims), optional, ragged)
+
+
+# Every tensor list of the layout, written once.
+PERF_OUTPUTS = (
+    _t("acceptance_rate", "FP32", [1]),
+    _t("total_accepted_draft_tokens", "INT32", [1]),
+    _t("total_draft_tokens", "INT32", [1]),
+    _t("arrival_time_ns", "INT64", [1]),
+    _t("first_token_time_ns", "INT64", [1]),
+    _t("last_token_time_ns", "INT64", [1]),
+)
+# ensemble and BLS share these client-facing inputs
+TEXT_INPUTS = (
+    _t("text_input", "STRING", [1]),
+    _t("max_tokens", "INT32", [1]),
+    _t("bad_words", "STRING", [-1], optional=True),
+    _t("stop_words", "STRING", [-1], optional=True),
+    _t("end_id", "INT32", [1], optional=True),
+    _t("pad_id", "INT32", [1], optional=True),
+    _t("top_k", "INT32", [1], optional=True),
+    _t("top_p", "FP32", [1], optional=True),
+    _t("temperature", "FP32", [1], optional=True),
+    _t("seed", "UINT64", [1], optional=True),
+    _t("random_seed", "UINT64", [1], optional=True),  # the older NVIDIA name of `seed`
+    _t("stream", "BOOL", [1], optional=True),
+    _t("exclude_input_in_output", "BOOL", [1], optional=True),
+    _t("return_perf_metrics", "BOOL", [1], optional=True),
+)
+BLS_ONLY_INPUTS = (
+    _t("num_draft_tokens", "INT32", [1], optional=True),
+    _t("use_draft_logits", "BOOL", [1], optional=True),
+)
+TEXT_OUTPUTS = (_t("text_output", "STRING", [-1]),)
+
+PREPROCESSING_INPUTS = (
+    _t("QUERY", "STRING", [1]),
+    _t("REQUEST_OUTPUT_LEN", "INT32", [1]),
+    _t("BAD_WORDS_DICT", "STRING", [-1], optional=True),
+    _t("STOP_WORDS_DICT", "STRING", [-1], optional=True),
+    _t("END_ID", "INT32", [1], optional=True),
+    _t("PAD_ID", "INT32", [1], optional=True),
+)
+PREPROCESSING_OUTPUTS = (
+    _t("INPUT_ID", "INT32", [-1]),
+    _t("REQUEST_INPUT_LEN", "INT32", [1]),
+    _t("BAD_WORDS_IDS", "INT32", [2, -1]),
+    _t("STOP_WORDS_IDS", "INT32", [2, -1]),
+    _t("REQUEST_OUTPUT_LEN", "INT32", [-1]),
+    _t("OUT_END_ID", "INT32", [1]),
+    _t("OUT_PAD_ID", "INT32", [1]),
+)
+LLM_INPUTS = (
+    _t("input_ids", "INT32", [-1], ragged=True),
+    _t("input_lengths", "INT32", [1]),
+    _t("request_output_len", "INT32", [1]),
+    _t("draft_input_ids", "INT32", [-1], optional=True, ragged=True),
+    _t("draft_logits", "FP32", [-1, -1], optional=True, ragged=True),
+    _t("draft_acceptance_threshold", "FP32", [1], optional=True),
+    _t("end_id", "INT32", [1], optional=True),
+    _t("pad_id", "INT32", [1], optional=True),
+    _t("stop_words_list", "INT32", [2, -1], optional=True, ragged=True),
+    _t("bad_words_list", "INT32", [2, -1], optional=True, ragged=True),
+    _t("temperature", "FP32", [1], optional=True),
+    _t("runtime_top_k", "INT32", [1], optional=True),
+    _t("runtime_top_p", "FP32", [1], optional=True),
+    _t("seed", "UINT64", [1], optional=True),
+    _t("random_seed", "UINT64", [1], optional=True),
+    _t("min_tokens", "INT32", [1], optional=True),
+    _t("streaming", "BOOL", [1], optional=True),
+    _t("return_generation_logits", "BOOL", [1], optional=True),
+    _t("exclude_input_in_output", "BOOL", [1], optional=True),
+    _t("return_perf_metrics", "BOOL", [1], optional=True),
+)
+LLM_OUTPUTS = (
+    _t("output_ids", "INT32", [-1, -1]),
+    _t("sequence_length", "INT32", [-1]),
+    _t("generation_logits", "FP32", [-1, -1, -1]),
+    *PERF_OUTPUTS,
+)
+POSTPROCESSING_INPUTS = (
+    _t("TOKENS_BATCH", "INT32", [-1, -1]),
+    _t("SEQUENCE_LENGTH", "INT32", [-1]),
+)
+POSTPROCESSING_OUTPUTS = (_t("OUTPUT", "STRING", [-1]),)
+
+
+# ---------------------------------------------------------------- rendering and checking
+
+
+def _tensor_block(tensors: tuple[Tensor, ...]) -> str:
+    items = []
+    for t in tensors:
+        lines = [f'    name: "{t.name}"', f"    data_type: TYPE_{t.dtype}", f"    dims: [ {', '.join(map(str, t.dims))} ]"]
+        if t.optional:
+            lines.append("    optional: true")
+        if t.ragged:
+            lines.append("    allow_ragged_batch: true")
+        items.append("  {\n" + "\n".join(lines) + "\n  }")
+    return "[\n" + ",\n".join(items) + "\n]"
+
+
+def _quote(value: str) -> str:
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def render(spec: ModelSpec) -> str:
+    """The config.pbtxt text of one model. A parameter without a value is an error, never a default."""
+    out = [f"name: {_quote(spec.name)}"]
+    if spec.platform:
+        out.append(f"platform: {_quote(spec.platform)}")
+    else:
+        out.append(f"backend: {_quote(spec.backend)}")
+    out.append(f"max_batch_size: {spec.max_batch_size}")
+    if spec.decoupled:
+        out.append("model_transaction_policy {\n  decoupled: true\n}")
+    if spec.dynamic_batching_delay_us is not None:
+        out.append(f"dynamic_batching {{\n  max_queue_delay_microseconds: {spec.dynamic_batching_delay_us}\n}}")
+    out.append("input " + _tensor_block(spec.inputs))
+    out.append("output " + _tensor_block(spec.outputs))
+    if spec.steps:
+        steps = []
+        for step in spec.steps:
+            maps = [f'      model_name: "{step.model}"', "      model_version: -1"]
+            for key, value in step.input_map:
+                maps.append(f"      input_map {{ key: {_quote(key)} value: {_quote(value)} }}")
+            for key, value in step.output_map:
+                maps.append(f"      output_map {{ key: {_quote(key)} value: {_quote(value)} }}")
+            steps.append("    {\n" + "\n".join(maps) + "\n    }")
+        out.append("ensemble_scheduling {\n  step [\n" + ",\n".join(steps) + "\n  ]\n}")
+    if not spec.platform:
+        out.append(f"instance_group [\n  {{\n    count: {spec.instance_count}\n    kind: KIND_CPU\n  }}\n]")
+    for key, value in spec.parameters.items():
+        if value is None:
+            raise RepoError(f"model {spec.name}: parameter '{key}' has no value", "this is a bug in the repository generator")
+        out.append(f"parameters: {{\n  key: {_quote(key)}\n  value: {{ string_value: {_quote(str(value))} }}\n}}")
+    return "\n".join(out) + "\n"
+
+
+def check_config(text: str, expected_name: str | None = None):
+    """Parse config.pbtxt text with Triton's ModelConfig protobuf; RepoError naming the problem otherwise."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    try:
+        config = text_format.Parse(text, model_config_pb2.ModelConfig())
+    except text_format.ParseError as exc:
+        raise RepoError(f"config of model {expected_name or '?'} does not parse as Triton's ModelConfig: {exc}") from exc
+    if expected_name is not None and config.name != expected_name:
+        raise RepoError(f"config names model {config.name!r}, expected {expected_name!r}")
+    return config
+
+
+def _check_ensemble(spec: ModelSpec, specs: dict[str, ModelSpec]) -> None:
+    """Every step mapping names a real tensor of the step model; every ensemble output is produced."""
+    produced = {t.name for t in spec.inputs}
+    for step in spec.steps:
+        model = specs[step.model]
+        model_inputs = {t.name for t in model.inputs}
+        model_outputs = {t.name for t in model.outputs}
+        for key, value in step.input_map:
+            if key not in model_inputs or value not in produced:
+                raise RepoError(f"ensemble step {step.model}: input {key} <- {value} maps an unknown tensor")
+        for key, value in step.output_map:
+            if key not in model_outputs:
+                raise RepoError(f"ensemble step {step.model}: output {key} is not an output of {step.model}")
+            produced.add(value)
+    missing = [t.name for t in spec.outputs if t.name not in produced]
+    if missing:
+        raise RepoError(f"ensemble outputs {missing} are not produced by any step")
+
+
+# ---------------------------------------------------------------- the models of the layout
+
+
+@dataclass(frozen=True)
+class RepoInputs:
+    """What the per-backend builders need: the recipe, the engines and their manifests."""
+
+    recipe: Recipe
+    engine_dirs: dict[str, Path]  # role -> absolute engine dir
+    engine_manifests: dict[str, Manifest]
+    executor_factory: str  # "module:callable" that loads an Executor from an engine dir
+
+    def engine_setting(self, role: str, key: str, default):
+        """A build setting from the engine's manifest (top level or its `engine` section), else `default`."""
+        settings = self.engine_manifests[role].settings
+        value = settings.get(key)
+        if value is None and isinstance(settings.get("engine"), dict):
+            value = settings["engine"].get(key)
+        return default if value is None else value
+
+    @property
+    def target_max_draft_len(self) -> int:
+        return int(self.engine_setting("target", "max_draft_len", self.recipe.speculative.max_draft_len))
+
+    @property
+    def max_input_len(self) -> int:
+        return int(self.engine_setting("target", "max_input_len", self.recipe.engine.max_input_len))
+
+    @property
+    def max_seq_len(self) -> int:
+        return int(self.engine_setting("target", "max_seq_len", self.recipe.engine.max_seq_len))
+
+
+def _tokenizer_params(model: str) -> dict[str, str]:
+    # One copy inside preprocessing/ (a top-level folder would be taken for a model), referred to
+    # relative to each model's own folder: the repository stays valid wherever it is moved.
+    here = TOKENIZER_SUBDIR if model == PREPROCESSING else f"../{PREPROCESSING}/{TOKENIZER_SUBDIR}"
+    return {"tokenizer_dir": here}
+
+
+def preprocessing_spec(inp: RepoInputs) -> ModelSpec:
+    r = inp.recipe
+    return ModelSpec(
+        name=PREPROCESSING,
+        max_batch_size=r.engine.max_batch_size,
+        inputs=PREPROCESSING_INPUTS,
+        outputs=PREPROCESSING_OUTPUTS,
+        parameters={**_tokenizer_params(PREPROCESSING), "add_special_tokens": "true", "max_input_len": str(inp.max_input_len)},
+        instance_count=1,  # tokenizing takes microseconds; each extra instance costs a process and its start-up
+        source="preprocessing.py",
+    )
+
+
+def postprocessing_spec(inp: RepoInputs) -> ModelSpec:
+    r = inp.recipe
+    return ModelSpec(
+        name=POSTPROCESSING,
+        max_batch_size=r.engine.max_batch_size,
+        inputs=POSTPROCESSING_INPUTS,
+        outputs=POSTPROCESSING_OUTPUTS,
+        parameters={**_tokenizer_params(POSTPROCESSING), "skip_special_tokens": "true"},
+        instance_count=1,
+        source="postprocessing.py",
+    )
+
+
+def ensemble_spec(inp: RepoInputs) -> ModelSpec:
+    pre = EnsembleStep(
+        PREPROCESSING,
+        input_map=(
+            ("QUERY", "text_input"),
+            ("REQUEST_OUTPUT_LEN", "max_tokens"),
+            ("BAD_WORDS_DICT", "bad_words"),
+            ("STOP_WORDS_DICT", "stop_words"),
+            ("END_ID", "end_id"),
+            ("PAD_ID", "pad_id"),
+        ),
+        output_map=(
+            ("INPUT_ID", "_INPUT_ID"),
+            ("REQUEST_INPUT_LEN", "_REQUEST_INPUT_LEN"),
+            ("BAD_WORDS_IDS", "_BAD_WORDS_IDS"),
+            ("STOP_WORDS_IDS", "_STOP_WORDS_IDS"),
+            ("REQUEST_OUTPUT_LEN", "_REQUEST_OUTPUT_LEN"),
+            ("OUT_END_ID", "_PREPROCESSOR_END_ID"),
+            ("OUT_PAD_ID", "_PREPROCESSOR_PAD_ID"),
+        ),
+    )
+    llm = EnsembleStep(
+        TARGET_MODEL,
+        input_map=(
+            ("input_ids", "_INPUT_ID"),
+            ("input_lengths", "_REQUEST_INPUT_LEN"),
+            ("request_output_len", "_REQUEST_OUTPUT_LEN"),
+            ("end_id", "_PREPROCESSOR_END_ID"),
+            ("pad_id", "_PREPROCESSOR_PAD_ID"),
+            ("stop_words_list", "_STOP_WORDS_IDS"),
+            ("bad_words_list", "_BAD_WORDS_IDS"),
+            ("temperature", "temperature"),
+            ("runtime_top_k", "top_k"),
+            ("runtime_top_p", "top_p"),
+            ("seed", "seed"),
+            ("random_seed", "random_seed"),
+            ("streaming", "stream"),
+            ("exclude_input_in_output", "exclude_input_in_output"),
+            ("return_perf_metrics", "return_perf_metrics"),
+        ),
+        output_map=(("output_ids", "_TOKENS_BATCH"), ("sequence_length", "_SEQUENCE_LENGTH"))
+        + tuple((t.name, t.name) for t in PERF_OUTPUTS),
+    )
+    post = EnsembleStep(
+        POSTPROCESSING,
+        input_map=(("TOKENS_BATCH", "_TOKENS_BATCH"), ("SEQUENCE_LENGTH", "_SEQUENCE_LENGTH")),
+        output_map=(("OUTPUT", "text_output"),),
+    )
+    return ModelSpec(
+        name=ENSEMBLE,
+        platform="ensemble",
+        backend=None,
+        max_batch_size=inp.recipe.engine.max_batch_size,
+        inputs=TEXT_INPUTS,
+        outputs=TEXT_OUTPUTS + PERF_OUTPUTS,
+        steps=(pre, llm, post),
+    )
+
+
+def bls_spec(inp: RepoInputs) -> ModelSpec:
+    r = inp.recipe
+    return ModelSpec(
+        name=BLS,
+        max_batch_size=r.engine.max_batch_size,
+        inputs=TEXT_INPUTS + BLS_ONLY_INPUTS,
+        outputs=TEXT_OUTPUTS + PERF_OUTPUTS,
+        parameters={
+            **_tokenizer_params(BLS),
+            "add_special_tokens": "true",
+            "skip_special_tokens": "true",
+            "tensorrt_llm_model_name": TARGET_MODEL,
+            "tensorrt_llm_draft_model_name": DRAFT_MODEL,
+            "accumulate_tokens": "true",
+            "num_draft_tokens": str(r.speculative.num_draft_tokens),
+            "max_draft_len": str(inp.target_max_draft_len),
+            "use_draft_logits": str(r.speculative.use_draft_logits).lower(),
+            "max_input_len": str(inp.max_input_len),
+            "max_seq_len": str(inp.max_seq_len),
+        },
+        instance_count=r.triton.instance_count,
+        decoupled=r.triton.decoupled,
+        source="tensorrt_llm_bls.py",
+    )
+
+
+def _cpu_engine_models(inp: RepoInputs) -> list[ModelSpec]:
+    """tensorrt_llm and tensorrt_llm_draft as python models over specdeploy's CPU engine."""
+    r = inp.recipe
+    specs = []
+    for role, name in ENGINE_MODEL_NAMES.items():
+        max_draft_len = inp.target_max_draft_len if role == "target" else 0
+        specs.append(
+            ModelSpec(
+                name=name,
+                max_batch_size=r.engine.max_batch_size,
+                inputs=LLM_INPUTS,
+                outputs=LLM_OUTPUTS,
+                parameters={
+                    "gpt_model_path": str(inp.engine_dirs[role]),
+                    "gpt_model_type": "inflight_fused_batching",
+                    "max_beam_width": "1",
+                    "enable_kv_cache_reuse": "true",
+                    "kv_cache_free_gpu_mem_fraction": str(r.engine.kv_cache_free_gpu_mem_fraction),
+                    "exclude_input_in_output": "false",
+                    "executor_factory": inp.executor_factory,
+                    "max_input_len": str(int(inp.engine_setting(role, "max_input_len", r.engine.max_input_len))),
+                    "max_seq_len": str(int(inp.engine_setting(role, "max_seq_len", r.engine.max_seq_len))),
+                    "max_draft_len": str(max_draft_len),
+                },
+                instance_count=r.triton.instance_count,
+                decoupled=r.triton.decoupled,
+                dynamic_batching_delay_us=r.triton.max_queue_delay_microseconds,
+                source="tensorrt_llm.py",
+            )
+        )
+    return specs
+
+
+# Per-backend engine models. The GPU backends ("trtllm-engine": backend "tensorrtllm" with
+# gpt_model_path/decoupled_mode/enable_kv_cache_reuse; "trtllm-llmapi": the llmapi python model
+# with model.yaml) add their builder here with the same tensor lists; the shared models stay as
+# they are. A builder returns the specs of `tensorrt_llm` and `tensorrt_llm_draft` (and any extra
+# models); it may also return extra files via ModelSpec.source.
+ENGINE_MODELS: dict[str, Callable[[RepoInputs], list[ModelSpec]]] = {
+    "cpu": _cpu_engine_models,
+}
+
+
+def model_specs(inp: RepoInputs) -> list[ModelSpec]:
+    """All models of the repository for the recipe's backend, in load order."""
+    builder = ENGINE_MODELS.get(inp.recipe.backend)
+    if builder is None:
+        raise RepoError(
+            f"the repository generator has no models for backend '{inp.recipe.backend}' yet",
+            f"backends with a generator: {', '.join(ENGINE_MODELS)}",
+        )
+    return [preprocessing_spec(inp), *builder(inp), postprocessing_spec(inp), ensemble_spec(inp), bls_spec(inp)]
+
+
+# ---------------------------------------------------------------- the stage
+
+
+def _sources_hash() -> str:
+    from specdeploy.artifacts import file_hash
+
+    return fingerprint(**{p.name: file_hash(p) for p in sorted(MODEL_SOURCES.glob("*.py"))})
+
+
+def _has_tokenizer(path: Path) -> bool:
+    return (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file()
+
+
+def find_tokenizer(engine_dir: Path, manifest: Manifest, model: str | None = None) -> Path:
+    """The tokenizer saved with the engine or its checkpoint, else the source model's (the recipe's
+    `model`, resolved like the quantize stage does: a bundled name or a local HF folder)."""
+    candidates = [Path(engine_dir), Path(engine_dir) / "tokenizer"]
+    for section in (manifest.settings, manifest.extra, manifest.inputs):
+        for key in ("tokenizer_dir", "checkpoint", "source_dir", "model_dir", "hf_dir", "source_model_dir"):
+            value = section.get(key) if isinstance(section, dict) else None
+            if isinstance(value, str):
+                candidates.append(Path(value))
+    for path in candidates:
+        if _has_tokenizer(path):
+            return path
+    model = manifest.extra.get("model") if isinstance(manifest.extra.get("model"), str) else model
+    if model:
+        from specdeploy import models
+
+        source = Path(models.resolve(model))
+        if _has_tokenizer(source):
+            return source
+        candidates.append(source)
+    raise RepoError(
+        f"no tokenizer found for engine {engine_dir} (looked in {', '.join(map(str, candidates))})",
+        "rebuild the engine so that it saves the tokenizer beside it: specdeploy build RECIPE --force",
+    )
+
+
+def _cpu_engine_fingerprint(recipe: Recipe, layout, role: str) -> str | None:
+    """What `specdeploy build` would record for this engine now (None when its checkpoint is gone)."""
+    from specdeploy.engine.build import engine_fingerprint
+
+    checkpoint = Manifest.read(layout.checkpoint(role))
+    if checkpoint is None:
+        return None
+    max_draft_len = recipe.speculative.max_draft_len if role == "target" else None
+    return engine_fingerprint(recipe, role, checkpoint, max_draft_len)
+
+
+# Per-backend "is this engine what the recipe asks for now" (the GPU backends add theirs).
+EXPECTED_ENGINE_FINGERPRINT: dict[str, Callable[[Recipe, object, str], str | None]] = {
+    "cpu": _cpu_engine_fingerprint,
+}
+
+
+def repo_inputs(recipe: Recipe, layout, recipe_path: str = "RECIPE", executor_factory: str | None = None) -> RepoInputs:
+    """Read the engines' manifests (StaleArtifactError with a `specdeploy build` hint when missing)."""
+    dirs, manifests = {}, {}
+    for role in ROLES:
+        engine_dir = Path(layout.engine(role)).resolve()
+        manifests[role] = require(engine_dir, "build", f"specdeploy build {recipe_path}")
+        if manifests[role].recipe_name != recipe.name:
+            from specdeploy.errors import StaleArtifactError
+
+            raise StaleArtifactError(
+                f"{engine_dir} was built for recipe {manifests[role].recipe_name!r}, not {recipe.name!r}",
+                f"run: specdeploy build {recipe_path}",
+            )
+        expected = EXPECTED_ENGINE_FINGERPRINT.get(recipe.backend, lambda *_: None)(recipe, layout, role)
+        if expected is not None and manifests[role].fingerprint != expected:
+            from specdeploy.errors import StaleArtifactError
+
+            raise StaleArtifactError(
+                f"the {role} engine {engine_dir} is stale: its checkpoint or the recipe's engine settings changed",
+                f"run: specdeploy build {recipe_path}",
+            )
+        dirs[role] = engine_dir
+    inp = RepoInputs(recipe, dirs, manifests, executor_factory or CPU_EXECUTOR_FACTORY)
+    if recipe.speculative.num_draft_tokens > inp.target_max_draft_len:
+        raise RepoError(
+            f"speculative.num_draft_tokens ({recipe.speculative.num_draft_tokens}) is larger than the target "
+            f"engine's max_draft_len ({inp.target_max_draft_len})",
+            f"rebuild the target with a larger max_draft_len: specdeploy build {recipe_path} --force",
+        )
+    return inp
+
+
+def repo_fingerprint(inp: RepoInputs) -> str:
+    r = inp.recipe
+    return fingerprint(
+        engines={role: m.fingerprint for role, m in inp.engine_manifests.items()},
+        engine_dirs={role: str(d) for role, d in inp.engine_dirs.items()},
+        backend=r.backend,
+        speculative=to_plain(r.speculative),
+        engine=to_plain(r.engine),
+        triton={k: getattr(r.triton, k) for k in ("instance_count", "decoupled", "max_queue_delay_microseconds")},
+        executor_factory=inp.executor_factory,
+        sources=_sources_hash(),
+    )
+
+
+def generate_repository(
+    recipe: Recipe, layout, recipe_path: str = "RECIPE", force: bool = False, executor_factory: str | None = None
+) -> tuple[Path, bool]:
+    """Write `layout.repo` for the recipe; returns (path, written). An up-to-date repository is kept.
+
+    Refuses missing or mismatched engines (hint: `specdeploy build`). Each config.pbtxt is checked
+    with Triton's ModelConfig schema before anything is written; the write is atomic.
+    """
+    if recipe.backend == "trtllm-llmapi":  # not the shared layout: one llmapi model (triton/gpu_models.py)
+        from specdeploy.triton.gpu_models import generate_llmapi_repository
+
+        return generate_llmapi_repository(recipe, layout, recipe_path, force)
+    inp = repo_inputs(recipe, layout, recipe_path, executor_factory)
+    fp = repo_fingerprint(inp)
+    dest = Path(layout.repo)
+    current = Manifest.read(dest)
+    if not force and current is not None and current.stage == STAGE and current.fingerprint == fp:
+        return dest, False
+
+    specs = model_specs(inp)
+    by_name = {s.name: s for s in specs}
+    texts = {}
+    for spec in specs:
+        text = render(spec)
+        check_config(text, spec.name)
+        if spec.steps:
+            _check_ensemble(spec, by_name)
+        texts[spec.name] = text
+    tokenizer_src = find_tokenizer(inp.engine_dirs["target"], inp.engine_manifests["target"], recipe.target.model)
+
+    with atomic_output(dest) as tmp:
+        for spec in specs:
+            model_dir = tmp / spec.name
+            (model_dir / "1").mkdir(parents=True)
+            (model_dir / "config.pbtxt").write_text(texts[spec.name])
+            if spec.source:
+                shutil.copyfile(MODEL_SOURCES / spec.source, model_dir / "1" / "model.py")
+        tok_dir = tmp / PREPROCESSING / TOKENIZER_SUBDIR
+        tok_dir.mkdir()
+        for name in TOKENIZER_FILES:
+            if (tokenizer_src / name).is_file():
+                shutil.copyfile(tokenizer_src / name, tok_dir / name)
+        Manifest(
+            stage=STAGE,
+            recipe_name=recipe.name,
+            fingerprint=fp,
+            settings={
+                "backend": recipe.backend,
+                "models": [s.name for s in specs],
+                "decoupled": recipe.triton.decoupled,
+                "instance_count": recipe.triton.instance_count,
+                "num_draft_tokens": recipe.speculative.num_draft_tokens,
+                "max_draft_len": inp.target_max_draft_len,
+                "max_input_len": inp.max_input_len,
+                "max_seq_len": inp.max_seq_len,
+            },
+            inputs={f"{role}_engine": m.fingerprint for role, m in inp.engine_manifests.items()},
+            tool_versions=tool_versions("tritonclient", "transformers"),
+            extra={"engine_dirs": {r: str(d) for r, d in inp.engine_dirs.items()}, "tokenizer_source": str(tokenizer_src)},
+        ).write(tmp)
+    return dest, True
+
+
+def require_repository(recipe: Recipe, layout, recipe_path: str = "RECIPE") -> Manifest:
+    """The repository's manifest if it matches the engines and recipe now; StaleArtifactError otherwise."""
+    from specdeploy.errors import StaleArtifactError
+
+    manifest = require(layout.repo, STAGE, f"specdeploy repo {recipe_path}")
+    try:
+        inp = repo_inputs(recipe, layout, recipe_path, _recorded_factory(layout.repo))
+    except StaleArtifactError as exc:
+        raise StaleArtifactError(f"the repository's engines are not usable: {exc.message}", exc.hint) from exc
+    if manifest.fingerprint != repo_fingerprint(inp):
+        raise StaleArtifactError(
+            f"{layout.repo} is stale: the engines, the recipe or specdeploy changed since it was generated",
+            f"run: specdeploy repo {recipe_path}",
+        )
+    return manifest
+
+
+def _recorded_factory(repo: Path) -> str | None:
+    config = Path(repo) / TARGET_MODEL / "config.pbtxt"
+    if not config.is_file():
+        return None
+    parsed = check_config(config.read_text())
+    param = parsed.parameters.get("executor_factory")
+    return param.string_value if param is not None and param.string_value else None
+
+
+def _trtllm_engine_models(inp: RepoInputs) -> list[ModelSpec]:
+    """backend trtllm-engine: tensorrtllm C++ backend models, defined in specdeploy/triton/gpu_models.py."""
+    from specdeploy.triton.gpu_models import trtllm_engine_models  # imported late: gpu_models imports this module
+
+    return trtllm_engine_models(inp)
+
+
+ENGINE_MODELS["trtllm-engine"] = _trtllm_engine_models

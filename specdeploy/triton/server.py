@@ -1,0 +1,499 @@
+"""The tritonserver process: find or fetch the binary, set up the python backend, start, wait, stop.
+
+The binary comes from `--server-binary PATH`, `$SPECDEPLOY_TRITONSERVER`, or the `nvidia-pytriton`
+wheel (fetched with `pip download --no-deps`, never installed: it pins numpy<2 for its own package)
+extracted into `$SPECDEPLOY_HOME/tritonserver/`. The python backend stub of that wheel runs the
+system's Python of the same minor version in isolated mode, so PYTHONPATH is ignored: the models
+read `SPECDEPLOY_SITE` (our site-packages and source root) and put it on sys.path themselves.
+
+A server started here runs in its own process group, logs to a file, binds to 127.0.0.1 on free
+ports (or the recipe's), and is stopped with SIGTERM (then SIGKILL to the whole group).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import zipfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from specdeploy.artifacts import home
+from specdeploy.errors import ServerError
+
+PYTRITON_WHEEL = "nvidia-pytriton==0.7.0"
+BINARY_ENV = "SPECDEPLOY_TRITONSERVER"
+HOST = "127.0.0.1"
+STATE_FILE = "server.json"
+LOG_FILE = "tritonserver.log"
+EXIT_TIMEOUT_S = 10
+
+
+def install_dir() -> Path:
+    return home() / "tritonserver"
+
+
+def _wheel_binary() -> Path:
+    return install_dir() / "pytriton" / "tritonserver" / "bin" / "tritonserver"
+
+
+# ---------------------------------------------------------------- finding the binary
+
+
+def find_binary(explicit: str | os.PathLike | None = None, fetch: bool = True) -> Path | None:
+    """The tritonserver binary: explicit path, $SPECDEPLOY_TRITONSERVER, the extracted wheel, or
+    (fetch=True) the wheel downloaded now. None when not found and fetch=False."""
+    for source, value in (("--server-binary", explicit), (f"${BINARY_ENV}", os.environ.get(BINARY_ENV))):
+        if value:
+            path = Path(value).expanduser()
+            if not (path.is_file() and os.access(path, os.X_OK)):
+                raise ServerError(f"{source} {path} is not an executable file", "point it at a tritonserver binary")
+            return path.resolve()
+    if _wheel_binary().is_file():
+        return _wheel_binary()
+    if not fetch:
+        return None
+    fetch_wheel()
+    return _wheel_binary()
+
+
+def fetch_wheel() -> Path:
+    """Download the nvidia-pytriton wheel (no dependencies) and extract the server into install_dir()."""
+    dest = install_dir()
+    with tempfile.TemporaryDirectory(prefix="specdeploy-pytriton-") as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", PYTRITON_WHEEL, "-d", tmp]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise ServerError(
+                f"could not download {PYTRITON_WHEEL} (it holds the tritonserver binary): {proc.stderr.strip()[-500:]}",
+                f"check network access to PyPI, or pass --server-binary PATH / set ${BINARY_ENV}",
+            )
+        wheels = list(Path(tmp).glob("nvidia_pytriton-*.whl"))
+        if not wheels:
+            raise ServerError(f"pip download {PYTRITON_WHEEL} produced no wheel", "pass --server-binary PATH")
+        staging = Path(tempfile.mkdtemp(prefix=".tritonserver-", dir=dest.parent if dest.parent.exists() else None))
+        try:
+            with zipfile.ZipFile(wheels[0]) as zf:
+                for info in zf.infolist():
+                    if info.filename.startswith(("pytriton/tritonserver/", "nvidia_pytriton.libs/")):
+                        zf.extract(info, staging)
+                        mode = (info.external_attr >> 16) & 0o777
+                        if mode:
+                            os.chmod(staging / info.filename, mode)
+            binary = staging / "pytriton" / "tritonserver" / "bin" / "tritonserver"
+            if not binary.is_file():
+                raise ServerError(f"{wheels[0].name} has no pytriton/tritonserver/bin/tritonserver", "pass --server-binary PATH")
+            for path in [binary, *(staging / "pytriton" / "tritonserver" / "python_backend_stubs").glob("*/triton_python_backend_stub")]:
+                path.chmod(0o755)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            if dest.exists():
+                shutil.rmtree(dest)
+            staging.rename(dest)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return dest
+
+
+@dataclass(frozen=True)
+class Install:
+    """A usable server: binary, backend directory (with the python backend), library paths."""
+
+    binary: Path
+    backend_dir: Path
+    lib_dirs: tuple[Path, ...]
+
+
+def prepare(binary: Path) -> Install:
+    """Set up the backend directory for `binary` with the python stub of this Python version."""
+    root = binary.parent.parent  # .../tritonserver
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stubs = root / "python_backend_stubs"
+    libs = tuple(p for p in (root.parent.parent / "nvidia_pytriton.libs", root / "lib") if p.is_dir())
+    if not stubs.is_dir():  # a regular install (/opt/tritonserver): its backends/ is ready as it is
+        backend_dir = root / "backends"
+        if not (backend_dir / "python").is_dir():
+            raise ServerError(f"{backend_dir} has no python backend", "use a tritonserver build with the python backend")
+        return Install(binary, backend_dir, libs)
+    stub = stubs / version / "triton_python_backend_stub"
+    if not stub.is_file():
+        have = ", ".join(sorted(p.name for p in stubs.iterdir()))
+        raise ServerError(
+            f"the server has no python backend stub for Python {version} (it has {have})",
+            "run specdeploy with one of those Python versions",
+        )
+    backend_dir = install_dir() / "backends" if binary == _wheel_binary() else root.parent / f"backends-py{version}"
+    python_dir = backend_dir / "python"
+    marker = python_dir / ".stub-version"
+    if not (marker.is_file() and marker.read_text() == f"{stub}\n"):
+        if python_dir.exists():
+            shutil.rmtree(python_dir)
+        shutil.copytree(root / "backends" / "python", python_dir)
+        shutil.copy2(stub, python_dir / "triton_python_backend_stub")
+        (python_dir / "triton_python_backend_stub").chmod(0o755)
+        marker.write_text(f"{stub}\n")
+    return Install(binary, backend_dir, libs)
+
+
+def site_paths(extra: tuple[str, ...] = ()) -> list[str]:
+    """What the models put on sys.path: our source root, this interpreter's site-packages, extras."""
+    import site
+
+    source_root = str(Path(__file__).resolve().parents[2])
+    paths = [*extra, source_root, *site.getsitepackages()]
+    user = site.getusersitepackages() if site.ENABLE_USER_SITE else None
+    if user and os.path.isdir(user):
+        paths.append(user)
+    return list(dict.fromkeys(paths))
+
+
+# ---------------------------------------------------------------- ports
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def _port_taken(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((HOST, port))
+        except OSError:
+            return True
+    return False
+
+
+@dataclass(frozen=True)
+class Ports:
+    grpc: int
+    http: int
+    metrics: int
+
+    @classmethod
+    def pick(cls, grpc: int = 0, http: int = 0, metrics: int = 0) -> "Ports":
+        """The given ports (0 = a free loopback port); a given port in use is an error."""
+        chosen = []
+        for name, port in (("grpc_port", grpc), ("http_port", http), ("metrics_port", metrics)):
+            if port and _port_taken(port):
+                raise ServerError(f"port {port} (triton.{name}) is already in use", f"set triton.{name}: 0 to pick a free one")
+            while not port or port in chosen:
+                port = free_port()
+            chosen.append(port)
+        return cls(*chosen)
+
+
+# ---------------------------------------------------------------- the running server
+
+
+@dataclass
+class ServerState:
+    """What `serve --detach` leaves for `status` and `stop`."""
+
+    pid: int
+    grpc_port: int
+    http_port: int
+    metrics_port: int
+    log: str
+    repo: str
+    started: float
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{HOST}:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"{HOST}:{self.http_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{HOST}:{self.metrics_port}/metrics"
+
+    def write(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / STATE_FILE).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def read(cls, directory: Path) -> "ServerState | None":
+        try:
+            return cls(**json.loads((Path(directory) / STATE_FILE).read_text()))
+        except (OSError, ValueError, TypeError):
+            return None
+
+
+class Server:
+    """A started tritonserver process (own process group). Use as a context manager to always stop it."""
+
+    def __init__(self, process: subprocess.Popen, state: ServerState, exit_timeout_s: int = EXIT_TIMEOUT_S):
+        self.process = process
+        self.state = state
+        self.exit_timeout_s = exit_timeout_s
+
+    def __enter__(self) -> "Server":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self) -> None:
+        stop_pid(self.process.pid, self.exit_timeout_s + 10, self.process)
+
+
+def start(
+    repo: Path,
+    ports: Ports,
+    log_path: Path,
+    binary: str | os.PathLike | None = None,
+    extra_site: tuple[str, ...] = (),
+    extra_args: tuple[str, ...] = (),
+    exit_timeout_s: int = EXIT_TIMEOUT_S,
+    die_with_parent: bool = True,
+) -> Server:
+    """Start tritonserver on `repo` (returns at once; call wait_ready). Logs go to `log_path`.
+
+    die_with_parent: the kernel sends the server SIGTERM when this process dies, even by SIGKILL
+    (Linux), so a crashed test run or CLI never leaves a server behind; `serve --detach` turns it off.
+    """
+    install = prepare(find_binary(binary))
+    env = dict(os.environ)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join([*map(str, install.lib_dirs), *filter(None, [env.get("LD_LIBRARY_PATH")])])
+    env["SPECDEPLOY_SITE"] = os.pathsep.join(site_paths(extra_site))
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    cmd = [
+        str(install.binary),
+        f"--model-repository={Path(repo).resolve()}",
+        f"--backend-directory={install.backend_dir}",
+        f"--grpc-address={HOST}",
+        f"--grpc-port={ports.grpc}",
+        f"--http-address={HOST}",
+        f"--http-port={ports.http}",
+        f"--metrics-address={HOST}",
+        f"--metrics-port={ports.metrics}",
+        f"--exit-timeout-secs={exit_timeout_s}",
+        "--pinned-memory-pool-byte-size=0",
+        "--disable-auto-complete-config",
+        *extra_args,
+    ]
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "wb") as log:
+        log.write(("$ " + " ".join(cmd) + "\n").encode())
+        log.flush()
+        process = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent if die_with_parent else None,
+        )
+    state = ServerState(process.pid, ports.grpc, ports.http, ports.metrics, str(log_path), str(repo), time.time())
+    return Server(process, state, exit_timeout_s)
+
+
+def _die_with_parent() -> None:
+    try:
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):  # not Linux: the finalizers still stop it
+        pass
+
+
+def is_ready(http_port: int, timeout_s: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{HOST}:{http_port}/v2/health/ready", timeout=timeout_s) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def wait_ready(server: Server, timeout_s: float) -> None:
+    """Block until the server says ready; on exit or timeout stop it and raise ServerError with the log's gist."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not server.alive():
+            raise ServerError(
+                f"tritonserver exited with code {server.process.returncode} while starting\n{relevant_log(server.state.log)}",
+                f"full log: {server.state.log}",
+            )
+        if is_ready(server.state.http_port):
+            return
+        time.sleep(0.25)
+    server.stop()
+    raise ServerError(
+        f"tritonserver was not ready within {timeout_s:.0f} s\n{relevant_log(server.state.log)}",
+        f"full log: {server.state.log}; raise triton.startup_timeout_s if models are slow to load",
+    )
+
+
+_ERROR_LINE = re.compile(r"^E\d{4} |^error|\w+Error\b|UNAVAILABLE|failed to load")
+_NOISE = ("CUDA", "cuda", "DCGM", "NVML", "pinned memory", "CudaDriverHelper", "GPU")
+
+
+def relevant_log(path: str | os.PathLike, tail: int = 25) -> str:
+    """Error lines and tracebacks from the log (GPU/DCGM noise left out), or its last lines."""
+    try:
+        lines = Path(path).read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    picked, in_trace = [], False
+    for line in lines:
+        if "Traceback" in line:
+            in_trace = True
+        if in_trace or _ERROR_LINE.search(line):
+            if not any(word in line for word in _NOISE):
+                picked.append(line)
+        if in_trace and line and not line.startswith((" ", "Traceback")):
+            in_trace = False
+    chosen = picked[-tail:] if picked else lines[-tail:]
+    return "\n".join("  | " + line for line in chosen)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie of ours counts as gone
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return True
+
+
+def stop_pid(pid: int, timeout_s: float = EXIT_TIMEOUT_S + 10, process: subprocess.Popen | None = None) -> None:
+    """SIGTERM the server (it finishes in-flight requests), then SIGKILL its process group (python stubs)."""
+    try:
+        pgid = os.getpgid(pid)
+    except ProcessLookupError:
+        pgid = None
+    if pgid is not None:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if process is not None and process.poll() is not None:
+                break
+            if process is None and not pid_alive(pid):
+                break
+            time.sleep(0.1)
+        if pgid == pid:  # our own session: take the stub processes down with it
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    if process is not None:
+        try:
+            process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+# ---------------------------------------------------------------- serve / status / stop for the CLI
+
+
+def serve(
+    repo: Path,
+    state_dir: Path,
+    triton_cfg,
+    binary: str | None = None,
+    detach: bool = False,
+    echo=print,
+    extra_site: tuple[str, ...] = (),
+    recipe_path: str = "RECIPE",
+) -> ServerState:
+    """Start the server on `repo`, wait until ready and print its addresses.
+
+    detach=True: leave it running and record it in state_dir for `status`/`stop`. Otherwise block
+    until Ctrl-C (SIGINT) or SIGTERM, then stop it cleanly.
+    """
+    existing = ServerState.read(state_dir)
+    if existing is not None and pid_alive(existing.pid):
+        raise ServerError(
+            f"a server for this recipe is already running (pid {existing.pid}, grpc {existing.grpc_url})",
+            f"stop it first: specdeploy stop {recipe_path}",
+        )
+    ports = Ports.pick(triton_cfg.grpc_port, triton_cfg.http_port, triton_cfg.metrics_port)
+    server = start(repo, ports, Path(state_dir) / LOG_FILE, binary=binary, extra_site=extra_site, die_with_parent=not detach)
+    try:
+        wait_ready(server, triton_cfg.startup_timeout_s)
+    except BaseException:
+        server.stop()
+        raise
+    state = server.state
+    echo(f"tritonserver ready (pid {state.pid})")
+    echo(f"  grpc:    {state.grpc_url}")
+    echo(f"  http:    {state.http_url}")
+    echo(f"  metrics: {state.metrics_url}")
+    echo(f"  log:     {state.log}")
+    if detach:
+        state.write(Path(state_dir))
+        echo(f"detached; stop it with: specdeploy stop {recipe_path}")
+        return state
+
+    def _terminate(signum, frame):
+        raise KeyboardInterrupt
+
+    # Ctrl-C and SIGTERM both stop the server cleanly (also when SIGINT was ignored at start-up).
+    previous = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        echo("serving; press Ctrl-C to stop")
+        code = server.process.wait()
+        raise ServerError(f"tritonserver exited with code {code}\n{relevant_log(state.log)}", f"full log: {state.log}")
+    except KeyboardInterrupt:
+        echo("stopping tritonserver ...")
+        server.stop()
+        echo("stopped")
+        return state
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if server.alive():
+            server.stop()
+
+
+def status(state_dir: Path) -> tuple[ServerState | None, str]:
+    """(state, one-line description) of the detached server recorded in state_dir."""
+    state = ServerState.read(state_dir)
+    if state is None:
+        return None, "not running (no server started with --detach)"
+    if not pid_alive(state.pid):
+        return state, f"not running (pid {state.pid} has exited; log: {state.log})"
+    ready = "ready" if is_ready(state.http_port) else "not ready"
+    return state, f"running, {ready}: pid {state.pid}, grpc {state.grpc_url}, http {state.http_url}, metrics {state.metrics_url}"
+
+
+def stop(state_dir: Path) -> str:
+    state = ServerState.read(state_dir)
+    if state is None:
+        return "no server to stop"
+    if pid_alive(state.pid):
+        stop_pid(state.pid)
+        message = f"stopped tritonserver (pid {state.pid})"
+    else:
+        message = f"tritonserver (pid {state.pid}) had already exited"
+    (Path(state_dir) / STATE_FILE).unlink(missing_ok=True)
+    return message

@@ -1,0 +1,277 @@
+"""The validation client against a real tritonserver with tiny models (loopback only).
+
+One module-scoped server serves a tiny random target and draft through the repository generator,
+with a test-only executor hook that corrupts one token of the speculative path for one prompt.
+Skipped when the tritonserver binary is not available here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from specdeploy.artifacts import Layout, Manifest
+from specdeploy.config import parse_recipe
+
+server_mod = pytest.importorskip("specdeploy.triton.server")
+from specdeploy.client import gate  # noqa: E402
+from specdeploy.client.triton_adapter import TritonEndpoint  # noqa: E402
+from specdeploy.client.validate import tokenizer_dir, validate_recipe  # noqa: E402
+from specdeploy.errors import ClientError  # noqa: E402
+
+TESTS_DIR = Path(__file__).resolve().parent
+CLEAN_PROMPTS = [
+    ("The quick brown fox", "chat"),
+    ("def add(a, b):", "code"),
+    ("Triton Inference Server serves models", "summarization"),
+]
+MAX_TOKENS = 8
+
+pytestmark = [
+    pytest.mark.server,
+    pytest.mark.skipif(server_mod.find_binary(fetch=False) is None, reason="no tritonserver binary (specdeploy serve fetches it)"),
+]
+
+
+def _recipe_dict(target: Path, draft: Path, name: str = "clienttest", decoupled: bool = False) -> dict:
+    return {
+        "name": name,
+        "triton": {"decoupled": decoupled},
+        "backend": "cpu",
+        "target": {"model": str(target)},
+        "draft": {"model": str(draft)},
+        "speculative": {"max_draft_len": 4, "num_draft_tokens": 3},
+        "engine": {"dtype": "float32", "max_batch_size": 4, "max_input_len": 512, "max_seq_len": 640},
+        "validation": {"max_tokens": MAX_TOKENS, "concurrency": [1, 2], "repeats": 1, "min_speedup": 0.0, "request_timeout_s": 30.0},
+    }
+
+
+def _fake_engine(src: Path, dest: Path, recipe_name: str, max_draft_len: int) -> None:
+    """An 'engine' the HF stand-in loads: the HF folder plus engine_spec.json and a build manifest."""
+    shutil.copytree(src, dest)
+    settings = {"max_seq_len": 640, "max_input_len": 512, "max_draft_len": max_draft_len, "dtype": "float32"}
+    (dest / "engine_spec.json").write_text(json.dumps(settings))
+    Manifest(stage="build", recipe_name=recipe_name, fingerprint=f"test-{dest.name}", settings=settings).write(dest)
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory, tiny_llama_dir):
+    """(recipe, layout, recipe_path, server): a running server on 127.0.0.1; always stopped."""
+    from specdeploy.triton import repository
+
+    root = tmp_path_factory.mktemp("client-deploy")
+    raw = _recipe_dict(tiny_llama_dir, tiny_llama_dir)  # the target as its own draft: every draft accepted
+    recipe = parse_recipe(raw)
+    recipe_path = root / "clienttest.yaml"
+    recipe_path.write_text(yaml.safe_dump(raw))
+    layout = Layout.of(recipe, root)
+    _fake_engine(tiny_llama_dir, layout.engine("target"), recipe.name, 4)
+    _fake_engine(tiny_llama_dir, layout.engine("draft"), recipe.name, 0)
+    repository.generate_repository(recipe, layout, executor_factory="client_broken_engine:load_executor")
+
+    corrupt_file = root / "corrupt.json"  # written by the parity test once it knows a clean index
+    previous = os.environ.get("SPECDEPLOY_TEST_CORRUPT")
+    os.environ["SPECDEPLOY_TEST_CORRUPT"] = str(corrupt_file)
+    server = server_mod.start(layout.repo, server_mod.Ports.pick(), layout.server_state / "tritonserver.log", extra_site=(str(TESTS_DIR),))
+    try:
+        server_mod.wait_ready(server, 180)
+        yield recipe, layout, recipe_path, server, corrupt_file
+    finally:
+        server.stop()
+        if previous is None:
+            os.environ.pop("SPECDEPLOY_TEST_CORRUPT", None)
+        else:
+            os.environ["SPECDEPLOY_TEST_CORRUPT"] = previous
+
+
+@pytest.fixture(scope="module")
+def decoupled_deployment(tmp_path_factory, tiny_llama_dir):
+    """The same tiny deployment in decoupled mode (streaming), for the client-side TTFT."""
+    from specdeploy.triton import repository
+
+    root = tmp_path_factory.mktemp("client-decoupled")
+    recipe = parse_recipe(_recipe_dict(tiny_llama_dir, tiny_llama_dir, "clientstream", decoupled=True))
+    layout = Layout.of(recipe, root)
+    for role, max_draft_len in (("target", 4), ("draft", 0)):
+        _fake_engine(tiny_llama_dir, layout.engine(role), recipe.name, max_draft_len)
+    repository.generate_repository(recipe, layout, executor_factory="triton_hf_engine:load_executor")
+    server = server_mod.start(layout.repo, server_mod.Ports.pick(), layout.server_state / "tritonserver.log", extra_site=(str(TESTS_DIR),))
+    try:
+        server_mod.wait_ready(server, 180)
+        yield recipe, layout, server
+    finally:
+        server.stop()
+
+
+def _prompt_file(path: Path, prompts) -> str:
+    path.write_text("".join(json.dumps({"prompt": p, "category": c}) + "\n" for p, c in prompts))
+    return str(path)
+
+
+def test_clean_deployment_passes_with_complete_report(deployment, tmp_path):
+    recipe, layout, _, server, _ = deployment
+    prompts = _prompt_file(tmp_path / "clean.jsonl", CLEAN_PROMPTS)
+    report, paths, verdict = validate_recipe(
+        recipe, layout, url=server.state.grpc_url, report_dir=tmp_path / "report", progress=False, prompt_set=prompts,
+        sweep_draft_tokens=(1, 2, 3),
+    )
+    assert report["complete"], report["errors"]
+    summary = report["parity"]["summary"]["all"]
+    assert (summary["prompts"], summary["exact"], summary["mismatches"]) == (3, 3, 0)
+    assert verdict.exit_code == 0 and verdict.line.startswith("PASS")
+    levels = report["latency"]["levels"]
+    assert [(r["mode"], r["concurrency"]) for r in levels] == [("control", 1), ("speculative", 1), ("control", 2), ("speculative", 2)]
+    spec = levels[1]
+    assert spec["acceptance_rate"] is not None and 0.0 <= spec["acceptance_rate"] <= 1.0
+    assert spec["ttft_s_p50"] is not None and spec["ttft_source"] == "server"
+    assert all(r["e2e_s_p50"] > 0 for r in levels)
+    data = json.loads(paths["json"].read_text())
+    assert sum(len(r["samples"]) for r in data["latency"]["runs"]) == 3 * 2 * 2
+    assert set(paths) == {"json", "markdown", "latency", "categories", "sweep"}
+    points = report["sweep"]["points"]
+    assert [p["k"] for p in points] == [1, 2, 3]
+    assert all(p["acceptance_rate"] == 1.0 for p in points)  # the target is its own draft
+    assert report["sweep"]["alpha"] > 0.99 and report["sweep"]["recommendation"]["recommended_k"] in (1, 2, 3, 4)
+
+
+def test_broken_speculative_path_is_reported_at_its_index(deployment, tmp_path):
+    """Through the CLI: the corrupted token is found at its generated index and the exit code is 3."""
+    from specdeploy.cli import main
+
+    recipe, layout, recipe_path, server, corrupt_file = deployment
+    # Corrupt a token that completes a character of the control's text (a random model emits many
+    # partial UTF-8 byte tokens, which text outputs cannot place exactly), using a plain-text token.
+    from transformers import AutoTokenizer
+
+    from specdeploy.testing import CORPUS
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir(recipe, layout)))
+    endpoint = TritonEndpoint(server.state.grpc_url)
+
+    def clean(ids, i):
+        return not tokenizer.decode(ids[: i + 1]).endswith("\ufffd")
+
+    for text in dict.fromkeys(CORPUS):
+        trace = endpoint.trace(text, MAX_TOKENS, 30)
+        ids = trace.output_ids
+        index = next((i for i in range(2, len(ids) - 1) if clean(ids, i)), None)
+        if index is not None:
+            break
+    assert index is not None, "no prompt whose control output decodes cleanly"
+    token = next(t for t in tokenizer(" quick brown", add_special_tokens=False).input_ids if t != ids[index])
+    prompts = _prompt_file(tmp_path / "mixed.jsonl", [CLEAN_PROMPTS[0], (text, "chat")])
+    corrupt_file.write_text(json.dumps({"prompt_ids": trace.prompt_ids, "index": index, "token": token}))
+    args = ["--root", str(layout.root), "validate", str(recipe_path), "--url", server.state.grpc_url]
+    args += ["--report-dir", str(tmp_path / "report"), "--prompt-set", prompts, "--no-progress"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == gate.EXIT_PARITY, result.output
+    assert result.output.strip().splitlines()[-1].startswith("FAIL: parity 50.0% < 100.0%")
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    (bad,) = [i for i in report["parity"]["items"] if i["verdict"] != "match"]
+    assert bad["verdict"] == "mismatch"
+    assert bad["divergence_index"] == index
+    assert bad["control_token"] == ids[index]
+    # without output_ids from the BLS the speculative token is re-tokenized from text: only its presence is exact
+    assert bad["speculative_token"] is not None and bad["speculative_token"] != ids[index]
+    assert bad["token_margin"] is not None and bad["token_margin"] > recipe.validation.near_tie_margin
+    assert "Divergences" in (tmp_path / "report" / "report.md").read_text()
+
+
+def test_decoupled_deployment_streams_for_client_side_ttft(decoupled_deployment, tmp_path):
+    recipe, layout, server = decoupled_deployment
+    prompts = _prompt_file(tmp_path / "clean.jsonl", CLEAN_PROMPTS)
+    report, _, verdict = validate_recipe(
+        recipe, layout, url=server.state.grpc_url, report_dir=tmp_path, progress=False, prompt_set=prompts, concurrency=(1,)
+    )
+    assert report["complete"], report["errors"]
+    assert report["settings"]["stream"] is True
+    assert report["parity"]["summary"]["all"]["exact"] == len(CLEAN_PROMPTS)
+    samples = [s for r in report["latency"]["runs"] for s in r["samples"]]
+    assert samples and all(s["ttft_source"] == "stream" for s in samples)
+    assert all(0 < s["ttft_s"] <= s["latency_s"] for s in samples)
+    assert all(s["tpot_s"] is not None for s in samples if s["output_tokens"] > 1)
+    assert verdict.exit_code == 0, verdict.line
+
+
+def test_sampled_outputs_compared_statistically(deployment, tmp_path):
+    """top_k=3 over 2 tokens: at most 9 outcomes, so 120 seeded samples per side give a real chi-square test."""
+    from specdeploy.client.protocol import Sampling
+
+    recipe, layout, _, server, _ = deployment
+    prompts = _prompt_file(tmp_path / "one.jsonl", CLEAN_PROMPTS[:1])
+    report, _, verdict = validate_recipe(
+        recipe, layout, url=server.state.grpc_url, report_dir=tmp_path, progress=False, prompt_set=prompts, concurrency=(1,),
+        sampling=Sampling(temperature=1.0, top_k=3, seed=0), samples_per_prompt=120, sample_prompts=1,
+    )
+    assert report["complete"], report["errors"]
+    (test,) = report["sampling"]["tests"]
+    assert sum(test["control_counts"].values()) == sum(test["speculative_counts"].values()) == 120
+    assert 1 < test["outcomes"] <= 9 and test["dof"] >= 1
+    assert report["sampling"]["combined_p_value"] >= 0.001, test
+    assert verdict.exit_code == 0, verdict.line
+
+
+def test_missing_model_and_timeout_are_client_errors(deployment):
+    _, _, _, server, _ = deployment
+    endpoint = TritonEndpoint(server.state.grpc_url)
+    with pytest.raises(ClientError, match="model 'no_such_model' is missing"):
+        endpoint.check_ready(["no_such_model"])
+    from specdeploy.client.protocol import GenerateRequest
+
+    start = time.monotonic()
+    with pytest.raises(ClientError, match="timed out"):
+        endpoint.generate("ensemble", GenerateRequest(CLEAN_PROMPTS[0][0], 200), timeout_s=0.001)
+    assert time.monotonic() - start < 5
+
+
+def test_unreachable_server_ends_quickly_with_partial_report(deployment, tmp_path):
+    recipe, layout, _, _, _ = deployment
+    port = server_mod.free_port()
+    start = time.monotonic()
+    report, paths, verdict = validate_recipe(recipe, layout, url=f"127.0.0.1:{port}", report_dir=tmp_path, progress=False)
+    assert time.monotonic() - start < 15
+    assert not report["complete"] and "unreachable" in report["errors"][0]
+    assert verdict.exit_code == gate.EXIT_INCOMPLETE
+    assert json.loads(paths["json"].read_text())["complete"] is False
+    assert "INCOMPLETE" in paths["markdown"].read_text()
+
+
+def test_server_dying_mid_run_ends_quickly_with_partial_report(deployment, tmp_path):
+    """Runs last: it kills the module's server."""
+    recipe, layout, _, server, _ = deployment
+    outcome, some_done = {}, threading.Event()
+    finished = []
+
+    def on_request(n):
+        finished.append(n)
+        if len(finished) >= 2:
+            some_done.set()
+
+    def run():
+        outcome["result"] = validate_recipe(
+            recipe, layout, url=server.state.grpc_url, report_dir=tmp_path, progress=on_request, max_prompts=40, repeats=5
+        )
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert some_done.wait(timeout=300), "no request finished"
+    time.sleep(0.3)  # let the next requests be in flight
+    assert thread.is_alive(), "the run finished before the server could be killed; make it longer"
+    server_mod.stop_pid(server.process.pid, timeout_s=0.0, process=server.process)  # SIGTERM, then SIGKILL the group
+    killed = time.monotonic()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "validate hung after the server died"
+    assert time.monotonic() - killed < 30
+    report, paths, verdict = outcome["result"]
+    assert not report["complete"]
+    assert verdict.exit_code == gate.EXIT_INCOMPLETE
+    assert report["parity"]["items"], "parity results before the death are kept"
+    assert "INCOMPLETE" in paths["markdown"].read_text()

@@ -1,0 +1,513 @@
+"""CPU engine: logits against Hugging Face and ModelOpt references, bit-exact batch invariance, KV rollback.
+
+Checkpoints are exported here with ModelOpt itself (as `specdeploy quantize` does) from tiny random models.
+Tolerances (max |logit difference|, random tiny models whose logits are O(1)):
+  fp32 engine vs HF fp32 with the checkpoint's weight rounding: 2e-5; bf16 engine vs HF fp32: 5e-2 and the same
+  argmax on >= 90% of positions; quantized fp32 engine vs an HF model holding the checkpoint's dequantized
+  weights and quantizing each linear's input as the quant algo says: 1e-5 (int8_sq: 1e-2, see the test); vs ModelOpt's own fake-quantized model
+  (fp32 weights, not the checkpoint's bf16 ones, so activation roundings flip): 1e-2 (weight-only), 3e-2 (int8_sq),
+  6e-2 (fp8: 3 mantissa bits).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from specdeploy.config import EngineConfig
+from specdeploy.engine import CpuEngine, compile_checkpoint
+from specdeploy.engine.kv_cache import KVCache
+from specdeploy.errors import BuildError
+from specdeploy.testing import make_tiny_model, tiny_llama_config
+
+ENGINE = EngineConfig(dtype="float32", max_batch_size=1, max_input_len=64, max_seq_len=128)
+QFORMATS = {"fp8": "FP8_DEFAULT_CFG", "int8_wo": "INT8_WEIGHT_ONLY_CFG", "int8_sq": "INT8_SMOOTHQUANT_CFG", "int4_awq": "INT4_AWQ_CFG"}
+QUANT_TOL = {"fp8": 6e-2, "int8_wo": 1e-2, "int4_awq": 1e-2, "int8_sq": 3e-2}
+# hidden 128 so that INT4 AWQ's 128-wide groups fit; GQA (4 heads, 2 KV heads).
+QUANT_MODEL = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+
+
+def export_checkpoint(hf_dir, out_dir, qformat=None, kv_cache_dtype=None, dtype=torch.float32):
+    """Quantize (or not) an HF model with ModelOpt and export a TensorRT-LLM checkpoint; returns the HF model
+    as ModelOpt left it (fake-quantized: the dequantized reference)."""
+    import modelopt.torch.quantization as mtq
+    from modelopt.torch.export import export_tensorrt_llm_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    if qformat is not None:
+        cfg = copy.deepcopy(getattr(mtq, QFORMATS[qformat]))
+        if kv_cache_dtype is not None:
+            kv = copy.deepcopy(mtq.FP8_KV_CFG["quant_cfg"])
+            for entry in kv:
+                entry["cfg"]["num_bits"] = (4, 3) if kv_cache_dtype == "fp8" else 8
+            cfg["quant_cfg"] = list(cfg["quant_cfg"]) + kv
+        gen = torch.Generator().manual_seed(0)
+        calib = [torch.randint(0, model.config.vocab_size, (1, 32), generator=gen) for _ in range(4)]
+
+        def forward_loop(m):
+            with torch.no_grad():
+                for ids in calib:
+                    m(ids)
+
+        mtq.quantize(model, cfg, forward_loop)
+    decoder = "qwen" if model.config.model_type == "qwen2" else "llama"
+    with torch.inference_mode():
+        export_tensorrt_llm_checkpoint(model, decoder_type=decoder, dtype=dtype, export_dir=str(out_dir), inference_tensor_parallel=1)
+    # What `specdeploy quantize` adds: ModelOpt misses transformers-5 RoPE settings.
+    path = out_dir / "config.json"
+    config = json.loads(path.read_text())
+    rope = model.config.rope_parameters or {}
+    config["rotary_base"] = float(rope.get("rope_theta", 10000.0))
+    config["rotary_scaling"] = None if rope.get("rope_type", "default") == "default" else dict(rope)
+    path.write_text(json.dumps(config))
+    return model
+
+
+def dequantized_reference(hf_dir, ckpt_dir):
+    """An fp32 Hugging Face model carrying the checkpoint's dequantized weights, with hooks that quantize each
+    linear's input the way the checkpoint's quant_algo says: an independent reading of the checkpoint."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from specdeploy.engine.compile import repack_modelopt_int4
+    from specdeploy.engine.kernels import dequantize
+
+    config = json.loads((ckpt_dir / "config.json").read_text())
+    algo = config["quantization"]["quant_algo"]
+    group = config["quantization"].get("group_size")
+    t = {k: v.float() if not k.endswith(".weight") or v.is_floating_point() and v.dtype != torch.float8_e4m3fn else v
+         for k, v in load_file(str(ckpt_dir / "rank0.safetensors")).items()}
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    hf = model.model
+    n_q = hf.config.num_attention_heads * (hf.config.hidden_size // hf.config.num_attention_heads)
+
+    def load_linear(module, prefix):
+        w = t[prefix + ".weight"]
+        parts = {"weight": repack_modelopt_int4(w) if algo == "W4A16_AWQ" else w}
+        for src, dst in (("weights_scaling_factor", "weight_scale"),):
+            if prefix + "." + src in t:
+                scale = t[prefix + "." + src]
+                parts[dst] = scale if algo == "W4A16_AWQ" else scale.reshape(-1).expand(parts["weight"].shape[0])
+        weight = dequantize(parts, algo, group)  # [N, K] f32
+        act = t.get(prefix + ".activation_scaling_factor")
+        pre = t.get(prefix + ".prequant_scaling_factor")
+
+        def quantize_input(_, args):
+            x = args[0]
+            if pre is not None:
+                x = x * pre
+            if act is not None and algo == "FP8":
+                x = (x / act).clamp(-448, 448).to(torch.float8_e4m3fn).float() * act
+            elif act is not None:
+                x = (x / act).round().clamp(-128, 127) * act
+            return (x,)
+
+        module.register_forward_pre_hook(quantize_input)
+        return weight
+
+    with torch.no_grad():
+        hf.embed_tokens.weight.copy_(t["transformer.vocab_embedding.weight"])
+        hf.norm.weight.copy_(t["transformer.ln_f.weight"])
+        model.lm_head.weight.copy_(t.get("lm_head.weight", t["transformer.vocab_embedding.weight"]))
+        for i, layer in enumerate(hf.layers):
+            p = f"transformer.layers.{i}."
+            layer.input_layernorm.weight.copy_(t[p + "input_layernorm.weight"])
+            layer.post_attention_layernorm.weight.copy_(t[p + "post_layernorm.weight"])
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = load_linear(attn.q_proj, p + "attention.qkv")  # one hook on q_proj quantizes the shared input
+            for module in (attn.k_proj, attn.v_proj):
+                module.register_forward_pre_hook(attn.q_proj._forward_pre_hooks[next(iter(attn.q_proj._forward_pre_hooks))])
+            n_kv = (qkv.shape[0] - n_q) // 2
+            attn.q_proj.weight.copy_(qkv[:n_q])
+            attn.k_proj.weight.copy_(qkv[n_q : n_q + n_kv])
+            attn.v_proj.weight.copy_(qkv[n_q + n_kv :])
+            attn.o_proj.weight.copy_(load_linear(attn.o_proj, p + "attention.dense"))
+            mlp.gate_proj.weight.copy_(load_linear(mlp.gate_proj, p + "mlp.fc"))
+            mlp.up_proj.weight.copy_(load_linear(mlp.up_proj, p + "mlp.gate"))
+            mlp.down_proj.weight.copy_(load_linear(mlp.down_proj, p + "mlp.proj"))
+    return model
+
+
+def hf_logits(model, ids):
+    with torch.no_grad():
+        return model(ids[None]).logits[0].float()  # [n, vocab]
+
+
+def build(tmp_path, ckpt, dtype="float32", max_draft_len=4, **overrides):
+    out = tmp_path / f"engine-{dtype}-{max_draft_len}"
+    compile_checkpoint(ckpt, out, dataclasses.replace(ENGINE, dtype=dtype, **overrides), max_draft_len)
+    return CpuEngine.load(out)
+
+
+def prompt(n=12, seed=0, vocab=512):
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+# ---------------------------------------------------------------- fixtures: models and checkpoints
+
+ARCHES = {
+    "llama-gqa-untied": lambda: tiny_llama_config(),
+    "llama3-rope-tied": lambda: tiny_llama_config(
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 32},
+    ),
+    "qwen2-bias-tied": lambda: _qwen2_config(),
+}
+
+
+def _qwen2_config():
+    from transformers import Qwen2Config
+
+    return Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True, rope_theta=1e6,
+                       bos_token_id=1, eos_token_id=2)
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHES))
+def arch_checkpoint(request, tmp_path_factory, tiny_tokenizer_dir):
+    root = tmp_path_factory.mktemp(request.param)
+    make_tiny_model(root / "hf", tiny_tokenizer_dir, seed=3, model_config=ARCHES[request.param]())
+    model = export_checkpoint(root / "hf", root / "ckpt")
+    return model, root / "ckpt"
+
+
+@pytest.fixture(scope="module")
+def quant_hf_dir(tmp_path_factory, tiny_tokenizer_dir):
+    path = tmp_path_factory.mktemp("quant-hf")
+    make_tiny_model(path, tiny_tokenizer_dir, seed=5, **QUANT_MODEL)
+    return path
+
+
+@pytest.fixture(scope="module")
+def quant_checkpoints(tmp_path_factory, quant_hf_dir):
+    """{qformat: (fake-quantized reference model, checkpoint dir)} (bf16 checkpoints, as the default recipe)."""
+
+    class Lazy(dict):  # exported on first use, so a -k selection only pays for what it needs
+        def __missing__(self, qformat):
+            ckpt = tmp_path_factory.mktemp(f"ckpt-{qformat}")
+            model = export_checkpoint(quant_hf_dir, ckpt, None if qformat == "full_prec" else qformat, dtype=torch.bfloat16)
+            self[qformat] = (model, ckpt)
+            return self[qformat]
+
+    return Lazy()
+
+
+# ---------------------------------------------------------------- against Hugging Face
+
+
+def test_full_precision_fp32_matches_hf(arch_checkpoint, tmp_path):
+    model, ckpt = arch_checkpoint
+    engine = build(tmp_path, ckpt, "float32")
+    ids = prompt(40)  # past the llama3 original context (32) to exercise the scaled frequencies
+    logits = engine.forward(engine.new_cache(), ids)
+    # The checkpoint holds the weights in its own dtype (ModelOpt writes fp16 when asked for fp32).
+    ckpt_dtype = getattr(torch, json.loads((ckpt / "config.json").read_text())["dtype"])
+    rounded = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in rounded.parameters():
+            p.copy_(p.to(ckpt_dtype).float())
+    assert (logits - hf_logits(rounded, ids)).abs().max().item() < 2e-5
+
+
+def test_full_precision_bf16_close_to_hf(arch_checkpoint, tmp_path):
+    model, ckpt = arch_checkpoint
+    engine = build(tmp_path, ckpt, "bfloat16")
+    ids = prompt(40)
+    logits = engine.forward(engine.new_cache(), ids)
+    ref = hf_logits(model, ids)
+    assert (logits - ref).abs().max().item() < 5e-2
+    assert (logits.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9
+
+
+def test_spec_records_model_facts(arch_checkpoint, tmp_path):
+    model, ckpt = arch_checkpoint
+    spec = build(tmp_path, ckpt).spec
+    assert spec.tie_word_embeddings == bool(model.config.tie_word_embeddings)
+    assert spec.attention_bias == (model.config.model_type == "qwen2")
+    assert spec.num_kv_heads == 2 and spec.max_draft_len == 4
+    assert spec.batch_invariant and spec.row_bucket == 8  # fp32: a multiple of 8 rows (see row_bucket_for)
+    assert build(tmp_path, ckpt, "bfloat16").spec.row_bucket == 5  # bf16: one verification pass
+
+
+def test_draft_engine_is_unpadded_and_agrees_with_target(quant_checkpoints, tmp_path):
+    _, ckpt = quant_checkpoints["int8_wo"]
+    draft, target = build(tmp_path, ckpt, "bfloat16", max_draft_len=None), build(tmp_path, ckpt, "bfloat16")
+    assert not draft.spec.batch_invariant and draft.spec.max_draft_len == 0
+    ids = prompt(20)
+    a, b = draft.forward(draft.new_cache(), ids), target.forward(target.new_cache(), ids)
+    assert (a - b).abs().max().item() < 0.05 and (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
+
+
+# ---------------------------------------------------------------- quantized numerics
+
+
+@pytest.mark.parametrize("qformat", sorted(QFORMATS))
+def test_quantized_engine_matches_dequantized_reference(quant_hf_dir, quant_checkpoints, qformat, tmp_path):
+    _, ckpt = quant_checkpoints[qformat]
+    engine = build(tmp_path, ckpt, "float32")
+    ids = prompt(20)
+    logits = engine.forward(engine.new_cache(), ids)
+    ref = hf_logits(dequantized_reference(quant_hf_dir, ckpt), ids)
+    # int8 activations: a 1e-7 difference upstream can flip one rounding (one step of act_scale * weight_scale).
+    assert (logits - ref).abs().max().item() < (1e-2 if qformat == "int8_sq" else 1e-5)
+
+
+@pytest.mark.parametrize("qformat", sorted(QFORMATS))
+def test_quantized_engine_close_to_modelopt_fake_quant(quant_checkpoints, qformat, tmp_path):
+    model, ckpt = quant_checkpoints[qformat]
+    engine = build(tmp_path, ckpt, "float32")
+    ids = prompt(20)
+    logits = engine.forward(engine.new_cache(), ids)
+    assert (logits - hf_logits(model, ids)).abs().max().item() < QUANT_TOL[qformat]
+
+
+@pytest.mark.parametrize("qformat", sorted(QFORMATS))
+def test_quantized_bf16_engine_close_to_fp32_engine(quant_checkpoints, qformat, tmp_path):
+    _, ckpt = quant_checkpoints[qformat]
+    ids = prompt(20)
+    fp32 = build(tmp_path, ckpt, "float32")
+    bf16 = build(tmp_path, ckpt, "bfloat16")
+    a, b = fp32.forward(fp32.new_cache(), ids), bf16.forward(bf16.new_cache(), ids)
+    assert (a - b).abs().max().item() < 0.1
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() >= 0.9
+
+
+def test_weights_are_stored_quantized(quant_checkpoints, tmp_path):
+    from safetensors.torch import load_file
+
+    expected = {"fp8": torch.float8_e4m3fn, "int8_wo": torch.int8, "int8_sq": torch.int8, "int4_awq": torch.uint8}
+    for qformat, dtype in expected.items():
+        out = tmp_path / qformat
+        compile_checkpoint(quant_checkpoints[qformat][1], out, ENGINE, None)
+        tensors = load_file(str(out / "model.safetensors"))
+        assert tensors["layers.0.qkv.weight"].dtype == dtype
+        assert ("layers.0.gate_up.weight" in tensors) or ("layers.0.gate.weight" in tensors)
+
+
+# ---------------------------------------------------------------- exact batch invariance
+
+
+def _row_by_row(engine, ids, start_ids):
+    cache = engine.new_cache()
+    engine.forward(cache, start_ids)
+    return torch.cat([engine.forward(cache, ids[i : i + 1]) for i in range(len(ids))])
+
+
+def _in_one_call(engine, ids, start_ids):
+    cache = engine.new_cache()
+    engine.forward(cache, start_ids)
+    return engine.forward(cache, ids)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("qformat", ["full_prec", *sorted(QFORMATS)])
+def test_k_plus_one_rows_bit_identical_to_single_rows(quant_checkpoints, qformat, dtype, tmp_path):
+    engine = build(tmp_path, quant_checkpoints[qformat][1], dtype, max_draft_len=6)
+    start = prompt(9, seed=1)
+    for k in (1, 3, 6):
+        draft = prompt(k + 1, seed=10 + k)
+        assert torch.equal(_in_one_call(engine, draft, start), _row_by_row(engine, draft, start)), k
+
+
+def test_prompt_longer_than_bucket_is_bit_identical_to_single_rows(quant_checkpoints, tmp_path):
+    engine = build(tmp_path, quant_checkpoints["fp8"][1], "bfloat16", max_draft_len=4)
+    ids = prompt(2 * engine.spec.row_bucket + 3, seed=2)
+    assert torch.equal(_in_one_call(engine, ids, ids[:1]), _row_by_row(engine, ids, ids[:1]))
+
+
+def test_kv_rollback_then_reforward_equals_fresh_pass(quant_checkpoints, tmp_path):
+    engine = build(tmp_path, quant_checkpoints["int8_wo"][1], "bfloat16")
+    start, rejected, accepted = prompt(7, seed=3), prompt(4, seed=4), prompt(3, seed=5)
+    cache = engine.new_cache()
+    engine.forward(cache, start)
+    engine.forward(cache, rejected)  # a draft the target refused
+    cache.truncate(len(start) + 1)  # keep its first token only
+    after = engine.forward(cache, accepted)
+    fresh = engine.new_cache()
+    engine.forward(fresh, torch.cat([start, rejected[:1]]))
+    assert torch.equal(after, engine.forward(fresh, accepted))
+    assert cache.length == fresh.length == len(start) + 1 + len(accepted)
+
+
+# ---------------------------------------------------------------- KV cache quantization
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int8"])
+def test_kv_cache_quantized_storage(quant_hf_dir, kv_cache_dtype, tmp_path):
+    qformat = "fp8" if kv_cache_dtype == "fp8" else "int8_sq"
+    model = export_checkpoint(quant_hf_dir, tmp_path / "ckpt", qformat, kv_cache_dtype)
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert config["quantization"]["kv_cache_quant_algo"] == kv_cache_dtype.upper()
+    engine = build(tmp_path, tmp_path / "ckpt", "float32")
+    cache = engine.new_cache()
+    assert cache.keys.dtype == {"fp8": torch.float8_e4m3fn, "int8": torch.int8}[kv_cache_dtype]
+    ids = prompt(20)
+    logits = engine.forward(cache, ids)
+    ref = hf_logits(model, ids)
+    assert (logits - ref).abs().max().item() < 5e-2
+    assert torch.equal(engine.forward(engine.new_cache(), ids[:9]), logits[:9])
+    assert torch.equal(_in_one_call(engine, ids[9:14], ids[:9]), _row_by_row(engine, ids[9:14], ids[:9]))
+
+
+@pytest.mark.parametrize("algo", ["FP8", "INT8"])
+def test_kv_cache_round_trip_is_scaled_quantization(algo):
+    cache = KVCache(1, 2, 8, 16, torch.float32, algo, torch.tensor([0.05]))
+    k = torch.randn(3, 2, 8)
+    cache.write(0, 0, k, k)
+    cache.length = 3
+    keys, _ = cache.read(0, 3)  # [kv_heads, 3, head_size]
+    if algo == "FP8":
+        expected = (k / 0.05).clamp(-448, 448).to(torch.float8_e4m3fn).float() * 0.05
+    else:
+        expected = (k / 0.05).round().clamp(-128, 127) * 0.05
+    assert torch.equal(keys, expected.transpose(0, 1))
+
+
+# ---------------------------------------------------------------- refusals
+
+
+def _edit_config(ckpt, tmp_path, **changes):
+    import shutil
+
+    dest = tmp_path / "edited"
+    shutil.copytree(ckpt, dest)
+    config = json.loads((dest / "config.json").read_text())
+    for key, value in changes.items():
+        target = config
+        *path, last = key.split("__")
+        for part in path:
+            target = target[part]
+        target[last] = value
+    (dest / "config.json").write_text(json.dumps(config))
+    return dest
+
+
+@pytest.mark.parametrize(
+    "changes, words",
+    [
+        ({"architecture": "GPTJForCausalLM"}, "architecture"),
+        ({"mapping__tp_size": 2, "mapping__world_size": 2}, "one rank"),
+        ({"quantization__quant_algo": "NVFP4"}, "quant_algo"),
+        ({"quantization__kv_cache_quant_algo": "NVFP4"}, "kv_cache_quant_algo"),
+        ({"rotary_scaling": {"type": "yarn", "factor": 4.0}}, "rotary_scaling"),
+        ({"rotary_pct": 0.5}, "rotary"),
+    ],
+)
+def test_compile_refuses_what_it_cannot_run(quant_checkpoints, tmp_path, changes, words):
+    ckpt = _edit_config(quant_checkpoints["full_prec"][1], tmp_path, **changes)
+    with pytest.raises(BuildError, match=words) as info:
+        compile_checkpoint(ckpt, tmp_path / "out", ENGINE, None)
+    assert info.value.hint
+
+
+def test_compile_refuses_unknown_tensors(quant_checkpoints, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    ckpt = _edit_config(quant_checkpoints["int8_wo"][1], tmp_path)
+    tensors = load_file(str(ckpt / "rank0.safetensors"))
+    tensors["transformer.layers.0.attention.qkv.weights_scaling_factor_2"] = torch.ones(1)
+    save_file(tensors, str(ckpt / "rank0.safetensors"))
+    with pytest.raises(BuildError, match="weight_scale|weights_scaling_factor_2|unexpected|does not know"):
+        compile_checkpoint(ckpt, tmp_path / "out", ENGINE, None)
+
+
+def test_cache_bounds_are_errors(quant_checkpoints, tmp_path):
+    from specdeploy.errors import ConfigError
+
+    engine = build(tmp_path, quant_checkpoints["full_prec"][1], "bfloat16")
+    with pytest.raises(ConfigError):
+        engine.new_cache(engine.spec.max_seq_len + 1)
+    cache = engine.new_cache(8)
+    with pytest.raises(ConfigError):
+        engine.forward(cache, prompt(9))
+    with pytest.raises(ConfigError):
+        engine.forward(cache, torch.tensor([engine.spec.vocab_size]))
+
+
+# ---------------------------------------------------------------- the build stage
+
+
+def _recipe_and_checkpoints(tmp_path, quant_checkpoints, quant_hf_dir):
+    import shutil
+
+    from specdeploy.artifacts import Layout, Manifest
+    from specdeploy.config import ROLES, parse_recipe, to_plain
+
+    recipe = parse_recipe({
+        "name": "tiny",
+        "target": {"model": str(quant_hf_dir), "quantization": {"qformat": "fp8"}},
+        "draft": {"model": str(quant_hf_dir), "quantization": {"qformat": "int8_wo"}},
+        "speculative": {"max_draft_len": 3, "num_draft_tokens": 3},
+        "engine": {"max_input_len": 32, "max_seq_len": 64},
+        "validation": {"max_tokens": 16},
+    })
+    layout = Layout.of(recipe, tmp_path)
+    for role in ROLES:
+        m = recipe.model(role)
+        dest = layout.checkpoint(role)
+        shutil.copytree(quant_checkpoints[m.quantization.qformat][1], dest)
+        Manifest(stage="quantize", recipe_name=recipe.name, fingerprint=f"fp-{role}",
+                 settings={**to_plain(m), "dtype": "bfloat16", "role": role}).write(dest)
+    return recipe, layout
+
+
+def test_build_recipe_builds_both_engines_once(quant_checkpoints, quant_hf_dir, tmp_path):
+    from specdeploy.artifacts import Manifest
+    from specdeploy.build import BUILDERS, build
+    from specdeploy.config import BACKENDS
+
+    assert "cpu" in BUILDERS and set(BUILDERS) <= set(BACKENDS)
+    recipe, layout = _recipe_and_checkpoints(tmp_path, quant_checkpoints, quant_hf_dir)
+    built = build(recipe, layout, echo=lambda *_: None)
+    assert built["target"].max_draft_len == 3 and built["draft"].max_draft_len == 0
+    assert built["target"].quant_algo == "FP8" and built["draft"].quant_algo == "W8A16"
+    manifest = Manifest.read(layout.engine("target"))
+    assert manifest.stage == "build" and manifest.inputs["checkpoint_fingerprint"] == "fp-target"
+    engine = CpuEngine.load(layout.engine("target"))
+    assert engine.spec.max_seq_len == 64 and engine.forward(engine.new_cache(), prompt(4)).shape == (4, 512)
+    lines = []
+    assert build(recipe, layout, echo=lines.append) == {"target": None, "draft": None}
+    assert all("up to date" in line for line in lines)
+
+
+def test_build_refuses_missing_or_stale_checkpoints(quant_checkpoints, quant_hf_dir, tmp_path):
+    import shutil
+
+    from specdeploy.artifacts import Manifest
+    from specdeploy.engine import build_recipe
+    from specdeploy.errors import StaleArtifactError
+
+    recipe, layout = _recipe_and_checkpoints(tmp_path, quant_checkpoints, quant_hf_dir)
+    manifest = Manifest.read(layout.checkpoint("draft"))
+    manifest.settings["quantization"]["qformat"] = "int4_awq"  # quantized for another recipe
+    manifest.write(layout.checkpoint("draft"))
+    with pytest.raises(StaleArtifactError, match="other settings") as info:
+        build_recipe(recipe, layout, echo=lambda *_: None)
+    assert "specdeploy quantize" in info.value.hint
+    assert not layout.engine("target").exists()  # nothing built before every input was checked
+    shutil.rmtree(layout.checkpoint("draft"))
+    with pytest.raises(StaleArtifactError, match="no quantize output"):
+        build_recipe(recipe, layout, echo=lambda *_: None)
+
+
+def test_cli_build(quant_checkpoints, quant_hf_dir, tmp_path):
+    import yaml
+    from click.testing import CliRunner
+
+    from specdeploy.cli import main
+    from specdeploy.config import to_plain
+
+    recipe, layout = _recipe_and_checkpoints(tmp_path, quant_checkpoints, quant_hf_dir)
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(to_plain(recipe)))
+    result = CliRunner().invoke(main, ["--root", str(tmp_path), "build", str(path)])
+    assert result.exit_code == 0, result.output
+    assert (layout.engine("target") / "model.safetensors").is_file()
+    assert (layout.engine("draft") / "manifest.json").is_file()

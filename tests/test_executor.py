@@ -1,0 +1,278 @@
+"""The Executor (one TensorRT-LLM `tensorrt_llm` request over an engine): prefix KV reuse, draft
+verification, stop conditions, sampling, and greedy speculative parity on tiny random models.
+
+Engines: `ReferenceEngine` (transformers, one position at a time) always; the real `CpuEngine`
+built from the same tiny checkpoints when the runtime and the quantize stage are importable.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdeploy import speculative as spec
+from specdeploy.engine.executor import Executor, GenerationRequest, reusable_prefix_len, run
+from specdeploy.errors import ConfigError
+from specdeploy.generate import ExecutorProposer, ExecutorVerifier, target_only_generate
+from specdeploy.speculative import SamplingParams
+from specdeploy.testing import ReferenceEngine, TableEngine
+
+ENGINE_KINDS = ["reference", "cpu"]
+
+
+def _cpu_engine(model_dir, out_dir, max_draft_len):
+    """Quantize (full precision) + compile + load with the project's own stages; skip if absent."""
+    try:
+        from specdeploy.config import EngineConfig, QuantConfig
+        from specdeploy.engine import CpuEngine, compile_checkpoint
+        from specdeploy.quantize import quantize_model
+    except ImportError as exc:
+        pytest.skip(f"CPU engine runtime not available yet: {exc}")
+    ckpt = out_dir / "ckpt"
+    quantize_model(model_dir, QuantConfig(), ckpt, progress=False)
+    engine_cfg = EngineConfig(dtype="float32", max_input_len=128, max_seq_len=256)
+    compile_checkpoint(ckpt, out_dir / "engine", engine_cfg, max_draft_len)
+    return CpuEngine.load(out_dir / "engine")
+
+
+@pytest.fixture(scope="module", params=ENGINE_KINDS)
+def engines(request, tiny_llama_dir, tiny_llama_draft_dir, tmp_path_factory):
+    """(target, draft) engines of one kind over the tiny random Llama pair."""
+    if request.param == "reference":
+        return ReferenceEngine(tiny_llama_dir), ReferenceEngine(tiny_llama_draft_dir)
+    root = tmp_path_factory.mktemp("cpu-engines")
+    (root / "t").mkdir()
+    (root / "d").mkdir()
+    return _cpu_engine(tiny_llama_dir, root / "t", 8), _cpu_engine(tiny_llama_draft_dir, root / "d", None)
+
+
+def forward_fresh(engine, tokens):
+    cache = engine.new_cache(len(tokens) + 1)
+    return engine.forward(cache, torch.tensor(tokens))  # [n, vocab]
+
+
+def prompt_of(seed, n=6, vocab=512):
+    return torch.randint(4, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# ---------------------------------------------------------------- prefix reuse
+
+
+def test_reusable_prefix_len_names_the_subtle_step():
+    seq, drafts, bonus = [1, 2, 3], [7, 8, 9], 5
+    cached_after_proposing = seq + drafts[:-1]  # the draft never fed back its own last token
+    assert reusable_prefix_len(cached_after_proposing, seq + drafts + [bonus]) == len(seq) + 2  # compute 9 and 5
+    assert reusable_prefix_len([1, 2, 3], [1, 2, 3]) == 2  # the last input token is always run
+    assert reusable_prefix_len([1, 2, 4, 5], [1, 2, 3, 4]) == 2
+    assert reusable_prefix_len([], [1]) == 0
+
+
+def test_prefix_reuse_gives_the_same_logits_as_a_fresh_pass(engines):
+    target, _ = engines
+    ex = Executor(target, max_cached_sequences=2)
+    prompt = prompt_of(1)
+    first = run(ex, GenerationRequest(prompt, 6, return_logits=True))
+    assert first.stats.reused_tokens == 0
+    longer = prompt + first.token_ids + [42]
+    second = run(ex, GenerationRequest(longer, 4, return_logits=True))
+    # the cache held prompt + 5 of the 6 outputs: the 6th output and 42 are computed
+    assert second.stats.reused_tokens == len(prompt) + 5 and second.stats.computed_tokens == 2 + 3
+    fresh = forward_fresh(target, longer + second.token_ids[:-1])  # [n, vocab]
+    n = len(longer)
+    assert torch.equal(second.logits, fresh[n - 1 :])
+    assert torch.equal(first.logits, fresh[len(prompt) - 1 : len(prompt) + 5])
+    # a diverging request rolls the cache back to the common prefix
+    branch = prompt[:3] + [7, 8]
+    third = run(ex, GenerationRequest(branch, 3, return_logits=True))
+    assert third.stats.reused_tokens == 3
+    assert torch.equal(third.logits, forward_fresh(target, branch + third.token_ids[:-1])[len(branch) - 1 :])
+
+
+def test_kv_pool_is_bounded_lru():
+    engine = TableEngine.random(16, seed=0)
+    ex = Executor(engine, max_cached_sequences=2)
+    for p in ([1, 2, 3], [4, 5, 6], [7, 8, 9]):
+        run(ex, GenerationRequest(p, 2))
+    assert [s[:3] for s in ex.cached_sequences] == [[4, 5, 6], [7, 8, 9]]  # [1, 2, 3] evicted
+    again = run(ex, GenerationRequest([4, 5, 6, 1], 1))
+    assert again.stats.reused_tokens == 3
+    assert [s[:3] for s in ex.cached_sequences] == [[7, 8, 9], [4, 5, 6]]  # most recent last
+
+
+def test_draft_executor_catch_up_after_all_accepted(engines):
+    """Round 2 of a draft: with every draft accepted it computes exactly 2 positions (dk and the bonus)."""
+    target, draft = engines
+    draft_ex = Executor(draft)
+    target_ex = Executor(target)
+    seq = prompt_of(2)
+    proposal = run(draft_ex, GenerationRequest(seq, 4, return_logits=True))
+    verified = run(target_ex, GenerationRequest(seq, 5, draft_tokens=proposal.token_ids))
+    nxt = seq + verified.token_ids
+    again = run(draft_ex, GenerationRequest(nxt, 1))
+    accepted = verified.stats.accepted
+    cached = len(seq) + 3  # seq + d1..d3
+    assert again.stats.reused_tokens == min(cached, len(seq) + accepted)
+    assert again.stats.computed_tokens == len(nxt) - again.stats.reused_tokens
+
+
+# ---------------------------------------------------------------- draft verification
+
+
+def test_verification_returns_accepted_prefix_plus_one_and_rolls_back(engines):
+    target, _ = engines
+    ex = Executor(target)
+    prompt = prompt_of(3)
+    greedy = run(ex, GenerationRequest(prompt, 5, return_logits=True)).token_ids
+    ex.clear_cache()
+    # all accepted: bonus token is the 5th greedy token
+    out = run(ex, GenerationRequest(prompt, 5, draft_tokens=greedy[:4], return_logits=True))
+    assert out.token_ids == greedy and out.stats.accepted == 4 and out.stats.iterations == 1
+    assert ex.cached_sequences == [prompt + greedy[:4]]
+    # a wrong second token: one accepted, replaced by the target's token, the rest rolled back
+    wrong = [greedy[0], (greedy[1] + 1) % 512, greedy[2]]
+    out = run(ex, GenerationRequest(prompt, 4, draft_tokens=wrong, return_logits=True))
+    assert out.token_ids == greedy[:2] and out.stats.accepted == 1
+    assert ex.cached_sequences == [prompt + greedy[:1]]
+    fresh = forward_fresh(target, prompt + wrong)
+    assert torch.equal(out.logits, fresh[len(prompt) - 1 : len(prompt) + 1])  # k+1-row pass == fresh rows
+
+
+def test_verification_limits():
+    engine = TableEngine.random(8, seed=0, max_draft_len=2, max_seq_len=10)
+    ex = Executor(engine)
+    with pytest.raises(ConfigError, match="larger than maximum number of draft tokens"):
+        run(ex, GenerationRequest([1], 4, draft_tokens=[1, 2, 3]))
+    with pytest.raises(ConfigError, match="max_seq_len"):
+        run(ex, GenerationRequest([1] * 8, 4))
+    with pytest.raises(ConfigError):
+        run(ex, GenerationRequest([], 4))
+
+
+# ---------------------------------------------------------------- stop conditions, bad words, streaming
+
+
+def chain_engine():
+    """A bigram engine whose greedy path from token 1 is 1 -> 2 -> 3 -> ... -> 7 -> 0 -> 1."""
+    vocab = 8
+    table = torch.zeros(vocab, vocab)
+    for t in range(vocab):
+        table[t, (t + 1) % vocab] = 10.0
+        table[t, (t + 2) % vocab] = 5.0
+    return TableEngine(table)
+
+
+def test_stop_conditions():
+    ex = Executor(chain_engine())
+    r = run(ex, GenerationRequest([1], 10, end_id=5))
+    assert r.token_ids == [2, 3, 4, 5] and r.finish_reason == "end_id"
+    r = run(ex, GenerationRequest([1], 10, stop_words=[[3, 4]]))
+    assert r.token_ids == [2, 3, 4] and r.finish_reason == "stop_words"
+    r = run(ex, GenerationRequest([1], 3))
+    assert r.token_ids == [2, 3, 4] and r.finish_reason == "length" and r.stats.output_tokens == 3
+    # draft verification also stops at the end id inside the accepted drafts
+    r = run(ex, GenerationRequest([1], 5, end_id=3, draft_tokens=[2, 3, 4, 5]))
+    assert r.token_ids == [2, 3] and r.finish_reason == "end_id"
+
+
+def test_bad_words_are_masked():
+    ex = Executor(chain_engine())
+    r = run(ex, GenerationRequest([1], 3, bad_words=[[3]], return_logits=True))
+    assert r.token_ids == [2, 4, 5]  # 3 banned: the second choice (2 + 2) is taken
+    assert r.logits[1, 3] == float("-inf")
+    r = run(ex, GenerationRequest([1], 4, bad_words=[[3, 4]]))  # 4 is banned only right after 3
+    assert r.token_ids == [2, 3, 5, 6]
+
+
+def test_streaming_yields_one_chunk_per_token_with_stats_last():
+    ex = Executor(chain_engine())
+    chunks = list(ex.generate(GenerationRequest([1], 4, streaming=True, return_logits=True)))
+    assert [c.token_ids for c in chunks] == [[2], [3], [4], [5]]
+    assert [c.finished for c in chunks] == [False, False, False, True]
+    assert chunks[-1].stats.output_tokens == 4 and chunks[-1].stats.iterations == 4
+    assert all(c.logits.shape == (1, 8) for c in chunks)
+
+
+def test_seeded_sampling_is_reproducible_and_varies_with_seed():
+    engine = TableEngine.random(32, seed=3, scale=0.5)
+    ex = Executor(engine)
+    a = run(ex, GenerationRequest([1], 30, SamplingParams(top_k=20, seed=1))).token_ids
+    b = run(ex, GenerationRequest([1], 30, SamplingParams(top_k=20, seed=1))).token_ids
+    c = run(ex, GenerationRequest([1], 30, SamplingParams(top_k=20, seed=2))).token_ids
+    assert a == b and a != c
+    greedy_hot = run(ex, GenerationRequest([1], 30, SamplingParams(temperature=5.0))).token_ids  # no top_k/top_p: greedy
+    assert greedy_hot == run(ex, GenerationRequest([1], 30)).token_ids
+
+
+# ---------------------------------------------------------------- greedy parity, real models
+
+
+def test_greedy_speculative_equals_target_only(engines):
+    """Token for token, for several prompts and k, on tiny random Llama target and draft."""
+    target, draft = engines
+    target_ex, draft_ex = Executor(target, 2), Executor(draft, 2)
+    for seed in range(3):
+        prompt = prompt_of(seed, n=3 + 2 * seed)
+        expected = spec.collect(target_only_generate(target_ex, prompt, 20))[0]
+        for k in (1, 3, target.spec.max_draft_len):
+            tokens, stats = spec.collect(
+                spec.speculative_generate(ExecutorProposer(draft_ex), ExecutorVerifier(target_ex), prompt, 20, k)
+            )
+            assert tokens == expected, (seed, k)
+            assert stats.output_tokens == 20
+
+
+def test_draft_equals_target_gives_full_acceptance(engines):
+    target, _ = engines
+    ex_a, ex_b = Executor(target, 2), Executor(target, 2)
+    tokens, stats = spec.collect(
+        spec.speculative_generate(ExecutorProposer(ex_a), ExecutorVerifier(ex_b), prompt_of(9), 21, 4)
+    )
+    assert stats.accepted == stats.drafted == 16 and stats.target_iterations == 5
+    assert stats.acceptance_rate == 1.0
+
+
+def test_verification_pass_logits_equal_single_steps_for_every_k(engines):
+    """The k+1-row verification pass must give the one-row logits bit for bit, up to max_draft_len
+    (on the CPU engine this covers a full row bucket: suffix + max_draft_len drafts)."""
+    target, _ = engines
+    prompt = prompt_of(11, n=5)
+    steps = forward_fresh(target, prompt[:1])
+    cache = target.new_cache(64)
+    target.forward(cache, torch.tensor(prompt[:1]))
+    rows = [target.forward(cache, torch.tensor([t])) for t in prompt[1:] + list(range(10, 10 + target.spec.max_draft_len))]
+    stepwise = torch.cat([steps] + rows)  # [n, vocab], one position per call
+    seq = prompt + list(range(10, 10 + target.spec.max_draft_len))
+    for k in range(1, target.spec.max_draft_len + 1):
+        ex = Executor(target)
+        run(ex, GenerationRequest(prompt, 1))  # caches prompt; the verification pass is then [last prompt token] + k drafts
+        out = run(ex, GenerationRequest(prompt, k + 1, draft_tokens=seq[len(prompt) : len(prompt) + k], return_logits=True))
+        n = len(out.token_ids)
+        assert torch.equal(out.logits, stepwise[len(prompt) - 1 : len(prompt) - 1 + n]), k
+
+
+def test_generate_session_streams_text(tiny_llama_dir, tiny_llama_draft_dir):
+    from transformers import AutoTokenizer
+
+    from specdeploy.generate import Session, generate, stats_lines
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
+    session = Session(tok, Executor(ReferenceEngine(tiny_llama_dir)), Executor(ReferenceEngine(tiny_llama_draft_dir)))
+    pieces = []
+    spec_result = generate(session, "The quick brown fox", 12, num_draft_tokens=3, on_text=pieces.append)
+    plain = generate(session, "The quick brown fox", 12, num_draft_tokens=0)
+    assert spec_result.token_ids == plain.token_ids and "".join(pieces) == spec_result.text
+    assert spec_result.stats.drafted > 0 and plain.stats.drafted == 0
+    text = "\n".join(stats_lines(spec_result, speculative=True))
+    assert "acceptance rate" in text and "time in draft" in text
+
+
+def test_cli_generate_without_engines_says_how_to_build(tmp_path):
+    from click.testing import CliRunner
+
+    from specdeploy.cli import main
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: r\ntarget: {model: smollm2-135m-instruct}\ndraft: {model: smollm2-135m-instruct}\n")
+    result = CliRunner().invoke(main, ["--root", str(tmp_path), "generate", str(recipe), "--prompt", "hi"])
+    assert result.exit_code != 0
+    assert "specdeploy build" in result.output

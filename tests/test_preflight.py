@@ -1,0 +1,158 @@
+"""Each pre-flight check fires on its case, and stays quiet otherwise."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specdeploy import preflight
+from specdeploy.config import parse_recipe
+from specdeploy.errors import ConfigError
+from specdeploy.gpu import GpuInfo, parse_nvidia_smi
+from specdeploy.preflight import ModelShape
+
+GIB = 2**30
+H100 = GpuInfo(0, "NVIDIA H100 80GB HBM3", 80 * GIB, (9, 0))
+A100 = GpuInfo(0, "NVIDIA A100-SXM4-80GB", 80 * GIB, (8, 0))
+
+# Llama-3.1-70B / Llama-3.2-1B shapes (their Hugging Face config.json values)
+LLAMA_70B = ModelShape(num_layers=80, hidden_size=8192, num_heads=64, num_kv_heads=8, head_dim=128,
+                       intermediate_size=28672, vocab_size=128256)
+LLAMA_1B = ModelShape(num_layers=16, hidden_size=2048, num_heads=32, num_kv_heads=8, head_dim=64,
+                      intermediate_size=8192, vocab_size=128256, tied_embeddings=True)  # fmt: skip
+
+
+def recipe(backend="trtllm-engine", qformat="fp8", kv=None, tp=1, batch=1, seq=2048, decoupled=False, **spec):
+    return parse_recipe({
+        "name": "pf", "backend": backend,
+        "target": {"model": "t", "tp_size": tp, "quantization": {"qformat": qformat, "kv_cache_dtype": kv}},
+        "draft": {"model": "d", "quantization": {"qformat": qformat, "kv_cache_dtype": kv}},
+        "speculative": {"max_draft_len": 4, "num_draft_tokens": 4, **spec},
+        "engine": {"max_batch_size": batch, "max_input_len": 1024, "max_seq_len": seq},
+        "triton": {"decoupled": decoupled},
+    })  # fmt: skip
+
+
+def checks(findings, level):
+    return [f.check for f in findings if f.level == level]
+
+
+def test_draft_len_larger_than_max_fires():
+    import dataclasses
+
+    r = recipe()
+    too_many = dataclasses.replace(r, speculative=dataclasses.replace(r.speculative, num_draft_tokens=6))
+    assert checks(preflight.check_draft_len(too_many), "error") == ["draft_len"]
+    assert preflight.check_draft_len(r) == []
+
+
+def test_target_engine_built_without_max_draft_len_fires():
+    findings = preflight.check_draft_len(recipe(), {"build_config": {"max_draft_len": 0}})
+    assert checks(findings, "error") == ["draft_len"] and "max_draft_len 0" in findings[0].message
+    assert preflight.check_draft_len(recipe(), {"build_config": {"max_draft_len": 4}}) == []
+
+
+def test_different_tokenizers_fire(tmp_path, tiny_llama_dir, tiny_llama_draft_dir):
+    from specdeploy.testing import make_tiny_model, make_tokenizer
+
+    other_tok = tmp_path / "tok"
+    make_tokenizer(other_tok, vocab_size=300)
+    other = tmp_path / "other"
+    make_tiny_model(other, other_tok, vocab_size=300)
+    assert checks(preflight.check_tokenizers(tiny_llama_dir, other), "error") == ["tokenizer"]
+    assert checks(preflight.check_tokenizers(tiny_llama_dir, tiny_llama_draft_dir), "error") == []
+
+
+def test_fp8_below_compute_capability_89_fires():
+    assert checks(preflight.check_fp8(recipe(), [A100]), "error") == ["fp8"]
+    assert preflight.check_fp8(recipe(), [H100]) == []
+    assert checks(preflight.check_fp8(recipe(qformat="int8_sq", kv="fp8"), [A100]), "error") == ["fp8"]
+    assert preflight.check_fp8(recipe(qformat="int8_sq"), [A100]) == []
+    assert checks(preflight.check_fp8(recipe(), []), "info") == ["fp8"]  # no GPU: said, not failed
+
+
+def test_memory_weights_that_do_not_fit_fire():
+    r = recipe(qformat="full_prec", tp=1)  # 70B in bf16 on one 80 GB GPU
+    findings = preflight.check_memory(r, {"target": LLAMA_70B, "draft": LLAMA_1B}, [H100])
+    assert checks(findings, "error") == ["memory"] and "weights alone do not fit" in findings[0].message
+
+
+def test_memory_kv_cache_pressure_warns():
+    r = recipe(tp=4, batch=64, seq=8192)  # FP8 70B on 4 GPUs, a large KV demand
+    gpus = [GpuInfo(i, "H100", 80 * GIB, (9, 0)) for i in range(4)]
+    findings = preflight.check_memory(r, {"target": LLAMA_70B, "draft": LLAMA_1B}, gpus)
+    assert checks(findings, "warning") == ["memory"]
+    ok = preflight.check_memory(recipe(tp=4, batch=1, seq=4096), {"target": LLAMA_70B, "draft": LLAMA_1B}, gpus)
+    assert checks(ok, "info") == ["memory"] and not checks(ok, "error") + checks(ok, "warning")
+
+
+def test_memory_too_few_gpus_fires():
+    findings = preflight.check_memory(recipe(tp=4), {"target": LLAMA_70B, "draft": LLAMA_1B}, [H100])
+    assert "needs 4 GPUs" in [f for f in findings if f.level == "error"][0].message
+
+
+def test_draft_kv_cache_is_sized_for_the_draft():
+    r = recipe(tp=1, batch=8, seq=4096)
+    target = preflight.estimate(r, "target", LLAMA_70B)
+    draft = preflight.estimate(r, "draft", LLAMA_1B)
+    # 80 layers x 8 KV heads x 128 vs 16 layers x 8 KV heads x 64: the draft needs 1/10 of the target's KV
+    assert draft.kv_bytes_per_token_per_rank * 10 == target.kv_bytes_per_token_per_rank
+    assert target.kv_bytes_per_token_per_rank == 2 * 80 * 8 * 128 * 2  # bf16 KV
+    fp8_kv = preflight.estimate(recipe(kv="fp8"), "target", LLAMA_70B)
+    assert fp8_kv.kv_bytes_per_token_per_rank == 2 * 80 * 8 * 128  # 1 byte per value
+    # FP8 70B weights: ~65 GiB of 1-byte linear weights + bf16 embeddings/lm_head
+    assert 60 * GIB < target.weights_bytes_per_rank < 75 * GIB
+
+
+def test_bls_batch_and_streaming_fire_on_trtllm_engine():
+    assert checks(preflight.check_bls(recipe(batch=8)), "warning") == ["bls"]
+    assert checks(preflight.check_bls(recipe(decoupled=True)), "error") == ["bls"]
+    assert preflight.check_bls(recipe(batch=1)) == []
+    assert preflight.check_bls(recipe(backend="cpu", qformat="int8_wo", batch=8)) == []
+
+
+def test_run_all_and_raise(tmp_path, tiny_llama_dir, tiny_llama_draft_dir):
+    r = recipe(qformat="fp8")
+    findings = preflight.run_all(r, None, [A100], {"target": tiny_llama_dir, "draft": tiny_llama_draft_dir})
+    with pytest.raises(ConfigError, match="compute capability 8.9"):
+        preflight.raise_on_errors(findings)
+    fine = preflight.run_all(recipe(qformat="int8_sq"), None, [A100],
+                             {"target": tiny_llama_dir, "draft": tiny_llama_draft_dir})  # fmt: skip
+    preflight.raise_on_errors(fine)
+    assert {f.check for f in fine} >= {"tokenizer", "memory"}
+
+
+def test_model_shape_from_trtllm_checkpoint_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_size": 16, "intermediate_size": 128, "vocab_size": 512, "mapping": {"tp_size": 1},
+    }))  # fmt: skip
+    shape = ModelShape.from_dir(tmp_path)
+    assert shape.head_dim == 16 and shape.num_kv_heads == 2
+
+
+def test_nvidia_smi_parsing_and_no_gpu_probe(monkeypatch):
+    gpus = parse_nvidia_smi("0, NVIDIA H100 80GB HBM3, 81559, 9.0\n1, NVIDIA A10G, 23028, 8.6\n")
+    assert gpus[0].compute_capability == (9, 0) and gpus[1].compute_capability == (8, 6)
+    assert round(gpus[0].memory_gib) == 80
+    from specdeploy import gpu
+
+    monkeypatch.setattr(gpu.shutil, "which", lambda name: None)
+    assert gpu.probe() == [] or all(g.memory_bytes > 0 for g in gpu.probe())  # torch.cuda may answer on a GPU box
+
+
+def test_doctor_gpu_lines():
+    from specdeploy.trtllm import gpu_report_lines
+
+    lines = gpu_report_lines([A100])
+    assert any("compute capability 8.0" in line and "no FP8" in line for line in lines)
+    assert any(line.startswith("ok  usable backends") for line in lines)
+    assert "none found" in gpu_report_lines([])[0]
+
+
+def test_int8_kv_cache_with_kv_reuse_fires():
+    assert checks(preflight.check_kv_cache_format(recipe(qformat="int8_sq", kv="int8")), "error") == ["kv_cache"] * 2
+    assert checks(preflight.check_kv_cache_format(recipe(qformat="int4_awq", kv="fp8")), "warning") == ["kv_cache"] * 2
+    assert preflight.check_kv_cache_format(recipe(kv="fp8")) == []
+    assert preflight.check_kv_cache_format(recipe(backend="cpu", qformat="int8_sq", kv="int8")) == []

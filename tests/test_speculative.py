@@ -1,0 +1,309 @@
+"""The accept/reject math and the speculative loop: unit cases, 'draft == target => all accepted',
+statistical tests that sampled output follows the target's distribution, and greedy parity."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats as scipy_stats
+
+from specdeploy import speculative as spec
+from specdeploy.engine.executor import Executor
+from specdeploy.errors import ConfigError
+from specdeploy.generate import ExecutorProposer, ExecutorVerifier, target_only_generate
+from specdeploy.speculative import SamplingParams, SpecStats
+from specdeploy.testing import TableEngine
+
+P_MIN = 1e-3  # the statistical tests fail at this p-value; every test is seeded, so they are deterministic
+
+
+def onehot_logits(tokens, vocab=8, high=5.0):
+    logits = torch.zeros(len(tokens), vocab)
+    logits[torch.arange(len(tokens)), torch.tensor(tokens)] = high
+    return logits
+
+
+def chi_square_p(observed_counts: np.ndarray, expected_probs: np.ndarray) -> float:
+    """p-value of observed counts against expected probabilities; cells with expected < 5 are pooled."""
+    n = observed_counts.sum()
+    expected = expected_probs * n
+    assert observed_counts[expected_probs == 0].sum() == 0, "a token the target never emits was emitted"
+    big = expected >= 5
+    obs = list(observed_counts[big])
+    exp = list(expected[big])
+    small_exp = expected[~big & (expected_probs > 0)].sum()
+    if small_exp > 0:
+        obs.append(observed_counts[~big].sum())
+        exp.append(small_exp)
+    exp = np.array(exp) * (sum(obs) / sum(exp))
+    return scipy_stats.chisquare(obs, exp).pvalue
+
+
+# ---------------------------------------------------------------- sampling parameters
+
+
+@pytest.mark.parametrize(
+    "params, greedy",
+    [
+        (SamplingParams(), True),
+        (SamplingParams(temperature=0.7), True),  # TensorRT-LLM: no top_k/top_p => greedy whatever the temperature
+        (SamplingParams(temperature=2.0, top_k=0, top_p=0.0), True),
+        (SamplingParams(top_k=1, top_p=0.9), True),  # argmax of the filtered distribution
+        (SamplingParams(temperature=0.0, top_k=40), True),
+        (SamplingParams(top_k=40), False),
+        (SamplingParams(top_p=0.9), False),
+        (SamplingParams(temperature=0.8, top_k=5, top_p=0.5), False),
+    ],
+)
+def test_is_greedy_follows_tensorrt_llm(params, greedy):
+    assert spec.is_greedy(params) is greedy
+
+
+def test_sampling_params_reject_bad_values():
+    for kwargs in ({"temperature": -1.0}, {"top_k": -1}, {"top_p": 1.5}):
+        with pytest.raises(ConfigError):
+            SamplingParams(**kwargs)
+
+
+def test_sampling_distribution_topk_topp_temperature():
+    logits = torch.log(torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]))
+    probs = spec.sampling_distribution(logits, SamplingParams(top_k=2))
+    assert torch.allclose(probs, torch.tensor([0.5, 0.2, 0, 0, 0]) / 0.7)
+    probs = spec.sampling_distribution(logits, SamplingParams(top_p=0.6))  # 0.5 < 0.6 <= 0.7
+    assert torch.allclose(probs, torch.tensor([0.5, 0.2, 0, 0, 0]) / 0.7)
+    probs = spec.sampling_distribution(logits, SamplingParams(top_p=0.5))  # the first token alone reaches 0.5
+    assert torch.allclose(probs, torch.tensor([1.0, 0, 0, 0, 0]))
+    probs = spec.sampling_distribution(logits, SamplingParams(top_k=3, top_p=0.75))  # top-p over the top-3 renormalized
+    assert torch.allclose(probs, torch.tensor([0.5, 0.2, 0, 0, 0]) / 0.7)
+    hot = spec.sampling_distribution(logits, SamplingParams(temperature=0.5, top_k=5))
+    expected = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]) ** 2
+    assert torch.allclose(hot, expected / expected.sum(), atol=1e-6)
+    greedy = spec.sampling_distribution(logits, SamplingParams())
+    assert greedy.tolist() == [1.0, 0, 0, 0, 0]
+    batched = spec.sampling_distribution(torch.stack([logits, logits.flip(0)]), SamplingParams(top_k=2))  # [2, vocab]
+    assert torch.allclose(batched[1], torch.tensor([0, 0, 0, 0.2, 0.5]) / 0.7)
+
+
+# ---------------------------------------------------------------- verification
+
+
+def test_verify_greedy_cases():
+    assert spec.verify_greedy([1, 2, 3], onehot_logits([1, 2, 3, 4])) == (3, 4)  # all accepted + bonus
+    assert spec.verify_greedy([1, 2, 3], onehot_logits([1, 5, 3, 4])) == (1, 5)  # first mismatch replaced
+    assert spec.verify_greedy([1, 2, 3], onehot_logits([6, 2, 3, 4])) == (0, 6)
+    assert spec.verify_greedy([], onehot_logits([7])) == (0, 7)  # no draft: one token of the target's own
+
+
+def test_residual_distribution():
+    target = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    draft = torch.tensor([0.2, 0.5, 0.2, 0.1])
+    assert torch.allclose(spec.residual_distribution(target, draft), torch.tensor([1.0, 0, 0, 0]))
+    target = torch.tensor([0.4, 0.4, 0.2])
+    draft = torch.tensor([0.1, 0.2, 0.7])
+    assert torch.allclose(spec.residual_distribution(target, draft), torch.tensor([0.6, 0.4, 0.0]))
+    same = torch.tensor([0.3, 0.7])
+    assert torch.allclose(spec.residual_distribution(same, same), same)  # no residual mass: stays a distribution
+
+
+def test_verify_rejection_draft_equals_target_accepts_all():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        probs = torch.softmax(torch.randn(5, 16, generator=g), -1)  # [k + 1, vocab]
+        draft_tokens = [spec.sample_token(probs[i], g) for i in range(4)]
+        n, _ = spec.verify_rejection(draft_tokens, probs[:4], probs, g)
+        assert n == 4
+
+
+def test_verify_rejection_rejects_tokens_the_target_never_emits():
+    g = torch.Generator().manual_seed(1)
+    draft_probs = torch.tensor([[0.5, 0.5, 0.0]])
+    target_probs = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 1.0]])
+    for _ in range(50):
+        assert spec.verify_rejection([1], draft_probs, target_probs, g) == (0, 0)
+        assert spec.verify_rejection([0], draft_probs, target_probs, g) == (1, 2)
+
+
+def test_verify_rejection_first_token_follows_target_distribution():
+    """Leviathan et al. Appendix A.1: the emitted token is distributed as the target, whatever the draft."""
+    g = torch.Generator().manual_seed(2)
+    vocab, n = 6, 20000
+    draft_probs = torch.tensor([[0.05, 0.4, 0.3, 0.1, 0.1, 0.05]])
+    target_probs = torch.tensor([[0.3, 0.1, 0.1, 0.2, 0.0, 0.3], [1 / 6] * 6])
+    counts = np.zeros(vocab)
+    accepted = 0
+    for _ in range(n):
+        x = spec.sample_token(draft_probs[0], g)
+        num, nxt = spec.verify_rejection([x], draft_probs, target_probs, g)
+        counts[x if num == 1 else nxt] += 1
+        accepted += num
+    assert chi_square_p(counts, target_probs[0].numpy()) > P_MIN
+    expected_rate = float(torch.minimum(draft_probs[0], target_probs[0]).sum())  # 1 - TV distance
+    assert abs(accepted / n - expected_rate) < 0.02
+
+
+def test_verify_token_match_follows_target_distribution():
+    g = torch.Generator().manual_seed(3)
+    target_probs = torch.tensor([[0.5, 0.25, 0.25], [0.1, 0.1, 0.8]])
+    counts = np.zeros(3)
+    for _ in range(6000):
+        num, nxt = spec.verify_token_match([1], target_probs, g)
+        counts[1 if num == 1 else nxt] += 1
+    assert chi_square_p(counts, target_probs[0].numpy()) > P_MIN
+
+
+# ---------------------------------------------------------------- the loop with scripted mocks
+
+
+class ScriptedDraft:
+    def __init__(self, proposals):
+        self.proposals = list(proposals)
+        self.calls = []
+
+    def propose(self, sequence, num_tokens, sampling, return_logits):
+        self.calls.append((list(sequence), num_tokens))
+        return spec.Proposal(self.proposals.pop(0)[:num_tokens])
+
+
+class ScriptedTarget:
+    def __init__(self, replies):
+        self.replies = list(replies)
+        self.calls = []
+
+    def verify(self, sequence, draft_tokens, draft_logits, sampling):
+        self.calls.append((list(sequence), list(draft_tokens)))
+        return self.replies.pop(0)
+
+
+def test_loop_rounds_counts_and_lengths():
+    draft = ScriptedDraft([[5, 6, 7], [9, 9, 9], [1, 2, 3]])
+    target = ScriptedTarget([[5, 6, 8], [9, 9, 9, 4], [1, 2]])
+    tokens, stats = spec.collect(spec.speculative_generate(draft, target, [100], max_new_tokens=9, num_draft_tokens=3))
+    assert tokens == [5, 6, 8, 9, 9, 9, 4, 1, 2]
+    # round 3: remaining = 2 => k = min(3, 2 - 1) = 1
+    assert [c[1] for c in draft.calls] == [3, 3, 1]
+    assert target.calls[1] == ([100, 5, 6, 8], [9, 9, 9])
+    assert (stats.drafted, stats.accepted, stats.target_iterations) == (7, 2 + 3 + 1, 3)
+    assert stats.output_tokens == 9 and stats.finish_reason == "length"
+    assert stats.acceptance_rate == pytest.approx(6 / 7)
+    assert stats.acceptance_length == pytest.approx(3.0)
+
+
+def test_loop_stops_on_end_id_stop_words_and_no_progress():
+    run = spec.speculative_generate(ScriptedDraft([[5, 2, 7]]), ScriptedTarget([[5, 2, 7, 8]]), [1], 10, 3, end_id=2)
+    tokens, stats = spec.collect(run)
+    assert tokens == [5, 2] and stats.finish_reason == "end_id"
+    # a stop word spanning two rounds
+    run = spec.speculative_generate(ScriptedDraft([[5, 6], [7, 8]]), ScriptedTarget([[5, 6, 3], [7, 8, 9]]), [1], 10, 2, stop_words=[[3, 7]])
+    tokens, stats = spec.collect(run)
+    assert tokens == [5, 6, 3, 7] and stats.finish_reason == "stop_words"
+    run = spec.speculative_generate(ScriptedDraft([[5]]), ScriptedTarget([[]]), [1], 10, 1)
+    tokens, stats = spec.collect(run)
+    assert tokens == [] and stats.finish_reason == "no_progress"
+    # max_new_tokens = 1: no draft call at all (k = 0)
+    draft = ScriptedDraft([])
+    tokens, stats = spec.collect(spec.speculative_generate(draft, ScriptedTarget([[4]]), [1], 1, 4))
+    assert tokens == [4] and draft.calls == [] and stats.drafted == 0
+
+
+def test_loop_streams_each_round():
+    run = spec.speculative_generate(ScriptedDraft([[5, 6], [7, 8]]), ScriptedTarget([[5, 9], [7, 8, 1]]), [1], 5, 2)
+    items = list(run)
+    assert items[:2] == [[5, 9], [7, 8, 1]] and isinstance(items[-1], SpecStats)
+
+
+def test_round_seeds_are_independent_and_reproducible():
+    s = SamplingParams(top_k=5, seed=7)
+    seeds = {spec.round_sampling(s, 7, r, role).seed for r in range(50) for role in ("draft", "target")}
+    assert len(seeds) == 100
+    assert spec.round_sampling(s, 7, 3, "draft") == spec.round_sampling(s, 7, 3, "draft")
+    assert spec.round_sampling(SamplingParams(), 7, 3, "draft").seed is None  # greedy: untouched
+
+
+def test_predicted_speedup_model():
+    assert spec.predicted_speedup(0.0, 4, 0.0) == pytest.approx(1.0)
+    assert spec.predicted_speedup(1.0, 4, 0.0) == pytest.approx(5.0)
+    assert spec.predicted_speedup(0.8, 4, 0.1) == pytest.approx((1 - 0.8**5) / 0.2 / 1.4)
+
+
+# ---------------------------------------------------------------- end to end over executors (bigram engines)
+
+
+def loop_on(draft_engine, target_engine, prompt, max_new, k, sampling, use_draft_logits=False):
+    draft = ExecutorProposer(Executor(draft_engine, 2))
+    target = ExecutorVerifier(Executor(target_engine, 2))
+    return spec.collect(spec.speculative_generate(draft, target, prompt, max_new, k, sampling, use_draft_logits=use_draft_logits))
+
+
+def exact_sequence_probs(engine: TableEngine, first: int, length: int, params: SamplingParams) -> dict[tuple, float]:
+    """The target's exact distribution over its next `length` tokens after `first`."""
+    rows = spec.sampling_distribution(engine.table, params)  # [vocab, vocab]: P(next | last)
+    vocab = rows.shape[0]
+    out = {}
+    for seq in itertools.product(range(vocab), repeat=length):
+        p, last = 1.0, first
+        for t in seq:
+            p *= float(rows[last, t])
+            last = t
+        if p > 0:
+            out[seq] = p
+    return out
+
+
+@pytest.mark.parametrize(
+    "params, use_draft_logits, k",
+    [
+        (SamplingParams(temperature=1.0, top_k=6), True, 2),
+        (SamplingParams(temperature=0.8, top_k=3), True, 3),
+        (SamplingParams(temperature=1.2, top_p=0.8), True, 2),
+        (SamplingParams(temperature=1.0, top_k=4, top_p=0.9), False, 2),  # token matching, no draft logits
+    ],
+)
+def test_speculative_sampling_matches_target_distribution(params, use_draft_logits, k):
+    """Chi-square over seeded runs: the joint distribution of 3 generated tokens is the target's."""
+    vocab, length, runs = 6, 3, 2000
+    target_engine = TableEngine.random(vocab, seed=10)
+    draft_engine = TableEngine.random(vocab, seed=11)
+    exact = exact_sequence_probs(target_engine, 0, length, params)
+    index = {seq: i for i, seq in enumerate(itertools.product(range(vocab), repeat=length))}
+    counts = np.zeros(len(index))
+    expected = np.zeros(len(index))
+    for seq, p in exact.items():
+        expected[index[seq]] = p
+    drafted = accepted = 0
+    for seed in range(runs):
+        tokens, stats = loop_on(draft_engine, target_engine, [0], length, k, SamplingParams(**{**params.__dict__, "seed": seed}), use_draft_logits)
+        counts[index[tuple(tokens)]] += 1
+        drafted += stats.drafted
+        accepted += stats.accepted
+    assert chi_square_p(counts, expected) > P_MIN
+    assert 0 < accepted < drafted  # the two models differ: some accepted, some rejected
+
+
+def test_seeded_sampling_is_reproducible():
+    target_engine = TableEngine.random(8, seed=10)
+    draft_engine = TableEngine.random(8, seed=11)
+    params = SamplingParams(top_k=5, seed=123)
+    a = loop_on(draft_engine, target_engine, [1, 2], 20, 3, params, True)[0]
+    b = loop_on(draft_engine, target_engine, [1, 2], 20, 3, params, True)[0]
+    assert a == b and len(a) == 20
+
+
+def test_draft_equals_target_accepts_everything_when_sampling():
+    engine = TableEngine.random(16, seed=5)
+    for seed in range(20):
+        tokens, stats = loop_on(engine, engine, [3], 17, 4, SamplingParams(top_k=8, seed=seed), use_draft_logits=True)
+        # rounds of 5, 5, 5 tokens, then remaining 2 => k = 1
+        assert stats.accepted == stats.drafted == 4 + 4 + 4 + 1 and stats.target_iterations == 4
+
+
+def test_greedy_speculative_equals_target_only_on_bigram_engines():
+    target_engine = TableEngine.random(32, seed=20)
+    draft_engine = TableEngine.random(32, seed=21, scale=0.5)
+    for seed in range(10):
+        prompt = torch.randint(0, 32, (3,), generator=torch.Generator().manual_seed(seed)).tolist()
+        expected = spec.collect(target_only_generate(Executor(target_engine), prompt, 25))[0]
+        for k in (1, 2, 5):
+            assert loop_on(draft_engine, target_engine, prompt, 25, k, SamplingParams(temperature=0.7))[0] == expected

@@ -1,0 +1,225 @@
+"""The Triton repository generator and server helpers, without starting a server (fast)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from triton_hf_engine import make_engines, write_engine  # noqa: E402
+
+from specdeploy.config import BACKENDS  # noqa: E402
+from specdeploy.errors import RepoError, ServerError, StaleArtifactError  # noqa: E402
+from specdeploy.triton import repository, server  # noqa: E402
+from specdeploy.triton.models import common  # noqa: E402
+
+FACTORY = "triton_hf_engine:load_executor"
+MODELS = ("preprocessing", "tensorrt_llm", "tensorrt_llm_draft", "postprocessing", "ensemble", "tensorrt_llm_bls")
+
+
+@pytest.fixture
+def setup(tmp_path, tiny_llama_dir, tiny_llama_draft_dir):
+    return make_engines(tmp_path, tiny_llama_dir, tiny_llama_draft_dir)
+
+
+def _parse(path: Path):
+    return text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
+
+
+def test_every_config_parses_with_tritons_schema(setup):
+    recipe, layout = setup
+    path, written = repository.generate_repository(recipe, layout, executor_factory=FACTORY)
+    assert written and path == layout.repo
+    for name in MODELS:
+        config = _parse(path / name / "config.pbtxt")
+        assert config.name == name
+        if name != "ensemble":
+            assert (path / name / "1" / "model.py").is_file()
+    assert (path / "preprocessing" / "tokenizer" / "tokenizer_config.json").is_file()
+    ens = _parse(path / "ensemble" / "config.pbtxt")
+    assert ens.platform == "ensemble" and [s.model_name for s in ens.ensemble_scheduling.step] == [
+        "preprocessing",
+        "tensorrt_llm",
+        "postprocessing",
+    ]
+    llm = _parse(path / "tensorrt_llm" / "config.pbtxt")
+    names = {i.name: i for i in llm.input}
+    assert names["draft_input_ids"].optional and names["input_ids"].data_type == model_config_pb2.TYPE_INT32
+    assert llm.parameters["gpt_model_path"].string_value == str(layout.engine("target").resolve())
+    assert llm.parameters["max_draft_len"].string_value == "4"
+    draft = _parse(path / "tensorrt_llm_draft" / "config.pbtxt")
+    assert draft.parameters["gpt_model_path"].string_value == str(layout.engine("draft").resolve())
+    bls = _parse(path / "tensorrt_llm_bls" / "config.pbtxt")
+    assert {"num_draft_tokens", "use_draft_logits", "text_input", "max_tokens"} <= {i.name for i in bls.input}
+    assert {"acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens"} <= {o.name for o in bls.output}
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["stage"] == "repo" and manifest["inputs"] == {"target_engine": "test-target", "draft_engine": "test-draft"}
+
+
+def test_decoupled_and_instances_follow_the_recipe(tmp_path, tiny_llama_dir, tiny_llama_draft_dir):
+    recipe, layout = make_engines(tmp_path, tiny_llama_dir, tiny_llama_draft_dir, triton={"decoupled": True, "instance_count": 3})
+    path, _ = repository.generate_repository(recipe, layout, executor_factory=FACTORY)
+    for name in ("tensorrt_llm", "tensorrt_llm_draft", "tensorrt_llm_bls"):
+        config = _parse(path / name / "config.pbtxt")
+        assert config.model_transaction_policy.decoupled
+        assert config.instance_group[0].count == 3
+    assert not _parse(path / "preprocessing" / "config.pbtxt").model_transaction_policy.decoupled
+
+
+def test_up_to_date_repo_is_kept_and_stale_repo_refused(setup, tmp_path, tiny_llama_dir):
+    recipe, layout = setup
+    _, written = repository.generate_repository(recipe, layout, executor_factory=FACTORY)
+    assert written
+    _, written = repository.generate_repository(recipe, layout, executor_factory=FACTORY)
+    assert not written
+    repository.require_repository(recipe, layout)
+    # a rebuilt engine (new fingerprint) makes the repository stale
+    write_engine(layout.engine("target"), tiny_llama_dir, recipe, "target", 4, fingerprint="rebuilt")
+    with pytest.raises(StaleArtifactError) as err:
+        repository.require_repository(recipe, layout, "r.yaml")
+    assert "specdeploy repo r.yaml" in err.value.hint
+    _, written = repository.generate_repository(recipe, layout, executor_factory=FACTORY)
+    assert written
+    repository.require_repository(recipe, layout)
+
+
+def test_missing_or_wrong_engines_are_refused_with_a_build_hint(setup):
+    recipe, layout = setup
+    (layout.engine("draft") / "manifest.json").unlink()
+    with pytest.raises(StaleArtifactError) as err:
+        repository.generate_repository(recipe, layout, "r.yaml", executor_factory=FACTORY)
+    assert "specdeploy build r.yaml" in err.value.hint
+
+
+def test_target_without_enough_max_draft_len_is_refused(tmp_path, tiny_llama_dir, tiny_llama_draft_dir):
+    recipe, layout = make_engines(tmp_path, tiny_llama_dir, tiny_llama_draft_dir)
+    write_engine(layout.engine("target"), tiny_llama_dir, recipe, "target", 2)
+    with pytest.raises(RepoError, match="max_draft_len"):
+        repository.generate_repository(recipe, layout, executor_factory=FACTORY)
+
+
+def test_every_backend_has_a_generator_or_a_clear_error(setup):
+    recipe, layout = setup
+    inp = repository.repo_inputs(recipe, layout, executor_factory=FACTORY)
+    assert "cpu" in repository.ENGINE_MODELS
+    for backend in BACKENDS:
+        if backend in repository.ENGINE_MODELS:
+            specs = repository.model_specs(repository.RepoInputs(recipe, inp.engine_dirs, inp.engine_manifests, FACTORY))
+            assert [s.name for s in specs] == list(MODELS)
+        else:
+            from dataclasses import replace
+
+            other = replace(recipe, backend=backend)
+            with pytest.raises(RepoError, match=backend):
+                repository.model_specs(repository.RepoInputs(other, inp.engine_dirs, inp.engine_manifests, FACTORY))
+
+
+def test_render_refuses_a_parameter_without_value():
+    spec = repository.ModelSpec("m", 1, repository.POSTPROCESSING_INPUTS, repository.POSTPROCESSING_OUTPUTS, parameters={"x": None})
+    with pytest.raises(RepoError, match="'x' has no value"):
+        repository.render(spec)
+
+
+def test_check_config_reports_a_broken_config():
+    with pytest.raises(RepoError, match="ModelConfig"):
+        repository.check_config('name: "x"\nmax_batch_size: "many"\n', "x")
+
+
+def test_words_list_round_trip():
+    words = [[5, 6], [7], [8, 9, 10]]
+    arr = common.to_words_list(words)
+    assert arr.shape == (2, 6) and arr[1].tolist() == [2, 3, 6, -1, -1, -1]
+    assert common.from_words_list(arr[None], "x") == words
+    assert common.from_words_list(common.to_words_list([]), "x") == []
+
+
+def test_text_stream_holds_back_partial_characters(tiny_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir))
+    ids = tok("héllo wörld, ünïcode", add_special_tokens=False).input_ids
+    stream = common.TextStream(tok, True)
+    text = "".join(stream.push([t]) for t in ids) + stream.flush()
+    assert text == tok.decode(ids, skip_special_tokens=True) == "héllo wörld, ünïcode"
+
+
+def test_ports_and_state(tmp_path):
+    ports = server.Ports.pick()
+    assert len({ports.grpc, ports.http, ports.metrics}) == 3
+    state = server.ServerState(os.getpid(), 1, 2, 3, "log", "repo", 0.0)
+    state.write(tmp_path)
+    assert server.ServerState.read(tmp_path) == state
+    assert server.status(tmp_path / "none")[0] is None
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        with pytest.raises(ServerError, match="already in use"):
+            server.Ports.pick(grpc=s.getsockname()[1])
+
+
+def test_explicit_binary_must_exist(tmp_path):
+    with pytest.raises(ServerError, match="not an executable"):
+        server.find_binary(tmp_path / "nope")
+
+
+def test_relevant_log_picks_errors(tmp_path):
+    log = tmp_path / "log"
+    log.write_text("I1 fine\nW1122 pinned memory CUDA driver\nE1122 00:00:00 x.cc] \"failed to load 'm'\"\nI2 more\n")
+    text = server.relevant_log(log)
+    assert "failed to load" in text and "pinned" not in text
+
+
+def test_scalar_and_utf8_checks():
+    assert common.scalar(np.array([[3]]), "x", int) == 3
+    assert common.scalar(None, "x", int, 7) == 7
+    with pytest.raises(common.RequestError, match="one value"):
+        common.scalar(np.array([[1, 2]]), "x", int)
+    with pytest.raises(common.RequestError, match="not valid UTF-8"):
+        common.decode_utf8(b"ok \xff\xfe", "text_input")
+
+
+def test_cli_repo_serve_status_stop_without_a_server(setup, tmp_path):
+    import yaml
+    from click.testing import CliRunner
+
+    from specdeploy.cli import main
+
+    recipe, layout = setup
+    recipe_file = tmp_path / "tiny.yaml"
+    from specdeploy.config import to_plain
+
+    recipe_file.write_text(yaml.safe_dump(to_plain(recipe)))
+    runner = CliRunner()
+    root = ["--root", str(layout.root)]
+    result = runner.invoke(main, [*root, "serve", str(recipe_file)])
+    assert result.exit_code != 0 and f"specdeploy repo {recipe_file}" in result.output
+    result = runner.invoke(main, [*root, "repo", str(recipe_file)])
+    assert result.exit_code == 0 and "wrote" in result.output, result.output
+    result = runner.invoke(main, [*root, "repo", str(recipe_file)])
+    assert "up to date" in result.output
+    assert "not running" in runner.invoke(main, [*root, "status", str(recipe_file)]).output
+    assert "no server to stop" in runner.invoke(main, [*root, "stop", str(recipe_file)]).output
+    (layout.engine("target") / "manifest.json").unlink()
+    result = runner.invoke(main, [*root, "repo", str(recipe_file)])
+    assert result.exit_code != 0 and f"specdeploy build {recipe_file}" in result.output
+
+
+def test_tokenizer_found_through_the_engine_manifest(tmp_path, tiny_llama_dir):
+    from specdeploy.artifacts import Manifest
+
+    engine = tmp_path / "engine"
+    engine.mkdir()
+    manifest = Manifest(stage="build", recipe_name="x", fingerprint="f", extra={"model": str(tiny_llama_dir)})
+    assert repository.find_tokenizer(engine, manifest) == Path(tiny_llama_dir)
+    with pytest.raises(RepoError, match="no tokenizer"):
+        repository.find_tokenizer(engine, Manifest(stage="build", recipe_name="x", fingerprint="f"))
