@@ -35,8 +35,13 @@ demo: found models
 test: setup
 	$(BIN)/python -m pytest -q
 
+# torchao (int8 draft for Hugging Face assisted generation) goes to a side folder: installed in the
+# venv, transformers would import it on every model load.
 bench: setup models
-	$(BIN)/python bench/engine.py
+	$(SD) quantize $(RECIPE)
+	$(SD) build $(RECIPE)
+	$(BIN)/python -m pip install --quiet --target $(VENV)/bench-site --no-deps torchao==0.18.0
+	$(BIN)/python bench/engine.py --recipe $(RECIPE)
 
 quantize build generate repo validate run: setup
 	$(SD) $@ $(RECIPE)

@@ -156,6 +156,7 @@ def atomic_output(dest: Path):
     """
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
+    _remove_orphans(dest)
     tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}-{time.monotonic_ns()}"
     tmp.mkdir()
     try:
@@ -168,3 +169,21 @@ def atomic_output(dest: Path):
         dest.rename(old)
     tmp.rename(dest)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _remove_orphans(dest: Path) -> None:
+    """Delete temporary folders left beside `dest` by a process that was killed (SIGKILL leaves them)."""
+    for leftover in dest.parent.glob(f".{dest.name}.*-*-*"):
+        pid = leftover.name.rsplit("-", 2)[-2]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

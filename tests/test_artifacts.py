@@ -75,3 +75,16 @@ def test_layout_paths(tmp_path):
     assert layout.engine("draft") == tmp_path / "engines/smollm2-135m/draft"
     assert layout.repo == tmp_path / "triton_repo/smollm2-135m"
     assert layout.report == tmp_path / "engines/smollm2-135m/report"
+
+
+def test_leftovers_of_a_killed_process_are_removed(tmp_path):
+    dest = tmp_path / "ckpt"
+    write_artifact(dest, "good")
+    orphan = tmp_path / ".ckpt.tmp-999999999-123"  # a pid that cannot be alive
+    orphan.mkdir()
+    mine = tmp_path / f".ckpt.tmp-{__import__('os').getpid()}-456"  # a live writer's folder stays
+    mine.mkdir()
+    write_artifact(dest, "better")
+    assert not orphan.exists()
+    assert mine.exists()
+    assert (dest / "weights.bin").read_text() == "better"
