@@ -175,15 +175,19 @@ def _remove_orphans(dest: Path) -> None:
     """Delete temporary folders left beside `dest` by a process that was killed (SIGKILL leaves them)."""
     for leftover in dest.parent.glob(f".{dest.name}.*-*-*"):
         pid = leftover.name.rsplit("-", 2)[-2]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(leftover, ignore_errors=True)
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:  # a zombie of ours counts as gone
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return True

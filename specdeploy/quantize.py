@@ -442,6 +442,7 @@ def quantize_model(
     dtype: str = "bfloat16",
     paged_context_fmha: bool = True,
     echo=print,
+    checkpoint_format: str = "trtllm",
 ) -> QualityReport:
     """Quantize the Hugging Face model in `source_dir` with ModelOpt and write a TensorRT-LLM checkpoint.
 
@@ -449,6 +450,9 @@ def quantize_model(
     `modelopt.torch.export.export_tensorrt_llm_checkpoint`. Calibration is seeded (`quant.seed`) and
     deterministic. Returns the quality report of the quantized model against the source on held-out text.
     `paged_context_fmha=False` lifts the KV-cache combination checks (only for engines built without it).
+    `checkpoint_format="hf"` writes ModelOpt's Hugging Face export instead (`export_hf_checkpoint`:
+    safetensors + `hf_quant_config.json` + tokenizer), the format the TensorRT-LLM LLM API loads; the
+    LLM API shards it itself, so it is written unsplit.
     """
     source_dir, out_dir = Path(source_dir), Path(out_dir)
     check_quant_config(quant, paged_context_fmha)
@@ -496,6 +500,10 @@ def quantize_model(
 
     decoder = SUPPORTED_MODEL_TYPES[hf["model_type"]]
     out_dir.mkdir(parents=True, exist_ok=True)
+    if checkpoint_format == "hf":
+        _export_hf(model, tokenizer, out_dir, dtype, source_dir, quant)
+        echo(f"  quantized {source_dir.name} to {quant.qformat} (Hugging Face format) in {time.perf_counter() - t0:.1f} s")
+        return report
     try:
         with _quiet(), torch.inference_mode():
             export_tensorrt_llm_checkpoint(
@@ -511,6 +519,18 @@ def quantize_model(
     _finish_config(out_dir, hf, quant, decoder)
     echo(f"  quantized {source_dir.name} to {quant.qformat} in {time.perf_counter() - t0:.1f} s (calibration {t_calib:.1f} s)")
     return report
+
+
+def _export_hf(model, tokenizer, out_dir: Path, dtype: str, source_dir: Path, quant: QuantConfig) -> None:
+    import torch
+    from modelopt.torch.export import export_hf_checkpoint
+
+    try:
+        with _quiet(), torch.inference_mode():
+            export_hf_checkpoint(model, dtype=getattr(torch, dtype), export_dir=out_dir)
+    except (AssertionError, ValueError, NotImplementedError) as exc:
+        raise QuantizeError(f"ModelOpt could not export {source_dir} as {quant.qformat}: {exc}", "try another qformat") from exc
+    tokenizer.save_pretrained(str(out_dir))
 
 
 def _finish_config(out_dir: Path, hf: dict, quant: QuantConfig, decoder: str) -> None:
@@ -543,6 +563,15 @@ def _resolve(model: str) -> Path:
     return resolve(model)
 
 
+def checkpoint_format(recipe: Recipe) -> str:
+    """TensorRT-LLM checkpoints for the cpu and trtllm-engine backends; Hugging Face format for the LLM API."""
+    return "hf" if recipe.backend == "trtllm-llmapi" else "trtllm"
+
+
+def _ranks(recipe: Recipe, m) -> tuple[int, int]:
+    return (1, 1) if checkpoint_format(recipe) == "hf" else (m.tp_size, m.pp_size)
+
+
 def recipe_fingerprint(recipe: Recipe, role: str, source_hash: str) -> str:
     from specdeploy.artifacts import file_hash, fingerprint, tool_versions
 
@@ -552,6 +581,7 @@ def recipe_fingerprint(recipe: Recipe, role: str, source_hash: str) -> str:
         stage=STAGE,
         source=source_hash,
         model=to_plain(m),
+        format=checkpoint_format(recipe),
         dtype=export_dtype(recipe.engine.dtype),
         calib=file_hash(Path(calib)) if calib != BUILTIN else file_hash(builtin_path(CALIB_FILE)),
         heldout=file_hash(builtin_path(HELDOUT_FILE)),
@@ -590,12 +620,15 @@ def quantize_recipe(recipe: Recipe, layout, force: bool = False, echo=print, pro
         echo(f"{role}: quantizing {m.model} to {q.qformat}" + (f" + {q.kv_cache_dtype} KV cache" if q.kv_cache_dtype else ""))
         dtype = export_dtype(recipe.engine.dtype)
         with atomic_output(dest) as tmp:
-            report = quantize_model(source, q, tmp, m.tp_size, m.pp_size, progress=progress, dtype=dtype, echo=echo)
+            report = quantize_model(
+                source, q, tmp, *_ranks(recipe, m), progress=progress, dtype=dtype, echo=echo,
+                checkpoint_format=checkpoint_format(recipe),
+            )
             Manifest(
                 stage=STAGE,
                 recipe_name=recipe.name,
                 fingerprint=fp,
-                settings={**to_plain(m), "dtype": dtype, "role": role},
+                settings={**to_plain(m), "dtype": dtype, "role": role, "format": checkpoint_format(recipe)},
                 inputs={"source_dir": str(source), "source_hash": source_hash},
                 tool_versions=tool_versions(*TOOL_DISTRIBUTIONS),
                 extra={"quality": report.as_dict(), "quant_algo": QUANT_ALGO[q.qformat],

@@ -399,3 +399,27 @@ def test_qwen2_exports_with_qkv_bias(tiny_tokenizer_dir, tmp_path):
     w = load_file(out / "rank0.safetensors")
     assert w["transformer.layers.0.attention.qkv.bias"].shape == (128,)
     assert w["transformer.layers.0.attention.qkv.weight"].dtype == torch.float8_e4m3fn
+
+
+def test_llmapi_backend_gets_hugging_face_format_checkpoints(tiny_llama_dir, tmp_path):
+    """The LLM API loads ModelOpt's Hugging Face export; the trtllm-llmapi build accepts what quantize wrote."""
+    from specdeploy import trtllm
+
+    quant = {"calib_size": 2, "calib_max_seq_length": 16}
+    recipe = parse_recipe({
+        "name": "tiny-llmapi",
+        "backend": "trtllm-llmapi",
+        "target": {"model": str(tiny_llama_dir), "quantization": {**quant, "qformat": "fp8"}},
+        "draft": {"model": str(tiny_llama_dir), "quantization": {**quant, "qformat": "full_prec"}},
+    })
+    layout = Layout.of(recipe, tmp_path)
+    qz.quantize_recipe(recipe, layout, echo=lambda *_: None, progress=False)
+    target = layout.checkpoint("target")
+    hf_quant = json.loads((target / "hf_quant_config.json").read_text())
+    assert hf_quant["quantization"]["quant_algo"] == "FP8"
+    assert "architectures" in json.loads((target / "config.json").read_text())
+    assert (target / "tokenizer_config.json").is_file()
+    assert not list(target.glob("rank*.safetensors"))
+    trtllm.check_hf_checkpoint(target, "target", "fp8")
+    trtllm.check_hf_checkpoint(layout.checkpoint("draft"), "draft", "full_prec")
+    assert Manifest.read(target).settings["format"] == "hf"

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from specdeploy.config import SpeculativeConfig, ValidationConfig
 from specdeploy.client import latency as lat
 from specdeploy.client import parity as par
 from specdeploy.client.prompts import Prompt, load_prompt_set
@@ -35,17 +36,18 @@ REPORT_SCHEMA_VERSION = 1
 class Options:
     """Everything a run needs; `from_recipe` takes the recipe's `validation`/`speculative` sections."""
 
-    prompt_set: str = "builtin"
-    max_prompts: int = 0
-    max_tokens: int = 64
-    concurrency: tuple[int, ...] = (1, 2, 4)
-    repeats: int = 3
-    min_parity: float = 1.0
-    min_speedup: float = 1.0
-    near_tie_margin: float = 0.05
-    request_timeout_s: float = 120.0
-    num_draft_tokens: int = 4
-    max_draft_len: int = 4
+    # Defaults are the recipe's (specdeploy.config), written once there.
+    prompt_set: str = ValidationConfig.prompt_set
+    max_prompts: int = ValidationConfig.max_prompts
+    max_tokens: int = ValidationConfig.max_tokens
+    concurrency: tuple[int, ...] = ValidationConfig.concurrency
+    repeats: int = ValidationConfig.repeats
+    min_parity: float = ValidationConfig.min_parity
+    min_speedup: float = ValidationConfig.min_speedup
+    near_tie_margin: float = ValidationConfig.near_tie_margin
+    request_timeout_s: float = ValidationConfig.request_timeout_s
+    num_draft_tokens: int = SpeculativeConfig.num_draft_tokens
+    max_draft_len: int = SpeculativeConfig.max_draft_len
     stream: bool = False  # decoupled deployments: stream for a client-side TTFT
     sweep_draft_tokens: tuple[int, ...] = ()
     sampling: Sampling | None = None  # set: also run the statistical sampling comparison

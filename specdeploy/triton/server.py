@@ -28,7 +28,7 @@ import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from specdeploy.artifacts import home
+from specdeploy.artifacts import home, pid_alive
 from specdeploy.errors import ServerError
 
 PYTRITON_WHEEL = "nvidia-pytriton==0.7.0"
@@ -366,20 +366,6 @@ def relevant_log(path: str | os.PathLike, tail: int = 25) -> str:
             in_trace = False
     chosen = picked[-tail:] if picked else lines[-tail:]
     return "\n".join("  | " + line for line in chosen)
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie of ours counts as gone
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().split(") ", 1)[1][0] != "Z"
-    except OSError:
-        return True
 
 
 def stop_pid(pid: int, timeout_s: float = EXIT_TIMEOUT_S + 10, process: subprocess.Popen | None = None) -> None:

@@ -203,3 +203,22 @@ class TextStream:
         delta = text[self.sent :]
         self.sent = len(text)
         return delta
+
+
+def execute_all(requests, decoupled: bool, serve, final_flag: int):
+    """Run `serve(request, emit)` for each request of a Triton `execute` call.
+
+    `emit(response, final)`: a decoupled model sends every response as it comes (the last one with
+    `final_flag`); otherwise only the final response is kept and returned, one per request.
+    """
+    if decoupled:
+        for request in requests:
+            sender = request.get_response_sender()
+            serve(request, lambda response, final, s=sender: s.send(response, flags=final_flag if final else 0))
+        return None
+    responses = []
+    for request in requests:
+        box = []
+        serve(request, lambda response, final, b=box: b.append(response) if final else None)
+        responses.append(box[-1])
+    return responses

@@ -47,16 +47,7 @@ class TritonPythonModel:
         self.max_draft_len = min(int(params["max_draft_len"]), int(getattr(spec, "max_draft_len", 0) or 0))
 
     def execute(self, requests):
-        responses = []
-        for request in requests:
-            if self.decoupled:
-                sender = request.get_response_sender()
-                self._serve(request, lambda response, final, s=sender: s.send(response, flags=FINAL if final else 0))
-            else:
-                box = []
-                self._serve(request, lambda response, final, b=box: b.append(response) if final else None)
-                responses.append(box[-1])
-        return None if self.decoupled else responses
+        return common.execute_all(requests, self.decoupled, self._serve, FINAL)
 
     # ------------------------------------------------------------ one request
 

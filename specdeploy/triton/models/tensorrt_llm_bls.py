@@ -126,16 +126,7 @@ class TritonPythonModel:
         self.default_end_id = self.tokenizer.eos_token_id
 
     def execute(self, requests):
-        responses = []
-        for request in requests:
-            if self.decoupled:
-                sender = request.get_response_sender()
-                self._serve(request, lambda response, final, s=sender: s.send(response, flags=FINAL if final else 0))
-            else:
-                box = []
-                self._serve(request, lambda response, final, b=box: b.append(response) if final else None)
-                responses.append(box[-1])
-        return None if self.decoupled else responses
+        return common.execute_all(requests, self.decoupled, self._serve, FINAL)
 
     def _input(self, request, name):
         tensor = pb_utils.get_input_tensor_by_name(request, name)
