@@ -222,3 +222,20 @@ def execute_all(requests, decoupled: bool, serve, final_flag: int):
         serve(request, lambda response, final, b=box: b.append(response) if final else None)
         responses.append(box[-1])
     return responses
+
+
+def sampling_fields(get, top_k_name: str, top_p_name: str) -> dict:
+    """SamplingParams fields from a request's optional inputs (`get(name)` -> array or None).
+
+    The engine models name top-k/top-p `runtime_top_k`/`runtime_top_p`, the text models `top_k`/`top_p`;
+    `random_seed` is the older NVIDIA name of `seed`.
+    """
+    seed = scalar(get("seed"), "seed", int, None)
+    if seed is None:
+        seed = scalar(get("random_seed"), "random_seed", int, None)
+    return {
+        "temperature": scalar(get("temperature"), "temperature", float, 1.0),
+        "top_k": scalar(get(top_k_name), top_k_name, int, 0),
+        "top_p": scalar(get(top_p_name), top_p_name, float, 0.0),
+        "seed": seed,
+    }

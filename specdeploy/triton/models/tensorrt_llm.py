@@ -119,15 +119,7 @@ class TritonPythonModel:
         streaming = common.scalar(get("streaming"), "streaming", bool, False)
         if streaming and not self.decoupled:
             raise RequestError("streaming needs the model deployed in decoupled mode (recipe triton.decoupled: true)")
-        seed = common.scalar(get("seed"), "seed", int, None)
-        if seed is None:
-            seed = common.scalar(get("random_seed"), "random_seed", int, None)
-        sampling = self._SamplingParams(
-            temperature=common.scalar(get("temperature"), "temperature", float, 1.0),
-            top_k=common.scalar(get("runtime_top_k"), "runtime_top_k", int, 0),
-            top_p=common.scalar(get("runtime_top_p"), "runtime_top_p", float, 0.0),
-            seed=seed,
-        )
+        sampling = self._SamplingParams(**common.sampling_fields(get, "runtime_top_k", "runtime_top_p"))
         end_id = common.scalar(get("end_id"), "end_id", int, None)
         pad_id = common.scalar(get("pad_id"), "pad_id", int, None)
         flags = {

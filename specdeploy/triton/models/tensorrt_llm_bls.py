@@ -169,15 +169,7 @@ class TritonPythonModel:
                 f"num_draft_tokens ({num_draft_tokens}) is larger than the target engine's max_draft_len "
                 f"({self.max_draft_len}); send at most {self.max_draft_len}"
             )
-        seed = common.scalar(get("seed"), "seed", int, None)
-        if seed is None:
-            seed = common.scalar(get("random_seed"), "random_seed", int, None)
-        sampling = spec.SamplingParams(
-            temperature=common.scalar(get("temperature"), "temperature", float, 1.0),
-            top_k=common.scalar(get("top_k"), "top_k", int, 0),
-            top_p=common.scalar(get("top_p"), "top_p", float, 0.0),
-            seed=seed,
-        )
+        sampling = spec.SamplingParams(**common.sampling_fields(get, "top_k", "top_p"))
         end_id = common.scalar(get("end_id"), "end_id", int, self.default_end_id)
         stream = common.scalar(get("stream"), "stream", bool, False)
         if stream and not self.decoupled:
