@@ -21,7 +21,7 @@ from click.testing import CliRunner
 from specdeploy.artifacts import Layout, Manifest
 from specdeploy.config import parse_recipe
 
-server_mod = pytest.importorskip("specdeploy.triton.server")
+from specdeploy.triton import server as server_mod  # noqa: E402
 from specdeploy.client import gate  # noqa: E402
 from specdeploy.client.triton_adapter import TritonEndpoint  # noqa: E402
 from specdeploy.client.validate import tokenizer_dir, validate_recipe  # noqa: E402
@@ -35,10 +35,7 @@ CLEAN_PROMPTS = [
 ]
 MAX_TOKENS = 8
 
-pytestmark = [
-    pytest.mark.server,
-    pytest.mark.skipif(server_mod.find_binary(fetch=False) is None, reason="no tritonserver binary (specdeploy serve fetches it)"),
-]
+pytestmark = pytest.mark.server  # the server binary is fetched on first use, never skipped
 
 
 def _recipe_dict(target: Path, draft: Path, name: str = "clienttest", decoupled: bool = False) -> dict:

@@ -21,13 +21,11 @@ ENGINE_KINDS = ["reference", "cpu"]
 
 
 def _cpu_engine(model_dir, out_dir, max_draft_len):
-    """Quantize (full precision) + compile + load with the project's own stages; skip if absent."""
-    try:
-        from specdeploy.config import EngineConfig, QuantConfig
-        from specdeploy.engine import CpuEngine, compile_checkpoint
-        from specdeploy.quantize import quantize_model
-    except ImportError as exc:
-        pytest.skip(f"CPU engine runtime not available yet: {exc}")
+    """Quantize (full precision) + compile + load with the project's own stages."""
+    from specdeploy.config import EngineConfig, QuantConfig
+    from specdeploy.engine import CpuEngine, compile_checkpoint
+    from specdeploy.quantize import quantize_model
+
     ckpt = out_dir / "ckpt"
     quantize_model(model_dir, QuantConfig(), ckpt, progress=False)
     engine_cfg = EngineConfig(dtype="float32", max_input_len=128, max_seq_len=256)

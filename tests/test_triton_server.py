@@ -22,7 +22,7 @@ from triton_hf_engine import make_engines  # noqa: E402
 
 from specdeploy.triton import repository, server  # noqa: E402
 
-tritonclient_grpc = pytest.importorskip("tritonclient.grpc")
+import tritonclient.grpc as tritonclient_grpc  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 TESTS_DIR = str(Path(__file__).parent)
@@ -49,6 +49,9 @@ def _start(tmp_path_factory, target_dir, draft_dir, name, **overrides):
         srv.stop()
         raise
     return srv
+
+
+pytestmark = pytest.mark.server
 
 
 @pytest.fixture(scope="module")
