@@ -33,6 +33,7 @@ from specdeploy.triton.repository import (
     RepoInputs,
     _t,
     check_config,
+    engine_model_parameters,
     render,
 )
 
@@ -104,16 +105,10 @@ def trtllm_engine_models(inp: RepoInputs) -> list[ModelSpec]:
                 inputs=LLM_INPUTS,
                 outputs=LLM_OUTPUTS,
                 parameters={
-                    "gpt_model_path": str(inp.engine_dirs[role]),
-                    "gpt_model_type": "inflight_fused_batching",
-                    "max_beam_width": "1",
+                    **engine_model_parameters(inp, role),
                     "FORCE_CPU_ONLY_INPUT_TENSORS": "no",
                     "batch_scheduler_policy": "guaranteed_no_evict",
-                    "enable_kv_cache_reuse": "true",  # the draft/target flow relies on KV block reuse
                     "kv_cache_free_gpu_mem_fraction": str(fractions[role]),
-                    # as on the cpu backend, so one client request means one thing everywhere (the BLS sets
-                    # exclude_input_in_output per request anyway)
-                    "exclude_input_in_output": "false",
                     "gpu_device_ids": devices[role],
                     "executor_worker_path": EXECUTOR_WORKER_PATH,
                 },

@@ -409,6 +409,21 @@ def bls_spec(inp: RepoInputs) -> ModelSpec:
     )
 
 
+def engine_model_parameters(inp: RepoInputs, role: str) -> dict[str, str]:
+    """The parameters NVIDIA's tensorrt_llm model takes that every backend sets the same way.
+
+    `exclude_input_in_output` is false so one client request means one thing on every backend (the
+    BLS sets it per request anyway); KV block reuse is what the draft/target flow relies on.
+    """
+    return {
+        "gpt_model_path": str(inp.engine_dirs[role]),
+        "gpt_model_type": "inflight_fused_batching",
+        "max_beam_width": "1",
+        "enable_kv_cache_reuse": "true",
+        "exclude_input_in_output": "false",
+    }
+
+
 def _cpu_engine_models(inp: RepoInputs) -> list[ModelSpec]:
     """tensorrt_llm and tensorrt_llm_draft as python models over specdeploy's CPU engine."""
     r = inp.recipe
@@ -422,12 +437,8 @@ def _cpu_engine_models(inp: RepoInputs) -> list[ModelSpec]:
                 inputs=LLM_INPUTS,
                 outputs=LLM_OUTPUTS,
                 parameters={
-                    "gpt_model_path": str(inp.engine_dirs[role]),
-                    "gpt_model_type": "inflight_fused_batching",
-                    "max_beam_width": "1",
-                    "enable_kv_cache_reuse": "true",
+                    **engine_model_parameters(inp, role),
                     "kv_cache_free_gpu_mem_fraction": str(r.engine.kv_cache_free_gpu_mem_fraction),
-                    "exclude_input_in_output": "false",
                     "executor_factory": inp.executor_factory,
                     "max_input_len": str(int(inp.engine_setting(role, "max_input_len", r.engine.max_input_len))),
                     "max_seq_len": str(int(inp.engine_setting(role, "max_seq_len", r.engine.max_seq_len))),

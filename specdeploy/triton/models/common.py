@@ -239,3 +239,10 @@ def sampling_fields(get, top_k_name: str, top_p_name: str) -> dict:
         "top_p": scalar(get(top_p_name), top_p_name, float, 0.0),
         "seed": seed,
     }
+
+
+def error_text(exc) -> str:
+    """A SpecDeployError's message with its hint, or any other exception's text, for a Triton error."""
+    text = getattr(exc, "message", None) or str(exc)
+    hint = getattr(exc, "hint", "")
+    return f"{text} ({hint})" if hint else text

@@ -56,12 +56,12 @@ class TritonPythonModel:
         try:
             gen, flags = self._parse(request)
         except (RequestError, SpecDeployError) as exc:
-            emit(_error(f"{self.name}: {_message(exc)}"), True)
+            emit(_error(f"{self.name}: {common.error_text(exc)}"), True)
             return
         try:
             self._generate(gen, flags, arrival_ns, emit)
         except SpecDeployError as exc:
-            emit(_error(f"{self.name}: {_message(exc)}"), True)
+            emit(_error(f"{self.name}: {common.error_text(exc)}"), True)
         except Exception as exc:  # an engine failure: answer this request, keep serving the others
             traceback.print_exc()
             emit(_error(f"{self.name}: internal error: {type(exc).__name__}: {exc}"), True)
@@ -188,12 +188,6 @@ class TritonPythonModel:
 
     def finalize(self):
         self.executor = None
-
-
-def _message(exc) -> str:
-    text = getattr(exc, "message", None) or str(exc)
-    hint = getattr(exc, "hint", "")
-    return f"{text} ({hint})" if hint else text
 
 
 def _error(message: str):

@@ -137,12 +137,12 @@ class TritonPythonModel:
         try:
             job = self._parse(request)
         except (RequestError, SpecDeployError) as exc:
-            emit(_error(f"{self.name}: {_message(exc)}"), True)
+            emit(_error(f"{self.name}: {common.error_text(exc)}"), True)
             return
         try:
             self._run(job, arrival_ns, emit)
         except (BlsModelError, SpecDeployError) as exc:
-            emit(_error(f"{self.name}: {_message(exc)}"), True)
+            emit(_error(f"{self.name}: {common.error_text(exc)}"), True)
         except Exception as exc:
             traceback.print_exc()
             emit(_error(f"{self.name}: internal error: {type(exc).__name__}: {exc}"), True)
@@ -240,12 +240,6 @@ class TritonPythonModel:
 
     def finalize(self):
         pass
-
-
-def _message(exc) -> str:
-    text = getattr(exc, "message", None) or str(exc)
-    hint = getattr(exc, "hint", "")
-    return f"{text} ({hint})" if hint else text
 
 
 def _error(message: str):
