@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from specdeploy.config import EngineConfig
-from specdeploy.engine import CpuEngine, compile_checkpoint
+from specdeploy.engine import CpuEngine, compile_checkpoint, native
 from specdeploy.engine.kv_cache import KVCache
 from specdeploy.errors import BuildError
 from specdeploy.testing import make_tiny_model, tiny_llama_config
@@ -276,7 +276,7 @@ def test_quantized_bf16_engine_close_to_fp32_engine(quant_checkpoints, qformat, 
     bf16 = build(tmp_path, ckpt, "bfloat16")
     a, b = fp32.forward(fp32.new_cache(), ids), bf16.forward(bf16.new_cache(), ids)
     assert (a - b).abs().max().item() < 0.1
-    assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() >= 0.9
+    assert (a.argmax(-1) == b.argmax(-1)).sum().item() >= 18  # of 20 (a float mean of 18/20 is below 0.9)
 
 
 def test_weights_are_stored_quantized(quant_checkpoints, tmp_path):
@@ -306,10 +306,14 @@ def _in_one_call(engine, ids, start_ids):
     return engine.forward(cache, ids)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("kernels", ["bfloat16", "bfloat16-torch", "float32"])  # bf16: native kernels, or torch ops
 @pytest.mark.parametrize("qformat", ["full_prec", *sorted(QFORMATS)])
-def test_k_plus_one_rows_bit_identical_to_single_rows(quant_checkpoints, qformat, dtype, tmp_path):
+def test_k_plus_one_rows_bit_identical_to_single_rows(quant_checkpoints, qformat, kernels, tmp_path, monkeypatch):
+    dtype = kernels.removesuffix("-torch")
+    if kernels.endswith("-torch"):
+        monkeypatch.setattr(native, "ops", lambda: None)
     engine = build(tmp_path, quant_checkpoints[qformat][1], dtype, max_draft_len=6)
+    assert (engine.native is not None) == (kernels == "bfloat16" and native.ops() is not None)
     start = prompt(9, seed=1)
     for k in (1, 3, 6):
         draft = prompt(k + 1, seed=10 + k)

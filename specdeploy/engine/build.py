@@ -64,6 +64,10 @@ def build_recipe(recipe: Recipe, layout, force: bool = False, echo=print) -> dic
             ).write(tmp)
         echo(f"{role}: wrote {dest} ({spec.quant_algo or 'full precision'}, {spec.dtype})")
         built[role] = spec
+    if recipe.engine.dtype == "bfloat16":  # compile the native kernels now, not in the first server process
+        from specdeploy.engine import native
+
+        echo("native CPU kernels: " + ("ready" if native.ops() is not None else "unavailable, engines use torch ops"))
     return built
 
 

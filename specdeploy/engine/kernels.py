@@ -11,9 +11,13 @@ Engine weight layout (written by compile.py, read here), per linear layer `P`:
     W8A8_SQ_PER_CHANNEL   P.weight [N, K] int8, P.weight_scale [N] f32, P.act_scale [] f32, P.pre_quant_scale [K]
 
 Dequantized weight: W = q * weight_scale (per tensor, per output channel, or per [channel, group]).
-Every layer maps x [M, K] (compute dtype) to y [M, N] (compute dtype). The runtime always calls a layer with
-the same M (the row bucket), so the GEMM kernel and its reduction order never change with the number of
-real rows: that is what makes a k+1-row pass bit-identical to k+1 one-row passes.
+Every layer maps x [M, K] (compute dtype) to y [M, N] (compute dtype).
+
+`row_invariant`: each output row is bit-identical whatever M is (the kernel reduces every row along K the
+same way). True for oneDNN's prepacked bf16 GEMM and torch's int8/int4 weight-only kernels (tests check it
+for M = 1..8); false for MKL's fp32/fp16 GEMMs behind `F.linear`, whose micro-kernels depend on M. The
+runtime pads rows to a fixed bucket only for an engine with a kernel that is not row-invariant, so that a
+k+1-row pass stays bit-identical to k+1 one-row passes either way.
 """
 
 from __future__ import annotations
@@ -28,19 +32,24 @@ INT4_INNER_K_TILES = 2
 class PackedGemm:
     """y = x W^T (+ b) in bf16 with the weight reordered once into oneDNN's blocked layout.
 
-    Plain `F.linear` on a bf16 weight lets oneDNN reorder the weight on every call; prepacking for the row
-    bucket halved the LM-head GEMM time here (8.7 -> 4.5 ms at 5 rows). Other dtypes, or a torch without
-    the mkldnn ops, use `F.linear`.
+    Plain `F.linear` on a bf16 weight lets oneDNN reorder the weight on every call; prepacking halved the
+    LM-head GEMM time here (8.7 -> 4.5 ms at 5 rows). The layout is chosen for one row (a decode step);
+    packing for 7 rows gave 1-row calls no gain and 7-row calls ~10%. Other dtypes, or a torch without the
+    mkldnn ops, use `F.linear`.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: int):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         self.weight, self.bias, self.packed = weight, bias, None
         if weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
             try:
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
                 self.weight = None  # only the packed copy is kept
             except (RuntimeError, AttributeError):
                 self.packed = None
+
+    @property
+    def row_invariant(self) -> bool:
+        return self.packed is not None
 
     def __call__(self, x):
         if self.packed is not None:
@@ -54,11 +63,15 @@ class PackedGemm:
 class DenseLinear:
     """Unquantized: y = x W^T + b."""
 
-    def __init__(self, t: dict, dtype: torch.dtype, rows: int = 1):
-        self.gemm = PackedGemm(t["weight"].to(dtype).contiguous(), _opt(t, "bias", dtype), rows)
+    def __init__(self, t: dict, dtype: torch.dtype):
+        self.gemm = PackedGemm(t["weight"].to(dtype).contiguous(), _opt(t, "bias", dtype))
 
-    def __call__(self, x):
-        return self.gemm(x)
+    @property
+    def row_invariant(self) -> bool:
+        return self.gemm.row_invariant
+
+    def __call__(self, x, residual=None):
+        return _plus(self.gemm(x), residual)
 
     def nbytes(self) -> int:
         return self.gemm.nbytes()
@@ -70,25 +83,27 @@ class Fp8Linear:
     As TensorRT-LLM's FP8 GEMM: x_q = e4m3(x / act_scale); y = (x_q @ W_q^T) * (act_scale * weight_scale).
     E4M3 values are exact in bf16 (3 mantissa bits), so the GEMM runs on bf16 copies of x_q and W_q with
     fp32 accumulation and the scale is applied to the fp32 result: the same products, only faster.
+    Scales are 1-d f32 tensors, so `x / act_scale` and `y * out_scale` promote a bf16 operand to f32 in
+    the same op (a 0-d scale would not promote it).
     """
 
-    def __init__(self, t: dict, dtype: torch.dtype, rows: int = 1):
+    def __init__(self, t: dict, dtype: torch.dtype):
         gemm_dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
         self.dtype = dtype
         self.gemm_dtype = gemm_dtype
-        self.gemm = PackedGemm(t["weight"].to(gemm_dtype).contiguous(), None, rows)  # exact: e4m3 -> bf16/f32
-        self.act_scale = t.get("act_scale")
-        out_scale = t["weight_scale"].float() * (self.act_scale.float() if self.act_scale is not None else 1.0)
-        self.out_scale = out_scale.contiguous()  # [N] f32
+        self.gemm = PackedGemm(t["weight"].to(gemm_dtype).contiguous(), None)  # exact: e4m3 -> bf16/f32
+        act_scale = t.get("act_scale")
+        self.act_scale = None if act_scale is None else act_scale.float().reshape(1)
+        out_scale = t["weight_scale"].float() * (self.act_scale if self.act_scale is not None else 1.0)
+        self.out_scale = out_scale.reshape(-1).contiguous()  # [N] (or [1]) f32
         self.bias = _opt(t, "bias", dtype)
+        self.row_invariant = self.gemm.row_invariant
 
-    def __call__(self, x):
+    def __call__(self, x, residual=None):
         if self.act_scale is not None:
-            x = (x.float() / self.act_scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-        x = x.to(self.gemm_dtype)
-        y = self.gemm(x).float() * self.out_scale  # [M, N] f32
-        y = y.to(self.dtype)
-        return y if self.bias is None else y + self.bias
+            x = torch.div(x, self.act_scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)  # f32 -> e4m3
+        y = torch.mul(self.gemm(x.to(self.gemm_dtype)), self.out_scale).to(self.dtype)  # [M, N], scaled in f32
+        return _plus(y if self.bias is None else y + self.bias, residual)
 
     def nbytes(self) -> int:
         return self.gemm.nbytes() + _nbytes(self.bias)
@@ -100,14 +115,16 @@ class Int8WeightOnlyLinear:
     The per-channel scale is applied in the activation dtype, as in TensorRT-LLM's weight-only kernels.
     """
 
+    row_invariant = True
+
     def __init__(self, t: dict, dtype: torch.dtype):
         self.weight = t["weight"].contiguous()  # [N, K] int8
         self.scale = t["weight_scale"].to(dtype).contiguous()  # [N]
         self.bias = _opt(t, "bias", dtype)
 
-    def __call__(self, x):
+    def __call__(self, x, residual=None):
         y = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scale)
-        return y if self.bias is None else y + self.bias
+        return _plus(y if self.bias is None else y + self.bias, residual)
 
     def nbytes(self) -> int:
         return _nbytes(self.weight, self.scale, self.bias)
@@ -137,14 +154,15 @@ class Int4AwqLinear:
             q = unsigned.to(torch.float32) - 8.0
             self.weight = (q * scale.to(dtype).float().repeat_interleave(group_size, dim=1)).to(dtype).contiguous()
         self.bias = _opt(t, "bias", dtype)
+        self.row_invariant = self.fused
 
-    def __call__(self, x):
+    def __call__(self, x, residual=None):
         x = x * self.pre_quant_scale
         if self.fused:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, self.group_size, self.scales_and_zeros)
         else:
             y = F.linear(x, self.weight)
-        return y if self.bias is None else y + self.bias
+        return _plus(y if self.bias is None else y + self.bias, residual)
 
     def nbytes(self) -> int:
         extra = self.scales_and_zeros if self.fused else None
@@ -159,6 +177,8 @@ class SmoothQuantLinear:
     the f32 scales applied to the f32 result, as TensorRT-LLM's int8 GEMM does with its int32 accumulator.
     """
 
+    row_invariant = True
+
     def __init__(self, t: dict, dtype: torch.dtype):
         self.dtype = dtype
         self.weight = t["weight"].contiguous()  # [N, K] int8
@@ -167,23 +187,86 @@ class SmoothQuantLinear:
         self.pre_quant_scale = t["pre_quant_scale"].to(dtype)
         self.bias = _opt(t, "bias", dtype)
 
-    def __call__(self, x):
+    def __call__(self, x, residual=None):
         x = (x * self.pre_quant_scale).float()
         x_q = torch.round(x / self.act_scale).clamp_(-128.0, 127.0)  # [M, K] integer-valued f32
         y = torch.ops.aten._weight_int8pack_mm(x_q, self.weight, self.out_scale).to(self.dtype)
-        return y if self.bias is None else y + self.bias
+        return _plus(y if self.bias is None else y + self.bias, residual)
 
     def nbytes(self) -> int:
         return _nbytes(self.weight, self.bias)
 
 
-def make_linear(t: dict, quant_algo: str | None, dtype: torch.dtype, group_size: int | None, rows: int = 1):
-    """The runtime layer for one linear's engine tensors (names without the layer prefix); `rows` is the
-    number of rows it will usually be called with (the row bucket)."""
+class NativeLinear:
+    """Any format on bf16 activations in one call of the native kernel (csrc/cpu_kernels.cpp): the format's
+    input quantization, a GEMV that streams the packed weight once, then output scale, bias and residual.
+
+    Numerics as the torch classes above, except that scales apply to the f32 accumulator before the single
+    rounding to bf16 (as TensorRT-LLM's GEMM epilogues do); FP8 stays 1 byte per weight in memory.
+    """
+
+    row_invariant = True
+
+    def __init__(self, ops, t: dict, quant_algo: str | None, dtype: torch.dtype, group_size: int | None):
+        from specdeploy.engine import native
+
+        weight = t["weight"]
+        self.ops, self.n = ops, weight.shape[0]
+        self.group_scale, self.group_size, self.pre_quant_scale, self.act_scale = None, 0, None, 0.0
+        bias = t.get("bias")
+        self.bias = None if bias is None else bias.to(dtype).float().contiguous()  # the bf16 bias, in f32
+        out_scale = None
+        if quant_algo is None:
+            self.kind, weight = native.BF16, weight.to(dtype)
+        elif quant_algo == "FP8":
+            self.kind, weight = native.FP8, weight.view(torch.uint8)
+            act = t.get("act_scale")
+            self.act_scale = 0.0 if act is None else float(act)
+            out_scale = t["weight_scale"].float() * (1.0 if act is None else act.float())
+        elif quant_algo == "W8A16":
+            self.kind, out_scale = native.INT8, t["weight_scale"].to(dtype).float()
+        elif quant_algo == "W4A16_AWQ":
+            self.kind, self.group_size = native.INT4, group_size
+            self.group_scale = t["weight_scale"].to(dtype).float().contiguous()
+            self.pre_quant_scale = t["pre_quant_scale"].to(dtype).float().contiguous()
+        else:  # W8A8_SQ_PER_CHANNEL
+            self.kind, self.act_scale = native.INT8, float(t["act_scale"])
+            out_scale = t["weight_scale"].float() * t["act_scale"].float()
+            self.pre_quant_scale = t["pre_quant_scale"].to(dtype).float().contiguous()
+        self.k = weight.shape[1] * (2 if self.kind == native.INT4 else 1)
+        self.out_scale = None if out_scale is None else out_scale.reshape(-1).expand(self.n).contiguous()
+        self.packed = ops.pack(weight.contiguous(), self.kind, self.k)
+
+    @staticmethod
+    def supports(t: dict, quant_algo: str | None, group_size: int | None) -> bool:
+        """Shapes the native kernel takes: K a multiple of 16; AWQ groups a power of two >= 16."""
+        k = t["weight"].shape[1] * (2 if quant_algo == "W4A16_AWQ" else 1)
+        if quant_algo == "W4A16_AWQ" and not (group_size and group_size >= 16 and group_size & (group_size - 1) == 0):
+            return False
+        return k % 16 == 0
+
+    def args(self) -> tuple:
+        """The native kernel's arguments after x: (packed, kind, N, group_scale, group_size, pre_quant_scale,
+        act_scale, out_scale, bias), as `linear` and `Decoder.set_linear` take them."""
+        return (self.packed, self.kind, self.n, self.group_scale, self.group_size, self.pre_quant_scale,
+                self.act_scale, self.out_scale, self.bias)
+
+    def __call__(self, x, residual=None):
+        return self.ops.linear(x.contiguous(), *self.args(), residual)
+
+    def nbytes(self) -> int:
+        return _nbytes(self.packed, self.group_scale, self.pre_quant_scale, self.out_scale, self.bias)
+
+
+def make_linear(t: dict, quant_algo: str | None, dtype: torch.dtype, group_size: int | None, native_ops=None):
+    """The runtime layer for one linear's engine tensors (names without the layer prefix): the native
+    kernel when `native_ops` is given (bf16 engines) and takes the shapes, else torch ops."""
+    if native_ops is not None and NativeLinear.supports(t, quant_algo, group_size):
+        return NativeLinear(native_ops, t, quant_algo, dtype, group_size)
     if quant_algo is None:
-        return DenseLinear(t, dtype, rows)
+        return DenseLinear(t, dtype)
     if quant_algo == "FP8":
-        return Fp8Linear(t, dtype, rows)
+        return Fp8Linear(t, dtype)
     if quant_algo == "W8A16":
         return Int8WeightOnlyLinear(t, dtype)
     if quant_algo == "W4A16_AWQ":
@@ -215,6 +298,10 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """[N, K/2] uint8 -> [N, K] uint8 values 0..15."""
     low, high = packed & 0x0F, packed >> 4
     return torch.stack([low, high], dim=-1).reshape(packed.shape[0], -1)
+
+
+def _plus(y: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    return y if residual is None else residual + y
 
 
 def _opt(t: dict, name: str, dtype):

@@ -1,7 +1,10 @@
 """The KV cache of one sequence: preallocated, indexed by absolute position; rollback moves a pointer.
 
-Storage is the compute dtype, or FP8 (E4M3) / INT8 with the checkpoint's per-layer
-`kv_cache_scaling_factor` (stored = quantize(k / scale), read = stored * scale), as TensorRT-LLM does.
+Values are those of the compute dtype (k and v as the layer computed them), or FP8 (E4M3) / INT8 with the
+checkpoint's per-layer `kv_cache_scaling_factor` (stored = quantize(k / scale), read = stored * scale rounded
+to the compute dtype), as TensorRT-LLM does. Reads return f32, the dtype attention computes in: an
+unquantized cache holds its bf16/fp16 values in f32 storage (exact), so a decode step reads the keys
+without converting them, at twice the memory of a bf16 cache.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ class KVCache:
         self.dtype = dtype
         self.quant_algo = quant_algo
         self.scales = None if scales is None else [float(s) for s in scales]
-        storage = {None: dtype, "FP8": torch.float8_e4m3fn, "INT8": torch.int8}[quant_algo]
+        storage = {None: torch.float32, "FP8": torch.float8_e4m3fn, "INT8": torch.int8}[quant_algo]
         shape = (num_layers, num_kv_heads, max_len, head_size)  # [layer, kv_head, position, head_size]
         # Zeros, not garbage: masked-out rows never read them, but a stale finite value is harmless.
         self.keys = torch.zeros(shape, dtype=storage)
@@ -48,17 +51,17 @@ class KVCache:
         self.values[layer, :, start : start + n] = self._store(layer, v).transpose(0, 1)
 
     def read(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of positions [0, end) in the compute dtype: two [kv_heads, end, head_size]."""
+        """Keys and values of positions [0, end) (values of the compute dtype, in f32): two [kv_heads, end, head_size]."""
         k = self.keys[layer, :, :end]
         v = self.values[layer, :, :end]
         if self.quant_algo is None:
             return k, v
         scale = self.scales[layer]
-        return (k.float() * scale).to(self.dtype), (v.float() * scale).to(self.dtype)
+        return (k.float() * scale).to(self.dtype).float(), (v.float() * scale).to(self.dtype).float()
 
     def _store(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         if self.quant_algo is None:
-            return x
+            return x.to(self.dtype)  # the compute dtype's rounding; the f32 storage holds it exactly
         x = x.float() / self.scales[layer]
         if self.quant_algo == "FP8":
             return x.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)

@@ -5,17 +5,18 @@ target-only decoding scores them one call at a time; both must give bit-identica
 make every number a function of (weights, token, position, earlier tokens) only, never of how many
 rows a call carries:
 
-1. Every row-wise op (embedding, norms, linear layers, RoPE, MLP, LM head) runs on a tensor of exactly
-   `spec.row_bucket` rows: real rows first, padding after. The GEMM kernels see one shape, hence one
-   reduction order, whatever the number of real rows (a row's place in the block must not matter either:
-   see compile.row_bucket_for for why fp32 buckets are multiples of 8). Weights are prepacked once.
+1. Row-wise ops (embedding, norms, linear layers, RoPE, MLP, LM head) give each row the same bits
+   whatever the number of rows. Elementwise ops and last-dimension reductions do so by nature; so do
+   the GEMM kernels marked `row_invariant` in kernels.py (oneDNN's prepacked bf16 GEMM, torch's int8 and
+   int4 weight-only GEMMs), which then run on the real rows only: a decode step is a 1-row GEMV. An
+   engine with a kernel that is not row-invariant (MKL's fp32/fp16 GEMMs) runs every call of a target
+   on exactly `spec.row_bucket` rows instead, real rows first, padding after (see compile.row_bucket_for
+   for why fp32 buckets are multiples of 8).
 2. Attention is computed one query row at a time over exactly the keys it may see (positions 0..p),
-   so its reductions depend on p alone.
+   in f32, so its reductions depend on p alone.
 
-A call with more rows than the bucket (a prompt) is processed in consecutive bucket-sized chunks.
-These rules hold on engines built with a max_draft_len (targets, `spec.batch_invariant`). A draft engine
-is not padded (its tokens are only proposals): it runs each call's rows as they come, in chunks of up to
-`row_bucket` rows, so its one-row decode steps pay for one row only.
+Calls longer than a chunk (prompts) are processed in consecutive chunks. A draft engine is never padded
+(its tokens are only proposals, `spec.batch_invariant` is false).
 """
 
 from __future__ import annotations
@@ -26,20 +27,20 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specdeploy.engine.kernels import PackedGemm, make_linear
+from specdeploy.engine import native
+from specdeploy.engine.kernels import NativeLinear, PackedGemm, make_linear
 from specdeploy.engine.kv_cache import KVCache
-from specdeploy.engine.spec import ENGINE_WEIGHTS, EngineSpec
+from specdeploy.engine.spec import ENGINE_WEIGHTS, UNPADDED_CHUNK, EngineSpec
 from specdeploy.errors import BuildError, ConfigError
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 class Layer:
-    def __init__(self, t: dict, spec: EngineSpec, dtype: torch.dtype):
-        rows = spec.row_bucket if spec.batch_invariant else 1  # decode steps of a draft are one row
+    def __init__(self, t: dict, spec: EngineSpec, dtype: torch.dtype, native_ops=None):
         def linear(name):
             sub = {k[len(name) + 1 :]: v for k, v in t.items() if k.startswith(name + ".")}
-            return make_linear(sub, spec.quant_algo, dtype, spec.group_size, rows) if sub else None
+            return make_linear(sub, spec.quant_algo, dtype, spec.group_size, native_ops) if sub else None
 
         self.input_norm = t["input_norm.weight"].to(dtype)
         self.post_norm = t["post_norm.weight"].to(dtype)
@@ -51,12 +52,15 @@ class Layer:
         self.down = linear("down")
         self.kv_scale = t.get("kv_scale")
 
-    def mlp(self, h):
+    def mlp(self, h, residual, native_ops=None):
+        """residual + down(silu(gate(h)) * up(h))."""
+        if self.gate_up is not None and native_ops is not None:
+            return self.down(native_ops.swiglu(self.gate_up(h)), residual=residual)
         if self.gate_up is not None:
             gate, up = self.gate_up(h).chunk(2, dim=-1)  # [B, I] each
         else:
             gate, up = self.gate(h), self.up(h)
-        return self.down(F.silu(gate) * up)
+        return self.down(F.silu(gate) * up, residual=residual)
 
     def linears(self):
         return [x for x in (self.qkv, self.o, self.gate_up, self.gate, self.up, self.down) if x is not None]
@@ -71,22 +75,32 @@ class CpuEngine:
         self.spec = spec
         self.dtype = DTYPES[spec.dtype]
         dtype = self.dtype
+        self.native = native.ops() if dtype == torch.bfloat16 else None  # torch.ops.specdeploy_cpu or None
         self.embedding = tensors["embedding.weight"].to(dtype).contiguous()  # [vocab, hidden]
         lm_head = self.embedding if "lm_head.weight" not in tensors else tensors["lm_head.weight"].to(dtype).contiguous()
-        self.lm_head = PackedGemm(lm_head, None, spec.row_bucket if spec.batch_invariant else 1)  # tied: a packed copy
+        if self.native is not None and NativeLinear.supports({"weight": lm_head}, None, None):
+            self.lm_head = NativeLinear(self.native, {"weight": lm_head}, None, dtype, None)  # tied: a packed copy
+        else:
+            self.lm_head = PackedGemm(lm_head, None)
         self.final_norm = tensors["final_norm.weight"].to(dtype)
         self.layers = []
         for i in range(spec.num_layers):
             prefix = f"layers.{i}."
-            self.layers.append(Layer({k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}, spec, dtype))
+            layer_tensors = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+            self.layers.append(Layer(layer_tensors, spec, dtype, self.native))
+        kernels = [self.lm_head] + [lin for layer in self.layers for lin in layer.linears()]
+        # Rows every call of a target is padded to (None: run the real rows), and rows per chunk.
+        self.pad_rows = spec.row_bucket if spec.batch_invariant and not all(k.row_invariant for k in kernels) else None
+        self.chunk_rows = self.pad_rows or max(spec.row_bucket, UNPADDED_CHUNK)
         if spec.kv_cache_quant_algo is not None:
             self.kv_scales = torch.stack([layer.kv_scale.float().reshape(()) for layer in self.layers])
         else:
             self.kv_scales = None
-        self.cos, self.sin = rope_tables(spec, spec.max_seq_len + spec.row_bucket)  # [positions, head_size] f32
+        self.cos, self.sin = rope_tables(spec, spec.max_seq_len + self.chunk_rows)  # [positions, head_size] f32
         self.q_size = spec.num_heads * spec.head_size
         self.kv_size = spec.num_kv_heads * spec.head_size
         self.scale = 1.0 / math.sqrt(spec.head_size)
+        self.decoder = self._native_decoder()
 
     @classmethod
     def load(cls, engine_dir: str | Path, num_threads: int | None = None) -> "CpuEngine":
@@ -125,82 +139,105 @@ class CpuEngine:
             )
         if n and (int(token_ids.min()) < 0 or int(token_ids.max()) >= self.spec.vocab_size):
             raise ConfigError(f"token ids must lie in [0, {self.spec.vocab_size})", "check the tokenizer matches the model")
-        bucket = self.spec.row_bucket
-        chunks = [self._forward_chunk(cache, token_ids[i : i + bucket]) for i in range(0, n, bucket)]
+        step = self.chunk_rows
+        chunks = [self._forward_chunk(cache, token_ids[i : i + step]) for i in range(0, n, step)]
         return torch.cat(chunks) if chunks else torch.empty(0, self.spec.vocab_size)
 
     def weight_bytes(self) -> int:
-        """Bytes of the weights as held in memory for inference (embedding and LM head counted once if tied)."""
+        """Bytes of the weights as held in memory for inference (the embedding table and the LM head's packed
+        copy both count, also when the checkpoint ties them)."""
+        return self.embedding.numel() * self.embedding.element_size() + self.bytes_per_token()
+
+    def bytes_per_token(self) -> int:
+        """Weight bytes one decode step reads: every layer, the final norm and the LM head (of the embedding
+        table only one row, not counted). Over memory bandwidth, the floor of a step's time."""
         total = sum(lin.nbytes() for layer in self.layers for lin in layer.linears())
         total += sum(x.numel() * x.element_size() for layer in self.layers for x in (layer.input_norm, layer.post_norm))
-        total += self.embedding.numel() * self.embedding.element_size()
-        if self.lm_head.weight is not self.embedding:  # packed (bf16) or untied
-            total += self.lm_head.nbytes()
-        return total
+        return total + self.lm_head.nbytes() + self.final_norm.numel() * self.final_norm.element_size()
 
     # ------------------------------------------------------------------ one bucket of rows
 
+    def _native_decoder(self):
+        """All layers in one native call (csrc Decoder), where every layer runs on native kernels with a fused
+        gate/up projection; else None and _forward_chunk loops over the layers in Python."""
+        s = self.spec
+        if self.native is None or not all(
+            all(isinstance(x, NativeLinear) for x in (layer.qkv, layer.o, layer.gate_up, layer.down)) for layer in self.layers
+        ):
+            return None
+        decoder = torch.classes.specdeploy_cpu.Decoder(s.num_layers, s.num_heads, s.num_kv_heads, self.scale,
+                                                       s.norm_epsilon, self.cos, self.sin)
+        for i, layer in enumerate(self.layers):
+            decoder.set_norms(i, layer.input_norm, layer.post_norm)
+            for name in ("qkv", "o", "gate_up", "down"):
+                decoder.set_linear(i, name, *getattr(layer, name).args())
+        return decoder
+
     def _forward_chunk(self, cache: KVCache, ids: torch.Tensor) -> torch.Tensor:
         s, m, start = self.spec, ids.numel(), cache.length
-        bucket = s.row_bucket if s.batch_invariant else m
-        padded = torch.zeros(bucket, dtype=torch.long)
-        padded[:m] = ids
-        x = self.embedding[padded]  # [B, hidden] (B = the bucket; rows m.. are padding)
-        cos, sin = self.cos[start : start + bucket], self.sin[start : start + bucket]  # [B, head_size]
-        for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.input_norm, s.norm_epsilon)
-            qkv = layer.qkv(h)  # [B, (heads + 2 kv_heads) * head_size]
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = apply_rope(q.view(bucket, s.num_heads, s.head_size), cos, sin)  # [B, heads, head_size]
-            k = apply_rope(k.view(bucket, s.num_kv_heads, s.head_size), cos, sin)  # [B, kv_heads, head_size]
-            cache.write(i, start, k[:m], v.view(bucket, s.num_kv_heads, s.head_size)[:m])
-            attn = self._attention(cache, i, q, start, m)  # [B, heads * head_size]
-            x = x + layer.o(attn)
-            x = x + layer.mlp(rms_norm(x, layer.post_norm, s.norm_epsilon))
-        x = rms_norm(x, self.final_norm, s.norm_epsilon)
-        logits = self.lm_head(x)  # [B, vocab]
+        rows = self.pad_rows or m
+        x = self.embedding[F.pad(ids, (0, rows - m))]  # [rows, hidden] (rows m.. are padding)
+        if self.decoder is not None and cache.quant_algo is None:
+            x = self.decoder.forward(x, cache.keys, cache.values, start, m)  # the loop below, in one native call
+        else:
+            for i, layer in enumerate(self.layers):
+                qkv = layer.qkv(self._norm(x, layer.input_norm))  # [rows, (heads + 2 kv_heads) * head_size]
+                x = layer.o(self._attention(cache, i, qkv, start, m), residual=x)
+                x = layer.mlp(self._norm(x, layer.post_norm), x, self.native)
+        logits = self.lm_head(self._norm(x, self.final_norm))  # [rows, vocab]
         cache.length = start + m
         return logits[:m].float()
 
-    def _attention(self, cache: KVCache, layer: int, q: torch.Tensor, start: int, m: int) -> torch.Tensor:
-        """Causal attention, one query row at a time over exactly the keys 0..p it may see."""
-        s = self.spec
-        out = torch.zeros(q.shape[0], s.num_heads * s.head_size, dtype=self.dtype)  # padding rows stay 0
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.native is not None:
+            return self.native.rms_norm(x, weight, self.spec.norm_epsilon)
+        return rms_norm(x, weight, self.spec.norm_epsilon)
+
+    def _attention(self, cache: KVCache, layer: int, qkv: torch.Tensor, start: int, m: int) -> torch.Tensor:
+        """RoPE on q and k, k and v of rows 0..m-1 into the cache, then causal attention in f32, one query row
+        at a time over exactly the keys 0..p it may see. qkv [rows, ...] -> [rows, heads * head_size]."""
+        s, rows = self.spec, qkv.shape[0]
+        if self.native is not None and cache.quant_algo is None:
+            return self.native.attention(qkv, self.cos, self.sin, cache.keys[layer], cache.values[layer], start, m,
+                                         s.num_heads, s.num_kv_heads, self.scale)
+        cos, sin = self.cos[start : start + rows], self.sin[start : start + rows]  # [rows, head_size]
+        qk_heads, qk_size = s.num_heads + s.num_kv_heads, self.q_size + self.kv_size
+        qk = apply_rope(qkv[:, :qk_size].view(rows, qk_heads, s.head_size), cos, sin)  # [rows, qk_heads, head_size]
+        q, k = qk.split([s.num_heads, s.num_kv_heads], dim=1)
+        cache.write(layer, start, k[:m], qkv[:m, qk_size:].view(m, s.num_kv_heads, s.head_size))
+        qf = q.float().view(rows, s.num_kv_heads, s.num_heads // s.num_kv_heads, s.head_size)  # grouped by kv head
+        out = []
         for row in range(m):
-            keys, values = cache.read(layer, start + row + 1)  # [kv_heads, p + 1, head_size] each
-            o = F.scaled_dot_product_attention(
-                q[row].unsqueeze(1).unsqueeze(0),  # [1, heads, 1, head_size]
-                keys.unsqueeze(0),
-                values.unsqueeze(0),
-                scale=self.scale,
-                enable_gqa=s.num_heads != s.num_kv_heads,
-            )  # [1, heads, 1, head_size]
-            out[row] = o.reshape(-1)
-        return out
+            keys, values = cache.read(layer, start + row + 1)  # [kv_heads, p + 1, head_size] each, f32
+            scores = torch.bmm(qf[row], keys.transpose(1, 2)).mul_(self.scale)  # [kv_heads, groups, p + 1]
+            out.append(torch.bmm(torch.softmax(scores, dim=-1), values).view(1, -1))  # [1, heads * head_size]
+        if rows > m:
+            out.append(torch.zeros(rows - m, s.num_heads * s.head_size))
+        return (out[0] if len(out) == 1 else torch.cat(out)).to(self.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """As Hugging Face's LlamaRMSNorm: normalize in fp32, scale in the compute dtype."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """GPT-NeoX style rotary embedding (rotate halves) in fp32. x [B, heads, head_size], cos/sin [B, head_size]."""
+    """GPT-NeoX style rotary embedding (rotate halves) in fp32: x * cos + [-x2, x1] * sin, written as
+    x * cos + roll(x, half) * signed_sin. x [B, heads, head_size], cos/signed_sin [B, head_size] (rope_tables)."""
     xf = x.float()
-    half = xf.shape[-1] // 2
-    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-    return (xf * cos[:, None, :] + rotated * sin[:, None, :]).to(x.dtype)
+    rotated = xf.roll(xf.shape[-1] // 2, dims=-1)  # [x2, x1]
+    return torch.addcmul(xf * cos[:, None, :], rotated, sin[:, None, :]).to(x.dtype)
 
 
 def rope_tables(spec: EngineSpec, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [length, head_size] (fp32) for positions 0..length-1, with the checkpoint's theta and scaling."""
+    """cos and signed sin [length, head_size] (fp32) for positions 0..length-1, with the checkpoint's theta
+    and scaling. The sin table's first half is negated, so that apply_rope needs no negation."""
     inv_freq = rope_inv_freq(spec.head_size, spec.rotary_base, spec.rotary_scaling)  # [head_size / 2]
     positions = torch.arange(length, dtype=torch.float32)
     freqs = torch.outer(positions, inv_freq)  # [length, head_size / 2]
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos(), emb.sin()
+    sign = torch.cat([-torch.ones_like(inv_freq), torch.ones_like(inv_freq)])
+    return emb.cos(), emb.sin() * sign
 
 
 def rope_inv_freq(head_size: int, base: float, scaling: dict | None) -> torch.Tensor:

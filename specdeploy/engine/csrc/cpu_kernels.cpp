@@ -1,0 +1,528 @@
+// Native kernels of the CPU engine for bf16 engines (see specdeploy/engine/native.py).
+//
+// A decode step of a small model is a chain of GEMVs (one activation row against each weight matrix)
+// and a few row-wise ops, repeated per layer. torch runs each as several ops (conversions, scaling,
+// quantization), so per-op overhead and a GEMV that reaches about half of the memory bandwidth bound
+// the step. These kernels do one layer piece per call and stream each weight matrix once.
+//
+// Row invariance (what keeps greedy speculative output equal to target-only output): every output
+// element (m, n) is reduced along K in the same order, with the same instructions, whatever the number
+// of rows M and whichever block it falls in, and every row-wise op works on one row at a time. So a
+// k+1-row verification pass gives the bits of k+1 one-row steps.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if !defined(__AVX512F__)
+#error "specdeploy's native CPU kernels need AVX-512 (the engine falls back to torch ops without them)"
+#endif
+
+namespace {
+
+constexpr int64_t kLanes = 16;        // f32 lanes of a vector
+constexpr int64_t kChannelBlock = 4;  // output channels per inner block
+constexpr int64_t kRowBlock = 4;      // activation rows per inner block
+constexpr float kFp8Max = 448.0f;
+
+enum WeightKind : int64_t { kBf16 = 0, kFp8 = 1, kInt8 = 2, kInt4 = 3 };
+
+inline float round_bf16(float v) { return static_cast<float>(c10::BFloat16(v)); }
+
+inline __m512 bf16_to_f32(__m256i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)); }
+
+// Packed weights (`pack`): channels in blocks of kChannelBlock, the last N % kChannelBlock in blocks of one;
+// within a block, for each step of kStep inputs, that step's chunk of each channel in turn. A thread then
+// reads its part of the matrix front to back, which the hardware prefetchers follow (row-major [N, K]
+// bf16 reached ~6 GB/s per core here, since every block jumps between rows only K elements long).
+//
+// One policy per weight kind: kStep inputs per step, kChunk bytes per channel and step, the activation
+// type it multiplies (f32 after the prologue, or bf16 as given), and madd: acc += x * w over one step.
+
+#if defined(__AVX512BF16__)
+// bf16 x bf16 with VDPBF16PS: 32 products per instruction, no conversion.
+struct Bf16Weights {
+  static constexpr int64_t kStep = 32, kChunk = 64;
+  using Activation = c10::BFloat16;
+  using XVec = __m512i;
+  using WVec = __m512i;
+  static XVec load_x(const Activation* x) { return _mm512_loadu_si512(x); }
+  WVec operator()(const uint8_t* p, int64_t, int64_t) const { return _mm512_loadu_si512(p); }
+  static __m512 madd(__m512 acc, XVec x, WVec w) { return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)w); }
+};
+#else
+struct Bf16Weights {
+  static constexpr int64_t kStep = 16, kChunk = 32;
+  using Activation = float;
+  using XVec = __m512;
+  using WVec = __m512;
+  static XVec load_x(const Activation* x) { return _mm512_loadu_ps(x); }
+  WVec operator()(const uint8_t* p, int64_t, int64_t) const {
+    return bf16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static __m512 madd(__m512 acc, XVec x, WVec w) { return _mm512_fmadd_ps(x, w, acc); }
+};
+#endif
+
+// The others decode 16 weights to f32 exactly and multiply f32 activations.
+struct F32Madd {
+  static constexpr int64_t kStep = 16;
+  using Activation = float;
+  using XVec = __m512;
+  using WVec = __m512;
+  static XVec load_x(const Activation* x) { return _mm512_loadu_ps(x); }
+  static __m512 madd(__m512 acc, XVec x, WVec w) { return _mm512_fmadd_ps(x, w, acc); }
+};
+
+// E4M3 (fn) bits b: with b sign-extended and shifted left by 20, the sign lands in bit 31 and b & 0x7f in
+// bits 20..26; masking the rest gives an f32 worth the value times 2^-120, for normal and subnormal
+// numbers alike (no denormal f32 reaches the multiply: it is scaled back first).
+struct Fp8Weights : F32Madd {
+  static constexpr int64_t kChunk = 16;
+  WVec operator()(const uint8_t* p, int64_t, int64_t) const {
+    __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    __m512i bits = _mm512_and_si512(_mm512_slli_epi32(v, 20), _mm512_set1_epi32(static_cast<int>(0x87f00000u)));
+    return _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0x1p120f));
+  }
+};
+
+struct Int8Weights : F32Madd {
+  static constexpr int64_t kChunk = 16;
+  WVec operator()(const uint8_t* p, int64_t, int64_t) const {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+};
+
+// AWQ: 8 bytes per chunk, low nibble = even k, value q + 8; one scale per (n, group of 2^group_shift inputs).
+struct Int4Weights : F32Madd {
+  static constexpr int64_t kChunk = 8;
+  const float* scale;
+  int64_t groups, group_shift;
+  WVec operator()(const uint8_t* p, int64_t n, int64_t k) const {
+    __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    __m128i mask = _mm_set1_epi8(0x0f);
+    __m128i low = _mm_and_si128(bytes, mask), high = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+    __m512i q = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(low, high)), _mm512_set1_epi32(8));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(scale[n * groups + (k >> group_shift)]));
+  }
+};
+
+struct Layout {
+  int64_t step, chunk;
+};
+
+inline Layout layout_of(int64_t kind) {
+  switch (kind) {
+    case kBf16: return {Bf16Weights::kStep, Bf16Weights::kChunk};
+    case kFp8: return {Fp8Weights::kStep, Fp8Weights::kChunk};
+    case kInt8: return {Int8Weights::kStep, Int8Weights::kChunk};
+    case kInt4: return {Int4Weights::kStep, Int4Weights::kChunk};
+  }
+  TORCH_CHECK(false, "unknown weight kind ", kind);
+}
+
+// [N, K] (bf16, E4M3 bits or int8: K elements per row; AWQ int4: K/2 bytes per row) -> packed bytes.
+at::Tensor pack(const at::Tensor& weight, int64_t kind, int64_t K) {
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "weight: expected a contiguous [N, K] tensor");
+  Layout lay = layout_of(kind);
+  TORCH_CHECK(K % lay.step == 0, "K = ", K, " is not a multiple of ", lay.step);
+  int64_t N = weight.size(0), steps = K / lay.step, row_bytes = steps * lay.chunk;
+  TORCH_CHECK(weight.size(1) * weight.element_size() == row_bytes, "weight: ", weight.size(1), " columns do not hold K = ", K);
+  at::Tensor packed = at::empty({N * row_bytes}, weight.options().dtype(at::kByte));
+  const uint8_t* src = reinterpret_cast<const uint8_t*>(weight.data_ptr());
+  uint8_t* dst = packed.data_ptr<uint8_t>();
+  int64_t full = N / kChannelBlock * kChannelBlock;
+  for (int64_t n0 = 0; n0 < N;) {
+    int64_t width = n0 < full ? kChannelBlock : 1;
+    uint8_t* block = dst + n0 * row_bytes;
+    for (int64_t s = 0; s < steps; ++s)
+      for (int64_t j = 0; j < width; ++j)
+        std::memcpy(block + (s * width + j) * lay.chunk, src + (n0 + j) * row_bytes + s * lay.chunk, lay.chunk);
+    n0 += width;
+  }
+  return packed;
+}
+
+// Sums of the 16 lanes of a, b, c and d, in one fixed tree (lane i + lane i+8, then i + i+4, i + i+2,
+// i + i+1) for all of them. Every output element is reduced by this one function (a lone channel with
+// zeros for the others), so its bits do not depend on the block it was computed in.
+inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xee));
+  __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xee));
+  __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xdd));
+  __m512 v = _mm512_add_ps(u, _mm512_shuffle_ps(u, u, _MM_SHUFFLE(1, 0, 3, 2)));
+  __m512 w = _mm512_add_ps(v, _mm512_shuffle_ps(v, v, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), w));
+}
+
+// y = bf16(acc * out_scale + bias), or residual + that (each rounded to bf16), for `count` <= 4 channels of one row.
+struct Epilogue {
+  const float* out_scale;          // [N] or nullptr
+  const float* bias;               // [N] or nullptr
+  const c10::BFloat16* residual;   // [M, N] or nullptr
+  c10::BFloat16* y;                // [M, N]
+  int64_t N;
+
+  void store(int64_t m, int64_t n, __m128 sums, int64_t count) const {
+    alignas(16) float v[4];
+    _mm_store_ps(v, sums);
+    for (int64_t j = 0; j < count; ++j) {
+      float r = v[j];
+      if (out_scale) r *= out_scale[n + j];
+      if (bias) r += bias[n + j];
+      if (residual) r = static_cast<float>(residual[m * N + n + j]) + round_bf16(r);
+      y[m * N + n + j] = c10::BFloat16(r);
+    }
+  }
+};
+
+// Channels [n, n + CB) x rows [m, m + RB): each accumulator sums x[m, k..] * w[n, k..] one step at a time in
+// k order, then hsum4 reduces its lanes. The block shape changes which products share a register load, not
+// the order in which any one (m, n) is summed.
+template <int64_t CB, int64_t RB, class W>
+inline void block(const typename W::Activation* xa, int64_t K, const uint8_t* packed, const W& weights, int64_t n,
+                  int64_t m, const Epilogue& out) {
+  __m512 acc[CB][RB];
+  for (int64_t j = 0; j < CB; ++j)
+    for (int64_t i = 0; i < RB; ++i) acc[j][i] = _mm512_setzero_ps();
+  const uint8_t* p = packed + n * (K / W::kStep) * W::kChunk;
+  for (int64_t k = 0; k < K; k += W::kStep) {
+    typename W::XVec x[RB];
+    for (int64_t i = 0; i < RB; ++i) x[i] = W::load_x(xa + (m + i) * K + k);
+    for (int64_t j = 0; j < CB; ++j, p += W::kChunk) {
+      typename W::WVec w = weights(p, n + j, k);
+      for (int64_t i = 0; i < RB; ++i) acc[j][i] = W::madd(acc[j][i], x[i], w);
+    }
+  }
+  __m512 zero = _mm512_setzero_ps();
+  for (int64_t i = 0; i < RB; ++i) {
+    if constexpr (CB == 4) {
+      out.store(m + i, n, hsum4(acc[0][i], acc[1][i], acc[2][i], acc[3][i]), 4);
+    } else {
+      for (int64_t j = 0; j < CB; ++j) out.store(m + i, n + j, hsum4(acc[j][i], zero, zero, zero), 1);
+    }
+  }
+}
+
+template <int64_t CB, class W>
+inline void channel_block(const typename W::Activation* xa, int64_t M, int64_t K, const uint8_t* packed,
+                          const W& weights, int64_t n, const Epilogue& out) {
+  int64_t m = 0;
+  for (; m + kRowBlock <= M; m += kRowBlock) block<CB, kRowBlock>(xa, K, packed, weights, n, m, out);
+  for (; m + 2 <= M; m += 2) block<CB, 2>(xa, K, packed, weights, n, m, out);
+  for (; m < M; ++m) block<CB, 1>(xa, K, packed, weights, n, m, out);
+}
+
+template <class W>
+void gemv(const typename W::Activation* xa, int64_t M, int64_t N, int64_t K, const uint8_t* packed, const W& weights,
+          const Epilogue& out) {
+  int64_t blocks = N / kChannelBlock;
+  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) channel_block<kChannelBlock>(xa, M, K, packed, weights, b * kChannelBlock, out);
+  });
+  for (int64_t n = blocks * kChannelBlock; n < N; ++n) channel_block<1>(xa, M, K, packed, weights, n, out);
+}
+
+const float* optional_f32(const std::optional<at::Tensor>& t, int64_t numel, const char* name) {
+  if (!t.has_value()) return nullptr;
+  TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == numel, name,
+              ": expected a contiguous f32 tensor of ", numel, " elements");
+  return t->data_ptr<float>();
+}
+
+// e4m3(v) for v in [-448, 448], round to nearest even, as torch's float -> float8_e4m3fn: normal values
+// keep 3 mantissa bits (integer rounding on the f32 bits), subnormals (|v| < 2^-6) are multiples of 2^-9.
+inline __m512 round_e4m3(__m512 v) {
+  __m512i bits = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 20), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7ffff), lsb));
+  __m512 normal = _mm512_castsi512_ps(_mm512_and_si512(rounded, _mm512_set1_epi32(static_cast<int>(0xfff00000u))));
+  __m512 scaled = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(512.0f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 subnormal = _mm512_mul_ps(scaled, _mm512_set1_ps(1.0f / 512.0f));
+  __mmask16 small = _mm512_cmp_ps_mask(_mm512_abs_ps(v), _mm512_set1_ps(0x1p-6f), _CMP_LT_OQ);
+  return _mm512_mask_blend_ps(small, normal, subnormal);
+}
+
+// The activations a kernel multiplies, in f32 (xa [M, K]), after the input quantization of its format:
+//   plain:                  xa = x
+//   pre_quant_scale (AWQ):  xa = bf16(x * s)
+//   FP8 (act_scale > 0):    xa = e4m3(clamp(x / act_scale, +-448))
+//   SmoothQuant (int8 + act_scale > 0): xa = clamp(round(bf16(x * s) / act_scale), -128, 127)
+std::vector<float> prologue(const at::Tensor& x, int64_t kind, const float* pre_quant_scale, double act_scale) {
+  int64_t M = x.size(0), K = x.size(1);
+  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+  std::vector<float> xa(M * K);
+  float act = static_cast<float>(act_scale);
+  if (act > 0 && kind == kFp8 && !pre_quant_scale) {  // the FP8 GEMM's input, 16 at a time
+    __m512 scale = _mm512_set1_ps(act), hi = _mm512_set1_ps(kFp8Max), lo = _mm512_set1_ps(-kFp8Max);
+    for (int64_t i = 0; i < M * K; i += kLanes) {
+      __m512 v = bf16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + i)));
+      v = _mm512_min_ps(_mm512_max_ps(_mm512_div_ps(v, scale), lo), hi);
+      _mm512_storeu_ps(xa.data() + i, round_e4m3(v));
+    }
+    return xa;
+  }
+  for (int64_t i = 0; i < M * K; ++i) {
+    float v = static_cast<float>(xp[i]);
+    if (pre_quant_scale) v = round_bf16(v * pre_quant_scale[i % K]);
+    if (act > 0 && kind == kFp8) {
+      v = static_cast<float>(c10::Float8_e4m3fn(std::clamp(v / act, -kFp8Max, kFp8Max)));
+    } else if (act > 0 && kind == kInt8) {
+      v = std::clamp(std::nearbyint(v / act), -128.0f, 127.0f);
+    }
+    xa[i] = v;
+  }
+  return xa;
+}
+
+// y [M, N] bf16 = quantize_input(x) @ W^T * out_scale + bias (+ residual), W [N, K] packed by `pack`:
+// bf16, E4M3 bits, int8, or AWQ int4 with group_scale [N, K/G] (f32 values of the bf16 scales).
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t kind, int64_t N,
+                  const std::optional<at::Tensor>& group_scale, int64_t group_size,
+                  const std::optional<at::Tensor>& pre_quant_scale, double act_scale,
+                  const std::optional<at::Tensor>& out_scale, const std::optional<at::Tensor>& bias,
+                  const std::optional<at::Tensor>& residual) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x: expected contiguous bf16 [M, K]");
+  int64_t M = x.size(0), K = x.size(1);
+  Layout lay = layout_of(kind);
+  TORCH_CHECK(K % lay.step == 0, "K = ", K, " is not a multiple of ", lay.step);
+  int64_t bytes = N * (K / lay.step) * lay.chunk;
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() == bytes,
+              "packed weight: expected ", bytes, " bytes from pack()");
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (residual.has_value())
+    TORCH_CHECK(residual->scalar_type() == at::kBFloat16 && residual->is_contiguous() && residual->sizes() == y.sizes(),
+                "residual: expected contiguous bf16 [M, N]");
+  Epilogue out{optional_f32(out_scale, N, "out_scale"), optional_f32(bias, N, "bias"),
+               residual.has_value() ? residual->data_ptr<c10::BFloat16>() : nullptr, y.data_ptr<c10::BFloat16>(), N};
+  const float* pqs = optional_f32(pre_quant_scale, K, "pre_quant_scale");
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  if (kind == kBf16 && std::is_same_v<Bf16Weights::Activation, c10::BFloat16>) {
+    gemv(reinterpret_cast<const Bf16Weights::Activation*>(x.data_ptr()), M, N, K, w, Bf16Weights{}, out);
+    return y;
+  }
+  std::vector<float> xa = prologue(x, kind, pqs, act_scale);
+  switch (kind) {
+    case kBf16: gemv(reinterpret_cast<const Bf16Weights::Activation*>(xa.data()), M, N, K, w, Bf16Weights{}, out); break;
+    case kFp8: gemv(xa.data(), M, N, K, w, Fp8Weights{}, out); break;
+    case kInt8: gemv(xa.data(), M, N, K, w, Int8Weights{}, out); break;
+    default: {
+      int64_t shift = 0;
+      while ((int64_t{1} << shift) < group_size) ++shift;
+      TORCH_CHECK(group_size >= kLanes && (int64_t{1} << shift) == group_size && K % group_size == 0, "group_size ",
+                  group_size, " must be a power of two >= ", kLanes, " dividing K = ", K);
+      const float* scale = optional_f32(group_scale, N * (K / group_size), "group_scale");
+      TORCH_CHECK(scale != nullptr, "int4 weights need group_scale");
+      gemv(xa.data(), M, N, K, w, Int4Weights{{}, scale, K / group_size, shift}, out);
+    }
+  }
+  return y;
+}
+
+// As Hugging Face's LlamaRMSNorm: weight * bf16(x * rsqrt(mean(x^2) + eps)), statistics in f32.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x: expected contiguous bf16 [M, H]");
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.numel() == x.size(1), "weight: expected bf16 [H]");
+  int64_t M = x.size(0), H = x.size(1);
+  at::Tensor y = at::empty_like(x);
+  const c10::BFloat16 *xp = x.data_ptr<c10::BFloat16>(), *wp = weight.data_ptr<c10::BFloat16>();
+  c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
+  for (int64_t m = 0; m < M; ++m) {
+    const c10::BFloat16* row = xp + m * H;
+    float sum = 0.0f;
+    for (int64_t h = 0; h < H; ++h) sum += static_cast<float>(row[h]) * static_cast<float>(row[h]);
+    float inv = 1.0f / std::sqrt(sum / static_cast<float>(H) + static_cast<float>(eps));
+    for (int64_t h = 0; h < H; ++h)
+      yp[m * H + h] = c10::BFloat16(static_cast<float>(wp[h]) * round_bf16(static_cast<float>(row[h]) * inv));
+  }
+  return y;
+}
+
+// [M, 2I] -> [M, I]: bf16(silu(gate)) * up, each rounded to bf16 as torch's bf16 ops do.
+at::Tensor swiglu(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kBFloat16 && gate_up.is_contiguous() &&
+                  gate_up.size(1) % 2 == 0, "gate_up: expected contiguous bf16 [M, 2I]");
+  int64_t M = gate_up.size(0), I = gate_up.size(1) / 2;
+  at::Tensor y = at::empty({M, I}, gate_up.options());
+  const c10::BFloat16* gp = gate_up.data_ptr<c10::BFloat16>();
+  c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t i = 0; i < I; ++i) {
+      float g = static_cast<float>(gp[m * 2 * I + i]), u = static_cast<float>(gp[m * 2 * I + I + i]);
+      yp[m * I + i] = c10::BFloat16(round_bf16(g / (1.0f + std::exp(-g))) * u);
+    }
+  return y;
+}
+
+inline float dot(const float* a, const float* b, int64_t D) {
+  if (D % kLanes == 0) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += kLanes) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
+    return _mm512_reduce_add_ps(acc);
+  }
+  float s = 0.0f;
+  for (int64_t d = 0; d < D; ++d) s += a[d] * b[d];
+  return s;
+}
+
+// RoPE (rotate halves) in f32 on one head, rounded to bf16: x * cos + [x2, x1] * signed_sin.
+inline void rope(const c10::BFloat16* x, const float* cos, const float* sin, int64_t D, float* out) {
+  int64_t half = D / 2;
+  for (int64_t d = 0; d < D; ++d) {
+    float xd = static_cast<float>(x[d]), rotated = static_cast<float>(x[(d + half) % D]);
+    out[d] = round_bf16(xd * cos[d] + rotated * sin[d]);
+  }
+}
+
+// One layer's attention for rows 0..m-1 at positions start.. of one sequence:
+//   qkv [rows, (H + 2 KV) * D] bf16; cos, sin [positions, D] f32 (sin with its first half negated);
+//   keys, values [KV, max_len, D] f32, this layer's cache (k after RoPE and v written at start..start+m-1).
+// Row r attends over exactly positions 0..start+r, in f32. Returns [rows, H * D] bf16 (rows >= m are 0).
+at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& keys,
+                     at::Tensor& values, int64_t start, int64_t m, int64_t num_heads, int64_t num_kv_heads,
+                     double scale) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kBFloat16 && qkv.is_contiguous(), "qkv: expected contiguous bf16");
+  TORCH_CHECK(keys.scalar_type() == at::kFloat && keys.is_contiguous() && values.scalar_type() == at::kFloat &&
+                  values.is_contiguous() && keys.dim() == 3 && keys.sizes() == values.sizes(),
+              "keys, values: expected contiguous f32 [KV, max_len, D]");
+  int64_t rows = qkv.size(0), D = keys.size(2), max_len = keys.size(1), groups = num_heads / num_kv_heads;
+  TORCH_CHECK(keys.size(0) == num_kv_heads && qkv.size(1) == (num_heads + 2 * num_kv_heads) * D, "qkv/cache shapes disagree");
+  TORCH_CHECK(start >= 0 && m <= rows && start + m <= max_len && start + m <= cos.size(0), "positions out of range");
+  const c10::BFloat16* qp = qkv.data_ptr<c10::BFloat16>();
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  float *kp = keys.data_ptr<float>(), *vp = values.data_ptr<float>();
+  int64_t width = qkv.size(1);
+  std::vector<float> q(rows * num_heads * D);
+  for (int64_t r = 0; r < m; ++r) {
+    const c10::BFloat16* row = qp + r * width;
+    const float *c = cp + (start + r) * D, *s = sp + (start + r) * D;
+    for (int64_t h = 0; h < num_heads; ++h) rope(row + h * D, c, s, D, q.data() + (r * num_heads + h) * D);
+    for (int64_t g = 0; g < num_kv_heads; ++g) {
+      float* key = kp + (g * max_len + start + r) * D;
+      rope(row + (num_heads + g) * D, c, s, D, key);
+      const c10::BFloat16* v = row + (num_heads + num_kv_heads + g) * D;
+      float* value = vp + (g * max_len + start + r) * D;
+      for (int64_t d = 0; d < D; ++d) value[d] = static_cast<float>(v[d]);
+    }
+  }
+  at::Tensor out = at::zeros({rows, num_heads * D}, qkv.options());
+  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
+  int64_t work_per_pair = (start + m) * D;
+  at::parallel_for(0, m * num_heads, std::max<int64_t>(1, 32768 / std::max<int64_t>(work_per_pair, 1)),
+                   [&](int64_t begin, int64_t end) {
+    std::vector<float> p(start + m), acc(D);
+    for (int64_t pair = begin; pair < end; ++pair) {
+      int64_t r = pair / num_heads, h = pair % num_heads, g = h / groups, n = start + r + 1;
+      const float* qh = q.data() + (r * num_heads + h) * D;
+      const float* key = kp + g * max_len * D;
+      const float* value = vp + g * max_len * D;
+      float mx = -INFINITY;
+      for (int64_t j = 0; j < n; ++j) mx = std::max(mx, p[j] = dot(qh, key + j * D, D) * static_cast<float>(scale));
+      float sum = 0.0f;
+      for (int64_t j = 0; j < n; ++j) sum += (p[j] = std::exp(p[j] - mx));
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t j = 0; j < n; ++j) {
+        float w = p[j] / sum;
+        const float* vj = value + j * D;
+        for (int64_t d = 0; d < D; ++d) acc[d] += w * vj[d];
+      }
+      for (int64_t d = 0; d < D; ++d) op[r * num_heads * D + h * D + d] = c10::BFloat16(acc[d]);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+namespace specdeploy {
+
+// One linear layer's packed weight and the rest of `linear`'s arguments.
+struct LinearParams {
+  at::Tensor packed;
+  int64_t kind = 0, n = 0, group_size = 0;
+  std::optional<at::Tensor> group_scale, pre_quant_scale, out_scale, bias;
+  double act_scale = 0.0;
+
+  at::Tensor operator()(const at::Tensor& x, const std::optional<at::Tensor>& residual = std::nullopt) const {
+    TORCH_CHECK(packed.defined(), "a linear layer of the decoder was not set");
+    return linear(x, packed, kind, n, group_scale, group_size, pre_quant_scale, act_scale, out_scale, bias, residual);
+  }
+};
+
+struct LayerParams {
+  at::Tensor input_norm, post_norm;
+  LinearParams qkv, o, gate_up, down;
+};
+
+// The decoder layers of an engine in one call, with the same ops in the same order as CpuEngine's layer
+// loop over the single kernels above, so without a Python round trip per op (a step of 30 layers made
+// ~240 calls, ~20 us each through torch.ops). Python sets it up once, then calls forward per chunk.
+struct Decoder : torch::CustomClassHolder {
+  int64_t num_heads, num_kv_heads;
+  double scale, eps;
+  at::Tensor cos, sin;
+  std::vector<LayerParams> layers;
+
+  Decoder(int64_t num_layers, int64_t num_heads, int64_t num_kv_heads, double scale, double eps, at::Tensor cos,
+          at::Tensor sin)
+      : num_heads(num_heads), num_kv_heads(num_kv_heads), scale(scale), eps(eps), cos(std::move(cos)),
+        sin(std::move(sin)), layers(num_layers) {}
+
+  void set_norms(int64_t layer, at::Tensor input_norm, at::Tensor post_norm) {
+    layers.at(layer).input_norm = std::move(input_norm);
+    layers.at(layer).post_norm = std::move(post_norm);
+  }
+
+  void set_linear(int64_t layer, const std::string& name, at::Tensor packed, int64_t kind, int64_t n,
+                  std::optional<at::Tensor> group_scale, int64_t group_size, std::optional<at::Tensor> pre_quant_scale,
+                  double act_scale, std::optional<at::Tensor> out_scale, std::optional<at::Tensor> bias) {
+    LayerParams& l = layers.at(layer);
+    LinearParams* target = name == "qkv" ? &l.qkv : name == "o" ? &l.o : name == "gate_up" ? &l.gate_up
+                           : name == "down" ? &l.down : nullptr;
+    TORCH_CHECK(target != nullptr, "unknown linear ", name);
+    *target = LinearParams{std::move(packed), kind, n, group_size, std::move(group_scale), std::move(pre_quant_scale),
+                           std::move(out_scale), std::move(bias), act_scale};
+  }
+
+  // x [rows, hidden] bf16 -> the hidden states after every layer; keys/values [layers, KV, max_len, D] f32.
+  at::Tensor forward(at::Tensor x, at::Tensor keys, at::Tensor values, int64_t start, int64_t m) {
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const LayerParams& l = layers[i];
+      at::Tensor qkv = l.qkv(rms_norm(x, l.input_norm, eps));
+      at::Tensor layer_keys = keys.select(0, i), layer_values = values.select(0, i);
+      at::Tensor attn = attention(qkv, cos, sin, layer_keys, layer_values, start, m, num_heads, num_kv_heads, scale);
+      x = l.o(attn, x);
+      x = l.down(swiglu(l.gate_up(rms_norm(x, l.post_norm, eps))), x);
+    }
+    return x;
+  }
+};
+
+}  // namespace specdeploy
+
+TORCH_LIBRARY(specdeploy_cpu, ops) {
+  ops.class_<specdeploy::Decoder>("Decoder")
+      .def(torch::init<int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor>())
+      .def("set_norms", &specdeploy::Decoder::set_norms)
+      .def("set_linear", &specdeploy::Decoder::set_linear)
+      .def("forward", &specdeploy::Decoder::forward);
+  ops.def("pack", &pack);
+  ops.def("linear", &linear);
+  ops.def("rms_norm", &rms_norm);
+  ops.def("swiglu", &swiglu);
+  ops.def(
+      "attention(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) keys, Tensor(b!) values, int start, int m, "
+      "int num_heads, int num_kv_heads, float scale) -> Tensor",
+      &attention);
+}

@@ -1,0 +1,76 @@
+"""Native kernels for bf16 CPU engines (csrc/cpu_kernels.cpp), compiled once per machine and torch.
+
+`ops()` builds the extension on first use into $SPECDEPLOY_HOME/native/<key> (about a minute; later
+processes load it in milliseconds) and returns `torch.ops.specdeploy_cpu`, or None where it cannot be
+used: set SPECDEPLOY_NATIVE=0, a CPU without AVX-512, or no C++ compiler. The engine then runs the same
+model on torch ops: slower, with the same parity guarantee (both paths are row-invariant).
+
+Measured on the 2-core dev machine (SmolLM2-135M, 30 layers of 4 GEMVs + LM head, one row): torch's
+prepacked oneDNN bf16 GEMM streamed the weights at 14 GB/s, its int8/int4 weight-only kernels at
+~11 GB/s, while a plain read reaches ~28 GB/s; and a layer took ~60 torch ops. The native linear fuses
+each format's input quantization, the GEMV and the output scaling, bias and residual into one call.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+from specdeploy import artifacts
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+DISABLE_ENV = "SPECDEPLOY_NATIVE"  # "0": always use the torch path
+
+# Weight kinds of the native linear (csrc: WeightKind).
+BF16, FP8, INT8, INT4 = 0, 1, 2, 3
+
+
+@functools.cache
+def ops():
+    """torch.ops.specdeploy_cpu, built and loaded on first use; None where the native path is unavailable."""
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return None
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AMX"):
+        return None
+    try:
+        _load()
+    except Exception as exc:  # no compiler, no ninja, a failing build: the torch path still works
+        warnings.warn(f"specdeploy: native CPU kernels unavailable, using torch ops ({str(exc).splitlines()[0]})")
+        return None
+    return torch.ops.specdeploy_cpu
+
+
+def build_dir() -> Path:
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, torch.__version__.encode(), platform.machine().encode(),
+                                     sys.version.split()[0].encode()])).hexdigest()[:16]
+    return artifacts.home() / "native" / key
+
+
+def _load() -> None:
+    import ninja  # the build tool torch's extension loader runs; its binary may not be on PATH (a bare venv)
+    from torch.utils.cpp_extension import load
+
+    if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    directory = build_dir()
+    if not any(directory.glob("*.so")):
+        print(f"compiling native CPU kernels into {directory} (once per machine, about a minute)", file=sys.stderr,
+              flush=True)
+    directory.mkdir(parents=True, exist_ok=True)
+    load(
+        name="specdeploy_cpu",
+        sources=[str(SOURCE)],
+        extra_cflags=["-O3", "-march=native", "-fopenmp"],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(directory),
+        is_python_module=False,
+        verbose=False,
+    )

@@ -1,0 +1,168 @@
+"""The native kernels of bf16 engines (specdeploy/engine/csrc/cpu_kernels.cpp): each weight format against
+torch's own ops, row invariance (the bits of a row never depend on how many rows a call has), exact FP8
+conversions, and the native engine against the torch-op engine."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdeploy.engine import native
+from specdeploy.engine.kernels import FP8_MAX, pack_int4
+from specdeploy.engine.model import CpuEngine
+
+if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AMX"):
+    pytest.skip("the native kernels need AVX-512; the engine uses torch ops here", allow_module_level=True)
+
+OPS = native.ops()
+N, K = 70, 96  # N % 4 != 0: blocks of four channels and single-channel tails; K % 32 == 0
+
+
+def test_native_kernels_load_on_this_cpu():
+    assert OPS is not None, "AVX-512 CPU but the extension did not build: see the warning above"
+
+
+def _x(rows=9, k=K, seed=0):
+    return torch.randn(rows, k, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+def _formats():
+    """kind -> (weight as stored, linear kwargs, f32 reference y(x))."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(N, K, generator=g) * 0.1
+    bf16 = w.to(torch.bfloat16)
+    fp8 = (w * 20).to(torch.float8_e4m3fn)
+    int8 = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
+    unsigned = torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8)
+    scale = torch.rand(N, generator=g) * 0.01 + 1e-3
+    group_scale = (torch.rand(N, K // 32, generator=g) * 0.01 + 1e-3).to(torch.bfloat16).float()
+    pqs = (torch.rand(K, generator=g) + 0.5).to(torch.bfloat16).float()
+    act = 0.02
+
+    def fp8_act(x):
+        return (x.float() / act).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+
+    return {
+        "bf16": (native.BF16, bf16, {}, lambda x: x.float() @ bf16.float().t()),
+        "fp8": (native.FP8, fp8.view(torch.uint8), dict(act_scale=act, out_scale=scale),
+                lambda x: (fp8_act(x) @ fp8.float().t()) * scale),
+        "int8": (native.INT8, int8, dict(out_scale=scale), lambda x: (x.float() @ int8.float().t()) * scale),
+        "int4": (native.INT4, pack_int4(unsigned), dict(group_scale=group_scale, group_size=32, pre_quant_scale=pqs),
+                 lambda x: (x * pqs.to(torch.bfloat16)).float()
+                 @ ((unsigned.float() - 8) * group_scale.repeat_interleave(32, dim=1)).t()),
+    }
+
+
+def _linear(kind, packed, x, group_scale=None, group_size=0, pre_quant_scale=None, act_scale=0.0, out_scale=None,
+            bias=None, residual=None):
+    return OPS.linear(x, packed, kind, N, group_scale, group_size, pre_quant_scale, act_scale, out_scale, bias, residual)
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp8", "int8", "int4"])
+def test_linear_matches_torch_reference_and_is_row_invariant(name):
+    kind, weight, kwargs, reference = _formats()[name]
+    packed = OPS.pack(weight.contiguous(), kind, K)
+    x = _x()
+    y = _linear(kind, packed, x, **kwargs)
+    ref = reference(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (9, N)
+    assert ((y.float() - ref).abs() <= 0.01 * ref.abs() + 0.02 * ref.abs().mean()).all()
+    for rows in range(1, 10):  # 4-row, 2-row and 1-row blocks: the same bits per row
+        assert torch.equal(_linear(kind, packed, x[:rows].contiguous(), **kwargs), y[:rows]), rows
+
+
+def test_linear_epilogue_bias_and_residual():
+    kind, weight, _, reference = _formats()["bf16"]
+    packed = OPS.pack(weight, kind, K)
+    x, bias, residual = _x(3), torch.randn(N), torch.randn(3, N).to(torch.bfloat16)
+    y = _linear(kind, packed, x, bias=bias, residual=residual)
+    plain = (reference(x) + bias).to(torch.bfloat16)
+    assert ((y.float() - (residual + plain).float()).abs() <= 0.02 * y.float().abs() + 0.05).all()
+
+
+def test_fp8_weights_decode_exactly_for_every_code():
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]  # the two NaN codes
+    weights = codes.view(-1, 1).expand(-1, 16).contiguous()  # [254, 16]: code c in every column
+    packed = OPS.pack(weights, native.FP8, 16)
+    x = torch.zeros(1, 16, dtype=torch.bfloat16)
+    x[0, 0] = 1.0
+    y = OPS.linear(x, packed, native.FP8, len(codes), None, 0, None, 0.0, None, None, None)
+    assert torch.equal(y[0], codes.view(torch.float8_e4m3fn).float().to(torch.bfloat16))
+
+
+def test_fp8_activation_quantization_is_torchs():
+    eye = torch.eye(64).to(torch.float8_e4m3fn).view(torch.uint8).contiguous()
+    packed = OPS.pack(eye, native.FP8, 64)
+    g = torch.Generator().manual_seed(3)
+    for act in (1.0, 0.01, 3.7):
+        x = (torch.randn(8, 64, generator=g) * torch.logspace(-5, 3, 64)).to(torch.bfloat16)  # subnormal to clamped
+        y = OPS.linear(x, packed, native.FP8, 64, None, 0, None, act, None, None, None)
+        expected = (x.float() / act).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float().to(torch.bfloat16)
+        assert torch.equal(y, expected), act
+
+
+def test_rms_norm_and_swiglu_match_torch():
+    x, w = _x(5, 128), torch.rand(128).to(torch.bfloat16)
+    xf = x.float()
+    ref = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16)
+    assert (OPS.rms_norm(x, w, 1e-5).float() - ref.float()).abs().max().item() <= 0.01
+    gate, up = x.chunk(2, dim=-1)
+    assert torch.equal(OPS.swiglu(x), F.silu(gate) * up)
+
+
+def test_bad_arguments_are_errors_not_crashes():
+    packed = OPS.pack(torch.zeros(8, 32, dtype=torch.bfloat16), native.BF16, 32)
+    with pytest.raises(RuntimeError, match="multiple of"):
+        OPS.pack(torch.zeros(8, 40, dtype=torch.bfloat16), native.BF16, 40)
+    with pytest.raises(RuntimeError, match="bytes from pack"):
+        OPS.linear(_x(1, 64), packed, native.BF16, 8, None, 0, None, 0.0, None, None, None)
+    with pytest.raises(RuntimeError, match="bf16"):
+        OPS.linear(torch.zeros(1, 32), packed, native.BF16, 8, None, 0, None, 0.0, None, None, None)
+
+
+@pytest.fixture(scope="module")
+def bf16_engines(tmp_path_factory, tiny_tokenizer_dir):
+    """The tiny test model's FP8 target as a bf16 engine (loaded with native kernels or with torch ops)."""
+    from specdeploy.engine import compile_checkpoint
+    from specdeploy.testing import make_tiny_model
+    from tests.test_engine import ENGINE, QUANT_MODEL, export_checkpoint
+
+    root = tmp_path_factory.mktemp("native")
+    make_tiny_model(root / "hf", tiny_tokenizer_dir, seed=5, **QUANT_MODEL)
+    export_checkpoint(root / "hf", root / "ckpt", "fp8", dtype=torch.bfloat16)
+    compile_checkpoint(root / "ckpt", root / "engine", dataclasses.replace(ENGINE, dtype="bfloat16"), 4)
+    return root / "engine"
+
+
+def test_native_engine_close_to_torch_engine(bf16_engines, monkeypatch):
+    fast = CpuEngine.load(bf16_engines)
+    monkeypatch.setattr(native, "ops", lambda: None)
+    slow = CpuEngine.load(bf16_engines)
+    assert fast.decoder is not None and slow.native is None
+    ids = torch.randint(0, 512, (24,), generator=torch.Generator().manual_seed(4))
+    a, b = fast.forward(fast.new_cache(), ids), slow.forward(slow.new_cache(), ids)
+    assert (a - b).abs().max().item() < 0.1
+    assert (a.argmax(-1) == b.argmax(-1)).sum().item() >= 22  # of 24
+
+
+def test_decoder_call_equals_the_per_op_native_loop(bf16_engines):
+    engine = CpuEngine.load(bf16_engines)
+    ids = torch.randint(0, 512, (12,), generator=torch.Generator().manual_seed(5))
+    one_call = engine.forward(engine.new_cache(), ids)
+    engine.decoder = None  # the same native kernels, called layer by layer from Python
+    assert torch.equal(one_call, engine.forward(engine.new_cache(), ids))
+
+
+def test_disabled_by_environment(monkeypatch):
+    monkeypatch.setenv(native.DISABLE_ENV, "0")
+    native.ops.cache_clear()
+    try:
+        assert native.ops() is None
+    finally:
+        monkeypatch.delenv(native.DISABLE_ENV)
+        native.ops.cache_clear()
+    assert native.ops() is not None
