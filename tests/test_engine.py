@@ -478,7 +478,9 @@ def test_build_recipe_builds_both_engines_once(quant_checkpoints, quant_hf_dir, 
     assert engine.spec.max_seq_len == 64 and engine.forward(engine.new_cache(), prompt(4)).shape == (4, 512)
     lines = []
     assert build(recipe, layout, echo=lines.append) == {"target": None, "draft": None}
-    assert all("up to date" in line for line in lines)
+    assert [line for line in lines if "up to date" in line] == [f"{role}: up to date ({layout.engine(role)})"
+                                                                 for role in ("target", "draft")]
+    assert lines[-1] == "native CPU kernels: ready"  # bf16 engines: compiled at build time, not at first use
 
 
 def test_build_refuses_missing_or_stale_checkpoints(quant_checkpoints, quant_hf_dir, tmp_path):

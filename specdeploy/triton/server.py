@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 import urllib.error
@@ -111,6 +112,14 @@ class Install:
     binary: Path
     backend_dir: Path
     lib_dirs: tuple[Path, ...]
+
+
+def python_lib_dir() -> list[str]:
+    """This interpreter's libpython folder, if it has one. The python stub links libpython3.X.so.1.0 and must
+    load this interpreter's: the models import its lib-dynload modules (a pyenv 3.11.7 `_ssl` needs symbols a
+    system libpython 3.11.2 lacks, and the loader would find the system copy first)."""
+    libdir, soname = sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("INSTSONAME")
+    return [libdir] if libdir and soname and (Path(libdir) / soname).exists() else []
 
 
 def prepare(binary: Path) -> Install:
@@ -270,7 +279,8 @@ def start(
     """
     install = prepare(find_binary(binary))
     env = dict(os.environ)
-    env["LD_LIBRARY_PATH"] = os.pathsep.join([*map(str, install.lib_dirs), *filter(None, [env.get("LD_LIBRARY_PATH")])])
+    libs = [*map(str, install.lib_dirs), *python_lib_dir(), *filter(None, [env.get("LD_LIBRARY_PATH")])]
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(libs)
     env["SPECDEPLOY_SITE"] = os.pathsep.join(site_paths(extra_site))
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -42,6 +42,35 @@ inline float round_bf16(float v) { return static_cast<float>(c10::BFloat16(v)); 
 
 inline __m512 bf16_to_f32(__m256i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)); }
 
+inline __m512 load_bf16(const c10::BFloat16* p) {
+  return bf16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// f32 -> bf16 bits, round to nearest even (as c10::BFloat16 for finite values).
+inline __m256i f32_to_bf16(__m512 v) {
+  __m512i bits = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
+inline void store_bf16(c10::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), f32_to_bf16(v));
+}
+
+inline __m512 round_bf16(__m512 v) { return bf16_to_f32(f32_to_bf16(v)); }
+
+// e^x, 16 at a time: 2^round(x log2 e) times a degree-6 polynomial on the remainder (relative error ~2e-7).
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  for (float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+
 // Packed weights (`pack`): channels in blocks of kChannelBlock, the last N % kChannelBlock in blocks of one;
 // within a block, for each step of kStep inputs, that step's chunk of each channel in turn. A thread then
 // reads its part of the matrix front to back, which the hardware prefetchers follow (row-major [N, K]
@@ -175,6 +204,18 @@ struct Epilogue {
   int64_t N;
 
   void store(int64_t m, int64_t n, __m128 sums, int64_t count) const {
+    if (count == 4) {  // four channels at once, the same arithmetic as the loop below
+      __m512 v = _mm512_castps128_ps512(sums);
+      __mmask16 four = 0xf;
+      if (out_scale) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(four, out_scale + n));
+      if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(four, bias + n));
+      if (residual) {
+        __m256i r = _mm256_maskz_loadu_epi16(four, residual + m * N + n);
+        v = _mm512_add_ps(bf16_to_f32(r), round_bf16(v));
+      }
+      _mm256_mask_storeu_epi16(y + m * N + n, four, f32_to_bf16(v));
+      return;
+    }
     alignas(16) float v[4];
     _mm_store_ps(v, sums);
     for (int64_t j = 0; j < count; ++j) {
@@ -338,6 +379,21 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   at::Tensor y = at::empty_like(x);
   const c10::BFloat16 *xp = x.data_ptr<c10::BFloat16>(), *wp = weight.data_ptr<c10::BFloat16>();
   c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
+  if (H % kLanes == 0) {  // the same formula, 16 lanes at a time (sum of squares in lane order, then hsum4)
+    for (int64_t m = 0; m < M; ++m) {
+      const c10::BFloat16* row = xp + m * H;
+      __m512 acc = _mm512_setzero_ps(), zero = _mm512_setzero_ps();
+      for (int64_t h = 0; h < H; h += kLanes) {
+        __m512 v = load_bf16(row + h);
+        acc = _mm512_fmadd_ps(v, v, acc);
+      }
+      float sum = _mm_cvtss_f32(hsum4(acc, zero, zero, zero));
+      __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(sum / static_cast<float>(H) + static_cast<float>(eps)));
+      for (int64_t h = 0; h < H; h += kLanes)
+        store_bf16(yp + m * H + h, _mm512_mul_ps(load_bf16(wp + h), round_bf16(_mm512_mul_ps(load_bf16(row + h), inv))));
+    }
+    return y;
+  }
   for (int64_t m = 0; m < M; ++m) {
     const c10::BFloat16* row = xp + m * H;
     float sum = 0.0f;
@@ -357,6 +413,16 @@ at::Tensor swiglu(const at::Tensor& gate_up) {
   at::Tensor y = at::empty({M, I}, gate_up.options());
   const c10::BFloat16* gp = gate_up.data_ptr<c10::BFloat16>();
   c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
+  if (I % kLanes == 0) {  // 16 at a time, with exp_ps
+    __m512 one = _mm512_set1_ps(1.0f);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t i = 0; i < I; i += kLanes) {
+        __m512 g = load_bf16(gp + m * 2 * I + i), u = load_bf16(gp + m * 2 * I + I + i);
+        __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        store_bf16(yp + m * I + i, _mm512_mul_ps(round_bf16(silu), u));
+      }
+    return y;
+  }
   for (int64_t m = 0; m < M; ++m)
     for (int64_t i = 0; i < I; ++i) {
       float g = static_cast<float>(gp[m * 2 * I + i]), u = static_cast<float>(gp[m * 2 * I + I + i]);
@@ -429,8 +495,14 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
       const float* value = vp + g * max_len * D;
       float mx = -INFINITY;
       for (int64_t j = 0; j < n; ++j) mx = std::max(mx, p[j] = dot(qh, key + j * D, D) * static_cast<float>(scale));
-      float sum = 0.0f;
-      for (int64_t j = 0; j < n; ++j) sum += (p[j] = std::exp(p[j] - mx));
+      __m512 lanes = _mm512_setzero_ps(), zero = _mm512_setzero_ps();
+      for (int64_t j = 0; j < n; j += kLanes) {  // e^(s - max), 16 keys at a time (the tail masked)
+        __mmask16 valid = n - j >= kLanes ? 0xffff : static_cast<__mmask16>((1u << (n - j)) - 1);
+        __m512 e = _mm512_maskz_mov_ps(valid, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, p.data() + j), _mm512_set1_ps(mx))));
+        _mm512_mask_storeu_ps(p.data() + j, valid, e);
+        lanes = _mm512_add_ps(lanes, e);
+      }
+      float sum = _mm_cvtss_f32(hsum4(lanes, zero, zero, zero));
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t j = 0; j < n; ++j) {
         float w = p[j] / sum;
