@@ -22,6 +22,7 @@ Calls longer than a chunk (prompts) are processed in consecutive chunks. A draft
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -66,6 +67,28 @@ class Layer:
         return [x for x in (self.qkv, self.o, self.gate_up, self.gate, self.up, self.down) if x is not None]
 
 
+class LazyTensors(Mapping):
+    """An open safetensors file as a mapping that reads a tensor when asked: the engine packs one layer at
+    a time, so loading never holds the file's tensors and their packed copies all at once."""
+
+    def __init__(self, handle):
+        self.handle, self.names = handle, set(handle.keys())
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.names:
+            raise KeyError(name)
+        return self.handle.get_tensor(name)
+
+    def __contains__(self, name) -> bool:
+        return name in self.names
+
+    def __iter__(self):
+        return iter(sorted(self.names))
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
 class CpuEngine:
     """A compiled engine loaded for inference: `forward(cache, token_ids)` -> fp32 logits."""
 
@@ -86,7 +109,7 @@ class CpuEngine:
         self.layers = []
         for i in range(spec.num_layers):
             prefix = f"layers.{i}."
-            layer_tensors = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+            layer_tensors = {k[len(prefix) :]: tensors[k] for k in tensors if k.startswith(prefix)}
             self.layers.append(Layer(layer_tensors, spec, dtype, self.native))
         kernels = [self.lm_head] + [lin for layer in self.layers for lin in layer.linears()]
         # Rows every call of a target is padded to (None: run the real rows), and rows per chunk.
@@ -105,14 +128,15 @@ class CpuEngine:
     @classmethod
     def load(cls, engine_dir: str | Path, num_threads: int | None = None) -> "CpuEngine":
         """Load an engine written by `compile_checkpoint` (the folder with config.json + model.safetensors)."""
-        from safetensors.torch import load_file
+        from safetensors import safe_open
 
         engine_dir = Path(engine_dir)
         spec = EngineSpec.read(engine_dir)
         weights = engine_dir / ENGINE_WEIGHTS
         if not weights.is_file():
             raise BuildError(f"{engine_dir} has no {ENGINE_WEIGHTS}", "rebuild it: specdeploy build RECIPE --force")
-        return cls(spec, load_file(str(weights)), num_threads)
+        with safe_open(str(weights), framework="pt") as f:
+            return cls(spec, LazyTensors(f), num_threads)
 
     # ------------------------------------------------------------------ public API
 
