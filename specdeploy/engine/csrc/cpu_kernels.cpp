@@ -115,14 +115,15 @@ struct F32Madd {
 };
 
 // E4M3 (fn) bits b: with b sign-extended and shifted left by 20, the sign lands in bit 31 and b & 0x7f in
-// bits 20..26; masking the rest gives an f32 worth the value times 2^-120, for normal and subnormal
-// numbers alike (no denormal f32 reaches the multiply: it is scaled back first).
+// bits 20..26; masking the rest gives an f32 worth exactly the value times 2^-120 (E4M3 subnormals become
+// f32 subnormals, still exact). The accumulator then holds the sum times 2^-120, and the epilogue scales
+// it back by 2^120 (kUnit), exact as a power of two: one multiply per output instead of one per weight.
 struct Fp8Weights : F32Madd {
   static constexpr int64_t kChunk = 16;
+  static constexpr float kUnit = 0x1p120f;
   WVec operator()(const uint8_t* p, int64_t, int64_t) const {
     __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    __m512i bits = _mm512_and_si512(_mm512_slli_epi32(v, 20), _mm512_set1_epi32(static_cast<int>(0x87f00000u)));
-    return _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0x1p120f));
+    return _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(v, 20), _mm512_set1_epi32(static_cast<int>(0x87f00000u))));
   }
 };
 
@@ -197,6 +198,7 @@ inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
 
 // y = bf16(acc * out_scale + bias), or residual + that (each rounded to bf16), for `count` <= 4 channels of one row.
 struct Epilogue {
+  float unit;                      // what the accumulator is multiplied by first (Fp8Weights::kUnit, else 1)
   const float* out_scale;          // [N] or nullptr
   const float* bias;               // [N] or nullptr
   const c10::BFloat16* residual;   // [M, N] or nullptr
@@ -205,7 +207,7 @@ struct Epilogue {
 
   void store(int64_t m, int64_t n, __m128 sums, int64_t count) const {
     if (count == 4) {  // four channels at once, the same arithmetic as the loop below
-      __m512 v = _mm512_castps128_ps512(sums);
+      __m512 v = _mm512_mul_ps(_mm512_castps128_ps512(sums), _mm512_set1_ps(unit));
       __mmask16 four = 0xf;
       if (out_scale) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(four, out_scale + n));
       if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(four, bias + n));
@@ -219,7 +221,7 @@ struct Epilogue {
     alignas(16) float v[4];
     _mm_store_ps(v, sums);
     for (int64_t j = 0; j < count; ++j) {
-      float r = v[j];
+      float r = v[j] * unit;
       if (out_scale) r *= out_scale[n + j];
       if (bias) r += bias[n + j];
       if (residual) r = static_cast<float>(residual[m * N + n + j]) + round_bf16(r);
@@ -345,7 +347,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t kind, i
   if (residual.has_value())
     TORCH_CHECK(residual->scalar_type() == at::kBFloat16 && residual->is_contiguous() && residual->sizes() == y.sizes(),
                 "residual: expected contiguous bf16 [M, N]");
-  Epilogue out{optional_f32(out_scale, N, "out_scale"), optional_f32(bias, N, "bias"),
+  Epilogue out{kind == kFp8 ? Fp8Weights::kUnit : 1.0f, optional_f32(out_scale, N, "out_scale"), optional_f32(bias, N, "bias"),
                residual.has_value() ? residual->data_ptr<c10::BFloat16>() : nullptr, y.data_ptr<c10::BFloat16>(), N};
   const float* pqs = optional_f32(pre_quant_scale, K, "pre_quant_scale");
   const uint8_t* w = packed.data_ptr<uint8_t>();
