@@ -517,3 +517,28 @@ def test_cli_build(quant_checkpoints, quant_hf_dir, tmp_path):
     assert result.exit_code == 0, result.output
     assert (layout.engine("target") / "model.safetensors").is_file()
     assert (layout.engine("draft") / "manifest.json").is_file()
+
+
+def test_engine_file_reader_matches_safetensors(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from specdeploy.engine.model import LazyTensors
+
+    g = torch.Generator().manual_seed(7)
+    tensors = {
+        "bf16": torch.randn(3, 5, generator=g).to(torch.bfloat16),
+        "fp8": torch.randn(4, 16, generator=g).to(torch.float8_e4m3fn),
+        "int8": torch.randint(-128, 128, (7,), generator=g, dtype=torch.int8),
+        "scalar": torch.tensor(0.25),
+        "empty": torch.zeros(0, 4),
+    }
+    path = tmp_path / "model.safetensors"
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    expected = load_file(str(path))
+    with LazyTensors(path) as lazy:
+        assert set(lazy) == set(expected) and "bf16" in lazy and "missing" not in lazy
+        for name, tensor in expected.items():
+            assert lazy[name].dtype == tensor.dtype and torch.equal(lazy[name], tensor), name
+    path.write_bytes(path.read_bytes()[:-8])  # cut into the last tensor's data
+    with LazyTensors(path) as lazy, pytest.raises(BuildError, match="truncated"):
+        [lazy[name] for name in lazy]
