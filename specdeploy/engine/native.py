@@ -48,10 +48,22 @@ def ops():
 
 
 def build_dir() -> Path:
+    """One folder per source, torch, Python and CPU feature set: the build uses -march=native, so a home folder
+    shared by machines with different CPUs must not hand one of them another's binary."""
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, torch.__version__.encode(), platform.machine().encode(),
-                                     sys.version.split()[0].encode()])).hexdigest()[:16]
-    return artifacts.home() / "native" / key
+    parts = [source, torch.__version__.encode(), platform.machine().encode(), sys.version.split()[0].encode(),
+             _cpu_flags().encode()]
+    return artifacts.home() / "native" / hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
 
 
 def _load() -> None:
