@@ -5,6 +5,7 @@ conversions, and the native engine against the torch-op engine."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -16,6 +17,8 @@ from specdeploy.engine.model import CpuEngine
 
 if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AMX"):
     pytest.skip("the native kernels need AVX-512; the engine uses torch ops here", allow_module_level=True)
+if os.environ.get(native.DISABLE_ENV) == "0":
+    pytest.skip(f"{native.DISABLE_ENV}=0 switches the native kernels off", allow_module_level=True)
 
 OPS = native.ops()
 N, K = 70, 96  # N % 4 != 0: blocks of four channels and single-channel tails; K % 32 == 0
