@@ -185,6 +185,7 @@ def run_engine(job: dict) -> dict:
         for f in ("drafted", "accepted", "target_iterations", "draft_time_s", "target_time_s", "output_tokens"):
             setattr(agg, f, getattr(agg, f) + getattr(st, f))
     kv_bytes = sum(ex.kv_cache_bytes() for ex in executors.values())
+    verify_cost = _verify_cost(engines["target"], prompts[0], best_k) if mode == "spec" else None
     return {
         "tokens": tokens,
         "wall_s": wall,
@@ -201,9 +202,30 @@ def run_engine(job: dict) -> dict:
         "weight_bytes": {r: _bytes_of(e) for r, e in engines.items()},
         "bytes_per_token": {r: _bytes_of(e, "bytes_per_token") for r, e in engines.items()},
         "kv_bytes": kv_bytes,
+        "verify_cost": verify_cost,
         "peak_rss_mb": rss_mb(),
         "base_rss_mb": base_rss,
     }
+
+
+def _verify_cost(engine, prompt, k: int, repeats: int = 10) -> float:
+    """Time of the target's (k+1)-row verification pass over a one-row step, after the same prompt."""
+    import torch
+
+    cache = engine.new_cache()
+    engine.forward(cache, torch.tensor(prompt))
+    start = cache.length
+
+    def seconds(rows: int) -> float:
+        ids = torch.tensor(prompt[:rows])
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            engine.forward(cache, ids)
+            cache.truncate(start)
+        return time.perf_counter() - t0
+
+    seconds(k + 1)  # warm up
+    return seconds(k + 1) / seconds(1)
 
 
 def copy_bandwidth(threads: int, size_mb: int = 512) -> float:
@@ -301,6 +323,7 @@ def main(argv=None) -> int:
     acceptance = spec_r["accepted"] / spec_r["drafted"] if spec_r["drafted"] else 0.0
     cost_ratio = draft_r["ms_per_token"] / eng["ms_per_token"]
     predicted = predicted_speedup(acceptance, spec_r["best_k"], cost_ratio)
+    predicted_v = predicted_speedup(acceptance, spec_r["best_k"], cost_ratio, spec_r["verify_cost"])
     measured = spec_r["tokens_per_s"] / eng["tokens_per_s"]
     parity = spec_r["outputs"] == eng["outputs"]
     both_bytes = sum(spec_r["weight_bytes"].values()) + spec_r["kv_bytes"]
@@ -317,6 +340,9 @@ def main(argv=None) -> int:
         "predicted_speedup": predicted,
         "measured_speedup": measured,
         "measured_vs_predicted": measured / predicted,
+        "verify_cost": spec_r["verify_cost"],
+        "predicted_speedup_with_verify_cost": predicted_v,
+        "measured_vs_predicted_with_verify_cost": measured / predicted_v,
         "greedy_parity_spec_vs_target": parity,
         "spec_peak_rss_mb": spec_r["peak_rss_mb"],
         "spec_base_rss_mb": spec_r["base_rss_mb"],
@@ -344,6 +370,8 @@ def main(argv=None) -> int:
     print(f"speculative: best k={spec_r['best_k']}, acceptance {acceptance:.1%}, c={cost_ratio:.2f}, "
           f"predicted {predicted:.2f}x, measured {measured:.2f}x ({summary['measured_vs_predicted']:.0%} of predicted); "
           f"greedy output {'identical' if parity else 'DIFFERS'} to target-only")
+    print(f"verification pass ({spec_r['best_k'] + 1} rows) = {spec_r['verify_cost']:.2f} target steps; with it the model "
+          f"predicts {predicted_v:.2f}x and the loop reaches {summary['measured_vs_predicted_with_verify_cost']:.0%} of that")
     print(f"peak RSS (spec process) {spec_r['peak_rss_mb']:.0f} MB, of which {spec_r['base_rss_mb']:.0f} MB python+torch; "
           f"weights+KV {summary['spec_weights_plus_kv_mb']:.0f} MB")
     if "hf-generate" in results:

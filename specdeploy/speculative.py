@@ -400,8 +400,11 @@ def collect(run: Iterator[list[int] | SpecStats]) -> tuple[list[int], SpecStats]
     return tokens, stats
 
 
-def predicted_speedup(acceptance_rate: float, num_draft_tokens: int, cost_ratio: float) -> float:
-    """Leviathan et al. 2023 (DESIGN.md): tokens per round (1 - a^(g+1)) / (1 - a) over cost g*c + 1."""
+def predicted_speedup(acceptance_rate: float, num_draft_tokens: int, cost_ratio: float, verify_cost: float = 1.0) -> float:
+    """Leviathan et al. 2023 (DESIGN.md): tokens per round (1 - a^(g+1)) / (1 - a) over cost g*c + 1.
+
+    `verify_cost` is the target's (g+1)-row verification pass in target steps; the paper's model takes it
+    as 1 (a GPU scores g+1 rows in about the time of one), a CPU pays more rows with more compute."""
     a, g = acceptance_rate, num_draft_tokens
     tokens_per_round = g + 1.0 if a >= 1.0 else (1.0 - a ** (g + 1)) / (1.0 - a)
-    return tokens_per_round / (g * cost_ratio + 1.0)
+    return tokens_per_round / (g * cost_ratio + verify_cost)

@@ -226,6 +226,7 @@ def test_predicted_speedup_model():
     assert spec.predicted_speedup(0.0, 4, 0.0) == pytest.approx(1.0)
     assert spec.predicted_speedup(1.0, 4, 0.0) == pytest.approx(5.0)
     assert spec.predicted_speedup(0.8, 4, 0.1) == pytest.approx((1 - 0.8**5) / 0.2 / 1.4)
+    assert spec.predicted_speedup(0.8, 4, 0.1, verify_cost=2.0) == pytest.approx((1 - 0.8**5) / 0.2 / 2.4)
 
 
 # ---------------------------------------------------------------- end to end over executors (bigram engines)
