@@ -317,14 +317,16 @@ def plot_categories(report: dict, path: Path) -> bool:
         high = [rows[c]["max"] - rows[c]["median"] if c in rows else 0 for c in categories]
         ax_speed.bar(x, med, width, yerr=[low, high], capsize=3, color=cmap(0.4 + 0.5 * j / max(len(levels) - 1, 1)), label=f"concurrency {level}")
         for xi, m in zip(x, med):
-            if not np.isnan(m):  # inside the bar, rotated: readable however many levels share a group
-                ax_speed.text(xi, 0.03, f"{m:.2f}x", ha="center", va="bottom", rotation=90, fontsize=8, color="white", weight="bold")
+            if not np.isnan(m):  # rotated, inside the bar (above a bar too short to hold it): readable at any count
+                inside = m >= 0.3
+                ax_speed.text(xi, 0.03 if inside else m + 0.03, f"{m:.2f}x", ha="center", va="bottom", rotation=90,
+                              fontsize=8, color="white" if inside else "black", weight="bold")
     ax_speed.axhline(1.0, color="red", lw=1, ls="--", label="control (1.0x)")
     ax_speed.set_xticks(np.arange(len(categories)))
     ax_speed.set_xticklabels(categories)
     ax_speed.set_ylabel("speedup (control / speculative latency)")
     ax_speed.set_title("speedup per category", fontsize=10)
-    ax_speed.legend(fontsize=8, loc="lower right")
+    ax_speed.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=3, frameon=False)  # below: never over a bar
     ax_speed.grid(axis="y", alpha=0.3)
 
     cats = [c for c in summary if c != "all"] + (["all"] if "all" in summary else [])
