@@ -35,6 +35,18 @@ def built_engines(tmp_path, monkeypatch, tiny_llama_dir, tiny_llama_draft_dir):
     return recipe, layout
 
 
+@pytest.fixture
+def built_llmapi(tmp_path, monkeypatch, tiny_llama_dir, tiny_llama_draft_dir):
+    """A trtllm-llmapi recipe with its (Hugging Face format) checkpoints and LLM-API build outputs."""
+    monkeypatch.setattr(trtllm.gpu_probe, "probe", lambda timeout_s=10.0: [])
+    recipe = make_recipe(tiny_llama_dir, tiny_llama_draft_dir, backend="trtllm-llmapi")
+    layout = Layout.of(recipe, tmp_path / "project")
+    write_hf_checkpoint(layout.checkpoint("target"), recipe.name, tiny_llama_dir)
+    write_hf_checkpoint(layout.checkpoint("draft"), recipe.name, tiny_llama_draft_dir)
+    trtllm.build_llmapi_recipe(recipe, layout, echo=lambda s: None)
+    return recipe, layout
+
+
 def test_tensorrtllm_models_parse_and_carry_parameters(built_engines):
     recipe, layout = built_engines
     inp = repository.repo_inputs(recipe, layout)
@@ -77,13 +89,8 @@ def test_kv_split_follows_kv_bytes_per_token():
     assert gpu_models.kv_fraction_split(1.0, 1000, 1)["draft"] == 0.5
 
 
-def test_llmapi_model_config_and_model_yaml(tmp_path, monkeypatch, tiny_llama_dir, tiny_llama_draft_dir):
-    monkeypatch.setattr(trtllm.gpu_probe, "probe", lambda timeout_s=10.0: [])
-    recipe = make_recipe(tiny_llama_dir, tiny_llama_draft_dir, backend="trtllm-llmapi")
-    layout = Layout.of(recipe, tmp_path / "project")
-    write_hf_checkpoint(layout.checkpoint("target"), recipe.name, tiny_llama_dir)
-    write_hf_checkpoint(layout.checkpoint("draft"), recipe.name, tiny_llama_draft_dir)
-    trtllm.build_llmapi_recipe(recipe, layout, echo=lambda s: None)
+def test_llmapi_model_config_and_model_yaml(tmp_path, built_llmapi):
+    recipe, layout = built_llmapi
     inp = repository.repo_inputs(recipe, layout)
     dest = tmp_path / "repo"
     upstream = tmp_path / "TensorRT-LLM"
@@ -122,13 +129,8 @@ def test_generate_repository_for_trtllm_engine(built_engines):
     assert Manifest.read(path).extra["tokenizer_source"] == recipe.target.model
 
 
-def test_generate_llmapi_repository_is_atomic_and_up_to_date(tmp_path, monkeypatch, tiny_llama_dir, tiny_llama_draft_dir):
-    monkeypatch.setattr(trtllm.gpu_probe, "probe", lambda timeout_s=10.0: [])
-    recipe = make_recipe(tiny_llama_dir, tiny_llama_draft_dir, backend="trtllm-llmapi")
-    layout = Layout.of(recipe, tmp_path / "project")
-    write_hf_checkpoint(layout.checkpoint("target"), recipe.name, tiny_llama_dir)
-    write_hf_checkpoint(layout.checkpoint("draft"), recipe.name, tiny_llama_draft_dir)
-    trtllm.build_llmapi_recipe(recipe, layout, echo=lambda s: None)
+def test_generate_llmapi_repository_is_atomic_and_up_to_date(built_llmapi):
+    recipe, layout = built_llmapi
     warnings = []
     path, written = gpu_models.generate_llmapi_repository(recipe, layout, echo=warnings.append)
     assert written and sorted(p.name for p in path.iterdir()) == ["manifest.json", "tensorrt_llm"]

@@ -185,6 +185,8 @@ class CpuEngine:
             raise ConfigError(f"token ids must lie in [0, {self.spec.vocab_size})", "check the tokenizer matches the model")
         step = self.chunk_rows
         chunks = [self._forward_chunk(cache, token_ids[i : i + step]) for i in range(0, n, step)]
+        if len(chunks) == 1:  # a decode step or a verification pass: no copy of the logits
+            return chunks[0]
         return torch.cat(chunks) if chunks else torch.empty(0, self.spec.vocab_size)
 
     def weight_bytes(self) -> int:

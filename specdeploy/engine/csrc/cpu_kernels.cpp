@@ -329,6 +329,16 @@ std::vector<float> prologue(const at::Tensor& x, int64_t kind, const float* pre_
   return xa;
 }
 
+// bf16 weights take no input quantization: VDPBF16PS multiplies x as given, the f32 fallback its f32 values.
+template <class W = Bf16Weights>
+void gemv_bf16(const at::Tensor& x, int64_t M, int64_t N, int64_t K, const uint8_t* packed, const Epilogue& out) {
+  if constexpr (std::is_same_v<typename W::Activation, c10::BFloat16>) {
+    gemv(x.data_ptr<c10::BFloat16>(), M, N, K, packed, W{}, out);
+  } else {
+    gemv(prologue(x, kBf16, nullptr, 0.0).data(), M, N, K, packed, W{}, out);
+  }
+}
+
 // y [M, N] bf16 = quantize_input(x) @ W^T * out_scale + bias (+ residual), W [N, K] packed by `pack`:
 // bf16, E4M3 bits, int8, or AWQ int4 with group_scale [N, K/G] (f32 values of the bf16 scales).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t kind, int64_t N,
@@ -351,13 +361,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t kind, i
                residual.has_value() ? residual->data_ptr<c10::BFloat16>() : nullptr, y.data_ptr<c10::BFloat16>(), N};
   const float* pqs = optional_f32(pre_quant_scale, K, "pre_quant_scale");
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  if (kind == kBf16 && std::is_same_v<Bf16Weights::Activation, c10::BFloat16>) {
-    gemv(reinterpret_cast<const Bf16Weights::Activation*>(x.data_ptr()), M, N, K, w, Bf16Weights{}, out);
+  if (kind == kBf16) {
+    gemv_bf16(x, M, N, K, w, out);
     return y;
   }
   std::vector<float> xa = prologue(x, kind, pqs, act_scale);
   switch (kind) {
-    case kBf16: gemv(reinterpret_cast<const Bf16Weights::Activation*>(xa.data()), M, N, K, w, Bf16Weights{}, out); break;
     case kFp8: gemv(xa.data(), M, N, K, w, Fp8Weights{}, out); break;
     case kInt8: gemv(xa.data(), M, N, K, w, Int8Weights{}, out); break;
     default: {

@@ -166,6 +166,17 @@ def from_words_list(array: np.ndarray | None, name: str) -> list[list[int]]:
     return words
 
 
+def check_output_len(prompt_len: int, max_tokens: int, max_seq_len: int, name: str = "max_tokens") -> None:
+    """At least one token asked for, and the prompt plus the tokens asked for fit in max_seq_len."""
+    if max_tokens <= 0:
+        raise RequestError(f"{name} is {max_tokens}; ask for at least 1 token")
+    if prompt_len + max_tokens > max_seq_len:
+        raise RequestError(
+            f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {prompt_len + max_tokens} exceeds max_seq_len "
+            f"({max_seq_len}); ask for at most {max(max_seq_len - prompt_len, 0)} tokens"
+        )
+
+
 def check_token_ids(ids: Sequence[int], vocab_size: int | None, name: str) -> None:
     if vocab_size is None:
         return

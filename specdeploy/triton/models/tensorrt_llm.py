@@ -85,13 +85,7 @@ class TritonPythonModel:
             raise RequestError(f"the prompt has {len(ids)} tokens, more than max_input_len ({self.max_input_len}); shorten it")
         common.check_token_ids(ids, self.vocab_size, "input_ids")
         out_len = common.scalar(get("request_output_len"), "request_output_len", int)
-        if out_len <= 0:
-            raise RequestError(f"request_output_len (max_tokens) is {out_len}; ask for at least 1 token")
-        if len(ids) + out_len > self.max_seq_len:
-            raise RequestError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({out_len}) = {len(ids) + out_len} exceeds max_seq_len "
-                f"({self.max_seq_len}); ask for at most {max(self.max_seq_len - len(ids), 0)} tokens"
-            )
+        common.check_output_len(len(ids), out_len, self.max_seq_len, "request_output_len (max_tokens)")
 
         draft = get("draft_input_ids")
         draft_tokens = None if draft is None else [int(t) for t in draft.reshape(-1).tolist()]
