@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 RECIPE ?= build/smollm2-135m.yaml
+NGRAM_RECIPE ?= build/smollm2-135m-ngram.yaml
 SD     := $(BIN)/specdeploy
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
@@ -29,8 +30,10 @@ models: setup
 check: setup
 	$(SD) check $(RECIPE)
 
+# Both deployments of the same target: the model-draft pair, then the n-gram (prompt-lookup) draft.
 demo: found models
 	$(SD) run $(RECIPE)
+	$(SD) run $(NGRAM_RECIPE)
 
 test: setup
 	$(BIN)/python -m pytest -q

@@ -7,9 +7,12 @@ command to re-run; an unchanged output is not rebuilt.
 from __future__ import annotations
 
 import contextlib
+import errno
+import glob
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -79,6 +82,10 @@ class Manifest:
 
     @classmethod
     def read(cls, directory: Path) -> "Manifest | None":
+        try:  # an artifact whose writer was killed mid-swap is put back first (see atomic_output)
+            recover(Path(directory))
+        except OSError:  # a read-only location: read what is there
+            pass
         path = Path(directory) / MANIFEST
         if not path.is_file():
             return None
@@ -152,31 +159,148 @@ def atomic_output(dest: Path):
     """Yield a temporary directory beside `dest`; on success it replaces `dest`, on failure it vanishes.
 
     The previous `dest` is kept intact until the new one is complete, so an interrupted or failed
-    stage never loses an earlier good artifact.
+    stage never loses an earlier good artifact, even when the process is killed (SIGKILL, power loss)
+    between the two renames of the swap. The swap, with the folders beside `dest` it passes through:
+
+        write  .NAME.tmp-PID-START-N    (the new artifact; removed if its writer died)
+        rename NAME -> .NAME.old-...    (the previous artifact, always complete)
+        rename .NAME.tmp-... -> NAME
+        rename .NAME.old-... -> .NAME.trash-...  then delete it (a half-deleted folder is never an .old)
+
+    A writer killed after the second step leaves no NAME: the next atomic_output or Manifest.read of
+    `dest` renames the dead writer's .old back (`recover`). PID-START identifies the writer, so a
+    reused PID does not make a dead writer's folders look alive.
     """
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    _remove_orphans(dest)
-    tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}-{time.monotonic_ns()}"
+    recover(dest)
+    tmp = _scratch(dest, "tmp")
     tmp.mkdir()
     try:
         yield tmp
+        _swap_in(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    old = dest.parent / f".{dest.name}.old-{os.getpid()}-{time.monotonic_ns()}"
-    if dest.exists():
-        dest.rename(old)
-    tmp.rename(dest)
-    shutil.rmtree(old, ignore_errors=True)
 
 
-def _remove_orphans(dest: Path) -> None:
-    """Delete temporary folders left beside `dest` by a process that was killed (SIGKILL leaves them)."""
-    for leftover in dest.parent.glob(f".{dest.name}.*-*-*"):
-        pid = leftover.name.rsplit("-", 2)[-2]
-        if pid.isdigit() and not pid_alive(int(pid)):
-            shutil.rmtree(leftover, ignore_errors=True)
+_SCRATCH_KINDS = ("tmp", "old", "trash")
+
+
+def _scratch(dest: Path, kind: str) -> Path:
+    me = process_identity(os.getpid())
+    start = me.start_ticks if me is not None else 0
+    return dest.parent / f".{dest.name}.{kind}-{os.getpid()}-{start}-{time.monotonic_ns()}"
+
+
+def _swap_in(tmp: Path, dest: Path) -> None:
+    """Replace `dest` by `tmp` (the two renames of atomic_output), then delete the previous `dest`."""
+    for _ in range(5):  # another process may publish its own `dest` between our two renames: retry
+        old = _scratch(dest, "old")
+        try:
+            os.rename(dest, old)
+        except FileNotFoundError:
+            old = None
+        try:
+            os.rename(tmp, dest)
+        except OSError as exc:
+            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST) and dest.exists():
+                if old is not None:  # someone else's newer `dest` is in place; ours goes in over it
+                    _discard(old, dest)
+                continue
+            if old is not None and not os.path.lexists(dest):
+                os.rename(old, dest)  # put the previous artifact back
+            raise
+        if old is not None:
+            _discard(old, dest)
+        return
+    raise OSError(errno.EBUSY, f"could not replace {dest}: other processes keep writing it")
+
+
+def _discard(old: Path, dest: Path) -> None:
+    trash = _scratch(dest, "trash")
+    os.rename(old, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _leftovers(dest: Path) -> list[tuple[Path, str, bool]]:
+    """(folder, kind, writer alive) for the scratch folders beside `dest`."""
+    pattern = re.compile(rf"\.{re.escape(dest.name)}\.({'|'.join(_SCRATCH_KINDS)})-(\d+)-(?:(\d+)-)?\d+")
+    found = []
+    for path in dest.parent.glob(f".{glob.escape(dest.name)}.*-*"):
+        match = pattern.fullmatch(path.name)
+        if match:
+            kind, pid, start = match.group(1), int(match.group(2)), match.group(3)
+            found.append((path, kind, _writer_alive(pid, None if start is None else int(start))))
+    return found
+
+
+def _writer_alive(pid: int, start_ticks: int | None) -> bool:
+    me = process_identity(pid)
+    if me is None:
+        return False
+    # start 0: written where the start time was unknown; None: the older name without it
+    return not start_ticks or me.start_ticks in (None, start_ticks)
+
+
+def recover(dest: Path) -> None:
+    """Repair what a killed atomic_output left beside `dest`: if `dest` is missing, put back the previous
+    artifact its dead writer had set aside; delete the dead writers' other folders. Safe to run while
+    other processes write `dest` (a live writer's folders are left alone)."""
+    dest = Path(dest)
+    if not dest.parent.is_dir():
+        return
+    leftovers = [(path, kind) for path, kind, alive in _leftovers(dest) if not alive]
+    if not os.path.lexists(dest):
+        for path, kind in sorted(leftovers, key=lambda item: item[0].stat().st_mtime if item[0].exists() else 0, reverse=True):
+            if kind == "old":
+                try:
+                    os.rename(path, dest)
+                except OSError:  # another process restored or published first
+                    pass
+                break
+    for path, kind in leftovers:
+        if path.exists() and not (kind == "old" and not dest.exists()):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class ProcessIdentity:
+    """A process as the kernel knows it: a PID alone can be reused, PID + start time cannot."""
+
+    pid: int
+    start_ticks: int | None  # clock ticks after boot (/proc/PID/stat field 22); None where unknown
+    cmdline: tuple[str, ...]
+
+
+def process_identity(pid: int) -> ProcessIdentity | None:
+    """The identity of the running process `pid`, or None when it is gone (a zombie counts as gone)."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return None
+        try:
+            cmdline = tuple(proc.cmdline())
+        except (psutil.AccessDenied, psutil.ZombieProcess):
+            cmdline = ()
+    except psutil.NoSuchProcess:
+        return None
+    except psutil.AccessDenied:
+        return ProcessIdentity(pid, None, ()) if pid_alive(pid) else None
+    return ProcessIdentity(pid, _start_ticks(pid, proc), cmdline)
+
+
+def _start_ticks(pid: int, proc) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return int(fh.read().rsplit(")", 1)[1].split()[19])  # field 22; the name in (...) may hold spaces
+    except (OSError, IndexError, ValueError):  # not Linux: psutil's start time, to 10 ms
+        try:
+            return round(proc.create_time() * 100)
+        except Exception:  # noqa: BLE001 - psutil raises platform-specific errors here
+            return None
 
 
 def pid_alive(pid: int) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import traceback
@@ -15,9 +16,10 @@ RECIPE = click.argument("recipe", type=click.Path(dir_okay=False))
 
 
 class Context:
-    def __init__(self, verbose: bool, root: str | None):
+    def __init__(self, verbose: bool, root: str | None, lock_timeout_s: float | None = None):
         self.verbose = verbose
         self.root = root
+        self.lock_timeout_s = lock_timeout_s
 
     def recipe(self, path: str) -> cfg.Recipe:
         return cfg.load_recipe(path)
@@ -26,6 +28,15 @@ class Context:
         from specdeploy.artifacts import Layout
 
         return Layout.of(recipe, self.root)
+
+    def locked(self, recipe: cfg.Recipe, recipe_path: str):
+        """The recipe's lock (specdeploy.lock), taken by every command that writes its outputs, so that
+        two runs on one recipe take turns."""
+        from specdeploy import lock
+
+        command = f"{click.get_current_context().command_path} {recipe_path}"
+        timeout = lock.LOCK_TIMEOUT_S if self.lock_timeout_s is None else self.lock_timeout_s
+        return lock.recipe_lock(self.layout(recipe).engines, recipe.name, command, timeout, echo=lambda m: click.echo(m, err=True))
 
 
 def handle_errors(fn):
@@ -55,11 +66,18 @@ def handle_errors(fn):
     default=None,
     help="Project root holding engines/ and triton_repo/ (default: $SPECDEPLOY_ROOT or the current directory).",
 )
+@click.option(
+    "--lock-timeout",
+    type=click.FloatRange(min=0),
+    default=__import__("specdeploy.lock").lock.LOCK_TIMEOUT_S,
+    show_default=True,
+    help="Seconds to wait while another specdeploy run holds the recipe (engines/<recipe>/.lock); 0: fail at once.",
+)
 @click.version_option(package_name="specdeploy")
 @click.pass_context
-def main(ctx, verbose, root):
+def main(ctx, verbose, root, lock_timeout):
     """Quantize, build, serve and validate speculative-decoding deployments on Triton."""
-    ctx.obj = Context(verbose, root)
+    ctx.obj = Context(verbose, root, lock_timeout)
 
 
 pass_ctx = click.make_pass_decorator(Context)
@@ -134,7 +152,8 @@ def quantize(ctx, recipe, force, no_progress):
     from specdeploy import quantize as quant
 
     r = ctx.recipe(recipe)
-    quant.quantize_recipe(r, ctx.layout(r), force=force, echo=click.echo, progress=not no_progress)
+    with ctx.locked(r, recipe):
+        quant.quantize_recipe(r, ctx.layout(r), force=force, echo=click.echo, progress=not no_progress)
 
 
 # ---- build (specdeploy.build: one builder per backend)
@@ -151,7 +170,8 @@ def build(ctx, recipe, force, dry_run):
     from specdeploy import build as builder
 
     r = ctx.recipe(recipe)
-    builder.build(r, ctx.layout(r), force=force, echo=click.echo, dry_run=dry_run)
+    with contextlib.nullcontext() if dry_run else ctx.locked(r, recipe):
+        builder.build(r, ctx.layout(r), force=force, echo=click.echo, dry_run=dry_run)
 
 
 # ---- repo / serve / stop / status (specdeploy.triton)
@@ -167,7 +187,8 @@ def repo(ctx, recipe, force):
     from specdeploy.triton import repository
 
     r = ctx.recipe(recipe)
-    path, written = repository.generate_repository(r, ctx.layout(r), recipe_path=recipe, force=force)
+    with ctx.locked(r, recipe):
+        path, written = repository.generate_repository(r, ctx.layout(r), recipe_path=recipe, force=force)
     click.echo(f"{'wrote' if written else 'up to date:'} {path}")
 
 
@@ -182,25 +203,60 @@ def repo(ctx, recipe, force):
 )
 @click.option("--print-only", is_flag=True, help="GPU backends: print the launch and its docker equivalent; start nothing.")
 @click.option("--print-k8s", is_flag=True, help="GPU backends: print Kubernetes manifests (Deployment, Service, HPA).")
-@click.option("--image", default=None, help="GPU backends: the NGC TensorRT-LLM Triton image for docker/Kubernetes.")
+@click.option("--image", default=None, help="GPU backends: the NGC base image the generated Dockerfile installs specdeploy into (--print-only), or the image the pods run (--print-k8s).")
+@click.option("--openai-port", type=click.IntRange(1, 65535), default=None, help="Also serve an OpenAI-compatible API (/v1/...) on 127.0.0.1:PORT over the deployment.")
 @pass_ctx
 @handle_errors
-def serve(ctx, recipe, detach, server_binary, print_only, print_k8s, image):
+def serve(ctx, recipe, detach, server_binary, print_only, print_k8s, image, openai_port):
     """Serve the recipe's model repository on tritonserver (loopback; ports from the recipe or free ones)."""
     from specdeploy.triton import repository, server
 
     r = ctx.recipe(recipe)
     layout = ctx.layout(r)
+    if openai_port is not None:
+        _serve_openai(ctx, r, layout, recipe, detach, server_binary, openai_port)
+        return
     if r.backend != "cpu":  # GPU backends: specdeploy.launch (mpirun / orchestrator / llmapi, docker, k8s)
         from specdeploy import launch
 
         launch.serve_gpu(r, layout, print_k8s=print_k8s, print_only=print_only, image=image,
-                         tritonserver=server_binary, echo=click.echo)  # fmt: skip
+                         tritonserver=server_binary, detach=detach, recipe_path=recipe, echo=click.echo)  # fmt: skip
         return
-    repository.require_repository(r, layout, recipe_path=recipe)
+    with ctx.locked(r, recipe):  # a detached start holds it until ready; a foreground serve only waits for writers
+        repository.require_repository(r, layout, recipe_path=recipe)
+        if detach:
+            server.serve(layout.repo, layout.server_state, r.triton, binary=server_binary, detach=True, echo=click.echo,
+                         recipe_path=recipe)  # fmt: skip
+            return
     server.serve(
-        layout.repo, layout.server_state, r.triton, binary=server_binary, detach=detach, echo=click.echo, recipe_path=recipe
+        layout.repo, layout.server_state, r.triton, binary=server_binary, detach=False, echo=click.echo, recipe_path=recipe
     )
+
+
+def _serve_openai(ctx, r, layout, recipe, detach, server_binary, port):
+    """`serve --openai-port`: tritonserver (detached, recorded for `stop`) plus the OpenAI front, in the
+    background with --detach, else in the foreground until Ctrl-C, which then stops both."""
+    from specdeploy import openai_api
+    from specdeploy.errors import ConfigError
+    from specdeploy.triton import repository, server
+
+    if r.backend != "cpu":
+        raise ConfigError("--openai-port starts the front beside a local CPU deployment",
+                          f"for a GPU deployment run: python -m specdeploy.openai_api {recipe} --grpc-url HOST:PORT --port N")  # fmt: skip
+    with ctx.locked(r, recipe):
+        repository.require_repository(r, layout, recipe_path=recipe)
+        state = server.serve(layout.repo, layout.server_state, r.triton, binary=server_binary, detach=True, echo=click.echo,
+                             recipe_path=recipe)  # fmt: skip
+    try:
+        if detach:
+            openai_api.start_detached(recipe, ctx.root, state.grpc_url, port, layout.server_state, echo=click.echo)
+            return
+        front = openai_api.build_front(r, layout, state.grpc_url)
+        openai_api.serve_foreground(front, port, echo=click.echo)
+    except BaseException:
+        click.echo(server.stop(layout.server_state))
+        raise
+    click.echo(server.stop(layout.server_state))
 
 
 @main.command()
@@ -208,10 +264,14 @@ def serve(ctx, recipe, detach, server_binary, print_only, print_k8s, image):
 @pass_ctx
 @handle_errors
 def stop(ctx, recipe):
-    """Stop the server that `serve --detach` started for RECIPE."""
+    """Stop the server that `serve --detach` started for RECIPE (and its OpenAI front, if any)."""
+    from specdeploy import openai_api
     from specdeploy.triton import server
 
     r = ctx.recipe(recipe)
+    front = openai_api.stop_detached(ctx.layout(r).server_state)
+    if front:
+        click.echo(front)
     click.echo(server.stop(ctx.layout(r).server_state))
 
 
@@ -273,7 +333,7 @@ def generate(ctx, recipe, prompt, no_spec, num_draft_tokens, max_tokens, tempera
         chat=chat,
     )
     click.echo("\n")
-    mode = "target only" if no_spec else f"speculative, k={k}"
+    mode = "target only" if no_spec else f"speculative, {r.draft.kind} draft, k<={k}, policy {session.deployment.describe()}"
     click.secho(f"-- {mode}", bold=True, err=True)
     for line in gen.stats_lines(result, speculative=not no_spec):
         click.echo(line, err=True)
@@ -318,21 +378,22 @@ def validate(ctx, recipe, url, baseline_url, report_dir, min_parity, min_speedup
 
     r = ctx.recipe(recipe)
     sampling = Sampling(temperature, top_k or 0, top_p or 0.0, seed=0) if (top_k or top_p) else None
-    report, paths, verdict = val.validate_recipe(
-        r,
-        ctx.layout(r),
-        url=url,
-        baseline_url=baseline_url,
-        report_dir=report_dir,
-        progress=not no_progress,
-        min_parity=min_parity,
-        min_speedup=min_speedup,
-        max_prompts=max_prompts,
-        prompt_set=prompt_set,
-        sweep_draft_tokens=val.parse_range(sweep_draft_tokens) if sweep_draft_tokens else None,
-        sampling=sampling,
-        samples_per_prompt=samples,
-    )
+    with ctx.locked(r, recipe):
+        report, paths, verdict = val.validate_recipe(
+            r,
+            ctx.layout(r),
+            url=url,
+            baseline_url=baseline_url,
+            report_dir=report_dir,
+            progress=not no_progress,
+            min_parity=min_parity,
+            min_speedup=min_speedup,
+            max_prompts=max_prompts,
+            prompt_set=prompt_set,
+            sweep_draft_tokens=val.parse_range(sweep_draft_tokens) if sweep_draft_tokens else None,
+            sampling=sampling,
+            samples_per_prompt=samples,
+        )
     _print_validation(report, paths, verdict)
     sys.exit(verdict.exit_code)
 
@@ -361,18 +422,77 @@ def run_all(ctx, recipe, report_dir, min_parity, min_speedup, sweep_draft_tokens
     from specdeploy.client import validate as val
 
     r = ctx.recipe(recipe)
-    report, paths, verdict = val.run_pipeline(
-        r,
-        ctx.layout(r),
-        recipe,
-        echo=click.echo,
-        progress=not no_progress,
-        server_binary=server_binary,
-        report_dir=report_dir,
-        min_parity=min_parity,
-        min_speedup=min_speedup,
-        max_prompts=max_prompts,
-        sweep_draft_tokens=val.parse_range(sweep_draft_tokens) if sweep_draft_tokens else None,
-    )
+    with ctx.locked(r, recipe):
+        report, paths, verdict = val.run_pipeline(
+            r,
+            ctx.layout(r),
+            recipe,
+            echo=click.echo,
+            progress=not no_progress,
+            server_binary=server_binary,
+            report_dir=report_dir,
+            min_parity=min_parity,
+            min_speedup=min_speedup,
+            max_prompts=max_prompts,
+            sweep_draft_tokens=val.parse_range(sweep_draft_tokens) if sweep_draft_tokens else None,
+        )
     _print_validation(report, paths, verdict)
+    sys.exit(verdict.exit_code)
+
+
+# ---- operations: monitor / canary (specdeploy.monitor, specdeploy.canary, specdeploy.metrics)
+
+
+def _metrics_url(ctx, r, url: str | None, recipe_path: str) -> str:
+    if url:
+        return url
+    from specdeploy.errors import ServerError
+    from specdeploy.triton.server import ServerState
+
+    state = ServerState.read(ctx.layout(r).server_state)
+    if state is None:
+        raise ServerError(f"no detached server is recorded for {r.name}", f"start one (specdeploy serve {recipe_path} --detach) or pass --url HOST:METRICS_PORT")
+    return state.metrics_url
+
+
+@main.command()
+@RECIPE
+@click.option("--url", default=None, help="Triton's metrics endpoint, HOST:PORT or a /metrics URL [the server `serve --detach` started].")
+@click.option("--interval", type=click.FloatRange(min=0.1), default=2.0, show_default=True, help="Seconds between frames.")
+@click.option("--once", is_flag=True, help="Print one frame (after one interval) and exit.")
+@pass_ctx
+@handle_errors
+def monitor(ctx, recipe, url, interval, once):
+    """Live view of the deployment: acceptance, tokens per round, TPOT p50/p99, speculation on/off, in flight, cost."""
+    from specdeploy import monitor as mon
+
+    r = ctx.recipe(recipe)
+    mon.run(_metrics_url(ctx, r, url, recipe), r.cost, interval_s=interval, once=once, echo=click.echo, title=r.name)
+
+
+@main.command()
+@RECIPE
+@click.option("--url", default=None, help="Triton's metrics endpoint, HOST:PORT or a /metrics URL [the server `serve --detach` started].")
+@click.option("--window", type=click.FloatRange(min=0.1), default=None, help="Seconds of live traffic to compare [recipe canary.window_s].")
+@click.option("--min-requests", type=click.IntRange(min=1), default=None, help="Requests each arm needs in the window [recipe canary.min_requests].")
+@pass_ctx
+@handle_errors
+def canary(ctx, recipe, url, window, min_requests):
+    """Compare the speculative and control arms on live traffic; promote (exit 0), roll back (3) or inconclusive (1).
+
+    The control arm exists when the recipe sets canary.control_percent > 0 (the BLS then sends that share down
+    the plain path).
+    """
+    import dataclasses
+
+    from specdeploy import canary as can
+
+    r = ctx.recipe(recipe)
+    config = r.canary if min_requests is None else dataclasses.replace(r.canary, min_requests=min_requests)
+    if r.canary.control_percent <= 0:
+        click.echo(f"warning: canary.control_percent is 0 in {recipe}: the deployment has no control arm", err=True)
+    verdict = can.watch(_metrics_url(ctx, r, url, recipe), config, window or config.window_s, echo=lambda s: click.echo(s, err=True))
+    for line in can.lines(verdict):
+        click.echo(line)
+    click.secho(verdict.line, fg={"promote": "green", "rollback": "red"}.get(verdict.decision, "yellow"), bold=True)
     sys.exit(verdict.exit_code)

@@ -35,6 +35,16 @@ BACKEND_QFORMATS = {
 }
 # Backends that run one rank per process and so can shard a model (tp_size * pp_size > 1).
 MULTI_RANK_BACKENDS = ("trtllm-engine", "trtllm-llmapi")
+# Backends whose batched verification is bit-identical to target-only decoding by construction
+# (the CPU engine: row-invariant kernels). There any greedy divergence is a failure; the GPU
+# backends verify in reduced precision with batch-dependent kernels, so validate triages near-ties.
+EXACT_VERIFICATION_BACKENDS = ("cpu",)
+CHAT_TEMPLATE_MODES = ("auto", "none")  # validation.chat_template
+
+
+def exact_verification(backend: str) -> bool:
+    """Whether `backend` guarantees greedy speculative output == target-only output, bit for bit."""
+    return backend in EXACT_VERIFICATION_BACKENDS
 
 
 @dataclass(frozen=True)
@@ -46,6 +56,7 @@ class QuantConfig:
     calib_max_seq_length: int = 512
     awq_block_size: int = 128
     seed: int = 1234
+    max_calib_hours: float = 4.0  # the quantize stage refuses a longer (estimated) calibration; see calibration.py
 
 
 @dataclass(frozen=True)
@@ -56,11 +67,59 @@ class ModelConfig:
     pp_size: int = 1
 
 
+DRAFT_KINDS = ("model", "ngram")  # draft.kind
+SPECULATION_POLICIES = ("static", "cost")  # speculative.policy (specdeploy.policy)
+
+
+@dataclass(frozen=True)
+class DraftConfig(ModelConfig):
+    """The draft: a model (quantized and built like the target) or `ngram` (prompt lookup over the request's own
+    tokens, no weights). The n-gram keys are TensorRT-LLM's NGramDecodingConfig fields; null means its default
+    (specdeploy.ngram.NGramSettings), and max_draft_len null means speculative.num_draft_tokens."""
+
+    model: str = ""  # required for kind model
+    kind: str = "model"
+    max_draft_len: int | None = None
+    max_matching_ngram_size: int | None = None
+    is_keep_all: bool | None = None
+    is_use_oldest: bool | None = None
+    is_public_pool: bool | None = None
+
+    NGRAM_KEYS = ("max_draft_len", "max_matching_ngram_size", "is_keep_all", "is_use_oldest", "is_public_pool")
+
+    @property
+    def is_ngram(self) -> bool:
+        return self.kind == "ngram"
+
+
+@dataclass(frozen=True)
+class DynamicSpeculation:
+    """When the LLM API turns speculation down or off (backend trtllm-llmapi only; see trtllm.LLMAPI_VERSIONS).
+
+    Stated in specdeploy's own terms and translated to the recipe's trtllm_version:
+    - max_concurrency: speculation off above this many requests in flight;
+    - draft_len_schedule: [[up_to_batch_size, draft_len], ...], ascending; above the last bound speculation is off;
+    - acceptance_window / acceptance_threshold / acceptance_measure: turn speculation off for good once the
+      rolling mean over `acceptance_window` samples falls below `acceptance_threshold`, where the measure is
+      "rate" (accepted / drafted tokens, 0..1) or "length" (accepted tokens per step). Each TensorRT-LLM version
+      implements only one of the two measures; the other is refused, never converted.
+    """
+
+    max_concurrency: int | None = None
+    draft_len_schedule: tuple[tuple[int, ...], ...] = ()
+    acceptance_window: int | None = None
+    acceptance_threshold: float | None = None
+    acceptance_measure: str = "rate"
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     max_draft_len: int = 4
     num_draft_tokens: int = 4
     use_draft_logits: bool = False
+    dynamic: DynamicSpeculation | None = None
+    policy: str = "static"  # static: TensorRT-LLM's (num_draft_tokens, dynamic schedule and gate); cost: specdeploy.policy
+    probe_interval: int = 8  # policy cost: plain rounds before a request that stopped speculating tries again
 
 
 @dataclass(frozen=True)
@@ -81,6 +140,23 @@ class TritonConfig:
     decoupled: bool = False
     max_queue_delay_microseconds: int = 1000
     startup_timeout_s: float = 300.0
+    request_timeout_s: float = 0.0  # server-side deadline per request (0: none); a request's Triton `timeout` overrides it
+
+
+@dataclass(frozen=True)
+class CostConfig:
+    machine_price_per_hour: float = 0.0  # what one serving machine costs per hour; 0: not reported
+    currency: str = "USD"
+
+
+@dataclass(frozen=True)
+class CanaryConfig:
+    control_percent: float = 0.0  # share of tensorrt_llm_bls requests sent down the plain path (the control arm)
+    window_s: float = 60.0  # `specdeploy canary`: how long to watch live traffic
+    min_requests: int = 20  # per arm, before a verdict
+    min_speedup: float = 1.0  # promote when control TPOT p50 / speculative TPOT p50 >= this
+    max_p99_ratio: float = 1.2  # roll back when speculative e2e p99 > this x control's
+    min_acceptance_rate: float = 0.0  # roll back below this acceptance rate
 
 
 @dataclass(frozen=True)
@@ -92,24 +168,38 @@ class ValidationConfig:
     repeats: int = 3
     min_parity: float = 1.0
     min_speedup: float = 1.0
-    near_tie_margin: float = 0.05
+    near_tie_margin: float = 0.05  # GPU backends only: the cpu backend is exact (EXACT_VERIFICATION_BACKENDS)
     request_timeout_s: float = 120.0
+    chat_template: str = "auto"  # auto: render prompts with the tokenizer's chat template when it has one; none: raw text
+    min_compared_tokens: int = 16  # a control output shorter than this is "too short to compare"
+    min_compared_share: float = 0.9  # the gate fails when fewer prompts than this share are comparable
+    latency_prompts: int = 0  # prompts per latency run, spread over the categories (0: every parity prompt)
 
 
 @dataclass(frozen=True)
 class Recipe:
     name: str
     target: ModelConfig
-    draft: ModelConfig
+    draft: DraftConfig
     backend: str = "cpu"
+    # The TensorRT-LLM release the GPU backends target (trtllm.LLMAPI_VERSIONS): the LLM-API option names and
+    # meanings follow it, and the packaging checks the image carries it.
+    trtllm_version: str = "1.2"
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     triton: TritonConfig = field(default_factory=TritonConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
+    cost: CostConfig = field(default_factory=CostConfig)
+    canary: CanaryConfig = field(default_factory=CanaryConfig)
 
     def model(self, role: str) -> ModelConfig:
         assert role in ROLES, role
         return getattr(self, role)
+
+    @property
+    def model_roles(self) -> tuple[str, ...]:
+        """The roles that are models to quantize and build: both, or only the target for an n-gram draft."""
+        return ("target",) if self.draft.is_ngram else ROLES
 
     def section_hash(self, *sections: str) -> str:
         """A stable hash of the named top-level sections (dotted paths allowed), for manifests."""
@@ -159,6 +249,7 @@ def parse_recipe(raw, source: str = "recipe") -> Recipe:
         raise ConfigError(f"{source}: the top level must be a mapping of keys to values")
     recipe = _build(Recipe, raw, "")
     _check(recipe)
+    _check_operations(recipe)
     return recipe
 
 
@@ -220,7 +311,8 @@ def _check(r: Recipe) -> None:
     if not r.name or not all(c.isalnum() or c in "-_." for c in r.name):
         raise ConfigError(f"key 'name' is {r.name!r}", "use letters, digits, '-', '_' or '.' (it names output folders)")
     _choice("backend", r.backend, BACKENDS)
-    for role in ROLES:
+    _check_draft_kind(r)
+    for role in r.model_roles:
         m = r.model(role)
         q = m.quantization
         _choice(f"{role}.quantization.qformat", q.qformat, QFORMATS)
@@ -228,6 +320,8 @@ def _check(r: Recipe) -> None:
         _choice(f"{role}.quantization.awq_block_size", q.awq_block_size, AWQ_BLOCK_SIZES)
         _at_least(f"{role}.quantization.calib_size", q.calib_size, 1)
         _at_least(f"{role}.quantization.calib_max_seq_length", q.calib_max_seq_length, 8)
+        if not q.max_calib_hours > 0:
+            raise ConfigError(f"key '{role}.quantization.max_calib_hours' is {q.max_calib_hours}, must be > 0")
         _at_least(f"{role}.tp_size", m.tp_size, 1)
         _at_least(f"{role}.pp_size", m.pp_size, 1)
         if q.qformat not in BACKEND_QFORMATS[r.backend]:
@@ -249,6 +343,9 @@ def _check(r: Recipe) -> None:
             f"({s.max_draft_len}); the target would fail with 'Number of draft tokens is larger than maximum'",
             f"set num_draft_tokens <= {s.max_draft_len} or raise max_draft_len (the target engine is built with it)",
         )
+    _check_dynamic(r)
+    _choice("speculative.policy", s.policy, SPECULATION_POLICIES)
+    _at_least("speculative.probe_interval", s.probe_interval, 1)
     e = r.engine
     _choice("engine.dtype", e.dtype, ENGINE_DTYPES)
     _at_least("engine.max_batch_size", e.max_batch_size, 1)
@@ -266,6 +363,7 @@ def _check(r: Recipe) -> None:
         if not 0 <= port <= 65535:
             raise ConfigError(f"key 'triton.{port_key}' is {port}", "use 0 (pick a free port) or 1..65535")
     _at_least("triton.instance_count", t.instance_count, 1)
+    _at_least("triton.request_timeout_s", t.request_timeout_s, 0)
     v = r.validation
     _at_least("validation.max_tokens", v.max_tokens, 1)
     if v.max_tokens >= e.max_seq_len:
@@ -277,3 +375,115 @@ def _check(r: Recipe) -> None:
     _at_least("validation.repeats", v.repeats, 1)
     if not 0.0 <= v.min_parity <= 1.0:
         raise ConfigError(f"key 'validation.min_parity' is {v.min_parity}, must be in [0, 1]")
+    _choice("validation.chat_template", v.chat_template, CHAT_TEMPLATE_MODES)
+    _at_least("validation.min_compared_tokens", v.min_compared_tokens, 1)
+    if v.min_compared_tokens > v.max_tokens:
+        raise ConfigError(
+            f"key 'validation.min_compared_tokens' ({v.min_compared_tokens}) is larger than validation.max_tokens ({v.max_tokens}): "
+            "no output could be long enough to compare",
+            f"raise validation.max_tokens to at least {v.min_compared_tokens} or lower min_compared_tokens",
+        )
+    if not 0.0 <= v.min_compared_share <= 1.0:
+        raise ConfigError(f"key 'validation.min_compared_share' is {v.min_compared_share}, must be in [0, 1]")
+    _at_least("validation.latency_prompts", v.latency_prompts, 0)
+
+
+def _check_operations(r: Recipe) -> None:
+    if r.cost.machine_price_per_hour < 0:
+        raise ConfigError(f"key 'cost.machine_price_per_hour' is {r.cost.machine_price_per_hour}, must be >= 0", "0 leaves cost out of the report")
+    c = r.canary
+    if not 0.0 <= c.control_percent <= 100.0:
+        raise ConfigError(f"key 'canary.control_percent' is {c.control_percent}, must be in [0, 100]", "e.g. 20 sends a fifth of the speculative entry point's requests down the plain path")
+    if c.window_s <= 0:
+        raise ConfigError(f"key 'canary.window_s' is {c.window_s}, must be > 0")
+    _at_least("canary.min_requests", c.min_requests, 1)
+    if c.min_speedup <= 0 or c.max_p99_ratio <= 0:
+        raise ConfigError("keys 'canary.min_speedup' and 'canary.max_p99_ratio' must be > 0")
+    if not 0.0 <= c.min_acceptance_rate <= 1.0:
+        raise ConfigError(f"key 'canary.min_acceptance_rate' is {c.min_acceptance_rate}, must be in [0, 1]")
+
+
+ACCEPTANCE_MEASURES = ("rate", "length")
+
+
+def _check_dynamic(r: Recipe) -> None:
+    """speculative.dynamic: shape and ranges here; what a TensorRT-LLM version accepts in trtllm.llmapi_options."""
+    d = r.speculative.dynamic
+    if d is None:
+        return
+    if r.backend == "trtllm-engine":
+        raise ConfigError(
+            f"key 'speculative.dynamic' is set, but backend '{r.backend}' has no dynamic speculation",
+            "remove speculative.dynamic, or use backend cpu (its BLS runs specdeploy.policy) or trtllm-llmapi",
+        )
+    if d.max_concurrency is not None:
+        _at_least("speculative.dynamic.max_concurrency", d.max_concurrency, 1)
+    previous = 0
+    for i, entry in enumerate(d.draft_len_schedule):
+        key = f"speculative.dynamic.draft_len_schedule[{i}]"
+        if len(entry) != 2:
+            raise ConfigError(f"key '{key}' is {list(entry)}", "each entry is [up_to_batch_size, draft_len]")
+        bound, length = entry
+        if bound <= previous:
+            raise ConfigError(f"key '{key}' has batch size {bound} after {previous}", "list batch sizes in ascending order, from 1")
+        if not 0 <= length <= r.speculative.num_draft_tokens:
+            raise ConfigError(f"key '{key}' has draft length {length}",
+                              f"use 0..{r.speculative.num_draft_tokens} (speculative.num_draft_tokens)")  # fmt: skip
+        previous = bound
+    if d.draft_len_schedule and d.draft_len_schedule[0][1] != r.speculative.num_draft_tokens:
+        raise ConfigError(
+            f"key 'speculative.dynamic.draft_len_schedule[0]' drafts {d.draft_len_schedule[0][1]} tokens, but the smallest "
+            f"batch sizes must draft speculative.num_draft_tokens ({r.speculative.num_draft_tokens})",
+            "TensorRT-LLM requires the first entry to use the full draft length",
+        )
+    if d.max_concurrency is not None and d.draft_len_schedule:
+        raise ConfigError(
+            "keys 'speculative.dynamic.max_concurrency' and 'draft_len_schedule' are both set",
+            "use one: a schedule whose last bound is N already turns speculation off above N requests",
+        )
+    _choice("speculative.dynamic.acceptance_measure", d.acceptance_measure, ACCEPTANCE_MEASURES)
+    if (d.acceptance_window is None) != (d.acceptance_threshold is None):
+        raise ConfigError("keys 'speculative.dynamic.acceptance_window' and 'acceptance_threshold' go together",
+                          "set both (window > 0 and a threshold) or neither")  # fmt: skip
+    if d.acceptance_window is not None:
+        _at_least("speculative.dynamic.acceptance_window", d.acceptance_window, 1)
+        high = 1.0 if d.acceptance_measure == "rate" else float(r.speculative.num_draft_tokens + 1)
+        if not 0.0 <= d.acceptance_threshold <= high:
+            raise ConfigError(
+                f"key 'speculative.dynamic.acceptance_threshold' is {d.acceptance_threshold}, outside 0..{high:g} "
+                f"for measure '{d.acceptance_measure}'",
+                "a rate is accepted/drafted (0..1); a length is tokens per step (0..num_draft_tokens+1)",
+            )
+
+
+
+def _check_draft_kind(r: Recipe) -> None:
+    d = r.draft
+    _choice("draft.kind", d.kind, DRAFT_KINDS)
+    if not d.is_ngram:
+        if not d.model:
+            raise ConfigError("missing required key 'draft.model'", "name a bundled model or a local Hugging Face folder, or set draft.kind: ngram")
+        extra = [k for k in DraftConfig.NGRAM_KEYS if getattr(d, k) is not None]
+        if extra:
+            raise ConfigError(f"key 'draft.{extra[0]}' applies to draft.kind ngram only", "remove it, or set draft.kind: ngram")
+        return
+    if d.model or d.quantization != QuantConfig() or (d.tp_size, d.pp_size) != (1, 1):
+        key = "model" if d.model else ("quantization" if d.quantization != QuantConfig() else "tp_size")
+        raise ConfigError(f"key 'draft.{key}' does not apply to draft.kind ngram (it has no weights)", "remove it from the draft section")
+    s = r.speculative
+    if d.max_draft_len is not None:
+        _at_least("draft.max_draft_len", d.max_draft_len, 1)
+        if d.max_draft_len > s.max_draft_len:
+            raise ConfigError(
+                f"key 'draft.max_draft_len' ({d.max_draft_len}) is larger than speculative.max_draft_len ({s.max_draft_len})",
+                f"set draft.max_draft_len <= {s.max_draft_len}: the target engine verifies at most that many draft tokens",
+            )
+    if d.max_matching_ngram_size is not None:
+        _at_least("draft.max_matching_ngram_size", d.max_matching_ngram_size, 1)
+    if s.use_draft_logits:
+        raise ConfigError(
+            "key 'speculative.use_draft_logits' is true, but an n-gram draft has no logits",
+            "set use_draft_logits: false (sampled requests are then verified by token matching, which keeps the target's distribution)",
+        )
+    if r.backend == "trtllm-engine":
+        raise ConfigError("draft.kind ngram is not wired for backend trtllm-engine", "use backend cpu or trtllm-llmapi (decoding_type NGram)")

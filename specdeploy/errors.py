@@ -49,5 +49,9 @@ class ParityError(SpecDeployError):
     exit_code = 3
 
 
+class BusyError(SpecDeployError):
+    """Another specdeploy run holds the recipe's lock (see specdeploy.lock)."""
+
+
 class StaleArtifactError(SpecDeployError):
     """An input artifact does not match the recipe; the hint names the command to re-run."""

@@ -14,9 +14,11 @@ from typing import Iterator, Sequence
 
 import torch
 
+from specdeploy import policy as pol
 from specdeploy import speculative as spec
 from specdeploy.engine.executor import Executor, GenerationRequest, run
 from specdeploy.errors import BuildError, ModelError
+from specdeploy.ngram import NGramPool, NGramProposer, NGramSettings, settings_from_recipe
 from specdeploy.speculative import Proposal, SamplingParams, SpecStats
 
 # ---------------------------------------------------------------- local adapters
@@ -139,23 +141,46 @@ def load_tokenizer(engine_dir: Path, model: str):
 
 @dataclass
 class Session:
-    """Target (and draft) executors plus the tokenizer, ready to generate."""
+    """Target executor, the draft (an Executor, or n-gram settings), the deployment's speculation policy
+    state (specdeploy.policy.Deployment, shared by every request of the session) and the tokenizer."""
 
     tokenizer: object
     target: Executor
     draft: Executor | None = None
     stop_words: list[list[int]] = field(default_factory=list)
+    ngram: NGramSettings | None = None  # draft.kind ngram
+    deployment: pol.Deployment = field(default_factory=lambda: pol.Deployment(pol.PolicySettings()))
+    ngram_pool: NGramPool | None = None  # the public pool (is_public_pool)
+
+    def __post_init__(self):
+        if self.ngram is not None and self.ngram.is_public_pool and self.ngram_pool is None:
+            self.ngram_pool = NGramPool(self.ngram)
 
     @classmethod
     def from_recipe(cls, recipe, layout, speculative: bool = True, recipe_path: str = "RECIPE", max_cached_sequences: int = 2) -> "Session":
         target_engine = load_engine(layout.engine("target"), "target", recipe_path)
-        draft_engine = load_engine(layout.engine("draft"), "draft", recipe_path) if speculative else None
+        ngram = settings_from_recipe(recipe) if recipe.draft.is_ngram else None
+        use_draft_model = speculative and ngram is None
+        draft_engine = load_engine(layout.engine("draft"), "draft", recipe_path) if use_draft_model else None
         tokenizer = load_tokenizer(layout.engine("target"), recipe.target.model)
         return cls(
             tokenizer,
             Executor(target_engine, max_cached_sequences),
             Executor(draft_engine, max_cached_sequences) if draft_engine is not None else None,
+            ngram=ngram if speculative else None,
+            deployment=pol.Deployment(pol.PolicySettings.from_recipe(recipe.speculative)),
         )
+
+    @property
+    def can_speculate(self) -> bool:
+        return self.draft is not None or self.ngram is not None
+
+    def proposer(self):
+        """A Proposer for one request: over the draft Executor, or an n-gram proposer (its own pool, or
+        the session's public one)."""
+        if self.ngram is not None:
+            return NGramProposer(self.ngram, self.ngram_pool)
+        return ExecutorProposer(self.draft, self.end_id)
 
     @property
     def end_id(self) -> int | None:
@@ -177,11 +202,12 @@ class Session:
         sampling: SamplingParams = spec.GREEDY,
         use_draft_logits: bool = False,
     ) -> Iterator[list[int] | SpecStats]:
-        """Speculative when a draft is loaded and num_draft_tokens > 0, else the target alone."""
-        if self.draft is None or num_draft_tokens <= 0:
+        """Speculative when a draft is loaded and num_draft_tokens > 0, else the target alone. Each round's k
+        comes from the session's policy (recipe speculative.policy), capped by num_draft_tokens."""
+        if not self.can_speculate or num_draft_tokens <= 0:
             return target_only_generate(self.target, prompt_ids, max_new_tokens, sampling, self.end_id, self.stop_words)
         return spec.speculative_generate(
-            ExecutorProposer(self.draft, self.end_id),
+            self.proposer(),
             ExecutorVerifier(self.target, self.end_id, self.stop_words),
             prompt_ids,
             max_new_tokens,
@@ -190,6 +216,7 @@ class Session:
             self.end_id,
             self.stop_words,
             use_draft_logits,
+            policy=self.deployment.request(),
         )
 
 
@@ -256,6 +283,9 @@ def stats_lines(result: GenerateResult, speculative: bool) -> list[str]:
     ]
     if speculative:
         lines += [
+            f"policy             {s.policy}; speculated in {sum(1 for k in s.k_per_round if k > 0)} of {s.rounds} rounds "
+            f"({s.speculated_share:.0%})",
+            f"k per round        {k_timeline(s.k_per_round)}",
             f"drafted            {s.drafted}",
             f"accepted           {s.accepted}",
             f"acceptance rate    {s.acceptance_rate:.1%}",
@@ -264,3 +294,15 @@ def stats_lines(result: GenerateResult, speculative: bool) -> list[str]:
         ]
     lines.append(f"time in target     {s.target_time_s:.3f} s (wall {result.wall_time_s:.3f} s)")
     return lines
+
+
+def k_timeline(ks: Sequence[int], width: int = 48) -> str:
+    """The draft length each round asked for, as runs ("4x12 0x30 1 0x8"), cut to about `width` characters."""
+    runs: list[list[int]] = []
+    for k in ks:
+        if runs and runs[-1][0] == k:
+            runs[-1][1] += 1
+        else:
+            runs.append([k, 1])
+    text = " ".join(f"{k}x{n}" if n > 1 else str(k) for k, n in runs)
+    return text if len(text) <= width else text[: width - 3].rsplit(" ", 1)[0] + " ..."

@@ -19,6 +19,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import time
 import urllib.error
@@ -28,17 +29,14 @@ from pathlib import Path
 
 import yaml
 
+from specdeploy import packaging
 from specdeploy.artifacts import Layout
 from specdeploy.config import Recipe
 from specdeploy.errors import ConfigError, ServerError
 
 TRITONSERVER = "/opt/tritonserver/bin/tritonserver"  # in NGC Triton images
-# NGC Triton + TensorRT-LLM images: nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3. 25.03 ships
-# TensorRT-LLM 0.18 with trtllm-build (draft_target_model/README.md); the LLM-API path needs a current one.
-DEFAULT_IMAGES = {
-    "trtllm-engine": "nvcr.io/nvidia/tritonserver:25.03-trtllm-python-py3",
-    "trtllm-llmapi": "nvcr.io/nvidia/tritonserver:25.12-trtllm-python-py3",
-}
+# The NGC base images; the deployment runs in an image built on them with specdeploy installed (packaging.py).
+DEFAULT_IMAGES = packaging.DEFAULT_IMAGES
 DEFAULT_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
 ENGINE_MODELS = ("tensorrt_llm", "tensorrt_llm_draft")
 # Triton's Prometheus counter of cumulative queue time; an adapter rule turns it into a per-second rate.
@@ -133,9 +131,15 @@ def _launch_plan(recipe: Recipe, layout: Layout, tritonserver: str, mode: str) -
     return LaunchPlan("leader", cmd, gpus=target_ranks)
 
 
+def container_env(plan: LaunchPlan) -> dict[str, str]:
+    """The launch environment inside the image: specdeploy is installed there, so no host SPECDEPLOY_SITE."""
+    return {k: v for k, v in plan.env.items() if k != "SPECDEPLOY_SITE"}
+
+
 def docker_command(plan: LaunchPlan, recipe: Recipe, layout: Layout, image: str | None = None) -> list[str]:
-    """The same launch inside the NGC TensorRT-LLM Triton image; the project root is mounted at its own path
-    so the engine paths written into config.pbtxt stay valid."""
+    """The same launch inside the image `docker build` makes from packaging.write_context (the NGC TensorRT-LLM
+    Triton image with specdeploy installed); the project root is mounted at its own path so the engine paths
+    written into config.pbtxt stay valid. Nothing from the host's site-packages is mounted."""
     root = str(Path(layout.root).resolve())
     ports = _ports(recipe)
     cmd = ["docker", "run", "--rm", "--gpus", "all", "--ipc=host", "--shm-size=2g",
@@ -143,12 +147,9 @@ def docker_command(plan: LaunchPlan, recipe: Recipe, layout: Layout, image: str 
     for port in ports.values():
         cmd += ["-p", f"{port}:{port}"]
     cmd += ["-v", f"{root}:{root}", "-w", root]
-    site = plan.env.get("SPECDEPLOY_SITE")
-    if site and not Path(site).is_relative_to(root):
-        cmd += ["-v", f"{site}:{site}:ro"]
-    for key, value in plan.env.items():
+    for key, value in container_env(plan).items():
         cmd += ["-e", f"{key}={value}"]
-    return cmd + [image or DEFAULT_IMAGES[recipe.backend], *plan.command]
+    return cmd + [image or packaging.image_tag(recipe), *plan.command]
 
 
 # ---------------------------------------------------------------- Kubernetes
@@ -182,9 +183,9 @@ def k8s_manifests(
     startup_s = int(recipe.triton.startup_timeout_s)
     container = {
         "name": "tritonserver",
-        "image": image or DEFAULT_IMAGES[recipe.backend],
+        "image": image or packaging.image_tag(recipe),  # pushed to a registry the cluster pulls from
         "command": plan.command,
-        "env": [{"name": k, "value": v} for k, v in plan.env.items()],
+        "env": [{"name": k, "value": v} for k, v in container_env(plan).items()],
         "ports": [{"name": n, "containerPort": p} for n, p in ports.items()],
         "resources": {
             "requests": {"nvidia.com/gpu": plan.gpus},
@@ -255,7 +256,88 @@ def k8s_manifests(
             "behavior": {"scaleDown": {"stabilizationWindowSeconds": 600}},
         },
     }
-    return [deployment, service, hpa]
+    return [deployment, service, hpa, *operations_manifests(recipe, deployment, service)]
+
+
+CANARY_ENV = "SPECDEPLOY_CANARY_CONTROL_PERCENT"  # overrides canary.control_percent in the BLS (specdeploy.metrics)
+GATEWAY = "specdeploy-gateway"
+
+
+def operations_manifests(recipe: Recipe, deployment: dict, service: dict, gateway: str = GATEWAY) -> list[dict]:
+    """Canary and observability manifests beside the speculative Deployment and its Service.
+
+    - with canary.control_percent P > 0: a control Deployment and Service (the same server whose BLS sends
+      every request down the plain path, env CANARY_ENV=100; the speculative one gets 0), and a Gateway API
+      HTTPRoute that splits the speculative entry point 100-P / P between them by weighted backendRefs;
+      with P = 0 the HTTPRoute has the speculative backend alone;
+    - a Prometheus Operator ServiceMonitor scraping both Services' metrics ports;
+    - a ConfigMap with the Grafana dashboard (label grafana_dashboard: "1" for Grafana's sidecar).
+    """
+    import copy
+    import json
+
+    from specdeploy import metrics
+
+    name = deployment["metadata"]["name"]
+    percent = recipe.canary.control_percent
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    http_port = next(p["containerPort"] for p in container["ports"] if p["name"] == "http")
+    group = {"specdeploy.io/recipe": name}
+    for obj in (deployment, service):
+        obj["metadata"]["labels"].update(group)
+    deployment["spec"]["template"]["metadata"]["labels"]["specdeploy.io/arm"] = "speculative"
+    container["env"].append({"name": CANARY_ENV, "value": "0"})
+    out = []
+    # Gateway API weights are integers: percent, or basis points for a fractional share
+    scale = 1 if float(percent).is_integer() else 100
+    control_weight = round(percent * scale)
+    backends = [{"name": name, "port": http_port, "weight": 100 * scale - control_weight}]
+    if percent > 0:
+        control = copy.deepcopy(deployment)
+        control_name = f"{name[:55]}-control"
+        control["metadata"]["name"] = control_name
+        for labels in (control["metadata"]["labels"], control["spec"]["selector"]["matchLabels"], control["spec"]["template"]["metadata"]["labels"]):
+            labels["app.kubernetes.io/name"] = control_name
+        control["spec"]["template"]["metadata"]["labels"]["specdeploy.io/arm"] = "control"
+        control_env = control["spec"]["template"]["spec"]["containers"][0]["env"]
+        next(e for e in control_env if e["name"] == CANARY_ENV)["value"] = "100"
+        control_service = copy.deepcopy(service)
+        control_service["metadata"]["name"] = control_name
+        control_service["metadata"]["labels"]["app.kubernetes.io/name"] = control_name
+        control_service["spec"]["selector"]["app.kubernetes.io/name"] = control_name
+        out += [control, control_service]
+        backends.append({"name": control_name, "port": http_port, "weight": control_weight})
+    route = {
+        "apiVersion": "gateway.networking.k8s.io/v1",
+        "kind": "HTTPRoute",
+        "metadata": {"name": name, "labels": dict(service["metadata"]["labels"])},
+        "spec": {
+            "parentRefs": [{"name": gateway}],
+            "rules": [
+                # the speculative entry point is split between the arms; everything else (ensemble, health) goes
+                # to the speculative Deployment, which serves the same models
+                {"matches": [{"path": {"type": "PathPrefix", "value": "/v2/models/tensorrt_llm_bls"}}], "backendRefs": backends},
+                {"matches": [{"path": {"type": "PathPrefix", "value": "/"}}], "backendRefs": [{"name": name, "port": http_port}]},
+            ],
+        },
+    }
+    monitor = {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "ServiceMonitor",
+        "metadata": {"name": name, "labels": dict(service["metadata"]["labels"])},
+        "spec": {
+            "selector": {"matchLabels": dict(group)},
+            "endpoints": [{"port": "metrics", "path": "/metrics", "interval": "15s"}],
+        },
+    }
+    dashboard = metrics.grafana_dashboard(f"specdeploy {recipe.name}", recipe.cost.machine_price_per_hour, recipe.cost.currency)
+    config_map = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": f"{name[:53]}-dashboard", "labels": {**group, "grafana_dashboard": "1"}},
+        "data": {f"{name}.json": json.dumps(dashboard, indent=1)},
+    }
+    return out + [route, monitor, config_map]
 
 
 PROMETHEUS_ADAPTER_RULE = f"""\
@@ -272,10 +354,9 @@ def k8s_yaml(recipe: Recipe, layout: Layout, **kwargs) -> str:
     docs = k8s_manifests(recipe, layout, **kwargs)
     header = (
         f"# Kubernetes manifests for specdeploy recipe {recipe.name} (backend {recipe.backend}).\n"
-        f"# The PersistentVolumeClaim must hold {Path(layout.root).resolve()} (engines/ and triton_repo/)"
-        + (f" and the specdeploy source at SPECDEPLOY_SITE ({specdeploy_site()}), or bake it into the image"
-           if recipe.backend == "trtllm-engine" else "")
-        + ".\n"
+        f"# The PersistentVolumeClaim must hold {Path(layout.root).resolve()} (engines/ and triton_repo/).\n"
+        f"# The image is {packaging.image_tag(recipe)}: {shlex.join(packaging.build_command(recipe, layout))}, "
+        "then push it where the cluster pulls from (or pass --image).\n"
         + PROMETHEUS_ADAPTER_RULE
     )
     return header + "---\n".join(yaml.safe_dump(d, sort_keys=False) for d in docs)
@@ -287,8 +368,10 @@ def k8s_yaml(recipe: Recipe, layout: Layout, **kwargs) -> str:
 def print_lines(recipe: Recipe, layout: Layout, image: str | None = None, tritonserver: str = TRITONSERVER) -> list[str]:
     plan = launch_plan(recipe, layout, tritonserver)
     lines = [f"# launch ({plan.mode}, {plan.gpus} GPU(s)):", plan.command_line,
-             "# the same in the NGC TensorRT-LLM Triton container:",
-             shlex.join(docker_command(plan, recipe, layout, image))]  # fmt: skip
+             f"# the same in a container: build the image ({packaging.image_context(layout)}/Dockerfile installs "
+             f"specdeploy into {packaging.DEFAULT_IMAGES[recipe.backend]}), then run it:",
+             shlex.join(packaging.build_command(recipe, layout)),
+             shlex.join(docker_command(plan, recipe, layout))]  # fmt: skip
     if recipe.backend == "trtllm-llmapi":
         lines.append("# the llmapi model needs model.py and helpers.py from TensorRT-LLM "
                      "triton_backend/all_models/llmapi/tensorrt_llm/1/ in triton_repo/<recipe>/tensorrt_llm/1/")  # fmt: skip
@@ -303,21 +386,28 @@ def find_tritonserver(explicit: str | None = None) -> str | None:
 
 
 def start(recipe: Recipe, layout: Layout, tritonserver: str | None = None, log_path: Path | None = None,
-          timeout_s: float | None = None) -> subprocess.Popen:  # fmt: skip
-    """Start the GPU deployment here and wait for /v2/health/ready; ServerError with the log tail otherwise."""
+          timeout_s: float | None = None, die_with_parent: bool = True) -> subprocess.Popen:  # fmt: skip
+    """Start the GPU deployment here (its own process group) and wait for /v2/health/ready; ServerError with the
+    log tail otherwise. die_with_parent=False leaves it running after specdeploy exits (serve --detach)."""
+    from specdeploy.triton import server
+
     exe = find_tritonserver(tritonserver)
     if exe is None:
         raise ServerError(
             "no tritonserver with the TensorRT-LLM backend on this machine",
-            "run inside the NGC image (see the docker command from specdeploy serve --print-only), or pass --tritonserver",
+            "run inside the image (see the docker commands from specdeploy serve --print-only), or pass --server-binary",
         )
     plan = launch_plan(recipe, layout, exe)
     if plan.command[0] == "mpirun" and shutil.which("mpirun") is None:
         raise ServerError("mpirun is not on PATH but the target needs one rank per GPU", "install OpenMPI or use the NGC image")
-    log_path = Path(log_path or Path(layout.server_state) / "tritonserver.log")
+    log_path = Path(log_path or Path(layout.server_state) / server.LOG_FILE)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    log = open(log_path, "w")
-    proc = subprocess.Popen(plan.command, env={**os.environ, **plan.env}, stdout=log, stderr=subprocess.STDOUT)
+    with open(log_path, "w") as log:
+        log.write("$ " + plan.command_line + "\n")
+        log.flush()
+        proc = subprocess.Popen(plan.command, env={**os.environ, **plan.env}, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True,
+                                preexec_fn=server._die_with_parent if die_with_parent else None)  # fmt: skip
     url = f"http://127.0.0.1:{_ports(recipe)['http']}/v2/health/ready"
     deadline = time.monotonic() + (timeout_s or recipe.triton.startup_timeout_s)
     while time.monotonic() < deadline:
@@ -329,11 +419,22 @@ def start(recipe: Recipe, layout: Layout, tritonserver: str | None = None, log_p
                     return proc
         except (urllib.error.URLError, OSError):
             pass
-        time.sleep(2)
+        time.sleep(0.5)
     if proc.poll() is None:
-        proc.terminate()
+        server.stop_pid(proc.pid, process=proc)
     tail = log_path.read_text(errors="replace").splitlines()[-30:] if log_path.is_file() else []
     raise ServerError("tritonserver did not become ready; last log lines:\n" + "\n".join(tail), f"full log: {log_path}")
+
+
+def server_state(recipe: Recipe, layout: Layout, proc: subprocess.Popen, log_path: Path):
+    """What `specdeploy status` / `stop` read for this GPU server (the CPU server's state file format)."""
+    from specdeploy.artifacts import process_identity
+    from specdeploy.triton.server import ServerState
+
+    ports = _ports(recipe)
+    me = process_identity(proc.pid)
+    return ServerState(proc.pid, ports["grpc"], ports["http"], ports["metrics"], str(log_path), str(Path(layout.repo).resolve()),
+                       time.time(), me.start_ticks if me else None, list(me.cmdline) if me else None)  # fmt: skip
 
 
 def serve_gpu(
@@ -345,10 +446,19 @@ def serve_gpu(
     image: str | None = None,
     tritonserver: str | None = None,
     k8s_out: Path | None = None,
+    detach: bool = False,
+    recipe_path: str = "RECIPE",
     echo=print,
-) -> subprocess.Popen | None:
-    """`specdeploy serve` for a GPU backend: print the K8s manifests, or print the launch (and its container
-    equivalent) and, unless print_only, start it here after the pre-flight checks."""
+):
+    """`specdeploy serve` for a GPU backend.
+
+    print_k8s: the Kubernetes manifests. print_only: write the image's build context (packaging.write_context,
+    `image` is its base) and print the launch, `docker build` and `docker run`; start nothing. Otherwise run the
+    pre-flight checks, start the server here and record it in layout.server_state so `status` and `stop` work;
+    detach leaves it running and returns its state, else serve until Ctrl-C / SIGTERM and stop it.
+    """
+    from specdeploy.triton import server
+
     if print_k8s:
         text = k8s_yaml(recipe, layout, image=image)
         if k8s_out:
@@ -357,10 +467,17 @@ def serve_gpu(
         else:
             echo(text.rstrip())
         return None
+    if print_only:
+        context = packaging.write_context(recipe, layout, image)
+        echo(f"# wrote {context / 'Dockerfile'} (specdeploy installed into the image, for docker and Kubernetes)")
     for line in print_lines(recipe, layout, image, tritonserver or TRITONSERVER):
         echo(line)
     if print_only:
         return None
+    existing = server.ServerState.read(layout.server_state)
+    if existing is not None and existing.running():
+        raise ServerError(f"a server for this recipe is already running (pid {existing.pid}, grpc {existing.grpc_url})",
+                          f"stop it first: specdeploy stop {recipe_path}")  # fmt: skip
     from specdeploy import preflight
 
     findings = preflight.run_all(recipe, layout)
@@ -368,6 +485,32 @@ def serve_gpu(
         if f.level == "warning":
             echo(f"warning: {f.message}")
     preflight.raise_on_errors(findings)
-    proc = start(recipe, layout, tritonserver)
-    echo(f"tritonserver is ready (pid {proc.pid}); http {_ports(recipe)['http']}, grpc {_ports(recipe)['grpc']}")
-    return proc
+    log_path = Path(layout.server_state) / server.LOG_FILE
+    proc = start(recipe, layout, tritonserver, log_path, die_with_parent=not detach)
+    state = server_state(recipe, layout, proc, log_path)
+    state.write(Path(layout.server_state))
+    echo(f"tritonserver is ready (pid {proc.pid}); http {state.http_port}, grpc {state.grpc_port}, metrics {state.metrics_port}")
+    echo(f"  log: {log_path}")
+    if detach:
+        echo(f"detached; stop it with: specdeploy stop {recipe_path}")
+        return state
+
+    def _terminate(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        echo("serving; press Ctrl-C to stop")
+        code = proc.wait()
+        raise ServerError(f"tritonserver exited with code {code}\n{server.relevant_log(log_path)}", f"full log: {log_path}")
+    except KeyboardInterrupt:
+        echo("stopping tritonserver ...")
+        server.stop_pid(proc.pid, process=proc)
+        echo("stopped")
+        return state
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if proc.poll() is None:
+            server.stop_pid(proc.pid, process=proc)
+        (Path(layout.server_state) / server.STATE_FILE).unlink(missing_ok=True)

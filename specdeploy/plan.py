@@ -29,9 +29,11 @@ def _model_source(name: str) -> tuple[str, Path | None]:
 
 def describe(recipe: Recipe, layout: Layout, recipe_path: str) -> str:
     """Check the model pairing that can be checked offline and render the plan as text."""
-    sources = {role: _model_source(recipe.model(role).model) for role in ROLES}
-    target_dir, draft_dir = sources["target"][1], sources["draft"][1]
-    if target_dir is not None and draft_dir is not None:
+    sources = {role: _model_source(recipe.model(role).model) for role in recipe.model_roles}
+    target_dir, draft_dir = sources["target"][1], sources.get("draft", ("", None))[1]
+    if recipe.draft.is_ngram:
+        pairing = "n-gram draft (prompt lookup, no weights)"
+    elif target_dir is not None and draft_dir is not None:
         models.check_same_tokenizer(target_dir, draft_dir)
         pairing = "draft and target share one tokenizer"
     else:
@@ -46,7 +48,7 @@ def describe(recipe: Recipe, layout: Layout, recipe_path: str) -> str:
         "",
         "stages:",
     ]
-    for role in ROLES:
+    for role in recipe.model_roles:
         m = recipe.model(role)
         q = m.quantization
         lines += [
@@ -55,7 +57,7 @@ def describe(recipe: Recipe, layout: Layout, recipe_path: str) -> str:
             f"({q.calib_size} x {q.calib_max_seq_length} tokens), tp {m.tp_size} pp {m.pp_size}",
             f"       -> {layout.checkpoint(role)}: {_state(layout.checkpoint(role))}",
         ]
-    for role in ROLES:
+    for role in recipe.model_roles:
         lines.append(f"  2. build {role} ({recipe.backend}) -> {layout.engine(role)}: {_state(layout.engine(role))}")
     lines += [
         f"  3. repo -> {layout.repo}: {_state(layout.repo)}",

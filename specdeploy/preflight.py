@@ -23,9 +23,12 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 # Bytes per weight of the quantized linear layers (INT4 AWQ: 4 bits + one fp16 scale per group).
 QFORMAT_WEIGHT_BYTES = {"fp8": 1.0, "int8_sq": 1.0, "int8_wo": 1.0}
 RUNTIME_OVERHEAD_BYTES = int(1.5 * 2**30)  # CUDA context, activations and workspaces per GPU (rough)
-# The speculative BLS sends one sequence per model call: tensorrtllm_backend issue #676 ("tensorrt_llm_bls
-# doesn't support speculative decoding streaming or bsz > 1").
-BLS_LIMITS = {"trtllm-engine": {"max_request_batch": 1, "streaming": False}}
+# The speculative BLS is specdeploy's own (specdeploy/triton/models/tensorrt_llm_bls.py), not NVIDIA's, whose
+# limits are tensorrtllm_backend issue #676 ("tensorrt_llm_bls doesn't support speculative decoding streaming or
+# bsz > 1"). Ours streams in decoupled mode (it calls the tensorrt_llm models with exec(decoupled=True) and sends
+# text deltas), and takes one sequence per request (common.py refuses a batch > 1); concurrent requests are still batched
+# in flight by the tensorrt_llm models.
+BLS_LIMITS = {"trtllm-engine": {"max_request_batch": 1, "streaming": True}}
 
 
 @dataclass(frozen=True)
@@ -278,23 +281,44 @@ def check_bls(recipe: Recipe) -> list[Finding]:
     limits = BLS_LIMITS.get(recipe.backend)
     if limits is None:
         return []
-    findings = []
+    findings = [Finding(
+        "info", "bls",
+        f"engines are built with max_input_len {recipe.engine.max_seq_len - 1} (max_seq_len - 1): the speculative BLS "
+        f"resends prompt + output every round; clients stay limited to engine.max_input_len {recipe.engine.max_input_len}",
+    )]  # fmt: skip
     if recipe.triton.decoupled and not limits["streaming"]:
         findings.append(Finding(
             "error", "bls",
-            f"triton.decoupled (streaming) is on, but the speculative BLS on backend {recipe.backend} does not stream "
-            "(tensorrtllm_backend issue #676)",
+            f"triton.decoupled (streaming) is on, but the speculative BLS on backend {recipe.backend} does not stream",
             "set triton.decoupled: false for the speculative path (the ensemble control can still stream)",
         ))  # fmt: skip
     if recipe.engine.max_batch_size > limits["max_request_batch"]:
         findings.append(Finding(
             "warning", "bls",
-            f"engine.max_batch_size is {recipe.engine.max_batch_size}, but the speculative BLS on {recipe.backend} runs "
-            f"requests with batch {limits['max_request_batch']} (tensorrtllm_backend issue #676): send one sequence per "
-            "request; concurrent requests are still batched in flight by the tensorrt_llm models",
+            f"engine.max_batch_size is {recipe.engine.max_batch_size}, but specdeploy's speculative BLS on {recipe.backend} "
+            f"takes {limits['max_request_batch']} sequence per request: send one sequence per request; concurrent "
+            "requests are still batched in flight by the tensorrt_llm models",
             "clients must not send batched tensors to tensorrt_llm_bls",
         ))  # fmt: skip
     return findings
+
+
+# ---------------------------------------------------------------- LLM-API options of the target release
+
+
+def check_llmapi_options(recipe: Recipe) -> list[Finding]:
+    """trtllm-llmapi: the recipe's trtllm_version is one specdeploy knows, and every speculative setting maps to
+    that release's options (trtllm.speculative_options refuses what does not)."""
+    if recipe.backend != "trtllm-llmapi":
+        return []
+    from specdeploy import trtllm
+
+    try:
+        version = trtllm.llmapi_version(recipe.trtllm_version)
+        trtllm.speculative_options(recipe, version, Path("draft"))
+    except SpecDeployError as exc:
+        return [Finding("error", "llmapi", exc.message, exc.hint)]
+    return [Finding("info", "llmapi", "; ".join(trtllm.llmapi_mapping_notes(recipe, version)))]
 
 
 # ---------------------------------------------------------------- all together
@@ -345,6 +369,7 @@ def run_all(
         *check_kv_cache_format(recipe),
         *check_memory(recipe, shapes, gpus, gpu_memory_bytes),
         *check_bls(recipe),
+        *check_llmapi_options(recipe),
     ]
 
 

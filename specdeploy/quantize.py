@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
 
+from specdeploy import calibration
 from specdeploy.config import AWQ_BLOCK_SIZES, KV_CACHE_DTYPES, QFORMATS, ROLES, QuantConfig, Recipe, to_plain
 from specdeploy.errors import ConfigError, ModelError, QuantizeError
 
@@ -473,8 +474,12 @@ def quantize_model(
     t0 = time.perf_counter()
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(source_dir))
+        # A GPU calibrates in bf16 across the GPUs (device_map auto); the CPU in fp32 (calibration.plan_calibration).
+        on_gpu = torch.cuda.is_available()
+        load = {"dtype": torch.bfloat16, "device_map": "auto"} if on_gpu else {"dtype": torch.float32}
         with _hf_progress(progress):
-            model = AutoModelForCausalLM.from_pretrained(str(source_dir), dtype=torch.float32).eval()
+            model = AutoModelForCausalLM.from_pretrained(str(source_dir), **load).eval()
+        echo(f"  calibrating on {'the GPU(s) in bf16' if on_gpu else 'the CPU in fp32'}")
     except (OSError, ValueError) as exc:
         raise QuantizeError(f"cannot load the model in {source_dir}: {exc}", "check the folder is a complete HF model") from exc
 
@@ -483,12 +488,16 @@ def quantize_model(
     t1 = time.perf_counter()
     if cfg is not None:
         samples = calibration_samples(tokenizer, quant, echo)  # [calib_size, calib_max_seq_length]
-        source_model = copy.deepcopy(model)  # the reference for the quality report (twice the model's memory)
+        if on_gpu:  # the unquantized reference stays in RAM, not in GPU memory
+            with _hf_progress(False):
+                source_model = AutoModelForCausalLM.from_pretrained(str(source_dir), dtype=torch.bfloat16).eval()
+        else:
+            source_model = copy.deepcopy(model)  # the reference for the quality report (twice the model's memory)
 
         def forward_loop(m):  # ModelOpt calls this once per calibration pass (AWQ: several)
             with torch.no_grad():
                 for row in tqdm(samples, desc=f"calibrate {quant.qformat}", disable=not progress, leave=False):
-                    m(row[None, :])  # [1, calib_max_seq_length]
+                    m(row[None, :].to(model.device))  # [1, calib_max_seq_length]
 
         with _quiet():
             mtq.quantize(model, cfg, forward_loop)
@@ -572,15 +581,34 @@ def _ranks(recipe: Recipe, m) -> tuple[int, int]:
     return (1, 1) if checkpoint_format(recipe) == "hf" else (m.tp_size, m.pp_size)
 
 
+def needs_calibration(quant: QuantConfig) -> bool:
+    return MODELOPT_CFG[quant.qformat] is not None or quant.kv_cache_dtype is not None
+
+
+def _machine_memory() -> tuple[list[int], int | None]:
+    """(memory of each GPU, RAM available) for the calibration plan."""
+    from specdeploy import gpu as gpu_probe
+
+    try:
+        import psutil
+
+        ram = int(psutil.virtual_memory().available)
+    except (ImportError, OSError):
+        ram = None
+    return [g.memory_bytes for g in gpu_probe.probe()], ram
+
+
 def recipe_fingerprint(recipe: Recipe, role: str, source_hash: str) -> str:
     from specdeploy.artifacts import file_hash, fingerprint, tool_versions
 
     m = recipe.model(role)
     calib = m.quantization.calib_dataset
+    model = to_plain(m)
+    model["quantization"].pop("max_calib_hours", None)  # a limit on the run, not part of the checkpoint
     return fingerprint(
         stage=STAGE,
         source=source_hash,
-        model=to_plain(m),
+        model=model,
         format=checkpoint_format(recipe),
         dtype=export_dtype(recipe.engine.dtype),
         calib=file_hash(Path(calib)) if calib != BUILTIN else file_hash(builtin_path(CALIB_FILE)),
@@ -599,25 +627,52 @@ def quantize_recipe(recipe: Recipe, layout, force: bool = False, echo=print, pro
     from specdeploy.artifacts import Manifest, atomic_output, dir_hash, is_up_to_date, tool_versions
 
     plans = []
-    for role in ROLES:
+    for role in recipe.model_roles:  # an n-gram draft has no weights
         m = recipe.model(role)
         source = _resolve(m.model)
-        check_quant_config(m.quantization)
-        check_model(source, m.quantization, m.tp_size, m.pp_size)
-        if m.quantization.calib_dataset != BUILTIN:
-            read_passages(m.quantization.calib_dataset)
+        pre = calibration.detect_prequantized(source)  # a ModelOpt export is used as is, without calibrating
+        plan = None
+        if pre is not None:
+            calibration.check_prequantized(pre, m.quantization, recipe.backend, m.model, role)
+        else:
+            check_quant_config(m.quantization)
+            hf = check_model(source, m.quantization, m.tp_size, m.pp_size)
+            if m.quantization.calib_dataset != BUILTIN:
+                read_passages(m.quantization.calib_dataset)
+            if needs_calibration(m.quantization):
+                plan = calibration.plan_calibration(hf, m.quantization, *_machine_memory())
+                calibration.check_calibration(plan, m.quantization, m.model, role)
         source_hash = dir_hash(source)
-        plans.append((role, m, source, source_hash, recipe_fingerprint(recipe, role, source_hash)))
+        plans.append((role, m, source, source_hash, recipe_fingerprint(recipe, role, source_hash), pre, plan))
 
     reports = {}
-    for role, m, source, source_hash, fp in plans:
+    for role, m, source, source_hash, fp, pre, plan in plans:
         dest = layout.checkpoint(role)
         if not force and is_up_to_date(dest, fp):
             echo(f"{role}: up to date ({dest})")
             reports[role] = None
             continue
         q = m.quantization
+        if pre is not None:
+            with atomic_output(dest) as tmp:
+                files = calibration.link_checkpoint(source, tmp)
+                Manifest(
+                    stage=STAGE,
+                    recipe_name=recipe.name,
+                    fingerprint=fp,
+                    settings={**to_plain(m), "role": role, "format": "hf", "prequantized": True},
+                    inputs={"source_dir": str(source), "source_hash": source_hash},
+                    tool_versions=tool_versions(*TOOL_DISTRIBUTIONS),
+                    extra={"quality": None, "prequantized_from": pre.source, "linked_files": files,
+                           "quant_algo": QUANT_ALGO[q.qformat], "kv_cache_quant_algo": KV_CACHE_QUANT_ALGO[q.kv_cache_dtype]},
+                ).write(tmp)
+            echo(f"{role}: {m.model} is already a ModelOpt {pre.qformat} export ({pre.source}); linked as the checkpoint "
+                 f"{dest}, no calibration")  # fmt: skip
+            reports[role] = None
+            continue
         echo(f"{role}: quantizing {m.model} to {q.qformat}" + (f" + {q.kv_cache_dtype} KV cache" if q.kv_cache_dtype else ""))
+        if plan is not None:
+            echo(f"  {plan.summary()}")
         dtype = export_dtype(recipe.engine.dtype)
         with atomic_output(dest) as tmp:
             report = quantize_model(

@@ -22,11 +22,12 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass, field, replace
-from typing import Iterator, Protocol, Sequence
+from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
 
 from specdeploy.errors import ConfigError
+from specdeploy.policy import RequestPolicy, RoundOutcome
 
 # ---------------------------------------------------------------- sampling parameters
 
@@ -257,6 +258,17 @@ class SpecStats:
     output_tokens: int = 0
     finish_reason: str = ""
     accepted_per_round: list[int] = field(default_factory=list)
+    k_per_round: list[int] = field(default_factory=list)  # draft tokens asked for, per round (0: a plain step)
+    policy: str = "static"
+
+    @property
+    def rounds(self) -> int:
+        return len(self.k_per_round)
+
+    @property
+    def speculated_share(self) -> float:
+        """Share of rounds that asked the draft for tokens."""
+        return sum(1 for k in self.k_per_round if k > 0) / len(self.k_per_round) if self.k_per_round else 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -310,13 +322,18 @@ def speculative_generate(
     stop_words: Sequence[Sequence[int]] = (),
     use_draft_logits: bool = False,
     clock=time.perf_counter,
+    policy: RequestPolicy | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> Iterator[list[int] | SpecStats]:
     """Draft-target speculative decoding, one BLS round at a time (DESIGN.md "The BLS round").
 
-    Each round: k = min(num_draft_tokens, remaining - 1); the draft proposes k tokens from the
+    Each round: cap = min(num_draft_tokens, remaining - 1) and k = cap, or what `policy` chooses in
+    0..cap (specdeploy.policy; k = 0 is a plain target step); the draft proposes k tokens from the
     current sequence (with logits when `use_draft_logits` and sampling); the target verifies them and
-    returns the accepted prefix plus one token of its own. Stops on length, end id, stop words, or
-    no progress (the target returned nothing).
+    returns the accepted prefix plus one token of its own; the policy gets the round's outcome.
+    Stops on length, end id, stop words (matched over prompt + output, as the target alone does, so a
+    stop word may begin in the prompt), no progress (the target returned nothing), or when
+    `should_stop()` turns true between rounds (finish_reason "cancelled").
 
     Yields each round's new tokens (a list[int]) as they come, and finally one SpecStats.
     """
@@ -327,18 +344,26 @@ def speculative_generate(
     greedy = is_greedy(sampling)
     want_logits = use_draft_logits and not greedy
     base_seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, (1,)))
-    sequence = list(prompt_ids)
-    output: list[int] = []
-    stats = SpecStats()
+    sequence = list(prompt_ids)  # prompt + output
+    prompt_len = len(sequence)
+    stats = SpecStats(policy=policy.name if policy is not None else "static")
     round_index = 0
+    draft_fresh = False  # the draft has seen the sequence up to its last round (not after the prompt or a k = 0 round)
     while True:
-        remaining = max_new_tokens - len(output)
-        k = min(num_draft_tokens, remaining - 1)
+        if should_stop is not None and should_stop():
+            stats.finish_reason = "cancelled"
+            break
+        remaining = max_new_tokens - (len(sequence) - prompt_len)
+        cap = max(0, min(num_draft_tokens, remaining - 1))
+        k = policy.choose(cap) if policy is not None else cap
+        assert 0 <= k <= cap, (k, cap)
         proposal = Proposal([])
+        draft_s = 0.0
         if k > 0:
             t0 = clock()
             proposal = draft.propose(sequence, k, round_sampling(sampling, base_seed, round_index, "draft"), want_logits)
-            stats.draft_time_s += clock() - t0
+            draft_s = clock() - t0
+            stats.draft_time_s += draft_s
             proposal = Proposal(proposal.tokens[:k], None if proposal.logits is None else proposal.logits[:k])
             stats.drafted += len(proposal.tokens)
         t0 = clock()
@@ -348,30 +373,34 @@ def speculative_generate(
             proposal.logits if want_logits else None,
             round_sampling(sampling, base_seed, round_index, "target"),
         )
-        stats.target_time_s += clock() - t0
+        target_s = clock() - t0
+        stats.target_time_s += target_s
         stats.target_iterations += 1
+        stats.k_per_round.append(k)
         round_index += 1
+        accepted = _accepted_count(proposal.tokens, new)
+        if policy is not None:
+            policy.record(RoundOutcome(k, len(proposal.tokens), accepted, len(new), draft_s, target_s,
+                                       draft_fresh=draft_fresh, first_round=round_index == 1))
+        draft_fresh = k > 0
         if not new:
             stats.finish_reason = "no_progress"
             break
-        accepted = _accepted_count(proposal.tokens, new)
         stats.accepted += accepted
         stats.accepted_per_round.append(accepted)
-        new = new[:remaining]
-        start = len(output)
-        output.extend(new)
-        cut = find_stop(output, start, end_id, stop_words)
+        start = len(sequence)
+        sequence.extend(new[:remaining])
+        cut = find_stop(sequence, start, end_id, stop_words)
         if cut is not None:
-            del output[cut:]
-        new = output[start:]
-        sequence.extend(new)
-        stats.output_tokens = len(output)
+            del sequence[cut:]
+        new = sequence[start:]
+        stats.output_tokens = len(sequence) - prompt_len
         if new:
             yield new
         if cut is not None:
-            stats.finish_reason = "end_id" if end_id is not None and output[-1] == end_id else "stop_words"
+            stats.finish_reason = "end_id" if end_id is not None and sequence[-1] == end_id else "stop_words"
             break
-        if len(output) >= max_new_tokens:
+        if stats.output_tokens >= max_new_tokens:
             stats.finish_reason = "length"
             break
     yield stats

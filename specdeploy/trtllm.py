@@ -49,6 +49,17 @@ COMMON_FLAGS = (
 SPECULATIVE_MODE = "draft_tokens_external"
 
 
+def engine_max_input_len(recipe: Recipe) -> int:
+    """The engines' max_input_len for the speculative flow: max_seq_len - 1.
+
+    The BLS sends the whole sequence (prompt + output so far) to both engines every round, so their inputs
+    grow to max_seq_len minus the tokens asked for; an engine built with the client-facing
+    engine.max_input_len would fail half-way through a long answer. Clients are still held to
+    engine.max_input_len by preprocessing and the BLS.
+    """
+    return recipe.engine.max_seq_len - 1
+
+
 # ---------------------------------------------------------------- checkpoints
 
 
@@ -112,7 +123,7 @@ def build_command(
         "--checkpoint_dir", str(checkpoint_dir),
         "--output_dir", str(output_dir),
         "--max_batch_size", str(e.max_batch_size),
-        "--max_input_len", str(e.max_input_len),
+        "--max_input_len", str(engine_max_input_len(recipe)),
         "--max_seq_len", str(e.max_seq_len),
     ]  # fmt: skip
     for flag, value in COMMON_FLAGS:
@@ -286,7 +297,8 @@ def build_engine_recipe(recipe: Recipe, layout: Layout, force: bool = False, dry
                     "role": step.role,
                     "max_draft_len": recipe.speculative.max_draft_len if step.role == "target" else None,
                     "gather_generation_logits": recipe.speculative.use_draft_logits,
-                    "max_input_len": recipe.engine.max_input_len,
+                    "max_input_len": recipe.engine.max_input_len,  # the client-facing limit (the repository reads it)
+                    "engine_max_input_len": engine_max_input_len(recipe),
                     "max_seq_len": recipe.engine.max_seq_len,
                     "tp_size": step.checkpoint.tp_size,
                     "pp_size": step.checkpoint.pp_size,
@@ -311,23 +323,209 @@ def build_engine_recipe(recipe: Recipe, layout: Layout, force: bool = False, dry
 
 # ---------------------------------------------------------------- LLM API (PyTorch backend)
 
+# The LLM-API option names and meanings per TensorRT-LLM release. Each fact is from
+# tensorrt_llm/llmapi/llm_args.py (DecodingBaseConfig, DraftTargetDecodingConfig) at the commits around the
+# changes, and from docs/source/features/speculative-decoding.md:
+# - decoding_type: until the speculative configs became a pydantic union discriminated by a `decoding_type:
+#   Literal["Draft_Target"]` field, DecodingBaseConfig.from_dict dispatched on a table keyed "DraftTarget" (the
+#   class attribute "Draft_Target" was not a key there: "Invalid decoding type"). After it, "Draft_Target" is the
+#   literal and "DraftTarget" a documented alias (the docs' YAML list of decoding types).
+# - the draft model: `speculative_model_dir` until PR #10099 (2025-12-18) renamed it `speculative_model`, keeping
+#   `speculative_model_dir` as a validation alias (AliasChoices); before it, `speculative_model` is an unknown key
+#   of a StrictBaseModel (rejected).
+# - max_concurrency: "speculation will be disabled at batch sizes above this value" (same meaning throughout).
+# - draft_len_schedule: added by PR #8194 (Oct 2025) with LOWER-bound keys ({1: 4, 4: 2, 8: 0}: batch >= 1 drafts
+#   4, >= 4 drafts 2, >= 8 drafts 0; key 1 required and == max_draft_len); PR #10860 (Jan 2026) made the keys
+#   UPPER bounds ({4: 4, 8: 2, 32: 1}: batch 1-4 drafts 4, 5-8 drafts 2, 9-32 drafts 1, 33+ off; smallest key
+#   == max_draft_len; mutually exclusive with max_concurrency).
+# - acceptance gate (speculation off for good once a rolling mean drops below a threshold):
+#   `acceptance_window` + `acceptance_length_threshold` (mean acceptance LENGTH over the last N completed
+#   requests) until PR #12905 (2026-04-09, "BREAKING"), then `acceptance_rate_window_size` +
+#   `acceptance_rate_threshold` (accepted_draft_tokens / drafted_tokens over the last N speculative iterations,
+#   0..1).
+# Release lines from PyPI upload dates: 1.1.0 2025-12-19, 1.2.0 2026-03-12 (branch: rc6 2025-12-23),
+# 1.3.0rc0 2026-01-22 ... rc22 2026-07-22, 1.4.0rc0 2026-10-13. The 1.3.0 release candidates before rc22 straddle
+# PRs #10860 and #12905, so specdeploy names no options for them rather than guess.
 
-def llmapi_options(recipe: Recipe, layout: Layout) -> dict:
+
+@dataclass(frozen=True)
+class LlmApiVersion:
+    """How one TensorRT-LLM release spells draft/target speculative decoding in the LLM-API options."""
+
+    name: str
+    releases: str  # which releases this covers, in words
+    decoding_types: dict  # draft kind ("draft_target"; room for "ngram") -> decoding_type value
+    draft_model_key: str  # speculative_model_dir | speculative_model
+    draft_len_schedule: str | None  # None (no such option verified) | "lower" | "upper" bounds
+    acceptance_keys: tuple[str, str] | None  # (window key, threshold key)
+    acceptance_measure: str | None  # "length" | "rate": what the threshold means in this release
+    evidence: str
+
+
+LLMAPI_VERSIONS = {
+    "1.1": LlmApiVersion(
+        name="1.1", releases="1.1.x",
+        decoding_types={"draft_target": "DraftTarget", "ngram": "NGram"},
+        draft_model_key="speculative_model_dir",
+        draft_len_schedule=None,
+        acceptance_keys=("acceptance_window", "acceptance_length_threshold"), acceptance_measure="length",
+        evidence="from_dict dispatch keyed 'DraftTarget'; speculative_model_dir (before PR #10099); "
+                 "draft_len_schedule unverified in the 1.1 branch",
+    ),
+    "1.2": LlmApiVersion(
+        name="1.2", releases="1.2.x",
+        # DraftTarget and speculative_model_dir are read on both sides of the Literal/rename changes, which the
+        # 1.2 branch (cut around Dec 2025) may or may not carry.
+        decoding_types={"draft_target": "DraftTarget", "ngram": "NGram"},
+        draft_model_key="speculative_model_dir",
+        draft_len_schedule="lower",
+        acceptance_keys=("acceptance_window", "acceptance_length_threshold"), acceptance_measure="length",
+        evidence="PR #8194 (lower-bound draft_len_schedule) before the branch, PR #10860 and #12905 after it",
+    ),
+    "1.3": LlmApiVersion(
+        name="1.3", releases="1.3.0rc22 and later 1.3 releases",
+        decoding_types={"draft_target": "Draft_Target", "ngram": "NGram"},
+        draft_model_key="speculative_model",
+        draft_len_schedule="upper",
+        acceptance_keys=("acceptance_rate_window_size", "acceptance_rate_threshold"), acceptance_measure="rate",
+        evidence="decoding_type Literal['Draft_Target']; PR #10099, #10860 and #12905 merged",
+    ),
+    "1.4": LlmApiVersion(
+        name="1.4", releases="1.4.x",
+        decoding_types={"draft_target": "Draft_Target", "ngram": "NGram"},
+        draft_model_key="speculative_model",
+        draft_len_schedule="upper",
+        acceptance_keys=("acceptance_rate_window_size", "acceptance_rate_threshold"), acceptance_measure="rate",
+        evidence="as 1.3 (main after PR #12905)",
+    ),
+}  # fmt: skip
+
+
+def llmapi_version(version: str) -> LlmApiVersion:
+    """The LlmApiVersion for a recipe's `trtllm_version` ("1.2", "1.2.1", "1.3.0rc24", "1.4.0rc1", ...)."""
+    import re
+
+    from specdeploy.errors import ConfigError
+
+    text = str(version).strip()
+    m = re.fullmatch(r"(\d+)\.(\d+)(?:\.(\d+))?(?:rc(\d+))?(?:\.post\d+)?", text)
+    supported = ", ".join(f"{v.name} ({v.releases})" for v in LLMAPI_VERSIONS.values())
+    if m is None:
+        raise ConfigError(f"key 'trtllm_version' is {version!r}, not a TensorRT-LLM version",
+                          f"write it as on PyPI, e.g. 1.2.1; supported: {supported}")  # fmt: skip
+    line = f"{m.group(1)}.{m.group(2)}"
+    rc = m.group(4)
+    if line == "1.3" and rc is not None and int(rc) < 22:
+        raise ConfigError(
+            f"trtllm_version {text}: the 1.3.0 release candidates before rc22 straddle TensorRT-LLM PR #10860 "
+            "(draft_len_schedule keys became upper bounds) and PR #12905 (acceptance gate renamed and redefined); "
+            "specdeploy cannot tell which option names this one takes",
+            "use a 1.2.x release (trtllm_version: 1.2) or 1.3.0rc22 or later (trtllm_version: 1.3)",
+        )
+    if line not in LLMAPI_VERSIONS:
+        hint = "TensorRT-LLM 1.0 and older: use backend trtllm-engine" if (int(m.group(1)), int(m.group(2))) < (1, 1) \
+            else "a newer release may rename options again; add it to trtllm.LLMAPI_VERSIONS after checking llm_args.py"
+        raise ConfigError(f"trtllm_version {text} has no verified LLM-API option names (supported: {supported})", hint)
+    return LLMAPI_VERSIONS[line]
+
+
+def _draft_len_schedule(schedule: tuple, form: str) -> dict[int, int]:
+    """specdeploy's [[up_to_batch, draft_len], ...] (speculation off above the last bound) in a release's form.
+
+    upper: {up_to_batch: draft_len} as is (batch sizes above the largest key draft 0).
+    lower: {from_batch: draft_len}: the first entry starts at batch 1, each next one at the previous bound + 1,
+    and one more entry turns speculation off (0) above the last bound.
+    """
+    if form == "upper":
+        return {int(bound): int(length) for bound, length in schedule}
+    out, start = {}, 1
+    for bound, length in schedule:
+        out[start] = int(length)
+        start = int(bound) + 1
+    out[start] = 0
+    return out
+
+
+def speculative_options(recipe: Recipe, version: LlmApiVersion, draft_dir: Path, kind: str = "draft_target") -> dict:
+    """`speculative_config` for one TensorRT-LLM release. Every recipe setting is mapped or refused, never dropped.
+
+    - speculative.num_draft_tokens -> max_draft_len: the LLM API drafts max_draft_len tokens every iteration (it
+      has no separate per-request count), so the tokens drafted per round set it; speculative.max_draft_len only
+      bounds num_draft_tokens (there is no engine to build it into).
+    - speculative.use_draft_logits -> refused: DraftTarget verifies greedy requests token by token and has no
+      switch for rejection sampling on the draft's logits.
+    """
+    from specdeploy.errors import ConfigError
+
+    s = recipe.speculative
+    if s.use_draft_logits:
+        raise ConfigError(
+            f"speculative.use_draft_logits is true, but TensorRT-LLM {version.name}'s LLM API (decoding_type "
+            f"{version.decoding_types[kind]}) has no option for rejection sampling on the draft's logits",
+            "set use_draft_logits: false for backend trtllm-llmapi, or use backend trtllm-engine (its BLS passes "
+            "draft_logits)",
+        )
+    spec = {
+        "decoding_type": version.decoding_types[kind],
+        "max_draft_len": s.num_draft_tokens,
+        version.draft_model_key: str(draft_dir),
+    }
+    if kind == "ngram":  # NGramDecodingConfig: no draft model; the recipe's draft section carries its fields
+        from specdeploy.ngram import settings_from_recipe
+
+        settings = settings_from_recipe(recipe)
+        spec = {"decoding_type": version.decoding_types[kind], "max_draft_len": settings.max_draft_len,
+                "max_matching_ngram_size": settings.max_matching_ngram_size, "is_keep_all": settings.is_keep_all,
+                "is_use_oldest": settings.is_use_oldest, "is_public_pool": settings.is_public_pool}  # fmt: skip
+    d = s.dynamic
+    if d is None:
+        return spec
+    if d.max_concurrency is not None:
+        spec["max_concurrency"] = d.max_concurrency
+    if d.draft_len_schedule:
+        if version.draft_len_schedule is None:
+            raise ConfigError(
+                f"speculative.dynamic.draft_len_schedule is set, but draft_len_schedule is not verified for "
+                f"TensorRT-LLM {version.name} ({version.evidence})",
+                "use max_concurrency instead, or target trtllm_version 1.2 or later",
+            )
+        spec["draft_len_schedule"] = _draft_len_schedule(d.draft_len_schedule, version.draft_len_schedule)
+    if d.acceptance_window is not None:
+        if version.acceptance_keys is None:
+            raise ConfigError(f"TensorRT-LLM {version.name} has no acceptance gate",
+                              "remove speculative.dynamic.acceptance_window/threshold")  # fmt: skip
+        if d.acceptance_measure != version.acceptance_measure:
+            words = {"rate": "acceptance rate (accepted / drafted tokens, 0..1) over speculative iterations",
+                     "length": "mean acceptance length (tokens per step) over completed requests"}  # fmt: skip
+            raise ConfigError(
+                f"speculative.dynamic.acceptance_measure is '{d.acceptance_measure}', but TensorRT-LLM {version.name} "
+                f"gates on the {words[version.acceptance_measure]} ({version.acceptance_keys[1]}); the two do not "
+                "convert into each other",
+                f"set acceptance_measure: {version.acceptance_measure} and a threshold in those units, or change "
+                "trtllm_version",
+            )
+        window_key, threshold_key = version.acceptance_keys
+        spec[window_key] = d.acceptance_window
+        spec[threshold_key] = d.acceptance_threshold
+    return spec
+
+
+def llmapi_options(recipe: Recipe, layout: Layout, version: LlmApiVersion | None = None) -> dict:
     """The LLM-API options (keys of tensorrt_llm.llmapi LLM args) for draft/target speculative decoding.
 
-    Keys verified against tensorrt_llm/llmapi/llm_args.py and docs/source/features/speculative-decoding.md:
-    `speculative_config` with `decoding_type: DraftTarget`, `max_draft_len`, `speculative_model` (alias
-    `speculative_model_dir` in older releases); `kv_cache_config.{free_gpu_memory_fraction, enable_block_reuse,
-    dtype}`; `max_batch_size`, `max_input_len`, `max_seq_len`, `tensor_parallel_size`, `pipeline_parallel_size`.
-    The quick start runs Draft/Target with `disable_overlap_scheduler=True`.
+    Names follow the recipe's trtllm_version (LLMAPI_VERSIONS). Top-level keys, stable across the supported
+    releases (llm_args.py): `kv_cache_config.{free_gpu_memory_fraction, enable_block_reuse, dtype}`,
+    `max_batch_size`, `max_input_len`, `max_seq_len`, `tensor_parallel_size`, `pipeline_parallel_size`. The
+    quick start runs Draft/Target with `disable_overlap_scheduler=True`.
     """
+    version = version or llmapi_version(recipe.trtllm_version)
     target, e = recipe.target, recipe.engine
     kv_dtype = target.quantization.kv_cache_dtype
     return {
         "tensor_parallel_size": target.tp_size,
         "pipeline_parallel_size": target.pp_size,
         "max_batch_size": e.max_batch_size,
-        "max_input_len": e.max_input_len,
+        "max_input_len": engine_max_input_len(recipe),  # the speculative flow resends prompt + output
         "max_seq_len": e.max_seq_len,
         "disable_overlap_scheduler": True,
         "kv_cache_config": {
@@ -335,12 +533,21 @@ def llmapi_options(recipe: Recipe, layout: Layout) -> dict:
             "enable_block_reuse": True,
             "dtype": kv_dtype if kv_dtype == "fp8" else "auto",
         },
-        "speculative_config": {
-            "decoding_type": "DraftTarget",
-            "max_draft_len": recipe.speculative.max_draft_len,
-            "speculative_model": str(layout.checkpoint("draft")),
-        },
+        "speculative_config": speculative_options(recipe, version, layout.checkpoint("draft"), "ngram" if recipe.draft.is_ngram else "draft_target"),
     }
+
+
+def llmapi_mapping_notes(recipe: Recipe, version: LlmApiVersion | None = None) -> list[str]:
+    """What the options file does with the recipe's speculative settings, for the dry run and the manifest."""
+    version = version or llmapi_version(recipe.trtllm_version)
+    s = recipe.speculative
+    notes = [f"TensorRT-LLM {version.name} ({version.releases}): decoding_type {version.decoding_types['draft_target']}, "
+             f"draft model key {version.draft_model_key}",
+             f"speculative.num_draft_tokens {s.num_draft_tokens} -> speculative_config.max_draft_len (drafted every "
+             f"iteration); speculative.max_draft_len {s.max_draft_len} only bounds it"]  # fmt: skip
+    if s.dynamic and s.dynamic.draft_len_schedule:
+        notes.append(f"draft_len_schedule written with {version.draft_len_schedule}-bound keys")
+    return notes
 
 
 def check_hf_checkpoint(ckpt_dir: Path, role: str, qformat: str) -> None:
@@ -380,19 +587,26 @@ def build_llmapi_recipe(
 ) -> list[Path]:
     """`specdeploy build` for backend trtllm-llmapi: write the options YAML (no engine) and, when TensorRT-LLM is
     importable on a GPU machine, load it once with LLM(...) to prove it starts."""
-    options = llmapi_options(recipe, layout)
+    version = llmapi_version(recipe.trtllm_version)
+    options = llmapi_options(recipe, layout, version)
     out = layout.engine("target")
     text = yaml.safe_dump(options, sort_keys=False)
     findings = _preflight(recipe, layout, gpu_probe.probe(), dry_run, echo)
+    installed = gpu_probe.tensorrt_llm_version()
+    if installed is not None and not installed.startswith(version.name):
+        echo(f"warning: tensorrt_llm {installed} is installed, the recipe targets trtllm_version {recipe.trtllm_version}; "
+             f"the options use {version.name}'s names (set trtllm_version to match the release that will serve)")
     if dry_run:
         for f in findings:
             echo(f"# preflight {f.line()}")
+        for note in llmapi_mapping_notes(recipe, version):
+            echo(f"# {note}")
         echo(f"# dry run: {out / LLMAPI_OPTIONS} would contain:")
         echo(text.rstrip())
         echo("# equivalent server: " + shlex.join(serve_command(out / LLMAPI_OPTIONS, layout.checkpoint("target"))))
         return []
     checkpoint_fps = {}
-    for role in ROLES:
+    for role in recipe.model_roles:  # an n-gram draft has no checkpoint
         manifest = require(layout.checkpoint(role), "quantize", "specdeploy quantize <recipe>")
         check_hf_checkpoint(layout.checkpoint(role), role, recipe.model(role).quantization.qformat)
         checkpoint_fps[role] = manifest.fingerprint
@@ -411,7 +625,7 @@ def build_llmapi_recipe(
             recipe_name=recipe.name,
             fingerprint=fp,
             settings={"backend": "trtllm-llmapi", "role": "draft"},
-            inputs={"checkpoint": checkpoint_fps["draft"]},
+            inputs={"checkpoint": checkpoint_fps.get("draft")},
             tool_versions=tool_versions("tensorrt_llm"),
             extra={"checkpoint_dir": str(layout.checkpoint("draft")), "tokenizer_dir": str(layout.checkpoint("draft")),
                    "note": f"loaded by speculative_config in {out / LLMAPI_OPTIONS}"},
@@ -422,7 +636,8 @@ def build_llmapi_recipe(
             stage=BUILD_STAGE,
             recipe_name=recipe.name,
             fingerprint=fp,
-            settings={"backend": "trtllm-llmapi", "role": "target", "max_draft_len": recipe.speculative.max_draft_len,
+            settings={"backend": "trtllm-llmapi", "role": "target", "trtllm_version": recipe.trtllm_version,
+                      "max_draft_len": recipe.speculative.max_draft_len,
                       "max_input_len": recipe.engine.max_input_len, "max_seq_len": recipe.engine.max_seq_len},
             inputs=checkpoint_fps,
             tool_versions=tool_versions("tensorrt_llm"),
@@ -433,6 +648,7 @@ def build_llmapi_recipe(
                 "serve_command": shlex.join(serve_command(out / LLMAPI_OPTIONS, layout.checkpoint("target"))),
                 "gpus": gpus,
                 "start_check": proof,
+                "mapping": llmapi_mapping_notes(recipe, version),
             },
         ).write(tmp)
     echo(f"wrote {out / LLMAPI_OPTIONS} (start check: {proof})")

@@ -1,5 +1,5 @@
-"""A test-only executor factory for tritonserver: the HF stand-in engine, plus a hook that corrupts
-one token of the speculative path.
+"""A test-only executor factory for tritonserver: specdeploy's CPU engine (the default executor), plus a
+hook that corrupts one token of the speculative path.
 
 $SPECDEPLOY_TEST_CORRUPT names a JSON file {"prompt_ids": [...], "index": i, "token": t}, read at
 every request (the test writes it once the server runs). A target call that carries draft tokens
@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 
-from triton_hf_engine import load_executor as load_hf_executor
+from specdeploy.triton.models.common import load_cpu_executor
 
 ENV = "SPECDEPLOY_TEST_CORRUPT"
 
@@ -49,6 +49,6 @@ class CorruptingExecutor:
 
 
 def load_executor(engine_dir: str):
-    inner = load_hf_executor(engine_dir)
+    inner = load_cpu_executor(engine_dir)
     path = os.environ.get(ENV)
     return CorruptingExecutor(inner, path) if path else inner

@@ -7,12 +7,14 @@ import json
 import numpy as np
 import pytest
 
-from client_fakes import CharCodec, FakeEndpoint, continuation
+from client_fakes import END_ID, CharCodec, FakeEndpoint, continuation
 from specdeploy.client import gate, latency as lat, parity as par
-from specdeploy.client.prompts import BUILTIN_CATEGORIES, Prompt, load_prompt_set
-from specdeploy.client.protocol import Sampling, TargetTrace
+from specdeploy.client.prompts import BUILTIN_CATEGORIES, HFChatTemplate, Prompt, load_prompt_set, render_prompts
+from specdeploy.client.protocol import CONTROL_MODEL, SPECULATIVE_MODEL, PerfMetrics, Sampling, TargetTrace
 from specdeploy.client.report import write_report
+from specdeploy.client.triton_adapter import timing
 from specdeploy.client.validate import Options, parse_range, validate
+from specdeploy.config import exact_verification, parse_recipe
 from specdeploy.errors import ConfigError
 
 
@@ -48,13 +50,16 @@ def test_user_jsonl(tmp_path):
 # ---------------------------------------------------------------- latency statistics on known samples
 
 
-def _sample(mode, latency, ttft, tokens, prompt="p0", category="chat", repeat=0, concurrency=1, drafted=None, accepted=None):
-    return lat.RequestSample(mode, concurrency, repeat, prompt, category, 4 if mode == "speculative" else None, 0.0, latency, ttft, "server", tokens, drafted, accepted)
+def _sample(mode, latency, ttft, tokens, prompt="p0", category="chat", repeat=0, concurrency=1, drafted=None, accepted=None, decode=None):
+    decode = latency - ttft if decode is None else decode
+    return lat.RequestSample(
+        mode, concurrency, repeat, prompt, category, 4 if mode == "speculative" else None, 0.0, latency, ttft, "server", tokens, drafted, accepted, decode
+    )
 
 
 def test_tpot_and_percentiles_on_known_samples():
-    s = _sample("control", latency=1.0, ttft=0.1, tokens=10)
-    assert s.tpot_s == pytest.approx(0.9 / 9)
+    s = _sample("control", latency=1.0, ttft=0.1, tokens=10, decode=0.72)
+    assert s.tpot_s == pytest.approx(0.72 / 9)  # first -> last token over the 9 gaps, not latency - TTFT
     assert _sample("control", 1.0, 0.1, 1).tpot_s is None
     latencies = [0.1 * i for i in range(1, 11)]  # 0.1 .. 1.0
     run = lat.LevelRun("control", 1, 0, None, wall_s=2.0, samples=[_sample("control", v, 0.05, 11, prompt=f"p{i}") for i, v in enumerate(latencies)])
@@ -112,11 +117,141 @@ def test_expected_speedup_model_and_fit():
     assert rec["recommended_k"] == best
 
 
+# ---------------------------------------------------------------- TTFT and TPOT sources
+
+
+def test_unary_timing_comes_from_the_perf_outputs():
+    # arrival 1.000 s, first token 1.030 s, last token 1.670 s on the server's clock; the client's
+    # own clock (sent 50.0, done 51.0) must not enter a unary request's numbers.
+    perf = PerfMetrics(arrival_time_ns=1_000_000_000, first_token_time_ns=1_030_000_000, last_token_time_ns=1_670_000_000)
+    ttft, decode, source = timing(False, 50.0, None, 51.0, perf)
+    assert (ttft, decode, source) == (pytest.approx(0.030), pytest.approx(0.640), "server")
+    sample = _sample("control", latency=1.0, ttft=ttft, tokens=33, decode=decode)
+    assert sample.tpot_s == pytest.approx(0.640 / 32)
+    assert timing(False, 50.0, None, 51.0, PerfMetrics()) == (None, None, None)  # no perf outputs: no TTFT
+
+
+def test_streamed_timing_comes_from_the_client_clock():
+    perf = PerfMetrics(arrival_time_ns=1_000_000_000, first_token_time_ns=1_900_000_000, last_token_time_ns=1_950_000_000)
+    ttft, decode, source = timing(True, 50.0, 50.2, 51.0, perf)
+    assert (ttft, decode, source) == (pytest.approx(0.2), pytest.approx(0.8), "stream")
+    assert timing(True, 50.0, None, 51.0, perf) == (None, None, None)  # nothing streamed
+
+
+def test_output_tokens_counted_from_ids_then_parity_reference_then_text():
+    from specdeploy.client.protocol import GenerateResult
+
+    codec = CharCodec()
+    with_ids = GenerateResult("abc", 1.0, token_ids=[1, 2, 3, 4, END_ID])
+    assert lat.count_tokens(with_ids, codec, ("abc", 99)) == (5, "output_ids")
+    text_only = GenerateResult("abc", 1.0)
+    assert lat.count_tokens(text_only, codec, ("abc", 7)) == (7, "parity")  # the target's exact count for this text
+    assert lat.count_tokens(text_only, codec, ("abd", 7)) == (3, "retokenized")  # another text: no reference
+    assert lat.count_tokens(text_only, codec, None) == (3, "retokenized")
+
+
+# ---------------------------------------------------------------- chat templates
+
+
+def test_prompts_and_messages_rendered_with_the_chat_template(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text(
+        json.dumps({"prompt": "Hi there"}) + "\n"
+        + json.dumps({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why?"}], "category": "c"}) + "\n"
+    )
+    raw = load_prompt_set(str(f), 20)
+    rendered = render_prompts(raw, CharCodec().chat_renderer())
+    assert rendered[0].text == "<user>Hi there</user><assistant>"
+    assert rendered[1].text == "<system>Be brief.</system><user>Why?</user><assistant>"
+    assert render_prompts(raw[:1], None)[0].text == "Hi there"  # chat_template: none sends the prompt as written
+    with pytest.raises(ConfigError, match="need a chat template"):
+        render_prompts(raw[1:], None)
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('{"prompt": "a", "messages": [{"role": "user", "content": "b"}]}', "exactly one of 'prompt' and 'messages'"),
+        ('{"messages": []}', "non-empty list"),
+        ('{"messages": [{"role": "bot", "content": "x"}]}', "valid roles: system, user, assistant"),
+        ('{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}', "the last message is the assistant's"),
+        ('{"messages": [{"role": "user"}]}', "exactly 'role' and 'content'"),
+    ],
+)
+def test_bad_messages_are_refused(tmp_path, line, message):
+    f = tmp_path / "p.jsonl"
+    f.write_text(line + "\n")
+    with pytest.raises(ConfigError, match=message):
+        load_prompt_set(str(f), 20)
+
+
+class _Tokenizer:
+    """A word tokenizer with a BOS that add_special_tokens prepends (like Llama 3's)."""
+
+    bos_token, bos_token_id = "<s>", 1
+    chat_template = "{{ bos_token }}..."
+
+    def __init__(self, adds_bos=True):
+        self.adds_bos = adds_bos
+
+    def apply_chat_template(self, conversation, tokenize, add_generation_prompt):
+        assert tokenize is False and add_generation_prompt is True
+        return "<s>" + "".join(f"[{m['role']}] {m['content']} " for m in conversation) + "[assistant]"
+
+    def __call__(self, text, add_special_tokens):
+        from types import SimpleNamespace
+
+        words = text.replace("<s>", " <s> ").split()
+        ids = [1 if w == "<s>" else 10 + len(w) for w in words]
+        return SimpleNamespace(input_ids=([1] if add_special_tokens and self.adds_bos else []) + ids)
+
+
+def test_chat_template_bos_is_not_doubled():
+    tok = _Tokenizer(adds_bos=True)
+    text = HFChatTemplate(tok)((("user", "Hi"),))
+    assert text == "[user] Hi [assistant]"  # the template's BOS dropped: the server's tokenizer adds it
+    assert tok(text, add_special_tokens=True).input_ids.count(1) == 1
+    # a tokenizer that adds no BOS of its own (SmolLM2) keeps the template's
+    assert HFChatTemplate(_Tokenizer(adds_bos=False))((("user", "Hi"),)) == "<s>[user] Hi [assistant]"
+
+
+def test_smollm2_template_gives_one_bos_and_the_assistant_turn(tmp_path):
+    # The bundled model's tokenizer: a tokenizer.json with its chat template, built here offline.
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2, **{c: i + 3 for i, c in enumerate("abcdefghijklmnopqrstuvwxyz \n")}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>", unk_token="<|endoftext|>")
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = (
+        "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    )
+    text = HFChatTemplate(tok)((("user", "hi"),))
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    ids = tok(text, add_special_tokens=True).input_ids
+    assert ids[0] == 1 and ids[1] != 1  # one BOS (<|im_start|>) at the start, not two
+
+
 # ---------------------------------------------------------------- parity
 
 
-def _prompt(text="hello", n=12):
+def _prompt(text="hello", n=20):
     return Prompt("chat-0", text, "chat", n)
+
+
+GPU = par.GreedyPolicy(exact=False, near_tie_margin=0.05, min_compared_tokens=16)
+CPU = par.GreedyPolicy(exact=True, near_tie_margin=0.05, min_compared_tokens=16)
+
+
+def _trace(control: str, n_rows=None, end=False):
+    ids = [ord(c) for c in control] + ([END_ID] if end else [])
+    logits = np.zeros((n_rows or len(ids), 256), dtype=np.float32)  # [generated, vocab]
+    for i, t in enumerate(ids[: len(logits)]):
+        logits[i, t] = 5.0
+    return TargetTrace([1, 2], ids, logits, END_ID)
 
 
 def test_divergence_located_at_the_corrupted_token():
@@ -129,37 +264,91 @@ def test_divergence_located_at_the_corrupted_token():
     assert par.locate_divergence(codec.encode(control), control[:7], codec) == (7, None)
 
 
-def test_triage_near_tie_vs_real_mismatch():
+def test_near_tie_triage_on_a_gpu_backend_and_strict_failure_on_cpu():
     codec = CharCodec()
-    control = continuation("hello", 12)
+    control = continuation("hello", 20)
     spec = control[:3] + "Z" + control[4:]
-    ids = codec.encode(control)
-    logits = np.zeros((12, 256), dtype=np.float32)
-    logits[np.arange(12), ids] = 5.0
-    logits[3, ord("Z")] = 4.99  # a near-tie
-    trace = TargetTrace([1, 2], ids, logits)
-    item = par.compare_greedy(_prompt(), control, spec, codec, trace, near_tie_margin=0.05)
-    assert (item.verdict, item.divergence_index, item.matched_tokens) == ("near_tie", 3, 3)
-    assert item.token_margin == pytest.approx(0.01, abs=1e-5)
-    assert item.top1_top2_margin == pytest.approx(0.01, abs=1e-5)
-    logits[3, ord("Z")] = 1.0
-    item = par.compare_greedy(_prompt(), control, spec, codec, trace, near_tie_margin=0.05)
+    trace = _trace(control)
+    trace.logits[3, ord("Z")] = 4.99  # the two competing tokens 0.01 apart: a near-tie
+    item = par.compare_greedy(_prompt(), control, spec, codec, trace, GPU)
+    assert (item.verdict, item.divergence_index, item.matched_tokens, item.control_tokens) == ("near_tie", 3, 3, 20)
+    assert item.token_margin == pytest.approx(0.01, abs=1e-5) and item.passes
+    strict = par.compare_greedy(_prompt(), control, spec, codec, trace, CPU)
+    assert strict.verdict == "mismatch" and not strict.passes  # the same flip on the exact backend fails
+    assert strict.token_margin == pytest.approx(0.01, abs=1e-5)  # still reported
+    trace.logits[3, ord("Z")] = 1.0
+    item = par.compare_greedy(_prompt(), control, spec, codec, trace, GPU)
     assert item.verdict == "mismatch" and not item.passes
     assert (item.control_token_text, item.speculative_token_text) == (control[3], "Z")
-    assert par.compare_greedy(_prompt(), control, spec, codec, None, 0.05).verdict == "untriaged"
+    untraced = par.compare_greedy(_prompt(), control, spec, codec, None, GPU)
+    assert untraced.verdict == "untriaged" and untraced.token_source == "retokenized"
+    assert par.compare_greedy(_prompt(), control, spec, codec, None, CPU).verdict == "mismatch"
 
 
-def test_summary_counts_near_ties_as_passing():
+def test_margin_where_the_speculative_output_ended_is_against_end_id():
+    codec = CharCodec()
+    control = continuation("hello", 20)
+    spec = control[:9]  # the speculative output ends at index 9
+    trace = _trace(control)
+    trace.logits[9, ord("q")] = 4.999  # an unrelated runner-up right behind the top-1: top1-top2 = 0.001
+    trace.logits[9, END_ID] = 2.0  # but end_id, the competing token, is 3 logits behind
+    item = par.compare_greedy(_prompt(), control, spec, codec, trace, GPU)
+    assert (item.divergence_index, item.control_token, item.speculative_token) == (9, ord(control[9]), END_ID)
+    assert item.top1_top2_margin == pytest.approx(0.001, abs=1e-5)
+    assert item.token_margin == pytest.approx(3.0)
+    assert item.verdict == "mismatch"  # the old top-1/top-2 rule called this a near-tie
+    trace.logits[9, END_ID] = 4.98
+    assert par.compare_greedy(_prompt(), control, spec, codec, trace, GPU).verdict == "near_tie"
+
+
+def test_margin_where_the_control_ended_is_end_id_against_the_speculative_token():
+    codec = CharCodec()
+    control = continuation("hello", 17)  # 17 tokens, then end_id (row 17 holds the end_id's logits)
+    spec = control + "xy"
+    trace = _trace(control, end=True)
+    trace.logits[17, ord("x")] = 4.5
+    item = par.compare_greedy(_prompt(), control, spec, codec, trace, GPU)
+    assert (item.divergence_index, item.control_token, item.speculative_token) == (17, END_ID, ord("x"))
+    assert item.token_margin == pytest.approx(0.5)
+    assert item.control_tokens == 17 and item.generated_tokens == 18  # end_id generated, not counted as content
+
+
+def test_short_output_is_too_short_to_compare_never_a_match():
+    codec = CharCodec()
+    for n, verdict in ((15, "too_short"), (16, "match")):
+        control = continuation("hi", n)
+        item = par.compare_greedy(_prompt(), control, control, codec, _trace(control, end=True), CPU)
+        assert (item.verdict, item.control_tokens, item.token_source) == (verdict, n, "target")
+    empty = par.compare_greedy(_prompt(), "", "", codec, _trace("", end=True), CPU)
+    assert empty.verdict == "too_short" and not empty.compared and not empty.passes
+    # a short output that diverges is still a failure, never hidden as "too short"
+    control = continuation("hi", 5)
+    diverged = par.compare_greedy(_prompt(), control, control[:2] + "Z" + control[3:], codec, _trace(control, end=True), CPU)
+    assert diverged.verdict == "mismatch"
+
+
+def test_summary_counts_compared_prompts_and_tokens():
     items = [
-        par.PromptParity("a", "chat", "match", "x", "x", 10, 10),
-        par.PromptParity("b", "chat", "near_tie", "x", "y", 10, 4),
+        par.PromptParity("a", "chat", "match", "x", "x", 20, 20),
+        par.PromptParity("b", "chat", "near_tie", "x", "y", 30, 4),
         par.PromptParity("c", "code", "mismatch", "x", "y", 10, 0),
+        par.PromptParity("d", "code", "too_short", "", "", 3, 3),
     ]
     s = par.summarize(items)
+    assert (s["all"].prompts, s["all"].compared, s["all"].too_short, s["all"].tokens) == (4, 3, 1, 60)
     assert s["all"].exact_match_rate == pytest.approx(1 / 3)
     assert s["all"].parity_rate == pytest.approx(2 / 3)
-    assert s["all"].token_agreement == pytest.approx(14 / 30)
-    assert s["chat"].parity_rate == 1.0 and s["code"].mismatches == 1
+    assert s["all"].token_agreement == pytest.approx(24 / 60)
+    assert s["all"].compared_share == pytest.approx(3 / 4)
+    assert s["chat"].parity_rate == 1.0 and s["code"].mismatches == 1 and s["code"].compared == 1
+
+
+def test_exact_verification_is_decided_per_backend_in_one_place():
+    assert exact_verification("cpu") is True
+    assert exact_verification("trtllm-engine") is False and exact_verification("trtllm-llmapi") is False
+    base = {"name": "r", "target": {"model": "m"}, "draft": {"model": "m"}}
+    assert Options.from_recipe(parse_recipe(base)).exact_verification is True
+    assert Options.from_recipe(parse_recipe({**base, "backend": "trtllm-engine"})).exact_verification is False
 
 
 def test_homogeneity_test_accepts_same_and_rejects_different_distributions():
@@ -177,51 +366,141 @@ def test_homogeneity_test_accepts_same_and_rejects_different_distributions():
 
 
 def _options(**kw):
-    base = dict(max_prompts=8, max_tokens=12, concurrency=(1, 2), repeats=2, request_timeout_s=5.0, num_draft_tokens=4, max_draft_len=6, warmup_requests=1)
+    base = dict(
+        max_prompts=8, max_tokens=20, concurrency=(1, 2), repeats=2, request_timeout_s=5.0, num_draft_tokens=4, max_draft_len=6,
+        warmup_requests=1, min_compared_tokens=16,
+    )
     base.update(kw)
     return Options(**base)
 
 
+def _latency_by_prompt(model, prompt):
+    # Per-prompt latencies that make the mean of ratios, the median and the ratio of sums differ.
+    weight = 1 + len(prompt) % 5
+    return 0.010 * weight if model == CONTROL_MODEL else 0.002 * weight * weight
+
+
 def test_clean_run_passes_and_writes_a_complete_report(tmp_path):
     options = _options(sweep_draft_tokens=(1, 2, 3))
-    report = validate(FakeEndpoint(), CharCodec(), options, "fake", progress=False)
+    endpoint = FakeEndpoint(latency=_latency_by_prompt)
+    report = validate(endpoint, CharCodec(), options, "fake", progress=False)
     assert report["complete"] and not report["errors"]
-    assert report["parity"]["summary"]["all"]["exact_match_rate"] == 1.0
+    summary = report["parity"]["summary"]["all"]
+    assert (summary["compared"], summary["tokens"], summary["exact"]) == (8, 8 * 20, 8)
+    assert {i["token_source"] for i in report["parity"]["items"]} == {"target"}  # counted on the target's ids
+    # every prompt went out rendered with the chat template
+    sent = {r.prompt for _, r in endpoint.calls}
+    assert sent and all(p.startswith("<user>") and p.endswith("</user><assistant>") for p in sent)
     verdict = gate.evaluate(report, options.min_parity, options.min_speedup)
     assert verdict.exit_code == 0 and verdict.line.startswith("PASS")
+    assert "over 8 prompts and 160 tokens compared" in verdict.line and "8/8 prompts comparable" in verdict.line
     report["gate"] = verdict.to_dict()
     paths = write_report(report, tmp_path)
     assert set(paths) == {"json", "markdown", "latency", "categories", "sweep"}
     data = json.loads((tmp_path / "report.json").read_text())
     # every raw sample is kept: prompts x levels x repeats x 2 paths
     assert sum(len(r["samples"]) for r in data["latency"]["runs"]) == 8 * 2 * 2 * 2
-    assert data["latency"]["speedups"][0]["median"] == pytest.approx(2.0)
+    texts = [p["text"] for p in data["prompts"]]
+    expected = sum(_latency_by_prompt(CONTROL_MODEL, t) for t in texts) / sum(_latency_by_prompt(SPECULATIVE_MODEL, t) for t in texts)
+    assert data["latency"]["speedups"][0]["median"] == pytest.approx(expected)
+    samples = [s for r in data["latency"]["runs"] for s in r["samples"]]
+    assert {s["tokens_source"] for s in samples} == {"parity"} and all(s["same_text"] for s in samples)
+    assert all(s["output_tokens"] == 20 for s in samples)
     md = (tmp_path / "report.md").read_text()
-    for heading in ("Greedy parity", "Latency", "Speedup", "Draft-length sweep", "latency.png"):
+    for heading in ("Greedy parity", "Latency", "Speedup", "Draft-length sweep", "latency.png", "tokens compared"):
         assert heading in md
     for png in ("latency.png", "categories.png", "sweep.png"):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
 
 
+def test_raw_prompts_to_an_instruct_model_end_at_once_and_fail_the_gate():
+    # Without the template the fake model answers 2 tokens (an instruct model's immediate end).
+    endpoint = FakeEndpoint(lengths={"": 2})
+    report = validate(endpoint, CharCodec(template=False), _options(concurrency=(1,), repeats=1), progress=False)
+    summary = report["parity"]["summary"]["all"]
+    assert (summary["compared"], summary["too_short"], summary["exact"]) == (0, 8, 0)
+    verdict = gate.evaluate(report, 1.0, 0.0)
+    assert verdict.exit_code == gate.EXIT_PARITY and not verdict.passed
+    assert "no prompt compared" in verdict.line and "0/8 prompts comparable" in verdict.line
+
+
+def _prompt_file(tmp_path, n, category="a"):
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps({"prompt": f"prompt number {i}", "category": category}) + "\n" for i in range(n)))
+    return str(f)
+
+
+def test_gate_needs_ninety_percent_comparable_prompts(tmp_path):
+    prompts = _prompt_file(tmp_path, 10)
+    rendered = {i: f"<user>prompt number {i}</user><assistant>" for i in range(10)}
+    # one of ten too short: 90 % comparable passes; two of ten: 80 % fails
+    for short, ok in (((0,), True), ((0, 1), False)):
+        endpoint = FakeEndpoint(lengths={rendered[i]: 15 for i in short})
+        options = _options(prompt_set=prompts, max_prompts=0, concurrency=(1,), repeats=1)
+        report = validate(endpoint, CharCodec(), options, progress=False)
+        s = report["parity"]["summary"]["all"]
+        assert (s["compared"], s["too_short"], s["tokens"]) == (10 - len(short), len(short), 20 * (10 - len(short)))
+        verdict = gate.evaluate(report, 1.0, 0.0)
+        assert verdict.passed is ok, verdict.line
+        assert f"{10 - len(short)}/10 prompts comparable" in verdict.line
+        assert f"{len(short)} too short (< 16 tokens)" in verdict.line
+    # the share is a recipe key
+    assert gate.evaluate(report, 1.0, 0.0, min_compared_share=0.8).passed
+
+
 def test_corrupted_token_fails_the_gate_with_its_index(tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "alpha", "category": "a"}\n{"prompt": "beta", "category": "b"}\n')
-    endpoint = FakeEndpoint(corrupt={"beta": (7, "Z", 3.0)})
-    options = _options(prompt_set=str(prompts), max_prompts=0, concurrency=(1,), repeats=1)
+    endpoint = FakeEndpoint(corrupt={"<user>beta": (7, "Z", 3.0)})
+    options = _options(prompt_set=str(prompts), max_prompts=0, concurrency=(1,), repeats=1, exact_verification=False)
     report = validate(endpoint, CharCodec(), options, progress=False)
     bad = [i for i in report["parity"]["items"] if i["verdict"] != "match"]
     assert len(bad) == 1 and bad[0]["divergence_index"] == 7 and bad[0]["verdict"] == "mismatch"
     assert bad[0]["token_margin"] == pytest.approx(3.0)
+    assert [w for _, w in endpoint.traces if w] and all(p.startswith("<user>beta") for p, w in endpoint.traces if w)  # logits only on a divergence
     verdict = gate.evaluate(report, 1.0, 1.0)
     assert verdict.exit_code == gate.EXIT_PARITY and "1 mismatches" in verdict.line
 
 
-def test_near_tie_passes_by_default(tmp_path):
+def test_near_tie_passes_on_gpu_and_fails_on_cpu(tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "alpha"}\n')
-    report = validate(FakeEndpoint(corrupt={"alpha": (2, "Z", 0.01)}), CharCodec(), _options(prompt_set=str(prompts), max_prompts=0, concurrency=(1,), repeats=1), progress=False)
-    assert report["parity"]["summary"]["all"]["near_ties"] == 1
-    assert gate.evaluate(report, 1.0, 1.0).exit_code == 0
+    endpoint = FakeEndpoint(corrupt={"<user>alpha": (2, "Z", 0.01)})
+    common = dict(prompt_set=str(prompts), max_prompts=0, concurrency=(1,), repeats=1)
+    gpu = validate(endpoint, CharCodec(), _options(exact_verification=False, **common), progress=False)
+    assert gpu["parity"]["summary"]["all"]["near_ties"] == 1
+    assert gate.evaluate(gpu, 1.0, 0.0).exit_code == 0
+    cpu = validate(endpoint, CharCodec(), _options(exact_verification=True, **common), progress=False)
+    assert cpu["parity"]["summary"]["all"]["mismatches"] == 1
+    verdict = gate.evaluate(cpu, 1.0, 0.0)
+    assert verdict.exit_code == gate.EXIT_PARITY and "exact verification" in verdict.line
+
+
+def test_decoupled_streams_are_checked_against_the_non_streamed_text():
+    options = _options(concurrency=(1,), repeats=1, max_prompts=4)
+    good = validate(FakeEndpoint(decoupled=True), CharCodec(), options, progress=False)
+    assert good["parity"]["summary"]["all"]["streams_checked"] == 4
+    assert all(s["ttft_source"] == "stream" for r in good["latency"]["runs"] for s in r["samples"])
+    verdict = gate.evaluate(good, 1.0, 0.0)
+    assert verdict.passed and "streams 4/4 equal" in verdict.line
+    bad = validate(FakeEndpoint(decoupled=True, broken_stream=True), CharCodec(), options, progress=False)
+    verdict = gate.evaluate(bad, 1.0, 0.0)
+    assert verdict.exit_code == gate.EXIT_PARITY and "streams 0/4 equal" in verdict.line
+    assert "differs from the non-streamed text at character 0" in bad["parity"]["items"][0]["note"]
+    # unary deployments send no stream and keep the server's timing
+    endpoint = FakeEndpoint()
+    unary = validate(endpoint, CharCodec(), options, progress=False)
+    assert endpoint.calls and not any(r.stream for _, r in endpoint.calls) and "streams" not in gate.evaluate(unary, 1.0, 0.0).line
+    assert all(s["ttft_source"] == "server" for r in unary["latency"]["runs"] for s in r["samples"])
+
+
+def test_latency_runs_use_the_configured_subset_spread_over_categories():
+    options = _options(max_prompts=8, latency_prompts=4, concurrency=(1,), repeats=1)
+    report = validate(FakeEndpoint(), CharCodec(), options, progress=False)
+    assert len(report["parity"]["items"]) == 8
+    timed = report["settings"]["latency_prompt_ids"]
+    assert len(timed) == 4 and {t.split("-")[0] for t in timed} == set(BUILTIN_CATEGORIES)
+    assert all(len(r["samples"]) == 4 for r in report["latency"]["runs"])
 
 
 def test_slow_speculation_fails_speed_gate_and_warns():
@@ -254,12 +533,33 @@ def test_unreachable_server_reports_incomplete(tmp_path):
     assert set(paths) == {"json", "markdown"}
 
 
-def test_sampling_comparison_reports_p_value():
+def _sampling_run(sample_p):
     options = _options(concurrency=(1,), repeats=1, sampling=Sampling(temperature=1.0, top_k=10, seed=1), samples_per_prompt=100, sample_prompts=2)
-    report = validate(FakeEndpoint(), CharCodec(), options, progress=False)
-    assert len(report["sampling"]["tests"]) == 2
+    endpoint = FakeEndpoint(sample_p=sample_p)
+    return endpoint, validate(endpoint, CharCodec(), options, progress=False)
+
+
+def test_sampling_comparison_accepts_equal_and_rejects_different_distributions():
+    from scipy.stats import chi2_contingency
+
+    endpoint, report = _sampling_run({})
+    tests = report["sampling"]["tests"]
+    assert len(tests) == 2 and all(t["samples"] == 100 for t in tests)
+    # independent samples: no seed is used twice (the same seed on both sides would make them equal)
+    seeds = [r.sampling.seed for _, r in endpoint.calls if r.sampling is not None]
+    assert len(seeds) == 2 * 2 * 100 and len(set(seeds)) == len(seeds)
     assert report["sampling"]["combined_p_value"] > 0.01
-    assert gate.evaluate(report, 1.0, 1.0).exit_code == 0
+    assert gate.evaluate(report, 1.0, 0.0).exit_code == 0
+
+    _, skewed = _sampling_run({SPECULATIVE_MODEL: [0.3, 0.7]})  # the speculative path samples another distribution
+    assert skewed["sampling"]["combined_p_value"] < 1e-6
+    verdict = gate.evaluate(skewed, 1.0, 0.0)
+    assert verdict.exit_code == gate.EXIT_PARITY and "sampling p=" in verdict.line
+    # with 2 tokens from {a, b} every outcome is common: the p-value is the plain chi-square test
+    t = skewed["sampling"]["tests"][0]
+    outcomes = sorted(set(t["control_counts"]) | set(t["speculative_counts"]))
+    table = [[t["control_counts"].get(o, 0) for o in outcomes], [t["speculative_counts"].get(o, 0) for o in outcomes]]
+    assert t["p_value"] == pytest.approx(chi2_contingency(np.array(table), correction=False)[1], rel=1e-9)
 
 
 def test_parse_range_and_sweep_bounds():
@@ -267,9 +567,24 @@ def test_parse_range_and_sweep_bounds():
     assert parse_range("1,3") == (1, 3)
     with pytest.raises(ConfigError):
         parse_range("a..b")
-    from specdeploy.config import parse_recipe
 
     recipe = parse_recipe({"name": "r", "target": {"model": "m"}, "draft": {"model": "m"}})
     with pytest.raises(ConfigError, match="outside 1..4"):
         Options.from_recipe(recipe, sweep_draft_tokens=(1, 5))
     assert Options.from_recipe(recipe, min_speedup=1.5).min_speedup == 1.5
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("chat_template", "jinja", "valid choices: auto, none"),
+        ("min_compared_tokens", 0, "min_compared_tokens' is 0"),
+        ("min_compared_tokens", 100, "larger than validation.max_tokens"),
+        ("min_compared_share", 1.5, "min_compared_share' is 1.5"),
+        ("latency_prompts", -1, "latency_prompts' is -1"),
+    ],
+)
+def test_validation_keys_are_checked(key, value, message):
+    raw = {"name": "r", "target": {"model": "m"}, "draft": {"model": "m"}, "validation": {key: value}}
+    with pytest.raises(ConfigError, match=message):
+        parse_recipe(raw)

@@ -1,8 +1,9 @@
-"""The validation client against a real tritonserver with tiny models (loopback only).
+"""The validation client against a real tritonserver serving specdeploy's CPU engine (loopback only).
 
-One module-scoped server serves a tiny random target and draft through the repository generator,
-with a test-only executor hook that corrupts one token of the speculative path for one prompt.
-Skipped when the tritonserver binary is not available here.
+Tiny random checkpoints go through the real quantize (FP8 target; its INT8 weight-only copy as the draft)
+and build stages, and the module's servers run them with the native kernels where the machine has them.
+The draft differs from its target, so the speculative path both accepts and rejects draft tokens. A
+test-only executor hook wraps the CPU engine and corrupts one token of the speculative path for one prompt.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from specdeploy.artifacts import Layout, Manifest
+from specdeploy.artifacts import Layout
 from specdeploy.config import parse_recipe
 
 from specdeploy.triton import server as server_mod  # noqa: E402
@@ -33,46 +34,59 @@ CLEAN_PROMPTS = [
     ("def add(a, b):", "code"),
     ("Triton Inference Server serves models", "summarization"),
 ]
-MAX_TOKENS = 8
+MAX_TOKENS = 16
 
 pytestmark = pytest.mark.server  # the server binary is fetched on first use, never skipped
 
 
 def _recipe_dict(target: Path, draft: Path, name: str = "clienttest", decoupled: bool = False) -> dict:
+    calibration = {"calib_size": 4, "calib_max_seq_length": 32}
     return {
         "name": name,
         "triton": {"decoupled": decoupled},
         "backend": "cpu",
-        "target": {"model": str(target)},
-        "draft": {"model": str(draft)},
+        "target": {"model": str(target), "quantization": {**calibration, "qformat": "fp8"}},
+        "draft": {"model": str(draft), "quantization": {**calibration, "qformat": "int8_wo"}},
         "speculative": {"max_draft_len": 4, "num_draft_tokens": 3},
-        "engine": {"dtype": "float32", "max_batch_size": 4, "max_input_len": 512, "max_seq_len": 640},
-        "validation": {"max_tokens": MAX_TOKENS, "concurrency": [1, 2], "repeats": 1, "min_speedup": 0.0, "request_timeout_s": 30.0},
+        "engine": {"dtype": "bfloat16", "max_batch_size": 4, "max_input_len": 512, "max_seq_len": 640},
+        "validation": {"max_tokens": MAX_TOKENS, "min_compared_tokens": MAX_TOKENS // 2, "chat_template": "none",
+                       "concurrency": [1, 2], "repeats": 1, "min_speedup": 0.0, "request_timeout_s": 30.0},
     }
 
 
-def _fake_engine(src: Path, dest: Path, recipe_name: str, max_draft_len: int) -> None:
-    """An 'engine' the HF stand-in loads: the HF folder plus engine_spec.json and a build manifest."""
-    shutil.copytree(src, dest)
-    settings = {"max_seq_len": 640, "max_input_len": 512, "max_draft_len": max_draft_len, "dtype": "float32"}
-    (dest / "engine_spec.json").write_text(json.dumps(settings))
-    Manifest(stage="build", recipe_name=recipe_name, fingerprint=f"test-{dest.name}", settings=settings).write(dest)
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, tiny_llama_dir):
+    """engines/ of a real quantize + build of the tiny model (FP8 target, INT8 weight-only draft)."""
+    from specdeploy.engine import build_recipe
+    from specdeploy.quantize import quantize_recipe
+
+    root = tmp_path_factory.mktemp("client-build")
+    recipe = parse_recipe(_recipe_dict(tiny_llama_dir, tiny_llama_dir, "built"))
+    layout = Layout.of(recipe, root)
+    quantize_recipe(recipe, layout, echo=lambda *_: None, progress=False)
+    build_recipe(recipe, layout, echo=lambda *_: None)
+    return layout.engines
+
+
+def _deploy(root: Path, built: Path, raw: dict, executor_factory: str | None = None):
+    """The built engines under a recipe of their own, with its repository; (recipe, layout)."""
+    from specdeploy.triton import repository
+
+    recipe = parse_recipe(raw)
+    layout = Layout.of(recipe, root)
+    shutil.copytree(built, layout.engines)  # the engine fingerprints do not depend on the recipe's name or triton
+    repository.generate_repository(recipe, layout, executor_factory=executor_factory)
+    return recipe, layout
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory, tiny_llama_dir):
-    """(recipe, layout, recipe_path, server): a running server on 127.0.0.1; always stopped."""
-    from specdeploy.triton import repository
-
+def deployment(tmp_path_factory, tiny_llama_dir, built):
+    """(recipe, layout, recipe_path, server, corrupt_file): a running server on 127.0.0.1; always stopped."""
     root = tmp_path_factory.mktemp("client-deploy")
-    raw = _recipe_dict(tiny_llama_dir, tiny_llama_dir)  # the target as its own draft: every draft accepted
-    recipe = parse_recipe(raw)
+    raw = _recipe_dict(tiny_llama_dir, tiny_llama_dir)
     recipe_path = root / "clienttest.yaml"
     recipe_path.write_text(yaml.safe_dump(raw))
-    layout = Layout.of(recipe, root)
-    _fake_engine(tiny_llama_dir, layout.engine("target"), recipe.name, 4)
-    _fake_engine(tiny_llama_dir, layout.engine("draft"), recipe.name, 0)
-    repository.generate_repository(recipe, layout, executor_factory="client_broken_engine:load_executor")
+    recipe, layout = _deploy(root, built, raw, executor_factory="client_broken_engine:load_executor")
 
     corrupt_file = root / "corrupt.json"  # written by the parity test once it knows a clean index
     previous = os.environ.get("SPECDEPLOY_TEST_CORRUPT")
@@ -90,17 +104,11 @@ def deployment(tmp_path_factory, tiny_llama_dir):
 
 
 @pytest.fixture(scope="module")
-def decoupled_deployment(tmp_path_factory, tiny_llama_dir):
-    """The same tiny deployment in decoupled mode (streaming), for the client-side TTFT."""
-    from specdeploy.triton import repository
-
+def decoupled_deployment(tmp_path_factory, tiny_llama_dir, built):
+    """The same engines in decoupled mode (streaming), for the client-side TTFT; the default CPU executor."""
     root = tmp_path_factory.mktemp("client-decoupled")
-    recipe = parse_recipe(_recipe_dict(tiny_llama_dir, tiny_llama_dir, "clientstream", decoupled=True))
-    layout = Layout.of(recipe, root)
-    for role, max_draft_len in (("target", 4), ("draft", 0)):
-        _fake_engine(tiny_llama_dir, layout.engine(role), recipe.name, max_draft_len)
-    repository.generate_repository(recipe, layout, executor_factory="triton_hf_engine:load_executor")
-    server = server_mod.start(layout.repo, server_mod.Ports.pick(), layout.server_state / "tritonserver.log", extra_site=(str(TESTS_DIR),))
+    recipe, layout = _deploy(root, built, _recipe_dict(tiny_llama_dir, tiny_llama_dir, "clientstream", decoupled=True))
+    server = server_mod.start(layout.repo, server_mod.Ports.pick(), layout.server_state / "tritonserver.log")
     try:
         server_mod.wait_ready(server, 180)
         yield recipe, layout, server
@@ -132,11 +140,18 @@ def test_clean_deployment_passes_with_complete_report(deployment, tmp_path):
     assert all(r["e2e_s_p50"] > 0 for r in levels)
     data = json.loads(paths["json"].read_text())
     assert sum(len(r["samples"]) for r in data["latency"]["runs"]) == 3 * 2 * 2
+    # the draft differs from its target: the server's counts show drafts both accepted and rejected, and the
+    # outputs still match the control token for token (above)
+    spec_samples = [s for r in data["latency"]["runs"] if r["mode"] == "speculative" for s in r["samples"]]
+    drafted, accepted = sum(s["drafted"] for s in spec_samples), sum(s["accepted"] for s in spec_samples)
+    assert 0 < accepted < drafted, (accepted, drafted)
+    assert spec["acceptance_rate"] == pytest.approx(
+        sum(s["accepted"] for s in spec_samples if s["concurrency"] == 1) / sum(s["drafted"] for s in spec_samples if s["concurrency"] == 1))
     assert set(paths) == {"json", "markdown", "latency", "categories", "sweep"}
     points = report["sweep"]["points"]
     assert [p["k"] for p in points] == [1, 2, 3]
-    assert all(p["acceptance_rate"] == 1.0 for p in points)  # the target is its own draft
-    assert report["sweep"]["alpha"] > 0.99 and report["sweep"]["recommendation"]["recommended_k"] in (1, 2, 3, 4)
+    assert all(0.0 < p["acceptance_rate"] < 1.0 for p in points), points
+    assert 0.0 < report["sweep"]["alpha"] < 1.0 and report["sweep"]["recommendation"]["recommended_k"] in (1, 2, 3, 4)
 
 
 def test_broken_speculative_path_is_reported_at_its_index(deployment, tmp_path):
@@ -223,18 +238,18 @@ def test_missing_model_and_timeout_are_client_errors(deployment):
         endpoint.check_ready(["no_such_model"])
     from specdeploy.client.protocol import GenerateRequest
 
-    start = time.monotonic()
+    # 200 tokens cannot be generated in 1 ms: the error shows the client applied its deadline (no wall-clock bound)
     with pytest.raises(ClientError, match="timed out"):
         endpoint.generate("ensemble", GenerateRequest(CLEAN_PROMPTS[0][0], 200), timeout_s=0.001)
-    assert time.monotonic() - start < 5
 
 
 def test_unreachable_server_ends_quickly_with_partial_report(deployment, tmp_path):
     recipe, layout, _, _, _ = deployment
     port = server_mod.free_port()
-    start = time.monotonic()
-    report, paths, verdict = validate_recipe(recipe, layout, url=f"127.0.0.1:{port}", report_dir=tmp_path, progress=False)
-    assert time.monotonic() - start < 15
+    attempted = []
+    report, paths, verdict = validate_recipe(recipe, layout, url=f"127.0.0.1:{port}", report_dir=tmp_path, progress=attempted.append)
+    # it ends at the readiness check: not one prompt is sent to a server that is not there
+    assert attempted == [] and report["parity"]["items"] == [] and report["latency"]["runs"] == []
     assert not report["complete"] and "unreachable" in report["errors"][0]
     assert verdict.exit_code == gate.EXIT_INCOMPLETE
     assert json.loads(paths["json"].read_text())["complete"] is False
@@ -263,11 +278,12 @@ def test_server_dying_mid_run_ends_quickly_with_partial_report(deployment, tmp_p
     time.sleep(0.3)  # let the next requests be in flight
     assert thread.is_alive(), "the run finished before the server could be killed; make it longer"
     server_mod.stop_pid(server.process.pid, timeout_s=0.0, process=server.process)  # SIGTERM, then SIGKILL the group
-    killed = time.monotonic()
-    thread.join(timeout=60)
+    done_when_killed = len(finished)
+    thread.join(timeout=120)  # a guard against a hang, not a speed bound
     assert not thread.is_alive(), "validate hung after the server died"
-    assert time.monotonic() - killed < 30
     report, paths, verdict = outcome["result"]
+    # it stopped at the first failure instead of sending each remaining request to a dead server
+    assert len(finished) <= done_when_killed + 2 * max(recipe.validation.concurrency)
     assert not report["complete"]
     assert verdict.exit_code == gate.EXIT_INCOMPLETE
     assert report["parity"]["items"], "parity results before the death are kept"

@@ -176,7 +176,7 @@ def test_bad_words_are_masked():
     ex = Executor(chain_engine())
     r = run(ex, GenerationRequest([1], 3, bad_words=[[3]], return_logits=True))
     assert r.token_ids == [2, 4, 5]  # 3 banned: the second choice (2 + 2) is taken
-    assert r.logits[1, 3] == float("-inf")
+    assert r.logits[1, 3] == 10.0  # generation logits are the engine's raw rows, as TensorRT-LLM returns them
     r = run(ex, GenerationRequest([1], 4, bad_words=[[3, 4]]))  # 4 is banned only right after 3
     assert r.token_ids == [2, 3, 5, 6]
 
@@ -274,3 +274,262 @@ def test_cli_generate_without_engines_says_how_to_build(tmp_path):
     result = CliRunner().invoke(main, ["--root", str(tmp_path), "generate", str(recipe), "--prompt", "hi"])
     assert result.exit_code != 0
     assert "specdeploy build" in result.output
+
+
+# ---------------------------------------------------------------- logits processing, log probs, context logits
+# Expected values come from hand-checked chains (chain_engine) or from `ref_process` below, a
+# plain-Python re-statement of TensorRT-LLM's penaltyKernels.cu order that shares no code with
+# specdeploy.engine.logits.
+
+
+def ref_process(row, sequence, generated, bias=None, temperature=1.0, rep=1.0, presence=0.0, freq=0.0, min_tokens=0, end_id=None):
+    values = [float(v) for v in row]
+    for j in range(len(values)):
+        v = values[j] + (float(bias[j]) if bias is not None else 0.0)
+        if temperature not in (0.0, 1.0):
+            v /= temperature
+        count = list(sequence).count(j)
+        if count:
+            v = v * rep if v < 0 else v / rep
+            v -= presence + freq * count
+        if j == end_id and generated < min_tokens:
+            v = float("-inf")
+        values[j] = v
+    return values
+
+
+def ref_greedy_table(table, prompt, n, end_id=None, **kw):
+    """Step-by-step greedy decoding of a bigram table with ref_process."""
+    sequence, out = list(prompt), []
+    while len(out) < n:
+        values = ref_process(table[sequence[-1]].tolist(), sequence, len(out), end_id=end_id, **kw)
+        token = max(range(len(values)), key=lambda j: (values[j], -j))
+        out.append(token)
+        sequence.append(token)
+        if token == end_id:
+            break
+    return out
+
+
+PENALTIES = dict(repetition_penalty=1.6, presence_penalty=0.7, frequency_penalty=0.4)
+
+
+def test_presence_penalty_counts_the_prompt():
+    ex = Executor(chain_engine())
+    assert run(ex, GenerationRequest([4, 1, 2, 3], 2)).token_ids == [4, 5]
+    # 4 is in the prompt: from 3, 4 scores 10 - 6 = 4 < 5 (token 5)
+    assert run(ex, GenerationRequest([4, 1, 2, 3], 2, presence_penalty=6.0)).token_ids == [5, 6]
+
+
+def test_penalties_match_a_reference_decoder():
+    engine = TableEngine.random(24, seed=5, scale=1.0)
+    ex = Executor(engine)
+    bias = torch.linspace(-0.5, 0.5, 24)
+    prompt = [3, 7, 3, 11]
+    for kw, ref_kw in [
+        (dict(repetition_penalty=1.8), dict(rep=1.8)),
+        (dict(repetition_penalty=0.6), dict(rep=0.6)),
+        (dict(presence_penalty=0.9), dict(presence=0.9)),
+        (dict(frequency_penalty=0.6), dict(freq=0.6)),
+        (dict(PENALTIES, embedding_bias=bias), dict(rep=1.6, presence=0.7, freq=0.4, bias=bias)),
+    ]:
+        got = run(ex, GenerationRequest(prompt, 30, **kw)).token_ids
+        assert got == ref_greedy_table(engine.table, prompt, 30, **ref_kw), kw
+    plain = run(ex, GenerationRequest(prompt, 30)).token_ids
+    assert plain != run(ex, GenerationRequest(prompt, 30, **PENALTIES)).token_ids  # the penalties matter here
+
+
+def test_min_tokens_bans_the_end_id_until_the_count():
+    ex = Executor(chain_engine())
+    assert run(ex, GenerationRequest([1], 20, end_id=3)).token_ids == [2, 3]
+    assert run(ex, GenerationRequest([1], 20, end_id=3, min_tokens=1)).token_ids == [2, 3]  # 1 generated: allowed
+    # min_tokens 2: the 2nd token may not be 3, so 4 (the second choice); then round the chain back to 3
+    r = run(ex, GenerationRequest([1], 20, end_id=3, min_tokens=2))
+    assert r.token_ids == [2, 4, 5, 6, 7, 0, 1, 2, 3] and r.finish_reason == "end_id"
+
+
+def test_embedding_bias_is_added_to_the_logits():
+    ex = Executor(chain_engine())
+    bias = torch.zeros(8)
+    bias[2] = -6.0  # from 1: token 2 scores 10 - 6 = 4 < token 3's 5
+    assert run(ex, GenerationRequest([1], 8, embedding_bias=bias)).token_ids == [3, 4, 5, 6, 7, 0, 1, 3]
+    with pytest.raises(ConfigError, match="embedding_bias"):
+        run(ex, GenerationRequest([1], 2, embedding_bias=torch.zeros(7)))
+    with pytest.raises(ConfigError, match="repetition_penalty"):
+        run(ex, GenerationRequest([1], 2, repetition_penalty=0.0))
+
+
+def test_log_probs_are_of_the_processed_distribution():
+    engine = TableEngine.random(16, seed=7, scale=1.0)
+    prompt = [1, 5, 1]
+    kw = dict(PENALTIES, return_log_probs=True, return_logits=True)
+    sampled = SamplingParams(temperature=0.8, top_k=5, seed=3)
+    for normalize in (False, True):
+        ex = Executor(engine, normalize_log_probs=normalize)
+        for sampling in (SamplingParams(), sampled):
+            for streaming in (False, True):
+                r = run(ex, GenerationRequest(prompt, 12, sampling, streaming=streaming, **kw))
+                assert len(r.log_probs) == len(r.token_ids) == 12
+                sequence = list(prompt)
+                for i, token in enumerate(r.token_ids):
+                    values = torch.tensor(ref_process(r.logits[i].tolist(), sequence, i, temperature=sampling.temperature, rep=1.6, presence=0.7, freq=0.4))
+                    if not normalize:
+                        expected = float(torch.log_softmax(values.double(), -1)[token])
+                    elif sampling.top_k == 0:
+                        expected = 0.0  # greedy: the token had probability 1
+                    else:
+                        kept = torch.topk(values.double(), sampling.top_k).values
+                        expected = float(values[token].double() - torch.logsumexp(kept, -1))
+                    assert r.log_probs[i] == pytest.approx(expected, abs=1e-4), (normalize, sampling, i)
+                    sequence.append(token)
+                assert r.stats.cum_log_prob == pytest.approx(sum(r.log_probs), abs=1e-5)
+                if normalize is False:
+                    assert r.stats.cum_log_prob < 0
+
+
+def test_context_logits_equal_a_fresh_forward(engines):
+    target, _ = engines
+    ex = Executor(target)
+    prompt = prompt_of(21, n=7)
+    run(ex, GenerationRequest(prompt, 3))  # caches the prompt: the next request would reuse it
+    r = run(ex, GenerationRequest(prompt, 2, return_context_logits=True, return_logits=True))
+    fresh = forward_fresh(target, prompt + r.token_ids[:1])  # [n + 1, vocab]
+    assert r.stats.reused_tokens == 0 and r.context_logits.shape == (len(prompt), target.spec.vocab_size)
+    assert torch.equal(r.context_logits, fresh[: len(prompt)])
+    assert torch.equal(r.logits, fresh[len(prompt) - 1 :])
+    v = run(ex, GenerationRequest(prompt, 3, draft_tokens=r.token_ids, return_context_logits=True))
+    assert torch.equal(v.context_logits, fresh[: len(prompt)])
+    assert run(ex, GenerationRequest(prompt, 2)).context_logits is None
+
+
+def test_greedy_verification_with_penalties_equals_single_steps(engines):
+    """A k+1-row verification pass applies the penalties per position over input + draft[:i]:
+    verifying the target's own (penalized) output accepts all of it; a corrupted draft is cut at the
+    corruption and replaced by the penalized step's token; rounds chained like the BLS's give the
+    step-by-step output."""
+    target, _ = engines
+    k = target.spec.max_draft_len
+    vocab = target.spec.vocab_size
+    bias = torch.zeros(vocab)
+    bias[prompt_of(30, n=4)] = 1.5
+    end_id = 2
+    kw = dict(PENALTIES, embedding_bias=bias, end_id=end_id)
+    prompt = prompt_of(31, n=6) + prompt_of(31, n=6)[:3]  # repeated tokens: the prompt's penalties matter
+    ex = Executor(target, 2)
+    steps = run(ex, GenerationRequest(prompt, 16, min_tokens=4, **kw)).token_ids
+    assert steps != run(ex, GenerationRequest(prompt, 16)).token_ids  # penalties change this output
+    ex.clear_cache()
+    v = run(ex, GenerationRequest(prompt, k + 1, min_tokens=4, draft_tokens=steps[:k], **kw))
+    assert v.token_ids == steps[: k + 1] and v.stats.accepted == k
+    bad = list(steps[:k])
+    bad[2] = (bad[2] + 1) % vocab
+    v = run(ex, GenerationRequest(prompt, k + 1, min_tokens=4, draft_tokens=bad, **kw))
+    assert v.token_ids == steps[:3] and v.stats.accepted == 2
+    # BLS-style rounds: whole sequence each time, min_tokens lowered by what was generated
+    out = []
+    while len(out) < 16:
+        draft = steps[len(out) : len(out) + 3]
+        draft[-1:] = [(draft[-1] + 7) % vocab] if len(out) % 2 else draft[-1:]  # every other round, a wrong last draft
+        left = 16 - len(out)
+        r = run(ex, GenerationRequest(prompt + out, min(len(draft) + 1, left), min_tokens=max(0, 4 - len(out)), draft_tokens=draft[: left - 1] or None, **kw))
+        out += r.token_ids
+        if r.finish_reason == "end_id":
+            break
+    assert out == steps
+
+
+def test_min_tokens_in_verification_rejects_an_early_end_id():
+    ex = Executor(chain_engine())
+    # step by step with min_tokens 2 from [1]: 2, 4 (3 is the end id), 5
+    assert run(ex, GenerationRequest([1], 3, end_id=3, min_tokens=2)).token_ids == [2, 4, 5]
+    v = run(ex, GenerationRequest([1], 3, end_id=3, min_tokens=2, draft_tokens=[2, 3]))
+    assert v.token_ids == [2, 4] and v.stats.accepted == 1
+    # min_tokens 1: row 1 has generated 1 token, so the end id is allowed there (as step by step: [2, 3])
+    assert run(ex, GenerationRequest([1], 3, end_id=3, min_tokens=1)).token_ids == [2, 3]
+    v = run(ex, GenerationRequest([1], 3, end_id=3, min_tokens=1, draft_tokens=[2, 3]))
+    assert v.token_ids == [2, 3] and v.stats.accepted == 2 and v.finish_reason == "end_id"
+
+
+# ---------------------------------------------------------------- cancellation, deadline, timestamps, KV blocks
+
+
+class TickingEngine(TableEngine):
+    """A table engine whose every forward pass advances a fake clock by one second (and 1000 ns)."""
+
+    def __init__(self, table):
+        super().__init__(table)
+        self.now = 0.0
+
+    def clock(self):
+        return self.now
+
+    def wall_ns(self):
+        return int(self.now * 1000)
+
+    def forward(self, cache, token_ids):
+        self.now += 1.0
+        return super().forward(cache, token_ids)
+
+
+def ticking_chain():
+    return TickingEngine(chain_engine().table)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_cancellation_stops_within_one_step(streaming):
+    engine = ticking_chain()
+    ex = Executor(engine, clock=engine.clock)
+    request = GenerationRequest([1], 50, streaming=streaming, is_cancelled=lambda: engine.calls >= 3)
+    chunks = list(ex.generate(request))
+    tokens = [t for c in chunks for t in c.token_ids]
+    assert tokens == [2, 3, 4] and engine.calls == 3  # the token of the 3rd pass is kept, no 4th pass
+    assert chunks[-1].finished and chunks[-1].finish_reason == "cancelled" and chunks[-1].stats.output_tokens == 3
+    # the executor is free: the next request runs to its end
+    assert run(ex, GenerationRequest([1], 4)).finish_reason == "length"
+
+
+def test_cancelled_before_start_runs_nothing():
+    engine = ticking_chain()
+    ex = Executor(engine, clock=engine.clock)
+    r = run(ex, GenerationRequest([1], 5, is_cancelled=lambda: True))
+    assert r.token_ids == [] and r.finish_reason == "cancelled" and engine.calls == 0
+    r = run(ex, GenerationRequest([1], 5, draft_tokens=[2, 3], is_cancelled=lambda: True))
+    assert r.token_ids == [] and r.finish_reason == "cancelled" and engine.calls == 0
+
+
+def test_deadline_stops_within_one_step():
+    engine = ticking_chain()
+    ex = Executor(engine, clock=engine.clock)
+    r = run(ex, GenerationRequest([1], 50, timeout_s=2.5))
+    # passes end at t = 1, 2, 3: the check after the 3rd pass's token sees 3 >= 2.5
+    assert r.token_ids == [2, 3, 4] and r.finish_reason == "timeout" and engine.calls == 3
+    r = run(ex, GenerationRequest([1], 3, timeout_s=3.0))  # length is reached first: it wins
+    assert r.finish_reason == "length"
+    with pytest.raises(ConfigError, match="timeout_s"):
+        run(ex, GenerationRequest([1], 3, timeout_s=0))
+
+
+def test_first_token_time_is_stamped_when_the_token_is_chosen():
+    engine = ticking_chain()
+    ex = Executor(engine, clock=engine.clock, wall_clock_ns=engine.wall_ns)
+    r = run(ex, GenerationRequest([1], 5))  # unary: one chunk at the end, but the stamps are per token
+    assert r.stats.scheduled_time_ns == 0
+    assert r.stats.first_token_time_ns == 1000  # after the prefill pass, not at the end
+    assert r.stats.last_token_time_ns == 5000
+    assert r.stats.first_token_time_s == 1.0 and r.stats.total_time_s == 5.0
+
+
+def test_kv_cache_block_counts_on_reuse():
+    from specdeploy.engine.executor import TOKENS_PER_BLOCK
+
+    assert TOKENS_PER_BLOCK == 32  # TensorRT-LLM's PluginConfig default tokens_per_block
+    ex = Executor(TableEngine.random(32, seed=2), tokens_per_block=4)
+    prompt = list(range(4, 14))  # 10 tokens
+    first = run(ex, GenerationRequest(prompt, 6)).stats
+    # 16 tokens in 4-token blocks: 4 blocks, nothing reused
+    assert (first.kv_cache_alloc_total_blocks, first.kv_cache_reused_blocks, first.kv_cache_alloc_new_blocks) == (4, 0, 4)
+    longer = prompt + run(ex, GenerationRequest(prompt, 6)).token_ids + [1]  # 17 tokens
+    second = run(ex, GenerationRequest(longer, 3)).stats
+    # reused: prompt + 5 outputs = 15 tokens = 3 whole blocks; total ceil(20 / 4) = 5; new 2
+    assert second.reused_tokens == 15
+    assert (second.kv_cache_alloc_total_blocks, second.kv_cache_reused_blocks, second.kv_cache_alloc_new_blocks) == (5, 3, 2)

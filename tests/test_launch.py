@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 
-from specdeploy import launch
+from specdeploy import launch, packaging
 from specdeploy.artifacts import Layout
 from specdeploy.config import parse_recipe
 from specdeploy.errors import ConfigError, ServerError
+
+# Written out, not taken from specdeploy.launch: where NGC's Triton images install the server, and the
+# folder holding the specdeploy package (this checkout's root) that the python models must import from.
+NGC_TRITONSERVER = "/opt/tritonserver/bin/tritonserver"
+SOURCE_ROOT = str(Path(__file__).resolve().parents[1])
 
 
 def recipe(backend="trtllm-engine", target_tp=1, draft_tp=1, **triton):
@@ -24,9 +31,9 @@ def test_single_gpu_runs_one_tritonserver(tmp_path):
     r = recipe()
     plan = launch.launch_plan(r, Layout.of(r, tmp_path))
     repo = (tmp_path / "triton_repo" / r.name).resolve()
-    assert plan.mode == "single" and plan.gpus == 1 and plan.env == {"SPECDEPLOY_SITE": launch.specdeploy_site()}
+    assert plan.mode == "single" and plan.gpus == 1 and plan.env == {"SPECDEPLOY_SITE": SOURCE_ROOT}
     assert plan.command == [
-        launch.TRITONSERVER, f"--model-repository={repo}", "--grpc-port=9001", "--http-port=9000",
+        NGC_TRITONSERVER, f"--model-repository={repo}", "--grpc-port=9001", "--http-port=9000",
         "--metrics-port=9002", "--disable-auto-complete-config",
         "--backend-config=python,shm-region-prefix-name=prefix0_",
     ]  # fmt: skip
@@ -50,7 +57,7 @@ def test_different_ranks_use_orchestrator_mode(tmp_path):
     plan = launch.launch_plan(r, Layout.of(r, tmp_path))
     assert plan.mode == "orchestrator" and plan.gpus == 4
     assert plan.env["TRTLLM_ORCHESTRATOR"] == "1" and plan.env["TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES"] == "1"
-    assert plan.command[0] == launch.TRITONSERVER and "mpirun" not in plan.command
+    assert plan.command[0] == NGC_TRITONSERVER and "mpirun" not in plan.command
     assert plan.command_line.startswith("TRTLLM_ORCHESTRATOR=1 TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES=1 ")
     with pytest.raises(ConfigError, match="leader mode"):
         launch.launch_plan(r, Layout.of(r, tmp_path), mode="leader")
@@ -79,8 +86,10 @@ def test_docker_command_mounts_project_and_passes_env(tmp_path):
     assert f"{root}:{root}" in cmd and "-e" in cmd and "TRTLLM_ORCHESTRATOR=1" in cmd
     for port in (9000, 9001, 9002):
         assert f"{port}:{port}" in cmd
-    image_at = cmd.index(launch.DEFAULT_IMAGES["trtllm-engine"])
+    image_at = cmd.index(packaging.image_tag(r))  # the image built with specdeploy installed, not the bare NGC one
     assert cmd[image_at + 1:] == plan.command
+    # nothing from the host's site-packages: specdeploy is installed in the image
+    assert not any(a.startswith("SPECDEPLOY_SITE") for a in cmd) and f"{SOURCE_ROOT}:" not in " ".join(cmd)
     lines = launch.print_lines(r, layout)
     assert plan.command_line in lines
 
@@ -89,8 +98,8 @@ def test_k8s_manifests_are_valid_yaml_with_expected_kinds(tmp_path):
     r = recipe(target_tp=4, startup_timeout_s=1200)
     text = launch.k8s_yaml(r, Layout.of(r, tmp_path), max_replicas=3)
     docs = [d for d in yaml.safe_load_all(text) if d]
-    assert [d["kind"] for d in docs] == ["Deployment", "Service", "HorizontalPodAutoscaler"]
-    deployment, service, hpa = docs
+    assert [d["kind"] for d in docs] == ["Deployment", "Service", "HorizontalPodAutoscaler", "HTTPRoute", "ServiceMonitor", "ConfigMap"]
+    deployment, service, hpa = docs[:3]  # the canary/observability manifests: tests/test_canary.py
     name = deployment["metadata"]["name"]
     assert name == "specdeploy-llama3-70b-fp8"  # DNS-1123
     container = deployment["spec"]["template"]["spec"]["containers"][0]
@@ -124,7 +133,9 @@ def test_serve_gpu_print_modes(tmp_path):
     layout = Layout.of(r, tmp_path)
     lines = []
     assert launch.serve_gpu(r, layout, print_only=True, echo=lines.append) is None
-    assert lines[1].startswith("SPECDEPLOY_SITE=") and "mpirun" in lines[1] and lines[3].startswith("docker run")
+    assert lines[2].startswith("SPECDEPLOY_SITE=") and "mpirun" in lines[2]
+    assert lines[4].startswith("docker build") and lines[5].startswith("docker run")
+    assert (packaging.image_context(layout) / "Dockerfile").is_file()
     out = tmp_path / "k8s.yaml"
     launch.serve_gpu(r, layout, print_k8s=True, k8s_out=out, echo=lines.append)
     assert [d["kind"] for d in yaml.safe_load_all(out.read_text()) if d][0] == "Deployment"
@@ -145,4 +156,106 @@ def test_cli_serve_print_k8s_for_gpu_recipe(tmp_path):
     assert "&id" not in result.output  # plain YAML, no anchors
     result = CliRunner().invoke(main, ["--root", str(tmp_path), "serve", str(recipe_path), "--print-only"])
     assert result.exit_code == 0 and "TRTLLM_ORCHESTRATOR=1" in result.output and "docker run" in result.output
-    assert list(tmp_path.iterdir()) == []
+    # --print-only starts nothing; it writes only the image's build context
+    assert [p.relative_to(tmp_path) for p in tmp_path.glob("*/*/*")] == [Path("engines/llama3-70b-fp8/image")]
+
+
+# ---------------------------------------------------------------- the image (packaging.py)
+
+
+def test_dockerfile_installs_specdeploy_into_the_ngc_image_without_its_deps(tmp_path):
+    r = parse_recipe({"name": "pkg", "backend": "trtllm-llmapi", "trtllm_version": "1.3.0rc24",
+                      "target": {"model": "t"}, "draft": {"model": "d"}})  # fmt: skip
+    layout = Layout.of(r, tmp_path)
+    context = packaging.write_context(r, layout, "nvcr.io/nvidia/tritonserver:26.10-trtllm-python-py3")
+    text = (context / "Dockerfile").read_text()
+    assert "\nFROM nvcr.io/nvidia/tritonserver:26.10-trtllm-python-py3\n" in text
+    assert "pip install --no-cache-dir --no-deps /opt/specdeploy/src" in text
+    assert '"pyyaml==6.0.3"' in text and "torch" not in text.split("--no-deps /opt/specdeploy/src")[1].split("\n")[1]
+    src = context / packaging.SOURCE_DIR
+    assert (src / "pyproject.toml").is_file() and (src / "specdeploy" / "triton" / "models" / "tensorrt_llm_bls.py").is_file()
+    assert not list(src.rglob("__pycache__"))
+    assert packaging.build_command(r, layout) == ["docker", "build", "-t", "specdeploy/pkg:trtllm-1.3.0rc24", str(context)]
+
+
+def _version_check(dockerfile: str) -> str:
+    """The python program of the Dockerfile's first RUN (the TensorRT-LLM version check), as the shell sees it."""
+    run = dockerfile.split('RUN python3 -c "', 1)[1].split('"\n', 1)[0]
+    return run.replace("\\\n", "")
+
+
+@pytest.mark.parametrize(("installed", "ok"), [("1.2.1", True), ("1.2.0", True), ("1.3.0rc24", False), ("1.20.0", False)])
+def test_image_build_refuses_another_tensorrt_llm(tmp_path, installed, ok):
+    import subprocess
+    import sys
+
+    r = parse_recipe({"name": "pkg", "backend": "trtllm-llmapi", "trtllm_version": "1.2",
+                      "target": {"model": "t"}, "draft": {"model": "d"}})  # fmt: skip
+    dist = tmp_path / "site" / f"tensorrt_llm-{installed}.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: tensorrt_llm\nVersion: {installed}\n")
+    program = _version_check(packaging.dockerfile(r, "base"))
+    done = subprocess.run([sys.executable, "-c", program], env={"PYTHONPATH": str(tmp_path / "site")},
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert (done.returncode == 0) is ok, done.stderr
+    if not ok:
+        assert f"the image has TensorRT-LLM {installed}, the recipe targets 1.2" in done.stderr
+
+
+# ---------------------------------------------------------------- serve on this machine (stand-in tritonserver)
+
+STANDIN_TRITONSERVER = """#!{python}
+import http.server, sys
+port = int(next(a.split("=", 1)[1] for a in sys.argv if a.startswith("--http-port=")))
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path in ("/v2/health/ready", "/v2/health/live") else 404)
+        self.end_headers()
+    def log_message(self, *a):
+        pass
+print("standin tritonserver", " ".join(sys.argv[1:]), flush=True)
+http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+
+
+@pytest.fixture
+def standin_server(tmp_path, monkeypatch):
+    import socket
+    import stat
+    import sys
+
+    exe = tmp_path / "bin" / "tritonserver"
+    exe.parent.mkdir()
+    exe.write_text(STANDIN_TRITONSERVER.replace("{python}", sys.executable))
+    exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
+    ports = []
+    for _ in range(3):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            ports.append(sock.getsockname()[1])
+    monkeypatch.setattr("specdeploy.gpu.probe", lambda timeout_s=10.0: [])
+    r = recipe(grpc_port=ports[0], http_port=ports[1], metrics_port=ports[2], startup_timeout_s=30)
+    return r, Layout.of(r, tmp_path / "project"), str(exe)
+
+
+def test_gpu_serve_detach_writes_state_for_status_and_stop(standin_server):
+    from specdeploy.triton import server
+
+    r, layout, exe = standin_server
+    lines = []
+    state = launch.serve_gpu(r, layout, tritonserver=exe, detach=True, recipe_path="r.yaml", echo=lines.append)
+    try:
+        assert server.ServerState.read(layout.server_state).pid == state.pid
+        assert state.http_port == r.triton.http_port and state.grpc_port == r.triton.grpc_port
+        _, line = server.status(layout.server_state)
+        assert line.startswith("running, ready") and f"pid {state.pid}" in line
+        assert any("specdeploy stop r.yaml" in x for x in lines)
+        with pytest.raises(ServerError, match="already running"):
+            launch.serve_gpu(r, layout, tritonserver=exe, detach=True, echo=lines.append)
+        log = (layout.server_state / "tritonserver.log").read_text()
+        assert "standin tritonserver --model-repository=" in log
+    finally:
+        message = server.stop(layout.server_state)
+    assert message == f"stopped tritonserver (pid {state.pid})"
+    assert server.status(layout.server_state)[1].startswith("not running")
+

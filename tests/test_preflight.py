@@ -107,7 +107,8 @@ def test_draft_kv_cache_is_sized_for_the_draft():
 
 def test_bls_batch_and_streaming_fire_on_trtllm_engine():
     assert checks(preflight.check_bls(recipe(batch=8)), "warning") == ["bls"]
-    assert checks(preflight.check_bls(recipe(decoupled=True)), "error") == ["bls"]
+    # specdeploy's own BLS streams (decoupled mode), unlike NVIDIA's (tensorrtllm_backend issue #676)
+    assert checks(preflight.check_bls(recipe(decoupled=True)), "error") == []
     assert preflight.check_bls(recipe(batch=1)) == []
     assert preflight.check_bls(recipe(backend="cpu", qformat="int8_wo", batch=8)) == []
 
@@ -138,8 +139,12 @@ def test_nvidia_smi_parsing_and_no_gpu_probe(monkeypatch):
     assert round(gpus[0].memory_gib) == 80
     from specdeploy import gpu
 
-    monkeypatch.setattr(gpu.shutil, "which", lambda name: None)
-    assert gpu.probe() == [] or all(g.memory_bytes > 0 for g in gpu.probe())  # torch.cuda may answer on a GPU box
+    import torch
+
+    monkeypatch.setattr(gpu.shutil, "which", lambda name: None)  # no nvidia-smi
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # and torch sees no CUDA device
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert gpu.probe() == []
 
 
 def test_doctor_gpu_lines():
@@ -156,3 +161,16 @@ def test_int8_kv_cache_with_kv_reuse_fires():
     assert checks(preflight.check_kv_cache_format(recipe(qformat="int4_awq", kv="fp8")), "warning") == ["kv_cache"] * 2
     assert preflight.check_kv_cache_format(recipe(kv="fp8")) == []
     assert preflight.check_kv_cache_format(recipe(backend="cpu", qformat="int8_sq", kv="int8")) == []
+
+
+def test_llmapi_version_problems_are_preflight_errors():
+    import dataclasses
+
+    ok = dataclasses.replace(recipe(backend="trtllm-llmapi"), trtllm_version="1.4")
+    assert checks(preflight.check_llmapi_options(ok), "info") == ["llmapi"]
+    rc3 = dataclasses.replace(ok, trtllm_version="1.3.0rc3")  # straddles the renames
+    assert checks(preflight.check_llmapi_options(rc3), "error") == ["llmapi"]
+    logits = recipe(backend="trtllm-llmapi", use_draft_logits=True)
+    assert "use_draft_logits" in preflight.check_llmapi_options(logits)[0].message
+    assert preflight.check_llmapi_options(recipe()) == []  # trtllm-engine: no LLM-API options
+

@@ -308,3 +308,94 @@ def test_greedy_speculative_equals_target_only_on_bigram_engines():
         expected = spec.collect(target_only_generate(Executor(target_engine), prompt, 25))[0]
         for k in (1, 2, 5):
             assert loop_on(draft_engine, target_engine, prompt, 25, k, SamplingParams(temperature=0.7))[0] == expected
+
+
+# ---------------------------------------------------------------- stop words across the prompt, cancellation, policies
+
+
+def test_stop_word_spanning_prompt_and_output_ends_like_the_control():
+    # The prompt ends with 3; the stop word [3, 7] completes with the first output token. The target
+    # alone (Executor._decode: find_stop over prompt + output) stops there; so must the loop.
+    table = torch.full((16, 16), -5.0)
+    for a, b in [(1, 3), (3, 7), (7, 9), (9, 4), (4, 9)]:
+        table[a, b] = 5.0  # a bigram chain: 1 -> 3 -> 7 -> 9 -> 4 -> 9 ...
+    engine = TableEngine(table)
+    prompt = [1, 3]
+    control = spec.collect(target_only_generate(Executor(engine), prompt, 6, stop_words=[[3, 7]]))
+    assert control[0] == [7] and control[1].finish_reason == "stop_words"
+    for k in (1, 3):
+        draft, target = ExecutorProposer(Executor(engine)), ExecutorVerifier(Executor(engine), stop_words=[[3, 7]])
+        tokens, stats = spec.collect(spec.speculative_generate(draft, target, prompt, 6, k, stop_words=[[3, 7]]))
+        assert tokens == [7] and stats.finish_reason == "stop_words"
+    # With scripted models that do not stop on their own, the loop itself cuts at the boundary word.
+    run = spec.speculative_generate(ScriptedDraft([[7, 9]]), ScriptedTarget([[7, 9, 4]]), [1, 3], 10, 2, stop_words=[[3, 7]])
+    tokens, stats = spec.collect(run)
+    assert tokens == [7] and stats.finish_reason == "stop_words"
+    # A stop word wholly inside the prompt does not stop anything.
+    run = spec.speculative_generate(ScriptedDraft([[9]]), ScriptedTarget([[9, 4]]), [3, 7], 2, 1, stop_words=[[3, 7]])
+    assert spec.collect(run)[0] == [9, 4]
+
+
+def test_should_stop_cancels_between_rounds():
+    polls = []
+
+    def should_stop():
+        polls.append(len(polls))
+        return len(polls) > 2  # false before rounds 1 and 2, true before round 3
+
+    draft = ScriptedDraft([[5, 6], [7, 8], [1, 1]])
+    target = ScriptedTarget([[5, 6, 1], [7, 8, 2], [1, 1, 1]])
+    tokens, stats = spec.collect(spec.speculative_generate(draft, target, [0], 20, 2, should_stop=should_stop))
+    assert tokens == [5, 6, 1, 7, 8, 2] and stats.finish_reason == "cancelled"
+    assert len(target.calls) == 2 and len(polls) == 3
+    tokens, stats = spec.collect(spec.speculative_generate(ScriptedDraft([]), ScriptedTarget([]), [0], 5, 2, should_stop=lambda: True))
+    assert tokens == [] and stats.finish_reason == "cancelled" and stats.target_iterations == 0
+
+
+class ScriptedPolicy:
+    name = "scripted"
+
+    def __init__(self, ks):
+        self.ks, self.caps, self.outcomes = list(ks), [], []
+
+    def choose(self, cap):
+        self.caps.append(cap)
+        return min(cap, self.ks.pop(0))
+
+    def record(self, outcome):
+        self.outcomes.append(outcome)
+
+
+def test_loop_asks_the_policy_for_k_and_reports_outcomes():
+    policy = ScriptedPolicy([2, 0, 3])
+    draft = ScriptedDraft([[5, 6], [7, 8, 9]])
+    target = ScriptedTarget([[5, 4], [3], [7, 8, 9, 1]])
+    ticks = iter(range(100))
+    run = spec.speculative_generate(draft, target, [0], 7, 3, policy=policy, clock=lambda: float(next(ticks)))
+    tokens, stats = spec.collect(run)
+    assert tokens == [5, 4, 3, 7, 8, 9, 1]
+    assert [c[1] for c in draft.calls] == [2, 3]  # the k = 0 round called no draft
+    assert target.calls[1] == ([0, 5, 4], [])  # a plain step: an empty draft
+    assert policy.caps == [3, 3, 3] and stats.k_per_round == [2, 0, 3]
+    assert stats.policy == "scripted" and stats.speculated_share == pytest.approx(2 / 3)
+    first, plain, third = policy.outcomes
+    assert (first.k, first.drafted, first.accepted, first.emitted, first.first_round) == (2, 2, 1, 2, True)
+    assert (plain.k, plain.drafted, plain.rows, plain.draft_time_s) == (0, 0, 1, 0.0)
+    assert (third.accepted, third.draft_fresh) == (3, False)  # the draft skipped the plain round's token
+    assert first.draft_time_s == 1.0 and first.target_time_s == 1.0  # one tick per clock pair
+
+
+def test_greedy_parity_with_adaptive_k_on_bigram_engines():
+    from specdeploy import policy as pol
+
+    target_engine = TableEngine.random(32, seed=20)
+    draft_engine = TableEngine.random(32, seed=21, scale=0.5)
+    for seed in range(6):
+        prompt = torch.randint(0, 32, (3,), generator=torch.Generator().manual_seed(seed)).tolist()
+        expected = spec.collect(target_only_generate(Executor(target_engine), prompt, 30))[0]
+        for settings in (pol.PolicySettings("cost", 4, probe_interval=2), pol.PolicySettings("static", 4, acceptance_rate_window_size=2, acceptance_rate_threshold=0.9)):
+            deployment = pol.Deployment(settings)
+            draft, target = ExecutorProposer(Executor(draft_engine, 2)), ExecutorVerifier(Executor(target_engine, 2))
+            tokens, stats = spec.collect(spec.speculative_generate(draft, target, prompt, 30, 4, policy=deployment.request()))
+            assert tokens == expected
+            assert len(set(stats.k_per_round)) > 1 or settings.policy == "static"  # the cost policy varied k

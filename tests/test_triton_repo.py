@@ -223,3 +223,62 @@ def test_tokenizer_found_through_the_engine_manifest(tmp_path, tiny_llama_dir):
     assert repository.find_tokenizer(engine, manifest) == Path(tiny_llama_dir)
     with pytest.raises(RepoError, match="no tokenizer"):
         repository.find_tokenizer(engine, Manifest(stage="build", recipe_name="x", fingerprint="f"))
+
+
+REFERENCE = Path(__file__).parent / "data" / "trtllm_backend_c2e65b8_tensors.json"
+
+
+def _declared(config, kind):
+    items = config.input if kind == "inputs" else config.output
+    return {
+        t.name: (model_config_pb2.DataType.Name(t.data_type).removeprefix("TYPE_"), list(t.dims), bool(getattr(t, "optional", False)))
+        for t in items
+    }
+
+
+@pytest.mark.parametrize("backend", ["cpu", "trtllm-engine"])
+def test_every_tensor_is_declared_as_nvidia_declares_it(setup, backend):
+    """Name, data type, dims and optional flag of every tensor of NVIDIA's layout (tensorrtllm_backend
+    c2e65b8, extracted by tests/data/extract_trtllm_reference.py), on the CPU and the GPU variants."""
+    from dataclasses import replace
+
+    recipe, layout = setup
+    inp = repository.repo_inputs(recipe, layout, executor_factory=FACTORY)
+    if backend != "cpu":
+        inp = repository.RepoInputs(replace(recipe, backend=backend), inp.engine_dirs, inp.engine_manifests, FACTORY)
+    configs = {s.name: repository.check_config(repository.render(s), s.name) for s in repository.model_specs(inp)}
+    reference = json.loads(REFERENCE.read_text())
+    counts = {}
+    for model in ("preprocessing", "tensorrt_llm", "tensorrt_llm_bls", "postprocessing", "ensemble"):
+        names = [model] + (["tensorrt_llm_draft"] if model == "tensorrt_llm" else [])
+        for name in names:
+            for kind in ("inputs", "outputs"):
+                expected = {t["name"]: (t["dtype"], t["dims"], t["optional"]) for t in reference[model][kind]}
+                assert _declared(configs[name], kind) == expected, (name, kind)
+        counts[model] = len(_declared(configs[model], "inputs").keys() | _declared(configs[model], "outputs").keys())
+    # the counts the issue names: 51 on ensemble, 78 on tensorrt_llm, 57 on tensorrt_llm_bls
+    assert (counts["ensemble"], counts["tensorrt_llm"], counts["tensorrt_llm_bls"]) == (51, 78, 57)
+
+
+def test_refused_inputs_name_the_tensor_and_accept_neutral_values():
+    get = {"beam_width": np.array([[1]], np.int32), "lora_weights": np.zeros((1, 0, 0), np.float16)}.get
+    common.refuse_unsupported(get, ("beam_width", "lora_weights", "lookahead_window_size"))
+    for name, value in (("beam_width", np.array([[2]], np.int32)), ("lora_task_id", np.array([[7]], np.uint64)),
+                        ("guided_decoding_guide", np.array([[b"{}"]], object))):
+        with pytest.raises(common.RequestError, match=f"'{name}'"):
+            common.refuse_unsupported({name: value}.get, (name,))
+
+
+def test_embedding_bias_from_words(tiny_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir))
+    ids = tok("fox", add_special_tokens=False).input_ids
+    bias = common.embedding_bias_from_words(tok, ["fox", "fox"], np.array([1.5, -0.5], np.float32), 512)
+    expected = np.zeros(512, np.float32)
+    for t in ids:
+        expected[t] += 1.0
+    assert np.array_equal(bias, expected)
+    assert common.embedding_bias_from_words(tok, [], None, 512) is None
+    with pytest.raises(common.RequestError, match="one weight per word"):
+        common.embedding_bias_from_words(tok, ["fox"], np.array([1.0, 2.0], np.float32), 512)

@@ -412,3 +412,202 @@ def test_concurrent_streams_all_correct(streaming):
 def test_detached_server_status(streaming):
     state, line = server.status(streaming.state_dir)
     assert state is not None and line.startswith("running, ready") and state.grpc_url in line
+
+
+# ---------------------------------------------------------------- the REAL CPU engine inside tritonserver
+# Tiny random checkpoints (max_position_embeddings 2048 for the long-sequence case) through quantize
+# (FP8 target, INT8 weight-only draft of a different, 1-layer model) and build (bf16, native kernels
+# where the machine has them), served with the default executor factory.
+
+LONG_PROMPT_TOKENS, LONG_OUTPUT = 1000, 200
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory, tiny_tokenizer_dir):
+    from specdeploy.artifacts import Layout
+    from specdeploy.config import parse_recipe
+    from specdeploy.engine import build_recipe
+    from specdeploy.quantize import quantize_recipe
+    from specdeploy.testing import make_tiny_model
+
+    root = tmp_path_factory.mktemp("real")
+    target_dir, draft_dir = root / "target-hf", root / "draft-hf"
+    make_tiny_model(target_dir, tiny_tokenizer_dir, seed=0, max_position_embeddings=2048)
+    make_tiny_model(draft_dir, tiny_tokenizer_dir, seed=1, num_hidden_layers=1, max_position_embeddings=2048)
+    quant = {"calib_size": 4, "calib_max_seq_length": 32}
+    recipe = parse_recipe({
+        "name": "real",
+        "target": {"model": str(target_dir), "quantization": {**quant, "qformat": "fp8"}},
+        "draft": {"model": str(draft_dir), "quantization": {**quant, "qformat": "int8_wo"}},
+        "speculative": {"max_draft_len": 4, "num_draft_tokens": 3},
+        "engine": {"dtype": "bfloat16", "max_batch_size": 4, "max_input_len": 1100, "max_seq_len": 1400},
+        "triton": {"instance_count": 1},
+        "validation": {"max_tokens": 16},
+    })
+    layout = Layout.of(recipe, root)
+    quantize_recipe(recipe, layout, echo=lambda *_: None, progress=False)
+    build_recipe(recipe, layout, echo=lambda *_: None)
+    repo, _ = repository.generate_repository(recipe, layout)
+    srv = server.start(repo, server.Ports.pick(), root / "tritonserver.log", exit_timeout_s=3)
+    try:
+        server.wait_ready(srv, 240)
+        client = tritonclient_grpc.InferenceServerClient(srv.state.grpc_url)
+        client.url = srv.state.grpc_url
+        yield client
+        client.close()
+    finally:
+        srv.stop()
+    assert not srv.alive()
+
+
+def _neutral_text_inputs(model: str) -> dict:
+    """Every optional input of NVIDIA's ensemble / tensorrt_llm_bls at its neutral value."""
+    values = dict(
+        decoder_text_input="", num_return_sequences=1, bad_words=[""], stop_words=[""], exclude_input_in_output=True,
+        end_id=2, pad_id=3, top_k=0, top_p=0.0, temperature=1.0, length_penalty=1.0, repetition_penalty=1.0,
+        min_tokens=0, presence_penalty=0.0, frequency_penalty=0.0, seed=7, return_log_probs=True,
+        return_context_logits=True, return_generation_logits=True, return_perf_metrics=True, beam_width=1, stream=False,
+        prompt_embedding_table=np.zeros((1, 0, 0), np.float16), prompt_table_extra_id=np.array([[0]], np.uint64),
+        prompt_vocab_size=0, embedding_bias_words=[""], embedding_bias_weights=np.zeros((1, 0), np.float32),
+        lora_task_id=np.array([[0]], np.uint64), lora_weights=np.zeros((1, 0, 0), np.float16),
+        lora_config=np.zeros((1, 0, 3), np.int32), guided_decoding_guide_type="", guided_decoding_guide="",
+    )
+    if model == "tensorrt_llm_bls":
+        values.update(
+            image_input=np.zeros((1, 0, 3, 0, 0), np.float16), image_bytes_input=np.zeros((1, 0, 0, 0, 0), np.uint8),
+            image_url_input="", video_bytes_input=np.zeros((1, 0, 0, 0, 0), np.uint8), num_draft_tokens=3,
+            use_draft_logits=False,
+        )
+    return values
+
+
+DTYPES.update({np.float16: "FP16", np.uint8: "UINT8"})
+RESULT_NAMES = [t.name for t in repository.RESULT_OUTPUTS]
+
+
+def _infer_all_outputs(client, model, values, names):
+    outputs = [tritonclient_grpc.InferRequestedOutput(n) for n in names]
+    return client.infer(model, _inputs(values), outputs=outputs, client_timeout=120)
+
+
+def test_real_every_optional_input_neutral_and_every_output(real, tokenizer):
+    prompt, n = PROMPTS[1], 8
+    plain = {}
+    for model in ("ensemble", "tensorrt_llm_bls"):
+        plain[model] = text(infer(real, model, text_input=prompt, max_tokens=n, exclude_input_in_output=True))
+        r = _infer_all_outputs(real, model, dict(text_input=prompt, max_tokens=n, **_neutral_text_inputs(model)), ["text_output"] + RESULT_NAMES)
+        assert text(r) == plain[model], model  # neutral values change nothing
+        for name in RESULT_NAMES:
+            assert r.as_numpy(name) is not None, (model, name)
+        log_probs = r.as_numpy("output_log_probs").reshape(-1)
+        ids = tokenizer(text(r), add_special_tokens=False).input_ids
+        assert 0 < len(log_probs) <= n and np.all(log_probs <= 0), model
+        assert r.as_numpy("cum_log_probs").reshape(-1)[0] == pytest.approx(float(log_probs.sum()), rel=1e-5)
+        assert r.as_numpy("generation_logits").shape[-2:] == (len(log_probs), 512), model
+        assert r.as_numpy("context_logits").shape[-1] == 512, model
+        arrival, scheduled, first, last = (int(r.as_numpy(x).reshape(-1)[0]) for x in
+                                           ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns"))
+        assert 0 < arrival <= scheduled <= first <= last, model
+        assert int(r.as_numpy("kv_cache_alloc_total_blocks").reshape(-1)[0]) >= 1
+        del ids
+    assert plain["ensemble"] == plain["tensorrt_llm_bls"]
+    # tensorrt_llm itself, with every optional input at its neutral value
+    ids = _ids(real, prompt)
+    values = {
+        "input_ids": np.array([ids], np.int32), "input_lengths": np.array([[len(ids)]], np.int32),
+        "request_output_len": np.array([[n]], np.int32), "exclude_input_in_output": np.array([[True]]),
+        "num_return_sequences": np.array([[1]], np.int32), "beam_width": np.array([[1]], np.int32),
+        "decoder_input_ids": np.array([[3]], np.int32), "decoder_input_lengths": np.array([[1]], np.int32),
+        "embedding_bias": np.zeros((1, 0), np.float32), "runtime_top_p_decay": np.array([[1.0]], np.float32),
+        "runtime_top_p_min": np.array([[1e-6]], np.float32), "runtime_top_p_reset_ids": np.array([[-1]], np.int32),
+        "len_penalty": np.array([[1.0]], np.float32), "early_stopping": np.array([[False]]),
+        "beam_search_diversity_rate": np.array([[0.0]], np.float32), "repetition_penalty": np.array([[1.0]], np.float32),
+        "presence_penalty": np.array([[0.0]], np.float32), "frequency_penalty": np.array([[0.0]], np.float32),
+        "min_tokens": np.array([[0]], np.int32), "stop": np.array([[False]]), "streaming": np.array([[False]]),
+        "return_log_probs": np.array([[True]]), "return_context_logits": np.array([[True]]),
+        "return_generation_logits": np.array([[True]]), "return_perf_metrics": np.array([[True]]),
+        "lora_task_id": np.array([[0]], np.uint64), "prompt_vocab_size": np.array([[0]], np.int32),
+        "lookahead_window_size": np.array([[0]], np.int32), "guided_decoding_guide": np.array([[b""]], object),
+        "skip_cross_attn_blocks": np.array([[False]]), "retention_decode_priority": np.array([[50]], np.int32),
+    }
+    r = _infer_all_outputs(real, "tensorrt_llm", values, ["output_ids", "sequence_length"] + RESULT_NAMES)
+    got = r.as_numpy("output_ids").reshape(-1)[: int(r.as_numpy("sequence_length").reshape(-1)[0])].tolist()
+    assert tokenizer.decode(got, skip_special_tokens=True) == plain["ensemble"]
+    assert r.as_numpy("context_logits").shape[-2:] == (len(ids), 512)
+
+
+UNSUPPORTED = [
+    ("ensemble", "beam_width", 2),
+    ("ensemble", "lora_task_id", np.array([[5]], np.uint64)),
+    ("tensorrt_llm_bls", "guided_decoding_guide", '{"type": "object"}'),
+    ("tensorrt_llm_bls", "prompt_vocab_size", 4),
+    ("tensorrt_llm_bls", "num_return_sequences", 2),
+]
+
+
+@pytest.mark.parametrize("model,name,value", UNSUPPORTED, ids=[f"{m}-{n}" for m, n, _ in UNSUPPORTED])
+def test_real_unsupported_input_is_refused_by_name_then_serves(real, model, name, value):
+    with pytest.raises(InferenceServerException) as err:
+        infer(real, model, text_input=PROMPTS[0], max_tokens=4, **{name: value})
+    assert name in err.value.message(), err.value.message()
+    assert text(infer(real, model, text_input=PROMPTS[0], max_tokens=4))
+
+
+def test_real_greedy_parity_bls_equals_ensemble(real):
+    for prompt in PROMPTS:
+        control = text(infer(real, "ensemble", text_input=prompt, max_tokens=24, exclude_input_in_output=True))
+        spec = text(infer(real, "tensorrt_llm_bls", text_input=prompt, max_tokens=24, exclude_input_in_output=True))
+        assert spec == control and control, prompt
+
+
+def test_real_greedy_parity_with_penalties(real):
+    penalties = dict(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2, min_tokens=6)
+    changed = 0
+    for prompt in PROMPTS[:4]:
+        args = dict(text_input=prompt, max_tokens=24, exclude_input_in_output=True)
+        plain = text(infer(real, "ensemble", **args))
+        control = text(infer(real, "ensemble", **args, **penalties))
+        spec = text(infer(real, "tensorrt_llm_bls", **args, **penalties, num_draft_tokens=3))
+        assert spec == control, prompt
+        changed += control != plain
+    assert changed  # the penalties did change some output
+
+
+def test_real_long_prompt_same_text_on_both_paths(real, tokenizer):
+    words = " ".join(["The quick brown fox jumps over the lazy dog."] * 200)
+    ids = tokenizer(words, add_special_tokens=True).input_ids[:LONG_PROMPT_TOKENS]
+    prompt = tokenizer.decode(ids, skip_special_tokens=True)
+    assert 900 <= len(tokenizer(prompt).input_ids) <= 1100
+    args = dict(text_input=prompt, max_tokens=LONG_OUTPUT, exclude_input_in_output=True, end_id=-1, return_perf_metrics=True)
+    control = infer(real, "ensemble", **args)
+    spec = infer(real, "tensorrt_llm_bls", **args)
+    assert text(spec) == text(control)
+    assert len(tokenizer(text(control), add_special_tokens=False).input_ids) >= LONG_OUTPUT // 2
+
+
+def test_real_cancelled_long_request_frees_the_instance(real):
+    import time as _time
+
+    words = " ".join(["Once upon a time there was a little robot."] * 90)
+    for model in ("tensorrt_llm_bls", "ensemble"):
+        with pytest.raises(InferenceServerException):
+            # the client gives up after 0.3 s; Triton cancels the request on the server
+            real.infer(model, _inputs(dict(text_input=words, max_tokens=LONG_OUTPUT, end_id=-1)), client_timeout=0.3)
+        start = _time.monotonic()
+        assert text(infer(real, model, text_input=PROMPTS[0], max_tokens=2))
+        assert _time.monotonic() - start < 1.5, model  # free within a second (+ the short request itself)
+
+
+def test_real_server_side_deadline(real):
+    words = " ".join(["Once upon a time there was a little robot."] * 90)
+    for model in ("tensorrt_llm_bls", "ensemble"):
+        with pytest.raises(InferenceServerException, match="deadline|timeout|Timeout|cancel"):
+            real.infer(model, _inputs(dict(text_input=words, max_tokens=LONG_OUTPUT, end_id=-1)), timeout=200_000, client_timeout=60)
+        assert text(infer(real, model, text_input=PROMPTS[0], max_tokens=2))
+
+
+def test_real_unary_ttft_is_when_the_first_token_came(real):
+    r = infer(real, "ensemble", text_input=PROMPTS[0], max_tokens=64, end_id=-1, return_perf_metrics=True)
+    arrival, first, last = (int(r.as_numpy(x).reshape(-1)[0]) for x in ("arrival_time_ns", "first_token_time_ns", "last_token_time_ns"))
+    assert arrival < first < last
+    assert (first - arrival) < 0.5 * (last - arrival)  # 1 of 64 tokens: TTFT well before the end

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -9,7 +11,7 @@ from _trtllm_standin import write_hf_checkpoint, write_trtllm_checkpoint
 from specdeploy import trtllm
 from specdeploy.artifacts import Layout, Manifest
 from specdeploy.config import parse_recipe
-from specdeploy.errors import StaleArtifactError
+from specdeploy.errors import ConfigError, StaleArtifactError
 
 
 def make_recipe(target="t", draft="d", kv=None, **extra):
@@ -28,10 +30,11 @@ def test_options_carry_draft_target_speculative_config(tmp_path):
     recipe = make_recipe(kv="fp8")
     layout = Layout.of(recipe, tmp_path)
     options = trtllm.llmapi_options(recipe, layout)
+    # default trtllm_version 1.2: DraftTarget + speculative_model_dir; num_draft_tokens (3) is what is drafted
     assert options["speculative_config"] == {
         "decoding_type": "DraftTarget",
-        "max_draft_len": 5,
-        "speculative_model": str(layout.checkpoint("draft")),
+        "max_draft_len": 3,
+        "speculative_model_dir": str(layout.checkpoint("draft")),
     }
     assert options["kv_cache_config"] == {"free_gpu_memory_fraction": 0.8, "enable_block_reuse": True, "dtype": "fp8"}
     assert options["tensor_parallel_size"] == 2 and options["pipeline_parallel_size"] == 1
@@ -64,8 +67,13 @@ def test_build_writes_options_and_manifests(llmapi_env):
     lines = []
     outputs = trtllm.build_llmapi_recipe(recipe, layout, echo=lines.append)
     assert outputs == [layout.engine("target"), layout.engine("draft")]
-    written = yaml.safe_load((layout.engine("target") / trtllm.LLMAPI_OPTIONS).read_text())
-    assert written == trtllm.llmapi_options(recipe, layout)
+    # the file handed to trtllm-serve --extra_llm_api_options, read back and checked against values written
+    # out here (LLM API argument names), not against what trtllm.llmapi_options computes
+    written = yaml.safe_load((layout.engine("target") / "extra_llm_api_options.yaml").read_text())
+    assert written["speculative_config"] == {"decoding_type": "DraftTarget", "max_draft_len": 3,
+                                             "speculative_model_dir": str(layout.checkpoint("draft"))}  # fmt: skip
+    assert written["kv_cache_config"] == {"free_gpu_memory_fraction": 0.8, "enable_block_reuse": True, "dtype": "auto"}
+    assert (written["tensor_parallel_size"], written["pipeline_parallel_size"]) == (2, 1)
     m = Manifest.read(layout.engine("target"))
     assert m.stage == "build" and m.settings["backend"] == "trtllm-llmapi" and m.settings["max_draft_len"] == 5
     # honest about what it could not do here
@@ -92,3 +100,95 @@ def test_unquantized_export_is_refused_for_fp8(llmapi_env, tiny_llama_dir):
 
 def test_start_check_says_why_it_did_not_run(tmp_path):
     assert trtllm.prove_llmapi_starts(tmp_path, {}).startswith("not run")
+
+
+# ---------------------------------------------------------------- options per TensorRT-LLM version (golden files)
+
+GOLDEN_DIR = Path(__file__).parent / "data" / "llmapi"
+GOLDEN_DYNAMIC = {
+    "1.1": {"max_concurrency": 4, "acceptance_window": 16, "acceptance_threshold": 1.5, "acceptance_measure": "length"},
+    "1.2": {"draft_len_schedule": [[4, 4], [8, 2]], "acceptance_window": 16, "acceptance_threshold": 1.5,
+            "acceptance_measure": "length"},
+    "1.3": {"draft_len_schedule": [[4, 4], [8, 2]], "acceptance_window": 16, "acceptance_threshold": 0.4},
+    "1.4": {"draft_len_schedule": [[4, 4], [8, 2]], "acceptance_window": 16, "acceptance_threshold": 0.4},
+}  # fmt: skip
+
+
+def golden_recipe(version, dynamic=None, **speculative):
+    return parse_recipe({
+        "name": "golden", "backend": "trtllm-llmapi", "trtllm_version": version,
+        "target": {"model": "t", "tp_size": 2, "quantization": {"qformat": "fp8", "kv_cache_dtype": "fp8"}},
+        "draft": {"model": "d", "quantization": {"qformat": "fp8"}},
+        "speculative": {"max_draft_len": 6, "num_draft_tokens": 4, "dynamic": dynamic, **speculative},
+        "engine": {"max_batch_size": 8, "max_input_len": 512, "max_seq_len": 1024,
+                   "kv_cache_free_gpu_mem_fraction": 0.85},
+    })  # fmt: skip
+
+
+@pytest.mark.parametrize("version", sorted(GOLDEN_DYNAMIC))
+def test_options_match_the_golden_file_of_each_version(version):
+    recipe = golden_recipe(version, GOLDEN_DYNAMIC[version])
+    expected = yaml.safe_load((GOLDEN_DIR / f"trtllm-{version}.yaml").read_text())
+    assert trtllm.llmapi_options(recipe, Layout.of(recipe, "/project")) == expected
+
+
+def test_every_supported_version_has_a_golden_file():
+    assert sorted(p.stem.removeprefix("trtllm-") for p in GOLDEN_DIR.glob("trtllm-*.yaml")) == sorted(trtllm.LLMAPI_VERSIONS)
+
+
+@pytest.mark.parametrize(("text", "line"), [("1.2", "1.2"), ("1.2.1", "1.2"), ("1.1.0.post1", "1.1"),
+                                            ("1.3.0rc22", "1.3"), ("1.3.0", "1.3"), ("1.4.0rc1", "1.4")])
+def test_release_strings_pick_their_line(text, line):
+    assert trtllm.llmapi_version(text).name == line
+
+
+@pytest.mark.parametrize(("text", "words"), [("1.3.0rc5", "straddle"), ("1.0.0", "trtllm-engine"),
+                                             ("2.0", "no verified"), ("latest", "not a TensorRT-LLM version")])
+def test_unverified_releases_are_refused(text, words):
+    with pytest.raises(ConfigError, match=words):
+        trtllm.llmapi_version(text)
+
+
+def test_lower_bound_schedule_is_the_upper_bound_one_shifted():
+    # batch 1-4 draft 4, 5-8 draft 2, 9-32 draft 1, 33+ off, in both spellings
+    assert trtllm._draft_len_schedule(((4, 4), (8, 2), (32, 1)), "upper") == {4: 4, 8: 2, 32: 1}
+    assert trtllm._draft_len_schedule(((4, 4), (8, 2), (32, 1)), "lower") == {1: 4, 5: 2, 9: 1, 33: 0}
+
+
+def test_draft_logits_are_refused_not_dropped():
+    recipe = golden_recipe("1.4", use_draft_logits=True)
+    with pytest.raises(ConfigError, match="use_draft_logits"):
+        trtllm.llmapi_options(recipe, Layout.of(recipe, "/project"))
+
+
+@pytest.mark.parametrize(("version", "measure", "named"), [("1.4", "length", "acceptance_rate_threshold"),
+                                                           ("1.2", "rate", "acceptance_length_threshold")])
+def test_an_acceptance_gate_in_the_other_measure_is_refused(version, measure, named):
+    recipe = golden_recipe(version, {"acceptance_window": 8, "acceptance_threshold": 0.5, "acceptance_measure": measure})
+    with pytest.raises(ConfigError, match=named):
+        trtllm.llmapi_options(recipe, Layout.of(recipe, "/project"))
+
+
+def test_a_schedule_is_refused_where_unverified():
+    recipe = golden_recipe("1.1", {"draft_len_schedule": [[4, 4]]})
+    with pytest.raises(ConfigError, match="not verified"):
+        trtllm.llmapi_options(recipe, Layout.of(recipe, "/project"))
+
+
+@pytest.mark.parametrize(("dynamic", "words"), [
+    ({"draft_len_schedule": [[4, 3]]}, "full draft length"),
+    ({"draft_len_schedule": [[4, 4], [2, 1]]}, "ascending"),
+    ({"draft_len_schedule": [[4, 4]], "max_concurrency": 8}, "use one"),
+    ({"acceptance_window": 8}, "go together"),
+    ({"acceptance_window": 8, "acceptance_threshold": 1.5}, "outside 0..1"),
+])  # fmt: skip
+def test_dynamic_settings_are_checked_at_the_edge(dynamic, words):
+    with pytest.raises(ConfigError, match=words):
+        golden_recipe("1.4", dynamic)
+
+
+def test_dynamic_settings_are_refused_on_other_backends():
+    with pytest.raises(ConfigError, match="no dynamic speculation"):
+        parse_recipe({"name": "c", "target": {"model": "t"}, "draft": {"model": "d"},
+                      "speculative": {"dynamic": {"max_concurrency": 2}}})  # fmt: skip
+

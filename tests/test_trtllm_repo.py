@@ -65,11 +65,20 @@ def test_tensorrtllm_models_parse_and_carry_parameters(built_engines):
         assert params["exclude_input_in_output"] == "false"  # same default as the cpu backend
         assert params["gpu_device_ids"] == ("0,1" if role == "target" else "0")
         fractions[role] = float(params["kv_cache_free_gpu_mem_fraction"])
+        if role == "draft":  # capped at batch x max_seq_len tokens, whichever order Triton loads the two in
+            cap = recipe.engine.max_batch_size * recipe.engine.max_seq_len
+            assert params["max_tokens_in_paged_kv_cache"] == str(cap)
+        else:
+            assert "max_tokens_in_paged_kv_cache" not in params
         assert config.model_transaction_policy.decoupled is False
         assert {i.name for i in config.input} >= {"input_ids", "draft_input_ids", "draft_logits", "request_output_len"}
         assert {o.name for o in config.output} >= {"output_ids", "sequence_length", "generation_logits"}
-    assert fractions["draft"] < fractions["target"]
-    assert fractions["draft"] + fractions["target"] == pytest.approx(0.9)
+    # fractions compose in load order (target first: it takes f_t of the free memory F, the draft then f_d of
+    # what is left): together they take the recipe's 0.9 of F. Computed here, not with gpu_models' helper.
+    target_share = fractions["target"]
+    draft_share = fractions["draft"] * (1 - fractions["target"])
+    assert draft_share + target_share == pytest.approx(0.9, abs=1e-3)
+    assert draft_share < target_share
 
 
 def test_decoupled_mode_goes_to_transaction_policy(built_engines):
@@ -82,11 +91,32 @@ def test_decoupled_mode_goes_to_transaction_policy(built_engines):
         assert repository.check_config(repository.render(spec)).model_transaction_policy.decoupled is True
 
 
-def test_kv_split_follows_kv_bytes_per_token():
-    assert gpu_models.kv_fraction_split(0.9, 100, 900) == {"draft": 0.09, "target": 0.81}
-    assert gpu_models.kv_fraction_split(0.9, None, None) == {"draft": 0.09, "target": 0.81}  # default share 0.1
-    assert gpu_models.kv_fraction_split(1.0, 1, 1000)["draft"] == 0.05  # at least 5 %
-    assert gpu_models.kv_fraction_split(1.0, 1000, 1)["draft"] == 0.5
+def test_kv_split_is_computed_in_load_order():
+    # total 0.9, draft 10 % of the KV bytes per token -> wanted: draft 0.09 F, target 0.81 F of the free memory F.
+    # Target loads first: it takes 0.81 F; 0.19 F is left, so the draft needs 0.09 / 0.19 = 0.4737 of it.
+    assert gpu_models.kv_fraction_split(0.9, 100, 900) == {"draft": 0.4737, "target": 0.81}
+    # Draft first: it takes 0.09 F; 0.91 F left, the target needs 0.81 / 0.91 = 0.8901 of it.
+    assert gpu_models.kv_fraction_split(0.9, 100, 900, ("draft", "target")) == {"draft": 0.09, "target": 0.8901}
+    assert gpu_models.kv_fraction_split(0.9, None, None) == {"draft": 0.4737, "target": 0.81}  # default share 0.1
+    # shares clamp to 5 %..50 %: total 1.0, draft share 0.05 -> target 0.95 first, draft 0.05 / 0.05 = 1.0
+    assert gpu_models.kv_fraction_split(1.0, 1, 1000) == {"draft": 1.0, "target": 0.95}
+    assert gpu_models.kv_fraction_split(1.0, 1000, 1) == {"draft": 1.0, "target": 0.5}
+
+
+def test_the_naive_split_starves_a_draft_loaded_second():
+    # the review's finding: 0.09 + 0.81 with the draft second leaves it 0.09 * (1 - 0.81) = 1.71 % of F
+    naive = gpu_models.kv_shares_when_loaded({"draft": 0.09, "target": 0.81}, ("target", "draft"))
+    assert naive["draft"] == pytest.approx(0.0171)
+    split = gpu_models.kv_fraction_split(0.9, 100, 900)
+    assert gpu_models.kv_shares_when_loaded(split, ("target", "draft")) == pytest.approx({"draft": 0.09, "target": 0.81}, abs=1e-4)
+
+
+def test_a_capped_draft_loaded_first_leaves_the_target_its_share():
+    # Same fractions, but Triton loads the draft first. Its max_tokens_in_paged_kv_cache cap (here worth 0.06 F)
+    # bounds it: draft min(0.4737 F, 0.06 F) = 0.06 F, then the target 0.81 * 0.94 F = 0.7614 F.
+    split = gpu_models.kv_fraction_split(0.9, 100, 900)
+    shares = gpu_models.kv_shares_when_loaded(split, ("draft", "target"), caps={"draft": 0.06})
+    assert shares == pytest.approx({"draft": 0.06, "target": 0.7614})
 
 
 def test_llmapi_model_config_and_model_yaml(tmp_path, built_llmapi):
@@ -106,7 +136,7 @@ def test_llmapi_model_config_and_model_yaml(tmp_path, built_llmapi):
     assert model_yaml["model"] == str(layout.checkpoint("target"))
     assert model_yaml["backend"] == "pytorch" and model_yaml["tensor_parallel_size"] == 2
     assert model_yaml["speculative_config"]["decoding_type"] == "DraftTarget"
-    assert model_yaml["speculative_config"]["speculative_model"] == str(layout.checkpoint("draft"))
+    assert model_yaml["speculative_config"]["speculative_model_dir"] == str(layout.checkpoint("draft"))  # the 1.2 name
     assert model_yaml["triton_config"] == {"max_batch_size": 0, "decoupled": False}
     assert (dest / "tensorrt_llm" / "1" / "model.py").read_text() == "# upstream model.py\n"
 

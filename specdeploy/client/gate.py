@@ -1,8 +1,10 @@
 """The CI gate: thresholds over a validation report, an exit code, and a one-line verdict.
 
-Exit codes: 0 every check holds; 1 the run is incomplete (a fault stopped it); 3 parity below
-`min_parity` (or the sampling comparison rejects equal distributions); 4 speedup below
-`min_speedup` at the lowest concurrency level. With several failures, the first in that order wins.
+Exit codes: 0 every check holds; 1 the run is incomplete (a fault stopped it); 3 parity not shown:
+below `min_parity` over the compared prompts, fewer compared prompts than `min_compared_share` (the
+rest too short to compare), a stream that differs from the non-streamed text, or the sampling
+comparison rejecting equal distributions; 4 speedup below `min_speedup` at the lowest concurrency
+level. With several failures, the first in that order wins.
 """
 
 from __future__ import annotations
@@ -49,8 +51,12 @@ class Verdict:
         }
 
 
-def evaluate(report: dict, min_parity: float, min_speedup: float) -> Verdict:
-    """Check completeness, greedy parity, the sampling test (if run) and the speedup at the lowest concurrency."""
+def evaluate(report: dict, min_parity: float, min_speedup: float, min_compared_share: float | None = None) -> Verdict:
+    """Check completeness, greedy parity and its evidence (compared prompts and tokens, streams), the
+    sampling test (if run) and the speedup at the lowest concurrency.
+
+    `min_compared_share`: default the report's own setting (`parity.min_compared_share`).
+    """
     verdict = Verdict()
     if not report.get("complete", False):
         errors = "; ".join(report.get("errors", [])) or "unknown error"
@@ -59,19 +65,9 @@ def evaluate(report: dict, min_parity: float, min_speedup: float) -> Verdict:
     parity = report.get("parity") or {}
     summary = (parity.get("summary") or {}).get("all")
     if summary and summary["prompts"]:
-        rate = summary["parity_rate"]
-        planned = len(report.get("prompts") or []) or summary["prompts"]
-        ok = rate >= min_parity
-        verdict.checks.append(
-            Check(
-                "parity",
-                ok,
-                f"parity {rate:.1%} {'>=' if ok else '<'} {min_parity:.1%} ({summary['exact']}/{summary['prompts']} exact, "
-                f"{summary['near_ties']} near-ties, {summary['mismatches']} mismatches"
-                + (f"; only {summary['prompts']} of {planned} prompts checked)" if summary["prompts"] < planned else ")"),
-                EXIT_PARITY,
-            )
-        )
+        if min_compared_share is None:
+            min_compared_share = parity.get("min_compared_share", 1.0)
+        verdict.checks += _parity_checks(report, parity, summary, min_parity, min_compared_share)
     else:
         verdict.checks.append(Check("parity", False, "parity not measured", EXIT_INCOMPLETE))
 
@@ -86,6 +82,47 @@ def evaluate(report: dict, min_parity: float, min_speedup: float) -> Verdict:
     if min_speedup > 0:
         verdict.checks.append(_speed_check(report, min_speedup))
     return verdict
+
+
+def _parity_checks(report: dict, parity: dict, s: dict, min_parity: float, min_compared_share: float) -> list[Check]:
+    planned = len(report.get("prompts") or []) or s["prompts"]
+    short = f"; {s['too_short']} too short (< {parity.get('min_compared_tokens')} tokens)" if s["too_short"] else ""
+    unchecked = f"; only {s['prompts']} of {planned} prompts checked" if s["prompts"] < planned else ""
+    mode = "exact verification" if parity.get("exact_verification") else f"near-tie margin {parity.get('near_tie_margin')}"
+    if s["compared"]:
+        rate = s["parity_rate"]
+        ok = rate >= min_parity
+        parity_check = Check(
+            "parity",
+            ok,
+            f"parity {rate:.1%} {'>=' if ok else '<'} {min_parity:.1%} over {s['compared']} prompts and {s['tokens']} tokens compared "
+            f"({s['exact']} exact, {s['near_ties']} near-ties, {s['mismatches']} mismatches; {mode}{short}{unchecked})",
+            EXIT_PARITY,
+        )
+    else:
+        parity_check = Check("parity", False, f"no prompt compared: all {s['prompts']} too short{unchecked}", EXIT_PARITY)
+    share = s["compared"] / planned
+    ok = share >= min_compared_share
+    checks = [
+        parity_check,
+        Check(
+            "evidence",
+            ok,
+            f"{s['compared']}/{planned} prompts comparable ({share:.0%} {'>=' if ok else '<'} {min_compared_share:.0%})",
+            EXIT_PARITY,
+        ),
+    ]
+    if s.get("streams_checked"):
+        bad = s["stream_mismatches"]
+        checks.append(
+            Check(
+                "streams",
+                bad == 0,
+                f"streams {s['streams_checked'] - bad}/{s['streams_checked']} equal to the non-streamed text",
+                EXIT_PARITY,
+            )
+        )
+    return checks
 
 
 def _speed_check(report: dict, min_speedup: float) -> Check:

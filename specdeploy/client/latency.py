@@ -1,8 +1,12 @@
 """Latency of control vs speculative per concurrency level, and the draft-length sweep.
 
 Definitions (../shared/DESIGN.md, as trtllm-bench and vLLM use them):
-- TTFT: time to the first token (client-side when streamed, else the server's perf outputs).
-- TPOT = (latency - TTFT) / (output tokens - 1).
+- TTFT and TPOT = (last token time - first token time) / (output tokens - 1), from one clock per
+  request: the client's when streamed (decoupled deployments), else the model's perf outputs
+  (arrival_time_ns, first_token_time_ns, last_token_time_ns). Each sample records its source.
+- output tokens: the ids the server returned (`output_ids`), else the count the parity phase took
+  from the target's own ids for the same text (greedy outputs repeat exactly), else the re-tokenized
+  text; each sample records which.
 - acceptance rate = accepted draft tokens / drafted tokens.
 - acceptance length = output tokens / target iterations; every speculative round yields its
   accepted drafts plus one target token, so iterations = output tokens - accepted tokens.
@@ -21,10 +25,11 @@ from typing import Callable, Sequence
 import numpy as np
 
 from specdeploy.client.prompts import Prompt
-from specdeploy.client.protocol import CONTROL_MODEL, SPECULATIVE_MODEL, Endpoint, GenerateRequest, TokenCodec
+from specdeploy.client.protocol import CONTROL_MODEL, SPECULATIVE_MODEL, Endpoint, GenerateRequest, GenerateResult, TokenCodec
 from specdeploy.errors import ClientError
 
 CONTROL, SPECULATIVE = "control", "speculative"
+COUNT_IDS, COUNT_PARITY, COUNT_RETOKENIZED = "output_ids", "parity", "retokenized"  # RequestSample.tokens_source
 MODEL_OF_MODE = {CONTROL: CONTROL_MODEL, SPECULATIVE: SPECULATIVE_MODEL}
 PERCENTILES = (50, 90, 99)
 
@@ -40,16 +45,19 @@ class RequestSample:
     start_s: float  # since the start of its level run
     latency_s: float
     ttft_s: float | None
-    ttft_source: str | None
+    ttft_source: str | None  # "stream" | "server": also the source of decode_s
     output_tokens: int
     drafted: int | None = None
     accepted: int | None = None
+    decode_s: float | None = None  # first token -> last token
+    tokens_source: str = COUNT_RETOKENIZED
+    same_text: bool | None = None  # the text equals the parity phase's for this prompt and path (None: no reference)
 
     @property
     def tpot_s(self) -> float | None:
-        if self.ttft_s is None or self.output_tokens < 2:
+        if self.decode_s is None or self.output_tokens < 2:
             return None
-        return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
+        return self.decode_s / (self.output_tokens - 1)
 
 
 @dataclass
@@ -116,6 +124,9 @@ def level_stats(runs: Sequence[LevelRun]) -> dict:
     out["output_tokens"] = sum(s.output_tokens for s in samples)
     out["acceptance_rate"], out["acceptance_length"] = acceptance(samples)
     out["ttft_source"] = next((s.ttft_source for s in samples if s.ttft_source), None)
+    out["tokens_source"] = sorted({s.tokens_source for s in samples})
+    out["same_text"] = sum(s.same_text is True for s in samples)
+    out["different_text"] = sum(s.same_text is False for s in samples)
     return out
 
 
@@ -265,6 +276,19 @@ def sweep_points(runs: Sequence[LevelRun]) -> list[dict]:
 ProgressFn = Callable[[int], None]
 
 
+Reference = dict  # prompt id -> (text, generated tokens or None): the parity phase's output
+
+
+def count_tokens(result: GenerateResult, codec: TokenCodec, reference: tuple[str, int | None] | None) -> tuple[int, str]:
+    """(output tokens, where the count comes from): the returned ids, else the parity phase's exact
+    count for the same text, else the re-tokenized text."""
+    if result.token_ids is not None:
+        return len(result.token_ids), COUNT_IDS
+    if reference is not None and reference[1] is not None and result.text == reference[0]:
+        return reference[1], COUNT_PARITY
+    return len(codec.encode(result.text)), COUNT_RETOKENIZED
+
+
 def run_level(
     endpoint: Endpoint,
     codec: TokenCodec,
@@ -276,11 +300,15 @@ def run_level(
     num_draft_tokens: int | None = None,
     stream: bool = False,
     progress: ProgressFn | None = None,
+    reference: Reference | None = None,
 ) -> LevelRun:
     """Send every prompt once with `concurrency` requests in flight; the first failure stops the run.
 
-    Never raises ClientError: a failure is recorded in `LevelRun.error`, with the finished samples kept.
+    `reference`: the parity phase's output per prompt (text, generated tokens), to count tokens
+    exactly and to check that the output repeats. Never raises ClientError: a failure is recorded
+    in `LevelRun.error`, with the finished samples kept.
     """
+    reference = reference or {}
     run = LevelRun(mode, concurrency, repeat, num_draft_tokens if mode == SPECULATIVE else None)
     model = MODEL_OF_MODE[mode]
     lock = threading.Lock()
@@ -301,6 +329,8 @@ def run_level(
                 with lock:
                     run.error = run.error or exc.message
                 return
+            known = reference.get(prompt.id)
+            tokens, tokens_source = count_tokens(result, codec, known)
             sample = RequestSample(
                 mode,
                 concurrency,
@@ -312,9 +342,12 @@ def run_level(
                 latency_s=result.latency_s,
                 ttft_s=result.ttft_s,
                 ttft_source=result.ttft_source,
-                output_tokens=len(result.token_ids) if result.token_ids is not None else len(codec.encode(result.text)),
+                output_tokens=tokens,
                 drafted=result.perf.total_draft_tokens if mode == SPECULATIVE else None,
                 accepted=result.perf.total_accepted_draft_tokens if mode == SPECULATIVE else None,
+                decode_s=result.decode_s,
+                tokens_source=tokens_source,
+                same_text=None if known is None else result.text == known[0],
             )
             with lock:
                 run.samples.append(sample)

@@ -1,10 +1,18 @@
 """Parity of the speculative path against the control: exact match, divergence triage, sampling statistics.
 
 Greedy: for each prompt the speculative output (`tensorrt_llm_bls`) must equal the control
-(`ensemble`, same target engine, no speculation). A divergence is located in the control's exact
-tokens and triaged by re-scoring with the target alone: when the target's logits of the two
-competing tokens differ by at most `near_tie_margin` (logit units), the flip is a numerical near-tie
-(batched verification in reduced precision can flip a tie); otherwise it is a real mismatch.
+(`ensemble`, same target engine, no speculation). Evidence first: the control's exact tokens come
+from `output_ids` where the model returns them, else from the target alone (preprocessing +
+`tensorrt_llm`, the engine the ensemble runs), and only without either from re-tokenized text. A
+prompt whose control output has fewer than `min_compared_tokens` tokens proves nothing and is
+"too short to compare", never a match.
+
+A divergence fails outright on a backend whose verification is exact by construction
+(`specdeploy.config.EXACT_VERIFICATION_BACKENDS`: the CPU engine). On the others (GPU engines
+verify k+1 rows in reduced precision with batch-dependent kernels) it is triaged with the target's
+logits at the diverging position: when the logits of the two competing tokens (the control's and
+the speculative one's; end_id for a side that ended there) differ by at most `near_tie_margin`, the
+flip is a numerical near-tie; otherwise a real mismatch.
 
 Sampling: outputs are random, so many seeded samples per prompt are compared with a chi-square
 test of homogeneity (speculative vs control distributions of the continuation); per-prompt
@@ -25,64 +33,96 @@ from specdeploy.client.protocol import (
     SPECULATIVE_MODEL,
     Endpoint,
     GenerateRequest,
+    GenerateResult,
     Sampling,
     TargetTrace,
     TokenCodec,
 )
 
-MATCH, NEAR_TIE, MISMATCH, UNTRIAGED = "match", "near_tie", "mismatch", "untriaged"
+MATCH, NEAR_TIE, MISMATCH, UNTRIAGED, TOO_SHORT = "match", "near_tie", "mismatch", "untriaged", "too_short"
+# Where the control's token count comes from, best first.
+IDS_FROM_MODEL, IDS_FROM_TARGET, IDS_RETOKENIZED = "output_ids", "target", "retokenized"
 SAMPLING_ALPHA = 0.01  # the sampling comparison fails when the combined p-value is below this
+
+
+@dataclass(frozen=True)
+class GreedyPolicy:
+    """How divergences and short outputs are judged."""
+
+    exact: bool  # the backend's verification is bit-exact: any divergence is a failure
+    near_tie_margin: float  # used only when not exact
+    min_compared_tokens: int
 
 
 @dataclass
 class PromptParity:
     prompt_id: str
     category: str
-    verdict: str  # match | near_tie | mismatch | untriaged (no logits to triage with)
+    verdict: str  # match | near_tie | mismatch | untriaged (no logits to triage with) | too_short
     control_text: str
     speculative_text: str
-    control_tokens: int  # length of the control output in tokens
+    control_tokens: int  # length of the control output in tokens (a final end_id not counted)
     matched_tokens: int  # tokens before the first divergence (== control_tokens on a match)
+    token_source: str = IDS_RETOKENIZED  # output_ids | target | retokenized: where control_tokens comes from
+    generated_tokens: int | None = None  # ids the engine generated for the control, a final end_id included (None: retokenized)
     divergence_index: int | None = None  # index into the generated tokens
-    control_token: int | None = None
-    speculative_token: int | None = None  # None: the speculative output ended there
+    control_token: int | None = None  # end_id where the control ended there
+    speculative_token: int | None = None  # end_id where the speculative output ended there (None: unknown)
     control_token_text: str | None = None
     speculative_token_text: str | None = None
-    top1_top2_margin: float | None = None  # target logits at the divergence
-    token_margin: float | None = None  # logit(control token) - logit(speculative token)
+    top1_top2_margin: float | None = None  # target logits at the divergence (informative)
+    token_margin: float | None = None  # logit(control token) - logit(speculative token), the triage margin
+    stream_equal: bool | None = None  # decoupled: both streams, concatenated, equal the non-streamed texts
     note: str = ""
 
     @property
+    def compared(self) -> bool:
+        return self.verdict != TOO_SHORT
+
+    @property
     def passes(self) -> bool:
-        return self.verdict in (MATCH, NEAR_TIE)
+        return self.verdict in (MATCH, NEAR_TIE) and self.stream_equal is not False
 
 
 @dataclass
 class ParitySummary:
     prompts: int = 0
+    compared: int = 0  # prompts with a verdict other than too_short
+    too_short: int = 0
     exact: int = 0
     near_ties: int = 0
     mismatches: int = 0  # real mismatches plus untriaged divergences
-    tokens: int = 0
+    tokens: int = 0  # control tokens of the compared prompts
     matched_tokens: int = 0
+    streams_checked: int = 0
+    stream_mismatches: int = 0
+
+    @property
+    def compared_share(self) -> float:
+        return self.compared / self.prompts if self.prompts else 0.0
 
     @property
     def exact_match_rate(self) -> float:
-        return self.exact / self.prompts if self.prompts else 0.0
+        return self.exact / self.compared if self.compared else 0.0
 
     @property
     def parity_rate(self) -> float:
-        """Share of prompts that pass: exact matches plus near-ties (what the gate checks)."""
-        return (self.exact + self.near_ties) / self.prompts if self.prompts else 0.0
+        """Share of the compared prompts that pass: exact matches plus near-ties (what the gate checks)."""
+        return (self.exact + self.near_ties) / self.compared if self.compared else 0.0
 
     @property
     def token_agreement(self) -> float:
-        """Tokens before the first divergence over all control tokens."""
-        return self.matched_tokens / self.tokens if self.tokens else 1.0
+        """Tokens before the first divergence over all compared control tokens."""
+        return self.matched_tokens / self.tokens if self.tokens else 0.0
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d.update(exact_match_rate=self.exact_match_rate, parity_rate=self.parity_rate, token_agreement=self.token_agreement)
+        d.update(
+            compared_share=self.compared_share,
+            exact_match_rate=self.exact_match_rate,
+            parity_rate=self.parity_rate,
+            token_agreement=self.token_agreement,
+        )
         return d
 
 
@@ -93,11 +133,17 @@ def summarize(items: Sequence[PromptParity]) -> dict[str, ParitySummary]:
         for key in ("all", item.category):
             s = out.setdefault(key, ParitySummary())
             s.prompts += 1
+            s.too_short += item.verdict == TOO_SHORT
             s.exact += item.verdict == MATCH
             s.near_ties += item.verdict == NEAR_TIE
             s.mismatches += item.verdict in (MISMATCH, UNTRIAGED)
-            s.tokens += item.control_tokens
-            s.matched_tokens += item.matched_tokens
+            if item.compared:
+                s.compared += 1
+                s.tokens += item.control_tokens
+                s.matched_tokens += item.matched_tokens
+            if item.stream_equal is not None:
+                s.streams_checked += 1
+                s.stream_mismatches += not item.stream_equal
     return out
 
 
@@ -109,11 +155,18 @@ def _decoded_prefix(codec: TokenCodec, ids: Sequence[int]) -> str:
     return codec.decode(list(ids)).rstrip("\ufffd")
 
 
+def content_ids(ids: Sequence[int], end_id: int | None) -> list[int]:
+    """The generated ids without a final end_id (engines differ in whether they return it)."""
+    ids = list(ids)
+    return ids[:-1] if ids and end_id is not None and ids[-1] == end_id else ids
+
+
 def locate_divergence(control_ids: Sequence[int], speculative_text: str, codec: TokenCodec) -> tuple[int | None, int | None]:
     """(index of the first control token the speculative text does not reproduce, the speculative token there).
 
     Returns (None, None) when the texts agree. The speculative token is None when the speculative
-    output ends at the divergence.
+    output ends at the divergence. Index len(control_ids): the speculative text goes on past the
+    control's end.
     """
     if codec.decode(list(control_ids)) == speculative_text:
         return None, None
@@ -137,23 +190,37 @@ def _token_after(text: str, prefix_text: str, codec: TokenCodec) -> int | None:
     return rest[0] if rest else None
 
 
+def first_difference(control_ids: Sequence[int], speculative_ids: Sequence[int]) -> int | None:
+    """Index of the first differing token, len(shorter) when one is a prefix of the other, None when equal."""
+    for i, (a, b) in enumerate(zip(control_ids, speculative_ids)):
+        if a != b:
+            return i
+    return None if len(control_ids) == len(speculative_ids) else min(len(control_ids), len(speculative_ids))
+
+
 def margins(logits_row: np.ndarray, control_token: int | None, speculative_token: int | None) -> tuple[float, float | None]:
     """(top-1 minus top-2 logit, logit of the control token minus that of the speculative token)."""
     row = np.asarray(logits_row, dtype=np.float64)  # [vocab]
     top2 = np.partition(row, -2)[-2:]
     top1_top2 = float(top2.max() - top2.min())
     token_margin = None
-    if control_token is not None and speculative_token is not None and max(control_token, speculative_token) < row.size:
+    if control_token is not None and speculative_token is not None and 0 <= min(control_token, speculative_token) and max(control_token, speculative_token) < row.size:
         token_margin = float(row[control_token] - row[speculative_token])
     return top1_top2, token_margin
 
 
-def classify(top1_top2: float | None, token_margin: float | None, near_tie_margin: float) -> str:
-    """Near-tie when the two competing tokens are within `near_tie_margin` logits of each other."""
-    margin = token_margin if token_margin is not None else top1_top2
-    if margin is None:
+def classify(token_margin: float | None, policy: GreedyPolicy) -> str:
+    """The verdict of a divergence: a failure on an exact backend; else a near-tie when the two
+    competing tokens are within `near_tie_margin` logits of each other."""
+    if policy.exact:
+        return MISMATCH
+    if token_margin is None:
         return UNTRIAGED
-    return NEAR_TIE if abs(margin) <= near_tie_margin else MISMATCH
+    return NEAR_TIE if abs(token_margin) <= policy.near_tie_margin else MISMATCH
+
+
+def _join(*notes: str) -> str:
+    return "; ".join(n for n in notes if n)
 
 
 def compare_greedy(
@@ -162,59 +229,80 @@ def compare_greedy(
     speculative_text: str,
     codec: TokenCodec,
     trace: TargetTrace | None,
-    near_tie_margin: float,
+    policy: GreedyPolicy,
     speculative_ids: Sequence[int] | None = None,
+    control_ids: Sequence[int] | None = None,
 ) -> PromptParity:
-    """Compare one prompt's outputs; `trace` (the target alone, with logits) is needed only on a divergence.
+    """Compare one prompt's outputs.
 
-    With `speculative_ids` (deployments that return `output_ids`) the comparison is exact in token
-    space; otherwise the divergence is located by decoding the control's tokens against the text.
+    `control_ids`: the control's own `output_ids` when its model returns them; else the ids of
+    `trace` (the target alone); else the re-tokenized control text. `trace.logits` (the target's
+    logits at every generated position) triage a divergence on a non-exact backend.
+    `speculative_ids`: the speculative path's `output_ids`, when returned (exact comparison in token space).
     """
-    control_ids = list(trace.output_ids) if trace is not None else None
-    same_ids = speculative_ids is None or control_ids is None or list(speculative_ids) == control_ids
-    if control_text == speculative_text and same_ids:
-        n = len(control_ids) if control_ids is not None else len(codec.encode(control_text))
-        return PromptParity(prompt.id, prompt.category, MATCH, control_text, speculative_text, n, n)
-    note = ""
-    if control_ids is None:
-        control_ids = codec.encode(control_text)
-        note = "no trace from the target: divergence located in re-tokenized control text"
-    elif codec.decode(control_ids) != control_text:
-        note = "the target alone (tensorrt_llm) and the ensemble returned different text; divergence located in the target's tokens"
-    if speculative_ids is not None:
-        speculative_ids = list(speculative_ids)
-        index = next((i for i, (a, b) in enumerate(zip(control_ids, speculative_ids)) if a != b), None)
-        if index is None:
-            index = min(len(control_ids), len(speculative_ids)) if len(control_ids) != len(speculative_ids) else None
-        spec_token = speculative_ids[index] if index is not None and index < len(speculative_ids) else None
+    end_id = trace.end_id if trace is not None else None
+    notes = []
+    if control_ids is not None:
+        ids, source = list(control_ids), IDS_FROM_MODEL
+    elif trace is not None:
+        ids, source = list(trace.output_ids), IDS_FROM_TARGET
+        if codec.decode(ids) != control_text:
+            notes.append("the target alone (tensorrt_llm) and the ensemble returned different text; divergence located in the target's tokens")
     else:
-        index, spec_token = locate_divergence(control_ids, speculative_text, codec)
+        ids, source = codec.encode(control_text), IDS_RETOKENIZED
+        notes.append("no token ids from the server: control tokens counted by re-tokenizing its text")
+    control = content_ids(ids, end_id)
+    generated = len(ids) if source != IDS_RETOKENIZED else None
+    spec = content_ids(speculative_ids, end_id) if speculative_ids is not None else None
+    if spec is not None:
+        index = first_difference(control, spec)
+        spec_token = spec[index] if index is not None and index < len(spec) else None
+    else:
+        index, spec_token = locate_divergence(control, speculative_text, codec)
         if spec_token is not None:
-            note = (note + "; " if note else "") + "speculative token re-tokenized from text (the model returns no output_ids)"
-        if index is not None and index == len(control_ids) and len(speculative_text) <= len(control_text):
-            note = (note + "; " if note else "") + "the texts differ inside undecodable bytes: the index is approximate"
-    if index is None:  # the speculative output equals the target's own: the ensemble differed
-        n = len(control_ids)
-        return PromptParity(prompt.id, prompt.category, MATCH, control_text, speculative_text, n, n, note=note)
-    control_token = control_ids[index] if index < len(control_ids) else None
+            notes.append("speculative token re-tokenized from text (the model returns no output_ids)")
+        if index is not None and index == len(control) and len(speculative_text) <= len(control_text):
+            notes.append("the texts differ inside undecodable bytes: the index is approximate")
+    if control_text != speculative_text and index is None:
+        index = len(control)  # equal ids, different text: cannot happen with one detokenizer
+        notes.append("equal token ids decoded to different texts")
+    if index is None:
+        verdict = MATCH if len(control) >= policy.min_compared_tokens else TOO_SHORT
+        if verdict == TOO_SHORT:
+            notes.append(f"too short to compare: {len(control)} tokens < {policy.min_compared_tokens}")
+        return PromptParity(
+            prompt.id, prompt.category, verdict, control_text, speculative_text, len(control), len(control), source, generated, note=_join(*notes)
+        )
+
+    # The competing tokens at `index`; a side that ended there competes with end_id.
+    control_token = control[index] if index < len(control) else end_id
+    ended_early = spec_token is None and (len(speculative_text) < len(control_text) or (spec is not None and len(spec) < len(control)))
+    if ended_early:
+        spec_token = end_id
+    if spec_token is not None and spec_token == control_token:
+        spec_token = None  # both "ended" (a divergence inside undecodable bytes): no competing token to weigh
     top1_top2 = token_margin = None
     if trace is not None and trace.logits is not None and index < len(trace.logits):
         top1_top2, token_margin = margins(trace.logits[index], control_token, spec_token)
-    elif trace is not None:
-        note = (note + "; " if note else "") + (
-            "the target returned no generation logits to triage with (TensorRT engines need --gather_generation_logits)"
+        if token_margin is None:
+            notes.append("one competing token is unknown (no end_id from the server): no margin")
+    elif not policy.exact:
+        notes.append(
+            "the target returned no generation logits at the divergence to triage with"
+            + (" (TensorRT engines need --gather_generation_logits)" if trace is not None else "")
         )
-    if control_token is None or spec_token is None:
-        token_margin = None  # one side ended early: an end-id tie, judged by the top-1/top-2 margin
-    verdict = classify(top1_top2, token_margin, near_tie_margin)
+    if policy.exact:
+        notes.append("the backend verifies bit-exactly: any divergence is a failure")
     return PromptParity(
         prompt.id,
         prompt.category,
-        verdict,
+        classify(token_margin, policy),
         control_text,
         speculative_text,
-        control_tokens=len(control_ids),
+        control_tokens=len(control),
         matched_tokens=index,
+        token_source=source,
+        generated_tokens=generated,
         divergence_index=index,
         control_token=control_token,
         speculative_token=spec_token,
@@ -222,7 +310,13 @@ def compare_greedy(
         speculative_token_text=None if spec_token is None else codec.decode([spec_token]),
         top1_top2_margin=top1_top2,
         token_margin=token_margin,
-        note=note,
+        note=_join(*notes),
+    )
+
+
+def _differ(control: GenerateResult, speculative: GenerateResult) -> bool:
+    return speculative.text != control.text or (
+        speculative.token_ids is not None and control.token_ids is not None and speculative.token_ids != control.token_ids
     )
 
 
@@ -231,20 +325,38 @@ def check_prompt(
     prompt: Prompt,
     codec: TokenCodec,
     num_draft_tokens: int,
-    near_tie_margin: float,
+    policy: GreedyPolicy,
     timeout_s: float,
     triage: bool = True,
+    check_streams: bool = False,
 ) -> PromptParity:
-    """Greedy control and speculative outputs for one prompt, triaged with the target's logits on a divergence."""
+    """Greedy control and speculative outputs for one prompt, compared in the control's exact tokens.
+
+    `triage`: the target alone (preprocessing + tensorrt_llm) can be called: it gives the control's
+    ids when the ensemble returns none, and its logits on a divergence. `check_streams` (decoupled
+    deployments): also stream both and require the concatenated stream to equal the non-streamed text.
+    """
     control = endpoint.generate(CONTROL_MODEL, GenerateRequest(prompt.text, prompt.max_tokens), timeout_s)
-    speculative = endpoint.generate(
-        SPECULATIVE_MODEL, GenerateRequest(prompt.text, prompt.max_tokens, num_draft_tokens=num_draft_tokens), timeout_s
-    )
-    differ = speculative.text != control.text or (
-        speculative.token_ids is not None and control.token_ids is not None and speculative.token_ids != control.token_ids
-    )
-    trace = endpoint.trace(prompt.text, prompt.max_tokens, timeout_s) if differ and triage else None
-    return compare_greedy(prompt, control.text, speculative.text, codec, trace, near_tie_margin, speculative.token_ids)
+    spec_request = GenerateRequest(prompt.text, prompt.max_tokens, num_draft_tokens=num_draft_tokens)
+    speculative = endpoint.generate(SPECULATIVE_MODEL, spec_request, timeout_s)
+    differ = _differ(control, speculative)
+    trace = None
+    if triage and (differ or control.token_ids is None):
+        trace = endpoint.trace(prompt.text, prompt.max_tokens, timeout_s, with_logits=differ)
+    item = compare_greedy(prompt, control.text, speculative.text, codec, trace, policy, speculative.token_ids, control.token_ids)
+    if check_streams:
+        notes = []
+        for model, request, unary in (
+            (CONTROL_MODEL, GenerateRequest(prompt.text, prompt.max_tokens, stream=True), control),
+            (SPECULATIVE_MODEL, GenerateRequest(prompt.text, prompt.max_tokens, num_draft_tokens=num_draft_tokens, stream=True), speculative),
+        ):
+            streamed = endpoint.generate(model, request, timeout_s)
+            if streamed.text != unary.text:
+                at = next((i for i, (a, b) in enumerate(zip(streamed.text, unary.text)) if a != b), min(len(streamed.text), len(unary.text)))
+                notes.append(f"{model}: the concatenated stream ({streamed.responses} responses) differs from the non-streamed text at character {at}")
+        item.stream_equal = not notes
+        item.note = _join(item.note, *notes)
+    return item
 
 
 # ---------------------------------------------------------------- sampling

@@ -1,7 +1,16 @@
-"""Prompt sets for validation: the built-in sets (chat, code, summarization, reasoning) or a user .jsonl.
+"""Prompt sets for validation: the built-in sets (chat, code, summarization, reasoning) or a user .jsonl,
+rendered with the target's chat template.
 
-A .jsonl file has one object per line: `prompt` (required), optional `category` (default
-"custom") and `max_tokens` (default: the recipe's `validation.max_tokens`).
+A .jsonl file has one object per line: either `prompt` (a user message) or `messages` (OpenAI-style
+`[{"role": ..., "content": ...}, ...]`), optional `category` (default "custom") and `max_tokens`
+(default: the recipe's `validation.max_tokens`).
+
+An instruct model sent raw text without its chat template often ends at once (an empty answer that
+"matches" trivially), so with `validation.chat_template: auto` every prompt is rendered with the
+tokenizer's template (transformers' `apply_chat_template(..., tokenize=False,
+add_generation_prompt=True)`) and sent as `text_input`. The server's preprocessing tokenizes with
+`add_special_tokens` on, so a template that writes the BOS token itself would get a second one: the
+renderer drops the template's leading BOS text exactly when the tokenizer would add it again.
 """
 
 from __future__ import annotations
@@ -9,24 +18,30 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Sequence
 
 from specdeploy.errors import ConfigError
 
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "data" / "prompts"
 BUILTIN_CATEGORIES = ("chat", "code", "summarization", "reasoning")
 DEFAULT_CATEGORY = "custom"
+ROLES = ("system", "user", "assistant")
+
+Message = tuple[str, str]  # (role, content)
+ChatRenderer = Callable[[Sequence[Message]], str]
 
 
 @dataclass(frozen=True)
 class Prompt:
     id: str  # "<category>-<index>", stable across runs
-    text: str
+    text: str  # what is sent as text_input (rendered with the chat template when one is used)
     category: str
     max_tokens: int
+    messages: tuple[Message, ...] = ()  # the conversation `text` was rendered from; () when sent raw
 
 
 def load_prompt_set(prompt_set: str, default_max_tokens: int, max_prompts: int = 0) -> list[Prompt]:
-    """The prompts of `prompt_set` ("builtin" or a .jsonl path), at most `max_prompts` (0: all).
+    """The prompts of `prompt_set` ("builtin" or a .jsonl path), at most `max_prompts` (0: all), not yet rendered.
 
     When limited, prompts are taken round-robin over the categories so that every category stays
     represented.
@@ -37,11 +52,72 @@ def load_prompt_set(prompt_set: str, default_max_tokens: int, max_prompts: int =
         prompts = _read_jsonl(Path(prompt_set), default_max_tokens)
     if not prompts:
         raise ConfigError(f"prompt set {prompt_set} holds no prompts", "add lines like {\"prompt\": \"...\"}")
-    return _round_robin(prompts, max_prompts) if max_prompts > 0 else prompts
+    return spread_over_categories(prompts, max_prompts) if max_prompts > 0 else prompts
+
+
+def render_prompts(prompts: Sequence[Prompt], renderer: ChatRenderer | None) -> list[Prompt]:
+    """Each prompt's `text` rendered from its messages by `renderer`; None: sent raw.
+
+    A prompt given as `messages` has no raw form: without a renderer it is an error.
+    """
+    out = []
+    for p in prompts:
+        if renderer is not None:
+            out.append(Prompt(p.id, renderer(p.messages), p.category, p.max_tokens, p.messages))
+        elif p.text:
+            out.append(Prompt(p.id, p.text, p.category, p.max_tokens))
+        else:
+            raise ConfigError(
+                f"prompt {p.id} is given as 'messages', which need a chat template to become text",
+                "set validation.chat_template: auto with a tokenizer that has a chat template, or give 'prompt' instead",
+            )
+    return out
 
 
 def categories(prompts: list[Prompt]) -> list[str]:
     return list(dict.fromkeys(p.category for p in prompts))
+
+
+class HFChatTemplate:
+    """`messages -> text` with a Hugging Face tokenizer's chat template, single BOS guaranteed.
+
+    `server_adds_special_tokens`: whether the server's preprocessing encodes with
+    add_special_tokens (NVIDIA's default, and specdeploy's repository).
+    """
+
+    def __init__(self, tokenizer, server_adds_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.server_adds_special_tokens = server_adds_special_tokens
+
+    @staticmethod
+    def available(tokenizer) -> bool:
+        return bool(getattr(tokenizer, "chat_template", None))
+
+    def __call__(self, messages: Sequence[Message]) -> str:
+        conversation = [{"role": role, "content": content} for role, content in messages]
+        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        return strip_duplicate_bos(text, self.tokenizer) if self.server_adds_special_tokens else text
+
+
+def strip_duplicate_bos(text: str, tokenizer) -> str:
+    """`text` without its leading BOS text when encoding with add_special_tokens would add a second BOS.
+
+    Checked on ids: the result encodes (with special tokens) to exactly the ids the template meant.
+    """
+    bos_id, bos = getattr(tokenizer, "bos_token_id", None), getattr(tokenizer, "bos_token", None)
+    if bos_id is None or not bos or not text.startswith(bos):
+        return text
+    meant = list(tokenizer(text, add_special_tokens=False).input_ids)
+    served = list(tokenizer(text, add_special_tokens=True).input_ids)
+    if served[:2] != [bos_id, bos_id]:
+        return text  # the tokenizer adds no BOS of its own (SmolLM2, Qwen2): the template's is the only one
+    stripped = text[len(bos) :]
+    if list(tokenizer(stripped, add_special_tokens=True).input_ids)[: len(meant)] != meant:
+        raise ConfigError(
+            "the chat template writes a BOS token that the tokenizer adds again, and removing it changes the prompt's tokens",
+            "set validation.chat_template: none and give already rendered prompts",
+        )
+    return stripped
 
 
 def _read_jsonl(path: Path, default_max_tokens: int) -> list[Prompt]:
@@ -57,11 +133,12 @@ def _read_jsonl(path: Path, default_max_tokens: int) -> list[Prompt]:
             obj = json.loads(line)
         except ValueError as exc:
             raise ConfigError(f"{where} is not valid JSON: {exc}", "one JSON object per line") from exc
-        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"].strip():
-            raise ConfigError(f"{where} needs a non-empty string 'prompt'", 'e.g. {"prompt": "Hello", "category": "chat"}')
-        unknown = sorted(set(obj) - {"prompt", "category", "max_tokens"})
+        if not isinstance(obj, dict):
+            raise ConfigError(f"{where} is not a JSON object", 'e.g. {"prompt": "Hello", "category": "chat"}')
+        unknown = sorted(set(obj) - {"prompt", "messages", "category", "max_tokens"})
         if unknown:
-            raise ConfigError(f"{where} has unknown key '{unknown[0]}'", "valid keys: prompt, category, max_tokens")
+            raise ConfigError(f"{where} has unknown key '{unknown[0]}'", "valid keys: prompt or messages, category, max_tokens")
+        text, messages = _prompt_or_messages(obj, where)
         category = obj.get("category", DEFAULT_CATEGORY)
         if not isinstance(category, str) or not category:
             raise ConfigError(f"{where}: 'category' must be a non-empty string")
@@ -70,11 +147,38 @@ def _read_jsonl(path: Path, default_max_tokens: int) -> list[Prompt]:
             raise ConfigError(f"{where}: 'max_tokens' must be a positive integer, got {max_tokens!r}")
         index = counters.get(category, 0)
         counters[category] = index + 1
-        prompts.append(Prompt(f"{category}-{index}", obj["prompt"], category, max_tokens))
+        prompts.append(Prompt(f"{category}-{index}", text, category, max_tokens, messages))
     return prompts
 
 
-def _round_robin(prompts: list[Prompt], limit: int) -> list[Prompt]:
+def _prompt_or_messages(obj: dict, where: str) -> tuple[str, tuple[Message, ...]]:
+    """(raw text or "" for a conversation, the messages); exactly one of prompt/messages."""
+    example = 'e.g. {"prompt": "Hello"} or {"messages": [{"role": "user", "content": "Hello"}]}'
+    if ("prompt" in obj) == ("messages" in obj):
+        raise ConfigError(f"{where} needs exactly one of 'prompt' and 'messages'", example)
+    if "prompt" in obj:
+        if not isinstance(obj["prompt"], str) or not obj["prompt"].strip():
+            raise ConfigError(f"{where} needs a non-empty string 'prompt'", example)
+        return obj["prompt"], (("user", obj["prompt"]),)
+    raw = obj["messages"]
+    if not isinstance(raw, list) or not raw:
+        raise ConfigError(f"{where}: 'messages' must be a non-empty list", example)
+    messages = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict) or set(m) != {"role", "content"}:
+            raise ConfigError(f"{where}: messages[{i}] must be an object with exactly 'role' and 'content'", example)
+        if m["role"] not in ROLES:
+            raise ConfigError(f"{where}: messages[{i}].role is {m['role']!r}", f"valid roles: {', '.join(ROLES)}")
+        if not isinstance(m["content"], str) or not m["content"].strip():
+            raise ConfigError(f"{where}: messages[{i}].content must be a non-empty string")
+        messages.append((m["role"], m["content"]))
+    if messages[-1][0] == "assistant":
+        raise ConfigError(f"{where}: the last message is the assistant's", "end the conversation with a user message: the model answers it")
+    return "", tuple(messages)
+
+
+def spread_over_categories(prompts: Sequence[Prompt], limit: int) -> list[Prompt]:
+    """At most `limit` prompts, round-robin over the categories (each keeps its file order)."""
     by_category: dict[str, list[Prompt]] = {}
     for p in prompts:
         by_category.setdefault(p.category, []).append(p)

@@ -53,17 +53,29 @@ class PerfMetrics:
 
     @property
     def server_ttft_s(self) -> float | None:
+        """Arrival to first token, on the server's clock."""
         if self.arrival_time_ns and self.first_token_time_ns and self.first_token_time_ns >= self.arrival_time_ns:
             return (self.first_token_time_ns - self.arrival_time_ns) / 1e9
         return None
+
+    @property
+    def server_decode_s(self) -> float | None:
+        """First token to last token, on the server's clock (TPOT = this / (output tokens - 1))."""
+        if self.first_token_time_ns and self.last_token_time_ns and self.last_token_time_ns >= self.first_token_time_ns:
+            return (self.last_token_time_ns - self.first_token_time_ns) / 1e9
+        return None
+
+
+TIMING_STREAM, TIMING_SERVER = "stream", "server"  # where a result's TTFT and decode time come from
 
 
 @dataclass(frozen=True)
 class GenerateResult:
     text: str
     latency_s: float  # client-side, request sent -> last response received
-    ttft_s: float | None = None  # client-side first response when streamed, else the server's
-    ttft_source: str | None = None  # "stream" | "server" | None
+    ttft_s: float | None = None  # streamed: client-side, to the first non-empty response; unary: the server's perf outputs
+    ttft_source: str | None = None  # TIMING_STREAM | TIMING_SERVER | None; also the source of decode_s
+    decode_s: float | None = None  # first token -> last token, from the same source as ttft_s
     responses: int = 1
     perf: PerfMetrics = field(default_factory=PerfMetrics)
     token_ids: list[int] | None = None  # generated ids, when the model returns `output_ids`
@@ -74,8 +86,9 @@ class TargetTrace:
     """The control's exact greedy tokens and the target's logits at every generated position."""
 
     prompt_ids: list[int]
-    output_ids: list[int]
-    logits: np.ndarray | None  # [output_len, vocab] fp32; None when the server returned none
+    output_ids: list[int]  # as the engine returns them (the CPU engine keeps a final end_id)
+    logits: np.ndarray | None  # [output_len, vocab] fp32; None when not asked for or not returned
+    end_id: int | None = None  # the end id the preprocessing chose (the competing token where a side ended)
 
 
 class Endpoint(Protocol):
@@ -89,14 +102,18 @@ class Endpoint(Protocol):
     def generate(self, model: str, request: GenerateRequest, timeout_s: float) -> GenerateResult:
         """One request with a deadline; ClientError on any failure (timeout, server gone, model error)."""
 
-    def trace(self, prompt: str, max_tokens: int, timeout_s: float) -> TargetTrace:
-        """Greedy tokens and generation logits of the target alone (preprocessing + tensorrt_llm)."""
+    def trace(self, prompt: str, max_tokens: int, timeout_s: float, with_logits: bool = True) -> TargetTrace:
+        """Greedy tokens (and, `with_logits`, generation logits) of the target alone (preprocessing + tensorrt_llm)."""
 
     def close(self) -> None: ...
 
 
 class TokenCodec(Protocol):
-    """The target's tokenizer, used to count tokens and to locate divergences in text outputs."""
+    """The target's tokenizer: locates divergences in text outputs and, where the server returns no
+    ids, counts tokens; `chat_renderer` renders prompts with its chat template."""
+
+    def chat_renderer(self):
+        """A `messages -> text` callable using the tokenizer's chat template; None when it has none."""
 
     def encode(self, text: str) -> list[int]: ...
 

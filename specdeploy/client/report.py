@@ -97,19 +97,38 @@ def _parity_md(report: dict) -> list[str]:
     parity = report.get("parity")
     if not parity:
         return []
+    if parity.get("exact_verification", False):
+        rule = ("The backend verifies bit-exactly (the CPU engine's row-invariant kernels), so any divergence is a "
+                "failure; the logit margins below are informative.")
+    else:
+        rule = (f"A divergence is a near-tie when the target's logits of the two competing tokens (end_id for a side that "
+                f"ended there) differ by at most {parity.get('near_tie_margin')}; near-ties pass the gate and are counted, "
+                "real mismatches fail it.")
+    sources = sorted({i.get("token_source") for i in parity["items"] if i.get("token_source")})
     lines = [
         "## Greedy parity (speculative vs control)",
         "",
-        f"A divergence is a near-tie when the target's logits of the two competing tokens differ by at most "
-        f"{parity.get('near_tie_margin')} (logits); near-ties pass the gate and are counted, real mismatches fail it. "
-        "Token agreement = tokens before the first divergence / control tokens.",
+        f"{rule} A prompt whose control output has fewer than {parity.get('min_compared_tokens')} tokens is too short "
+        f"to compare: it counts as neither match nor mismatch, and the gate needs at least "
+        f"{_fmt(parity.get('min_compared_share'), '.0%')} of the prompts compared. Control tokens from: "
+        f"{', '.join(sources) or '–'} (output_ids: returned by the model; target: the target alone's ids; "
+        "retokenized: the text re-tokenized). Token agreement = tokens before the first divergence / control tokens."
+        + (" Decoupled deployment: every prompt was also streamed on both paths, and the concatenated stream must "
+           "equal the non-streamed text." if parity.get("streams_checked") else ""),
         "",
     ]
     rows = []
     for category, s in parity["summary"].items():
-        rows.append([category, s["prompts"], f"{s['exact_match_rate']:.1%}", s["near_ties"], s["mismatches"], f"{s['token_agreement']:.1%}", f"{s['parity_rate']:.1%}"])
-    lines += _table(["category", "prompts", "exact match", "near-ties", "mismatches", "token agreement", "parity"], rows)
-    diverged = [i for i in parity["items"] if i["verdict"] != "match"]
+        rows.append([
+            category, s["prompts"], s["compared"], s["tokens"], s["too_short"], s["exact"], s["near_ties"], s["mismatches"],
+            f"{s['token_agreement']:.1%}", f"{s['parity_rate']:.1%}",
+        ] + ([f"{s['streams_checked'] - s['stream_mismatches']}/{s['streams_checked']}"] if parity.get("streams_checked") else []))
+    header = ["category", "prompts", "compared", "tokens compared", "too short", "exact", "near-ties", "mismatches", "token agreement", "parity"]
+    lines += _table(header + (["streams equal"] if parity.get("streams_checked") else []), rows)
+    short = [i for i in parity["items"] if i["verdict"] == "too_short"]
+    if short:
+        lines += ["Too short to compare: " + ", ".join(f"{i['prompt_id']} ({i['control_tokens']} tokens)" for i in short), ""]
+    diverged = [i for i in parity["items"] if i["verdict"] not in ("match", "too_short") or i.get("stream_equal") is False]
     if diverged:
         lines += ["### Divergences", ""]
         rows = [
@@ -157,14 +176,23 @@ def _latency_md(report: dict) -> list[str]:
     latency = report.get("latency")
     if not latency or not latency.get("levels"):
         return []
-    source = next((r["ttft_source"] for r in latency["levels"] if r.get("ttft_source")), None)
+    sources = sorted({r["ttft_source"] for r in latency["levels"] if r.get("ttft_source")})
+    explain = {
+        "stream": "stream (client clock: request sent → first non-empty streamed response → last response)",
+        "server": "server (the model's perf outputs: arrival_time_ns → first_token_time_ns → last_token_time_ns)",
+    }
+    counted = sorted({t for r in latency["levels"] for t in r.get("tokens_source") or []})
+    settings = report.get("settings") or {}
+    timed = settings.get("latency_prompt_ids")
     lines = [
         "## Latency",
         "",
-        f"Milliseconds. TTFT from {source or 'n/a'} ({'client-side, streamed' if source == 'stream' else 'server perf outputs'}); "
-        "TPOT = (latency − TTFT) / (output tokens − 1). Acceptance rate = accepted / drafted draft tokens (server counts); "
-        "acceptance length = output tokens / target iterations, with iterations = output tokens − accepted tokens "
-        "(output tokens are counted by re-tokenizing the text unless the model returns output_ids).",
+        f"Milliseconds. TTFT and TPOT = (last token − first token) / (output tokens − 1) from: "
+        f"{'; '.join(explain.get(s, s) for s in sources) or 'n/a'}. Output tokens counted from: {', '.join(counted) or '–'} "
+        "(output_ids: returned by the model; parity: the parity phase's exact ids for the same text; retokenized: the text "
+        "re-tokenized). Acceptance rate = accepted / drafted draft tokens (server counts); acceptance length = output "
+        "tokens / target iterations, with iterations = output tokens − accepted tokens."
+        + (f" Each run sends {len(timed)} of the {len(report.get('prompts') or [])} prompts ({', '.join(timed)})." if timed and len(timed) < len(report.get("prompts") or []) else ""),
         "",
     ]
     rows = [
@@ -174,6 +202,7 @@ def _latency_md(report: dict) -> list[str]:
             r["requests"],
             _ms(r["ttft_s_p50"]),
             _ms(r["tpot_s_p50"]),
+            r.get("ttft_source") or "–",
             _ms(r["e2e_s_p50"]),
             _ms(r["e2e_s_p90"]),
             _ms(r["e2e_s_p99"]),
@@ -185,7 +214,7 @@ def _latency_md(report: dict) -> list[str]:
         for r in latency["levels"]
     ]
     lines += _table(
-        ["conc.", "path", "requests", "TTFT p50", "TPOT p50", "e2e p50", "e2e p90", "e2e p99", "out tok/s", "req/s", "accept rate", "accept len"],
+        ["conc.", "path", "requests", "TTFT p50", "TPOT p50", "timing from", "e2e p50", "e2e p90", "e2e p99", "out tok/s", "req/s", "accept rate", "accept len"],
         rows,
     )
     lines += ["### Speedup (control latency / speculative latency; median and range over repeats)", ""]
@@ -333,11 +362,13 @@ def plot_categories(report: dict, path: Path) -> bool:
     exact = np.array([summary[c]["exact"] for c in cats], dtype=float)
     near = np.array([summary[c]["near_ties"] for c in cats], dtype=float)
     bad = np.array([summary[c]["mismatches"] for c in cats], dtype=float)
-    total = np.maximum(exact + near + bad, 1)
+    short = np.array([summary[c].get("too_short", 0) for c in cats], dtype=float)
+    total = np.maximum(exact + near + bad + short, 1)
     y = np.arange(len(cats))
     ax_parity.barh(y, exact / total, color="#2ca02c", label="exact")
     ax_parity.barh(y, near / total, left=exact / total, color="#ffbf00", label="near-tie")
     ax_parity.barh(y, bad / total, left=(exact + near) / total, color="#d62728", label="mismatch")
+    ax_parity.barh(y, short / total, left=(exact + near + bad) / total, color="#c7c7c7", label="too short")
     for yi, c in zip(y, cats):
         ax_parity.text(1.01, yi, f"{summary[c]['exact']}/{summary[c]['prompts']}", va="center", fontsize=8)
     ax_parity.set_yticks(y)
@@ -345,7 +376,7 @@ def plot_categories(report: dict, path: Path) -> bool:
     ax_parity.set_xlim(0, 1.15)
     ax_parity.set_xlabel("share of prompts")
     ax_parity.set_title("greedy parity per category", fontsize=10)
-    ax_parity.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3, frameon=False)
+    ax_parity.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=4, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

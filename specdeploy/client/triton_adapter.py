@@ -20,6 +20,8 @@ from specdeploy.client.protocol import (
     PREPROCESSING_MODEL,
     TARGET_MODEL,
     GenerateRequest,
+    TIMING_SERVER,
+    TIMING_STREAM,
     GenerateResult,
     PerfMetrics,
     TargetTrace,
@@ -150,7 +152,8 @@ class TritonEndpoint:
 
     # ------------------------------------------------------------ requests
 
-    def generate(self, model: str, request: GenerateRequest, timeout_s: float) -> GenerateResult:
+    def generate(self, model: str, request: GenerateRequest, timeout_s: float, on_text=None) -> GenerateResult:
+        """One request; `on_text(piece)` (optional) gets each response's text as it arrives (the OpenAI front streams it)."""
         inputs = {
             "text_input": np.array([[request.prompt.encode("utf-8")]], dtype=object),
             "max_tokens": np.array([[request.max_tokens]], dtype=np.int32),
@@ -176,20 +179,19 @@ class TritonEndpoint:
         what = f"a request to {model}"
         start = time.perf_counter()
         if self.is_decoupled(model):
-            responses, first_s = self._stream(model, inputs, outputs, timeout_s, what)
+            responses, first_s = self._stream(model, inputs, outputs, timeout_s, what, on_text)
         else:
             responses, first_s = [self._infer(model, inputs, outputs, timeout_s, what)], None
+            if on_text is not None:
+                on_text(_text(responses[0]))
         latency = time.perf_counter() - start
         text = "".join(_text(r) for r in responses)
         perf = _perf(responses[-1]) if request.return_perf_metrics and responses else PerfMetrics()
-        if request.stream and first_s is not None:
-            ttft, source = first_s - start, "stream"
-        else:
-            ttft, source = perf.server_ttft_s, ("server" if perf.server_ttft_s is not None else None)
         ids = [int(t) for r in responses for t in _ids(r)] if with_ids else None
-        return GenerateResult(text, latency, ttft, source, len(responses), perf, ids)
+        ttft, decode, source = timing(request.stream, start, first_s, start + latency, perf)
+        return GenerateResult(text, latency, ttft, source, decode, len(responses), perf, ids)
 
-    def trace(self, prompt: str, max_tokens: int, timeout_s: float) -> TargetTrace:
+    def trace(self, prompt: str, max_tokens: int, timeout_s: float, with_logits: bool = True) -> TargetTrace:
         pre = self._run(
             PREPROCESSING_MODEL,
             {"QUERY": np.array([[prompt.encode("utf-8")]], dtype=object), "REQUEST_OUTPUT_LEN": np.array([[max_tokens]], dtype=np.int32)},
@@ -202,21 +204,25 @@ class TritonEndpoint:
             "input_lengths": pre.as_numpy("REQUEST_INPUT_LEN").astype(np.int32).reshape(1, 1),
             "request_output_len": np.array([[max_tokens]], dtype=np.int32),
             "exclude_input_in_output": np.array([[True]]),
-            "return_generation_logits": np.array([[True]]),
+            "return_generation_logits": np.array([[with_logits]]),
         }
+        end_id = None
         for src, dst in (("OUT_END_ID", "end_id"), ("OUT_PAD_ID", "pad_id")):
             value = pre.as_numpy(src)
             if value is not None:
                 llm_inputs[dst] = value.astype(np.int32).reshape(1, 1)
-        out = self._run(TARGET_MODEL, llm_inputs, ["output_ids", "sequence_length", "generation_logits"], timeout_s)[-1]
+                if dst == "end_id" and int(value.reshape(-1)[0]) >= 0:
+                    end_id = int(value.reshape(-1)[0])
+        outputs = ["output_ids", "sequence_length"] + (["generation_logits"] if with_logits else [])
+        out = self._run(TARGET_MODEL, llm_inputs, outputs, timeout_s)[-1]
         ids = out.as_numpy("output_ids").reshape(-1)
         n = int(out.as_numpy("sequence_length").reshape(-1)[0])
-        logits = out.as_numpy("generation_logits")
+        logits = out.as_numpy("generation_logits") if with_logits else None
         if logits is not None and logits.size:
             logits = logits.reshape(-1, logits.shape[-1]).astype(np.float32)  # [generated, vocab]
         else:
             logits = None
-        return TargetTrace(input_ids.reshape(-1).tolist(), [int(t) for t in ids[:n]], logits)
+        return TargetTrace(input_ids.reshape(-1).tolist(), [int(t) for t in ids[:n]], logits, end_id)
 
     def close(self) -> None:
         client = getattr(self._local, "client", None)
@@ -250,7 +256,7 @@ class TritonEndpoint:
         tensors, requested = self._tensors(inputs, outputs)
         return self._call(what, timeout_s, self._client().infer, model, tensors, outputs=requested, client_timeout=timeout_s)
 
-    def _stream(self, model, inputs, outputs, timeout_s, what):
+    def _stream(self, model, inputs, outputs, timeout_s, what, on_text=None):
         """All responses of one request on the gRPC stream, and the time of the first non-empty one."""
         tensors, requested = self._tensors(inputs, outputs)
         client = self._client()
@@ -274,6 +280,8 @@ class TritonEndpoint:
                 final = response.parameters.get("triton_final_response")
                 if response.outputs:
                     responses.append(result)
+                    if on_text is not None:
+                        on_text(_text(result))
                     if first_s is None and _text(result):
                         first_s = at
                 if final is not None and final.bool_param:
@@ -283,6 +291,22 @@ class TritonEndpoint:
                 client.stop_stream(cancel_requests=True)
             except Exception:  # the stream may already be broken; nothing left to clean up
                 pass
+
+
+def timing(streamed: bool, sent_s: float, first_s: float | None, done_s: float, perf: PerfMetrics):
+    """(TTFT, first-to-last-token time, source) of one request.
+
+    Streamed: the client's clock, request sent -> first non-empty response -> last response.
+    Unary: the model's perf outputs, arrival -> first_token_time_ns -> last_token_time_ns (the
+    client sees nothing before the whole answer arrives).
+    """
+    if streamed:
+        if first_s is None:
+            return None, None, None
+        return first_s - sent_s, done_s - first_s, TIMING_STREAM
+    if perf.server_ttft_s is None:
+        return None, None, None
+    return perf.server_ttft_s, perf.server_decode_s, TIMING_SERVER
 
 
 def _text(result) -> str:

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from specdeploy.config import SpeculativeConfig, ValidationConfig
+from specdeploy.config import SpeculativeConfig, ValidationConfig, exact_verification
 from specdeploy.client import latency as lat
 from specdeploy.client import parity as par
-from specdeploy.client.prompts import Prompt, load_prompt_set
+from specdeploy.client.prompts import HFChatTemplate, Prompt, load_prompt_set, render_prompts, spread_over_categories
 from specdeploy.client.protocol import (
     CONTROL_MODEL,
     REQUIRED_MODELS,
@@ -46,6 +46,11 @@ class Options:
     min_speedup: float = ValidationConfig.min_speedup
     near_tie_margin: float = ValidationConfig.near_tie_margin
     request_timeout_s: float = ValidationConfig.request_timeout_s
+    chat_template: str = ValidationConfig.chat_template
+    min_compared_tokens: int = ValidationConfig.min_compared_tokens
+    min_compared_share: float = ValidationConfig.min_compared_share
+    latency_prompts: int = ValidationConfig.latency_prompts
+    exact_verification: bool = True  # from the recipe's backend (specdeploy.config.exact_verification)
     num_draft_tokens: int = SpeculativeConfig.num_draft_tokens
     max_draft_len: int = SpeculativeConfig.max_draft_len
     stream: bool = False  # decoupled deployments: stream for a client-side TTFT
@@ -69,12 +74,22 @@ class Options:
             min_speedup=v.min_speedup,
             near_tie_margin=v.near_tie_margin,
             request_timeout_s=v.request_timeout_s,
+            chat_template=v.chat_template,
+            min_compared_tokens=v.min_compared_tokens,
+            min_compared_share=v.min_compared_share,
+            latency_prompts=v.latency_prompts,
+            exact_verification=exact_verification(recipe.backend),
             num_draft_tokens=s.num_draft_tokens,
             max_draft_len=s.max_draft_len,
             stream=recipe.triton.decoupled,
         )
         base.update({k: v for k, v in overrides.items() if v is not None})
         options = cls(**base)
+        if options.min_compared_tokens > options.max_tokens:
+            raise ConfigError(
+                f"min_compared_tokens ({options.min_compared_tokens}) is larger than max_tokens ({options.max_tokens}): no output could be compared",
+                f"raise validation.max_tokens to at least {options.min_compared_tokens}",
+            )
         for k in options.sweep_draft_tokens:
             if not 1 <= k <= options.max_draft_len:
                 raise ConfigError(
@@ -106,6 +121,10 @@ class HFCodec:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+
+    def chat_renderer(self):
+        # The repository's preprocessing encodes with add_special_tokens (NVIDIA's default).
+        return HFChatTemplate(self.tokenizer) if HFChatTemplate.available(self.tokenizer) else None
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -150,8 +169,9 @@ def validate(
     progress=True,
 ) -> dict:
     """Run every phase against `endpoint` and return the report dict (never raises on a server fault)."""
-    prompts = load_prompt_set(options.prompt_set, options.max_tokens, options.max_prompts)
+    prompts, template = prepare_prompts(options, codec)
     report = _new_report(recipe_name, endpoint, baseline, options, prompts, quality)
+    report["settings"]["chat_template_used"] = template
     bar = _Progress(_total_steps(options, prompts, baseline is not None), progress)
     started = time.perf_counter()
     try:
@@ -164,6 +184,19 @@ def validate(
         bar.close()
         report["duration_s"] = time.perf_counter() - started
     return report
+
+
+def prepare_prompts(options: Options, codec: TokenCodec) -> tuple[list[Prompt], bool]:
+    """The prompt set, rendered with the tokenizer's chat template (chat_template auto and one exists);
+    and whether it was."""
+    prompts = load_prompt_set(options.prompt_set, options.max_tokens, options.max_prompts)
+    renderer = codec.chat_renderer() if options.chat_template == "auto" else None
+    return render_prompts(prompts, renderer), renderer is not None
+
+
+def latency_subset(options: Options, prompts: list[Prompt]) -> list[Prompt]:
+    """The prompts each latency run sends: `latency_prompts` of them spread over the categories (0: all)."""
+    return spread_over_categories(prompts, options.latency_prompts) if options.latency_prompts > 0 else list(prompts)
 
 
 def _run_phases(report, endpoint, codec, options, prompts, baseline, bar) -> None:
@@ -181,20 +214,22 @@ def _run_phases(report, endpoint, codec, options, prompts, baseline, bar) -> Non
     except ClientError as exc:
         triage = False
         report["warnings"].append(f"divergences cannot be triaged: {exc.message}")
-    _parity(report, endpoint, codec, options, prompts, triage, bar)
+    _parity(report, endpoint, codec, options, prompts, triage, decoupled, bar)
     if baseline is not None:
         _baseline_parity(report, endpoint, baseline, codec, options, prompts, bar)
     if options.sampling is not None:
         bar.phase("sampling")
         _sampling(report, endpoint, options, prompts, bar)
 
+    timed = latency_subset(options, prompts)
+    report["settings"]["latency_prompt_ids"] = [p.id for p in timed]
     bar.phase("warm-up")
-    lat.warm_up(endpoint, prompts, options.num_draft_tokens, options.request_timeout_s, options.warmup_requests)
+    lat.warm_up(endpoint, timed, options.num_draft_tokens, options.request_timeout_s, options.warmup_requests)
     bar.phase("latency")
-    _latency(report, endpoint, codec, options, prompts, decoupled, bar)
+    _latency(report, endpoint, codec, options, timed, decoupled, bar)
     if options.sweep_draft_tokens:
         bar.phase("sweep")
-        _sweep(report, endpoint, codec, options, prompts, decoupled, bar)
+        _sweep(report, endpoint, codec, options, timed, decoupled, bar)
     _speed_warnings(report, options)
 
 
@@ -230,14 +265,29 @@ def _total_steps(options: Options, prompts: list[Prompt], with_baseline: bool) -
     steps = n * (2 if with_baseline else 1)
     if options.sampling is not None:
         steps += options.sample_prompts * options.samples_per_prompt
-    steps += 2 * n * len(options.concurrency) * options.repeats
-    steps += n * (1 + len(options.sweep_draft_tokens)) * options.repeats
+    timed = len(latency_subset(options, prompts))
+    steps += 2 * timed * len(options.concurrency) * options.repeats
+    steps += timed * (1 + len(options.sweep_draft_tokens)) * options.repeats
     return steps
 
 
-def _parity(report, endpoint, codec, options, prompts, triage: bool, bar) -> None:
+def greedy_policy(options: Options) -> par.GreedyPolicy:
+    return par.GreedyPolicy(options.exact_verification, options.near_tie_margin, options.min_compared_tokens)
+
+
+def _parity(report, endpoint, codec, options, prompts, triage: bool, decoupled: bool, bar) -> None:
     items: list[par.PromptParity] = []
-    report["parity"] = {"items": [], "summary": {}, "near_tie_margin": options.near_tie_margin, "num_draft_tokens": options.num_draft_tokens}
+    policy = greedy_policy(options)
+    report["parity"] = {
+        "items": [],
+        "summary": {},
+        "exact_verification": policy.exact,
+        "near_tie_margin": options.near_tie_margin,
+        "min_compared_tokens": options.min_compared_tokens,
+        "min_compared_share": options.min_compared_share,
+        "num_draft_tokens": options.num_draft_tokens,
+        "streams_checked": decoupled,
+    }
 
     def publish():
         report["parity"]["items"] = [dataclasses.asdict(i) for i in items]
@@ -247,7 +297,7 @@ def _parity(report, endpoint, codec, options, prompts, triage: bool, bar) -> Non
         for prompt in prompts:
             items.append(
                 par.check_prompt(
-                    endpoint, prompt, codec, options.num_draft_tokens, options.near_tie_margin, options.request_timeout_s, triage
+                    endpoint, prompt, codec, options.num_draft_tokens, policy, options.request_timeout_s, triage, check_streams=decoupled
                 )
             )
             publish()
@@ -264,7 +314,8 @@ def _baseline_parity(report, endpoint, baseline, codec, options, prompts, bar) -
     try:
         for prompt in prompts:
             base = baseline.generate(CONTROL_MODEL, GenerateRequest(prompt.text, prompt.max_tokens), options.request_timeout_s)
-            items.append(par.compare_greedy(prompt, base.text, control_texts[prompt.id], codec, None, options.near_tie_margin))
+            policy = par.GreedyPolicy(False, options.near_tie_margin, options.min_compared_tokens)  # another deployment: never exact
+            items.append(par.compare_greedy(prompt, base.text, control_texts[prompt.id], codec, None, policy))
             bar(1)
     finally:
         report["baseline_parity"]["items"] = [dataclasses.asdict(i) for i in items]
@@ -303,11 +354,23 @@ def _sampling(report, endpoint, options, prompts, bar) -> None:
         section["combined_p_value"] = par.combine_p_values([t["p_value"] for t in section["tests"]]) if section["tests"] else None
 
 
-def _run_levels(report_section, endpoint, codec, options, prompts, decoupled, bar, plan) -> None:
+def _references(report) -> dict[str, dict]:
+    """Per latency mode: prompt id -> (text, generated tokens) from the parity phase."""
+    out = {lat.CONTROL: {}, lat.SPECULATIVE: {}}
+    for i in (report.get("parity") or {}).get("items", []):
+        out[lat.CONTROL][i["prompt_id"]] = (i["control_text"], i["generated_tokens"])
+        same = i["speculative_text"] == i["control_text"] and i["verdict"] in (par.MATCH, par.TOO_SHORT)
+        out[lat.SPECULATIVE][i["prompt_id"]] = (i["speculative_text"], i["generated_tokens"] if same else None)
+    return out
+
+
+def _run_levels(report, report_section, endpoint, codec, options, prompts, decoupled, bar, plan) -> None:
     """Run (mode, concurrency, repeat, k) in order; stop at the first failed run (its samples are kept)."""
+    references = _references(report)
     for mode, level, repeat, k in plan:
         run = lat.run_level(
-            endpoint, codec, prompts, mode, level, repeat, options.request_timeout_s, k, decoupled, progress=bar
+            endpoint, codec, prompts, mode, level, repeat, options.request_timeout_s, k, decoupled, progress=bar,
+            reference=references[mode],  # greedy: the same text for every k
         )
         report_section["runs"].append(run)
         if run.error is not None:
@@ -323,7 +386,7 @@ def _latency(report, endpoint, codec, options, prompts, decoupled, bar) -> None:
         for mode in (lat.CONTROL, lat.SPECULATIVE)  # interleaved so drift hits both sides alike
     ]
     try:
-        _run_levels(section, endpoint, codec, options, prompts, decoupled, bar, plan)
+        _run_levels(report, section, endpoint, codec, options, prompts, decoupled, bar, plan)
     finally:
         runs = section["runs"]
         report["latency"] = {
@@ -340,7 +403,7 @@ def _sweep(report, endpoint, codec, options, prompts, decoupled, bar) -> None:
         plan.append((lat.CONTROL, 1, repeat, None))
         plan += [(lat.SPECULATIVE, 1, repeat, k) for k in options.sweep_draft_tokens]
     try:
-        _run_levels(section, endpoint, codec, options, prompts, decoupled, bar, plan)
+        _run_levels(report, section, endpoint, codec, options, prompts, decoupled, bar, plan)
     finally:
         runs = section["runs"]
         points = lat.sweep_points(runs)
@@ -359,11 +422,17 @@ def _speed_warnings(report: dict, options: Options) -> None:
         ttft, e2e = level.get("ttft_s_p50"), level.get("e2e_s_p50")
         if level.get("ttft_source") == "server" and ttft is not None and e2e and ttft > 0.9 * e2e:
             report["warnings"].append(
-                f"TTFT of the {level['mode']} path comes from the server's perf outputs and is close to the whole latency "
-                "(a non-streaming model reports its first token when the output is complete): for a real TTFT and TPOT "
-                "deploy in decoupled mode (triton.decoupled: true), which validate then streams"
+                f"TTFT of the {level['mode']} path comes from the server's perf outputs and is close to the whole latency: "
+                "the server seems to stamp first_token_time_ns when the output is complete, so its TTFT and TPOT are not "
+                "real; deploy in decoupled mode (triton.decoupled: true) to measure them on the stream"
             )
             break
+    for level in (report["latency"] or {}).get("levels", []):
+        if level.get("different_text"):
+            report["warnings"].append(
+                f"{level['different_text']} of {level['requests']} {level['mode']} outputs at concurrency {level['concurrency']} "
+                "differ from the same prompt's output in the parity phase (greedy outputs should repeat exactly)"
+            )
     rows = [r for r in (report["latency"] or {}).get("speedups", []) if r["category"] == "all" and r["median"] is not None]
     lowest = min(options.concurrency)
     for row in rows:
@@ -435,7 +504,7 @@ def server_url(layout) -> str:
     from specdeploy.triton import server
 
     state, line = server.status(layout.server_state)
-    if state is None or not server.pid_alive(state.pid):
+    if state is None or not state.running():  # a PID now held by another process is no server
         raise ClientError(f"no running server for this recipe: {line}", "start one with: specdeploy serve RECIPE --detach, or pass --url host:port")
     return state.grpc_url
 
@@ -468,7 +537,7 @@ def validate_recipe(
         endpoint.close()
         if baseline is not None:
             baseline.close()
-    verdict = gate.evaluate(report, options.min_parity, options.min_speedup)
+    verdict = gate.evaluate(report, options.min_parity, options.min_speedup, options.min_compared_share)
     report["gate"] = verdict.to_dict()
     paths = write_report(report, Path(report_dir) if report_dir else layout.report)
     return report, paths, verdict
@@ -480,10 +549,19 @@ def summary_lines(report: dict) -> list[str]:
     parity = (report.get("parity") or {}).get("summary", {}).get("all")
     if parity:
         lines.append(
-            f"parity: {parity['exact']}/{parity['prompts']} exact, {parity['near_ties']} near-ties, "
+            f"parity: {parity['compared']}/{parity['prompts']} prompts compared ({parity['tokens']} tokens; "
+            f"{parity['too_short']} too short), {parity['exact']} exact, {parity['near_ties']} near-ties, "
             f"{parity['mismatches']} mismatches, token agreement {parity['token_agreement']:.1%}"
         )
     levels = {(r["mode"], r["concurrency"]): r for r in (report.get("latency") or {}).get("levels", [])}
+    for (mode, level), row in sorted(levels.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        if row.get("ttft_s_p50") is not None:
+            tpot = row.get("tpot_s_p50")
+            lines.append(
+                f"concurrency {level} {mode}: TTFT p50 {row['ttft_s_p50'] * 1000:.1f} ms, TPOT p50 "
+                + (f"{tpot * 1000:.1f} ms" if tpot is not None else "–")
+                + f" ({row.get('ttft_source')}), {row['output_tokens_per_s'] or 0:.1f} tok/s"
+            )
     for row in (report.get("latency") or {}).get("speedups", []):
         if row["category"] != "all" or row["median"] is None:
             continue

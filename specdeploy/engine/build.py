@@ -22,7 +22,7 @@ def build_recipe(recipe: Recipe, layout, force: bool = False, echo=print) -> dic
     None when up to date}.
     """
     plans = []
-    for role in ROLES:
+    for role in recipe.model_roles:  # an n-gram draft has no engine
         ckpt = layout.checkpoint(role)
         manifest = artifacts.require(ckpt, stage="quantize", rerun=QUANTIZE_RERUN)
         _check_checkpoint_matches(recipe, role, manifest, ckpt)

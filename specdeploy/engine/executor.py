@@ -12,6 +12,12 @@ cache to the common prefix (the position pointer moves back) and computes only t
 speculative loop sends the whole sequence every round, so each round computes only its new tokens.
 Memory is bounded by `max_cached_sequences` caches of at most `cache_len` positions each.
 
+Per request it honours TensorRT-LLM's logits processing (embedding bias, temperature, repetition /
+presence / frequency penalties over prompt + output, min_tokens, bad words: `specdeploy.engine.logits`,
+applied per verified position in a draft verification pass too), log probs, context and generation
+logits, cancellation and a deadline (checked between decode steps), the perf timestamps and the
+`kv_cache_*` block counts (`TOKENS_PER_BLOCK` tokens per block).
+
 The engine API used (CONTRACTS.md): `engine.spec` (vocab_size, max_seq_len, max_draft_len),
 `engine.new_cache(max_len)` -> cache with `.length` and `.truncate(n)`, and
 `engine.forward(cache, LongTensor[n]) -> FloatTensor[n, vocab]` (appends n positions).
@@ -23,17 +29,26 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
 from specdeploy import speculative as spec
+from specdeploy.engine import logits as lp
+from specdeploy.engine.logits import LogitsParams, mask_bad_words  # noqa: F401  (mask_bad_words: re-exported)
 from specdeploy.errors import ConfigError
 from specdeploy.speculative import SamplingParams
+
+# Tokens per KV cache block for the kv_cache_* block counts: TensorRT-LLM's default
+# (`PluginConfig._tokens_per_block = 32` in tensorrt_llm/plugin/plugin.py; older releases used 64).
+TOKENS_PER_BLOCK = 32
 
 
 @dataclass
 class GenerationRequest:
+    """One `tensorrt_llm` request. Logits processing (penalties, min_tokens, embedding bias, bad
+    words) has TensorRT-LLM's meaning and order: see `specdeploy.engine.logits`."""
+
     input_ids: list[int]
     max_new_tokens: int
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -42,9 +57,18 @@ class GenerationRequest:
     stop_words: list[list[int]] = field(default_factory=list)
     bad_words: list[list[int]] = field(default_factory=list)
     draft_tokens: list[int] | None = None
-    draft_logits: torch.Tensor | None = None  # [k, vocab], the draft's generation logits
+    draft_logits: torch.Tensor | None = None  # [k, vocab], the draft's (raw) generation logits
     return_logits: bool = False
     streaming: bool = False
+    repetition_penalty: float = 1.0  # over prompt + output tokens, as TensorRT-LLM
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0  # the end id is banned until this request has generated min_tokens tokens
+    embedding_bias: torch.Tensor | None = None  # [vocab] fp32, added to the logits
+    return_log_probs: bool = False
+    return_context_logits: bool = False  # [prompt_len, vocab] on the first chunk; disables prefix reuse
+    is_cancelled: Callable[[], bool] | None = None  # polled between decode steps
+    timeout_s: float | None = None  # deadline from the start of generate(), checked between steps
 
 
 @dataclass
@@ -60,15 +84,28 @@ class GenerationStats:
     forward_time_s: float = 0.0  # all engine passes
     first_token_time_s: float = 0.0  # from the call to the first token
     total_time_s: float = 0.0
+    # wall-clock stamps (time.time_ns()), TensorRT-LLM's perf outputs; 0 = not reached
+    scheduled_time_ns: int = 0  # when generate() started work on the request (first_scheduled_time_ns)
+    first_token_time_ns: int = 0  # when the first token was chosen (the real TTFT stamp, also in unary mode)
+    last_token_time_ns: int = 0  # when the last token was chosen
+    # KV cache blocks of TOKENS_PER_BLOCK tokens (Executor.tokens_per_block), as TensorRT-LLM reports them:
+    # total = blocks covering input + output, reused = whole blocks of the reused prefix, new = total - reused
+    kv_cache_alloc_new_blocks: int = 0
+    kv_cache_reused_blocks: int = 0
+    kv_cache_alloc_total_blocks: int = 0
+    cum_log_prob: float = 0.0  # sum of the output tokens' log probs (with return_log_probs)
 
 
 @dataclass
 class GenerationChunk:
     token_ids: list[int]  # new tokens of this chunk
-    logits: torch.Tensor | None = None  # [len(token_ids), vocab]: the (bad-words-masked) logits each was chosen from
+    logits: torch.Tensor | None = None  # [len(token_ids), vocab]: the raw engine logits each was chosen from (generation_logits)
     finished: bool = False
-    finish_reason: str | None = None  # "length" | "end_id" | "stop_words" | "draft" (a verification pass)
+    # "length" | "end_id" | "stop_words" | "draft" (a verification pass) | "cancelled" | "timeout"
+    finish_reason: str | None = None
     stats: GenerationStats | None = None
+    log_probs: list[float] | None = None  # one per token of token_ids (with return_log_probs)
+    context_logits: torch.Tensor | None = None  # [prompt_len, vocab], first chunk only (with return_context_logits)
 
 
 @dataclass
@@ -104,37 +141,40 @@ def reusable_prefix_len(cached_tokens: Sequence[int], input_ids: Sequence[int]) 
     return n
 
 
-def mask_bad_words(logits: torch.Tensor, sequence: Sequence[int], bad_words: Sequence[Sequence[int]]) -> torch.Tensor:
-    """Set to -inf the last token of every bad word whose other tokens end `sequence` ([vocab] row)."""
-    banned = []
-    for word in bad_words:
-        n = len(word)
-        if n == 0:
-            continue
-        if n == 1 or (len(sequence) >= n - 1 and list(sequence[len(sequence) - (n - 1) :]) == list(word[:-1])):
-            banned.append(word[-1])
-    if not banned:
-        return logits
-    logits = logits.clone()
-    logits[banned] = float("-inf")
-    return logits
-
-
 class Executor:
     """Runs requests on one engine, one at a time, keeping finished sequences' KV for reuse."""
 
-    def __init__(self, engine, max_cached_sequences: int = 4, cache_len: int | None = None, clock=time.perf_counter):
+    def __init__(
+        self,
+        engine,
+        max_cached_sequences: int = 4,
+        cache_len: int | None = None,
+        clock=time.perf_counter,
+        wall_clock_ns=time.time_ns,
+        tokens_per_block: int = TOKENS_PER_BLOCK,
+        normalize_log_probs: bool = True,
+    ):
+        """`clock` times passes and deadlines (seconds); `wall_clock_ns` stamps the perf timestamps;
+        `normalize_log_probs` is the `tensorrt_llm` model parameter of that name (default true, as in
+        tensorrtllm_backend): log probs of the top-k/top-p renormalized distribution (0 for a greedy
+        token), else log_softmax of the processed row."""
         if max_cached_sequences < 1:
             raise ConfigError(f"max_cached_sequences is {max_cached_sequences}, must be >= 1")
+        if tokens_per_block < 1:
+            raise ConfigError(f"tokens_per_block is {tokens_per_block}, must be >= 1")
         self.engine = engine
         self.max_cached_sequences = max_cached_sequences
         self.max_seq_len = int(engine.spec.max_seq_len)
         self.cache_len = min(cache_len or self.max_seq_len, self.max_seq_len)
         self.max_draft_len = int(getattr(engine.spec, "max_draft_len", 0) or 0)
+        self.vocab_size = int(getattr(engine.spec, "vocab_size", 0) or 0) or None
+        self.tokens_per_block = tokens_per_block
+        self.normalize_log_probs = normalize_log_probs
         self._pool: OrderedDict[int, _Entry] = OrderedDict()  # LRU order: oldest first
         self._next_id = 0
         self._lock = threading.Lock()
         self._clock = clock
+        self._wall_ns = wall_clock_ns
 
     # ------------------------------------------------------------ the KV pool
 
@@ -192,7 +232,8 @@ class Executor:
 
     # ------------------------------------------------------------ requests
 
-    def _check(self, request: GenerationRequest) -> None:
+    def _check(self, request: GenerationRequest) -> LogitsParams:
+        """Refuse what cannot run, naming the field; returns the request's logits processing."""
         n = len(request.input_ids)
         if n == 0:
             raise ConfigError("input_ids is empty", "send at least one token (e.g. the BOS token)")
@@ -211,84 +252,162 @@ class Executor:
             )
         if request.draft_logits is not None and tuple(request.draft_logits.shape[:1]) != (k,):
             raise ConfigError(f"draft_logits has shape {tuple(request.draft_logits.shape)}, expected [{k}, vocab]")
+        if request.timeout_s is not None and not request.timeout_s > 0:
+            raise ConfigError(f"timeout_s is {request.timeout_s}, must be > 0", "leave it unset for no deadline")
+        bias = request.embedding_bias
+        if bias is not None and self.vocab_size and tuple(bias.shape) != (self.vocab_size,):
+            raise ConfigError(
+                f"embedding_bias has shape {list(bias.shape)}, expected [{self.vocab_size}] (one value per vocabulary token)",
+                "send a [vocab_size] fp32 bias, or leave it unset",
+            )
+        return LogitsParams(
+            temperature=request.sampling.temperature,
+            repetition_penalty=request.repetition_penalty,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+            min_tokens=request.min_tokens,
+            end_id=request.end_id,
+            bad_words=tuple(tuple(int(t) for t in w) for w in request.bad_words),
+            embedding_bias=None if bias is None else bias.float(),
+        )
 
     def generate(self, request: GenerationRequest) -> Iterator[GenerationChunk]:
         """Run one request; yields chunks (one per token when streaming, else one), the last with
-        finished=True, finish_reason and stats."""
-        self._check(request)
+        finished=True, finish_reason and stats. Cancellation (`is_cancelled`) and the deadline
+        (`timeout_s`) are checked before the first pass and after every token: the request then ends
+        with the tokens it has and finish_reason "cancelled" / "timeout"."""
+        params = self._check(request)
         start = self._clock()
-        stats = GenerationStats(input_tokens=len(request.input_ids))
+        stats = GenerationStats(input_tokens=len(request.input_ids), scheduled_time_ns=self._wall_ns())
+        reason = self._interrupted(request, start)
+        if reason is not None:
+            self._finish(stats, [], [], start)
+            yield self._chunk(request, [], [], [], reason, stats, None)
+            return
         draft = list(request.draft_tokens or [])
         needed = len(request.input_ids) + max(request.max_new_tokens, len(draft) + 1)
         entry, reused = self._acquire(list(request.input_ids), needed)
+        if request.return_context_logits and reused:
+            # reused positions have no logits: recompute the whole prompt
+            entry.cache.truncate(0)
+            entry.tokens.clear()
+            reused = 0
         stats.reused_tokens = reused
         try:
             if draft:
-                yield from self._verify(entry, request, draft, stats, start)
+                yield from self._verify(entry, request, params, draft, stats, start)
             else:
-                yield from self._decode(entry, request, stats, start)
+                yield from self._decode(entry, request, params, stats, start)
         finally:
             self._release(entry)
 
-    def _decode(self, entry: _Entry, request: GenerationRequest, stats: GenerationStats, start: float) -> Iterator[GenerationChunk]:
+    def _interrupted(self, request: GenerationRequest, start: float) -> str | None:
+        if request.is_cancelled is not None and request.is_cancelled():
+            return "cancelled"
+        if request.timeout_s is not None and self._clock() - start >= request.timeout_s:
+            return "timeout"
+        return None
+
+    def _finish(self, stats: GenerationStats, output: list[int], log_probs: list[float], start: float) -> None:
+        """Final counts: output tokens, total time, cumulative log prob, KV blocks."""
+        stats.output_tokens = len(output)
+        stats.total_time_s = self._clock() - start
+        stats.cum_log_prob = float(sum(log_probs))
+        tpb = self.tokens_per_block
+        total = -(-(stats.input_tokens + stats.output_tokens) // tpb)  # ceil
+        stats.kv_cache_reused_blocks = stats.reused_tokens // tpb  # whole blocks only are shared
+        stats.kv_cache_alloc_total_blocks = total
+        stats.kv_cache_alloc_new_blocks = total - stats.kv_cache_reused_blocks
+
+    def _stamp_token(self, stats: GenerationStats, first: bool, start: float) -> None:
+        now_ns = self._wall_ns()
+        if first:
+            stats.first_token_time_s = self._clock() - start
+            stats.first_token_time_ns = now_ns
+        stats.last_token_time_ns = now_ns
+
+    def _decode(
+        self, entry: _Entry, request: GenerationRequest, params: LogitsParams, stats: GenerationStats, start: float
+    ) -> Iterator[GenerationChunk]:
         input_ids = list(request.input_ids)
+        n_in = len(input_ids)
         generator = None if spec.is_greedy(request.sampling) else spec.make_generator(request.sampling.seed)
-        logits = self._forward(entry, input_ids[stats.reused_tokens :], stats)[-1]  # [vocab]
+        sampler = lp.sampler_params(request.sampling)
+        logits = self._forward(entry, input_ids[stats.reused_tokens :], stats)  # [n_in - reused, vocab]
+        context_logits = logits[:n_in] if request.return_context_logits else None  # reused == 0 then
+        raw = logits[-1]  # [vocab]
         stats.first_forward_time_s = stats.forward_time_s
         sequence = list(input_ids)
         output: list[int] = []
         kept_logits: list[torch.Tensor] = []
+        kept_log_probs: list[float] = []
         pending = 0  # tokens not yet sent (non-streaming sends all at the end)
         while True:
-            row = mask_bad_words(logits, sequence, request.bad_words)
-            token = spec.choose_token(row, request.sampling, generator)
-            if not output:
-                stats.first_token_time_s = self._clock() - start
+            row = lp.process_row(raw, sequence, len(output), params)  # [vocab]
+            token = spec.choose_token(row, sampler, generator)
+            self._stamp_token(stats, not output, start)
             output.append(token)
             sequence.append(token)
             pending += 1
             if request.return_logits:
-                kept_logits.append(row)
+                kept_logits.append(raw)
+            if request.return_log_probs:
+                kept_log_probs.append(lp.token_log_prob(row, token, request.sampling, self.normalize_log_probs))
             reason = None
             if spec.find_stop(sequence, len(sequence) - 1, request.end_id, request.stop_words) is not None:
                 reason = "end_id" if token == request.end_id else "stop_words"
             elif len(output) >= request.max_new_tokens:
                 reason = "length"
+            else:
+                reason = self._interrupted(request, start)
             if reason is not None:
-                stats.output_tokens = len(output)
-                stats.total_time_s = self._clock() - start
-                yield self._chunk(output[-pending:], kept_logits[-pending:] if request.return_logits else None, reason, stats)
+                self._finish(stats, output, kept_log_probs, start)
+                yield self._chunk(request, output[-pending:], kept_logits[-pending:], kept_log_probs[-pending:], reason, stats, context_logits)
                 return
             if request.streaming:
-                yield self._chunk([token], kept_logits[-1:] if request.return_logits else None, None, None)
+                yield self._chunk(request, [token], kept_logits[-1:], kept_log_probs[-1:], None, None, context_logits)
+                context_logits = None
                 pending = 0
-            logits = self._forward(entry, [token], stats)[0]
+            raw = self._forward(entry, [token], stats)[0]
 
-    def _verify(self, entry: _Entry, request: GenerationRequest, draft: list[int], stats: GenerationStats, start: float) -> Iterator[GenerationChunk]:
-        """One target pass over the uncached input suffix + the k draft tokens; accept; add one own token."""
+    def _verify(
+        self,
+        entry: _Entry,
+        request: GenerationRequest,
+        params: LogitsParams,
+        draft: list[int],
+        stats: GenerationStats,
+        start: float,
+    ) -> Iterator[GenerationChunk]:
+        """One target pass over the uncached input suffix + the k draft tokens; accept; add one own token.
+
+        Row i (the position of draft[i], or after the last draft token for i = k) is processed over
+        input + draft[:i] with i tokens generated, so the pass equals k + 1 single decode steps with
+        the same penalties, min_tokens, bias and bad words (greedy parity)."""
         input_ids = list(request.input_ids)
         k = len(draft)
         n_in = len(input_ids)
-        logits = self._forward(entry, input_ids[stats.reused_tokens :] + draft, stats)[-(k + 1) :]  # [k + 1, vocab]
+        logits = self._forward(entry, input_ids[stats.reused_tokens :] + draft, stats)  # [n_in - reused + k, vocab]
+        context_logits = logits[:n_in] if request.return_context_logits else None  # reused == 0 then
+        raw_rows = logits[-(k + 1) :]  # [k + 1, vocab]
         stats.first_forward_time_s = stats.forward_time_s
         context = input_ids + draft
-        rows = logits
-        if request.bad_words:
-            rows = torch.stack([mask_bad_words(logits[i], context[: n_in + i], request.bad_words) for i in range(k + 1)])
-        params = request.sampling
-        if spec.is_greedy(params):
+        rows = lp.process_rows(raw_rows, context, n_in, 0, params)  # [k + 1, vocab]
+        sampling = request.sampling
+        if spec.is_greedy(sampling):
             num_accepted, next_token = spec.verify_greedy(draft, rows)
         else:
-            generator = spec.make_generator(params.seed)
-            target_probs = spec.sampling_distribution(rows, params)  # [k + 1, vocab]
+            generator = spec.make_generator(sampling.seed)
+            sampler = lp.sampler_params(sampling)
+            target_probs = spec.sampling_distribution(rows, sampler)  # [k + 1, vocab]
             if request.draft_logits is not None:
-                draft_rows = request.draft_logits.float()  # [k, vocab]
-                if request.bad_words:
-                    draft_rows = torch.stack([mask_bad_words(draft_rows[i], context[: n_in + i], request.bad_words) for i in range(k)])
-                draft_probs = spec.sampling_distribution(draft_rows, params)  # [k, vocab]
+                # the draft's raw logits, processed as the draft processed them: its own distribution
+                draft_rows = lp.process_rows(request.draft_logits.float(), context, n_in, 0, params)  # [k, vocab]
+                draft_probs = spec.sampling_distribution(draft_rows, sampler)  # [k, vocab]
                 num_accepted, next_token = spec.verify_rejection(draft, draft_probs, target_probs, generator)
             else:
                 num_accepted, next_token = spec.verify_token_match(draft, target_probs, generator)
+        self._stamp_token(stats, True, start)
         # Keep the KV of the accepted draft tokens only: the pointer moves back past the rejected ones.
         entry.cache.truncate(n_in + num_accepted)
         del entry.tokens[n_in + num_accepted :]
@@ -298,27 +417,47 @@ class Executor:
         if cut is not None:
             output = output[: cut - n_in]
             reason = "end_id" if output[-1] == request.end_id else "stop_words"
+        log_probs = []
+        if request.return_log_probs:  # under the target's distribution (the one emitted tokens follow)
+            log_probs = [lp.token_log_prob(rows[i], t, sampling, self.normalize_log_probs) for i, t in enumerate(output)]
         stats.drafted, stats.accepted = k, num_accepted
-        stats.output_tokens = len(output)
-        stats.first_token_time_s = stats.total_time_s = self._clock() - start
-        yield self._chunk(output, rows[: len(output)] if request.return_logits else None, reason, stats)
+        self._finish(stats, output, log_probs, start)
+        yield self._chunk(request, output, raw_rows[: len(output)], log_probs, reason, stats, context_logits)
 
     @staticmethod
-    def _chunk(tokens, logits, reason, stats) -> GenerationChunk:
-        if isinstance(logits, list):
-            logits = torch.stack(logits) if logits else None
-        return GenerationChunk(list(tokens), logits, reason is not None, reason, stats)
+    def _chunk(request, tokens, logits, log_probs, reason, stats, context_logits) -> GenerationChunk:
+        rows = None
+        if request.return_logits and len(tokens):
+            rows = torch.stack(list(logits)) if isinstance(logits, list) else logits
+        return GenerationChunk(
+            token_ids=list(tokens),
+            logits=rows,
+            finished=reason is not None,
+            finish_reason=reason,
+            stats=stats,
+            log_probs=list(log_probs) if request.return_log_probs else None,
+            context_logits=context_logits,
+        )
 
 
 def run(executor: Executor, request: GenerationRequest) -> GenerationChunk:
-    """Drain a request into one chunk (all tokens, all logits, the final reason and stats)."""
+    """Drain a request into one chunk (all tokens, logits, log probs, the context logits, the final
+    reason and stats)."""
     tokens: list[int] = []
     logits: list[torch.Tensor] = []
+    log_probs: list[float] | None = [] if request.return_log_probs else None
+    context_logits = None
     last = None
     for chunk in executor.generate(request):
         tokens.extend(chunk.token_ids)
         if chunk.logits is not None:
             logits.append(chunk.logits)
+        if chunk.log_probs is not None and log_probs is not None:
+            log_probs.extend(chunk.log_probs)
+        if chunk.context_logits is not None:
+            context_logits = chunk.context_logits
         last = chunk
     assert last is not None and last.finished
-    return GenerationChunk(tokens, torch.cat(logits) if logits else None, True, last.finish_reason, last.stats)
+    return GenerationChunk(
+        tokens, torch.cat(logits) if logits else None, True, last.finish_reason, last.stats, log_probs, context_logits
+    )

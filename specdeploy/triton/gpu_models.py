@@ -58,13 +58,22 @@ def device_ids(inp: RepoInputs) -> dict[str, str]:
     }
 
 
-def kv_fraction_split(total: float, draft_kv_per_token: int | None, target_kv_per_token: int | None) -> dict[str, float]:
-    """Split the recipe's kv_cache_free_gpu_mem_fraction between the two models sharing a GPU.
+# Triton is expected to load the target first; kv_fraction_split sizes the draft's fraction for being second,
+# and the draft's max_tokens_in_paged_kv_cache cap keeps it small should it load first after all.
+KV_LOAD_ORDER = ("target", "draft")
 
-    Each model takes its fraction of the memory free when *it* loads, in whatever order Triton loads
-    them, so the two fractions summing to `total` is the safe (conservative) choice. Shares follow the
-    KV bytes per token of each model (the draft's own layers and heads), so both hold the same number
-    of tokens.
+
+def kv_fraction_split(
+    total: float, draft_kv_per_token: int | None, target_kv_per_token: int | None, load_order: tuple = KV_LOAD_ORDER
+) -> dict[str, float]:
+    """Per-model kv_cache_free_gpu_mem_fraction values that give each model its share of `total`.
+
+    The TensorRT-LLM backend allocates each model's KV cache as a fraction of the GPU memory free when *that*
+    model loads, so fractions compose: with F free before the first KV cache, the first model takes a*F and the
+    second b*(1-a)*F. Splitting 0.9 as 0.81 (target, first) + 0.09 (draft, second) would leave the draft
+    0.09*0.19 = 1.7 % of F. Here the first gets share_first*total and the second share_second*total/(1 -
+    share_first*total), so that together they take `total` of F, in the proportion of their KV bytes per token
+    (both hold the same number of tokens).
     """
     if draft_kv_per_token and target_kv_per_token:
         share = draft_kv_per_token / (draft_kv_per_token + target_kv_per_token)
@@ -72,7 +81,27 @@ def kv_fraction_split(total: float, draft_kv_per_token: int | None, target_kv_pe
         share = DEFAULT_DRAFT_KV_SHARE
     low, high = DRAFT_KV_SHARE_BOUNDS
     share = min(max(share, low), high)
-    return {"draft": round(total * share, 4), "target": round(total * (1 - share), 4)}
+    shares = {"draft": share, "target": 1.0 - share}
+    first, second = load_order
+    fractions = {first: total * shares[first]}
+    fractions[second] = min(1.0, total * shares[second] / (1.0 - fractions[first]))
+    return {role: round(fractions[role], 4) for role in ("draft", "target")}
+
+
+def kv_shares_when_loaded(fractions: dict[str, float], load_order: tuple, caps: dict[str, float] | None = None) -> dict[str, float]:
+    """Share of the free memory F each model's KV cache takes, loading in `load_order` (caps: share limits from
+    max_tokens_in_paged_kv_cache, the backend takes the smaller of the two)."""
+    caps = caps or {}
+    left, out = 1.0, {}
+    for role in load_order:
+        out[role] = min(fractions[role] * left, caps.get(role, 1.0))
+        left -= out[role]
+    return out
+
+
+def draft_kv_tokens(recipe) -> int:
+    """Tokens the draft's KV cache needs at most: every sequence of the batch at full length."""
+    return recipe.engine.max_batch_size * recipe.engine.max_seq_len
 
 
 def _kv_per_token(inp: RepoInputs) -> dict[str, int | None]:
@@ -109,6 +138,7 @@ def trtllm_engine_models(inp: RepoInputs) -> list[ModelSpec]:
                     "FORCE_CPU_ONLY_INPUT_TENSORS": "no",
                     "batch_scheduler_policy": "guaranteed_no_evict",
                     "kv_cache_free_gpu_mem_fraction": str(fractions[role]),
+                    **({"max_tokens_in_paged_kv_cache": str(draft_kv_tokens(r))} if role == "draft" else {}),
                     "gpu_device_ids": devices[role],
                     "executor_worker_path": EXECUTOR_WORKER_PATH,
                 },

@@ -23,6 +23,7 @@ from typing import Callable
 from specdeploy.artifacts import Manifest, atomic_output, fingerprint, require, tool_versions
 from specdeploy.config import ROLES, Recipe, to_plain
 from specdeploy.errors import RepoError
+from specdeploy.policy import PolicySettings
 
 STAGE = "repo"
 MODEL_SOURCES = Path(__file__).parent / "models"
@@ -89,88 +90,196 @@ def _t(name, dtype, dims, optional=False, ragged=False) -> Tensor:
     return Tensor(name, dtype, tuple(dims), optional, ragged)
 
 
-# Every tensor list of the layout, written once.
-PERF_OUTPUTS = (
-    _t("acceptance_rate", "FP32", [1]),
-    _t("total_accepted_draft_tokens", "INT32", [1]),
-    _t("total_draft_tokens", "INT32", [1]),
-    _t("arrival_time_ns", "INT64", [1]),
-    _t("first_token_time_ns", "INT64", [1]),
-    _t("last_token_time_ns", "INT64", [1]),
-)
-# ensemble and BLS share these client-facing inputs
-TEXT_INPUTS = (
-    _t("text_input", "STRING", [1]),
-    _t("max_tokens", "INT32", [1]),
-    _t("bad_words", "STRING", [-1], optional=True),
-    _t("stop_words", "STRING", [-1], optional=True),
-    _t("end_id", "INT32", [1], optional=True),
-    _t("pad_id", "INT32", [1], optional=True),
-    _t("top_k", "INT32", [1], optional=True),
-    _t("top_p", "FP32", [1], optional=True),
-    _t("temperature", "FP32", [1], optional=True),
-    _t("seed", "UINT64", [1], optional=True),
-    _t("random_seed", "UINT64", [1], optional=True),  # the older NVIDIA name of `seed`
-    _t("stream", "BOOL", [1], optional=True),
-    _t("exclude_input_in_output", "BOOL", [1], optional=True),
-    _t("return_perf_metrics", "BOOL", [1], optional=True),
-)
-BLS_ONLY_INPUTS = (
-    _t("num_draft_tokens", "INT32", [1], optional=True),
-    _t("use_draft_logits", "BOOL", [1], optional=True),
-)
-TEXT_OUTPUTS = (_t("text_output", "STRING", [-1]),)
+# Every tensor of the layout, written once, exactly as NVIDIA declares it (name, data type, dims,
+# optional) in tensorrtllm_backend c2e65b8 all_models/inflight_batcher_llm/*/config.pbtxt
+# (tests/test_triton_repo.py compares with tests/data/trtllm_backend_c2e65b8_tensors.json). Which of
+# them the CPU models honour and which they refuse unless neutral: specdeploy/triton/models/common.py
+# (HONOURED, NEUTRAL) and the README table "tensor -> honoured or refused".
+REQ, OPT = False, True
+RAGGED = {"input_ids", "draft_input_ids", "draft_logits", "stop_words_list", "bad_words_list", "lora_weights",
+          "lora_config", "guided_decoding_guide_type", "guided_decoding_guide", "embedding_bias"}
 
-PREPROCESSING_INPUTS = (
-    _t("QUERY", "STRING", [1]),
-    _t("REQUEST_OUTPUT_LEN", "INT32", [1]),
-    _t("BAD_WORDS_DICT", "STRING", [-1], optional=True),
-    _t("STOP_WORDS_DICT", "STRING", [-1], optional=True),
-    _t("END_ID", "INT32", [1], optional=True),
-    _t("PAD_ID", "INT32", [1], optional=True),
-)
-PREPROCESSING_OUTPUTS = (
-    _t("INPUT_ID", "INT32", [-1]),
-    _t("REQUEST_INPUT_LEN", "INT32", [1]),
-    _t("BAD_WORDS_IDS", "INT32", [2, -1]),
-    _t("STOP_WORDS_IDS", "INT32", [2, -1]),
-    _t("REQUEST_OUTPUT_LEN", "INT32", [-1]),
-    _t("OUT_END_ID", "INT32", [1]),
-    _t("OUT_PAD_ID", "INT32", [1]),
-)
-LLM_INPUTS = (
-    _t("input_ids", "INT32", [-1], ragged=True),
-    _t("input_lengths", "INT32", [1]),
-    _t("request_output_len", "INT32", [1]),
-    _t("draft_input_ids", "INT32", [-1], optional=True, ragged=True),
-    _t("draft_logits", "FP32", [-1, -1], optional=True, ragged=True),
-    _t("draft_acceptance_threshold", "FP32", [1], optional=True),
-    _t("end_id", "INT32", [1], optional=True),
-    _t("pad_id", "INT32", [1], optional=True),
-    _t("stop_words_list", "INT32", [2, -1], optional=True, ragged=True),
-    _t("bad_words_list", "INT32", [2, -1], optional=True, ragged=True),
-    _t("temperature", "FP32", [1], optional=True),
-    _t("runtime_top_k", "INT32", [1], optional=True),
-    _t("runtime_top_p", "FP32", [1], optional=True),
-    _t("seed", "UINT64", [1], optional=True),
-    _t("random_seed", "UINT64", [1], optional=True),
-    _t("min_tokens", "INT32", [1], optional=True),
-    _t("streaming", "BOOL", [1], optional=True),
-    _t("return_generation_logits", "BOOL", [1], optional=True),
-    _t("exclude_input_in_output", "BOOL", [1], optional=True),
-    _t("return_perf_metrics", "BOOL", [1], optional=True),
-)
-LLM_OUTPUTS = (
-    _t("output_ids", "INT32", [-1, -1]),
-    _t("sequence_length", "INT32", [-1]),
-    _t("generation_logits", "FP32", [-1, -1, -1]),
-    *PERF_OUTPUTS,
-)
-POSTPROCESSING_INPUTS = (
-    _t("TOKENS_BATCH", "INT32", [-1, -1]),
-    _t("SEQUENCE_LENGTH", "INT32", [-1]),
-)
-POSTPROCESSING_OUTPUTS = (_t("OUTPUT", "STRING", [-1]),)
+
+def _table(rows) -> tuple[Tensor, ...]:
+    return tuple(Tensor(name, dtype, tuple(dims), optional, name in RAGGED) for name, dtype, dims, optional in rows)
+
+
+# What every generation result may carry (tensorrt_llm, tensorrt_llm_bls and ensemble outputs).
+RESULT_OUTPUTS = _table([
+    ("cum_log_probs", "FP32", [-1], REQ),
+    ("output_log_probs", "FP32", [-1, -1], REQ),
+    ("context_logits", "FP32", [-1, -1], REQ),
+    ("generation_logits", "FP32", [-1, -1, -1], REQ),
+    ("batch_index", "INT32", [1], REQ),
+    ("sequence_index", "INT32", [1], REQ),
+    ("kv_cache_alloc_new_blocks", "INT32", [1], REQ),
+    ("kv_cache_reused_blocks", "INT32", [1], REQ),
+    ("kv_cache_alloc_total_blocks", "INT32", [1], REQ),
+    ("arrival_time_ns", "INT64", [1], REQ),
+    ("first_scheduled_time_ns", "INT64", [1], REQ),
+    ("first_token_time_ns", "INT64", [1], REQ),
+    ("last_token_time_ns", "INT64", [1], REQ),
+    ("acceptance_rate", "FP32", [1], REQ),
+    ("total_accepted_draft_tokens", "INT32", [1], REQ),
+    ("total_draft_tokens", "INT32", [1], REQ),
+])
+# ensemble and BLS share these client-facing inputs
+TEXT_INPUTS = _table([
+    ("text_input", "STRING", [1], REQ),
+    ("max_tokens", "INT32", [1], REQ),
+    ("decoder_text_input", "STRING", [1], OPT),
+    ("num_return_sequences", "INT32", [1], OPT),
+    ("bad_words", "STRING", [-1], OPT),
+    ("stop_words", "STRING", [-1], OPT),
+    ("exclude_input_in_output", "BOOL", [1], OPT),
+    ("end_id", "INT32", [1], OPT),
+    ("pad_id", "INT32", [1], OPT),
+    ("top_k", "INT32", [1], OPT),
+    ("top_p", "FP32", [1], OPT),
+    ("temperature", "FP32", [1], OPT),
+    ("length_penalty", "FP32", [1], OPT),
+    ("repetition_penalty", "FP32", [1], OPT),
+    ("min_tokens", "INT32", [1], OPT),
+    ("presence_penalty", "FP32", [1], OPT),
+    ("frequency_penalty", "FP32", [1], OPT),
+    ("seed", "UINT64", [1], OPT),
+    ("return_log_probs", "BOOL", [1], OPT),
+    ("return_context_logits", "BOOL", [1], OPT),
+    ("return_generation_logits", "BOOL", [1], OPT),
+    ("return_perf_metrics", "BOOL", [1], OPT),
+    ("beam_width", "INT32", [1], OPT),
+    ("stream", "BOOL", [1], OPT),
+    ("prompt_embedding_table", "FP16", [-1, -1], OPT),
+    ("prompt_table_extra_id", "UINT64", [1], OPT),
+    ("prompt_vocab_size", "INT32", [1], OPT),
+    ("embedding_bias_words", "STRING", [-1], OPT),
+    ("embedding_bias_weights", "FP32", [-1], OPT),
+    ("lora_task_id", "UINT64", [1], OPT),
+    ("lora_weights", "FP16", [-1, -1], OPT),
+    ("lora_config", "INT32", [-1, 3], OPT),
+    ("guided_decoding_guide_type", "STRING", [1], OPT),
+    ("guided_decoding_guide", "STRING", [1], OPT),
+])
+BLS_ONLY_INPUTS = _table([
+    ("image_input", "FP16", [-1, 3, -1, -1], OPT),
+    ("image_bytes_input", "UINT8", [-1, -1, -1, -1], OPT),
+    ("image_url_input", "STRING", [1], OPT),
+    ("video_bytes_input", "UINT8", [-1, -1, -1, -1], OPT),
+    ("num_draft_tokens", "INT32", [1], OPT),
+    ("use_draft_logits", "BOOL", [1], OPT),
+])
+TEXT_OUTPUTS = _table([("text_output", "STRING", [-1], REQ)])
+
+PREPROCESSING_INPUTS = _table([
+    ("QUERY", "STRING", [1], REQ),
+    ("DECODER_QUERY", "STRING", [1], OPT),
+    ("IMAGE_BYTES", "UINT8", [-1, -1, -1, -1], OPT),
+    ("IMAGE_URL", "STRING", [1], OPT),
+    ("VIDEO_BYTES", "UINT8", [-1, -1, -1, -1], OPT),
+    ("REQUEST_OUTPUT_LEN", "INT32", [1], REQ),
+    ("BAD_WORDS_DICT", "STRING", [-1], OPT),
+    ("STOP_WORDS_DICT", "STRING", [-1], OPT),
+    ("EMBEDDING_BIAS_WORDS", "STRING", [-1], OPT),
+    ("EMBEDDING_BIAS_WEIGHTS", "FP32", [-1], OPT),
+    ("END_ID", "INT32", [1], OPT),
+    ("PAD_ID", "INT32", [1], OPT),
+    ("PROMPT_TABLE_EXTRA_ID", "UINT64", [1], OPT),
+])
+PREPROCESSING_OUTPUTS = _table([
+    ("INPUT_ID", "INT32", [-1], REQ),
+    ("REQUEST_INPUT_LEN", "INT32", [1], REQ),
+    ("DECODER_INPUT_ID", "INT32", [-1], REQ),
+    ("REQUEST_DECODER_INPUT_LEN", "INT32", [1], REQ),
+    ("BAD_WORDS_IDS", "INT32", [2, -1], REQ),
+    ("STOP_WORDS_IDS", "INT32", [2, -1], REQ),
+    ("EMBEDDING_BIAS", "FP32", [-1], REQ),
+    ("REQUEST_OUTPUT_LEN", "INT32", [-1], REQ),
+    ("OUT_END_ID", "INT32", [1], REQ),
+    ("OUT_PAD_ID", "INT32", [1], REQ),
+    ("OUT_PROMPT_TABLE_EXTRA_IDS", "UINT64", [-1], REQ),
+    # multimodal outputs: declared for NVIDIA's clients, never produced (image/video inputs are refused)
+    ("PIXEL_VALUES", "FP16", [-1, -1, -1, -1], REQ),
+    ("ASPECT_RATIO_IDS", "INT64", [-1], REQ),
+    ("ASPECT_RATIO_MASK", "INT64", [-1, -1], REQ),
+    ("CROSS_ATTENTION_MASK", "INT64", [-1, -1, -1], REQ),
+    ("IMAGE_SIZES", "INT64", [2], REQ),
+    ("IS_VIDEO_INPUT", "BOOL", [1], REQ),
+    ("ATTENTION_MASK", "INT64", [-1], REQ),
+    ("IMAGE_GRID_THW", "INT64", [3], REQ),
+    ("VISION_INPUT_ID", "INT32", [-1], REQ),
+])
+LLM_INPUTS = _table([
+    ("input_ids", "INT32", [-1], OPT),
+    ("encoder_input_features", "BOOL", [-1, -1], OPT),
+    ("encoder_output_lengths", "INT32", [1], OPT),
+    ("input_lengths", "INT32", [1], REQ),
+    ("request_output_len", "INT32", [1], REQ),
+    ("num_return_sequences", "INT32", [1], OPT),
+    ("draft_input_ids", "INT32", [-1], OPT),
+    ("decoder_input_ids", "INT32", [-1], OPT),
+    ("decoder_input_lengths", "INT32", [1], OPT),
+    ("draft_logits", "FP32", [-1, -1], OPT),
+    ("draft_acceptance_threshold", "FP32", [1], OPT),
+    ("end_id", "INT32", [1], OPT),
+    ("pad_id", "INT32", [1], OPT),
+    ("stop_words_list", "INT32", [2, -1], OPT),
+    ("bad_words_list", "INT32", [2, -1], OPT),
+    ("embedding_bias", "FP32", [-1], OPT),
+    ("beam_width", "INT32", [1], OPT),
+    ("temperature", "FP32", [1], OPT),
+    ("runtime_top_k", "INT32", [1], OPT),
+    ("runtime_top_p", "FP32", [1], OPT),
+    ("runtime_top_p_min", "FP32", [1], OPT),
+    ("runtime_top_p_decay", "FP32", [1], OPT),
+    ("runtime_top_p_reset_ids", "INT32", [1], OPT),
+    ("len_penalty", "FP32", [1], OPT),
+    ("early_stopping", "BOOL", [1], OPT),
+    ("repetition_penalty", "FP32", [1], OPT),
+    ("min_tokens", "INT32", [1], OPT),
+    ("beam_search_diversity_rate", "FP32", [1], OPT),
+    ("presence_penalty", "FP32", [1], OPT),
+    ("frequency_penalty", "FP32", [1], OPT),
+    ("seed", "UINT64", [1], OPT),
+    ("return_log_probs", "BOOL", [1], OPT),
+    ("return_context_logits", "BOOL", [1], OPT),
+    ("return_generation_logits", "BOOL", [1], OPT),
+    ("return_perf_metrics", "BOOL", [1], OPT),
+    ("exclude_input_in_output", "BOOL", [1], OPT),
+    ("stop", "BOOL", [1], OPT),
+    ("streaming", "BOOL", [1], OPT),
+    ("prompt_embedding_table", "FP16", [-1, -1], OPT),
+    ("prompt_table_extra_ids", "UINT64", [-1], OPT),
+    ("prompt_vocab_size", "INT32", [1], OPT),
+    ("cross_attention_mask", "BOOL", [-1, -1], OPT),
+    ("mrope_rotary_cos_sin", "FP32", [-1], OPT),
+    ("mrope_position_deltas", "INT64", [1], OPT),
+    ("lora_task_id", "UINT64", [1], OPT),
+    ("lora_weights", "FP16", [-1, -1], OPT),
+    ("lora_config", "INT32", [-1, 3], OPT),
+    ("context_phase_params", "UINT8", [-1], OPT),
+    ("skip_cross_attn_blocks", "BOOL", [1], OPT),
+    ("retention_token_range_starts", "INT32", [-1], OPT),
+    ("retention_token_range_ends", "INT32", [-1], OPT),
+    ("retention_token_range_priorities", "INT32", [-1], OPT),
+    ("retention_token_range_durations_ms", "INT32", [-1], OPT),
+    ("retention_decode_priority", "INT32", [1], OPT),
+    ("retention_decode_duration_ms", "INT32", [1], OPT),
+    ("guided_decoding_guide_type", "STRING", [1], OPT),
+    ("guided_decoding_guide", "STRING", [1], OPT),
+    ("lookahead_window_size", "INT32", [1], OPT),
+    ("lookahead_ngram_size", "INT32", [1], OPT),
+    ("lookahead_verification_set_size", "INT32", [1], OPT),
+])
+LLM_OUTPUTS = _table([
+    ("output_ids", "INT32", [-1, -1], REQ),
+    ("sequence_length", "INT32", [-1], REQ),
+    ("context_phase_params", "UINT8", [-1], REQ),
+]) + RESULT_OUTPUTS
+POSTPROCESSING_INPUTS = _table([
+    ("TOKENS_BATCH", "INT32", [-1, -1], REQ),
+    ("SEQUENCE_LENGTH", "INT32", [-1], REQ),
+])
+POSTPROCESSING_OUTPUTS = _table([("OUTPUT", "STRING", [-1], REQ)])
 
 
 # ---------------------------------------------------------------- rendering and checking
@@ -324,48 +433,77 @@ def postprocessing_spec(inp: RepoInputs) -> ModelSpec:
     )
 
 
+# The ensemble's wiring, as NVIDIA's ensemble/config.pbtxt maps it: (step input, ensemble tensor).
+ENSEMBLE_PRE_INPUTS = (
+    ("QUERY", "text_input"),
+    ("DECODER_QUERY", "decoder_text_input"),
+    ("REQUEST_OUTPUT_LEN", "max_tokens"),
+    ("BAD_WORDS_DICT", "bad_words"),
+    ("STOP_WORDS_DICT", "stop_words"),
+    ("EMBEDDING_BIAS_WORDS", "embedding_bias_words"),
+    ("EMBEDDING_BIAS_WEIGHTS", "embedding_bias_weights"),
+    ("END_ID", "end_id"),
+    ("PAD_ID", "pad_id"),
+    ("PROMPT_TABLE_EXTRA_ID", "prompt_table_extra_id"),
+)
+ENSEMBLE_PRE_OUTPUTS = (
+    ("REQUEST_INPUT_LEN", "_REQUEST_INPUT_LEN"),
+    ("INPUT_ID", "_INPUT_ID"),
+    ("REQUEST_DECODER_INPUT_LEN", "_REQUEST_DECODER_INPUT_LEN"),
+    ("DECODER_INPUT_ID", "_DECODER_INPUT_ID"),
+    ("REQUEST_OUTPUT_LEN", "_REQUEST_OUTPUT_LEN"),
+    ("STOP_WORDS_IDS", "_STOP_WORDS_IDS"),
+    ("BAD_WORDS_IDS", "_BAD_WORDS_IDS"),
+    ("EMBEDDING_BIAS", "_EMBEDDING_BIAS"),
+    ("OUT_END_ID", "_PREPROCESSOR_END_ID"),
+    ("OUT_PAD_ID", "_PREPROCESSOR_PAD_ID"),
+    ("OUT_PROMPT_TABLE_EXTRA_IDS", "_OUT_PROMPT_TABLE_EXTRA_IDS"),
+)
+ENSEMBLE_LLM_INPUTS = (
+    ("input_ids", "_INPUT_ID"),
+    ("decoder_input_ids", "_DECODER_INPUT_ID"),
+    ("input_lengths", "_REQUEST_INPUT_LEN"),
+    ("decoder_input_lengths", "_REQUEST_DECODER_INPUT_LEN"),
+    ("exclude_input_in_output", "exclude_input_in_output"),
+    ("request_output_len", "_REQUEST_OUTPUT_LEN"),
+    ("end_id", "_PREPROCESSOR_END_ID"),
+    ("pad_id", "_PREPROCESSOR_PAD_ID"),
+    ("embedding_bias", "_EMBEDDING_BIAS"),
+    ("runtime_top_k", "top_k"),
+    ("runtime_top_p", "top_p"),
+    ("temperature", "temperature"),
+    ("len_penalty", "length_penalty"),
+    ("repetition_penalty", "repetition_penalty"),
+    ("min_tokens", "min_tokens"),
+    ("presence_penalty", "presence_penalty"),
+    ("frequency_penalty", "frequency_penalty"),
+    ("seed", "seed"),
+    ("return_log_probs", "return_log_probs"),
+    ("return_context_logits", "return_context_logits"),
+    ("return_generation_logits", "return_generation_logits"),
+    ("return_perf_metrics", "return_perf_metrics"),
+    ("num_return_sequences", "num_return_sequences"),
+    ("beam_width", "beam_width"),
+    ("streaming", "stream"),
+    ("prompt_embedding_table", "prompt_embedding_table"),
+    ("prompt_vocab_size", "prompt_vocab_size"),
+    ("stop_words_list", "_STOP_WORDS_IDS"),
+    ("bad_words_list", "_BAD_WORDS_IDS"),
+    ("prompt_table_extra_ids", "_OUT_PROMPT_TABLE_EXTRA_IDS"),
+    ("lora_task_id", "lora_task_id"),
+    ("lora_weights", "lora_weights"),
+    ("lora_config", "lora_config"),
+    ("guided_decoding_guide_type", "guided_decoding_guide_type"),
+    ("guided_decoding_guide", "guided_decoding_guide"),
+)
+
+
 def ensemble_spec(inp: RepoInputs) -> ModelSpec:
-    pre = EnsembleStep(
-        PREPROCESSING,
-        input_map=(
-            ("QUERY", "text_input"),
-            ("REQUEST_OUTPUT_LEN", "max_tokens"),
-            ("BAD_WORDS_DICT", "bad_words"),
-            ("STOP_WORDS_DICT", "stop_words"),
-            ("END_ID", "end_id"),
-            ("PAD_ID", "pad_id"),
-        ),
-        output_map=(
-            ("INPUT_ID", "_INPUT_ID"),
-            ("REQUEST_INPUT_LEN", "_REQUEST_INPUT_LEN"),
-            ("BAD_WORDS_IDS", "_BAD_WORDS_IDS"),
-            ("STOP_WORDS_IDS", "_STOP_WORDS_IDS"),
-            ("REQUEST_OUTPUT_LEN", "_REQUEST_OUTPUT_LEN"),
-            ("OUT_END_ID", "_PREPROCESSOR_END_ID"),
-            ("OUT_PAD_ID", "_PREPROCESSOR_PAD_ID"),
-        ),
-    )
+    pre = EnsembleStep(PREPROCESSING, input_map=ENSEMBLE_PRE_INPUTS, output_map=ENSEMBLE_PRE_OUTPUTS)
     llm = EnsembleStep(
         TARGET_MODEL,
-        input_map=(
-            ("input_ids", "_INPUT_ID"),
-            ("input_lengths", "_REQUEST_INPUT_LEN"),
-            ("request_output_len", "_REQUEST_OUTPUT_LEN"),
-            ("end_id", "_PREPROCESSOR_END_ID"),
-            ("pad_id", "_PREPROCESSOR_PAD_ID"),
-            ("stop_words_list", "_STOP_WORDS_IDS"),
-            ("bad_words_list", "_BAD_WORDS_IDS"),
-            ("temperature", "temperature"),
-            ("runtime_top_k", "top_k"),
-            ("runtime_top_p", "top_p"),
-            ("seed", "seed"),
-            ("random_seed", "random_seed"),
-            ("streaming", "stream"),
-            ("exclude_input_in_output", "exclude_input_in_output"),
-            ("return_perf_metrics", "return_perf_metrics"),
-        ),
-        output_map=(("output_ids", "_TOKENS_BATCH"), ("sequence_length", "_SEQUENCE_LENGTH"))
-        + tuple((t.name, t.name) for t in PERF_OUTPUTS),
+        input_map=ENSEMBLE_LLM_INPUTS,
+        output_map=(("output_ids", "_TOKENS_BATCH"), ("sequence_length", "_SEQUENCE_LENGTH")) + tuple((t.name, t.name) for t in RESULT_OUTPUTS),
     )
     post = EnsembleStep(
         POSTPROCESSING,
@@ -378,7 +516,7 @@ def ensemble_spec(inp: RepoInputs) -> ModelSpec:
         backend=None,
         max_batch_size=inp.recipe.engine.max_batch_size,
         inputs=TEXT_INPUTS,
-        outputs=TEXT_OUTPUTS + PERF_OUTPUTS,
+        outputs=TEXT_OUTPUTS + RESULT_OUTPUTS,
         steps=(pre, llm, post),
     )
 
@@ -389,7 +527,7 @@ def bls_spec(inp: RepoInputs) -> ModelSpec:
         name=BLS,
         max_batch_size=r.engine.max_batch_size,
         inputs=TEXT_INPUTS + BLS_ONLY_INPUTS,
-        outputs=TEXT_OUTPUTS + PERF_OUTPUTS,
+        outputs=TEXT_OUTPUTS + RESULT_OUTPUTS,
         parameters={
             **_tokenizer_params(BLS),
             "add_special_tokens": "true",
@@ -402,6 +540,9 @@ def bls_spec(inp: RepoInputs) -> ModelSpec:
             "use_draft_logits": str(r.speculative.use_draft_logits).lower(),
             "max_input_len": str(inp.max_input_len),
             "max_seq_len": str(inp.max_seq_len),
+            "request_timeout_s": str(r.triton.request_timeout_s),
+            # speculation policy (specdeploy.policy): its state lives in the BLS instance
+            **PolicySettings.from_recipe(r.speculative).to_parameters(),
         },
         instance_count=r.triton.instance_count,
         decoupled=r.triton.decoupled,
@@ -429,6 +570,9 @@ def _cpu_engine_models(inp: RepoInputs) -> list[ModelSpec]:
     r = inp.recipe
     specs = []
     for role, name in ENGINE_MODEL_NAMES.items():
+        if role == "draft" and r.draft.is_ngram:
+            specs.append(_ngram_draft_model(inp))
+            continue
         max_draft_len = inp.target_max_draft_len if role == "target" else 0
         specs.append(
             ModelSpec(
@@ -443,6 +587,7 @@ def _cpu_engine_models(inp: RepoInputs) -> list[ModelSpec]:
                     "max_input_len": str(int(inp.engine_setting(role, "max_input_len", r.engine.max_input_len))),
                     "max_seq_len": str(int(inp.engine_setting(role, "max_seq_len", r.engine.max_seq_len))),
                     "max_draft_len": str(max_draft_len),
+                    "request_timeout_s": str(r.triton.request_timeout_s),
                 },
                 instance_count=r.triton.instance_count,
                 decoupled=r.triton.decoupled,
@@ -451,6 +596,28 @@ def _cpu_engine_models(inp: RepoInputs) -> list[ModelSpec]:
             )
         )
     return specs
+
+
+def _ngram_draft_model(inp: RepoInputs) -> ModelSpec:
+    """tensorrt_llm_draft for draft.kind ngram: a python model with the tensorrt_llm interface that proposes
+    from input_ids by prompt lookup (specdeploy.ngram); no engine, no weights."""
+    from specdeploy import ngram
+
+    r = inp.recipe
+    return ModelSpec(
+        name=DRAFT_MODEL,
+        max_batch_size=r.engine.max_batch_size,
+        inputs=LLM_INPUTS,
+        outputs=LLM_OUTPUTS,
+        parameters={
+            **ngram.to_parameters(ngram.settings_from_recipe(r)),
+            "max_input_len": str(inp.max_seq_len),  # the BLS sends prompt + output so far
+            "max_seq_len": str(inp.max_seq_len),
+        },
+        instance_count=r.triton.instance_count,
+        decoupled=r.triton.decoupled,
+        source="ngram_draft.py",
+    )
 
 
 # Per-backend engine models. The GPU backends ("trtllm-engine": backend "tensorrtllm" with
@@ -533,7 +700,7 @@ EXPECTED_ENGINE_FINGERPRINT: dict[str, Callable[[Recipe, object, str], str | Non
 def repo_inputs(recipe: Recipe, layout, recipe_path: str = "RECIPE", executor_factory: str | None = None) -> RepoInputs:
     """Read the engines' manifests (StaleArtifactError with a `specdeploy build` hint when missing)."""
     dirs, manifests = {}, {}
-    for role in ROLES:
+    for role in recipe.model_roles:  # an n-gram draft has no engine
         engine_dir = Path(layout.engine(role)).resolve()
         manifests[role] = require(engine_dir, "build", f"specdeploy build {recipe_path}")
         if manifests[role].recipe_name != recipe.name:
@@ -569,8 +736,9 @@ def repo_fingerprint(inp: RepoInputs) -> str:
         engine_dirs={role: str(d) for role, d in inp.engine_dirs.items()},
         backend=r.backend,
         speculative=to_plain(r.speculative),
+        draft=to_plain(r.draft) if r.draft.is_ngram else None,
         engine=to_plain(r.engine),
-        triton={k: getattr(r.triton, k) for k in ("instance_count", "decoupled", "max_queue_delay_microseconds")},
+        triton={k: getattr(r.triton, k) for k in ("instance_count", "decoupled", "max_queue_delay_microseconds", "request_timeout_s")},
         executor_factory=inp.executor_factory,
         sources=_sources_hash(),
     )

@@ -29,7 +29,7 @@ import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from specdeploy.artifacts import home, pid_alive
+from specdeploy.artifacts import ProcessIdentity, home, pid_alive, process_identity
 from specdeploy.errors import ServerError
 
 PYTRITON_WHEEL = "nvidia-pytriton==0.7.0"
@@ -216,6 +216,17 @@ class ServerState:
     log: str
     repo: str
     started: float
+    # who `pid` was when the server started: a PID can be reused once the server exits, so status and
+    # stop act only on a process with this start time and command line (None: a state from before they were kept)
+    start_ticks: int | None = None
+    cmdline: list[str] | None = None
+
+    def identity(self) -> ProcessIdentity | None:
+        return None if self.start_ticks is None else ProcessIdentity(self.pid, self.start_ticks, tuple(self.cmdline or ()))
+
+    def running(self) -> bool:
+        """True when `pid` is still the server this state recorded (not a later process given the same PID)."""
+        return _is_same_process(self.pid, self.identity())
 
     @property
     def grpc_url(self) -> str:
@@ -314,7 +325,9 @@ def start(
             start_new_session=True,
             preexec_fn=_die_with_parent if die_with_parent else None,
         )
-    state = ServerState(process.pid, ports.grpc, ports.http, ports.metrics, str(log_path), str(repo), time.time())
+    me = process_identity(process.pid)  # Popen returns after the exec, so this is tritonserver's command line
+    state = ServerState(process.pid, ports.grpc, ports.http, ports.metrics, str(log_path), str(repo), time.time(),
+                        me.start_ticks if me else None, list(me.cmdline) if me else None)  # fmt: skip
     return Server(process, state, exit_timeout_s)
 
 
@@ -378,8 +391,31 @@ def relevant_log(path: str | os.PathLike, tail: int = 25) -> str:
     return "\n".join("  | " + line for line in chosen)
 
 
-def stop_pid(pid: int, timeout_s: float = EXIT_TIMEOUT_S + 10, process: subprocess.Popen | None = None) -> None:
-    """SIGTERM the server (it finishes in-flight requests), then SIGKILL its process group (python stubs)."""
+def _is_same_process(pid: int, expected: ProcessIdentity | None) -> bool:
+    """Whether `pid` runs and is the process `expected` describes (start time and command line). Without an
+    expected identity (a state written by an older specdeploy) the process must at least be a tritonserver."""
+    current = process_identity(pid)
+    if current is None:
+        return False
+    if expected is None:
+        return bool(current.cmdline) and "tritonserver" in os.path.basename(current.cmdline[0])
+    if None not in (expected.start_ticks, current.start_ticks) and current.start_ticks != expected.start_ticks:
+        return False
+    return not expected.cmdline or current.cmdline == expected.cmdline
+
+
+def stop_pid(
+    pid: int,
+    timeout_s: float = EXIT_TIMEOUT_S + 10,
+    process: subprocess.Popen | None = None,
+    expected: ProcessIdentity | None = None,
+) -> None:
+    """SIGTERM the server (it finishes in-flight requests), then SIGKILL its process group (python stubs).
+
+    expected: who `pid` must be (see ServerState.running); a PID now held by another process is not signalled.
+    """
+    if process is None and expected is not None and not _is_same_process(pid, expected):
+        return
     try:
         pgid = os.getpgid(pid)
     except ProcessLookupError:
@@ -396,7 +432,8 @@ def stop_pid(pid: int, timeout_s: float = EXIT_TIMEOUT_S + 10, process: subproce
             if process is None and not pid_alive(pid):
                 break
             time.sleep(0.1)
-        if pgid == pid:  # our own session: take the stub processes down with it
+        replaced = process is None and expected is not None and pid_alive(pid) and not _is_same_process(pid, expected)
+        if pgid == pid and not replaced:  # our own session: take the stub processes down with it
             try:
                 os.killpg(pgid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
@@ -427,7 +464,7 @@ def serve(
     until Ctrl-C (SIGINT) or SIGTERM, then stop it cleanly.
     """
     existing = ServerState.read(state_dir)
-    if existing is not None and pid_alive(existing.pid):
+    if existing is not None and existing.running():
         raise ServerError(
             f"a server for this recipe is already running (pid {existing.pid}, grpc {existing.grpc_url})",
             f"stop it first: specdeploy stop {recipe_path}",
@@ -476,8 +513,8 @@ def status(state_dir: Path) -> tuple[ServerState | None, str]:
     state = ServerState.read(state_dir)
     if state is None:
         return None, "not running (no server started with --detach)"
-    if not pid_alive(state.pid):
-        return state, f"not running (pid {state.pid} has exited; log: {state.log})"
+    if not state.running():
+        return state, f"not running (pid {state.pid} has exited{_reused(state)}; log: {state.log})"
     ready = "ready" if is_ready(state.http_port) else "not ready"
     return state, f"running, {ready}: pid {state.pid}, grpc {state.grpc_url}, http {state.http_url}, metrics {state.metrics_url}"
 
@@ -486,10 +523,14 @@ def stop(state_dir: Path) -> str:
     state = ServerState.read(state_dir)
     if state is None:
         return "no server to stop"
-    if pid_alive(state.pid):
-        stop_pid(state.pid)
+    if state.running():
+        stop_pid(state.pid, expected=state.identity())
         message = f"stopped tritonserver (pid {state.pid})"
     else:
-        message = f"tritonserver (pid {state.pid}) had already exited"
+        message = f"tritonserver (pid {state.pid}) had already exited{_reused(state)}"
     (Path(state_dir) / STATE_FILE).unlink(missing_ok=True)
     return message
+
+
+def _reused(state: ServerState) -> str:
+    return "; that pid now belongs to another process, left alone" if pid_alive(state.pid) else ""

@@ -16,6 +16,10 @@ from specdeploy.triton.models import common  # noqa: E402
 from specdeploy.triton.models.common import RequestError  # noqa: E402
 
 
+# NVIDIA's preprocessing inputs this model cannot honour (accepted only at their neutral value).
+REFUSED = ("DECODER_QUERY", "IMAGE_BYTES", "IMAGE_URL", "VIDEO_BYTES", "PROMPT_TABLE_EXTRA_ID")
+
+
 class TritonPythonModel:
     def initialize(self, args):
         params = common.parameters(args)
@@ -30,7 +34,7 @@ class TritonPythonModel:
         for request in requests:
             try:
                 responses.append(self._run(request))
-            except RequestError as exc:
+            except (RequestError, common.RequestError) as exc:
                 responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"preprocessing: {exc}")))
         return responses
 
@@ -46,8 +50,11 @@ class TritonPythonModel:
         stop = self._input(request, "STOP_WORDS_DICT")
         end_in = self._input(request, "END_ID")
         pad_in = self._input(request, "PAD_ID")
+        common.refuse_unsupported(lambda name: self._input(request, name), REFUSED)
+        bias_words = self._input(request, "EMBEDDING_BIAS_WORDS")
+        bias_weights = self._input(request, "EMBEDDING_BIAS_WEIGHTS")
 
-        ids, out_lens, bad_lists, stop_lists, ends, pads = [], [], [], [], [], []
+        ids, out_lens, bad_lists, stop_lists, ends, pads, biases = [], [], [], [], [], [], []
         for i in range(batch):
             text = common.decode_utf8(query[i].reshape(-1)[0], "text_input")
             ids.append(common.encode_prompt(self.tokenizer, text, self.add_special_tokens, self.max_input_len))
@@ -59,6 +66,14 @@ class TritonPythonModel:
             stop_lists.append(common.to_words_list(common.encode_words(self.tokenizer, common.strings(None if stop is None else stop[i], "stop_words"))))
             ends.append(common.scalar(None if end_in is None else end_in[i], "end_id", int, self.end_id))
             pads.append(common.scalar(None if pad_in is None else pad_in[i], "pad_id", int, self.pad_id))
+            biases.append(
+                common.embedding_bias_from_words(
+                    self.tokenizer,
+                    common.strings(None if bias_words is None else bias_words[i], "embedding_bias_words"),
+                    None if bias_weights is None else bias_weights[i],
+                    len(self.tokenizer),
+                )
+            )
 
         width = max(len(x) for x in ids)
         input_id = np.full((batch, width), pads[0] if pads[0] is not None else 0, dtype=np.int32)
@@ -72,11 +87,23 @@ class TritonPythonModel:
             pb_utils.Tensor("REQUEST_OUTPUT_LEN", np.array([[n] for n in out_lens], dtype=np.int32)),
             pb_utils.Tensor("OUT_END_ID", np.array([[-1 if e is None else e] for e in ends], dtype=np.int32)),
             pb_utils.Tensor("OUT_PAD_ID", np.array([[-1 if p is None else p] for p in pads], dtype=np.int32)),
+            # decoder-only models: a one-token decoder input of the pad id, as NVIDIA's preprocessing sends
+            pb_utils.Tensor("DECODER_INPUT_ID", np.array([[0 if p is None else p] for p in pads], dtype=np.int32)),
+            pb_utils.Tensor("REQUEST_DECODER_INPUT_LEN", np.ones((batch, 1), dtype=np.int32)),
+            pb_utils.Tensor("EMBEDDING_BIAS", _biases(biases, len(self.tokenizer))),
+            pb_utils.Tensor("OUT_PROMPT_TABLE_EXTRA_IDS", np.zeros((batch, 1), dtype=np.uint64)),
         ]
         return pb_utils.InferenceResponse(output_tensors=outputs)
 
     def finalize(self):
         pass
+
+
+def _biases(biases, vocab_size):
+    """[batch, vocab] fp32, or [batch, 0] when no request of the batch sets an embedding bias (NVIDIA's convention)."""
+    if all(b is None for b in biases):
+        return np.zeros((len(biases), 0), dtype=np.float32)
+    return np.stack([np.zeros(vocab_size, np.float32) if b is None else b for b in biases])
 
 
 def _stack(lists):

@@ -14,6 +14,7 @@ import sys
 # The python stub runs in isolated mode (PYTHONPATH ignored): the launcher passes our site-packages.
 sys.path[:0] = [p for p in os.environ.get("SPECDEPLOY_SITE", "").split(os.pathsep) if p]
 
+import dataclasses  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 
@@ -28,6 +29,20 @@ from specdeploy.triton.models.common import RequestError  # noqa: E402
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
+# NVIDIA's engine-model inputs this model cannot honour (accepted only at their neutral value).
+REFUSED = (
+    "encoder_input_features", "encoder_output_lengths", "decoder_input_ids", "decoder_input_lengths", "beam_width",
+    "runtime_top_p_decay", "prompt_embedding_table", "prompt_table_extra_ids", "prompt_vocab_size",
+    "cross_attention_mask", "mrope_rotary_cos_sin", "mrope_position_deltas", "lora_task_id", "lora_weights",
+    "lora_config", "context_phase_params", "skip_cross_attn_blocks", "guided_decoding_guide_type",
+    "guided_decoding_guide", "lookahead_window_size", "lookahead_ngram_size", "lookahead_verification_set_size",
+)
+
+
+class Cancelled(Exception):
+    """The client cancelled the request or its server-side deadline passed."""
+
+
 class TritonPythonModel:
     def initialize(self, args):
         from specdeploy.engine.executor import GenerationRequest
@@ -38,28 +53,38 @@ class TritonPythonModel:
         self.name = args["model_name"]
         self.decoupled = common.is_decoupled(args)
         self.exclude_input_default = common.flag(params.get("exclude_input_in_output"), False)
+        self.request_timeout_s = float(params.get("request_timeout_s") or 0.0)
         factory = common.load_object(params.get("executor_factory") or "specdeploy.triton.models.common:load_cpu_executor")
         self.executor = factory(params["gpt_model_path"])
         spec = self.executor.engine.spec
         self.vocab_size = int(getattr(spec, "vocab_size", 0)) or None
-        self.max_input_len = min(int(params["max_input_len"]), int(getattr(spec, "max_input_len", 1 << 30) or 1 << 30))
+        # The BLS resends the whole sequence every round: inputs may be as long as max_seq_len minus
+        # the tokens asked for (the client-facing max_input_len is checked by preprocessing and the BLS).
         self.max_seq_len = min(int(params["max_seq_len"]), int(spec.max_seq_len))
         self.max_draft_len = min(int(params["max_draft_len"]), int(getattr(spec, "max_draft_len", 0) or 0))
 
     def execute(self, requests):
-        return common.execute_all(requests, self.decoupled, self._serve, FINAL)
+        arrival_ns = time.time_ns()
+        return common.execute_all(requests, self.decoupled, lambda request, emit: self._serve(request, emit, arrival_ns), FINAL)
 
     # ------------------------------------------------------------ one request
 
-    def _serve(self, request, emit):
-        arrival_ns = time.time_ns()
+    def _serve(self, request, emit, arrival_ns):
         try:
             gen, flags = self._parse(request)
         except (RequestError, SpecDeployError) as exc:
             emit(_error(f"{self.name}: {common.error_text(exc)}"), True)
             return
+        flags["arrival_ns"] = arrival_ns
+        flags["deadline_s"] = common.deadline_s(_request_timeout_us(request), self.request_timeout_s)
+        flags["is_cancelled"] = getattr(request, "is_cancelled", lambda: False)
         try:
-            self._generate(gen, flags, arrival_ns, emit)
+            if flags["stop"]:  # TensorRT-LLM's `stop`: end the request; nothing is generated
+                emit(self._response([], None, None, flags, None, _Times(arrival_ns)), True)
+                return
+            self._generate_all(gen, flags, emit)
+        except Cancelled as exc:
+            emit(_error(f"{self.name}: {exc}"), True)
         except SpecDeployError as exc:
             emit(_error(f"{self.name}: {common.error_text(exc)}"), True)
         except Exception as exc:  # an engine failure: answer this request, keep serving the others
@@ -72,7 +97,10 @@ class TritonPythonModel:
 
     def _parse(self, request):
         get = lambda name: self._input(request, name)  # noqa: E731
+        common.refuse_unsupported(get, REFUSED)
         input_ids = get("input_ids")
+        if input_ids is None:
+            raise RequestError("input_ids is required (encoder inputs are not supported by the cpu backend)")
         common.require_single(input_ids, "input_ids")
         ids = input_ids.reshape(-1).tolist()
         length = common.scalar(get("input_lengths"), "input_lengths", int, len(ids))
@@ -81,14 +109,12 @@ class TritonPythonModel:
         ids = [int(t) for t in ids[:length]]
         if not ids:
             raise RequestError("input_ids is empty; send a non-empty prompt")
-        if len(ids) > self.max_input_len:
-            raise RequestError(f"the prompt has {len(ids)} tokens, more than max_input_len ({self.max_input_len}); shorten it")
         common.check_token_ids(ids, self.vocab_size, "input_ids")
         out_len = common.scalar(get("request_output_len"), "request_output_len", int)
         common.check_output_len(len(ids), out_len, self.max_seq_len, "request_output_len (max_tokens)")
 
         draft = get("draft_input_ids")
-        draft_tokens = None if draft is None else [int(t) for t in draft.reshape(-1).tolist()]
+        draft_tokens = None if draft is None or draft.size == 0 else [int(t) for t in draft.reshape(-1).tolist()]
         if draft_tokens is not None:
             if len(draft_tokens) > self.max_draft_len:
                 raise RequestError(
@@ -97,6 +123,8 @@ class TritonPythonModel:
                 )
             common.check_token_ids(draft_tokens, self.vocab_size, "draft_input_ids")
         draft_logits = get("draft_logits")
+        if draft_logits is not None and draft_logits.size == 0:
+            draft_logits = None
         if draft_logits is not None:
             if draft_tokens is None:
                 raise RequestError("draft_logits given without draft_input_ids")
@@ -106,22 +134,36 @@ class TritonPythonModel:
                     f"draft_logits has shape {list(draft_logits.shape)}, expected [{len(draft_tokens)}, {self.vocab_size}] "
                     "(one row per draft token)"
                 )
-        min_tokens = common.scalar(get("min_tokens"), "min_tokens", int, 0)
-        if min_tokens > 0:
-            raise RequestError("min_tokens is not supported by the cpu backend; leave it unset or 0")
 
         streaming = common.scalar(get("streaming"), "streaming", bool, False)
         if streaming and not self.decoupled:
             raise RequestError("streaming needs the model deployed in decoupled mode (recipe triton.decoupled: true)")
+        n_seq = common.scalar(get("num_return_sequences"), "num_return_sequences", int, 1)
+        if n_seq < 1:
+            raise RequestError(f"num_return_sequences is {n_seq}; send 1 or more")
+        if n_seq > 1 and not self.decoupled:
+            raise RequestError("num_return_sequences > 1 needs decoupled mode (one response per sequence; recipe triton.decoupled: true)")
+        if n_seq > 1 and draft_tokens is not None:
+            raise RequestError("num_return_sequences > 1 cannot be combined with draft_input_ids")
         sampling = self._SamplingParams(**common.sampling_fields(get, "runtime_top_k", "runtime_top_p"))
         end_id = common.scalar(get("end_id"), "end_id", int, None)
         pad_id = common.scalar(get("pad_id"), "pad_id", int, None)
+        return_log_probs = common.scalar(get("return_log_probs"), "return_log_probs", bool, False)
         flags = {
             "exclude_input": common.scalar(get("exclude_input_in_output"), "exclude_input_in_output", bool, self.exclude_input_default),
             "return_logits": common.scalar(get("return_generation_logits"), "return_generation_logits", bool, False),
+            "return_context_logits": common.scalar(get("return_context_logits"), "return_context_logits", bool, False),
+            "return_log_probs": return_log_probs,
             "perf": common.scalar(get("return_perf_metrics"), "return_perf_metrics", bool, False),
             "streaming": streaming,
-            "pad_id": pad_id if pad_id is not None and pad_id >= 0 else (end_id if end_id is not None and end_id >= 0 else 0),
+            "num_return_sequences": n_seq,
+            "stop": common.scalar(get("stop"), "stop", bool, False),
+        }
+        values = {
+            **common.penalty_fields(get),
+            "embedding_bias": self._embedding_bias(get("embedding_bias")),
+            "return_log_probs": return_log_probs,
+            "return_context_logits": flags["return_context_logits"],
         }
         gen = self._GenerationRequest(
             input_ids=ids,
@@ -133,55 +175,183 @@ class TritonPythonModel:
             bad_words=common.from_words_list(get("bad_words_list"), "bad_words_list"),
             draft_tokens=draft_tokens,
             draft_logits=draft_logits,
-            return_logits=flags["return_logits"],
-            streaming=streaming,
+            # logits are kept for return_generation_logits, and to derive log probs when the executor gives none
+            return_logits=flags["return_logits"] or return_log_probs,
+            streaming=True,  # always one chunk per token here: cancellation and TTFT are checked per token
+            **common.request_kwargs(self._GenerationRequest, values),
         )
         return gen, flags
 
-    def _generate(self, gen, flags, arrival_ns, emit):
-        tokens, logits = [], []
-        first_ns = None
-        for chunk in self.executor.generate(gen):
-            now = time.time_ns()
-            if first_ns is None and chunk.token_ids:
-                first_ns = now
-            if flags["streaming"]:
-                response = self._response(chunk.token_ids, chunk.logits, flags, chunk.stats, arrival_ns, first_ns, now)
-                emit(response, chunk.finished)
-            else:
-                tokens.extend(chunk.token_ids)
-                if chunk.logits is not None:
-                    logits.append(chunk.logits)
-                if chunk.finished:
-                    ids = tokens if flags["exclude_input"] else list(gen.input_ids) + tokens
-                    all_logits = torch.cat(logits) if logits else None
-                    emit(self._response(ids, all_logits, flags, chunk.stats, arrival_ns, first_ns, now), True)
-            if chunk.finished:
-                return
+    def _embedding_bias(self, array):
+        if array is None or np.asarray(array).size == 0:
+            return None
+        bias = np.asarray(array, dtype=np.float32).reshape(-1)
+        vocab = self.vocab_size or bias.size
+        if bias.size > vocab and np.any(bias[vocab:]):
+            raise RequestError(f"embedding_bias has {bias.size} entries with non-zero ones past the vocabulary ({vocab}); send [vocab] weights")
+        out = np.zeros(vocab, dtype=np.float32)
+        out[: min(vocab, bias.size)] = bias[:vocab]
+        return None if not np.any(out) else torch.from_numpy(out)
 
-    def _response(self, ids, logits, flags, stats, arrival_ns, first_ns, now_ns):
-        outputs = [
-            pb_utils.Tensor("output_ids", np.array(ids, dtype=np.int32).reshape(1, 1, -1)),  # [batch, beam, len]
-            pb_utils.Tensor("sequence_length", np.array([[len(ids)]], dtype=np.int32)),  # [batch, beam]
-        ]
-        if flags["return_logits"]:
-            rows = logits.float().numpy() if logits is not None else np.zeros((0, self.vocab_size or 0), np.float32)
-            outputs.append(pb_utils.Tensor("generation_logits", rows.reshape(1, 1, *rows.shape[-2:]).astype(np.float32)))
+    def _generate_all(self, gen, flags, emit):
+        n = flags["num_return_sequences"]
+        greedy = self._is_greedy(gen.sampling)
+        base_seed = gen.sampling.seed if gen.sampling.seed is not None else int(np.random.SeedSequence().entropy % (1 << 62))
+        done = None
+        for index in range(n):
+            if greedy and done is not None:  # greedy: every sequence is the same, as in TensorRT-LLM with beam width 1
+                for response in done:
+                    emit(_with_sequence_index(response, index), index == n - 1)
+                continue
+            if n > 1:
+                gen.sampling = dataclasses.replace(gen.sampling, seed=base_seed + index)
+            responses = []
+            self._generate(gen, flags, index, lambda r, final, i=index: (responses.append(r), emit(r, final and i == n - 1)))
+            done = [r for r in responses]
+
+    @staticmethod
+    def _is_greedy(sampling):
+        from specdeploy.speculative import is_greedy
+
+        return is_greedy(sampling)
+
+    def _generate(self, gen, flags, sequence_index, emit):
+        times = _Times(flags["arrival_ns"])
+        times.scheduled_ns = time.time_ns()
+        started = time.monotonic()
+        tokens, logits, log_probs, context_logits = [], [], [], None
+        chunks = self.executor.generate(gen)
+        try:
+            for chunk in chunks:
+                now = time.time_ns()
+                if times.first_ns is None and chunk.token_ids:
+                    times.first_ns = int(getattr(chunk.stats, "first_token_time_ns", 0) or 0) or now
+                if chunk.finish_reason in ("cancelled", "timeout"):
+                    raise Cancelled(self._cancel_text(chunk.finish_reason, flags, len(tokens)))
+                if context_logits is None and getattr(chunk, "context_logits", None) is not None:
+                    context_logits = chunk.context_logits
+                chunk_log_probs = self._log_probs(chunk, gen) if flags["return_log_probs"] else None
+                times.last_ns = now
+                if flags["streaming"]:
+                    response = self._response(
+                        chunk.token_ids, chunk.logits, chunk_log_probs, flags, chunk.stats, times, sequence_index,
+                        context_logits if not tokens else None, len(gen.input_ids) + len(tokens) + len(chunk.token_ids),
+                    )
+                    tokens.extend(chunk.token_ids)
+                    emit(response, chunk.finished)
+                else:
+                    tokens.extend(chunk.token_ids)
+                    if chunk.logits is not None:
+                        logits.append(chunk.logits)
+                    if chunk_log_probs is not None:
+                        log_probs.extend(chunk_log_probs)
+                    if chunk.finished:
+                        ids = tokens if flags["exclude_input"] else list(gen.input_ids) + tokens
+                        all_logits = torch.cat(logits) if logits else None
+                        emit(
+                            self._response(
+                                ids, all_logits, log_probs if flags["return_log_probs"] else None, flags, chunk.stats, times,
+                                sequence_index, context_logits, len(gen.input_ids) + len(tokens),
+                            ),
+                            True,
+                        )
+                if chunk.finished:
+                    return
+                if flags["is_cancelled"]():
+                    raise Cancelled(self._cancel_text("cancelled", flags, len(tokens)))
+                if flags["deadline_s"] is not None and time.monotonic() - started > flags["deadline_s"]:
+                    raise Cancelled(self._cancel_text("timeout", flags, len(tokens)))
+        finally:
+            chunks.close()  # a cancelled request gives its KV cache back to the pool at once
+
+    @staticmethod
+    def _cancel_text(reason, flags, produced):
+        if reason == "timeout":
+            return f"the request ran past its server-side deadline of {flags['deadline_s']:.3g} s after {produced} tokens"
+        return f"the request was cancelled after {produced} tokens"
+
+    @staticmethod
+    def _log_probs(chunk, gen):
+        given = getattr(chunk, "log_probs", None)
+        if given is not None:
+            return [float(x) for x in given]
+        if chunk.logits is None or not chunk.token_ids:
+            return []
+        # The log-probability of each chosen token under the distribution it was chosen from.
+        from specdeploy import speculative as spec
+
+        rows = chunk.logits.float()  # [n, vocab]
+        if spec.is_greedy(gen.sampling):  # greedy: the log-softmax of the logits, as TensorRT-LLM reports it
+            log_dist = torch.log_softmax(rows, dim=-1)
+        else:
+            log_dist = torch.log(spec.sampling_distribution(rows, gen.sampling).clamp_min(1e-30))
+        return log_dist[torch.arange(len(chunk.token_ids)), torch.tensor(chunk.token_ids)].tolist()
+
+    def _response(self, ids, logits, log_probs, flags, stats, times, sequence_index=0, context_logits=None, total_tokens=0):
+        vocab = self.vocab_size or 0
+        outputs = {
+            "output_ids": np.array(ids, dtype=np.int32).reshape(1, 1, -1),  # [batch, beam, len]
+            "sequence_length": np.array([[len(ids)]], dtype=np.int32),  # [batch, beam]
+        }
+        # Every output is sent (empty or zero when not asked for): the ensemble maps them all.
+        if flags.get("return_log_probs") and log_probs is not None:
+            outputs["cum_log_probs"] = np.array([[sum(log_probs)]], dtype=np.float32)  # [batch, beam]
+            outputs["output_log_probs"] = np.array(log_probs, dtype=np.float32).reshape(1, 1, -1)  # [batch, beam, len]
+        else:
+            outputs["cum_log_probs"] = np.zeros((1, 1), np.float32)
+            outputs["output_log_probs"] = np.zeros((1, 1, 0), np.float32)
+        if flags.get("return_context_logits") and context_logits is not None:
+            outputs["context_logits"] = context_logits.float().numpy().reshape(1, -1, context_logits.shape[-1])  # [batch, prompt, vocab]
+        else:
+            outputs["context_logits"] = np.zeros((1, 0, vocab), np.float32)
+        if flags.get("return_logits") and logits is not None:
+            rows = logits.float().numpy()
+            outputs["generation_logits"] = rows.reshape(1, 1, *rows.shape[-2:]).astype(np.float32)  # [batch, beam, len, vocab]
+        else:
+            outputs["generation_logits"] = np.zeros((1, 1, 0, vocab), np.float32)
+        outputs["batch_index"] = np.array([[0]], dtype=np.int32)
+        outputs["sequence_index"] = np.array([[sequence_index]], dtype=np.int32)
+        new, reused, total = common.kv_blocks(stats, total_tokens)
+        outputs["kv_cache_alloc_new_blocks"] = np.array([[new]], dtype=np.int32)
+        outputs["kv_cache_reused_blocks"] = np.array([[reused]], dtype=np.int32)
+        outputs["kv_cache_alloc_total_blocks"] = np.array([[total]], dtype=np.int32)
+        now = time.time_ns()
         drafted = getattr(stats, "drafted", 0) if stats is not None else 0
         accepted = getattr(stats, "accepted", 0) if stats is not None else 0
-        # Perf outputs go with every response: the ensemble maps them, and they cost nothing.
-        outputs += [
-            pb_utils.Tensor("acceptance_rate", np.array([[accepted / drafted if drafted else 0.0]], dtype=np.float32)),
-            pb_utils.Tensor("total_accepted_draft_tokens", np.array([[accepted]], dtype=np.int32)),
-            pb_utils.Tensor("total_draft_tokens", np.array([[drafted]], dtype=np.int32)),
-            pb_utils.Tensor("arrival_time_ns", np.array([[arrival_ns]], dtype=np.int64)),
-            pb_utils.Tensor("first_token_time_ns", np.array([[first_ns or now_ns]], dtype=np.int64)),
-            pb_utils.Tensor("last_token_time_ns", np.array([[now_ns]], dtype=np.int64)),
-        ]
-        return pb_utils.InferenceResponse(output_tensors=outputs)
+        outputs["arrival_time_ns"] = np.array([[times.arrival_ns]], dtype=np.int64)
+        outputs["first_scheduled_time_ns"] = np.array([[times.scheduled_ns or times.arrival_ns]], dtype=np.int64)
+        outputs["first_token_time_ns"] = np.array([[times.first_ns or now]], dtype=np.int64)
+        outputs["last_token_time_ns"] = np.array([[times.last_ns or now]], dtype=np.int64)
+        outputs["acceptance_rate"] = np.array([[accepted / drafted if drafted else 0.0]], dtype=np.float32)
+        outputs["total_accepted_draft_tokens"] = np.array([[accepted]], dtype=np.int32)
+        outputs["total_draft_tokens"] = np.array([[drafted]], dtype=np.int32)
+        return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in outputs.items()])
 
     def finalize(self):
         self.executor = None
+
+
+class _Times:
+    def __init__(self, arrival_ns):
+        self.arrival_ns = arrival_ns
+        self.scheduled_ns = None
+        self.first_ns = None
+        self.last_ns = None
+
+
+def _request_timeout_us(request) -> int:
+    try:
+        return int(request.timeout())
+    except Exception:  # older stubs have no timeout()
+        return 0
+
+
+def _with_sequence_index(response, index):
+    tensors = [
+        pb_utils.Tensor("sequence_index", np.array([[index]], dtype=np.int32)) if t.name() == "sequence_index" else t
+        for t in response.output_tensors()
+    ]
+    return pb_utils.InferenceResponse(output_tensors=tensors)
 
 
 def _error(message: str):

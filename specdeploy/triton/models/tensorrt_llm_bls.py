@@ -19,6 +19,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
+from specdeploy import policy as pol  # noqa: E402
 from specdeploy import speculative as spec  # noqa: E402
 from specdeploy.errors import SpecDeployError  # noqa: E402
 from specdeploy.triton.models import common  # noqa: E402
@@ -31,14 +32,31 @@ class BlsModelError(Exception):
     """A draft or target call came back with an error."""
 
 
+# NVIDIA's BLS inputs this model cannot honour (accepted only at their neutral value).
+REFUSED = (
+    "decoder_text_input", "image_input", "image_bytes_input", "image_url_input", "video_bytes_input", "beam_width",
+    "prompt_embedding_table", "prompt_vocab_size", "prompt_table_extra_id", "lora_task_id", "lora_weights",
+    "lora_config", "guided_decoding_guide_type", "guided_decoding_guide",
+)
+
+
+class _Record:
+    """What the engine calls of one request returned besides tokens (log probs, logits, KV blocks)."""
+
+    def __init__(self):
+        self.rounds = []  # per target call: (log_probs list | None, generation_logits [n, vocab] | None)
+        self.context_logits = None
+        self.kv = [0, 0, 0]  # new, reused, total blocks over the target calls
+
+
 class _LlmCall:
-    """One BLS call to a tensorrt_llm-layout model; returns (new token ids, generation logits or None)."""
+    """One BLS call to a tensorrt_llm-layout model; returns (new token ids, generation logits or None, outputs)."""
 
     def __init__(self, model_name: str, decoupled: bool):
         self.model_name = model_name
         self.decoupled = decoupled
 
-    def __call__(self, sequence, output_len, sampling, extra, return_logits):
+    def __call__(self, sequence, output_len, sampling, extra, return_logits, more_outputs=()):
         tensors = {
             "input_ids": np.array([sequence], dtype=np.int32),
             "input_lengths": np.array([[len(sequence)]], dtype=np.int32),
@@ -55,11 +73,11 @@ class _LlmCall:
             tensors["seed"] = np.array([[sampling.seed]], dtype=np.uint64)
         request = pb_utils.InferenceRequest(
             model_name=self.model_name,
-            requested_output_names=["output_ids", "sequence_length"] + (["generation_logits"] if return_logits else []),
+            requested_output_names=["output_ids", "sequence_length"] + (["generation_logits"] if return_logits else []) + list(more_outputs),
             inputs=[pb_utils.Tensor(k, v) for k, v in tensors.items()],
         )
         responses = request.exec(decoupled=True) if self.decoupled else [request.exec()]
-        tokens, logits = [], []
+        tokens, logits, outputs = [], [], {}
         for response in responses:
             if response.has_error():
                 raise BlsModelError(f"{self.model_name}: {response.error().message()}")
@@ -71,39 +89,71 @@ class _LlmCall:
             if return_logits:
                 rows = pb_utils.get_output_tensor_by_name(response, "generation_logits").as_numpy()
                 logits.append(torch.from_numpy(rows.reshape(-1, rows.shape[-1]).copy()))  # [n, vocab]
-        return tokens, (torch.cat(logits) if logits else None)
+            for name in more_outputs:
+                tensor = pb_utils.get_output_tensor_by_name(response, name)
+                if tensor is not None:
+                    outputs.setdefault(name, []).append(tensor.as_numpy())
+        return tokens, (torch.cat(logits) if logits else None), outputs
+
+
+def _request_tensors(job, produced: int) -> dict:
+    """Penalties, min_tokens (less the tokens already produced) and the embedding bias, for draft and target alike."""
+    out = {
+        "repetition_penalty": np.array([[job["penalties"]["repetition_penalty"]]], dtype=np.float32),
+        "presence_penalty": np.array([[job["penalties"]["presence_penalty"]]], dtype=np.float32),
+        "frequency_penalty": np.array([[job["penalties"]["frequency_penalty"]]], dtype=np.float32),
+        "min_tokens": np.array([[max(job["penalties"]["min_tokens"] - produced, 0)]], dtype=np.int32),
+    }
+    if job["embedding_bias"] is not None:
+        out["embedding_bias"] = job["embedding_bias"][None]  # [1, vocab]
+    if job["end_id"] is not None:
+        out["end_id"] = np.array([[job["end_id"]]], dtype=np.int32)
+    return out
 
 
 class TritonProposer:
     """specdeploy.speculative.Proposer over tensorrt_llm_draft."""
 
-    def __init__(self, call: _LlmCall, end_id, bad_words_list):
-        self.call, self.end_id, self.bad_words_list = call, end_id, bad_words_list
+    def __init__(self, call: _LlmCall, job):
+        self.call, self.job = call, job
 
     def propose(self, sequence, num_tokens, sampling, return_logits):
-        extra = {"bad_words_list": self.bad_words_list[None]}
-        if self.end_id is not None:
-            extra["end_id"] = np.array([[self.end_id]], dtype=np.int32)
-        tokens, logits = self.call(sequence, num_tokens, sampling, extra, return_logits)
+        extra = {"bad_words_list": self.job["bad_words_list"][None], **_request_tensors(self.job, len(sequence) - len(self.job["prompt_ids"]))}
+        tokens, logits, _ = self.call(sequence, num_tokens, sampling, extra, return_logits)
         return spec.Proposal(tokens, logits)
 
 
 class TritonVerifier:
     """specdeploy.speculative.Verifier over tensorrt_llm with draft_input_ids (request_output_len = k + 1)."""
 
-    def __init__(self, call: _LlmCall, end_id, bad_words_list, stop_words_list):
-        self.call, self.end_id = call, end_id
-        self.bad_words_list, self.stop_words_list = bad_words_list, stop_words_list
+    def __init__(self, call: _LlmCall, job, record: _Record):
+        self.call, self.job, self.record = call, job, record
 
     def verify(self, sequence, draft_tokens, draft_logits, sampling):
-        extra = {"bad_words_list": self.bad_words_list[None], "stop_words_list": self.stop_words_list[None]}
-        if self.end_id is not None:
-            extra["end_id"] = np.array([[self.end_id]], dtype=np.int32)
+        job = self.job
+        first = not self.record.rounds
+        extra = {
+            "bad_words_list": job["bad_words_list"][None],
+            "stop_words_list": job["stop_words_list"][None],
+            "return_log_probs": np.array([[job["return_log_probs"]]]),
+            "return_context_logits": np.array([[job["return_context_logits"] and first]]),
+            **_request_tensors(job, len(sequence) - len(job["prompt_ids"])),
+        }
         if draft_tokens:
             extra["draft_input_ids"] = np.array([draft_tokens], dtype=np.int32)
         if draft_logits is not None:
             extra["draft_logits"] = draft_logits.float().numpy()[None].astype(np.float32)  # [1, k, vocab]
-        tokens, _ = self.call(sequence, len(draft_tokens) + 1, sampling, extra, False)
+        wanted = ["output_log_probs", "kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks"]
+        if job["return_context_logits"] and first:
+            wanted.append("context_logits")
+        tokens, logits, outputs = self.call(sequence, len(draft_tokens) + 1, sampling, extra, job["return_generation_logits"], wanted)
+        log_probs = [float(x) for a in outputs.get("output_log_probs", []) for x in a.reshape(-1)] if job["return_log_probs"] else None
+        self.record.rounds.append((log_probs, logits))
+        if "context_logits" in outputs:
+            rows = outputs["context_logits"][0]
+            self.record.context_logits = rows.reshape(-1, rows.shape[-1])  # [prompt, vocab]
+        for i, name in enumerate(wanted[1:4]):
+            self.record.kv[i] += sum(int(a.reshape(-1)[0]) for a in outputs.get(name, []))
         return tokens
 
 
@@ -120,35 +170,54 @@ class TritonPythonModel:
         self.default_use_draft_logits = common.flag(params.get("use_draft_logits"), False)
         self.max_input_len = int(params["max_input_len"])
         self.max_seq_len = int(params["max_seq_len"])
+        self.request_timeout_s = float(params.get("request_timeout_s") or 0.0)
         # The engine models share our transaction policy (the generator writes both from the recipe).
         self.target = _LlmCall(params["tensorrt_llm_model_name"], self.decoupled)
         self.draft = _LlmCall(params["tensorrt_llm_draft_model_name"], self.decoupled)
         self.default_end_id = self.tokenizer.eos_token_id
+        # Speculation policy (specdeploy.policy): the deployment-level state (gate, measured costs, acceptance)
+        # lives in this instance; the active count is shared by the instances of this repository.
+        import hashlib
+        import tempfile
+
+        folder = hashlib.sha256(str(args.get("model_repository", "")).encode()).hexdigest()[:12]
+        self.active = pol.ActiveCount(os.path.join(tempfile.gettempdir(), f"specdeploy-active-{folder}"))
+        self.deployment = pol.Deployment(pol.PolicySettings.from_parameters(params, self.default_num_draft_tokens), self.active)
 
     def execute(self, requests):
-        return common.execute_all(requests, self.decoupled, self._serve, FINAL)
+        arrival_ns = time.time_ns()
+        return common.execute_all(requests, self.decoupled, lambda request, emit: self._serve(request, emit, arrival_ns), FINAL)
 
     def _input(self, request, name):
         tensor = pb_utils.get_input_tensor_by_name(request, name)
         return None if tensor is None else tensor.as_numpy()
 
-    def _serve(self, request, emit):
-        arrival_ns = time.time_ns()
+    def _serve(self, request, emit, arrival_ns):
         try:
             job = self._parse(request)
         except (RequestError, SpecDeployError) as exc:
             emit(_error(f"{self.name}: {common.error_text(exc)}"), True)
             return
         try:
+            timeout_us = int(request.timeout())
+        except Exception:  # older stubs have no timeout()
+            timeout_us = 0
+        job["deadline_s"] = common.deadline_s(timeout_us, self.request_timeout_s)
+        job["is_cancelled"] = getattr(request, "is_cancelled", lambda: False)
+        try:
+            self.active.set_busy(True)
             self._run(job, arrival_ns, emit)
         except (BlsModelError, SpecDeployError) as exc:
             emit(_error(f"{self.name}: {common.error_text(exc)}"), True)
         except Exception as exc:
             traceback.print_exc()
             emit(_error(f"{self.name}: internal error: {type(exc).__name__}: {exc}"), True)
+        finally:
+            self.active.set_busy(False)
 
     def _parse(self, request) -> dict:
         get = lambda name: self._input(request, name)  # noqa: E731
+        common.refuse_unsupported(get, REFUSED)
         text_input = get("text_input")
         common.require_single(text_input, "text_input")
         text = common.decode_utf8(text_input.reshape(-1)[0], "text_input")
@@ -168,8 +237,13 @@ class TritonPythonModel:
         stream = common.scalar(get("stream"), "stream", bool, False)
         if stream and not self.decoupled:
             raise RequestError("stream needs the model deployed in decoupled mode (recipe triton.decoupled: true)")
+        n_seq = common.scalar(get("num_return_sequences"), "num_return_sequences", int, 1)
+        if n_seq != 1:
+            raise RequestError(f"input 'num_return_sequences' is {n_seq}; tensorrt_llm_bls returns one sequence (send 1, or use ensemble)")
         stop_words = common.encode_words(self.tokenizer, common.strings(get("stop_words"), "stop_words"))
         bad_words = common.encode_words(self.tokenizer, common.strings(get("bad_words"), "bad_words"))
+        bias_words = common.strings(get("embedding_bias_words"), "embedding_bias_words")
+        bias = common.embedding_bias_from_words(self.tokenizer, bias_words, get("embedding_bias_weights"), len(self.tokenizer))
         return {
             "prompt_ids": prompt_ids,
             "max_tokens": max_tokens,
@@ -183,11 +257,26 @@ class TritonPythonModel:
             "stream": stream,
             "exclude_input": common.scalar(get("exclude_input_in_output"), "exclude_input_in_output", bool, False),
             "perf": common.scalar(get("return_perf_metrics"), "return_perf_metrics", bool, False),
+            "penalties": common.penalty_fields(get),
+            "embedding_bias": bias,
+            "return_log_probs": common.scalar(get("return_log_probs"), "return_log_probs", bool, False),
+            "return_context_logits": common.scalar(get("return_context_logits"), "return_context_logits", bool, False),
+            "return_generation_logits": common.scalar(get("return_generation_logits"), "return_generation_logits", bool, False),
         }
 
+    def _should_stop(self, job, started):
+        if job["is_cancelled"]():
+            job["stopped"] = "cancelled"
+        elif job["deadline_s"] is not None and time.monotonic() - started > job["deadline_s"]:
+            job["stopped"] = "timeout"
+        return "stopped" in job
+
     def _run(self, job, arrival_ns, emit):
-        proposer = TritonProposer(self.draft, job["end_id"], job["bad_words_list"])
-        verifier = TritonVerifier(self.target, job["end_id"], job["bad_words_list"], job["stop_words_list"])
+        record = _Record()
+        proposer = TritonProposer(self.draft, job)
+        verifier = TritonVerifier(self.target, job, record)
+        started = time.monotonic()
+        times = {"arrival": arrival_ns, "scheduled": time.time_ns(), "first": None}
         rounds = spec.speculative_generate(
             proposer,
             verifier,
@@ -198,38 +287,70 @@ class TritonPythonModel:
             end_id=job["end_id"],
             stop_words=job["stop_words"],
             use_draft_logits=job["use_draft_logits"],
+            should_stop=lambda: self._should_stop(job, started),
+            policy=self.deployment.request(),
         )
         stream = common.TextStream(self.tokenizer, self.skip_special_tokens) if job["stream"] else None
-        output, first_ns, stats = [], None, spec.SpecStats()
+        output, stats = [], spec.SpecStats()
+        extras = {"log_probs": [], "logits": []}
+        consumed = 0  # target calls whose tokens have been yielded
         for item in rounds:
             if isinstance(item, spec.SpecStats):
                 stats = item
                 continue
-            first_ns = first_ns or time.time_ns()
+            times["first"] = times["first"] or time.time_ns()
             output.extend(item)
+            # this round's tokens came from the latest target call (a prefix of what it returned)
+            round_log_probs, round_logits = record.rounds[-1] if record.rounds else (None, None)
+            consumed = len(record.rounds)
+            if round_log_probs is not None:
+                extras["log_probs"].extend(round_log_probs[: len(item)])
+            if round_logits is not None:
+                extras["logits"].append(round_logits[: len(item)])
             if stream is not None:
                 delta = stream.push(item)
                 if delta:
-                    emit(self._response(delta, job, None, arrival_ns, first_ns), False)
+                    emit(self._response(delta, job, None, times, record, None), False)
+        if job.get("stopped"):
+            what = "ran past its server-side deadline" if job["stopped"] == "timeout" else "was cancelled"
+            emit(_error(f"{self.name}: the request {what} after {len(output)} tokens"), True)
+            return
         if stream is not None:
             text = stream.flush()
         else:
             ids = output if job["exclude_input"] else job["prompt_ids"] + output
             text = self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
-        emit(self._response(text, job, stats, arrival_ns, first_ns), True)
+        emit(self._response(text, job, stats, times, record, extras, len(output)), True)
 
-    def _response(self, text, job, stats, arrival_ns, first_ns):
+    def _response(self, text, job, stats, times, record, extras, n_output=0):
         outputs = [pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=object))]
-        if job["perf"] and stats is not None:
-            now = time.time_ns()
-            outputs += [
-                pb_utils.Tensor("acceptance_rate", np.array([[stats.acceptance_rate]], dtype=np.float32)),
-                pb_utils.Tensor("total_accepted_draft_tokens", np.array([[stats.accepted]], dtype=np.int32)),
-                pb_utils.Tensor("total_draft_tokens", np.array([[stats.drafted]], dtype=np.int32)),
-                pb_utils.Tensor("arrival_time_ns", np.array([[arrival_ns]], dtype=np.int64)),
-                pb_utils.Tensor("first_token_time_ns", np.array([[first_ns or now]], dtype=np.int64)),
-                pb_utils.Tensor("last_token_time_ns", np.array([[now]], dtype=np.int64)),
-            ]
+        if stats is None:  # a streamed chunk: text only
+            return pb_utils.InferenceResponse(output_tensors=outputs)
+        now = time.time_ns()
+        log_probs = extras["log_probs"] if job["return_log_probs"] else []
+        values = {
+            "cum_log_probs": np.array([[sum(log_probs)]], dtype=np.float32),
+            "output_log_probs": np.array(log_probs, dtype=np.float32).reshape(1, 1, -1),
+            "context_logits": (
+                record.context_logits[None].astype(np.float32) if record.context_logits is not None else np.zeros((1, 0, 0), np.float32)
+            ),
+            "generation_logits": (
+                torch.cat(extras["logits"]).float().numpy()[None, None] if extras["logits"] else np.zeros((1, 1, 0, 0), np.float32)
+            ),
+            "batch_index": np.array([[0]], dtype=np.int32),
+            "sequence_index": np.array([[0]], dtype=np.int32),
+            "kv_cache_alloc_new_blocks": np.array([[record.kv[0]]], dtype=np.int32),
+            "kv_cache_reused_blocks": np.array([[record.kv[1]]], dtype=np.int32),
+            "kv_cache_alloc_total_blocks": np.array([[record.kv[2]]], dtype=np.int32),
+            "arrival_time_ns": np.array([[times["arrival"]]], dtype=np.int64),
+            "first_scheduled_time_ns": np.array([[times["scheduled"]]], dtype=np.int64),
+            "first_token_time_ns": np.array([[times["first"] or now]], dtype=np.int64),
+            "last_token_time_ns": np.array([[now]], dtype=np.int64),
+            "acceptance_rate": np.array([[stats.acceptance_rate]], dtype=np.float32),
+            "total_accepted_draft_tokens": np.array([[stats.accepted]], dtype=np.int32),
+            "total_draft_tokens": np.array([[stats.drafted]], dtype=np.int32),
+        }
+        outputs += [pb_utils.Tensor(k, v) for k, v in values.items()]
         return pb_utils.InferenceResponse(output_tensors=outputs)
 
     def finalize(self):

@@ -1,0 +1,120 @@
+"""Canary rollout: compare the speculative arm with the control arm from live metrics, promote or roll back.
+
+With `canary.control_percent: P` the speculative entry point (`tensorrt_llm_bls`) sends P % of its
+requests down the plain path (one target call, no draft) and labels every metric with its arm
+(`specdeploy.metrics`). Both arms see the same traffic mix, so over a window their figures compare
+directly:
+
+- speedup = (control seconds per output token) / (speculative seconds per output token), each the
+  window's summed end-to-end latency over its output tokens (exact, from counters);
+- p99 ratio = speculative e2e p99 / control e2e p99 (from the histograms, Prometheus interpolation);
+- acceptance rate and error shares of the speculative arm.
+
+Verdict: `promote` (exit 0) when speedup >= min_speedup, the p99 ratio <= max_p99_ratio, acceptance
+>= min_acceptance_rate and the speculative arm fails no more often than the control; `rollback`
+(exit 3) otherwise; `inconclusive` (exit 1) while either arm has fewer than min_requests in the window.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from specdeploy import metrics as m
+from specdeploy.config import CanaryConfig
+
+PROMOTE, ROLLBACK, INCONCLUSIVE = "promote", "rollback", "inconclusive"
+EXIT_CODES = {PROMOTE: 0, ROLLBACK: 3, INCONCLUSIVE: 1}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    decision: str
+    reasons: tuple[str, ...]
+    speculative: m.ArmStats
+    control: m.ArmStats
+    window_s: float
+    speedup: float | None = None
+    p99_ratio: float | None = None
+    checks: dict = field(default_factory=dict)
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_CODES[self.decision]
+
+    @property
+    def line(self) -> str:
+        return f"{self.decision.upper()}: " + "; ".join(self.reasons)
+
+
+def decide(window: m.Snapshot, config: CanaryConfig, window_s: float, model: str | None = None) -> Verdict:
+    """The verdict for one window (a Snapshot difference) under the recipe's canary thresholds."""
+    spec = m.arm_stats(window, m.SPECULATIVE_ARM, model)
+    ctrl = m.arm_stats(window, m.CONTROL_ARM, model)
+    few = [a for a in (spec, ctrl) if a.requests + a.errors < config.min_requests]
+    if few:
+        reasons = tuple(f"{a.arm} arm had {a.requests + a.errors:.0f} requests in {window_s:.0f} s, fewer than {config.min_requests}" for a in few)
+        return Verdict(INCONCLUSIVE, reasons + ("wait longer (--window) or send more traffic",), spec, ctrl, window_s)
+    spt_spec, spt_ctrl = arm_spt(spec), arm_spt(ctrl)
+    speedup = spt_ctrl / spt_spec if spt_spec and spt_ctrl else None
+    p99_ratio = spec.e2e_p99_s / ctrl.e2e_p99_s if spec.e2e_p99_s and ctrl.e2e_p99_s else None
+    err_spec = spec.errors / (spec.requests + spec.errors)
+    err_ctrl = ctrl.errors / (ctrl.requests + ctrl.errors)
+    checks = {
+        "speedup": (speedup, config.min_speedup, speedup is not None and speedup >= config.min_speedup),
+        "p99_ratio": (p99_ratio, config.max_p99_ratio, p99_ratio is None or p99_ratio <= config.max_p99_ratio),
+        "acceptance_rate": (spec.acceptance_rate, config.min_acceptance_rate, (spec.acceptance_rate or 0.0) >= config.min_acceptance_rate),
+        "error_share": (err_spec, err_ctrl, err_spec <= err_ctrl),
+    }
+    failed = [name for name, (_, _, ok) in checks.items() if not ok]
+    reasons = []
+    for name in failed or checks:
+        value, limit, ok = checks[name]
+        reasons.append(_describe(name, value, limit, ok))
+    return Verdict(ROLLBACK if failed else PROMOTE, tuple(reasons), spec, ctrl, window_s, speedup, p99_ratio, checks)
+
+
+def _describe(name: str, value, limit, ok: bool) -> str:
+    shown = "n/a" if value is None else f"{value:.3f}"
+    if name == "speedup":
+        return f"speedup {shown}x {'>=' if ok else '<'} {limit:.2f}x (seconds per output token, control / speculative)"
+    if name == "p99_ratio":
+        return f"e2e p99 speculative/control {shown} {'<=' if ok else '>'} {limit:.2f}"
+    if name == "acceptance_rate":
+        return f"acceptance rate {shown} {'>=' if ok else '<'} {limit:.2f}"
+    return f"error share speculative {value:.3f} {'<=' if ok else '>'} control {limit:.3f}"
+
+
+def watch(url: str, config: CanaryConfig, window_s: float, model: str | None = None, echo=print, tick_s: float = 5.0, sleep=time.sleep) -> Verdict:
+    """Scrape the metrics endpoint at the start and end of a window of live traffic and decide."""
+    before = m.scrape(url)
+    start = time.monotonic()
+    echo(f"watching {m.metrics_url(url)} for {window_s:.0f} s ...")
+    while (left := window_s - (time.monotonic() - start)) > 0:
+        sleep(min(tick_s, left))
+        now = m.scrape(url).minus(before)
+        elapsed = time.monotonic() - start
+        echo(f"  {elapsed:5.0f} s: speculative {now.sum(m.REQUESTS.name, arm=m.SPECULATIVE_ARM):.0f} requests, "
+             f"control {now.sum(m.REQUESTS.name, arm=m.CONTROL_ARM):.0f}")  # fmt: skip
+    after = m.scrape(url)
+    return decide(after.minus(before), config, time.monotonic() - start, model)
+
+
+def lines(verdict: Verdict) -> list[str]:
+    out = [f"{'arm':<12} {'requests':>8} {'errors':>6} {'tok/s':>8} {'s/token':>8} {'e2e p50':>8} {'e2e p99':>8} {'accept':>7} {'tok/round':>9}"]
+    for arm in (verdict.speculative, verdict.control):
+        spt = arm_spt(arm)
+        out.append(
+            f"{arm.arm:<12} {arm.requests:>8.0f} {arm.errors:>6.0f} {_f(arm.tokens_per_s(verdict.window_s), 1):>8} {_f(spt, 4):>8} "
+            f"{_f(arm.e2e_p50_s, 3):>8} {_f(arm.e2e_p99_s, 3):>8} {_f(arm.acceptance_rate, 3):>7} {_f(arm.tokens_per_round, 2):>9}"
+        )
+    return out
+
+
+def arm_spt(arm: m.ArmStats) -> float | None:
+    """Seconds per output token over the window: summed e2e latency / output tokens."""
+    return arm.e2e_mean_s * arm.requests / arm.output_tokens if arm.e2e_mean_s is not None and arm.output_tokens else None
+
+
+def _f(value, digits: int) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"

@@ -1,0 +1,164 @@
+"""Prompt-lookup (n-gram) drafting: a weights-free Proposer over the request's prompt + output.
+
+TensorRT-LLM's NGram speculative decoding (`NGramDecodingConfig`; the pool is
+`tensorrt_llm/_torch/speculative/ngram.py`, `NGramPoolManager`), with its field names and meaning:
+
+  - the pool maps a *pattern* (a tuple of 1..`max_matching_ngram_size` tokens) to its *matches*: the
+    up to `max_draft_len` tokens that followed the pattern earlier in the sequence;
+  - each call first adds the pairs of the sequence's new tail to the pool, then looks up the longest
+    suffix of the sequence (`max_matching_ngram_size` tokens down to 1) that is a pattern, and proposes
+    one of its matches;
+  - `is_keep_all`: keep every distinct match of a pattern (a new, longer match drops the shorter ones);
+    false: keep one match per pattern, replaced only by a longer one;
+  - `is_use_oldest`: propose the oldest match of the pattern; false: the newest;
+  - `is_public_pool`: one pool shared by all requests of the deployment; false: each request has its
+    own pool, dropped when the request ends.
+
+A pattern's match never crosses the end of the sequence, and the tail that is rescanned on each call
+(the last max_draft_len + max_matching_ngram_size - 1 tokens) lets a match that was cut short by the
+end of the sequence grow as the sequence does. Proposals are deterministic, so there are no draft
+logits: with sampling the target accepts by token matching (`verify_token_match`), which keeps the
+target's distribution exactly as rejection sampling against a one-hot draft would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specdeploy.speculative import Proposal, SamplingParams
+
+Pattern = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class NGramSettings:
+    """TensorRT-LLM's NGramDecodingConfig fields (defaults from the recipe's `draft` section)."""
+
+    max_draft_len: int = 4
+    max_matching_ngram_size: int = 2
+    is_keep_all: bool = True
+    is_use_oldest: bool = True
+    is_public_pool: bool = True
+
+    def __post_init__(self):
+        assert self.max_draft_len >= 1 and self.max_matching_ngram_size >= 1, self
+
+
+@dataclass
+class NGramPool:
+    """Pattern -> matches (insertion-ordered, oldest first), filled from token sequences."""
+
+    settings: NGramSettings
+    matches: dict[Pattern, list[Pattern]] = field(default_factory=dict)
+
+    def add(self, sequence: list[int], start: int) -> None:
+        """Add every (pattern, match) pair of sequence[start:] (a pattern needs one following token)."""
+        s = self.settings
+        tail = sequence[start:]
+        for size in range(min(s.max_matching_ngram_size, len(sequence) - 1), 0, -1):
+            for left in range(len(tail) - size):
+                pattern = tuple(tail[left : left + size])
+                match = tuple(tail[left + size : left + size + s.max_draft_len])
+                self._insert(pattern, match)
+
+    def _insert(self, pattern: Pattern, match: Pattern) -> None:
+        known = self.matches.get(pattern)
+        if known is None:
+            self.matches[pattern] = [match]
+        elif not self.settings.is_keep_all:
+            if len(match) > len(known[0]):
+                self.matches[pattern] = [match]
+        elif match not in known:
+            # A longer match makes the shorter ones (its cut-short prefixes, mostly) redundant.
+            self.matches[pattern] = [m for m in known if len(m) >= len(match)] + [match]
+
+    def lookup(self, sequence: list[int], num_tokens: int) -> list[int]:
+        """The match of the longest pattern that ends the sequence, at most num_tokens long."""
+        s = self.settings
+        for size in range(min(s.max_matching_ngram_size, len(sequence) - 1), 0, -1):
+            known = self.matches.get(tuple(sequence[-size:]))
+            if known:
+                match = known[0] if s.is_use_oldest else known[-1]
+                return list(match[:num_tokens])
+        return []
+
+
+class NGramProposer:
+    """specdeploy.speculative.Proposer: proposes from the pool, after adding the sequence's new tail.
+
+    One proposer serves one request (`pool` private) or shares `pool` with others (public). `start`
+    remembers how far this request's sequence is already in the pool.
+    """
+
+    def __init__(self, settings: NGramSettings, pool: NGramPool | None = None):
+        self.settings = settings
+        self.pool = pool if pool is not None else NGramPool(settings)
+        self.start = 0
+
+    def propose(self, sequence: list[int], num_tokens: int, sampling: SamplingParams | None = None, return_logits: bool = False) -> Proposal:
+        return Proposal(self.draft(sequence, num_tokens))
+
+    def draft(self, sequence: list[int], num_tokens: int) -> list[int]:
+        s = self.settings
+        self.pool.add(sequence, self.start)
+        self.start = max(0, len(sequence) - (s.max_draft_len + s.max_matching_ngram_size - 1))
+        if num_tokens <= 0:
+            return []
+        return self.pool.lookup(sequence, min(num_tokens, s.max_draft_len))
+
+
+class NGramDrafts:
+    """Proposers for a server that sees only token sequences (the `tensorrt_llm_draft` model): a
+    public pool is one pool; private pools are found again by sequence, the way the KV cache finds
+    a prefix: a call continues the request whose last sequence is a prefix of this one.
+
+    At most `max_requests` private pools are kept (least recently used dropped first).
+    """
+
+    def __init__(self, settings: NGramSettings, max_requests: int = 64):
+        self.settings = settings
+        self.public = NGramPool(settings) if settings.is_public_pool else None
+        self.max_requests = max_requests
+        self.requests: list[tuple[list[int], NGramProposer]] = []  # most recent last
+
+    def draft(self, sequence: list[int], num_tokens: int) -> list[int]:
+        proposer = self._proposer_for(sequence)
+        tokens = proposer.draft(sequence, num_tokens)
+        self.requests.append((list(sequence), proposer))
+        if len(self.requests) > self.max_requests:
+            self.requests.pop(0)
+        return tokens
+
+    def _proposer_for(self, sequence: list[int]) -> NGramProposer:
+        best, best_len = None, -1
+        for i, (seen, proposer) in enumerate(self.requests):
+            if len(seen) > best_len and len(seen) <= len(sequence) and sequence[: len(seen)] == seen:
+                best, best_len = i, len(seen)
+        if best is not None:
+            return self.requests.pop(best)[1]
+        return NGramProposer(self.settings, self.public)
+
+
+def settings_from_recipe(recipe) -> NGramSettings:
+    """NGramSettings of a recipe whose draft.kind is ngram; a null key takes TensorRT-LLM's default, a null
+    max_draft_len takes speculative.num_draft_tokens."""
+    d, default = recipe.draft, NGramSettings()
+    return NGramSettings(
+        max_draft_len=d.max_draft_len if d.max_draft_len is not None else recipe.speculative.num_draft_tokens,
+        max_matching_ngram_size=d.max_matching_ngram_size if d.max_matching_ngram_size is not None else default.max_matching_ngram_size,
+        is_keep_all=d.is_keep_all if d.is_keep_all is not None else default.is_keep_all,
+        is_use_oldest=d.is_use_oldest if d.is_use_oldest is not None else default.is_use_oldest,
+        is_public_pool=d.is_public_pool if d.is_public_pool is not None else default.is_public_pool,
+    )
+
+
+def to_parameters(settings: NGramSettings) -> dict[str, str]:
+    """The settings as Triton model parameters (ngram_draft.py reads them with `from_parameters`)."""
+    return {f: str(getattr(settings, f)).lower() if isinstance(getattr(settings, f), bool) else str(getattr(settings, f))
+            for f in ("max_draft_len", "max_matching_ngram_size", "is_keep_all", "is_use_oldest", "is_public_pool")}  # fmt: skip
+
+
+def from_parameters(params: dict[str, str]) -> NGramSettings:
+    flag = lambda name: params[name].strip().lower() == "true"  # noqa: E731
+    return NGramSettings(int(params["max_draft_len"]), int(params["max_matching_ngram_size"]),
+                         flag("is_keep_all"), flag("is_use_oldest"), flag("is_public_pool"))  # fmt: skip

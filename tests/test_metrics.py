@@ -1,0 +1,175 @@
+"""specdeploy.metrics (recorder, exposition parser, windows, quantiles) and specdeploy.cost."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from specdeploy import metrics as m
+from specdeploy import speculative as spec
+from specdeploy.cost import cost_of, level_cost
+from specdeploy.engine.executor import Executor
+from specdeploy.errors import ClientError
+from specdeploy.generate import ExecutorProposer, ExecutorVerifier
+from specdeploy.testing import TableEngine
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def _recorder(max_draft_len=4):
+    sink = m.PrometheusClientSink()
+    clock = FakeClock()
+    return sink, m.Recorder(sink, "tensorrt_llm_bls", max_draft_len, clock=clock), clock
+
+
+def test_recorder_rounds_and_request_appear_in_the_exposition():
+    sink, rec, clock = _recorder()
+    timer = rec.request_started(m.SPECULATIVE_ARM)
+    running = m.parse(sink.text())
+    assert running.sum(m.RUNNING.name, arm="speculative") == 1
+    # round 1: 4 drafted, all kept + 1 target token; round 2: 4 drafted, 1 kept; round 3: no draft (last token)
+    clock.now += 0.5  # TTFT 0.5 s
+    rec.round("speculative", drafted=4, accepted=4, emitted=5, draft_s=0.1, target_s=0.2)
+    timer.tokens(5, clock.now)
+    clock.now += 0.3
+    rec.round("speculative", drafted=4, accepted=1, emitted=2, draft_s=0.1, target_s=0.2)
+    timer.tokens(2, clock.now)
+    clock.now += 0.2
+    rec.round("speculative", drafted=0, accepted=0, emitted=1, draft_s=0.0, target_s=0.2)
+    timer.tokens(1, clock.now)
+    rec.request_finished(timer, prompt_tokens=11)
+
+    snap = m.parse(sink.text())
+    a = m.arm_stats(snap, "speculative")
+    assert (a.requests, a.errors, a.running) == (1, 0, 0)
+    assert (a.drafted, a.accepted, a.target_passes, a.output_tokens) == (8, 5, 3, 8)
+    assert a.acceptance_rate == pytest.approx(5 / 8)
+    assert a.tokens_per_round == pytest.approx(8 / 3)
+    assert (a.rounds_on, a.rounds_off) == (2, 1)
+    assert a.off_reasons == {m.REASON_LAST_TOKEN: 1}
+    assert a.accepted_per_pos == {0: 2, 1: 1, 2: 1, 3: 1}
+    assert a.drafted_per_pos == {0: 2, 1: 2, 2: 2, 3: 2}
+    assert a.draft_s == pytest.approx(0.2) and a.target_s == pytest.approx(0.6)
+    assert a.e2e_mean_s == pytest.approx(1.0)
+    assert a.tpot_mean_s == pytest.approx((1.0 - 0.5) / 7)
+    assert snap.sum(m.PROMPT_TOKENS.name) == 11
+    # acceptance-length histogram: one round of 5 tokens, one of 2 (the undrafted round is not a draft)
+    assert snap.buckets(m.ACCEPTANCE_LENGTH.name, arm="speculative")[:5] == [(1.0, 0), (2.0, 1), (3.0, 1), (4.0, 1), (5.0, 2)]
+    assert m.arm_stats(snap, "control").requests == 0
+
+
+def test_failed_request_counts_as_error_not_success():
+    sink, rec, _ = _recorder()
+    timer = rec.request_started(m.CONTROL_ARM)
+    rec.request_finished(timer, prompt_tokens=3, ok=False)
+    a = m.arm_stats(m.parse(sink.text()), "control")
+    assert (a.requests, a.errors, a.running, a.output_tokens) == (0, 1, 0, 0)
+
+
+def test_metered_loop_agrees_with_the_loops_own_statistics():
+    """The wrappers the BLS uses, around the real speculative loop: metrics == SpecStats."""
+    target = TableEngine.random(48, seed=3, scale=1.5)
+    draft_table = target.table + 2.0 * TableEngine.random(48, seed=4).table  # a draft that often disagrees
+    draft = TableEngine(draft_table)
+    sink, rec, _ = _recorder(max_draft_len=4)
+    timer = rec.request_started("speculative")
+    proposer = m.MeteredProposer(ExecutorProposer(Executor(draft, 2)))
+    verifier = m.MeteredVerifier(ExecutorVerifier(Executor(target, 2)), proposer, rec, timer)
+    tokens, stats = [], None
+    for item in spec.speculative_generate(proposer, verifier, [1, 2, 3], max_new_tokens=30, num_draft_tokens=4):
+        if isinstance(item, spec.SpecStats):
+            stats = item
+        else:
+            timer.tokens(len(item), 0.0)
+            tokens.extend(item)
+    rec.request_finished(timer, prompt_tokens=3)
+    a = m.arm_stats(m.parse(sink.text()), "speculative")
+    assert 0 < stats.accepted < stats.drafted  # partial acceptance, so the test can tell counts apart
+    assert a.drafted == stats.drafted
+    assert a.accepted == stats.accepted
+    assert a.target_passes == stats.target_iterations
+    assert a.output_tokens == len(tokens) == stats.output_tokens == 30
+    assert sum(a.accepted_per_pos.values()) == stats.accepted
+    # accepted at position i = rounds that accepted more than i drafts
+    for pos in range(4):
+        assert a.accepted_per_pos.get(pos, 0) == sum(1 for n in stats.accepted_per_round if n > pos)
+
+
+TRITON_TEXT = """\
+# HELP nv_inference_request_success Number of successful inference requests, all batch sizes
+# TYPE nv_inference_request_success counter
+nv_inference_request_success{model="ensemble",version="1"} 7
+nv_inference_request_success{model="tensorrt_llm_bls",version="1"} 12
+# HELP specdeploy_spec_decode_num_draft_tokens_total Draft tokens proposed.
+# TYPE specdeploy_spec_decode_num_draft_tokens_total counter
+specdeploy_spec_decode_num_draft_tokens_total{arm="speculative",model="tensorrt_llm_bls"} 40
+# HELP specdeploy_e2e_request_latency_seconds End-to-end request latency in the server.
+# TYPE specdeploy_e2e_request_latency_seconds histogram
+specdeploy_e2e_request_latency_seconds_count{arm="speculative",model="tensorrt_llm_bls"} 8
+specdeploy_e2e_request_latency_seconds_sum{arm="speculative",model="tensorrt_llm_bls"} 6.5
+specdeploy_e2e_request_latency_seconds_bucket{arm="speculative",model="tensorrt_llm_bls",le="0.5"} 2
+specdeploy_e2e_request_latency_seconds_bucket{arm="speculative",model="tensorrt_llm_bls",le="1"} 6
+specdeploy_e2e_request_latency_seconds_bucket{arm="speculative",model="tensorrt_llm_bls",le="+Inf"} 8
+"""
+
+
+def test_parse_triton_style_exposition_and_quantiles():
+    snap = m.parse(TRITON_TEXT)
+    assert snap.by_label("nv_inference_request_success", "model") == {"ensemble": 7, "tensorrt_llm_bls": 12}
+    assert snap.sum(m.DRAFT_TOKENS.name, arm="speculative") == 40
+    buckets = snap.buckets(m.E2E.name, arm="speculative")
+    assert buckets == [(0.5, 2), (1.0, 6), (math.inf, 8)]
+    # rank 4 of 8 lies in (0.5, 1], 2 of its 4 observations in: 0.5 + 0.5 * 2/4
+    assert m.histogram_quantile(0.5, buckets) == pytest.approx(0.75)
+    assert m.histogram_quantile(0.25, buckets) == pytest.approx(0.5)  # rank 2: the top of the first bucket
+    assert m.histogram_quantile(0.99, buckets) == 1.0  # in +Inf: the largest finite bound
+    assert m.histogram_quantile(0.5, []) is None
+    odd = m.parse('x_total{path="a\\"b,c}",k="v"} 2.5 1700000000\n')  # escaped quote, comma, brace; a timestamp
+    assert odd.by_label("x_total", "path") == {'a"b,c}': 2.5}
+
+
+def test_window_subtracts_counters_and_keeps_gauges():
+    before = m.parse('a_total{arm="x"} 5\nb_bucket{le="+Inf"} 2\ng{arm="x"} 3\n')
+    after = m.parse('a_total{arm="x"} 9\nb_bucket{le="+Inf"} 7\ng{arm="x"} 1\nc_total 4\n')
+    w = after.minus(before)
+    assert w.sum("a_total") == 4 and w.sum("b_bucket") == 5 and w.sum("g") == 1 and w.sum("c_total") == 4
+
+
+def test_bad_exposition_and_unreachable_endpoint_are_client_errors():
+    with pytest.raises(ClientError, match="not Prometheus format"):
+        m.parse("this is { not metrics\n")
+    with pytest.raises(ClientError, match="cannot read metrics"):
+        m.scrape("127.0.0.1:1", timeout_s=0.5)
+    assert m.metrics_url("127.0.0.1:8002") == "http://127.0.0.1:8002/metrics"
+    assert m.metrics_url("http://h:1/metrics") == "http://h:1/metrics"
+
+
+def test_metric_names_follow_the_conventions():
+    names = m.names()
+    assert len(names) == len(set(names))
+    assert all(n.startswith("specdeploy_") for n in names)
+    counters = [d for d in m.ALL_METRICS if d.kind == "counter"]
+    assert all(d.name.endswith("_total") for d in counters)
+    for vllm_suffix in ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_drafts",
+                        "spec_decode_num_accepted_tokens_per_pos", "generation_tokens", "e2e_request_latency_seconds"):  # fmt: skip
+        assert any(n in (f"specdeploy_{vllm_suffix}", f"specdeploy_{vllm_suffix}_total") for n in names), vllm_suffix
+
+
+def test_cost_per_response_and_per_1k_tokens():
+    # 3.6 per hour = 0.001 per second; 2 responses/s -> 0.0005 each; 100 tokens/s -> 0.01 per 1000 tokens
+    c = cost_of(3.6, requests_per_s=2.0, output_tokens_per_s=100.0)
+    assert c.per_response == pytest.approx(0.0005)
+    assert c.per_1k_output_tokens == pytest.approx(0.01)
+    level = {"requests_per_s": 0.5, "output_tokens_per_s": 40.0}
+    lc = level_cost(level, 7.2, "EUR")
+    assert (lc.per_response, lc.per_1k_output_tokens, lc.currency) == (pytest.approx(0.004), pytest.approx(0.05), "EUR")
+    assert cost_of(1.0, None, 0.0).per_response is None and cost_of(1.0, None, 0.0).per_1k_output_tokens is None
+    with pytest.raises(ValueError):
+        cost_of(-1.0, 1.0, 1.0)

@@ -1,0 +1,126 @@
+"""N-gram (prompt-lookup) drafting: proposals against hand-checked sequences, one test per flag,
+and greedy parity of the loop with an n-gram draft."""
+
+from __future__ import annotations
+
+import torch
+
+from specdeploy import ngram
+from specdeploy import policy as pol
+from specdeploy import speculative as spec
+from specdeploy.engine.executor import Executor
+from specdeploy.generate import ExecutorVerifier, target_only_generate
+from specdeploy.ngram import NGramDrafts, NGramPool, NGramProposer, NGramSettings
+from specdeploy.testing import TableEngine
+
+
+def test_longest_pattern_wins_and_match_follows_it():
+    # ... 1 2 3 4 5 ... 9 2 3 7 8 ... and the sequence ends with "1 2 3" (n = 3 matches the first place).
+    s = NGramSettings(max_draft_len=3, max_matching_ngram_size=3)
+    seq = [1, 2, 3, 4, 5, 6, 9, 2, 3, 7, 8, 0, 1, 2, 3]
+    assert NGramProposer(s).draft(seq, 3) == [4, 5, 6]
+    # Ends with "0 2 3": no 3-gram; the 2-gram "2 3" was seen twice -> the oldest match by default.
+    seq2 = [1, 2, 3, 4, 5, 6, 9, 2, 3, 7, 8, 0, 2, 3]
+    assert NGramProposer(s).draft(seq2, 3) == [4, 5, 6]
+    # max_matching_ngram_size 1: only the last token is a pattern ("3" first followed by 4 5 6).
+    assert NGramProposer(NGramSettings(3, 1)).draft(seq, 3) == [4, 5, 6]
+    # k caps the proposal; no pattern -> nothing.
+    assert NGramProposer(s).draft(seq, 2) == [4, 5]
+    assert NGramProposer(s).draft([1, 2, 3, 4], 3) == []
+
+
+def test_match_is_cut_at_the_end_and_grows_with_the_sequence():
+    s = NGramSettings(max_draft_len=4, max_matching_ngram_size=2)
+    p = NGramProposer(s)
+    # "5 6" seen once, followed only by 7 (then the end): match (7, 5, 6)? no: it is followed by 7 5 6
+    seq = [5, 6, 7, 5, 6]
+    assert p.draft(seq, 4) == [7, 5, 6]  # the match stops where the sequence ends
+    seq += [7, 5, 6]  # the tail is rescanned: the match of "5 6" grows to 4 tokens
+    assert p.draft(seq, 4) == [7, 5, 6, 7]
+
+
+def test_is_use_oldest_picks_first_or_last_match():
+    seq = [1, 2, 10, 11, 1, 2, 20, 21, 1, 2]
+    assert NGramProposer(NGramSettings(2, 2, is_use_oldest=True)).draft(seq, 2) == [10, 11]
+    assert NGramProposer(NGramSettings(2, 2, is_use_oldest=False)).draft(seq, 2) == [20, 21]
+
+
+def test_is_keep_all_keeps_one_match_unless_a_longer_one_comes():
+    s_all, s_one = NGramSettings(2, 1, is_keep_all=True), NGramSettings(2, 1, is_keep_all=False)
+    pool_all, pool_one = NGramPool(s_all), NGramPool(s_one)
+    seq = [1, 10, 11, 1, 20, 21, 1]
+    pool_all.add(seq, 0)
+    pool_one.add(seq, 0)
+    assert pool_all.matches[(1,)] == [(10, 11), (20, 21)]
+    assert pool_one.matches[(1,)] == [(10, 11)]  # the second match is not longer: the first stays
+    # with keep_all false and newest wanted, the one kept match is still the first
+    assert NGramProposer(NGramSettings(2, 1, is_keep_all=False, is_use_oldest=False)).draft(seq, 2) == [10, 11]
+    assert NGramProposer(NGramSettings(2, 1, is_keep_all=True, is_use_oldest=False)).draft(seq, 2) == [20, 21]
+    # A longer match replaces a shorter one in both modes (the shorter was cut by the sequence's end).
+    pool = NGramPool(s_one)
+    pool.add([4, 9], 0)
+    assert pool.matches[(4,)] == [(9,)]
+    pool.add([4, 9, 8], 0)
+    assert pool.matches[(4,)] == [(9, 8)]
+
+
+def test_is_public_pool_shares_patterns_between_requests():
+    public = NGramDrafts(NGramSettings(2, 2, is_public_pool=True))
+    private = NGramDrafts(NGramSettings(2, 2, is_public_pool=False))
+    first = [7, 8, 30, 31, 5]
+    for drafts in (public, private):
+        assert drafts.draft(first, 2) == []
+    other = [9, 9, 7, 8]  # a different request ending with "7 8", seen only in the first one
+    assert public.draft(other, 2) == [30, 31]
+    assert private.draft(other, 2) == []
+    # The private pool is found again by prefix: the first request continues with its own pool.
+    assert private.draft(first + [7, 8], 2) == [30, 31]
+
+
+def test_settings_from_recipe_and_parameters_round_trip():
+    from specdeploy.config import parse_recipe
+
+    raw = {"name": "x", "target": {"model": "m"}, "draft": {"kind": "ngram", "max_matching_ngram_size": 3, "is_public_pool": False},
+           "speculative": {"max_draft_len": 6, "num_draft_tokens": 5}}  # fmt: skip
+    settings = ngram.settings_from_recipe(parse_recipe(raw))
+    assert settings == NGramSettings(max_draft_len=5, max_matching_ngram_size=3, is_keep_all=True, is_use_oldest=True, is_public_pool=False)
+    assert ngram.from_parameters(ngram.to_parameters(settings)) == settings
+
+
+def test_greedy_parity_with_ngram_draft_on_bigram_engines():
+    # Greedy bigram outputs fall into cycles, so the n-gram draft gets matches and rejections both.
+    target_engine = TableEngine.random(24, seed=31)
+    totals = {}
+    for seed in range(6):
+        prompt = torch.randint(0, 24, (8,), generator=torch.Generator().manual_seed(seed)).tolist()
+        expected = spec.collect(target_only_generate(Executor(target_engine), prompt, 40))[0]
+        for settings in (NGramSettings(4, 2), NGramSettings(3, 1, is_use_oldest=False, is_keep_all=False)):
+            for name in ("fixed k", "cost policy"):
+                policy = pol.Deployment(pol.PolicySettings("cost", 4, probe_interval=2)).request() if name == "cost policy" else None
+                run = spec.speculative_generate(NGramProposer(settings), ExecutorVerifier(Executor(target_engine, 2)), prompt, 40, 4, policy=policy)
+                tokens, stats = spec.collect(run)
+                assert tokens == expected
+                total = totals.setdefault((settings, name), [0, 0])
+                total[0] += stats.drafted
+                total[1] += stats.accepted
+    for (settings, name), (drafted, accepted) in totals.items():
+        assert drafted > 0 and accepted > 0, (settings, name)  # proposals were made, and some were right
+
+
+def test_llmapi_options_write_decoding_type_ngram_for_every_version():
+    import dataclasses
+    from pathlib import Path
+
+    from specdeploy import trtllm
+    from specdeploy.config import parse_recipe
+
+    raw = {"name": "x", "backend": "trtllm-llmapi", "target": {"model": "m", "quantization": {"qformat": "fp8"}},
+           "draft": {"kind": "ngram", "max_draft_len": 3, "is_use_oldest": False}, "speculative": {"num_draft_tokens": 4}}  # fmt: skip
+    recipe = parse_recipe(raw)
+    expected = {"decoding_type": "NGram", "max_draft_len": 3, "max_matching_ngram_size": 2,
+                "is_keep_all": True, "is_use_oldest": False, "is_public_pool": True}  # fmt: skip
+    for name, version in trtllm.LLMAPI_VERSIONS.items():
+        assert trtllm.speculative_options(recipe, version, Path("/unused"), "ngram") == expected, name
+    layout = dataclasses.make_dataclass("L", [])()
+    layout.checkpoint = lambda role: Path("/ckpt") / role
+    assert trtllm.llmapi_options(recipe, layout, trtllm.LLMAPI_VERSIONS["1.4"])["speculative_config"] == expected

@@ -1,0 +1,148 @@
+"""The OpenAI-compatible front with the `openai` SDK as client, over a REAL tritonserver serving tiny CPU engines.
+
+Greedy answers through the front must equal the Triton path's (tritonclient gRPC, the same prompt) for
+the speculative and the control model, streamed and not.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ops_deploy
+from specdeploy import openai_api
+from specdeploy.client.protocol import CONTROL_MODEL, SPECULATIVE_MODEL, GenerateRequest
+from specdeploy.client.triton_adapter import TritonEndpoint
+
+openai = pytest.importorskip("openai", reason="the openai SDK is a test dependency (pip install -e '.[test]')")
+
+pytestmark = pytest.mark.server
+MESSAGES = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "The quick brown fox"}]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return ops_deploy.make_model(tmp_path_factory.mktemp("ops-model"))
+
+
+@pytest.fixture(scope="module")
+def streaming_api(tmp_path_factory, model_dir):
+    """(openai client, triton endpoint, recipe) over a decoupled deployment; server and front always stopped."""
+    root = tmp_path_factory.mktemp("openai-decoupled")
+    recipe, layout, _ = ops_deploy.build(root, model_dir, "apistream", triton={"decoupled": True})
+    with ops_deploy.running(layout) as srv:
+        front = openai_api.build_front(recipe, layout, srv.state.grpc_url, timeout_s=60)
+        from specdeploy.triton.server import free_port
+
+        with openai_api.ApiServer(openai_api.create_app(front), free_port()) as api:
+            client = openai.OpenAI(base_url=api.url, api_key="unused", max_retries=0, timeout=60)
+            yield client, TritonEndpoint(srv.state.grpc_url), recipe, api
+
+
+def _triton_text(endpoint, model, prompt, max_tokens=MAX_TOKENS):
+    k = 3 if model == SPECULATIVE_MODEL else None
+    return endpoint.generate(model, GenerateRequest(prompt, max_tokens, num_draft_tokens=k), 60).text
+
+
+def test_models_lists_every_path(streaming_api):
+    client, _, recipe, _ = streaming_api
+    ids = {m.id for m in client.models.list().data}
+    assert ids == {recipe.name, f"{recipe.name}-speculative", f"{recipe.name}-control"}  # no canary share set
+
+
+def test_chat_greedy_equals_triton_path_streamed_and_not(streaming_api, model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    client, endpoint, recipe, _ = streaming_api
+    prompt = ops_deploy.chat_text(MESSAGES)
+    expected_spec = _triton_text(endpoint, SPECULATIVE_MODEL, prompt)
+    expected_ctrl = _triton_text(endpoint, CONTROL_MODEL, prompt)
+    assert expected_spec and expected_spec == expected_ctrl  # greedy parity of the deployment itself
+
+    full = client.chat.completions.create(model=recipe.name, messages=MESSAGES, temperature=0, max_tokens=MAX_TOKENS)
+    assert full.choices[0].message.content == expected_spec
+    assert full.choices[0].message.role == "assistant"
+    ext = full.model_extra["specdeploy"]
+    assert ext["path"] == "speculative" and ext["triton_model"] == SPECULATIVE_MODEL
+    assert ext["draft_tokens"] > 0 and ext["accepted_draft_tokens"] == ext["draft_tokens"]  # the draft is the target
+    assert ext["acceptance_rate"] == pytest.approx(1.0)
+
+    # the server's own prompt length (preprocessing's REQUEST_INPUT_LEN) is what usage reports
+    pre = endpoint._run("preprocessing", {"QUERY": np.array([[prompt.encode()]], dtype=object),
+                                           "REQUEST_OUTPUT_LEN": np.array([[MAX_TOKENS]], dtype=np.int32)},
+                        ["REQUEST_INPUT_LEN"], 60)[-1]  # fmt: skip
+    assert full.usage.prompt_tokens == int(pre.as_numpy("REQUEST_INPUT_LEN").reshape(-1)[0])
+    # no output_ids on NVIDIA's text interface: the count re-tokenizes the text (and says so)
+    assert ext["completion_tokens_exact"] is False
+    assert full.usage.completion_tokens == len(tokenizer(expected_spec, add_special_tokens=False)["input_ids"])
+    assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+
+    stream = client.chat.completions.create(
+        model=f"{recipe.name}-control", messages=MESSAGES, temperature=0, max_tokens=MAX_TOKENS, stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert "".join(pieces) == expected_ctrl
+    assert len(pieces) > 1  # decoupled: the answer arrives in several chunks
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals in (["length"], ["stop"])
+    assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+    spec_stream = client.chat.completions.create(model=f"{recipe.name}-speculative", messages=MESSAGES, temperature=0,
+                                                 max_tokens=MAX_TOKENS, stream=True)  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in spec_stream if c.choices) == expected_spec
+
+
+def test_completions_and_stop_strings(streaming_api):
+    client, endpoint, recipe, _ = streaming_api
+    prompt = "Speculative decoding lets a small draft"
+    expected = _triton_text(endpoint, SPECULATIVE_MODEL, prompt)
+    out = client.completions.create(model=recipe.name, prompt=prompt, temperature=0, max_tokens=MAX_TOKENS)
+    assert out.choices[0].text == expected
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=recipe.name, prompt=prompt, temperature=0, max_tokens=MAX_TOKENS, stream=True))  # fmt: skip
+    assert streamed == expected
+    stop = expected[len(expected) // 2 : len(expected) // 2 + 2]  # a string that occurs in the greedy answer
+    cut = expected[: expected.index(stop)]
+    out = client.completions.create(model=recipe.name, prompt=prompt, temperature=0, max_tokens=MAX_TOKENS, stop=[stop])
+    assert out.choices[0].text == cut and out.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=recipe.name, prompt=prompt, temperature=0, max_tokens=MAX_TOKENS, stop=stop, stream=True))  # fmt: skip
+    assert streamed == cut
+
+
+def test_errors_use_openai_format(streaming_api):
+    client, _, recipe, api = streaming_api
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="no-such-model", messages=MESSAGES)
+    assert info.value.body["code"] == "model_not_found" and recipe.name in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=recipe.name, messages=MESSAGES, n=2)
+    assert info.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=recipe.name, prompt="x", max_tokens=0)
+    assert info.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as info:  # longer than the engine's max_input_len: Triton refuses it
+        client.completions.create(model=recipe.name, prompt="fox " * 400, max_tokens=4, temperature=0)
+    assert info.value.body["type"] == "invalid_request_error" and "max_input_len" in info.value.body["message"]
+    # the front and the server keep serving after errors
+    assert client.completions.create(model=recipe.name, prompt="x", max_tokens=2, temperature=0).choices[0].finish_reason
+
+
+def test_unary_deployment_streams_one_chunk(tmp_path_factory, model_dir):
+    root = tmp_path_factory.mktemp("openai-unary")
+    recipe, layout, _ = ops_deploy.build(root, model_dir, "apiunary")
+    with ops_deploy.running(layout) as srv:
+        front = openai_api.build_front(recipe, layout, srv.state.grpc_url, timeout_s=60)
+        from specdeploy.triton.server import free_port
+
+        with openai_api.ApiServer(openai_api.create_app(front), free_port()) as api:
+            client = openai.OpenAI(base_url=api.url, api_key="unused", max_retries=0, timeout=60)
+            expected = _triton_text(TritonEndpoint(srv.state.grpc_url), SPECULATIVE_MODEL, ops_deploy.chat_text(MESSAGES))
+            chunks = list(client.chat.completions.create(model=recipe.name, messages=MESSAGES, temperature=0,
+                                                         max_tokens=MAX_TOKENS, stream=True))  # fmt: skip
+            pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+            assert pieces == [expected]

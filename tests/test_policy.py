@@ -1,0 +1,167 @@
+"""Speculation policies on scripted acceptance/cost traces (no clocks, no engines)."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdeploy import policy as pol
+from specdeploy.config import parse_recipe
+from specdeploy.errors import ConfigError
+from specdeploy.policy import AcceptanceGate, Deployment, PolicySettings, RoundOutcome
+
+
+def test_draft_len_schedule_uses_upper_bounds():
+    schedule = {2: 4, 4: 2}
+    got = [pol.scheduled_draft_len(schedule, active, 6) for active in range(1, 7)]
+    assert got == [4, 4, 2, 2, 0, 0]  # 1-2 -> 4, 3-4 -> 2, above the last bound: off
+    assert pol.scheduled_draft_len(None, 9, 5) == 5
+    assert pol.schedule_from(None, 3, 4) == {3: 4}  # max_concurrency shorthand
+    assert pol.schedule_from({1: 4, 8: 1}, 3, 4) == {1: 4, 8: 1}
+
+
+def test_static_policy_follows_the_active_count():
+    active = [1]
+    deployment = Deployment(PolicySettings("static", 4, draft_len_schedule={1: 4, 3: 2}), active=lambda: active[0])
+    request = deployment.request()
+    seen = []
+    for n in (1, 2, 3, 4, 1):
+        active[0] = n
+        seen.append(request.choose(4))
+    assert seen == [4, 2, 2, 0, 4]
+    assert request.choose(1) == 1  # the request's own k (cap) still bounds it
+    deployment = Deployment(PolicySettings("static", 4, max_concurrency=2), active=lambda: active[0])
+    active[0] = 3
+    assert deployment.request().choose(4) == 0
+
+
+def test_gate_trips_only_after_a_full_window():
+    gate = AcceptanceGate(window=4, threshold=0.5)
+    assert [gate.record(0.1) for _ in range(3)] == [False] * 3 and not gate.disabled  # window not full yet
+    assert gate.record(0.1) is True and gate.disabled and gate.tripped_mean == pytest.approx(0.1)
+    assert gate.record(1.0) is False and gate.disabled  # off for good
+    rolling = AcceptanceGate(window=4, threshold=0.5)
+    for rate in (1.0, 1.0, 1.0, 1.0, 0.0, 0.0):  # the mean of the last 4: 0.5 is not below 0.5
+        assert rolling.record(rate) is False
+    assert rolling.record(0.0) is True  # (1 + 0 + 0 + 0) / 4 = 0.25
+    assert not AcceptanceGate(0, 0.5).record(0.0)  # window 0: no gate
+
+
+def test_gate_turns_the_deployment_off_for_every_request():
+    deployment = Deployment(PolicySettings("static", 4, acceptance_rate_window_size=3, acceptance_rate_threshold=0.6))
+    first = deployment.request()
+    for _ in range(3):
+        assert first.choose(4) == 4
+        first.record(RoundOutcome(4, 4, 1, 2, 0.0, 0.0))  # acceptance rate 0.25
+    assert deployment.gate.disabled and first.choose(4) == 0 and deployment.request().choose(4) == 0
+    assert "off since mean 0.25" in deployment.describe()
+
+
+class Trace:
+    """A scripted deployment: plain step = 10 ms, verification grows `slope` per extra row, the draft
+    costs `draft_ms` per token; acceptance of each round comes from `accept(round, k)`."""
+
+    def __init__(self, settings, draft_ms, slope=0.1):
+        self.deployment = Deployment(settings)
+        self.draft_ms, self.slope = draft_ms, slope
+        self.ks = []
+
+    def run(self, request, rounds, accept):
+        last_k = None
+        for i in range(rounds):
+            k = request.choose(4)
+            accepted = accept(i, k) if k else 0
+            request.record(RoundOutcome(k, k, accepted, accepted + 1, self.draft_ms * k / 1000, 0.010 * (1 + self.slope * k),
+                                        draft_fresh=last_k not in (None, 0), first_round=i == 0))  # fmt: skip
+            self.ks.append(k)
+            last_k = k
+        return self.ks[-rounds:]
+
+
+def test_cost_policy_picks_plain_steps_when_the_draft_costs_too_much():
+    # c = 1.2 (draft step 12 ms vs 10 ms target step) and 90 % acceptance: every k > 0 loses.
+    trace = Trace(PolicySettings("cost", 4, probe_interval=8), draft_ms=12.0)
+    ks = trace.run(trace.deployment.request(), 200, lambda i, k: k if i % 10 else k - 1)
+    assert ks[:2] == [4, 4]  # exploration times the full draft first
+    tail = ks[20:]
+    assert tail.count(0) / len(tail) > 0.9  # plain decoding, with rare probes
+    assert 0 < sum(1 for k in tail if k) <= 10  # probes back off (interval doubles up to MAX_PROBE_INTERVAL)
+
+
+def test_cost_policy_keeps_a_cheap_draft_speculating():
+    # an n-gram-like draft (0.05 ms) with 90 % acceptance: the full k wins every round after exploring.
+    trace = Trace(PolicySettings("cost", 4), draft_ms=0.05)
+    ks = trace.run(trace.deployment.request(), 60, lambda i, k: k if i % 10 else k - 1)
+    assert set(ks[10:]) == {4}
+
+
+def test_cost_policy_falls_back_at_once_and_comes_back():
+    trace = Trace(PolicySettings("cost", 4, probe_interval=4), draft_ms=2.0)
+    request = trace.deployment.request()
+    good = trace.run(request, 30, lambda i, k: k)  # the draft is always right
+    assert set(good[10:]) == {4}
+    bad = trace.run(request, 30, lambda i, k: 0)  # the draft stops being right
+    first_plain = bad.index(0)
+    assert first_plain <= 4  # within a few rounds, not after a window, and not for good:
+    assert bad[first_plain + 1 : first_plain + 4] == [0, 0, 0]
+    again = trace.run(request, 30, lambda i, k: k)  # right again: a probe finds out and speculation resumes
+    assert again[-10:] == [4] * 10
+    assert again.index(4) <= 8  # the first probe came after probe_interval plain rounds
+
+
+def test_cost_policy_respects_the_gate_and_the_schedule():
+    active = [5]
+    deployment = Deployment(PolicySettings("cost", 4, draft_len_schedule={4: 4}), active=lambda: active[0])
+    assert deployment.request().choose(4) == 0  # 5 active > the last bound
+    active[0] = 1
+    assert deployment.request().choose(4) == 4
+
+
+def test_expected_tokens_and_cost_model_estimates():
+    assert pol.expected_tokens(0.0, 4) == pytest.approx(1.0)
+    assert pol.expected_tokens(1.0, 4) == pytest.approx(5.0)
+    assert pol.expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    model = pol.CostModel()
+    for rows, seconds in ((1, 0.010), (3, 0.014)):
+        for _ in range(3):
+            model.observe(RoundOutcome(rows - 1, rows - 1, 0, 1, 0.004 * (rows - 1), seconds))
+    # verification interpolates/extrapolates linearly in rows; the draft scales with k from its one point
+    assert model.round_seconds(0) == pytest.approx(0.010)
+    assert model.round_seconds(1) == pytest.approx(0.012 + 0.004)
+    assert model.round_seconds(4) == pytest.approx(0.018 + 0.016)
+    assert model.best_k(0.0, 4) == 0 and model.best_k(0.99, 4) == 4
+
+
+def test_settings_from_recipe_and_bls_parameters():
+    raw = {"name": "x", "target": {"model": "m"}, "draft": {"model": "m"},
+           "speculative": {"num_draft_tokens": 3, "policy": "cost", "probe_interval": 5,
+                           "dynamic": {"draft_len_schedule": [[2, 3], [4, 1]], "acceptance_window": 8, "acceptance_threshold": 0.3}}}  # fmt: skip
+    settings = PolicySettings.from_recipe(parse_recipe(raw).speculative)
+    assert settings == PolicySettings("cost", 3, {2: 3, 4: 1}, None, 8, 0.3, "rate", 5)
+    assert PolicySettings.from_parameters(settings.to_parameters(), 3) == settings
+    assert PolicySettings.from_parameters({}, 4) == PolicySettings("static", 4)
+
+
+@pytest.mark.parametrize(
+    "speculative, draft, message",
+    [
+        ({"policy": "fastest"}, {"model": "m"}, "speculative.policy"),
+        ({"probe_interval": 0}, {"model": "m"}, "speculative.probe_interval"),
+        ({}, {"kind": "ngrams"}, "draft.kind"),
+        ({}, {"kind": "ngram", "model": "m"}, "draft.model"),
+        ({}, {"model": "m", "max_matching_ngram_size": 2}, "draft.max_matching_ngram_size"),
+        ({"max_draft_len": 4}, {"kind": "ngram", "max_draft_len": 5}, "draft.max_draft_len"),
+        ({"use_draft_logits": True}, {"kind": "ngram"}, "use_draft_logits"),
+        ({}, {}, "draft.model"),
+    ],
+)
+def test_recipe_keys_are_checked_at_the_edge(speculative, draft, message):
+    raw = {"name": "x", "target": {"model": "m"}, "draft": draft, "speculative": speculative}
+    with pytest.raises(ConfigError) as info:
+        parse_recipe(raw)
+    assert message in str(info.value) + str(getattr(info.value, "hint", ""))
+
+
+def test_ngram_recipe_has_only_the_target_to_build():
+    recipe = parse_recipe({"name": "x", "target": {"model": "m"}, "draft": {"kind": "ngram"}})
+    assert recipe.model_roles == ("target",)
+    assert parse_recipe({"name": "x", "target": {"model": "m"}, "draft": {"model": "m"}}).model_roles == ("target", "draft")

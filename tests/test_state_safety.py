@@ -1,0 +1,192 @@
+"""State safety with real processes: `stop` never signals a PID that another process now holds, and
+two specdeploy runs on one recipe take turns on its lock. (SIGKILL during atomic_output: test_artifacts.py.)"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from specdeploy import lock
+from specdeploy.artifacts import process_identity
+from specdeploy.errors import BusyError
+from specdeploy.triton import server
+
+# ---------------------------------------------------------------- stop and PID reuse
+
+
+@pytest.fixture
+def bystander():
+    """An unrelated live process, in its own session like a tritonserver started by specdeploy."""
+    proc = subprocess.Popen(["sleep", "120"], start_new_session=True)
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def state_for(pid: int, start_ticks, cmdline) -> server.ServerState:
+    return server.ServerState(pid, 1, 2, 3, "tritonserver.log", "repo", 0.0, start_ticks, cmdline)
+
+
+TRITON_CMDLINE = ["/opt/tritonserver/bin/tritonserver", "--model-repository=/models"]
+
+
+@pytest.mark.parametrize(
+    "recorded",
+    ["other start time", "other command line", "state without identity"],
+)
+def test_stop_leaves_a_process_that_reused_the_pid_alone(tmp_path, bystander, recorded):
+    me = process_identity(bystander.pid)
+    assert me is not None and me.start_ticks and me.cmdline == ("sleep", "120")
+    state = {
+        "other start time": state_for(bystander.pid, me.start_ticks - 1, list(me.cmdline)),
+        "other command line": state_for(bystander.pid, me.start_ticks, TRITON_CMDLINE),
+        "state without identity": state_for(bystander.pid, None, None),  # written by an older specdeploy
+    }[recorded]
+    state.write(tmp_path)
+    assert not server.ServerState.read(tmp_path).running()
+    assert "not running" in server.status(tmp_path)[1] and "another process" in server.status(tmp_path)[1]
+    message = server.stop(tmp_path)
+    assert "had already exited" in message and "another process, left alone" in message
+    time.sleep(0.3)
+    assert bystander.poll() is None, "stop signalled a process that is not the server it started"
+    assert not (tmp_path / server.STATE_FILE).exists(), "the stale state is cleaned up"
+    server.stop_pid(bystander.pid, timeout_s=1, expected=state.identity() or server.ProcessIdentity(bystander.pid, 1, ()))
+    assert bystander.poll() is None
+
+
+def test_stop_signals_the_process_it_recorded(tmp_path, bystander):
+    me = process_identity(bystander.pid)
+    state_for(bystander.pid, me.start_ticks, list(me.cmdline)).write(tmp_path)
+    assert server.ServerState.read(tmp_path).running()
+    assert server.stop(tmp_path) == f"stopped tritonserver (pid {bystander.pid})"
+    assert bystander.wait(timeout=10) == -signal.SIGTERM
+    assert not (tmp_path / server.STATE_FILE).exists()
+
+
+@pytest.mark.server
+def test_a_started_server_records_who_it_is(tmp_path):
+    """The identity comes from the real tritonserver process (its command line, its start time)."""
+    (tmp_path / "repo").mkdir()
+    running = server.start(tmp_path / "repo", server.Ports.pick(), tmp_path / "tritonserver.log")
+    with running:
+        state = running.state
+        assert Path(state.cmdline[0]).name == "tritonserver" and f"--grpc-port={state.grpc_port}" in state.cmdline
+        assert state.start_ticks == process_identity(state.pid).start_ticks
+        state.write(tmp_path / "state")
+        assert server.ServerState.read(tmp_path / "state").running()
+    assert not server.ServerState.read(tmp_path / "state").running()
+
+
+# ---------------------------------------------------------------- one run per recipe
+
+
+HOLDER = r"""
+import sys, time
+from pathlib import Path
+from specdeploy import lock
+engines, release = Path(sys.argv[1]), Path(sys.argv[2])
+with lock.recipe_lock(engines, "smollm2-135m", "specdeploy build recipe.yaml"):
+    (engines / "held").write_text("")
+    while not release.exists():
+        time.sleep(0.05)
+"""
+
+
+@pytest.fixture
+def project(tmp_path):
+    raw = yaml.safe_load(open("build/smollm2-135m.yaml"))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(raw))
+    return tmp_path, recipe, tmp_path / "engines" / raw["name"]
+
+
+@pytest.fixture
+def holder(project):
+    root, _, engines = project
+    engines.mkdir(parents=True)
+    release = root / "release"
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(engines), str(release)])
+    deadline = time.monotonic() + 60
+    while not (engines / "held").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the holder did not take the lock"
+        time.sleep(0.05)
+    yield proc, release
+    release.touch()
+    proc.kill()
+    proc.wait()
+
+
+def cli(root, *args) -> subprocess.Popen:
+    code = "from specdeploy.cli import main; main(prog_name='specdeploy')"
+    return subprocess.Popen([sys.executable, "-c", code, "--root", str(root), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+
+
+def lines_of(proc) -> queue.Queue:
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    return lines
+
+
+def wait_for_line(lines: queue.Queue, needle: str, timeout_s: float = 60) -> list[str]:
+    seen, deadline = [], time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            seen.append(lines.get(timeout=0.5))
+        except queue.Empty:
+            continue
+        if needle in seen[-1]:
+            return seen
+    raise AssertionError(f"no line with {needle!r} within {timeout_s} s; got {seen}")
+
+
+def test_a_second_run_waits_for_the_first(project, holder):
+    root, recipe, _ = project
+    first, release = holder
+    second = cli(root, "repo", str(recipe))  # `repo` takes the lock before it looks at its inputs
+    lines = lines_of(second)
+    wait_for_line(lines, f"waiting for another specdeploy run on smollm2-135m (pid {first.pid}: specdeploy build recipe.yaml)")
+    time.sleep(1.0)
+    assert second.poll() is None, "the second run must wait while the first holds the recipe"
+    release.touch()
+    assert first.wait(timeout=30) == 0
+    wait_for_line(lines, "got the lock on smollm2-135m")
+    assert second.wait(timeout=60) == 1  # then it ran: this empty project has no engines to make a repository of
+    wait_for_line(lines, "hint: run: specdeploy build")
+
+
+def test_a_second_run_gives_up_after_the_timeout_naming_the_holder(project, holder):
+    root, recipe, engines = project
+    first, _ = holder
+    second = cli(root, "--lock-timeout", "0.5", "build", str(recipe))
+    out, _ = second.communicate(timeout=60)
+    assert second.returncode == 1, out
+    assert f"another specdeploy run on smollm2-135m holds {engines / '.lock'} (pid {first.pid}: specdeploy build recipe.yaml)" in out
+    assert "kill PID" in out and "--lock-timeout" in out
+    assert first.poll() is None
+
+
+def test_the_lock_dies_with_its_holder(project, holder):
+    root, recipe, engines = project
+    first, _ = holder
+    with pytest.raises(BusyError):
+        with lock.recipe_lock(engines, "smollm2-135m", "test", timeout_s=0):
+            pass
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    with lock.recipe_lock(engines, "smollm2-135m", "test", timeout_s=10) as path:
+        assert lock.holder(path) == f"pid {os.getpid()}: test"
+        with lock.recipe_lock(engines, "smollm2-135m", "nested", timeout_s=0):  # one process may nest it
+            pass
+        third = cli(root, "--lock-timeout", "0", "repo", str(recipe))
+        out, _ = third.communicate(timeout=60)
+        assert third.returncode == 1 and f"(pid {os.getpid()}: test)" in out
