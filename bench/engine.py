@@ -4,6 +4,8 @@ Greedy, the same prompts and thread count for every system:
   hf-generate     Hugging Face `generate` on the target model
   engine          the CPU engine, target only
   engine-spec     the CPU engine with speculative decoding (best k of a short sweep)
+  engine-cost     the same pair under speculative.policy cost (k per round from measured costs, 0 included)
+  engine-ngram    the target with an n-gram (prompt-lookup) draft, k = num_draft_tokens (no draft model)
   hf-assisted     Hugging Face assisted generation (`assistant_model=`), the draft quantized to int8
                   weight-only with torchao (a library transformers supports)
 Each system runs in its own process, so its peak resident memory is its own. Also measured: copy
@@ -133,17 +135,26 @@ def run_engine(job: dict) -> dict:
     from specdeploy.generate import ExecutorProposer, ExecutorVerifier, target_only_generate
 
     base_rss = rss_mb()
-    mode = job["mode"]
-    roles = ("target", "draft") if mode == "spec" else (mode,)
+    from specdeploy import policy as pol
+    from specdeploy.ngram import NGramProposer, NGramSettings
+
+    mode = job["mode"]  # target | draft | spec (a k sweep) | spec-cost (policy cost) | ngram (prompt lookup, k fixed)
+    roles = {"spec": ("target", "draft"), "spec-cost": ("target", "draft"), "ngram": ("target",)}.get(mode, (mode,))
     engines = _engines(job, roles)
     cache_len = job["cache_len"]
     executors = {r: Executor(e, max_cached_sequences=1, cache_len=cache_len) for r, e in engines.items()}
     prompts, max_tokens = job["prompts_ids"], job["max_tokens"]
+    deployment = pol.Deployment(pol.PolicySettings("cost", job["num_draft_tokens"]))  # spec-cost: learns across prompts
 
     def start(prompt, k, n):
-        if mode != "spec":
-            return target_only_generate(executors[mode], prompt, n)
-        return spec.speculative_generate(ExecutorProposer(executors["draft"]), ExecutorVerifier(executors["target"]), prompt, n, k)
+        verifier = ExecutorVerifier(executors["target"]) if "target" in executors else None
+        if mode == "spec":
+            return spec.speculative_generate(ExecutorProposer(executors["draft"]), verifier, prompt, n, k)
+        if mode == "spec-cost":
+            return spec.speculative_generate(ExecutorProposer(executors["draft"]), verifier, prompt, n, k, policy=deployment.request())
+        if mode == "ngram":
+            return spec.speculative_generate(NGramProposer(NGramSettings(k, job["ngram_size"])), verifier, prompt, n, k)
+        return target_only_generate(executors[mode], prompt, n)
 
     def once(prompt, k, n):
         return spec.collect(start(prompt, k, n))
@@ -170,6 +181,8 @@ def run_engine(job: dict) -> dict:
             sweep[k] = {"tokens_per_s": len(toks) / (time.perf_counter() - t0), "acceptance_rate": st.acceptance_rate}
             log(f"  sweep k={k}: {sweep[k]['tokens_per_s']:.1f} tok/s, acceptance {st.acceptance_rate:.0%}")
         best_k = max(sweep, key=lambda k: sweep[k]["tokens_per_s"])
+    elif mode in ("spec-cost", "ngram"):
+        best_k = job["num_draft_tokens"]  # an upper bound: the policy (spec-cost) or the matches (ngram) decide per round
     outputs, tokens, wall, first_s, decode_tokens = [], 0, 0.0, 0.0, 0
     agg = spec.SpecStats()
     for prompt in prompts:
@@ -184,8 +197,10 @@ def run_engine(job: dict) -> dict:
         outputs.append(toks)
         for f in ("drafted", "accepted", "target_iterations", "draft_time_s", "target_time_s", "output_tokens"):
             setattr(agg, f, getattr(agg, f) + getattr(st, f))
+        agg.k_per_round += st.k_per_round
     kv_bytes = sum(ex.kv_cache_bytes() for ex in executors.values())
     verify_cost = _verify_cost(engines["target"], prompts[0], best_k) if mode == "spec" else None
+    speculated = sum(1 for k in agg.k_per_round if k > 0) / len(agg.k_per_round) if agg.k_per_round else None
     return {
         "tokens": tokens,
         "wall_s": wall,
@@ -203,6 +218,7 @@ def run_engine(job: dict) -> dict:
         "bytes_per_token": {r: _bytes_of(e, "bytes_per_token") for r, e in engines.items()},
         "kv_bytes": kv_bytes,
         "verify_cost": verify_cost,
+        "speculated_share": speculated,
         "peak_rss_mb": rss_mb(),
         "base_rss_mb": base_rss,
     }
@@ -273,6 +289,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--hf-dtype", default="float32", choices=("float32", "bfloat16"), help="HF models' dtype (fp32 is HF's faster CPU path here)")
     ap.add_argument("--skip-hf", action="store_true", help="skip the two Hugging Face systems")
+    ap.add_argument("--ngram-size", type=int, default=3, help="engine-ngram: max_matching_ngram_size (k = num_draft_tokens)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -297,13 +314,15 @@ def main(argv=None) -> int:
     cache_len = max(len(p) for p in prompts_ids) + args.max_tokens + recipe.speculative.max_draft_len + 2
     job = dict(threads=args.threads, prompts=prompts, prompts_ids=prompts_ids, max_tokens=args.max_tokens,
                target_model=target_model, draft_model=draft_model, hf_dtype=args.hf_dtype, engines=engines,
-               cache_len=cache_len, ks=ks, sweep_tokens=args.sweep_tokens)
+               cache_len=cache_len, ks=ks, sweep_tokens=args.sweep_tokens,
+               num_draft_tokens=recipe.speculative.num_draft_tokens, ngram_size=args.ngram_size)
 
     log("copy bandwidth ...")
     bandwidth = in_child(copy_bandwidth, args.threads)  # in a child: its 1 GiB of buffers stays out of this process
     results = {}
     plan = [("engine", run_engine, {"mode": "target"}), ("engine-draft", run_engine, {"mode": "draft"}),
-            ("engine-spec", run_engine, {"mode": "spec"})]
+            ("engine-spec", run_engine, {"mode": "spec"}), ("engine-cost", run_engine, {"mode": "spec-cost"}),
+            ("engine-ngram", run_engine, {"mode": "ngram"})]
     if not args.skip_hf:
         plan = [("hf-generate", run_hf, {})] + plan + [("hf-assisted", run_hf, {"assistant": True})]
     for name, fn, extra in plan:
@@ -350,6 +369,12 @@ def main(argv=None) -> int:
         "spec_rss_over_weights_kv": spec_r["peak_rss_mb"] / (both_bytes / 2**20),
         "spec_rss_minus_runtime_over_weights_kv": (spec_r["peak_rss_mb"] - spec_r["base_rss_mb"]) / (both_bytes / 2**20),
     }
+    for name in ("engine-cost", "engine-ngram"):
+        r = results[name]
+        summary[f"{name}_speedup"] = r["tokens_per_s"] / eng["tokens_per_s"]
+        summary[f"{name}_tokens_per_target_pass"] = r["tokens"] / r["target_iterations"]
+        summary[f"{name}_speculated_share"] = r["speculated_share"]
+        summary[f"{name}_greedy_parity"] = r["outputs"] == eng["outputs"]
     if "hf-generate" in results:
         summary["engine_vs_hf_generate"] = eng["tokens_per_s"] / results["hf-generate"]["tokens_per_s"]
         summary["spec_vs_hf_assisted"] = spec_r["tokens_per_s"] / results["hf-assisted"]["tokens_per_s"]
@@ -372,6 +397,10 @@ def main(argv=None) -> int:
           f"greedy output {'identical' if parity else 'DIFFERS'} to target-only")
     print(f"verification pass ({spec_r['best_k'] + 1} rows) = {spec_r['verify_cost']:.2f} target steps; with it the model "
           f"predicts {predicted_v:.2f}x and the loop reaches {summary['measured_vs_predicted_with_verify_cost']:.0%} of that")
+    for name in ("engine-cost", "engine-ngram"):
+        print(f"{name}: {summary[name + '_speedup']:.2f}x the engine, {summary[name + '_tokens_per_target_pass']:.2f} tokens per "
+              f"target pass, speculated in {summary[name + '_speculated_share']:.0%} of rounds, greedy output "
+              f"{'identical' if summary[name + '_greedy_parity'] else 'DIFFERS'}")
     print(f"peak RSS (spec process) {spec_r['peak_rss_mb']:.0f} MB, of which {spec_r['base_rss_mb']:.0f} MB python+torch; "
           f"weights+KV {summary['spec_weights_plus_kv_mb']:.0f} MB")
     if "hf-generate" in results:

@@ -219,8 +219,10 @@ def serve(ctx, recipe, detach, server_binary, print_only, print_k8s, image, open
     if r.backend != "cpu":  # GPU backends: specdeploy.launch (mpirun / orchestrator / llmapi, docker, k8s)
         from specdeploy import launch
 
-        launch.serve_gpu(r, layout, print_k8s=print_k8s, print_only=print_only, image=image,
-                         tritonserver=server_binary, detach=detach, recipe_path=recipe, echo=click.echo)  # fmt: skip
+        starts_detached = detach and not (print_only or print_k8s)  # a foreground server must not hold the lock
+        with ctx.locked(r, recipe) if starts_detached else contextlib.nullcontext():
+            launch.serve_gpu(r, layout, print_k8s=print_k8s, print_only=print_only, image=image,
+                             tritonserver=server_binary, detach=detach, recipe_path=recipe, echo=click.echo)  # fmt: skip
         return
     with ctx.locked(r, recipe):  # a detached start holds it until ready; a foreground serve only waits for writers
         repository.require_repository(r, layout, recipe_path=recipe)

@@ -40,3 +40,29 @@ def format_money(value: float | None, currency: str) -> str:
         return "–"
     digits = 2 if value >= 1 else 6 if value < 0.001 else 4
     return f"{value:.{digits}f} {currency}"
+
+
+def cost_section(levels: list[dict], price_per_hour: float, currency: str = "USD") -> dict | None:
+    """Cost per response and per 1k output tokens for every (path, concurrency) of a latency summary
+    (`client.latency.summarize_levels`), for the report; None when no price is set."""
+    if price_per_hour <= 0:
+        return None
+    rows = []
+    for level in levels:
+        c = level_cost(level, price_per_hour, currency)
+        rows.append({"mode": level.get("mode"), "concurrency": level.get("concurrency"), **c.to_dict()})
+    return {"machine_price_per_hour": price_per_hour, "currency": currency, "levels": rows}
+
+
+def cost_markdown(section: dict | None) -> list[str]:
+    if not section:
+        return []
+    cur = section["currency"]
+    lines = ["## Cost", "",
+             f"At {section['machine_price_per_hour']:g} {cur} per machine-hour (recipe `cost.machine_price_per_hour`), "
+             "at the rate each level sustained: per response = price / 3600 / requests per second; "
+             "per 1,000 output tokens = 1000 x price / 3600 / output tokens per second.", "",
+             "| conc. | path | per response | per 1k output tokens |", "|---|---|---|---|"]  # fmt: skip
+    for r in section["levels"]:
+        lines.append(f"| {r['concurrency']} | {r['mode']} | {format_money(r['per_response'], cur)} | {format_money(r['per_1k_output_tokens'], cur)} |")
+    return lines + [""]

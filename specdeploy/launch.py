@@ -149,7 +149,7 @@ def docker_command(plan: LaunchPlan, recipe: Recipe, layout: Layout, image: str 
     cmd += ["-v", f"{root}:{root}", "-w", root]
     for key, value in container_env(plan).items():
         cmd += ["-e", f"{key}={value}"]
-    return cmd + [image or packaging.image_tag(recipe), *plan.command]
+    return cmd + [image or packaging.image_tag(recipe, layout), *plan.command]
 
 
 # ---------------------------------------------------------------- Kubernetes
@@ -183,7 +183,7 @@ def k8s_manifests(
     startup_s = int(recipe.triton.startup_timeout_s)
     container = {
         "name": "tritonserver",
-        "image": image or packaging.image_tag(recipe),  # pushed to a registry the cluster pulls from
+        "image": image or packaging.image_tag(recipe, layout),  # pushed to a registry the cluster pulls from
         "command": plan.command,
         "env": [{"name": k, "value": v} for k, v in container_env(plan).items()],
         "ports": [{"name": n, "containerPort": p} for n, p in ports.items()],
@@ -285,7 +285,8 @@ def operations_manifests(recipe: Recipe, deployment: dict, service: dict, gatewa
     group = {"specdeploy.io/recipe": name}
     for obj in (deployment, service):
         obj["metadata"]["labels"].update(group)
-    deployment["spec"]["template"]["metadata"]["labels"]["specdeploy.io/arm"] = "speculative"
+    for labels in (deployment["spec"]["selector"]["matchLabels"], deployment["spec"]["template"]["metadata"]["labels"], service["spec"]["selector"]):
+        labels["specdeploy.io/arm"] = "speculative"
     container["env"].append({"name": CANARY_ENV, "value": "0"})
     out = []
     # Gateway API weights are integers: percent, or basis points for a fractional share
@@ -298,13 +299,14 @@ def operations_manifests(recipe: Recipe, deployment: dict, service: dict, gatewa
         control["metadata"]["name"] = control_name
         for labels in (control["metadata"]["labels"], control["spec"]["selector"]["matchLabels"], control["spec"]["template"]["metadata"]["labels"]):
             labels["app.kubernetes.io/name"] = control_name
-        control["spec"]["template"]["metadata"]["labels"]["specdeploy.io/arm"] = "control"
+        for labels in (control["spec"]["selector"]["matchLabels"], control["spec"]["template"]["metadata"]["labels"]):
+            labels["specdeploy.io/arm"] = "control"
         control_env = control["spec"]["template"]["spec"]["containers"][0]["env"]
         next(e for e in control_env if e["name"] == CANARY_ENV)["value"] = "100"
         control_service = copy.deepcopy(service)
         control_service["metadata"]["name"] = control_name
         control_service["metadata"]["labels"]["app.kubernetes.io/name"] = control_name
-        control_service["spec"]["selector"]["app.kubernetes.io/name"] = control_name
+        control_service["spec"]["selector"].update({"app.kubernetes.io/name": control_name, "specdeploy.io/arm": "control"})
         out += [control, control_service]
         backends.append({"name": control_name, "port": http_port, "weight": control_weight})
     route = {
@@ -355,7 +357,7 @@ def k8s_yaml(recipe: Recipe, layout: Layout, **kwargs) -> str:
     header = (
         f"# Kubernetes manifests for specdeploy recipe {recipe.name} (backend {recipe.backend}).\n"
         f"# The PersistentVolumeClaim must hold {Path(layout.root).resolve()} (engines/ and triton_repo/).\n"
-        f"# The image is {packaging.image_tag(recipe)}: {shlex.join(packaging.build_command(recipe, layout))}, "
+        f"# The image is {packaging.image_tag(recipe, layout)}: {shlex.join(packaging.build_command(recipe, layout))}, "
         "then push it where the cluster pulls from (or pass --image).\n"
         + PROMETHEUS_ADAPTER_RULE
     )

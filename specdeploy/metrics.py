@@ -108,6 +108,7 @@ class TritonSink:
 
     def __init__(self, pb_utils):
         self.pb = pb_utils
+        self.error: str | None = None
         self._families: dict[str, object] = {}
         self._metrics: dict[tuple, object] = {}
 
@@ -127,10 +128,22 @@ class TritonSink:
 
     def add(self, metric, labels, value):
         if value:
-            self._metric(metric, labels).increment(float(value))
+            self._guarded(lambda: self._metric(metric, labels).increment(float(value)))
 
     def observe(self, metric, labels, value, buckets):
-        self._metric(metric, labels, buckets).observe(float(value))
+        self._guarded(lambda: self._metric(metric, labels, buckets).observe(float(value)))
+
+    def _guarded(self, update) -> None:
+        """Metrics never fail a request: the first error is logged and metrics stop for this instance."""
+        if self.error is not None:
+            return
+        try:
+            update()
+        except Exception as exc:  # noqa: BLE001 - any stub/core error; serving goes on
+            import sys
+
+            self.error = f"{type(exc).__name__}: {exc}"
+            print(f"specdeploy metrics disabled in this model instance: {self.error}", file=sys.stderr, flush=True)
 
 
 class PrometheusClientSink:
@@ -178,11 +191,16 @@ class RequestTimer:
     start_s: float
     first_token_s: float | None = None
     output_tokens: int = 0
+    pieces: int = 0  # how many times tokens arrived (TPOT needs at least two)
+    requested_k: bool = True
 
     def tokens(self, n: int, now: float) -> None:
-        if n > 0 and self.first_token_s is None:
+        if n <= 0:
+            return
+        if self.first_token_s is None:
             self.first_token_s = now
         self.output_tokens += n
+        self.pieces += 1
 
 
 class Recorder:
@@ -233,45 +251,110 @@ class Recorder:
         if timer.first_token_s is not None:
             ttft = timer.first_token_s - timer.start_s
             self.sink.observe(TTFT, labels, ttft, TTFT.buckets)
-            if timer.output_tokens >= 2:
+            if timer.output_tokens >= 2 and timer.pieces >= 2:  # all tokens at once (the plain path): no TPOT
                 self.sink.observe(TPOT, labels, (latency - ttft) / (timer.output_tokens - 1), TPOT.buckets)
 
 
-class MeteredProposer:
-    """Wraps a speculative.Proposer: times each draft call for the Recorder (no change to the loop)."""
-
-    def __init__(self, inner, clock=time.perf_counter):
-        self.inner, self.clock = inner, clock
-        self.last_s = 0.0
-
-    def propose(self, sequence, num_tokens, sampling, return_logits):
-        t0 = self.clock()
-        try:
-            return self.inner.propose(sequence, num_tokens, sampling, return_logits)
-        finally:
-            self.last_s = self.clock() - t0
+REASON_GATE = "gate"  # the acceptance gate turned speculation off (specdeploy.policy.AcceptanceGate)
+REASON_SCHEDULE = "schedule"  # draft_len_schedule / max_concurrency: too many active sequences
+REASON_POLICY = "policy"  # the cost policy predicted a plain step pays more
+REASON_NO_DRAFT = "num_draft_tokens_0"  # the request asked for no draft tokens
+CANARY_ENV = "SPECDEPLOY_CANARY_CONTROL_PERCENT"  # overrides the BLS parameter (the Kubernetes control Deployment sets 100)
 
 
-class MeteredVerifier:
-    """Wraps a speculative.Verifier: after each target pass, one `Recorder.round` and the timer's tokens.
+class MeteredPolicy:
+    """Wraps a specdeploy.policy RequestPolicy: one `Recorder.round` per round, with why speculation was off."""
 
-    Accepted = the common prefix of the draft and what the target returned (as speculative.py counts it).
-    """
+    def __init__(self, inner, recorder: Recorder, timer: RequestTimer, deployment=None, forced_reason: str | None = None):
+        self.inner, self.recorder, self.timer, self.deployment, self.forced_reason = inner, recorder, timer, deployment, forced_reason
+        self.name = getattr(inner, "name", "static") if inner is not None else "static"
+        self.reason: str | None = None
 
-    def __init__(self, inner, proposer: MeteredProposer, recorder: Recorder, timer: RequestTimer, clock=time.perf_counter):
-        self.inner, self.proposer, self.recorder, self.timer, self.clock = inner, proposer, recorder, timer, clock
+    def choose(self, cap: int) -> int:
+        k = self.inner.choose(cap) if self.inner is not None else cap
+        self.reason = self.forced_reason or (None if k > 0 else self._why_off(cap))
+        return k
+
+    def _why_off(self, cap: int) -> str:
+        d = self.deployment
+        if cap == 0:
+            return REASON_LAST_TOKEN if self.timer.requested_k else REASON_NO_DRAFT
+        if d is not None and getattr(getattr(d, "gate", None), "disabled", False):
+            return REASON_GATE
+        if d is not None and d.cap(cap) == 0:
+            return REASON_SCHEDULE
+        return REASON_POLICY
+
+    def record(self, outcome) -> None:
+        self.recorder.round(self.timer.arm, outcome.drafted, outcome.accepted, outcome.emitted, outcome.draft_time_s,
+                            outcome.target_time_s, self.reason)  # fmt: skip
+        if self.inner is not None:
+            self.inner.record(outcome)
+
+
+class PlainVerifier:
+    """The canary's control arm: the target alone, the rest of the answer in one call (no draft).
+
+    `inner.verify` must take `output_len` (the BLS's TritonVerifier does)."""
+
+    def __init__(self, inner, max_tokens: int, prompt_len: int):
+        self.inner, self.max_tokens, self.prompt_len = inner, max_tokens, prompt_len
 
     def verify(self, sequence, draft_tokens, draft_logits, sampling):
-        t0 = self.clock()
-        returned = self.inner.verify(sequence, draft_tokens, draft_logits, sampling)
-        now = self.clock()
-        accepted = 0
-        while accepted < min(len(draft_tokens), len(returned)) and draft_tokens[accepted] == returned[accepted]:
-            accepted += 1
-        draft_s = self.proposer.last_s if draft_tokens else 0.0
-        self.proposer.last_s = 0.0
-        self.recorder.round(self.timer.arm, len(draft_tokens), accepted, len(returned), draft_s, now - t0)
-        return returned
+        assert not draft_tokens, "the control arm drafts nothing"
+        remaining = self.max_tokens - (len(sequence) - self.prompt_len)
+        return self.inner.verify(sequence, [], None, sampling, output_len=max(remaining, 1))
+
+
+class BlsOps:
+    """What tensorrt_llm_bls does for metrics and the canary, behind a few calls (see that file).
+
+    `control_percent` (BLS parameter `canary_control_percent`, env CANARY_ENV overrides) of the requests
+    that do not set `num_draft_tokens` go down the plain path and are labelled arm=control.
+    """
+
+    def __init__(self, sink: Sink, model: str, max_draft_len: int, control_percent: float = 0.0, seed: int | None = None,
+                 clock=time.time):  # fmt: skip
+        import os
+        import random
+
+        override = os.environ.get(CANARY_ENV)
+        self.control_percent = float(override) if override not in (None, "") else float(control_percent)
+        self.recorder = Recorder(sink, model, max_draft_len, clock=clock)
+        self.rng = random.Random(seed)
+        self.clock = clock
+
+    @classmethod
+    def in_triton(cls, pb_utils, model: str, max_draft_len: int, params: Mapping[str, str]) -> "BlsOps":
+        return cls(TritonSink(pb_utils), model, max_draft_len, float(params.get("canary_control_percent") or 0.0))
+
+    def start(self, requested_k: bool) -> RequestTimer:
+        """A request arrives: pick its arm (requests that set num_draft_tokens stay speculative)."""
+        control = not requested_k and self.control_percent > 0 and self.rng.random() * 100.0 < self.control_percent
+        timer = self.recorder.request_started(CONTROL_ARM if control else SPECULATIVE_ARM)
+        timer.requested_k = requested_k
+        return timer
+
+    def num_draft_tokens(self, timer: RequestTimer, k: int) -> int:
+        return 0 if timer.arm == CONTROL_ARM else k
+
+    def verifier(self, timer: RequestTimer, verifier, max_tokens: int, prompt_len: int):
+        return PlainVerifier(verifier, max_tokens, prompt_len) if timer.arm == CONTROL_ARM else verifier
+
+    def policy(self, timer: RequestTimer, inner, deployment=None) -> MeteredPolicy:
+        """The request's policy, metered; on the control arm none (its one long call must not teach the
+        speculation policy's cost model what a plain step costs)."""
+        if timer.arm == CONTROL_ARM:
+            return MeteredPolicy(None, self.recorder, timer, None, REASON_CONTROL_ARM)
+        return MeteredPolicy(inner, self.recorder, timer, deployment)
+
+    def tokens(self, timer: RequestTimer | None, n: int) -> None:
+        if timer is not None:
+            timer.tokens(n, self.clock())
+
+    def finish(self, timer: RequestTimer | None, prompt_tokens: int, ok: bool) -> None:
+        if timer is not None:
+            self.recorder.request_finished(timer, prompt_tokens, ok)
 
 
 # ---------------------------------------------------------------- reading
@@ -480,6 +563,21 @@ def arm_stats(snapshot: Snapshot, arm: str, model: str | None = None) -> ArmStat
         accepted_per_pos={int(k): v for k, v in snapshot.by_label(ACCEPTED_PER_POS.name, "position", **match).items() if k},
         drafted_per_pos={int(k): v for k, v in snapshot.by_label(DRAFT_TOKENS_PER_POS.name, "position", **match).items() if k},
     )
+
+
+def count_mismatches(window: Snapshot, arm: str = SPECULATIVE_ARM, model: str | None = None, **expected: float) -> list[str]:
+    """Where the endpoint's counts over a window differ from a client's own (`validate` after its run).
+
+    expected keys: requests, errors, drafted, accepted, output_tokens, target_passes (any subset).
+    Returns one line per mismatch; empty when they agree.
+    """
+    stats = arm_stats(window, arm, model)
+    out = []
+    for key, want in expected.items():
+        got = getattr(stats, key)
+        if abs(got - want) > 1e-6:
+            out.append(f"{key}: metrics say {got:g}, the client counted {want:g} (arm {arm})")
+    return out
 
 
 def wait_for_change(url: str, baseline: Snapshot, name: str, timeout_s: float = 5.0, poll_s: float = 0.1) -> Snapshot:

@@ -184,7 +184,8 @@ def parse_job(body: Any, chat: bool, served: dict[str, Route], codec: Codec, def
     if model not in served:
         raise ApiError(404, f"the model '{model}' does not exist; served here: {', '.join(served)}", param="model", code="model_not_found")
     for key in UNSUPPORTED:
-        if body.get(key) not in (None, False, [], 0) and not (key == "echo" and body.get(key) is False):
+        value = body.get(key)
+        if value and not (key == "response_format" and isinstance(value, dict) and value.get("type") == "text"):
             raise ApiError(400, f"'{key}' is not supported by this server", param=key, code="unsupported_parameter")
     if _number(body, "n", int, 1, 1) != 1:
         raise ApiError(400, "'n' must be 1 here (one completion per request)", param="n", code="unsupported_parameter")

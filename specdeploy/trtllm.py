@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import json
+import re
 import shlex
 import shutil
 import subprocess
@@ -25,7 +26,7 @@ import yaml
 from specdeploy import gpu as gpu_probe
 from specdeploy.artifacts import Layout, Manifest, atomic_output, fingerprint, is_up_to_date, require, tool_versions
 from specdeploy.config import ROLES, Recipe, to_plain
-from specdeploy.errors import BuildError, StaleArtifactError
+from specdeploy.errors import BuildError, ConfigError, StaleArtifactError
 
 TOOL = "trtllm-build"
 BUILD_STAGE = "build"
@@ -403,10 +404,6 @@ LLMAPI_VERSIONS = {
 
 def llmapi_version(version: str) -> LlmApiVersion:
     """The LlmApiVersion for a recipe's `trtllm_version` ("1.2", "1.2.1", "1.3.0rc24", "1.4.0rc1", ...)."""
-    import re
-
-    from specdeploy.errors import ConfigError
-
     text = str(version).strip()
     m = re.fullmatch(r"(\d+)\.(\d+)(?:\.(\d+))?(?:rc(\d+))?(?:\.post\d+)?", text)
     supported = ", ".join(f"{v.name} ({v.releases})" for v in LLMAPI_VERSIONS.values())
@@ -455,8 +452,6 @@ def speculative_options(recipe: Recipe, version: LlmApiVersion, draft_dir: Path,
     - speculative.use_draft_logits -> refused: DraftTarget verifies greedy requests token by token and has no
       switch for rejection sampling on the draft's logits.
     """
-    from specdeploy.errors import ConfigError
-
     s = recipe.speculative
     if s.use_draft_logits:
         raise ConfigError(

@@ -7,7 +7,6 @@ import threading
 import numpy as np
 
 from specdeploy.client.protocol import (
-    CONTROL_MODEL,
     SPECULATIVE_MODEL,
     GenerateResult,
     PerfMetrics,
@@ -165,5 +164,3 @@ class FakeEndpoint:
     def close(self):
         pass
 
-
-__all__ = ["CONTROL_MODEL", "END_ID", "CharCodec", "FakeEndpoint", "continuation"]

@@ -23,8 +23,15 @@ def chat_text(messages, generation_prompt: bool = True) -> str:
     return "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages) + ("<|assistant|>" if generation_prompt else "")
 
 
+_MODEL: list[Path] = []  # made once per test process
+
+
 def make_model(root: Path) -> Path:
+    """The tiny model (with CHAT_TEMPLATE) under root, or the one made earlier in this process."""
     from transformers import AutoTokenizer
+
+    if _MODEL and _MODEL[0].is_dir():
+        return _MODEL[0]
 
     from specdeploy.testing import make_tiny_model, make_tokenizer
 
@@ -34,11 +41,21 @@ def make_model(root: Path) -> Path:
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(str(tok_dir))
     make_tiny_model(model_dir, tok_dir, seed=0)
+    _MODEL[:] = [model_dir]
     return model_dir
 
 
+_BUILT: dict = {}  # (model_dir, name) -> a root whose engines/ was built once in this test process
+
+
 def build(root: Path, model_dir: Path, name: str, **sections):
-    """(recipe, layout, recipe_path) of a built CPU deployment under root (quantize, build and repo ran)."""
+    """(recipe, layout, recipe_path) of a built CPU deployment under root (quantize, build and repo ran).
+
+    Deployments of one model and name differ only in their serving sections here, so the quantized
+    checkpoints and engines of the first are copied (stages then say "up to date") to save a minute.
+    """
+    import shutil
+
     from specdeploy.artifacts import Layout
     from specdeploy.config import parse_recipe
     from specdeploy.engine.build import build_recipe
@@ -56,9 +73,16 @@ def build(root: Path, model_dir: Path, name: str, **sections):
     for key, value in sections.items():
         raw[key] = {**raw.get(key, {}), **value}
     recipe = parse_recipe(raw)
+    root.mkdir(parents=True, exist_ok=True)
     recipe_path = root / f"{name}.yaml"
     recipe_path.write_text(yaml.safe_dump(raw))
     layout = Layout.of(recipe, root)
+    done = _BUILT.get((str(model_dir), name))
+    if done is not None and done != root:
+        source = Layout.of(recipe, done)
+        for part in (source.checkpoint("target"), source.checkpoint("draft"), source.engine("target"), source.engine("draft")):
+            shutil.copytree(part, layout.engines / part.relative_to(source.engines))
+    _BUILT.setdefault((str(model_dir), name), root)
     quiet = lambda *a, **k: None  # noqa: E731
     quantize_recipe(recipe, layout, echo=quiet, progress=False)
     build_recipe(recipe, layout, echo=quiet)

@@ -132,3 +132,114 @@ def test_canary_command_reads_a_window_from_the_endpoint(metrics_server, tmp_pat
     handler.texts = [sink.text()]  # nothing new during the window
     result = CliRunner().invoke(main, ["canary", str(recipe), "--url", url, "--window", "0.2"])
     assert result.exit_code == 1 and "INCONCLUSIVE" in result.output
+
+
+def test_kubernetes_output_has_weighted_route_scrape_config_and_dashboard(tmp_path):
+    import json
+    from pathlib import Path
+
+    import yaml
+
+    from specdeploy import launch
+    from specdeploy.artifacts import Layout
+    from specdeploy.config import load_recipe
+
+    base = load_recipe(Path(__file__).parent.parent / "build" / "llama3-70b-fp8.yaml")
+    r = dataclasses.replace(base, canary=dataclasses.replace(base.canary, control_percent=20.0),
+                            cost=dataclasses.replace(base.cost, machine_price_per_hour=12.0))  # fmt: skip
+    docs = [d for d in yaml.safe_load_all(launch.k8s_yaml(r, Layout.of(r, tmp_path))) if d]
+    kinds = [d["kind"] for d in docs]
+    assert kinds == ["Deployment", "Service", "HorizontalPodAutoscaler", "Deployment", "Service", "HTTPRoute", "ServiceMonitor", "ConfigMap"]
+    spec_dep, spec_svc, _, ctrl_dep, ctrl_svc, route, monitor, dashboard_cm = docs
+    env = lambda d: {e["name"]: e["value"] for e in d["spec"]["template"]["spec"]["containers"][0]["env"]}  # noqa: E731
+    assert env(spec_dep)[launch.CANARY_ENV] == "0" and env(ctrl_dep)[launch.CANARY_ENV] == "100"
+    assert ctrl_svc["spec"]["selector"] == ctrl_dep["spec"]["selector"]["matchLabels"] == ctrl_dep["spec"]["template"]["metadata"]["labels"]
+    assert spec_svc["spec"]["selector"]["specdeploy.io/arm"] == "speculative" and ctrl_svc["spec"]["selector"]["specdeploy.io/arm"] == "control"
+    assert route["apiVersion"] == "gateway.networking.k8s.io/v1"
+    split = route["spec"]["rules"][0]
+    assert split["matches"][0]["path"]["value"] == "/v2/models/tensorrt_llm_bls"
+    assert [(b["name"], b["weight"]) for b in split["backendRefs"]] == [(spec_svc["metadata"]["name"], 80), (ctrl_svc["metadata"]["name"], 20)]
+    assert all(isinstance(b["weight"], int) for b in split["backendRefs"])
+    http = {p["name"]: p["port"] for p in spec_svc["spec"]["ports"]}["http"]
+    assert all(b["port"] == http for b in split["backendRefs"])
+    # the ServiceMonitor selects both Services and scrapes their named metrics port
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    assert all(selector.items() <= svc["metadata"]["labels"].items() for svc in (spec_svc, ctrl_svc))
+    assert monitor["spec"]["endpoints"][0]["port"] == "metrics" and any(p["name"] == "metrics" for p in spec_svc["spec"]["ports"])
+    # the dashboard queries exported metric names only
+    board = json.loads(next(iter(dashboard_cm["data"].values())))
+    exprs = " ".join(t["expr"] for p in board["panels"] for t in p["targets"])
+    import re
+
+    used = set(re.findall(r"specdeploy_[a-z0-9_]+", exprs))
+    exported = set(m.names()) | {n + s for n in m.names() for s in ("_bucket", "_sum", "_count")}
+    assert used and used <= exported, used - exported
+    for needed in (m.ACCEPTED_TOKENS, m.DRAFT_TOKENS, m.TPOT, m.ROUNDS, m.RUNNING, m.GENERATION_TOKENS):
+        assert needed.name in exprs
+    assert any("Cost per 1k output tokens" in p["title"] for p in board["panels"])
+
+    plain = [d["kind"] for d in yaml.safe_load_all(launch.k8s_yaml(base, Layout.of(base, tmp_path))) if d]
+    assert plain == ["Deployment", "Service", "HorizontalPodAutoscaler", "HTTPRoute", "ServiceMonitor", "ConfigMap"]
+
+
+# ---------------------------------------------------------------- live: a real tritonserver with a 20 % control arm
+
+PROMPTS = ["The quick brown fox", "def add(a, b):", "Triton Inference Server serves models", "Once upon a time"]
+
+
+@pytest.mark.server
+def test_live_metrics_match_a_known_run_and_canary_gives_a_verdict(tmp_path_factory):
+    import ops_deploy
+    from specdeploy.cli import main
+    from specdeploy.client.protocol import GenerateRequest
+    from specdeploy.client.triton_adapter import TritonEndpoint
+
+    root = tmp_path_factory.mktemp("canary-live")
+    model_dir = ops_deploy.make_model(root)
+    _, _, recipe_path = ops_deploy.build(root, model_dir, "ops", canary={"control_percent": 20})
+    layout_repo = root / "triton_repo" / "ops"
+    assert 'key: "canary_control_percent"' in (layout_repo / "tensorrt_llm_bls" / "config.pbtxt").read_text()
+    from specdeploy.artifacts import Layout
+    from specdeploy.config import load_recipe
+
+    layout = Layout.of(load_recipe(recipe_path), root)
+    with ops_deploy.running(layout) as srv:
+        endpoint = TritonEndpoint(srv.state.grpc_url)
+        url = srv.state.metrics_url
+        # a known run: requests that set num_draft_tokens always take the speculative arm
+        before = m.scrape(url)
+        results = [endpoint.generate("tensorrt_llm_bls", GenerateRequest(p, 16, num_draft_tokens=3), 60) for p in PROMPTS]
+        window = m.scrape(url).minus(before)
+        spec = m.arm_stats(window, "speculative", "tensorrt_llm_bls")
+        assert spec.requests == len(PROMPTS) and spec.errors == 0 and spec.running == 0
+        assert m.count_mismatches(window, requests=len(PROMPTS), drafted=sum(r.perf.total_draft_tokens for r in results)) == []
+        assert m.count_mismatches(window, requests=len(PROMPTS) + 1) == [f"requests: metrics say {len(PROMPTS)}, the client counted {len(PROMPTS) + 1} (arm speculative)"]
+        assert spec.drafted == sum(r.perf.total_draft_tokens for r in results) > 0
+        assert spec.accepted == sum(r.perf.total_accepted_draft_tokens for r in results)
+        # output tokens: the target alone's exact ids for the same prompts (greedy parity: the same count)
+        assert spec.output_tokens == sum(len(endpoint.trace(p, 16, 60, with_logits=False).output_ids) for p in PROMPTS)
+        assert window.sum(m.PROMPT_TOKENS.name, arm="speculative") > 0
+        assert m.arm_stats(window, "control").requests == 0
+        assert window.sum("nv_inference_request_success", model="tensorrt_llm_bls") == len(PROMPTS)
+
+        # live traffic without num_draft_tokens: 20 % goes down the plain path; the canary watches it
+        stop = threading.Event()
+        texts: list[str] = []
+
+        def traffic():
+            client = TritonEndpoint(srv.state.grpc_url)
+            while not stop.is_set():
+                texts.append(client.generate("tensorrt_llm_bls", GenerateRequest(PROMPTS[0], 16), 60).text)
+
+        worker = threading.Thread(target=traffic, daemon=True)
+        worker.start()
+        try:
+            result = CliRunner().invoke(main, ["canary", str(recipe_path), "--url", url, "--window", "12", "--min-requests", "2"])
+        finally:
+            stop.set()
+            worker.join(timeout=60)
+    assert result.exit_code in (0, 3), result.output  # a verdict, not "inconclusive"
+    assert ("PROMOTE" in result.output) == (result.exit_code == 0) and ("ROLLBACK" in result.output) == (result.exit_code == 3)
+    rows = {line.split()[0]: line.split() for line in result.output.splitlines() if line.startswith(("speculative", "control"))}
+    assert int(rows["speculative"][1]) >= 2 and int(rows["control"][1]) >= 2
+    assert len(set(texts)) == 1  # greedy: both arms give the same answer

@@ -28,6 +28,22 @@ def test_builtin_prompt_sets_have_a_few_dozen_per_category():
     assert len({p.id for p in prompts}) == len(prompts)
 
 
+def test_default_recipe_compares_at_least_32_prompts_of_64_tokens_over_every_category():
+    from pathlib import Path
+
+    from specdeploy.config import load_recipe
+
+    recipe = load_recipe(Path(__file__).resolve().parent.parent / "build" / "smollm2-135m.yaml")
+    v = recipe.validation
+    assert v.chat_template == "auto" and v.max_tokens >= 64 and v.min_compared_tokens >= 16 and v.min_compared_share >= 0.9
+    prompts = load_prompt_set(v.prompt_set, v.max_tokens, v.max_prompts)
+    assert len(prompts) >= 32
+    per_category = {c: sum(p.category == c for p in prompts) for c in BUILTIN_CATEGORIES}
+    assert min(per_category.values()) >= 8, per_category
+    options = Options.from_recipe(recipe)
+    assert options.exact_verification  # backend cpu
+
+
 def test_max_prompts_keeps_every_category():
     prompts = load_prompt_set("builtin", 32, max_prompts=8)
     assert len(prompts) == 8

@@ -61,7 +61,7 @@ def built(tmp_path_factory, tiny_llama_dir):
     from specdeploy.quantize import quantize_recipe
 
     root = tmp_path_factory.mktemp("client-build")
-    recipe = parse_recipe(_recipe_dict(tiny_llama_dir, tiny_llama_dir, "built"))
+    recipe = parse_recipe(_recipe_dict(tiny_llama_dir, tiny_llama_dir))
     layout = Layout.of(recipe, root)
     quantize_recipe(recipe, layout, echo=lambda *_: None, progress=False)
     build_recipe(recipe, layout, echo=lambda *_: None)
@@ -74,7 +74,7 @@ def _deploy(root: Path, built: Path, raw: dict, executor_factory: str | None = N
 
     recipe = parse_recipe(raw)
     layout = Layout.of(recipe, root)
-    shutil.copytree(built, layout.engines)  # the engine fingerprints do not depend on the recipe's name or triton
+    shutil.copytree(built, layout.engines)  # same recipe name, another project root: the engines match it
     repository.generate_repository(recipe, layout, executor_factory=executor_factory)
     return recipe, layout
 
@@ -107,7 +107,7 @@ def deployment(tmp_path_factory, tiny_llama_dir, built):
 def decoupled_deployment(tmp_path_factory, tiny_llama_dir, built):
     """The same engines in decoupled mode (streaming), for the client-side TTFT; the default CPU executor."""
     root = tmp_path_factory.mktemp("client-decoupled")
-    recipe, layout = _deploy(root, built, _recipe_dict(tiny_llama_dir, tiny_llama_dir, "clientstream", decoupled=True))
+    recipe, layout = _deploy(root, built, _recipe_dict(tiny_llama_dir, tiny_llama_dir, decoupled=True))
     server = server_mod.start(layout.repo, server_mod.Ports.pick(), layout.server_state / "tritonserver.log")
     try:
         server_mod.wait_ready(server, 180)

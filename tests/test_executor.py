@@ -372,7 +372,10 @@ def test_log_probs_are_of_the_processed_distribution():
                 assert len(r.log_probs) == len(r.token_ids) == 12
                 sequence = list(prompt)
                 for i, token in enumerate(r.token_ids):
-                    values = torch.tensor(ref_process(r.logits[i].tolist(), sequence, i, temperature=sampling.temperature, rep=1.6, presence=0.7, freq=0.4))
+                    values = ref_process(
+                        r.logits[i].tolist(), sequence, i, temperature=sampling.temperature, rep=1.6, presence=0.7, freq=0.4
+                    )
+                    values = torch.tensor(values)
                     if not normalize:
                         expected = float(torch.log_softmax(values.double(), -1)[token])
                     elif sampling.top_k == 0:
@@ -431,7 +434,14 @@ def test_greedy_verification_with_penalties_equals_single_steps(engines):
         draft = steps[len(out) : len(out) + 3]
         draft[-1:] = [(draft[-1] + 7) % vocab] if len(out) % 2 else draft[-1:]  # every other round, a wrong last draft
         left = 16 - len(out)
-        r = run(ex, GenerationRequest(prompt + out, min(len(draft) + 1, left), min_tokens=max(0, 4 - len(out)), draft_tokens=draft[: left - 1] or None, **kw))
+        request = GenerationRequest(
+            prompt + out,
+            min(len(draft) + 1, left),
+            min_tokens=max(0, 4 - len(out)),
+            draft_tokens=draft[: left - 1] or None,
+            **kw,
+        )
+        r = run(ex, request)
         out += r.token_ids
         if r.finish_reason == "end_id":
             break

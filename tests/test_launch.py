@@ -152,7 +152,7 @@ def test_cli_serve_print_k8s_for_gpu_recipe(tmp_path):
     result = CliRunner().invoke(main, ["--root", str(tmp_path), "serve", str(recipe_path), "--print-k8s"])
     assert result.exit_code == 0, result.output
     docs = [d for d in yaml.safe_load_all(result.output) if d]
-    assert [d["kind"] for d in docs] == ["Deployment", "Service", "HorizontalPodAutoscaler"]
+    assert [d["kind"] for d in docs] == ["Deployment", "Service", "HorizontalPodAutoscaler", "HTTPRoute", "ServiceMonitor", "ConfigMap"]
     assert "&id" not in result.output  # plain YAML, no anchors
     result = CliRunner().invoke(main, ["--root", str(tmp_path), "serve", str(recipe_path), "--print-only"])
     assert result.exit_code == 0 and "TRTLLM_ORCHESTRATOR=1" in result.output and "docker run" in result.output
@@ -259,3 +259,55 @@ def test_gpu_serve_detach_writes_state_for_status_and_stop(standin_server):
     assert message == f"stopped tritonserver (pid {state.pid})"
     assert server.status(layout.server_state)[1].startswith("not running")
 
+
+
+def test_engine_images_carry_the_release_that_built_the_engines(tmp_path):
+    from specdeploy.artifacts import Manifest
+
+    r = recipe()
+    layout = Layout.of(r, tmp_path)
+    assert packaging.target_trtllm(r, layout) == packaging.ENGINE_BACKEND_TRTLLM  # nothing built yet
+    layout.engine("target").mkdir(parents=True)
+    Manifest(stage="build", recipe_name=r.name, fingerprint="f",
+             tool_versions={"trtllm-build": "0.17.0.post1"}).write(layout.engine("target"))  # fmt: skip
+    assert packaging.target_trtllm(r, layout) == "0.17.0.post1"
+    text = packaging.dockerfile(r, "base", layout)
+    assert "the recipe targets 0.17.0.post1: rebuild the engines" in text
+    assert packaging.image_tag(r, layout).endswith(":trtllm-0.17.0.post1")
+
+
+def test_gpu_serve_in_the_foreground_stops_its_server_on_sigterm(standin_server, tmp_path):
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from specdeploy.config import to_plain
+    from specdeploy.triton import server
+
+    r, layout, exe = standin_server
+    program = (
+        "import json, sys\n"
+        "from specdeploy import launch\nfrom specdeploy.artifacts import Layout\nfrom specdeploy.config import parse_recipe\n"
+        "r = parse_recipe(json.loads(sys.argv[1]))\n"
+        "launch.serve_gpu(r, Layout.of(r, sys.argv[2]), tritonserver=sys.argv[3], echo=lambda s: print(s, flush=True))\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", program, json.dumps(to_plain(r)), str(layout.root), exe],
+                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        for line in child.stdout:
+            if line.startswith("serving;"):
+                break
+        state = server.ServerState.read(layout.server_state)
+        assert state is not None and state.running()  # status works while it serves in the foreground
+        child.send_signal(signal.SIGTERM)
+        assert child.wait(timeout=60) == 0
+        deadline = time.monotonic() + 10
+        while state.running() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not state.running()  # the server went down with it
+        assert server.ServerState.read(layout.server_state) is None
+    finally:
+        if child.poll() is None:
+            child.kill()

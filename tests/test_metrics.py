@@ -7,6 +7,7 @@ import math
 import pytest
 
 from specdeploy import metrics as m
+from specdeploy import policy as pol
 from specdeploy import speculative as spec
 from specdeploy.cost import cost_of, level_cost
 from specdeploy.engine.executor import Executor
@@ -73,33 +74,92 @@ def test_failed_request_counts_as_error_not_success():
     assert (a.requests, a.errors, a.running, a.output_tokens) == (0, 1, 0, 0)
 
 
-def test_metered_loop_agrees_with_the_loops_own_statistics():
-    """The wrappers the BLS uses, around the real speculative loop: metrics == SpecStats."""
+def _engines():
     target = TableEngine.random(48, seed=3, scale=1.5)
-    draft_table = target.table + 2.0 * TableEngine.random(48, seed=4).table  # a draft that often disagrees
-    draft = TableEngine(draft_table)
-    sink, rec, _ = _recorder(max_draft_len=4)
-    timer = rec.request_started("speculative")
-    proposer = m.MeteredProposer(ExecutorProposer(Executor(draft, 2)))
-    verifier = m.MeteredVerifier(ExecutorVerifier(Executor(target, 2)), proposer, rec, timer)
+    draft = TableEngine(target.table + 2.0 * TableEngine.random(48, seed=4).table)  # a draft that often disagrees
+    return target, draft
+
+
+class _Verifier(ExecutorVerifier):
+    """ExecutorVerifier with the BLS verifier's `output_len` (the plain path asks for the whole answer)."""
+
+    calls = 0
+
+    def verify(self, sequence, draft_tokens, draft_logits, sampling, output_len=None):
+        type(self).calls += 1
+        if output_len is None:
+            return super().verify(sequence, draft_tokens, draft_logits, sampling)
+        from specdeploy.engine.executor import GenerationRequest, run
+
+        return run(self.executor, GenerationRequest(input_ids=sequence, max_new_tokens=output_len, sampling=sampling)).token_ids
+
+
+def _serve(ops, requested_k, k=4, max_tokens=30, prompt=(1, 2, 3)):
+    """What tensorrt_llm_bls does with BlsOps around the real loop and the real static policy."""
+    target, draft = _engines()
+    deployment = pol.Deployment(pol.PolicySettings("static", k))
+    timer = ops.start(requested_k)
+    rounds = spec.speculative_generate(
+        ExecutorProposer(Executor(draft, 2)),
+        ops.verifier(timer, _Verifier(Executor(target, 2)), max_tokens, len(prompt)),
+        list(prompt), max_new_tokens=max_tokens, num_draft_tokens=ops.num_draft_tokens(timer, k),
+        policy=ops.policy(timer, deployment.request(), deployment),
+    )  # fmt: skip
     tokens, stats = [], None
-    for item in spec.speculative_generate(proposer, verifier, [1, 2, 3], max_new_tokens=30, num_draft_tokens=4):
+    for item in rounds:
         if isinstance(item, spec.SpecStats):
             stats = item
         else:
-            timer.tokens(len(item), 0.0)
+            ops.tokens(timer, len(item))
             tokens.extend(item)
-    rec.request_finished(timer, prompt_tokens=3)
+    ops.finish(timer, len(prompt), ok=True)
+    return timer.arm, tokens, stats
+
+
+def test_bls_ops_metrics_agree_with_the_loops_own_statistics():
+    sink = m.PrometheusClientSink()
+    ops = m.BlsOps(sink, "tensorrt_llm_bls", 4)
+    arm, tokens, stats = _serve(ops, requested_k=True)
     a = m.arm_stats(m.parse(sink.text()), "speculative")
+    assert arm == "speculative"
     assert 0 < stats.accepted < stats.drafted  # partial acceptance, so the test can tell counts apart
-    assert a.drafted == stats.drafted
-    assert a.accepted == stats.accepted
-    assert a.target_passes == stats.target_iterations
+    assert (a.drafted, a.accepted, a.target_passes) == (stats.drafted, stats.accepted, stats.target_iterations)
     assert a.output_tokens == len(tokens) == stats.output_tokens == 30
-    assert sum(a.accepted_per_pos.values()) == stats.accepted
+    assert a.requests == 1 and a.running == 0
     # accepted at position i = rounds that accepted more than i drafts
     for pos in range(4):
         assert a.accepted_per_pos.get(pos, 0) == sum(1 for n in stats.accepted_per_round if n > pos)
+    # the last round(s) cannot draft (one token left) and say so
+    assert a.rounds_on == sum(1 for k in stats.k_per_round if k > 0)
+    assert a.rounds_off == sum(1 for k in stats.k_per_round if k == 0) and set(a.off_reasons) <= {m.REASON_LAST_TOKEN}
+
+
+def test_canary_control_arm_is_one_target_call_with_the_same_greedy_tokens():
+    sink = m.PrometheusClientSink()
+    spec_arm, spec_tokens, _ = _serve(m.BlsOps(sink, "tensorrt_llm_bls", 4, control_percent=0), requested_k=False)
+    ops = m.BlsOps(sink, "tensorrt_llm_bls", 4, control_percent=100)
+    _Verifier.calls = 0
+    arm, tokens, stats = _serve(ops, requested_k=False)
+    assert (spec_arm, arm) == ("speculative", "control")
+    assert tokens == spec_tokens  # greedy: the plain path gives the target's own tokens
+    assert _Verifier.calls == 1 and stats.drafted == 0
+    snap = m.parse(sink.text())
+    c = m.arm_stats(snap, "control")
+    assert (c.requests, c.output_tokens, c.target_passes, c.drafted) == (1, 30, 1, 0)
+    assert c.off_reasons == {m.REASON_CONTROL_ARM: 1}
+    assert c.tpot_p50_s is None  # the whole answer at once: no time per output token
+    # a request that sets num_draft_tokens stays speculative whatever the share
+    assert _serve(ops, requested_k=True)[0] == "speculative"
+
+
+def test_canary_share_is_honoured_and_the_env_overrides_it(monkeypatch):
+    ops = m.BlsOps(m.PrometheusClientSink(), "bls", 4, control_percent=20, seed=7)
+    arms = [ops.start(False).arm for _ in range(2000)]
+    assert 0.17 < arms.count("control") / 2000 < 0.23
+    monkeypatch.setenv(m.CANARY_ENV, "100")
+    assert m.BlsOps(m.PrometheusClientSink(), "bls", 4, control_percent=20).start(False).arm == "control"
+    monkeypatch.setenv(m.CANARY_ENV, "0")
+    assert m.BlsOps(m.PrometheusClientSink(), "bls", 4, control_percent=20).control_percent == 0.0
 
 
 TRITON_TEXT = """\
@@ -173,3 +233,17 @@ def test_cost_per_response_and_per_1k_tokens():
     assert cost_of(1.0, None, 0.0).per_response is None and cost_of(1.0, None, 0.0).per_1k_output_tokens is None
     with pytest.raises(ValueError):
         cost_of(-1.0, 1.0, 1.0)
+
+
+def test_cost_section_for_the_report():
+    from specdeploy.cost import cost_markdown, cost_section
+
+    levels = [{"mode": "control", "concurrency": 1, "requests_per_s": 2.0, "output_tokens_per_s": 100.0},
+              {"mode": "speculative", "concurrency": 1, "requests_per_s": 1.0, "output_tokens_per_s": None}]  # fmt: skip
+    assert cost_section(levels, 0.0) is None and cost_markdown(None) == []
+    section = cost_section(levels, 3.6, "EUR")
+    assert section["levels"][0] == {"mode": "control", "concurrency": 1, "per_response": pytest.approx(0.0005),
+                                    "per_1k_output_tokens": pytest.approx(0.01), "currency": "EUR"}  # fmt: skip
+    assert section["levels"][1]["per_1k_output_tokens"] is None
+    text = "\n".join(cost_markdown(section))
+    assert "| 1 | control | 0.000500 EUR | 0.0100 EUR |" in text and "| 1 | speculative | 0.0010 EUR | – |" in text

@@ -3,6 +3,7 @@ and greedy parity of the loop with an n-gram draft."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from specdeploy import ngram
@@ -124,3 +125,58 @@ def test_llmapi_options_write_decoding_type_ngram_for_every_version():
     layout = dataclasses.make_dataclass("L", [])()
     layout.checkpoint = lambda role: Path("/ckpt") / role
     assert trtllm.llmapi_options(recipe, layout, trtllm.LLMAPI_VERSIONS["1.4"])["speculative_config"] == expected
+
+
+# ---------------------------------------------------------------- served: real tritonserver, real CPU engine
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("policy", ["static", "cost"])
+def test_served_ngram_draft_keeps_greedy_parity(tmp_path_factory, tiny_llama_dir, policy):
+    """A tiny random target through the real quantize + build (only the target: the n-gram draft has
+    nothing to build), its repository with ngram_draft.py as tensorrt_llm_draft, in tritonserver: the
+    speculative path's greedy text equals the ensemble's, and the draft both hits and misses."""
+    from specdeploy.artifacts import Layout
+    from specdeploy.client.protocol import GenerateRequest
+    from specdeploy.client.triton_adapter import TritonEndpoint
+    from specdeploy.config import parse_recipe
+    from specdeploy.engine import build_recipe
+    from specdeploy.quantize import quantize_recipe
+    from specdeploy.triton import repository
+    from specdeploy.triton import server as server_mod
+
+    root = tmp_path_factory.mktemp(f"ngram-served-{policy}")
+    raw = {
+        "name": f"ngramtest-{policy}", "backend": "cpu",
+        "target": {"model": str(tiny_llama_dir), "quantization": {"qformat": "full_prec", "calib_size": 4, "calib_max_seq_length": 32}},
+        "draft": {"kind": "ngram", "max_matching_ngram_size": 2, "is_public_pool": False},
+        "speculative": {"max_draft_len": 4, "num_draft_tokens": 4, "policy": policy, "probe_interval": 2},
+        "engine": {"dtype": "bfloat16", "max_batch_size": 2, "max_input_len": 256, "max_seq_len": 384},
+        "validation": {"max_tokens": 48, "min_compared_tokens": 8, "chat_template": "none"},
+    }  # fmt: skip
+    recipe = parse_recipe(raw)
+    layout = Layout.of(recipe, root)
+    quantize_recipe(recipe, layout, echo=lambda *_: None, progress=False)
+    build_recipe(recipe, layout, echo=lambda *_: None)
+    assert not (layout.engine("draft") / "config.json").exists()  # nothing built for the draft
+    repository.generate_repository(recipe, layout)
+    draft_config = repository.check_config((layout.repo / repository.DRAFT_MODEL / "config.pbtxt").read_text())
+    assert draft_config.parameters["max_matching_ngram_size"].string_value == "2"
+    bls_config = repository.check_config((layout.repo / repository.BLS / "config.pbtxt").read_text())
+    assert bls_config.parameters["speculation_policy"].string_value == policy
+    server = server_mod.start(layout.repo, server_mod.Ports.pick(), layout.server_state / "tritonserver.log")
+    drafted = accepted = 0
+    try:
+        server_mod.wait_ready(server, 180)
+        endpoint = TritonEndpoint(server.state.grpc_url)
+        prompts = ["one two three one two three one two", "def f(x): return x + 1\ndef g(x): return f(x)", "a b a b a b a b a"]
+        for prompt in prompts:
+            control = endpoint.generate(repository.ENSEMBLE, GenerateRequest(prompt, 48), 60)
+            speculative = endpoint.generate(repository.BLS, GenerateRequest(prompt, 48), 60)
+            assert speculative.text == control.text and control.text
+            drafted += speculative.perf.total_draft_tokens or 0
+            accepted += speculative.perf.total_accepted_draft_tokens or 0
+        endpoint.close()
+    finally:
+        server.stop()
+    assert drafted > accepted > 0, (drafted, accepted)

@@ -16,7 +16,6 @@ from specdeploy.client.triton_adapter import TritonEndpoint
 
 openai = pytest.importorskip("openai", reason="the openai SDK is a test dependency (pip install -e '.[test]')")
 
-pytestmark = pytest.mark.server
 MESSAGES = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "The quick brown fox"}]
 MAX_TOKENS = 12
 
@@ -30,7 +29,7 @@ def model_dir(tmp_path_factory):
 def streaming_api(tmp_path_factory, model_dir):
     """(openai client, triton endpoint, recipe) over a decoupled deployment; server and front always stopped."""
     root = tmp_path_factory.mktemp("openai-decoupled")
-    recipe, layout, _ = ops_deploy.build(root, model_dir, "apistream", triton={"decoupled": True})
+    recipe, layout, _ = ops_deploy.build(root, model_dir, "ops", triton={"decoupled": True})
     with ops_deploy.running(layout) as srv:
         front = openai_api.build_front(recipe, layout, srv.state.grpc_url, timeout_s=60)
         from specdeploy.triton.server import free_port
@@ -45,12 +44,14 @@ def _triton_text(endpoint, model, prompt, max_tokens=MAX_TOKENS):
     return endpoint.generate(model, GenerateRequest(prompt, max_tokens, num_draft_tokens=k), 60).text
 
 
+@pytest.mark.server
 def test_models_lists_every_path(streaming_api):
     client, _, recipe, _ = streaming_api
     ids = {m.id for m in client.models.list().data}
     assert ids == {recipe.name, f"{recipe.name}-speculative", f"{recipe.name}-control"}  # no canary share set
 
 
+@pytest.mark.server
 def test_chat_greedy_equals_triton_path_streamed_and_not(streaming_api, model_dir):
     from transformers import AutoTokenizer
 
@@ -96,6 +97,7 @@ def test_chat_greedy_equals_triton_path_streamed_and_not(streaming_api, model_di
     assert "".join(c.choices[0].delta.content or "" for c in spec_stream if c.choices) == expected_spec
 
 
+@pytest.mark.server
 def test_completions_and_stop_strings(streaming_api):
     client, endpoint, recipe, _ = streaming_api
     prompt = "Speculative decoding lets a small draft"
@@ -114,6 +116,7 @@ def test_completions_and_stop_strings(streaming_api):
     assert streamed == cut
 
 
+@pytest.mark.server
 def test_errors_use_openai_format(streaming_api):
     client, _, recipe, api = streaming_api
     with pytest.raises(openai.NotFoundError) as info:
@@ -132,9 +135,10 @@ def test_errors_use_openai_format(streaming_api):
     assert client.completions.create(model=recipe.name, prompt="x", max_tokens=2, temperature=0).choices[0].finish_reason
 
 
+@pytest.mark.server
 def test_unary_deployment_streams_one_chunk(tmp_path_factory, model_dir):
     root = tmp_path_factory.mktemp("openai-unary")
-    recipe, layout, _ = ops_deploy.build(root, model_dir, "apiunary")
+    recipe, layout, _ = ops_deploy.build(root, model_dir, "ops")
     with ops_deploy.running(layout) as srv:
         front = openai_api.build_front(recipe, layout, srv.state.grpc_url, timeout_s=60)
         from specdeploy.triton.server import free_port
@@ -146,3 +150,86 @@ def test_unary_deployment_streams_one_chunk(tmp_path_factory, model_dir):
                                                          max_tokens=MAX_TOKENS, stream=True))  # fmt: skip
             pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
             assert pieces == [expected]
+
+
+@pytest.mark.server
+def test_serve_detach_with_openai_port_and_stop(tmp_path_factory, model_dir):
+    """`specdeploy serve RECIPE --detach --openai-port N` starts both; `specdeploy stop RECIPE` stops both."""
+    import socket
+
+    from click.testing import CliRunner
+
+    from specdeploy.cli import main
+    from specdeploy.triton.server import free_port
+
+    root = tmp_path_factory.mktemp("openai-cli")
+    recipe, layout, recipe_path = ops_deploy.build(root, model_dir, "ops")
+    port = free_port()
+    runner = CliRunner()
+    try:
+        result = runner.invoke(main, ["--root", str(root), "serve", str(recipe_path), "--detach", "--openai-port", str(port)])
+        assert result.exit_code == 0, result.output
+        assert f"http://127.0.0.1:{port}/v1" in result.output
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+        assert recipe.name in {m.id for m in client.models.list().data}
+        out = client.completions.create(model=f"{recipe.name}-control", prompt="The quick brown fox", max_tokens=4, temperature=0)
+        assert out.choices[0].text and out.model_extra["specdeploy"]["path"] == "control"
+    finally:
+        result = runner.invoke(main, ["--root", str(root), "stop", str(recipe_path)])
+    assert result.exit_code == 0 and "stopped the OpenAI front" in result.output and "stopped tritonserver" in result.output
+    with socket.socket() as sock:
+        assert sock.connect_ex(("127.0.0.1", port)) != 0  # nothing listens any more
+
+
+# ---------------------------------------------------------------- request parsing (no server)
+
+
+class _Codec:
+    def chat_prompt(self, messages):
+        return ops_deploy.chat_text(messages)
+
+
+def _parse(body, chat=False):
+    from specdeploy.config import parse_recipe
+
+    recipe = parse_recipe({"name": "r", "target": {"model": "x"}, "draft": {"model": "x"}, "canary": {"control_percent": 10}})
+    return openai_api.parse_job(body, chat, openai_api.routes(recipe), _Codec(), 16)
+
+
+def test_parse_maps_openai_fields_to_the_triton_request():
+    job = _parse({"model": "r-canary", "prompt": ["hi"], "temperature": 0.7, "top_p": 0.9, "seed": 5, "stop": "x"})
+    assert (job.route.path, job.route.triton_model, job.route.send_num_draft_tokens) == ("canary", SPECULATIVE_MODEL, False)
+    assert (job.prompt, job.max_tokens, job.stops) == ("hi", 16, ("x",))
+    assert (job.sampling.temperature, job.sampling.top_k, job.sampling.top_p, job.sampling.seed) == (pytest.approx(0.7), 0, pytest.approx(0.9), 5)
+    job = _parse({"model": "r", "messages": MESSAGES, "temperature": 0, "max_completion_tokens": 3, "stream": True,
+                  "stream_options": {"include_usage": True}}, chat=True)  # fmt: skip
+    assert job.sampling is None and job.max_tokens == 3 and job.stream and job.include_usage
+    assert job.prompt == ops_deploy.chat_text(MESSAGES) and job.route.send_num_draft_tokens
+    assert _parse({"model": "r-control", "prompt": "a", "response_format": {"type": "text"}}).route.triton_model == CONTROL_MODEL
+
+
+@pytest.mark.parametrize(("body", "status", "param"), [
+    ({"prompt": "a"}, 400, "model"),
+    ({"model": "nope", "prompt": "a"}, 404, "model"),
+    ({"model": "r", "prompt": 3}, 400, "prompt"),
+    ({"model": "r", "prompt": ""}, 400, "prompt"),
+    ({"model": "r", "prompt": "a", "temperature": 3}, 400, "temperature"),
+    ({"model": "r", "prompt": "a", "max_tokens": 1.5}, 400, "max_tokens"),
+    ({"model": "r", "prompt": "a", "logprobs": 2}, 400, "logprobs"),
+    ({"model": "r", "prompt": "a", "stop": ["a", 1]}, 400, "stop"),
+    ({"model": "r", "prompt": "a", "stream": "yes"}, 400, "stream"),
+])  # fmt: skip
+def test_parse_refuses_bad_requests_naming_the_field(body, status, param):
+    with pytest.raises(openai_api.ApiError) as info:
+        _parse(body)
+    assert info.value.status == status and info.value.body()["error"]["param"] == param
+
+
+def test_stop_cutter_holds_back_partial_matches():
+    cut = openai_api.StopCutter(["END"])
+    assert [cut.push(p) for p in ("abc E", "N", "Dxyz")] == ["abc", " ", ""]  # " E" held, "EN" held, then the stop
+    assert cut.stopped and cut.text == "abc " and cut.flush() == ""
+    free = openai_api.StopCutter([])
+    assert free.push("abc") == "abc" and free.flush() == ""
+    tail = openai_api.StopCutter(["xyz"])
+    assert tail.push("hello x") == "hello" and tail.flush() == " x"

@@ -190,3 +190,19 @@ def test_the_lock_dies_with_its_holder(project, holder):
         third = cli(root, "--lock-timeout", "0", "repo", str(recipe))
         out, _ = third.communicate(timeout=60)
         assert third.returncode == 1 and f"(pid {os.getpid()}: test)" in out
+
+
+def test_every_command_that_writes_a_recipes_outputs_takes_its_lock(project, holder):
+    from click.testing import CliRunner
+
+    from specdeploy.cli import main
+
+    root, recipe, _ = project
+    first, _ = holder
+    writers = [["quantize"], ["build"], ["repo"], ["serve", "--detach"], ["validate"], ["run"]]
+    for command in writers:
+        result = CliRunner().invoke(main, ["--root", str(root), "--lock-timeout", "0", *command, str(recipe)])
+        assert result.exit_code == 1 and f"(pid {first.pid}: specdeploy build recipe.yaml)" in result.output, (command, result.output)
+    for command in (["build", "--dry-run"], ["status"], ["stop"], ["check"]):  # these write no recipe output
+        result = CliRunner().invoke(main, ["--root", str(root), "--lock-timeout", "0", *command, str(recipe)])
+        assert "holds" not in result.output, (command, result.output)

@@ -282,3 +282,27 @@ def test_embedding_bias_from_words(tiny_tokenizer_dir):
     assert common.embedding_bias_from_words(tok, [], None, 512) is None
     with pytest.raises(common.RequestError, match="one weight per word"):
         common.embedding_bias_from_words(tok, ["fox"], np.array([1.0, 2.0], np.float32), 512)
+
+
+def test_cancel_check_polls_the_server_at_most_every_interval_and_honours_the_deadline():
+    now = [0.0]
+    calls = []
+
+    def is_cancelled():
+        calls.append(now[0])
+        return now[0] >= 0.375
+
+    check = common.CancelCheck(is_cancelled, deadline_s=None, interval_s=0.125, clock=lambda: now[0])
+    for step in range(1, 40):
+        now[0] = step / 32  # binary fractions: exact sums
+        if check():
+            break
+    assert check.reason == "cancelled" and now[0] == 0.375
+    assert calls == [0.125, 0.25, 0.375]  # not once per step
+    now[0] = 0.0
+    timed = common.CancelCheck(lambda: False, deadline_s=0.5, interval_s=0.1, clock=lambda: now[0])
+    now[0] = 0.49
+    assert not timed()
+    now[0] = 0.51
+    assert timed() and timed.reason == "timeout"
+    assert common.deadline_s(250_000, 9.0) == 0.25 and common.deadline_s(0, 9.0) == 9.0 and common.deadline_s(0, 0.0) is None

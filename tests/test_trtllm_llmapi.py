@@ -38,7 +38,8 @@ def test_options_carry_draft_target_speculative_config(tmp_path):
     }
     assert options["kv_cache_config"] == {"free_gpu_memory_fraction": 0.8, "enable_block_reuse": True, "dtype": "fp8"}
     assert options["tensor_parallel_size"] == 2 and options["pipeline_parallel_size"] == 1
-    assert (options["max_batch_size"], options["max_input_len"], options["max_seq_len"]) == (1, 512, 1024)
+    # max_input_len: engine_max_input_len, max_seq_len - 1
+    assert (options["max_batch_size"], options["max_input_len"], options["max_seq_len"]) == (1, 1023, 1024)
     assert options["disable_overlap_scheduler"] is True
 
 
@@ -189,6 +190,20 @@ def test_dynamic_settings_are_checked_at_the_edge(dynamic, words):
 
 def test_dynamic_settings_are_refused_on_other_backends():
     with pytest.raises(ConfigError, match="no dynamic speculation"):
-        parse_recipe({"name": "c", "target": {"model": "t"}, "draft": {"model": "d"},
+        parse_recipe({"name": "c", "backend": "trtllm-engine", "target": {"model": "t"}, "draft": {"model": "d"},
                       "speculative": {"dynamic": {"max_concurrency": 2}}})  # fmt: skip
+    # backend cpu runs them in its BLS (specdeploy.policy)
+    parse_recipe({"name": "c", "target": {"model": "t"}, "draft": {"model": "d"}, "speculative": {"dynamic": {"max_concurrency": 2}}})
 
+
+
+def test_dry_run_states_the_mapping_and_warns_of_another_installed_release(tmp_path, monkeypatch):
+    monkeypatch.setattr(trtllm.gpu_probe, "probe", lambda timeout_s=10.0: [])
+    monkeypatch.setattr(trtllm.gpu_probe, "tensorrt_llm_version", lambda: "1.4.0rc1")
+    recipe = golden_recipe("1.2")
+    lines = []
+    trtllm.build_llmapi_recipe(recipe, Layout.of(recipe, tmp_path), dry_run=True, echo=lines.append)
+    text = "\n".join(lines)
+    assert "tensorrt_llm 1.4.0rc1 is installed, the recipe targets trtllm_version 1.2" in text
+    assert "num_draft_tokens 4 -> speculative_config.max_draft_len" in text
+    assert "speculative_model_dir: " in text and "decoding_type: DraftTarget" in text

@@ -543,6 +543,8 @@ def bls_spec(inp: RepoInputs) -> ModelSpec:
             "request_timeout_s": str(r.triton.request_timeout_s),
             # speculation policy (specdeploy.policy): its state lives in the BLS instance
             **PolicySettings.from_recipe(r.speculative).to_parameters(),
+            # the canary's control arm (specdeploy.metrics.BlsOps): this share of requests takes the plain path
+            "canary_control_percent": str(r.canary.control_percent),
         },
         instance_count=r.triton.instance_count,
         decoupled=r.triton.decoupled,
@@ -741,6 +743,7 @@ def repo_fingerprint(inp: RepoInputs) -> str:
         triton={k: getattr(r.triton, k) for k in ("instance_count", "decoupled", "max_queue_delay_microseconds", "request_timeout_s")},
         executor_factory=inp.executor_factory,
         sources=_sources_hash(),
+        **({"canary_control_percent": r.canary.control_percent} if r.canary.control_percent else {}),
     )
 
 

@@ -414,3 +414,38 @@ def kv_blocks(stats, total_tokens: int) -> tuple[int, int, int]:
     reused = int(getattr(stats, "reused_tokens", 0) or 0) // KV_TOKENS_PER_BLOCK
     total = -(-total_tokens // KV_TOKENS_PER_BLOCK)
     return total - reused, reused, total
+
+
+class CancelCheck:
+    """`request.is_cancelled()` at most every `interval_s` (each call is a round trip to the server
+    process) plus the request's deadline; `reason` is "cancelled" or "timeout" once it fires."""
+
+    def __init__(self, is_cancelled, deadline_s: float | None, interval_s: float = 0.05, clock=None):
+        import time
+
+        self._clock = clock or time.monotonic
+        self._is_cancelled = is_cancelled
+        self._deadline = None if deadline_s is None else self._clock() + deadline_s
+        self._interval = interval_s
+        self._next = self._clock() + interval_s
+        self.deadline_s = deadline_s
+        self.reason: str | None = None
+
+    def __call__(self) -> bool:
+        if self.reason is None:
+            now = self._clock()
+            if self._deadline is not None and now > self._deadline:
+                self.reason = "timeout"
+            elif now >= self._next:
+                self._next = now + self._interval
+                if self._is_cancelled():
+                    self.reason = "cancelled"
+        return self.reason is not None
+
+
+def request_cancel_check(request, default_timeout_s: float) -> CancelCheck:
+    try:
+        timeout_us = int(request.timeout())
+    except Exception:  # older stubs have no timeout()
+        timeout_us = 0
+    return CancelCheck(getattr(request, "is_cancelled", lambda: False), deadline_s(timeout_us, default_timeout_s))

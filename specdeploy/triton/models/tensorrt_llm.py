@@ -76,8 +76,7 @@ class TritonPythonModel:
             emit(_error(f"{self.name}: {common.error_text(exc)}"), True)
             return
         flags["arrival_ns"] = arrival_ns
-        flags["deadline_s"] = common.deadline_s(_request_timeout_us(request), self.request_timeout_s)
-        flags["is_cancelled"] = getattr(request, "is_cancelled", lambda: False)
+        flags["stop_check"] = common.request_cancel_check(request, self.request_timeout_s)
         try:
             if flags["stop"]:  # TensorRT-LLM's `stop`: end the request; nothing is generated
                 emit(self._response([], None, None, flags, None, _Times(arrival_ns)), True)
@@ -218,7 +217,6 @@ class TritonPythonModel:
     def _generate(self, gen, flags, sequence_index, emit):
         times = _Times(flags["arrival_ns"])
         times.scheduled_ns = time.time_ns()
-        started = time.monotonic()
         tokens, logits, log_probs, context_logits = [], [], [], None
         chunks = self.executor.generate(gen)
         try:
@@ -257,17 +255,15 @@ class TritonPythonModel:
                         )
                 if chunk.finished:
                     return
-                if flags["is_cancelled"]():
-                    raise Cancelled(self._cancel_text("cancelled", flags, len(tokens)))
-                if flags["deadline_s"] is not None and time.monotonic() - started > flags["deadline_s"]:
-                    raise Cancelled(self._cancel_text("timeout", flags, len(tokens)))
+                if flags["stop_check"]():
+                    raise Cancelled(self._cancel_text(flags["stop_check"].reason, flags, len(tokens)))
         finally:
             chunks.close()  # a cancelled request gives its KV cache back to the pool at once
 
     @staticmethod
     def _cancel_text(reason, flags, produced):
         if reason == "timeout":
-            return f"the request ran past its server-side deadline of {flags['deadline_s']:.3g} s after {produced} tokens"
+            return f"the request ran past its server-side deadline of {flags['stop_check'].deadline_s:.3g} s after {produced} tokens"
         return f"the request was cancelled after {produced} tokens"
 
     @staticmethod
@@ -337,13 +333,6 @@ class _Times:
         self.scheduled_ns = None
         self.first_ns = None
         self.last_ns = None
-
-
-def _request_timeout_us(request) -> int:
-    try:
-        return int(request.timeout())
-    except Exception:  # older stubs have no timeout()
-        return 0
 
 
 def _with_sequence_index(response, index):

@@ -198,12 +198,7 @@ class TritonPythonModel:
         except (RequestError, SpecDeployError) as exc:
             emit(_error(f"{self.name}: {common.error_text(exc)}"), True)
             return
-        try:
-            timeout_us = int(request.timeout())
-        except Exception:  # older stubs have no timeout()
-            timeout_us = 0
-        job["deadline_s"] = common.deadline_s(timeout_us, self.request_timeout_s)
-        job["is_cancelled"] = getattr(request, "is_cancelled", lambda: False)
+        job["stop_check"] = common.request_cancel_check(request, self.request_timeout_s)
         try:
             self.active.set_busy(True)
             self._run(job, arrival_ns, emit)
@@ -264,18 +259,10 @@ class TritonPythonModel:
             "return_generation_logits": common.scalar(get("return_generation_logits"), "return_generation_logits", bool, False),
         }
 
-    def _should_stop(self, job, started):
-        if job["is_cancelled"]():
-            job["stopped"] = "cancelled"
-        elif job["deadline_s"] is not None and time.monotonic() - started > job["deadline_s"]:
-            job["stopped"] = "timeout"
-        return "stopped" in job
-
     def _run(self, job, arrival_ns, emit):
         record = _Record()
         proposer = TritonProposer(self.draft, job)
         verifier = TritonVerifier(self.target, job, record)
-        started = time.monotonic()
         times = {"arrival": arrival_ns, "scheduled": time.time_ns(), "first": None}
         rounds = spec.speculative_generate(
             proposer,
@@ -287,7 +274,7 @@ class TritonPythonModel:
             end_id=job["end_id"],
             stop_words=job["stop_words"],
             use_draft_logits=job["use_draft_logits"],
-            should_stop=lambda: self._should_stop(job, started),
+            should_stop=job["stop_check"],
             policy=self.deployment.request(),
         )
         stream = common.TextStream(self.tokenizer, self.skip_special_tokens) if job["stream"] else None
@@ -311,8 +298,8 @@ class TritonPythonModel:
                 delta = stream.push(item)
                 if delta:
                     emit(self._response(delta, job, None, times, record, None), False)
-        if job.get("stopped"):
-            what = "ran past its server-side deadline" if job["stopped"] == "timeout" else "was cancelled"
+        if job["stop_check"].reason is not None:
+            what = "ran past its server-side deadline" if job["stop_check"].reason == "timeout" else "was cancelled"
             emit(_error(f"{self.name}: the request {what} after {len(output)} tokens"), True)
             return
         if stream is not None:
