@@ -6,7 +6,7 @@ from pathlib import Path
 
 from specdeploy import models
 from specdeploy.artifacts import Layout, Manifest
-from specdeploy.config import ROLES, Recipe
+from specdeploy.config import Recipe
 
 
 def _state(directory: Path) -> str:

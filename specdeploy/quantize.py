@@ -28,7 +28,7 @@ from importlib import resources
 from pathlib import Path
 
 from specdeploy import calibration
-from specdeploy.config import AWQ_BLOCK_SIZES, KV_CACHE_DTYPES, QFORMATS, ROLES, QuantConfig, Recipe, to_plain
+from specdeploy.config import AWQ_BLOCK_SIZES, KV_CACHE_DTYPES, QFORMATS, QuantConfig, Recipe, to_plain
 from specdeploy.errors import ConfigError, ModelError, QuantizeError
 
 STAGE = "quantize"

@@ -25,7 +25,7 @@ import yaml
 
 from specdeploy import gpu as gpu_probe
 from specdeploy.artifacts import Layout, Manifest, atomic_output, fingerprint, is_up_to_date, require, tool_versions
-from specdeploy.config import ROLES, Recipe, to_plain
+from specdeploy.config import Recipe, to_plain
 from specdeploy.errors import BuildError, ConfigError, StaleArtifactError
 
 TOOL = "trtllm-build"

@@ -221,6 +221,10 @@ def test_live_metrics_match_a_known_run_and_canary_gives_a_verdict(tmp_path_fact
         assert window.sum(m.PROMPT_TOKENS.name, arm="speculative") > 0
         assert m.arm_stats(window, "control").requests == 0
         assert window.sum("nv_inference_request_success", model="tensorrt_llm_bls") == len(PROMPTS)
+        frame = CliRunner().invoke(main, ["monitor", str(recipe_path), "--url", url, "--once", "--interval", "0.2"])
+        assert frame.exit_code == 0, frame.output
+        row = next(line.split() for line in frame.output.splitlines() if line.startswith("speculative"))
+        assert row[1:3] == [str(len(PROMPTS)), "0"] and row[4] == "1.000"  # the draft is the target: all accepted
 
         # live traffic without num_draft_tokens: 20 % goes down the plain path; the canary watches it
         stop = threading.Event()
@@ -243,3 +247,19 @@ def test_live_metrics_match_a_known_run_and_canary_gives_a_verdict(tmp_path_fact
     rows = {line.split()[0]: line.split() for line in result.output.splitlines() if line.startswith(("speculative", "control"))}
     assert int(rows["speculative"][1]) >= 2 and int(rows["control"][1]) >= 2
     assert len(set(texts)) == 1  # greedy: both arms give the same answer
+
+
+@pytest.mark.parametrize(("section", "key"), [
+    ({"canary": {"control_percent": 120}}, "canary.control_percent"),
+    ({"canary": {"window_s": 0}}, "canary.window_s"),
+    ({"canary": {"min_requests": 0}}, "canary.min_requests"),
+    ({"canary": {"min_acceptance_rate": 2}}, "canary.min_acceptance_rate"),
+    ({"cost": {"machine_price_per_hour": -1}}, "cost.machine_price_per_hour"),
+    ({"cost": {"price": 3}}, "cost.price"),
+])  # fmt: skip
+def test_recipe_refuses_bad_operations_keys_naming_them(section, key):
+    from specdeploy.config import parse_recipe
+    from specdeploy.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        parse_recipe({"name": "r", "target": {"model": "x"}, "draft": {"model": "x"}, **section})

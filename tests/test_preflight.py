@@ -109,7 +109,8 @@ def test_bls_batch_and_streaming_fire_on_trtllm_engine():
     assert checks(preflight.check_bls(recipe(batch=8)), "warning") == ["bls"]
     # specdeploy's own BLS streams (decoupled mode), unlike NVIDIA's (tensorrtllm_backend issue #676)
     assert checks(preflight.check_bls(recipe(decoupled=True)), "error") == []
-    assert preflight.check_bls(recipe(batch=1)) == []
+    (sizing,) = preflight.check_bls(recipe(batch=1))  # only the engine sizing for the speculative flow, said so
+    assert sizing.level == "info" and "max_input_len 2047" in sizing.message and "1024" in sizing.message
     assert preflight.check_bls(recipe(backend="cpu", qformat="int8_wo", batch=8)) == []
 
 

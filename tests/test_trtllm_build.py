@@ -28,7 +28,8 @@ def make_recipe(target="t", draft="d", qformat="fp8", tp=1, use_logits=False, **
 
 COMMON = ["--kv_cache_type", "paged", "--use_paged_context_fmha", "enable", "--remove_input_padding", "enable",
           "--gpt_attention_plugin", "auto", "--gemm_plugin", "auto"]  # fmt: skip
-LIMITS = ["--max_batch_size", "4", "--max_input_len", "1024", "--max_seq_len", "2048"]
+# max_input_len is max_seq_len - 1, not the recipe's 1024: the speculative BLS resends prompt + output every round
+LIMITS = ["--max_batch_size", "4", "--max_input_len", "2047", "--max_seq_len", "2048"]
 
 
 def io(role):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from specdeploy import artifacts
-from specdeploy.config import ROLES, Recipe, to_plain
+from specdeploy.config import Recipe, to_plain
 from specdeploy.engine.compile import compile_checkpoint, read_checkpoint_config
 from specdeploy.engine.spec import FORMAT_VERSION
 from specdeploy.errors import BuildError, StaleArtifactError

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from specdeploy.artifacts import Manifest, atomic_output, fingerprint, require, tool_versions
-from specdeploy.config import ROLES, Recipe, to_plain
+from specdeploy.config import Recipe, to_plain
 from specdeploy.errors import RepoError
 from specdeploy.policy import PolicySettings
 

@@ -37,7 +37,8 @@ class TritonPythonModel:
                     text = self.tokenizer.decode(tokens[b, w, :n].tolist(), skip_special_tokens=self.skip_special_tokens)
                     beams.append(text.encode("utf-8"))
                 texts.append(beams)
-            out = np.array(texts, dtype=object)  # [batch, beam]
+            # [batch * beam], flat as NVIDIA's postprocessing sends it (its clients read text_output[0] as bytes)
+            out = np.array([text for beams in texts for text in beams], dtype=object)
             responses.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("OUTPUT", out)]))
         return responses
 

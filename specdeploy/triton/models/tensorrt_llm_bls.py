@@ -19,6 +19,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
+from specdeploy import metrics  # noqa: E402
 from specdeploy import policy as pol  # noqa: E402
 from specdeploy import speculative as spec  # noqa: E402
 from specdeploy.errors import SpecDeployError  # noqa: E402
@@ -129,7 +130,7 @@ class TritonVerifier:
     def __init__(self, call: _LlmCall, job, record: _Record):
         self.call, self.job, self.record = call, job, record
 
-    def verify(self, sequence, draft_tokens, draft_logits, sampling):
+    def verify(self, sequence, draft_tokens, draft_logits, sampling, output_len=None):
         job = self.job
         first = not self.record.rounds
         extra = {
@@ -146,7 +147,8 @@ class TritonVerifier:
         wanted = ["output_log_probs", "kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks"]
         if job["return_context_logits"] and first:
             wanted.append("context_logits")
-        tokens, logits, outputs = self.call(sequence, len(draft_tokens) + 1, sampling, extra, job["return_generation_logits"], wanted)
+        # output_len: the canary's plain path asks for the whole answer in one call (specdeploy.metrics.PlainVerifier)
+        tokens, logits, outputs = self.call(sequence, output_len or len(draft_tokens) + 1, sampling, extra, job["return_generation_logits"], wanted)
         log_probs = [float(x) for a in outputs.get("output_log_probs", []) for x in a.reshape(-1)] if job["return_log_probs"] else None
         self.record.rounds.append((log_probs, logits))
         if "context_logits" in outputs:
@@ -183,6 +185,8 @@ class TritonPythonModel:
         folder = hashlib.sha256(str(args.get("model_repository", "")).encode()).hexdigest()[:12]
         self.active = pol.ActiveCount(os.path.join(tempfile.gettempdir(), f"specdeploy-active-{folder}"))
         self.deployment = pol.Deployment(pol.PolicySettings.from_parameters(params, self.default_num_draft_tokens), self.active)
+        # Prometheus metrics on Triton's metrics port and the canary's control arm (specdeploy.metrics)
+        self.ops = metrics.BlsOps.in_triton(pb_utils, self.name, self.max_draft_len, params)
 
     def execute(self, requests):
         arrival_ns = time.time_ns()
@@ -199,9 +203,11 @@ class TritonPythonModel:
             emit(_error(f"{self.name}: {common.error_text(exc)}"), True)
             return
         job["stop_check"] = common.request_cancel_check(request, self.request_timeout_s)
+        job["ops"] = self.ops.start(requested_k=pb_utils.get_input_tensor_by_name(request, "num_draft_tokens") is not None)
+        ok = False
         try:
             self.active.set_busy(True)
-            self._run(job, arrival_ns, emit)
+            ok = self._run(job, arrival_ns, emit)
         except (BlsModelError, SpecDeployError) as exc:
             emit(_error(f"{self.name}: {common.error_text(exc)}"), True)
         except Exception as exc:
@@ -209,6 +215,7 @@ class TritonPythonModel:
             emit(_error(f"{self.name}: internal error: {type(exc).__name__}: {exc}"), True)
         finally:
             self.active.set_busy(False)
+            self.ops.finish(job["ops"], len(job["prompt_ids"]), bool(ok))
 
     def _parse(self, request) -> dict:
         get = lambda name: self._input(request, name)  # noqa: E731
@@ -264,18 +271,19 @@ class TritonPythonModel:
         proposer = TritonProposer(self.draft, job)
         verifier = TritonVerifier(self.target, job, record)
         times = {"arrival": arrival_ns, "scheduled": time.time_ns(), "first": None}
+        ops = job["ops"]  # the canary arm and the metrics of this request
         rounds = spec.speculative_generate(
             proposer,
-            verifier,
+            self.ops.verifier(ops, verifier, job["max_tokens"], len(job["prompt_ids"])),
             job["prompt_ids"],
             max_new_tokens=job["max_tokens"],
-            num_draft_tokens=job["num_draft_tokens"],
+            num_draft_tokens=self.ops.num_draft_tokens(ops, job["num_draft_tokens"]),
             sampling=job["sampling"],
             end_id=job["end_id"],
             stop_words=job["stop_words"],
             use_draft_logits=job["use_draft_logits"],
             should_stop=job["stop_check"],
-            policy=self.deployment.request(),
+            policy=self.ops.policy(ops, self.deployment.request(), self.deployment),
         )
         stream = common.TextStream(self.tokenizer, self.skip_special_tokens) if job["stream"] else None
         output, stats = [], spec.SpecStats()
@@ -287,6 +295,7 @@ class TritonPythonModel:
                 continue
             times["first"] = times["first"] or time.time_ns()
             output.extend(item)
+            self.ops.tokens(ops, len(item))
             # this round's tokens came from the latest target call (a prefix of what it returned)
             round_log_probs, round_logits = record.rounds[-1] if record.rounds else (None, None)
             consumed = len(record.rounds)
@@ -308,9 +317,11 @@ class TritonPythonModel:
             ids = output if job["exclude_input"] else job["prompt_ids"] + output
             text = self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
         emit(self._response(text, job, stats, times, record, extras, len(output)), True)
+        return True
 
     def _response(self, text, job, stats, times, record, extras, n_output=0):
-        outputs = [pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=object))]
+        # [1], flat as NVIDIA's BLS sends it (its clients read text_output[0] as bytes)
+        outputs = [pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=object))]
         if stats is None:  # a streamed chunk: text only
             return pb_utils.InferenceResponse(output_tensors=outputs)
         now = time.time_ns()
