@@ -450,6 +450,14 @@ class ActiveCount:
         tmp.write_text("1" if busy else "0")
         os.replace(tmp, self.mine)
 
+    def close(self) -> None:
+        """Remove this process's file (and the folder once no instance is left)."""
+        self.mine.unlink(missing_ok=True)
+        try:
+            self.folder.rmdir()
+        except OSError:
+            pass
+
     def __call__(self) -> int:
         import os
 

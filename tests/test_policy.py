@@ -165,3 +165,18 @@ def test_ngram_recipe_has_only_the_target_to_build():
     recipe = parse_recipe({"name": "x", "target": {"model": "m"}, "draft": {"kind": "ngram"}})
     assert recipe.model_roles == ("target",)
     assert parse_recipe({"name": "x", "target": {"model": "m"}, "draft": {"model": "m"}}).model_roles == ("target", "draft")
+
+
+def test_active_count_counts_busy_living_instances(tmp_path):
+    import os
+
+    count = pol.ActiveCount(tmp_path / "active")
+    assert count() == 1  # no one busy: at least the asking request
+    count.set_busy(True)
+    (tmp_path / "active" / str(os.getppid())).write_text("1")  # another living instance, busy
+    (tmp_path / "active" / "999999999").write_text("1")  # a dead process: not counted
+    assert count() == 2
+    count.set_busy(False)
+    assert count() == 1
+    count.close()
+    assert not (tmp_path / "active" / str(os.getpid())).exists()

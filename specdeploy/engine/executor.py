@@ -43,6 +43,11 @@ from specdeploy.speculative import SamplingParams
 # (`PluginConfig._tokens_per_block = 32` in tensorrt_llm/plugin/plugin.py; older releases used 64).
 TOKENS_PER_BLOCK = 32
 
+# Positions per engine pass when a request's uncached input is long: cancellation and the deadline
+# are checked between these chunks, so a cancelled long prompt stops within one chunk. The CPU
+# engine's rows do not depend on how many positions a pass holds, so chunking changes no logits.
+PREFILL_CHUNK = 128
+
 
 @dataclass
 class GenerationRequest:
@@ -153,6 +158,7 @@ class Executor:
         wall_clock_ns=time.time_ns,
         tokens_per_block: int = TOKENS_PER_BLOCK,
         normalize_log_probs: bool = True,
+        prefill_chunk: int = PREFILL_CHUNK,
     ):
         """`clock` times passes and deadlines (seconds); `wall_clock_ns` stamps the perf timestamps;
         `normalize_log_probs` is the `tensorrt_llm` model parameter of that name (default true, as in
@@ -160,6 +166,8 @@ class Executor:
         token), else log_softmax of the processed row."""
         if max_cached_sequences < 1:
             raise ConfigError(f"max_cached_sequences is {max_cached_sequences}, must be >= 1")
+        if prefill_chunk < 1:
+            raise ConfigError(f"prefill_chunk is {prefill_chunk}, must be >= 1")
         if tokens_per_block < 1:
             raise ConfigError(f"tokens_per_block is {tokens_per_block}, must be >= 1")
         self.engine = engine
@@ -170,6 +178,7 @@ class Executor:
         self.vocab_size = int(getattr(engine.spec, "vocab_size", 0) or 0) or None
         self.tokens_per_block = tokens_per_block
         self.normalize_log_probs = normalize_log_probs
+        self.prefill_chunk = prefill_chunk
         self._pool: OrderedDict[int, _Entry] = OrderedDict()  # LRU order: oldest first
         self._next_id = 0
         self._lock = threading.Lock()
@@ -220,6 +229,27 @@ class Executor:
             self._next_id += 1
             while len(self._pool) > self.max_cached_sequences:
                 self._pool.popitem(last=False)
+
+    def _prefill(
+        self, entry: _Entry, tokens: list[int], keep: int | None, stats: GenerationStats, request: GenerationRequest, start: float
+    ) -> tuple[torch.Tensor | None, str | None]:
+        """Run `tokens` in passes of at most `prefill_chunk` positions, checking cancellation and the
+        deadline between them: (the logits of the last `keep` positions (all when None), None), or
+        (None, reason) when interrupted (the positions computed so far stay cached for reuse)."""
+        rows: list[torch.Tensor] = []
+        kept = 0
+        for begin in range(0, len(tokens), self.prefill_chunk):
+            if begin:
+                reason = self._interrupted(request, start)
+                if reason is not None:
+                    return None, reason
+            out = self._forward(entry, tokens[begin : begin + self.prefill_chunk], stats)  # [n, vocab]
+            rows.append(out)
+            kept += len(out)
+            while keep is not None and len(rows) > 1 and kept - len(rows[0]) >= keep:  # drop rows no longer needed
+                kept -= len(rows.pop(0))
+        logits = rows[0] if len(rows) == 1 else torch.cat(rows)
+        return (logits if keep is None else logits[-keep:]), None
 
     def _forward(self, entry: _Entry, tokens: list[int], stats: GenerationStats) -> torch.Tensor:
         t0 = self._clock()
@@ -274,7 +304,8 @@ class Executor:
     def generate(self, request: GenerationRequest) -> Iterator[GenerationChunk]:
         """Run one request; yields chunks (one per token when streaming, else one), the last with
         finished=True, finish_reason and stats. Cancellation (`is_cancelled`) and the deadline
-        (`timeout_s`) are checked before the first pass and after every token: the request then ends
+        (`timeout_s`) are checked before the first pass, between prefill chunks (`prefill_chunk`
+        positions) and after every token: the request then ends
         with the tokens it has and finish_reason "cancelled" / "timeout"."""
         params = self._check(request)
         start = self._clock()
@@ -333,7 +364,11 @@ class Executor:
         n_in = len(input_ids)
         generator = None if spec.is_greedy(request.sampling) else spec.make_generator(request.sampling.seed)
         sampler = lp.sampler_params(request.sampling)
-        logits = self._forward(entry, input_ids[stats.reused_tokens :], stats)  # [n_in - reused, vocab]
+        logits, reason = self._prefill(entry, input_ids[stats.reused_tokens :], None if request.return_context_logits else 1, stats, request, start)
+        if reason is not None:
+            self._finish(stats, [], [], start)
+            yield self._chunk(request, [], [], [], reason, stats, None)
+            return
         context_logits = logits[:n_in] if request.return_context_logits else None  # reused == 0 then
         raw = logits[-1]  # [vocab]
         stats.first_forward_time_s = stats.forward_time_s
@@ -387,7 +422,13 @@ class Executor:
         input_ids = list(request.input_ids)
         k = len(draft)
         n_in = len(input_ids)
-        logits = self._forward(entry, input_ids[stats.reused_tokens :] + draft, stats)  # [n_in - reused + k, vocab]
+        logits, reason = self._prefill(
+            entry, input_ids[stats.reused_tokens :] + draft, None if request.return_context_logits else k + 1, stats, request, start
+        )  # [n_in - reused + k, vocab], or the last k + 1 rows
+        if reason is not None:
+            self._finish(stats, [], [], start)
+            yield self._chunk(request, [], [], [], reason, stats, None)
+            return
         context_logits = logits[:n_in] if request.return_context_logits else None  # reused == 0 then
         raw_rows = logits[-(k + 1) :]  # [k + 1, vocab]
         stats.first_forward_time_s = stats.forward_time_s

@@ -590,6 +590,9 @@ def _cpu_engine_models(inp: RepoInputs) -> list[ModelSpec]:
                     "max_seq_len": str(int(inp.engine_setting(role, "max_seq_len", r.engine.max_seq_len))),
                     "max_draft_len": str(max_draft_len),
                     "request_timeout_s": str(r.triton.request_timeout_s),
+                    # decoupled: streamed tokens are held until they complete text (whole characters per response)
+                    **_tokenizer_params(name),
+                    "skip_special_tokens": "true",
                 },
                 instance_count=r.triton.instance_count,
                 decoupled=r.triton.decoupled,

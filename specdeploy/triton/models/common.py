@@ -449,3 +449,59 @@ def request_cancel_check(request, default_timeout_s: float) -> CancelCheck:
     except Exception:  # older stubs have no timeout()
         timeout_us = 0
     return CancelCheck(getattr(request, "is_cancelled", lambda: False), deadline_s(timeout_us, default_timeout_s))
+
+
+# ---------------------------------------------------------------- streaming whole characters
+
+
+def chunk_decoding_problem(tokenizer) -> str | None:
+    """Why decoding streamed chunks of whole characters one by one could differ from decoding the
+    whole output, or None when it cannot: a byte-level BPE decoder maps each token to its bytes, so
+    decoding is concatenative over chunks that hold complete UTF-8 characters. SentencePiece-style
+    decoders (Metaspace, Strip) drop a chunk's leading space, and `clean_up_tokenization_spaces`
+    rewrites text across chunk boundaries."""
+    import json
+
+    if getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return "the tokenizer sets clean_up_tokenization_spaces (it rewrites spaces across chunk boundaries)"
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return "the tokenizer has no fast (tokenizers) backend"
+    decoder = json.loads(backend.to_str()).get("decoder") or {}
+    if decoder.get("type") != "ByteLevel":
+        return f"its decoder is {decoder.get('type') or 'none'}, not ByteLevel (a chunk decoded alone can lose its leading space)"
+    return None
+
+
+class HoldBack:
+    """Which streamed tokens may be sent now: tokens are held until they complete text.
+
+    tokenizers' incremental detokenizer (`DecodeStream`) says when the tokens so far end on a whole
+    character; only then are the held tokens released, so each streamed response decodes to whole
+    characters and the concatenated text equals the decoding of the whole output (for a tokenizer
+    without a `chunk_decoding_problem`). `flush` releases what is left at the end of the request.
+    """
+
+    def __init__(self, backend_tokenizer, skip_special_tokens: bool = True):
+        from tokenizers.decoders import DecodeStream
+
+        self._tokenizer = backend_tokenizer
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._held: list[int] = []
+
+    def push(self, ids: Sequence[int]) -> list[int]:
+        ready: list[int] = []
+        for token in ids:
+            self._held.append(int(token))
+            if self._stream.step(self._tokenizer, int(token)) is not None:
+                ready, self._held = ready + self._held, []
+        return ready
+
+    @property
+    def pending(self) -> int:
+        """Tokens held back (they do not complete text yet)."""
+        return len(self._held)
+
+    def flush(self) -> list[int]:
+        out, self._held = self._held, []
+        return out

@@ -62,6 +62,15 @@ class TritonPythonModel:
         # the tokens asked for (the client-facing max_input_len is checked by preprocessing and the BLS).
         self.max_seq_len = min(int(params["max_seq_len"]), int(spec.max_seq_len))
         self.max_draft_len = min(int(params["max_draft_len"]), int(getattr(spec, "max_draft_len", 0) or 0))
+        # Streamed tokens are held back until they complete text (common.HoldBack), so that the
+        # ensemble's postprocessing, which decodes each streamed response on its own, sends whole
+        # characters. Only for tokenizers where that per-response decoding is exact; with another
+        # tokenizer `streaming` is refused with the reason (the BLS streams exactly with any).
+        self.tokenizer, self.stream_problem = None, None
+        if self.decoupled and params.get("tokenizer_dir"):
+            self.tokenizer = common.load_tokenizer(common.resolve_dir(params["tokenizer_dir"], args))
+            self.stream_problem = common.chunk_decoding_problem(self.tokenizer)
+        self.skip_special_tokens = common.flag(params.get("skip_special_tokens"), True)
 
     def execute(self, requests):
         arrival_ns = time.time_ns()
@@ -77,6 +86,7 @@ class TritonPythonModel:
             return
         flags["arrival_ns"] = arrival_ns
         flags["stop_check"] = common.request_cancel_check(request, self.request_timeout_s)
+        gen.is_cancelled = flags["stop_check"]  # also checked between prefill chunks inside the executor
         try:
             if flags["stop"]:  # TensorRT-LLM's `stop`: end the request; nothing is generated
                 emit(self._response([], None, None, flags, None, _Times(arrival_ns)), True)
@@ -137,6 +147,11 @@ class TritonPythonModel:
         streaming = common.scalar(get("streaming"), "streaming", bool, False)
         if streaming and not self.decoupled:
             raise RequestError("streaming needs the model deployed in decoupled mode (recipe triton.decoupled: true)")
+        if streaming and self.stream_problem:
+            raise RequestError(
+                f"streaming is not supported with this tokenizer: {self.stream_problem}, so the streamed text would differ "
+                "from the whole text; stream from tensorrt_llm_bls (stream=true) or send stream=false"
+            )
         n_seq = common.scalar(get("num_return_sequences"), "num_return_sequences", int, 1)
         if n_seq < 1:
             raise RequestError(f"num_return_sequences is {n_seq}; send 1 or more")
@@ -218,6 +233,7 @@ class TritonPythonModel:
         times = _Times(flags["arrival_ns"])
         times.scheduled_ns = time.time_ns()
         tokens, logits, log_probs, context_logits = [], [], [], None
+        held = _Held(self.tokenizer, self.skip_special_tokens) if flags["streaming"] else None
         chunks = self.executor.generate(gen)
         try:
             for chunk in chunks:
@@ -225,18 +241,23 @@ class TritonPythonModel:
                 if times.first_ns is None and chunk.token_ids:
                     times.first_ns = int(getattr(chunk.stats, "first_token_time_ns", 0) or 0) or now
                 if chunk.finish_reason in ("cancelled", "timeout"):
-                    raise Cancelled(self._cancel_text(chunk.finish_reason, flags, len(tokens)))
+                    raise Cancelled(self._cancel_text(flags["stop_check"].reason or chunk.finish_reason, flags, len(tokens)))
                 if context_logits is None and getattr(chunk, "context_logits", None) is not None:
                     context_logits = chunk.context_logits
                 chunk_log_probs = self._log_probs(chunk, gen) if flags["return_log_probs"] else None
                 times.last_ns = now
                 if flags["streaming"]:
-                    response = self._response(
-                        chunk.token_ids, chunk.logits, chunk_log_probs, flags, chunk.stats, times, sequence_index,
-                        context_logits if not tokens else None, len(gen.input_ids) + len(tokens) + len(chunk.token_ids),
-                    )
+                    # one response per run of tokens that completes text (per token for ASCII), the rest at the end
+                    ready = held.push(chunk.token_ids, chunk.logits, chunk_log_probs, chunk.finished)
+                    if ready is not None:
+                        ids, ready_logits, ready_log_probs = ready
+                        response = self._response(
+                            ids, ready_logits, ready_log_probs, flags, chunk.stats, times, sequence_index,
+                            context_logits if not held.sent else None, len(gen.input_ids) + len(tokens) + len(chunk.token_ids),
+                        )
+                        held.sent += len(ids)
+                        emit(response, chunk.finished)
                     tokens.extend(chunk.token_ids)
-                    emit(response, chunk.finished)
                 else:
                     tokens.extend(chunk.token_ids)
                     if chunk.logits is not None:
@@ -325,6 +346,37 @@ class TritonPythonModel:
 
     def finalize(self):
         self.executor = None
+
+
+class _Held:
+    """Streamed tokens (with their logits and log probs) held until they complete text (common.HoldBack)."""
+
+    def __init__(self, tokenizer, skip_special_tokens):
+        self.hold = common.HoldBack(tokenizer.backend_tokenizer, skip_special_tokens) if tokenizer is not None else None
+        self.ids, self.logits, self.log_probs = [], [], []
+        self.sent = 0  # tokens sent so far
+
+    def push(self, ids, logits, log_probs, finished):
+        """(ids, logits [n, vocab] or None, log probs or None) to send now, or None to wait; all at the end."""
+        self.ids += list(ids)
+        if logits is not None:
+            self.logits.append(logits)
+        if log_probs is not None:
+            self.log_probs += list(log_probs)
+        n = len(self.ids)  # without a tokenizer: every token at once
+        if self.hold is not None:
+            self.hold.push(ids)
+            n = len(self.ids) if finished else len(self.ids) - self.hold.pending
+            if finished:
+                self.hold.flush()
+        if n == 0 and not finished:
+            return None
+        out_logits = torch.cat(self.logits)[:n] if self.logits else None
+        out = (self.ids[:n], out_logits, self.log_probs[:n] if log_probs is not None else None)
+        rest = torch.cat(self.logits)[n:] if self.logits else None
+        self.ids, self.log_probs = self.ids[n:], self.log_probs[n:]
+        self.logits = [rest] if rest is not None and len(rest) else []
+        return out
 
 
 class _Times:

@@ -352,7 +352,7 @@ class TritonPythonModel:
         return pb_utils.InferenceResponse(output_tensors=outputs)
 
     def finalize(self):
-        pass
+        self.active.close()
 
 
 def _error(message: str):
