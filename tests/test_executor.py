@@ -543,3 +543,42 @@ def test_kv_cache_block_counts_on_reuse():
     # reused: prompt + 5 outputs = 15 tokens = 3 whole blocks; total ceil(20 / 4) = 5; new 2
     assert second.reused_tokens == 15
     assert (second.kv_cache_alloc_total_blocks, second.kv_cache_reused_blocks, second.kv_cache_alloc_new_blocks) == (5, 3, 2)
+
+
+# ---------------------------------------------------------------- chunked prefill (cancellation inside a long prompt)
+
+
+def test_chunked_prefill_changes_no_logits_and_no_tokens(engines):
+    """A prompt run in passes of 3 positions gives the same tokens, logits and context logits, bit
+    for bit, as one pass (the engines' rows do not depend on the pass size), plain and verifying."""
+    target, _ = engines
+    prompt = prompt_of(31, n=10)
+    whole, chunked = Executor(target, prefill_chunk=1000), Executor(target, prefill_chunk=3)
+    a = run(whole, GenerationRequest(prompt, 4, return_logits=True, return_context_logits=True))
+    b = run(chunked, GenerationRequest(prompt, 4, return_logits=True, return_context_logits=True))
+    assert a.token_ids == b.token_ids and torch.equal(a.logits, b.logits) and torch.equal(a.context_logits, b.context_logits)
+    assert b.stats.iterations == a.stats.iterations + 3  # 10 positions: 4 passes of <= 3 instead of 1
+    draft = a.token_ids[:2] + [5]
+    va = run(Executor(target, prefill_chunk=1000), GenerationRequest(prompt, 4, draft_tokens=draft, return_logits=True))
+    vb = run(Executor(target, prefill_chunk=3), GenerationRequest(prompt, 4, draft_tokens=draft, return_logits=True))
+    assert va.token_ids == vb.token_ids and torch.equal(va.logits, vb.logits)
+
+
+@pytest.mark.parametrize("drafted", [False, True])
+def test_cancellation_stops_a_long_prefill_between_chunks(drafted):
+    """Cancelled after 2 of the 5 passes a 20-position input needs: no 3rd pass, no token; the
+    computed positions stay cached and the next request reuses them."""
+    engine = ticking_chain()
+    ex = Executor(engine, clock=engine.clock, prefill_chunk=4)
+    prompt = [1 + i % 7 for i in range(20)]  # 20 tokens of the 8-token chain
+    r = run(ex, GenerationRequest(prompt, 5, draft_tokens=[2] if drafted else None, is_cancelled=lambda: engine.calls >= 2))
+    assert r.token_ids == [] and r.finish_reason == "cancelled" and engine.calls == 2
+    assert ex.cached_sequences == [prompt[:8]]
+    r = run(ex, GenerationRequest(prompt, 1))
+    assert r.finish_reason == "length" and r.stats.reused_tokens == 8
+    assert run(ex, GenerationRequest([1, 2], 1, timeout_s=0.5)).finish_reason == "length"  # one pass: nothing to interrupt
+    ex2 = Executor(engine, clock=engine.clock, prefill_chunk=4)
+    r = run(ex2, GenerationRequest(prompt, 5, timeout_s=2.5))  # passes end at t = 1, 2, 3: stopped before the 4th
+    assert r.finish_reason == "timeout" and r.token_ids == [] and r.stats.computed_tokens == 12
+    with pytest.raises(ConfigError, match="prefill_chunk"):
+        Executor(engine, prefill_chunk=0)

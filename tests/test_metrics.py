@@ -247,3 +247,13 @@ def test_cost_section_for_the_report():
     assert section["levels"][1]["per_1k_output_tokens"] is None
     text = "\n".join(cost_markdown(section))
     assert "| 1 | control | 0.000500 EUR | 0.0100 EUR |" in text and "| 1 | speculative | 0.0010 EUR | – |" in text
+
+
+def test_report_markdown_has_the_cost_table_when_a_price_is_set():
+    from specdeploy.client.report import render_markdown
+    from specdeploy.cost import cost_section
+
+    levels = [{"mode": "speculative", "concurrency": 2, "requests_per_s": 4.0, "output_tokens_per_s": 200.0}]
+    text = render_markdown({"recipe": "r", "cost": cost_section(levels, 7.2)})
+    assert "## Cost" in text and "| 2 | speculative | 0.000500 USD | 0.0100 USD |" in text
+    assert "## Cost" not in render_markdown({"recipe": "r", "cost": None})

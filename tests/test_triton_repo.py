@@ -306,3 +306,81 @@ def test_cancel_check_polls_the_server_at_most_every_interval_and_honours_the_de
     now[0] = 0.51
     assert timed() and timed.reason == "timeout"
     assert common.deadline_s(250_000, 9.0) == 0.25 and common.deadline_s(0, 9.0) == 9.0 and common.deadline_s(0, 0.0) is None
+
+
+# ---------------------------------------------------------------- streaming whole characters (no server)
+
+MULTI_BYTE = "Hé 😀 日本語 café, naïve ünïcode! 🎉"
+
+
+def _whole_char_groups(tok, ids):
+    """Reference grouping, computed with plain decode: a group ends where the text so far ends on a whole character."""
+    groups, start = [], 0
+    for i in range(1, len(ids) + 1):
+        if not tok.decode(ids[:i], skip_special_tokens=True).endswith("\ufffd"):
+            groups.append(ids[start:i])
+            start = i
+    return groups + ([ids[start:]] if start < len(ids) else [])
+
+
+def test_hold_back_releases_tokens_only_when_they_complete_text(tiny_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir))
+    ids = tok(MULTI_BYTE, add_special_tokens=False).input_ids
+    assert len(ids) > len(MULTI_BYTE) - 2  # byte-level BPE trained on ASCII: multi-byte characters are several tokens
+    for step in (1, 2, 5):  # tokens arrive one, two or five at a time
+        hold = common.HoldBack(tok.backend_tokenizer, True)
+        chunks = [hold.push(ids[i : i + step]) for i in range(0, len(ids), step)] + [hold.flush()]
+        chunks = [c for c in chunks if c]
+        assert [t for c in chunks for t in c] == ids  # nothing lost, nothing reordered
+        texts = [tok.decode(c, skip_special_tokens=True) for c in chunks]  # postprocessing: each response on its own
+        assert "".join(texts) == MULTI_BYTE
+        assert not any("\ufffd" in t for t in texts)
+        if step == 1:  # released exactly at the whole-character boundaries of the plain decode
+            assert chunks == _whole_char_groups(tok, ids)
+    hold = common.HoldBack(tok.backend_tokenizer, True)
+    emoji = tok("😀", add_special_tokens=False).input_ids
+    assert len(emoji) == 4 and hold.push(emoji[:3]) == [] and hold.pending == 3
+    assert hold.push(emoji[3:]) == emoji and hold.pending == 0
+    assert hold.push(emoji[:2]) == [] and hold.flush() == emoji[:2]  # the end of the output: whatever is left
+
+
+def test_per_chunk_decoding_is_exact_only_for_byte_level_tokenizers(tiny_tokenizer_dir, tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    assert common.chunk_decoding_problem(AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir))) is None
+    # a SentencePiece-style tokenizer: a chunk decoded alone loses its leading space
+    vocab = {"<unk>": 0, "▁Hello": 1, "▁world": 2}
+    sp = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    sp.pre_tokenizer = pre_tokenizers.Metaspace()
+    sp.decoder = decoders.Metaspace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=sp, unk_token="<unk>")
+    assert fast.decode([1, 2]) != fast.decode([1]) + fast.decode([2])  # the problem is real
+    assert "Metaspace" in common.chunk_decoding_problem(fast)
+    fast.clean_up_tokenization_spaces = True
+    assert "clean_up_tokenization_spaces" in common.chunk_decoding_problem(fast)
+
+
+def test_bls_calls_run_in_slices_until_done_or_the_parent_stops():
+    now, cancelled = [0.0], [False]
+    check = common.CancelCheck(lambda: cancelled[0], deadline_s=None, interval_s=0.0, clock=lambda: now[0])
+    slices = []
+
+    def attempt(slice_s, finish_at=3, tokens_before_expiry=0):
+        slices.append(slice_s)
+        now[0] += slice_s
+        if len(slices) < finish_at:
+            raise common.SliceExpired(f"tensorrt_llm: the request ran past its server-side deadline of {slice_s} s after {tokens_before_expiry} tokens")
+        return "done"
+
+    assert common.call_in_slices(attempt, check, 0.5) == "done" and slices == [0.5, 0.5, 0.5]  # prefill progress is kept: same slice
+    slices.clear()
+    assert common.call_in_slices(lambda s: attempt(s, 4, 2), check, 0.5) == "done" and slices == [0.5, 1.0, 2.0, 4.0]  # lost tokens: doubled
+    slices.clear()
+    cancelled[0] = True
+    with pytest.raises(common.ParentStopped, match="cancelled"):
+        common.call_in_slices(attempt, check, 0.5)
+    assert slices == [0.5]  # stopped after the first expired slice
+    assert common.is_slice_expiry("Request timeout expired") and not common.is_slice_expiry("input_ids is empty")

@@ -361,8 +361,29 @@ def test_streaming_ensemble_sends_every_token(streaming, tokenizer):
     prompt = PROMPTS[2]
     ids = _stream_ids(streaming, prompt)
     parts = stream(streaming, "ensemble", text_input=prompt, max_tokens=MAX_TOKENS, stream=True)
-    assert len(parts) == len(ids)
-    assert [text(p) for p in parts] == [tokenizer.decode([t], skip_special_tokens=True) for t in ids]
+    # one response per token, except that tokens are held until they complete a character (reference:
+    # the plain decode of the output so far ends on a whole character)
+    so_far = [tokenizer.decode(ids[:i], skip_special_tokens=True) for i in range(1, len(ids) + 1)]
+    whole_chars = [t for t in so_far if not t.endswith("\ufffd")]
+    expected = [b[len(a) :] for a, b in zip([""] + whole_chars, whole_chars)]
+    assert [t for t in (text(p) for p in parts) if t] == [t for t in expected if t]
+    assert "".join(text(p) for p in parts) == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+MULTI_BYTE_BIAS = dict(embedding_bias_words=["é", "日", "😀"], embedding_bias_weights=np.array([[30.0, 30.0, 30.0]], np.float32))
+
+
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_streamed_multi_byte_text_equals_the_whole_text(streaming, tokenizer, model):
+    """The tiny tokenizer is byte-level BPE trained on ASCII: é, 日 and 😀 are 2, 3 and 4 byte tokens.
+    A bias towards those bytes makes the output multi-byte text; streamed, each response carries whole
+    characters, so the concatenated stream equals the non-streamed text."""
+    args = dict(text_input=PROMPTS[0], max_tokens=24, exclude_input_in_output=True, **MULTI_BYTE_BIAS)
+    (whole,) = stream(streaming, model, **args)
+    parts = [text(p) for p in stream(streaming, model, stream=True, **args)]
+    assert any(ord(c) > 127 and c != "\ufffd" for c in text(whole)), text(whole)  # real multi-byte characters came out
+    assert "".join(parts) == text(whole)
+    assert len(parts) > 1
 
 
 def _stream_ids(client, prompt):

@@ -10,6 +10,8 @@ import json
 import os
 from pathlib import Path
 
+from specdeploy.cost import cost_markdown
+
 CONTROL_COLOR, SPEC_COLOR = "#7f7f7f", "#1f77b4"
 
 
@@ -85,6 +87,7 @@ def render_markdown(report: dict) -> str:
     lines += _parity_md(report)
     lines += _sampling_md(report)
     lines += _latency_md(report)
+    lines += cost_markdown(report.get("cost"))
     lines += _sweep_md(report)
     lines += _quality_md(report)
     for name, title in (("latency", "Latency distribution"), ("categories", "Per category"), ("sweep", "Draft-length sweep")):

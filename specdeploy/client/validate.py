@@ -539,6 +539,9 @@ def validate_recipe(
             baseline.close()
     verdict = gate.evaluate(report, options.min_parity, options.min_speedup, options.min_compared_share)
     report["gate"] = verdict.to_dict()
+    from specdeploy.cost import cost_section  # cost per response / per 1k tokens at the recipe's machine price
+
+    report["cost"] = cost_section((report.get("latency") or {}).get("levels", []), recipe.cost.machine_price_per_hour, recipe.cost.currency)
     paths = write_report(report, Path(report_dir) if report_dir else layout.report)
     return report, paths, verdict
 

@@ -541,6 +541,8 @@ def bls_spec(inp: RepoInputs) -> ModelSpec:
             "max_input_len": str(inp.max_input_len),
             "max_seq_len": str(inp.max_seq_len),
             "request_timeout_s": str(r.triton.request_timeout_s),
+            # each draft/target call's Triton timeout: the BLS checks its own cancellation between them
+            "cancel_check_interval_s": "0.5",
             # speculation policy (specdeploy.policy): its state lives in the BLS instance
             **PolicySettings.from_recipe(r.speculative).to_parameters(),
             # the canary's control arm (specdeploy.metrics.BlsOps): this share of requests takes the plain path

@@ -505,3 +505,49 @@ class HoldBack:
     def flush(self) -> list[int]:
         out, self._held = self._held, []
         return out
+
+
+# ---------------------------------------------------------------- BLS calls in time slices (cancellation inside a round)
+# A BLS request's draft/target calls do not see the client's cancellation of the BLS request. So
+# each call carries a short Triton timeout: the engine model stops at it (between prefill chunks and
+# tokens, its KV stays cached), the BLS checks its own request, and re-sends the call if it goes on;
+# the re-sent call reuses the cached prefix, so it resumes where the expired one stopped.
+
+CANCEL_CHECK_INTERVAL_S = 0.5
+
+
+class SliceExpired(Exception):
+    """A BLS call ran out of its time slice before it finished."""
+
+
+class ParentStopped(Exception):
+    """The BLS request was cancelled or passed its deadline while one of its calls ran."""
+
+
+def is_slice_expiry(message: str) -> bool:
+    """An engine model's error for a call stopped at its own timeout (tensorrt_llm's deadline text,
+    or Triton's queue timeout)."""
+    return "server-side deadline" in message or "timeout expired" in message.lower()
+
+
+def call_in_slices(attempt, stop_check, slice_s: float, max_attempts: int = 10_000):
+    """`attempt(slice_s)` until it returns, checking `stop_check()` (a CancelCheck) after each expired
+    slice. An attempt that expired after generating tokens lost them (only prefill work stays cached),
+    so the next slice is twice as long: a call always finishes, however slow its decode steps."""
+    for _ in range(max_attempts):
+        try:
+            return attempt(slice_s)
+        except SliceExpired as exc:
+            if stop_check():
+                what = "ran past its server-side deadline" if stop_check.reason == "timeout" else "was cancelled"
+                raise ParentStopped(f"the request {what} during this call") from None
+            if _generated_before_expiry(str(exc)):
+                slice_s *= 2
+    raise ParentStopped(f"the call did not finish in {max_attempts} time slices")
+
+
+def _generated_before_expiry(message: str) -> bool:
+    import re
+
+    match = re.search(r"after (\d+) tokens", message)
+    return match is None or int(match.group(1)) > 0

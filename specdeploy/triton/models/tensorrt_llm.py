@@ -241,7 +241,7 @@ class TritonPythonModel:
                 if times.first_ns is None and chunk.token_ids:
                     times.first_ns = int(getattr(chunk.stats, "first_token_time_ns", 0) or 0) or now
                 if chunk.finish_reason in ("cancelled", "timeout"):
-                    raise Cancelled(self._cancel_text(flags["stop_check"].reason or chunk.finish_reason, flags, len(tokens)))
+                    raise Cancelled(self._cancel_text(flags["stop_check"].reason or chunk.finish_reason, flags, len(tokens) + len(chunk.token_ids)))
                 if context_logits is None and getattr(chunk, "context_logits", None) is not None:
                     context_logits = chunk.context_logits
                 chunk_log_probs = self._log_probs(chunk, gen) if flags["return_log_probs"] else None

@@ -53,11 +53,21 @@ class _Record:
 class _LlmCall:
     """One BLS call to a tensorrt_llm-layout model; returns (new token ids, generation logits or None, outputs)."""
 
-    def __init__(self, model_name: str, decoupled: bool):
+    def __init__(self, model_name: str, decoupled: bool, slice_s: float = 0.0):
         self.model_name = model_name
         self.decoupled = decoupled
+        self.slice_s = slice_s  # each call's first Triton timeout (0: none), see common.call_in_slices
 
-    def __call__(self, sequence, output_len, sampling, extra, return_logits, more_outputs=()):
+    def __call__(self, sequence, output_len, sampling, extra, return_logits, more_outputs=(), stop_check=None):
+        if not self.slice_s or stop_check is None:
+            return self._call(sequence, output_len, sampling, extra, return_logits, more_outputs, 0)
+        attempt = lambda s: self._call(sequence, output_len, sampling, extra, return_logits, more_outputs, int(s * 1e6))  # noqa: E731
+        try:
+            return common.call_in_slices(attempt, stop_check, self.slice_s)
+        except common.ParentStopped as exc:
+            raise BlsModelError(f"{self.model_name}: {exc}") from None
+
+    def _call(self, sequence, output_len, sampling, extra, return_logits, more_outputs, timeout_us):
         tensors = {
             "input_ids": np.array([sequence], dtype=np.int32),
             "input_lengths": np.array([[len(sequence)]], dtype=np.int32),
@@ -76,12 +86,16 @@ class _LlmCall:
             model_name=self.model_name,
             requested_output_names=["output_ids", "sequence_length"] + (["generation_logits"] if return_logits else []) + list(more_outputs),
             inputs=[pb_utils.Tensor(k, v) for k, v in tensors.items()],
+            timeout=timeout_us,  # microseconds; the engine model stops at it (between prefill chunks and tokens)
         )
         responses = request.exec(decoupled=True) if self.decoupled else [request.exec()]
         tokens, logits, outputs = [], [], {}
         for response in responses:
             if response.has_error():
-                raise BlsModelError(f"{self.model_name}: {response.error().message()}")
+                message = response.error().message()
+                if timeout_us and common.is_slice_expiry(message):
+                    raise common.SliceExpired(message)
+                raise BlsModelError(f"{self.model_name}: {message}")
             out = pb_utils.get_output_tensor_by_name(response, "output_ids")
             if out is None:  # the empty final response of a decoupled model
                 continue
@@ -120,7 +134,7 @@ class TritonProposer:
 
     def propose(self, sequence, num_tokens, sampling, return_logits):
         extra = {"bad_words_list": self.job["bad_words_list"][None], **_request_tensors(self.job, len(sequence) - len(self.job["prompt_ids"]))}
-        tokens, logits, _ = self.call(sequence, num_tokens, sampling, extra, return_logits)
+        tokens, logits, _ = self.call(sequence, num_tokens, sampling, extra, return_logits, stop_check=self.job.get("stop_check"))
         return spec.Proposal(tokens, logits)
 
 
@@ -148,7 +162,9 @@ class TritonVerifier:
         if job["return_context_logits"] and first:
             wanted.append("context_logits")
         # output_len: the canary's plain path asks for the whole answer in one call (specdeploy.metrics.PlainVerifier)
-        tokens, logits, outputs = self.call(sequence, output_len or len(draft_tokens) + 1, sampling, extra, job["return_generation_logits"], wanted)
+        tokens, logits, outputs = self.call(
+            sequence, output_len or len(draft_tokens) + 1, sampling, extra, job["return_generation_logits"], wanted, stop_check=job.get("stop_check")
+        )
         log_probs = [float(x) for a in outputs.get("output_log_probs", []) for x in a.reshape(-1)] if job["return_log_probs"] else None
         self.record.rounds.append((log_probs, logits))
         if "context_logits" in outputs:
@@ -174,8 +190,11 @@ class TritonPythonModel:
         self.max_seq_len = int(params["max_seq_len"])
         self.request_timeout_s = float(params.get("request_timeout_s") or 0.0)
         # The engine models share our transaction policy (the generator writes both from the recipe).
-        self.target = _LlmCall(params["tensorrt_llm_model_name"], self.decoupled)
-        self.draft = _LlmCall(params["tensorrt_llm_draft_model_name"], self.decoupled)
+        # Each draft/target call runs at most cancel_check_interval_s before the BLS checks whether its own
+        # request was cancelled (or passed its deadline); an unfinished call is re-sent and resumes from its KV.
+        slice_s = float(params.get("cancel_check_interval_s") or common.CANCEL_CHECK_INTERVAL_S)
+        self.target = _LlmCall(params["tensorrt_llm_model_name"], self.decoupled, slice_s)
+        self.draft = _LlmCall(params["tensorrt_llm_draft_model_name"], self.decoupled, slice_s)
         self.default_end_id = self.tokenizer.eos_token_id
         # Speculation policy (specdeploy.policy): the deployment-level state (gate, measured costs, acceptance)
         # lives in this instance; the active count is shared by the instances of this repository.
