@@ -123,7 +123,7 @@ class CpuEngine:
         self.native = native.ops() if dtype == torch.bfloat16 else None  # torch.ops.specdeploy_cpu or None
         self.embedding = tensors["embedding.weight"].to(dtype).contiguous()  # [vocab, hidden]
         lm_head = self.embedding if "lm_head.weight" not in tensors else tensors["lm_head.weight"].to(dtype).contiguous()
-        if self.native is not None and NativeLinear.supports({"weight": lm_head}, None, None):
+        if self.native is not None and NativeLinear.supports(self.native, {"weight": lm_head}, None, None):
             self.lm_head = NativeLinear(self.native, {"weight": lm_head}, None, dtype, None)  # tied: a packed copy
         else:
             self.lm_head = PackedGemm(lm_head, None)

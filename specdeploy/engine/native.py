@@ -2,7 +2,7 @@
 
 `ops()` builds the extension on first use into $SPECDEPLOY_HOME/native/<key> (about a minute; later
 processes load it in milliseconds) and returns `torch.ops.specdeploy_cpu`, or None where it cannot be
-used: set SPECDEPLOY_NATIVE=0, a CPU without AVX-512, or no C++ compiler. The engine then runs the same
+used: set SPECDEPLOY_NATIVE=0, a CPU with neither AVX-512 nor AVX2 + FMA, or no C++ compiler. The engine then runs the same
 model on torch ops: slower, with the same parity guarantee (both paths are row-invariant).
 
 Measured on the 2-core dev machine (SmolLM2-135M, 30 layers of 4 GEMVs + LM head, one row): torch's
@@ -37,7 +37,7 @@ def ops():
     """torch.ops.specdeploy_cpu, built and loaded on first use; None where the native path is unavailable."""
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return None
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AMX"):
+    if not cpu_supported():
         return None
     try:
         _load()
@@ -45,6 +45,12 @@ def ops():
         warnings.warn(f"specdeploy: native CPU kernels unavailable, using torch ops ({str(exc).splitlines()[0]})")
         return None
     return torch.ops.specdeploy_cpu
+
+
+def cpu_supported() -> bool:
+    """Whether this CPU runs the kernels: AVX-512 (16-lane build, with VDPBF16PS where the CPU has it) or
+    AVX2 + FMA (8-lane build); torch reports AVX2 only where FMA is present too."""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512", "AMX")
 
 
 def build_dir() -> Path:
