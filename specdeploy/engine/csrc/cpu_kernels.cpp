@@ -378,42 +378,32 @@ struct Epilogue {
     y[m * N + n] = c10::BFloat16(r);
   }
 
-  // Outputs (m + i, n + j) of a tile's accumulators acc[j][i]. Every output of a channel goes through the
-  // same reduction and arithmetic whatever the tile: AVX-512 reduces four channels of a full block with
-  // hsum4 and stores them with the vector arithmetic (full blocks always run CB = 4 tiles there), a lone
-  // channel with hsum4 against zeros; AVX2 reduces each accumulator alone with hsum.
-  template <int64_t CB, int64_t RB>
-  void store(int64_t m, int64_t n, const Vec (&acc)[CB][RB]) const {
-    for (int64_t i = 0; i < RB; ++i) {
 #if defined(__AVX512F__)
-      if constexpr (CB == 4) {
-        __m512 v = _mm512_mul_ps(_mm512_castps128_ps512(hsum4(acc[0][i], acc[1][i], acc[2][i], acc[3][i])), _mm512_set1_ps(unit));
-        __mmask16 four = 0xf;
-        int64_t row = m + i;
-        if (out_scale) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(four, out_scale + n));
-        if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(four, bias + n));
-        if (residual) {
-          __m256i r = _mm256_maskz_loadu_epi16(four, residual + row * N + n);
-          v = _mm512_add_ps(bf16_to_f32(r), round_bf16(v));
-        }
-        _mm256_mask_storeu_epi16(y + row * N + n, four, f32_to_bf16(v));
-        continue;
-      }
-#endif
-      for (int64_t j = 0; j < CB; ++j) store1(m + i, n + j, hsum(acc[j][i]));
+  // Four channels' sums (hsum4 of a full block), with the vector arithmetic.
+  void store4(int64_t m, int64_t n, __m128 sums) const {
+    __m512 v = _mm512_mul_ps(_mm512_castps128_ps512(sums), _mm512_set1_ps(unit));
+    __mmask16 four = 0xf;
+    if (out_scale) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(four, out_scale + n));
+    if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(four, bias + n));
+    if (residual) {
+      __m256i r = _mm256_maskz_loadu_epi16(four, residual + m * N + n);
+      v = _mm512_add_ps(bf16_to_f32(r), round_bf16(v));
     }
+    _mm256_mask_storeu_epi16(y + m * N + n, four, f32_to_bf16(v));
   }
+#endif
 };
 
 // Tile shapes: CB channels (of one packed block) x RB rows share each decoded weight vector and each loaded
 // activation vector. kRowTile is the most rows of a tile: a call of M rows decodes every weight chunk
 // ceil(M / kRowTile) times. AVX-512 (32 registers) keeps CB = 4 (the block) x 4 rows; AVX2 (16 registers)
-// runs CB = 2 x 6 rows, or CB = 4 for one or two rows (where a CB = 2 tile has too few independent sums).
+// runs CB = 2 x 4 rows (8 sums, 4 activation vectors, 2 weight vectors: 14 of 16 registers), or CB = 4 for
+// one or two rows (where a CB = 2 tile has too few independent sums to hide the FMA latency).
 #if defined(__AVX512F__)
 constexpr int64_t kRowTile = 4;
 template <int64_t R> constexpr int64_t kTileChannels = 4;
 #else
-constexpr int64_t kRowTile = 6;
+constexpr int64_t kRowTile = 4;
 template <int64_t R> constexpr int64_t kTileChannels = R <= 2 ? 4 : 2;
 #endif
 
@@ -424,19 +414,48 @@ template <int64_t R> constexpr int64_t kTileChannels = R <= 2 ? 4 : 2;
 template <int64_t CB, int64_t RB, class W>
 inline void tile(const typename W::Activation* xa, int64_t K, const uint8_t* p, int64_t stride, const W& weights,
                  int64_t n, int64_t m, const Epilogue& out) {
+  // Fully unrolled (the pragmas): the accumulators must live in registers, not on the stack.
   Vec acc[CB][RB];
+#pragma GCC unroll 8
   for (int64_t j = 0; j < CB; ++j)
+#pragma GCC unroll 8
     for (int64_t i = 0; i < RB; ++i) acc[j][i] = vzero();
   const typename W::Activation* x0 = xa + m * K;
   for (int64_t k = 0; k < K; k += W::kStep, p += stride) {
-    typename W::XVec x[RB];
-    for (int64_t i = 0; i < RB; ++i) x[i] = W::load_x(x0 + i * K + k);
+    const typename W::Activation* xk = x0 + k;
+#if defined(__AVX512F__)
+    typename W::XVec x[RB];  // 32 registers: each activation vector loaded once per step
+#pragma GCC unroll 8
+    for (int64_t i = 0; i < RB; ++i) x[i] = W::load_x(xk + i * K);
+#endif
+#pragma GCC unroll 8
     for (int64_t j = 0; j < CB; ++j) {
       typename W::WVec w = weights(p + j * W::kChunk, n + j, k);
-      for (int64_t i = 0; i < RB; ++i) acc[j][i] = W::madd(acc[j][i], x[i], w);
+#pragma GCC unroll 8
+      for (int64_t i = 0; i < RB; ++i) {
+#if defined(__AVX512F__)
+        acc[j][i] = W::madd(acc[j][i], x[i], w);
+#else  // 16 registers: the activations as memory operands of the FMAs (GCC spilled an array of them)
+        acc[j][i] = W::madd(acc[j][i], W::load_x(xk + i * K), w);
+#endif
+      }
     }
   }
-  out.store<CB, RB>(m, n, acc);
+  // Every output of a channel goes through the same reduction and arithmetic whatever the tile: AVX-512
+  // reduces the four channels of a full block with hsum4 and store4 (full blocks always run CB = 4 tiles
+  // there), a lone channel with hsum4 against zeros; AVX2 reduces each accumulator alone with hsum. (The
+  // sums are taken here, not in a callee given the array, so that the accumulators stay in registers.)
+#pragma GCC unroll 8
+  for (int64_t i = 0; i < RB; ++i) {
+#if defined(__AVX512F__)
+    if constexpr (CB == 4) {
+      out.store4(m + i, n, hsum4(acc[0][i], acc[1][i], acc[2][i], acc[3][i]));
+      continue;
+    }
+#endif
+#pragma GCC unroll 8
+    for (int64_t j = 0; j < CB; ++j) out.store1(m + i, n + j, hsum(acc[j][i]));
+  }
 }
 
 // Rows [m, m + rows) of one packed block of `width` channels from channel n (rows <= kRowTile).
