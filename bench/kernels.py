@@ -77,7 +77,7 @@ def _layer_tensors(fmt: str, n: int, k: int, gen):
         return {"weight": q, "weight_scale": torch.rand(n, generator=gen) * 0.01, "act_scale": torch.tensor(0.05),
                 "pre_quant_scale": torch.rand(k, generator=gen) + 0.5}, "W8A8_SQ_PER_CHANNEL"
     unsigned = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
-    return {"weight": pack_int4(unsigned), "weight_scale": torch.rand(n, k // 128, generator=gen) * 0.01,
+    return {"weight": pack_int4(unsigned), "weight_scale": torch.rand(n, k // 64, generator=gen) * 0.01,
             "pre_quant_scale": torch.rand(k, generator=gen) + 0.5}, "W4A16_AWQ"
 
 
@@ -101,7 +101,7 @@ def kernel_curves(shape: dict, repeats: int) -> dict:
         for _ in range(layers):
             for n, k in dims:
                 t, algo = _layer_tensors(fmt, n, k, gen)
-                lins.append((NativeLinear(ops, t, algo, torch.bfloat16, 128), k))
+                lins.append((NativeLinear(ops, t, algo, torch.bfloat16, 64), k))  # AWQ groups of 64: K = 576 holds no 128
         xs = {k: torch.randn(max(ROWS), k, generator=gen).to(torch.bfloat16) for _, k in dims}
         secs = {}
         for m in ROWS:
@@ -201,7 +201,11 @@ def ensure_llama(hf_dir: Path) -> tuple[Path, dict] | str:
             subprocess.run(["cmake", "--build", str(home / "build"), "--target", "llama-bench", "-j",
                             str(os.cpu_count())], check=True, capture_output=True)
         ggufs = {}
-        env = dict(os.environ, PYTHONPATH=str(src / "gguf-py"))
+        site = home / "py"  # sentencepiece for the converter, kept out of the project's venv
+        if not (site / "sentencepiece").is_dir():
+            subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--target", str(site), "sentencepiece"],
+                           check=True, capture_output=True)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src / "gguf-py"), str(site)]))
         for kind in ("bf16", "q8_0"):
             out = home / f"{hf_dir.name}-{kind}.gguf"
             if not out.is_file():
