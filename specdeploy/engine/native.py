@@ -27,6 +27,10 @@ from specdeploy import artifacts
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 DISABLE_ENV = "SPECDEPLOY_NATIVE"  # "0": always use the torch path
+# The AVX-512 variant of the multi-row kernels compiles but has not been run since they were rewritten (the
+# machines it was written on had AVX-512; the ones since, AVX2 only). Until it has passed the exactness tests
+# on such a CPU, every machine builds the AVX2 + FMA variant (which AVX-512 CPUs run too); "1" opts in.
+AVX512_ENV = "SPECDEPLOY_NATIVE_AVX512"
 
 # Weight kinds of the native linear (csrc: WeightKind).
 BF16, FP8, INT8, INT4 = 0, 1, 2, 3
@@ -58,7 +62,7 @@ def build_dir() -> Path:
     shared by machines with different CPUs must not hand one of them another's binary."""
     source = SOURCE.read_bytes()
     parts = [source, torch.__version__.encode(), platform.machine().encode(), sys.version.split()[0].encode(),
-             _cpu_flags().encode()]
+             _cpu_flags().encode(), " ".join(_cflags()).encode()]
     return artifacts.home() / "native" / hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
@@ -70,6 +74,13 @@ def _cpu_flags() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+def _cflags() -> list[str]:
+    flags = ["-O3", "-march=native", "-fopenmp"]
+    if os.environ.get(AVX512_ENV, "0") != "1":
+        flags.append("-mno-avx512f")  # turns off every AVX-512 extension -march=native enabled
+    return flags
 
 
 def _load() -> None:
@@ -86,7 +97,7 @@ def _load() -> None:
     load(
         name="specdeploy_cpu",
         sources=[str(SOURCE)],
-        extra_cflags=["-O3", "-march=native", "-fopenmp"],
+        extra_cflags=_cflags(),
         extra_ldflags=["-fopenmp"],
         build_directory=str(directory),
         is_python_module=False,
