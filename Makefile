@@ -45,6 +45,7 @@ bench: setup models
 	$(SD) build $(RECIPE)
 	$(BIN)/python -m pip install --quiet --target $(VENV)/bench-site --no-deps torchao==0.18.0
 	$(BIN)/python bench/engine.py --recipe $(RECIPE)
+	$(BIN)/python bench/kernels.py --recipe $(RECIPE) --threads 2
 
 quantize build generate repo validate run: setup
 	$(SD) $@ $(RECIPE)

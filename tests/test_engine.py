@@ -551,3 +551,19 @@ def test_engine_file_reader_matches_safetensors(tmp_path):
     path.write_bytes(path.read_bytes()[:-8])  # cut into the last tensor's data
     with LazyTensors(path) as lazy, pytest.raises(BuildError, match="truncated"):
         [lazy[name] for name in lazy]
+
+
+def test_quantized_kv_cache_dequantizes_once_per_chunk(quant_hf_dir, tmp_path, monkeypatch):
+    """A prefill over a quantized KV cache reads (dequantizes) each layer's prefix once per chunk, not once per
+    query row (which made prefill quadratic in Python), with the bits of row-by-row decoding."""
+    export_checkpoint(quant_hf_dir, tmp_path / "ckpt", "fp8", "fp8")
+    engine = build(tmp_path, tmp_path / "ckpt", "float32")
+    ids = prompt(24, seed=6)
+    reads = []
+    original = KVCache.read
+    monkeypatch.setattr(KVCache, "read", lambda self, layer, end: reads.append(end) or original(self, layer, end))
+    cache = engine.new_cache()
+    logits = engine.forward(cache, ids)
+    assert len(reads) == engine.spec.num_layers * -(-len(ids) // engine.chunk_rows)
+    monkeypatch.setattr(KVCache, "read", original)
+    assert torch.equal(logits[1:], _row_by_row(engine, ids[1:], ids[:1]))

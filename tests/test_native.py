@@ -15,8 +15,8 @@ from specdeploy.engine import native
 from specdeploy.engine.kernels import FP8_MAX, pack_int4
 from specdeploy.engine.model import CpuEngine
 
-if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AMX"):
-    pytest.skip("the native kernels need AVX-512; the engine uses torch ops here", allow_module_level=True)
+if not native.cpu_supported():
+    pytest.skip("the native kernels need AVX-512 or AVX2 + FMA; the engine uses torch ops here", allow_module_level=True)
 if os.environ.get(native.DISABLE_ENV) == "0":
     pytest.skip(f"{native.DISABLE_ENV}=0 switches the native kernels off", allow_module_level=True)
 
@@ -25,7 +25,7 @@ N, K = 70, 96  # N % 4 != 0: blocks of four channels and single-channel tails; K
 
 
 def test_native_kernels_load_on_this_cpu():
-    assert OPS is not None, "AVX-512 CPU but the extension did not build: see the warning above"
+    assert OPS is not None, "a supported CPU but the extension did not build: see the warning above"
 
 
 def _x(rows=9, k=K, seed=0):
@@ -120,7 +120,7 @@ def test_rms_norm_and_swiglu_match_torch():
 def test_bad_arguments_are_errors_not_crashes():
     packed = OPS.pack(torch.zeros(8, 32, dtype=torch.bfloat16), native.BF16, 32)
     with pytest.raises(RuntimeError, match="multiple of"):
-        OPS.pack(torch.zeros(8, 40, dtype=torch.bfloat16), native.BF16, 40)
+        OPS.pack(torch.zeros(8, 36, dtype=torch.bfloat16), native.BF16, 36)  # no build takes K % 8 != 0
     with pytest.raises(RuntimeError, match="bytes from pack"):
         OPS.linear(_x(1, 64), packed, native.BF16, 8, None, 0, None, 0.0, None, None, None)
     with pytest.raises(RuntimeError, match="bf16"):
@@ -169,3 +169,109 @@ def test_disabled_by_environment(monkeypatch):
         monkeypatch.delenv(native.DISABLE_ENV)
         native.ops.cache_clear()
     assert native.ops() is not None
+
+
+# ---------------------------------------------------------------- multi-row tiles (issue 12)
+
+
+def _smoothquant(n, k, seed):
+    """SmoothQuant as the kernel takes it: int8 weights, per-channel out scale, pre-quant scale, act scale."""
+    g = torch.Generator().manual_seed(seed)
+    int8 = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, generator=g) * 0.01 + 1e-3
+    pqs = (torch.rand(k, generator=g) + 0.5).to(torch.bfloat16).float()
+    act = 0.05
+
+    def reference(x):
+        xq = ((x * pqs.to(torch.bfloat16)).float() / act).round().clamp(-128, 127)
+        return (xq @ int8.float().t()) * scale
+
+    return native.INT8, int8, dict(pre_quant_scale=pqs, act_scale=act, out_scale=scale), reference
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp8", "int8", "int4", "smoothquant"])
+def test_every_format_rows_1_to_16_bit_identical_per_row(name):
+    """Each row of a call of 1..16 rows (several register tiles and a remainder tile; N % 4 = 2 channel tails)
+    has the bits of that row computed alone, and is close to the f32 reference."""
+    kind, weight, kwargs, reference = _smoothquant(N, K, 7) if name == "smoothquant" else _formats()[name]
+    packed = OPS.pack(weight.contiguous(), kind, K)
+    x = _x(16, seed=11)
+    alone = torch.cat([_linear(kind, packed, x[r : r + 1].contiguous(), **kwargs) for r in range(16)])
+    ref = reference(x)
+    assert ((alone.float() - ref).abs() <= 0.01 * ref.abs() + 0.02 * ref.abs().mean()).all()
+    assert alone.abs().sum() > 0
+    for rows in range(1, 17):
+        assert torch.equal(_linear(kind, packed, x[:rows].contiguous(), **kwargs), alone[:rows]), rows
+    shuffled = torch.randperm(16, generator=torch.Generator().manual_seed(2))  # a row's place in the call is irrelevant
+    assert torch.equal(_linear(kind, packed, x[shuffled].contiguous(), **kwargs), alone[shuffled])
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp8", "int4"])
+def test_prefill_sized_calls_cross_row_chunks_with_the_same_bits(name):
+    """200 rows of K = 1024: the kernel walks the rows in L2-sized chunks; every row keeps its one-row bits."""
+    k, n, rows = 1024, 10, 200
+    g = torch.Generator().manual_seed(12)
+    w = torch.randn(n, k, generator=g) * 0.05
+    if name == "bf16":
+        kind, weight, kwargs, wf = native.BF16, w.to(torch.bfloat16), {}, w.to(torch.bfloat16).float()
+        quant = lambda x: x.float()  # noqa: E731
+    elif name == "fp8":
+        fp8 = (w * 20).to(torch.float8_e4m3fn)
+        kind, weight, kwargs, wf = native.FP8, fp8.view(torch.uint8), dict(act_scale=0.02), fp8.float()
+        quant = lambda x: (x.float() / 0.02).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()  # noqa: E731
+    else:
+        unsigned = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+        gs = (torch.rand(n, k // 32, generator=g) * 0.01 + 1e-3).to(torch.bfloat16).float()
+        kind, weight, kwargs = native.INT4, pack_int4(unsigned), dict(group_scale=gs, group_size=32)
+        wf, quant = (unsigned.float() - 8) * gs.repeat_interleave(32, dim=1), lambda x: x.float()  # noqa: E731
+    packed = OPS.pack(weight.contiguous(), kind, k)
+    x = _x(rows, k, seed=13)
+    y = OPS.linear(x, packed, kind, n, kwargs.get("group_scale"), kwargs.get("group_size", 0), None,
+                   kwargs.get("act_scale", 0.0), None, None, None)
+    ref = quant(x) @ wf.t()
+    assert ((y.float() - ref).abs() <= 0.01 * ref.abs() + 0.02 * ref.abs().mean()).all()
+    for r in (0, 47, 48, 95, 96, 150, 199):
+        one = OPS.linear(x[r : r + 1].contiguous(), packed, kind, n, kwargs.get("group_scale"),
+                         kwargs.get("group_size", 0), None, kwargs.get("act_scale", 0.0), None, None, None)
+        assert torch.equal(one[0], y[r]), r
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fp8_decode_exact_with_flush_to_zero_and_denormals_are_zero(threads):
+    """E4M3 subnormal weights and subnormal f32 products stay exact with FTZ/DAZ on in the calling thread."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]
+    weights = codes.view(-1, 1).expand(-1, 16).contiguous()
+    packed = OPS.pack(weights, native.FP8, 16)
+    x = torch.zeros(1, 16, dtype=torch.bfloat16)
+    x[0, 0] = 2.0**-9  # the smallest E4M3 subnormal: products of 2^-9 and the decoded weights are f32 subnormals
+    expected = (codes.view(torch.float8_e4m3fn).float() * 2.0**-9).to(torch.bfloat16)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert torch.set_flush_denormal(True), "this CPU cannot flush denormals: nothing to test"
+        assert torch.tensor([1e-40]).mul(1.0).item() == 0.0  # FTZ/DAZ really on in this thread
+        y = OPS.linear(x, packed, native.FP8, len(codes), None, 0, None, 0.0, None, None, None)
+    finally:
+        torch.set_flush_denormal(False)
+        torch.set_num_threads(previous)
+    assert torch.equal(y[0], expected)
+    assert torch.tensor([1e-40]).mul(1.0).item() != 0.0  # and the kernel left the mode as it found it
+
+
+def test_supports_falls_back_where_the_build_needs_a_larger_k_multiple():
+    """NativeLinear.supports asks the build: K % 16 == 0 is not enough where bf16 packs 32 at a time
+    (AVX512-BF16); such a layer falls back to torch ops instead of failing at load."""
+    import types
+
+    from specdeploy.engine.kernels import DenseLinear, NativeLinear, make_linear
+
+    weight = torch.randn(8, 48).to(torch.bfloat16)
+    bf16_32 = types.SimpleNamespace(k_multiple=lambda kind: 32 if kind == native.BF16 else 16)
+    assert not NativeLinear.supports(bf16_32, {"weight": weight}, None, None)
+    assert isinstance(make_linear({"weight": weight}, None, torch.bfloat16, None, bf16_32), DenseLinear)
+    step = int(OPS.k_multiple(native.BF16))
+    odd = torch.randn(8, step + step // 2).to(torch.bfloat16)
+    assert isinstance(make_linear({"weight": odd}, None, torch.bfloat16, None, OPS), DenseLinear)
+    even = make_linear({"weight": torch.randn(8, 2 * step).to(torch.bfloat16)}, None, torch.bfloat16, None, OPS)
+    assert isinstance(even, NativeLinear)

@@ -238,12 +238,17 @@ class NativeLinear:
         self.packed = ops.pack(weight.contiguous(), self.kind, self.k)
 
     @staticmethod
-    def supports(t: dict, quant_algo: str | None, group_size: int | None) -> bool:
-        """Shapes the native kernel takes: K a multiple of 16; AWQ groups a power of two >= 16."""
+    def supports(ops, t: dict, quant_algo: str | None, group_size: int | None) -> bool:
+        """Shapes the native kernel (`ops`) takes: K a multiple of its format's step in this build (16 f32 lanes
+        with AVX-512, 32 for bf16 with AVX512-BF16, 8 with AVX2); AWQ groups a power of two >= that step."""
+        from specdeploy.engine import native
+
+        kind = {None: native.BF16, "FP8": native.FP8, "W4A16_AWQ": native.INT4}.get(quant_algo, native.INT8)
+        step = int(ops.k_multiple(kind))
         k = t["weight"].shape[1] * (2 if quant_algo == "W4A16_AWQ" else 1)
-        if quant_algo == "W4A16_AWQ" and not (group_size and group_size >= 16 and group_size & (group_size - 1) == 0):
+        if quant_algo == "W4A16_AWQ" and not (group_size and group_size >= step and group_size & (group_size - 1) == 0):
             return False
-        return k % 16 == 0
+        return k % step == 0
 
     def args(self) -> tuple:
         """The native kernel's arguments after x: (packed, kind, N, group_scale, group_size, pre_quant_scale,
@@ -261,7 +266,7 @@ class NativeLinear:
 def make_linear(t: dict, quant_algo: str | None, dtype: torch.dtype, group_size: int | None, native_ops=None):
     """The runtime layer for one linear's engine tensors (names without the layer prefix): the native
     kernel when `native_ops` is given (bf16 engines) and takes the shapes, else torch ops."""
-    if native_ops is not None and NativeLinear.supports(t, quant_algo, group_size):
+    if native_ops is not None and NativeLinear.supports(native_ops, t, quant_algo, group_size):
         return NativeLinear(native_ops, t, quant_algo, dtype, group_size)
     if quant_algo is None:
         return DenseLinear(t, dtype)

@@ -123,7 +123,7 @@ class CpuEngine:
         self.native = native.ops() if dtype == torch.bfloat16 else None  # torch.ops.specdeploy_cpu or None
         self.embedding = tensors["embedding.weight"].to(dtype).contiguous()  # [vocab, hidden]
         lm_head = self.embedding if "lm_head.weight" not in tensors else tensors["lm_head.weight"].to(dtype).contiguous()
-        if self.native is not None and NativeLinear.supports({"weight": lm_head}, None, None):
+        if self.native is not None and NativeLinear.supports(self.native, {"weight": lm_head}, None, None):
             self.lm_head = NativeLinear(self.native, {"weight": lm_head}, None, dtype, None)  # tied: a packed copy
         else:
             self.lm_head = PackedGemm(lm_head, None)
@@ -253,8 +253,9 @@ class CpuEngine:
         cache.write(layer, start, k[:m], qkv[:m, qk_size:].view(m, s.num_kv_heads, s.head_size))
         qf = q.float().view(rows, s.num_kv_heads, s.num_heads // s.num_kv_heads, s.head_size)  # grouped by kv head
         out = []
-        for row in range(m):
-            keys, values = cache.read(layer, start + row + 1)  # [kv_heads, p + 1, head_size] each, f32
+        all_keys, all_values = cache.read(layer, start + m)  # [kv_heads, start + m, head_size] each, f32, read once
+        for row in range(m):  # (a quantized cache dequantizes once per chunk, not once per row: no quadratic prefill)
+            keys, values = all_keys[:, : start + row + 1], all_values[:, : start + row + 1]  # positions 0..p
             scores = torch.bmm(qf[row], keys.transpose(1, 2)).mul_(self.scale)  # [kv_heads, groups, p + 1]
             out.append(torch.bmm(torch.softmax(scores, dim=-1), values).view(1, -1))  # [1, heads * head_size]
         if rows > m:

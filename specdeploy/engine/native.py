@@ -2,7 +2,7 @@
 
 `ops()` builds the extension on first use into $SPECDEPLOY_HOME/native/<key> (about a minute; later
 processes load it in milliseconds) and returns `torch.ops.specdeploy_cpu`, or None where it cannot be
-used: set SPECDEPLOY_NATIVE=0, a CPU without AVX-512, or no C++ compiler. The engine then runs the same
+used: set SPECDEPLOY_NATIVE=0, a CPU with neither AVX-512 nor AVX2 + FMA, or no C++ compiler. The engine then runs the same
 model on torch ops: slower, with the same parity guarantee (both paths are row-invariant).
 
 Measured on the 2-core dev machine (SmolLM2-135M, 30 layers of 4 GEMVs + LM head, one row): torch's
@@ -27,6 +27,10 @@ from specdeploy import artifacts
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 DISABLE_ENV = "SPECDEPLOY_NATIVE"  # "0": always use the torch path
+# The AVX-512 variant of the multi-row kernels compiles but has not been run since they were rewritten (the
+# machines it was written on had AVX-512; the ones since, AVX2 only). Until it has passed the exactness tests
+# on such a CPU, every machine builds the AVX2 + FMA variant (which AVX-512 CPUs run too); "1" opts in.
+AVX512_ENV = "SPECDEPLOY_NATIVE_AVX512"
 
 # Weight kinds of the native linear (csrc: WeightKind).
 BF16, FP8, INT8, INT4 = 0, 1, 2, 3
@@ -37,7 +41,7 @@ def ops():
     """torch.ops.specdeploy_cpu, built and loaded on first use; None where the native path is unavailable."""
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return None
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AMX"):
+    if not cpu_supported():
         return None
     try:
         _load()
@@ -47,12 +51,18 @@ def ops():
     return torch.ops.specdeploy_cpu
 
 
+def cpu_supported() -> bool:
+    """Whether this CPU runs the kernels: AVX-512 (16-lane build, with VDPBF16PS where the CPU has it) or
+    AVX2 + FMA (8-lane build); torch reports AVX2 only where FMA is present too."""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512", "AMX")
+
+
 def build_dir() -> Path:
     """One folder per source, torch, Python and CPU feature set: the build uses -march=native, so a home folder
     shared by machines with different CPUs must not hand one of them another's binary."""
     source = SOURCE.read_bytes()
     parts = [source, torch.__version__.encode(), platform.machine().encode(), sys.version.split()[0].encode(),
-             _cpu_flags().encode()]
+             _cpu_flags().encode(), " ".join(_cflags()).encode()]
     return artifacts.home() / "native" / hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
@@ -64,6 +74,13 @@ def _cpu_flags() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+def _cflags() -> list[str]:
+    flags = ["-O3", "-march=native", "-fopenmp"]
+    if os.environ.get(AVX512_ENV, "0") != "1":
+        flags.append("-mno-avx512f")  # turns off every AVX-512 extension -march=native enabled
+    return flags
 
 
 def _load() -> None:
@@ -80,7 +97,7 @@ def _load() -> None:
     load(
         name="specdeploy_cpu",
         sources=[str(SOURCE)],
-        extra_cflags=["-O3", "-march=native", "-fopenmp"],
+        extra_cflags=_cflags(),
         extra_ldflags=["-fopenmp"],
         build_directory=str(directory),
         is_python_module=False,

