@@ -19,7 +19,6 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import time
 import urllib.error
@@ -497,22 +496,7 @@ def serve_gpu(
         echo(f"detached; stop it with: specdeploy stop {recipe_path}")
         return state
 
-    def _terminate(signum, frame):
-        raise KeyboardInterrupt
-
-    previous = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        echo("serving; press Ctrl-C to stop")
-        code = proc.wait()
-        raise ServerError(f"tritonserver exited with code {code}\n{server.relevant_log(log_path)}", f"full log: {log_path}")
-    except KeyboardInterrupt:
-        echo("stopping tritonserver ...")
-        server.stop_pid(proc.pid, process=proc)
-        echo("stopped")
-        return state
+        return server.serve_in_foreground(proc, log_path, lambda: server.stop_pid(proc.pid, process=proc), echo, state)
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        if proc.poll() is None:
-            server.stop_pid(proc.pid, process=proc)
         (Path(layout.server_state) / server.STATE_FILE).unlink(missing_ok=True)

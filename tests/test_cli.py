@@ -1,4 +1,3 @@
-import shutil
 
 import yaml
 from click.testing import CliRunner

@@ -487,25 +487,31 @@ def serve(
         echo(f"detached; stop it with: specdeploy stop {recipe_path}")
         return state
 
+    return serve_in_foreground(server.process, state.log, server.stop, echo, state)
+
+
+def serve_in_foreground(process, log_path, stop, echo, result):
+    """Wait on a started tritonserver until Ctrl-C or SIGTERM (also when SIGINT was ignored at start-up), then
+    `stop()` it and return `result`; ServerError with the relevant log lines when it exits by itself."""
+
     def _terminate(signum, frame):
         raise KeyboardInterrupt
 
-    # Ctrl-C and SIGTERM both stop the server cleanly (also when SIGINT was ignored at start-up).
     previous = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         echo("serving; press Ctrl-C to stop")
-        code = server.process.wait()
-        raise ServerError(f"tritonserver exited with code {code}\n{relevant_log(state.log)}", f"full log: {state.log}")
+        code = process.wait()
+        raise ServerError(f"tritonserver exited with code {code}\n{relevant_log(log_path)}", f"full log: {log_path}")
     except KeyboardInterrupt:
         echo("stopping tritonserver ...")
-        server.stop()
+        stop()
         echo("stopped")
-        return state
+        return result
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        if server.alive():
-            server.stop()
+        if process.poll() is None:
+            stop()
 
 
 def status(state_dir: Path) -> tuple[ServerState | None, str]:
