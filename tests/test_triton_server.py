@@ -606,28 +606,39 @@ def test_real_long_prompt_same_text_on_both_paths(real, tokenizer):
     assert len(tokenizer(text(control), add_special_tokens=False).input_ids) >= LONG_OUTPUT // 2
 
 
-def test_real_cancelled_long_request_frees_the_instance(real):
-    """A client cancels a long request (tritonclient's async_infer(...).cancel(), Triton's gRPC
-    cancellation): the model stops it, so the next request waits at most ~a second for the instance."""
+def _cancel_long_request(client, model):
+    """(seconds the next short request waited, seconds it takes alone) after cancelling a long request."""
     import time as _time
 
     words = " ".join(["Once upon a time there was a little robot."] * 90)
-    for model in ("tensorrt_llm_bls", "ensemble"):
-        start = _time.monotonic()
-        assert text(infer(real, model, text_input=PROMPTS[0], max_tokens=2))
-        alone = _time.monotonic() - start
-        done = queue.Queue()
-        call = real.async_infer(model, _inputs(dict(text_input=words, max_tokens=LONG_OUTPUT, end_id=-1)),
-                                callback=lambda result, error: done.put(error))
-        _time.sleep(3.0)  # the long request is running: both 1000-token prefills done, decoding round after round
-        call.cancel()
-        assert isinstance(done.get(timeout=60), InferenceServerException)
-        start = _time.monotonic()
-        assert text(infer(real, model, text_input=PROMPTS[0], max_tokens=2))
-        waited = _time.monotonic() - start
-        # stopped at the next step (tensorrt_llm) or round (BLS): the 200-token request left running would
-        # hold the instance for ~100 times `alone`
-        assert waited < 2 * alone + 1.0, (model, waited, alone)
+    start = _time.monotonic()
+    assert text(infer(client, model, text_input=PROMPTS[0], max_tokens=2))
+    alone = _time.monotonic() - start
+    done = queue.Queue()
+    call = client.async_infer(model, _inputs(dict(text_input=words, max_tokens=LONG_OUTPUT, end_id=-1)),
+                              callback=lambda result, error: done.put(error))
+    _time.sleep(3.0)  # the long request is running (prefilling its ~1,000 tokens, or decoding)
+    call.cancel()
+    assert isinstance(done.get(timeout=60), InferenceServerException)
+    start = _time.monotonic()
+    assert text(infer(client, model, text_input=PROMPTS[0], max_tokens=2))
+    return _time.monotonic() - start, alone
+
+
+def test_real_cancelled_long_request_frees_the_instance(real):
+    """A client cancels a long BLS request (tritonclient's async_infer(...).cancel(), Triton's gRPC
+    cancellation): the BLS sees it within one time slice of its draft/target calls (which stop between
+    prefill chunks and tokens), so the next request waits at most ~a second for the instance; left
+    running, the 200-token request would hold it for ~100 times `alone`."""
+    waited, alone = _cancel_long_request(real, "tensorrt_llm_bls")
+    assert waited < 2 * alone + 1.0, (waited, alone)
+
+
+@pytest.mark.xfail(strict=True, reason="tritonserver 2.51 checks an ensemble request's cancellation only between "
+                   "ensemble steps: the running tensorrt_llm step never sees it (is_cancelled() stays false)")
+def test_real_cancelled_long_ensemble_request_frees_the_instance(real):
+    waited, alone = _cancel_long_request(real, "ensemble")
+    assert waited < 2 * alone + 1.0, (waited, alone)
 
 
 def test_real_server_side_deadline(real):
