@@ -27,6 +27,9 @@ from specdeploy.triton import server
 def bystander():
     """An unrelated live process, in its own session like a tritonserver started by specdeploy."""
     proc = subprocess.Popen(["sleep", "120"], start_new_session=True)
+    deadline = time.monotonic() + 10
+    while process_identity(proc.pid).cmdline != ("sleep", "120") and time.monotonic() < deadline:
+        time.sleep(0.05)  # some kernels (and sandboxes) show the new command line a moment after exec
     yield proc
     proc.kill()
     proc.wait()
