@@ -40,3 +40,19 @@ def tiny_llama_draft_dir(tmp_path_factory, tiny_tokenizer_dir):
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)
+
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test during which a tritonserver wrote its log gets the tail of that log (stub crashes,
+    python model tracebacks), so a CI failure can be read without the machine."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call" or not report.failed:
+        return
+    base = item.config._tmp_path_factory.getbasetemp()
+    for log in base.rglob("tritonserver*.log"):
+        if log.stat().st_mtime >= call.start - 1:
+            lines = log.read_text(errors="replace").splitlines()[-60:]
+            report.sections.append((f"server log {log.relative_to(base)} (last {len(lines)} lines)", "\n".join(lines)))
