@@ -397,6 +397,10 @@ def main(argv=None) -> int:
           f"greedy output {'identical' if parity else 'DIFFERS'} to target-only")
     print(f"verification pass ({spec_r['best_k'] + 1} rows) = {spec_r['verify_cost']:.2f} target steps; with it the model "
           f"predicts {predicted_v:.2f}x and the loop reaches {summary['measured_vs_predicted_with_verify_cost']:.0%} of that")
+    gap = abs(summary["measured_vs_predicted_with_verify_cost"] - 1.0)
+    summary["loop_within_10pct_of_model"] = gap <= 0.10
+    print(f"loop vs the (acceptance {acceptance:.2f}, draft cost {cost_ratio:.2f}, verification cost {spec_r['verify_cost']:.2f}) "
+          f"model: {gap:.0%} off its prediction -> {'within' if gap <= 0.10 else 'NOT within'} 10 % (issue 14's target)")
     for name in ("engine-cost", "engine-ngram"):
         print(f"{name}: {summary[name + '_speedup']:.2f}x the engine, {summary[name + '_tokens_per_target_pass']:.2f} tokens per "
               f"target pass, speculated in {summary[name + '_speculated_share']:.0%} of rounds, greedy output "

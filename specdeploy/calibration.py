@@ -175,11 +175,14 @@ def detect_prequantized(model_dir: Path) -> Prequantized | None:
 
 def check_prequantized(pre: Prequantized, quant: QuantConfig, backend: str, model: str, role: str) -> None:
     """The recipe must ask for what the checkpoint is, on a backend that loads Hugging Face exports."""
-    if backend != "trtllm-llmapi":
+    from specdeploy import backends
+
+    if not backends.get(backend).prequantized_models:
+        loaders = " or ".join(b.name for b in backends.ALL if b.prequantized_models)
         raise ConfigError(
             f"{role}.model {model} is a pre-quantized ModelOpt Hugging Face export ({pre.qformat}); backend {backend} "
             "needs TensorRT-LLM checkpoints that specdeploy writes by calibrating",
-            "use backend trtllm-llmapi (it loads the export as is), or point the model at the unquantized weights",
+            f"use backend {loaders} (it loads the export as is), or point the model at the unquantized weights",
         )
     if (quant.qformat, quant.kv_cache_dtype) != (pre.qformat, pre.kv_cache_dtype):
         raise ConfigError(

@@ -85,8 +85,11 @@ def _describe(name: str, value, limit, ok: bool) -> str:
     return f"error share speculative {value:.3f} {'<=' if ok else '>'} control {limit:.3f}"
 
 
-def watch(url: str, config: CanaryConfig, window_s: float, model: str | None = None, echo=print, tick_s: float = 5.0, sleep=time.sleep) -> Verdict:
-    """Scrape the metrics endpoint at the start and end of a window of live traffic and decide."""
+def watch(url: str, config: CanaryConfig, window_s: float, model: str | None = None, echo=print, tick_s: float = 5.0, sleep=time.sleep,
+          until_enough: bool = False) -> Verdict:  # fmt: skip
+    """Scrape the metrics endpoint at the start and end of a window of live traffic and decide.
+
+    until_enough: end the window early, at a tick where each arm has `config.min_requests` (window_s is then the most)."""
     before = m.scrape(url)
     start = time.monotonic()
     echo(f"watching {m.metrics_url(url)} for {window_s:.0f} s ...")
@@ -94,8 +97,10 @@ def watch(url: str, config: CanaryConfig, window_s: float, model: str | None = N
         sleep(min(tick_s, left))
         now = m.scrape(url).minus(before)
         elapsed = time.monotonic() - start
-        echo(f"  {elapsed:5.0f} s: speculative {now.sum(m.REQUESTS.name, arm=m.SPECULATIVE_ARM):.0f} requests, "
-             f"control {now.sum(m.REQUESTS.name, arm=m.CONTROL_ARM):.0f}")  # fmt: skip
+        spec_n, control_n = now.sum(m.REQUESTS.name, arm=m.SPECULATIVE_ARM), now.sum(m.REQUESTS.name, arm=m.CONTROL_ARM)
+        echo(f"  {elapsed:5.0f} s: speculative {spec_n:.0f} requests, control {control_n:.0f}")
+        if until_enough and min(spec_n, control_n) >= config.min_requests:
+            break
     after = m.scrape(url)
     return decide(after.minus(before), config, time.monotonic() - start, model)
 
@@ -118,3 +123,80 @@ def arm_spt(arm: m.ArmStats) -> float | None:
 
 def _f(value, digits: int) -> str:
     return "–" if value is None else f"{value:.{digits}f}"
+
+
+# ---------------------------------------------------------------- driving traffic for a window
+
+
+class Traffic:
+    """Load for a canary window: `concurrency` threads send the prompts, round robin, down the canary path
+    (`tensorrt_llm_bls` without num_draft_tokens, so the deployment's control share applies) of an Endpoint:
+    Triton gRPC (`client.triton_adapter.TritonEndpoint`) or the OpenAI front (`client.openai_adapter`, model
+    `<recipe>-canary`). `start()`, then `stop()` returns (requests sent, requests failed, first error)."""
+
+    def __init__(self, endpoint, prompts: list[str], max_tokens: int, concurrency: int = 1, timeout_s: float = 120.0):
+        import threading
+
+        if not prompts:
+            raise ValueError("Traffic needs at least one prompt")
+        self.endpoint, self.prompts, self.max_tokens, self.timeout_s = endpoint, list(prompts), max_tokens, timeout_s
+        self.stopping = threading.Event()
+        self.lock = threading.Lock()
+        self.sent, self.failed, self.error, self.next = 0, 0, None, 0
+        self.threads = [threading.Thread(target=self._work, name=f"canary-traffic-{i}", daemon=True) for i in range(concurrency)]
+
+    def _work(self) -> None:
+        from specdeploy.client.protocol import SPECULATIVE_MODEL, GenerateRequest
+        from specdeploy.errors import ClientError
+
+        while not self.stopping.is_set():
+            with self.lock:
+                prompt = self.prompts[self.next % len(self.prompts)]
+                self.next += 1
+            try:
+                self.endpoint.generate(SPECULATIVE_MODEL, GenerateRequest(prompt, self.max_tokens), self.timeout_s)
+                with self.lock:
+                    self.sent += 1
+            except ClientError as exc:
+                with self.lock:
+                    self.sent += 1
+                    self.failed += 1
+                    self.error = self.error or exc.message
+                self.stopping.wait(1.0)  # a failing deployment is not hammered
+
+    def start(self) -> "Traffic":
+        for t in self.threads:
+            t.start()
+        return self
+
+    def stop(self) -> tuple[int, int, str | None]:
+        self.stopping.set()
+        for t in self.threads:
+            t.join(timeout=self.timeout_s)
+        return self.sent, self.failed, self.error
+
+
+DRIVES = ("triton", "openai")
+
+
+def traffic_for(recipe, layout, drive: str, grpc_url: str | None = None, openai_url: str | None = None, concurrency: int = 1) -> Traffic:
+    """`canary --drive triton|openai`: the recipe's validation prompts (rendered as validate renders them) sent down
+    the canary path over Triton gRPC (`grpc_url`, default the detached server) or the OpenAI front (`openai_url`)."""
+    from specdeploy.client import validate as val
+    from specdeploy.errors import ConfigError
+
+    if drive not in DRIVES:
+        raise ConfigError(f"--drive {drive!r} is not one of {', '.join(DRIVES)}", "use --drive triton or --drive openai")
+    options = val.Options.from_recipe(recipe)
+    prompts, _ = val.prepare_prompts(options, val.HFCodec(val.tokenizer_dir(recipe, layout)))
+    if drive == "openai":
+        from specdeploy.client.openai_adapter import OpenAIEndpoint
+
+        if not openai_url:
+            raise ConfigError("--drive openai needs the front's address", "pass --openai-url http://127.0.0.1:PORT (specdeploy serve RECIPE --openai-port PORT)")
+        endpoint = OpenAIEndpoint(openai_url, recipe.name)
+    else:
+        from specdeploy.client.triton_adapter import TritonEndpoint
+
+        endpoint = TritonEndpoint(grpc_url or val.server_url(layout))
+    return Traffic(endpoint, [p.text for p in prompts], options.max_tokens, concurrency, options.request_timeout_s)

@@ -209,46 +209,41 @@ def repo(ctx, recipe, force):
 @handle_errors
 def serve(ctx, recipe, detach, server_binary, print_only, print_k8s, image, openai_port):
     """Serve the recipe's model repository on tritonserver (loopback; ports from the recipe or free ones)."""
-    from specdeploy.triton import repository, server
+    from specdeploy import backends
 
     r = ctx.recipe(recipe)
     layout = ctx.layout(r)
     if openai_port is not None:
         _serve_openai(ctx, r, layout, recipe, detach, server_binary, openai_port)
         return
-    if r.backend != "cpu":  # GPU backends: specdeploy.launch (mpirun / orchestrator / llmapi, docker, k8s)
-        from specdeploy import launch
-
-        starts_detached = detach and not (print_only or print_k8s)  # a foreground server must not hold the lock
-        with ctx.locked(r, recipe) if starts_detached else contextlib.nullcontext():
-            launch.serve_gpu(r, layout, print_k8s=print_k8s, print_only=print_only, image=image,
-                             tritonserver=server_binary, detach=detach, recipe_path=recipe, echo=click.echo)  # fmt: skip
+    backend = backends.of(r)
+    serve_here = functools.partial(backend.serve, r, layout, detach=detach, server_binary=server_binary, recipe_path=recipe,
+                                   echo=click.echo, print_only=print_only, print_k8s=print_k8s, image=image)  # fmt: skip
+    if print_only or print_k8s:  # prints (and writes the image context); starts nothing, takes no lock
+        serve_here()
         return
-    with ctx.locked(r, recipe):  # a detached start holds it until ready; a foreground serve only waits for writers
-        repository.require_repository(r, layout, recipe_path=recipe)
-        if detach:
-            server.serve(layout.repo, layout.server_state, r.triton, binary=server_binary, detach=True, echo=click.echo,
-                         recipe_path=recipe)  # fmt: skip
-            return
-    server.serve(
-        layout.repo, layout.server_state, r.triton, binary=server_binary, detach=False, echo=click.echo, recipe_path=recipe
-    )
+    if detach:
+        with ctx.locked(r, recipe):  # a detached start holds the lock until the server is ready
+            serve_here()
+        return
+    with ctx.locked(r, recipe):  # a foreground serve only waits for writers (it must not hold the lock)
+        pass
+    serve_here()
 
 
 def _serve_openai(ctx, r, layout, recipe, detach, server_binary, port):
     """`serve --openai-port`: tritonserver (detached, recorded for `stop`) plus the OpenAI front, in the
     background with --detach, else in the foreground until Ctrl-C, which then stops both."""
-    from specdeploy import openai_api
+    from specdeploy import backends, openai_api
     from specdeploy.errors import ConfigError
-    from specdeploy.triton import repository, server
+    from specdeploy.triton import server
 
-    if r.backend != "cpu":
+    backend = backends.of(r)
+    if backend.gpu:
         raise ConfigError("--openai-port starts the front beside a local CPU deployment",
                           f"for a GPU deployment run: python -m specdeploy.openai_api {recipe} --grpc-url HOST:PORT --port N")  # fmt: skip
     with ctx.locked(r, recipe):
-        repository.require_repository(r, layout, recipe_path=recipe)
-        state = server.serve(layout.repo, layout.server_state, r.triton, binary=server_binary, detach=True, echo=click.echo,
-                             recipe_path=recipe)  # fmt: skip
+        state = backend.serve(r, layout, detach=True, server_binary=server_binary, recipe_path=recipe, echo=click.echo)
     try:
         if detach:
             openai_api.start_detached(recipe, ctx.root, state.grpc_url, port, layout.server_state, echo=click.echo)
@@ -267,14 +262,13 @@ def _serve_openai(ctx, r, layout, recipe, detach, server_binary, port):
 @handle_errors
 def stop(ctx, recipe):
     """Stop the server that `serve --detach` started for RECIPE (and its OpenAI front, if any)."""
-    from specdeploy import openai_api
-    from specdeploy.triton import server
+    from specdeploy import backends, openai_api
 
     r = ctx.recipe(recipe)
     front = openai_api.stop_detached(ctx.layout(r).server_state)
     if front:
         click.echo(front)
-    click.echo(server.stop(ctx.layout(r).server_state))
+    click.echo(backends.of(r).stop(ctx.layout(r)))
 
 
 @main.command()
@@ -306,13 +300,13 @@ def status(ctx, recipe):
 @handle_errors
 def generate(ctx, recipe, prompt, no_spec, num_draft_tokens, max_tokens, temperature, top_k, top_p, seed, use_draft_logits, chat):
     """Generate from RECIPE's built CPU engines in-process: stream the text, then print statistics."""
+    from specdeploy import backends
     from specdeploy import generate as gen
     from specdeploy.errors import ConfigError
     from specdeploy.speculative import SamplingParams
 
     r = ctx.recipe(recipe)
-    if r.backend != "cpu":
-        raise ConfigError(f"'specdeploy generate' runs the cpu backend; recipe {r.name} uses {r.backend}", "use a cpu recipe, or serve and validate the GPU deployment")
+    backends.of(r).require_local("'specdeploy generate'", r)
     k = r.speculative.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
     if not no_spec and not 1 <= k <= r.speculative.max_draft_len:
         raise ConfigError(f"--num-draft-tokens {k} is outside 1..{r.speculative.max_draft_len} (speculative.max_draft_len)", "pick a smaller k, or rebuild with a larger max_draft_len")
@@ -368,12 +362,15 @@ def _print_validation(report, paths, verdict) -> None:
 @click.option("--temperature", type=float, default=1.0, show_default=True, help="Temperature of the sampling comparison.")
 @click.option("--samples", type=int, default=200, show_default=True, help="Seeded samples per side and prompt in the sampling comparison.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
+@click.option("--protocol", type=click.Choice(["triton", "openai"]), default="triton", show_default=True, help="Send the requests over Triton gRPC or through the OpenAI-compatible front (--openai-url).")
+@click.option("--openai-url", default=None, help="The OpenAI front, http://127.0.0.1:PORT (serve --openai-port PORT), for --protocol openai.")
+@click.option("--metrics-url", default=None, help="Triton's metrics endpoint HOST:PORT, checked against validate's counts [the detached server's; none with --url].")
 @pass_ctx
 @handle_errors
-def validate(ctx, recipe, url, baseline_url, report_dir, min_parity, min_speedup, sweep_draft_tokens, max_prompts, prompt_set, top_k, top_p, temperature, samples, no_progress):
+def validate(ctx, recipe, url, baseline_url, report_dir, min_parity, min_speedup, sweep_draft_tokens, max_prompts, prompt_set, top_k, top_p, temperature, samples, no_progress, protocol, openai_url, metrics_url):
     """Check greedy parity and measure the speedup of the deployment against its unaccelerated control.
 
-    Exit code 0 when every threshold holds; 1 incomplete run (server fault), 3 parity, 4 speedup.
+    Exit code 0 when every threshold holds; 1 incomplete run (server fault), 3 parity, 4 speedup, 5 metrics disagree.
     """
     from specdeploy.client import validate as val
     from specdeploy.client.protocol import Sampling
@@ -395,6 +392,7 @@ def validate(ctx, recipe, url, baseline_url, report_dir, min_parity, min_speedup
             sweep_draft_tokens=val.parse_range(sweep_draft_tokens) if sweep_draft_tokens else None,
             sampling=sampling,
             samples_per_prompt=samples,
+            protocol=protocol, openai_url=openai_url, metrics_url=metrics_url,
         )
     _print_validation(report, paths, verdict)
     sys.exit(verdict.exit_code)
@@ -419,13 +417,14 @@ def validate(ctx, recipe, url, baseline_url, report_dir, min_parity, min_speedup
 def run_all(ctx, recipe, report_dir, min_parity, min_speedup, sweep_draft_tokens, max_prompts, server_binary, no_progress):
     """Every stage in one go: quantize -> build -> repo -> serve -> validate -> stop; ends with the verdict.
 
-    Exit code as `validate`: 0 when every threshold holds; 1 incomplete, 3 parity, 4 speedup.
+    Exit code as `validate`: 0 when every threshold holds; 1 incomplete, 3 parity, 4 speedup, 5 metrics disagree.
     """
+    from specdeploy import pipeline
     from specdeploy.client import validate as val
 
     r = ctx.recipe(recipe)
     with ctx.locked(r, recipe):
-        report, paths, verdict = val.run_pipeline(
+        report, paths, verdict = pipeline.run(
             r,
             ctx.layout(r),
             recipe,
@@ -477,9 +476,14 @@ def monitor(ctx, recipe, url, interval, once):
 @click.option("--url", default=None, help="Triton's metrics endpoint, HOST:PORT or a /metrics URL [the server `serve --detach` started].")
 @click.option("--window", type=click.FloatRange(min=0.1), default=None, help="Seconds of live traffic to compare [recipe canary.window_s].")
 @click.option("--min-requests", type=click.IntRange(min=1), default=None, help="Requests each arm needs in the window [recipe canary.min_requests].")
+@click.option("--drive", type=click.Choice(["triton", "openai"]), default=None, help="Also send the recipe's validation prompts down the canary path during the window, over Triton gRPC or the OpenAI front.")
+@click.option("--grpc-url", default=None, help="--drive triton: the deployment's gRPC HOST:PORT [the detached server].")
+@click.option("--openai-url", default=None, help="--drive openai: the OpenAI front, http://127.0.0.1:PORT.")
+@click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True, help="--drive: requests in flight.")
+@click.option("--until-enough", is_flag=True, help="End the window as soon as each arm has --min-requests (--window is then the most).")
 @pass_ctx
 @handle_errors
-def canary(ctx, recipe, url, window, min_requests):
+def canary(ctx, recipe, url, window, min_requests, drive, grpc_url, openai_url, concurrency, until_enough):
     """Compare the speculative and control arms on live traffic; promote (exit 0), roll back (3) or inconclusive (1).
 
     The control arm exists when the recipe sets canary.control_percent > 0 (the BLS then sends that share down
@@ -493,7 +497,14 @@ def canary(ctx, recipe, url, window, min_requests):
     config = r.canary if min_requests is None else dataclasses.replace(r.canary, min_requests=min_requests)
     if r.canary.control_percent <= 0:
         click.echo(f"warning: canary.control_percent is 0 in {recipe}: the deployment has no control arm", err=True)
-    verdict = can.watch(_metrics_url(ctx, r, url, recipe), config, window or config.window_s, echo=lambda s: click.echo(s, err=True))
+    traffic = can.traffic_for(r, ctx.layout(r), drive, grpc_url, openai_url, concurrency).start() if drive else None
+    try:
+        verdict = can.watch(_metrics_url(ctx, r, url, recipe), config, window or config.window_s, echo=lambda s: click.echo(s, err=True),
+                            tick_s=2.0 if until_enough else 5.0, until_enough=until_enough)  # fmt: skip
+    finally:
+        if traffic is not None:
+            sent, failed, error = traffic.stop()
+            click.echo(f"drove {sent} requests over {drive} ({failed} failed{': ' + error if error else ''})", err=True)
     for line in can.lines(verdict):
         click.echo(line)
     click.secho(verdict.line, fg={"promote": "green", "rollback": "red"}.get(verdict.decision, "yellow"), bold=True)

@@ -15,36 +15,24 @@ from pathlib import Path
 
 import yaml
 
+from specdeploy import backends as _backends
 from specdeploy.errors import ConfigError
 
 # TensorRT-LLM's own words (examples/quantization/quantize.py --qformat / --kv_cache_dtype).
-QFORMATS = ("full_prec", "fp8", "int8_sq", "int8_wo", "int4_awq")
+QFORMATS = _backends.ALL_QFORMATS
 KV_CACHE_DTYPES = (None, "fp8", "int8")
 AWQ_BLOCK_SIZES = (64, 128)
-BACKENDS = ("cpu", "trtllm-engine", "trtllm-llmapi")
+BACKENDS = _backends.NAMES  # what each backend is and does: specdeploy/backends.py
 ENGINE_DTYPES = ("bfloat16", "float16", "float32")
 ROLES = ("target", "draft")
 
-# Which quantization formats each backend can execute. The LLM API (PyTorch backend) loads
-# ModelOpt Hugging Face checkpoints: FP8 and INT4 AWQ, not the INT8 SmoothQuant/weight-only kernels
-# of the TensorRT engine path.
-BACKEND_QFORMATS = {
-    "cpu": QFORMATS,
-    "trtllm-engine": QFORMATS,
-    "trtllm-llmapi": ("full_prec", "fp8", "int4_awq"),
-}
-# Backends that run one rank per process and so can shard a model (tp_size * pp_size > 1).
-MULTI_RANK_BACKENDS = ("trtllm-engine", "trtllm-llmapi")
-# Backends whose batched verification is bit-identical to target-only decoding by construction
-# (the CPU engine: row-invariant kernels). There any greedy divergence is a failure; the GPU
-# backends verify in reduced precision with batch-dependent kernels, so validate triages near-ties.
-EXACT_VERIFICATION_BACKENDS = ("cpu",)
 CHAT_TEMPLATE_MODES = ("auto", "none")  # validation.chat_template
 
 
 def exact_verification(backend: str) -> bool:
-    """Whether `backend` guarantees greedy speculative output == target-only output, bit for bit."""
-    return backend in EXACT_VERIFICATION_BACKENDS
+    """Whether `backend` guarantees greedy speculative output == target-only output, bit for bit (the CPU engine:
+    row-invariant kernels; the GPU backends verify in reduced precision, so validate triages near-ties)."""
+    return _backends.get(backend).exact_verification
 
 
 @dataclass(frozen=True)
@@ -138,6 +126,7 @@ class TritonConfig:
     metrics_port: int = 0
     instance_count: int = 1
     decoupled: bool = False
+    inflight_batching: bool = True  # cpu backend: one engine forward per step for all in-flight requests
     max_queue_delay_microseconds: int = 1000
     startup_timeout_s: float = 300.0
     request_timeout_s: float = 0.0  # server-side deadline per request (0: none); a request's Triton `timeout` overrides it
@@ -168,7 +157,7 @@ class ValidationConfig:
     repeats: int = 3
     min_parity: float = 1.0
     min_speedup: float = 1.0
-    near_tie_margin: float = 0.05  # GPU backends only: the cpu backend is exact (EXACT_VERIFICATION_BACKENDS)
+    near_tie_margin: float = 0.05  # GPU backends only: the cpu backend is exact (backends.Backend.exact_verification)
     request_timeout_s: float = 120.0
     chat_template: str = "auto"  # auto: render prompts with the tokenizer's chat template when it has one; none: raw text
     min_compared_tokens: int = 16  # a control output shorter than this is "too short to compare"
@@ -181,7 +170,7 @@ class Recipe:
     name: str
     target: ModelConfig
     draft: DraftConfig
-    backend: str = "cpu"
+    backend: str = _backends.DEFAULT
     # The TensorRT-LLM release the GPU backends target (trtllm.LLMAPI_VERSIONS): the LLM-API option names and
     # meanings follow it, and the packaging checks the image carries it.
     trtllm_version: str = "1.2"
@@ -324,15 +313,16 @@ def _check(r: Recipe) -> None:
             raise ConfigError(f"key '{role}.quantization.max_calib_hours' is {q.max_calib_hours}, must be > 0")
         _at_least(f"{role}.tp_size", m.tp_size, 1)
         _at_least(f"{role}.pp_size", m.pp_size, 1)
-        if q.qformat not in BACKEND_QFORMATS[r.backend]:
+        backend = _backends.get(r.backend)
+        if q.qformat not in backend.qformats:
             raise ConfigError(
                 f"key '{role}.quantization.qformat' is {q.qformat!r}, which backend '{r.backend}' cannot run",
-                f"qformats for {r.backend}: {', '.join(BACKEND_QFORMATS[r.backend])}",
+                f"qformats for {r.backend}: {', '.join(backend.qformats)}",
             )
-        if m.tp_size * m.pp_size > 1 and r.backend not in MULTI_RANK_BACKENDS:
+        if m.tp_size * m.pp_size > 1 and not backend.multi_rank:
             raise ConfigError(
                 f"key '{role}.tp_size'/'{role}.pp_size' asks for {m.tp_size * m.pp_size} ranks on backend '{r.backend}'",
-                f"the cpu engine runs one rank; set tp_size: 1 and pp_size: 1, or use {' or '.join(MULTI_RANK_BACKENDS)}",
+                f"the cpu engine runs one rank; set tp_size: 1 and pp_size: 1, or use {' or '.join(b.name for b in _backends.ALL if b.multi_rank)}",
             )
     s = r.speculative
     _at_least("speculative.max_draft_len", s.max_draft_len, 1)
@@ -411,10 +401,10 @@ def _check_dynamic(r: Recipe) -> None:
     d = r.speculative.dynamic
     if d is None:
         return
-    if r.backend == "trtllm-engine":
+    if not _backends.get(r.backend).dynamic_speculation:
         raise ConfigError(
             f"key 'speculative.dynamic' is set, but backend '{r.backend}' has no dynamic speculation",
-            "remove speculative.dynamic, or use backend cpu (its BLS runs specdeploy.policy) or trtllm-llmapi",
+            f"remove speculative.dynamic, or use backend {' or '.join(b.name for b in _backends.ALL if b.dynamic_speculation)}",
         )
     if d.max_concurrency is not None:
         _at_least("speculative.dynamic.max_concurrency", d.max_concurrency, 1)
@@ -485,5 +475,6 @@ def _check_draft_kind(r: Recipe) -> None:
             "key 'speculative.use_draft_logits' is true, but an n-gram draft has no logits",
             "set use_draft_logits: false (sampled requests are then verified by token matching, which keeps the target's distribution)",
         )
-    if r.backend == "trtllm-engine":
-        raise ConfigError("draft.kind ngram is not wired for backend trtllm-engine", "use backend cpu or trtllm-llmapi (decoding_type NGram)")
+    if not _backends.get(r.backend).ngram_draft:
+        raise ConfigError(f"draft.kind ngram is not wired for backend {r.backend}",
+                          f"use backend {' or '.join(b.name for b in _backends.ALL if b.ngram_draft)} (trtllm-llmapi: decoding_type NGram)")

@@ -46,11 +46,9 @@ def _server_line() -> str:
 
 
 def _gpu_lines() -> list[str]:
-    try:
-        from specdeploy import trtllm
-    except ImportError:
-        return [_line(None, "GPU", "GPU backend support not installed")]
-    return trtllm.gpu_report_lines()
+    from specdeploy import backends
+
+    return backends.doctor_lines()  # GPUs, TensorRT-LLM, trtllm-build, and which backends this machine can run
 
 
 def report_lines() -> list[str]:

@@ -47,7 +47,8 @@ class ExecutorProposer:
 
 
 class ExecutorVerifier:
-    """Verifier over a target Executor: one pass over sequence + draft, request_output_len = k + 1."""
+    """Verifier over a target Executor: one pass over sequence + draft, request_output_len = k + 1
+    (or `output_len` plain tokens when the policy falls back to a plain run)."""
 
     def __init__(
         self,
@@ -61,10 +62,12 @@ class ExecutorVerifier:
         self.stop_words = [list(w) for w in stop_words]
         self.bad_words = [list(w) for w in bad_words]
 
-    def verify(self, sequence: list[int], draft_tokens: list[int], draft_logits: torch.Tensor | None, sampling: SamplingParams) -> list[int]:
+    def verify(self, sequence: list[int], draft_tokens: list[int], draft_logits: torch.Tensor | None, sampling: SamplingParams,
+               output_len: int | None = None) -> list[int]:  # fmt: skip
+        assert output_len is None or not draft_tokens, "a plain run has no draft"
         request = GenerationRequest(
             input_ids=sequence,
-            max_new_tokens=len(draft_tokens) + 1,
+            max_new_tokens=output_len or len(draft_tokens) + 1,
             sampling=sampling,
             end_id=self.end_id,
             stop_words=self.stop_words,

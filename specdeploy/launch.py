@@ -28,14 +28,12 @@ from pathlib import Path
 
 import yaml
 
-from specdeploy import packaging
+from specdeploy import backends, packaging
 from specdeploy.artifacts import Layout
 from specdeploy.config import Recipe
 from specdeploy.errors import ConfigError, ServerError
 
 TRITONSERVER = "/opt/tritonserver/bin/tritonserver"  # in NGC Triton images
-# The NGC base images; the deployment runs in an image built on them with specdeploy installed (packaging.py).
-DEFAULT_IMAGES = packaging.DEFAULT_IMAGES
 DEFAULT_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
 ENGINE_MODELS = ("tensorrt_llm", "tensorrt_llm_draft")
 # Triton's Prometheus counter of cumulative queue time; an adapter rule turns it into a per-second rate.
@@ -88,7 +86,7 @@ def specdeploy_site() -> str:
 def launch_plan(recipe: Recipe, layout: Layout, tritonserver: str = TRITONSERVER, mode: str = "auto") -> LaunchPlan:
     """The command that starts tritonserver for the recipe's GPU backend."""
     plan = _launch_plan(recipe, layout, tritonserver, mode)
-    if recipe.backend == "trtllm-engine":
+    if backends.of(recipe).bls_limits is not None:
         # preprocessing / postprocessing / tensorrt_llm_bls are specdeploy python models (SPECDEPLOY_SITE)
         plan = LaunchPlan(plan.mode, plan.command, {**plan.env, "SPECDEPLOY_SITE": specdeploy_site()}, plan.gpus)
     return plan
@@ -100,12 +98,13 @@ def _launch_plan(recipe: Recipe, layout: Layout, tritonserver: str, mode: str) -
     target_ranks = recipe.target.tp_size * recipe.target.pp_size
     draft_ranks = recipe.draft.tp_size * recipe.draft.pp_size
     gpus = max(target_ranks, draft_ranks)
-    if recipe.backend == "trtllm-llmapi":
-        # the llmapi model sets max_batch_size/decoupled in auto_complete_config: keep auto-complete on
-        return LaunchPlan("llmapi", [tritonserver, *_server_args(repo, ports, 0, auto_complete=True)], gpus=target_ranks)
-    if recipe.backend != "trtllm-engine":
+    backend = backends.of(recipe)
+    if not backend.gpu:
         raise ConfigError(f"launch plans are for GPU backends; recipe backend is {recipe.backend!r}",
                           "the cpu backend starts with specdeploy serve")  # fmt: skip
+    if not backend.tensorrt_engines:
+        # the llmapi model sets max_batch_size/decoupled in auto_complete_config: keep auto-complete on
+        return LaunchPlan("llmapi", [tritonserver, *_server_args(repo, ports, 0, auto_complete=True)], gpus=target_ranks)
     if mode == "auto":
         mode = "single" if gpus == 1 else ("leader" if draft_ranks == target_ranks else "orchestrator")
     if mode == "single":
@@ -370,10 +369,10 @@ def print_lines(recipe: Recipe, layout: Layout, image: str | None = None, triton
     plan = launch_plan(recipe, layout, tritonserver)
     lines = [f"# launch ({plan.mode}, {plan.gpus} GPU(s)):", plan.command_line,
              f"# the same in a container: build the image ({packaging.image_context(layout)}/Dockerfile installs "
-             f"specdeploy into {packaging.DEFAULT_IMAGES[recipe.backend]}), then run it:",
+             f"specdeploy into {backends.of(recipe).default_image}), then run it:",
              shlex.join(packaging.build_command(recipe, layout)),
              shlex.join(docker_command(plan, recipe, layout))]  # fmt: skip
-    if recipe.backend == "trtllm-llmapi":
+    if plan.mode == "llmapi":
         lines.append("# the llmapi model needs model.py and helpers.py from TensorRT-LLM "
                      "triton_backend/all_models/llmapi/tensorrt_llm/1/ in triton_repo/<recipe>/tensorrt_llm/1/")  # fmt: skip
     return lines

@@ -285,6 +285,10 @@ class MeteredPolicy:
             return REASON_SCHEDULE
         return REASON_POLICY
 
+    def plain_tokens(self, remaining: int) -> int:
+        """The inner policy's plain run after k = 0 (specdeploy.policy); the control arm's PlainVerifier asks for the rest itself."""
+        return self.inner.plain_tokens(remaining) if self.inner is not None and hasattr(self.inner, "plain_tokens") else 1
+
     def record(self, outcome) -> None:
         self.recorder.round(self.timer.arm, outcome.drafted, outcome.accepted, outcome.emitted, outcome.draft_time_s,
                             outcome.target_time_s, self.reason)  # fmt: skip
@@ -366,6 +370,7 @@ class Snapshot:
 
     samples: Mapping[tuple[str, tuple[tuple[str, str], ...]], float]
     taken_s: float = 0.0
+    counters: frozenset = frozenset()  # families the exposition declared `# TYPE name counter` (Triton's nv_* lack _total)
 
     def sum(self, name: str, **match: str) -> float:
         """Sum of the samples named `name` whose labels include `match`."""
@@ -393,10 +398,10 @@ class Snapshot:
         out = {}
         for key, value in self.samples.items():
             name = key[0]
-            if name.endswith(("_total", "_bucket", "_sum", "_count")):
+            if name in self.counters or name.endswith(("_total", "_bucket", "_sum", "_count")):
                 value = value - earlier.samples.get(key, 0.0)
             out[key] = value
-        return Snapshot(out, self.taken_s)
+        return Snapshot(out, self.taken_s, self.counters)
 
     def has(self, name: str) -> bool:
         return any(sample == name for sample, _ in self.samples)
@@ -419,8 +424,13 @@ def parse(text: str, taken_s: float | None = None) -> Snapshot:
     `nv_inference_request_success` into a name Triton never exports; hence this small reader.)
     """
     samples: dict = {}
+    counters = set()
     for number, line in enumerate(text.splitlines(), 1):
         line = line.strip()
+        if line.startswith("# TYPE "):
+            parts = line.split()
+            if len(parts) >= 4 and parts[3] == "counter":
+                counters.add(parts[2])
         if not line or line.startswith("#"):
             continue
         match = _SAMPLE.match(line)
@@ -446,7 +456,7 @@ def parse(text: str, taken_s: float | None = None) -> Snapshot:
             continue
         key = (name, tuple(sorted(labels)))
         samples[key] = samples.get(key, 0.0) + value
-    return Snapshot(samples, time.time() if taken_s is None else taken_s)
+    return Snapshot(samples, time.time() if taken_s is None else taken_s, frozenset(counters))
 
 
 def metrics_url(url: str) -> str:

@@ -268,7 +268,9 @@ class Front:
             "accepted_draft_tokens": perf.total_accepted_draft_tokens if speculative else None,
             "acceptance_rate": perf.acceptance_rate if speculative else None,
             "server_ttft_s": perf.server_ttft_s if perf is not None else None,
+            "server_decode_s": perf.server_decode_s if perf is not None else None,  # first -> last token on the server's clock
             "completion_tokens_exact": result is not None and result.token_ids is not None and not cut,
+            "k_history": result.k_history if result is not None else None,  # draft length per round, where the BLS returns it
         }
 
     def finish_reason(self, job: Job, usage: dict, cut: bool) -> str:
@@ -509,12 +511,17 @@ def stop_detached(state_dir: Path) -> str | None:
     return f"stopped the OpenAI front (pid {state['pid']})"
 
 
-def serve_foreground(front: Front, port: int, echo=print) -> None:
-    """Serve the front on 127.0.0.1:port until Ctrl-C."""
-    import uvicorn
-
+def serve_foreground(front: Front, port: int, echo=print, stop: threading.Event | None = None) -> None:
+    """Serve the front on 127.0.0.1:port until Ctrl-C (or `stop` is set); says where once it listens."""
+    server = ApiServer(create_app(front), port).start()  # listening before it says so (a taken port fails here)
     echo(f"  openai:  http://{HOST}:{port}/v1 (Ctrl-C stops it and the server)")
-    uvicorn.run(create_app(front), host=HOST, port=port, log_level="warning")
+    try:
+        while server.thread.is_alive() and not (stop is not None and stop.is_set()):
+            server.thread.join(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -18,13 +18,8 @@ from pathlib import Path
 from specdeploy.artifacts import Layout
 from specdeploy.config import Recipe
 
-# NGC Triton + TensorRT-LLM images (nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3). 25.03 ships TensorRT-LLM
-# 0.18 with trtllm-build (examples/draft_target_model/README.md); the LLM-API path takes the newest monthly release
-# (Triton release notes 26.10). Which TensorRT-LLM a tag carries is checked when the image is built (below).
-DEFAULT_IMAGES = {
-    "trtllm-engine": "nvcr.io/nvidia/tritonserver:25.03-trtllm-python-py3",
-    "trtllm-llmapi": "nvcr.io/nvidia/tritonserver:26.10-trtllm-python-py3",
-}
+# The NGC base image of each GPU backend is `Backend.default_image` (specdeploy/backends.py). Which TensorRT-LLM a
+# tag carries is checked when the image is built (below).
 # What engine-backend images must carry when no built engine says otherwise (25.03 carries 0.18; trtllm-build
 # exists up to 1.1). TensorRT engines only load in the TensorRT-LLM release that built them.
 ENGINE_BACKEND_TRTLLM = "0.18"
@@ -48,7 +43,9 @@ def image_tag(recipe: Recipe, layout: Layout | None = None) -> str:
 def target_trtllm(recipe: Recipe, layout: Layout | None = None) -> str:
     """The TensorRT-LLM release the image must carry: the recipe's trtllm_version (LLM API), or for TensorRT
     engines the release that built them (their manifest records what trtllm-build printed)."""
-    if recipe.backend != "trtllm-engine":
+    from specdeploy import backends
+
+    if not backends.of(recipe).tensorrt_engines:
         return recipe.trtllm_version
     if layout is not None:
         from specdeploy.artifacts import Manifest
@@ -76,9 +73,11 @@ def pinned_requirements(names=SERVER_SIDE) -> list[str]:
 
 def dockerfile(recipe: Recipe, base_image: str, layout: Layout | None = None) -> str:
     """The Dockerfile text: base image, specdeploy installed without touching the image's CUDA packages."""
+    from specdeploy import backends
+
     version = target_trtllm(recipe, layout)
     why, fix = (("the engines were built with it", "rebuild the engines with the image's trtllm-build, or pass --image")
-                if recipe.backend == "trtllm-engine" else
+                if backends.of(recipe).tensorrt_engines else
                 ("the LLM-API option names differ between releases", "set trtllm_version, or pass --image"))  # fmt: skip
     extras = " ".join(f'"{r}"' for r in pinned_requirements())
     return f"""\
@@ -107,6 +106,7 @@ def _ignore(directory: str, names: list[str]) -> set[str]:
 def write_context(recipe: Recipe, layout: Layout, base_image: str | None = None) -> Path:
     """Write engines/<recipe>/image/{Dockerfile, specdeploy-src/}; returns the context folder."""
     import specdeploy
+    from specdeploy import backends
 
     package = Path(specdeploy.__file__).resolve().parent
     project = package.parent
@@ -128,7 +128,7 @@ def write_context(recipe: Recipe, layout: Layout, base_image: str | None = None)
             '\n[tool.setuptools.packages.find]\ninclude = ["specdeploy*"]\n\n[tool.setuptools.package-data]\n'
             '"*" = ["*"]\n'
         )
-    (dest / "Dockerfile").write_text(dockerfile(recipe, base_image or DEFAULT_IMAGES[recipe.backend], layout))
+    (dest / "Dockerfile").write_text(dockerfile(recipe, base_image or backends.of(recipe).default_image, layout))
     return dest
 
 

@@ -23,8 +23,14 @@ Policies (recipe `speculative.policy`):
   - `cost`: ours. Each round it predicts tokens per second for every k in 0..cap from the measured
     costs and the request's rolling acceptance and picks the best; k = 0 is a plain step. A request
     whose draft stops paying falls back to plain decoding on the next round and probes again after
-    `probe_interval` plain rounds (doubling after each probe that does not pay, up to
+    `probe_interval` plain tokens (doubling after each probe that does not pay, up to
     MAX_PROBE_INTERVAL), so it can come back. The schedule's cap and the gate apply to it too.
+
+Plain runs: when a policy chooses k = 0 it also says how many plain tokens the target may generate in
+that one call (`plain_tokens`): the rest of the answer once speculation is off for good (the gate, or a
+request that asked for no draft tokens), the tokens until the next probe while the cost policy has
+fallen back, one while it is still timing a plain step. A served fallback then costs about what the
+target alone costs (one call for many tokens), not one BLS round trip per token.
 """
 
 from __future__ import annotations
@@ -58,6 +64,12 @@ class RoundOutcome:
     target_time_s: float
     draft_fresh: bool = True  # False when the draft first had to catch up (the prompt, or tokens of k = 0 rounds)
     first_round: bool = False  # the target's time includes the prompt's prefill
+    plain_run: int = 1  # k = 0: the plain tokens the target was asked for in this one call
+
+    @property
+    def is_run(self) -> bool:
+        """A plain call that generated several tokens (its time is per-token cost times emitted)."""
+        return self.k == 0 and self.plain_run > 1 and self.emitted > 1
 
     @property
     def rows(self) -> int:
@@ -73,6 +85,10 @@ class RequestPolicy(Protocol):
     def choose(self, cap: int) -> int: ...
 
     def record(self, outcome: RoundOutcome) -> None: ...
+
+    def plain_tokens(self, remaining: int) -> int:
+        """After choose() returned 0: how many plain tokens (1..remaining) the target generates in one call."""
+        ...
 
 
 # ---------------------------------------------------------------- TensorRT-LLM's pieces
@@ -178,9 +194,13 @@ class CostModel:
     draft_s: dict[int, float] = field(default_factory=dict)
     verify_s: dict[int, float] = field(default_factory=dict)
     verify_n: dict[int, int] = field(default_factory=dict)
+    plain_token_s: float | None = None  # seconds per token of a plain run (many tokens in one target call)
 
     def observe(self, outcome: RoundOutcome) -> None:
         if outcome.first_round:  # prefill time says nothing about a round's cost
+            return
+        if outcome.is_run:
+            self.plain_token_s = _ewma(self.plain_token_s, outcome.target_time_s / outcome.emitted)
             return
         rows = outcome.rows
         self.verify_s[rows] = _ewma(self.verify_s.get(rows), outcome.target_time_s)
@@ -189,11 +209,13 @@ class CostModel:
             self.draft_s[outcome.k] = _ewma(self.draft_s.get(outcome.k), outcome.draft_time_s)
 
     def round_seconds(self, k: int) -> float | None:
+        """Predicted seconds of a round with k draft tokens; k = 0 is one plain token, at the cheaper of
+        a one-row step and a plain run's per-token cost (a fallback runs plain tokens in one call)."""
         verify = _estimate(self.verify_s, k + 1, proportional=False)
         if verify is None:
             return None
         if k == 0:
-            return verify
+            return verify if self.plain_token_s is None else min(verify, self.plain_token_s)
         draft = _estimate(self.draft_s, k, proportional=True)
         return None if draft is None else verify + draft
 
@@ -355,12 +377,17 @@ class StaticPolicy:
 
     def __init__(self, deployment: Deployment):
         self.deployment = deployment
+        self.asked = 0  # the cap of the last choose()
 
     def choose(self, cap: int) -> int:
+        self.asked = cap
         return self.deployment.cap(cap)
 
     def record(self, outcome: RoundOutcome) -> None:
         _record_shared(self.deployment, outcome)
+
+    def plain_tokens(self, remaining: int) -> int:
+        return _plain_run(self.deployment, self.asked, remaining)
 
 
 class CostPolicy:
@@ -375,6 +402,8 @@ class CostPolicy:
         self.probe_interval = deployment.settings.probe_interval
         self.probing = False
         self.explore_turn = 0
+        self.asked = self.cap = 0  # the cap the loop offered in the last choose(), and what the deployment allowed
+        self.fell_back = False  # the last choose() returned 0 because the cost model prefers plain steps
 
     def alpha(self) -> float:
         d = self.deployment
@@ -383,8 +412,9 @@ class CostPolicy:
 
     def choose(self, cap: int) -> int:
         d = self.deployment
-        cap = d.cap(cap)
-        self.probing = False
+        self.asked = cap
+        cap = self.cap = d.cap(cap)
+        self.probing = self.fell_back = False
         if cap == 0:
             return 0
         costs = d.costs
@@ -397,17 +427,32 @@ class CostPolicy:
         assert best is not None
         if best > 0:
             return best
-        if self.plain_rounds >= self.probe_interval:
+        if self.plain_rounds >= self._probe_after(cap):
             self.probing = True
             return max(1, costs.best_k(max(self.alpha(), d.acceptance.rate(PRIOR_ACCEPTANCE, PRIOR_WEIGHT)), cap) or 1)
+        self.fell_back = True
         return 0
+
+    def _probe_after(self, cap: int) -> int:
+        """Plain tokens before the next probe: probe_interval (doubling after probes that did not pay), or
+        MAX_PROBE_INTERVAL when even a draft that is always right would not pay at the measured costs
+        (every k's (k + 1) tokens cost more than k + 1 plain tokens): a probe could then only lose."""
+        hopeless = self.deployment.costs.best_k(1.0, cap) == 0
+        return MAX_PROBE_INTERVAL if hopeless else self.probe_interval
+
+    def plain_tokens(self, remaining: int) -> int:
+        """Fallen back: the plain tokens until the next probe, in one call; else as `_plain_run` says
+        (one token while exploration still times a plain step)."""
+        if self.fell_back:
+            return max(1, min(remaining, self._probe_after(self.cap) - self.plain_rounds))
+        return _plain_run(self.deployment, self.asked, remaining)
 
     def record(self, outcome: RoundOutcome) -> None:
         d = self.deployment
         self.acceptance.observe(outcome.drafted, outcome.accepted)
         _record_shared(d, outcome)
         if outcome.k == 0:
-            self.plain_rounds += 1
+            self.plain_rounds += max(1, outcome.emitted)  # plain tokens since the last speculating round
             return
         if self.probing:
             # The probe paid when the model now picks speculation again; else wait twice as long.
@@ -417,6 +462,18 @@ class CostPolicy:
             else:
                 self.probe_interval = d.settings.probe_interval
         self.plain_rounds = 0
+
+
+def _plain_run(d: Deployment, asked: int, remaining: int) -> int:
+    """Plain tokens for one call when k = 0 was not the cost model's choice: all that remain when
+    speculation is off for the rest of the request (the gate tripped, or nothing could be drafted: the
+    request asked for 0 draft tokens or one token is left); up to probe_interval while the schedule
+    holds it off (the active count may fall); else one (a timed plain step)."""
+    if d.gate.disabled or asked == 0:
+        return max(1, remaining)
+    if d.cap(asked) == 0:
+        return max(1, min(remaining, d.settings.probe_interval))
+    return 1
 
 
 def _record_shared(d: Deployment, outcome: RoundOutcome) -> None:

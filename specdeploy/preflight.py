@@ -12,23 +12,19 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from specdeploy import backends
 from specdeploy.config import ROLES, Recipe
 from specdeploy.errors import ConfigError, SpecDeployError
 from specdeploy.gpu import GpuInfo
 
-GPU_BACKENDS = ("trtllm-engine", "trtllm-llmapi")
 # FP8 GEMMs and FP8 KV cache need Ada/Hopper or newer (SM 8.9+); TensorRT-LLM's support matrix.
 FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 # Bytes per weight of the quantized linear layers (INT4 AWQ: 4 bits + one fp16 scale per group).
 QFORMAT_WEIGHT_BYTES = {"fp8": 1.0, "int8_sq": 1.0, "int8_wo": 1.0}
 RUNTIME_OVERHEAD_BYTES = int(1.5 * 2**30)  # CUDA context, activations and workspaces per GPU (rough)
-# The speculative BLS is specdeploy's own (specdeploy/triton/models/tensorrt_llm_bls.py), not NVIDIA's, whose
-# limits are tensorrtllm_backend issue #676 ("tensorrt_llm_bls doesn't support speculative decoding streaming or
-# bsz > 1"). Ours streams in decoupled mode (it calls the tensorrt_llm models with exec(decoupled=True) and sends
-# text deltas), and takes one sequence per request (common.py refuses a batch > 1); concurrent requests are still batched
-# in flight by the tensorrt_llm models.
-BLS_LIMITS = {"trtllm-engine": {"max_request_batch": 1, "streaming": True}}
+# Every check `run_all` can run; each backend lists those that apply to it (backends.Backend.preflight_checks).
+CHECKS = ("draft_len", "tokenizer", "fp8", "kv_cache", "memory", "bls", "llmapi")
 
 
 @dataclass(frozen=True)
@@ -99,7 +95,7 @@ def uses_fp8(recipe: Recipe) -> list[str]:
 
 def check_fp8(recipe: Recipe, gpus: list[GpuInfo]) -> list[Finding]:
     used = uses_fp8(recipe)
-    if not used or recipe.backend not in GPU_BACKENDS:
+    if not used or not backends.of(recipe).gpu:
         return []
     if not gpus:
         return [Finding("info", "fp8", f"FP8 ({', '.join(used)}) needs compute capability 8.9+; no GPU here to check")]
@@ -120,16 +116,17 @@ def check_fp8(recipe: Recipe, gpus: list[GpuInfo]) -> list[Finding]:
 def check_kv_cache_format(recipe: Recipe) -> list[Finding]:
     """The draft/target flow needs KV block reuse, hence paged context FMHA, which has format limits."""
     findings = []
+    backend = backends.of(recipe)
     for role in ROLES:
         q = recipe.model(role).quantization
-        if recipe.backend == "trtllm-engine" and q.kv_cache_dtype == "int8":
+        if backend.tensorrt_engines and q.kv_cache_dtype == "int8":
             findings.append(Finding(
                 "error", "kv_cache",
                 f"{role}.quantization.kv_cache_dtype int8: KV block reuse needs --use_paged_context_fmha, which does "
                 "not support an INT8 KV cache (NVIDIA/TensorRT-LLM issue #2166)",
                 "use kv_cache_dtype fp8 (compute capability 8.9+) or null",
             ))  # fmt: skip
-        if recipe.backend in GPU_BACKENDS and q.qformat == "int4_awq" and q.kv_cache_dtype == "fp8":
+        if backend.gpu and q.qformat == "int4_awq" and q.kv_cache_dtype == "fp8":
             findings.append(Finding(
                 "warning", "kv_cache",
                 f"{role}: INT4 AWQ weights with an FP8 KV cache and paged context FMHA have failed with 'FMHA kernels "
@@ -226,7 +223,7 @@ def check_memory(
     recipe: Recipe, shapes: dict[str, ModelShape | None], gpus: list[GpuInfo], gpu_memory_bytes: int | None = None
 ) -> list[Finding]:
     """Draft + target weights + KV cache on the busiest GPU (GPU 0 holds target rank 0 and the draft)."""
-    if recipe.backend not in GPU_BACKENDS:
+    if not backends.of(recipe).gpu:
         return []
     missing = [r for r in ROLES if shapes.get(r) is None]
     if missing:
@@ -278,7 +275,7 @@ def check_memory(
 
 
 def check_bls(recipe: Recipe) -> list[Finding]:
-    limits = BLS_LIMITS.get(recipe.backend)
+    limits = backends.of(recipe).bls_limits  # specdeploy's own BLS (triton/models/tensorrt_llm_bls.py)
     if limits is None:
         return []
     findings = [Finding(
@@ -286,17 +283,17 @@ def check_bls(recipe: Recipe) -> list[Finding]:
         f"engines are built with max_input_len {recipe.engine.max_seq_len - 1} (max_seq_len - 1): the speculative BLS "
         f"resends prompt + output every round; clients stay limited to engine.max_input_len {recipe.engine.max_input_len}",
     )]  # fmt: skip
-    if recipe.triton.decoupled and not limits["streaming"]:
+    if recipe.triton.decoupled and not limits.streaming:
         findings.append(Finding(
             "error", "bls",
             f"triton.decoupled (streaming) is on, but the speculative BLS on backend {recipe.backend} does not stream",
             "set triton.decoupled: false for the speculative path (the ensemble control can still stream)",
         ))  # fmt: skip
-    if recipe.engine.max_batch_size > limits["max_request_batch"]:
+    if recipe.engine.max_batch_size > limits.max_request_batch:
         findings.append(Finding(
             "warning", "bls",
             f"engine.max_batch_size is {recipe.engine.max_batch_size}, but specdeploy's speculative BLS on {recipe.backend} "
-            f"takes {limits['max_request_batch']} sequence per request: send one sequence per request; concurrent "
+            f"takes {limits.max_request_batch} sequence per request: send one sequence per request; concurrent "
             "requests are still batched in flight by the tensorrt_llm models",
             "clients must not send batched tensors to tensorrt_llm_bls",
         ))  # fmt: skip
@@ -309,8 +306,6 @@ def check_bls(recipe: Recipe) -> list[Finding]:
 def check_llmapi_options(recipe: Recipe) -> list[Finding]:
     """trtllm-llmapi: the recipe's trtllm_version is one specdeploy knows, and every speculative setting maps to
     that release's options (trtllm.speculative_options refuses what does not)."""
-    if recipe.backend != "trtllm-llmapi":
-        return []
     from specdeploy import trtllm
 
     try:
@@ -357,20 +352,23 @@ def run_all(
         if shape is None and layout is not None:
             shape = ModelShape.from_dir(layout.checkpoint(role))
         shapes[role] = shape
+    backend = backends.of(recipe)
     target_engine_config = None
-    if check_built_engine and layout is not None and recipe.backend == "trtllm-engine":
+    if check_built_engine and layout is not None and backend.tensorrt_engines:
         path = layout.engine("target") / "config.json"
         if path.is_file():
             target_engine_config = json.loads(path.read_text())
-    return [
-        *check_draft_len(recipe, target_engine_config),
-        *check_tokenizers(model_dirs.get("target"), model_dirs.get("draft")),
-        *check_fp8(recipe, gpus),
-        *check_kv_cache_format(recipe),
-        *check_memory(recipe, shapes, gpus, gpu_memory_bytes),
-        *check_bls(recipe),
-        *check_llmapi_options(recipe),
-    ]
+    checks = {  # the backend names which apply (Backend.preflight_checks), in its order
+        "draft_len": lambda: check_draft_len(recipe, target_engine_config),
+        "tokenizer": lambda: check_tokenizers(model_dirs.get("target"), model_dirs.get("draft")),
+        "fp8": lambda: check_fp8(recipe, gpus),
+        "kv_cache": lambda: check_kv_cache_format(recipe),
+        "memory": lambda: check_memory(recipe, shapes, gpus, gpu_memory_bytes),
+        "bls": lambda: check_bls(recipe),
+        "llmapi": lambda: check_llmapi_options(recipe),
+    }
+    assert set(checks) == set(CHECKS)
+    return [finding for name in backend.preflight_checks for finding in checks[name]()]
 
 
 def raise_on_errors(findings: list[Finding]) -> None:

@@ -574,7 +574,9 @@ def _resolve(model: str) -> Path:
 
 def checkpoint_format(recipe: Recipe) -> str:
     """TensorRT-LLM checkpoints for the cpu and trtllm-engine backends; Hugging Face format for the LLM API."""
-    return "hf" if recipe.backend == "trtllm-llmapi" else "trtllm"
+    from specdeploy import backends
+
+    return backends.of(recipe).checkpoint_format
 
 
 def _ranks(recipe: Recipe, m) -> tuple[int, int]:

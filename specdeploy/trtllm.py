@@ -675,38 +675,3 @@ def prove_llmapi_starts(target_dir: Path, options: dict, echo=print) -> str:
             f"TensorRT-LLM could not start the draft/target deployment: {exc}",
             "check GPU memory (kv_cache_free_gpu_mem_fraction) and that the checkpoints are ModelOpt HF exports",
         ) from exc
-
-
-# ---------------------------------------------------------------- dispatch and doctor
-
-# backend -> build function(recipe, layout, force, dry_run, echo); cli.py's BUILDERS table takes these.
-BUILDERS = {"trtllm-engine": build_engine_recipe, "trtllm-llmapi": build_llmapi_recipe}
-
-
-def gpu_report_lines(gpus: list[gpu_probe.GpuInfo] | None = None) -> list[str]:
-    """`specdeploy doctor` lines: GPU, compute capability, memory, TensorRT-LLM version, usable GPU backends."""
-    gpus = gpu_probe.probe() if gpus is None else gpus
-    version = gpu_probe.tensorrt_llm_version()
-    has_build = shutil.which(TOOL) is not None
-
-    def line(ok, what, detail):
-        return f"{ {True: 'ok  ', False: 'no  ', None: '--  '}[ok]}{what:18s} {detail}"
-
-    if not gpus:
-        lines = [line(None, "GPU", "none found (nvidia-smi/torch.cuda); GPU backends can only dry-run here")]
-    else:
-        lines = []
-        for g in gpus:
-            cc = "?" if g.compute_capability is None else "{}.{}".format(*g.compute_capability)
-            fp8 = g.compute_capability is not None and g.compute_capability >= (8, 9)
-            lines.append(line(True, f"GPU {g.index}", f"{g.name}, {g.memory_gib:.1f} GiB, compute capability {cc}"
-                              f"{'' if fp8 else ' (no FP8: needs 8.9+)'}"))
-    lines.append(line(version is not None, "tensorrt_llm", version or "not installed"))
-    lines.append(line(has_build, TOOL, shutil.which(TOOL) or "not on PATH (TensorRT-LLM <= 1.1 ships it)"))
-    usable = ["cpu"]
-    if gpus and version is not None:
-        if has_build:
-            usable.append("trtllm-engine")
-        usable.append("trtllm-llmapi")
-    lines.append(line(True, "usable backends", ", ".join(usable)))
-    return lines

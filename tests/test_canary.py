@@ -238,7 +238,7 @@ def test_live_metrics_match_a_known_run_and_canary_gives_a_verdict(tmp_path_fact
         worker = threading.Thread(target=traffic, daemon=True)
         worker.start()
         try:
-            result = CliRunner().invoke(main, ["canary", str(recipe_path), "--url", url, "--window", "12", "--min-requests", "2"])
+            result = CliRunner().invoke(main, ["canary", str(recipe_path), "--url", url, "--window", "240", "--min-requests", "2", "--until-enough"])
         finally:
             stop.set()
             worker.join(timeout=60)

@@ -604,3 +604,81 @@ def test_validation_keys_are_checked(key, value, message):
     raw = {"name": "r", "target": {"model": "m"}, "draft": {"model": "m"}, "validation": {key: value}}
     with pytest.raises(ConfigError, match=message):
         parse_recipe(raw)
+
+
+# ---------------------------------------------------------------- the metrics endpoint against validate's counts
+
+
+def _exposition(requests, drafted, accepted, tokens, control_requests, rounds=None, per_pos=None, model="tensorrt_llm_bls"):
+    """Prometheus text as Triton exports it (nv_* counters without _total, declared by # TYPE)."""
+    arm = f'model="{model}",arm="speculative"'
+    lines = ["# TYPE nv_inference_request_success counter", f'nv_inference_request_success{{model="ensemble",version="1"}} {control_requests}',
+             f"specdeploy_request_success_total{{{arm}}} {requests}", f"specdeploy_spec_decode_num_draft_tokens_total{{{arm}}} {drafted}",
+             f"specdeploy_spec_decode_num_accepted_tokens_total{{{arm}}} {accepted}", f"specdeploy_generation_tokens_total{{{arm}}} {tokens}"]  # fmt: skip
+    for (on, reason), n in (rounds or {}).items():
+        lines.append(f'specdeploy_spec_decode_rounds_total{{{arm},speculation="{on}",reason="{reason}"}} {n}')
+    for pos, n in (per_pos or {}).items():
+        lines.append(f'specdeploy_spec_decode_num_draft_tokens_per_pos_total{{{arm},position="{pos}"}} {n}')
+    return "\n".join(lines) + "\n"
+
+
+def test_metrics_check_agrees_with_the_requests_sent_and_names_the_metric_that_differs(tmp_path):
+    import math
+
+    from specdeploy import metrics as m
+    from specdeploy.client import metrics_check as mc
+
+    fake = FakeEndpoint()
+    counted = mc.CountingEndpoint(fake)
+    report = validate(counted, CharCodec(), _options(sweep_draft_tokens=(1, 2)), "fake", progress=False)
+    assert report["complete"], report["errors"]
+    spec_calls = [r for model, r in fake.calls if model == SPECULATIVE_MODEL]
+    control_calls = [r for model, r in fake.calls if model == CONTROL_MODEL]
+    # the fake's rule: ceil(20 chars / (k * 0.75 + 1)) rounds of k draft tokens; 20 tokens per answer, no end id
+    drafted = sum(math.ceil(20 / ((r.num_draft_tokens or 4) * 0.75 + 1)) * (r.num_draft_tokens or 4) for r in spec_calls)
+    accepted = sum(20 - math.ceil(20 / ((r.num_draft_tokens or 4) * 0.75 + 1)) for r in spec_calls)
+    before = m.parse(_exposition(5, 7, 3, 11, 2))  # earlier traffic: subtracted, also Triton's nv_* counter
+    after = m.parse(_exposition(5 + len(spec_calls), 7 + drafted, 3 + accepted, 11 + 20 * len(spec_calls), 2 + len(control_calls)))
+    exact = mc.exact_token_counts(report)
+    section = mc.compare(after.minus(before), counted.counts, exact)
+    assert section["mismatches"] == [] and len(section["rows"]) == 5 and all(r["agree"] for r in section["rows"]), section
+    report["metrics_check"] = section
+    assert gate.evaluate(report, 1.0, 0.0).exit_code == 0
+
+    after = m.parse(_exposition(5 + len(spec_calls), 7 + drafted, 4 + accepted, 11 + 20 * len(spec_calls), 2 + len(control_calls)))
+    section = mc.compare(after.minus(before), counted.counts, exact)
+    assert section["mismatches"] == [f"specdeploy_spec_decode_num_accepted_tokens_total: the metrics endpoint counted {accepted + 1}, "
+                                     f"validate counted {accepted} (speculative path)"]  # fmt: skip
+    report["metrics_check"] = section
+    verdict = gate.evaluate(report, 1.0, 0.0)
+    assert verdict.exit_code == gate.EXIT_METRICS and "metrics endpoint disagrees: specdeploy_spec_decode_num_accepted_tokens_total" in verdict.line
+
+
+def test_sampled_outputs_leave_output_tokens_unchecked():
+    from specdeploy.client import metrics_check as mc
+
+    counts = mc.PathCounts(requests=2, texts=["known", "sampled"], token_counts=[None, None])
+    assert mc.output_tokens(counts, {"known": 7}) == (None, 1)
+    assert mc.output_tokens(mc.PathCounts(requests=2, texts=["known", "x"], token_counts=[None, 3]), {"known": 7}) == (10, 0)
+
+
+def test_rounds_per_k_from_the_per_position_counters_and_from_the_k_history(tmp_path):
+    from specdeploy import metrics as m
+    from specdeploy.client import metrics_check as mc
+
+    # rounds: 4 with k=1, 4 with k=3, 2 with k=4 -> drafted at position 0: 10, 1: 6, 2: 6, 3: 2; 5 plain steps
+    text = _exposition(1, 0, 0, 0, 0, rounds={("on", "none"): 10, ("off", "policy"): 3, ("off", "last_token"): 2},
+                       per_pos={0: 10, 1: 6, 2: 6, 3: 2})  # fmt: skip
+    section = mc.speculation_section(m.parse(text), mc.PathCounts(), {"speculation_policy": "cost"})
+    assert section["source"] == "metrics" and section["k_counts"] == {0: 5, 1: 4, 3: 4, 4: 2}
+    assert section["speculated_share"] == pytest.approx(10 / 15) and section["off_reasons"] == {"policy": 3, "last_token": 2}
+
+    history = [[4, 4, 0, 0, 1], [0, 0, 0, 2, 4, 4]]
+    section = mc.speculation_section(m.parse(text), mc.PathCounts(k_histories=history), {"speculation_policy": "cost"})
+    assert section["source"] == "speculative_k_history" and section["k_history"] == history[0] + history[1]
+    assert section["k_counts"] == {0: 5, 1: 1, 2: 1, 4: 4} and section["speculated_share"] == pytest.approx(6 / 11)
+    report = {"recipe": "fake", "speculation": section}
+    paths = write_report(report, tmp_path)
+    assert (tmp_path / "draft_length.png").read_bytes()[:4] == b"\x89PNG" and "draft_length" in paths
+    md = (tmp_path / "report.md").read_text()
+    assert "Policy **cost**" in md and "55% speculated" in md and "the cost policy predicted a plain target step pays more" in md

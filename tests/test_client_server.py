@@ -126,12 +126,26 @@ def test_clean_deployment_passes_with_complete_report(deployment, tmp_path):
     prompts = _prompt_file(tmp_path / "clean.jsonl", CLEAN_PROMPTS)
     report, paths, verdict = validate_recipe(
         recipe, layout, url=server.state.grpc_url, report_dir=tmp_path / "report", progress=False, prompt_set=prompts,
-        sweep_draft_tokens=(1, 2, 3),
+        sweep_draft_tokens=(1, 2, 3), metrics_url=server.state.metrics_url,
     )
     assert report["complete"], report["errors"]
     summary = report["parity"]["summary"]["all"]
     assert (summary["prompts"], summary["exact"], summary["mismatches"]) == (3, 3, 0)
     assert verdict.exit_code == 0 and verdict.line.startswith("PASS")
+    # the metrics endpoint agrees with validate's own counts of every request it sent (parity, warm-up, latency, sweep)
+    check = report["metrics_check"]
+    assert check["checked"] and not check["mismatches"], check
+    compared = {r["metric"].split("{")[0]: r for r in check["rows"] if r["path"] == "speculative"}
+    assert {"specdeploy_request_success_total", "specdeploy_spec_decode_num_draft_tokens_total",
+            "specdeploy_spec_decode_num_accepted_tokens_total", "specdeploy_generation_tokens_total"} <= set(compared)
+    n_spec = 3 + 2 + 3 * 2 + 3 * 3  # parity, warm-up, latency (2 levels), sweep (3 k) of 3 prompts, 1 repeat
+    assert compared["specdeploy_request_success_total"]["client"] == n_spec
+    if report["speculation"]["source"] == "speculative_k_history":  # the BLS returns k per round: one round per target pass
+        assert compared["specdeploy_spec_decode_num_target_passes_total"]["agree"]
+    assert "metrics endpoint agrees" in verdict.line
+    spec_rounds = report["speculation"]
+    assert spec_rounds["policy"]["speculation_policy"] == recipe.speculative.policy
+    assert spec_rounds["rounds_on"] > 0 and 0 < spec_rounds["speculated_share"] <= 1
     levels = report["latency"]["levels"]
     assert [(r["mode"], r["concurrency"]) for r in levels] == [("control", 1), ("speculative", 1), ("control", 2), ("speculative", 2)]
     spec = levels[1]
@@ -147,11 +161,58 @@ def test_clean_deployment_passes_with_complete_report(deployment, tmp_path):
     assert 0 < accepted < drafted, (accepted, drafted)
     assert spec["acceptance_rate"] == pytest.approx(
         sum(s["accepted"] for s in spec_samples if s["concurrency"] == 1) / sum(s["drafted"] for s in spec_samples if s["concurrency"] == 1))
-    assert set(paths) == {"json", "markdown", "latency", "categories", "sweep"}
+    assert set(paths) == {"json", "markdown", "latency", "categories", "sweep", "draft_length"}
     points = report["sweep"]["points"]
     assert [p["k"] for p in points] == [1, 2, 3]
     assert all(0.0 < p["acceptance_rate"] < 1.0 for p in points), points
     assert 0.0 < report["sweep"]["alpha"] < 1.0 and report["sweep"]["recommendation"]["recommended_k"] in (1, 2, 3, 4)
+
+
+def test_metrics_endpoint_counts_a_known_run_and_a_stray_request_is_a_named_mismatch(deployment):
+    """Known requests -> the exported counters: expected values from the responses' perf outputs and the target
+    alone's exact tokens (tensorrt_llm, not the BLS); then one request validate did not send fails the check."""
+    from specdeploy import metrics as m
+    from specdeploy.client import metrics_check
+    from specdeploy.client.protocol import CONTROL_MODEL, SPECULATIVE_MODEL, GenerateRequest
+
+    _, _, _, server, _ = deployment
+    raw = TritonEndpoint(server.state.grpc_url)
+    check = metrics_check.MetricsCheck(raw, server.state.metrics_url)
+    sent = [(p, k) for p, _ in CLEAN_PROMPTS for k in (1, 3)]
+    drafted = accepted = tokens = 0
+    for prompt, k in sent:
+        result = check.endpoint.generate(SPECULATIVE_MODEL, GenerateRequest(prompt, MAX_TOKENS, num_draft_tokens=k), 30)
+        drafted += result.perf.total_draft_tokens
+        accepted += result.perf.total_accepted_draft_tokens
+        tokens += len(raw.trace(prompt, MAX_TOKENS, 30, with_logits=False).output_ids)  # greedy: the same tokens
+    check.endpoint.generate(CONTROL_MODEL, GenerateRequest(CLEAN_PROMPTS[0][0], MAX_TOKENS), 30)
+    assert 0 < accepted < drafted  # the INT8 draft differs from its FP8 target
+    exact = {raw.generate(CONTROL_MODEL, GenerateRequest(p, MAX_TOKENS), 30).text: len(raw.trace(p, MAX_TOKENS, 30, False).output_ids)
+             for p, _ in CLEAN_PROMPTS}  # fmt: skip
+    after = metrics_check._settled(server.state.metrics_url, check.before, (m.REQUESTS.name,), 5.0)
+    window = after.minus(check.before)
+    stats = m.arm_stats(window, m.SPECULATIVE_ARM, SPECULATIVE_MODEL)
+    assert (stats.requests, stats.drafted, stats.accepted, stats.output_tokens) == (len(sent), drafted, accepted, tokens)
+    assert stats.target_passes == tokens - accepted  # each pass emits its accepted drafts plus one token of its own
+    assert window.sum("nv_inference_request_success", model=CONTROL_MODEL) == 1 + len(CLEAN_PROMPTS)
+
+    report = {"complete": True, "parity": {"items": [{"control_text": t, "speculative_text": t, "generated_tokens": n} for t, n in exact.items()]}}
+    counts = check.endpoint.counts
+    counts[CONTROL_MODEL].requests += len(CLEAN_PROMPTS)  # the reference requests above went around the counter
+    assert metrics_check.compare(window, counts, metrics_check.exact_token_counts(report))["mismatches"] == []
+    # a request validate did not send (another client) is caught, naming the metric
+    raw.generate(SPECULATIVE_MODEL, GenerateRequest(CLEAN_PROMPTS[1][0], MAX_TOKENS, num_draft_tokens=2), 30)
+    section = check.finish(report)
+    assert any(line.startswith('specdeploy_request_success_total{model="tensorrt_llm_bls",arm="speculative"}: the metrics '
+                               f"endpoint counted {len(sent) + 1}, validate counted {len(sent)}") for line in section["mismatches"]), section
+    assert any(line.startswith("specdeploy_generation_tokens_total") for line in section["mismatches"])
+    verdict = gate.evaluate({**report, "prompts": [], "metrics_check": section}, 1.0, 0.0)
+    assert "metrics endpoint disagrees: specdeploy_request_success_total" in verdict.line
+    (metric_check,) = [c for c in verdict.checks if c.name == "metrics"]
+    assert not metric_check.ok and metric_check.exit_code == gate.EXIT_METRICS
+    spec = report["speculation"]  # from the same window: every target pass is a round, with or without a draft
+    assert spec["source"] in ("metrics", "speculative_k_history") and spec["rounds_on"] > 0
+    assert spec["rounds_on"] + spec["rounds_off"] == sum(spec["k_counts"].values())
 
 
 def test_broken_speculative_path_is_reported_at_its_index(deployment, tmp_path):

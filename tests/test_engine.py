@@ -467,10 +467,7 @@ def test_build_recipe_builds_both_engines_once(quant_checkpoints, quant_hf_dir, 
     import shutil
 
     from specdeploy.artifacts import Manifest
-    from specdeploy.build import BUILDERS, build
-    from specdeploy.config import BACKENDS
-
-    assert "cpu" in BUILDERS and set(BUILDERS) <= set(BACKENDS)
+    from specdeploy.build import build
     recipe, layout = _recipe_and_checkpoints(tmp_path, quant_checkpoints, quant_hf_dir)
     built = build(recipe, layout, echo=lambda *_: None)
     assert built["target"].max_draft_len == 3 and built["draft"].max_draft_len == 0

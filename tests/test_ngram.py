@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import tritonclient.grpc as tritonclient_grpc
 
 from specdeploy import ngram
 from specdeploy import policy as pol
@@ -164,19 +165,57 @@ def test_served_ngram_draft_keeps_greedy_parity(tmp_path_factory, tiny_llama_dir
     assert draft_config.parameters["max_matching_ngram_size"].string_value == "2"
     bls_config = repository.check_config((layout.repo / repository.BLS / "config.pbtxt").read_text())
     assert bls_config.parameters["speculation_policy"].string_value == policy
+    assert bls_config.parameters["draft_kind"].string_value == "ngram"
     server = server_mod.start(layout.repo, server_mod.Ports.pick(), layout.server_state / "tritonserver.log")
     drafted = accepted = 0
     try:
         server_mod.wait_ready(server, 180)
         endpoint = TritonEndpoint(server.state.grpc_url)
         prompts = ["one two three one two three one two", "def f(x): return x + 1\ndef g(x): return f(x)", "a b a b a b a b a"]
+        stats = tritonclient_grpc.InferenceServerClient(server.state.grpc_url)
         for prompt in prompts:
             control = endpoint.generate(repository.ENSEMBLE, GenerateRequest(prompt, 48), 60)
             speculative = endpoint.generate(repository.BLS, GenerateRequest(prompt, 48), 60)
             assert speculative.text == control.text and control.text
             drafted += speculative.perf.total_draft_tokens or 0
             accepted += speculative.perf.total_accepted_draft_tokens or 0
+        # the BLS proposed by itself: not one call went to the tensorrt_llm_draft model
+        assert _inference_count(stats, repository.DRAFT_MODEL) == 0
+        # num_draft_tokens 0 (speculation off for the request): one target call, the target's own text;
+        # speculative_k_history only when asked for, one entry per round
+        prompt = prompts[1]
+        control = endpoint.generate(repository.ENSEMBLE, GenerateRequest(prompt, 48), 60)
+        target_calls = _inference_count(stats, repository.TARGET_MODEL)
+        result = _bls(stats, prompt, 48, num_draft_tokens=0, outputs=("text_output", "speculative_k_history"))
+        assert _inference_count(stats, repository.TARGET_MODEL) - target_calls == 1
+        assert result.as_numpy("text_output").reshape(-1)[0].decode() == control.text
+        assert result.as_numpy("speculative_k_history").reshape(-1).tolist() == [0]
+        result = _bls(stats, prompt, 48, outputs=("text_output", "speculative_k_history", "total_draft_tokens"))
+        history = result.as_numpy("speculative_k_history").reshape(-1).tolist()
+        assert sum(history) >= int(result.as_numpy("total_draft_tokens").reshape(-1)[0]) > 0 and max(history) <= 4
+        assert _bls(stats, prompt, 48, outputs=("text_output",)).as_numpy("speculative_k_history") is None
+        stats.close()
         endpoint.close()
     finally:
         server.stop()
     assert drafted > accepted > 0, (drafted, accepted)
+
+
+def _inference_count(client, model: str) -> int:
+    return sum(m.inference_count for m in client.get_inference_statistics(model).model_stats)
+
+
+def _bls(client, prompt: str, max_tokens: int, outputs=("text_output",), **scalars):
+    import numpy as np
+
+    from specdeploy.triton import repository
+
+    inputs = [tritonclient_grpc.InferInput("text_input", [1, 1], "BYTES"), tritonclient_grpc.InferInput("max_tokens", [1, 1], "INT32")]
+    inputs[0].set_data_from_numpy(np.array([[prompt.encode()]], dtype=object))
+    inputs[1].set_data_from_numpy(np.array([[max_tokens]], dtype=np.int32))
+    for name, value in {"exclude_input_in_output": True, **scalars}.items():  # the text after the prompt, as the endpoint asks
+        tensor = tritonclient_grpc.InferInput(name, [1, 1], "BOOL" if isinstance(value, bool) else "INT32")
+        tensor.set_data_from_numpy(np.array([[value]], dtype=bool if isinstance(value, bool) else np.int32))
+        inputs.append(tensor)
+    requested = [tritonclient_grpc.InferRequestedOutput(name) for name in outputs]
+    return client.infer(repository.BLS, inputs, outputs=requested, client_timeout=60)

@@ -153,6 +153,51 @@ def test_unary_deployment_streams_one_chunk(tmp_path_factory, model_dir):
 
 
 @pytest.mark.server
+def test_validate_and_canary_drive_the_openai_front(tmp_path_factory, model_dir, tmp_path):
+    """`validate --protocol openai` and `canary --drive openai` send their requests through the front; the metrics
+    endpoint agrees with validate's counts, and the canary gets a verdict from the traffic it drove."""
+    import json
+
+    from click.testing import CliRunner
+
+    from specdeploy.cli import main
+    from specdeploy.client import gate
+    from specdeploy.client.validate import validate_recipe
+    from specdeploy.triton.server import free_port
+
+    root = tmp_path_factory.mktemp("openai-validate")
+    recipe, layout, recipe_path = ops_deploy.build(root, model_dir, "ops", canary={"control_percent": 50})
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p, "category": c}) + "\n" for p, c in
+                               [("The quick brown fox", "chat"), ("def add(a, b):", "code"), ("Triton serves models", "summarization")]))  # fmt: skip
+    with ops_deploy.running(layout) as srv:
+        front = openai_api.build_front(recipe, layout, srv.state.grpc_url, timeout_s=60)
+        with openai_api.ApiServer(openai_api.create_app(front), free_port()) as api:
+            report, _, verdict = validate_recipe(
+                recipe, layout, url=srv.state.grpc_url, protocol="openai", openai_url=api.url, metrics_url=srv.state.metrics_url,
+                report_dir=tmp_path / "report", progress=False, prompt_set=str(prompts), concurrency=(1,), repeats=1,
+                min_compared_tokens=4, chat_template="none", min_speedup=0.0,
+            )
+            assert report["complete"], report["errors"]
+            assert report["url"] == api.url  # the requests went through the front
+            assert report["parity"]["summary"]["all"]["exact"] == 3, report["parity"]["summary"]
+            samples = [s for r in report["latency"]["runs"] for s in r["samples"]]
+            assert samples and all(s["ttft_source"] == "server" and s["ttft_s"] > 0 for s in samples)  # from the extension field
+            check = report["metrics_check"]
+            assert check["checked"] and not check["mismatches"] and len(check["rows"]) >= 4, check
+            assert verdict.exit_code == 0 and "metrics endpoint agrees" in verdict.line, verdict.line
+            assert gate.EXIT_METRICS not in [c["exit_code"] for c in verdict.to_dict()["checks"] if not c["ok"]]
+
+            result = CliRunner().invoke(main, ["--root", str(root), "canary", str(recipe_path), "--url", srv.state.metrics_url,
+                                               "--window", "240", "--until-enough", "--min-requests", "2", "--drive", "openai",
+                                               "--openai-url", api.url, "--concurrency", "2"])  # fmt: skip
+    assert result.exit_code in (0, 3), result.output  # a verdict from the traffic it drove, not "inconclusive"
+    assert "over openai (0 failed)" in result.output
+    rows = {line.split()[0]: line.split() for line in result.output.splitlines() if line.startswith(("speculative", "control"))}
+    assert int(rows["speculative"][1]) >= 2 and int(rows["control"][1]) >= 2
+
+
+@pytest.mark.server
 def test_serve_detach_with_openai_port_and_stop(tmp_path_factory, model_dir):
     """`specdeploy serve RECIPE --detach --openai-port N` starts both; `specdeploy stop RECIPE` stops both."""
     import socket
@@ -233,3 +278,52 @@ def test_stop_cutter_holds_back_partial_matches():
     assert free.push("abc") == "abc" and free.flush() == ""
     tail = openai_api.StopCutter(["xyz"])
     assert tail.push("hello x") == "hello" and tail.flush() == " x"
+
+
+def test_openai_endpoint_maps_paths_and_refuses_what_the_api_cannot_say():
+    from specdeploy.client.openai_adapter import OpenAIEndpoint, base_url
+    from specdeploy.client.protocol import Sampling
+    from specdeploy.errors import ClientError
+
+    assert base_url("127.0.0.1:8000") == base_url("http://127.0.0.1:8000/") == base_url("http://127.0.0.1:8000/v1") == "http://127.0.0.1:8000/v1"
+    ep = OpenAIEndpoint("127.0.0.1:1", "ops", num_draft_tokens=3)
+    assert ep.body(SPECULATIVE_MODEL, GenerateRequest("p", 5, num_draft_tokens=3)) == {
+        "model": "ops-speculative", "prompt": "p", "max_tokens": 5, "stream": False, "temperature": 0}
+    assert ep.body(SPECULATIVE_MODEL, GenerateRequest("p", 5))["model"] == "ops-canary"  # no k: the canary share applies
+    assert ep.body(CONTROL_MODEL, GenerateRequest("p", 5))["model"] == "ops-control"
+    sampled = ep.body(CONTROL_MODEL, GenerateRequest("p", 5, sampling=Sampling(0.7, 0, 0.9, 4)))
+    assert (sampled["temperature"], sampled["top_p"], sampled["seed"]) == (0.7, 0.9, 4)
+    with pytest.raises(ClientError, match="no top_k"):
+        ep.body(CONTROL_MODEL, GenerateRequest("p", 5, sampling=Sampling(1.0, 3)))
+    with pytest.raises(ClientError, match="always sends num_draft_tokens=3"):
+        ep.generate(SPECULATIVE_MODEL, GenerateRequest("p", 5, num_draft_tokens=2), 1)
+    with pytest.raises(ClientError, match="unreachable"):  # nothing listens on port 1
+        ep.generate(CONTROL_MODEL, GenerateRequest("p", 5), 2)
+    with pytest.raises(ClientError, match="only be reached over Triton"):
+        ep.check_ready(["preprocessing"])
+
+
+def test_foreground_front_says_where_it_listens_once_it_does():
+    import socket
+    import threading
+
+    from specdeploy.triton.server import free_port
+
+    port, lines, stop = free_port(), [], threading.Event()
+    front = openai_api.Front(None, None, {}, 16, 3, 5.0)  # /health needs no deployment
+    worker = threading.Thread(target=openai_api.serve_foreground, args=(front, port), kwargs={"echo": lines.append, "stop": stop}, daemon=True)
+    worker.start()
+    try:
+        for _ in range(200):
+            if lines:
+                break
+            threading.Event().wait(0.05)
+        assert lines == [f"  openai:  http://127.0.0.1:{port}/v1 (Ctrl-C stops it and the server)"]
+        with socket.create_connection(("127.0.0.1", port), timeout=2):  # printed only once it listens
+            pass
+    finally:
+        stop.set()
+        worker.join(timeout=15)
+    assert not worker.is_alive()
+    with socket.socket() as sock:
+        assert sock.connect_ex(("127.0.0.1", port)) != 0

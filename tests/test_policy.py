@@ -180,3 +180,74 @@ def test_active_count_counts_busy_living_instances(tmp_path):
     assert count() == 1
     count.close()
     assert not (tmp_path / "active" / str(os.getpid())).exists()
+
+
+# ---------------------------------------------------------------- plain runs (k = 0 rounds of several tokens)
+
+
+def test_plain_run_lengths_follow_why_speculation_is_off():
+    # the gate tripped: the rest of the request in one call
+    gated = Deployment(PolicySettings("static", 4, acceptance_rate_window_size=2, acceptance_rate_threshold=0.5))
+    request = gated.request()
+    for _ in range(2):
+        request.choose(4)
+        request.record(RoundOutcome(4, 4, 0, 1, 0.01, 0.01))
+    assert gated.gate.disabled and request.choose(4) == 0 and request.plain_tokens(37) == 37
+    # the request asked for no draft tokens (cap 0): all that remain, whatever the policy
+    for name in pol.POLICIES:
+        request = Deployment(PolicySettings(name, 4)).request()
+        assert request.choose(0) == 0 and request.plain_tokens(20) == 20
+    # the schedule holds speculation off (too many active): a bounded run, the active count may fall
+    active = [9]
+    busy = Deployment(PolicySettings("cost", 4, draft_len_schedule={4: 4}, probe_interval=6), active=lambda: active[0])
+    request = busy.request()
+    assert request.choose(4) == 0 and request.plain_tokens(50) == 6 and request.plain_tokens(3) == 3
+
+
+def test_cost_policy_runs_plain_tokens_until_the_next_probe():
+    trace = Trace(PolicySettings("cost", 4, probe_interval=8), draft_ms=12.0)
+    request = trace.deployment.request()
+    explored = []
+    while trace.deployment.costs.unmeasured(1) or not trace.deployment.costs.calibrated():
+        k = request.choose(4)
+        if k == 0:
+            explored.append(request.plain_tokens(100))  # exploration times single plain steps
+        request.record(RoundOutcome(k, k, 0, 1, 0.004 * k, 0.010 * (1 + 0.1 * k), draft_fresh=k > 0))  # never right
+    assert explored and set(explored) == {1}
+    before = request.plain_rounds  # exploration ended on plain steps: they count towards the probe
+    assert explored.count(1) == before == 2
+    assert request.choose(4) == 0  # c = 1.2: plain decoding pays more
+    assert request.plain_tokens(100) == 8 - before  # the plain tokens until probe_interval, in one call
+    assert request.plain_tokens(3) == 3  # never more than remain
+    request.record(RoundOutcome(0, 0, 0, 4, 0.0, 0.024, plain_run=6))  # the run stopped early (end id): 4 tokens
+    assert request.plain_rounds == before + 4
+    assert request.choose(4) == 0 and request.plain_tokens(100) == 2  # the rest of the interval
+    request.record(RoundOutcome(0, 0, 0, 2, 0.0, 0.012, plain_run=2))
+    assert request.choose(4) > 0  # 8 plain tokens since the last speculating round: a probe
+
+
+def test_plain_runs_are_costed_per_token_apart_from_one_row_steps():
+    model = pol.CostModel()
+    for _ in range(2):
+        model.observe(RoundOutcome(0, 0, 0, 1, 0.0, 0.012))  # one-row steps, each with its round trip
+        model.observe(RoundOutcome(2, 2, 1, 2, 0.004, 0.016))
+    model.observe(RoundOutcome(0, 0, 0, 8, 0.0, 0.064, plain_run=8))  # 8 ms per token in one call
+    assert model.verify_s[1] == pytest.approx(0.012) and model.plain_token_s == pytest.approx(0.008)
+    assert model.round_seconds(0) == pytest.approx(0.008)  # a fallback runs: its per-token cost
+    assert model.round_seconds(2) == pytest.approx(0.016 + 0.004)  # rounds keep their measured cost
+    # a run asked for 8 that ended after one token is a one-row step, not a run
+    assert not RoundOutcome(0, 0, 0, 1, 0.0, 0.01, plain_run=8).is_run
+    assert not RoundOutcome(2, 2, 2, 3, 0.0, 0.01, plain_run=1).is_run
+
+
+def test_a_draft_that_cannot_pay_even_when_always_right_is_probed_rarely():
+    # draft step 12 ms, plain step 10 ms: k + 1 tokens cost more than k + 1 plain steps at any k
+    trace = Trace(PolicySettings("cost", 4, probe_interval=8), draft_ms=12.0)
+    trace.run(trace.deployment.request(), 12, lambda i, k: k)  # calibrate (acceptance 100 %)
+    request = trace.deployment.request()
+    assert request.choose(4) == 0 and request.plain_tokens(500) == pol.MAX_PROBE_INTERVAL
+    # a cheap draft that is often wrong keeps the short interval (a probe may find it right again)
+    cheap = Trace(PolicySettings("cost", 4, probe_interval=8), draft_ms=0.05)
+    cheap.run(cheap.deployment.request(), 40, lambda i, k: 0)
+    request = cheap.deployment.request()
+    assert request.choose(4) == 0 and request.plain_tokens(500) == 8

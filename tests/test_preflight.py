@@ -149,7 +149,7 @@ def test_nvidia_smi_parsing_and_no_gpu_probe(monkeypatch):
 
 
 def test_doctor_gpu_lines():
-    from specdeploy.trtllm import gpu_report_lines
+    from specdeploy.backends import doctor_lines as gpu_report_lines
 
     lines = gpu_report_lines([A100])
     assert any("compute capability 8.0" in line and "no FP8" in line for line in lines)
@@ -173,5 +173,8 @@ def test_llmapi_version_problems_are_preflight_errors():
     assert checks(preflight.check_llmapi_options(rc3), "error") == ["llmapi"]
     logits = recipe(backend="trtllm-llmapi", use_draft_logits=True)
     assert "use_draft_logits" in preflight.check_llmapi_options(logits)[0].message
-    assert preflight.check_llmapi_options(recipe()) == []  # trtllm-engine: no LLM-API options
+    # trtllm-engine has no LLM-API options: its backend does not list the check, so run_all never runs it
+    engine_findings = preflight.run_all(recipe(), gpus=[], model_dirs={"target": None, "draft": None})
+    assert "llmapi" not in checks(engine_findings, "info") + checks(engine_findings, "error")
+    assert "fp8" in checks(engine_findings, "info")  # the GPU checks do run for it
 

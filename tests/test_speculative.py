@@ -399,3 +399,87 @@ def test_greedy_parity_with_adaptive_k_on_bigram_engines():
             tokens, stats = spec.collect(spec.speculative_generate(draft, target, prompt, 30, 4, policy=deployment.request()))
             assert tokens == expected
             assert len(set(stats.k_per_round)) > 1 or settings.policy == "static"  # the cost policy varied k
+
+
+# ---------------------------------------------------------------- plain runs: k = 0 rounds of several tokens in one call
+
+
+class RunPolicy(ScriptedPolicy):
+    """Scripted k per round and, after a k = 0, the plain tokens to ask for."""
+
+    def __init__(self, ks, runs):
+        super().__init__(ks)
+        self.runs, self.remaining = list(runs), []
+
+    def plain_tokens(self, remaining):
+        self.remaining.append(remaining)
+        return min(remaining, self.runs.pop(0))
+
+
+class RunTarget(ScriptedTarget):
+    def verify(self, sequence, draft_tokens, draft_logits, sampling, output_len=None):
+        self.calls.append((list(sequence), list(draft_tokens), output_len))
+        return self.replies.pop(0)
+
+
+def test_plain_run_is_one_target_call_for_many_tokens():
+    policy = RunPolicy([0, 2, 0], [4, 1])
+    draft = ScriptedDraft([[7, 8]])
+    target = RunTarget([[1, 2, 3, 4], [7, 5], [6]])
+    tokens, stats = spec.collect(spec.speculative_generate(draft, target, [0], 7, 3, policy=policy))
+    assert tokens == [1, 2, 3, 4, 7, 5, 6] and stats.finish_reason == "length"
+    # a run asks for output_len tokens with no draft; a one-token plain step keeps the old call shape
+    assert [c[2] for c in target.calls] == [4, None, None] and target.calls[0] == ([0], [], 4)
+    assert policy.remaining == [7, 1] and policy.caps == [3, 2, 0]
+    assert stats.k_per_round == [0, 2, 0] and stats.target_iterations == 3 and stats.plain_run_tokens == 4
+    run, spec_round, step = policy.outcomes
+    assert (run.k, run.emitted, run.plain_run, run.is_run) == (0, 4, 4, True)
+    assert (step.plain_run, step.is_run) == (1, False)
+
+
+def test_no_policy_and_no_draft_tokens_is_one_call():
+    target = RunTarget([[3, 4, 5, 6, 7]])
+    tokens, stats = spec.collect(spec.speculative_generate(ScriptedDraft([]), target, [0], 5, 0))
+    assert tokens == [3, 4, 5, 6, 7] and target.calls == [([0], [], 5)] and stats.target_iterations == 1
+
+
+class CountingVerifier(ExecutorVerifier):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = 0
+
+    def verify(self, *args, **kwargs):
+        self.calls += 1
+        return super().verify(*args, **kwargs)
+
+
+@pytest.mark.parametrize("sampling", [spec.GREEDY, SamplingParams(temperature=0.0, top_k=5)])
+def test_fallback_runs_equal_the_target_alone_with_fewer_target_calls(sampling):
+    from specdeploy import policy as pol
+
+    target_engine = TableEngine.random(32, seed=20)
+    draft_engine = TableEngine.random(32, seed=21, scale=0.5)
+    gated_runs = 0
+    for seed in range(4):
+        prompt = torch.randint(0, 32, (3,), generator=torch.Generator().manual_seed(seed)).tolist()
+        expected = spec.collect(target_only_generate(Executor(target_engine), prompt, 40, end_id=31))[0]
+        # the gate trips after two bad rounds (threshold 1.0 cannot be met by this draft): the rest is plain
+        settings = pol.PolicySettings("static", 3, acceptance_rate_window_size=2, acceptance_rate_threshold=1.0)
+        deployment = pol.Deployment(settings)
+        target = CountingVerifier(Executor(target_engine, 2), end_id=31)
+        run = spec.speculative_generate(ExecutorProposer(Executor(draft_engine, 2), end_id=31), target, prompt, 40, 3,
+                                        sampling=sampling, end_id=31, policy=deployment.request())  # fmt: skip
+        tokens, stats = spec.collect(run)
+        assert tokens == expected
+        if len(expected) > 8 and deployment.gate.disabled:
+            assert stats.k_per_round[-1] == 0 and stats.plain_run_tokens > 1
+            assert target.calls == stats.target_iterations < len(expected) - stats.accepted
+            gated_runs += 1
+        # a request that asks for no draft tokens: one target call, the target's own output
+        target = CountingVerifier(Executor(target_engine, 2), end_id=31)
+        policy = pol.Deployment(pol.PolicySettings("cost", 3)).request()
+        run = spec.speculative_generate(ExecutorProposer(Executor(draft_engine, 2)), target, prompt, 40, 0, sampling=sampling,
+                                        end_id=31, policy=policy)  # fmt: skip
+        tokens, stats = spec.collect(run)
+        assert tokens == expected and target.calls == 1 and stats.k_per_round == [0]
+    assert gated_runs >= 2  # the gate tripped and the rest ran plain on most prompts

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from triton_hf_engine import make_engines, write_engine  # noqa: E402
 
-from specdeploy.config import BACKENDS  # noqa: E402
+from specdeploy import backends  # noqa: E402
 from specdeploy.errors import RepoError, ServerError, StaleArtifactError  # noqa: E402
 from specdeploy.triton import repository, server  # noqa: E402
 from specdeploy.triton.models import common  # noqa: E402
@@ -106,20 +106,12 @@ def test_target_without_enough_max_draft_len_is_refused(tmp_path, tiny_llama_dir
         repository.generate_repository(recipe, layout, executor_factory=FACTORY)
 
 
-def test_every_backend_has_a_generator_or_a_clear_error(setup):
+def test_cpu_backend_writes_the_shared_layout(setup):
     recipe, layout = setup
     inp = repository.repo_inputs(recipe, layout, executor_factory=FACTORY)
-    assert "cpu" in repository.ENGINE_MODELS
-    for backend in BACKENDS:
-        if backend in repository.ENGINE_MODELS:
-            specs = repository.model_specs(repository.RepoInputs(recipe, inp.engine_dirs, inp.engine_manifests, FACTORY))
-            assert [s.name for s in specs] == list(MODELS)
-        else:
-            from dataclasses import replace
-
-            other = replace(recipe, backend=backend)
-            with pytest.raises(RepoError, match=backend):
-                repository.model_specs(repository.RepoInputs(other, inp.engine_dirs, inp.engine_manifests, FACTORY))
+    specs = repository.model_specs(repository.RepoInputs(recipe, inp.engine_dirs, inp.engine_manifests, FACTORY))
+    assert [s.name for s in specs] == list(MODELS)
+    assert [s.name for s in backends.CPU.engine_models(inp)] == ["tensorrt_llm", "tensorrt_llm_draft"]
 
 
 def test_render_refuses_a_parameter_without_value():
@@ -230,9 +222,10 @@ REFERENCE = Path(__file__).parent / "data" / "trtllm_backend_c2e65b8_tensors.jso
 
 def _declared(config, kind):
     items = config.input if kind == "inputs" else config.output
+    ours = {t.name for t in repository.BLS_EXTRA_OUTPUTS}  # specdeploy's additions, sent only on request
     return {
         t.name: (model_config_pb2.DataType.Name(t.data_type).removeprefix("TYPE_"), list(t.dims), bool(getattr(t, "optional", False)))
-        for t in items
+        for t in items if t.name not in ours
     }
 
 
@@ -384,3 +377,25 @@ def test_bls_calls_run_in_slices_until_done_or_the_parent_stops():
         common.call_in_slices(attempt, check, 0.5)
     assert slices == [0.5]  # stopped after the first expired slice
     assert common.is_slice_expiry("Request timeout expired") and not common.is_slice_expiry("input_ids is empty")
+
+
+def test_streamed_emit_drops_responses_of_a_cancelled_request_only():
+    from specdeploy.triton.models import common
+
+    class Sender:
+        def __init__(self, error=None):
+            self.sent, self.error = [], error
+
+        def send(self, response, flags=0):
+            if self.error:
+                raise RuntimeError(self.error)
+            self.sent.append((response, flags))
+
+    open_sender = Sender()
+    emit = common.streamed_emit(open_sender, final_flag=1)
+    emit("a", False)
+    emit("b", True)
+    assert open_sender.sent == [("a", 0), ("b", 1)]
+    common.streamed_emit(Sender("Unable to send response. Response sender has been closed."), 1)("c", True)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        common.streamed_emit(Sender("out of memory"), 1)("d", True)

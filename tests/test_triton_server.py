@@ -7,9 +7,7 @@ different draft model) and `streaming` (decoupled, 1 instance, draft == target).
 from __future__ import annotations
 
 import queue
-import shutil
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -659,3 +657,28 @@ def test_real_unary_ttft_is_when_the_first_token_came(real):
     arrival, first, last = (int(r.as_numpy(x).reshape(-1)[0]) for x in ("arrival_time_ns", "first_token_time_ns", "last_token_time_ns"))
     assert arrival < first < last
     assert (first - arrival) < 0.5 * (last - arrival)  # 1 of 64 tokens: TTFT well before the end
+
+
+def test_real_stop_request_ends_the_running_request(real):
+    """TensorRT-LLM's `stop` input: a second request with the running request's id and stop=true ends it
+    (in-flight batching lets both reach the instance); the running request answers normally with the
+    tokens it has, the stop request with an empty response."""
+    long_output = 1300  # ~1 s of tiny-engine decoding: the stop lands while it runs
+    values = dict(input_ids=np.array([[5, 6, 7, 8]], np.int32), input_lengths=4, request_output_len=long_output, end_id=-1)
+    done: queue.Queue = queue.Queue()
+    start = time.monotonic()
+    real.async_infer("tensorrt_llm", _inputs(values), request_id="stop-me", callback=lambda result, error: done.put((result, error)))
+    time.sleep(0.05)
+    stop = dict(input_ids=np.zeros((1, 1), np.int32), input_lengths=0, request_output_len=0, stop=True)
+    answer = real.infer("tensorrt_llm", _inputs(stop), request_id="stop-me", client_timeout=60)
+    assert answer.as_numpy("output_ids").size == 0
+    result, error = done.get(timeout=120)
+    stopped_after = time.monotonic() - start
+    assert error is None, error
+    generated = int(result.as_numpy("sequence_length").reshape(-1)[0]) - 4
+    assert 0 <= generated < long_output, generated
+    # the whole run, for comparison: the stopped request ended well before it
+    start = time.monotonic()
+    full = real.infer("tensorrt_llm", _inputs(values), client_timeout=120)
+    assert int(full.as_numpy("sequence_length").reshape(-1)[0]) - 4 == long_output
+    assert stopped_after < time.monotonic() - start

@@ -227,14 +227,12 @@ def test_gpu_recipe_file_loads_and_dry_runs(tmp_path, monkeypatch):
     assert "--max_draft_len 8" in target_line and target_line.endswith("--workers 4")
 
 
-def test_every_gpu_backend_has_a_builder_and_a_repository():
-    from specdeploy.config import BACKENDS
-    from specdeploy.triton import gpu_models, repository
+def test_gpu_backends_build_with_trtllm():
+    from specdeploy import backends
 
-    gpu_backends = [b for b in BACKENDS if b != "cpu"]
-    assert sorted(trtllm.BUILDERS) == sorted(gpu_backends)
-    for backend in gpu_backends:
-        assert backend in repository.ENGINE_MODELS or backend in gpu_models.FULL_REPOSITORIES
+    gpu = [b for b in backends.ALL if b.gpu]
+    assert {b.name for b in gpu} == {"trtllm-engine", "trtllm-llmapi"}
+    assert all(b.external_build and b.default_image for b in gpu)
 
 
 def test_cli_build_dry_run(tmp_path, monkeypatch):

@@ -4,7 +4,9 @@ Exit codes: 0 every check holds; 1 the run is incomplete (a fault stopped it); 3
 below `min_parity` over the compared prompts, fewer compared prompts than `min_compared_share` (the
 rest too short to compare), a stream that differs from the non-streamed text, or the sampling
 comparison rejecting equal distributions; 4 speedup below `min_speedup` at the lowest concurrency
-level. With several failures, the first in that order wins.
+level; 5 the deployment's metrics endpoint disagrees with validate's own counts of its run (requests,
+output tokens, draft tokens proposed/accepted per path). With several failures, the first in that
+order wins.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from dataclasses import dataclass, field
 
 from specdeploy.client.parity import SAMPLING_ALPHA
 
-EXIT_OK, EXIT_INCOMPLETE, EXIT_PARITY, EXIT_SPEED = 0, 1, 3, 4
+EXIT_OK, EXIT_INCOMPLETE, EXIT_PARITY, EXIT_SPEED, EXIT_METRICS = 0, 1, 3, 4, 5
 
 
 @dataclass
@@ -81,7 +83,19 @@ def evaluate(report: dict, min_parity: float, min_speedup: float, min_compared_s
 
     if min_speedup > 0:
         verdict.checks.append(_speed_check(report, min_speedup))
+    check = report.get("metrics_check") or {}
+    if check.get("checked"):
+        verdict.checks.append(_metrics_check(check))
     return verdict
+
+
+def _metrics_check(check: dict) -> Check:
+    """The metrics endpoint against validate's own counts; a mismatch names the metric."""
+    compared = [r for r in check.get("rows", []) if r.get("agree") is not None]
+    bad = check.get("mismatches") or []
+    if bad:
+        return Check("metrics", False, "metrics endpoint disagrees: " + "; ".join(bad), EXIT_METRICS)
+    return Check("metrics", True, f"metrics endpoint agrees on {len(compared)} counts", EXIT_METRICS)
 
 
 def _parity_checks(report: dict, parity: dict, s: dict, min_parity: float, min_compared_share: float) -> list[Check]:

@@ -8,7 +8,7 @@ prompt whose control output has fewer than `min_compared_tokens` tokens proves n
 "too short to compare", never a match.
 
 A divergence fails outright on a backend whose verification is exact by construction
-(`specdeploy.config.EXACT_VERIFICATION_BACKENDS`: the CPU engine). On the others (GPU engines
+(`Backend.exact_verification` in specdeploy/backends.py: the CPU engine). On the others (GPU engines
 verify k+1 rows in reduced precision with batch-dependent kernels) it is triaged with the target's
 logits at the diverging position: when the logits of the two competing tokens (the control's and
 the speculative one's; end_id for a side that ended there) differ by at most `near_tie_margin`, the

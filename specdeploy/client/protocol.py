@@ -79,6 +79,7 @@ class GenerateResult:
     responses: int = 1
     perf: PerfMetrics = field(default_factory=PerfMetrics)
     token_ids: list[int] | None = None  # generated ids, when the model returns `output_ids`
+    k_history: list[int] | None = None  # draft length per round (0: a plain step), when the BLS returns `speculative_k_history`
 
 
 @dataclass(frozen=True)

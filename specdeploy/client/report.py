@@ -20,7 +20,7 @@ def write_report(report: dict, report_dir: str | Path) -> dict[str, Path]:
     out = Path(report_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths: dict[str, Path] = {}
-    for name, plot in (("latency", plot_latency), ("categories", plot_categories), ("sweep", plot_sweep)):
+    for name, plot in (("latency", plot_latency), ("categories", plot_categories), ("sweep", plot_sweep), ("draft_length", plot_draft_length)):
         path = out / f"{name}.png"
         if plot(report, path):
             paths[name] = path
@@ -88,9 +88,12 @@ def render_markdown(report: dict) -> str:
     lines += _sampling_md(report)
     lines += _latency_md(report)
     lines += cost_markdown(report.get("cost"))
+    lines += _speculation_md(report)
+    lines += _metrics_check_md(report)
     lines += _sweep_md(report)
     lines += _quality_md(report)
-    for name, title in (("latency", "Latency distribution"), ("categories", "Per category"), ("sweep", "Draft-length sweep")):
+    for name, title in (("latency", "Latency distribution"), ("categories", "Per category"), ("sweep", "Draft-length sweep"),
+                        ("draft_length", "Draft length the policy chose")):  # fmt: skip
         if name in (report.get("plots") or {}):
             lines += [f"![{title}]({report['plots'][name]})", ""]
     return "\n".join(lines)
@@ -226,6 +229,63 @@ def _latency_md(report: dict) -> list[str]:
         for r in latency["speedups"]
     ]
     return lines + _table(["concurrency", "category", "speedup", "range", "std"], rows)
+
+
+REASONS = {
+    "last_token": "one token left to generate: nothing to draft",
+    "gate": "the acceptance gate turned speculation off (rolling acceptance below acceptance_rate_threshold)",
+    "schedule": "draft_len_schedule / max_concurrency: too many active sequences",
+    "policy": "the cost policy predicted a plain target step pays more",
+    "control_arm": "the canary sent the request down the plain path",
+    "num_draft_tokens_0": "the request asked for no draft tokens",
+}
+
+
+def _speculation_md(report: dict) -> list[str]:
+    spec = report.get("speculation")
+    if not spec:
+        return []
+    policy = spec.get("policy") or {}
+    lines = ["## Speculation policy and what it did", ""]
+    if policy:
+        settings = ", ".join(f"{k} {v}" for k, v in policy.items() if k not in ("source", "speculation_policy"))
+        lines += [f"Policy **{policy.get('speculation_policy', '?')}** (from the {policy.get('source', 'recipe')}): {settings}.", ""]
+    total = (spec.get("rounds_on") or 0) + (spec.get("rounds_off") or 0)
+    if not total:
+        return lines + ["No rounds counted (no metrics endpoint and no `speculative_k_history` output).", ""]
+    source = {"speculative_k_history": "the BLS's `speculative_k_history` output of every speculative request",
+              "metrics": "the metrics endpoint over the run (`specdeploy_spec_decode_rounds_total`, per-position draft counters)"}  # fmt: skip
+    lines += [
+        f"Over the run ({source.get(spec.get('source'), spec.get('source'))}): {total} target passes on the speculative path, "
+        f"**{spec['speculated_share']:.0%} speculated** ({spec['rounds_on']:g} with a draft, {spec['rounds_off']:g} plain steps).",
+        "",
+    ]
+    if spec.get("k_counts"):
+        lines += _table(["k (draft tokens)", "rounds", "share"],
+                        [[k, f"{n:g}", f"{n / total:.0%}"] for k, n in sorted(spec["k_counts"].items(), key=lambda kv: int(kv[0]))])  # fmt: skip
+    reasons = spec.get("off_reasons") or {}
+    if reasons:
+        off = sum(reasons.values())
+        lines += ["Where speculation was off, and why (metrics endpoint):", ""]
+        lines += _table(["reason", "rounds", "share of plain steps", "meaning"],
+                        [[r, f"{n:g}", f"{n / off:.0%}", REASONS.get(r, "")] for r, n in reasons.items()])  # fmt: skip
+    return lines
+
+
+def _metrics_check_md(report: dict) -> list[str]:
+    check = report.get("metrics_check")
+    if not check:
+        return []
+    lines = ["## Metrics endpoint against validate's own counts", ""]
+    if check.get("url"):
+        lines += [f"Endpoint `{check['url']}`, read before and after the run.", ""]
+    rows = check.get("rows") or []
+    if rows:
+        lines += _table(["path", "metric", "metrics endpoint", "validate counted", "agree"],
+                        [[r["path"], f"`{r['metric']}`", f"{r['metrics']:g}", "–" if r["client"] is None else f"{r['client']:g}",
+                          {True: "yes", False: "**NO**", None: "–"}[r["agree"]]] for r in rows])  # fmt: skip
+    lines += [f"- {n}" for n in check.get("notes") or []]
+    return lines + ([""] if check.get("notes") else [])
 
 
 def _sweep_md(report: dict) -> list[str]:
@@ -430,6 +490,63 @@ def plot_sweep(report: dict, path: Path) -> bool:
     ax_acc.set_title("acceptance vs draft length", fontsize=10)
     ax_acc.grid(alpha=0.3)
     fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def plot_draft_length(report: dict, path: Path) -> bool:
+    """The k the policy chose: per round over the run (from `speculative_k_history`) with the rolling share
+    of rounds that speculated; else the rounds per k from the metrics. Beside it: plain steps by reason."""
+    spec = report.get("speculation") or {}
+    history, counts, reasons = spec.get("k_history"), spec.get("k_counts") or {}, spec.get("off_reasons") or {}
+    if not history and not counts:
+        return False
+    plt = _pyplot()
+    import numpy as np
+
+    fig, (ax, ax_why) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [3, 1]})
+    policy = (spec.get("policy") or {}).get("speculation_policy", "?")
+    if history:
+        k = np.asarray(history, dtype=float)
+        x = np.arange(1, len(k) + 1)
+        ax.scatter(x, k, s=9, color=SPEC_COLOR, alpha=0.5, linewidths=0, label="k per round")
+        window = max(1, min(50, len(k) // 10 or 1))
+        share = np.convolve((k > 0).astype(float), np.ones(window) / window, mode="valid")
+        ax.plot(x[window - 1:], np.convolve(k, np.ones(window) / window, mode="valid"), color="#08306b", linewidth=1.2,
+                label=f"mean k, rolling {window} rounds")  # fmt: skip
+        twin = ax.twinx()
+        twin.plot(x[window - 1:], share * 100, color="#d62728", linewidth=1.2, label=f"speculated, rolling {window} rounds (%)")
+        twin.set_ylim(0, 105)
+        twin.set_ylabel("rounds that speculated (%)")
+        bounds = np.cumsum(spec.get("k_history_requests") or [])[:-1]
+        if 0 < len(bounds) <= 200:
+            for b in bounds:
+                ax.axvline(b + 0.5, color="#cccccc", linewidth=0.4, zorder=0)
+        ax.set_xlabel("target pass (speculative requests in the order they finished; grey lines: request boundaries)")
+        ax.set_ylabel("draft tokens k (0 = plain step)")
+        ax.set_ylim(-0.2, max(1, k.max()) + 0.5)
+        handles = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
+        ax.legend(handles, [h.get_label() for h in handles], loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3, fontsize=8, frameon=False)
+        ax.set_title(f"policy {policy}: k over the run ({spec.get('speculated_share', 0):.0%} of rounds speculated)", fontsize=10, pad=22)
+    else:
+        ks = sorted(counts, key=int)
+        ax.bar([str(k) for k in ks], [counts[k] for k in ks], color=[CONTROL_COLOR if int(k) == 0 else SPEC_COLOR for k in ks])
+        ax.set_xlabel("draft tokens k (0 = plain step)")
+        ax.set_ylabel("rounds")
+        ax.set_title(f"policy {policy}: rounds per k over the run (metrics; the BLS returns no k per round)", fontsize=10)
+    ax.grid(axis="y", alpha=0.3)
+    if reasons:
+        names = list(reasons)
+        ax_why.barh(names, [reasons[n] for n in names], color=CONTROL_COLOR)
+        ax_why.invert_yaxis()
+        ax_why.set_xlabel("plain steps")
+        ax_why.set_title("why speculation was off", fontsize=10)
+    else:
+        ax_why.axis("off")
+        ax_why.text(0.5, 0.5, "reasons off: none\n(or the metrics were not read)", ha="center", va="center", fontsize=9)
+    fig.suptitle(f"{report.get('recipe') or 'deployment'}: draft length chosen by the speculation policy", fontsize=11)
+    fig.tight_layout(rect=(0, 0, 1, 0.94))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True

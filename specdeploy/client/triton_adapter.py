@@ -29,6 +29,7 @@ from specdeploy.client.protocol import (
 from specdeploy.errors import ClientError
 
 CONNECT_TIMEOUT_S = 5.0
+K_HISTORY_OUTPUT = "speculative_k_history"  # optional BLS output: INT32 [-1], draft length per round (0: plain step)
 PERF_OUTPUTS = (
     "total_draft_tokens",
     "total_accepted_draft_tokens",
@@ -123,6 +124,11 @@ class TritonEndpoint:
             ).get("config", {})
         return self._configs[model]
 
+    def model_parameters(self, model: str) -> dict[str, str]:
+        """The served model's config parameters (name -> string value), e.g. the BLS's policy settings."""
+        params = self._config(model).get("parameters", {}) or {}
+        return {k: (v.get("string_value", "") if isinstance(v, dict) else str(v)) for k, v in params.items()}
+
     def _has_output(self, model: str, name: str) -> bool:
         return any(o.get("name") == name for o in self._config(model).get("output", []))
 
@@ -176,6 +182,9 @@ class TritonEndpoint:
         with_ids = self._has_output(model, "output_ids")  # exact tokens, where the deployment offers them
         if with_ids:
             outputs.append("output_ids")
+        with_k = request.return_perf_metrics and self._has_output(model, K_HISTORY_OUTPUT)  # the policy's k per round
+        if with_k:
+            outputs.append(K_HISTORY_OUTPUT)
         what = f"a request to {model}"
         start = time.perf_counter()
         if self.is_decoupled(model):
@@ -189,7 +198,8 @@ class TritonEndpoint:
         perf = _perf(responses[-1]) if request.return_perf_metrics and responses else PerfMetrics()
         ids = [int(t) for r in responses for t in _ids(r)] if with_ids else None
         ttft, decode, source = timing(request.stream, start, first_s, start + latency, perf)
-        return GenerateResult(text, latency, ttft, source, decode, len(responses), perf, ids)
+        k_history = [int(k) for r in responses for k in _array(r, K_HISTORY_OUTPUT)] if with_k else None
+        return GenerateResult(text, latency, ttft, source, decode, len(responses), perf, ids, k_history)
 
     def trace(self, prompt: str, max_tokens: int, timeout_s: float, with_logits: bool = True) -> TargetTrace:
         pre = self._run(
@@ -317,7 +327,11 @@ def _text(result) -> str:
 
 
 def _ids(result) -> list[int]:
-    array = result.as_numpy("output_ids")
+    return _array(result, "output_ids")
+
+
+def _array(result, name: str) -> list[int]:
+    array = result.as_numpy(name)
     return [] if array is None else array.reshape(-1).tolist()
 
 

@@ -516,6 +516,9 @@ def validate_recipe(
     baseline_url: str | None = None,
     report_dir: str | Path | None = None,
     progress=True,
+    protocol: str = "triton",
+    openai_url: str | None = None,
+    metrics_url: str | None = None,
     **overrides,
 ):
     """Validate the deployment of `recipe` at `url` and write the report; returns (report, paths, verdict).
@@ -523,16 +526,22 @@ def validate_recipe(
     Server faults do not raise: the verdict then fails with exit code 1 and the report is marked
     incomplete. `overrides` replace Options fields (min_parity, min_speedup, max_prompts, ...).
     """
+    from specdeploy import backends
     from specdeploy.client import gate
     from specdeploy.client.report import write_report
     from specdeploy.client.triton_adapter import TritonEndpoint
 
+    backends.of(recipe).require_validatable(recipe)
     options = Options.from_recipe(recipe, **overrides)
     codec = HFCodec(tokenizer_dir(recipe, layout))
-    endpoint = TritonEndpoint(url or server_url(layout))
+    from specdeploy.client import metrics_check  # counts the run's requests; reads the metrics endpoint before and after
+
+    check = metrics_check.open_run(recipe, layout, url, protocol, openai_url, metrics_url)
+    endpoint = check.endpoint
     baseline = TritonEndpoint(baseline_url) if baseline_url else None
     try:
         report = validate(endpoint, codec, options, recipe.name, baseline, read_quality(layout), progress)
+        check.finish(report, metrics_check.served_policy(endpoint, recipe))
     finally:
         endpoint.close()
         if baseline is not None:
@@ -580,36 +589,9 @@ def summary_lines(report: dict) -> list[str]:
         lines.append(
             f"sweep: alpha {sweep['alpha']:.3f}, c {sweep['cost_ratio'] or 0:.3f}; recommended num_draft_tokens {rec['recommended_k']}"
         )
+    from specdeploy.client.metrics_check import summary_lines as metrics_lines  # policy, rounds on/off, metrics check
+
+    lines += metrics_lines(report)
     lines += [f"warning: {w}" for w in report.get("warnings", [])]
     lines += [f"error: {e}" for e in report.get("errors", [])]
     return lines
-
-
-def run_pipeline(recipe, layout, recipe_path: str, echo=print, progress=True, server_binary: str | None = None, **overrides):
-    """quantize -> build -> repo -> serve -> validate -> stop, each stage's own function (unchanged
-    artifacts are not redone). The server started here is always stopped, also on failure or Ctrl-C.
-    Returns validate_recipe's (report, paths, verdict)."""
-    from specdeploy import build as builder
-    from specdeploy.quantize import quantize_recipe
-    from specdeploy.triton import repository, server
-
-    echo("== quantize")
-    quantize_recipe(recipe, layout, echo=echo, progress=progress is True)
-    echo("== build")
-    builder.build(recipe, layout, echo=echo)
-    echo("== repo")
-    path, written = repository.generate_repository(recipe, layout, recipe_path=recipe_path)
-    echo(f"{'wrote' if written else 'up to date:'} {path}")
-    echo("== serve")
-    t = recipe.triton
-    ports = server.Ports.pick(t.grpc_port, t.http_port, t.metrics_port)
-    running = server.start(layout.repo, ports, Path(layout.server_state) / server.LOG_FILE, binary=server_binary)
-    try:
-        server.wait_ready(running, t.startup_timeout_s)
-        echo(f"tritonserver ready (pid {running.state.pid}, grpc {running.state.grpc_url}, log {running.state.log})")
-        echo("== validate")
-        return validate_recipe(recipe, layout, url=running.state.grpc_url, progress=progress, **overrides)
-    finally:
-        echo("== stop")
-        running.stop()
-        echo("stopped tritonserver")

@@ -25,9 +25,11 @@ The engine API used (CONTRACTS.md): `engine.spec` (vocab_size, max_seq_len, max_
 
 from __future__ import annotations
 
+import contextlib
+import queue
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
@@ -120,6 +122,18 @@ class _Entry:
     cache: object
     capacity: int
     tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Pass:
+    """One engine pass a request asks for: `tokens` appended to `entry`'s cache, logits of the last
+    `keep` rows (None: all). The driver sets `logits` and `elapsed_s` (the wall time of the pass it ran in)."""
+
+    entry: _Entry
+    tokens: list[int]
+    keep: int | None = None
+    logits: torch.Tensor | None = None
+    elapsed_s: float = 0.0
 
 
 def reusable_prefix_len(cached_tokens: Sequence[int], input_ids: Sequence[int]) -> int:
@@ -232,10 +246,11 @@ class Executor:
 
     def _prefill(
         self, entry: _Entry, tokens: list[int], keep: int | None, stats: GenerationStats, request: GenerationRequest, start: float
-    ) -> tuple[torch.Tensor | None, str | None]:
+    ):
         """Run `tokens` in passes of at most `prefill_chunk` positions, checking cancellation and the
         deadline between them: (the logits of the last `keep` positions (all when None), None), or
-        (None, reason) when interrupted (the positions computed so far stay cached for reuse)."""
+        (None, reason) when interrupted (the positions computed so far stay cached for reuse).
+        A generator step (see `_steps`): `logits, reason = yield from self._prefill(...)`."""
         rows: list[torch.Tensor] = []
         kept = 0
         for begin in range(0, len(tokens), self.prefill_chunk):
@@ -243,7 +258,11 @@ class Executor:
                 reason = self._interrupted(request, start)
                 if reason is not None:
                     return None, reason
-            out = self._forward(entry, tokens[begin : begin + self.prefill_chunk], stats)  # [n, vocab]
+            part = tokens[begin : begin + self.prefill_chunk]
+            # an earlier chunk's rows are needed only when `keep` reaches back into it
+            # rows of this chunk among the last `keep` of all tokens: only those need logits
+            want = None if keep is None else max(0, begin + len(part) - max(begin, len(tokens) - keep))
+            out = yield from self._forward(entry, part, stats, want)  # [want or n, vocab]
             rows.append(out)
             kept += len(out)
             while keep is not None and len(rows) > 1 and kept - len(rows[0]) >= keep:  # drop rows no longer needed
@@ -251,14 +270,35 @@ class Executor:
         logits = rows[0] if len(rows) == 1 else torch.cat(rows)
         return (logits if keep is None else logits[-keep:]), None
 
-    def _forward(self, entry: _Entry, tokens: list[int], stats: GenerationStats) -> torch.Tensor:
-        t0 = self._clock()
-        logits = self.engine.forward(entry.cache, torch.tensor(tokens, dtype=torch.long))  # [n, vocab]
-        stats.forward_time_s += self._clock() - t0
+    def _forward(self, entry: _Entry, tokens: list[int], stats: GenerationStats, keep: int | None = None):
+        """One engine pass over `tokens` appended to `entry`: yields a `_Pass` for the driver (`generate`
+        runs it alone, a `BatchScheduler` together with other requests' passes) and returns its logits
+        ([n, vocab], or the last `keep` rows)."""
+        work = _Pass(entry, tokens, keep)
+        yield work
+        assert work.logits is not None, "the driver did not run the pass"
+        stats.forward_time_s += work.elapsed_s
         stats.iterations += 1
         stats.computed_tokens += len(tokens)
-        entry.tokens.extend(tokens)
-        return logits
+        return work.logits
+
+    def run_passes(self, passes: list["_Pass"]) -> None:
+        """Run engine passes (each sequence at most once) in one batched forward when the engine has
+        `forward_batch` and there is more than one, else one by one; sets each pass's logits and time."""
+        t0 = self._clock()
+        batch = getattr(self.engine, "forward_batch", None)
+        if batch is not None:  # also for one pass: it computes the kept rows' logits only
+            outs = batch([p.entry.cache for p in passes], [torch.tensor(p.tokens, dtype=torch.long) for p in passes],
+                         [p.keep for p in passes])
+        else:
+            outs = []
+            for p in passes:
+                out = self.engine.forward(p.entry.cache, torch.tensor(p.tokens, dtype=torch.long))  # [n, vocab]
+                outs.append(out if p.keep is None else out[len(out) - min(p.keep, len(out)) :])
+        elapsed = self._clock() - t0
+        for p, out in zip(passes, outs):
+            p.logits, p.elapsed_s = out, elapsed
+            p.entry.tokens.extend(p.tokens)  # here, not in the request's steps: a request closed now keeps a consistent cache
 
     # ------------------------------------------------------------ requests
 
@@ -306,7 +346,28 @@ class Executor:
         finished=True, finish_reason and stats. Cancellation (`is_cancelled`) and the deadline
         (`timeout_s`) are checked before the first pass, between prefill chunks (`prefill_chunk`
         positions) and after every token: the request then ends
-        with the tokens it has and finish_reason "cancelled" / "timeout"."""
+        with the tokens it has and finish_reason "cancelled" / "timeout".
+
+        Runs each engine pass of the request as soon as it is asked for (one request at a time);
+        `BatchScheduler` drives the same `steps` of many requests with shared passes."""
+        steps = self.steps(request)
+        try:
+            item = next(steps)
+            while True:
+                if isinstance(item, _Pass):
+                    self.run_passes([item])
+                else:
+                    yield item
+                item = next(steps)
+        except StopIteration:
+            return
+        finally:
+            steps.close()  # a request closed early gives its KV cache back to the pool at once
+
+    def steps(self, request: GenerationRequest) -> Iterator["GenerationChunk | _Pass"]:
+        """The request as a sequence of steps: yields a `_Pass` whenever it needs an engine pass (the
+        driver runs it, sets its logits, then resumes the generator) and a `GenerationChunk` whenever it
+        has output. Closing the generator releases the request's KV cache into the pool."""
         params = self._check(request)
         start = self._clock()
         stats = GenerationStats(input_tokens=len(request.input_ids), scheduled_time_ns=self._wall_ns())
@@ -364,7 +425,9 @@ class Executor:
         n_in = len(input_ids)
         generator = None if spec.is_greedy(request.sampling) else spec.make_generator(request.sampling.seed)
         sampler = lp.sampler_params(request.sampling)
-        logits, reason = self._prefill(entry, input_ids[stats.reused_tokens :], None if request.return_context_logits else 1, stats, request, start)
+        logits, reason = yield from self._prefill(
+            entry, input_ids[stats.reused_tokens :], None if request.return_context_logits else 1, stats, request, start
+        )
         if reason is not None:
             self._finish(stats, [], [], start)
             yield self._chunk(request, [], [], [], reason, stats, None)
@@ -403,7 +466,7 @@ class Executor:
                 yield self._chunk(request, [token], kept_logits[-1:], kept_log_probs[-1:], None, None, context_logits)
                 context_logits = None
                 pending = 0
-            raw = self._forward(entry, [token], stats)[0]
+            raw = (yield from self._forward(entry, [token], stats, 1))[0]
 
     def _verify(
         self,
@@ -422,7 +485,7 @@ class Executor:
         input_ids = list(request.input_ids)
         k = len(draft)
         n_in = len(input_ids)
-        logits, reason = self._prefill(
+        logits, reason = yield from self._prefill(
             entry, input_ids[stats.reused_tokens :] + draft, None if request.return_context_logits else k + 1, stats, request, start
         )  # [n_in - reused + k, vocab], or the last k + 1 rows
         if reason is not None:
@@ -479,6 +542,152 @@ class Executor:
             log_probs=list(log_probs) if request.return_log_probs else None,
             context_logits=context_logits,
         )
+
+
+class _Job:
+    """A request in a BatchScheduler: its steps generator and the queue its consumer reads."""
+
+    def __init__(self, request: GenerationRequest):
+        self.request = request
+        self.steps: Iterator | None = None
+        self.out: queue.SimpleQueue = queue.SimpleQueue()  # GenerationChunk | BaseException
+        self.closed = False  # the consumer stopped reading (cancelled, or gone)
+
+
+class BatchScheduler:
+    """In-flight (continuous) batching over one Executor, as TensorRT-LLM's batch manager does.
+
+    A background thread steps every active request together: each request runs until it needs an
+    engine pass (`Executor.steps` yields a `_Pass`), then the passes of all active requests (decode
+    rows, k + 1 verification rows, prefill chunks of `prefill_chunk` positions) run in one
+    `engine.forward_batch`: the linear layers once over all rows, attention per sequence over its own
+    KV cache. Requests join and leave between steps; at most `max_batch_size` are active, the others
+    wait in arrival order. Rows are computed independently of their neighbours (see
+    specdeploy.engine.model), so a request's tokens and logits do not depend on what it was batched
+    with. The KV caches come from the executor's one pool (prefix reuse across requests and rounds).
+
+    `generate(request)` is called from any thread and yields the request's chunks as `Executor.generate`
+    does; closing it early (cancellation) drops the request at the next step and frees its cache."""
+
+    def __init__(self, executor: Executor, max_batch_size: int):
+        if max_batch_size < 1:
+            raise ConfigError(f"max_batch_size is {max_batch_size}, must be >= 1", "set engine.max_batch_size >= 1")
+        self.executor = executor
+        self.max_batch_size = max_batch_size
+        self.steps_run = 0  # batched engine steps so far
+        self.max_active = 0  # the most requests that shared one step
+        self._cond = threading.Condition()
+        self._waiting: deque[_Job] = deque()
+        self._stopped = False
+        self._paused = 0
+        self._thread = threading.Thread(target=self._loop, name="specdeploy-batch-scheduler", daemon=True)
+        self._thread.start()
+
+    def generate(self, request: GenerationRequest) -> Iterator[GenerationChunk]:
+        job = _Job(request)
+        with self._cond:
+            if self._stopped:
+                raise ConfigError("the batch scheduler was closed", "the model is unloading; send the request again")
+            self._waiting.append(job)
+            self._cond.notify()
+        try:
+            while True:
+                item = job.out.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            job.closed = True
+            with self._cond:
+                self._cond.notify()
+
+    @contextlib.contextmanager
+    def paused(self):
+        """No step starts inside this block (requests queue up): lets a test or a caller line requests up."""
+        with self._cond:
+            self._paused += 1
+        try:
+            yield self
+        finally:
+            with self._cond:
+                self._paused -= 1
+                self._cond.notify()
+
+    def waiting(self) -> int:
+        """Requests queued, not yet active."""
+        with self._cond:
+            return len(self._waiting)
+
+    def close(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        active: list[_Job] = []
+        while True:
+            with self._cond:
+                while not self._stopped and (self._paused or (not self._waiting and not active)):
+                    self._cond.wait()
+                if self._stopped:
+                    break
+                while self._waiting and len(active) < self.max_batch_size:
+                    active.append(self._waiting.popleft())  # join between steps
+            work = []  # (job, pass)
+            for job in list(active):
+                step = self._advance(job)
+                if step is None:
+                    active.remove(job)  # leave between steps
+                else:
+                    work.append((job, step))
+            if not work:
+                continue
+            self.max_active = max(self.max_active, len(work))
+            try:
+                self.executor.run_passes([step for _, step in work])
+                self.steps_run += 1
+            except Exception as exc:  # an engine failure fails the requests of this step, the others go on
+                for job, _ in work:
+                    job.out.put(exc)
+                    self._drop(job)
+                    active.remove(job)
+        for job in active + list(self._waiting):
+            job.out.put(ConfigError("the batch scheduler was closed", "the model is unloading; send the request again"))
+            self._drop(job)
+
+    def _advance(self, job: _Job) -> "_Pass | None":
+        """Run the job's steps up to its next engine pass (sending its chunks on the way); None when the
+        job is done, failed or closed (its steps are then closed and its cache back in the pool)."""
+        if job.closed:
+            self._drop(job)
+            return None
+        try:
+            if job.steps is None:
+                job.steps = self.executor.steps(job.request)
+            item = next(job.steps)
+            while not isinstance(item, _Pass):
+                job.out.put(item)
+                item = next(job.steps)
+            return item
+        except StopIteration:
+            self._drop(job)
+            return None
+        except Exception as exc:  # a refused request (ConfigError) or a failure in its processing
+            job.out.put(exc)
+            self._drop(job)
+            return None
+
+    @staticmethod
+    def _drop(job: _Job) -> None:
+        if job.steps is not None:
+            try:
+                job.steps.close()
+            except Exception:  # noqa: BLE001  (a failed pass may leave the cache inconsistent: it is discarded)
+                pass
+            job.steps = None
 
 
 def run(executor: Executor, request: GenerationRequest) -> GenerationChunk:

@@ -33,9 +33,10 @@ class KVCache:
         self.scales = None if scales is None else [float(s) for s in scales]
         storage = {None: torch.float32, "FP8": torch.float8_e4m3fn, "INT8": torch.int8}[quant_algo]
         shape = (num_layers, num_kv_heads, max_len, head_size)  # [layer, kv_head, position, head_size]
-        # Zeros, not garbage: masked-out rows never read them, but a stale finite value is harmless.
-        self.keys = torch.zeros(shape, dtype=storage)
-        self.values = torch.zeros(shape, dtype=storage)
+        # Uninitialised: attention reads only positions < length, all written first. Pages are touched as
+        # positions are written, so a pool of long caches costs memory for the positions in use only.
+        self.keys = torch.empty(shape, dtype=storage)
+        self.values = torch.empty(shape, dtype=storage)
         self.length = 0
 
     def truncate(self, length: int) -> None:

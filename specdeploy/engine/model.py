@@ -183,11 +183,72 @@ class CpuEngine:
             )
         if n and (int(token_ids.min()) < 0 or int(token_ids.max()) >= self.spec.vocab_size):
             raise ConfigError(f"token ids must lie in [0, {self.spec.vocab_size})", "check the tokenizer matches the model")
-        step = self.chunk_rows
-        chunks = [self._forward_chunk(cache, token_ids[i : i + step]) for i in range(0, n, step)]
+        return self._forward_rows(cache, token_ids, None)
+
+    def _forward_rows(self, cache: KVCache, token_ids: torch.Tensor, keep: int | None) -> torch.Tensor:
+        """forward's chunks; logits of the last `keep` rows only (None: all)."""
+        n, step = token_ids.numel(), self.chunk_rows
+        first_kept = 0 if keep is None else n - min(keep, n)
+        chunks = []
+        for i in range(0, n, step):
+            end = min(i + step, n)
+            chunks.append(self._forward_chunk(cache, token_ids[i:end], max(0, end - max(i, first_kept))))
         if len(chunks) == 1:  # a decode step or a verification pass: no copy of the logits
             return chunks[0]
         return torch.cat(chunks) if chunks else torch.empty(0, self.spec.vocab_size)
+
+    @torch.inference_mode()
+    def forward_batch(
+        self, caches: list[KVCache], token_ids: list[torch.Tensor], keep: list[int | None] | None = None
+    ) -> list[torch.Tensor]:
+        """Several sequences' new tokens in one pass (in-flight batching): sequence i places token_ids[i] at
+        positions caches[i].length.. and gets back the fp32 logits of its last keep[i] rows (None: all).
+
+        The row-wise ops (embedding, norms, linear layers, LM head) run once over the concatenated rows of
+        every sequence, so each weight is read once for the whole batch; attention runs per sequence over
+        its own cache. Rows do not depend on their neighbours (rule 1 of the module docstring), so each
+        sequence's logits are bit-identical to `forward(caches[i], token_ids[i])` alone: batch invariance.
+        An engine that pads its calls (a kernel that is not row-invariant) runs the sequences one by one."""
+        ids = [torch.as_tensor(t, dtype=torch.long).reshape(-1) for t in token_ids]
+        keep = list(keep) if keep is not None else [None] * len(ids)
+        if len(caches) != len(ids) or len(keep) != len(ids):
+            raise ValueError(f"{len(caches)} caches, {len(ids)} token lists and {len(keep)} keep counts must agree")
+        if len(set(map(id, caches))) != len(caches):
+            raise ValueError("a cache appears twice in one batch")
+        for cache, t in zip(caches, ids):
+            if cache.length + t.numel() > cache.max_len:
+                raise ConfigError(
+                    f"{cache.length} cached + {t.numel()} new tokens exceed the cache of {cache.max_len} positions",
+                    "shorten the prompt or generate fewer tokens (engine.max_seq_len bounds both)",
+                )
+            if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.spec.vocab_size):
+                raise ConfigError(f"token ids must lie in [0, {self.spec.vocab_size})", "check the tokenizer matches the model")
+        if self.pad_rows is not None or len(ids) == 1:
+            return [self._forward_rows(cache, t, k) for cache, t, k in zip(caches, ids, keep)]
+        sizes = [t.numel() for t in ids]
+        starts = [cache.length for cache in caches]
+        x = self.embedding[torch.cat(ids)]  # [rows of all sequences, hidden]
+        for i, layer in enumerate(self.layers):
+            qkv = layer.qkv(self._norm(x, layer.input_norm))  # [rows, (heads + 2 kv_heads) * head_size]
+            parts, offset = [], 0
+            for cache, start, n in zip(caches, starts, sizes):  # each sequence over its own keys
+                parts.append(self._attention(cache, i, qkv[offset : offset + n], start, n))
+                offset += n
+            x = layer.o(parts[0] if len(parts) == 1 else torch.cat(parts), residual=x)
+            x = layer.mlp(self._norm(x, layer.post_norm), x, self.native)
+        rows, offset = [], 0  # the rows whose logits are wanted, per sequence
+        for n, k in zip(sizes, keep):
+            take = n if k is None else min(k, n)
+            rows.append(torch.arange(offset + n - take, offset + n))
+            offset += n
+        index = torch.cat(rows)
+        if index.numel():
+            logits = self.lm_head(self._norm(x[index], self.final_norm)).float()  # [kept rows, vocab]
+        else:
+            logits = torch.empty(0, self.spec.vocab_size)
+        for cache, start, n in zip(caches, starts, sizes):
+            cache.length = start + n
+        return list(torch.split(logits, [len(r) for r in rows]))
 
     def weight_bytes(self) -> int:
         """Bytes of the weights as held in memory for inference (the embedding table and the LM head's packed
@@ -219,7 +280,9 @@ class CpuEngine:
                 decoder.set_linear(i, name, *getattr(layer, name).args())
         return decoder
 
-    def _forward_chunk(self, cache: KVCache, ids: torch.Tensor) -> torch.Tensor:
+    def _forward_chunk(self, cache: KVCache, ids: torch.Tensor, keep: int | None = None) -> torch.Tensor:
+        """Logits [m, vocab] of one chunk of m rows, or of its last `keep` rows (the others skip the LM head,
+        except in an engine that pads: its LM head runs on all rows, as every call)."""
         s, m, start = self.spec, ids.numel(), cache.length
         rows = self.pad_rows or m
         x = self.embedding[F.pad(ids, (0, rows - m))]  # [rows, hidden] (rows m.. are padding)
@@ -230,9 +293,15 @@ class CpuEngine:
                 qkv = layer.qkv(self._norm(x, layer.input_norm))  # [rows, (heads + 2 kv_heads) * head_size]
                 x = layer.o(self._attention(cache, i, qkv, start, m), residual=x)
                 x = layer.mlp(self._norm(x, layer.post_norm), x, self.native)
-        logits = self.lm_head(self._norm(x, self.final_norm))  # [rows, vocab]
         cache.length = start + m
-        return logits[:m].float()
+        if keep is not None and keep < m and self.pad_rows is None:
+            if keep <= 0:
+                return torch.empty(0, s.vocab_size)
+            x = x[m - keep : m]  # the LM head's rows are independent: only the kept ones are computed
+            return self.lm_head(self._norm(x, self.final_norm)).float()  # [keep, vocab]
+        logits = self.lm_head(self._norm(x, self.final_norm))  # [rows, vocab]
+        first = 0 if keep is None else m - min(keep, m)
+        return logits[first:m].float()
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.native is not None:

@@ -1,4 +1,5 @@
-"""GPU variants of the engine models, for the repository generator's per-backend seam.
+"""GPU variants of the engine models; `specdeploy.backends` picks them per backend (this module imports
+repository.py, never the other way round).
 
 `trtllm-engine`: `tensorrt_llm` and `tensorrt_llm_draft` served by Triton's TensorRT-LLM C++ backend
 (`backend: "tensorrtllm"`), with the parameters of tensorrtllm_backend's
@@ -23,6 +24,7 @@ from pathlib import Path
 import yaml
 
 from specdeploy.errors import RepoError
+from specdeploy.triton import repository
 from specdeploy.triton.repository import (
     DRAFT_MODEL,
     ENGINE_MODEL_NAMES,
@@ -248,7 +250,6 @@ def generate_llmapi_repository(
     """`specdeploy repo` for backend trtllm-llmapi: `layout.repo` with the llmapi model only, atomically, with
     the same manifest (stage "repo", repository.repo_fingerprint) the shared generator writes."""
     from specdeploy.artifacts import Manifest, atomic_output, tool_versions
-    from specdeploy.triton import repository
 
     inp = repository.repo_inputs(recipe, layout, recipe_path)
     fp = repository.repo_fingerprint(inp)
@@ -274,9 +275,5 @@ def generate_llmapi_repository(
     return dest, True
 
 
-# The repository generator's per-backend table (repository.ENGINE_MODELS) takes these.
-ENGINE_MODELS = {"trtllm-engine": trtllm_engine_models}
-# Backends whose repository is not the shared inflight_batcher_llm layout.
-FULL_REPOSITORIES = {"trtllm-llmapi": llmapi_repository}
-
-__all__ = ["ENGINE_MODELS", "FULL_REPOSITORIES", "DRAFT_MODEL", "TARGET_MODEL", "kv_fraction_split", "device_ids"]
+__all__ = ["DRAFT_MODEL", "TARGET_MODEL", "device_ids", "generate_llmapi_repository", "kv_fraction_split",
+           "llmapi_repository", "trtllm_engine_models"]

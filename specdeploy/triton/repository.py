@@ -8,7 +8,9 @@ clients written for a TensorRT-LLM deployment work unchanged:
                       (draft_input_ids, k + 1 tokens), then detokenize
 
 preprocessing, postprocessing, ensemble and tensorrt_llm_bls are the same on every backend; the
-two engine models (`tensorrt_llm`, `tensorrt_llm_draft`) come from `ENGINE_MODELS[recipe.backend]`.
+two engine models (`tensorrt_llm`, `tensorrt_llm_draft`) come from the recipe's backend
+(`specdeploy.backends`: `cpu_engine_models` here, the GPU ones in gpu_models.py, which imports this module;
+this module imports no backend code).
 Every config is rendered from the dataclasses below and parsed with Triton's own `ModelConfig`
 protobuf before anything is written.
 """
@@ -18,7 +20,6 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from specdeploy.artifacts import Manifest, atomic_output, fingerprint, require, tool_versions
 from specdeploy.config import Recipe, to_plain
@@ -521,14 +522,23 @@ def ensemble_spec(inp: RepoInputs) -> ModelSpec:
     )
 
 
+# specdeploy's own BLS outputs, beyond NVIDIA's layout (sent only when a client asks for them by name):
+# speculative_k_history, the draft length of each round of the request (0: a plain step or run).
+BLS_EXTRA_OUTPUTS = _table([("speculative_k_history", "INT32", [-1], REQ)])
+
+
 def bls_spec(inp: RepoInputs) -> ModelSpec:
     r = inp.recipe
+    from specdeploy import ngram
+
     return ModelSpec(
         name=BLS,
         max_batch_size=r.engine.max_batch_size,
         inputs=TEXT_INPUTS + BLS_ONLY_INPUTS,
-        outputs=TEXT_OUTPUTS + RESULT_OUTPUTS,
+        outputs=TEXT_OUTPUTS + RESULT_OUTPUTS + BLS_EXTRA_OUTPUTS,
         parameters={
+            # draft.kind ngram: the BLS proposes by prompt lookup itself (no call to tensorrt_llm_draft)
+            **({"draft_kind": "ngram", **ngram.to_parameters(ngram.settings_from_recipe(r))} if r.draft.is_ngram else {}),
             **_tokenizer_params(BLS),
             "add_special_tokens": "true",
             "skip_special_tokens": "true",
@@ -569,7 +579,7 @@ def engine_model_parameters(inp: RepoInputs, role: str) -> dict[str, str]:
     }
 
 
-def _cpu_engine_models(inp: RepoInputs) -> list[ModelSpec]:
+def cpu_engine_models(inp: RepoInputs) -> list[ModelSpec]:
     """tensorrt_llm and tensorrt_llm_draft as python models over specdeploy's CPU engine."""
     r = inp.recipe
     specs = []
@@ -592,6 +602,7 @@ def _cpu_engine_models(inp: RepoInputs) -> list[ModelSpec]:
                     "max_seq_len": str(int(inp.engine_setting(role, "max_seq_len", r.engine.max_seq_len))),
                     "max_draft_len": str(max_draft_len),
                     "request_timeout_s": str(r.triton.request_timeout_s),
+                    "inflight_batching": str(r.triton.inflight_batching).lower(),
                     # decoupled: streamed tokens are held until they complete text (whole characters per response)
                     **_tokenizer_params(name),
                     "skip_special_tokens": "true",
@@ -627,25 +638,13 @@ def _ngram_draft_model(inp: RepoInputs) -> ModelSpec:
     )
 
 
-# Per-backend engine models. The GPU backends ("trtllm-engine": backend "tensorrtllm" with
-# gpt_model_path/decoupled_mode/enable_kv_cache_reuse; "trtllm-llmapi": the llmapi python model
-# with model.yaml) add their builder here with the same tensor lists; the shared models stay as
-# they are. A builder returns the specs of `tensorrt_llm` and `tensorrt_llm_draft` (and any extra
-# models); it may also return extra files via ModelSpec.source.
-ENGINE_MODELS: dict[str, Callable[[RepoInputs], list[ModelSpec]]] = {
-    "cpu": _cpu_engine_models,
-}
-
-
 def model_specs(inp: RepoInputs) -> list[ModelSpec]:
-    """All models of the repository for the recipe's backend, in load order."""
-    builder = ENGINE_MODELS.get(inp.recipe.backend)
-    if builder is None:
-        raise RepoError(
-            f"the repository generator has no models for backend '{inp.recipe.backend}' yet",
-            f"backends with a generator: {', '.join(ENGINE_MODELS)}",
-        )
-    return [preprocessing_spec(inp), *builder(inp), postprocessing_spec(inp), ensemble_spec(inp), bls_spec(inp)]
+    """All models of the repository for the recipe's backend, in load order: the shared models around the
+    backend's engine models (`Backend.engine_models`: `tensorrt_llm` and `tensorrt_llm_draft`)."""
+    from specdeploy import backends
+
+    engine_models = backends.of(inp.recipe).engine_models(inp)
+    return [preprocessing_spec(inp), *engine_models, postprocessing_spec(inp), ensemble_spec(inp), bls_spec(inp)]
 
 
 # ---------------------------------------------------------------- the stage
@@ -687,25 +686,11 @@ def find_tokenizer(engine_dir: Path, manifest: Manifest, model: str | None = Non
     )
 
 
-def _cpu_engine_fingerprint(recipe: Recipe, layout, role: str) -> str | None:
-    """What `specdeploy build` would record for this engine now (None when its checkpoint is gone)."""
-    from specdeploy.engine.build import engine_fingerprint
-
-    checkpoint = Manifest.read(layout.checkpoint(role))
-    if checkpoint is None:
-        return None
-    max_draft_len = recipe.speculative.max_draft_len if role == "target" else None
-    return engine_fingerprint(recipe, role, checkpoint, max_draft_len)
-
-
-# Per-backend "is this engine what the recipe asks for now" (the GPU backends add theirs).
-EXPECTED_ENGINE_FINGERPRINT: dict[str, Callable[[Recipe, object, str], str | None]] = {
-    "cpu": _cpu_engine_fingerprint,
-}
-
-
 def repo_inputs(recipe: Recipe, layout, recipe_path: str = "RECIPE", executor_factory: str | None = None) -> RepoInputs:
     """Read the engines' manifests (StaleArtifactError with a `specdeploy build` hint when missing)."""
+    from specdeploy import backends
+
+    backend = backends.of(recipe)
     dirs, manifests = {}, {}
     for role in recipe.model_roles:  # an n-gram draft has no engine
         engine_dir = Path(layout.engine(role)).resolve()
@@ -717,7 +702,7 @@ def repo_inputs(recipe: Recipe, layout, recipe_path: str = "RECIPE", executor_fa
                 f"{engine_dir} was built for recipe {manifests[role].recipe_name!r}, not {recipe.name!r}",
                 f"run: specdeploy build {recipe_path}",
             )
-        expected = EXPECTED_ENGINE_FINGERPRINT.get(recipe.backend, lambda *_: None)(recipe, layout, role)
+        expected = backend.expected_engine_fingerprint(recipe, layout, role)
         if expected is not None and manifests[role].fingerprint != expected:
             from specdeploy.errors import StaleArtifactError
 
@@ -755,15 +740,21 @@ def repo_fingerprint(inp: RepoInputs) -> str:
 def generate_repository(
     recipe: Recipe, layout, recipe_path: str = "RECIPE", force: bool = False, executor_factory: str | None = None
 ) -> tuple[Path, bool]:
-    """Write `layout.repo` for the recipe; returns (path, written). An up-to-date repository is kept.
+    """`specdeploy repo`: write `layout.repo` with the models of the recipe's backend (`Backend.write_repository`);
+    returns (path, written). An up-to-date repository is kept."""
+    from specdeploy import backends
+
+    return backends.of(recipe).write_repository(recipe, layout, recipe_path, force, executor_factory)
+
+
+def generate_layout_repository(
+    recipe: Recipe, layout, recipe_path: str = "RECIPE", force: bool = False, executor_factory: str | None = None
+) -> tuple[Path, bool]:
+    """The inflight_batcher_llm layout (cpu, trtllm-engine): `layout.repo`, or (path, False) when up to date.
 
     Refuses missing or mismatched engines (hint: `specdeploy build`). Each config.pbtxt is checked
     with Triton's ModelConfig schema before anything is written; the write is atomic.
     """
-    if recipe.backend == "trtllm-llmapi":  # not the shared layout: one llmapi model (triton/gpu_models.py)
-        from specdeploy.triton.gpu_models import generate_llmapi_repository
-
-        return generate_llmapi_repository(recipe, layout, recipe_path, force)
     inp = repo_inputs(recipe, layout, recipe_path, executor_factory)
     fp = repo_fingerprint(inp)
     dest = Path(layout.repo)
@@ -840,12 +831,3 @@ def _recorded_factory(repo: Path) -> str | None:
     param = parsed.parameters.get("executor_factory")
     return param.string_value if param is not None and param.string_value else None
 
-
-def _trtllm_engine_models(inp: RepoInputs) -> list[ModelSpec]:
-    """backend trtllm-engine: tensorrtllm C++ backend models, defined in specdeploy/triton/gpu_models.py."""
-    from specdeploy.triton.gpu_models import trtllm_engine_models  # imported late: gpu_models imports this module
-
-    return trtllm_engine_models(inp)
-
-
-ENGINE_MODELS["trtllm-engine"] = _trtllm_engine_models

@@ -6,6 +6,7 @@ arrays and turn `RequestError` into a Triton error, so these helpers are testabl
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 from pathlib import Path
@@ -216,6 +217,21 @@ class TextStream:
         return delta
 
 
+def streamed_emit(sender, final_flag: int):
+    """`emit(response, final)` over a decoupled request's response sender. A client that cancelled its
+    request (or closed its stream) has Triton close the sender: what the model still sends for it is
+    dropped, instead of raising out of `execute` and logging an error per cancelled request."""
+
+    def emit(response, final: bool) -> None:
+        try:
+            sender.send(response, flags=final_flag if final else 0)
+        except Exception as exc:  # noqa: BLE001 - pb_utils.TritonModelException, only importable in the stub
+            if "sender has been closed" not in str(exc):
+                raise
+
+    return emit
+
+
 def execute_all(requests, decoupled: bool, serve, final_flag: int):
     """Run `serve(request, emit)` for each request of a Triton `execute` call.
 
@@ -224,8 +240,7 @@ def execute_all(requests, decoupled: bool, serve, final_flag: int):
     """
     if decoupled:
         for request in requests:
-            sender = request.get_response_sender()
-            serve(request, lambda response, final, s=sender: s.send(response, flags=final_flag if final else 0))
+            serve(request, streamed_emit(request.get_response_sender(), final_flag))
         return None
     responses = []
     for request in requests:
@@ -441,6 +456,47 @@ class CancelCheck:
                 if self._is_cancelled():
                     self.reason = "cancelled"
         return self.reason is not None
+
+    def stop(self) -> None:
+        """End the request early on purpose (TensorRT-LLM's `stop`): it finishes with what it has."""
+        if self.reason is None:
+            self.reason = "stopped"
+
+
+class RunningRequests:
+    """The running requests of a model instance by Triton request id, so that TensorRT-LLM's `stop`
+    input (a second request with the same id and stop=true) can end them: their CancelCheck then
+    reads "stopped", and the executor finishes them with the tokens they have (not an error)."""
+
+    def __init__(self):
+        import threading
+
+        self._lock = threading.Lock()
+        self._checks: dict[str, list[CancelCheck]] = {}
+
+    @contextlib.contextmanager
+    def registered(self, request_id: str, check: CancelCheck):
+        if not request_id:  # without an id a request cannot be stopped this way
+            yield
+            return
+        with self._lock:
+            self._checks.setdefault(request_id, []).append(check)
+        try:
+            yield
+        finally:
+            with self._lock:
+                checks = self._checks.get(request_id, [])
+                checks.remove(check)
+                if not checks:
+                    self._checks.pop(request_id, None)
+
+    def stop(self, request_id: str) -> int:
+        """Stop every running request with this id; how many there were."""
+        with self._lock:
+            checks = list(self._checks.get(request_id, [])) if request_id else []
+        for check in checks:
+            check.stop()
+        return len(checks)
 
 
 def request_cancel_check(request, default_timeout_s: float) -> CancelCheck:

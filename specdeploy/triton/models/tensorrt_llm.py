@@ -6,6 +6,14 @@ What NVIDIA's `tensorrtllm` backend model does for one request, with its tensor 
 (draft_tokens_external). Prefix KV reuse across requests is the Executor's pool, so the BLS rounds
 only compute their new positions. In decoupled mode with `streaming`, one response per token
 (the new tokens only, as TensorRT-LLM streams); otherwise one response.
+
+With the parameter `inflight_batching` (recipe `triton.inflight_batching`), requests do not wait for
+each other: `execute` hands each request to a thread and returns None at once, so Triton passes the
+next requests in while earlier ones run (the python backend of Triton 2.51 lets a model answer through
+the request's response sender in decoupled and non-decoupled mode alike: one final response for the
+latter). The threads feed one `BatchScheduler`, which steps all active requests in one engine forward
+per step (continuous batching, at most `max_batch_size` requests) over one KV pool of that many
+sequences plus as many kept for prefix reuse. Each request's tokens are those it would get alone.
 """
 
 import os
@@ -15,6 +23,8 @@ import sys
 sys.path[:0] = [p for p in os.environ.get("SPECDEPLOY_SITE", "").split(os.pathsep) if p]
 
 import dataclasses  # noqa: E402
+import json  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 
@@ -56,6 +66,8 @@ class TritonPythonModel:
         self.request_timeout_s = float(params.get("request_timeout_s") or 0.0)
         factory = common.load_object(params.get("executor_factory") or "specdeploy.triton.models.common:load_cpu_executor")
         self.executor = factory(params["gpt_model_path"])
+        self.batcher = self._batcher(args, params)
+        self._running = common.RunningRequests()  # request id -> its stop check, for TensorRT-LLM's `stop` input
         spec = self.executor.engine.spec
         self.vocab_size = int(getattr(spec, "vocab_size", 0)) or None
         # The BLS resends the whole sequence every round: inputs may be as long as max_seq_len minus
@@ -72,14 +84,43 @@ class TritonPythonModel:
             self.stream_problem = common.chunk_decoding_problem(self.tokenizer)
         self.skip_special_tokens = common.flag(params.get("skip_special_tokens"), True)
 
+    def _batcher(self, args, params):
+        """A BatchScheduler over the executor when in-flight batching is on (the parameter, or
+        SPECDEPLOY_INFLIGHT_BATCHING=1 to run a test suite both ways) and the executor can step requests."""
+        on = common.flag(params.get("inflight_batching"), False) or os.environ.get("SPECDEPLOY_INFLIGHT_BATCHING") == "1"
+        if not on or not (hasattr(self.executor, "steps") and hasattr(self.executor, "run_passes")):
+            return None
+        from specdeploy.engine.executor import BatchScheduler
+
+        max_batch_size = max(1, int(json.loads(args["model_config"]).get("max_batch_size") or 1))
+        # one pool per instance: max_batch_size live sequences, and as many finished ones kept for reuse
+        self.executor.max_cached_sequences = max(self.executor.max_cached_sequences, max_batch_size)
+        return BatchScheduler(self.executor, max_batch_size)
+
     def execute(self, requests):
         arrival_ns = time.time_ns()
-        return common.execute_all(requests, self.decoupled, lambda request, emit: self._serve(request, emit, arrival_ns), FINAL)
+        if self.batcher is None:
+            return common.execute_all(requests, self.decoupled, lambda request, emit: self._serve(request, emit, arrival_ns), FINAL)
+        for request in requests:  # each request on its own thread, all stepped together by the batcher
+            sender = request.get_response_sender()
+            if self.decoupled:
+                emit = lambda response, final, s=sender: s.send(response, flags=FINAL if final else 0)  # noqa: E731
+            else:  # one response per request, sent with the final flag
+                emit = lambda response, final, s=sender: s.send(response, flags=FINAL) if final else None  # noqa: E731
+            threading.Thread(target=self._serve, args=(request, emit, arrival_ns), daemon=True).start()
+        return None
 
     # ------------------------------------------------------------ one request
 
     def _serve(self, request, emit, arrival_ns):
         try:
+            if common.scalar(self._input(request, "stop"), "stop", bool, False):
+                # TensorRT-LLM's `stop`: end the running request with this request id (it answers with the
+                # tokens it has); the stop request itself gets an empty final response
+                stopped = self._running.stop(request.request_id())
+                print(f"{self.name}: stop for request id {request.request_id()!r}: {stopped} running request(s) stopped", flush=True)
+                emit(self._response([], None, None, {}, None, _Times(arrival_ns)), True)
+                return
             gen, flags = self._parse(request)
         except (RequestError, SpecDeployError) as exc:
             emit(_error(f"{self.name}: {common.error_text(exc)}"), True)
@@ -88,10 +129,8 @@ class TritonPythonModel:
         flags["stop_check"] = common.request_cancel_check(request, self.request_timeout_s)
         gen.is_cancelled = flags["stop_check"]  # also checked between prefill chunks inside the executor
         try:
-            if flags["stop"]:  # TensorRT-LLM's `stop`: end the request; nothing is generated
-                emit(self._response([], None, None, flags, None, _Times(arrival_ns)), True)
-                return
-            self._generate_all(gen, flags, emit)
+            with self._running.registered(request.request_id(), flags["stop_check"]):
+                self._generate_all(gen, flags, emit)
         except Cancelled as exc:
             emit(_error(f"{self.name}: {exc}"), True)
         except SpecDeployError as exc:
@@ -171,7 +210,6 @@ class TritonPythonModel:
             "perf": common.scalar(get("return_perf_metrics"), "return_perf_metrics", bool, False),
             "streaming": streaming,
             "num_return_sequences": n_seq,
-            "stop": common.scalar(get("stop"), "stop", bool, False),
         }
         values = {
             **common.penalty_fields(get),
@@ -234,13 +272,13 @@ class TritonPythonModel:
         times.scheduled_ns = time.time_ns()
         tokens, logits, log_probs, context_logits = [], [], [], None
         held = _Held(self.tokenizer, self.skip_special_tokens) if flags["streaming"] else None
-        chunks = self.executor.generate(gen)
+        chunks = (self.batcher or self.executor).generate(gen)
         try:
             for chunk in chunks:
                 now = time.time_ns()
                 if times.first_ns is None and chunk.token_ids:
                     times.first_ns = int(getattr(chunk.stats, "first_token_time_ns", 0) or 0) or now
-                if chunk.finish_reason in ("cancelled", "timeout"):
+                if chunk.finish_reason in ("cancelled", "timeout") and flags["stop_check"].reason != "stopped":
                     raise Cancelled(self._cancel_text(flags["stop_check"].reason or chunk.finish_reason, flags, len(tokens) + len(chunk.token_ids)))
                 if context_logits is None and getattr(chunk, "context_logits", None) is not None:
                     context_logits = chunk.context_logits
@@ -276,7 +314,7 @@ class TritonPythonModel:
                         )
                 if chunk.finished:
                     return
-                if flags["stop_check"]():
+                if flags["stop_check"]() and flags["stop_check"].reason != "stopped":  # stopped: the executor ends it
                     raise Cancelled(self._cancel_text(flags["stop_check"].reason, flags, len(tokens)))
         finally:
             chunks.close()  # a cancelled request gives its KV cache back to the pool at once
@@ -345,6 +383,8 @@ class TritonPythonModel:
         return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in outputs.items()])
 
     def finalize(self):
+        if self.batcher is not None:
+            self.batcher.close()
         self.executor = None
 
 

@@ -4,6 +4,15 @@ The loop is `specdeploy.speculative.speculative_generate` (no Triton import ther
 maps its `Proposer` / `Verifier` protocols to BLS requests with the tensor names of NVIDIA's layout,
 tokenizes the prompt, detokenizes the output, and checks the request. With `stream` (decoupled
 mode) each round's new text is sent as it comes, holding back an incomplete UTF-8 character.
+
+Where a round costs:
+  - k = 0 (the policy fell back, the gate tripped, the request asked for no draft tokens): one target
+    call for a run of plain tokens (`policy.plain_tokens`), not one call per token;
+  - draft.kind ngram (BLS parameter `draft_kind`): the proposal is computed here from the token ids the
+    BLS already holds (`specdeploy.ngram.NGramProposer`, same settings and pool semantics as the
+    `tensorrt_llm_draft` python model, which stays in the repository for clients that call it), so a
+    round is one Triton call, to the target.
+`speculative_k_history` (INT32 [-1], sent only when a client requests it by name): the k of each round.
 """
 
 import os
@@ -20,6 +29,7 @@ import torch  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from specdeploy import metrics  # noqa: E402
+from specdeploy import ngram  # noqa: E402
 from specdeploy import policy as pol  # noqa: E402
 from specdeploy import speculative as spec  # noqa: E402
 from specdeploy.errors import SpecDeployError  # noqa: E402
@@ -58,12 +68,12 @@ class _LlmCall:
         self.decoupled = decoupled
         self.slice_s = slice_s  # each call's first Triton timeout (0: none), see common.call_in_slices
 
-    def __call__(self, sequence, output_len, sampling, extra, return_logits, more_outputs=(), stop_check=None):
+    def __call__(self, sequence, output_len, sampling, extra, return_logits, more_outputs=(), stop_check=None, slice_s=None):
         if not self.slice_s or stop_check is None:
             return self._call(sequence, output_len, sampling, extra, return_logits, more_outputs, 0)
         attempt = lambda s: self._call(sequence, output_len, sampling, extra, return_logits, more_outputs, int(s * 1e6))  # noqa: E731
         try:
-            return common.call_in_slices(attempt, stop_check, self.slice_s)
+            return common.call_in_slices(attempt, stop_check, max(self.slice_s, slice_s or 0.0))
         except common.ParentStopped as exc:
             raise BlsModelError(f"{self.model_name}: {exc}") from None
 
@@ -141,8 +151,9 @@ class TritonProposer:
 class TritonVerifier:
     """specdeploy.speculative.Verifier over tensorrt_llm with draft_input_ids (request_output_len = k + 1)."""
 
-    def __init__(self, call: _LlmCall, job, record: _Record):
+    def __init__(self, call: _LlmCall, job, record: _Record, costs=None):
         self.call, self.job, self.record = call, job, record
+        self.costs = costs  # the deployment's measured costs (specdeploy.policy.CostModel), to size a plain run's time slice
 
     def verify(self, sequence, draft_tokens, draft_logits, sampling, output_len=None):
         job = self.job
@@ -161,9 +172,11 @@ class TritonVerifier:
         wanted = ["output_log_probs", "kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks"]
         if job["return_context_logits"] and first:
             wanted.append("context_logits")
-        # output_len: the canary's plain path asks for the whole answer in one call (specdeploy.metrics.PlainVerifier)
+        # output_len: a plain run of the policy, or the canary's plain path (the whole answer in one call,
+        # specdeploy.metrics.PlainVerifier)
         tokens, logits, outputs = self.call(
-            sequence, output_len or len(draft_tokens) + 1, sampling, extra, job["return_generation_logits"], wanted, stop_check=job.get("stop_check")
+            sequence, output_len or len(draft_tokens) + 1, sampling, extra, job["return_generation_logits"], wanted,
+            stop_check=job.get("stop_check"), slice_s=self._run_slice_s(output_len),
         )
         log_probs = [float(x) for a in outputs.get("output_log_probs", []) for x in a.reshape(-1)] if job["return_log_probs"] else None
         self.record.rounds.append((log_probs, logits))
@@ -173,6 +186,18 @@ class TritonVerifier:
         for i, name in enumerate(wanted[1:4]):
             self.record.kv[i] += sum(int(a.reshape(-1)[0]) for a in outputs.get(name, []))
         return tokens
+
+    def _run_slice_s(self, output_len):
+        """A first time slice long enough for a plain run of output_len tokens (twice its expected time at
+        the measured per-token cost): a slice that expires mid-run loses the tokens it generated."""
+        if not output_len or output_len <= 1:
+            return None
+        costs = self.costs
+        per_token = (costs.plain_token_s or costs.verify_s.get(1)) if costs is not None else None
+        return 2.0 * output_len * (per_token or RUN_TOKEN_GUESS_S)
+
+
+RUN_TOKEN_GUESS_S = 0.05  # seconds per plain token before the deployment has timed one
 
 
 class TritonPythonModel:
@@ -196,6 +221,9 @@ class TritonPythonModel:
         self.target = _LlmCall(params["tensorrt_llm_model_name"], self.decoupled, slice_s)
         self.draft = _LlmCall(params["tensorrt_llm_draft_model_name"], self.decoupled, slice_s)
         self.default_end_id = self.tokenizer.eos_token_id
+        # draft.kind ngram: propose here, from the ids this BLS holds (a public pool is this instance's)
+        self.ngram = ngram.from_parameters(params) if params.get("draft_kind") == "ngram" else None
+        self.ngram_pool = ngram.NGramPool(self.ngram) if self.ngram is not None and self.ngram.is_public_pool else None
         # Speculation policy (specdeploy.policy): the deployment-level state (gate, measured costs, acceptance)
         # lives in this instance; the active count is shared by the instances of this repository.
         import hashlib
@@ -222,6 +250,7 @@ class TritonPythonModel:
             emit(_error(f"{self.name}: {common.error_text(exc)}"), True)
             return
         job["stop_check"] = common.request_cancel_check(request, self.request_timeout_s)
+        job["wanted"] = _requested_outputs(request)
         job["ops"] = self.ops.start(requested_k=pb_utils.get_input_tensor_by_name(request, "num_draft_tokens") is not None)
         ok = False
         try:
@@ -287,8 +316,8 @@ class TritonPythonModel:
 
     def _run(self, job, arrival_ns, emit):
         record = _Record()
-        proposer = TritonProposer(self.draft, job)
-        verifier = TritonVerifier(self.target, job, record)
+        proposer = ngram.NGramProposer(self.ngram, self.ngram_pool) if self.ngram is not None else TritonProposer(self.draft, job)
+        verifier = TritonVerifier(self.target, job, record, self.deployment.costs)
         times = {"arrival": arrival_ns, "scheduled": time.time_ns(), "first": None}
         ops = job["ops"]  # the canary arm and the metrics of this request
         rounds = spec.speculative_generate(
@@ -317,7 +346,6 @@ class TritonPythonModel:
             self.ops.tokens(ops, len(item))
             # this round's tokens came from the latest target call (a prefix of what it returned)
             round_log_probs, round_logits = record.rounds[-1] if record.rounds else (None, None)
-            consumed = len(record.rounds)
             if round_log_probs is not None:
                 extras["log_probs"].extend(round_log_probs[: len(item)])
             if round_logits is not None:
@@ -367,11 +395,21 @@ class TritonPythonModel:
             "total_accepted_draft_tokens": np.array([[stats.accepted]], dtype=np.int32),
             "total_draft_tokens": np.array([[stats.drafted]], dtype=np.int32),
         }
+        if "speculative_k_history" in job["wanted"]:
+            values["speculative_k_history"] = np.array(stats.k_per_round, dtype=np.int32).reshape(1, -1)  # [1, rounds]
         outputs += [pb_utils.Tensor(k, v) for k, v in values.items()]
         return pb_utils.InferenceResponse(output_tensors=outputs)
 
     def finalize(self):
         self.active.close()
+
+
+def _requested_outputs(request) -> set:
+    """The output names the client asked for (Triton fills in every output when it named none)."""
+    try:
+        return set(request.requested_output_names())
+    except AttributeError:  # a stub without the call: only NVIDIA's outputs
+        return set()
 
 
 def _error(message: str):

@@ -1,0 +1,195 @@
+"""In-flight batching on the served control path: `ensemble` before and after, side by side in one run.
+
+    .venv/bin/python bench/batching.py [--recipe build/smollm2-135m.yaml] [--root .] [--out batching.json]
+
+Serves the recipe's built engines (`specdeploy build RECIPE` first; they are only read) from two
+servers started side by side, with repositories generated under a scratch folder:
+  before  the recipe as it is (`triton.inflight_batching` false: one request at a time per instance)
+  after   `triton.inflight_batching: true`, one instance (concurrent requests share engine steps)
+and at each concurrency level sends the same greedy requests to `ensemble` from that many client
+threads, alternating between the servers `--repeats` times (on a shared machine the load drifts: the
+median run of each is shown). Prints one table (output tokens/s, end-to-end p50/p90 latency, the machine's load average)
+and writes it as JSON. Output tokens are counted by tokenizing each returned text with the model's
+tokenizer (the same texts in both rows, so the ratio is exact). Also checks that every prompt got the
+same text in both servers and at every concurrency (batch invariance, end to end).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+PROMPTS = [
+    "Write a short story about a robot who learns to paint.",
+    "Explain how a refrigerator keeps food cold.",
+    "List five tips for learning a new programming language.",
+    "What are the main causes of the seasons on Earth?",
+    "Describe the water cycle in simple terms.",
+    "Give me a recipe for a quick vegetable soup.",
+    "Why is the sky blue? Answer in a paragraph.",
+    "Summarize the plot of a detective novel you invent.",
+]
+
+
+def _infer(url: str, prompt: str, max_tokens: int) -> tuple[str, float]:
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        inputs = []
+        for name, arr in (("text_input", np.array([[prompt.encode()]], dtype=object)),
+                          ("max_tokens", np.array([[max_tokens]], dtype=np.int32))):
+            tensor = grpcclient.InferInput(name, list(arr.shape), "BYTES" if arr.dtype == object else "INT32")
+            tensor.set_data_from_numpy(arr)
+            inputs.append(tensor)
+        t0 = time.perf_counter()
+        result = client.infer("ensemble", inputs, client_timeout=600)
+        latency = time.perf_counter() - t0
+        return result.as_numpy("text_output").reshape(-1)[0].decode("utf-8"), latency
+    finally:
+        client.close()
+
+
+def _level(url: str, prompts: list[str], concurrency: int, max_tokens: int, count) -> dict:
+    load_before = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(lambda p: _infer(url, p, max_tokens), prompts))
+    wall = time.perf_counter() - t0
+    latencies = sorted(lat for _, lat in results)
+    tokens = sum(count(text) for text, _ in results)
+    return {
+        "concurrency": concurrency,
+        "requests": len(prompts),
+        "output_tokens": tokens,
+        "wall_s": round(wall, 3),
+        "out_tok_s": round(tokens / wall, 2),
+        "p50_ms": round(1000 * statistics.median(latencies), 1),
+        "p90_ms": round(1000 * latencies[min(len(latencies) - 1, int(0.9 * len(latencies)))], 1),
+        "load1": round((load_before + os.getloadavg()[0]) / 2, 2),
+        "texts": [text for text, _ in results],
+    }
+
+
+def _start_server(recipe, engines_dir: Path, work: Path, label: str):
+    from specdeploy.artifacts import Layout
+    from specdeploy.triton import repository, server
+
+    root = work / label
+    (root / "engines").mkdir(parents=True, exist_ok=True)
+    link = root / "engines" / recipe.name
+    if not link.exists():
+        link.symlink_to(engines_dir, target_is_directory=True)
+    repo, _ = repository.generate_repository(recipe, Layout.of(recipe, root), force=True)
+    srv = server.start(repo, server.Ports.pick(), root / "tritonserver.log", exit_timeout_s=5)
+    try:
+        server.wait_ready(srv, recipe.triton.startup_timeout_s)
+    except BaseException:
+        srv.stop()
+        raise
+    return srv
+
+
+def _median_row(runs: list[dict]) -> dict:
+    """The run with the median throughput of repeated runs (its latencies with it), all texts kept."""
+    runs = sorted(runs, key=lambda r: r["out_tok_s"])
+    row = dict(runs[len(runs) // 2])
+    row["out_tok_s_runs"] = [r["out_tok_s"] for r in runs]
+    row["all_texts"] = [r["texts"] for r in runs]
+    return row
+
+
+def main(argv=None) -> int:
+    from specdeploy.artifacts import Layout
+    from specdeploy.config import load_recipe
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--recipe", default=str(ROOT / "build" / "smollm2-135m.yaml"))
+    ap.add_argument("--root", default=os.environ.get("SPECDEPLOY_ROOT") or str(ROOT), help="project root holding engines/<name>")
+    ap.add_argument("--levels", default="1,2,4", help="client concurrency levels")
+    ap.add_argument("--requests", type=int, default=8, help="requests per level (the prompts, cycled)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3, help="runs per level and variant, interleaved (the median is shown)")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="OMP_NUM_THREADS for both servers (0: inherit). On a loaded machine a 2-thread OpenMP team in the "
+                         "python stub's main thread (where the one-request-at-a-time path runs the engine) can stall on its "
+                         "barriers; 1 compares the two paths on equal terms")
+    ap.add_argument("--out", default="batching.json")
+    args = ap.parse_args(argv)
+
+    recipe = load_recipe(args.recipe)
+    if args.threads:
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the servers inherit the environment
+    engines_dir = Layout.of(recipe, args.root).engines
+    if not (engines_dir / "target").is_dir():
+        print(f"no engines at {engines_dir}: run `specdeploy build {args.recipe}` first (or pass --root)", file=sys.stderr)
+        return 2
+    from transformers import AutoTokenizer
+
+    from specdeploy import models
+
+    tokenizer = AutoTokenizer.from_pretrained(str(models.resolve(recipe.target.model)))
+    count = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+    levels = [int(x) for x in args.levels.split(",")]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]
+    variants = {
+        "before": recipe,
+        "after": dataclasses.replace(recipe, triton=dataclasses.replace(recipe.triton, inflight_batching=True, instance_count=1)),
+    }
+    print(f"ensemble, {args.requests} requests x {args.max_tokens} max tokens per level, greedy; "
+          f"before: instance_count {recipe.triton.instance_count}, one request at a time each; after: in-flight batching, 1 instance")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="specdeploy-batching-") as work:
+        servers = {}
+        try:  # both servers up at once (idle, one waits while the other is measured), runs interleaved
+            for label, variant in variants.items():
+                servers[label] = _start_server(variant, engines_dir, Path(work), label)
+                for p in prompts[:2]:  # warm-up
+                    _infer(servers[label].state.grpc_url, p, 8)
+            for c in levels:
+                runs = {label: [] for label in variants}
+                for _ in range(args.repeats):
+                    for label, srv in servers.items():
+                        run = _level(srv.state.grpc_url, prompts, c, args.max_tokens, count)
+                        print(f"  {label:6s} c={c}: {run['out_tok_s']:7.1f} out tok/s  p50 {run['p50_ms']:7.0f} ms  load {run['load1']}")
+                        runs[label].append(run)
+                for label in variants:
+                    rows.append({"variant": label, **_median_row(runs[label])})
+        finally:
+            for srv in servers.values():
+                srv.stop()
+    rows.sort(key=lambda r: (list(variants).index(r["variant"]), r["concurrency"]))
+    reference = rows[0]["texts"]
+    identical = all(texts == reference for r in rows for texts in r["all_texts"])
+    base = {r["concurrency"]: r for r in rows if r["variant"] == "before"}
+    print()
+    print(f"{'variant':8s} {'conc':>4s} {'out tok/s':>10s} {'vs c=1':>7s} {'p50 ms':>8s} {'p90 ms':>8s} {'vs before':>10s} {'load':>5s}")
+    for r in rows:
+        c1 = next(x for x in rows if x["variant"] == r["variant"] and x["concurrency"] == levels[0])
+        vs_before = r["out_tok_s"] / base[r["concurrency"]]["out_tok_s"]
+        print(f"{r['variant']:8s} {r['concurrency']:4d} {r['out_tok_s']:10.1f} {r['out_tok_s'] / c1['out_tok_s']:6.2f}x "
+              f"{r['p50_ms']:8.0f} {r['p90_ms']:8.0f} {vs_before:9.2f}x {r['load1']:5.1f}")
+    print(f"same text for every prompt in both servers at every concurrency: {'yes' if identical else 'NO'}")
+    print(f"cores: {os.cpu_count()}, load average now: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    out = {"recipe": args.recipe, "max_tokens": args.max_tokens, "identical_outputs": identical, "threads": args.threads,
+           "rows": [{k: v for k, v in r.items() if k not in ("texts", "all_texts")} for r in rows]}
+    Path(args.out).write_text(json.dumps(out, indent=2))
+    print(f"wrote {args.out}")
+    return 0 if identical else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

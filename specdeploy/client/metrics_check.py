@@ -1,0 +1,322 @@
+"""Does the deployment's metrics endpoint agree with what `validate` itself sent and received?
+
+`CountingEndpoint` wraps the run's endpoint and counts, per path, the requests that finished, their
+draft tokens proposed/accepted (the server's per-request perf outputs), their texts and, where the BLS
+returns `speculative_k_history`, their rounds (= target passes). `MetricsCheck`
+scrapes the metrics endpoint before and after the run; `compare` turns the window and the client's
+counts into the report's `metrics_check` section (a mismatch names the metric and fails the gate),
+and `speculation_section` reads the speculation the deployment did over the run from the same window
+(rounds on/off by reason, k per round) for the report. Pure functions except the scrapes.
+
+Output tokens: the client knows them exactly only for texts whose ids it has (`output_ids` returned,
+or the parity phase's exact count for that greedy text); a request whose count is unknown (a sampled
+text) leaves output tokens unchecked, with a note. The check assumes validate is the deployment's only
+client during its run (other traffic shows up as a mismatch, and the report says so).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from specdeploy import metrics as m
+from specdeploy.client.protocol import CONTROL_MODEL, SPECULATIVE_MODEL, GenerateRequest, GenerateResult
+from specdeploy.errors import ClientError
+
+# Triton's own counter of successful requests of a model (the control `ensemble` has no metrics of ours)
+TRITON_SUCCESS = "nv_inference_request_success"
+SETTLE_S = 5.0  # how long to wait for the endpoint's counters to stop moving after the run
+
+
+@dataclass
+class PathCounts:
+    requests: int = 0
+    errors: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    perf_missing: int = 0  # finished requests without draft counts in their perf outputs
+    texts: list[str] = field(default_factory=list)
+    token_counts: list[int | None] = field(default_factory=list)  # len(output_ids) where returned
+    k_histories: list[list[int]] = field(default_factory=list)  # `speculative_k_history` per request, in finishing order
+
+
+class CountingEndpoint:
+    """An Endpoint that forwards everything and counts what finished, per model."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.url = inner.url
+        self.counts: dict[str, PathCounts] = {}
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name):  # check_ready, is_decoupled, trace, close, model_parameters, ...
+        return getattr(self.inner, name)
+
+    def generate(self, model: str, request: GenerateRequest, timeout_s: float, *args, **kwargs) -> GenerateResult:
+        try:
+            result = self.inner.generate(model, request, timeout_s, *args, **kwargs)
+        except ClientError:
+            with self._lock:
+                self.counts.setdefault(model, PathCounts()).errors += 1
+            raise
+        with self._lock:
+            c = self.counts.setdefault(model, PathCounts())
+            c.requests += 1
+            perf = result.perf
+            if perf.total_draft_tokens is None or perf.total_accepted_draft_tokens is None:
+                c.perf_missing += 1
+            else:
+                c.drafted += perf.total_draft_tokens
+                c.accepted += perf.total_accepted_draft_tokens
+            c.texts.append(result.text)
+            c.token_counts.append(None if result.token_ids is None else len(result.token_ids))
+            if result.k_history is not None:
+                c.k_histories.append(list(result.k_history))
+        return result
+
+
+def exact_token_counts(report: dict) -> dict[str, int]:
+    """Greedy text -> generated tokens (a final end_id included), from the parity phase's exact ids."""
+    out = {}
+    for item in (report.get("parity") or {}).get("items", []):
+        if item.get("generated_tokens") is None:
+            continue
+        out[item["control_text"]] = item["generated_tokens"]
+        if item["speculative_text"] == item["control_text"]:
+            out[item["speculative_text"]] = item["generated_tokens"]
+    return out
+
+
+def output_tokens(counts: PathCounts, exact: dict[str, int]) -> tuple[int | None, int]:
+    """(total output tokens, requests whose count is unknown); the total is None when any is unknown."""
+    total, unknown = 0, 0
+    for text, n in zip(counts.texts, counts.token_counts):
+        n = n if n is not None else exact.get(text)
+        if n is None:
+            unknown += 1
+        else:
+            total += n
+    return (None if unknown else total), unknown
+
+
+def compare(window: m.Snapshot, counts: dict[str, PathCounts], exact: dict[str, int], spec_model: str = SPECULATIVE_MODEL,
+            control_model: str = CONTROL_MODEL) -> dict:  # fmt: skip
+    """The report's `metrics_check` section: per path, metric name -> (metrics, client) and the mismatches."""
+    rows, notes = [], []
+    spec = counts.get(spec_model, PathCounts())
+    control = counts.get(control_model, PathCounts())
+    if spec.errors or control.errors:
+        notes.append(f"{spec.errors + control.errors} requests failed on the client side; their server-side outcome is unknown, so requests are not compared")
+    stats = m.arm_stats(window, m.SPECULATIVE_ARM, spec_model)
+
+    def row(path: str, metric: str, got: float, want: float | None, why_unchecked: str | None = None):
+        rows.append({"path": path, "metric": metric, "metrics": got, "client": want,
+                     "agree": None if want is None else abs(got - want) < 1e-6, "note": why_unchecked})  # fmt: skip
+
+    if not (spec.errors or control.errors):
+        row("speculative", m.REQUESTS.name + f'{{model="{spec_model}",arm="speculative"}}', stats.requests, spec.requests)
+        if window.has(TRITON_SUCCESS):
+            got = window.sum(TRITON_SUCCESS, model=control_model)
+            row("control", TRITON_SUCCESS + f'{{model="{control_model}"}}', got, control.requests)
+        else:
+            notes.append(f"the endpoint exports no {TRITON_SUCCESS}: the control's requests are not checked")
+    if spec.perf_missing:
+        notes.append(f"{spec.perf_missing} speculative responses carried no draft counts: draft tokens are not checked")
+    else:
+        row("speculative", m.DRAFT_TOKENS.name, stats.drafted, spec.drafted)
+        row("speculative", m.ACCEPTED_TOKENS.name, stats.accepted, spec.accepted)
+    total, unknown = output_tokens(spec, exact)
+    if total is None:
+        notes.append(f"{unknown} of {len(spec.texts)} speculative outputs have no exact token count (sampled texts): output tokens are not checked")
+    else:
+        row("speculative", m.GENERATION_TOKENS.name, stats.output_tokens, total)
+    if spec.k_histories and len(spec.k_histories) == spec.requests:  # one entry per round, one round per target call
+        row("speculative", m.TARGET_PASSES.name, stats.target_passes, sum(len(h) for h in spec.k_histories))
+    control_arm = m.arm_stats(window, m.CONTROL_ARM, spec_model)
+    if control_arm.requests:  # validate always sends num_draft_tokens: the canary never picks its requests
+        row("speculative", m.REQUESTS.name + f'{{model="{spec_model}",arm="control"}}', control_arm.requests, 0)
+    mismatches = [
+        f"{r['metric']}: the metrics endpoint counted {r['metrics']:g}, validate counted {r['client']:g} ({r['path']} path)"
+        for r in rows if r["agree"] is False
+    ]  # fmt: skip
+    if mismatches:
+        notes.append("another client sending to the deployment during the run also makes the counts differ")
+    return {"checked": True, "rows": rows, "mismatches": mismatches, "notes": notes, "window_s": window.taken_s}
+
+
+def _settled(url: str, earliest: m.Snapshot, names: Sequence[str], timeout_s: float) -> m.Snapshot:
+    """Scrape until the named counters stop moving (Triton refreshes its own counters lazily)."""
+    deadline = time.monotonic() + timeout_s
+    previous = m.scrape(url)
+    while time.monotonic() < deadline:
+        time.sleep(0.3)
+        snap = m.scrape(url)
+        if all(snap.sum(n) == previous.sum(n) for n in names) and any(snap.sum(n) != earliest.sum(n) for n in names):
+            return snap
+        previous = snap
+    return previous
+
+
+class MetricsCheck:
+    """Scrape before the run (`start`), wrap the endpoint, and after it add the check to the report (`finish`)."""
+
+    def __init__(self, endpoint, metrics_url: str | None):
+        self.metrics_url = metrics_url
+        self.endpoint = CountingEndpoint(endpoint)
+        self.before: m.Snapshot | None = None
+        self.error: str | None = None
+        if metrics_url:
+            try:
+                self.before = m.scrape(metrics_url)
+            except ClientError as exc:
+                self.error = exc.message
+
+    def finish(self, report: dict, policy: dict | None = None) -> dict:
+        """Add `metrics_check` and `speculation` to the report; returns the check section."""
+        section: dict = {"checked": False, "url": self.metrics_url, "rows": [], "mismatches": [], "notes": []}
+        window = None
+        if not self.metrics_url:
+            section["notes"].append("no metrics endpoint known (pass --metrics-url HOST:PORT): the counters are not checked")
+        elif self.error or self.before is None:
+            section["notes"].append(f"the metrics endpoint could not be read before the run: {self.error}")
+        else:
+            try:
+                after = _settled(self.metrics_url, self.before, (m.REQUESTS.name, TRITON_SUCCESS), SETTLE_S)
+                window = after.minus(self.before)
+                window = dataclasses.replace(window, taken_s=after.taken_s - self.before.taken_s)
+            except ClientError as exc:
+                section["notes"].append(f"the metrics endpoint could not be read after the run: {exc.message}")
+            if window is not None and not report.get("complete", True):
+                section["notes"].append("the run is incomplete (a request may have ended on the server only): the counters are not checked")
+            elif window is not None:
+                section = {**compare(window, self.endpoint.counts, exact_token_counts(report)), "url": self.metrics_url}
+        report["metrics_check"] = section
+        report["speculation"] = speculation_section(window, self.endpoint.counts.get(SPECULATIVE_MODEL, PathCounts()), policy)
+        return section
+
+
+def k_counts_from_metrics(stats: m.ArmStats) -> dict[int, float]:
+    """Rounds per draft length from the per-position counters: rounds with k > p = drafted at position p."""
+    out: dict[int, float] = {}
+    if stats.rounds_off:
+        out[0] = stats.rounds_off
+    positions = sorted(stats.drafted_per_pos)
+    for p in positions:
+        at_least = stats.drafted_per_pos[p]
+        more = stats.drafted_per_pos.get(p + 1, 0.0)
+        if at_least - more > 0:
+            out[p + 1] = at_least - more
+    return out
+
+
+def speculation_section(window: m.Snapshot | None, spec: PathCounts, policy: dict | None) -> dict:
+    """What the deployment's policy did over the run: rounds on/off (and why), k per round."""
+    section: dict = {"policy": policy or {}, "source": None, "rounds_on": None, "rounds_off": None, "speculated_share": None,
+                     "off_reasons": {}, "k_counts": {}, "k_history": None}  # fmt: skip
+    if spec.k_histories:
+        history = [k for h in spec.k_histories for k in h]
+        section["k_history"] = history
+        section["k_history_requests"] = [len(h) for h in spec.k_histories]
+        counts: dict[int, int] = {}
+        for k in history:
+            counts[k] = counts.get(k, 0) + 1
+        section["k_counts"] = dict(sorted(counts.items()))
+        section["source"] = "speculative_k_history"
+        on = sum(1 for k in history if k > 0)
+        section["rounds_on"], section["rounds_off"] = on, len(history) - on
+    if window is not None:
+        stats = m.arm_stats(window, m.SPECULATIVE_ARM, SPECULATIVE_MODEL)
+        if stats.rounds_on or stats.rounds_off:
+            section["off_reasons"] = dict(sorted(stats.off_reasons.items(), key=lambda kv: -kv[1]))
+            section["metrics_rounds_on"], section["metrics_rounds_off"] = stats.rounds_on, stats.rounds_off
+            if section["source"] is None:
+                section["source"] = "metrics"
+                section["rounds_on"], section["rounds_off"] = stats.rounds_on, stats.rounds_off
+                section["k_counts"] = k_counts_from_metrics(stats)
+    total = (section["rounds_on"] or 0) + (section["rounds_off"] or 0)
+    if total:
+        section["speculated_share"] = section["rounds_on"] / total
+    return section
+
+
+POLICY_PARAMETERS = ("speculation_policy", "num_draft_tokens", "max_draft_len", "draft_len_schedule", "max_concurrency",
+                     "acceptance_rate_window_size", "acceptance_rate_threshold", "acceptance_measure", "probe_interval",
+                     "canary_control_percent")  # fmt: skip
+
+
+def served_policy(endpoint, recipe) -> dict:
+    """The speculation policy the served BLS runs (its config parameters), else the recipe's; and the draft kind."""
+    from specdeploy.policy import PolicySettings
+
+    params, source = {}, "recipe"
+    try:
+        params = {k: v for k, v in endpoint.model_parameters(SPECULATIVE_MODEL).items() if k in POLICY_PARAMETERS}
+        source = "served config" if params else source
+    except (AttributeError, ClientError):  # an endpoint without configs (the OpenAI front), or unreadable
+        pass
+    if not params:
+        params = {**PolicySettings.from_recipe(recipe.speculative).to_parameters(), "num_draft_tokens": str(recipe.speculative.num_draft_tokens),
+                  "canary_control_percent": str(recipe.canary.control_percent)}  # fmt: skip
+    return {"source": source, "draft_kind": getattr(recipe.draft, "kind", "model"), **{k: v for k, v in params.items() if v not in ("", "{}")}}
+
+
+PROTOCOLS = ("triton", "openai")
+
+
+def open_run(recipe, layout, url: str | None = None, protocol: str = "triton", openai_url: str | None = None,
+             metrics_url: str | None = None) -> MetricsCheck:  # fmt: skip
+    """The run's endpoint (Triton gRPC, or the OpenAI front over it), counted, with the metrics read before it.
+
+    url: the deployment's gRPC address (default: the server `serve --detach` started, which also gives the
+    metrics endpoint); openai_url: the front (protocol openai); metrics_url: Triton's metrics port.
+    """
+    from specdeploy.client.triton_adapter import TritonEndpoint
+    from specdeploy.client.validate import server_url
+    from specdeploy.errors import ConfigError
+
+    if protocol not in PROTOCOLS:
+        raise ConfigError(f"--protocol {protocol!r} is not one of {', '.join(PROTOCOLS)}", "use --protocol triton or --protocol openai")
+    if metrics_url is None and url is None:
+        metrics_url = recorded_metrics_url(layout)
+    if protocol == "openai":
+        from specdeploy.client.openai_adapter import OpenAIEndpoint
+
+        if not openai_url:
+            raise ConfigError("--protocol openai needs the front's address", "pass --openai-url http://127.0.0.1:PORT (specdeploy serve RECIPE --openai-port PORT)")
+        try:
+            triton = TritonEndpoint(url or server_url(layout))  # the control's exact tokens and the served configs
+        except ClientError:
+            triton = None
+        endpoint = OpenAIEndpoint(openai_url, recipe.name, triton, recipe.speculative.num_draft_tokens)
+    else:
+        endpoint = TritonEndpoint(url or server_url(layout))
+    return MetricsCheck(endpoint, metrics_url)
+
+
+def recorded_metrics_url(layout) -> str | None:
+    """The metrics endpoint of the server `serve --detach` recorded for this recipe, if any."""
+    from specdeploy.triton.server import ServerState
+
+    state = ServerState.read(layout.server_state)
+    return state.metrics_url if state is not None else None
+
+
+def summary_lines(report: dict) -> list[str]:
+    """Terminal lines: the policy that ran, the share of rounds that speculated and why it was off; the metrics check."""
+    lines = []
+    spec = report.get("speculation") or {}
+    total = (spec.get("rounds_on") or 0) + (spec.get("rounds_off") or 0)
+    if total:
+        reasons = ", ".join(f"{r} {n:g}" for r, n in (spec.get("off_reasons") or {}).items())
+        lines.append(f"speculation: policy {(spec.get('policy') or {}).get('speculation_policy', '?')}, {spec['speculated_share']:.0%} of "
+                     f"{total:g} rounds speculated" + (f"; off: {reasons}" if reasons else ""))  # fmt: skip
+    check = report.get("metrics_check") or {}
+    if check.get("checked"):
+        agreed = sum(1 for r in check.get("rows", []) if r.get("agree"))
+        lines.append(f"metrics endpoint: {agreed} counts agree" + (f", {len(check['mismatches'])} differ" if check.get("mismatches") else ""))
+    elif check.get("notes"):
+        lines.append(f"metrics endpoint: {check['notes'][0]}")
+    return lines

@@ -1,0 +1,378 @@
+"""In-flight batching (issue 12 items 2 and 3): batched engine passes, the BatchScheduler, batch invariance.
+
+The expected values are the engine and executor run one sequence / one request at a time (the path
+that existed before batching and that the rest of the suite checks against Hugging Face), compared
+bit for bit: tokens, logits and log probs of a request must not depend on what it was batched with.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from specdeploy.engine.executor import BatchScheduler, Executor, GenerationRequest, run
+from specdeploy.errors import ConfigError
+from specdeploy.speculative import SamplingParams
+
+
+def _build(model_dir, out_dir, dtype, qformat="full_prec", max_draft_len=4):
+    """Quantize + compile + load with the project's own stages."""
+    from specdeploy.config import EngineConfig, QuantConfig
+    from specdeploy.engine import CpuEngine, compile_checkpoint
+    from specdeploy.quantize import quantize_model
+
+    ckpt = out_dir / "ckpt"
+    quantize_model(model_dir, QuantConfig(qformat=qformat, calib_size=4, calib_max_seq_length=32), ckpt, progress=False)
+    compile_checkpoint(ckpt, out_dir / "engine", EngineConfig(dtype=dtype, max_input_len=128, max_seq_len=256), max_draft_len)
+    return CpuEngine.load(out_dir / "engine")
+
+
+@pytest.fixture(scope="module")
+def bf16_engine(tmp_path_factory, tiny_llama_dir):
+    """The tiny model as a bf16 engine (the native kernels where the CPU has AVX2: row-invariant, unpadded)."""
+    return _build(tiny_llama_dir, tmp_path_factory.mktemp("bf16"), "bfloat16")
+
+
+@pytest.fixture(scope="module")
+def fp8_engine(tmp_path_factory, tiny_llama_dir):
+    return _build(tiny_llama_dir, tmp_path_factory.mktemp("fp8"), "bfloat16", qformat="fp8")
+
+
+@pytest.fixture(scope="module")
+def fp32_engine(tmp_path_factory, tiny_llama_dir):
+    """fp32: MKL's GEMM is not row-invariant, so the engine pads its calls and batches sequence by sequence."""
+    return _build(tiny_llama_dir, tmp_path_factory.mktemp("fp32"), "float32")
+
+
+def _prompt(seed, n, vocab=512):
+    return torch.randint(4, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# ---------------------------------------------------------------- the engine: batched pass == single passes
+
+
+@pytest.mark.parametrize("engine_name", ["bf16_engine", "fp8_engine", "fp32_engine"])
+def test_forward_batch_logits_are_bit_identical_to_single_sequences(engine_name, request):
+    engine = request.getfixturevalue(engine_name)
+    if engine_name != "fp32_engine":
+        assert engine.pad_rows is None  # the batched path proper (rows of all sequences in one kernel call)
+    # step 1: prefill chunks of different lengths; step 2: a decode row, a 5-row verification, a chunk, a row
+    first = [_prompt(1, 7), _prompt(2, 33), _prompt(3, 1), _prompt(4, 70)]
+    second = [_prompt(5, 1), _prompt(6, 5), _prompt(7, 19), _prompt(8, 1)]
+    solo_caches = [engine.new_cache(200) for _ in first]
+    solo = [[engine.forward(c, torch.tensor(t)) for c, t in zip(solo_caches, step)] for step in (first, second)]
+    caches = [engine.new_cache(200) for _ in first]
+    batched = [engine.forward_batch(caches, [torch.tensor(t) for t in step]) for step in (first, second)]
+    for step_solo, step_batched in zip(solo, batched):
+        for expected, got in zip(step_solo, step_batched):
+            assert got.dtype == torch.float32 and torch.equal(got, expected)
+    assert [c.length for c in caches] == [len(a) + len(b) for a, b in zip(first, second)]
+    # keep: only the last rows' logits, the same bits
+    more = [_prompt(9, 3), _prompt(10, 1), _prompt(11, 4), _prompt(12, 2)]
+    kept = engine.forward_batch(caches, [torch.tensor(t) for t in more], keep=[1, 1, 2, None])
+    for cache, tokens, k, got in zip(solo_caches, more, [1, 1, 2, None], kept):
+        expected = engine.forward(cache, torch.tensor(tokens))
+        assert torch.equal(got, expected if k is None else expected[-k:])
+
+
+def test_forward_batch_refuses_overflow_and_a_repeated_cache(bf16_engine):
+    a, b = bf16_engine.new_cache(8), bf16_engine.new_cache(8)
+    with pytest.raises(ConfigError, match="exceed the cache of 8 positions"):
+        bf16_engine.forward_batch([a, b], [torch.tensor([5] * 3), torch.tensor([5] * 9)])
+    assert a.length == 0 and b.length == 0  # nothing ran
+    with pytest.raises(ValueError, match="twice"):
+        bf16_engine.forward_batch([a, a], [torch.tensor([5]), torch.tensor([6])])
+
+
+# ---------------------------------------------------------------- the scheduler: batched requests == solo requests
+
+
+def _requests():
+    """Greedy and sampled decodes, a verification pass, stop words, logits, log probs, streaming."""
+    return [
+        GenerationRequest(_prompt(20, 9), 12, return_logits=True),
+        GenerationRequest(_prompt(21, 40), 10, sampling=SamplingParams(temperature=0.8, top_k=20, seed=5), return_log_probs=True),
+        GenerationRequest(_prompt(22, 5), 1, draft_tokens=_prompt(23, 3), return_logits=True),
+        GenerationRequest(_prompt(24, 17), 15, streaming=True, return_logits=True, repetition_penalty=1.3),
+        GenerationRequest(_prompt(25, 130), 6, return_logits=True),  # two prefill chunks of 128 + 2
+        GenerationRequest(_prompt(26, 3), 9, stop_words=[[7]], end_id=11, min_tokens=2),
+    ]
+
+
+def _drain(chunks):
+    tokens, logits, log_probs, last = [], [], [], None
+    for chunk in chunks:
+        tokens += chunk.token_ids
+        if chunk.logits is not None:
+            logits.append(chunk.logits)
+        log_probs += chunk.log_probs or []
+        last = chunk
+    return tokens, (torch.cat(logits) if logits else None), log_probs, last.finish_reason, last.stats
+
+
+def _concurrently(scheduler, requests):
+    """Every request from its own thread, all queued before the scheduler's first step."""
+    results = [None] * len(requests)
+    errors = []
+
+    def consume(i):
+        try:
+            results[i] = _drain(scheduler.generate(requests[i]))
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(requests))]
+    with scheduler.paused():
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while scheduler.waiting() < len(requests) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    return results
+
+
+def _assert_same(got, expected):
+    tokens, logits, log_probs, reason, _ = got
+    assert tokens == expected.token_ids and reason == expected.finish_reason
+    assert (logits is None) == (expected.logits is None)
+    if logits is not None:
+        assert torch.equal(logits, expected.logits)  # bit for bit
+    assert log_probs == (expected.log_probs or [])
+
+
+@pytest.mark.parametrize("max_batch_size", [8, 2])
+def test_batched_requests_equal_their_solo_runs(bf16_engine, max_batch_size):
+    solo = [run(Executor(bf16_engine), r) for r in _requests()]
+    assert len({len(s.token_ids) for s in solo}) > 1  # requests leave at different steps
+    executor = Executor(bf16_engine, max_cached_sequences=8)
+    calls = []
+    inner = bf16_engine.forward_batch
+
+    def recording(caches, token_ids, keep=None):
+        calls.append([len(t) for t in token_ids])
+        return inner(caches, token_ids, keep)
+
+    bf16_engine.forward_batch = recording
+    scheduler = BatchScheduler(executor, max_batch_size)
+    try:
+        results = _concurrently(scheduler, _requests())
+    finally:
+        del bf16_engine.forward_batch
+        scheduler.close()
+    for got, expected in zip(results, solo):
+        _assert_same(got, expected)
+    assert scheduler.max_active == min(max_batch_size, len(solo))
+    assert max(len(c) for c in calls) == min(max_batch_size, len(solo))  # passes of several requests in one forward
+    # decode rows, a 4-row verification and prefill chunks shared steps
+    assert any(1 in c and max(c) > 1 for c in calls)
+    assert sum(len(c) for c in calls) > len(calls)
+
+
+def test_requests_join_and_leave_between_steps(bf16_engine):
+    """A request that arrives while others run joins at the next step; results do not change."""
+    requests = _requests()[:3]
+    solo = [run(Executor(bf16_engine), r) for r in requests]
+    scheduler = BatchScheduler(Executor(bf16_engine), 4)
+    try:
+        first = scheduler.generate(GenerationRequest(_prompt(30, 4), 40, streaming=True))
+        next(first)  # the long request is running
+        late = _concurrently(scheduler, requests)  # these join it
+        rest = _drain(first)
+    finally:
+        scheduler.close()
+    for got, expected in zip(late, solo):
+        _assert_same(got, expected)
+    assert len(rest[0]) == 39 and rest[3] == "length"
+    assert scheduler.max_active == 4
+
+
+def test_cancelled_request_leaves_and_frees_its_cache(bf16_engine):
+    executor = Executor(bf16_engine, max_cached_sequences=4)
+    scheduler = BatchScheduler(executor, 4)
+    stop = threading.Event()
+    try:
+        cancelled = GenerationRequest(_prompt(40, 6), 200, streaming=True, is_cancelled=stop.is_set)
+        chunks = scheduler.generate(cancelled)
+        got = [next(chunks).token_ids for _ in range(3)]
+        stop.set()
+        rest = list(chunks)
+        assert rest[-1].finish_reason == "cancelled" and len(got) == 3
+        # a consumer that stops reading (closes the generator) also leaves at the next step
+        gone = scheduler.generate(GenerationRequest(_prompt(41, 6), 200, streaming=True))
+        next(gone)
+        gone.close()
+        after = _drain(scheduler.generate(GenerationRequest(_prompt(42, 5), 4)))
+        assert after[3] == "length" and len(after[0]) == 4
+        deadline = time.monotonic() + 10
+        while len(executor.cached_sequences) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(executor.cached_sequences) == 3  # every cache went back to the pool
+    finally:
+        scheduler.close()
+
+
+def test_refused_request_fails_alone(bf16_engine):
+    scheduler = BatchScheduler(Executor(bf16_engine), 4)
+    try:
+        bad = GenerationRequest(_prompt(50, 4), 2, draft_tokens=_prompt(51, 9))  # max_draft_len is 4
+        good = GenerationRequest(_prompt(52, 4), 5)
+        with pytest.raises(ConfigError, match="larger than maximum number of draft tokens"):
+            _drain(scheduler.generate(bad))
+        assert _drain(scheduler.generate(good))[0] == run(Executor(bf16_engine), good).token_ids
+    finally:
+        scheduler.close()
+    with pytest.raises(ConfigError, match="max_batch_size is 0"):
+        BatchScheduler(Executor(bf16_engine), 0)
+
+
+def test_bls_rounds_reuse_their_prefix_in_the_shared_pool(bf16_engine):
+    """Consecutive verification rounds of one sequence compute only their new positions, while other
+    requests run in the same steps."""
+    executor = Executor(bf16_engine, max_cached_sequences=4)
+    scheduler = BatchScheduler(executor, 4)
+    try:
+        prompt = _prompt(60, 20)
+        sequence = list(prompt)
+        other = scheduler.generate(GenerationRequest(_prompt(61, 30), 60, streaming=True))
+        next(other)
+        for _ in range(3):
+            draft = _prompt(len(sequence), 3)
+            out = _drain(scheduler.generate(GenerationRequest(sequence, 4, draft_tokens=draft)))
+            if len(sequence) > len(prompt):
+                assert out[4].reused_tokens == len(sequence) - 1  # all but the last token: only it and the draft run
+            sequence += out[0]
+        _drain(other)
+    finally:
+        scheduler.close()
+
+
+# ---------------------------------------------------------------- the served models (a real tritonserver)
+# Tiny random checkpoints through quantize (FP8 target, INT8 weight-only draft) and build (bf16, native
+# kernels), served with `triton.inflight_batching: true` and one instance: concurrent requests reach
+# that instance together and share its engine steps.
+
+N_CONCURRENT = 6
+SERVER_PROMPTS = ["The quick brown fox", "Speculative decoding lets", "def add(a, b):", "Once upon a time", "x", "Q: A:"]
+
+
+def _grpc_inputs(values: dict) -> list:
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    types = {np.int32: "INT32", np.bool_: "BOOL", np.object_: "BYTES"}
+    out = []
+    for name, value in values.items():
+        if isinstance(value, str):
+            arr = np.array([[value.encode()]], dtype=object)
+        elif isinstance(value, bool):
+            arr = np.array([[value]], dtype=np.bool_)
+        elif isinstance(value, list):
+            arr = np.array([value], dtype=np.int32)
+        else:
+            arr = np.array([[value]], dtype=np.int32)
+        tensor = grpcclient.InferInput(name, list(arr.shape), types[arr.dtype.type])
+        tensor.set_data_from_numpy(arr)
+        out.append(tensor)
+    return out
+
+
+@pytest.fixture(scope="module")
+def batching_server(tmp_path_factory, tiny_tokenizer_dir):
+    import tritonclient.grpc as grpcclient
+
+    from specdeploy.artifacts import Layout
+    from specdeploy.config import parse_recipe
+    from specdeploy.engine import build_recipe
+    from specdeploy.quantize import quantize_recipe
+    from specdeploy.testing import make_tiny_model
+    from specdeploy.triton import repository, server
+
+    root = tmp_path_factory.mktemp("batching-server")
+    target_dir, draft_dir = root / "target-hf", root / "draft-hf"
+    make_tiny_model(target_dir, tiny_tokenizer_dir, seed=0)
+    make_tiny_model(draft_dir, tiny_tokenizer_dir, seed=1, num_hidden_layers=1)
+    quant = {"calib_size": 4, "calib_max_seq_length": 32}
+    recipe = parse_recipe({
+        "name": "batching",
+        "target": {"model": str(target_dir), "quantization": {**quant, "qformat": "fp8"}},
+        "draft": {"model": str(draft_dir), "quantization": {**quant, "qformat": "int8_wo"}},
+        "speculative": {"max_draft_len": 4, "num_draft_tokens": 3},
+        "engine": {"dtype": "bfloat16", "max_batch_size": 8, "max_input_len": 256, "max_seq_len": 512},
+        "triton": {"instance_count": 1, "inflight_batching": True},
+        "validation": {"max_tokens": 16},
+    })
+    layout = Layout.of(recipe, root)
+    quantize_recipe(recipe, layout, echo=lambda *_: None, progress=False)
+    build_recipe(recipe, layout, echo=lambda *_: None)
+    repo, _ = repository.generate_repository(recipe, layout)
+    assert 'key: "inflight_batching"' in (repo / "tensorrt_llm" / "config.pbtxt").read_text()
+    srv = server.start(repo, server.Ports.pick(), root / "tritonserver.log", exit_timeout_s=3)
+    try:
+        server.wait_ready(srv, 240)
+        client = grpcclient.InferenceServerClient(srv.state.grpc_url)
+        yield srv.state.grpc_url, client
+        client.close()
+    finally:
+        srv.stop()
+
+
+def _in_parallel(url, calls):
+    """calls: [(model, inputs dict)], each from its own client and thread, started together."""
+    import tritonclient.grpc as grpcclient
+
+    barrier = threading.Barrier(len(calls))
+    results, errors = [None] * len(calls), []
+
+    def one(i):
+        client = grpcclient.InferenceServerClient(url)
+        try:
+            barrier.wait()
+            model, values = calls[i]
+            results[i] = client.infer(model, _grpc_inputs(values), client_timeout=240)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors
+    return results
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_served_concurrent_requests_equal_their_solo_runs(batching_server, model):
+    url, client = batching_server
+    calls = [(model, {"text_input": p, "max_tokens": 12 + 3 * i}) for i, p in enumerate(SERVER_PROMPTS[:N_CONCURRENT])]
+    solo = [client.infer(m, _grpc_inputs(v), client_timeout=240).as_numpy("text_output").reshape(-1)[0] for m, v in calls]
+    batched = [r.as_numpy("text_output").reshape(-1)[0] for r in _in_parallel(url, calls)]
+    assert batched == solo  # token for token (the text of the same tokens)
+    assert len(set(solo)) == len(solo)  # distinct prompts, distinct outputs: no request got another's tokens
+
+
+@pytest.mark.server
+def test_served_engine_model_runs_concurrent_requests_together(batching_server):
+    """tensorrt_llm answers concurrent requests in overlapping time (one instance: before in-flight
+    batching they ran one after another), with each request's own tokens."""
+    import numpy as np
+
+    url, client = batching_server
+    prompts = [_prompt(70 + i, 5 + 7 * i) for i in range(4)]
+    values = [{"input_ids": p, "input_lengths": len(p), "request_output_len": 24, "return_perf_metrics": True} for p in prompts]
+    solo = [client.infer("tensorrt_llm", _grpc_inputs(v), client_timeout=240).as_numpy("output_ids").reshape(-1).tolist() for v in values]
+    results = _in_parallel(url, [("tensorrt_llm", v) for v in values])
+    assert [r.as_numpy("output_ids").reshape(-1).tolist() for r in results] == solo
+    spans = [(int(np.asarray(r.as_numpy("first_token_time_ns")).reshape(-1)[0]),
+              int(np.asarray(r.as_numpy("last_token_time_ns")).reshape(-1)[0])) for r in results]
+    overlapping = sum(1 for i, a in enumerate(spans) for b in spans[i + 1 :] if a[0] < b[1] and b[0] < a[1])
+    assert overlapping >= 1, spans
