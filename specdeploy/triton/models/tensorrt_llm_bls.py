@@ -336,7 +336,6 @@ class TritonPythonModel:
         stream = common.TextStream(self.tokenizer, self.skip_special_tokens) if job["stream"] else None
         output, stats = [], spec.SpecStats()
         extras = {"log_probs": [], "logits": []}
-        consumed = 0  # target calls whose tokens have been yielded
         for item in rounds:
             if isinstance(item, spec.SpecStats):
                 stats = item
