@@ -217,11 +217,7 @@ class GpuBackend(Backend):
         from specdeploy.triton import server
 
         self.require_repository(recipe, layout)
-        findings = preflight.run_all(recipe, layout)
-        for f in findings:
-            if f.level == "warning":
-                echo(f"warning: {f.message}")
-        preflight.raise_on_errors(findings)
+        preflight.enforce(preflight.run_all(recipe, layout), echo)
         log_path = Path(layout.server_state) / server.LOG_FILE
         proc = launch.start(recipe, layout, server_binary, log_path)
         state = launch.server_state(recipe, layout, proc, log_path)

@@ -480,11 +480,7 @@ def serve_gpu(
                           f"stop it first: specdeploy stop {recipe_path}")  # fmt: skip
     from specdeploy import preflight
 
-    findings = preflight.run_all(recipe, layout)
-    for f in findings:
-        if f.level == "warning":
-            echo(f"warning: {f.message}")
-    preflight.raise_on_errors(findings)
+    preflight.enforce(preflight.run_all(recipe, layout), echo)
     log_path = Path(layout.server_state) / server.LOG_FILE
     proc = start(recipe, layout, tritonserver, log_path, die_with_parent=not detach)
     state = server_state(recipe, layout, proc, log_path)

@@ -371,6 +371,15 @@ def run_all(
     return [finding for name in backend.preflight_checks for finding in checks[name]()]
 
 
+def enforce(findings: list[Finding], echo=print) -> list[Finding]:
+    """Print the warnings, then stop on errors (raise_on_errors); the findings, for a caller that keeps them."""
+    for f in findings:
+        if f.level == "warning":
+            echo(f"warning: {f.message}")
+    raise_on_errors(findings)
+    return findings
+
+
 def raise_on_errors(findings: list[Finding]) -> None:
     errors = [f for f in findings if f.level == "error"]
     if errors:

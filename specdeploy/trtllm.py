@@ -190,12 +190,7 @@ def _preflight(recipe: Recipe, layout: Layout, gpus, dry_run: bool, echo) -> lis
     from specdeploy import preflight
 
     findings = preflight.run_all(recipe, layout, gpus, check_built_engine=False)
-    if not dry_run:
-        for f in findings:
-            if f.level == "warning":
-                echo(f"warning: {f.message}")
-        preflight.raise_on_errors(findings)
-    return findings
+    return findings if dry_run else preflight.enforce(findings, echo)
 
 
 # ---------------------------------------------------------------- running the tool

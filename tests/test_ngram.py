@@ -192,7 +192,10 @@ def test_served_ngram_draft_keeps_greedy_parity(tmp_path_factory, tiny_llama_dir
         assert result.as_numpy("speculative_k_history").reshape(-1).tolist() == [0]
         result = _bls(stats, prompt, 48, outputs=("text_output", "speculative_k_history", "total_draft_tokens"))
         history = result.as_numpy("speculative_k_history").reshape(-1).tolist()
-        assert sum(history) >= int(result.as_numpy("total_draft_tokens").reshape(-1)[0]) > 0 and max(history) <= 4
+        drafted_here = int(result.as_numpy("total_draft_tokens").reshape(-1)[0])
+        assert sum(history) >= drafted_here and max(history) <= 4 and len(history) >= 1
+        if policy == "static":  # the cost policy may, from its timings, run this request as plain steps
+            assert drafted_here > 0
         assert _bls(stats, prompt, 48, outputs=("text_output",)).as_numpy("speculative_k_history") is None
         stats.close()
         endpoint.close()
