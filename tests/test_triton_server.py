@@ -652,11 +652,28 @@ def test_real_server_side_deadline(real):
         assert text(infer(real, model, text_input=PROMPTS[0], max_tokens=2))
 
 
-def test_real_unary_ttft_is_when_the_first_token_came(real):
-    r = infer(real, "ensemble", text_input=PROMPTS[0], max_tokens=64, end_id=-1, return_perf_metrics=True)
+@pytest.mark.parametrize("num_draft_tokens", [None, 0])
+def test_real_unary_ttft_is_when_the_first_token_came(real, num_draft_tokens):
+    """On the ensemble, and on the BLS when it runs plain tokens in one target call (num_draft_tokens 0):
+    TTFT is when the target produced the first token, not when the whole answer was back."""
+    model, extra = ("ensemble", {}) if num_draft_tokens is None else ("tensorrt_llm_bls", {"num_draft_tokens": 0})
+    r = infer(real, model, text_input=PROMPTS[0], max_tokens=64, end_id=-1, return_perf_metrics=True, **extra)
     arrival, first, last = (int(r.as_numpy(x).reshape(-1)[0]) for x in ("arrival_time_ns", "first_token_time_ns", "last_token_time_ns"))
     assert arrival < first < last
     assert (first - arrival) < 0.5 * (last - arrival)  # 1 of 64 tokens: TTFT well before the end
+
+
+def test_real_kv_block_counts_agree_on_both_paths(real):
+    """The BLS's KV block counts are the request's (its last target call holds the whole sequence), as
+    the ensemble's: the same totals for the same prompt and output, not a sum over its rounds."""
+    counts = {}
+    for model in ("ensemble", "tensorrt_llm_bls"):
+        r = infer(real, model, text_input=PROMPTS[1], max_tokens=40, end_id=-1, return_perf_metrics=True)
+        counts[model] = [int(r.as_numpy(x).reshape(-1)[0]) for x in
+                         ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks")]  # fmt: skip
+        new, reused, total = counts[model]
+        assert total >= 1 and new + reused == total
+    assert counts["ensemble"][2] == counts["tensorrt_llm_bls"][2], counts
 
 
 def test_real_stop_request_ends_the_running_request(real):

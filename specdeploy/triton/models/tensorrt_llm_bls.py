@@ -57,7 +57,10 @@ class _Record:
     def __init__(self):
         self.rounds = []  # per target call: (log_probs list | None, generation_logits [n, vocab] | None)
         self.context_logits = None
-        self.kv = [0, 0, 0]  # new, reused, total blocks over the target calls
+        # KV blocks of the request: every target call carries the whole sequence, so the last call's total is
+        # the request's; what was reused from earlier requests shows in the first call
+        self.kv_reused, self.kv_total = 0, 0
+        self.first_token_ns = 0  # when the first target call produced its first token (the request's TTFT)
 
 
 class _LlmCall:
@@ -169,7 +172,7 @@ class TritonVerifier:
             extra["draft_input_ids"] = np.array([draft_tokens], dtype=np.int32)
         if draft_logits is not None:
             extra["draft_logits"] = draft_logits.float().numpy()[None].astype(np.float32)  # [1, k, vocab]
-        wanted = ["output_log_probs", "kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks"]
+        wanted = ["output_log_probs", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks", "first_token_time_ns"]
         if job["return_context_logits"] and first:
             wanted.append("context_logits")
         # output_len: a plain run of the policy, or the canary's plain path (the whole answer in one call,
@@ -183,8 +186,11 @@ class TritonVerifier:
         if "context_logits" in outputs:
             rows = outputs["context_logits"][0]
             self.record.context_logits = rows.reshape(-1, rows.shape[-1])  # [prompt, vocab]
-        for i, name in enumerate(wanted[1:4]):
-            self.record.kv[i] += sum(int(a.reshape(-1)[0]) for a in outputs.get(name, []))
+        last = {name: int(outputs[name][-1].reshape(-1)[0]) for name in wanted[1:] if outputs.get(name)}
+        if first:
+            self.record.kv_reused = last.get("kv_cache_reused_blocks", 0)
+            self.record.first_token_ns = last.get("first_token_time_ns", 0)
+        self.record.kv_total = last.get("kv_cache_alloc_total_blocks", self.record.kv_total)
         return tokens
 
     def _run_slice_s(self, output_len):
@@ -340,7 +346,7 @@ class TritonPythonModel:
             if isinstance(item, spec.SpecStats):
                 stats = item
                 continue
-            times["first"] = times["first"] or time.time_ns()
+            times["first"] = times["first"] or record.first_token_ns or time.time_ns()
             output.extend(item)
             self.ops.tokens(ops, len(item))
             # this round's tokens came from the latest target call (a prefix of what it returned)
@@ -383,9 +389,9 @@ class TritonPythonModel:
             ),
             "batch_index": np.array([[0]], dtype=np.int32),
             "sequence_index": np.array([[0]], dtype=np.int32),
-            "kv_cache_alloc_new_blocks": np.array([[record.kv[0]]], dtype=np.int32),
-            "kv_cache_reused_blocks": np.array([[record.kv[1]]], dtype=np.int32),
-            "kv_cache_alloc_total_blocks": np.array([[record.kv[2]]], dtype=np.int32),
+            "kv_cache_alloc_new_blocks": np.array([[record.kv_total - record.kv_reused]], dtype=np.int32),
+            "kv_cache_reused_blocks": np.array([[record.kv_reused]], dtype=np.int32),
+            "kv_cache_alloc_total_blocks": np.array([[record.kv_total]], dtype=np.int32),
             "arrival_time_ns": np.array([[times["arrival"]]], dtype=np.int64),
             "first_scheduled_time_ns": np.array([[times["scheduled"]]], dtype=np.int64),
             "first_token_time_ns": np.array([[times["first"] or now]], dtype=np.int64),
