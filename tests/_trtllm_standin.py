@@ -89,3 +89,29 @@ def write_hf_checkpoint(directory: Path, recipe_name: str, source_dir: Path, qua
         (directory / "hf_quant_config.json").unlink(missing_ok=True)
     Manifest(stage="quantize", recipe_name=recipe_name, fingerprint="hf-fp",
              inputs={"source_dir": str(source_dir)}).write(directory)
+
+
+# A stand-in for tritonserver (the NGC image's, or the embedded one): prints and, with $STANDIN_RECORD set,
+# records its argv, answers /v2/health/ready over HTTP, and records the signal that stops it. It speaks no
+# gRPC, so validation cannot succeed against it.
+STANDIN_TRITONSERVER = """#!{python}
+import http.server, json, os, signal, sys
+def record(line):
+    if os.environ.get("STANDIN_RECORD"):
+        with open(os.environ["STANDIN_RECORD"], "a") as fh:
+            fh.write(json.dumps(line) + "\\n")
+record(["tritonserver", *sys.argv[1:]])
+def stopped(signum, frame):
+    record(["tritonserver-stopped", signal.Signals(signum).name])
+    os._exit(0)
+signal.signal(signal.SIGTERM, stopped)
+port = int(next(a.split("=", 1)[1] for a in sys.argv if a.startswith("--http-port=")))
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path in ("/v2/health/ready", "/v2/health/live") else 404)
+        self.end_headers()
+    def log_message(self, *a):
+        pass
+print("standin tritonserver", " ".join(sys.argv[1:]), flush=True)
+http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+"""

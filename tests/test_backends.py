@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from _trtllm_standin import install_standin, recorded
+from _trtllm_standin import STANDIN_TRITONSERVER, install_standin, recorded
 from specdeploy import backends, config, preflight
 from specdeploy.errors import ConfigError
 
@@ -128,26 +128,6 @@ def test_generate_refuses_gpu_recipes():
 
 # ---------------------------------------------------------------- `specdeploy run` on a GPU recipe, with stand-ins
 
-# A stand-in for the NGC image's tritonserver: records its argv, answers /v2/health/ready over HTTP, and records
-# the signal that stops it. It speaks no gRPC, so validation cannot succeed against it.
-STANDIN_TRITONSERVER = """#!{python}
-import http.server, json, os, signal, sys
-with open(os.environ["STANDIN_RECORD"], "a") as fh:
-    fh.write(json.dumps(["tritonserver", *sys.argv[1:]]) + "\\n")
-def stopped(signum, frame):
-    with open(os.environ["STANDIN_RECORD"], "a") as fh:
-        fh.write(json.dumps(["tritonserver-stopped", signal.Signals(signum).name]) + "\\n")
-    os._exit(0)
-signal.signal(signal.SIGTERM, stopped)
-port = int(next(a.split("=", 1)[1] for a in sys.argv if a.startswith("--http-port=")))
-class H(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200 if self.path in ("/v2/health/ready", "/v2/health/live") else 404)
-        self.end_headers()
-    def log_message(self, *a):
-        pass
-http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
-"""
 
 
 def _free_ports(n: int) -> list[int]:

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from _trtllm_standin import STANDIN_TRITONSERVER
 from specdeploy import launch, packaging
 from specdeploy.artifacts import Layout
 from specdeploy.config import parse_recipe
@@ -204,18 +205,6 @@ def test_image_build_refuses_another_tensorrt_llm(tmp_path, installed, ok):
 
 # ---------------------------------------------------------------- serve on this machine (stand-in tritonserver)
 
-STANDIN_TRITONSERVER = """#!{python}
-import http.server, sys
-port = int(next(a.split("=", 1)[1] for a in sys.argv if a.startswith("--http-port=")))
-class H(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200 if self.path in ("/v2/health/ready", "/v2/health/live") else 404)
-        self.end_headers()
-    def log_message(self, *a):
-        pass
-print("standin tritonserver", " ".join(sys.argv[1:]), flush=True)
-http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
-"""
 
 
 @pytest.fixture
