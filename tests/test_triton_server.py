@@ -461,7 +461,7 @@ def real(tmp_path_factory, tiny_tokenizer_dir):
         "draft": {"model": str(draft_dir), "quantization": {**quant, "qformat": "int8_wo"}},
         "speculative": {"max_draft_len": 4, "num_draft_tokens": 3},
         "engine": {"dtype": "bfloat16", "max_batch_size": 4, "max_input_len": 1100, "max_seq_len": 1400},
-        "triton": {"instance_count": 1},
+        "triton": {"instance_count": 1, "inflight_batching": True},  # the stop test needs requests to meet
         "validation": {"max_tokens": 16},
     })
     layout = Layout.of(recipe, root)
