@@ -72,7 +72,10 @@ class _LlmCall:
         self.slice_s = slice_s  # each call's first Triton timeout (0: none), see common.call_in_slices
 
     def __call__(self, sequence, output_len, sampling, extra, return_logits, more_outputs=(), stop_check=None, slice_s=None):
-        if not self.slice_s or stop_check is None:
+        # Not on decoupled calls: a decoupled BLS call abandoned at its timeout while the model still sends
+        # responses corrupted the stub's heap (tritonserver 2.51: "malloc_consolidate(): unaligned fastbin
+        # chunk detected", then "Stub process is not healthy"), so there the BLS checks between rounds only.
+        if not self.slice_s or stop_check is None or self.decoupled:
             return self._call(sequence, output_len, sampling, extra, return_logits, more_outputs, 0)
         attempt = lambda s: self._call(sequence, output_len, sampling, extra, return_logits, more_outputs, int(s * 1e6))  # noqa: E731
         try:
