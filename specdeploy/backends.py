@@ -20,6 +20,10 @@ from specdeploy.errors import ConfigError
 
 # TensorRT-LLM's own words (examples/quantization/quantize.py --qformat); config.QFORMATS is this tuple.
 ALL_QFORMATS = ("full_prec", "fp8", "int8_sq", "int8_wo", "int4_awq")
+# Repository layouts (recipe triton.layout): NVIDIA's tensorrtllm_backend all_models/inflight_batcher_llm, and
+# TensorRT-LLM's triton_backend/all_models/llmapi (one python model around LLM(...), options in model.yaml).
+IFB_LAYOUT, LLMAPI_LAYOUT = "inflight_batcher_llm", "llmapi"
+LAYOUTS = (IFB_LAYOUT, LLMAPI_LAYOUT)
 
 
 @dataclass(frozen=True)
@@ -69,7 +73,7 @@ class Backend:
     tensorrt_engines: bool  # engines come from trtllm-build and load only in the release that built them
     default_image: str | None  # NGC base image the generated Dockerfile installs specdeploy into
     bls_limits: BlsLimits | None  # None: the speculative BLS is not part of this backend's repository
-    has_control: bool  # its repository serves an unaccelerated control (`ensemble`) that `validate` compares with
+    layouts: tuple[str, ...]  # repository layouts it serves (LAYOUTS), the default first
     preflight_checks: tuple[str, ...]  # names in specdeploy.preflight.CHECKS, run in this order
 
     # ---- build
@@ -87,8 +91,11 @@ class Backend:
 
     def write_repository(self, recipe, layout, recipe_path: str = "RECIPE", force: bool = False,
                          executor_factory: str | None = None) -> tuple[Path, bool]:  # fmt: skip
-        from specdeploy.triton import repository
+        """The recipe's layout: inflight_batcher_llm (shared models around `engine_models`) or llmapi."""
+        from specdeploy.triton import llmapi, repository
 
+        if recipe.layout == LLMAPI_LAYOUT:
+            return llmapi.generate_repository(recipe, layout, recipe_path, force, executor_factory)
         return repository.generate_layout_repository(recipe, layout, recipe_path, force, executor_factory)
 
     def require_repository(self, recipe, layout, recipe_path: str = "RECIPE"):
@@ -114,17 +121,6 @@ class Backend:
     # ---- doctor / pre-flight
     def usable(self, gpus, tensorrt_llm: str | None, has_trtllm_build: bool) -> bool:
         raise NotImplementedError
-
-    def require_validatable(self, recipe) -> None:
-        """Refuse to validate (or to start a whole `run`) when the repository has nothing to compare with."""
-        if not self.has_control:
-            others = " or ".join(b.name for b in ALL if b.has_control)
-            raise ConfigError(
-                f"backend {self.name} (recipe {recipe.name}) serves the speculative model without an unaccelerated "
-                "control beside it, so validate has nothing to compare it with",
-                f"validate the same pair on backend {others}; this backend's options are checked by `specdeploy build "
-                "--dry-run` and the pre-flight checks (docs/gpu.md, step 8)",
-            )
 
     def require_local(self, what: str, recipe) -> None:
         """Refuse `what` (a command that runs the CPU engines in this process) on a GPU backend."""
@@ -166,21 +162,22 @@ class CpuBackend(Backend):
 
     def serve(self, recipe, layout, *, detach, server_binary, recipe_path, echo=print, print_only=False,
               print_k8s=False, image=None):  # fmt: skip
-        from specdeploy.triton import server
+        from specdeploy.triton import llmapi, server
 
         if print_only or print_k8s:
             raise ConfigError(f"--print-only/--print-k8s describe GPU deployments; backend {self.name} serves here",
                               f"run: specdeploy serve {recipe_path}")  # fmt: skip
         self.require_repository(recipe, layout, recipe_path)
         return server.serve(layout.repo, layout.server_state, recipe.triton, binary=server_binary, detach=detach,
-                            echo=echo, recipe_path=recipe_path)  # fmt: skip
+                            echo=echo, recipe_path=recipe_path, extra_args=llmapi.server_args(recipe))  # fmt: skip
 
     def start(self, recipe, layout, *, server_binary=None, echo=print):
-        from specdeploy.triton import server
+        from specdeploy.triton import llmapi, server
 
         t = recipe.triton
         ports = server.Ports.pick(t.grpc_port, t.http_port, t.metrics_port)
-        running = server.start(layout.repo, ports, Path(layout.server_state) / server.LOG_FILE, binary=server_binary)
+        running = server.start(layout.repo, ports, Path(layout.server_state) / server.LOG_FILE, binary=server_binary,
+                               extra_args=llmapi.server_args(recipe))
         try:
             server.wait_ready(running, t.startup_timeout_s)
         except BaseException:
@@ -242,12 +239,7 @@ class TrtllmEngineBackend(GpuBackend):
 @dataclass(frozen=True)
 class TrtllmLlmapiBackend(GpuBackend):
     def engine_models(self, inp):
-        raise AssertionError("the llmapi layout has no separate engine models")  # write_repository is overridden
-
-    def write_repository(self, recipe, layout, recipe_path="RECIPE", force=False, executor_factory=None):
-        from specdeploy.triton import gpu_models
-
-        return gpu_models.generate_llmapi_repository(recipe, layout, recipe_path, force)
+        raise AssertionError("the llmapi layout has no separate engine models")  # layouts: llmapi only
 
     def usable(self, gpus, tensorrt_llm, has_trtllm_build):
         return bool(gpus) and tensorrt_llm is not None
@@ -272,7 +264,7 @@ CPU = CpuBackend(
     tensorrt_engines=False,
     default_image=None,
     bls_limits=None,  # the CPU BLS streams and takes any batch of single-sequence requests
-    has_control=True,
+    layouts=(IFB_LAYOUT, LLMAPI_LAYOUT),
     preflight_checks=_COMMON_CHECKS,
 )
 # NGC Triton + TensorRT-LLM images (nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3). 25.03 ships TensorRT-LLM
@@ -295,7 +287,7 @@ TRTLLM_ENGINE = TrtllmEngineBackend(
     # specdeploy's own BLS (not NVIDIA's, whose limits are tensorrtllm_backend issue #676) streams in decoupled
     # mode and takes one sequence per request; concurrent requests are batched in flight by the tensorrt_llm models.
     bls_limits=BlsLimits(max_request_batch=1, streaming=True),
-    has_control=True,
+    layouts=(IFB_LAYOUT,),
     preflight_checks=(*_COMMON_CHECKS, "fp8", "kv_cache", "memory", "bls"),
 )
 # The LLM API (PyTorch backend) loads ModelOpt Hugging Face checkpoints: FP8 and INT4 AWQ, not the INT8
@@ -315,7 +307,7 @@ TRTLLM_LLMAPI = TrtllmLlmapiBackend(
     tensorrt_engines=False,
     default_image="nvcr.io/nvidia/tritonserver:26.10-trtllm-python-py3",
     bls_limits=None,
-    has_control=False,  # one llmapi model; issue 13 adds a control model
+    layouts=(LLMAPI_LAYOUT,),
     preflight_checks=(*_COMMON_CHECKS, "fp8", "kv_cache", "memory", "llmapi"),
 )
 

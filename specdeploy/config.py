@@ -27,6 +27,7 @@ ENGINE_DTYPES = ("bfloat16", "float16", "float32")
 ROLES = ("target", "draft")
 
 CHAT_TEMPLATE_MODES = ("auto", "none")  # validation.chat_template
+CONTROL_MODES = ("auto", "side_by_side", "load_unload")  # triton.control
 
 
 def exact_verification(backend: str) -> bool:
@@ -130,6 +131,13 @@ class TritonConfig:
     max_queue_delay_microseconds: int = 1000
     startup_timeout_s: float = 300.0
     request_timeout_s: float = 0.0  # server-side deadline per request (0: none); a request's Triton `timeout` overrides it
+    # The repository's layout (backends.LAYOUTS): NVIDIA's inflight_batcher_llm models, or TensorRT-LLM's llmapi model
+    # (speculative `tensorrt_llm` + its control `tensorrt_llm_control`). "auto": the backend's first layout.
+    layout: str = "auto"
+    # llmapi layout: the control loaded beside the speculative model (side_by_side), or loaded only while validate
+    # measures it (load_unload: Triton's explicit model control), for memory that holds one target at a time.
+    # auto: side_by_side on the cpu backend, load_unload on a GPU (each LLM(...) takes a share of the free GPU memory).
+    control: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -180,6 +188,18 @@ class Recipe:
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     cost: CostConfig = field(default_factory=CostConfig)
     canary: CanaryConfig = field(default_factory=CanaryConfig)
+
+    @property
+    def layout(self) -> str:
+        """The repository layout: triton.layout, or the backend's first one when it says auto."""
+        return _backends.get(self.backend).layouts[0] if self.triton.layout == "auto" else self.triton.layout
+
+    @property
+    def control(self) -> str:
+        """How the llmapi layout's control is served: triton.control, or by the backend when it says auto."""
+        if self.triton.control != "auto":
+            return self.triton.control
+        return "load_unload" if _backends.get(self.backend).gpu else "side_by_side"
 
     def model(self, role: str) -> ModelConfig:
         assert role in ROLES, role
@@ -354,6 +374,7 @@ def _check(r: Recipe) -> None:
             raise ConfigError(f"key 'triton.{port_key}' is {port}", "use 0 (pick a free port) or 1..65535")
     _at_least("triton.instance_count", t.instance_count, 1)
     _at_least("triton.request_timeout_s", t.request_timeout_s, 0)
+    _check_layout(r)
     v = r.validation
     _at_least("validation.max_tokens", v.max_tokens, 1)
     if v.max_tokens >= e.max_seq_len:
@@ -376,6 +397,28 @@ def _check(r: Recipe) -> None:
     if not 0.0 <= v.min_compared_share <= 1.0:
         raise ConfigError(f"key 'validation.min_compared_share' is {v.min_compared_share}, must be in [0, 1]")
     _at_least("validation.latency_prompts", v.latency_prompts, 0)
+
+
+def _check_layout(r: Recipe) -> None:
+    t, backend = r.triton, _backends.get(r.backend)
+    if t.layout != "auto" and t.layout not in backend.layouts:
+        others = [b.name for b in _backends.ALL if t.layout in b.layouts]
+        raise ConfigError(
+            f"key 'triton.layout' is {t.layout!r}, which backend '{r.backend}' does not serve (it serves: {', '.join(backend.layouts)})",
+            f"use backend {' or '.join(others)}, or layout {backend.layouts[0]}" if others else f"choices: {', '.join(_backends.LAYOUTS)}",
+        )
+    _choice("triton.control", t.control, CONTROL_MODES)
+    if t.control != "auto" and r.layout != _backends.LLMAPI_LAYOUT:
+        raise ConfigError(
+            f"key 'triton.control' is {t.control}, which only the llmapi layout has (its control is a model of its own)",
+            "set triton.layout: llmapi, or drop triton.control (the inflight_batcher_llm layout's control, ensemble, "
+            "shares the target model with the speculative path)",
+        )
+    if r.layout == _backends.LLMAPI_LAYOUT and r.canary.control_percent:
+        raise ConfigError(
+            "canary.control_percent is set, but the canary's control arm lives in tensorrt_llm_bls, which the llmapi layout does not have",
+            "set canary.control_percent: 0, or use triton.layout: inflight_batcher_llm",
+        )
 
 
 def _check_operations(r: Recipe) -> None:

@@ -86,8 +86,10 @@ def target_only_generate(
     end_id: int | None = None,
     stop_words: Sequence[Sequence[int]] = (),
     bad_words: Sequence[Sequence[int]] = (),
+    should_stop=None,
 ) -> Iterator[list[int] | SpecStats]:
-    """The unaccelerated control: the target alone, streamed; same event shape as speculative_generate."""
+    """The unaccelerated control: the target alone, streamed; same event shape as speculative_generate.
+    `should_stop()` is polled between decode steps (finish_reason "cancelled" once it turns true)."""
     request = GenerationRequest(
         input_ids=list(prompt_ids),
         max_new_tokens=max_new_tokens,
@@ -96,6 +98,7 @@ def target_only_generate(
         stop_words=[list(w) for w in stop_words],
         bad_words=[list(w) for w in bad_words],
         streaming=True,
+        is_cancelled=should_stop,
     )
     stats = SpecStats()
     for chunk in target.generate(request):

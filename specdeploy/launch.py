@@ -104,7 +104,10 @@ def _launch_plan(recipe: Recipe, layout: Layout, tritonserver: str, mode: str) -
                           "the cpu backend starts with specdeploy serve")  # fmt: skip
     if not backend.tensorrt_engines:
         # the llmapi model sets max_batch_size/decoupled in auto_complete_config: keep auto-complete on
-        return LaunchPlan("llmapi", [tritonserver, *_server_args(repo, ports, 0, auto_complete=True)], gpus=target_ranks)
+        from specdeploy.triton import llmapi
+
+        args = [*_server_args(repo, ports, 0, auto_complete=True), *llmapi.server_args(recipe)]
+        return LaunchPlan("llmapi", [tritonserver, *args], gpus=target_ranks)
     if mode == "auto":
         mode = "single" if gpus == 1 else ("leader" if draft_ranks == target_ranks else "orchestrator")
     if mode == "single":
@@ -373,8 +376,8 @@ def print_lines(recipe: Recipe, layout: Layout, image: str | None = None, triton
              shlex.join(packaging.build_command(recipe, layout)),
              shlex.join(docker_command(plan, recipe, layout))]  # fmt: skip
     if plan.mode == "llmapi":
-        lines.append("# the llmapi model needs model.py and helpers.py from TensorRT-LLM "
-                     "triton_backend/all_models/llmapi/tensorrt_llm/1/ in triton_repo/<recipe>/tensorrt_llm/1/")  # fmt: skip
+        lines.append("# the llmapi models need model.py and helpers.py from TensorRT-LLM triton_backend/all_models/llmapi/"
+                     "tensorrt_llm/1/ in triton_repo/<recipe>/tensorrt_llm{,_control}/1/")  # fmt: skip
     return lines
 
 

@@ -17,7 +17,6 @@ def run(recipe, layout, recipe_path: str, echo=print, progress=True, server_bina
     from specdeploy.triton import repository
 
     backend = backends.of(recipe)
-    backend.require_validatable(recipe)  # before hours of quantizing, not after
     echo(f"== quantize ({backend.name})")
     quantize_recipe(recipe, layout, echo=echo, progress=progress is True)
     echo("== build")

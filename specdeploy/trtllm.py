@@ -500,13 +500,14 @@ def speculative_options(recipe: Recipe, version: LlmApiVersion, draft_dir: Path,
     return spec
 
 
-def llmapi_options(recipe: Recipe, layout: Layout, version: LlmApiVersion | None = None) -> dict:
+def llmapi_options(recipe: Recipe, layout: Layout, version: LlmApiVersion | None = None, draft_dir: Path | None = None) -> dict:
     """The LLM-API options (keys of tensorrt_llm.llmapi LLM args) for draft/target speculative decoding.
 
     Names follow the recipe's trtllm_version (LLMAPI_VERSIONS). Top-level keys, stable across the supported
     releases (llm_args.py): `kv_cache_config.{free_gpu_memory_fraction, enable_block_reuse, dtype}`,
     `max_batch_size`, `max_input_len`, `max_seq_len`, `tensor_parallel_size`, `pipeline_parallel_size`. The
-    quick start runs Draft/Target with `disable_overlap_scheduler=True`.
+    quick start runs Draft/Target with `disable_overlap_scheduler=True`. `draft_dir`: the draft model (default: the
+    draft checkpoint; the cpu backend's llmapi layout names the draft engine).
     """
     version = version or llmapi_version(recipe.trtllm_version)
     target, e = recipe.target, recipe.engine
@@ -523,7 +524,8 @@ def llmapi_options(recipe: Recipe, layout: Layout, version: LlmApiVersion | None
             "enable_block_reuse": True,
             "dtype": kv_dtype if kv_dtype == "fp8" else "auto",
         },
-        "speculative_config": speculative_options(recipe, version, layout.checkpoint("draft"), "ngram" if recipe.draft.is_ngram else "draft_target"),
+        "speculative_config": speculative_options(recipe, version, draft_dir or layout.checkpoint("draft"),
+                                                  "ngram" if recipe.draft.is_ngram else "draft_target"),
     }
 
 

@@ -88,8 +88,9 @@ def test_every_backend_answers_every_question():
     # every check is used by some backend, and the GPU-only checks by GPU backends only
     assert set(preflight.CHECKS) == {c for b in backends.ALL for c in b.preflight_checks}
     assert not {"fp8", "memory", "llmapi", "bls"} & set(backends.CPU.preflight_checks)
-    # the shared-layout backends write engine models; the llmapi one writes its own repository
-    assert type(backends.TRTLLM_LLMAPI).write_repository is not backends.Backend.write_repository
+    # every backend serves a layout; the layout (not the backend) decides which repository is written
+    assert all(b.layouts and set(b.layouts) <= set(backends.LAYOUTS) for b in backends.ALL)
+    assert backends.TRTLLM_LLMAPI.layouts == ("llmapi",) and "llmapi" in backends.CPU.layouts
     assert backends.CPU.exact_verification and not any(b.exact_verification for b in backends.ALL if b.gpu)
 
 
@@ -185,21 +186,15 @@ def test_run_on_a_gpu_recipe_drives_the_gpu_flow(tmp_path, monkeypatch, tiny_lla
     assert result.exit_code != 0
 
 
-def test_validate_and_run_refuse_a_backend_without_a_control(tmp_path):
-    """trtllm-llmapi serves no unaccelerated control: validate and run say so at once (run before quantizing)."""
-    from specdeploy import pipeline
+def test_an_llmapi_recipe_is_validatable_but_not_swept(tmp_path):
+    """Both layouts serve a control now; the llmapi layout fixes the draft length per deployment, so a draft-length
+    sweep is refused before any request."""
     from specdeploy.artifacts import Layout
     from specdeploy.client.validate import validate_recipe
 
     r = config.parse_recipe({"name": "l", "backend": "trtllm-llmapi", "target": {"model": "t"}, "draft": {"model": "d"}})
-    layout = Layout.of(r, tmp_path)
-    with pytest.raises(ConfigError, match="without an unaccelerated control") as exc:
-        validate_recipe(r, layout, url="127.0.0.1:1")
-    assert "cpu or trtllm-engine" in exc.value.hint
-    lines = []
-    with pytest.raises(ConfigError, match="nothing to compare"):
-        pipeline.run(r, layout, "l.yaml", echo=lines.append)
-    assert lines == [] and not (tmp_path / "engines").exists()
+    with pytest.raises(ConfigError, match="fixes it per deployment"):
+        validate_recipe(r, Layout.of(r, tmp_path), url="127.0.0.1:1", sweep_draft_tokens=(1, 2))
 
 
 @pytest.mark.server

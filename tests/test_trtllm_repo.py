@@ -9,7 +9,7 @@ from _trtllm_standin import install_standin, write_hf_checkpoint, write_trtllm_c
 from specdeploy import trtllm
 from specdeploy.artifacts import Layout
 from specdeploy.config import parse_recipe
-from specdeploy.triton import gpu_models, repository
+from specdeploy.triton import gpu_models, llmapi, repository
 
 
 def make_recipe(target, draft, backend="trtllm-engine", tp=2, decoupled=False):
@@ -119,26 +119,30 @@ def test_a_capped_draft_loaded_first_leaves_the_target_its_share():
     assert shares == pytest.approx({"draft": 0.06, "target": 0.7614})
 
 
-def test_llmapi_model_config_and_model_yaml(tmp_path, built_llmapi):
+def test_llmapi_models_config_and_model_yaml(tmp_path, built_llmapi):
+    """The speculative llmapi model and its control: same target, the control without speculative_config."""
     recipe, layout = built_llmapi
     inp = repository.repo_inputs(recipe, layout)
     dest = tmp_path / "repo"
     upstream = tmp_path / "TensorRT-LLM"
-    (upstream / gpu_models.LLMAPI_UPSTREAM_DIR).mkdir(parents=True)
-    (upstream / gpu_models.LLMAPI_UPSTREAM_DIR / "model.py").write_text("# upstream model.py\n")
-    missing = gpu_models.llmapi_repository(inp, dest, upstream)
-    assert missing == ["tensorrt_llm/1/helpers.py (copy from TensorRT-LLM "
-                       "triton_backend/all_models/llmapi/tensorrt_llm/1/helpers.py)"]  # fmt: skip
-    config = repository.check_config((dest / "tensorrt_llm" / "config.pbtxt").read_text(), "tensorrt_llm")
-    assert config.backend == "python" and config.max_batch_size == 0
-    assert {i.name for i in config.input} >= {"text_input", "sampling_param_max_tokens"}
+    (upstream / llmapi.UPSTREAM_DIR).mkdir(parents=True)
+    (upstream / llmapi.UPSTREAM_DIR / "model.py").write_text("# upstream model.py\n")
+    missing = llmapi.write_models(inp, layout, dest, upstream)
+    assert missing == [f"{name}/1/helpers.py (copy from TensorRT-LLM triton_backend/all_models/llmapi/tensorrt_llm/1/helpers.py)"
+                       for name in ("tensorrt_llm", "tensorrt_llm_control")]  # fmt: skip
+    for name in llmapi.MODELS:
+        config = repository.check_config((dest / name / "config.pbtxt").read_text(), name)
+        assert config.backend == "python" and config.max_batch_size == 0 and not config.parameters
+        assert {i.name for i in config.input} >= {"text_input", "sampling_param_max_tokens"}
+        assert (dest / name / "1" / "model.py").read_text() == "# upstream model.py\n"
     model_yaml = yaml.safe_load((dest / "tensorrt_llm" / "1" / "model.yaml").read_text())
     assert model_yaml["model"] == str(layout.checkpoint("target"))
     assert model_yaml["backend"] == "pytorch" and model_yaml["tensor_parallel_size"] == 2
     assert model_yaml["speculative_config"]["decoding_type"] == "DraftTarget"
     assert model_yaml["speculative_config"]["speculative_model_dir"] == str(layout.checkpoint("draft"))  # the 1.2 name
     assert model_yaml["triton_config"] == {"max_batch_size": 0, "decoupled": False}
-    assert (dest / "tensorrt_llm" / "1" / "model.py").read_text() == "# upstream model.py\n"
+    control_yaml = yaml.safe_load((dest / "tensorrt_llm_control" / "1" / "model.yaml").read_text())
+    assert control_yaml == {k: v for k, v in model_yaml.items() if k != "speculative_config"}
 
 
 def test_generate_repository_for_trtllm_engine(built_engines):
@@ -162,9 +166,9 @@ def test_generate_repository_for_trtllm_engine(built_engines):
 def test_generate_llmapi_repository_is_atomic_and_up_to_date(built_llmapi):
     recipe, layout = built_llmapi
     warnings = []
-    path, written = gpu_models.generate_llmapi_repository(recipe, layout, echo=warnings.append)
-    assert written and sorted(p.name for p in path.iterdir()) == ["manifest.json", "tensorrt_llm"]
-    assert len(warnings) == 2  # model.py and helpers.py must come from TensorRT-LLM: said, not faked
+    path, written = llmapi.generate_repository(recipe, layout, echo=warnings.append)
+    assert written and sorted(p.name for p in path.iterdir()) == ["manifest.json", "tensorrt_llm", "tensorrt_llm_control"]
+    assert len(warnings) == 4  # model.py and helpers.py (twice) must come from TensorRT-LLM: said, not faked
     repository.require_repository(recipe, layout)  # the serve stage accepts it
-    assert gpu_models.generate_llmapi_repository(recipe, layout)[1] is False
+    assert llmapi.generate_repository(recipe, layout)[1] is False
     assert repository.generate_repository(recipe, layout) == (path, False)  # `specdeploy repo` dispatches here

@@ -366,10 +366,10 @@ def run_level(
     return run
 
 
-def warm_up(endpoint: Endpoint, prompts: Sequence[Prompt], num_draft_tokens: int, timeout_s: float, requests: int = 2) -> None:
-    """A few requests to each model so first-call costs (loading, allocation) stay out of the numbers."""
-    for prompt in list(prompts)[:requests]:
-        endpoint.generate(CONTROL_MODEL, GenerateRequest(prompt.text, prompt.max_tokens), timeout_s)
-        endpoint.generate(
-            SPECULATIVE_MODEL, GenerateRequest(prompt.text, prompt.max_tokens, num_draft_tokens=num_draft_tokens), timeout_s
-        )
+def warm_up(endpoint: Endpoint, prompts: Sequence[Prompt], num_draft_tokens: int, timeout_s: float, requests: int = 2,
+            modes: Sequence[str] = (CONTROL, SPECULATIVE)) -> None:  # fmt: skip
+    """A few requests to each model (of `modes`) so first-call costs (loading, allocation) stay out of the numbers."""
+    for mode in modes:
+        for prompt in list(prompts)[:requests]:
+            k = num_draft_tokens if mode == SPECULATIVE else None
+            endpoint.generate(MODEL_OF_MODE[mode], GenerateRequest(prompt.text, prompt.max_tokens, num_draft_tokens=k), timeout_s)

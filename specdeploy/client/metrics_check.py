@@ -104,10 +104,11 @@ def output_tokens(counts: PathCounts, exact: dict[str, int]) -> tuple[int | None
 
 def compare(window: m.Snapshot, counts: dict[str, PathCounts], exact: dict[str, int], spec_model: str = SPECULATIVE_MODEL,
             control_model: str = CONTROL_MODEL) -> dict:  # fmt: skip
-    """The report's `metrics_check` section: per path, metric name -> (metrics, client) and the mismatches."""
+    """The report's `metrics_check` section: per path, metric name -> (metrics, client) and the mismatches.
+    `counts` are keyed by the core's model names; `spec_model`/`control_model` are the served models' labels."""
     rows, notes = [], []
-    spec = counts.get(spec_model, PathCounts())
-    control = counts.get(control_model, PathCounts())
+    spec = counts.get(SPECULATIVE_MODEL, PathCounts())
+    control = counts.get(CONTROL_MODEL, PathCounts())
     if spec.errors or control.errors:
         notes.append(f"{spec.errors + control.errors} requests failed on the client side; their server-side outcome is unknown, so requests are not compared")
     stats = m.arm_stats(window, m.SPECULATIVE_ARM, spec_model)
@@ -180,6 +181,9 @@ class MetricsCheck:
         window = None
         if not self.metrics_url:
             section["notes"].append("no metrics endpoint known (pass --metrics-url HOST:PORT): the counters are not checked")
+        elif getattr(self.endpoint.inner, "one_model_at_a_time", False):
+            section["notes"].append("the models were unloaded and loaded during the run (triton.control load_unload), which "
+                                    "resets their counters: the counters are not checked")  # fmt: skip
         elif self.error or self.before is None:
             section["notes"].append(f"the metrics endpoint could not be read before the run: {self.error}")
         else:
@@ -192,10 +196,17 @@ class MetricsCheck:
             if window is not None and not report.get("complete", True):
                 section["notes"].append("the run is incomplete (a request may have ended on the server only): the counters are not checked")
             elif window is not None:
-                section = {**compare(window, self.endpoint.counts, exact_token_counts(report)), "url": self.metrics_url}
+                section = {**compare(window, self.endpoint.counts, exact_token_counts(report), *self.labels), "url": self.metrics_url}
         report["metrics_check"] = section
-        report["speculation"] = speculation_section(window, self.endpoint.counts.get(SPECULATIVE_MODEL, PathCounts()), policy)
+        report["speculation"] = speculation_section(window, self.endpoint.counts.get(SPECULATIVE_MODEL, PathCounts()), policy,
+                                                    self.labels[0])  # fmt: skip
         return section
+
+    @property
+    def labels(self) -> tuple[str, str]:
+        """The `model` labels of the speculative and the control path on the metrics endpoint (the served names)."""
+        names = getattr(self.endpoint.inner, "served_names", {})
+        return names.get(SPECULATIVE_MODEL, SPECULATIVE_MODEL), names.get(CONTROL_MODEL, CONTROL_MODEL)
 
 
 def k_counts_from_metrics(stats: m.ArmStats) -> dict[int, float]:
@@ -212,7 +223,7 @@ def k_counts_from_metrics(stats: m.ArmStats) -> dict[int, float]:
     return out
 
 
-def speculation_section(window: m.Snapshot | None, spec: PathCounts, policy: dict | None) -> dict:
+def speculation_section(window: m.Snapshot | None, spec: PathCounts, policy: dict | None, spec_label: str = SPECULATIVE_MODEL) -> dict:
     """What the deployment's policy did over the run: rounds on/off (and why), k per round."""
     section: dict = {"policy": policy or {}, "source": None, "rounds_on": None, "rounds_off": None, "speculated_share": None,
                      "off_reasons": {}, "k_counts": {}, "k_history": None}  # fmt: skip
@@ -228,7 +239,7 @@ def speculation_section(window: m.Snapshot | None, spec: PathCounts, policy: dic
         on = sum(1 for k in history if k > 0)
         section["rounds_on"], section["rounds_off"] = on, len(history) - on
     if window is not None:
-        stats = m.arm_stats(window, m.SPECULATIVE_ARM, SPECULATIVE_MODEL)
+        stats = m.arm_stats(window, m.SPECULATIVE_ARM, spec_label)
         if stats.rounds_on or stats.rounds_off:
             section["off_reasons"] = dict(sorted(stats.off_reasons.items(), key=lambda kv: -kv[1]))
             section["metrics_rounds_on"], section["metrics_rounds_off"] = stats.rounds_on, stats.rounds_off
@@ -281,6 +292,9 @@ def open_run(recipe, layout, url: str | None = None, protocol: str = "triton", o
         raise ConfigError(f"--protocol {protocol!r} is not one of {', '.join(PROTOCOLS)}", "use --protocol triton or --protocol openai")
     if metrics_url is None and url is None:
         metrics_url = recorded_metrics_url(layout)
+    if protocol == "openai" and recipe.layout == "llmapi":
+        raise ConfigError("--protocol openai drives specdeploy's OpenAI front, which serves the inflight_batcher_llm layout",
+                          "validate the llmapi layout over Triton (--protocol triton)")  # fmt: skip
     if protocol == "openai":
         from specdeploy.client.openai_adapter import OpenAIEndpoint
 
@@ -291,6 +305,10 @@ def open_run(recipe, layout, url: str | None = None, protocol: str = "triton", o
         except ClientError:
             triton = None
         endpoint = OpenAIEndpoint(openai_url, recipe.name, triton, recipe.speculative.num_draft_tokens)
+    elif recipe.layout == "llmapi":
+        from specdeploy.client.llmapi_adapter import LlmapiEndpoint
+
+        endpoint = LlmapiEndpoint(url or server_url(layout), load_unload=recipe.control == "load_unload")
     else:
         endpoint = TritonEndpoint(url or server_url(layout))
     return MetricsCheck(endpoint, metrics_url)

@@ -223,14 +223,43 @@ def _run_phases(report, endpoint, codec, options, prompts, baseline, bar) -> Non
 
     timed = latency_subset(options, prompts)
     report["settings"]["latency_prompt_ids"] = [p.id for p in timed]
-    bar.phase("warm-up")
-    lat.warm_up(endpoint, timed, options.num_draft_tokens, options.request_timeout_s, options.warmup_requests)
+    if not one_model_at_a_time(endpoint):  # else each mode warms up after its model is loaded (_latency)
+        bar.phase("warm-up")
+        lat.warm_up(endpoint, timed, options.num_draft_tokens, options.request_timeout_s, options.warmup_requests)
     bar.phase("latency")
     _latency(report, endpoint, codec, options, timed, decoupled, bar)
     if options.sweep_draft_tokens:
         bar.phase("sweep")
         _sweep(report, endpoint, codec, options, timed, decoupled, bar)
     _speed_warnings(report, options)
+    if one_model_at_a_time(endpoint):
+        report["settings"]["control_loading"] = {
+            "mode": "load_unload",
+            "swaps": [{"loaded": name, "seconds": round(seconds, 3)} for name, seconds in endpoint.swaps],
+            "note": "one model loaded at a time: the control and the speculative path were measured one after the "
+                    "other (not interleaved), each after its own warm-up",
+        }  # fmt: skip
+
+
+def one_model_at_a_time(endpoint) -> bool:
+    """The deployment holds one of its two models at a time (llmapi layout, triton.control load_unload)."""
+    return bool(getattr(endpoint, "one_model_at_a_time", False))
+
+
+class _ReplayControl:
+    """Forwards everything, except that the control's requests come from results recorded before (load_unload:
+    the control answered them while it was loaded)."""
+
+    def __init__(self, inner, recorded: dict):
+        self.inner, self.recorded = inner, recorded
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def generate(self, model, request, timeout_s, *args, **kwargs):
+        if model == CONTROL_MODEL:
+            return self.recorded[(request.prompt, request.stream)]
+        return self.inner.generate(model, request, timeout_s, *args, **kwargs)
 
 
 def _new_report(recipe_name, endpoint, baseline, options, prompts, quality) -> dict:
@@ -293,6 +322,13 @@ def _parity(report, endpoint, codec, options, prompts, triage: bool, decoupled: 
         report["parity"]["items"] = [dataclasses.asdict(i) for i in items]
         report["parity"]["summary"] = {k: v.to_dict() for k, v in par.summarize(items).items()}
 
+    if one_model_at_a_time(endpoint):  # the control's answers first, while it is loaded; then the speculative model
+        recorded = {}
+        for prompt in prompts:
+            for stream in (False, True) if decoupled else (False,):
+                request = GenerateRequest(prompt.text, prompt.max_tokens, stream=stream)
+                recorded[(prompt.text, stream)] = endpoint.generate(CONTROL_MODEL, request, options.request_timeout_s)
+        endpoint = _ReplayControl(endpoint, recorded)
     try:
         for prompt in prompts:
             items.append(
@@ -386,7 +422,11 @@ def _latency(report, endpoint, codec, options, prompts, decoupled, bar) -> None:
         for mode in (lat.CONTROL, lat.SPECULATIVE)  # interleaved so drift hits both sides alike
     ]
     try:
-        _run_levels(report, section, endpoint, codec, options, prompts, decoupled, bar, plan)
+        if not one_model_at_a_time(endpoint):
+            _run_levels(report, section, endpoint, codec, options, prompts, decoupled, bar, plan)
+        for mode in (lat.CONTROL, lat.SPECULATIVE) if one_model_at_a_time(endpoint) else ():  # a model swap between them
+            lat.warm_up(endpoint, prompts, options.num_draft_tokens, options.request_timeout_s, options.warmup_requests, (mode,))
+            _run_levels(report, section, endpoint, codec, options, prompts, decoupled, bar, [p for p in plan if p[0] == mode])
     finally:
         runs = section["runs"]
         report["latency"] = {
@@ -526,13 +566,15 @@ def validate_recipe(
     Server faults do not raise: the verdict then fails with exit code 1 and the report is marked
     incomplete. `overrides` replace Options fields (min_parity, min_speedup, max_prompts, ...).
     """
-    from specdeploy import backends
     from specdeploy.client import gate
     from specdeploy.client.report import write_report
     from specdeploy.client.triton_adapter import TritonEndpoint
 
-    backends.of(recipe).require_validatable(recipe)
     options = Options.from_recipe(recipe, **overrides)
+    if options.sweep_draft_tokens and recipe.layout == "llmapi":
+        raise ConfigError("--sweep-draft-tokens needs a draft length per request, and the llmapi layout fixes it per "
+                          "deployment (speculative_config.max_draft_len in model.yaml)",
+                          "sweep on the inflight_batcher_llm layout, or change speculative.num_draft_tokens and redeploy")  # fmt: skip
     codec = HFCodec(tokenizer_dir(recipe, layout))
     from specdeploy.client import metrics_check  # counts the run's requests; reads the metrics endpoint before and after
 

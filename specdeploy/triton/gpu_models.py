@@ -10,21 +10,13 @@ TensorRT-LLM's `examples/draft_target_model/README.md` (Triton workflow, step 3)
 `exclude_input_in_output`, decoupled mode via `model_transaction_policy`. The shared models
 (preprocessing, postprocessing, ensemble, tensorrt_llm_bls) stay as repository.py makes them.
 
-`trtllm-llmapi`: TensorRT-LLM's `llmapi` Triton model (a python model around `LLM(...)`, from
-`triton_backend/all_models/llmapi/tensorrt_llm/`) whose `1/model.yaml` holds the LLM-API options,
-speculative_config included; draft and target run inside the one model, so its repository is that
-model alone (see `llmapi_repository`).
+`trtllm-llmapi` serves the llmapi layout (specdeploy/triton/llmapi.py).
 """
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
-import yaml
-
-from specdeploy.errors import RepoError
-from specdeploy.triton import repository
 from specdeploy.triton.repository import (
     DRAFT_MODEL,
     ENGINE_MODEL_NAMES,
@@ -33,10 +25,7 @@ from specdeploy.triton.repository import (
     TARGET_MODEL,
     ModelSpec,
     RepoInputs,
-    _t,
-    check_config,
     engine_model_parameters,
-    render,
 )
 
 DEFAULT_DRAFT_KV_SHARE = 0.1  # when the model shapes are unknown: drafts are small
@@ -153,127 +142,4 @@ def trtllm_engine_models(inp: RepoInputs) -> list[ModelSpec]:
     return specs
 
 
-# ---------------------------------------------------------------- trtllm-llmapi
-
-LLMAPI_MODEL = TARGET_MODEL  # the upstream model's name; draft and target both live inside it
-LLMAPI_UPSTREAM_DIR = "triton_backend/all_models/llmapi/tensorrt_llm/1"  # in a TensorRT-LLM checkout
-LLMAPI_UPSTREAM_FILES = ("model.py", "helpers.py")
-# The llmapi model's tensors (TensorRT-LLM triton_backend/all_models/llmapi/tensorrt_llm/config.pbtxt).
-LLMAPI_INPUTS = (
-    _t("text_input", "STRING", [-1]),
-    _t("streaming", "BOOL", [1], optional=True),
-    _t("sampling_param_temperature", "FP32", [1], optional=True),
-    _t("sampling_param_top_k", "INT32", [1], optional=True),
-    _t("sampling_param_top_p", "FP32", [1], optional=True),
-    _t("sampling_param_max_tokens", "INT32", [1], optional=True),
-    _t("sampling_param_stop", "STRING", [-1], optional=True),
-    _t("sampling_param_seed", "UINT64", [1], optional=True),
-    _t("sampling_param_exclude_input_from_output", "BOOL", [1], optional=True),
-    _t("sampling_param_return_perf_metrics", "BOOL", [1], optional=True),
-    _t("return_finish_reason", "BOOL", [1], optional=True),
-)
-LLMAPI_OUTPUTS = (
-    _t("text_output", "STRING", [-1]),
-    _t("finish_reason", "STRING", [-1]),
-    _t("arrival_time_ns", "INT64", [1]),
-    _t("first_token_time_ns", "INT64", [1]),
-    _t("last_token_time_ns", "INT64", [1]),
-    _t("acceptance_rate", "FP32", [1]),
-    _t("total_accepted_draft_tokens", "INT32", [1]),
-    _t("total_draft_tokens", "INT32", [1]),
-)
-
-
-def llmapi_model_yaml(inp: RepoInputs) -> dict:
-    """`1/model.yaml`: LLM args (model, backend, parallelism, speculative_config, ...) + `triton_config`.
-
-    Upstream model.py passes everything except `triton_config` to LLM(**args) through
-    update_llm_args_with_extra_dict, and reads triton_config.{max_batch_size, decoupled} in
-    auto_complete_config; its template sets max_batch_size 0 ("does not support batching"): requests are
-    batched in flight by the LLM itself (up to max_batch_size in the LLM args).
-    """
-    from specdeploy.trtllm import LLMAPI_OPTIONS
-
-    r = inp.recipe
-    options_path = inp.engine_dirs["target"] / LLMAPI_OPTIONS
-    if not options_path.is_file():
-        raise RepoError(f"{options_path} is missing", "run: specdeploy build <recipe> (backend trtllm-llmapi writes it)")
-    options = yaml.safe_load(options_path.read_text())
-    target_ckpt = inp.engine_manifests["target"].extra.get("checkpoint_dir")
-    if not target_ckpt:
-        raise RepoError("the LLM-API build manifest does not name the target checkpoint", "run: specdeploy build <recipe> --force")
-    return {
-        "model": target_ckpt,
-        "backend": "pytorch",
-        **options,
-        "triton_config": {"max_batch_size": 0, "decoupled": r.triton.decoupled},
-    }
-
-
-def llmapi_spec(inp: RepoInputs) -> ModelSpec:
-    # No max_batch_size in config.pbtxt: upstream's auto_complete_config sets it from model.yaml, and
-    # launch must therefore NOT pass --disable-auto-complete-config for this model.
-    return ModelSpec(
-        name=LLMAPI_MODEL,
-        backend="python",
-        max_batch_size=0,
-        inputs=LLMAPI_INPUTS,
-        outputs=LLMAPI_OUTPUTS,
-        instance_count=1,
-        decoupled=inp.recipe.triton.decoupled,
-    )
-
-
-def llmapi_repository(inp: RepoInputs, dest: Path, upstream_src: Path | None = None) -> list[str]:
-    """Write the llmapi model into `dest` (config.pbtxt, 1/model.yaml; 1/model.py + helpers.py when a
-    TensorRT-LLM checkout is given). Returns what is still missing for the server to load it."""
-    spec = llmapi_spec(inp)
-    text = render(spec)
-    check_config(text, spec.name)
-    model_dir = Path(dest) / spec.name
-    (model_dir / "1").mkdir(parents=True, exist_ok=True)
-    (model_dir / "config.pbtxt").write_text(text)
-    (model_dir / "1" / "model.yaml").write_text(yaml.safe_dump(llmapi_model_yaml(inp), sort_keys=False))
-    missing = []
-    for name in LLMAPI_UPSTREAM_FILES:
-        src = Path(upstream_src) / LLMAPI_UPSTREAM_DIR / name if upstream_src else None
-        if src is not None and src.is_file():
-            shutil.copyfile(src, model_dir / "1" / name)
-        elif not (model_dir / "1" / name).is_file():
-            missing.append(f"{spec.name}/1/{name} (copy from TensorRT-LLM {LLMAPI_UPSTREAM_DIR}/{name})")
-    return missing
-
-
-def generate_llmapi_repository(
-    recipe, layout, recipe_path: str = "RECIPE", force: bool = False, upstream_src: Path | None = None, echo=print
-) -> tuple[Path, bool]:
-    """`specdeploy repo` for backend trtllm-llmapi: `layout.repo` with the llmapi model only, atomically, with
-    the same manifest (stage "repo", repository.repo_fingerprint) the shared generator writes."""
-    from specdeploy.artifacts import Manifest, atomic_output, tool_versions
-
-    inp = repository.repo_inputs(recipe, layout, recipe_path)
-    fp = repository.repo_fingerprint(inp)
-    dest = Path(layout.repo)
-    current = Manifest.read(dest)
-    if not force and current is not None and current.stage == repository.STAGE and current.fingerprint == fp:
-        return dest, False
-    with atomic_output(dest) as tmp:
-        missing = llmapi_repository(inp, tmp, upstream_src)
-        Manifest(
-            stage=repository.STAGE,
-            recipe_name=recipe.name,
-            fingerprint=fp,
-            settings={"backend": recipe.backend, "models": [LLMAPI_MODEL], "decoupled": recipe.triton.decoupled,
-                      "num_draft_tokens": recipe.speculative.num_draft_tokens,
-                      "max_draft_len": recipe.speculative.max_draft_len},
-            inputs={f"{role}_engine": m.fingerprint for role, m in inp.engine_manifests.items()},
-            tool_versions=tool_versions("tritonclient"),
-            extra={"missing_upstream_files": missing},
-        ).write(tmp)
-    for item in missing:
-        echo(f"warning: {item}")
-    return dest, True
-
-
-__all__ = ["DRAFT_MODEL", "TARGET_MODEL", "device_ids", "generate_llmapi_repository", "kv_fraction_split",
-           "llmapi_repository", "trtllm_engine_models"]
+__all__ = ["DRAFT_MODEL", "TARGET_MODEL", "device_ids", "kv_fraction_split", "trtllm_engine_models"]

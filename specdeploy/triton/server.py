@@ -37,6 +37,7 @@ BINARY_ENV = "SPECDEPLOY_TRITONSERVER"
 HOST = "127.0.0.1"
 STATE_FILE = "server.json"
 LOG_FILE = "tritonserver.log"
+STUB_SHM_BYTES = 64 * 2**20
 EXIT_TIMEOUT_S = 10
 
 
@@ -308,6 +309,11 @@ def start(
         f"--metrics-port={ports.metrics}",
         f"--exit-timeout-secs={exit_timeout_s}",
         "--pinned-memory-pool-byte-size=0",
+        # Each python stub starts with this much shared memory (tmpfs pages, taken as they are touched) and grows by
+        # as much: the default 1 MiB made the first requests of a decoupled BLS grow the pool while responses were
+        # in flight, and those stubs died now and then with a corrupted heap (README, "Known limits").
+        f"--backend-config=python,shm-default-byte-size={STUB_SHM_BYTES}",
+        f"--backend-config=python,shm-growth-byte-size={STUB_SHM_BYTES}",
         "--disable-auto-complete-config",
         *extra_args,
     ]
@@ -457,6 +463,7 @@ def serve(
     echo=print,
     extra_site: tuple[str, ...] = (),
     recipe_path: str = "RECIPE",
+    extra_args: tuple[str, ...] = (),
 ) -> ServerState:
     """Start the server on `repo`, wait until ready and print its addresses.
 
@@ -470,7 +477,8 @@ def serve(
             f"stop it first: specdeploy stop {recipe_path}",
         )
     ports = Ports.pick(triton_cfg.grpc_port, triton_cfg.http_port, triton_cfg.metrics_port)
-    server = start(repo, ports, Path(state_dir) / LOG_FILE, binary=binary, extra_site=extra_site, die_with_parent=not detach)
+    server = start(repo, ports, Path(state_dir) / LOG_FILE, binary=binary, extra_site=extra_site, extra_args=extra_args,
+                   die_with_parent=not detach)
     try:
         wait_ready(server, triton_cfg.startup_timeout_s)
     except BaseException:

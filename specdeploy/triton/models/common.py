@@ -173,7 +173,7 @@ def check_output_len(prompt_len: int, max_tokens: int, max_seq_len: int, name: s
         raise RequestError(f"{name} is {max_tokens}; ask for at least 1 token")
     if prompt_len + max_tokens > max_seq_len:
         raise RequestError(
-            f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {prompt_len + max_tokens} exceeds max_seq_len "
+            f"prompt ({prompt_len} tokens) + {name} ({max_tokens}) = {prompt_len + max_tokens} exceeds max_seq_len "
             f"({max_seq_len}); ask for at most {max(max_seq_len - prompt_len, 0)} tokens"
         )
 
