@@ -310,8 +310,8 @@ def start(
         f"--exit-timeout-secs={exit_timeout_s}",
         "--pinned-memory-pool-byte-size=0",
         # Each python stub starts with this much shared memory (tmpfs pages, taken as they are touched) and grows by
-        # as much: the default 1 MiB made the first requests of a decoupled BLS grow the pool while responses were
-        # in flight, and those stubs died now and then with a corrupted heap (README, "Known limits").
+        # as much, so a first request does not grow the 1 MiB default pool while decoupled responses are in flight:
+        # the suspected trigger of the decoupled BLS stub's heap corruption (README, section 3, "Known limit").
         f"--backend-config=python,shm-default-byte-size={STUB_SHM_BYTES}",
         f"--backend-config=python,shm-growth-byte-size={STUB_SHM_BYTES}",
         "--disable-auto-complete-config",
