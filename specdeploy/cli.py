@@ -242,6 +242,9 @@ def _serve_openai(ctx, r, layout, recipe, detach, server_binary, port):
     if backend.gpu:
         raise ConfigError("--openai-port starts the front beside a local CPU deployment",
                           f"for a GPU deployment run: python -m specdeploy.openai_api {recipe} --grpc-url HOST:PORT --port N")  # fmt: skip
+    if r.layout == "llmapi":
+        raise ConfigError("--openai-port fronts the inflight_batcher_llm layout (ensemble and tensorrt_llm_bls); this recipe "
+                          "serves the llmapi layout", "serve without --openai-port, or set triton.layout: inflight_batcher_llm")  # fmt: skip
     with ctx.locked(r, recipe):
         state = backend.serve(r, layout, detach=True, server_binary=server_binary, recipe_path=recipe, echo=click.echo)
     try:

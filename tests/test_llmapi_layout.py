@@ -132,11 +132,7 @@ def test_repository_holds_the_speculative_model_and_its_control(built):
 
 def _serve(recipe, repo, root: Path, name: str):
     srv = server.start(repo, server.Ports.pick(), root / f"{name}.log", exit_timeout_s=3, extra_args=llmapi.server_args(recipe))
-    try:
-        server.wait_ready(srv, 240)
-    except BaseException:
-        srv.stop()
-        raise
+    server.wait_ready(srv, 240)  # stops the server itself when it does not come up
     return srv
 
 
@@ -350,3 +346,14 @@ def test_run_an_llmapi_recipe_to_a_verdict(tmp_path, tiny_tokenizer_dir, control
     else:
         assert "control_loading" not in report["settings"] and "--model-control-mode" not in log
         assert report["metrics_check"]["checked"] and not report["metrics_check"]["mismatches"], report["metrics_check"]
+
+
+def test_the_openai_front_is_refused_on_the_llmapi_layout(tmp_path):
+    from click.testing import CliRunner
+
+    from specdeploy.cli import main
+
+    recipe_path = tmp_path / "r.yaml"
+    recipe_path.write_text(json.dumps(_recipe(tmp_path / "t", tmp_path / "d")))
+    result = CliRunner().invoke(main, ["--root", str(tmp_path), "serve", str(recipe_path), "--openai-port", "18123"])
+    assert result.exit_code != 0 and "llmapi layout" in result.output and not (tmp_path / "engines").exists(), result.output
