@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from specdeploy import canary as can
 from specdeploy import metrics as m
+from specdeploy.client import metrics_check
 from specdeploy.config import CanaryConfig
 
 CONFIG = CanaryConfig(control_percent=20, window_s=1.0, min_requests=10, min_speedup=1.2, max_p99_ratio=1.5, min_acceptance_rate=0.5)
@@ -209,7 +210,9 @@ def test_live_metrics_match_a_known_run_and_canary_gives_a_verdict(tmp_path_fact
         # a known run: requests that set num_draft_tokens always take the speculative arm
         before = m.scrape(url)
         results = [endpoint.generate("tensorrt_llm_bls", GenerateRequest(p, 16, num_draft_tokens=3), 60) for p in PROMPTS]
-        window = m.scrape(url).minus(before)
+        # Triton counts a BLS request's success when it releases the request, which may be just after the client has
+        # its answer: read the window once the counters stop moving, as validate's metrics check does
+        window = metrics_check.settled(url, before, (m.REQUESTS.name, metrics_check.TRITON_SUCCESS), 5.0).minus(before)
         spec = m.arm_stats(window, "speculative", "tensorrt_llm_bls")
         assert spec.requests == len(PROMPTS) and spec.errors == 0 and spec.running == 0
         assert m.count_mismatches(window, requests=len(PROMPTS), drafted=sum(r.perf.total_draft_tokens for r in results)) == []

@@ -189,7 +189,7 @@ def test_metrics_endpoint_counts_a_known_run_and_a_stray_request_is_a_named_mism
     assert 0 < accepted < drafted  # the INT8 draft differs from its FP8 target
     exact = {raw.generate(CONTROL_MODEL, GenerateRequest(p, MAX_TOKENS), 30).text: len(raw.trace(p, MAX_TOKENS, 30, False).output_ids)
              for p, _ in CLEAN_PROMPTS}  # fmt: skip
-    after = metrics_check._settled(server.state.metrics_url, check.before, (m.REQUESTS.name,), 5.0)
+    after = metrics_check.settled(server.state.metrics_url, check.before, (m.REQUESTS.name,), 5.0)
     window = after.minus(check.before)
     stats = m.arm_stats(window, m.SPECULATIVE_ARM, SPECULATIVE_MODEL)
     assert (stats.requests, stats.drafted, stats.accepted, stats.output_tokens) == (len(sent), drafted, accepted, tokens)

@@ -148,7 +148,7 @@ def compare(window: m.Snapshot, counts: dict[str, PathCounts], exact: dict[str, 
     return {"checked": True, "rows": rows, "mismatches": mismatches, "notes": notes, "window_s": window.taken_s}
 
 
-def _settled(url: str, earliest: m.Snapshot, names: Sequence[str], timeout_s: float) -> m.Snapshot:
+def settled(url: str, earliest: m.Snapshot, names: Sequence[str], timeout_s: float) -> m.Snapshot:
     """Scrape until the named counters stop moving (Triton refreshes its own counters lazily)."""
     deadline = time.monotonic() + timeout_s
     previous = m.scrape(url)
@@ -188,7 +188,7 @@ class MetricsCheck:
             section["notes"].append(f"the metrics endpoint could not be read before the run: {self.error}")
         else:
             try:
-                after = _settled(self.metrics_url, self.before, (m.REQUESTS.name, TRITON_SUCCESS), SETTLE_S)
+                after = settled(self.metrics_url, self.before, (m.REQUESTS.name, TRITON_SUCCESS), SETTLE_S)
                 window = after.minus(self.before)
                 window = dataclasses.replace(window, taken_s=after.taken_s - self.before.taken_s)
             except ClientError as exc:
