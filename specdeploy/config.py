@@ -127,7 +127,7 @@ class TritonConfig:
     metrics_port: int = 0
     instance_count: int = 1
     decoupled: bool = False
-    inflight_batching: bool = False  # cpu backend: one engine forward per step for all in-flight requests
+    inflight_batching: bool = True  # cpu backend: one engine forward per step for all in-flight requests
     max_queue_delay_microseconds: int = 1000
     startup_timeout_s: float = 300.0
     request_timeout_s: float = 0.0  # server-side deadline per request (0: none); a request's Triton `timeout` overrides it

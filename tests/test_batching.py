@@ -192,6 +192,41 @@ def test_requests_join_and_leave_between_steps(bf16_engine):
     assert scheduler.max_active == 4
 
 
+def test_a_loading_scheduler_keeps_every_engine_call_on_its_own_thread(bf16_engine):
+    """BatchScheduler.loading builds the executor in the scheduler's thread and every pass runs there: torch's
+    OpenMP gives each thread that runs parallel work its own team, and two teams on two cores made steps 2-4x
+    slower (bench/batching.py). The requests' own threads only wait for chunks."""
+    seen = {"load": set(), "passes": set(), "requests": set()}
+
+    class Recording(Executor):
+        def run_passes(self, passes):
+            seen["passes"].add(threading.get_ident())
+            return super().run_passes(passes)
+
+    def load():
+        seen["load"].add(threading.get_ident())
+        return Recording(bf16_engine, 4)
+
+    scheduler = BatchScheduler.loading(load, 4)
+    try:
+        def ask(request):
+            seen["requests"].add(threading.get_ident())
+            return _drain(scheduler.generate(request))
+
+        requests = _requests()[:3]
+        threads = [threading.Thread(target=ask, args=(r,)) for r in requests]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        scheduler.close()
+    assert seen["load"] == seen["passes"] == {scheduler._thread.ident}, seen
+    assert not seen["requests"] & seen["passes"] and threading.get_ident() not in seen["passes"]
+    with pytest.raises(ValueError, match="no engine here"):  # a failed load is the caller's error
+        BatchScheduler.loading(lambda: (_ for _ in ()).throw(ValueError("no engine here")), 2)
+
+
 def test_cancelled_request_leaves_and_frees_its_cache(bf16_engine):
     executor = Executor(bf16_engine, max_cached_sequences=4)
     scheduler = BatchScheduler(executor, 4)

@@ -569,7 +569,7 @@ class BatchScheduler:
     `generate(request)` is called from any thread and yields the request's chunks as `Executor.generate`
     does; closing it early (cancellation) drops the request at the next step and frees its cache."""
 
-    def __init__(self, executor: Executor, max_batch_size: int):
+    def __init__(self, executor: Executor, max_batch_size: int, load: Callable[[], Executor] | None = None):
         if max_batch_size < 1:
             raise ConfigError(f"max_batch_size is {max_batch_size}, must be >= 1", "set engine.max_batch_size >= 1")
         self.executor = executor
@@ -580,8 +580,33 @@ class BatchScheduler:
         self._waiting: deque[_Job] = deque()
         self._stopped = False
         self._paused = 0
-        self._thread = threading.Thread(target=self._loop, name="specdeploy-batch-scheduler", daemon=True)
+        loaded, failure = threading.Event(), []
+
+        def main():
+            try:
+                if load is not None:
+                    self.executor = load()
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+                failure.append(exc)
+                return
+            finally:
+                loaded.set()
+            self._loop()
+
+        self._thread = threading.Thread(target=main, name="specdeploy-batch-scheduler", daemon=True)
         self._thread.start()
+        loaded.wait()
+        if failure:
+            raise failure[0]
+
+    @classmethod
+    def loading(cls, load: Callable[[], Executor], max_batch_size: int) -> "BatchScheduler":
+        """A scheduler whose executor `load()` builds in the scheduler's own thread, so that the engine's OpenMP
+        work (loading, prepacking, every step) runs in that one thread. torch's OpenMP (libgomp) gives every
+        thread that runs a parallel region its own team; a second team on a machine with as many cores as one
+        team has threads makes all of them sleep between regions instead of spinning, and a step then took
+        2-4x longer (bench/batching.py, README "In-flight batching")."""
+        return cls(None, max_batch_size, load)  # type: ignore[arg-type]
 
     def generate(self, request: GenerationRequest) -> Iterator[GenerationChunk]:
         job = _Job(request)

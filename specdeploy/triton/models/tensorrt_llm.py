@@ -65,8 +65,7 @@ class TritonPythonModel:
         self.exclude_input_default = common.flag(params.get("exclude_input_in_output"), False)
         self.request_timeout_s = float(params.get("request_timeout_s") or 0.0)
         factory = common.load_object(params.get("executor_factory") or "specdeploy.triton.models.common:load_cpu_executor")
-        self.executor = factory(params["gpt_model_path"])
-        self.batcher = self._batcher(args, params)
+        self.executor, self.batcher = self._load(args, params, lambda: factory(params["gpt_model_path"]))
         self._running = common.RunningRequests()  # request id -> its stop check, for TensorRT-LLM's `stop` input
         spec = self.executor.engine.spec
         self.vocab_size = int(getattr(spec, "vocab_size", 0)) or None
@@ -84,18 +83,30 @@ class TritonPythonModel:
             self.stream_problem = common.chunk_decoding_problem(self.tokenizer)
         self.skip_special_tokens = common.flag(params.get("skip_special_tokens"), True)
 
-    def _batcher(self, args, params):
-        """A BatchScheduler over the executor when in-flight batching is on (the parameter, or
-        SPECDEPLOY_INFLIGHT_BATCHING=1 to run a test suite both ways) and the executor can step requests."""
+    def _load(self, args, params, load):
+        """(executor, BatchScheduler or None). The scheduler when in-flight batching is on (the parameter, or
+        SPECDEPLOY_INFLIGHT_BATCHING=1 to run a test suite both ways) and the executor can step requests; its
+        executor is then loaded in the scheduler's thread (BatchScheduler.loading: every engine pass in one thread
+        keeps torch's OpenMP team fast)."""
         on = common.flag(params.get("inflight_batching"), False) or os.environ.get("SPECDEPLOY_INFLIGHT_BATCHING") == "1"
-        if not on or not (hasattr(self.executor, "steps") and hasattr(self.executor, "run_passes")):
-            return None
+        if not on:
+            return load(), None
         from specdeploy.engine.executor import BatchScheduler
 
         max_batch_size = max(1, int(json.loads(args["model_config"]).get("max_batch_size") or 1))
-        # one pool per instance: max_batch_size live sequences, and as many finished ones kept for reuse
-        self.executor.max_cached_sequences = max(self.executor.max_cached_sequences, max_batch_size)
-        return BatchScheduler(self.executor, max_batch_size)
+
+        def load_for_batching():
+            executor = load()
+            # one pool per instance: max_batch_size live sequences, and as many finished ones kept for reuse
+            if hasattr(executor, "max_cached_sequences"):
+                executor.max_cached_sequences = max(executor.max_cached_sequences, max_batch_size)
+            return executor
+
+        batcher = BatchScheduler.loading(load_for_batching, max_batch_size)
+        if hasattr(batcher.executor, "steps") and hasattr(batcher.executor, "run_passes"):
+            return batcher.executor, batcher
+        batcher.close()  # an executor that cannot step requests (a test stand-in) runs them one after another
+        return batcher.executor, None
 
     def execute(self, requests):
         arrival_ns = time.time_ns()
