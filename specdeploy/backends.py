@@ -122,6 +122,10 @@ class Backend:
     def usable(self, gpus, tensorrt_llm: str | None, has_trtllm_build: bool) -> bool:
         raise NotImplementedError
 
+    def batches_in_flight(self, recipe) -> bool:
+        """Whether the engine models step the concurrent requests of an instance together."""
+        raise NotImplementedError
+
     def require_local(self, what: str, recipe) -> None:
         """Refuse `what` (a command that runs the CPU engines in this process) on a GPU backend."""
         if self.gpu:
@@ -190,12 +194,18 @@ class CpuBackend(Backend):
     def usable(self, gpus, tensorrt_llm, has_trtllm_build):
         return True
 
+    def batches_in_flight(self, recipe):
+        return recipe.triton.inflight_batching
+
 
 # ---------------------------------------------------------------- the GPU backends
 
 
 @dataclass(frozen=True)
 class GpuBackend(Backend):
+    def batches_in_flight(self, recipe):
+        return True  # TensorRT-LLM's batch manager and the LLM API batch in flight
+
     def build(self, recipe, layout, *, force=False, echo=print, dry_run=False):
         from specdeploy import trtllm
 

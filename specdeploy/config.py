@@ -28,6 +28,7 @@ ROLES = ("target", "draft")
 
 CHAT_TEMPLATE_MODES = ("auto", "none")  # validation.chat_template
 CONTROL_MODES = ("auto", "side_by_side", "load_unload")  # triton.control
+AUTO_BLS_INSTANCES = 4  # the most tensorrt_llm_bls processes triton.bls_instance_count 0 starts (each ~0.3 GB)
 
 
 def exact_verification(backend: str) -> bool:
@@ -131,6 +132,10 @@ class TritonConfig:
     max_queue_delay_microseconds: int = 1000
     startup_timeout_s: float = 300.0
     request_timeout_s: float = 0.0  # server-side deadline per request (0: none); a request's Triton `timeout` overrides it
+    # tensorrt_llm_bls instances (NVIDIA's fill_template key bls_instance_count): each runs one speculative request at a
+    # time, so this many run at once. 0: auto, min(engine.max_batch_size, 4) when the engine models batch in flight
+    # (their concurrent draft and target calls then share engine steps), else instance_count.
+    bls_instance_count: int = 0
     # The repository's layout (backends.LAYOUTS): NVIDIA's inflight_batcher_llm models, or TensorRT-LLM's llmapi model
     # (speculative `tensorrt_llm` + its control `tensorrt_llm_control`). "auto": the backend's first layout.
     layout: str = "auto"
@@ -193,6 +198,16 @@ class Recipe:
     def layout(self) -> str:
         """The repository layout: triton.layout, or the backend's first one when it says auto."""
         return _backends.get(self.backend).layouts[0] if self.triton.layout == "auto" else self.triton.layout
+
+    @property
+    def bls_instance_count(self) -> int:
+        """tensorrt_llm_bls instances: triton.bls_instance_count, or the auto rule written beside that key."""
+        t = self.triton
+        if t.bls_instance_count:
+            return t.bls_instance_count
+        if _backends.get(self.backend).batches_in_flight(self):
+            return min(self.engine.max_batch_size, AUTO_BLS_INSTANCES)
+        return t.instance_count
 
     @property
     def control(self) -> str:
@@ -373,6 +388,7 @@ def _check(r: Recipe) -> None:
         if not 0 <= port <= 65535:
             raise ConfigError(f"key 'triton.{port_key}' is {port}", "use 0 (pick a free port) or 1..65535")
     _at_least("triton.instance_count", t.instance_count, 1)
+    _at_least("triton.bls_instance_count", t.bls_instance_count, 0)
     _at_least("triton.request_timeout_s", t.request_timeout_s, 0)
     _check_layout(r)
     v = r.validation

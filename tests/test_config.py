@@ -115,3 +115,17 @@ def test_int_accepted_for_float_and_section_hash_is_stable():
     assert a.section_hash("target", "engine") == b.section_hash("target", "engine")
     c = cfg.parse_recipe(with_change("target.quantization.qformat", "int8_wo"))
     assert a.section_hash("target") != c.section_hash("target")
+
+
+def test_bls_instances_follow_in_flight_batching_unless_set():
+    """Each tensorrt_llm_bls instance runs one speculative request at a time: with engines that batch in flight the
+    BLS gets min(max_batch_size, 4) instances (NVIDIA's bls_instance_count), else instance_count, unless set."""
+    base = {"name": "b", "target": {"model": "t"}, "draft": {"model": "d"}, "engine": {"max_batch_size": 8}}
+    assert cfg.parse_recipe(base).bls_instance_count == 4  # cpu, in-flight batching on by default
+    assert cfg.parse_recipe({**base, "engine": {"max_batch_size": 2}}).bls_instance_count == 2
+    assert cfg.parse_recipe({**base, "triton": {"inflight_batching": False, "instance_count": 3}}).bls_instance_count == 3
+    assert cfg.parse_recipe({**base, "triton": {"bls_instance_count": 6}}).bls_instance_count == 6
+    gpu = {**base, "backend": "trtllm-engine", "triton": {"inflight_batching": False}}
+    assert cfg.parse_recipe(gpu).bls_instance_count == 4  # TensorRT-LLM batches in flight whatever the cpu key says
+    with pytest.raises(ConfigError, match="bls_instance_count"):
+        cfg.parse_recipe({**base, "triton": {"bls_instance_count": -1}})

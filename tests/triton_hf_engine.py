@@ -84,6 +84,9 @@ def make_engines(root, target_dir, draft_dir, max_draft_len: int = 4, **recipe_o
         "speculative": {"max_draft_len": max_draft_len, "num_draft_tokens": 3},
         "engine": {"dtype": "float32", "max_batch_size": 4, "max_input_len": 64, "max_seq_len": 128},
         "validation": {"max_tokens": 16},
+        # the HF stand-in executor cannot step requests together, so its models serve one request at a time and the
+        # BLS gets triton.instance_count instances (the auto rule for engines that do not batch in flight)
+        "triton": {"inflight_batching": False},
     }
     for key, value in recipe_overrides.items():
         raw[key] = {**raw.get(key, {}), **value}

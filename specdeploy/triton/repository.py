@@ -558,7 +558,7 @@ def bls_spec(inp: RepoInputs) -> ModelSpec:
             # the canary's control arm (specdeploy.metrics.BlsOps): this share of requests takes the plain path
             "canary_control_percent": str(r.canary.control_percent),
         },
-        instance_count=r.triton.instance_count,
+        instance_count=r.bls_instance_count,
         decoupled=r.triton.decoupled,
         source="tensorrt_llm_bls.py",
     )
@@ -731,7 +731,7 @@ def repo_fingerprint(inp: RepoInputs) -> str:
         draft=to_plain(r.draft) if r.draft.is_ngram else None,
         engine=to_plain(r.engine),
         triton={k: getattr(r.triton, k) for k in ("instance_count", "decoupled", "max_queue_delay_microseconds", "request_timeout_s",
-                                                  "inflight_batching")},
+                                                  "inflight_batching")} | {"bls_instance_count": r.bls_instance_count},
         layout=r.layout,
         **({"control": r.control} if r.layout == "llmapi" else {}),
         executor_factory=inp.executor_factory,
