@@ -98,6 +98,9 @@ class Sink(Protocol):
 
     def observe(self, metric: MetricDef, labels: Mapping[str, str], value: float, buckets: Sequence[float]) -> None: ...
 
+    def declare(self, metric: MetricDef, labels: Mapping[str, str], buckets: Sequence[float] = ()) -> None:
+        """Create the series (at zero) without changing it."""
+
 
 class TritonSink:
     """Triton python-backend custom metrics (`pb_utils.MetricFamily`, Triton >= 2.51 for histograms).
@@ -132,6 +135,9 @@ class TritonSink:
 
     def observe(self, metric, labels, value, buckets):
         self._guarded(lambda: self._metric(metric, labels, buckets).observe(float(value)))
+
+    def declare(self, metric, labels, buckets=()):
+        self._guarded(lambda: self._metric(metric, labels, buckets))
 
     def _guarded(self, update) -> None:
         """Metrics never fail a request: the first error is logged and metrics stop for this instance."""
@@ -179,6 +185,9 @@ class PrometheusClientSink:
     def observe(self, metric, labels, value, buckets):
         self._collector(metric, buckets).labels(**labels).observe(value)
 
+    def declare(self, metric, labels, buckets=()):
+        self._collector(metric, buckets).labels(**labels)
+
     def text(self) -> str:
         from prometheus_client import generate_latest
 
@@ -212,6 +221,25 @@ class Recorder:
 
     def _labels(self, arm: str, **extra) -> dict[str, str]:
         return {"model": self.model, "arm": arm, **{k: str(v) for k, v in extra.items()}}
+
+    def declare_all(self) -> None:
+        """Create every series a request can touch, at zero, before the first request (the model's `initialize`):
+        the endpoint shows them from the start, and in Triton no metric is created while a request's BLS calls
+        and their clean-up messages are in flight (a decoupled BLS stub's heap was corrupted on its first
+        request now and then: README, section 3)."""
+        for arm in ARMS:
+            for metric in (REQUESTS, REQUEST_ERRORS, PROMPT_TOKENS, GENERATION_TOKENS, RUNNING, DRAFTS, DRAFT_TOKENS,
+                           ACCEPTED_TOKENS, TARGET_PASSES, DRAFT_SECONDS, TARGET_SECONDS):  # fmt: skip
+                self.sink.declare(metric, self._labels(arm))
+            for metric in (E2E, TTFT, TPOT):
+                self.sink.declare(metric, self._labels(arm), metric.buckets)
+            self.sink.declare(ACCEPTANCE_LENGTH, self._labels(arm), self.length_buckets)
+            for pos in range(self.max_draft_len):
+                self.sink.declare(DRAFT_TOKENS_PER_POS, self._labels(arm, position=pos))
+                self.sink.declare(ACCEPTED_PER_POS, self._labels(arm, position=pos))
+            self.sink.declare(ROUNDS, self._labels(arm, speculation=SPEC_ON, reason=REASON_NONE))
+            for reason in (REASON_LAST_TOKEN, REASON_CONTROL_ARM, REASON_GATE, REASON_SCHEDULE, REASON_POLICY, REASON_NO_DRAFT):
+                self.sink.declare(ROUNDS, self._labels(arm, speculation=SPEC_OFF, reason=reason))
 
     def request_started(self, arm: str) -> RequestTimer:
         assert arm in ARMS, arm
@@ -330,7 +358,9 @@ class BlsOps:
 
     @classmethod
     def in_triton(cls, pb_utils, model: str, max_draft_len: int, params: Mapping[str, str]) -> "BlsOps":
-        return cls(TritonSink(pb_utils), model, max_draft_len, float(params.get("canary_control_percent") or 0.0))
+        ops = cls(TritonSink(pb_utils), model, max_draft_len, float(params.get("canary_control_percent") or 0.0))
+        ops.recorder.declare_all()
+        return ops
 
     def start(self, requested_k: bool) -> RequestTimer:
         """A request arrives: pick its arm (requests that set num_draft_tokens stay speculative)."""
@@ -570,8 +600,8 @@ def arm_stats(snapshot: Snapshot, arm: str, model: str | None = None) -> ArmStat
         tpot_mean_s=_mean(snapshot, TPOT, match),
         draft_s=snapshot.sum(DRAFT_SECONDS.name, **match),
         target_s=snapshot.sum(TARGET_SECONDS.name, **match),
-        accepted_per_pos={int(k): v for k, v in snapshot.by_label(ACCEPTED_PER_POS.name, "position", **match).items() if k},
-        drafted_per_pos={int(k): v for k, v in snapshot.by_label(DRAFT_TOKENS_PER_POS.name, "position", **match).items() if k},
+        accepted_per_pos={int(k): v for k, v in snapshot.by_label(ACCEPTED_PER_POS.name, "position", **match).items() if k and v},
+        drafted_per_pos={int(k): v for k, v in snapshot.by_label(DRAFT_TOKENS_PER_POS.name, "position", **match).items() if k and v},
     )
 
 

@@ -30,8 +30,15 @@ def _recorder(max_draft_len=4):
     return sink, m.Recorder(sink, "tensorrt_llm_bls", max_draft_len, clock=clock), clock
 
 
-def test_recorder_rounds_and_request_appear_in_the_exposition():
+@pytest.mark.parametrize("declared", [False, True])
+def test_recorder_rounds_and_request_appear_in_the_exposition(declared):
     sink, rec, clock = _recorder()
+    if declared:  # what the Triton models do in initialize: every series exists at zero before the first request
+        rec.declare_all()
+        zero = m.parse(sink.text())
+        assert zero.has(m.REQUESTS.name) and zero.sum(m.REQUESTS.name) == 0 and zero.sum(m.RUNNING.name) == 0
+        assert set(zero.by_label(m.REQUESTS.name, "arm")) == set(m.ARMS)
+        assert m.arm_stats(zero, "speculative").off_reasons == {} and m.arm_stats(zero, "speculative").drafted_per_pos == {}
     timer = rec.request_started(m.SPECULATIVE_ARM)
     running = m.parse(sink.text())
     assert running.sum(m.RUNNING.name, arm="speculative") == 1

@@ -7,12 +7,17 @@ arrays and turn `RequestError` into a Triton error, so these helpers are testabl
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import importlib
 import os
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+
+# A python stub that dies on a signal (SIGSEGV, SIGABRT from a corrupted heap) prints every thread's Python stack
+# into the server log first (the stub's stderr), so a crash is readable from a CI log.
+faulthandler.enable(all_threads=True)
 
 
 class RequestError(Exception):
