@@ -644,13 +644,16 @@ def test_real_cancelled_long_ensemble_request_frees_the_instance(real):
 
 def test_real_server_side_deadline(real):
     """A request's Triton `timeout` stops it while it runs. The tiny engine is fast (the whole request
-    takes well under a second), so the deadline is a quarter of what the request takes without one."""
+    takes well under a second), so the deadline is a quarter of what the request takes without one (its
+    fastest run, with the prompt's KV already cached)."""
     words = " ".join(["Once upon a time there was a little robot."] * 90)
     values = dict(text_input=words, max_tokens=LONG_OUTPUT, end_id=-1)
     for model in ("tensorrt_llm_bls", "ensemble"):
-        start = time.monotonic()
-        real.infer(model, _inputs(values), client_timeout=120)
-        alone_us = int((time.monotonic() - start) * 1e6)
+        alone_us = None
+        for _ in range(2):  # the second run reuses the prompt's cached KV, as the deadline run below will
+            start = time.monotonic()
+            real.infer(model, _inputs(values), client_timeout=120)
+            alone_us = int((time.monotonic() - start) * 1e6) if alone_us is None else min(alone_us, int((time.monotonic() - start) * 1e6))
         with pytest.raises(InferenceServerException, match="deadline|timeout|Timeout|cancel"):
             real.infer(model, _inputs(values), timeout=alone_us // 4, client_timeout=60)
         assert text(infer(real, model, text_input=PROMPTS[0], max_tokens=2))
