@@ -69,6 +69,42 @@ def make_tiny_model(path: str | Path, tokenizer_dir: str | Path, seed: int = 0, 
     AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(path))
 
 
+TINY_QUANT = {"calib_size": 4, "calib_max_seq_length": 32}  # calibration small enough for a test
+
+
+def make_tiny_pair(root: str | Path, tokenizer_dir: str | Path, **overrides) -> tuple[Path, Path]:
+    """A tiny target (seed 0) and a one-layer draft (seed 1) sharing `tokenizer_dir`, under `root`."""
+    target_dir, draft_dir = Path(root) / "target-hf", Path(root) / "draft-hf"
+    make_tiny_model(target_dir, tokenizer_dir, seed=0, **overrides)
+    make_tiny_model(draft_dir, tokenizer_dir, seed=1, num_hidden_layers=1, **overrides)
+    return target_dir, draft_dir
+
+
+def tiny_pair_recipe(name: str, target_dir, draft_dir, **sections) -> dict:
+    """A cpu recipe over the pair: FP8 target, INT8 weight-only draft; `sections` are merged into the top-level ones."""
+    raw = {
+        "name": name,
+        "target": {"model": str(target_dir), "quantization": {**TINY_QUANT, "qformat": "fp8"}},
+        "draft": {"model": str(draft_dir), "quantization": {**TINY_QUANT, "qformat": "int8_wo"}},
+        "speculative": {"max_draft_len": 4, "num_draft_tokens": 3},
+    }
+    for key, value in sections.items():
+        raw[key] = {**raw.get(key, {}), **value} if isinstance(value, dict) else value
+    return raw
+
+
+def build_quietly(recipe, root: str | Path):
+    """Quantize and build `recipe`'s engines under `root` with the project's own stages; returns its Layout."""
+    from specdeploy.artifacts import Layout
+    from specdeploy.engine import build_recipe
+    from specdeploy.quantize import quantize_recipe
+
+    layout = Layout.of(recipe, root)
+    quantize_recipe(recipe, layout, echo=lambda *_: None, progress=False)
+    build_recipe(recipe, layout, echo=lambda *_: None)
+    return layout
+
+
 # ---------------------------------------------------------------- stand-in engines (speculative tests)
 # Both satisfy the CpuEngine runtime API of CONTRACTS.md (`spec`, `new_cache(max_len)`,
 # `forward(cache, LongTensor[n]) -> FloatTensor[n, vocab]`, cache `.length` / `.truncate(n)`), so the

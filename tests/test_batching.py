@@ -321,30 +321,18 @@ def _grpc_inputs(values: dict) -> list:
 def batching_server(tmp_path_factory, tiny_tokenizer_dir):
     import tritonclient.grpc as grpcclient
 
-    from specdeploy.artifacts import Layout
     from specdeploy.config import parse_recipe
-    from specdeploy.engine import build_recipe
-    from specdeploy.quantize import quantize_recipe
-    from specdeploy.testing import make_tiny_model
+    from specdeploy.testing import build_quietly, make_tiny_pair, tiny_pair_recipe
     from specdeploy.triton import repository, server
 
     root = tmp_path_factory.mktemp("batching-server")
-    target_dir, draft_dir = root / "target-hf", root / "draft-hf"
-    make_tiny_model(target_dir, tiny_tokenizer_dir, seed=0)
-    make_tiny_model(draft_dir, tiny_tokenizer_dir, seed=1, num_hidden_layers=1)
-    quant = {"calib_size": 4, "calib_max_seq_length": 32}
-    recipe = parse_recipe({
-        "name": "batching",
-        "target": {"model": str(target_dir), "quantization": {**quant, "qformat": "fp8"}},
-        "draft": {"model": str(draft_dir), "quantization": {**quant, "qformat": "int8_wo"}},
-        "speculative": {"max_draft_len": 4, "num_draft_tokens": 3},
-        "engine": {"dtype": "bfloat16", "max_batch_size": 8, "max_input_len": 256, "max_seq_len": 512},
-        "triton": {"instance_count": 1, "inflight_batching": True},
-        "validation": {"max_tokens": 16},
-    })
-    layout = Layout.of(recipe, root)
-    quantize_recipe(recipe, layout, echo=lambda *_: None, progress=False)
-    build_recipe(recipe, layout, echo=lambda *_: None)
+    recipe = parse_recipe(tiny_pair_recipe(
+        "batching", *make_tiny_pair(root, tiny_tokenizer_dir),
+        engine={"dtype": "bfloat16", "max_batch_size": 8, "max_input_len": 256, "max_seq_len": 512},
+        triton={"instance_count": 1, "inflight_batching": True},
+        validation={"max_tokens": 16},
+    ))  # fmt: skip
+    layout = build_quietly(recipe, root)
     repo, _ = repository.generate_repository(recipe, layout)
     assert 'key: "inflight_batching"' in (repo / "tensorrt_llm" / "config.pbtxt").read_text()
     srv = server.start(repo, server.Ports.pick(), root / "tritonserver.log", exit_timeout_s=3)

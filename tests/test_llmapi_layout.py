@@ -14,23 +14,20 @@ import yaml
 from specdeploy.artifacts import Layout
 from specdeploy.config import parse_recipe
 from specdeploy.errors import ConfigError
+from specdeploy.testing import TINY_QUANT, build_quietly, make_tiny_pair, tiny_pair_recipe
 from specdeploy.triton import llmapi, repository, server
 
-QUANT = {"calib_size": 4, "calib_max_seq_length": 32}
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Once upon a time", "Q: What is the capital of France? A:"]
 
 
 def _recipe(target_dir, draft_dir, name="llm", **sections) -> dict:
-    base = {
-        "name": name,
-        "target": {"model": str(target_dir), "quantization": {**QUANT, "qformat": "fp8"}},
-        "draft": {"model": str(draft_dir), "quantization": {**QUANT, "qformat": "int8_wo"}},
-        "speculative": {"max_draft_len": 4, "num_draft_tokens": 3},
-        "engine": {"dtype": "bfloat16", "max_batch_size": 2, "max_input_len": 500, "max_seq_len": 700},
-        "triton": {"layout": "llmapi"},
-        "validation": {"max_prompts": 4, "max_tokens": 16, "min_compared_tokens": 4, "concurrency": [1, 2], "repeats": 1,
-                       "min_speedup": 0.0, "latency_prompts": 2, "chat_template": "none"},
-    }  # fmt: skip
+    base = tiny_pair_recipe(
+        name, target_dir, draft_dir,
+        engine={"dtype": "bfloat16", "max_batch_size": 2, "max_input_len": 500, "max_seq_len": 700},
+        triton={"layout": "llmapi"},
+        validation={"max_prompts": 4, "max_tokens": 16, "min_compared_tokens": 4, "concurrency": [1, 2], "repeats": 1,
+                    "min_speedup": 0.0, "latency_prompts": 2, "chat_template": "none"},
+    )  # fmt: skip
     for key, value in sections.items():
         base[key] = {**base.get(key, {}), **value}
     return base
@@ -64,7 +61,7 @@ def test_layout_and_control_defaults_follow_the_backend():
     swap = parse_recipe(_recipe("t", "d", triton={"control": "load_unload"}))
     assert llmapi.server_args(swap) == ("--model-control-mode=explicit", "--load-model=tensorrt_llm")
     gpu_data = {**_recipe("t", "d"), "backend": "trtllm-llmapi", "triton": {}}
-    gpu_data["draft"] = {**gpu_data["draft"], "quantization": {**QUANT, "qformat": "fp8"}}
+    gpu_data["draft"] = {**gpu_data["draft"], "quantization": {**TINY_QUANT, "qformat": "fp8"}}
     gpu = parse_recipe(gpu_data)
     assert gpu.layout == "llmapi" and gpu.control == "load_unload"  # two LLM(...) on one GPU: one at a time by default
 
@@ -75,18 +72,9 @@ def test_layout_and_control_defaults_follow_the_backend():
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, tiny_tokenizer_dir):
     """Tiny FP8 target + INT8 draft, quantized and built once; recipes with other triton sections reuse them."""
-    from specdeploy.engine import build_recipe
-    from specdeploy.quantize import quantize_recipe
-    from specdeploy.testing import make_tiny_model
-
     root = tmp_path_factory.mktemp("llmapi")
-    target_dir, draft_dir = root / "target-hf", root / "draft-hf"
-    make_tiny_model(target_dir, tiny_tokenizer_dir, seed=0)
-    make_tiny_model(draft_dir, tiny_tokenizer_dir, seed=1, num_hidden_layers=1)
-    recipe = parse_recipe(_recipe(target_dir, draft_dir))
-    layout = Layout.of(recipe, root)
-    quantize_recipe(recipe, layout, echo=lambda *_: None, progress=False)
-    build_recipe(recipe, layout, echo=lambda *_: None)
+    target_dir, draft_dir = make_tiny_pair(root, tiny_tokenizer_dir)
+    build_quietly(parse_recipe(_recipe(target_dir, draft_dir)), root)
     return root, target_dir, draft_dir
 
 
@@ -321,11 +309,8 @@ def test_run_an_llmapi_recipe_to_a_verdict(tmp_path, tiny_tokenizer_dir, control
     from click.testing import CliRunner
 
     from specdeploy.cli import main
-    from specdeploy.testing import make_tiny_model
 
-    target_dir, draft_dir = tmp_path / "target-hf", tmp_path / "draft-hf"
-    make_tiny_model(target_dir, tiny_tokenizer_dir, seed=0)
-    make_tiny_model(draft_dir, tiny_tokenizer_dir, seed=1, num_hidden_layers=1)
+    target_dir, draft_dir = make_tiny_pair(tmp_path, tiny_tokenizer_dir)
     recipe_path = tmp_path / "llmapi.yaml"
     recipe_path.write_text(json.dumps(_recipe(target_dir, draft_dir, name="llmapi-run", triton={"control": control})))
     root = tmp_path / "project"

@@ -444,29 +444,17 @@ LONG_PROMPT_TOKENS, LONG_OUTPUT = 1000, 200
 
 @pytest.fixture(scope="module")
 def real(tmp_path_factory, tiny_tokenizer_dir):
-    from specdeploy.artifacts import Layout
     from specdeploy.config import parse_recipe
-    from specdeploy.engine import build_recipe
-    from specdeploy.quantize import quantize_recipe
-    from specdeploy.testing import make_tiny_model
+    from specdeploy.testing import build_quietly, make_tiny_pair, tiny_pair_recipe
 
     root = tmp_path_factory.mktemp("real")
-    target_dir, draft_dir = root / "target-hf", root / "draft-hf"
-    make_tiny_model(target_dir, tiny_tokenizer_dir, seed=0, max_position_embeddings=2048)
-    make_tiny_model(draft_dir, tiny_tokenizer_dir, seed=1, num_hidden_layers=1, max_position_embeddings=2048)
-    quant = {"calib_size": 4, "calib_max_seq_length": 32}
-    recipe = parse_recipe({
-        "name": "real",
-        "target": {"model": str(target_dir), "quantization": {**quant, "qformat": "fp8"}},
-        "draft": {"model": str(draft_dir), "quantization": {**quant, "qformat": "int8_wo"}},
-        "speculative": {"max_draft_len": 4, "num_draft_tokens": 3},
-        "engine": {"dtype": "bfloat16", "max_batch_size": 4, "max_input_len": 1100, "max_seq_len": 1400},
-        "triton": {"instance_count": 1, "inflight_batching": True},  # the stop test needs requests to meet
-        "validation": {"max_tokens": 16},
-    })
-    layout = Layout.of(recipe, root)
-    quantize_recipe(recipe, layout, echo=lambda *_: None, progress=False)
-    build_recipe(recipe, layout, echo=lambda *_: None)
+    recipe = parse_recipe(tiny_pair_recipe(
+        "real", *make_tiny_pair(root, tiny_tokenizer_dir, max_position_embeddings=2048),
+        engine={"dtype": "bfloat16", "max_batch_size": 4, "max_input_len": 1100, "max_seq_len": 1400},
+        triton={"instance_count": 1, "inflight_batching": True},  # the stop test needs requests to meet
+        validation={"max_tokens": 16},
+    ))  # fmt: skip
+    layout = build_quietly(recipe, root)
     repo, _ = repository.generate_repository(recipe, layout)
     srv = server.start(repo, server.Ports.pick(), root / "tritonserver.log", exit_timeout_s=3)
     try:

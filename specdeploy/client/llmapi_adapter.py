@@ -131,15 +131,7 @@ class LlmapiEndpoint(TritonEndpoint):
                 inputs["sampling_param_seed"] = np.array([s.seed], dtype=np.uint64)
         inputs = self._declared(name, inputs, required=("text_input", "sampling_param_max_tokens"))
         outputs = ["text_output", *(o for o in (PERF_OUTPUTS if request.return_perf_metrics else ()) if self._has_output(name, o))]
-        what = f"a request to {name}"
-        start = time.perf_counter()
-        if super().is_decoupled(name):
-            responses, first_s = self._stream(name, inputs, outputs, timeout_s, what, on_text)
-        else:
-            responses, first_s = [self._infer(name, inputs, outputs, timeout_s, what)], None
-            if on_text is not None:
-                on_text(_text(responses[0]))
-        latency = time.perf_counter() - start
+        responses, first_s, start, latency = self._exchange(name, super().is_decoupled(name), inputs, outputs, timeout_s, on_text)
         texts = [t for t in (_text(r) for r in responses) if t]
         perf = _perf(responses[-1]) if request.return_perf_metrics and responses else PerfMetrics()
         ttft, decode, source = timing(request.stream, start, first_s, start + latency, perf)

@@ -185,15 +185,7 @@ class TritonEndpoint:
         with_k = request.return_perf_metrics and self._has_output(model, K_HISTORY_OUTPUT)  # the policy's k per round
         if with_k:
             outputs.append(K_HISTORY_OUTPUT)
-        what = f"a request to {model}"
-        start = time.perf_counter()
-        if self.is_decoupled(model):
-            responses, first_s = self._stream(model, inputs, outputs, timeout_s, what, on_text)
-        else:
-            responses, first_s = [self._infer(model, inputs, outputs, timeout_s, what)], None
-            if on_text is not None:
-                on_text(_text(responses[0]))
-        latency = time.perf_counter() - start
+        responses, first_s, start, latency = self._exchange(model, self.is_decoupled(model), inputs, outputs, timeout_s, on_text)
         text = "".join(_text(r) for r in responses)
         perf = _perf(responses[-1]) if request.return_perf_metrics and responses else PerfMetrics()
         ids = [int(t) for r in responses for t in _ids(r)] if with_ids else None
@@ -244,6 +236,19 @@ class TritonEndpoint:
             self._local.client = None
 
     # ------------------------------------------------------------ transport
+
+    def _exchange(self, model, decoupled: bool, inputs, outputs, timeout_s, on_text=None):
+        """One request's responses (the gRPC stream for a decoupled model), the time of the first non-empty one
+        (streamed only), when it was sent and how long it took."""
+        what = f"a request to {model}"
+        start = time.perf_counter()
+        if decoupled:
+            responses, first_s = self._stream(model, inputs, outputs, timeout_s, what, on_text)
+        else:
+            responses, first_s = [self._infer(model, inputs, outputs, timeout_s, what)], None
+            if on_text is not None:
+                on_text(_text(responses[0]))
+        return responses, first_s, start, time.perf_counter() - start
 
     def _run(self, model, inputs, outputs, timeout_s):
         what = f"a request to {model}"

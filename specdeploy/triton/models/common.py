@@ -504,12 +504,56 @@ class RunningRequests:
         return len(checks)
 
 
-def request_cancel_check(request, default_timeout_s: float) -> CancelCheck:
+def request_cancel_check(request, default_timeout_s: float, lock=None) -> CancelCheck:
+    """The request's CancelCheck; `lock` (the model's StubLock) is held around `is_cancelled` when other threads
+    of the stub may be calling triton_python_backend_utils at the same time."""
     try:
         timeout_us = int(request.timeout())
     except Exception:  # older stubs have no timeout()
         timeout_us = 0
-    return CancelCheck(getattr(request, "is_cancelled", lambda: False), deadline_s(timeout_us, default_timeout_s))
+    is_cancelled = getattr(request, "is_cancelled", lambda: False)
+    if lock is not None:
+        unlocked = is_cancelled
+
+        def is_cancelled():
+            with lock:
+                return unlocked()
+
+    return CancelCheck(is_cancelled, deadline_s(timeout_us, default_timeout_s))
+
+
+class StubLock:
+    """One lock for every triton_python_backend_utils call a stub makes from more than one thread.
+
+    The python backend's stub is not safe for that: its response sender releases the GIL while it sends, and a
+    tensor built meanwhile in another thread corrupted the stub's heap ("munmap_chunk(): invalid pointer", a
+    faulthandler stack in `_response` beside another thread in `send`; tests/test_batching.py, in-flight batching).
+    A request thread holds it for all its work and lets go only while it waits for the engine (`released_while`)."""
+
+    def __init__(self):
+        import threading
+
+        self._lock = threading.RLock()
+
+    def __enter__(self):
+        self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self._lock.release()
+
+    def released_while(self, items):
+        """Iterate `items` (a generator that blocks for each item) without the lock while it blocks."""
+        iterator = iter(items)
+        while True:
+            self._lock.release()
+            try:
+                item = next(iterator)
+            except StopIteration:
+                return
+            finally:
+                self._lock.acquire()
+            yield item
 
 
 # ---------------------------------------------------------------- streaming whole characters

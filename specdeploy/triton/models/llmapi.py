@@ -201,6 +201,7 @@ class TritonPythonModel:
         prefix = "" if job["exclude_input"] else job["text"]
         text, stopped = "", None  # the output text (cut at a stop string), and that stop string
         hold = max((len(s) for s in job["stops"]), default=1) - 1  # a stop string may still complete over these
+        watch = job["streaming"] or bool(job["stops"])  # the text is read every round; otherwise decoded once at the end
         for item in self._rounds(job, lambda: stopped is not None or check(), timer):
             if isinstance(item, spec.SpecStats):
                 stats = item
@@ -209,6 +210,8 @@ class TritonPythonModel:
             output.extend(item)
             if timer is not None:
                 self.ops.tokens(timer, len(item))
+            if not watch:
+                continue
             text, stopped = cut_at_stop(self._decode(output), job["stops"])
             if job["streaming"] and len(text) > hold:  # the whole text so far, as CompletionOutput.text
                 emit(self._response(prefix + (text if stopped else text[: len(text) - hold]), job, None, times), False)
@@ -216,6 +219,8 @@ class TritonPythonModel:
             what = "ran past its server-side deadline" if check.reason == "timeout" else "was cancelled"
             emit(_error(f"{self.name}: the request {what} after {len(output)} tokens"), True)
             return False
+        if not watch:
+            text = self._decode(output)
         reason = ("stop", stopped) if stopped is not None else finish_reason(stats.finish_reason)
         emit(self._response(prefix + text, job, stats, times, reason), True)
         return True

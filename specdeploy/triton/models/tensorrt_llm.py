@@ -66,6 +66,7 @@ class TritonPythonModel:
         self.request_timeout_s = float(params.get("request_timeout_s") or 0.0)
         factory = common.load_object(params.get("executor_factory") or "specdeploy.triton.models.common:load_cpu_executor")
         self.executor, self.batcher = self._load(args, params, lambda: factory(params["gpt_model_path"]))
+        self._stub_lock = common.StubLock()  # the batching path's request threads and scheduler share the stub
         self._running = common.RunningRequests()  # request id -> its stop check, for TensorRT-LLM's `stop` input
         spec = self.executor.engine.spec
         self.vocab_size = int(getattr(spec, "vocab_size", 0)) or None
@@ -118,8 +119,13 @@ class TritonPythonModel:
                 emit = lambda response, final, s=sender: s.send(response, flags=FINAL if final else 0)  # noqa: E731
             else:  # one response per request, sent with the final flag
                 emit = lambda response, final, s=sender: s.send(response, flags=FINAL) if final else None  # noqa: E731
-            threading.Thread(target=self._serve, args=(request, emit, arrival_ns), daemon=True).start()
+            threading.Thread(target=self._serve_locked, args=(request, emit, arrival_ns), daemon=True).start()
         return None
+
+    def _serve_locked(self, request, emit, arrival_ns):
+        """A request thread of the batching path: every triton_python_backend_utils call under the stub lock."""
+        with self._stub_lock:
+            self._serve(request, emit, arrival_ns)
 
     # ------------------------------------------------------------ one request
 
@@ -137,7 +143,8 @@ class TritonPythonModel:
             emit(_error(f"{self.name}: {common.error_text(exc)}"), True)
             return
         flags["arrival_ns"] = arrival_ns
-        flags["stop_check"] = common.request_cancel_check(request, self.request_timeout_s)
+        # with the batcher, the scheduler thread polls it between steps: under the stub lock
+        flags["stop_check"] = common.request_cancel_check(request, self.request_timeout_s, self._stub_lock if self.batcher else None)
         gen.is_cancelled = flags["stop_check"]  # also checked between prefill chunks inside the executor
         try:
             with self._running.registered(request.request_id(), flags["stop_check"]):
@@ -283,7 +290,7 @@ class TritonPythonModel:
         times.scheduled_ns = time.time_ns()
         tokens, logits, log_probs, context_logits = [], [], [], None
         held = _Held(self.tokenizer, self.skip_special_tokens) if flags["streaming"] else None
-        chunks = (self.batcher or self.executor).generate(gen)
+        chunks = self.executor.generate(gen) if self.batcher is None else self._stub_lock.released_while(self.batcher.generate(gen))
         try:
             for chunk in chunks:
                 now = time.time_ns()
