@@ -399,3 +399,39 @@ def test_streamed_emit_drops_responses_of_a_cancelled_request_only():
     common.streamed_emit(Sender("Unable to send response. Response sender has been closed."), 1)("c", True)
     with pytest.raises(RuntimeError, match="out of memory"):
         common.streamed_emit(Sender("out of memory"), 1)("d", True)
+
+
+def test_stub_lock_is_held_except_while_waiting_for_the_engine():
+    """The batching path's request threads hold the stub lock for their triton_python_backend_utils calls and let
+    it go only while they wait for the next chunk; a cancellation poll from the scheduler thread takes it too."""
+    import queue
+    import threading
+
+    lock = common.StubLock()
+    chunks: queue.Queue = queue.Queue()
+    seen = []
+
+    def waiting_for_chunks():
+        while (item := chunks.get()) is not None:
+            yield item
+
+    def request_thread():
+        with lock:
+            for item in lock.released_while(waiting_for_chunks()):
+                seen.append((item, lock._lock._is_owned()))
+
+    t = threading.Thread(target=request_thread)
+    t.start()
+    # while the request thread waits for its first chunk, another thread gets the lock (the scheduler's poll)
+    request = type("R", (), {"is_cancelled": lambda self: lock._lock._is_owned(), "timeout": lambda self: 0})()
+    check = common.request_cancel_check(request, 0.0, lock)
+    polled = []
+    poller = threading.Thread(target=lambda: polled.append(check._is_cancelled()))
+    poller.start()
+    poller.join(5)
+    assert polled == [True]  # it got the lock (not held by the waiting request thread) and called under it
+    chunks.put("a")
+    chunks.put("b")
+    chunks.put(None)
+    t.join(10)
+    assert not t.is_alive() and seen == [("a", True), ("b", True)]  # each chunk handled with the lock held
