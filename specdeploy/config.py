@@ -74,8 +74,10 @@ class DraftConfig(ModelConfig):
     is_keep_all: bool | None = None
     is_use_oldest: bool | None = None
     is_public_pool: bool | None = None
+    min_matching_ngram_size: int | None = None  # specdeploy's own (vLLM: prompt_lookup_min), cpu backend only
 
-    NGRAM_KEYS = ("max_draft_len", "max_matching_ngram_size", "is_keep_all", "is_use_oldest", "is_public_pool")
+    NGRAM_KEYS = ("max_draft_len", "max_matching_ngram_size", "is_keep_all", "is_use_oldest", "is_public_pool",
+                  "min_matching_ngram_size")
 
     @property
     def is_ngram(self) -> bool:
@@ -529,6 +531,18 @@ def _check_draft_kind(r: Recipe) -> None:
             )
     if d.max_matching_ngram_size is not None:
         _at_least("draft.max_matching_ngram_size", d.max_matching_ngram_size, 1)
+    if d.min_matching_ngram_size is not None:
+        _at_least("draft.min_matching_ngram_size", d.min_matching_ngram_size, 1)
+        from specdeploy.ngram import NGramSettings
+
+        largest = d.max_matching_ngram_size or NGramSettings.max_matching_ngram_size
+        if d.min_matching_ngram_size > largest:
+            raise ConfigError(f"key 'draft.min_matching_ngram_size' ({d.min_matching_ngram_size}) is larger than "
+                              f"draft.max_matching_ngram_size ({largest})", "set min_matching_ngram_size <= max_matching_ngram_size")
+        if d.min_matching_ngram_size > 1 and _backends.get(r.backend).gpu:
+            raise ConfigError(f"key 'draft.min_matching_ngram_size' is {d.min_matching_ngram_size}, but TensorRT-LLM's "
+                              f"NGramDecodingConfig has no minimum pattern size (backend {r.backend})",
+                              "remove it (1: every pattern size proposes), or use backend cpu")
     if s.use_draft_logits:
         raise ConfigError(
             "key 'speculative.use_draft_logits' is true, but an n-gram draft has no logits",

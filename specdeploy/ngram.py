@@ -14,6 +14,12 @@ TensorRT-LLM's NGram speculative decoding (`NGramDecodingConfig`; the pool is
   - `is_public_pool`: one pool shared by all requests of the deployment; false: each request has its
     own pool, dropped when the request ends.
 
+One field of specdeploy's own, not TensorRT-LLM's (vLLM calls it `prompt_lookup_min`):
+  - `min_matching_ngram_size` (default 1, TensorRT-LLM's behaviour): the shortest pattern that may propose.
+    A lone last token matches often and is right rarely (SmolLM2's answers to the built-in prompts: a
+    2-token minimum raised the predicted speedup in every category, README "Adaptive speculation"), and on
+    a CPU every drafted row costs real time. The GPU configurations refuse a value other than 1.
+
 A pattern's match never crosses the end of the sequence, and the tail that is rescanned on each call
 (the last max_draft_len + max_matching_ngram_size - 1 tokens) lets a match that was cut short by the
 end of the sequence grow as the sequence does. Proposals are deterministic, so there are no draft
@@ -28,6 +34,8 @@ from dataclasses import dataclass, field
 from specdeploy.speculative import Proposal, SamplingParams
 
 Pattern = tuple[int, ...]
+FIELDS = ("max_draft_len", "max_matching_ngram_size", "is_keep_all", "is_use_oldest", "is_public_pool", "min_matching_ngram_size")
+TRTLLM_FIELDS = FIELDS[:5]  # NGramDecodingConfig's; min_matching_ngram_size is specdeploy's own
 
 
 @dataclass(frozen=True)
@@ -39,9 +47,10 @@ class NGramSettings:
     is_keep_all: bool = True
     is_use_oldest: bool = True
     is_public_pool: bool = True
+    min_matching_ngram_size: int = 1  # specdeploy's own (vLLM: prompt_lookup_min); 1 = TensorRT-LLM's behaviour
 
     def __post_init__(self):
-        assert self.max_draft_len >= 1 and self.max_matching_ngram_size >= 1, self
+        assert self.max_draft_len >= 1 and 1 <= self.min_matching_ngram_size <= self.max_matching_ngram_size, self
 
 
 @dataclass
@@ -55,7 +64,7 @@ class NGramPool:
         """Add every (pattern, match) pair of sequence[start:] (a pattern needs one following token)."""
         s = self.settings
         tail = sequence[start:]
-        for size in range(min(s.max_matching_ngram_size, len(sequence) - 1), 0, -1):
+        for size in range(min(s.max_matching_ngram_size, len(sequence) - 1), s.min_matching_ngram_size - 1, -1):
             for left in range(len(tail) - size):
                 pattern = tuple(tail[left : left + size])
                 match = tuple(tail[left + size : left + size + s.max_draft_len])
@@ -73,9 +82,10 @@ class NGramPool:
             self.matches[pattern] = [m for m in known if len(m) >= len(match)] + [match]
 
     def lookup(self, sequence: list[int], num_tokens: int) -> list[int]:
-        """The match of the longest pattern that ends the sequence, at most num_tokens long."""
+        """The match of the longest pattern (at least min_matching_ngram_size tokens) that ends the sequence,
+        at most num_tokens long."""
         s = self.settings
-        for size in range(min(s.max_matching_ngram_size, len(sequence) - 1), 0, -1):
+        for size in range(min(s.max_matching_ngram_size, len(sequence) - 1), s.min_matching_ngram_size - 1, -1):
             known = self.matches.get(tuple(sequence[-size:]))
             if known:
                 match = known[0] if s.is_use_oldest else known[-1]
@@ -140,25 +150,21 @@ class NGramDrafts:
 
 
 def settings_from_recipe(recipe) -> NGramSettings:
-    """NGramSettings of a recipe whose draft.kind is ngram; a null key takes TensorRT-LLM's default, a null
+    """NGramSettings of a recipe whose draft.kind is ngram; a null key takes the default above, a null
     max_draft_len takes speculative.num_draft_tokens."""
-    d, default = recipe.draft, NGramSettings()
-    return NGramSettings(
-        max_draft_len=d.max_draft_len if d.max_draft_len is not None else recipe.speculative.num_draft_tokens,
-        max_matching_ngram_size=d.max_matching_ngram_size if d.max_matching_ngram_size is not None else default.max_matching_ngram_size,
-        is_keep_all=d.is_keep_all if d.is_keep_all is not None else default.is_keep_all,
-        is_use_oldest=d.is_use_oldest if d.is_use_oldest is not None else default.is_use_oldest,
-        is_public_pool=d.is_public_pool if d.is_public_pool is not None else default.is_public_pool,
-    )
+    d = recipe.draft
+    given = {f: getattr(d, f) for f in FIELDS if getattr(d, f) is not None}
+    return NGramSettings(**{"max_draft_len": recipe.speculative.num_draft_tokens, **given})
 
 
 def to_parameters(settings: NGramSettings) -> dict[str, str]:
     """The settings as Triton model parameters (ngram_draft.py reads them with `from_parameters`)."""
     return {f: str(getattr(settings, f)).lower() if isinstance(getattr(settings, f), bool) else str(getattr(settings, f))
-            for f in ("max_draft_len", "max_matching_ngram_size", "is_keep_all", "is_use_oldest", "is_public_pool")}  # fmt: skip
+            for f in FIELDS}  # fmt: skip
 
 
 def from_parameters(params: dict[str, str]) -> NGramSettings:
     flag = lambda name: params[name].strip().lower() == "true"  # noqa: E731
     return NGramSettings(int(params["max_draft_len"]), int(params["max_matching_ngram_size"]),
-                         flag("is_keep_all"), flag("is_use_oldest"), flag("is_public_pool"))  # fmt: skip
+                         flag("is_keep_all"), flag("is_use_oldest"), flag("is_public_pool"),
+                         int(params.get("min_matching_ngram_size", "1")))  # fmt: skip

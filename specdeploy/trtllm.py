@@ -461,12 +461,10 @@ def speculative_options(recipe: Recipe, version: LlmApiVersion, draft_dir: Path,
         version.draft_model_key: str(draft_dir),
     }
     if kind == "ngram":  # NGramDecodingConfig: no draft model; the recipe's draft section carries its fields
-        from specdeploy.ngram import settings_from_recipe
+        from specdeploy.ngram import TRTLLM_FIELDS, settings_from_recipe
 
         settings = settings_from_recipe(recipe)
-        spec = {"decoding_type": version.decoding_types[kind], "max_draft_len": settings.max_draft_len,
-                "max_matching_ngram_size": settings.max_matching_ngram_size, "is_keep_all": settings.is_keep_all,
-                "is_use_oldest": settings.is_use_oldest, "is_public_pool": settings.is_public_pool}  # fmt: skip
+        spec = {"decoding_type": version.decoding_types[kind], **{f: getattr(settings, f) for f in TRTLLM_FIELDS}}
     d = s.dynamic
     if d is None:
         return spec

@@ -286,6 +286,42 @@ def test_decoupled_streams_the_whole_text_so_far(built):
         srv.stop()
 
 
+@pytest.mark.server
+def test_ngram_draft_on_the_llmapi_layout_keeps_greedy_parity(built):
+    """draft.kind ngram: model.yaml carries TensorRT-LLM's NGram fields only, specdeploy's minimum pattern size
+    goes in the model's parameters; served, the speculative model drafts by prompt lookup (repetitive prompts
+    give matches) and answers what the control does."""
+    import tritonclient.grpc as grpcclient
+
+    root, target_dir, draft_dir = built
+    data = _recipe(target_dir, draft_dir)
+    data["draft"] = {"kind": "ngram", "max_matching_ngram_size": 3, "min_matching_ngram_size": 2, "is_public_pool": False}
+    data["speculative"] = {**data.get("speculative", {}), "policy": "static"}
+    recipe = parse_recipe(data)
+    layout = _RepoAt(root, recipe.name, root / "ngram")
+    repo, _ = repository.generate_repository(recipe, layout)
+    spec_yaml = yaml.safe_load((repo / "tensorrt_llm" / "1" / "model.yaml").read_text())
+    assert spec_yaml["speculative_config"] == {"decoding_type": "NGram", "max_draft_len": recipe.speculative.num_draft_tokens,
+                                               "max_matching_ngram_size": 3, "is_keep_all": True, "is_use_oldest": True,
+                                               "is_public_pool": False}  # fmt: skip
+    params = repository.check_config((repo / "tensorrt_llm" / "config.pbtxt").read_text()).parameters
+    assert params["min_matching_ngram_size"].string_value == "2"
+    srv = _serve(recipe, repo, root, "ngram")
+    client = grpcclient.InferenceServerClient(srv.state.grpc_url)
+    drafted = 0
+    try:
+        for prompt in ("one two three one two three one two", "a b c a b c a b c a b", PROMPTS[1]):
+            ask = dict(text_input=prompt, sampling_param_max_tokens=24, sampling_param_top_k=1,
+                       sampling_param_exclude_input_from_output=True, sampling_param_return_perf_metrics=True)  # fmt: skip
+            spec, control = _infer(client, "tensorrt_llm", **ask), _infer(client, "tensorrt_llm_control", **ask)
+            assert _text(spec) == _text(control) and _text(control), prompt
+            drafted += int(spec["total_draft_tokens"][0])
+    finally:
+        client.close()
+        srv.stop()
+    assert drafted > 0
+
+
 def _unary_over_the_stream_api(url: str, prompt: str) -> str:
     """The same request without `streaming` (a decoupled model is called over the stream API all the same)."""
     from specdeploy.client.llmapi_adapter import LlmapiEndpoint

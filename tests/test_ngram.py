@@ -31,6 +31,17 @@ def test_longest_pattern_wins_and_match_follows_it():
     assert NGramProposer(s).draft([1, 2, 3, 4], 3) == []
 
 
+def test_min_matching_ngram_size_keeps_short_patterns_from_proposing():
+    # The last token "3" was followed by 4 5 earlier, but the 2-gram "0 3" never occurred.
+    seq = [1, 2, 3, 4, 5, 6, 0, 3]
+    assert NGramProposer(NGramSettings(2, 3)).draft(seq, 2) == [4, 5]  # TensorRT-LLM's behaviour: any size
+    assert NGramProposer(NGramSettings(2, 3, min_matching_ngram_size=2)).draft(seq, 2) == []
+    # A 2-gram that did occur still proposes under the minimum.
+    assert NGramProposer(NGramSettings(2, 3, min_matching_ngram_size=2)).draft(seq + [4], 2) == [5, 6]
+    with pytest.raises(AssertionError):
+        NGramSettings(2, 2, min_matching_ngram_size=3)
+
+
 def test_match_is_cut_at_the_end_and_grows_with_the_sequence():
     s = NGramSettings(max_draft_len=4, max_matching_ngram_size=2)
     p = NGramProposer(s)
@@ -87,6 +98,27 @@ def test_settings_from_recipe_and_parameters_round_trip():
     settings = ngram.settings_from_recipe(parse_recipe(raw))
     assert settings == NGramSettings(max_draft_len=5, max_matching_ngram_size=3, is_keep_all=True, is_use_oldest=True, is_public_pool=False)
     assert ngram.from_parameters(ngram.to_parameters(settings)) == settings
+    raw["draft"]["min_matching_ngram_size"] = 2
+    settings = ngram.settings_from_recipe(parse_recipe(raw))
+    assert settings.min_matching_ngram_size == 2 and ngram.from_parameters(ngram.to_parameters(settings)) == settings
+    # parameters written before the field existed read as TensorRT-LLM's behaviour
+    old = {k: v for k, v in ngram.to_parameters(settings).items() if k != "min_matching_ngram_size"}
+    assert ngram.from_parameters(old).min_matching_ngram_size == 1
+
+
+@pytest.mark.parametrize("draft,backend,words", [
+    ({"kind": "ngram", "max_matching_ngram_size": 2, "min_matching_ngram_size": 3}, "cpu", "larger than draft.max_matching_ngram_size"),
+    ({"kind": "ngram", "min_matching_ngram_size": 0}, "cpu", "min_matching_ngram_size"),
+    ({"kind": "ngram", "min_matching_ngram_size": 2}, "trtllm-llmapi", "no minimum pattern size"),
+    ({"model": "d", "min_matching_ngram_size": 2}, "cpu", "applies to draft.kind ngram only"),
+])  # fmt: skip
+def test_min_matching_ngram_size_is_checked(draft, backend, words):
+    from specdeploy.config import parse_recipe
+    from specdeploy.errors import ConfigError
+
+    raw = {"name": "x", "backend": backend, "target": {"model": "m", "quantization": {"qformat": "fp8"}}, "draft": draft}
+    with pytest.raises(ConfigError, match=words):
+        parse_recipe(raw)
 
 
 def test_greedy_parity_with_ngram_draft_on_bigram_engines():

@@ -123,6 +123,10 @@ def model_spec(inp: RepoInputs, name: str) -> ModelSpec:
             "add_special_tokens": "true",
             **(PolicySettings.from_recipe(r.speculative).to_parameters() if name == SPECULATIVE_MODEL else {}),
         }
+        if r.draft.is_ngram and name == SPECULATIVE_MODEL:  # specdeploy's own n-gram field (model.yaml has TensorRT-LLM's)
+            from specdeploy import ngram
+
+            parameters["min_matching_ngram_size"] = str(ngram.settings_from_recipe(r).min_matching_ngram_size)
     return ModelSpec(name=name, backend="python", max_batch_size=0, inputs=LLMAPI_INPUTS, outputs=LLMAPI_OUTPUTS,
                      parameters=parameters, instance_count=1, decoupled=r.triton.decoupled)  # fmt: skip
 

@@ -77,8 +77,9 @@ class TritonPythonModel:
                     raise pb_utils.TritonModelException(f"{self.name}: speculative_config names no draft ({' or '.join(DRAFT_MODEL_KEYS)})")
                 self.draft = factory(speculative[key])
             elif kind == "NGram":
-                fields = ("max_draft_len", "max_matching_ngram_size", "is_keep_all", "is_use_oldest", "is_public_pool")
-                self.ngram = ngram.NGramSettings(**{f: speculative[f] for f in fields if f in speculative})
+                # TensorRT-LLM's fields from speculative_config; specdeploy's own minimum from the model's parameters
+                self.ngram = ngram.NGramSettings(**{f: speculative[f] for f in ngram.TRTLLM_FIELDS if f in speculative},
+                                                 min_matching_ngram_size=int(params.get("min_matching_ngram_size", "1")))
                 self.ngram_pool = ngram.NGramPool(self.ngram) if self.ngram.is_public_pool else None
             else:
                 raise pb_utils.TritonModelException(f"{self.name}: decoding_type {kind!r} is not served by the cpu backend "
