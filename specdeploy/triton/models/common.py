@@ -79,6 +79,19 @@ def load_cpu_executor(engine_dir: str):
 # ---------------------------------------------------------------- reading request tensors
 
 
+def input_reader(request):
+    """name -> the request's input as a numpy array, or None when it does not carry it. Reads the request's inputs
+    once: triton_python_backend_utils.get_input_tensor_by_name lists (and wraps) all of them again on every call,
+    and a model looks up dozens of optional names per request."""
+    tensors = {tensor.name(): tensor for tensor in request.inputs()}
+
+    def get(name: str) -> np.ndarray | None:
+        tensor = tensors.get(name)
+        return None if tensor is None else tensor.as_numpy()
+
+    return get
+
+
 def scalar(array: np.ndarray | None, name: str, kind, default=None):
     """One value per request (tensor [1, 1] or [1]); the default when the optional input is absent."""
     if array is None:

@@ -98,10 +98,7 @@ class TritonPythonModel:
         return common.execute_all(requests, self.decoupled, lambda request, emit: self._serve(request, emit, arrival_ns), FINAL)
 
     def _serve(self, request, emit, arrival_ns):
-        def get(name):
-            tensor = pb_utils.get_input_tensor_by_name(request, name)
-            return None if tensor is None else tensor.as_numpy()
-
+        get = common.input_reader(request)
         if common.scalar(get("stop"), "stop", bool, False):
             stopped = self._running.stop(request.request_id())
             emit(_error(f"{self.name}: stopped {stopped} running request(s) with id {request.request_id()!r}"

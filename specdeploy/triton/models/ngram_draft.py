@@ -41,7 +41,7 @@ class TritonPythonModel:
 
     def _serve(self, request, emit):
         arrival_ns = time.time_ns()
-        get = lambda name: self._input(request, name)  # noqa: E731
+        get = common.input_reader(request)
         try:
             ids, out_len, exclude_input = self._parse(get)
             tokens = self.drafts.draft(ids, out_len)
@@ -62,10 +62,6 @@ class TritonPythonModel:
             pb_utils.Tensor("last_token_time_ns", np.array([[now]], dtype=np.int64)),
         ]
         emit(pb_utils.InferenceResponse(output_tensors=outputs), True)
-
-    def _input(self, request, name):
-        tensor = pb_utils.get_input_tensor_by_name(request, name)
-        return None if tensor is None else tensor.as_numpy()
 
     def _parse(self, get):
         input_ids = get("input_ids")

@@ -38,21 +38,18 @@ class TritonPythonModel:
                 responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"preprocessing: {exc}")))
         return responses
 
-    def _input(self, request, name):
-        tensor = pb_utils.get_input_tensor_by_name(request, name)
-        return None if tensor is None else tensor.as_numpy()
-
     def _run(self, request):
-        query = self._input(request, "QUERY")
-        out_len = self._input(request, "REQUEST_OUTPUT_LEN")
+        get = common.input_reader(request)
+        query = get("QUERY")
+        out_len = get("REQUEST_OUTPUT_LEN")
         batch = common.batch_size(query, "QUERY")
-        bad = self._input(request, "BAD_WORDS_DICT")
-        stop = self._input(request, "STOP_WORDS_DICT")
-        end_in = self._input(request, "END_ID")
-        pad_in = self._input(request, "PAD_ID")
-        common.refuse_unsupported(lambda name: self._input(request, name), REFUSED)
-        bias_words = self._input(request, "EMBEDDING_BIAS_WORDS")
-        bias_weights = self._input(request, "EMBEDDING_BIAS_WEIGHTS")
+        bad = get("BAD_WORDS_DICT")
+        stop = get("STOP_WORDS_DICT")
+        end_in = get("END_ID")
+        pad_in = get("PAD_ID")
+        common.refuse_unsupported(get, REFUSED)
+        bias_words = get("EMBEDDING_BIAS_WORDS")
+        bias_weights = get("EMBEDDING_BIAS_WEIGHTS")
 
         ids, out_lens, bad_lists, stop_lists, ends, pads, biases = [], [], [], [], [], [], []
         for i in range(batch):

@@ -131,7 +131,7 @@ class TritonPythonModel:
 
     def _serve(self, request, emit, arrival_ns):
         try:
-            if common.scalar(self._input(request, "stop"), "stop", bool, False):
+            if common.scalar(common.input_reader(request)("stop"), "stop", bool, False):
                 # TensorRT-LLM's `stop`: end the running request with this request id (it answers with the
                 # tokens it has); the stop request itself gets an empty final response
                 stopped = self._running.stop(request.request_id())
@@ -157,12 +157,8 @@ class TritonPythonModel:
             traceback.print_exc()
             emit(_error(f"{self.name}: internal error: {type(exc).__name__}: {exc}"), True)
 
-    def _input(self, request, name):
-        tensor = pb_utils.get_input_tensor_by_name(request, name)
-        return None if tensor is None else tensor.as_numpy()
-
     def _parse(self, request):
-        get = lambda name: self._input(request, name)  # noqa: E731
+        get = common.input_reader(request)
         common.refuse_unsupported(get, REFUSED)
         input_ids = get("input_ids")
         if input_ids is None:

@@ -248,10 +248,6 @@ class TritonPythonModel:
         arrival_ns = time.time_ns()
         return common.execute_all(requests, self.decoupled, lambda request, emit: self._serve(request, emit, arrival_ns), FINAL)
 
-    def _input(self, request, name):
-        tensor = pb_utils.get_input_tensor_by_name(request, name)
-        return None if tensor is None else tensor.as_numpy()
-
     def _serve(self, request, emit, arrival_ns):
         try:
             job = self._parse(request)
@@ -275,7 +271,7 @@ class TritonPythonModel:
             self.ops.finish(job["ops"], len(job["prompt_ids"]), bool(ok))
 
     def _parse(self, request) -> dict:
-        get = lambda name: self._input(request, name)  # noqa: E731
+        get = common.input_reader(request)
         common.refuse_unsupported(get, REFUSED)
         text_input = get("text_input")
         common.require_single(text_input, "text_input")
