@@ -1,17 +1,19 @@
-"""In-flight batching on the served control path: `ensemble` before and after, side by side in one run.
+"""In-flight batching on the served paths: before and after, side by side in one run.
 
-    .venv/bin/python bench/batching.py [--recipe build/smollm2-135m.yaml] [--root .] [--out batching.json]
+    .venv/bin/python bench/batching.py [--recipe build/smollm2-135m.yaml] [--root .] [--levels 1,2,4,8]
+        [--models ensemble,tensorrt_llm_bls] [--variants before,after] [--out batching.json]
 
 Serves the recipe's built engines (`specdeploy build RECIPE` first; they are only read) from two
 servers started side by side, with repositories generated under a scratch folder:
   before  the recipe as it is (`triton.inflight_batching` false: one request at a time per instance)
   after   `triton.inflight_batching: true`, one instance (concurrent requests share engine steps)
-and at each concurrency level sends the same greedy requests to `ensemble` from that many client
+and at each concurrency level sends the same greedy requests to each of `--models` (`ensemble`: the control
+path; `tensorrt_llm_bls`: the speculative path, with the recipe's draft and policy) from that many client
 threads, alternating between the servers `--repeats` times (on a shared machine the load drifts: the
-median run of each is shown). Prints one table (output tokens/s, end-to-end p50/p90 latency, the machine's load average)
-and writes it as JSON. Output tokens are counted by tokenizing each returned text with the model's
-tokenizer (the same texts in both rows, so the ratio is exact). Also checks that every prompt got the
-same text in both servers and at every concurrency (batch invariance, end to end).
+median run of each is shown). Prints one table (output tokens/s, end-to-end p50/p90/p99 latency, the machine's
+load average) and writes it as JSON. Output tokens are counted by tokenizing each returned text with the model's
+tokenizer (the same texts in every row, so the ratios are exact). Also checks that every prompt got the
+same text on both paths, in both servers and at every concurrency (greedy parity and batch invariance, end to end).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ PROMPTS = [
 ]
 
 
-def _infer(url: str, prompt: str, max_tokens: int) -> tuple[str, float]:
+def _infer(url: str, model: str, prompt: str, max_tokens: int) -> tuple[str, float]:
     import tritonclient.grpc as grpcclient
 
     client = grpcclient.InferenceServerClient(url)
@@ -56,18 +58,18 @@ def _infer(url: str, prompt: str, max_tokens: int) -> tuple[str, float]:
             tensor.set_data_from_numpy(arr)
             inputs.append(tensor)
         t0 = time.perf_counter()
-        result = client.infer("ensemble", inputs, client_timeout=600)
+        result = client.infer(model, inputs, client_timeout=600)
         latency = time.perf_counter() - t0
         return result.as_numpy("text_output").reshape(-1)[0].decode("utf-8"), latency
     finally:
         client.close()
 
 
-def _level(url: str, prompts: list[str], concurrency: int, max_tokens: int, count) -> dict:
+def _level(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int, count) -> dict:
     load_before = os.getloadavg()[0]
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        results = list(pool.map(lambda p: _infer(url, p, max_tokens), prompts))
+        results = list(pool.map(lambda p: _infer(url, model, p, max_tokens), prompts))
     wall = time.perf_counter() - t0
     latencies = sorted(lat for _, lat in results)
     tokens = sum(count(text) for text, _ in results)
@@ -79,6 +81,7 @@ def _level(url: str, prompts: list[str], concurrency: int, max_tokens: int, coun
         "out_tok_s": round(tokens / wall, 2),
         "p50_ms": round(1000 * statistics.median(latencies), 1),
         "p90_ms": round(1000 * latencies[min(len(latencies) - 1, int(0.9 * len(latencies)))], 1),
+        "p99_ms": round(1000 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))], 1),
         "load1": round((load_before + os.getloadavg()[0]) / 2, 2),
         "texts": [text for text, _ in results],
     }
@@ -120,6 +123,8 @@ def main(argv=None) -> int:
     ap.add_argument("--recipe", default=str(ROOT / "build" / "smollm2-135m.yaml"))
     ap.add_argument("--root", default=os.environ.get("SPECDEPLOY_ROOT") or str(ROOT), help="project root holding engines/<name>")
     ap.add_argument("--levels", default="1,2,4", help="client concurrency levels")
+    ap.add_argument("--models", default="ensemble", help="paths to measure: ensemble (control), tensorrt_llm_bls (speculative)")
+    ap.add_argument("--variants", default="before,after", help="before (in-flight batching off), after (on), or both")
     ap.add_argument("--requests", type=int, default=8, help="requests per level (the prompts, cycled)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3, help="runs per level and variant, interleaved (the median is shown)")
@@ -145,44 +150,50 @@ def main(argv=None) -> int:
     count = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
     levels = [int(x) for x in args.levels.split(",")]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]
-    variants = {
+    models = args.models.split(",")
+    every = {
         "before": recipe,
         "after": dataclasses.replace(recipe, triton=dataclasses.replace(recipe.triton, inflight_batching=True, instance_count=1)),
     }
-    print(f"ensemble, {args.requests} requests x {args.max_tokens} max tokens per level, greedy; "
+    variants = {label: every[label] for label in args.variants.split(",")}
+    print(f"{', '.join(models)}: {args.requests} requests x {args.max_tokens} max tokens per level, greedy; "
           f"before: instance_count {recipe.triton.instance_count}, one request at a time each; after: in-flight batching, 1 instance")
     rows = []
     with tempfile.TemporaryDirectory(prefix="specdeploy-batching-") as work:
         servers = {}
-        try:  # both servers up at once (idle, one waits while the other is measured), runs interleaved
+        try:  # the servers up at once (idle, one waits while the other is measured), runs interleaved
             for label, variant in variants.items():
                 servers[label] = _start_server(variant, engines_dir, Path(work), label)
-                for p in prompts[:2]:  # warm-up
-                    _infer(servers[label].state.grpc_url, p, 8)
-            for c in levels:
-                runs = {label: [] for label in variants}
-                for _ in range(args.repeats):
-                    for label, srv in servers.items():
-                        run = _level(srv.state.grpc_url, prompts, c, args.max_tokens, count)
-                        print(f"  {label:6s} c={c}: {run['out_tok_s']:7.1f} out tok/s  p50 {run['p50_ms']:7.0f} ms  load {run['load1']}")
-                        runs[label].append(run)
-                for label in variants:
-                    rows.append({"variant": label, **_median_row(runs[label])})
+                for model in models:
+                    for p in prompts[:2]:  # warm-up
+                        _infer(servers[label].state.grpc_url, model, p, 8)
+            for model in models:
+                for c in levels:
+                    runs = {label: [] for label in variants}
+                    for _ in range(args.repeats):
+                        for label, srv in servers.items():
+                            run = _level(srv.state.grpc_url, model, prompts, c, args.max_tokens, count)
+                            print(f"  {model} {label:6s} c={c}: {run['out_tok_s']:7.1f} out tok/s  p50 {run['p50_ms']:7.0f} ms  load {run['load1']}", flush=True)
+                            runs[label].append(run)
+                    for label in variants:
+                        rows.append({"model": model, "variant": label, **_median_row(runs[label])})
         finally:
             for srv in servers.values():
                 srv.stop()
-    rows.sort(key=lambda r: (list(variants).index(r["variant"]), r["concurrency"]))
+    rows.sort(key=lambda r: (models.index(r["model"]), list(variants).index(r["variant"]), r["concurrency"]))
     reference = rows[0]["texts"]
     identical = all(texts == reference for r in rows for texts in r["all_texts"])
-    base = {r["concurrency"]: r for r in rows if r["variant"] == "before"}
+    first = lambda r, **key: next(x for x in rows if all(x[k] == v for k, v in {**{"model": r["model"], "variant": r["variant"], "concurrency": r["concurrency"]}, **key}.items()))  # noqa: E731
     print()
-    print(f"{'variant':8s} {'conc':>4s} {'out tok/s':>10s} {'vs c=1':>7s} {'p50 ms':>8s} {'p90 ms':>8s} {'vs before':>10s} {'load':>5s}")
+    print(f"{'model':17s} {'variant':8s} {'conc':>4s} {'out tok/s':>10s} {'vs c=1':>7s} {'p50 ms':>8s} {'p90 ms':>8s} {'p99 ms':>8s} "
+          f"{'vs before':>10s} {'vs ' + models[0]:>13s} {'load':>5s}")
     for r in rows:
-        c1 = next(x for x in rows if x["variant"] == r["variant"] and x["concurrency"] == levels[0])
-        vs_before = r["out_tok_s"] / base[r["concurrency"]]["out_tok_s"]
-        print(f"{r['variant']:8s} {r['concurrency']:4d} {r['out_tok_s']:10.1f} {r['out_tok_s'] / c1['out_tok_s']:6.2f}x "
-              f"{r['p50_ms']:8.0f} {r['p90_ms']:8.0f} {vs_before:9.2f}x {r['load1']:5.1f}")
-    print(f"same text for every prompt in both servers at every concurrency: {'yes' if identical else 'NO'}")
+        c1 = first(r, concurrency=levels[0])
+        control = first(r, model=models[0])
+        vs_before = f"{r['out_tok_s'] / first(r, variant='before')['out_tok_s']:9.2f}x" if "before" in variants else f"{'-':>10s}"
+        print(f"{r['model']:17s} {r['variant']:8s} {r['concurrency']:4d} {r['out_tok_s']:10.1f} {r['out_tok_s'] / c1['out_tok_s']:6.2f}x "
+              f"{r['p50_ms']:8.0f} {r['p90_ms']:8.0f} {r['p99_ms']:8.0f} {vs_before} {r['out_tok_s'] / control['out_tok_s']:12.2f}x {r['load1']:5.1f}")
+    print(f"same text for every prompt on every path, in every server, at every concurrency: {'yes' if identical else 'NO'}")
     print(f"cores: {os.cpu_count()}, load average now: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
     out = {"recipe": args.recipe, "max_tokens": args.max_tokens, "identical_outputs": identical, "threads": args.threads,
            "rows": [{k: v for k, v in r.items() if k not in ("texts", "all_texts")} for r in rows]}
