@@ -11,7 +11,8 @@ and at each concurrency level sends the same greedy requests to each of `--model
 path; `tensorrt_llm_bls`: the speculative path, with the recipe's draft and policy) from that many client
 threads, alternating between the servers `--repeats` times (on a shared machine the load drifts: the
 median run of each is shown). Prints one table (output tokens/s, end-to-end p50/p90/p99 latency, the machine's
-load average) and writes it as JSON. Output tokens are counted by tokenizing each returned text with the model's
+load average, and the peak RSS of the `tensorrt_llm` stub so far: what concurrency adds to the target's memory)
+and writes it as JSON. Output tokens are counted by tokenizing each returned text with the model's
 tokenizer (the same texts in every row, so the ratios are exact). Also checks that every prompt got the
 same text on both paths, in both servers and at every concurrency (greedy parity and batch invariance, end to end).
 """
@@ -85,6 +86,20 @@ def _level(url: str, model: str, prompts: list[str], concurrency: int, max_token
         "load1": round((load_before + os.getloadavg()[0]) / 2, 2),
         "texts": [text for text, _ in results],
     }
+
+
+def _target_peak_rss_mb(server_pid: int) -> float | None:
+    """Peak resident memory (VmHWM) of the server's `tensorrt_llm` stub, the process holding the target's weights
+    and KV cache; None where /proc does not show it."""
+    for proc in Path("/proc").iterdir():
+        try:
+            if not proc.name.isdigit() or f"PPid:\t{server_pid}\n" not in (status := (proc / "status").read_text()):
+                continue
+            if "tensorrt_llm_0_0" in (proc / "cmdline").read_bytes().decode(errors="replace").split("\0"):
+                return int(status.split("VmHWM:")[1].split()[0]) / 1024
+        except (OSError, IndexError, ValueError):
+            continue
+    return None
 
 
 def _start_server(recipe, engines_dir: Path, work: Path, label: str):
@@ -173,6 +188,7 @@ def main(argv=None) -> int:
                     for _ in range(args.repeats):
                         for label, srv in servers.items():
                             run = _level(srv.state.grpc_url, model, prompts, c, args.max_tokens, count)
+                            run["target_peak_rss_mb"] = _target_peak_rss_mb(srv.state.pid)
                             print(f"  {model} {label:6s} c={c}: {run['out_tok_s']:7.1f} out tok/s  p50 {run['p50_ms']:7.0f} ms  load {run['load1']}", flush=True)
                             runs[label].append(run)
                     for label in variants:
@@ -186,13 +202,14 @@ def main(argv=None) -> int:
     first = lambda r, **key: next(x for x in rows if all(x[k] == v for k, v in {**{"model": r["model"], "variant": r["variant"], "concurrency": r["concurrency"]}, **key}.items()))  # noqa: E731
     print()
     print(f"{'model':17s} {'variant':8s} {'conc':>4s} {'out tok/s':>10s} {'vs c=1':>7s} {'p50 ms':>8s} {'p90 ms':>8s} {'p99 ms':>8s} "
-          f"{'vs before':>10s} {'vs ' + models[0]:>13s} {'load':>5s}")
+          f"{'vs before':>10s} {'vs ' + models[0]:>13s} {'load':>5s} {'target RSS MB':>13s}")
     for r in rows:
         c1 = first(r, concurrency=levels[0])
         control = first(r, model=models[0])
         vs_before = f"{r['out_tok_s'] / first(r, variant='before')['out_tok_s']:9.2f}x" if "before" in variants else f"{'-':>10s}"
         print(f"{r['model']:17s} {r['variant']:8s} {r['concurrency']:4d} {r['out_tok_s']:10.1f} {r['out_tok_s'] / c1['out_tok_s']:6.2f}x "
-              f"{r['p50_ms']:8.0f} {r['p90_ms']:8.0f} {r['p99_ms']:8.0f} {vs_before} {r['out_tok_s'] / control['out_tok_s']:12.2f}x {r['load1']:5.1f}")
+              f"{r['p50_ms']:8.0f} {r['p90_ms']:8.0f} {r['p99_ms']:8.0f} {vs_before} {r['out_tok_s'] / control['out_tok_s']:12.2f}x {r['load1']:5.1f} "
+              f"{r['target_peak_rss_mb'] or float('nan'):13.0f}")
     print(f"same text for every prompt on every path, in every server, at every concurrency: {'yes' if identical else 'NO'}")
     print(f"cores: {os.cpu_count()}, load average now: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
     out = {"recipe": args.recipe, "max_tokens": args.max_tokens, "identical_outputs": identical, "threads": args.threads,
