@@ -651,12 +651,14 @@ def test_real_server_side_deadline(real):
 @pytest.mark.parametrize("num_draft_tokens", [None, 0])
 def test_real_unary_ttft_is_when_the_first_token_came(real, num_draft_tokens):
     """On the ensemble, and on the BLS when it runs plain tokens in one target call (num_draft_tokens 0):
-    TTFT is when the target produced the first token, not when the whole answer was back."""
+    TTFT is when the target produced the first token, not when the whole answer was back. The 63 decode steps
+    after it take milliseconds even on the tiny engine, while a first token stamped with the whole answer sits
+    microseconds from the last (no bound on the prefill's time: a loaded machine only widens the gap)."""
     model, extra = ("ensemble", {}) if num_draft_tokens is None else ("tensorrt_llm_bls", {"num_draft_tokens": 0})
     r = infer(real, model, text_input=PROMPTS[0], max_tokens=64, end_id=-1, return_perf_metrics=True, **extra)
     arrival, first, last = (int(r.as_numpy(x).reshape(-1)[0]) for x in ("arrival_time_ns", "first_token_time_ns", "last_token_time_ns"))
     assert arrival < first < last
-    assert (first - arrival) < 0.5 * (last - arrival)  # 1 of 64 tokens: TTFT well before the end
+    assert last - first > 5_000_000, (arrival, first, last)  # 63 tokens came after the first one
 
 
 def test_real_kv_block_counts_agree_on_both_paths(real):
