@@ -199,14 +199,15 @@ def main(argv=None) -> int:
     rows.sort(key=lambda r: (models.index(r["model"]), list(variants).index(r["variant"]), r["concurrency"]))
     reference = rows[0]["texts"]
     identical = all(texts == reference for r in rows for texts in r["all_texts"])
-    first = lambda r, **key: next(x for x in rows if all(x[k] == v for k, v in {**{"model": r["model"], "variant": r["variant"], "concurrency": r["concurrency"]}, **key}.items()))  # noqa: E731
+    row_at = {(r["model"], r["variant"], r["concurrency"]): r for r in rows}
     print()
     print(f"{'model':17s} {'variant':8s} {'conc':>4s} {'out tok/s':>10s} {'vs c=1':>7s} {'p50 ms':>8s} {'p90 ms':>8s} {'p99 ms':>8s} "
           f"{'vs before':>10s} {'vs ' + models[0]:>13s} {'load':>5s} {'target RSS MB':>13s}")
     for r in rows:
-        c1 = first(r, concurrency=levels[0])
-        control = first(r, model=models[0])
-        vs_before = f"{r['out_tok_s'] / first(r, variant='before')['out_tok_s']:9.2f}x" if "before" in variants else f"{'-':>10s}"
+        c1 = row_at[r["model"], r["variant"], levels[0]]
+        control = row_at[models[0], r["variant"], r["concurrency"]]
+        before = row_at.get((r["model"], "before", r["concurrency"]))
+        vs_before = f"{r['out_tok_s'] / before['out_tok_s']:9.2f}x" if before else f"{'-':>10s}"
         print(f"{r['model']:17s} {r['variant']:8s} {r['concurrency']:4d} {r['out_tok_s']:10.1f} {r['out_tok_s'] / c1['out_tok_s']:6.2f}x "
               f"{r['p50_ms']:8.0f} {r['p90_ms']:8.0f} {r['p99_ms']:8.0f} {vs_before} {r['out_tok_s'] / control['out_tok_s']:12.2f}x {r['load1']:5.1f} "
               f"{r['target_peak_rss_mb'] or float('nan'):13.0f}")

@@ -131,14 +131,15 @@ class TritonPythonModel:
 
     def _serve(self, request, emit, arrival_ns):
         try:
-            if common.scalar(common.input_reader(request)("stop"), "stop", bool, False):
+            get = common.input_reader(request)
+            if common.scalar(get("stop"), "stop", bool, False):
                 # TensorRT-LLM's `stop`: end the running request with this request id (it answers with the
                 # tokens it has); the stop request itself gets an empty final response
                 stopped = self._running.stop(request.request_id())
                 print(f"{self.name}: stop for request id {request.request_id()!r}: {stopped} running request(s) stopped", flush=True)
                 emit(self._response([], None, None, {}, None, _Times(arrival_ns)), True)
                 return
-            gen, flags = self._parse(request)
+            gen, flags = self._parse(get)
         except (RequestError, SpecDeployError) as exc:
             emit(_error(f"{self.name}: {common.error_text(exc)}"), True)
             return
@@ -157,8 +158,7 @@ class TritonPythonModel:
             traceback.print_exc()
             emit(_error(f"{self.name}: internal error: {type(exc).__name__}: {exc}"), True)
 
-    def _parse(self, request):
-        get = common.input_reader(request)
+    def _parse(self, get):
         common.refuse_unsupported(get, REFUSED)
         input_ids = get("input_ids")
         if input_ids is None:
