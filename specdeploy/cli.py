@@ -99,11 +99,15 @@ def check(ctx, recipe):
 
 
 @main.command()
+@click.option("--clean-shm", is_flag=True, help="Remove Triton python-backend shared-memory regions no process uses.")
 @handle_errors
-def doctor():
-    """One line per check of this machine: Python, torch, GPU, TensorRT-LLM, ModelOpt, tritonserver, ports, cache."""
+def doctor(clean_shm):
+    """One line per check of this machine: Python, torch, GPU, TensorRT-LLM, ModelOpt, tritonserver, shared
+    memory, ports, cache."""
     from specdeploy import doctor as doc
 
+    if clean_shm:
+        click.echo(doc.clean_shm())
     for line in doc.report_lines():
         click.echo(line)
 

@@ -45,6 +45,39 @@ def _server_line() -> str:
     return _line(True, "tritonserver", str(found))
 
 
+def _shm_line() -> str:
+    """/dev/shm room, and the Triton python-backend regions that no process uses (left by killed servers)."""
+    from specdeploy.triton import shm
+
+    try:
+        usage = shutil.disk_usage(shm.SHM_DIR)
+    except OSError:
+        return _line(None, "shared memory", f"no {shm.SHM_DIR}")
+    left = shm.unused()
+    if not left:
+        return _line(True, "shared memory", f"{shm.SHM_DIR}: {usage.free / 2**30:.1f} GiB free")
+    size = sum(_size(path) for path in left) / 2**30
+    return _line(False, "shared memory", f"{shm.SHM_DIR}: {usage.free / 2**30:.1f} GiB free; {len(left)} Triton python-backend "
+                 f"regions ({size:.1f} GiB) that no process uses: remove them with `specdeploy doctor --clean-shm`")
+
+
+def _size(path) -> int:
+    try:
+        return path.stat().st_blocks * 512  # what tmpfs holds, not the region's nominal size
+    except OSError:
+        return 0
+
+
+def clean_shm() -> str:
+    from specdeploy.triton import shm
+
+    left = shm.unused()
+    size = sum(_size(path) for path in left) / 2**30
+    for path in left:
+        path.unlink(missing_ok=True)
+    return f"removed {len(left)} unused Triton python-backend regions from {shm.SHM_DIR} ({size:.1f} GiB)"
+
+
 def _gpu_lines() -> list[str]:
     from specdeploy import backends
 
@@ -60,6 +93,7 @@ def report_lines() -> list[str]:
         _line(_version("nvidia-modelopt") is not None, "modelopt", _version("nvidia-modelopt") or "not installed"),
         _line(importlib.util.find_spec("tritonclient") is not None, "tritonclient", _version("tritonclient") or "missing"),
         _server_line(),
+        _shm_line(),
     ]
     port = _free_port()
     lines.append(_line(port is not None, "free ports", f"loopback port {port} was free" if port else "cannot bind 127.0.0.1"))

@@ -80,7 +80,7 @@ def test_verbose_shows_traceback(tmp_path):
 def test_doctor_prints_one_line_per_check():
     result = run("doctor")
     assert result.exit_code == 0
-    for what in ("python", "torch", "GPU", "modelopt", "tritonserver", "free ports", "cache dir"):
+    for what in ("python", "torch", "GPU", "modelopt", "tritonserver", "shared memory", "free ports", "cache dir"):
         assert what in result.output
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from specdeploy.artifacts import ProcessIdentity, home, pid_alive, process_identity
 from specdeploy.errors import ServerError
+from specdeploy.triton import shm
 
 PYTRITON_WHEEL = "nvidia-pytriton==0.7.0"
 BINARY_ENV = "SPECDEPLOY_TRITONSERVER"
@@ -314,11 +315,13 @@ def start(
         # the suspected trigger of the decoupled BLS stub's heap corruption (README, section 3, "Known limit").
         f"--backend-config=python,shm-default-byte-size={STUB_SHM_BYTES}",
         f"--backend-config=python,shm-growth-byte-size={STUB_SHM_BYTES}",
+        shm.backend_arg(shm.new_prefix()),  # its regions are removed when it stops (specdeploy.triton.shm)
         "--disable-auto-complete-config",
         *extra_args,
     ]
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    shm.remove_orphaned()
     with open(log_path, "wb") as log:
         log.write(("$ " + " ".join(cmd) + "\n").encode())
         log.flush()
@@ -416,12 +419,15 @@ def stop_pid(
     process: subprocess.Popen | None = None,
     expected: ProcessIdentity | None = None,
 ) -> None:
-    """SIGTERM the server (it finishes in-flight requests), then SIGKILL its process group (python stubs).
+    """SIGTERM the server (it finishes in-flight requests), then SIGKILL its process group (python stubs), then
+    remove the shared-memory regions it leaves behind (specdeploy.triton.shm).
 
     expected: who `pid` must be (see ServerState.running); a PID now held by another process is not signalled.
     """
     if process is None and expected is not None and not _is_same_process(pid, expected):
         return
+    me = process_identity(pid)
+    regions = shm.prefixes_in(process.args if process is not None else me.cmdline if me else ())
     try:
         pgid = os.getpgid(pid)
     except ProcessLookupError:
@@ -449,6 +455,8 @@ def stop_pid(
             process.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
+    for prefix in regions:
+        shm.remove(prefix)
 
 
 # ---------------------------------------------------------------- serve / status / stop for the CLI
