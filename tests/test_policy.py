@@ -219,10 +219,10 @@ def test_cost_policy_runs_plain_tokens_until_the_next_probe():
     assert request.choose(4) == 0  # c = 1.2: plain decoding pays more
     assert request.plain_tokens(100) == 8 - before  # the plain tokens until probe_interval, in one call
     assert request.plain_tokens(3) == 3  # never more than remain
-    request.record(RoundOutcome(0, 0, 0, 4, 0.0, 0.024, plain_run=6))  # the run stopped early (end id): 4 tokens
+    request.record(RoundOutcome(0, 0, 0, 4, 0.0, 0.032, plain_run=6))  # the run stopped early (end id): 4 tokens
     assert request.plain_rounds == before + 4
     assert request.choose(4) == 0 and request.plain_tokens(100) == 2  # the rest of the interval
-    request.record(RoundOutcome(0, 0, 0, 2, 0.0, 0.012, plain_run=2))
+    request.record(RoundOutcome(0, 0, 0, 2, 0.0, 0.016, plain_run=2))
     assert request.choose(4) > 0  # 8 plain tokens since the last speculating round: a probe
 
 
@@ -251,3 +251,35 @@ def test_a_draft_that_cannot_pay_even_when_always_right_is_probed_rarely():
     cheap.run(cheap.deployment.request(), 40, lambda i, k: 0)
     request = cheap.deployment.request()
     assert request.choose(4) == 0 and request.plain_tokens(500) == 8
+
+
+def test_speculation_must_beat_plain_steps_by_the_margin():
+    """A k predicted at break-even (or a hair above) stays plain; one clearly ahead is chosen."""
+    model = pol.CostModel()
+    for _ in range(2):
+        model.observe(RoundOutcome(0, 0, 0, 1, 0.0, 0.010))
+        model.observe(RoundOutcome(1, 1, 1, 2, 0.009, 0.010))  # k = 1: 2 tokens in 19 ms vs 20 ms plain: +5.3 %
+    assert model.tokens_per_s(1.0, 1) / model.tokens_per_s(1.0, 0) == pytest.approx(20 / 19)
+    assert model.best_k(1.0, 1) == 1  # just over the margin
+    assert model.best_k(0.95, 1) == 0  # 1.95 tokens in 19 ms: 2.6 % ahead, inside the margin
+    assert model.tokens_per_s(0.95, 1) > model.tokens_per_s(0.95, 0)
+
+
+def test_a_schedule_hold_runs_long_when_no_draft_could_pay():
+    """Held off by the schedule with a draft that cannot pay even when always right: one call runs
+    MAX_PROBE_INTERVAL tokens, not probe_interval (the re-check could only let it speculate at a loss)."""
+    active = [1]
+    trace = Trace(PolicySettings("cost", 4, max_concurrency=1, probe_interval=8), draft_ms=12.0)
+    trace.deployment.active = lambda: active[0]
+    trace.run(trace.deployment.request(), 12, lambda i, k: k)  # calibrate alone (acceptance 100 %)
+    active[0] = 2
+    request = trace.deployment.request()
+    assert request.choose(4) == 0 and request.plain_tokens(500) == pol.MAX_PROBE_INTERVAL
+    assert request.plain_tokens(20) == 20
+    cheap = Trace(PolicySettings("cost", 4, max_concurrency=1, probe_interval=8), draft_ms=0.05)
+    cheap.deployment.active = lambda: active[0]
+    active[0] = 1
+    cheap.run(cheap.deployment.request(), 12, lambda i, k: k)
+    active[0] = 2
+    request = cheap.deployment.request()
+    assert request.choose(4) == 0 and request.plain_tokens(500) == 8  # a draft that pays: re-check soon
