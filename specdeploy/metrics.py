@@ -238,7 +238,8 @@ class Recorder:
                 self.sink.declare(DRAFT_TOKENS_PER_POS, self._labels(arm, position=pos))
                 self.sink.declare(ACCEPTED_PER_POS, self._labels(arm, position=pos))
             self.sink.declare(ROUNDS, self._labels(arm, speculation=SPEC_ON, reason=REASON_NONE))
-            for reason in (REASON_LAST_TOKEN, REASON_CONTROL_ARM, REASON_GATE, REASON_SCHEDULE, REASON_POLICY, REASON_NO_DRAFT):
+            for reason in (REASON_LAST_TOKEN, REASON_CONTROL_ARM, REASON_GATE, REASON_SCHEDULE, REASON_POLICY, REASON_NO_DRAFT,
+                           REASON_NO_PROPOSAL):
                 self.sink.declare(ROUNDS, self._labels(arm, speculation=SPEC_OFF, reason=reason))
 
     def request_started(self, arm: str) -> RequestTimer:
@@ -287,6 +288,7 @@ REASON_GATE = "gate"  # the acceptance gate turned speculation off (specdeploy.p
 REASON_SCHEDULE = "schedule"  # draft_len_schedule / max_concurrency: too many active sequences
 REASON_POLICY = "policy"  # the cost policy predicted a plain step pays more
 REASON_NO_DRAFT = "num_draft_tokens_0"  # the request asked for no draft tokens
+REASON_NO_PROPOSAL = "no_proposal"  # the draft proposed nothing (an n-gram without a match)
 CANARY_ENV = "SPECDEPLOY_CANARY_CONTROL_PERCENT"  # overrides the BLS parameter (the Kubernetes control Deployment sets 100)
 
 
@@ -317,9 +319,14 @@ class MeteredPolicy:
         """The inner policy's plain run after k = 0 (specdeploy.policy); the control arm's PlainVerifier asks for the rest itself."""
         return self.inner.plain_tokens(remaining) if self.inner is not None and hasattr(self.inner, "plain_tokens") else 1
 
+    def empty_run(self, remaining: int) -> int:
+        """The inner policy's plain run after an empty proposal."""
+        return self.inner.empty_run(remaining) if self.inner is not None and hasattr(self.inner, "empty_run") else 1
+
     def record(self, outcome) -> None:
+        reason = self.reason or (REASON_NO_PROPOSAL if outcome.drafted == 0 else None)  # chose k > 0, drafted nothing
         self.recorder.round(self.timer.arm, outcome.drafted, outcome.accepted, outcome.emitted, outcome.draft_time_s,
-                            outcome.target_time_s, self.reason)  # fmt: skip
+                            outcome.target_time_s, reason)  # fmt: skip
         if self.inner is not None:
             self.inner.record(outcome)
 

@@ -377,6 +377,12 @@ def speculative_generate(
             stats.draft_time_s += draft_s
             proposal = Proposal(proposal.tokens[:k], None if proposal.logits is None else proposal.logits[:k])
             stats.drafted += len(proposal.tokens)
+            if not proposal.tokens and policy is not None:
+                # Nothing to verify (an n-gram draft without a match): a plain run as the policy sizes it,
+                # not a call for one token (served, a call costs ~half a step beyond its pass).
+                run = getattr(policy, "empty_run", lambda _: 1)(remaining)
+                assert 1 <= run <= max(1, remaining), (run, remaining)
+                k = 0 if run > 1 else k
         t0 = clock()
         target_sampling = round_sampling(sampling, base_seed, round_index, "target")
         if run > 1:

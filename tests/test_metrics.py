@@ -12,7 +12,7 @@ from specdeploy import speculative as spec
 from specdeploy.cost import cost_of, level_cost
 from specdeploy.engine.executor import Executor
 from specdeploy.errors import ClientError
-from specdeploy.generate import ExecutorProposer, ExecutorVerifier
+from specdeploy.generate import ExecutorProposer, ExecutorVerifier, target_only_generate
 from specdeploy.testing import TableEngine
 
 
@@ -139,6 +139,28 @@ def test_bls_ops_metrics_agree_with_the_loops_own_statistics():
     # the last round(s) cannot draft (one token left) and say so
     assert a.rounds_on == sum(1 for k in stats.k_per_round if k > 0)
     assert a.rounds_off == sum(1 for k in stats.k_per_round if k == 0) and set(a.off_reasons) <= {m.REASON_LAST_TOKEN}
+
+
+def test_rounds_whose_draft_proposed_nothing_say_so():
+    """An n-gram draft without a match: the round is a plain run, counted off with reason no_proposal (not
+    last_token), and the tokens are the target's own."""
+    from specdeploy.ngram import NGramProposer, NGramSettings
+
+    target, _ = _engines()
+    sink = m.PrometheusClientSink()
+    ops = m.BlsOps(sink, "tensorrt_llm_bls", 4)
+    deployment = pol.Deployment(pol.PolicySettings("static", 4, probe_interval=5))
+    timer = ops.start(True)
+    prompt = [1, 2, 3, 4, 5, 6, 7]  # no pattern repeats: the first round has nothing to propose
+    run = spec.speculative_generate(NGramProposer(NGramSettings(4, 3, min_matching_ngram_size=3)),
+                                    ops.verifier(timer, _Verifier(Executor(target, 2)), 20, len(prompt)), prompt,
+                                    max_new_tokens=20, num_draft_tokens=4, policy=ops.policy(timer, deployment.request(), deployment))  # fmt: skip
+    tokens, stats = spec.collect(run)
+    expected = spec.collect(target_only_generate(Executor(target), prompt, 20))[0]
+    assert tokens == expected
+    a = m.arm_stats(m.parse(sink.text()), "speculative")
+    assert stats.k_per_round[0] == 0 and stats.plain_run_tokens >= 5
+    assert a.off_reasons.get(m.REASON_NO_PROPOSAL, 0) >= 1 and a.target_passes == stats.target_iterations
 
 
 def test_canary_control_arm_is_one_target_call_with_the_same_greedy_tokens():

@@ -437,6 +437,35 @@ def test_plain_run_is_one_target_call_for_many_tokens():
     assert (step.plain_run, step.is_run) == (1, False)
 
 
+class EmptyRunPolicy(RunPolicy):
+    def empty_run(self, remaining):
+        self.remaining.append(remaining)
+        return min(remaining, self.runs.pop(0))
+
+
+def test_an_empty_proposal_becomes_a_plain_run():
+    """k > 0 chosen, the draft proposes nothing (an n-gram without a match): one call for the run the policy
+    sizes, recorded as a plain run; a run of one keeps the one-token call and the chosen k."""
+    policy = EmptyRunPolicy([3, 2, 3, 0], [5, 1, 1])
+    draft = ScriptedDraft([[], [7, 8], []])
+    target = RunTarget([[1, 2, 3, 4, 7], [7, 8, 9], [6], [5]])
+    tokens, stats = spec.collect(spec.speculative_generate(draft, target, [0], 10, 3, policy=policy))
+    assert tokens == [1, 2, 3, 4, 7, 7, 8, 9, 6, 5] and stats.finish_reason == "length"
+    assert [(c[1], c[2]) for c in target.calls] == [([], 5), ([7, 8], None), ([], None), ([], None)]
+    assert policy.remaining == [10, 2, 1] and stats.k_per_round == [0, 2, 1, 0] and stats.plain_run_tokens == 5
+    run, spec_round, step, _ = policy.outcomes
+    assert (run.k, run.drafted, run.emitted, run.plain_run, run.is_run) == (0, 0, 5, 5, True)
+    assert (step.k, step.drafted, step.plain_run) == (1, 0, 1)
+
+
+def test_policies_size_the_run_after_an_empty_proposal():
+    from specdeploy import policy as pol
+
+    for name in pol.POLICIES:
+        request = pol.Deployment(pol.PolicySettings(name, 4, probe_interval=6)).request()
+        assert request.choose(4) == 4 and request.empty_run(50) == 6 and request.empty_run(2) == 2
+
+
 def test_no_policy_and_no_draft_tokens_is_one_call():
     target = RunTarget([[3, 4, 5, 6, 7]])
     tokens, stats = spec.collect(spec.speculative_generate(ScriptedDraft([]), target, [0], 5, 0))
