@@ -648,6 +648,15 @@ def is_slice_expiry(message: str) -> bool:
     return "server-side deadline" in message or "timeout expired" in message.lower()
 
 
+def run_slice_s(output_len: int, per_token_s: float, active: int) -> float:
+    """The first time slice of a plain run: a slice that expires mid-run loses every token it generated, so it
+    allows twice the run's time at the per-token cost measured so far, times the requests in flight (their steps
+    share the target: at concurrency 2 a token cost ~1.7x the one-request cost the deployment had measured), plus
+    a second for the prompt's prefill. With a slice of 2x the one-request time, 2 concurrent BLS plain runs of 64
+    tokens took 2.1x the ensemble's time (most first slices expired; with no slicing 1.15x)."""
+    return 2.0 * max(1, active) * output_len * per_token_s + 1.0
+
+
 def call_in_slices(attempt, stop_check, slice_s: float, max_attempts: int = 10_000):
     """`attempt(slice_s)` until it returns, checking `stop_check()` (a CancelCheck) after each expired
     slice. An attempt that expired after generating tokens lost them (only prefill work stays cached),

@@ -157,9 +157,10 @@ class TritonProposer:
 class TritonVerifier:
     """specdeploy.speculative.Verifier over tensorrt_llm with draft_input_ids (request_output_len = k + 1)."""
 
-    def __init__(self, call: _LlmCall, job, record: _Record, costs=None):
+    def __init__(self, call: _LlmCall, job, record: _Record, costs=None, active=lambda: 1):
         self.call, self.job, self.record = call, job, record
         self.costs = costs  # the deployment's measured costs (specdeploy.policy.CostModel), to size a plain run's time slice
+        self.active = active  # requests the BLS instances are serving now (policy.ActiveCount)
 
     def verify(self, sequence, draft_tokens, draft_logits, sampling, output_len=None):
         job = self.job
@@ -197,13 +198,12 @@ class TritonVerifier:
         return tokens
 
     def _run_slice_s(self, output_len):
-        """A first time slice long enough for a plain run of output_len tokens (twice its expected time at
-        the measured per-token cost): a slice that expires mid-run loses the tokens it generated."""
+        """A first time slice long enough for a plain run of output_len tokens (common.run_slice_s)."""
         if not output_len or output_len <= 1:
             return None
         costs = self.costs
         per_token = (costs.plain_token_s or costs.verify_s.get(1)) if costs is not None else None
-        return 2.0 * output_len * (per_token or RUN_TOKEN_GUESS_S)
+        return common.run_slice_s(output_len, per_token or RUN_TOKEN_GUESS_S, self.active())
 
 
 RUN_TOKEN_GUESS_S = 0.05  # seconds per plain token before the deployment has timed one
@@ -322,7 +322,7 @@ class TritonPythonModel:
     def _run(self, job, arrival_ns, emit):
         record = _Record()
         proposer = ngram.NGramProposer(self.ngram, self.ngram_pool) if self.ngram is not None else TritonProposer(self.draft, job)
-        verifier = TritonVerifier(self.target, job, record, self.deployment.costs)
+        verifier = TritonVerifier(self.target, job, record, self.deployment.costs, self.active)
         times = {"arrival": arrival_ns, "scheduled": time.time_ns(), "first": None}
         ops = job["ops"]  # the canary arm and the metrics of this request
         rounds = spec.speculative_generate(
