@@ -356,6 +356,17 @@ def test_per_chunk_decoding_is_exact_only_for_byte_level_tokenizers(tiny_tokeniz
     assert "clean_up_tokenization_spaces" in common.chunk_decoding_problem(fast)
 
 
+def test_a_plain_runs_first_slice_covers_the_requests_in_flight():
+    """An expired slice loses the run's tokens, so the first slice allows for the requests sharing the target
+    (a token at concurrency 2 cost ~1.7x what one request measured) and for the prefill."""
+    alone = common.run_slice_s(64, 0.012, 1)
+    assert alone == pytest.approx(2 * 64 * 0.012 + 1.0)
+    shared = common.run_slice_s(64, 0.012, 2)
+    assert shared >= 1.7 * 64 * 0.012 * 2 and shared > alone  # twice the run at concurrency 2's per-token cost
+    assert common.run_slice_s(64, 0.012, 0) == alone  # the count is at least this request
+    assert common.run_slice_s(1, 0.012, 8) > 1.0  # a prefill's second, whatever the run
+
+
 def test_bls_calls_run_in_slices_until_done_or_the_parent_stops():
     now, cancelled = [0.0], [False]
     check = common.CancelCheck(lambda: cancelled[0], deadline_s=None, interval_s=0.0, clock=lambda: now[0])
