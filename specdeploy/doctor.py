@@ -56,26 +56,16 @@ def _shm_line() -> str:
     left = shm.unused()
     if not left:
         return _line(True, "shared memory", f"{shm.SHM_DIR}: {usage.free / 2**30:.1f} GiB free")
-    size = sum(_size(path) for path in left) / 2**30
+    size = shm.tmpfs_bytes(left) / 2**30
     return _line(False, "shared memory", f"{shm.SHM_DIR}: {usage.free / 2**30:.1f} GiB free; {len(left)} Triton python-backend "
                  f"regions ({size:.1f} GiB) that no process uses: remove them with `specdeploy doctor --clean-shm`")
-
-
-def _size(path) -> int:
-    try:
-        return path.stat().st_blocks * 512  # what tmpfs holds, not the region's nominal size
-    except OSError:
-        return 0
 
 
 def clean_shm() -> str:
     from specdeploy.triton import shm
 
-    left = shm.unused()
-    size = sum(_size(path) for path in left) / 2**30
-    for path in left:
-        path.unlink(missing_ok=True)
-    return f"removed {len(left)} unused Triton python-backend regions from {shm.SHM_DIR} ({size:.1f} GiB)"
+    removed, held = shm.remove_unused()
+    return f"removed {removed} unused Triton python-backend regions from {shm.SHM_DIR} ({held / 2**30:.1f} GiB)"
 
 
 def _gpu_lines() -> list[str]:

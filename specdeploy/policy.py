@@ -452,8 +452,11 @@ class CostPolicy:
         """Plain tokens before the next probe: probe_interval (doubling after probes that did not pay), or
         MAX_PROBE_INTERVAL when even a draft that is always right would not pay at the measured costs
         (every k's (k + 1) tokens cost more than k + 1 plain tokens): a probe could then only lose."""
-        hopeless = self.deployment.costs.best_k(1.0, cap) == 0
-        return MAX_PROBE_INTERVAL if hopeless else self.probe_interval
+        return MAX_PROBE_INTERVAL if self._hopeless(cap) else self.probe_interval
+
+    def _hopeless(self, cap: int) -> bool:
+        """No k up to cap pays at the measured costs, even with a draft that is always right."""
+        return self.deployment.costs.best_k(1.0, cap) == 0
 
     def plain_tokens(self, remaining: int) -> int:
         """Fallen back: the plain tokens until the next probe, in one call. Held off by the schedule while the
@@ -463,7 +466,7 @@ class CostPolicy:
         if self.fell_back:
             return max(1, min(remaining, self._probe_after(self.cap) - self.plain_rounds))
         d = self.deployment
-        if self.asked > 0 and self.cap == 0 and not d.gate.disabled and d.costs.best_k(1.0, self.asked) == 0:
+        if self.asked > 0 and self.cap == 0 and not d.gate.disabled and self._hopeless(self.asked):
             return max(1, min(remaining, MAX_PROBE_INTERVAL))
         return _plain_run(d, self.asked, remaining)
 

@@ -426,7 +426,7 @@ def stop_pid(
     """
     if process is None and expected is not None and not _is_same_process(pid, expected):
         return
-    me = process_identity(pid)
+    me = process_identity(pid) if process is None else None
     regions = shm.prefixes_in(process.args if process is not None else me.cmdline if me else ())
     try:
         pgid = os.getpgid(pid)

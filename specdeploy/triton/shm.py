@@ -34,10 +34,8 @@ def backend_arg(prefix: str) -> str:
     return f"--backend-config=python,{_OPTION}{prefix}"
 
 
-def prefixes_in(cmdline: str | tuple[str, ...] | list[str]) -> list[str]:
+def prefixes_in(cmdline: tuple[str, ...] | list[str]) -> list[str]:
     """This project's region prefixes named in a tritonserver command line."""
-    if isinstance(cmdline, str):
-        cmdline = cmdline.split()
     found = [arg.split(_OPTION, 1)[1] for arg in cmdline if _OPTION in arg]
     return [prefix for prefix in found if _OURS.match(prefix)]
 
@@ -46,21 +44,38 @@ def remove(prefix: str, directory: Path | None = None) -> int:
     """Remove the regions of the server that used `prefix` (call once it has exited); how many were left."""
     if not _OURS.match(prefix):
         return 0
-    removed = 0
-    for path in (directory or SHM_DIR).glob(prefix + "*"):
-        path.unlink(missing_ok=True)
-        removed += 1
-    return removed
+    return len(_unlink(list((directory or SHM_DIR).glob(prefix + "*"))))
 
 
 def remove_orphaned(directory: Path | None = None) -> int:
     """Remove this project's regions whose server no process runs: neither the server nor one of its stubs
     (a stub's command line names its region) has the prefix in its command line any more. No age is needed:
     the server's command line names the prefix before any region exists."""
-    orphaned = [path for path in unused(directory, min_age_s=0) if _OURS.match(path.name)]
-    for path in orphaned:
+    return len(_unlink([path for path in unused(directory, min_age_s=0) if _OURS.match(path.name)]))
+
+
+def remove_unused(directory: Path | None = None) -> tuple[int, int]:
+    """Remove the regions `unused()` lists; (how many, the bytes tmpfs held for them)."""
+    left = unused(directory)
+    held = tmpfs_bytes(left)
+    return len(_unlink(left)), held
+
+
+def tmpfs_bytes(regions: list[Path]) -> int:
+    """What tmpfs holds for these regions (pages touched), not their nominal size."""
+    total = 0
+    for path in regions:
+        try:
+            total += path.stat().st_blocks * 512
+        except OSError:
+            pass
+    return total
+
+
+def _unlink(paths: list[Path]) -> list[Path]:
+    for path in paths:
         path.unlink(missing_ok=True)
-    return len(orphaned)
+    return paths
 
 
 def unused(directory: Path | None = None, min_age_s: float = 60.0) -> list[Path]:
@@ -93,7 +108,4 @@ def _mtime(path: Path, default: float) -> float:
 def _live_command_lines() -> str:
     import psutil
 
-    lines = []
-    for proc in psutil.process_iter(["cmdline"]):
-        lines.append(" ".join(proc.info.get("cmdline") or ()))
-    return "\n".join(lines)
+    return "\n".join(" ".join(proc.info.get("cmdline") or ()) for proc in psutil.process_iter(["cmdline"]))
