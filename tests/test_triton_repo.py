@@ -446,3 +446,26 @@ def test_stub_lock_is_held_except_while_waiting_for_the_engine():
     chunks.put(None)
     t.join(10)
     assert not t.is_alive() and seen == [("a", True), ("b", True)]  # each chunk handled with the lock held
+
+
+def test_the_bls_sizes_a_plain_runs_slice_with_the_requests_in_flight(monkeypatch, request):
+    """The BLS's verifier passes the measured per-token cost and the live active count to run_slice_s (a stand-in
+    for triton_python_backend_utils: the module is imported outside a stub)."""
+    import importlib
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", types.SimpleNamespace(TRITONSERVER_RESPONSE_COMPLETE_FINAL=1))
+    name = "specdeploy.triton.models.tensorrt_llm_bls"
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    bls = importlib.import_module(name)
+    request.addfinalizer(lambda: sys.modules.pop(name, None))  # not left bound to the stand-in
+    from specdeploy import policy as pol
+
+    costs = pol.CostModel(plain_token_s=0.012)
+    active = [2]
+    verifier = bls.TritonVerifier(None, {}, None, costs, lambda: active[0])
+    assert verifier._run_slice_s(64) == pytest.approx(common.run_slice_s(64, 0.012, 2))
+    active[0] = 4
+    assert verifier._run_slice_s(64) == pytest.approx(common.run_slice_s(64, 0.012, 4))
+    assert verifier._run_slice_s(1) is None  # a one-token call keeps the cancel interval
