@@ -5,9 +5,10 @@ Pure objects with explicit inputs: the loop (`speculative.speculative_generate`)
 times it measured) after it; no policy reads a clock, so scripted traces test every decision.
 
 Two layers, as in a server:
-  - a `Deployment` (one per Triton BLS instance, or per `specdeploy generate` session) holds what
-    is shared by all requests: the acceptance gate, the draft-length schedule, and the cost model's
-    measurements (draft step cost, verification cost per row count, acceptance over all requests);
+  - a `Deployment` (one per served model, its BLS instances sharing its measured state through
+    `SharedState`; one per `specdeploy generate` session) holds what is shared by all requests: the
+    acceptance gate, the draft-length schedule, and the cost model's measurements (draft step cost,
+    verification cost per row count, acceptance over all requests);
   - `Deployment.request()` hands each request its own `RequestPolicy` (its own rolling acceptance).
 
 Policies (recipe `speculative.policy`):
@@ -35,9 +36,15 @@ target alone costs (one call for many tokens), not one BLS round trip per token.
 
 from __future__ import annotations
 
+import fcntl
+import json
+import os
 from bisect import bisect_left
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Callable, Mapping, Protocol
+
+from specdeploy.artifacts import pid_alive
 
 POLICIES = ("static", "cost")
 
@@ -359,6 +366,41 @@ class Deployment:
         self.gate = AcceptanceGate(settings.acceptance_rate_window_size, settings.acceptance_rate_threshold, settings.acceptance_measure)
         self.costs = CostModel()
         self.acceptance = Acceptance(DEPLOYMENT_DECAY)
+        self.journal: list[RoundOutcome] | None = None  # outcomes not yet shared (SharedState sets it)
+
+    def record(self, outcome: RoundOutcome) -> None:
+        """Add one round to what all requests share: measured costs, acceptance, the gate."""
+        self.costs.observe(outcome)
+        self.acceptance.observe(outcome.drafted, outcome.accepted)
+        if outcome.drafted > 0:
+            gate = self.gate
+            gate.record(outcome.accepted / outcome.drafted if gate.measure == "rate" else float(outcome.accepted + 1))
+        if self.journal is not None:
+            self.journal.append(outcome)
+
+    def state(self) -> dict:
+        """The measured part (costs, acceptance, gate) as JSON-ready data; the settings are not in it."""
+        g = self.gate
+        return {
+            "costs": asdict(self.costs),
+            "acceptance": asdict(self.acceptance),
+            "gate": {"history": g.history, "samples": g.samples, "disabled": g.disabled, "tripped_mean": g.tripped_mean},
+        }
+
+    def load_state(self, state: Mapping | None) -> None:
+        """Replace the measured part by `state` (from state()); None: as measured nothing."""
+        self.costs, self.acceptance = CostModel(), Acceptance(DEPLOYMENT_DECAY)
+        self.gate = AcceptanceGate(self.gate.window, self.gate.threshold, self.gate.measure)
+        if state is None:
+            return
+        c = state["costs"]
+        self.costs = CostModel(
+            {int(k): v for k, v in c["draft_s"].items()}, {int(k): v for k, v in c["verify_s"].items()},
+            {int(k): v for k, v in c["verify_n"].items()}, c["plain_token_s"],
+        )  # fmt: skip
+        self.acceptance = Acceptance(**state["acceptance"])
+        for name, value in state["gate"].items():
+            setattr(self.gate, name, value)
 
     def cap(self, requested: int) -> int:
         """The most draft tokens a round may ask for now: the request's k, the schedule, the gate."""
@@ -396,7 +438,7 @@ class StaticPolicy:
         return self.deployment.cap(cap)
 
     def record(self, outcome: RoundOutcome) -> None:
-        _record_shared(self.deployment, outcome)
+        self.deployment.record(outcome)
 
     def plain_tokens(self, remaining: int) -> int:
         return _plain_run(self.deployment, self.asked, remaining)
@@ -476,7 +518,7 @@ class CostPolicy:
     def record(self, outcome: RoundOutcome) -> None:
         d = self.deployment
         self.acceptance.observe(outcome.drafted, outcome.accepted)
-        _record_shared(d, outcome)
+        d.record(outcome)
         if outcome.k == 0:
             self.plain_rounds += max(1, outcome.emitted)  # plain tokens since the last speculating round
             return
@@ -511,14 +553,7 @@ def _empty_run(d: Deployment, remaining: int) -> int:
     return max(1, min(remaining, d.settings.probe_interval))
 
 
-def _record_shared(d: Deployment, outcome: RoundOutcome) -> None:
-    d.costs.observe(outcome)
-    d.acceptance.observe(outcome.drafted, outcome.accepted)
-    if outcome.drafted > 0:
-        d.gate.record(outcome.accepted / outcome.drafted if d.gate.measure == "rate" else float(outcome.accepted + 1))
-
-
-# ---------------------------------------------------------------- active sequences across BLS instances
+# ---------------------------------------------------------------- what the BLS instances of one server share
 
 
 class ActiveCount:
@@ -527,39 +562,92 @@ class ActiveCount:
     kept apart from the policies, which only receive the number."""
 
     def __init__(self, folder):
-        import os
-        from pathlib import Path
-
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.mine = self.folder / str(os.getpid())
         self.set_busy(False)
 
     def set_busy(self, busy: bool) -> None:
-        import os
-
         tmp = self.mine.with_suffix(".tmp")
         tmp.write_text("1" if busy else "0")
         os.replace(tmp, self.mine)
 
-    def close(self) -> None:
-        """Remove this process's file (and the folder once no instance is left)."""
+    def close(self, when_last=()) -> None:
+        """Remove this process's file; once no live instance is left, also the files `when_last` and the folder
+        (each instance removes its own file before it looks, so the last one to look sees none)."""
         self.mine.unlink(missing_ok=True)
+        if any(self._live()):
+            return
+        for path in when_last:
+            path.unlink(missing_ok=True)
         try:
             self.folder.rmdir()
         except OSError:
             pass
 
     def __call__(self) -> int:
-        import os
+        return max(1, sum(busy for _, busy in self._live()))
 
-        count = 0
+    def _live(self):
+        """(file, busy) of each instance whose process is alive."""
         for path in self.folder.iterdir():
-            if not path.name.isdigit():
-                continue
-            try:
-                os.kill(int(path.name), 0)
-                count += path.read_text().strip() == "1"
-            except (OSError, ValueError):
-                continue
-        return max(1, count)
+            if path.name.isdigit() and pid_alive(int(path.name)):
+                try:
+                    yield path, path.read_text().strip() == "1"
+                except OSError:  # gone since the listing
+                    continue
+
+
+class SharedState:
+    """One server's measured deployment state (costs, acceptance, the gate), shared by its BLS instances through
+    `policy-<server pid>.json` in the instances' folder. An instance loads the newest state before each request
+    (`pull`) and, when the request ends, replays that request's round outcomes onto the newest state under a lock
+    (`push`): the instances calibrate, learn acceptance and trip the gate as one deployment (TensorRT-LLM's gate
+    belongs to the executor), instead of each one exploring on its own share of the requests. A restarted server
+    starts afresh (its pid names a new file); files of servers that are gone are removed."""
+
+    def __init__(self, folder, deployment: Deployment, server_pid: int):
+        self.folder = Path(folder)
+        self.path = self.folder / f"policy-{server_pid}.json"
+        self.deployment = deployment
+        self.version = 0  # of the state this instance last loaded or wrote
+        deployment.journal = []
+        for stale in self.folder.glob("policy-*"):
+            pid = stale.name.split("-", 1)[1].split(".", 1)[0]
+            if pid.isdigit() and not pid_alive(int(pid)):
+                stale.unlink(missing_ok=True)
+
+    def pull(self) -> None:
+        shared = self._read()
+        if shared is not None and shared["version"] != self.version:
+            self.deployment.load_state(shared["state"])
+            self.version = shared["version"]
+
+    def push(self) -> None:
+        d = self.deployment
+        journal, d.journal = d.journal, []
+        if not journal:
+            return
+        with open(self.files[1], "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            shared = self._read()
+            d.load_state(shared["state"] if shared else None)
+            for outcome in journal:
+                d.record(outcome)
+            d.journal = []
+            self.version = (shared["version"] if shared else 0) + 1
+            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"version": self.version, "state": d.state()}))
+            os.replace(tmp, self.path)
+
+    @property
+    def files(self) -> tuple[Path, Path]:
+        """The state and its lock: the server's last instance removes them (ActiveCount.close)."""
+        return self.path, self.path.with_suffix(".lock")
+
+    def _read(self) -> dict | None:
+        try:
+            return json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return None
+

@@ -3,6 +3,10 @@ and greedy parity of the loop with an n-gram draft."""
 
 from __future__ import annotations
 
+import json
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 import tritonclient.grpc as tritonclient_grpc
@@ -231,8 +235,14 @@ def test_served_ngram_draft_keeps_greedy_parity(tmp_path_factory, tiny_llama_dir
         assert _bls(stats, prompt, 48, outputs=("text_output",)).as_numpy("speculative_k_history") is None
         stats.close()
         endpoint.close()
+        # The BLS instances (2 here) share one measured state, the server's: each of the 6 BLS requests above
+        # added its rounds to it, whichever instance served it.
+        (state_file,) = Path(tempfile.gettempdir()).glob(f"specdeploy-active-*/policy-{server.state.pid}.json")
+        assert len([p for p in state_file.parent.iterdir() if p.name.isdigit()]) == 2
+        assert json.loads(state_file.read_text())["version"] == 6
     finally:
         server.stop()
+    assert not state_file.exists()  # gone with the server's last instance
     assert drafted > accepted > 0, (drafted, accepted)
 
 

@@ -182,6 +182,69 @@ def test_active_count_counts_busy_living_instances(tmp_path):
     assert not (tmp_path / "active" / str(os.getpid())).exists()
 
 
+def _exploring_rounds(deployment: Deployment) -> int:
+    """Rounds a fresh request of `deployment` spends until the cost model is calibrated (c = 1.2, never right)."""
+    request, rounds = deployment.request(), 0
+    while not (deployment.costs.calibrated() and not deployment.costs.unmeasured(1)):
+        k = request.choose(4)
+        request.record(RoundOutcome(k, k, 0, 1, 0.012 * k, 0.010 * (1 + 0.1 * k), draft_fresh=k > 0))
+        rounds += 1
+    return rounds
+
+
+def test_instances_of_one_server_share_what_they_measured(tmp_path):
+    """Two BLS instances (two Deployments in two processes, here two objects) of one server: what the first
+    measured is the second's from its next request, so it does not explore again; a server restart starts afresh."""
+    settings = PolicySettings("cost", 4, acceptance_rate_window_size=2, acceptance_rate_threshold=0.5)
+    a, b = Deployment(settings), Deployment(settings)
+    shared_a, shared_b = pol.SharedState(tmp_path, a, 4242), pol.SharedState(tmp_path, b, 4242)
+    shared_a.pull()
+    assert _exploring_rounds(a) >= 4
+    shared_a.push()
+    shared_b.pull()
+    assert b.costs == a.costs and b.costs.calibrated() and b.acceptance == a.acceptance
+    assert b.gate.disabled and b.request().choose(4) == 0  # the gate tripped on a's rounds: off for the deployment
+    assert _exploring_rounds(b) == 0
+    fresh = Deployment(settings)
+    pol.SharedState(tmp_path, fresh, 4343).pull()  # another server (pid) of the same repository
+    assert not fresh.costs.calibrated() and not fresh.gate.disabled
+
+
+def test_concurrent_requests_of_two_instances_both_count(tmp_path):
+    """Both instances pulled the same state and measured one round each: after both pushes the shared state holds
+    both rounds (the second push replays its rounds onto the first's result, not onto what it had pulled)."""
+    a, b = Deployment(PolicySettings("cost", 4)), Deployment(PolicySettings("cost", 4))
+    shared_a, shared_b = pol.SharedState(tmp_path, a, 7), pol.SharedState(tmp_path, b, 7)
+    shared_a.pull(), shared_b.pull()
+    a.request().record(RoundOutcome(0, 0, 0, 1, 0.0, 0.010))
+    b.request().record(RoundOutcome(2, 2, 2, 3, 0.02, 0.012))
+    shared_a.push(), shared_b.push()
+    assert b.costs.verify_n == {1: 1, 3: 1} and b.acceptance.rounds == 1
+    shared_a.pull()
+    assert a.costs == b.costs and a.state() == b.state()
+    assert not a.journal and not b.journal  # shared once, not again on the next push
+
+
+def test_shared_state_files_go_with_their_server(tmp_path):
+    import os
+
+    (tmp_path / "policy-999999999.json").write_text("{}")  # a server that is gone
+    (tmp_path / "policy-999999999.lock").write_text("")
+    d = Deployment(PolicySettings("cost", 4))
+    shared = pol.SharedState(tmp_path, d, 11)
+    assert not list(tmp_path.glob("policy-999999999*"))
+    d.request().record(RoundOutcome(0, 0, 0, 1, 0.0, 0.010))
+    shared.push()
+    assert (tmp_path / "policy-11.json").exists()
+    mine, other = pol.ActiveCount(tmp_path), tmp_path / str(os.getppid())
+    other.write_text("0")  # another live instance of the server
+    mine.close(when_last=shared.files)  # it still serves: the state stays
+    assert (tmp_path / "policy-11.json").exists() and not mine.mine.exists()
+    other.unlink()
+    pol.ActiveCount(tmp_path).close(when_last=shared.files)  # the last instance leaves: state and folder go
+    assert not tmp_path.exists()
+
+
 # ---------------------------------------------------------------- plain runs (k = 0 rounds of several tokens)
 
 

@@ -233,14 +233,16 @@ class TritonPythonModel:
         # draft.kind ngram: propose here, from the ids this BLS holds (a public pool is this instance's)
         self.ngram = ngram.from_parameters(params) if params.get("draft_kind") == "ngram" else None
         self.ngram_pool = ngram.NGramPool(self.ngram) if self.ngram is not None and self.ngram.is_public_pool else None
-        # Speculation policy (specdeploy.policy): the deployment-level state (gate, measured costs, acceptance)
-        # lives in this instance; the active count is shared by the instances of this repository.
+        # Speculation policy (specdeploy.policy): the active count is shared by the instances of this repository...
         import hashlib
         import tempfile
 
         folder = hashlib.sha256(str(args.get("model_repository", "")).encode()).hexdigest()[:12]
-        self.active = pol.ActiveCount(os.path.join(tempfile.gettempdir(), f"specdeploy-active-{folder}"))
+        folder = os.path.join(tempfile.gettempdir(), f"specdeploy-active-{folder}")
+        self.active = pol.ActiveCount(folder)
         self.deployment = pol.Deployment(pol.PolicySettings.from_parameters(params, self.default_num_draft_tokens), self.active)
+        # ... and the measured costs, acceptance and gate are the server's (its tritonserver is our parent)
+        self.shared = pol.SharedState(folder, self.deployment, os.getppid())
         # Prometheus metrics on Triton's metrics port and the canary's control arm (specdeploy.metrics)
         self.ops = metrics.BlsOps.in_triton(pb_utils, self.name, self.max_draft_len, params)
 
@@ -260,6 +262,7 @@ class TritonPythonModel:
         ok = False
         try:
             self.active.set_busy(True)
+            self.shared.pull()
             ok = self._run(job, arrival_ns, emit)
         except (BlsModelError, SpecDeployError) as exc:
             emit(_error(f"{self.name}: {common.error_text(exc)}"), True)
@@ -267,6 +270,7 @@ class TritonPythonModel:
             traceback.print_exc()
             emit(_error(f"{self.name}: internal error: {type(exc).__name__}: {exc}"), True)
         finally:
+            self.shared.push()
             self.active.set_busy(False)
             self.ops.finish(job["ops"], len(job["prompt_ids"]), bool(ok))
 
@@ -405,7 +409,7 @@ class TritonPythonModel:
         return pb_utils.InferenceResponse(output_tensors=outputs)
 
     def finalize(self):
-        self.active.close()
+        self.active.close(when_last=self.shared.files)
 
 
 def _requested_outputs(request) -> set:
