@@ -519,6 +519,16 @@ def test_latency_runs_use_the_configured_subset_spread_over_categories():
     assert all(len(r["samples"]) == 4 for r in report["latency"]["runs"])
 
 
+def test_latency_sides_take_turns_running_first():
+    """ABBA: control first in even repeats, speculative first in odd ones, at every level."""
+    report = validate(FakeEndpoint(), CharCodec(), _options(concurrency=(1, 2), repeats=3), progress=False)
+    order = [(r["repeat"], r["concurrency"], r["mode"]) for r in report["latency"]["runs"]]
+    control, spec = "control", "speculative"
+    assert order == [(rep, level, mode) for rep, pair in enumerate([(control, spec), (spec, control), (control, spec)])
+                     for level in (1, 2) for mode in pair]  # fmt: skip
+    assert len(report["latency"]["speedups"]) and all(row["per_repeat"] for row in report["latency"]["speedups"])
+
+
 def test_slow_speculation_fails_speed_gate_and_warns():
     report = validate(FakeEndpoint(latency=(0.01, 0.02)), CharCodec(), _options(), progress=False)
     verdict = gate.evaluate(report, 1.0, 1.0)

@@ -169,6 +169,13 @@ def speedup_table(runs: Sequence[LevelRun]) -> list[dict]:
     return rows
 
 
+def paired_order(repeat: int) -> tuple[str, str]:
+    """Which side runs first in a repeat: control first in even repeats, speculative first in odd ones (ABBA), so
+    neither side always runs on the machine the other has just warmed or loaded, and a drift over the run hits
+    both sides alike."""
+    return (CONTROL, SPECULATIVE) if repeat % 2 == 0 else (SPECULATIVE, CONTROL)
+
+
 def _paired_runs(runs: Sequence[LevelRun], level: int, k: int | None = None) -> list[tuple[LevelRun, LevelRun]]:
     control = {r.repeat: r for r in runs if r.mode == CONTROL and r.concurrency == level}
     spec = {

@@ -419,7 +419,7 @@ def _latency(report, endpoint, codec, options, prompts, decoupled, bar) -> None:
         (mode, level, repeat, options.num_draft_tokens)
         for repeat in range(options.repeats)
         for level in options.concurrency
-        for mode in (lat.CONTROL, lat.SPECULATIVE)  # interleaved so drift hits both sides alike
+        for mode in lat.paired_order(repeat)  # interleaved so drift hits both sides alike
     ]
     try:
         if not one_model_at_a_time(endpoint):
