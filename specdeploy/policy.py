@@ -39,6 +39,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import sys
 from bisect import bisect_left
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -624,21 +625,28 @@ class SharedState:
             self.version = shared["version"]
 
     def push(self) -> None:
+        """Add the rounds recorded since the last push to the shared state. Sharing saves calibration, it is not
+        needed to serve: when the folder cannot be written (disk full, removed) this instance goes on with what it
+        measured itself and says so on stderr (the server log)."""
         d = self.deployment
         journal, d.journal = d.journal, []
         if not journal:
             return
-        with open(self.files[1], "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-            shared = self._read()
-            d.load_state(shared["state"] if shared else None)
-            for outcome in journal:
-                d.record(outcome)
+        try:
+            with open(self.files[1], "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+                shared = self._read()
+                d.load_state(shared["state"] if shared else None)
+                for outcome in journal:
+                    d.record(outcome)
+                d.journal = []
+                self.version = (shared["version"] if shared else 0) + 1
+                tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(json.dumps({"version": self.version, "state": d.state()}))
+                os.replace(tmp, self.path)
+        except OSError as exc:
             d.journal = []
-            self.version = (shared["version"] if shared else 0) + 1
-            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"version": self.version, "state": d.state()}))
-            os.replace(tmp, self.path)
+            print(f"specdeploy: could not share the speculation policy's measurements ({exc}); this instance keeps its own", file=sys.stderr)
 
     @property
     def files(self) -> tuple[Path, Path]:
@@ -646,8 +654,8 @@ class SharedState:
         return self.path, self.path.with_suffix(".lock")
 
     def _read(self) -> dict | None:
+        """The shared state; None when there is none yet, or what is there cannot be read (then it starts afresh)."""
         try:
             return json.loads(self.path.read_text())
-        except FileNotFoundError:
+        except (OSError, ValueError):
             return None
-

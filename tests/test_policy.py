@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 
 from specdeploy import policy as pol
@@ -225,9 +228,31 @@ def test_concurrent_requests_of_two_instances_both_count(tmp_path):
     assert not a.journal and not b.journal  # shared once, not again on the next push
 
 
-def test_shared_state_files_go_with_their_server(tmp_path):
-    import os
+def test_sharing_that_fails_never_stops_the_instance(tmp_path, capsys):
+    """An unreadable state starts afresh; a folder that cannot be written leaves the instance its own measurements,
+    said on stderr (the server log), and the request is not failed by it."""
+    d = Deployment(PolicySettings("cost", 4))
+    shared = pol.SharedState(tmp_path, d, 5)
+    shared.files[0].write_text("{not json")
+    shared.pull()  # nothing usable: keeps what it has
+    d.request().record(RoundOutcome(0, 0, 0, 1, 0.0, 0.010))
+    shared.push()
+    assert json.loads(shared.files[0].read_text())["version"] == 1
+    shared.files[0].unlink()
+    shared.files[1].unlink()
+    tmp_path.chmod(0o500)  # no writes (root ignores modes: then the lock path is made a folder instead)
+    try:
+        if os.access(tmp_path, os.W_OK):
+            shared.files[1].mkdir()
+        d.request().record(RoundOutcome(2, 2, 2, 3, 0.02, 0.012))
+        shared.push()
+    finally:
+        tmp_path.chmod(0o700)
+    assert "could not share the speculation policy's measurements" in capsys.readouterr().err
+    assert d.costs.verify_n == {1: 1, 3: 1} and d.journal == []  # its own measurements, nothing queued twice
 
+
+def test_shared_state_files_go_with_their_server(tmp_path):
     (tmp_path / "policy-999999999.json").write_text("{}")  # a server that is gone
     (tmp_path / "policy-999999999.lock").write_text("")
     d = Deployment(PolicySettings("cost", 4))

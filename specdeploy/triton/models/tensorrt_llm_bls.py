@@ -237,8 +237,8 @@ class TritonPythonModel:
         import hashlib
         import tempfile
 
-        folder = hashlib.sha256(str(args.get("model_repository", "")).encode()).hexdigest()[:12]
-        folder = os.path.join(tempfile.gettempdir(), f"specdeploy-active-{folder}")
+        digest = hashlib.sha256(str(args.get("model_repository", "")).encode()).hexdigest()[:12]
+        folder = os.path.join(tempfile.gettempdir(), f"specdeploy-active-{digest}")
         self.active = pol.ActiveCount(folder)
         self.deployment = pol.Deployment(pol.PolicySettings.from_parameters(params, self.default_num_draft_tokens), self.active)
         # ... and the measured costs, acceptance and gate are the server's (its tritonserver is our parent)
