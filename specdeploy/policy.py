@@ -39,7 +39,9 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import sys
+import time
 from bisect import bisect_left
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -597,6 +599,33 @@ class ActiveCount:
                     yield path, path.read_text().strip() == "1"
                 except OSError:  # gone since the listing
                     continue
+
+
+INSTANCES_PREFIX = "specdeploy-active-"  # + a hash of the model repository: ActiveCount's and SharedState's folder
+ABANDONED_AFTER_S = 60.0
+
+
+def remove_abandoned(parent) -> int:
+    """Remove the instances' folders (INSTANCES_PREFIX) under `parent` that no live process uses: no file in them
+    is named after a live pid (an instance `<pid>`, a server's `policy-<pid>.*`) and nothing in them changed for
+    ABANDONED_AFTER_S (a server that is starting keeps its new folder). A server that was killed, or stopped before
+    its stubs finalized, leaves its folder behind; each BLS instance sweeps when it starts. Returns how many went."""
+    now, removed = time.time(), 0
+    for folder in Path(parent).glob(INSTANCES_PREFIX + "*"):
+        try:
+            if now - folder.stat().st_mtime < ABANDONED_AFTER_S:
+                continue
+            files = list(folder.iterdir())
+            owners = [re.search(r"\d+", f.name) for f in files]
+            if any(m is not None and pid_alive(int(m.group())) for m in owners):
+                continue
+            for f in files:
+                f.unlink(missing_ok=True)
+            folder.rmdir()
+            removed += 1
+        except OSError:  # changed meanwhile, or not ours to remove
+            continue
+    return removed
 
 
 class SharedState:

@@ -4,6 +4,7 @@ and greedy parity of the loop with an n-gram draft."""
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 from pathlib import Path
 
@@ -202,10 +203,15 @@ def test_served_ngram_draft_keeps_greedy_parity(tmp_path_factory, tiny_llama_dir
     bls_config = repository.check_config((layout.repo / repository.BLS / "config.pbtxt").read_text())
     assert bls_config.parameters["speculation_policy"].string_value == policy
     assert bls_config.parameters["draft_kind"].string_value == "ngram"
+    abandoned = Path(tempfile.gettempdir()) / f"{pol.INSTANCES_PREFIX}gone-{policy}"  # a killed server's folder
+    abandoned.mkdir(exist_ok=True)
+    (abandoned / "999999999").write_text("1")
+    os.utime(abandoned, (0, 0))
     server = server_mod.start(layout.repo, server_mod.Ports.pick(), layout.server_state / "tritonserver.log")
     drafted = accepted = 0
     try:
         server_mod.wait_ready(server, 180)
+        assert not abandoned.exists()  # swept by the BLS instances as they started
         endpoint = TritonEndpoint(server.state.grpc_url)
         prompts = ["one two three one two three one two", "def f(x): return x + 1\ndef g(x): return f(x)", "a b a b a b a b a"]
         stats = tritonclient_grpc.InferenceServerClient(server.state.grpc_url)

@@ -270,6 +270,26 @@ def test_shared_state_files_go_with_their_server(tmp_path):
     assert not tmp_path.exists()
 
 
+def test_folders_of_servers_that_are_gone_are_swept(tmp_path):
+    import time
+
+    def folder(name, *files, age_s=600.0):
+        path = tmp_path / name
+        path.mkdir()
+        for f in files:
+            (path / f).write_text("0")
+        os.utime(path, (time.time() - age_s, time.time() - age_s))
+        return path
+
+    gone = folder(pol.INSTANCES_PREFIX + "a", "999999999", "policy-999999998.json", "policy-999999998.lock")
+    live = folder(pol.INSTANCES_PREFIX + "b", "999999999", str(os.getpid()))  # one instance still runs
+    live_server = folder(pol.INSTANCES_PREFIX + "c", "policy-%d.json" % os.getpid())
+    starting = folder(pol.INSTANCES_PREFIX + "d", "999999999", age_s=5)  # changed just now: a server starting
+    other = folder("somebody-else", "999999999")
+    assert pol.remove_abandoned(tmp_path) == 1
+    assert not gone.exists() and live.exists() and live_server.exists() and starting.exists() and other.exists()
+
+
 # ---------------------------------------------------------------- plain runs (k = 0 rounds of several tokens)
 
 

@@ -238,7 +238,8 @@ class TritonPythonModel:
         import tempfile
 
         digest = hashlib.sha256(str(args.get("model_repository", "")).encode()).hexdigest()[:12]
-        folder = os.path.join(tempfile.gettempdir(), f"specdeploy-active-{digest}")
+        pol.remove_abandoned(tempfile.gettempdir())
+        folder = os.path.join(tempfile.gettempdir(), pol.INSTANCES_PREFIX + digest)
         self.active = pol.ActiveCount(folder)
         self.deployment = pol.Deployment(pol.PolicySettings.from_parameters(params, self.default_num_draft_tokens), self.active)
         # ... and the measured costs, acceptance and gate are the server's (its tritonserver is our parent)
