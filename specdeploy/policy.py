@@ -37,6 +37,7 @@ target alone costs (one call for many tokens), not one BLS round trip per token.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -605,6 +606,12 @@ INSTANCES_PREFIX = "specdeploy-active-"  # + a hash of the model repository: Act
 ABANDONED_AFTER_S = 60.0
 
 
+def instances_folder(parent, model_repository: str) -> Path:
+    """The folder the BLS instances serving `model_repository` share (ActiveCount, SharedState)."""
+    digest = hashlib.sha256(str(model_repository).encode()).hexdigest()[:12]
+    return Path(parent) / (INSTANCES_PREFIX + digest)
+
+
 def remove_abandoned(parent) -> int:
     """Remove the instances' folders (INSTANCES_PREFIX) under `parent` that no live process uses: no file in them
     is named after a live pid (an instance `<pid>`, a server's `policy-<pid>.*`) and nothing in them changed for
@@ -616,8 +623,7 @@ def remove_abandoned(parent) -> int:
             if now - folder.stat().st_mtime < ABANDONED_AFTER_S:
                 continue
             files = list(folder.iterdir())
-            owners = [re.search(r"\d+", f.name) for f in files]
-            if any(m is not None and pid_alive(int(m.group())) for m in owners):
+            if any(_owned_by_live_process(f.name) for f in files):
                 continue
             for f in files:
                 f.unlink(missing_ok=True)
@@ -637,14 +643,12 @@ class SharedState:
     starts afresh (its pid names a new file); files of servers that are gone are removed."""
 
     def __init__(self, folder, deployment: Deployment, server_pid: int):
-        self.folder = Path(folder)
-        self.path = self.folder / f"policy-{server_pid}.json"
+        self.path = Path(folder) / f"policy-{server_pid}.json"
         self.deployment = deployment
         self.version = 0  # of the state this instance last loaded or wrote
         deployment.journal = []
-        for stale in self.folder.glob("policy-*"):
-            pid = stale.name.split("-", 1)[1].split(".", 1)[0]
-            if pid.isdigit() and not pid_alive(int(pid)):
+        for stale in Path(folder).glob("policy-*"):
+            if not _owned_by_live_process(stale.name):
                 stale.unlink(missing_ok=True)
 
     def pull(self) -> None:
@@ -688,3 +692,10 @@ class SharedState:
             return json.loads(self.path.read_text())
         except (OSError, ValueError):
             return None
+
+
+def _owned_by_live_process(name: str) -> bool:
+    """Whether the pid a file of the instances' folder is named after (`<pid>`, `policy-<server pid>.json`, the
+    first number in the name) is alive."""
+    found = re.search(r"\d+", name)
+    return found is not None and pid_alive(int(found.group()))

@@ -21,6 +21,7 @@ import sys
 # The python stub runs in isolated mode (PYTHONPATH ignored): the launcher passes our site-packages.
 sys.path[:0] = [p for p in os.environ.get("SPECDEPLOY_SITE", "").split(os.pathsep) if p]
 
+import tempfile  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 
@@ -233,16 +234,12 @@ class TritonPythonModel:
         # draft.kind ngram: propose here, from the ids this BLS holds (a public pool is this instance's)
         self.ngram = ngram.from_parameters(params) if params.get("draft_kind") == "ngram" else None
         self.ngram_pool = ngram.NGramPool(self.ngram) if self.ngram is not None and self.ngram.is_public_pool else None
-        # Speculation policy (specdeploy.policy): the active count is shared by the instances of this repository...
-        import hashlib
-        import tempfile
-
-        digest = hashlib.sha256(str(args.get("model_repository", "")).encode()).hexdigest()[:12]
+        # Speculation policy (specdeploy.policy): the instances of this repository share the active count, and those
+        # of this server (its tritonserver is our parent) the measured costs, acceptance and gate
         pol.remove_abandoned(tempfile.gettempdir())
-        folder = os.path.join(tempfile.gettempdir(), pol.INSTANCES_PREFIX + digest)
+        folder = pol.instances_folder(tempfile.gettempdir(), args.get("model_repository", ""))
         self.active = pol.ActiveCount(folder)
         self.deployment = pol.Deployment(pol.PolicySettings.from_parameters(params, self.default_num_draft_tokens), self.active)
-        # ... and the measured costs, acceptance and gate are the server's (its tritonserver is our parent)
         self.shared = pol.SharedState(folder, self.deployment, os.getppid())
         # Prometheus metrics on Triton's metrics port and the canary's control arm (specdeploy.metrics)
         self.ops = metrics.BlsOps.in_triton(pb_utils, self.name, self.max_draft_len, params)
