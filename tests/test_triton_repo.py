@@ -448,18 +448,22 @@ def test_stub_lock_is_held_except_while_waiting_for_the_engine():
     assert not t.is_alive() and seen == [("a", True), ("b", True)]  # each chunk handled with the lock held
 
 
-def test_the_bls_sizes_a_plain_runs_slice_with_the_requests_in_flight(monkeypatch, request):
-    """The BLS's verifier passes the measured per-token cost and the live active count to run_slice_s (a stand-in
-    for triton_python_backend_utils: the module is imported outside a stub)."""
+def _bls_module(monkeypatch, request, **pb_utils):
+    """The BLS model's module bound to a stand-in for triton_python_backend_utils (imported outside a stub)."""
     import importlib
-    import sys
     import types
 
-    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", types.SimpleNamespace(TRITONSERVER_RESPONSE_COMPLETE_FINAL=1))
+    stand_in = types.SimpleNamespace(TRITONSERVER_RESPONSE_COMPLETE_FINAL=1, **pb_utils)
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", stand_in)
     name = "specdeploy.triton.models.tensorrt_llm_bls"
     monkeypatch.delitem(sys.modules, name, raising=False)
-    bls = importlib.import_module(name)
     request.addfinalizer(lambda: sys.modules.pop(name, None))  # not left bound to the stand-in
+    return importlib.import_module(name)
+
+
+def test_the_bls_sizes_a_plain_runs_slice_with_the_requests_in_flight(monkeypatch, request):
+    """The BLS's verifier passes the measured per-token cost and the live active count to run_slice_s."""
+    bls = _bls_module(monkeypatch, request)
     from specdeploy import policy as pol
 
     costs = pol.CostModel(plain_token_s=0.012)
@@ -469,3 +473,53 @@ def test_the_bls_sizes_a_plain_runs_slice_with_the_requests_in_flight(monkeypatc
     active[0] = 4
     assert verifier._run_slice_s(64) == pytest.approx(common.run_slice_s(64, 0.012, 4))
     assert verifier._run_slice_s(1) is None  # a one-token call keeps the cancel interval
+
+
+def test_decoupled_bls_calls_keep_their_iterators_until_the_stubs_queue_is_past_their_cleanup(monkeypatch, request):
+    """tritonserver 2.51's stub frees a dropped decoupled-call iterator on its own thread without the GIL (see
+    common.HeldResponses): the BLS keeps each iterator until an `is_cancelled` answer came back through the stub's
+    queue (False; True may be the stub's cached answer), asked before its next call, never after it."""
+    import gc
+    import types
+    import weakref
+
+    log, iterators = [], []
+
+    class Iterator(list):  # a list subclass can be weakly referenced
+        pass
+
+    class InferenceRequest:
+        def __init__(self, **kwargs):
+            pass
+
+        def exec(self, decoupled=False):
+            assert decoupled
+            log.append("exec")
+            response = types.SimpleNamespace(has_error=lambda: False, outputs={"output_ids": np.array([[5, 6]]), "sequence_length": np.array([2])})
+            final = types.SimpleNamespace(has_error=lambda: False, outputs={})  # the empty final response
+            iterator = Iterator([response, final])
+            iterators.append(weakref.ref(iterator))
+            return iterator
+
+    output = lambda response, name: types.SimpleNamespace(as_numpy=lambda: response.outputs[name]) if name in response.outputs else None  # noqa: E731
+    bls = _bls_module(monkeypatch, request, InferenceRequest=InferenceRequest, Tensor=lambda name, value: (name, value), get_output_tensor_by_name=output)
+    call = bls._LlmCall("tensorrt_llm", decoupled=True, held=common.HeldResponses())
+    sampling = types.SimpleNamespace(temperature=1.0, top_k=0, top_p=0.0, seed=None)
+
+    def check(*answers):  # its own polls never come due: every question here is a barrier's
+        pending = list(answers)
+        return common.CancelCheck(lambda: log.append("asked") or pending.pop(0), deadline_s=None, interval_s=1e9)
+
+    def alive():
+        gc.collect()
+        return [ref() is not None for ref in iterators]
+
+    assert call([1, 2, 3], 2, sampling, {}, False, stop_check=check())[0] == [5, 6]
+    assert log == ["exec"] and alive() == [True]  # nothing held before: no question; kept after its call
+    call([1, 2, 3, 5, 6], 2, sampling, {}, False, stop_check=check(False))
+    assert log == ["exec", "asked", "exec"] and alive() == [False, True]  # released before the next call
+    cancelled = check(True)
+    call([1], 2, sampling, {}, False, stop_check=cancelled)
+    assert cancelled.reason == "cancelled" and alive() == [False, True, True]  # no barrier: kept
+    call([1], 2, sampling, {}, False, stop_check=check(False))
+    assert alive() == [False, False, False, True] and len(call.held) == 1

@@ -480,6 +480,15 @@ class CancelCheck:
         if self.reason is None:
             self.reason = "stopped"
 
+    def ask_now(self) -> bool:
+        """`is_cancelled()` now, not throttled; True: the request is to end (cancelled, timed out or stopped).
+
+        False means the question went through the stub's queue to the server and back (a stub caches a True
+        answer and no longer asks), which `HeldResponses.release` relies on."""
+        if self.reason is None and self._is_cancelled():
+            self.reason = "cancelled"
+        return self.reason is not None
+
 
 class RunningRequests:
     """The running requests of a model instance by Triton request id, so that TensorRT-LLM's `stop`
@@ -533,6 +542,35 @@ def request_cancel_check(request, default_timeout_s: float, lock=None) -> Cancel
                 return unlocked()
 
     return CancelCheck(is_cancelled, deadline_s(timeout_us, default_timeout_s))
+
+
+class HeldResponses:
+    """The response iterators of a stub's decoupled BLS calls, kept until the stub's own thread is done with them.
+
+    In tritonserver 2.51's python backend (r24.10), a decoupled call that ends queues its iterator's cleanup for
+    the stub's stub-to-parent thread, which drops the stub's reference to it. If the model had dropped its own
+    references first, the iterator, its responses and their tensors are freed on that thread, and a tensor frees
+    its numpy array without holding the GIL (`PbTensor::~PbTensor`; python_backend b771f4f, r24.12, holds it)
+    while the model's thread runs Python: the Python heap is corrupted and the stub dies with SIGSEGV in whatever
+    it allocates next ("Stub process is not healthy"; 1 in ~60 rounds of 6 concurrent streams in
+    tests/test_triton_server.py before this). `request.is_cancelled()` goes through the same queue and waits for
+    its answer, so once it answered, every cleanup queued before it is done and the iterators held so far are
+    owned by the model alone: released then, on the model's thread, with the GIL."""
+
+    def __init__(self):
+        self._held: list = []
+
+    def hold(self, iterator):
+        self._held.append(iterator)
+        return iterator
+
+    def release(self, check: CancelCheck | None) -> None:
+        """Drop the held iterators if `check.ask_now()` went through the queue (else keep them for a later call)."""
+        if self._held and check is not None and not check.ask_now():
+            self._held.clear()
+
+    def __len__(self) -> int:
+        return len(self._held)
 
 
 class StubLock:

@@ -67,15 +67,18 @@ class _Record:
 class _LlmCall:
     """One BLS call to a tensorrt_llm-layout model; returns (new token ids, generation logits or None, outputs)."""
 
-    def __init__(self, model_name: str, decoupled: bool, slice_s: float = 0.0):
+    def __init__(self, model_name: str, decoupled: bool, slice_s: float = 0.0, held: common.HeldResponses | None = None):
         self.model_name = model_name
         self.decoupled = decoupled
         self.slice_s = slice_s  # each call's first Triton timeout (0: none), see common.call_in_slices
+        self.held = held if held is not None else common.HeldResponses()  # decoupled calls' iterators, see there
 
     def __call__(self, sequence, output_len, sampling, extra, return_logits, more_outputs=(), stop_check=None, slice_s=None):
         # Not on decoupled calls: a decoupled BLS call abandoned at its timeout while the model still sends
         # responses corrupted the stub's heap (tritonserver 2.51: "malloc_consolidate(): unaligned fastbin
         # chunk detected", then "Stub process is not healthy"), so there the BLS checks between rounds only.
+        if self.decoupled:
+            self.held.release(stop_check)
         if not self.slice_s or stop_check is None or self.decoupled:
             return self._call(sequence, output_len, sampling, extra, return_logits, more_outputs, 0)
         attempt = lambda s: self._call(sequence, output_len, sampling, extra, return_logits, more_outputs, int(s * 1e6))  # noqa: E731
@@ -105,7 +108,7 @@ class _LlmCall:
             inputs=[pb_utils.Tensor(k, v) for k, v in tensors.items()],
             timeout=timeout_us,  # microseconds; the engine model stops at it (between prefill chunks and tokens)
         )
-        responses = request.exec(decoupled=True) if self.decoupled else [request.exec()]
+        responses = self.held.hold(request.exec(decoupled=True)) if self.decoupled else [request.exec()]
         tokens, logits, outputs = [], [], {}
         for response in responses:
             if response.has_error():
@@ -228,8 +231,9 @@ class TritonPythonModel:
         # Each draft/target call runs at most cancel_check_interval_s before the BLS checks whether its own
         # request was cancelled (or passed its deadline); an unfinished call is re-sent and resumes from its KV.
         slice_s = float(params.get("cancel_check_interval_s") or common.CANCEL_CHECK_INTERVAL_S)
-        self.target = _LlmCall(params["tensorrt_llm_model_name"], self.decoupled, slice_s)
-        self.draft = _LlmCall(params["tensorrt_llm_draft_model_name"], self.decoupled, slice_s)
+        held = common.HeldResponses()  # one queue barrier serves both models' calls
+        self.target = _LlmCall(params["tensorrt_llm_model_name"], self.decoupled, slice_s, held)
+        self.draft = _LlmCall(params["tensorrt_llm_draft_model_name"], self.decoupled, slice_s, held)
         self.default_end_id = self.tokenizer.eos_token_id
         # draft.kind ngram: propose here, from the ids this BLS holds (a public pool is this instance's)
         self.ngram = ngram.from_parameters(params) if params.get("draft_kind") == "ngram" else None
