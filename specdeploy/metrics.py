@@ -139,6 +139,15 @@ class TritonSink:
     def declare(self, metric, labels, buckets=()):
         self._guarded(lambda: self._metric(metric, labels, buckets))
 
+    def close(self) -> None:
+        """Release the metrics and families now, from the model's `finalize`, while the stub can still tell the
+        server: one released later, at the stub's teardown, writes to the stub's shared memory after it is gone
+        (SIGSEGV in `Metric::SaveToSharedMemory` under `MetricFamily::~MetricFamily`, tritonserver 2.51, on every
+        server stop before this)."""
+        self._metrics.clear()
+        self._families.clear()
+        self.error = "closed"  # no series is created again
+
     def _guarded(self, update) -> None:
         """Metrics never fail a request: the first error is logged and metrics stop for this instance."""
         if self.error is not None:
@@ -224,9 +233,7 @@ class Recorder:
 
     def declare_all(self) -> None:
         """Create every series a request can touch, at zero, before the first request (the model's `initialize`):
-        the endpoint shows them from the start, and in Triton no metric is created while a request's BLS calls
-        and their clean-up messages are in flight (a decoupled BLS stub's heap was corrupted on its first
-        request now and then: README, section 3)."""
+        the endpoint shows them from the start, and no request pays for creating them."""
         for arm in ARMS:
             for metric in (REQUESTS, REQUEST_ERRORS, PROMPT_TOKENS, GENERATION_TOKENS, RUNNING, DRAFTS, DRAFT_TOKENS,
                            ACCEPTED_TOKENS, TARGET_PASSES, DRAFT_SECONDS, TARGET_SECONDS):  # fmt: skip
@@ -396,6 +403,12 @@ class BlsOps:
     def finish(self, timer: RequestTimer | None, prompt_tokens: int, ok: bool) -> None:
         if timer is not None:
             self.recorder.request_finished(timer, prompt_tokens, ok)
+
+    def close(self) -> None:
+        """At the model's `finalize` (TritonSink.close)."""
+        close = getattr(self.recorder.sink, "close", None)
+        if close is not None:
+            close()
 
 
 # ---------------------------------------------------------------- reading

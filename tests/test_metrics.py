@@ -286,3 +286,43 @@ def test_report_markdown_has_the_cost_table_when_a_price_is_set():
     text = render_markdown({"recipe": "r", "cost": cost_section(levels, 7.2)})
     assert "## Cost" in text and "| 2 | speculative | 0.000500 USD | 0.0100 USD |" in text
     assert "## Cost" not in render_markdown({"recipe": "r", "cost": None})
+
+
+def test_triton_sink_releases_its_metrics_at_close_and_creates_none_after():
+    """BlsOps.close (the models' finalize) releases every pb_utils metric and family while the stub still runs; a
+    metric update after it is dropped instead of creating a series again (a stand-in for pb_utils' classes)."""
+    import gc
+    import types
+    import weakref
+
+    created = []
+
+    class Metric:
+        def __init__(self, **kwargs):
+            created.append(weakref.ref(self))
+
+        def increment(self, value):
+            pass
+
+        observe = increment
+
+    class MetricFamily:
+        COUNTER, GAUGE, HISTOGRAM = range(3)
+
+        def __init__(self, **kwargs):
+            created.append(weakref.ref(self))
+
+        def Metric(self, **kwargs):  # noqa: N802 - pb_utils' name
+            return Metric(**kwargs)
+
+    ops = m.BlsOps(m.TritonSink(types.SimpleNamespace(MetricFamily=MetricFamily)), "tensorrt_llm_bls", 2)
+    ops.recorder.declare_all()
+    ops.finish(ops.start(requested_k=False), prompt_tokens=3, ok=True)
+    gc.collect()
+    assert created and all(ref() is not None for ref in created)  # kept referenced while serving
+    ops.close()
+    gc.collect()
+    assert all(ref() is None for ref in created)
+    count = len(created)
+    ops.finish(ops.start(requested_k=False), prompt_tokens=3, ok=True)
+    assert len(created) == count

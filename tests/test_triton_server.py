@@ -50,6 +50,14 @@ def _start(tmp_path_factory, target_dir, draft_dir, name, **overrides):
     return srv
 
 
+def assert_no_stub_crashed(log: str | Path) -> None:
+    """No python stub died, also not at the server's stop: the models release their Triton metrics and held BLS
+    responses in `finalize` (metrics.TritonSink.close, common.HeldResponses.clear); released at the stub's teardown,
+    they wrote to its shared memory after it was gone (SIGSEGV on every stop before)."""
+    text = Path(log).read_text(errors="replace")
+    assert "Fatal Python error" not in text, text[text.index("Fatal Python error") - 300 :][:1500]
+
+
 pytestmark = pytest.mark.server
 
 
@@ -64,6 +72,7 @@ def plain(tmp_path_factory, tiny_llama_dir, tiny_llama_draft_dir):
         client.close()
         srv.stop()
         assert not srv.alive()
+    assert_no_stub_crashed(srv.state.log)
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +94,7 @@ def streaming(tmp_path_factory, tiny_llama_dir):
     finally:
         server.stop(layout.server_state)
     assert server.status(layout.server_state)[0] is None
+    assert_no_stub_crashed(state.log)
 
 
 @pytest.fixture(scope="module")
@@ -466,6 +476,7 @@ def real(tmp_path_factory, tiny_tokenizer_dir):
     finally:
         srv.stop()
     assert not srv.alive()
+    assert_no_stub_crashed(srv.state.log)
 
 
 def _neutral_text_inputs(model: str) -> dict:

@@ -569,6 +569,10 @@ class HeldResponses:
         if self._held and check is not None and not check.ask_now():
             self._held.clear()
 
+    def clear(self) -> None:
+        """At `finalize`, not later: a response freed at the stub's teardown would touch its shared memory after it is gone."""
+        self._held.clear()
+
     def __len__(self) -> int:
         return len(self._held)
 

@@ -93,6 +93,10 @@ class TritonPythonModel:
     def speculative(self) -> bool:
         return self.max_draft_len > 0
 
+    def finalize(self):
+        if getattr(self, "ops", None) is not None:
+            self.ops.close()  # metrics.TritonSink.close
+
     def execute(self, requests):
         arrival_ns = time.time_ns()
         return common.execute_all(requests, self.decoupled, lambda request, emit: self._serve(request, emit, arrival_ns), FINAL)

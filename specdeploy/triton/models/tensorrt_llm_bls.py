@@ -412,6 +412,8 @@ class TritonPythonModel:
 
     def finalize(self):
         self.active.close(when_last=self.shared.files)
+        self.ops.close()
+        self.target.held.clear()  # the stub's queue has long been idle: its clean-ups are done (common.HeldResponses)
 
 
 def _requested_outputs(request) -> set:
