@@ -101,6 +101,9 @@ class Sink(Protocol):
     def declare(self, metric: MetricDef, labels: Mapping[str, str], buckets: Sequence[float] = ()) -> None:
         """Create the series (at zero) without changing it."""
 
+    def close(self) -> None:
+        """The model is finalized: release what must not outlive it."""
+
 
 class TritonSink:
     """Triton python-backend custom metrics (`pb_utils.MetricFamily`, Triton >= 2.51 for histograms).
@@ -196,6 +199,9 @@ class PrometheusClientSink:
 
     def declare(self, metric, labels, buckets=()):
         self._collector(metric, buckets).labels(**labels)
+
+    def close(self) -> None:
+        pass  # the registry is the caller's
 
     def text(self) -> str:
         from prometheus_client import generate_latest
@@ -406,9 +412,7 @@ class BlsOps:
 
     def close(self) -> None:
         """At the model's `finalize` (TritonSink.close)."""
-        close = getattr(self.recorder.sink, "close", None)
-        if close is not None:
-            close()
+        self.recorder.sink.close()
 
 
 # ---------------------------------------------------------------- reading

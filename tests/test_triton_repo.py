@@ -503,7 +503,7 @@ def test_decoupled_bls_calls_keep_their_iterators_until_the_stubs_queue_is_past_
 
     output = lambda response, name: types.SimpleNamespace(as_numpy=lambda: response.outputs[name]) if name in response.outputs else None  # noqa: E731
     bls = _bls_module(monkeypatch, request, InferenceRequest=InferenceRequest, Tensor=lambda name, value: (name, value), get_output_tensor_by_name=output)
-    call = bls._LlmCall("tensorrt_llm", decoupled=True, held=common.HeldResponses())
+    call = bls._LlmCall("tensorrt_llm", decoupled=True, slice_s=0.0, held=common.HeldResponses())
     sampling = types.SimpleNamespace(temperature=1.0, top_k=0, top_p=0.0, seed=None)
 
     def check(*answers):  # its own polls never come due: every question here is a barrier's

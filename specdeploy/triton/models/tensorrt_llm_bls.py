@@ -67,19 +67,20 @@ class _Record:
 class _LlmCall:
     """One BLS call to a tensorrt_llm-layout model; returns (new token ids, generation logits or None, outputs)."""
 
-    def __init__(self, model_name: str, decoupled: bool, slice_s: float = 0.0, held: common.HeldResponses | None = None):
+    def __init__(self, model_name: str, decoupled: bool, slice_s: float, held: common.HeldResponses):
         self.model_name = model_name
         self.decoupled = decoupled
         self.slice_s = slice_s  # each call's first Triton timeout (0: none), see common.call_in_slices
-        self.held = held if held is not None else common.HeldResponses()  # decoupled calls' iterators, see there
+        self.held = held  # the decoupled calls' response iterators (common.HeldResponses)
 
     def __call__(self, sequence, output_len, sampling, extra, return_logits, more_outputs=(), stop_check=None, slice_s=None):
-        # Not on decoupled calls: a decoupled BLS call abandoned at its timeout while the model still sends
-        # responses corrupted the stub's heap (tritonserver 2.51: "malloc_consolidate(): unaligned fastbin
-        # chunk detected", then "Stub process is not healthy"), so there the BLS checks between rounds only.
         if self.decoupled:
             self.held.release(stop_check)
-        if not self.slice_s or stop_check is None or self.decoupled:
+            # Not sliced: a decoupled BLS call abandoned at its timeout while the model still sends responses
+            # corrupted the stub's heap (tritonserver 2.51: "malloc_consolidate(): unaligned fastbin chunk
+            # detected", then "Stub process is not healthy"), so there the BLS checks between rounds only.
+            return self._call(sequence, output_len, sampling, extra, return_logits, more_outputs, 0)
+        if not self.slice_s or stop_check is None:
             return self._call(sequence, output_len, sampling, extra, return_logits, more_outputs, 0)
         attempt = lambda s: self._call(sequence, output_len, sampling, extra, return_logits, more_outputs, int(s * 1e6))  # noqa: E731
         try:
@@ -231,9 +232,9 @@ class TritonPythonModel:
         # Each draft/target call runs at most cancel_check_interval_s before the BLS checks whether its own
         # request was cancelled (or passed its deadline); an unfinished call is re-sent and resumes from its KV.
         slice_s = float(params.get("cancel_check_interval_s") or common.CANCEL_CHECK_INTERVAL_S)
-        held = common.HeldResponses()  # one queue barrier serves both models' calls
-        self.target = _LlmCall(params["tensorrt_llm_model_name"], self.decoupled, slice_s, held)
-        self.draft = _LlmCall(params["tensorrt_llm_draft_model_name"], self.decoupled, slice_s, held)
+        self.held = common.HeldResponses()  # one queue barrier serves both models' calls
+        self.target = _LlmCall(params["tensorrt_llm_model_name"], self.decoupled, slice_s, self.held)
+        self.draft = _LlmCall(params["tensorrt_llm_draft_model_name"], self.decoupled, slice_s, self.held)
         self.default_end_id = self.tokenizer.eos_token_id
         # draft.kind ngram: propose here, from the ids this BLS holds (a public pool is this instance's)
         self.ngram = ngram.from_parameters(params) if params.get("draft_kind") == "ngram" else None
@@ -413,7 +414,7 @@ class TritonPythonModel:
     def finalize(self):
         self.active.close(when_last=self.shared.files)
         self.ops.close()
-        self.target.held.clear()  # the stub's queue has long been idle: its clean-ups are done (common.HeldResponses)
+        self.held.clear()  # the stub's queue has long been idle: its clean-ups are done (common.HeldResponses)
 
 
 def _requested_outputs(request) -> set:
