@@ -145,8 +145,8 @@ class TritonSink:
     def close(self) -> None:
         """Release the metrics and families now, from the model's `finalize`, while the stub can still tell the
         server: one released later, at the stub's teardown, writes to the stub's shared memory after it is gone
-        (SIGSEGV in `Metric::SaveToSharedMemory` under `MetricFamily::~MetricFamily`, tritonserver 2.51, on every
-        server stop before this)."""
+        (SIGSEGV in `Metric::SaveToSharedMemory` under `MetricFamily::~MetricFamily`, tritonserver 2.51). Fixed
+        upstream by triton-inference-server/python_backend#429 (`Stub::DestroyPythonObjects` before `~Stub`)."""
         self._metrics.clear()
         self._families.clear()
         self.error = "closed"  # no series is created again
