@@ -276,8 +276,10 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     recipe = load_recipe(args.recipe)
     hf_dir = Path(resolve(recipe.target.model))
+    from specdeploy.engine import native
+
     log(f"{platform.node()}: {os.cpu_count()} cores, {args.threads} threads, CPU capability "
-        f"{torch.backends.cpu.get_cpu_capability()}, load average {os.getloadavg()[0]:.1f}")
+        f"{torch.backends.cpu.get_cpu_capability()}, native kernels {native.isa()}, load average {os.getloadavg()[0]:.1f}")
     results = {"kernels": kernel_curves(model_shape(hf_dir), args.repeats)}
     engines = {} if args.skip_engine else {"target": ensure_engine(args.recipe, args.root)}
     engines.update({Path(e).name if Path(e).name != "target" else Path(e).parent.name: e for e in args.engine})
@@ -317,6 +319,7 @@ def main(argv=None) -> int:
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"kernels-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"host": platform.node(), "threads": args.threads, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "native_isa": native.isa(),
             "load_average": os.getloadavg(), "recipe": args.recipe, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     out.write_text(json.dumps({"meta": meta, **results}, indent=2, default=str) + "\n")
     log(f"wrote {out}")

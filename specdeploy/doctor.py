@@ -45,6 +45,14 @@ def _server_line() -> str:
     return _line(True, "tritonserver", str(found))
 
 
+def _native_line() -> str:
+    from specdeploy.engine import native
+
+    if not native.cpu_supported():
+        return _line(False, "native kernels", "this CPU has neither AVX-512 nor AVX2 + FMA: CPU engines run on torch ops")
+    return _line(True, "native kernels", f"{native.isa()} (chosen from this CPU's flags; built on first use)")
+
+
 def _shm_line() -> str:
     """/dev/shm room, and the Triton python-backend regions that no process uses (left by killed servers)."""
     from specdeploy.triton import shm
@@ -79,6 +87,7 @@ def report_lines() -> list[str]:
     lines = [
         _line(sys.version_info >= (3, 10), "python", f"{platform.python_version()} ({sys.executable})"),
         _line(torch_version is not None, "torch", torch_version or "not installed (make setup)"),
+        _native_line(),
         *_gpu_lines(),
         _line(_version("nvidia-modelopt") is not None, "modelopt", _version("nvidia-modelopt") or "not installed"),
         _line(importlib.util.find_spec("tritonclient") is not None, "tritonclient", _version("tritonclient") or "missing"),

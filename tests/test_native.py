@@ -171,6 +171,36 @@ def test_disabled_by_environment(monkeypatch):
     assert native.ops() is not None
 
 
+@pytest.mark.parametrize("flags, env, expected", [
+    ("flags : fpu avx avx2 fma", None, "avx2"),
+    ("flags : fpu avx avx2 fma avx512f avx512bw", None, "avx512"),
+    ("flags : fpu avx avx2 fma avx512f avx512bw avx512_bf16", None, "avx512-bf16"),
+    ("flags : fpu avx avx2 fma avx512f avx512bw avx512_bf16", "0", "avx2"),
+])
+def test_the_isa_and_the_build_follow_the_cpus_own_flags(monkeypatch, flags, env, expected):
+    """The variant is chosen from the CPU that loads the kernels, and the build folder is keyed by its flags, so a
+    home folder shared with another CPU never hands this one a binary with instructions it lacks."""
+    monkeypatch.setattr(native, "_cpu_flags", lambda: flags)
+    if env is None:
+        monkeypatch.delenv(native.AVX512_ENV, raising=False)
+    else:
+        monkeypatch.setenv(native.AVX512_ENV, env)
+    assert native.isa() == expected
+    assert ("-mno-avx512f" in native._cflags()) == (expected == "avx2")
+    other = native.build_dir()
+    monkeypatch.setattr(native, "_cpu_flags", lambda: flags + " amx_int8")
+    assert native.build_dir() != other
+
+
+def test_the_loaded_build_is_the_isa_doctor_names():
+    from specdeploy import doctor
+
+    line = next(x for x in doctor.report_lines() if "native kernels" in x)
+    assert native.isa() in line
+    flags = native._cpu_flag_set()
+    assert native.isa().startswith("avx512") == ("avx512f" in flags and os.environ.get(native.AVX512_ENV) != "0")
+
+
 # ---------------------------------------------------------------- multi-row tiles (issue 12)
 
 

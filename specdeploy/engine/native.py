@@ -27,9 +27,9 @@ from specdeploy import artifacts
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 DISABLE_ENV = "SPECDEPLOY_NATIVE"  # "0": always use the torch path
-# The AVX-512 variant of the multi-row kernels compiles but has not been run since they were rewritten (the
-# machines it was written on had AVX-512; the ones since, AVX2 only). Until it has passed the exactness tests
-# on such a CPU, every machine builds the AVX2 + FMA variant (which AVX-512 CPUs run too); "1" opts in.
+# The kernels are built for the CPU that loads them (-march=native, one build folder per CPU feature set):
+# the 16-lane AVX-512 variant (VDPBF16PS for bf16 weights where the CPU has AVX512-BF16) where the CPU has
+# AVX-512F, else the 8-lane AVX2 + FMA one. "0" forces the AVX2 variant on an AVX-512 CPU (to compare the two).
 AVX512_ENV = "SPECDEPLOY_NATIVE_AVX512"
 
 # Weight kinds of the native linear (csrc: WeightKind).
@@ -76,9 +76,24 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def _cpu_flag_set() -> set[str]:
+    line = _cpu_flags()
+    return set(line.split(":", 1)[1].split()) if ":" in line else set(line.split())
+
+
+def isa() -> str:
+    """The instruction set the kernels are built for on this CPU: `avx512-bf16`, `avx512` or `avx2`. Chosen from
+    the CPU's own flags when the engine loads, so a build cached for another CPU is never used here (the build
+    folder's key holds the flags)."""
+    flags = _cpu_flag_set()
+    if "avx512f" in flags and os.environ.get(AVX512_ENV, "1") != "0":
+        return "avx512-bf16" if "avx512_bf16" in flags else "avx512"
+    return "avx2"
+
+
 def _cflags() -> list[str]:
     flags = ["-O3", "-march=native", "-fopenmp"]
-    if os.environ.get(AVX512_ENV, "0") != "1":
+    if not isa().startswith("avx512"):
         flags.append("-mno-avx512f")  # turns off every AVX-512 extension -march=native enabled
     return flags
 
