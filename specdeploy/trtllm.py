@@ -397,6 +397,11 @@ LLMAPI_VERSIONS = {
 }  # fmt: skip
 
 
+# The first release candidate of a line whose option names LLMAPI_VERSIONS describes (earlier ones are refused here
+# and by the image's version gate, packaging.dockerfile).
+LLMAPI_MIN_RC = {"1.3": 22}
+
+
 def llmapi_version(version: str) -> LlmApiVersion:
     """The LlmApiVersion for a recipe's `trtllm_version` ("1.2", "1.2.1", "1.3.0rc24", "1.4.0rc1", ...)."""
     text = str(version).strip()
@@ -407,7 +412,7 @@ def llmapi_version(version: str) -> LlmApiVersion:
                           f"write it as on PyPI, e.g. 1.2.1; supported: {supported}")  # fmt: skip
     line = f"{m.group(1)}.{m.group(2)}"
     rc = m.group(4)
-    if line == "1.3" and rc is not None and int(rc) < 22:
+    if line in LLMAPI_MIN_RC and rc is not None and int(rc) < LLMAPI_MIN_RC[line]:
         raise ConfigError(
             f"trtllm_version {text}: the 1.3.0 release candidates before rc22 straddle TensorRT-LLM PR #10860 "
             "(draft_len_schedule keys became upper bounds) and PR #12905 (acceptance gate renamed and redefined); "

@@ -203,6 +203,25 @@ def test_image_build_refuses_another_tensorrt_llm(tmp_path, installed, ok):
         assert f"the image has TensorRT-LLM {installed}, the recipe targets 1.2" in done.stderr
 
 
+@pytest.mark.parametrize(("installed", "ok"), [("1.3.0rc5", False), ("1.3.0rc21", False), ("1.3.0rc22", True),
+                                              ("1.3.0rc24.post1", True), ("1.3.0", True), ("1.4.0rc1", False)])
+def test_image_build_gate_for_a_release_line_starts_at_its_first_verified_candidate(tmp_path, installed, ok):
+    """trtllm_version 1.3 names the options of 1.3.0rc22 and later (trtllm.llmapi_version refuses rc5); the image
+    gate must refuse the same candidates, not take any 1.3.0rcN."""
+    import subprocess
+    import sys
+
+    r = parse_recipe({"name": "pkg", "backend": "trtllm-llmapi", "trtllm_version": "1.3",
+                      "target": {"model": "t"}, "draft": {"model": "d"}})  # fmt: skip
+    dist = tmp_path / "site" / f"tensorrt_llm-{installed}.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: tensorrt_llm\nVersion: {installed}\n")
+    program = _version_check(packaging.dockerfile(r, "base"))
+    done = subprocess.run([sys.executable, "-c", program], env={"PYTHONPATH": str(tmp_path / "site")},
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert (done.returncode == 0) is ok, done.stderr
+
+
 # ---------------------------------------------------------------- serve on this machine (stand-in tritonserver)
 
 
