@@ -1,4 +1,4 @@
-"""GPU launch commands (single / MPI leader / orchestrator / llmapi), docker, and Kubernetes manifests."""
+"""GPU launch commands (single / orchestrator / llmapi), docker, and Kubernetes manifests."""
 
 from __future__ import annotations
 
@@ -40,27 +40,27 @@ def test_single_gpu_runs_one_tritonserver(tmp_path):
     ]  # fmt: skip
 
 
-def test_equal_ranks_use_mpirun_one_rank_per_gpu(tmp_path):
-    r = recipe(target_tp=2, draft_tp=2)
-    plan = launch.launch_plan(r, Layout.of(r, tmp_path))
-    assert plan.mode == "leader" and plan.gpus == 2
-    cmd = plan.command
-    assert cmd[:2] == ["mpirun", "--allow-run-as-root"]
-    ranks = " ".join(cmd).split(" : ")
-    assert len(ranks) == 2 and all(" -n 1 " in f" {part} " for part in ranks)
-    assert "--load-model=tensorrt_llm" not in ranks[0]  # rank 0 serves every model
-    assert "--model-control-mode=explicit --load-model=tensorrt_llm --load-model=tensorrt_llm_draft" in ranks[1]
-    assert "shm-region-prefix-name=prefix1_" in ranks[1]
+ORCHESTRATOR_ENV = {"TRTLLM_ORCHESTRATOR": "1", "TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES": "1", "SPECDEPLOY_SITE": SOURCE_ROOT}
 
 
-def test_different_ranks_use_orchestrator_mode(tmp_path):
-    r = recipe(target_tp=4, draft_tp=1)
+@pytest.mark.parametrize(("target_tp", "draft_tp"), [(2, 2), (4, 1)])
+def test_tensor_parallel_draft_target_runs_the_orchestrator_under_mpirun_n_1(tmp_path, target_tp, draft_tp):
+    """TensorRT-LLM's draft_target_model/README.md: "--multi-model is necessary if TP mode is used" (equal ranks
+    included); NVIDIA's launch_triton_server.py then runs `mpirun --allow-run-as-root -n 1 tritonserver` with the
+    memory-pool flags of add_multi_model_config for every GPU and TRTLLM_ORCHESTRATOR=1. Written out here."""
+    r = recipe(target_tp=target_tp, draft_tp=draft_tp)
     plan = launch.launch_plan(r, Layout.of(r, tmp_path))
-    assert plan.mode == "orchestrator" and plan.gpus == 4
-    assert plan.env["TRTLLM_ORCHESTRATOR"] == "1" and plan.env["TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES"] == "1"
-    assert plan.command[0] == NGC_TRITONSERVER and "mpirun" not in plan.command
+    repo = (tmp_path / "triton_repo" / r.name).resolve()
+    assert plan.mode == "orchestrator" and plan.gpus == target_tp and plan.env == ORCHESTRATOR_ENV
+    pools = [f"--cuda-memory-pool-byte-size={gpu}:0" for gpu in range(target_tp)]
+    assert plan.command == [
+        "mpirun", "--allow-run-as-root", "-n", "1", NGC_TRITONSERVER, f"--model-repository={repo}",
+        "--grpc-port=9001", "--http-port=9000", "--metrics-port=9002",
+        "--pinned-memory-pool-byte-size=0", "--enable-peer-access=false", *pools,
+        "--disable-auto-complete-config", "--backend-config=python,shm-region-prefix-name=prefix0_",
+    ]  # fmt: skip
     assert plan.command_line.startswith("TRTLLM_ORCHESTRATOR=1 TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES=1 ")
-    with pytest.raises(ConfigError, match="leader mode"):
+    with pytest.raises(ConfigError, match="unknown launch mode 'leader'"):
         launch.launch_plan(r, Layout.of(r, tmp_path), mode="leader")
 
 
@@ -134,7 +134,7 @@ def test_serve_gpu_print_modes(tmp_path):
     layout = Layout.of(r, tmp_path)
     lines = []
     assert launch.serve_gpu(r, layout, print_only=True, echo=lines.append) is None
-    assert lines[2].startswith("SPECDEPLOY_SITE=") and "mpirun" in lines[2]
+    assert "SPECDEPLOY_SITE=" in lines[2] and "mpirun --allow-run-as-root -n 1 " in lines[2]
     assert lines[4].startswith("docker build") and lines[5].startswith("docker run")
     assert (packaging.image_context(layout) / "Dockerfile").is_file()
     out = tmp_path / "k8s.yaml"
