@@ -149,7 +149,7 @@ def test_cli_serve_print_k8s_for_gpu_recipe(tmp_path):
 
     from specdeploy.cli import main
 
-    recipe_path = Path(__file__).parent.parent / "build" / "llama3-70b-fp8.yaml"
+    recipe_path = Path(__file__).parent.parent / "build" / "llama3-70b-fp8-engine.yaml"
     result = CliRunner().invoke(main, ["--root", str(tmp_path), "serve", str(recipe_path), "--print-k8s"])
     assert result.exit_code == 0, result.output
     docs = [d for d in yaml.safe_load_all(result.output) if d]
@@ -158,7 +158,7 @@ def test_cli_serve_print_k8s_for_gpu_recipe(tmp_path):
     result = CliRunner().invoke(main, ["--root", str(tmp_path), "serve", str(recipe_path), "--print-only"])
     assert result.exit_code == 0 and "TRTLLM_ORCHESTRATOR=1" in result.output and "docker run" in result.output
     # --print-only starts nothing; it writes only the image's build context
-    assert [p.relative_to(tmp_path) for p in tmp_path.glob("*/*/*")] == [Path("engines/llama3-70b-fp8/image")]
+    assert [p.relative_to(tmp_path) for p in tmp_path.glob("*/*/*")] == [Path("engines/llama3-70b-fp8-engine/image")]
 
 
 # ---------------------------------------------------------------- the image (packaging.py)
