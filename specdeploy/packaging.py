@@ -115,6 +115,12 @@ def write_context(recipe: Recipe, layout: Layout, base_image: str | None = None)
     import specdeploy
     from specdeploy import backends
 
+    base = base_image or backends.of(recipe).default_image
+    if backends.of(recipe).tensorrt_engines:
+        from specdeploy.triton import gpu_models
+
+        # the repository names tensors for the engines' release: the image must carry that release's backend
+        gpu_models.check_engine_image(base, target_trtllm(recipe, layout))
     package = Path(specdeploy.__file__).resolve().parent
     project = package.parent
     dest = image_context(layout)
@@ -135,7 +141,7 @@ def write_context(recipe: Recipe, layout: Layout, base_image: str | None = None)
             '\n[tool.setuptools.packages.find]\ninclude = ["specdeploy*"]\n\n[tool.setuptools.package-data]\n'
             '"*" = ["*"]\n'
         )
-    (dest / "Dockerfile").write_text(dockerfile(recipe, base_image or backends.of(recipe).default_image, layout))
+    (dest / "Dockerfile").write_text(dockerfile(recipe, base, layout))
     return dest
 
 

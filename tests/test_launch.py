@@ -319,3 +319,23 @@ def test_gpu_serve_in_the_foreground_stops_its_server_on_sigterm(standin_server,
     finally:
         if child.poll() is None:
             child.kill()
+
+
+def test_engine_image_must_be_a_known_ngc_image_carrying_the_engines_release(tmp_path):
+    """The repository names the tensorrt_llm tensors for the release that built the engines; the image written into
+    the Dockerfile must carry that release (gpu_models.IMAGE_TRTLLM), else the build context is refused."""
+    from specdeploy.artifacts import Manifest
+    from specdeploy.errors import RepoError
+
+    r = recipe()
+    layout = Layout.of(r, tmp_path)
+    layout.engine("target").mkdir(parents=True)
+    Manifest(stage="build", recipe_name=r.name, fingerprint="f",
+             tool_versions={"trtllm-build": "0.18.0"}).write(layout.engine("target"))  # fmt: skip
+    context = packaging.write_context(r, layout)  # the default image, 25.03, carries 0.18.0
+    assert "FROM nvcr.io/nvidia/tritonserver:25.03-trtllm-python-py3" in (context / "Dockerfile").read_text()
+    with pytest.raises(RepoError, match="carries TensorRT-LLM 0.17.0, the engines were built with 0.18.0") as err:
+        packaging.write_context(r, layout, "nvcr.io/nvidia/tritonserver:25.01-trtllm-python-py3")
+    assert "25.03-trtllm-python-py3" in err.value.hint
+    with pytest.raises(RepoError, match="not an NGC Triton TensorRT-LLM image"):
+        packaging.write_context(r, layout, "example.com/mine:latest")

@@ -113,8 +113,10 @@ def _kv_per_token(inp: RepoInputs) -> dict[str, int | None]:
 # Which TensorRT-LLM (and so which tensorrtllm_backend, released with the same number) each NGC image carries.
 # Source: Triton's Release Compatibility Matrix, container trtllm-python-py3
 # (docs.nvidia.com/deeplearning/triton-inference-server/user-guide/docs/introduction/compatibility.html, and its
-# 2.54.0 archive for 24.12 and 25.01); 25.03 -> 0.18.0 is what this project's default image was chosen for, and
-# the image's version gate (packaging.dockerfile) refuses to build on an image that carries another release.
+# 2.54.0 archive for 24.12 and 25.01); 25.03 -> 0.18.0: NVIDIA/TensorRT-LLM@11925f6
+# examples/draft_target_model/README.md, Triton workflow: "based on TensorRT-LLM-0.18.0 and TRTLLM-backend-0.18.0
+# with docker image nvcr.io/nvidia/tritonserver:25.03-trtllm-python-py3". The image's version gate
+# (packaging.dockerfile) still refuses to build on an image that carries another release.
 IMAGE_TRTLLM = {
     "24.12": "0.16.0",
     "25.01": "0.17.0",
@@ -182,6 +184,21 @@ def image_trtllm(image: str) -> str:
             "to specdeploy.triton.gpu_models.IMAGE_TRTLLM after checking Triton's compatibility matrix",
         )
     return IMAGE_TRTLLM[m.group(1)]
+
+
+def check_engine_image(image: str, engines_trtllm: str) -> BackendNames:
+    """The tensor names the engine deployment gets on `image`: the image must be one IMAGE_TRTLLM knows, carry the
+    release line that built the engines (TensorRT engines load only there) and a backend whose names are known."""
+    carried = image_trtllm(image)
+    if carried.split(".")[:2] != str(engines_trtllm).split(".")[:2]:
+        tags = [tag for tag, v in IMAGE_TRTLLM.items() if v.split(".")[:2] == str(engines_trtllm).split(".")[:2]]
+        raise RepoError(
+            f"image {image} carries TensorRT-LLM {carried}, the engines were built with {engines_trtllm}",
+            (f"use --image nvcr.io/nvidia/tritonserver:{tags[-1]}-trtllm-python-py3" if tags else
+             "rebuild the engines with the trtllm-build of the image's release") + " (TensorRT engines load only in "
+            "the release that built them)",
+        )
+    return backend_names(carried)
 
 
 def backend_names(trtllm_version: str) -> BackendNames:
