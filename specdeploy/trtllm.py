@@ -524,7 +524,11 @@ def llmapi_options(recipe: Recipe, layout: Layout, version: LlmApiVersion | None
         "disable_overlap_scheduler": True,
         "kv_cache_config": {
             "free_gpu_memory_fraction": e.kv_cache_free_gpu_mem_fraction,
-            "enable_block_reuse": True,
+            # NVIDIA's own DraftTarget tests run with block reuse off, before and after the speculative_model
+            # rename (NVIDIA/TensorRT-LLM@104ead7 tests/unittest/_torch/speculative/test_draft_target.py:30 and
+            # @00c1146 tests/unittest/_torch/speculative/hw_agnostic/test_draft_target.py:45 and its rejection test:
+            # `KvCacheConfig(enable_block_reuse=False...)`); no NVIDIA source shows reuse safe with a draft model.
+            "enable_block_reuse": False,
             "dtype": kv_dtype if kv_dtype == "fp8" else "auto",
         },
         "speculative_config": speculative_options(recipe, version, draft_dir or layout.checkpoint("draft"),

@@ -36,7 +36,7 @@ def test_options_carry_draft_target_speculative_config(tmp_path):
         "max_draft_len": 3,
         "speculative_model_dir": str(layout.checkpoint("draft")),
     }
-    assert options["kv_cache_config"] == {"free_gpu_memory_fraction": 0.8, "enable_block_reuse": True, "dtype": "fp8"}
+    assert options["kv_cache_config"] == {"free_gpu_memory_fraction": 0.8, "enable_block_reuse": False, "dtype": "fp8"}
     assert options["tensor_parallel_size"] == 2 and options["pipeline_parallel_size"] == 1
     # max_input_len: engine_max_input_len, max_seq_len - 1
     assert (options["max_batch_size"], options["max_input_len"], options["max_seq_len"]) == (1, 1023, 1024)
@@ -73,7 +73,7 @@ def test_build_writes_options_and_manifests(llmapi_env):
     written = yaml.safe_load((layout.engine("target") / "extra_llm_api_options.yaml").read_text())
     assert written["speculative_config"] == {"decoding_type": "DraftTarget", "max_draft_len": 3,
                                              "speculative_model_dir": str(layout.checkpoint("draft"))}  # fmt: skip
-    assert written["kv_cache_config"] == {"free_gpu_memory_fraction": 0.8, "enable_block_reuse": True, "dtype": "auto"}
+    assert written["kv_cache_config"] == {"free_gpu_memory_fraction": 0.8, "enable_block_reuse": False, "dtype": "auto"}
     assert (written["tensor_parallel_size"], written["pipeline_parallel_size"]) == (2, 1)
     m = Manifest.read(layout.engine("target"))
     assert m.stage == "build" and m.settings["backend"] == "trtllm-llmapi" and m.settings["max_draft_len"] == 5
