@@ -546,6 +546,10 @@ def llmapi_mapping_notes(recipe: Recipe, version: LlmApiVersion | None = None) -
              f"iteration); speculative.max_draft_len {s.max_draft_len} only bounds it"]  # fmt: skip
     if s.dynamic and s.dynamic.draft_len_schedule:
         notes.append(f"draft_len_schedule written with {version.draft_len_schedule}-bound keys")
+    # The names come from llm_args.py on TensorRT-LLM's main branch around the renames (LLMAPI_VERSIONS), not from
+    # each release's tag, which could not be read here; the build's start check (LLM(...)) is what confirms them.
+    notes.append(f"names read on TensorRT-LLM main around the renames, not from the {version.name} release's tag: "
+                 "the build's LLM(...) start check on the GPU machine confirms them")
     return notes
 
 

@@ -207,3 +207,5 @@ def test_dry_run_states_the_mapping_and_warns_of_another_installed_release(tmp_p
     assert "tensorrt_llm 1.4.0rc1 is installed, the recipe targets trtllm_version 1.2" in text
     assert "num_draft_tokens 4 -> speculative_config.max_draft_len" in text
     assert "speculative_model_dir: " in text and "decoding_type: DraftTarget" in text
+    # the per-release names were not read from the release's tag: the dry run says so, and what confirms them
+    assert "not from the 1.2 release's tag" in text and "LLM(...) start check" in text
