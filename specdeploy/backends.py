@@ -89,6 +89,10 @@ class Backend:
         """The ModelSpecs of `tensorrt_llm` and `tensorrt_llm_draft` in the shared inflight_batcher_llm layout."""
         raise NotImplementedError
 
+    def finish_models(self, inp, specs: list) -> list:
+        """The repository's models as this backend serves them (the engine backend renames tensors per release)."""
+        return specs
+
     def write_repository(self, recipe, layout, recipe_path: str = "RECIPE", force: bool = False,
                          executor_factory: str | None = None) -> tuple[Path, bool]:  # fmt: skip
         """The recipe's layout: inflight_batcher_llm (shared models around `engine_models`) or llmapi."""
@@ -241,6 +245,12 @@ class TrtllmEngineBackend(GpuBackend):
         from specdeploy.triton import gpu_models
 
         return gpu_models.trtllm_engine_models(inp)
+
+    def finish_models(self, inp, specs):
+        from specdeploy.triton import gpu_models
+
+        # the C++ backend's tensor names changed between releases: follow the one the engines were built for
+        return gpu_models.follow_backend_names(specs, gpu_models.backend_names(gpu_models.engine_trtllm_version(inp)))
 
     def usable(self, gpus, tensorrt_llm, has_trtllm_build):
         return bool(gpus) and tensorrt_llm is not None and has_trtllm_build

@@ -2,12 +2,15 @@
 
 The launch follows tensorrtllm_backend's `scripts/launch_triton_server.py`:
 - one process when the target and the draft each run on one GPU;
-- `mpirun` with one rank per GPU ("leader mode") when tp x pp > 1 and the draft has the same number of
-  ranks as the target (every rank loads both TensorRT-LLM models; ranks > 0 load only those);
-- "orchestrator mode" (`--multi-model`: one tritonserver with TRTLLM_ORCHESTRATOR=1, the backend spawns
-  the per-GPU workers of each model) when the draft and the target differ in ranks, e.g. a TP 4 target
-  with a TP 1 draft. TensorRT-LLM's draft_target_model/README.md: "--multi-model is necessary if TP
-  mode is used".
+- otherwise "orchestrator mode" (`--multi-model`): TensorRT-LLM's examples/draft_target_model/README.md
+  (Triton workflow, step 4): "`--multi-model` is necessary if TP mode is used", whether or not the draft has the
+  target's rank count. The launcher then runs one rank, `mpirun -n 1 tritonserver ...` with
+  TRTLLM_ORCHESTRATOR=1 (the backend spawns each model's per-GPU workers, TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES=1),
+  and adds `--pinned-memory-pool-byte-size=0 --enable-peer-access=false --cuda-memory-pool-byte-size=<gpu>:0`
+  for every GPU (tensorrtllm_backend@c2e65b8 scripts/launch_triton_server.py:119-128 add_multi_model_config,
+  :158-164 mpirun -n 1 per rank, :217-221 the environment and "World size must be 1 when using multi-model").
+  Its "leader mode" (every rank loads every model) serves one TensorRT-LLM model per deployment, not a
+  draft/target pair, so it is not used here.
 - `trtllm-llmapi`: one tritonserver; LLM(...) inside the llmapi model starts its own TP/PP workers.
 
 Nothing here needs a GPU to produce commands; `start` refuses without the server binary.
@@ -35,14 +38,13 @@ from specdeploy.errors import ConfigError, ServerError
 
 TRITONSERVER = "/opt/tritonserver/bin/tritonserver"  # in NGC Triton images
 DEFAULT_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
-ENGINE_MODELS = ("tensorrt_llm", "tensorrt_llm_draft")
 # Triton's Prometheus counter of cumulative queue time; an adapter rule turns it into a per-second rate.
 HPA_METRIC = "nv_inference_queue_duration_us"
 
 
 @dataclass(frozen=True)
 class LaunchPlan:
-    mode: str  # single | leader | orchestrator | llmapi
+    mode: str  # single | orchestrator | llmapi
     command: list[str]
     env: dict[str, str] = field(default_factory=dict)
     gpus: int = 1  # GPUs one replica needs
@@ -109,27 +111,17 @@ def _launch_plan(recipe: Recipe, layout: Layout, tritonserver: str, mode: str) -
         args = [*_server_args(repo, ports, 0, auto_complete=True), *llmapi.server_args(recipe)]
         return LaunchPlan("llmapi", [tritonserver, *args], gpus=target_ranks)
     if mode == "auto":
-        mode = "single" if gpus == 1 else ("leader" if draft_ranks == target_ranks else "orchestrator")
+        mode = "single" if gpus == 1 else "orchestrator"
     if mode == "single":
         return LaunchPlan("single", [tritonserver, *_server_args(repo, ports, 0, auto_complete=False)], gpus=1)
-    if mode == "orchestrator":
-        env = {"TRTLLM_ORCHESTRATOR": "1", "TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES": "1"}
-        return LaunchPlan("orchestrator", [tritonserver, *_server_args(repo, ports, 0, auto_complete=False)], env, gpus)
-    if mode != "leader":
-        raise ConfigError(f"unknown launch mode {mode!r}", "choices: auto, single, leader, orchestrator")
-    if draft_ranks != target_ranks:
-        raise ConfigError(
-            f"leader mode runs every model on all {target_ranks} ranks, but the draft has {draft_ranks}",
-            "use mode orchestrator, or give the draft the target's tp_size/pp_size",
-        )
-    cmd = ["mpirun", "--allow-run-as-root"]
-    for rank in range(target_ranks):
-        cmd += ["-n", "1", tritonserver, *_server_args(repo, ports, rank, auto_complete=False)]
-        if rank > 0:  # ranks > 0 serve only the TensorRT-LLM models (launch_triton_server.py)
-            cmd[-1:-1] = ["--model-control-mode=explicit", *[f"--load-model={m}" for m in ENGINE_MODELS]]
-        cmd.append(":")
-    cmd.pop()  # no separator after the last rank
-    return LaunchPlan("leader", cmd, gpus=target_ranks)
+    if mode != "orchestrator":
+        raise ConfigError(f"unknown launch mode {mode!r}", "choices: auto, single, orchestrator")
+    env = {"TRTLLM_ORCHESTRATOR": "1", "TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES": "1"}
+    memory = ["--pinned-memory-pool-byte-size=0", "--enable-peer-access=false",
+              *[f"--cuda-memory-pool-byte-size={gpu}:0" for gpu in range(gpus)]]  # fmt: skip
+    args = _server_args(repo, ports, 0, auto_complete=False)
+    cmd = ["mpirun", "--allow-run-as-root", "-n", "1", tritonserver, *args[:4], *memory, *args[4:]]
+    return LaunchPlan("orchestrator", cmd, env, gpus)
 
 
 def container_env(plan: LaunchPlan) -> dict[str, str]:
@@ -402,7 +394,7 @@ def start(recipe: Recipe, layout: Layout, tritonserver: str | None = None, log_p
         )
     plan = launch_plan(recipe, layout, exe)
     if plan.command[0] == "mpirun" and shutil.which("mpirun") is None:
-        raise ServerError("mpirun is not on PATH but the target needs one rank per GPU", "install OpenMPI or use the NGC image")
+        raise ServerError("mpirun is not on PATH but the orchestrator launch (TP/PP > 1) runs under it", "install OpenMPI or use the NGC image")
     log_path = Path(log_path or Path(layout.server_state) / server.LOG_FILE)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:

@@ -397,6 +397,11 @@ LLMAPI_VERSIONS = {
 }  # fmt: skip
 
 
+# The first release candidate of a line whose option names LLMAPI_VERSIONS describes (earlier ones are refused here
+# and by the image's version gate, packaging.dockerfile).
+LLMAPI_MIN_RC = {"1.3": 22}
+
+
 def llmapi_version(version: str) -> LlmApiVersion:
     """The LlmApiVersion for a recipe's `trtllm_version` ("1.2", "1.2.1", "1.3.0rc24", "1.4.0rc1", ...)."""
     text = str(version).strip()
@@ -407,7 +412,7 @@ def llmapi_version(version: str) -> LlmApiVersion:
                           f"write it as on PyPI, e.g. 1.2.1; supported: {supported}")  # fmt: skip
     line = f"{m.group(1)}.{m.group(2)}"
     rc = m.group(4)
-    if line == "1.3" and rc is not None and int(rc) < 22:
+    if line in LLMAPI_MIN_RC and rc is not None and int(rc) < LLMAPI_MIN_RC[line]:
         raise ConfigError(
             f"trtllm_version {text}: the 1.3.0 release candidates before rc22 straddle TensorRT-LLM PR #10860 "
             "(draft_len_schedule keys became upper bounds) and PR #12905 (acceptance gate renamed and redefined); "
@@ -519,7 +524,11 @@ def llmapi_options(recipe: Recipe, layout: Layout, version: LlmApiVersion | None
         "disable_overlap_scheduler": True,
         "kv_cache_config": {
             "free_gpu_memory_fraction": e.kv_cache_free_gpu_mem_fraction,
-            "enable_block_reuse": True,
+            # NVIDIA's own DraftTarget tests run with block reuse off, before and after the speculative_model
+            # rename (NVIDIA/TensorRT-LLM@104ead7 tests/unittest/_torch/speculative/test_draft_target.py:30 and
+            # @00c1146 tests/unittest/_torch/speculative/hw_agnostic/test_draft_target.py:45 and its rejection test:
+            # `KvCacheConfig(enable_block_reuse=False...)`); no NVIDIA source shows reuse safe with a draft model.
+            "enable_block_reuse": False,
             "dtype": kv_dtype if kv_dtype == "fp8" else "auto",
         },
         "speculative_config": speculative_options(recipe, version, draft_dir or layout.checkpoint("draft"),
@@ -537,6 +546,10 @@ def llmapi_mapping_notes(recipe: Recipe, version: LlmApiVersion | None = None) -
              f"iteration); speculative.max_draft_len {s.max_draft_len} only bounds it"]  # fmt: skip
     if s.dynamic and s.dynamic.draft_len_schedule:
         notes.append(f"draft_len_schedule written with {version.draft_len_schedule}-bound keys")
+    # The names come from llm_args.py on TensorRT-LLM's main branch around the renames (LLMAPI_VERSIONS), not from
+    # each release's tag, which could not be read here; the build's start check (LLM(...)) is what confirms them.
+    notes.append(f"names read on TensorRT-LLM main around the renames, not from the {version.name} release's tag: "
+                 "the build's LLM(...) start check on the GPU machine confirms them")
     return notes
 
 

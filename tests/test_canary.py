@@ -145,7 +145,7 @@ def test_kubernetes_output_has_weighted_route_scrape_config_and_dashboard(tmp_pa
     from specdeploy.artifacts import Layout
     from specdeploy.config import load_recipe
 
-    base = load_recipe(Path(__file__).parent.parent / "build" / "llama3-70b-fp8.yaml")
+    base = load_recipe(Path(__file__).parent.parent / "build" / "llama3-70b-fp8-engine.yaml")
     r = dataclasses.replace(base, canary=dataclasses.replace(base.canary, control_percent=20.0),
                             cost=dataclasses.replace(base.cost, machine_price_per_hour=12.0))  # fmt: skip
     docs = [d for d in yaml.safe_load_all(launch.k8s_yaml(r, Layout.of(r, tmp_path))) if d]

@@ -1,4 +1,4 @@
-"""GPU launch commands (single / MPI leader / orchestrator / llmapi), docker, and Kubernetes manifests."""
+"""GPU launch commands (single / orchestrator / llmapi), docker, and Kubernetes manifests."""
 
 from __future__ import annotations
 
@@ -40,27 +40,27 @@ def test_single_gpu_runs_one_tritonserver(tmp_path):
     ]  # fmt: skip
 
 
-def test_equal_ranks_use_mpirun_one_rank_per_gpu(tmp_path):
-    r = recipe(target_tp=2, draft_tp=2)
-    plan = launch.launch_plan(r, Layout.of(r, tmp_path))
-    assert plan.mode == "leader" and plan.gpus == 2
-    cmd = plan.command
-    assert cmd[:2] == ["mpirun", "--allow-run-as-root"]
-    ranks = " ".join(cmd).split(" : ")
-    assert len(ranks) == 2 and all(" -n 1 " in f" {part} " for part in ranks)
-    assert "--load-model=tensorrt_llm" not in ranks[0]  # rank 0 serves every model
-    assert "--model-control-mode=explicit --load-model=tensorrt_llm --load-model=tensorrt_llm_draft" in ranks[1]
-    assert "shm-region-prefix-name=prefix1_" in ranks[1]
+ORCHESTRATOR_ENV = {"TRTLLM_ORCHESTRATOR": "1", "TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES": "1", "SPECDEPLOY_SITE": SOURCE_ROOT}
 
 
-def test_different_ranks_use_orchestrator_mode(tmp_path):
-    r = recipe(target_tp=4, draft_tp=1)
+@pytest.mark.parametrize(("target_tp", "draft_tp"), [(2, 2), (4, 1)])
+def test_tensor_parallel_draft_target_runs_the_orchestrator_under_mpirun_n_1(tmp_path, target_tp, draft_tp):
+    """TensorRT-LLM's draft_target_model/README.md: "--multi-model is necessary if TP mode is used" (equal ranks
+    included); NVIDIA's launch_triton_server.py then runs `mpirun --allow-run-as-root -n 1 tritonserver` with the
+    memory-pool flags of add_multi_model_config for every GPU and TRTLLM_ORCHESTRATOR=1. Written out here."""
+    r = recipe(target_tp=target_tp, draft_tp=draft_tp)
     plan = launch.launch_plan(r, Layout.of(r, tmp_path))
-    assert plan.mode == "orchestrator" and plan.gpus == 4
-    assert plan.env["TRTLLM_ORCHESTRATOR"] == "1" and plan.env["TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES"] == "1"
-    assert plan.command[0] == NGC_TRITONSERVER and "mpirun" not in plan.command
+    repo = (tmp_path / "triton_repo" / r.name).resolve()
+    assert plan.mode == "orchestrator" and plan.gpus == target_tp and plan.env == ORCHESTRATOR_ENV
+    pools = [f"--cuda-memory-pool-byte-size={gpu}:0" for gpu in range(target_tp)]
+    assert plan.command == [
+        "mpirun", "--allow-run-as-root", "-n", "1", NGC_TRITONSERVER, f"--model-repository={repo}",
+        "--grpc-port=9001", "--http-port=9000", "--metrics-port=9002",
+        "--pinned-memory-pool-byte-size=0", "--enable-peer-access=false", *pools,
+        "--disable-auto-complete-config", "--backend-config=python,shm-region-prefix-name=prefix0_",
+    ]  # fmt: skip
     assert plan.command_line.startswith("TRTLLM_ORCHESTRATOR=1 TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES=1 ")
-    with pytest.raises(ConfigError, match="leader mode"):
+    with pytest.raises(ConfigError, match="unknown launch mode 'leader'"):
         launch.launch_plan(r, Layout.of(r, tmp_path), mode="leader")
 
 
@@ -134,7 +134,7 @@ def test_serve_gpu_print_modes(tmp_path):
     layout = Layout.of(r, tmp_path)
     lines = []
     assert launch.serve_gpu(r, layout, print_only=True, echo=lines.append) is None
-    assert lines[2].startswith("SPECDEPLOY_SITE=") and "mpirun" in lines[2]
+    assert "SPECDEPLOY_SITE=" in lines[2] and "mpirun --allow-run-as-root -n 1 " in lines[2]
     assert lines[4].startswith("docker build") and lines[5].startswith("docker run")
     assert (packaging.image_context(layout) / "Dockerfile").is_file()
     out = tmp_path / "k8s.yaml"
@@ -149,7 +149,7 @@ def test_cli_serve_print_k8s_for_gpu_recipe(tmp_path):
 
     from specdeploy.cli import main
 
-    recipe_path = Path(__file__).parent.parent / "build" / "llama3-70b-fp8.yaml"
+    recipe_path = Path(__file__).parent.parent / "build" / "llama3-70b-fp8-engine.yaml"
     result = CliRunner().invoke(main, ["--root", str(tmp_path), "serve", str(recipe_path), "--print-k8s"])
     assert result.exit_code == 0, result.output
     docs = [d for d in yaml.safe_load_all(result.output) if d]
@@ -158,7 +158,7 @@ def test_cli_serve_print_k8s_for_gpu_recipe(tmp_path):
     result = CliRunner().invoke(main, ["--root", str(tmp_path), "serve", str(recipe_path), "--print-only"])
     assert result.exit_code == 0 and "TRTLLM_ORCHESTRATOR=1" in result.output and "docker run" in result.output
     # --print-only starts nothing; it writes only the image's build context
-    assert [p.relative_to(tmp_path) for p in tmp_path.glob("*/*/*")] == [Path("engines/llama3-70b-fp8/image")]
+    assert [p.relative_to(tmp_path) for p in tmp_path.glob("*/*/*")] == [Path("engines/llama3-70b-fp8-engine/image")]
 
 
 # ---------------------------------------------------------------- the image (packaging.py)
@@ -201,6 +201,25 @@ def test_image_build_refuses_another_tensorrt_llm(tmp_path, installed, ok):
     assert (done.returncode == 0) is ok, done.stderr
     if not ok:
         assert f"the image has TensorRT-LLM {installed}, the recipe targets 1.2" in done.stderr
+
+
+@pytest.mark.parametrize(("installed", "ok"), [("1.3.0rc5", False), ("1.3.0rc21", False), ("1.3.0rc22", True),
+                                              ("1.3.0rc24.post1", True), ("1.3.0", True), ("1.4.0rc1", False)])
+def test_image_build_gate_for_a_release_line_starts_at_its_first_verified_candidate(tmp_path, installed, ok):
+    """trtllm_version 1.3 names the options of 1.3.0rc22 and later (trtllm.llmapi_version refuses rc5); the image
+    gate must refuse the same candidates, not take any 1.3.0rcN."""
+    import subprocess
+    import sys
+
+    r = parse_recipe({"name": "pkg", "backend": "trtllm-llmapi", "trtllm_version": "1.3",
+                      "target": {"model": "t"}, "draft": {"model": "d"}})  # fmt: skip
+    dist = tmp_path / "site" / f"tensorrt_llm-{installed}.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: tensorrt_llm\nVersion: {installed}\n")
+    program = _version_check(packaging.dockerfile(r, "base"))
+    done = subprocess.run([sys.executable, "-c", program], env={"PYTHONPATH": str(tmp_path / "site")},
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert (done.returncode == 0) is ok, done.stderr
 
 
 # ---------------------------------------------------------------- serve on this machine (stand-in tritonserver)
@@ -300,3 +319,23 @@ def test_gpu_serve_in_the_foreground_stops_its_server_on_sigterm(standin_server,
     finally:
         if child.poll() is None:
             child.kill()
+
+
+def test_engine_image_must_be_a_known_ngc_image_carrying_the_engines_release(tmp_path):
+    """The repository names the tensorrt_llm tensors for the release that built the engines; the image written into
+    the Dockerfile must carry that release (gpu_models.IMAGE_TRTLLM), else the build context is refused."""
+    from specdeploy.artifacts import Manifest
+    from specdeploy.errors import RepoError
+
+    r = recipe()
+    layout = Layout.of(r, tmp_path)
+    layout.engine("target").mkdir(parents=True)
+    Manifest(stage="build", recipe_name=r.name, fingerprint="f",
+             tool_versions={"trtllm-build": "0.18.0"}).write(layout.engine("target"))  # fmt: skip
+    context = packaging.write_context(r, layout)  # the default image, 25.03, carries 0.18.0
+    assert "FROM nvcr.io/nvidia/tritonserver:25.03-trtllm-python-py3" in (context / "Dockerfile").read_text()
+    with pytest.raises(RepoError, match="carries TensorRT-LLM 0.17.0, the engines were built with 0.18.0") as err:
+        packaging.write_context(r, layout, "nvcr.io/nvidia/tritonserver:25.01-trtllm-python-py3")
+    assert "25.03-trtllm-python-py3" in err.value.hint
+    with pytest.raises(RepoError, match="not an NGC Triton TensorRT-LLM image"):
+        packaging.write_context(r, layout, "example.com/mine:latest")

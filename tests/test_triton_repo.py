@@ -232,7 +232,9 @@ def _declared(config, kind):
 @pytest.mark.parametrize("backend", ["cpu", "trtllm-engine"])
 def test_every_tensor_is_declared_as_nvidia_declares_it(setup, backend):
     """Name, data type, dims and optional flag of every tensor of NVIDIA's layout (tensorrtllm_backend
-    c2e65b8, extracted by tests/data/extract_trtllm_reference.py), on the CPU and the GPU variants."""
+    c2e65b8, extracted by tests/data/extract_trtllm_reference.py), on the CPU and the GPU variants. The GPU
+    variant's tensorrt_llm models and ensemble take the names of the backend release that built the engines
+    (tests/test_trtllm_repo.py checks them against each release's config.pbtxt); the rest is c2e65b8's."""
     from dataclasses import replace
 
     recipe, layout = setup
@@ -242,7 +244,10 @@ def test_every_tensor_is_declared_as_nvidia_declares_it(setup, backend):
     configs = {s.name: repository.check_config(repository.render(s), s.name) for s in repository.model_specs(inp)}
     reference = json.loads(REFERENCE.read_text())
     counts = {}
-    for model in ("preprocessing", "tensorrt_llm", "tensorrt_llm_bls", "postprocessing", "ensemble"):
+    models = ("preprocessing", "tensorrt_llm", "tensorrt_llm_bls", "postprocessing", "ensemble")
+    if backend != "cpu":
+        models = ("preprocessing", "tensorrt_llm_bls", "postprocessing")
+    for model in models:
         names = [model] + (["tensorrt_llm_draft"] if model == "tensorrt_llm" else [])
         for name in names:
             for kind in ("inputs", "outputs"):
@@ -250,7 +255,9 @@ def test_every_tensor_is_declared_as_nvidia_declares_it(setup, backend):
                 assert _declared(configs[name], kind) == expected, (name, kind)
         counts[model] = len(_declared(configs[model], "inputs").keys() | _declared(configs[model], "outputs").keys())
     # the counts the issue names: 51 on ensemble, 78 on tensorrt_llm, 57 on tensorrt_llm_bls
-    assert (counts["ensemble"], counts["tensorrt_llm"], counts["tensorrt_llm_bls"]) == (51, 78, 57)
+    if backend == "cpu":
+        assert (counts["ensemble"], counts["tensorrt_llm"], counts["tensorrt_llm_bls"]) == (51, 78, 57)
+    assert counts["tensorrt_llm_bls"] == 57
 
 
 def test_refused_inputs_name_the_tensor_and_accept_neutral_values():
@@ -523,3 +530,65 @@ def test_decoupled_bls_calls_keep_their_iterators_until_the_stubs_queue_is_past_
     assert cancelled.reason == "cancelled" and alive() == [False, True, True]  # no barrier: kept
     call([1], 2, sampling, {}, False, stop_check=check(False))
     assert alive() == [False, False, False, True] and len(call.held) == 1
+
+
+def _recording_bls(monkeypatch, request, sent):
+    """The BLS module with a stand-in pb_utils whose requests record (input names, requested outputs)."""
+    import types
+
+    class InferenceRequest:
+        def __init__(self, model_name, requested_output_names, inputs, timeout=0):
+            sent.append(({name: value for name, value in inputs}, list(requested_output_names)))
+
+        def exec(self, decoupled=False):
+            return types.SimpleNamespace(has_error=lambda: False, outputs={
+                "output_ids": np.array([[5, 6]]), "sequence_length": np.array([2]),
+                "generation_logits": np.zeros((1, 1, 2, 4), np.float32), "context_logits": np.zeros((1, 3, 4), np.float32)})
+
+    output = lambda response, name: types.SimpleNamespace(as_numpy=lambda: response.outputs[name]) if name in response.outputs else None  # noqa: E731
+    return _bls_module(monkeypatch, request, InferenceRequest=InferenceRequest, Tensor=lambda name, value: (name, value), get_output_tensor_by_name=output)
+
+
+def test_bls_sends_the_tensor_names_of_the_engine_backend_release(monkeypatch, request):
+    """With the 0.18 backend's names (gpu_models.follow_backend_names writes them into engine_tensor_names) the BLS
+    sends min_length / random_seed and neither sends return_perf_metrics nor asks for first_token_time_ns, which
+    that release does not declare (Triton refuses an undeclared input or output)."""
+    import types
+
+    sent = []
+    bls = _recording_bls(monkeypatch, request, sent)
+    names = {"min_tokens": "min_length", "seed": "random_seed", "return_perf_metrics": None, "first_token_time_ns": None}
+    sampling = types.SimpleNamespace(temperature=1.0, top_k=0, top_p=0.0, seed=7)
+    extra = {"min_tokens": np.array([[3]], np.int32)}
+    for call_names in (names, None):
+        call = bls._LlmCall("tensorrt_llm", decoupled=False, slice_s=0.0, held=common.HeldResponses(), names=call_names)
+        assert call([1, 2, 3], 2, sampling, extra, False, ["first_token_time_ns", "kv_cache_reused_blocks"])[0] == [5, 6]
+    (old_inputs, old_outputs), (new_inputs, new_outputs) = sent
+    assert {"min_length", "random_seed"} <= set(old_inputs) and not {"min_tokens", "seed", "return_perf_metrics"} & set(old_inputs)
+    assert old_inputs["min_length"].tolist() == [[3]] and old_inputs["random_seed"].tolist() == [[7]]
+    assert "first_token_time_ns" not in old_outputs and "kv_cache_reused_blocks" in old_outputs
+    assert {"min_tokens", "seed", "return_perf_metrics"} <= set(new_inputs) and "first_token_time_ns" in new_outputs
+
+
+def test_bls_target_calls_with_drafts_ask_for_no_logits(monkeypatch, request):
+    """NVIDIA's BLS asks for context/generation logits only on calls without a draft (tensorrtllm_backend@c2e65b8
+    tensorrt_llm_bls/1/lib/triton_decoder.py:495-508): the verifier's call with draft_input_ids sets neither flag,
+    even when the client asked for logits; a call without drafts still passes the client's request on."""
+    import types
+
+    sent = []
+    bls = _recording_bls(monkeypatch, request, sent)
+    call = bls._LlmCall("tensorrt_llm", decoupled=False, slice_s=0.0, held=common.HeldResponses())
+    job = {"bad_words_list": np.zeros((2, 0), np.int32), "stop_words_list": np.zeros((2, 0), np.int32),
+           "return_log_probs": False, "return_context_logits": True, "return_generation_logits": True,
+           "penalties": dict(common.PENALTY_NEUTRAL), "prompt_ids": [1, 2], "embedding_bias": None, "end_id": None}  # fmt: skip
+    sampling = types.SimpleNamespace(temperature=1.0, top_k=0, top_p=0.0, seed=None)
+    bls.TritonVerifier(call, job, bls._Record()).verify([1, 2, 3], [5], None, sampling)
+    inputs, outputs = sent[-1]
+    assert "draft_input_ids" in inputs
+    assert not inputs["return_context_logits"].any() and not inputs["return_generation_logits"].any()
+    assert "context_logits" not in outputs and "generation_logits" not in outputs
+    bls.TritonVerifier(call, job, bls._Record()).verify([1, 2, 3], [], None, sampling, output_len=4)
+    inputs, outputs = sent[-1]
+    assert "draft_input_ids" not in inputs and inputs["return_context_logits"].all() and inputs["return_generation_logits"].all()
+    assert "context_logits" in outputs and "generation_logits" in outputs

@@ -218,13 +218,30 @@ def test_gpu_recipe_file_loads_and_dry_runs(tmp_path, monkeypatch):
     from specdeploy.config import load_recipe
 
     monkeypatch.setattr(trtllm.gpu_probe, "probe", lambda timeout_s=10.0: [])
-    recipe = load_recipe(Path(__file__).parent.parent / "build" / "llama3-70b-fp8.yaml")
+    recipe = load_recipe(Path(__file__).parent.parent / "build" / "llama3-70b-fp8-engine.yaml")
     assert recipe.backend == "trtllm-engine" and recipe.target.tp_size == 4
     assert recipe.target.quantization.qformat == "fp8"
     lines = []
     trtllm.build_engine_recipe(recipe, Layout.of(recipe, tmp_path), dry_run=True, echo=lines.append)
     target_line = [line for line in lines if "--speculative_decoding_mode" in line][0]
     assert "--max_draft_len 8" in target_line and target_line.endswith("--workers 4")
+
+
+def test_the_default_gpu_example_is_the_llm_api_on_a_current_image(tmp_path, monkeypatch):
+    """TensorRT-LLM removed the TensorRT engine path on main (docs/source/legacy/tensorrt-backend-removal.md): the
+    GPU example without a qualifier is the LLM-API recipe; the engine recipe says so in its name."""
+    from specdeploy import backends
+    from specdeploy.config import load_recipe
+
+    monkeypatch.setattr(trtllm.gpu_probe, "probe", lambda timeout_s=10.0: [])
+    build = Path(__file__).parent.parent / "build"
+    default, engine = load_recipe(build / "llama3-70b-fp8.yaml"), load_recipe(build / "llama3-70b-fp8-engine.yaml")
+    assert default.backend == "trtllm-llmapi" and engine.backend == "trtllm-engine" and engine.name.endswith("-engine")
+    assert backends.of(default).default_image == backends.TRTLLM_LLMAPI.default_image
+    lines = []
+    trtllm.build_llmapi_recipe(default, Layout.of(default, tmp_path), dry_run=True, echo=lines.append)
+    text = "\n".join(lines)
+    assert "\nspeculative_config:\n" in text and "trtllm-serve" in text and "trtllm-build" not in text
 
 
 def test_gpu_backends_build_with_trtllm():
@@ -241,7 +258,7 @@ def test_cli_build_dry_run(tmp_path, monkeypatch):
     from specdeploy.cli import main
 
     monkeypatch.setattr(trtllm.gpu_probe, "probe", lambda timeout_s=10.0: [])
-    recipe_path = Path(__file__).parent.parent / "build" / "llama3-70b-fp8.yaml"
+    recipe_path = Path(__file__).parent.parent / "build" / "llama3-70b-fp8-engine.yaml"
     result = CliRunner().invoke(main, ["--root", str(tmp_path), "build", str(recipe_path), "--dry-run"])
     assert result.exit_code == 0, result.output
     assert "--speculative_decoding_mode draft_tokens_external --max_draft_len 8" in result.output

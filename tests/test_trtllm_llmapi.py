@@ -36,7 +36,7 @@ def test_options_carry_draft_target_speculative_config(tmp_path):
         "max_draft_len": 3,
         "speculative_model_dir": str(layout.checkpoint("draft")),
     }
-    assert options["kv_cache_config"] == {"free_gpu_memory_fraction": 0.8, "enable_block_reuse": True, "dtype": "fp8"}
+    assert options["kv_cache_config"] == {"free_gpu_memory_fraction": 0.8, "enable_block_reuse": False, "dtype": "fp8"}
     assert options["tensor_parallel_size"] == 2 and options["pipeline_parallel_size"] == 1
     # max_input_len: engine_max_input_len, max_seq_len - 1
     assert (options["max_batch_size"], options["max_input_len"], options["max_seq_len"]) == (1, 1023, 1024)
@@ -73,7 +73,7 @@ def test_build_writes_options_and_manifests(llmapi_env):
     written = yaml.safe_load((layout.engine("target") / "extra_llm_api_options.yaml").read_text())
     assert written["speculative_config"] == {"decoding_type": "DraftTarget", "max_draft_len": 3,
                                              "speculative_model_dir": str(layout.checkpoint("draft"))}  # fmt: skip
-    assert written["kv_cache_config"] == {"free_gpu_memory_fraction": 0.8, "enable_block_reuse": True, "dtype": "auto"}
+    assert written["kv_cache_config"] == {"free_gpu_memory_fraction": 0.8, "enable_block_reuse": False, "dtype": "auto"}
     assert (written["tensor_parallel_size"], written["pipeline_parallel_size"]) == (2, 1)
     m = Manifest.read(layout.engine("target"))
     assert m.stage == "build" and m.settings["backend"] == "trtllm-llmapi" and m.settings["max_draft_len"] == 5
@@ -207,3 +207,5 @@ def test_dry_run_states_the_mapping_and_warns_of_another_installed_release(tmp_p
     assert "tensorrt_llm 1.4.0rc1 is installed, the recipe targets trtllm_version 1.2" in text
     assert "num_draft_tokens 4 -> speculative_config.max_draft_len" in text
     assert "speculative_model_dir: " in text and "decoding_type: DraftTarget" in text
+    # the per-release names were not read from the release's tag: the dry run says so, and what confirms them
+    assert "not from the 1.2 release's tag" in text and "LLM(...) start check" in text

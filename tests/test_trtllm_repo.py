@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -172,3 +174,74 @@ def test_generate_llmapi_repository_is_atomic_and_up_to_date(built_llmapi):
     repository.require_repository(recipe, layout)  # the serve stage accepts it
     assert llmapi.generate_repository(recipe, layout)[1] is False
     assert repository.generate_repository(recipe, layout) == (path, False)  # `specdeploy repo` dispatches here
+
+
+# ---------------------------------------------------------------- tensor names of the image's backend release
+
+REFERENCE_NAMES = Path(__file__).parent / "data" / "trtllm_backend_tensor_names.json"
+
+
+def _set_built_version(layout, version):
+    from specdeploy.artifacts import Manifest
+
+    manifest = Manifest.read(layout.engine("target"))
+    manifest.tool_versions["trtllm-build"] = version
+    manifest.write(layout.engine("target"))
+
+
+@pytest.mark.parametrize(("version", "tag"), [("0.16.0", "v0.16.0"), ("0.17.0", "v0.17.0"), ("0.18.0", "v0.18.0"),
+                                              ("0.18.2", "v0.18.2"), ("0.19.0", "v0.19.0")])
+def test_engine_models_declare_the_tensor_names_of_the_release_that_built_the_engines(built_engines, version, tag):
+    """Each model the repository writes for trtllm-engine names only tensors NVIDIA's tensorrt_llm model of that
+    release declares (config.pbtxt at the tag, extracted into tests/data), and the ensemble and the BLS send
+    only those: the 0.18 backend reads min_length / random_seed and has no perf outputs."""
+    import json
+
+    reference = json.loads(REFERENCE_NAMES.read_text())[tag]
+    recipe, layout = built_engines
+    _set_built_version(layout, version)
+    specs = {s.name: s for s in repository.model_specs(repository.repo_inputs(recipe, layout))}
+    for name in ("tensorrt_llm", "tensorrt_llm_draft"):
+        config = repository.check_config(repository.render(specs[name]), name)
+        assert {i.name for i in config.input} <= set(reference["inputs"]), name
+        assert {o.name for o in config.output} <= set(reference["outputs"]), name
+        declared = {i.name for i in config.input}
+    ensemble = specs["ensemble"]
+    llm_step = next(step for step in ensemble.steps if step.model == "tensorrt_llm")
+    assert {k for k, _ in llm_step.input_map} <= declared
+    assert {k for k, _ in llm_step.output_map} <= set(reference["outputs"])
+    repository._check_ensemble(ensemble, specs)  # every mapping names a tensor of its step model
+    sent = json.loads(specs["tensorrt_llm_bls"].parameters["engine_tensor_names"])
+    bls_names = {sent.get(n, n) for n in ("min_tokens", "seed", "return_perf_metrics", "first_token_time_ns")}
+    assert bls_names - {None} <= declared | set(reference["outputs"])
+    if tag.startswith("v0.18"):
+        assert {"min_length", "random_seed"} <= declared and not {"min_tokens", "seed"} & declared
+        assert llm_step.input_map and ("min_length", "min_tokens") in llm_step.input_map
+        assert sent["min_tokens"] == "min_length" and sent["seed"] == "random_seed"
+        assert sent["return_perf_metrics"] is None and sent["first_token_time_ns"] is None
+        assert "arrival_time_ns" not in {t.name for t in ensemble.outputs}
+
+
+def test_engines_of_an_unverified_backend_release_are_refused(built_engines):
+    from specdeploy.errors import RepoError
+
+    recipe, layout = built_engines
+    _set_built_version(layout, "1.1.0")
+    with pytest.raises(RepoError, match="1.1.0.*not verified") as err:
+        repository.model_specs(repository.repo_inputs(recipe, layout))
+    assert "trtllm-llmapi" in err.value.hint
+
+
+@pytest.mark.parametrize(("image", "version"), [("nvcr.io/nvidia/tritonserver:25.03-trtllm-python-py3", "0.18.0"),
+                                                ("nvcr.io/nvidia/tritonserver:25.01-trtllm-python-py3", "0.17.0")])
+def test_image_table_names_the_release_an_ngc_image_carries(image, version):
+    assert gpu_models.image_trtllm(image) == version
+
+
+@pytest.mark.parametrize("image", ["nvcr.io/nvidia/tritonserver:25.04-trtllm-python-py3", "myregistry/triton:latest"])
+def test_an_image_the_table_does_not_know_is_refused_with_the_fix(image):
+    from specdeploy.errors import RepoError
+
+    with pytest.raises(RepoError, match="not an NGC Triton TensorRT-LLM image") as err:
+        gpu_models.image_trtllm(image)
+    assert "25.03 (0.18.0)" in err.value.hint

@@ -15,8 +15,10 @@ TensorRT-LLM's `examples/draft_target_model/README.md` (Triton workflow, step 3)
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from specdeploy.errors import RepoError
 from specdeploy.triton.repository import (
     DRAFT_MODEL,
     ENGINE_MODEL_NAMES,
@@ -103,6 +105,162 @@ def _kv_per_token(inp: RepoInputs) -> dict[str, int | None]:
         ckpt = inp.engine_manifests[role].extra.get("checkpoint_dir")
         shape = ModelShape.from_dir(Path(ckpt)) if ckpt else None
         out[role] = estimate(inp.recipe, role, shape).kv_bytes_per_token_per_rank if shape else None
+    return out
+
+
+# ---------------------------------------------------------------- tensor names per backend release
+
+# Which TensorRT-LLM (and so which tensorrtllm_backend, released with the same number) each NGC image carries.
+# Source: Triton's Release Compatibility Matrix, container trtllm-python-py3
+# (docs.nvidia.com/deeplearning/triton-inference-server/user-guide/docs/introduction/compatibility.html, and its
+# 2.54.0 archive for 24.12 and 25.01); 25.03 -> 0.18.0: NVIDIA/TensorRT-LLM@11925f6
+# examples/draft_target_model/README.md, Triton workflow: "based on TensorRT-LLM-0.18.0 and TRTLLM-backend-0.18.0
+# with docker image nvcr.io/nvidia/tritonserver:25.03-trtllm-python-py3". The image's version gate
+# (packaging.dockerfile) still refuses to build on an image that carries another release.
+IMAGE_TRTLLM = {
+    "24.12": "0.16.0",
+    "25.01": "0.17.0",
+    "25.03": "0.18.0",
+    "25.06": "0.20.0",
+    "25.07": "0.20.0",
+    "25.08": "0.21.0",
+    "25.09": "1.0.0",
+    "25.10": "1.0.0",
+    "25.12": "1.1.0",
+}
+
+
+@dataclass(frozen=True)
+class BackendNames:
+    """How one tensorrtllm_backend release names the `tensorrt_llm` model's tensors, relative to LLM_INPUTS /
+    LLM_OUTPUTS (NVIDIA's names at c2e65b8). A tensor the release lacks is neither declared nor sent: the C++
+    backend reads inputs by name and ignores an undeclared one's absence, but a request for an output the model
+    does not declare is refused."""
+
+    release: str  # tensorrtllm_backend tag the facts are read from
+    renamed: dict  # c2e65b8 input name -> this release's name
+    absent_inputs: frozenset
+    absent_outputs: frozenset
+    extra_inputs: tuple = ()  # (name, dtype, dims) this release declares and c2e65b8 does not
+
+    def input_name(self, name: str) -> str | None:
+        """This release's name of a c2e65b8 input, None when it has none."""
+        return None if name in self.absent_inputs else self.renamed.get(name, name)
+
+
+# tensorrtllm_backend@v0.18.0 inflight_batcher_llm/src/utils.h:86 minLength = "min_length", :90 randomSeed =
+# "random_seed", read by utils.cc:574/:586; c2e65b8 utils.h:93 minTokens = "min_tokens", :97 seed = "seed". The
+# declared tensors of each release: all_models/inflight_batcher_llm/tensorrt_llm/config.pbtxt at the tag
+# (tests/data/trtllm_backend_tensor_names.json, extracted from those files, is what the test compares with).
+_OLD_NAMES = {"min_tokens": "min_length", "seed": "random_seed"}
+_PERF_OUTPUTS = frozenset({"arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns",
+                           "acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens"})  # fmt: skip
+_REUSE_STATS = (("return_kv_cache_reuse_stats", "BOOL", (1,)),)  # v0.18.0 config.pbtxt; gone by v0.19.0
+_NEWER_INPUTS = frozenset({"return_perf_metrics", "guided_decoding_guide_type", "guided_decoding_guide",
+                           "lookahead_window_size", "lookahead_ngram_size", "lookahead_verification_set_size",
+                           "mrope_rotary_cos_sin", "mrope_position_deltas"})  # fmt: skip
+_RETENTION = frozenset({"retention_token_range_starts", "retention_token_range_ends", "retention_token_range_priorities",
+                        "retention_token_range_durations_ms", "retention_decode_priority",
+                        "retention_decode_duration_ms"})  # fmt: skip
+BACKEND_TENSOR_NAMES = {
+    "0.16": BackendNames("v0.16.0", _OLD_NAMES, _NEWER_INPUTS | _RETENTION, _PERF_OUTPUTS, _REUSE_STATS),
+    "0.17": BackendNames("v0.17.0", _OLD_NAMES, _NEWER_INPUTS, _PERF_OUTPUTS, _REUSE_STATS),
+    "0.18": BackendNames("v0.18.0", _OLD_NAMES, _NEWER_INPUTS, _PERF_OUTPUTS, _REUSE_STATS),
+    "0.19": BackendNames("v0.19.0", _OLD_NAMES, frozenset(), frozenset()),
+}
+# From 0.20 the backend is in NVIDIA/TensorRT-LLM (triton_backend/); its per-release names are not verified here.
+
+
+def image_trtllm(image: str) -> str:
+    """The TensorRT-LLM release an NGC Triton image carries; RepoError for an image IMAGE_TRTLLM does not list."""
+    import re
+
+    m = re.fullmatch(r"(?:nvcr\.io/)?nvidia/tritonserver:(\d\d\.\d\d)-trtllm-python-py3", image.strip())
+    if m is None or m.group(1) not in IMAGE_TRTLLM:
+        known = ", ".join(f"{tag} ({v})" for tag, v in IMAGE_TRTLLM.items())
+        raise RepoError(
+            f"image {image!r} is not an NGC Triton TensorRT-LLM image specdeploy knows the TensorRT-LLM release of",
+            f"pass --image nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3 with one of {known}, or add the tag "
+            "to specdeploy.triton.gpu_models.IMAGE_TRTLLM after checking Triton's compatibility matrix",
+        )
+    return IMAGE_TRTLLM[m.group(1)]
+
+
+def check_engine_image(image: str, engines_trtllm: str) -> BackendNames:
+    """The tensor names the engine deployment gets on `image`: the image must be one IMAGE_TRTLLM knows, carry the
+    release line that built the engines (TensorRT engines load only there) and a backend whose names are known."""
+    carried = image_trtllm(image)
+    if carried.split(".")[:2] != str(engines_trtllm).split(".")[:2]:
+        tags = [tag for tag, v in IMAGE_TRTLLM.items() if v.split(".")[:2] == str(engines_trtllm).split(".")[:2]]
+        raise RepoError(
+            f"image {image} carries TensorRT-LLM {carried}, the engines were built with {engines_trtllm}",
+            (f"use --image nvcr.io/nvidia/tritonserver:{tags[-1]}-trtllm-python-py3" if tags else
+             "rebuild the engines with the trtllm-build of the image's release") + " (TensorRT engines load only in "
+            "the release that built them)",
+        )
+    return backend_names(carried)
+
+
+def backend_names(trtllm_version: str) -> BackendNames:
+    """The tensor names of the tensorrtllm_backend that ships with `trtllm_version` (e.g. "0.18.0", "0.18")."""
+    line = ".".join(str(trtllm_version).split(".")[:2])
+    if line not in BACKEND_TENSOR_NAMES:
+        images = ", ".join(f"{tag}" for tag, v in IMAGE_TRTLLM.items() if v[:4] in BACKEND_TENSOR_NAMES)
+        raise RepoError(
+            f"the engines are for TensorRT-LLM {trtllm_version}, whose Triton tensorrtllm backend's tensor names "
+            f"specdeploy has not verified (known: {', '.join(BACKEND_TENSOR_NAMES)})",
+            f"build the engines with the trtllm-build of a known release (NGC images {images}), or use backend "
+            "trtllm-llmapi; new releases go into specdeploy.triton.gpu_models.BACKEND_TENSOR_NAMES from their "
+            "config.pbtxt and src/utils.h",
+        )
+    return BACKEND_TENSOR_NAMES[line]
+
+
+def engine_trtllm_version(inp: RepoInputs) -> str:
+    """The TensorRT-LLM that built the target engine (its manifest), else the default image's release."""
+    from specdeploy import packaging
+
+    version = (inp.engine_manifests["target"].tool_versions or {}).get("trtllm-build")
+    return str(version).split("-")[0] if version else packaging.ENGINE_BACKEND_TRTLLM
+
+
+def follow_backend_names(specs: list[ModelSpec], names: BackendNames) -> list[ModelSpec]:
+    """The repository's models with the `tensorrt_llm` tensors of one backend release: the engine models declare
+    that release's names, the ensemble maps to them (dropping what the release lacks, also from its own outputs),
+    and the BLS is told the names to send (parameter `engine_tensor_names`)."""
+    import json
+
+    from specdeploy.triton.repository import BLS, ENSEMBLE, Tensor
+
+    def inputs(tensors):
+        out = tuple(replace(t, name=names.input_name(t.name)) for t in tensors if names.input_name(t.name))
+        return out + tuple(Tensor(n, dtype, dims, True, False) for n, dtype, dims in names.extra_inputs)
+
+    def outputs(tensors):
+        return tuple(t for t in tensors if t.name not in names.absent_outputs)
+
+    out = []
+    for spec in specs:
+        if spec.name in ENGINE_MODEL_NAMES.values():
+            spec = replace(spec, inputs=inputs(spec.inputs), outputs=outputs(spec.outputs))
+        elif spec.name == ENSEMBLE:
+            steps = tuple(
+                replace(step,
+                        input_map=tuple((names.input_name(k), v) for k, v in step.input_map if names.input_name(k)),
+                        output_map=tuple((k, v) for k, v in step.output_map if k not in names.absent_outputs))
+                if step.model == TARGET_MODEL else step
+                for step in spec.steps
+            )  # fmt: skip
+            # Triton refuses an ensemble input no step consumes: a tensor the release lacks leaves the interface
+            consumed = {v for step in steps for _, v in step.input_map}
+            spec = replace(spec, steps=steps, inputs=tuple(t for t in spec.inputs if t.name in consumed),
+                           outputs=outputs(spec.outputs))
+        elif spec.name == BLS:
+            # the BLS computes its own timings and acceptance; only what it sends and asks of tensorrt_llm changes
+            sent = {k: names.input_name(k) for k in [t.name for t in LLM_INPUTS] if names.input_name(k) != k}
+            sent |= {k: None for k in names.absent_outputs}
+            spec = replace(spec, parameters={**spec.parameters, "engine_tensor_names": json.dumps(sent, sort_keys=True)})
+        out.append(spec)
     return out
 
 

@@ -643,8 +643,10 @@ def model_specs(inp: RepoInputs) -> list[ModelSpec]:
     backend's engine models (`Backend.engine_models`: `tensorrt_llm` and `tensorrt_llm_draft`)."""
     from specdeploy import backends
 
-    engine_models = backends.of(inp.recipe).engine_models(inp)
-    return [preprocessing_spec(inp), *engine_models, postprocessing_spec(inp), ensemble_spec(inp), bls_spec(inp)]
+    backend = backends.of(inp.recipe)
+    engine_models = backend.engine_models(inp)
+    specs = [preprocessing_spec(inp), *engine_models, postprocessing_spec(inp), ensemble_spec(inp), bls_spec(inp)]
+    return backend.finish_models(inp, specs)
 
 
 # ---------------------------------------------------------------- the stage

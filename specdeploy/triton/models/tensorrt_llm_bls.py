@@ -21,6 +21,7 @@ import sys
 # The python stub runs in isolated mode (PYTHONPATH ignored): the launcher passes our site-packages.
 sys.path[:0] = [p for p in os.environ.get("SPECDEPLOY_SITE", "").split(os.pathsep) if p]
 
+import json  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
@@ -67,11 +68,14 @@ class _Record:
 class _LlmCall:
     """One BLS call to a tensorrt_llm-layout model; returns (new token ids, generation logits or None, outputs)."""
 
-    def __init__(self, model_name: str, decoupled: bool, slice_s: float, held: common.HeldResponses):
+    def __init__(self, model_name: str, decoupled: bool, slice_s: float, held: common.HeldResponses, names=None):
         self.model_name = model_name
         self.decoupled = decoupled
         self.slice_s = slice_s  # each call's first Triton timeout (0: none), see common.call_in_slices
         self.held = held  # the decoupled calls' response iterators (common.HeldResponses)
+        # the engine backend release's tensor names (BLS parameter engine_tensor_names, gpu_models.BackendNames):
+        # NVIDIA's c2e65b8 name -> the release's name, or None where the release has no such tensor
+        self.names = names or {}
 
     def __call__(self, sequence, output_len, sampling, extra, return_logits, more_outputs=(), stop_check=None, slice_s=None):
         if self.decoupled:
@@ -103,10 +107,12 @@ class _LlmCall:
         }
         if sampling.seed is not None:
             tensors["seed"] = np.array([[sampling.seed]], dtype=np.uint64)
+        wanted = ["output_ids", "sequence_length"] + (["generation_logits"] if return_logits else []) + list(more_outputs)
+        named = {self.names.get(k, k): v for k, v in tensors.items() if self.names.get(k, k) is not None}
         request = pb_utils.InferenceRequest(
             model_name=self.model_name,
-            requested_output_names=["output_ids", "sequence_length"] + (["generation_logits"] if return_logits else []) + list(more_outputs),
-            inputs=[pb_utils.Tensor(k, v) for k, v in tensors.items()],
+            requested_output_names=[n for n in wanted if self.names.get(n, n) is not None],
+            inputs=[pb_utils.Tensor(k, v) for k, v in named.items()],
             timeout=timeout_us,  # microseconds; the engine model stops at it (between prefill chunks and tokens)
         )
         responses = self.held.hold(request.exec(decoupled=True)) if self.decoupled else [request.exec()]
@@ -170,11 +176,16 @@ class TritonVerifier:
     def verify(self, sequence, draft_tokens, draft_logits, sampling, output_len=None):
         job = self.job
         first = not self.record.rounds
+        # A call that carries draft_input_ids never asks for logits: NVIDIA's BLS sets both flags only when the call
+        # has no draft request (tensorrtllm_backend@c2e65b8 all_models/inflight_batcher_llm/tensorrt_llm_bls/1/lib/
+        # triton_decoder.py:495-508) and docs/model_config.md:223 says they are "not supported when using
+        # speculative decoding". A request that wants logits is served without drafts (_run).
+        context_logits = job["return_context_logits"] and first and not draft_tokens
         extra = {
             "bad_words_list": job["bad_words_list"][None],
             "stop_words_list": job["stop_words_list"][None],
             "return_log_probs": np.array([[job["return_log_probs"]]]),
-            "return_context_logits": np.array([[job["return_context_logits"] and first]]),
+            "return_context_logits": np.array([[context_logits]]),
             **_request_tensors(job, len(sequence) - len(job["prompt_ids"])),
         }
         if draft_tokens:
@@ -182,12 +193,12 @@ class TritonVerifier:
         if draft_logits is not None:
             extra["draft_logits"] = draft_logits.float().numpy()[None].astype(np.float32)  # [1, k, vocab]
         wanted = ["output_log_probs", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks", "first_token_time_ns"]
-        if job["return_context_logits"] and first:
+        if context_logits:
             wanted.append("context_logits")
         # output_len: a plain run of the policy, or the canary's plain path (the whole answer in one call,
         # specdeploy.metrics.PlainVerifier)
         tokens, logits, outputs = self.call(
-            sequence, output_len or len(draft_tokens) + 1, sampling, extra, job["return_generation_logits"], wanted,
+            sequence, output_len or len(draft_tokens) + 1, sampling, extra, job["return_generation_logits"] and not draft_tokens, wanted,
             stop_check=job.get("stop_check"), slice_s=self._run_slice_s(output_len),
         )
         log_probs = [float(x) for a in outputs.get("output_log_probs", []) for x in a.reshape(-1)] if job["return_log_probs"] else None
@@ -233,8 +244,9 @@ class TritonPythonModel:
         # request was cancelled (or passed its deadline); an unfinished call is re-sent and resumes from its KV.
         slice_s = float(params.get("cancel_check_interval_s") or common.CANCEL_CHECK_INTERVAL_S)
         self.held = common.HeldResponses()  # one queue barrier serves both models' calls
-        self.target = _LlmCall(params["tensorrt_llm_model_name"], self.decoupled, slice_s, self.held)
-        self.draft = _LlmCall(params["tensorrt_llm_draft_model_name"], self.decoupled, slice_s, self.held)
+        names = json.loads(params.get("engine_tensor_names") or "{}")
+        self.target = _LlmCall(params["tensorrt_llm_model_name"], self.decoupled, slice_s, self.held, names)
+        self.draft = _LlmCall(params["tensorrt_llm_draft_model_name"], self.decoupled, slice_s, self.held, names)
         self.default_end_id = self.tokenizer.eos_token_id
         # draft.kind ngram: propose here, from the ids this BLS holds (a public pool is this instance's)
         self.ngram = ngram.from_parameters(params) if params.get("draft_kind") == "ngram" else None
@@ -337,7 +349,9 @@ class TritonPythonModel:
             self.ops.verifier(ops, verifier, job["max_tokens"], len(job["prompt_ids"])),
             job["prompt_ids"],
             max_new_tokens=job["max_tokens"],
-            num_draft_tokens=self.ops.num_draft_tokens(ops, job["num_draft_tokens"]),
+            # logits come only from calls without drafts (TritonVerifier.verify): such a request is served plain
+            num_draft_tokens=0 if job["return_context_logits"] or job["return_generation_logits"]
+            else self.ops.num_draft_tokens(ops, job["num_draft_tokens"]),
             sampling=job["sampling"],
             end_id=job["end_id"],
             stop_words=job["stop_words"],
