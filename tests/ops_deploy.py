@@ -33,7 +33,7 @@ def make_model(root: Path) -> Path:
     if _MODEL and _MODEL[0].is_dir():
         return _MODEL[0]
 
-    from specdeploy.testing import make_tiny_model, make_tokenizer
+    from tiny_models import make_tiny_model, make_tokenizer
 
     tok_dir, model_dir = root / "tokenizer", root / "model"
     make_tokenizer(tok_dir)

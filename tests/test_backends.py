@@ -204,7 +204,7 @@ def test_run_on_the_cpu_backend_serves_validates_and_stops(tmp_path, monkeypatch
     from click.testing import CliRunner
 
     from specdeploy.cli import main
-    from specdeploy.testing import make_tiny_model
+    from tiny_models import make_tiny_model
 
     target_dir, draft_dir = tmp_path / "target-hf", tmp_path / "draft-hf"
     make_tiny_model(target_dir, tiny_tokenizer_dir, seed=0)

@@ -322,7 +322,7 @@ def batching_server(tmp_path_factory, tiny_tokenizer_dir):
     import tritonclient.grpc as grpcclient
 
     from specdeploy.config import parse_recipe
-    from specdeploy.testing import build_quietly, make_tiny_pair, tiny_pair_recipe
+    from tiny_models import build_quietly, make_tiny_pair, tiny_pair_recipe
     from specdeploy.triton import repository, server
 
     root = tmp_path_factory.mktemp("batching-server")

@@ -224,7 +224,7 @@ def test_broken_speculative_path_is_reported_at_its_index(deployment, tmp_path):
     # partial UTF-8 byte tokens, which text outputs cannot place exactly), using a plain-text token.
     from transformers import AutoTokenizer
 
-    from specdeploy.testing import CORPUS
+    from tiny_models import CORPUS
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir(recipe, layout)))
     endpoint = TritonEndpoint(server.state.grpc_url)

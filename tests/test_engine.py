@@ -22,7 +22,7 @@ from specdeploy.config import EngineConfig
 from specdeploy.engine import CpuEngine, compile_checkpoint, native
 from specdeploy.engine.kv_cache import KVCache
 from specdeploy.errors import BuildError
-from specdeploy.testing import make_tiny_model, tiny_llama_config
+from tiny_models import make_tiny_model, tiny_llama_config
 
 ENGINE = EngineConfig(dtype="float32", max_batch_size=1, max_input_len=64, max_seq_len=128)
 QFORMATS = {"fp8": "FP8_DEFAULT_CFG", "int8_wo": "INT8_WEIGHT_ONLY_CFG", "int8_sq": "INT8_SMOOTHQUANT_CFG", "int4_awq": "INT4_AWQ_CFG"}

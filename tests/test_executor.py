@@ -15,7 +15,7 @@ from specdeploy.engine.executor import Executor, GenerationRequest, reusable_pre
 from specdeploy.errors import ConfigError
 from specdeploy.generate import ExecutorProposer, ExecutorVerifier, target_only_generate
 from specdeploy.speculative import SamplingParams
-from specdeploy.testing import ReferenceEngine, TableEngine
+from standin_engines import ReferenceEngine, TableEngine
 
 ENGINE_KINDS = ["reference", "cpu"]
 

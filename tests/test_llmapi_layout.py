@@ -14,8 +14,8 @@ import yaml
 from specdeploy.artifacts import Layout
 from specdeploy.config import parse_recipe
 from specdeploy.errors import ConfigError
-from specdeploy.testing import TINY_QUANT, build_quietly, make_tiny_pair, tiny_pair_recipe
 from specdeploy.triton import llmapi, repository, server
+from tiny_models import TINY_QUANT, build_quietly, make_tiny_pair, tiny_pair_recipe
 
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Once upon a time", "Q: What is the capital of France? A:"]
 

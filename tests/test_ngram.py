@@ -18,7 +18,7 @@ from specdeploy import speculative as spec
 from specdeploy.engine.executor import Executor
 from specdeploy.generate import ExecutorVerifier, target_only_generate
 from specdeploy.ngram import NGramDrafts, NGramPool, NGramProposer, NGramSettings
-from specdeploy.testing import TableEngine
+from standin_engines import TableEngine
 
 
 def test_longest_pattern_wins_and_match_follows_it():

@@ -54,7 +54,7 @@ def test_target_engine_built_without_max_draft_len_fires():
 
 
 def test_different_tokenizers_fire(tmp_path, tiny_llama_dir, tiny_llama_draft_dir):
-    from specdeploy.testing import make_tiny_model, make_tokenizer
+    from tiny_models import make_tiny_model, make_tokenizer
 
     other_tok = tmp_path / "tok"
     make_tokenizer(other_tok, vocab_size=300)

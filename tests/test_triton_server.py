@@ -455,7 +455,7 @@ LONG_PROMPT_TOKENS, LONG_OUTPUT = 1000, 200
 @pytest.fixture(scope="module")
 def real(tmp_path_factory, tiny_tokenizer_dir):
     from specdeploy.config import parse_recipe
-    from specdeploy.testing import build_quietly, make_tiny_pair, tiny_pair_recipe
+    from tiny_models import build_quietly, make_tiny_pair, tiny_pair_recipe
 
     root = tmp_path_factory.mktemp("real")
     recipe = parse_recipe(tiny_pair_recipe(
