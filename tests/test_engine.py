@@ -19,7 +19,9 @@ import pytest
 import torch
 
 from specdeploy.config import EngineConfig
-from specdeploy.engine import CpuEngine, compile_checkpoint, native
+from specdeploy.engine import native
+from specdeploy.engine.compile import compile_checkpoint
+from specdeploy.engine.model import CpuEngine
 from specdeploy.engine.kv_cache import KVCache
 from specdeploy.errors import BuildError
 from tiny_models import make_tiny_model, tiny_llama_config
@@ -466,9 +468,10 @@ def test_build_recipe_builds_both_engines_once(quant_checkpoints, quant_hf_dir, 
     import os
     import shutil
 
+    from specdeploy import backend_stages
     from specdeploy.artifacts import Manifest
-    from specdeploy.build import build
     recipe, layout = _recipe_and_checkpoints(tmp_path, quant_checkpoints, quant_hf_dir)
+    build = backend_stages.of(recipe).build  # what `specdeploy build` runs for a cpu recipe
     built = build(recipe, layout, echo=lambda *_: None)
     assert built["target"].max_draft_len == 3 and built["draft"].max_draft_len == 0
     assert built["target"].quant_algo == "FP8" and built["draft"].quant_algo == "W8A16"
@@ -493,7 +496,7 @@ def test_build_refuses_missing_or_stale_checkpoints(quant_checkpoints, quant_hf_
     import shutil
 
     from specdeploy.artifacts import Manifest
-    from specdeploy.engine import build_recipe
+    from specdeploy.engine.build import build_recipe
     from specdeploy.errors import StaleArtifactError
 
     recipe, layout = _recipe_and_checkpoints(tmp_path, quant_checkpoints, quant_hf_dir)

@@ -149,7 +149,7 @@ def test_nvidia_smi_parsing_and_no_gpu_probe(monkeypatch):
 
 
 def test_doctor_gpu_lines():
-    from specdeploy.backends import doctor_lines as gpu_report_lines
+    from specdeploy.doctor import gpu_lines as gpu_report_lines
 
     lines = gpu_report_lines([A100])
     assert any("compute capability 8.0" in line and "no FP8" in line for line in lines)

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from _trtllm_standin import install_standin, write_hf_checkpoint, write_trtllm_checkpoint
-from specdeploy import trtllm
+from specdeploy import backend_stages, trtllm
 from specdeploy.artifacts import Layout
 from specdeploy.config import parse_recipe
 from specdeploy.triton import gpu_models, llmapi, repository
@@ -148,7 +148,7 @@ def test_llmapi_models_config_and_model_yaml(tmp_path, built_llmapi):
 def test_generate_repository_for_trtllm_engine(built_engines):
     """The whole repository from the shared generator: GPU engine models + the shared models, all parsing."""
     recipe, layout = built_engines
-    path, written = repository.generate_repository(recipe, layout)
+    path, written = backend_stages.of(recipe).write_repository(recipe, layout)
     assert written
     names = sorted(p.name for p in path.iterdir() if (p / "config.pbtxt").is_file())
     assert names == ["ensemble", "postprocessing", "preprocessing", "tensorrt_llm", "tensorrt_llm_bls", "tensorrt_llm_draft"]
@@ -171,4 +171,4 @@ def test_generate_llmapi_repository_is_atomic_and_up_to_date(built_llmapi):
     assert len(warnings) == 4  # model.py and helpers.py (twice) must come from TensorRT-LLM: said, not faked
     repository.require_repository(recipe, layout)  # the serve stage accepts it
     assert llmapi.generate_repository(recipe, layout)[1] is False
-    assert repository.generate_repository(recipe, layout) == (path, False)  # `specdeploy repo` dispatches here
+    assert backend_stages.of(recipe).write_repository(recipe, layout) == (path, False)  # `specdeploy repo` dispatches here
