@@ -132,8 +132,13 @@ def _imported(node, importer: str, is_package: bool, root: str) -> list[str]:
         names = [module, *(f"{module}.{a.name}" for a in node.names)]
     else:
         names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
-    prefix = root + "."
-    return [n[len(prefix):] for n in names if n.startswith(prefix)] + [""] * any(n == root for n in names)
+    inside = []
+    for n in names:
+        if n == root:
+            inside.append("")  # the package's own __init__
+        elif n.startswith(root + "."):
+            inside.append(n[len(root) + 1 :])
+    return inside
 
 
 def import_graph(package: Path) -> dict[str, set[str]]:
