@@ -103,15 +103,16 @@ def _target_peak_rss_mb(server_pid: int) -> float | None:
 
 
 def _start_server(recipe, engines_dir: Path, work: Path, label: str):
+    from specdeploy import backend_stages
     from specdeploy.artifacts import Layout
-    from specdeploy.triton import repository, server
+    from specdeploy.triton import server
 
     root = work / label
     (root / "engines").mkdir(parents=True, exist_ok=True)
     link = root / "engines" / recipe.name
     if not link.exists():
         link.symlink_to(engines_dir, target_is_directory=True)
-    repo, _ = repository.generate_repository(recipe, Layout.of(recipe, root), force=True)
+    repo, _ = backend_stages.of(recipe).write_repository(recipe, Layout.of(recipe, root), force=True)
     srv = server.start(repo, server.Ports.pick(), root / "tritonserver.log", exit_timeout_s=5)
     try:
         server.wait_ready(srv, recipe.triton.startup_timeout_s)

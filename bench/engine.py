@@ -118,7 +118,7 @@ def _import_torchao():
 
 
 def _engines(job: dict, roles):
-    from specdeploy.engine import CpuEngine
+    from specdeploy.engine.model import CpuEngine
 
     return {role: CpuEngine.load(job["engines"][role]) for role in roles}
 
@@ -271,7 +271,7 @@ def ensure_engines(recipe, layout, recipe_path: str) -> dict:
     missing = [r for r in ("target", "draft") if not (layout.engine(r) / "config.json").is_file()]
     if missing:
         log(f"engines missing ({', '.join(missing)}): quantizing and building {recipe.name} (one-time, minutes)")
-        from specdeploy.engine import build_recipe
+        from specdeploy.engine.build import build_recipe
         from specdeploy.quantize import quantize_recipe
 
         quantize_recipe(recipe, layout, False)

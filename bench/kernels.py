@@ -123,7 +123,7 @@ def kernel_curves(shape: dict, repeats: int) -> dict:
 def engine_numbers(engine_dir: str, repeats: int) -> dict:
     import torch
 
-    from specdeploy.engine import CpuEngine
+    from specdeploy.engine.model import CpuEngine
 
     engine = CpuEngine.load(engine_dir)
     gen = torch.Generator().manual_seed(0)
@@ -164,7 +164,7 @@ def ensure_engine(recipe_path: str, root: str | None) -> str:
     layout = Layout.of(recipe, root or os.environ.get("SPECDEPLOY_ROOT") or ROOT)
     if not (layout.engine("target") / "config.json").is_file():
         log(f"target engine missing: quantizing and building {recipe.name} (one-time, minutes)")
-        from specdeploy.engine import build_recipe
+        from specdeploy.engine.build import build_recipe
         from specdeploy.quantize import quantize_recipe
 
         quantize_recipe(recipe, layout, False)

@@ -160,7 +160,7 @@ def quantize(ctx, recipe, force, no_progress):
         quant.quantize_recipe(r, ctx.layout(r), force=force, echo=click.echo, progress=not no_progress)
 
 
-# ---- build (specdeploy.build: one builder per backend)
+# ---- build (BackendStages.build: one builder per backend)
 
 
 @main.command()
@@ -171,11 +171,11 @@ def quantize(ctx, recipe, force, no_progress):
 @handle_errors
 def build(ctx, recipe, force, dry_run):
     """Build the draft and target engines from the quantized checkpoints (target with max_draft_len)."""
-    from specdeploy import build as builder
+    from specdeploy import backend_stages
 
     r = ctx.recipe(recipe)
     with contextlib.nullcontext() if dry_run else ctx.locked(r, recipe):
-        builder.build(r, ctx.layout(r), force=force, echo=click.echo, dry_run=dry_run)
+        backend_stages.of(r).build(r, ctx.layout(r), force=force, echo=click.echo, dry_run=dry_run)
 
 
 # ---- repo / serve / stop / status (specdeploy.triton)
@@ -188,11 +188,11 @@ def build(ctx, recipe, force, dry_run):
 @handle_errors
 def repo(ctx, recipe, force):
     """Generate the Triton model repository (triton_repo/<recipe>/) wiring the draft and target engines."""
-    from specdeploy.triton import repository
+    from specdeploy import backend_stages
 
     r = ctx.recipe(recipe)
     with ctx.locked(r, recipe):
-        path, written = repository.generate_repository(r, ctx.layout(r), recipe_path=recipe, force=force)
+        path, written = backend_stages.of(r).write_repository(r, ctx.layout(r), recipe_path=recipe, force=force)
     click.echo(f"{'wrote' if written else 'up to date:'} {path}")
 
 
@@ -213,15 +213,14 @@ def repo(ctx, recipe, force):
 @handle_errors
 def serve(ctx, recipe, detach, server_binary, print_only, print_k8s, image, openai_port):
     """Serve the recipe's model repository on tritonserver (loopback; ports from the recipe or free ones)."""
-    from specdeploy import backends
+    from specdeploy import backend_stages
 
     r = ctx.recipe(recipe)
     layout = ctx.layout(r)
     if openai_port is not None:
         _serve_openai(ctx, r, layout, recipe, detach, server_binary, openai_port)
         return
-    backend = backends.of(r)
-    serve_here = functools.partial(backend.serve, r, layout, detach=detach, server_binary=server_binary, recipe_path=recipe,
+    serve_here = functools.partial(backend_stages.of(r).serve, r, layout, detach=detach, server_binary=server_binary, recipe_path=recipe,
                                    echo=click.echo, print_only=print_only, print_k8s=print_k8s, image=image)  # fmt: skip
     if print_only or print_k8s:  # prints (and writes the image context); starts nothing, takes no lock
         serve_here()
@@ -238,19 +237,18 @@ def serve(ctx, recipe, detach, server_binary, print_only, print_k8s, image, open
 def _serve_openai(ctx, r, layout, recipe, detach, server_binary, port):
     """`serve --openai-port`: tritonserver (detached, recorded for `stop`) plus the OpenAI front, in the
     background with --detach, else in the foreground until Ctrl-C, which then stops both."""
-    from specdeploy import backends, openai_api
+    from specdeploy import backend_stages, backends, openai_api
     from specdeploy.errors import ConfigError
     from specdeploy.triton import server
 
-    backend = backends.of(r)
-    if backend.gpu:
+    if backends.of(r).gpu:
         raise ConfigError("--openai-port starts the front beside a local CPU deployment",
                           f"for a GPU deployment run: python -m specdeploy.openai_api {recipe} --grpc-url HOST:PORT --port N")  # fmt: skip
     if r.layout == "llmapi":
         raise ConfigError("--openai-port fronts the inflight_batcher_llm layout (ensemble and tensorrt_llm_bls); this recipe "
                           "serves the llmapi layout", "serve without --openai-port, or set triton.layout: inflight_batcher_llm")  # fmt: skip
     with ctx.locked(r, recipe):
-        state = backend.serve(r, layout, detach=True, server_binary=server_binary, recipe_path=recipe, echo=click.echo)
+        state = backend_stages.of(r).serve(r, layout, detach=True, server_binary=server_binary, recipe_path=recipe, echo=click.echo)
     try:
         if detach:
             openai_api.start_detached(recipe, ctx.root, state.grpc_url, port, layout.server_state, echo=click.echo)
@@ -269,13 +267,13 @@ def _serve_openai(ctx, r, layout, recipe, detach, server_binary, port):
 @handle_errors
 def stop(ctx, recipe):
     """Stop the server that `serve --detach` started for RECIPE (and its OpenAI front, if any)."""
-    from specdeploy import backends, openai_api
+    from specdeploy import backend_stages, openai_api
 
     r = ctx.recipe(recipe)
     front = openai_api.stop_detached(ctx.layout(r).server_state)
     if front:
         click.echo(front)
-    click.echo(backends.of(r).stop(ctx.layout(r)))
+    click.echo(backend_stages.of(r).stop(ctx.layout(r)))
 
 
 @main.command()

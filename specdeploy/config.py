@@ -22,7 +22,7 @@ from specdeploy.errors import ConfigError
 QFORMATS = _backends.ALL_QFORMATS
 KV_CACHE_DTYPES = (None, "fp8", "int8")
 AWQ_BLOCK_SIZES = (64, 128)
-BACKENDS = _backends.NAMES  # what each backend is and does: specdeploy/backends.py
+BACKENDS = _backends.NAMES  # what each backend is: specdeploy/backends.py (core facts, no stage imported)
 ENGINE_DTYPES = ("bfloat16", "float16", "float32")
 ROLES = ("target", "draft")
 
@@ -58,6 +58,9 @@ class ModelConfig:
 
 
 DRAFT_KINDS = ("model", "ngram")  # draft.kind
+# draft.max_matching_ngram_size when null; the default of specdeploy.ngram.NGramSettings, written here because the
+# recipe checks draft.min_matching_ngram_size against it and the recipe imports nothing above the core.
+NGRAM_MAX_MATCHING_NGRAM_SIZE = 2
 SPECULATION_POLICIES = ("static", "cost")  # speculative.policy (specdeploy.policy)
 
 
@@ -533,9 +536,7 @@ def _check_draft_kind(r: Recipe) -> None:
         _at_least("draft.max_matching_ngram_size", d.max_matching_ngram_size, 1)
     if d.min_matching_ngram_size is not None:
         _at_least("draft.min_matching_ngram_size", d.min_matching_ngram_size, 1)
-        from specdeploy.ngram import NGramSettings
-
-        largest = d.max_matching_ngram_size or NGramSettings.max_matching_ngram_size
+        largest = d.max_matching_ngram_size or NGRAM_MAX_MATCHING_NGRAM_SIZE
         if d.min_matching_ngram_size > largest:
             raise ConfigError(f"key 'draft.min_matching_ngram_size' ({d.min_matching_ngram_size}) is larger than "
                               f"draft.max_matching_ngram_size ({largest})", "set min_matching_ngram_size <= max_matching_ngram_size")

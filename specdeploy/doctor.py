@@ -76,10 +76,28 @@ def clean_shm() -> str:
     return f"removed {removed} unused Triton python-backend regions from {shm.SHM_DIR} ({held / 2**30:.1f} GiB)"
 
 
-def _gpu_lines() -> list[str]:
+def gpu_lines(gpus=None) -> list[str]:
+    """GPUs, compute capability, memory, TensorRT-LLM, trtllm-build, and which backends this machine can run."""
     from specdeploy import backends
+    from specdeploy import gpu as gpu_probe
 
-    return backends.doctor_lines()  # GPUs, TensorRT-LLM, trtllm-build, and which backends this machine can run
+    gpus = gpu_probe.probe() if gpus is None else gpus
+    version = gpu_probe.tensorrt_llm_version()
+    tool = shutil.which("trtllm-build")
+    if not gpus:
+        lines = [_line(None, "GPU", "none found (nvidia-smi/torch.cuda); GPU backends can only dry-run here")]
+    else:
+        lines = []
+        for g in gpus:
+            cc = "?" if g.compute_capability is None else "{}.{}".format(*g.compute_capability)
+            fp8 = g.compute_capability is not None and g.compute_capability >= (8, 9)
+            lines.append(_line(True, f"GPU {g.index}", f"{g.name}, {g.memory_gib:.1f} GiB, compute capability {cc}"
+                               f"{'' if fp8 else ' (no FP8: needs 8.9+)'}"))  # fmt: skip
+    lines.append(_line(version is not None, "tensorrt_llm", version or "not installed"))
+    lines.append(_line(tool is not None, "trtllm-build", tool or "not on PATH (TensorRT-LLM <= 1.1 ships it)"))
+    usable = [b.name for b in backends.ALL if b.usable(gpus, version, tool is not None)]
+    lines.append(_line(True, "usable backends", ", ".join(usable)))
+    return lines
 
 
 def report_lines() -> list[str]:
@@ -88,7 +106,7 @@ def report_lines() -> list[str]:
         _line(sys.version_info >= (3, 10), "python", f"{platform.python_version()} ({sys.executable})"),
         _line(torch_version is not None, "torch", torch_version or "not installed (make setup)"),
         _native_line(),
-        *_gpu_lines(),
+        *gpu_lines(),
         _line(_version("nvidia-modelopt") is not None, "modelopt", _version("nvidia-modelopt") or "not installed"),
         _line(importlib.util.find_spec("tritonclient") is not None, "tritonclient", _version("tritonclient") or "missing"),
         _server_line(),

@@ -124,7 +124,7 @@ def load_engine(engine_dir: Path, role: str, recipe_path: str = "RECIPE"):
             f"build it with: specdeploy build {recipe_path}",
         )
     try:
-        from specdeploy.engine import CpuEngine
+        from specdeploy.engine.model import CpuEngine
     except ImportError as exc:  # the runtime is a separate part of the package
         raise BuildError(f"the CPU engine runtime is not available: {exc}", "reinstall specdeploy") from exc
     return CpuEngine.load(engine_dir)

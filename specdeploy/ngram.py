@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specdeploy.config import NGRAM_MAX_MATCHING_NGRAM_SIZE
 from specdeploy.speculative import Proposal, SamplingParams
 
 Pattern = tuple[int, ...]
@@ -43,7 +44,7 @@ class NGramSettings:
     """TensorRT-LLM's NGramDecodingConfig fields (defaults from the recipe's `draft` section)."""
 
     max_draft_len: int = 4
-    max_matching_ngram_size: int = 2
+    max_matching_ngram_size: int = NGRAM_MAX_MATCHING_NGRAM_SIZE
     is_keep_all: bool = True
     is_use_oldest: bool = True
     is_public_pool: bool = True

@@ -20,9 +20,7 @@ from specdeploy.config import Recipe
 
 # The NGC base image of each GPU backend is `Backend.default_image` (specdeploy/backends.py). Which TensorRT-LLM a
 # tag carries is checked when the image is built (below).
-# What engine-backend images must carry when no built engine says otherwise (25.03 carries 0.18; trtllm-build
-# exists up to 1.1). TensorRT engines only load in the TensorRT-LLM release that built them.
-ENGINE_BACKEND_TRTLLM = "0.18"
+# What engine-backend images must carry when no built engine says otherwise: gpu_models.ENGINE_BACKEND_TRTLLM.
 # Distributions the image already provides in CUDA builds; installing specdeploy must not replace them.
 PROVIDED_BY_IMAGE = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "accelerate", "nvidia-modelopt")
 # specdeploy's dependencies that the server-side models need and the image may lack (pure Python).
@@ -54,7 +52,9 @@ def target_trtllm(recipe: Recipe, layout: Layout | None = None) -> str:
         version = (built.tool_versions or {}).get("trtllm-build") if built is not None else None
         if version:
             return str(version).split("-")[0]
-    return ENGINE_BACKEND_TRTLLM
+    from specdeploy.triton import gpu_models
+
+    return gpu_models.ENGINE_BACKEND_TRTLLM
 
 
 def pinned_requirements(names=SERVER_SIDE) -> list[str]:

@@ -1,7 +1,7 @@
 """`specdeploy run`: quantize -> build -> repo -> serve -> validate -> stop, on any backend.
 
 Each stage is its own module's function (an unchanged artifact is not redone); the serve step asks the
-recipe's backend to start its server (`Backend.start`: the embedded CPU tritonserver, or the GPU launch
+recipe's backend to start its server (`BackendStages.start`: the embedded CPU tritonserver, or the GPU launch
 plan with its pre-flight checks), and that server is always stopped, also on failure or Ctrl-C.
 """
 
@@ -10,22 +10,20 @@ from __future__ import annotations
 
 def run(recipe, layout, recipe_path: str, echo=print, progress=True, server_binary: str | None = None, **overrides):
     """Every stage in order; returns validate_recipe's (report, paths, verdict). `overrides` go to validate."""
-    from specdeploy import backends
-    from specdeploy import build as builder
+    from specdeploy import backend_stages
     from specdeploy.client.validate import validate_recipe
     from specdeploy.quantize import quantize_recipe
-    from specdeploy.triton import repository
 
-    backend = backends.of(recipe)
-    echo(f"== quantize ({backend.name})")
+    stages = backend_stages.of(recipe)
+    echo(f"== quantize ({stages.backend.name})")
     quantize_recipe(recipe, layout, echo=echo, progress=progress is True)
     echo("== build")
-    builder.build(recipe, layout, echo=echo)
+    stages.build(recipe, layout, echo=echo)
     echo("== repo")
-    path, written = repository.generate_repository(recipe, layout, recipe_path=recipe_path)
+    path, written = stages.write_repository(recipe, layout, recipe_path=recipe_path)
     echo(f"{'wrote' if written else 'up to date:'} {path}")
     echo("== serve")
-    running = backend.start(recipe, layout, server_binary=server_binary, echo=echo)
+    running = stages.start(recipe, layout, server_binary=server_binary, echo=echo)
     try:
         echo(f"ready: {running.description}")
         echo("== validate")

@@ -185,14 +185,6 @@ def engine_fingerprint(recipe: Recipe, step: BuildStep, checkpoint_fp: str) -> s
     return fingerprint(backend="trtllm-engine", role=step.role, checkpoint=checkpoint_fp, flags=flags)
 
 
-def _preflight(recipe: Recipe, layout: Layout, gpus, dry_run: bool, echo) -> list:
-    """Run the pre-flight checks; a real build prints warnings and stops on errors, a dry run only reports."""
-    from specdeploy import preflight
-
-    findings = preflight.run_all(recipe, layout, gpus, check_built_engine=False)
-    return findings if dry_run else preflight.enforce(findings, echo)
-
-
 # ---------------------------------------------------------------- running the tool
 
 
@@ -244,13 +236,15 @@ def _check_engine_output(out: Path, world_size: int, role: str, tail: list[str])
         )
 
 
-def build_engine_recipe(recipe: Recipe, layout: Layout, force: bool = False, dry_run: bool = False, echo=print) -> list[Path]:
+def build_engine_recipe(recipe: Recipe, layout: Layout, force: bool = False, dry_run: bool = False, echo=print,
+                        run_preflight=None) -> list[Path]:  # fmt: skip
     """`specdeploy build` for backend trtllm-engine: draft then target engine, each atomically with a manifest.
 
     A failed build leaves the earlier engine of that role in place and raises BuildError with the tool's last lines.
+    `run_preflight(gpus)` returns the pre-flight findings (backend_stages.GpuStages.build hands it in).
     """
     gpus = gpu_probe.probe()
-    findings = _preflight(recipe, layout, gpus, dry_run, echo)
+    findings = run_preflight(gpus) if run_preflight else []
     if dry_run:
         steps = plan_engine_build(recipe, layout, gpus, must_exist=False)
         echo(f"# dry run: {TOOL} commands for recipe {recipe.name} ({gpu_probe.describe(gpus)}); nothing is written")
@@ -586,7 +580,8 @@ def serve_command(options_path: Path, target_dir: Path, port: int = 8000) -> lis
 
 
 def build_llmapi_recipe(
-    recipe: Recipe, layout: Layout, force: bool = False, dry_run: bool = False, echo=print, prove: bool = True
+    recipe: Recipe, layout: Layout, force: bool = False, dry_run: bool = False, echo=print, prove: bool = True,
+    run_preflight=None,
 ) -> list[Path]:
     """`specdeploy build` for backend trtllm-llmapi: write the options YAML (no engine) and, when TensorRT-LLM is
     importable on a GPU machine, load it once with LLM(...) to prove it starts."""
@@ -594,7 +589,7 @@ def build_llmapi_recipe(
     options = llmapi_options(recipe, layout, version)
     out = layout.engine("target")
     text = yaml.safe_dump(options, sort_keys=False)
-    findings = _preflight(recipe, layout, gpu_probe.probe(), dry_run, echo)
+    findings = run_preflight(gpu_probe.probe()) if run_preflight else []  # as in build_engine_recipe
     installed = gpu_probe.tensorrt_llm_version()
     if installed is not None and not installed.startswith(version.name):
         echo(f"warning: tensorrt_llm {installed} is installed, the recipe targets trtllm_version {recipe.trtllm_version}; "

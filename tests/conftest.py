@@ -10,7 +10,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import pytest
 import torch
 
-from specdeploy.testing import make_tiny_model, make_tokenizer
+from tiny_models import make_tiny_model, make_tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -33,7 +33,7 @@ def make_model(root: Path) -> Path:
     if _MODEL and _MODEL[0].is_dir():
         return _MODEL[0]
 
-    from specdeploy.testing import make_tiny_model, make_tokenizer
+    from tiny_models import make_tiny_model, make_tokenizer
 
     tok_dir, model_dir = root / "tokenizer", root / "model"
     make_tokenizer(tok_dir)
@@ -56,11 +56,11 @@ def build(root: Path, model_dir: Path, name: str, **sections):
     """
     import shutil
 
+    from specdeploy import backend_stages
     from specdeploy.artifacts import Layout
     from specdeploy.config import parse_recipe
     from specdeploy.engine.build import build_recipe
     from specdeploy.quantize import quantize_recipe
-    from specdeploy.triton import repository
 
     raw = {
         "name": name,
@@ -86,7 +86,7 @@ def build(root: Path, model_dir: Path, name: str, **sections):
     quiet = lambda *a, **k: None  # noqa: E731
     quantize_recipe(recipe, layout, echo=quiet, progress=False)
     build_recipe(recipe, layout, echo=quiet)
-    repository.generate_repository(recipe, layout, recipe_path=str(recipe_path))
+    backend_stages.of(recipe).write_repository(recipe, layout, recipe_path=str(recipe_path))
     return recipe, layout, recipe_path
 
 

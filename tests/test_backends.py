@@ -1,4 +1,5 @@
-"""The Backend interface: one place decides per backend; the pipeline drives every backend's own stages."""
+"""The backends: their facts (specdeploy.backends) decide per backend in one place, and their stages
+(specdeploy.backend_stages) are what the pipeline drives."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from _trtllm_standin import STANDIN_TRITONSERVER, install_standin, recorded
-from specdeploy import backends, config, preflight
+from specdeploy import backend_stages, backends, config, preflight
 from specdeploy.errors import ConfigError
 
 PACKAGE = Path(__file__).resolve().parents[1] / "specdeploy"
@@ -54,7 +55,7 @@ def test_the_scan_finds_each_kind_of_backend_decision():
     assert lines == {1, 3, 4, 5}  # not 6 and 7: "cpu" as a torch device
 
 
-def test_no_backend_string_decisions_outside_the_backend_module():
+def test_no_backend_string_decisions_outside_the_backend_facts():
     offenders = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         if path == PACKAGE / "backends.py":
@@ -82,8 +83,6 @@ def test_every_backend_answers_every_question():
         assert set(b.qformats) <= set(config.QFORMATS) and "full_prec" in b.qformats
         assert set(b.preflight_checks) <= set(preflight.CHECKS), b.name
         assert b.checkpoint_format in ("trtllm", "hf")
-        for method in ("build", "serve", "start", "write_repository"):
-            assert getattr(type(b), method) is not getattr(backends.Backend, method) or method == "write_repository", (b.name, method)
         assert b.gpu == (b.default_image is not None)
     # every check is used by some backend, and the GPU-only checks by GPU backends only
     assert set(preflight.CHECKS) == {c for b in backends.ALL for c in b.preflight_checks}
@@ -92,6 +91,26 @@ def test_every_backend_answers_every_question():
     assert all(b.layouts and set(b.layouts) <= set(backends.LAYOUTS) for b in backends.ALL)
     assert backends.TRTLLM_LLMAPI.layouts == ("llmapi",) and "llmapi" in backends.CPU.layouts
     assert backends.CPU.exact_verification and not any(b.exact_verification for b in backends.ALL if b.gpu)
+
+
+def test_every_backend_has_its_stages():
+    assert [s.backend for s in backend_stages.ALL] == list(backends.ALL)
+    for b in backends.ALL:
+        stages = backend_stages.get(b.name)
+        assert stages.backend is b
+        for method in ("build", "serve", "start", "engine_models"):
+            assert getattr(type(stages), method) is not getattr(backend_stages.BackendStages, method), (b.name, method)
+    with pytest.raises(ConfigError, match="unknown backend 'tensorrt'"):
+        backend_stages.get("tensorrt")
+
+
+def test_facts_answer_from_data():
+    r = config.parse_recipe({"name": "x", "target": {"model": "t"}, "draft": {"model": "d"},
+                             "triton": {"inflight_batching": False}})  # fmt: skip
+    assert not backends.CPU.batches_in_flight(r) and backends.TRTLLM_ENGINE.batches_in_flight(r)
+    assert backends.CPU.usable([], None, False)
+    assert not backends.TRTLLM_LLMAPI.usable([], "1.2", False) and backends.TRTLLM_LLMAPI.usable(["gpu"], "1.2", False)
+    assert not backends.TRTLLM_ENGINE.usable(["gpu"], "1.1", False) and backends.TRTLLM_ENGINE.usable(["gpu"], "1.1", True)
 
 
 def test_config_asks_the_backend():
@@ -204,7 +223,7 @@ def test_run_on_the_cpu_backend_serves_validates_and_stops(tmp_path, monkeypatch
     from click.testing import CliRunner
 
     from specdeploy.cli import main
-    from specdeploy.testing import make_tiny_model
+    from tiny_models import make_tiny_model
 
     target_dir, draft_dir = tmp_path / "target-hf", tmp_path / "draft-hf"
     make_tiny_model(target_dir, tiny_tokenizer_dir, seed=0)

@@ -21,7 +21,8 @@ from specdeploy.speculative import SamplingParams
 def _build(model_dir, out_dir, dtype, qformat="full_prec", max_draft_len=4):
     """Quantize + compile + load with the project's own stages."""
     from specdeploy.config import EngineConfig, QuantConfig
-    from specdeploy.engine import CpuEngine, compile_checkpoint
+    from specdeploy.engine.compile import compile_checkpoint
+    from specdeploy.engine.model import CpuEngine
     from specdeploy.quantize import quantize_model
 
     ckpt = out_dir / "ckpt"
@@ -321,9 +322,10 @@ def _grpc_inputs(values: dict) -> list:
 def batching_server(tmp_path_factory, tiny_tokenizer_dir):
     import tritonclient.grpc as grpcclient
 
+    from specdeploy import backend_stages
     from specdeploy.config import parse_recipe
-    from specdeploy.testing import build_quietly, make_tiny_pair, tiny_pair_recipe
-    from specdeploy.triton import repository, server
+    from tiny_models import build_quietly, make_tiny_pair, tiny_pair_recipe
+    from specdeploy.triton import server
 
     root = tmp_path_factory.mktemp("batching-server")
     recipe = parse_recipe(tiny_pair_recipe(
@@ -333,7 +335,7 @@ def batching_server(tmp_path_factory, tiny_tokenizer_dir):
         validation={"max_tokens": 16},
     ))  # fmt: skip
     layout = build_quietly(recipe, root)
-    repo, _ = repository.generate_repository(recipe, layout)
+    repo, _ = backend_stages.of(recipe).write_repository(recipe, layout)
     assert 'key: "inflight_batching"' in (repo / "tensorrt_llm" / "config.pbtxt").read_text()
     srv = server.start(repo, server.Ports.pick(), root / "tritonserver.log", exit_timeout_s=3)
     try:

@@ -3,7 +3,7 @@ import yaml
 from click.testing import CliRunner
 
 from specdeploy.cli import main
-from specdeploy.testing import make_tiny_model, make_tokenizer
+from tiny_models import make_tiny_model, make_tokenizer
 
 
 def run(*args):

@@ -57,7 +57,7 @@ def _recipe_dict(target: Path, draft: Path, name: str = "clienttest", decoupled:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, tiny_llama_dir):
     """engines/ of a real quantize + build of the tiny model (FP8 target, INT8 weight-only draft)."""
-    from specdeploy.engine import build_recipe
+    from specdeploy.engine.build import build_recipe
     from specdeploy.quantize import quantize_recipe
 
     root = tmp_path_factory.mktemp("client-build")
@@ -70,12 +70,12 @@ def built(tmp_path_factory, tiny_llama_dir):
 
 def _deploy(root: Path, built: Path, raw: dict, executor_factory: str | None = None):
     """The built engines under a recipe of their own, with its repository; (recipe, layout)."""
-    from specdeploy.triton import repository
+    from specdeploy import backend_stages
 
     recipe = parse_recipe(raw)
     layout = Layout.of(recipe, root)
     shutil.copytree(built, layout.engines)  # same recipe name, another project root: the engines match it
-    repository.generate_repository(recipe, layout, executor_factory=executor_factory)
+    backend_stages.of(recipe).write_repository(recipe, layout, executor_factory=executor_factory)
     return recipe, layout
 
 
@@ -224,7 +224,7 @@ def test_broken_speculative_path_is_reported_at_its_index(deployment, tmp_path):
     # partial UTF-8 byte tokens, which text outputs cannot place exactly), using a plain-text token.
     from transformers import AutoTokenizer
 
-    from specdeploy.testing import CORPUS
+    from tiny_models import CORPUS
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir(recipe, layout)))
     endpoint = TritonEndpoint(server.state.grpc_url)

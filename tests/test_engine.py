@@ -19,10 +19,12 @@ import pytest
 import torch
 
 from specdeploy.config import EngineConfig
-from specdeploy.engine import CpuEngine, compile_checkpoint, native
+from specdeploy.engine import native
+from specdeploy.engine.compile import compile_checkpoint
+from specdeploy.engine.model import CpuEngine
 from specdeploy.engine.kv_cache import KVCache
 from specdeploy.errors import BuildError
-from specdeploy.testing import make_tiny_model, tiny_llama_config
+from tiny_models import make_tiny_model, tiny_llama_config
 
 ENGINE = EngineConfig(dtype="float32", max_batch_size=1, max_input_len=64, max_seq_len=128)
 QFORMATS = {"fp8": "FP8_DEFAULT_CFG", "int8_wo": "INT8_WEIGHT_ONLY_CFG", "int8_sq": "INT8_SMOOTHQUANT_CFG", "int4_awq": "INT4_AWQ_CFG"}
@@ -466,9 +468,10 @@ def test_build_recipe_builds_both_engines_once(quant_checkpoints, quant_hf_dir, 
     import os
     import shutil
 
+    from specdeploy import backend_stages
     from specdeploy.artifacts import Manifest
-    from specdeploy.build import build
     recipe, layout = _recipe_and_checkpoints(tmp_path, quant_checkpoints, quant_hf_dir)
+    build = backend_stages.of(recipe).build  # what `specdeploy build` runs for a cpu recipe
     built = build(recipe, layout, echo=lambda *_: None)
     assert built["target"].max_draft_len == 3 and built["draft"].max_draft_len == 0
     assert built["target"].quant_algo == "FP8" and built["draft"].quant_algo == "W8A16"
@@ -493,7 +496,7 @@ def test_build_refuses_missing_or_stale_checkpoints(quant_checkpoints, quant_hf_
     import shutil
 
     from specdeploy.artifacts import Manifest
-    from specdeploy.engine import build_recipe
+    from specdeploy.engine.build import build_recipe
     from specdeploy.errors import StaleArtifactError
 
     recipe, layout = _recipe_and_checkpoints(tmp_path, quant_checkpoints, quant_hf_dir)

@@ -15,7 +15,7 @@ from specdeploy.engine.executor import Executor, GenerationRequest, reusable_pre
 from specdeploy.errors import ConfigError
 from specdeploy.generate import ExecutorProposer, ExecutorVerifier, target_only_generate
 from specdeploy.speculative import SamplingParams
-from specdeploy.testing import ReferenceEngine, TableEngine
+from standin_engines import ReferenceEngine, TableEngine
 
 ENGINE_KINDS = ["reference", "cpu"]
 
@@ -23,7 +23,8 @@ ENGINE_KINDS = ["reference", "cpu"]
 def _cpu_engine(model_dir, out_dir, max_draft_len):
     """Quantize (full precision) + compile + load with the project's own stages."""
     from specdeploy.config import EngineConfig, QuantConfig
-    from specdeploy.engine import CpuEngine, compile_checkpoint
+    from specdeploy.engine.compile import compile_checkpoint
+    from specdeploy.engine.model import CpuEngine
     from specdeploy.quantize import quantize_model
 
     ckpt = out_dir / "ckpt"

@@ -12,6 +12,7 @@ from specdeploy import launch, packaging
 from specdeploy.artifacts import Layout
 from specdeploy.config import parse_recipe
 from specdeploy.errors import ConfigError, ServerError
+from specdeploy.triton import gpu_models
 
 # Written out, not taken from specdeploy.launch: where NGC's Triton images install the server, and the
 # folder holding the specdeploy package (this checkout's root) that the python models must import from.
@@ -274,7 +275,7 @@ def test_engine_images_carry_the_release_that_built_the_engines(tmp_path):
 
     r = recipe()
     layout = Layout.of(r, tmp_path)
-    assert packaging.target_trtllm(r, layout) == packaging.ENGINE_BACKEND_TRTLLM  # nothing built yet
+    assert packaging.target_trtllm(r, layout) == gpu_models.ENGINE_BACKEND_TRTLLM  # nothing built yet
     layout.engine("target").mkdir(parents=True)
     Manifest(stage="build", recipe_name=r.name, fingerprint="f",
              tool_versions={"trtllm-build": "0.17.0.post1"}).write(layout.engine("target"))  # fmt: skip

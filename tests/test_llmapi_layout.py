@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 import yaml
 
+from specdeploy import backend_stages
 from specdeploy.artifacts import Layout
 from specdeploy.config import parse_recipe
 from specdeploy.errors import ConfigError
-from specdeploy.testing import TINY_QUANT, build_quietly, make_tiny_pair, tiny_pair_recipe
 from specdeploy.triton import llmapi, repository, server
+from tiny_models import TINY_QUANT, build_quietly, make_tiny_pair, tiny_pair_recipe
 
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Once upon a time", "Q: What is the capital of France? A:"]
 
@@ -94,7 +95,7 @@ def _deploy(built, name: str, **triton):
     root, target_dir, draft_dir = built
     recipe = parse_recipe(_recipe(target_dir, draft_dir, triton={"layout": "llmapi", **triton}))
     layout = _RepoAt(root, recipe.name, root / name)
-    path, written = repository.generate_repository(recipe, layout)
+    path, written = backend_stages.of(recipe).write_repository(recipe, layout)
     assert written and path == root / name
     return recipe, layout, path
 
@@ -299,7 +300,7 @@ def test_ngram_draft_on_the_llmapi_layout_keeps_greedy_parity(built):
     data["speculative"] = {**data.get("speculative", {}), "policy": "static"}
     recipe = parse_recipe(data)
     layout = _RepoAt(root, recipe.name, root / "ngram")
-    repo, _ = repository.generate_repository(recipe, layout)
+    repo, _ = backend_stages.of(recipe).write_repository(recipe, layout)
     spec_yaml = yaml.safe_load((repo / "tensorrt_llm" / "1" / "model.yaml").read_text())
     assert spec_yaml["speculative_config"] == {"decoding_type": "NGram", "max_draft_len": recipe.speculative.num_draft_tokens,
                                                "max_matching_ngram_size": 3, "is_keep_all": True, "is_use_oldest": True,

@@ -13,7 +13,7 @@ from specdeploy.cost import cost_of, level_cost
 from specdeploy.engine.executor import Executor
 from specdeploy.errors import ClientError
 from specdeploy.generate import ExecutorProposer, ExecutorVerifier, target_only_generate
-from specdeploy.testing import TableEngine
+from standin_engines import TableEngine
 
 
 class FakeClock:

@@ -4,7 +4,7 @@ import pytest
 
 from specdeploy import models
 from specdeploy.errors import ConfigError, ModelError
-from specdeploy.testing import make_tiny_model, make_tokenizer
+from tiny_models import make_tiny_model, make_tokenizer
 
 
 def test_same_tokenizer_passes(tiny_llama_dir, tiny_llama_draft_dir):

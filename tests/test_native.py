@@ -130,8 +130,8 @@ def test_bad_arguments_are_errors_not_crashes():
 @pytest.fixture(scope="module")
 def bf16_engines(tmp_path_factory, tiny_tokenizer_dir):
     """The tiny test model's FP8 target as a bf16 engine (loaded with native kernels or with torch ops)."""
-    from specdeploy.engine import compile_checkpoint
-    from specdeploy.testing import make_tiny_model
+    from specdeploy.engine.compile import compile_checkpoint
+    from tiny_models import make_tiny_model
     from tests.test_engine import ENGINE, QUANT_MODEL, export_checkpoint
 
     root = tmp_path_factory.mktemp("native")

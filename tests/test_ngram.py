@@ -18,7 +18,7 @@ from specdeploy import speculative as spec
 from specdeploy.engine.executor import Executor
 from specdeploy.generate import ExecutorVerifier, target_only_generate
 from specdeploy.ngram import NGramDrafts, NGramPool, NGramProposer, NGramSettings
-from specdeploy.testing import TableEngine
+from standin_engines import TableEngine
 
 
 def test_longest_pattern_wins_and_match_follows_it():
@@ -175,10 +175,11 @@ def test_served_ngram_draft_keeps_greedy_parity(tmp_path_factory, tiny_llama_dir
     nothing to build), its repository with ngram_draft.py as tensorrt_llm_draft, in tritonserver: the
     speculative path's greedy text equals the ensemble's, and the draft both hits and misses."""
     from specdeploy.artifacts import Layout
+    from specdeploy import backend_stages
     from specdeploy.client.protocol import GenerateRequest
     from specdeploy.client.triton_adapter import TritonEndpoint
     from specdeploy.config import parse_recipe
-    from specdeploy.engine import build_recipe
+    from specdeploy.engine.build import build_recipe
     from specdeploy.quantize import quantize_recipe
     from specdeploy.triton import repository
     from specdeploy.triton import server as server_mod
@@ -197,7 +198,7 @@ def test_served_ngram_draft_keeps_greedy_parity(tmp_path_factory, tiny_llama_dir
     quantize_recipe(recipe, layout, echo=lambda *_: None, progress=False)
     build_recipe(recipe, layout, echo=lambda *_: None)
     assert not (layout.engine("draft") / "config.json").exists()  # nothing built for the draft
-    repository.generate_repository(recipe, layout)
+    backend_stages.of(recipe).write_repository(recipe, layout)
     draft_config = repository.check_config((layout.repo / repository.DRAFT_MODEL / "config.pbtxt").read_text())
     assert draft_config.parameters["max_matching_ngram_size"].string_value == "2"
     bls_config = repository.check_config((layout.repo / repository.BLS / "config.pbtxt").read_text())

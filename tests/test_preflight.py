@@ -54,7 +54,7 @@ def test_target_engine_built_without_max_draft_len_fires():
 
 
 def test_different_tokenizers_fire(tmp_path, tiny_llama_dir, tiny_llama_draft_dir):
-    from specdeploy.testing import make_tiny_model, make_tokenizer
+    from tiny_models import make_tiny_model, make_tokenizer
 
     other_tok = tmp_path / "tok"
     make_tokenizer(other_tok, vocab_size=300)
@@ -149,7 +149,7 @@ def test_nvidia_smi_parsing_and_no_gpu_probe(monkeypatch):
 
 
 def test_doctor_gpu_lines():
-    from specdeploy.backends import doctor_lines as gpu_report_lines
+    from specdeploy.doctor import gpu_lines as gpu_report_lines
 
     lines = gpu_report_lines([A100])
     assert any("compute capability 8.0" in line and "no FP8" in line for line in lines)

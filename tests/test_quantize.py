@@ -385,7 +385,7 @@ def test_failure_midway_keeps_the_checkpoint(done, monkeypatch):
 def test_qwen2_exports_with_qkv_bias(tiny_tokenizer_dir, tmp_path):
     from transformers import Qwen2Config
 
-    from specdeploy.testing import make_tiny_model
+    from tiny_models import make_tiny_model
 
     source = tmp_path / "qwen2"
     config = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

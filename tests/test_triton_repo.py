@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from triton_hf_engine import make_engines, write_engine  # noqa: E402
 
-from specdeploy import backends  # noqa: E402
+from specdeploy import backend_stages  # noqa: E402
 from specdeploy.errors import RepoError, ServerError, StaleArtifactError  # noqa: E402
 from specdeploy.triton import repository, server  # noqa: E402
 from specdeploy.triton.models import common  # noqa: E402
@@ -36,7 +36,7 @@ def _parse(path: Path):
 
 def test_every_config_parses_with_tritons_schema(setup):
     recipe, layout = setup
-    path, written = repository.generate_repository(recipe, layout, executor_factory=FACTORY)
+    path, written = backend_stages.of(recipe).write_repository(recipe, layout, executor_factory=FACTORY)
     assert written and path == layout.repo
     for name in MODELS:
         config = _parse(path / name / "config.pbtxt")
@@ -66,7 +66,7 @@ def test_every_config_parses_with_tritons_schema(setup):
 
 def test_decoupled_and_instances_follow_the_recipe(tmp_path, tiny_llama_dir, tiny_llama_draft_dir):
     recipe, layout = make_engines(tmp_path, tiny_llama_dir, tiny_llama_draft_dir, triton={"decoupled": True, "instance_count": 3})
-    path, _ = repository.generate_repository(recipe, layout, executor_factory=FACTORY)
+    path, _ = backend_stages.of(recipe).write_repository(recipe, layout, executor_factory=FACTORY)
     for name in ("tensorrt_llm", "tensorrt_llm_draft", "tensorrt_llm_bls"):
         config = _parse(path / name / "config.pbtxt")
         assert config.model_transaction_policy.decoupled
@@ -76,9 +76,9 @@ def test_decoupled_and_instances_follow_the_recipe(tmp_path, tiny_llama_dir, tin
 
 def test_up_to_date_repo_is_kept_and_stale_repo_refused(setup, tmp_path, tiny_llama_dir):
     recipe, layout = setup
-    _, written = repository.generate_repository(recipe, layout, executor_factory=FACTORY)
+    _, written = backend_stages.of(recipe).write_repository(recipe, layout, executor_factory=FACTORY)
     assert written
-    _, written = repository.generate_repository(recipe, layout, executor_factory=FACTORY)
+    _, written = backend_stages.of(recipe).write_repository(recipe, layout, executor_factory=FACTORY)
     assert not written
     repository.require_repository(recipe, layout)
     # a rebuilt engine (new fingerprint) makes the repository stale
@@ -86,7 +86,7 @@ def test_up_to_date_repo_is_kept_and_stale_repo_refused(setup, tmp_path, tiny_ll
     with pytest.raises(StaleArtifactError) as err:
         repository.require_repository(recipe, layout, "r.yaml")
     assert "specdeploy repo r.yaml" in err.value.hint
-    _, written = repository.generate_repository(recipe, layout, executor_factory=FACTORY)
+    _, written = backend_stages.of(recipe).write_repository(recipe, layout, executor_factory=FACTORY)
     assert written
     repository.require_repository(recipe, layout)
 
@@ -95,7 +95,7 @@ def test_missing_or_wrong_engines_are_refused_with_a_build_hint(setup):
     recipe, layout = setup
     (layout.engine("draft") / "manifest.json").unlink()
     with pytest.raises(StaleArtifactError) as err:
-        repository.generate_repository(recipe, layout, "r.yaml", executor_factory=FACTORY)
+        backend_stages.of(recipe).write_repository(recipe, layout, "r.yaml", executor_factory=FACTORY)
     assert "specdeploy build r.yaml" in err.value.hint
 
 
@@ -103,15 +103,17 @@ def test_target_without_enough_max_draft_len_is_refused(tmp_path, tiny_llama_dir
     recipe, layout = make_engines(tmp_path, tiny_llama_dir, tiny_llama_draft_dir)
     write_engine(layout.engine("target"), tiny_llama_dir, recipe, "target", 2)
     with pytest.raises(RepoError, match="max_draft_len"):
-        repository.generate_repository(recipe, layout, executor_factory=FACTORY)
+        backend_stages.of(recipe).write_repository(recipe, layout, executor_factory=FACTORY)
 
 
 def test_cpu_backend_writes_the_shared_layout(setup):
     recipe, layout = setup
     inp = repository.repo_inputs(recipe, layout, executor_factory=FACTORY)
-    specs = repository.model_specs(repository.RepoInputs(recipe, inp.engine_dirs, inp.engine_manifests, FACTORY))
+    stages = backend_stages.of(recipe)
+    specs = repository.model_specs(repository.RepoInputs(recipe, inp.engine_dirs, inp.engine_manifests, FACTORY),
+                                   stages.engine_models)  # fmt: skip
     assert [s.name for s in specs] == list(MODELS)
-    assert [s.name for s in backends.CPU.engine_models(inp)] == ["tensorrt_llm", "tensorrt_llm_draft"]
+    assert [s.name for s in stages.engine_models(inp)] == ["tensorrt_llm", "tensorrt_llm_draft"]
 
 
 def test_render_refuses_a_parameter_without_value():
@@ -241,7 +243,7 @@ def test_every_tensor_is_declared_as_nvidia_declares_it(setup, backend):
     inp = repository.repo_inputs(recipe, layout, executor_factory=FACTORY)
     if backend != "cpu":
         inp = repository.RepoInputs(replace(recipe, backend=backend), inp.engine_dirs, inp.engine_manifests, FACTORY)
-    configs = {s.name: repository.check_config(repository.render(s), s.name) for s in repository.model_specs(inp)}
+    configs = {s.name: repository.check_config(repository.render(s), s.name) for s in repository.model_specs(inp, backend_stages.of(inp.recipe).engine_models)}
     reference = json.loads(REFERENCE.read_text())
     counts = {}
     models = ("preprocessing", "tensorrt_llm", "tensorrt_llm_bls", "postprocessing", "ensemble")

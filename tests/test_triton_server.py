@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from triton_hf_engine import make_engines  # noqa: E402
 
+from specdeploy import backend_stages  # noqa: E402
 from specdeploy.triton import repository, server  # noqa: E402
 
 import tritonclient.grpc as tritonclient_grpc  # noqa: E402
@@ -40,7 +41,7 @@ MAX_TOKENS = 16
 def _start(tmp_path_factory, target_dir, draft_dir, name, **overrides):
     root = tmp_path_factory.mktemp(name)
     recipe, layout = make_engines(root, target_dir, draft_dir, **overrides)
-    repo, _ = repository.generate_repository(recipe, layout, executor_factory="triton_hf_engine:load_executor")
+    repo, _ = backend_stages.of(recipe).write_repository(recipe, layout, executor_factory="triton_hf_engine:load_executor")
     srv = server.start(repo, server.Ports.pick(), root / "tritonserver.log", extra_site=(TESTS_DIR,), exit_timeout_s=3)
     try:
         server.wait_ready(srv, 240)
@@ -80,7 +81,7 @@ def streaming(tmp_path_factory, tiny_llama_dir):
     """Started the way `specdeploy serve --detach` does it; stopped the way `specdeploy stop` does."""
     root = tmp_path_factory.mktemp("streaming")
     recipe, layout = make_engines(root, tiny_llama_dir, tiny_llama_dir, triton={"decoupled": True})
-    repo, _ = repository.generate_repository(recipe, layout, executor_factory="triton_hf_engine:load_executor")
+    repo, _ = backend_stages.of(recipe).write_repository(recipe, layout, executor_factory="triton_hf_engine:load_executor")
     repository.require_repository(recipe, layout)
     lines = []
     try:
@@ -455,7 +456,7 @@ LONG_PROMPT_TOKENS, LONG_OUTPUT = 1000, 200
 @pytest.fixture(scope="module")
 def real(tmp_path_factory, tiny_tokenizer_dir):
     from specdeploy.config import parse_recipe
-    from specdeploy.testing import build_quietly, make_tiny_pair, tiny_pair_recipe
+    from tiny_models import build_quietly, make_tiny_pair, tiny_pair_recipe
 
     root = tmp_path_factory.mktemp("real")
     recipe = parse_recipe(tiny_pair_recipe(
@@ -465,7 +466,7 @@ def real(tmp_path_factory, tiny_tokenizer_dir):
         validation={"max_tokens": 16},
     ))  # fmt: skip
     layout = build_quietly(recipe, root)
-    repo, _ = repository.generate_repository(recipe, layout)
+    repo, _ = backend_stages.of(recipe).write_repository(recipe, layout)
     srv = server.start(repo, server.Ports.pick(), root / "tritonserver.log", exit_timeout_s=3)
     try:
         server.wait_ready(srv, 240)

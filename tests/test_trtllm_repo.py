@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from _trtllm_standin import install_standin, write_hf_checkpoint, write_trtllm_checkpoint
-from specdeploy import trtllm
+from specdeploy import backend_stages, trtllm
 from specdeploy.artifacts import Layout
 from specdeploy.config import parse_recipe
 from specdeploy.triton import gpu_models, llmapi, repository
@@ -150,7 +150,7 @@ def test_llmapi_models_config_and_model_yaml(tmp_path, built_llmapi):
 def test_generate_repository_for_trtllm_engine(built_engines):
     """The whole repository from the shared generator: GPU engine models + the shared models, all parsing."""
     recipe, layout = built_engines
-    path, written = repository.generate_repository(recipe, layout)
+    path, written = backend_stages.of(recipe).write_repository(recipe, layout)
     assert written
     names = sorted(p.name for p in path.iterdir() if (p / "config.pbtxt").is_file())
     assert names == ["ensemble", "postprocessing", "preprocessing", "tensorrt_llm", "tensorrt_llm_bls", "tensorrt_llm_draft"]
@@ -173,12 +173,17 @@ def test_generate_llmapi_repository_is_atomic_and_up_to_date(built_llmapi):
     assert len(warnings) == 4  # model.py and helpers.py (twice) must come from TensorRT-LLM: said, not faked
     repository.require_repository(recipe, layout)  # the serve stage accepts it
     assert llmapi.generate_repository(recipe, layout)[1] is False
-    assert repository.generate_repository(recipe, layout) == (path, False)  # `specdeploy repo` dispatches here
+    assert backend_stages.of(recipe).write_repository(recipe, layout) == (path, False)  # `specdeploy repo` dispatches here
 
 
 # ---------------------------------------------------------------- tensor names of the image's backend release
 
 REFERENCE_NAMES = Path(__file__).parent / "data" / "trtllm_backend_tensor_names.json"
+
+
+def _model_specs(recipe, layout):
+    stages = backend_stages.of(recipe)
+    return repository.model_specs(repository.repo_inputs(recipe, layout), stages.engine_models, stages.finish_models)
 
 
 def _set_built_version(layout, version):
@@ -200,7 +205,7 @@ def test_engine_models_declare_the_tensor_names_of_the_release_that_built_the_en
     reference = json.loads(REFERENCE_NAMES.read_text())[tag]
     recipe, layout = built_engines
     _set_built_version(layout, version)
-    specs = {s.name: s for s in repository.model_specs(repository.repo_inputs(recipe, layout))}
+    specs = {s.name: s for s in _model_specs(recipe, layout)}
     for name in ("tensorrt_llm", "tensorrt_llm_draft"):
         config = repository.check_config(repository.render(specs[name]), name)
         assert {i.name for i in config.input} <= set(reference["inputs"]), name
@@ -228,7 +233,7 @@ def test_engines_of_an_unverified_backend_release_are_refused(built_engines):
     recipe, layout = built_engines
     _set_built_version(layout, "1.1.0")
     with pytest.raises(RepoError, match="1.1.0.*not verified") as err:
-        repository.model_specs(repository.repo_inputs(recipe, layout))
+        _model_specs(recipe, layout)
     assert "trtllm-llmapi" in err.value.hint
 
 

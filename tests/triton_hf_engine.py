@@ -1,4 +1,4 @@
-"""A stand-in for specdeploy.engine.CpuEngine in the Triton tests: a tiny Hugging Face model with the
+"""A stand-in for specdeploy.engine.model.CpuEngine in the Triton tests: a tiny Hugging Face model with the
 same engine API (spec, new_cache, forward), run by the real Executor inside tritonserver.
 
 Each logits row is computed by a one-token step over the KV of its prefix, so a row depends only on its

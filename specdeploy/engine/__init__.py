@@ -1,9 +1,6 @@
-"""The CPU engine: compile TensorRT-LLM checkpoints and run them (see model.py for the parity rules)."""
+"""The CPU engine: compile TensorRT-LLM checkpoints (`compile`) and run them (`model.CpuEngine`, see model.py for
+the parity rules); `build` is the cpu backend's build stage.
 
-from specdeploy.engine.build import build_recipe
-from specdeploy.engine.compile import compile_checkpoint
-from specdeploy.engine.kv_cache import KVCache
-from specdeploy.engine.model import CpuEngine
-from specdeploy.engine.spec import EngineSpec
-
-__all__ = ["CpuEngine", "EngineSpec", "KVCache", "build_recipe", "compile_checkpoint"]
+Import the module you use: this package imports none of them, so that loading one part (say `native` from
+`kernels`) never loads the others (docs/architecture.md).
+"""

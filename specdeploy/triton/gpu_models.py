@@ -216,12 +216,15 @@ def backend_names(trtllm_version: str) -> BackendNames:
     return BACKEND_TENSOR_NAMES[line]
 
 
+# What engine-backend images must carry when no built engine says otherwise (25.03 carries 0.18; trtllm-build
+# exists up to 1.1). TensorRT engines only load in the TensorRT-LLM release that built them.
+ENGINE_BACKEND_TRTLLM = "0.18"
+
+
 def engine_trtllm_version(inp: RepoInputs) -> str:
     """The TensorRT-LLM that built the target engine (its manifest), else the default image's release."""
-    from specdeploy import packaging
-
     version = (inp.engine_manifests["target"].tool_versions or {}).get("trtllm-build")
-    return str(version).split("-")[0] if version else packaging.ENGINE_BACKEND_TRTLLM
+    return str(version).split("-")[0] if version else ENGINE_BACKEND_TRTLLM
 
 
 def follow_backend_names(specs: list[ModelSpec], names: BackendNames) -> list[ModelSpec]:

@@ -8,9 +8,8 @@ clients written for a TensorRT-LLM deployment work unchanged:
                       (draft_input_ids, k + 1 tokens), then detokenize
 
 preprocessing, postprocessing, ensemble and tensorrt_llm_bls are the same on every backend; the
-two engine models (`tensorrt_llm`, `tensorrt_llm_draft`) come from the recipe's backend
-(`specdeploy.backends`: `cpu_engine_models` here, the GPU ones in gpu_models.py, which imports this module;
-this module imports no backend code).
+two engine models (`tensorrt_llm`, `tensorrt_llm_draft`) are handed in by the recipe's backend
+(`specdeploy.backend_stages`: `cpu_engine_models` here, the GPU ones in gpu_models.py, which imports this module).
 Every config is rendered from the dataclasses below and parsed with Triton's own `ModelConfig`
 protobuf before anything is written.
 """
@@ -638,15 +637,12 @@ def _ngram_draft_model(inp: RepoInputs) -> ModelSpec:
     )
 
 
-def model_specs(inp: RepoInputs) -> list[ModelSpec]:
-    """All models of the repository for the recipe's backend, in load order: the shared models around the
-    backend's engine models (`Backend.engine_models`: `tensorrt_llm` and `tensorrt_llm_draft`)."""
-    from specdeploy import backends
-
-    backend = backends.of(inp.recipe)
-    engine_models = backend.engine_models(inp)
-    specs = [preprocessing_spec(inp), *engine_models, postprocessing_spec(inp), ensemble_spec(inp), bls_spec(inp)]
-    return backend.finish_models(inp, specs)
+def model_specs(inp: RepoInputs, engine_models, finish_models=None) -> list[ModelSpec]:
+    """All models of the repository, in load order: the shared models around the backend's engine models
+    (`engine_models(inp)`: `tensorrt_llm` and `tensorrt_llm_draft`, from `BackendStages.engine_models`), as the
+    backend serves them (`finish_models(inp, specs)`: the engine backend renames tensors per release)."""
+    specs = [preprocessing_spec(inp), *engine_models(inp), postprocessing_spec(inp), ensemble_spec(inp), bls_spec(inp)]
+    return finish_models(inp, specs) if finish_models else specs
 
 
 # ---------------------------------------------------------------- the stage
@@ -690,9 +686,6 @@ def find_tokenizer(engine_dir: Path, manifest: Manifest, model: str | None = Non
 
 def repo_inputs(recipe: Recipe, layout, recipe_path: str = "RECIPE", executor_factory: str | None = None) -> RepoInputs:
     """Read the engines' manifests (StaleArtifactError with a `specdeploy build` hint when missing)."""
-    from specdeploy import backends
-
-    backend = backends.of(recipe)
     dirs, manifests = {}, {}
     for role in recipe.model_roles:  # an n-gram draft has no engine
         engine_dir = Path(layout.engine(role)).resolve()
@@ -704,7 +697,7 @@ def repo_inputs(recipe: Recipe, layout, recipe_path: str = "RECIPE", executor_fa
                 f"{engine_dir} was built for recipe {manifests[role].recipe_name!r}, not {recipe.name!r}",
                 f"run: specdeploy build {recipe_path}",
             )
-        expected = backend.expected_engine_fingerprint(recipe, layout, role)
+        expected = _expected_engine_fingerprint(recipe, layout, role)
         if expected is not None and manifests[role].fingerprint != expected:
             from specdeploy.errors import StaleArtifactError
 
@@ -721,6 +714,22 @@ def repo_inputs(recipe: Recipe, layout, recipe_path: str = "RECIPE", executor_fa
             f"rebuild the target with a larger max_draft_len: specdeploy build {recipe_path} --force",
         )
     return inp
+
+
+def _expected_engine_fingerprint(recipe: Recipe, layout, role: str) -> str | None:
+    """What the CPU build (engine/build.py) would record for the engine of `role` now. None on the GPU backends:
+    trtllm.build_engine_recipe checks its own fingerprints, and the LLM API has no engine to check."""
+    from specdeploy import backends
+
+    if backends.of(recipe).gpu:
+        return None
+    from specdeploy.engine.build import engine_fingerprint
+
+    checkpoint = Manifest.read(layout.checkpoint(role))
+    if checkpoint is None:
+        return None
+    max_draft_len = recipe.speculative.max_draft_len if role == "target" else None
+    return engine_fingerprint(recipe, role, checkpoint, max_draft_len)
 
 
 def repo_fingerprint(inp: RepoInputs) -> str:
@@ -742,20 +751,13 @@ def repo_fingerprint(inp: RepoInputs) -> str:
     )
 
 
-def generate_repository(
-    recipe: Recipe, layout, recipe_path: str = "RECIPE", force: bool = False, executor_factory: str | None = None
-) -> tuple[Path, bool]:
-    """`specdeploy repo`: write `layout.repo` with the models of the recipe's backend (`Backend.write_repository`);
-    returns (path, written). An up-to-date repository is kept."""
-    from specdeploy import backends
-
-    return backends.of(recipe).write_repository(recipe, layout, recipe_path, force, executor_factory)
-
-
 def generate_layout_repository(
-    recipe: Recipe, layout, recipe_path: str = "RECIPE", force: bool = False, executor_factory: str | None = None
+    recipe: Recipe, layout, engine_models, recipe_path: str = "RECIPE", force: bool = False,
+    executor_factory: str | None = None, finish_models=None,
 ) -> tuple[Path, bool]:
     """The inflight_batcher_llm layout (cpu, trtllm-engine): `layout.repo`, or (path, False) when up to date.
+    `engine_models(inp)` gives the backend's `tensorrt_llm` and `tensorrt_llm_draft`, `finish_models` its renames
+    (model_specs).
 
     Refuses missing or mismatched engines (hint: `specdeploy build`). Each config.pbtxt is checked
     with Triton's ModelConfig schema before anything is written; the write is atomic.
@@ -767,7 +769,7 @@ def generate_layout_repository(
     if not force and current is not None and current.stage == STAGE and current.fingerprint == fp:
         return dest, False
 
-    specs = model_specs(inp)
+    specs = model_specs(inp, engine_models, finish_models)
     by_name = {s.name: s for s in specs}
     texts = {}
     for spec in specs:

@@ -70,7 +70,7 @@ def load_object(spec: str):
 
 def load_cpu_executor(engine_dir: str):
     """The default executor factory: specdeploy's CPU engine behind the KV-reusing Executor."""
-    from specdeploy.engine import CpuEngine
+    from specdeploy.engine.model import CpuEngine
     from specdeploy.engine.executor import Executor
 
     return Executor(CpuEngine.load(engine_dir), max_cached_sequences=int(os.environ.get("SPECDEPLOY_KV_POOL", "4")))

@@ -1,0 +1,262 @@
+"""Imports flow one way (docs/architecture.md): every module of specdeploy sits in one layer of LAYER_OF and
+imports only modules of the layers MAY_IMPORT allows it; nothing imports in a cycle.
+
+Every import statement counts, those inside functions too (a function-level import is still a dependency, only a
+later one), read with `ast` from the sources; nothing is imported to find them.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "specdeploy"
+
+# Bottom to top. A layer imports its own modules and those of the layers listed for it, nothing else.
+MAY_IMPORT = {
+    "core": {"core"},
+    "math": {"core", "math"},
+    "runtime": {"core", "math", "runtime"},
+    "triton-models": {"core", "math", "runtime", "triton-models"},
+    "stages": {"core", "math", "runtime", "stages"},
+    "client": {"core", "math", "client"},
+    "backend-stages": {"core", "math", "runtime", "stages", "backend-stages"},
+    "commands": {"core", "math", "runtime", "stages", "client", "backend-stages", "commands"},
+    "cli": {"core", "math", "runtime", "stages", "client", "backend-stages", "commands", "cli"},
+}
+
+# Every module (package __init__ files aside: they import nothing, see test_packages_are_namespaces).
+LAYER_OF = {
+    # core: the recipe and what every layer shares; imports no stage
+    "errors": "core",
+    "backends": "core",  # facts about each backend (pure data); what a backend does is backend_stages
+    "config": "core",
+    "artifacts": "core",
+    "cost": "core",
+    "gpu": "core",
+    "lock": "core",
+    "metrics": "core",  # metric names, the recorder the BLS writes through, the reader of the metrics endpoint
+    "models": "core",  # where a recipe's model comes from (bundled or a local folder)
+    # math: pure and transport-free
+    "speculative": "math",
+    "policy": "math",
+    "ngram": "math",
+    # runtime: the CPU engine and in-process generation
+    "engine.spec": "runtime",
+    "engine.kv_cache": "runtime",
+    "engine.kernels": "runtime",
+    "engine.native": "runtime",
+    "engine.model": "runtime",
+    "engine.logits": "runtime",
+    "engine.executor": "runtime",
+    "generate": "runtime",
+    # the python-backend models that run inside tritonserver: they import only what they run
+    "triton.models.common": "triton-models",
+    "triton.models.preprocessing": "triton-models",
+    "triton.models.postprocessing": "triton-models",
+    "triton.models.tensorrt_llm": "triton-models",
+    "triton.models.tensorrt_llm_bls": "triton-models",
+    "triton.models.ngram_draft": "triton-models",
+    "triton.models.llmapi": "triton-models",
+    # stages: quantize, build, repository, serve/launch, and the checks before them
+    "calibration": "stages",
+    "quantize": "stages",
+    "engine.compile": "stages",
+    "engine.build": "stages",
+    "preflight": "stages",
+    "trtllm": "stages",
+    "triton.repository": "stages",
+    "triton.gpu_models": "stages",
+    "triton.llmapi": "stages",
+    "triton.shm": "stages",
+    "triton.server": "stages",
+    "packaging": "stages",
+    "launch": "stages",
+    # client: validation over the transport-free protocol and its adapters; never a stage
+    "client.protocol": "client",
+    "client.prompts": "client",
+    "client.parity": "client",
+    "client.latency": "client",
+    "client.report": "client",
+    "client.gate": "client",
+    "client.metrics_check": "client",
+    "client.validate": "client",
+    "client.triton_adapter": "client",
+    "client.openai_adapter": "client",
+    "client.llmapi_adapter": "client",
+    # the stages composed per backend
+    "backend_stages": "backend-stages",
+    # what one command runs
+    "pipeline": "commands",
+    "plan": "commands",
+    "doctor": "commands",
+    "monitor": "commands",
+    "canary": "commands",
+    "openai_api": "commands",
+    "cli": "cli",
+}
+
+# Known client-side violations that the client's own rework removes (specdeploy/client/ belongs to that work).
+# One edge (importer, imported) each; the whole set is emptied when it is merged, and
+# test_pending_client_fixes_are_still_needed fails for an entry that no longer exists.
+PENDING_CLIENT_FIXES = {
+    ("client.validate", "triton.repository"),  # client imports a stage
+    ("client.validate", "triton.server"),  # client imports a stage
+    ("client.metrics_check", "triton.server"),  # client imports a stage
+    ("client.metrics_check", "client.validate"),  # with validate -> metrics_check, the cycle of the two
+}
+
+
+# ---------------------------------------------------------------- reading the imports
+
+
+def modules(package: Path) -> dict[str, Path]:
+    """Dotted names relative to the package ("engine.model"; a package's __init__ is its own name) -> file."""
+    found = {}
+    for path in package.rglob("*.py"):
+        parts = path.relative_to(package).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+def _imported(node, importer: str, is_package: bool, root: str) -> list[str]:
+    """Dotted names (relative to the package) that one import statement may load, before checking they exist."""
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    elif node.level:  # relative: from . import x, from ..y import z
+        base = importer.split(".") if importer else []
+        base = base if is_package else base[:-1]
+        base = base[: len(base) - (node.level - 1)]
+        module = ".".join([root, *base, *([node.module] if node.module else [])])
+        names = [module, *(f"{module}.{a.name}" for a in node.names)]
+    else:
+        names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+    inside = []
+    for n in names:
+        if n == root:
+            inside.append("")  # the package's own __init__
+        elif n.startswith(root + "."):
+            inside.append(n[len(root) + 1 :])
+    return inside
+
+
+def import_graph(package: Path) -> dict[str, set[str]]:
+    """importer -> the package's modules it imports, anywhere in its source. `from a import b` counts `a` and, when
+    it is a module, `a.b`; a name that is no module counts its closest enclosing module."""
+    found = modules(package)
+    graph = {name: set() for name in found}
+    for name, path in found.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            for target in _imported(node, name, path.name == "__init__.py", package.name):
+                while target not in found and "." in target:
+                    target = target.rsplit(".", 1)[0]
+                if target in found and target != name:
+                    graph[name].add(target)
+    return graph
+
+
+def is_package(package: Path, name: str) -> bool:
+    return (package / Path(*name.split(".")) / "__init__.py").is_file() if name else True
+
+
+def layer_violations(graph, layer_of, may_import, pending=frozenset(), package: Path = PACKAGE) -> list[str]:
+    """Each import of a module of a layer its importer may not import (a package's __init__ is a namespace)."""
+    found = []
+    for importer, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            if is_package(package, target) or (importer, target) in pending:
+                continue
+            if layer_of[target] not in may_import[layer_of[importer]]:
+                found.append(f"{importer} ({layer_of[importer]}) imports {target} ({layer_of[target]})")
+    return found
+
+
+def cycles(graph, pending=frozenset()) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if (v, w) in pending:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+# ---------------------------------------------------------------- specdeploy
+
+
+def test_every_module_has_a_layer():
+    names = {n for n in modules(PACKAGE) if not is_package(PACKAGE, n)}
+    missing, stale = sorted(names - set(LAYER_OF)), sorted(set(LAYER_OF) - names)
+    assert not missing, f"add {missing} to LAYER_OF in tests/test_architecture.py (and to docs/architecture.md)"
+    assert not stale, f"remove {stale} from LAYER_OF in tests/test_architecture.py: no such module"
+    assert set(LAYER_OF.values()) == set(MAY_IMPORT)
+
+
+def test_packages_are_namespaces():
+    """A package's __init__ imports nothing: importing `engine.kernels` then loads no other part of `engine`."""
+    graph = import_graph(PACKAGE)
+    loaded = {n: sorted(graph[n]) for n in modules(PACKAGE) if is_package(PACKAGE, n) and graph[n]}
+    assert loaded == {}, f"these package __init__ files import modules; import them where they are used: {loaded}"
+
+
+def test_no_import_against_the_direction():
+    found = layer_violations(import_graph(PACKAGE), LAYER_OF, MAY_IMPORT, PENDING_CLIENT_FIXES)
+    assert found == [], "imports against the layers of docs/architecture.md:\n  " + "\n  ".join(found)
+
+
+def test_no_import_cycles():
+    found = cycles(import_graph(PACKAGE), PENDING_CLIENT_FIXES)
+    assert found == [], "modules that import each other:\n  " + "\n  ".join(f"cycle of {len(c)}: {' '.join(c)}" for c in found)
+
+
+def test_pending_client_fixes_are_still_needed():
+    graph = import_graph(PACKAGE)
+    fixed = sorted(edge for edge in PENDING_CLIENT_FIXES if edge[1] not in graph.get(edge[0], ()))
+    assert fixed == [], f"remove {fixed} from PENDING_CLIENT_FIXES: that import is gone"
+    assert all(LAYER_OF[importer] == "client" for importer, _ in PENDING_CLIENT_FIXES)
+
+
+# ---------------------------------------------------------------- the checker itself, on a package written here
+
+
+def test_the_checker_sees_function_level_relative_and_plain_imports(tmp_path):
+    toy = tmp_path / "toy"
+    (toy / "sub").mkdir(parents=True)
+    (toy / "__init__.py").write_text("")
+    (toy / "sub" / "__init__.py").write_text("")
+    (toy / "base.py").write_text("def f():\n    from toy.sub import top  # a late, upward import\n    return top\n")
+    (toy / "mid.py").write_text("from . import base\n")
+    (toy / "sub" / "top.py").write_text("import toy.mid\nfrom ..base import f\n")
+    graph = import_graph(toy)
+    assert graph == {"": set(), "sub": set(), "base": {"sub", "sub.top"}, "mid": {"", "base"}, "sub.top": {"mid", "base"}}
+    layer_of = {"base": "core", "mid": "stages", "sub.top": "cli"}
+    may_import = {"core": {"core"}, "stages": {"core", "stages"}, "cli": {"core", "stages", "cli"}}
+    assert layer_violations(graph, layer_of, may_import, package=toy) == ["base (core) imports sub.top (cli)"]
+    assert cycles(graph) == [["base", "mid", "sub.top"]]
+    assert cycles(graph, pending={("base", "sub.top")}) == []
