@@ -1,4 +1,4 @@
-"""GPU variants of the engine models; `specdeploy.backends` picks them per backend (this module imports
+"""GPU variants of the engine models; `specdeploy.backend_stages` picks them per backend (this module imports
 repository.py, never the other way round).
 
 `trtllm-engine`: `tensorrt_llm` and `tensorrt_llm_draft` served by Triton's TensorRT-LLM C++ backend
