@@ -12,7 +12,7 @@ def run(recipe, layout, recipe_path: str, echo=print, progress=True, server_bina
     """Every stage in order; returns validate_recipe's (report, paths, verdict). `overrides` go to validate."""
     from specdeploy import backends
     from specdeploy import build as builder
-    from specdeploy.client.validate import validate_recipe
+    from specdeploy.recipe_deployment import validate_recipe
     from specdeploy.quantize import quantize_recipe
     from specdeploy.triton import repository
 
