@@ -377,6 +377,7 @@ FOREIGN_OPTIONS = ("tokenizer", "layout", "speculative_model", "control_model", 
 @click.option("--sweep-draft-tokens", default=None, metavar="1..K", help="Also measure each draft length (e.g. 1..6), fit the speedup model, recommend k.")
 @click.option("--max-prompts", type=int, default=None, help="Use at most N prompts, spread over the categories [recipe validation.max_prompts].")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=None, help="Tokens to generate per prompt [recipe validation.max_tokens].")
+@click.option("--min-compared-tokens", type=click.IntRange(min=1), default=None, help="A control output shorter than this is too short to compare [recipe validation.min_compared_tokens].")
 @click.option("--prompt-set", "--prompts", "prompt_set", default=None, help="'builtin' or a .jsonl file (prompt or messages, category, max_tokens) [recipe validation.prompt_set].")
 @click.option("--chat/--raw", "chat", default=None, help="Render prompts with the tokenizer's chat template when it has one, or send them as raw text [recipe validation.chat_template; auto].")
 @click.option("--concurrency", default=None, metavar="1,2,4", help="Concurrency levels of the latency phase [recipe validation.concurrency].")
@@ -392,7 +393,8 @@ FOREIGN_OPTIONS = ("tokenizer", "layout", "speculative_model", "control_model", 
 @pass_ctx
 @handle_errors
 def validate(ctx, recipe, url, baseline_url, report_dir, min_parity, min_speedup, sweep_draft_tokens, max_prompts, prompt_set, top_k, top_p,
-             temperature, samples, no_progress, protocol, openai_url, metrics_url, max_tokens, chat, concurrency, repeats, **foreign):  # fmt: skip
+             temperature, samples, no_progress, protocol, openai_url, metrics_url, max_tokens, min_compared_tokens, chat, concurrency, repeats,
+             **foreign):  # fmt: skip
     """Check greedy parity and measure the speedup of a deployment against its unaccelerated control.
 
     With RECIPE: the recipe's deployment. Without: any deployment at --url (NVIDIA's inflight_batcher_llm or llmapi
@@ -407,6 +409,7 @@ def validate(ctx, recipe, url, baseline_url, report_dir, min_parity, min_speedup
 
     overrides = dict(
         min_parity=min_parity, min_speedup=min_speedup, max_prompts=max_prompts, prompt_set=prompt_set, max_tokens=max_tokens,
+        min_compared_tokens=min_compared_tokens,
         chat_template=None if chat is None else ("auto" if chat else "none"), repeats=repeats,
         concurrency=_levels(concurrency) if concurrency else None,
         sweep_draft_tokens=val.parse_range(sweep_draft_tokens) if sweep_draft_tokens else None,

@@ -95,7 +95,7 @@ class Options:
         if options.min_compared_tokens > options.max_tokens:
             raise ConfigError(
                 f"min_compared_tokens ({options.min_compared_tokens}) is larger than max_tokens ({options.max_tokens}): no output could be compared",
-                f"raise validation.max_tokens to at least {options.min_compared_tokens}",
+                f"raise --max-tokens (validation.max_tokens) to at least {options.min_compared_tokens}, or lower --min-compared-tokens",
             )
         for k in options.sweep_draft_tokens:
             if not 1 <= k <= options.max_draft_len:
