@@ -355,7 +355,7 @@ def _print_validation(report, paths, verdict) -> None:
 
 
 FOREIGN_OPTIONS = ("tokenizer", "layout", "speculative_model", "control_model", "control_url", "control_loading", "num_draft_tokens",
-                   "max_draft_len", "price_per_hour")  # fmt: skip
+                   "max_draft_len", "use_draft_logits", "price_per_hour")  # fmt: skip
 
 
 @main.command()
@@ -369,6 +369,7 @@ FOREIGN_OPTIONS = ("tokenizer", "layout", "speculative_model", "control_model", 
 @click.option("--control-loading", type=click.Choice(["side_by_side", "load_unload"]), default="side_by_side", show_default=True, help="Without RECIPE, llmapi: load_unload swaps the two models by Triton's explicit model control (one loaded at a time).")
 @click.option("--num-draft-tokens", type=click.IntRange(min=1), default=None, help="Without RECIPE: draft tokens per round sent to the speculative model [validate's default].")
 @click.option("--max-draft-len", type=click.IntRange(min=1), default=None, help="Without RECIPE: the target's max_draft_len (bounds --sweep-draft-tokens).")
+@click.option("--use-draft-logits/--no-draft-logits", default=None, help="Without RECIPE, inflight_batcher_llm: the BLS's use_draft_logits input (accept by draft logits) [not sent].")
 @click.option("--price-per-hour", type=click.FloatRange(min=0), default=None, help="Without RECIPE: what the serving machine costs per hour (adds cost per response).")
 @click.option("--baseline-url", default=None, help="A second deployment (e.g. the unquantized target) to compare outputs with; informative.")
 @click.option("--report-dir", type=click.Path(file_okay=False), default=None, help="Where to write the report [engines/<recipe>/report/; without RECIPE: ./specdeploy-report/].")
@@ -463,6 +464,7 @@ def _validate_foreign(url, protocol, openai_url, metrics_url, baseline_url, repo
         api_url, foreign["tokenizer"], protocol=protocol, layout=foreign["layout"], speculative_model=foreign["speculative_model"],
         control_model=foreign["control_model"], control_url=foreign["control_url"], control_loading=foreign["control_loading"],
         triton_url=triton_url, metrics_url=metrics_url, price_per_hour=foreign["price_per_hour"] or 0.0,
+        use_draft_logits=foreign["use_draft_logits"],
     )  # fmt: skip
     knobs = {k: foreign[k] for k in ("num_draft_tokens", "max_draft_len")}
     if knobs["max_draft_len"] is None and knobs["num_draft_tokens"] is not None:

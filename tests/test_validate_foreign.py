@@ -233,3 +233,33 @@ def test_the_client_imports_no_stage():
             elif isinstance(node, ast.Import):
                 found |= {(path.name, a.name) for a in node.names if a.name.startswith("specdeploy") and not a.name.startswith("specdeploy.client")}
     assert {(f, n) for f, n in found if n not in allowed} == set()
+
+
+def test_triton_requests_use_the_given_names_and_knobs_and_record_what_a_model_does_not_declare(monkeypatch):
+    """Model names and the BLS knobs reach the wire; an input the served model does not declare is left out and recorded
+    (the report lists it as not checked)."""
+    import numpy as np
+
+    from specdeploy.client.deployment import Deployment, open_endpoint
+    from specdeploy.client.protocol import CONTROL_MODEL, SPECULATIVE_MODEL, GenerateRequest
+
+    declared = {"my_bls": ("text_input", "max_tokens", "num_draft_tokens", "use_draft_logits"), "my_ensemble": ("text_input", "max_tokens")}
+    sent = []
+
+    class Response:
+        def as_numpy(self, name):
+            return np.array([b"hi"], dtype=object) if name == "text_output" else None
+
+    endpoint = open_endpoint(Deployment("127.0.0.1:1", "tok", speculative_model="my_bls", control_model="my_ensemble", use_draft_logits=True))
+    monkeypatch.setattr(endpoint, "_config", lambda model: {"input": [{"name": n} for n in declared[model]], "output": [{"name": "text_output"}]})
+    monkeypatch.setattr(endpoint, "_exchange", lambda model, decoupled, inputs, outputs, timeout_s, on_text=None:
+                        (sent.append((model, inputs)) or [Response()], None, 0.0, 0.1))  # fmt: skip
+    assert endpoint.generate(SPECULATIVE_MODEL, GenerateRequest("p", 4, num_draft_tokens=2), 1).text == "hi"
+    endpoint.generate(CONTROL_MODEL, GenerateRequest("p", 4), 1)
+    (spec_model, spec_inputs), (control_model, control_inputs) = sent
+    assert spec_model == "my_bls" and spec_inputs["num_draft_tokens"].item() == 2 and spec_inputs["use_draft_logits"].item() is True
+    assert control_model == "my_ensemble" and "use_draft_logits" not in control_inputs and "num_draft_tokens" not in control_inputs
+    assert endpoint.dropped_inputs == {"my_bls": {"exclude_input_in_output", "return_perf_metrics"},
+                                       "my_ensemble": {"exclude_input_in_output", "return_perf_metrics"}}  # fmt: skip
+    with pytest.raises(Exception, match="input of the inflight_batcher_llm layout's BLS"):
+        Deployment("127.0.0.1:1", "tok", layout="llmapi", use_draft_logits=True)

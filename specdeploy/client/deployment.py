@@ -53,6 +53,7 @@ class Deployment:
     triton_url: str | None = None  # openai: the Triton deployment under the front (exact tokens, configs, triage)
     canary_model: str | None = None  # openai, specdeploy's front: where a request without num_draft_tokens goes
     fixed_num_draft_tokens: int | None = None  # openai, specdeploy's front: the k it always sends
+    use_draft_logits: bool | None = None  # inflight_batcher_llm: the BLS's use_draft_logits input (None: not sent)
     metrics_url: str | None = None  # Triton's metrics endpoint (HOST:PORT or a /metrics URL)
     name: str = ""  # the report's title: the recipe's name, else the URL
     foreign: bool = True  # not built from a recipe: no manifests, policy or price beyond what the server shows
@@ -70,6 +71,9 @@ class Deployment:
         if self.control_loading == "load_unload" and (self.layout != "llmapi" or self.protocol != "triton"):
             raise ConfigError("--control-loading load_unload swaps the llmapi layout's two models by Triton's explicit model control",
                               "use it with --layout llmapi over --protocol triton, or serve the control elsewhere (--control-url)")  # fmt: skip
+        if self.use_draft_logits is not None and not self.per_request_draft_tokens:
+            raise ConfigError("--use-draft-logits/--no-draft-logits is an input of the inflight_batcher_llm layout's BLS",
+                              "drop it, or validate an inflight_batcher_llm deployment over Triton")  # fmt: skip
         if self.control_loading == "load_unload" and self.control_url:
             raise ConfigError("--control-loading load_unload and --control-url both say where the control is", "give one of them")
 
@@ -129,7 +133,10 @@ def open_endpoint(deployment: Deployment):
     else:
         from specdeploy.client.triton_adapter import TritonEndpoint
 
-        main = TritonEndpoint(deployment.url, names=names, missing_hint=_missing_hint(deployment))
+        # use_draft_logits: an input of NVIDIA's BLS (NVIDIA/TensorRT-LLM@0193dbd
+        # triton_backend/all_models/inflight_batcher_llm/tensorrt_llm_bls/config.pbtxt:237), beside num_draft_tokens (:231)
+        knobs = {} if deployment.use_draft_logits is None else {"use_draft_logits": deployment.use_draft_logits}
+        main = TritonEndpoint(deployment.url, names=names, missing_hint=_missing_hint(deployment), speculative_inputs=knobs)
         control = TritonEndpoint(deployment.control_url, names=names, missing_hint=_missing_hint(deployment)) if deployment.control_url else None
     return ControlElsewhere(main, control) if control is not None else main
 

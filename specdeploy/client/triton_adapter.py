@@ -54,13 +54,15 @@ class TritonEndpoint:
     """A Triton server at `url` (host:port of its gRPC endpoint). `names`: the core's model names -> the served
     ones (default the same); `missing_hint`: what to do when a model is missing."""
 
-    def __init__(self, url: str, names: dict[str, str] | None = None, missing_hint: str | None = None):
+    def __init__(self, url: str, names: dict[str, str] | None = None, missing_hint: str | None = None,
+                 speculative_inputs: dict[str, bool] | None = None):  # fmt: skip
         if "://" in url:
             url = url.split("://", 1)[1]
         self.url = url
         self.names = dict(names or {})
         self.served_names = self.names  # the metrics check's `model` labels
         self.missing_hint = missing_hint or REPO_HINT
+        self.speculative_inputs = dict(speculative_inputs or {})  # BOOL inputs sent with every speculative request
         self.dropped_inputs: dict[str, set[str]] = {}  # served model -> inputs it does not declare (left out of requests)
         self._local = threading.local()
         self._decoupled: dict[str, bool] = {}
@@ -173,6 +175,7 @@ class TritonEndpoint:
 
     def generate(self, model: str, request: GenerateRequest, timeout_s: float, on_text=None) -> GenerateResult:
         """One request; `on_text(piece)` (optional) gets each response's text as it arrives (the OpenAI front streams it)."""
+        extra = self.speculative_inputs if request.num_draft_tokens is not None else {}
         model = self.served(model)
         inputs = {
             "text_input": np.array([[request.prompt.encode("utf-8")]], dtype=object),
@@ -184,6 +187,8 @@ class TritonEndpoint:
             inputs["stream"] = np.array([[True]])
         if request.num_draft_tokens is not None:
             inputs["num_draft_tokens"] = np.array([[request.num_draft_tokens]], dtype=np.int32)
+        for name, value in extra.items():
+            inputs[name] = np.array([[bool(value)]])
         if request.sampling is not None:
             s = request.sampling
             inputs["temperature"] = np.array([[s.temperature]], dtype=np.float32)
