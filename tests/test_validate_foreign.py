@@ -83,17 +83,27 @@ def test_inflight_batcher_llm_layout_by_url_and_tokenizer_only(inflight, model_d
 
 @pytest.mark.server
 def test_metrics_of_a_foreign_deployment_are_checked_and_model_names_are_options(inflight, model_dir, prompts, tmp_path):
-    """--metrics-url: the counters are compared with validate's own; the model names given explicitly work the same."""
+    """--metrics-url: the counters are compared with validate's own; the model names given explicitly work the same;
+    --control-url routes the control to its own endpoint (here the same server again), whose requests this metrics
+    endpoint then does not judge."""
     _, _, srv = inflight
     args = ["--url", srv.state.grpc_url, "--tokenizer", str(model_dir), "--prompts", prompts, "--speculative-model", "tensorrt_llm_bls",
             "--control-model", "ensemble", "--num-draft-tokens", "2", "--metrics-url", srv.state.metrics_url, "--raw", *RUN_SIZE]  # fmt: skip
-    result, report = _validate(args, tmp_path)
+    result, report = _validate(args, tmp_path / "one")
     assert report["complete"], report["errors"]
     _parity_computed(report)
     assert report["settings"]["num_draft_tokens"] == 2 and not report["settings"]["chat_template_used"]
     check = report["metrics_check"]
     assert check["checked"] and not check["mismatches"] and check["rows"], check
+    assert "control" in {r["path"] for r in check["rows"]}
     assert "the metrics endpoint against validate's own counts" not in _not_checked(report)
+
+    result, report = _validate([*args, "--control-url", srv.state.grpc_url], tmp_path / "two")
+    assert report["complete"], report["errors"]
+    assert _parity_computed(report)["exact"] == len(PROMPTS) and report["deployment"]["control_url"] == srv.state.grpc_url
+    check = report["metrics_check"]
+    assert check["checked"] and not check["mismatches"] and {r["path"] for r in check["rows"]} == {"speculative"}, check
+    assert "--control-url" in _not_checked(report)["part of the metrics endpoint"]
 
 
 @pytest.mark.server

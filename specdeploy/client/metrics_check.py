@@ -126,7 +126,7 @@ def compare(window: m.Snapshot, counts: dict[str, PathCounts], exact: dict[str, 
     if not (spec.errors or control.errors):
         row("speculative", m.REQUESTS.name + f'{{model="{spec_model}",arm="speculative"}}', stats.requests, spec.requests)
         if not control_here:
-            notes.append("the control is served by another server (--control-url): its requests are not on this endpoint")
+            notes.append("the control is served by another server (--control-url): its requests are not checked on this endpoint")
         elif window.has(TRITON_SUCCESS):
             got = window.sum(TRITON_SUCCESS, model=control_model)
             row("control", TRITON_SUCCESS + f'{{model="{control_model}"}}', got, control.requests)

@@ -3,7 +3,8 @@
 Transport-free: it drives an `Endpoint` (Triton gRPC in production, a scripted fake in tests) and
 returns the report as a plain dict. A fault (server unreachable, model not ready, timeout, server
 gone) never escapes as an exception: it ends the run, and the report keeps what finished, marked
-incomplete, with the error.
+incomplete, with the error. `validate_deployment` runs it end to end on a `Deployment` (metrics check, gate,
+cost, the `not_checked` list of what the deployment does not expose, the report files).
 """
 
 from __future__ import annotations
