@@ -354,6 +354,8 @@ def _print_validation(report, paths, verdict) -> None:
     click.secho(verdict.line, fg="green" if verdict.passed else "red", bold=True)
 
 
+from specdeploy.client import deployment as _dep  # noqa: E402  (choices and defaults of validate's deployment options)
+
 FOREIGN_OPTIONS = ("tokenizer", "layout", "speculative_model", "control_model", "control_url", "control_loading", "num_draft_tokens",
                    "max_draft_len", "use_draft_logits", "price_per_hour")  # fmt: skip
 
@@ -362,11 +364,11 @@ FOREIGN_OPTIONS = ("tokenizer", "layout", "speculative_model", "control_model", 
 @click.argument("recipe", type=click.Path(dir_okay=False), required=False)
 @click.option("--url", default=None, help="The deployment: Triton gRPC host:port (with RECIPE: [the server `serve --detach` started]); without RECIPE and --protocol openai: the OpenAI API's base URL.")
 @click.option("--tokenizer", default=None, help="Without RECIPE: the target's tokenizer, a directory or a Hugging Face model name (required).")
-@click.option("--layout", type=click.Choice(["inflight_batcher_llm", "llmapi"]), default="inflight_batcher_llm", show_default=True, help="Without RECIPE: the Triton layout of the deployment.")
+@click.option("--layout", type=click.Choice(_dep.LAYOUTS), default=_dep.Deployment.layout, show_default=True, help="Without RECIPE: the Triton layout of the deployment.")
 @click.option("--speculative-model", default=None, help="Without RECIPE: the speculative model's name [inflight_batcher_llm: tensorrt_llm_bls; llmapi: tensorrt_llm; openai: found in /v1/models].")
 @click.option("--control-model", default=None, help="Without RECIPE: the control (target alone) model's name [inflight_batcher_llm: ensemble; llmapi: tensorrt_llm_control, or tensorrt_llm with --control-url].")
 @click.option("--control-url", default=None, help="Without RECIPE: a second server (same protocol) that serves the control.")
-@click.option("--control-loading", type=click.Choice(["side_by_side", "load_unload"]), default="side_by_side", show_default=True, help="Without RECIPE, llmapi: load_unload swaps the two models by Triton's explicit model control (one loaded at a time).")
+@click.option("--control-loading", type=click.Choice(_dep.CONTROL_LOADINGS), default=_dep.Deployment.control_loading, show_default=True, help="Without RECIPE, llmapi: load_unload swaps the two models by Triton's explicit model control (one loaded at a time).")
 @click.option("--num-draft-tokens", type=click.IntRange(min=1), default=None, help="Without RECIPE: draft tokens per round sent to the speculative model [validate's default].")
 @click.option("--max-draft-len", type=click.IntRange(min=1), default=None, help="Without RECIPE: the target's max_draft_len (bounds --sweep-draft-tokens).")
 @click.option("--use-draft-logits/--no-draft-logits", default=None, help="Without RECIPE, inflight_batcher_llm: the BLS's use_draft_logits input (accept by draft logits) [not sent].")
@@ -388,7 +390,7 @@ FOREIGN_OPTIONS = ("tokenizer", "layout", "speculative_model", "control_model", 
 @click.option("--temperature", type=float, default=1.0, show_default=True, help="Temperature of the sampling comparison.")
 @click.option("--samples", type=int, default=200, show_default=True, help="Seeded samples per side and prompt in the sampling comparison.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-@click.option("--protocol", type=click.Choice(["triton", "openai"]), default="triton", show_default=True, help="Send the requests over Triton gRPC or through an OpenAI-compatible API.")
+@click.option("--protocol", type=click.Choice(_dep.PROTOCOLS), default=_dep.Deployment.protocol, show_default=True, help="Send the requests over Triton gRPC or through an OpenAI-compatible API.")
 @click.option("--openai-url", default=None, help="The OpenAI API, http://127.0.0.1:PORT (specdeploy's front: serve --openai-port PORT), for --protocol openai; with it, --url is the Triton under it.")
 @click.option("--metrics-url", default=None, help="Triton's metrics endpoint HOST:PORT, checked against validate's counts [the detached server's; none with --url].")
 @pass_ctx
@@ -422,7 +424,8 @@ def validate(ctx, recipe, url, baseline_url, report_dir, min_parity, min_speedup
     else:
         from specdeploy.recipe_deployment import validate_recipe
 
-        given = [f"--{k.replace('_', '-')}" for k in FOREIGN_OPTIONS if foreign.get(k) not in (None, "inflight_batcher_llm", "side_by_side")]
+        defaults = {"layout": _dep.Deployment.layout, "control_loading": _dep.Deployment.control_loading}
+        given = [f"--{k.replace('_', '-')}" for k in FOREIGN_OPTIONS if foreign.get(k) is not None and foreign.get(k) != defaults.get(k)]
         if given:
             raise ConfigError(f"{', '.join(given)} describe a deployment without a recipe; {recipe} already describes its own",
                                   f"drop {', '.join(given)}, or drop RECIPE to validate the deployment at --url")  # fmt: skip

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specdeploy.client.deployment import Deployment
+from specdeploy.client.deployment import PROTOCOLS, Deployment
 from specdeploy.errors import ClientError, ConfigError
 
 
@@ -72,9 +72,6 @@ def recipe_policy(recipe) -> dict:
 
     return {**PolicySettings.from_recipe(recipe.speculative).to_parameters(), "num_draft_tokens": str(recipe.speculative.num_draft_tokens),
             "canary_control_percent": str(recipe.canary.control_percent), "draft_kind": getattr(recipe.draft, "kind", "model")}  # fmt: skip
-
-
-PROTOCOLS = ("triton", "openai")
 
 
 def deployment_of(recipe, layout, url: str | None = None, protocol: str = "triton", openai_url: str | None = None,
