@@ -428,7 +428,7 @@ def validate(ctx, recipe, url, baseline_url, report_dir, min_parity, min_speedup
         given = [f"--{k.replace('_', '-')}" for k in FOREIGN_OPTIONS if foreign.get(k) is not None and foreign.get(k) != defaults.get(k)]
         if given:
             raise ConfigError(f"{', '.join(given)} describe a deployment without a recipe; {recipe} already describes its own",
-                                  f"drop {', '.join(given)}, or drop RECIPE to validate the deployment at --url")  # fmt: skip
+                              f"drop {', '.join(given)}, or drop RECIPE to validate the deployment at --url")  # fmt: skip
         r = ctx.recipe(recipe)
         with ctx.locked(r, recipe):
             report, paths, verdict = validate_recipe(r, ctx.layout(r), url=url, baseline_url=baseline_url, report_dir=report_dir,
@@ -459,10 +459,10 @@ def _validate_foreign(url, protocol, openai_url, metrics_url, baseline_url, repo
     api_url, triton_url = (openai_url or url, url if openai_url else None) if protocol == "openai" else (url, None)
     if not api_url:
         raise ConfigError("no RECIPE and no --url: nothing says which deployment to validate",
-                              "pass RECIPE, or --url HOST:PORT (Triton gRPC; the API's base URL with --protocol openai) and --tokenizer")  # fmt: skip
+                          "pass RECIPE, or --url HOST:PORT (Triton gRPC; the API's base URL with --protocol openai) and --tokenizer")  # fmt: skip
     if not foreign.get("tokenizer"):
         raise ConfigError("--url without RECIPE needs --tokenizer: the target's tokenizer renders the prompts and counts tokens",
-                              "pass --tokenizer DIR (the target model's directory) or a Hugging Face model name")  # fmt: skip
+                          "pass --tokenizer DIR (the target model's directory) or a Hugging Face model name")  # fmt: skip
     deployment = Deployment(
         api_url, foreign["tokenizer"], protocol=protocol, layout=foreign["layout"], speculative_model=foreign["speculative_model"],
         control_model=foreign["control_model"], control_url=foreign["control_url"], control_loading=foreign["control_loading"],
