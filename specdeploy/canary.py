@@ -184,11 +184,12 @@ def traffic_for(recipe, layout, drive: str, grpc_url: str | None = None, openai_
     the canary path over Triton gRPC (`grpc_url`, default the detached server) or the OpenAI front (`openai_url`)."""
     from specdeploy.client import validate as val
     from specdeploy.errors import ConfigError
+    from specdeploy.recipe_deployment import server_url, tokenizer_dir
 
     if drive not in DRIVES:
         raise ConfigError(f"--drive {drive!r} is not one of {', '.join(DRIVES)}", "use --drive triton or --drive openai")
     options = val.Options.from_recipe(recipe)
-    prompts, _ = val.prepare_prompts(options, val.HFCodec(val.tokenizer_dir(recipe, layout)))
+    prompts, _ = val.prepare_prompts(options, val.HFCodec(tokenizer_dir(recipe, layout)))
     if drive == "openai":
         from specdeploy.client.openai_adapter import OpenAIEndpoint
 
@@ -198,5 +199,5 @@ def traffic_for(recipe, layout, drive: str, grpc_url: str | None = None, openai_
     else:
         from specdeploy.client.triton_adapter import TritonEndpoint
 
-        endpoint = TritonEndpoint(grpc_url or val.server_url(layout))
+        endpoint = TritonEndpoint(grpc_url or server_url(layout))
     return Traffic(endpoint, [p.text for p in prompts], options.max_tokens, concurrency, options.request_timeout_s)

@@ -404,7 +404,7 @@ def build_front(recipe, layout, grpc_url: str, timeout_s: float | None = None) -
     """A Front over the deployment at grpc_url with the recipe's routes and its repository's tokenizer."""
     from specdeploy.client.protocol import REQUIRED_MODELS
     from specdeploy.client.triton_adapter import TritonEndpoint
-    from specdeploy.client.validate import tokenizer_dir
+    from specdeploy.recipe_deployment import tokenizer_dir
 
     endpoint = TritonEndpoint(grpc_url)
     endpoint.check_ready(REQUIRED_MODELS)

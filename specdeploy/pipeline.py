@@ -11,7 +11,7 @@ from __future__ import annotations
 def run(recipe, layout, recipe_path: str, echo=print, progress=True, server_binary: str | None = None, **overrides):
     """Every stage in order; returns validate_recipe's (report, paths, verdict). `overrides` go to validate."""
     from specdeploy import backend_stages
-    from specdeploy.client.validate import validate_recipe
+    from specdeploy.recipe_deployment import validate_recipe
     from specdeploy.quantize import quantize_recipe
 
     stages = backend_stages.of(recipe)

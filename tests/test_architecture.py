@@ -84,26 +84,18 @@ LAYER_OF = {
     "client.triton_adapter": "client",
     "client.openai_adapter": "client",
     "client.llmapi_adapter": "client",
+    "client.deployment": "client",
     # the stages composed per backend
     "backend_stages": "backend-stages",
     # what one command runs
     "pipeline": "commands",
+    "recipe_deployment": "commands",
     "plan": "commands",
     "doctor": "commands",
     "monitor": "commands",
     "canary": "commands",
     "openai_api": "commands",
     "cli": "cli",
-}
-
-# Known client-side violations that the client's own rework removes (specdeploy/client/ belongs to that work).
-# One edge (importer, imported) each; the whole set is emptied when it is merged, and
-# test_pending_client_fixes_are_still_needed fails for an entry that no longer exists.
-PENDING_CLIENT_FIXES = {
-    ("client.validate", "triton.repository"),  # client imports a stage
-    ("client.validate", "triton.server"),  # client imports a stage
-    ("client.metrics_check", "triton.server"),  # client imports a stage
-    ("client.metrics_check", "client.validate"),  # with validate -> metrics_check, the cycle of the two
 }
 
 
@@ -162,19 +154,19 @@ def is_package(package: Path, name: str) -> bool:
     return (package / Path(*name.split(".")) / "__init__.py").is_file() if name else True
 
 
-def layer_violations(graph, layer_of, may_import, pending=frozenset(), package: Path = PACKAGE) -> list[str]:
+def layer_violations(graph, layer_of, may_import, package: Path = PACKAGE) -> list[str]:
     """Each import of a module of a layer its importer may not import (a package's __init__ is a namespace)."""
     found = []
     for importer, targets in sorted(graph.items()):
         for target in sorted(targets):
-            if is_package(package, target) or (importer, target) in pending:
+            if is_package(package, target):
                 continue
             if layer_of[target] not in may_import[layer_of[importer]]:
                 found.append(f"{importer} ({layer_of[importer]}) imports {target} ({layer_of[target]})")
     return found
 
 
-def cycles(graph, pending=frozenset()) -> list[list[str]]:
+def cycles(graph) -> list[list[str]]:
     """The strongly connected components of more than one module (Tarjan), each sorted."""
     index, low, stack, on_stack, found = {}, {}, [], set(), []
 
@@ -183,8 +175,6 @@ def cycles(graph, pending=frozenset()) -> list[list[str]]:
         stack.append(v)
         on_stack.add(v)
         for w in graph[v]:
-            if (v, w) in pending:
-                continue
             if w not in index:
                 visit(w)
                 low[v] = min(low[v], low[w])
@@ -226,20 +216,13 @@ def test_packages_are_namespaces():
 
 
 def test_no_import_against_the_direction():
-    found = layer_violations(import_graph(PACKAGE), LAYER_OF, MAY_IMPORT, PENDING_CLIENT_FIXES)
+    found = layer_violations(import_graph(PACKAGE), LAYER_OF, MAY_IMPORT)
     assert found == [], "imports against the layers of docs/architecture.md:\n  " + "\n  ".join(found)
 
 
 def test_no_import_cycles():
-    found = cycles(import_graph(PACKAGE), PENDING_CLIENT_FIXES)
+    found = cycles(import_graph(PACKAGE))
     assert found == [], "modules that import each other:\n  " + "\n  ".join(f"cycle of {len(c)}: {' '.join(c)}" for c in found)
-
-
-def test_pending_client_fixes_are_still_needed():
-    graph = import_graph(PACKAGE)
-    fixed = sorted(edge for edge in PENDING_CLIENT_FIXES if edge[1] not in graph.get(edge[0], ()))
-    assert fixed == [], f"remove {fixed} from PENDING_CLIENT_FIXES: that import is gone"
-    assert all(LAYER_OF[importer] == "client" for importer, _ in PENDING_CLIENT_FIXES)
 
 
 # ---------------------------------------------------------------- the checker itself, on a package written here
@@ -259,4 +242,3 @@ def test_the_checker_sees_function_level_relative_and_plain_imports(tmp_path):
     may_import = {"core": {"core"}, "stages": {"core", "stages"}, "cli": {"core", "stages", "cli"}}
     assert layer_violations(graph, layer_of, may_import, package=toy) == ["base (core) imports sub.top (cli)"]
     assert cycles(graph) == [["base", "mid", "sub.top"]]
-    assert cycles(graph, pending={("base", "sub.top")}) == []

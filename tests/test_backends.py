@@ -209,7 +209,7 @@ def test_an_llmapi_recipe_is_validatable_but_not_swept(tmp_path):
     """Both layouts serve a control now; the llmapi layout fixes the draft length per deployment, so a draft-length
     sweep is refused before any request."""
     from specdeploy.artifacts import Layout
-    from specdeploy.client.validate import validate_recipe
+    from specdeploy.recipe_deployment import validate_recipe
 
     r = config.parse_recipe({"name": "l", "backend": "trtllm-llmapi", "target": {"model": "t"}, "draft": {"model": "d"}})
     with pytest.raises(ConfigError, match="fixes it per deployment"):

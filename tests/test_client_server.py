@@ -25,7 +25,7 @@ from specdeploy.config import parse_recipe
 from specdeploy.triton import server as server_mod  # noqa: E402
 from specdeploy.client import gate  # noqa: E402
 from specdeploy.client.triton_adapter import TritonEndpoint  # noqa: E402
-from specdeploy.client.validate import tokenizer_dir, validate_recipe  # noqa: E402
+from specdeploy.recipe_deployment import tokenizer_dir, validate_recipe  # noqa: E402
 from specdeploy.errors import ClientError  # noqa: E402
 
 TESTS_DIR = Path(__file__).resolve().parent

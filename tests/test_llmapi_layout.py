@@ -230,7 +230,7 @@ def test_what_the_model_cannot_do_is_refused_by_name_then_it_serves(side_by_side
 
 @pytest.mark.server
 def test_validate_side_by_side_compares_real_outputs_and_checks_the_metrics(side_by_side, tmp_path):
-    from specdeploy.client.validate import validate_recipe
+    from specdeploy.recipe_deployment import validate_recipe
 
     recipe, layout, _, srv = side_by_side
     report, _, verdict = validate_recipe(recipe, layout, url=srv.state.grpc_url, metrics_url=srv.state.metrics_url,

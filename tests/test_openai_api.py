@@ -162,7 +162,7 @@ def test_validate_and_canary_drive_the_openai_front(tmp_path_factory, model_dir,
 
     from specdeploy.cli import main
     from specdeploy.client import gate
-    from specdeploy.client.validate import validate_recipe
+    from specdeploy.recipe_deployment import validate_recipe
     from specdeploy.triton.server import free_port
 
     root = tmp_path_factory.mktemp("openai-validate")

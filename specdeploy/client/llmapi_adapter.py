@@ -32,20 +32,23 @@ LOAD_TIMEOUT_S = 600.0
 class LlmapiEndpoint(TritonEndpoint):
     """The llmapi deployment at `url` (gRPC host:port); `load_unload`: one of its two models loaded at a time."""
 
-    def __init__(self, url: str, load_unload: bool = False, load_timeout_s: float = LOAD_TIMEOUT_S):
-        super().__init__(url)
+    def __init__(self, url: str, load_unload: bool = False, load_timeout_s: float = LOAD_TIMEOUT_S, names: dict | None = None,
+                 missing_hint: str | None = None):  # fmt: skip
+        llmapi_names = {k: v for k, v in (names or LLMAPI_NAMES).items() if k in LLMAPI_NAMES}
+        super().__init__(url, llmapi_names, missing_hint)
         self.one_model_at_a_time = load_unload
-        self.served_names = LLMAPI_NAMES  # the metrics check reads the served models' labels from here
         self.load_timeout_s = load_timeout_s
         self.loaded: str | None = None  # load_unload: the model loaded now (None: not known yet)
         self.swaps: list[tuple[str, float]] = []  # (model loaded, seconds the swap took), in order
         self._swap_lock = threading.Lock()
 
     def served(self, model: str) -> str:
-        if model not in LLMAPI_NAMES:
-            raise ClientError(f"the llmapi layout has no model for '{model}' (it serves {', '.join(LLMAPI_NAMES.values())})",
-                              "text outputs only: no target-only trace, no preprocessing")  # fmt: skip
-        return LLMAPI_NAMES[model]
+        if model in self.names:
+            return self.names[model]
+        if model in self.names.values():  # already a served name
+            return model
+        raise ClientError(f"the llmapi layout has no model for '{model}' (it serves {', '.join(self.names.values())})",
+                          "text outputs only: no target-only trace, no preprocessing")  # fmt: skip
 
     # ------------------------------------------------------------ readiness and loading
 
@@ -60,7 +63,7 @@ class LlmapiEndpoint(TritonEndpoint):
         for name in names:
             if name not in entries:
                 raise ClientError(f"model '{name}' is not in the repository of {self.url} (it has: {', '.join(sorted(entries)) or 'nothing'})",
-                                  "regenerate the repository (specdeploy repo RECIPE) and restart the server")  # fmt: skip
+                                  self.missing_hint)  # fmt: skip
         ready = [n for n, e in entries.items() if e.get("state") == "READY"]
         self.loaded = ready[0] if len(ready) == 1 else None
 
@@ -74,10 +77,10 @@ class LlmapiEndpoint(TritonEndpoint):
                 return
             started = time.perf_counter()
             client = self._client()
-            for other in LLMAPI_NAMES.values():
-                if other != name:
-                    self._call(f"unloading {other}", self.load_timeout_s, client.unload_model, other, client_timeout=self.load_timeout_s)
-            self._wait_unloaded([o for o in LLMAPI_NAMES.values() if o != name])
+            others = sorted(set(self.names.values()) - {name})
+            for other in others:
+                self._call(f"unloading {other}", self.load_timeout_s, client.unload_model, other, client_timeout=self.load_timeout_s)
+            self._wait_unloaded(others)
             self._call(f"loading {name}", self.load_timeout_s, client.load_model, name, client_timeout=self.load_timeout_s)
             self.loaded = name
             self.swaps.append((name, time.perf_counter() - started))

@@ -103,9 +103,15 @@ def output_tokens(counts: PathCounts, exact: dict[str, int]) -> tuple[int | None
 
 
 def compare(window: m.Snapshot, counts: dict[str, PathCounts], exact: dict[str, int], spec_model: str = SPECULATIVE_MODEL,
-            control_model: str = CONTROL_MODEL) -> dict:  # fmt: skip
+            control_model: str = CONTROL_MODEL, control_here: bool = True) -> dict:  # fmt: skip
     """The report's `metrics_check` section: per path, metric name -> (metrics, client) and the mismatches.
-    `counts` are keyed by the core's model names; `spec_model`/`control_model` are the served models' labels."""
+    `counts` are keyed by the core's model names; `spec_model`/`control_model` are the served models' labels;
+    `control_here`: the control is served by this endpoint's server (not by a second one).
+
+    An endpoint without specdeploy's families (a deployment specdeploy did not make: NVIDIA's BLS exports none for
+    speculation) is checked on Triton's own request counters only, and the notes say what that leaves out."""
+    if not window.has(m.REQUESTS.name):
+        return _compare_triton_only(window, counts, spec_model, control_model, control_here)
     rows, notes = [], []
     spec = counts.get(SPECULATIVE_MODEL, PathCounts())
     control = counts.get(CONTROL_MODEL, PathCounts())
@@ -119,7 +125,9 @@ def compare(window: m.Snapshot, counts: dict[str, PathCounts], exact: dict[str, 
 
     if not (spec.errors or control.errors):
         row("speculative", m.REQUESTS.name + f'{{model="{spec_model}",arm="speculative"}}', stats.requests, spec.requests)
-        if window.has(TRITON_SUCCESS):
+        if not control_here:
+            notes.append("the control is served by another server (--control-url): its requests are not checked on this endpoint")
+        elif window.has(TRITON_SUCCESS):
             got = window.sum(TRITON_SUCCESS, model=control_model)
             row("control", TRITON_SUCCESS + f'{{model="{control_model}"}}', got, control.requests)
         else:
@@ -148,6 +156,30 @@ def compare(window: m.Snapshot, counts: dict[str, PathCounts], exact: dict[str, 
     return {"checked": True, "rows": rows, "mismatches": mismatches, "notes": notes, "window_s": window.taken_s}
 
 
+def _compare_triton_only(window: m.Snapshot, counts: dict[str, PathCounts], spec_model: str, control_model: str, control_here: bool) -> dict:
+    """Requests per path from Triton's `nv_inference_request_success`; draft tokens, output tokens and rounds are
+    not exported, so not checked (said in the notes)."""
+    rows, notes = [], [f"the endpoint exports no {m.PREFIX}* speculation metrics: draft tokens, accepted tokens, output "
+                       "tokens and rounds are not checked against it"]  # fmt: skip
+    if not window.has(TRITON_SUCCESS):
+        notes.append(f"the endpoint exports no {TRITON_SUCCESS} either: nothing to check")
+        return {"checked": False, "rows": [], "mismatches": [], "notes": notes, "window_s": window.taken_s}
+    spec, control = counts.get(SPECULATIVE_MODEL, PathCounts()), counts.get(CONTROL_MODEL, PathCounts())
+    if spec.errors or control.errors:
+        notes.append(f"{spec.errors + control.errors} requests failed on the client side; their server-side outcome is unknown, so requests are not compared")
+        return {"checked": False, "rows": [], "mismatches": [], "notes": notes, "window_s": window.taken_s}
+    paths = [("speculative", spec_model, spec)] + ([("control", control_model, control)] if control_here else [])
+    for path, label, c in paths:
+        got = window.sum(TRITON_SUCCESS, model=label)
+        rows.append({"path": path, "metric": TRITON_SUCCESS + f'{{model="{label}"}}', "metrics": got, "client": c.requests,
+                     "agree": abs(got - c.requests) < 1e-6, "note": None})  # fmt: skip
+    mismatches = [f"{r['metric']}: the metrics endpoint counted {r['metrics']:g}, validate counted {r['client']:g} ({r['path']} path)"
+                  for r in rows if not r["agree"]]  # fmt: skip
+    if mismatches:
+        notes.append("another client sending to the deployment during the run also makes the counts differ")
+    return {"checked": True, "rows": rows, "mismatches": mismatches, "notes": notes, "window_s": window.taken_s}
+
+
 def settled(url: str, earliest: m.Snapshot, names: Sequence[str], timeout_s: float) -> m.Snapshot:
     """Scrape until the named counters stop moving (Triton refreshes its own counters lazily)."""
     deadline = time.monotonic() + timeout_s
@@ -164,8 +196,9 @@ def settled(url: str, earliest: m.Snapshot, names: Sequence[str], timeout_s: flo
 class MetricsCheck:
     """Scrape before the run (`start`), wrap the endpoint, and after it add the check to the report (`finish`)."""
 
-    def __init__(self, endpoint, metrics_url: str | None):
+    def __init__(self, endpoint, metrics_url: str | None, control_here: bool = True):
         self.metrics_url = metrics_url
+        self.control_here = control_here
         self.endpoint = CountingEndpoint(endpoint)
         self.before: m.Snapshot | None = None
         self.error: str | None = None
@@ -180,7 +213,7 @@ class MetricsCheck:
         section: dict = {"checked": False, "url": self.metrics_url, "rows": [], "mismatches": [], "notes": []}
         window = None
         if not self.metrics_url:
-            section["notes"].append("no metrics endpoint known (pass --metrics-url HOST:PORT): the counters are not checked")
+            section["notes"].append("no metrics endpoint given (pass --metrics-url HOST:PORT): the counters are not checked")
         elif getattr(self.endpoint.inner, "one_model_at_a_time", False):
             section["notes"].append("the models were unloaded and loaded during the run (triton.control load_unload), which "
                                     "resets their counters: the counters are not checked")  # fmt: skip
@@ -196,7 +229,8 @@ class MetricsCheck:
             if window is not None and not report.get("complete", True):
                 section["notes"].append("the run is incomplete (a request may have ended on the server only): the counters are not checked")
             elif window is not None:
-                section = {**compare(window, self.endpoint.counts, exact_token_counts(report), *self.labels), "url": self.metrics_url}
+                section = {**compare(window, self.endpoint.counts, exact_token_counts(report), *self.labels, self.control_here),
+                           "url": self.metrics_url}  # fmt: skip
         report["metrics_check"] = section
         report["speculation"] = speculation_section(window, self.endpoint.counts.get(SPECULATIVE_MODEL, PathCounts()), policy,
                                                     self.labels[0])  # fmt: skip
@@ -258,68 +292,22 @@ POLICY_PARAMETERS = ("speculation_policy", "num_draft_tokens", "max_draft_len", 
                      "canary_control_percent")  # fmt: skip
 
 
-def served_policy(endpoint, recipe) -> dict:
-    """The speculation policy the served BLS runs (its config parameters), else the recipe's; and the draft kind."""
-    from specdeploy.policy import PolicySettings
-
+def served_policy(endpoint, configured: dict | None = None) -> dict:
+    """The speculation policy the served BLS runs (its config parameters), else the one the deployment's description
+    carries (`configured`, from the recipe); {} when neither says."""
     params, source = {}, "recipe"
     try:
         params = {k: v for k, v in endpoint.model_parameters(SPECULATIVE_MODEL).items() if k in POLICY_PARAMETERS}
         source = "served config" if params else source
-    except (AttributeError, ClientError):  # an endpoint without configs (the OpenAI front), or unreadable
+    except (AttributeError, ClientError):  # an endpoint without configs (an OpenAI API), or unreadable
         pass
+    configured = dict(configured or {})
     if not params:
-        params = {**PolicySettings.from_recipe(recipe.speculative).to_parameters(), "num_draft_tokens": str(recipe.speculative.num_draft_tokens),
-                  "canary_control_percent": str(recipe.canary.control_percent)}  # fmt: skip
-    return {"source": source, "draft_kind": getattr(recipe.draft, "kind", "model"), **{k: v for k, v in params.items() if v not in ("", "{}")}}
-
-
-PROTOCOLS = ("triton", "openai")
-
-
-def open_run(recipe, layout, url: str | None = None, protocol: str = "triton", openai_url: str | None = None,
-             metrics_url: str | None = None) -> MetricsCheck:  # fmt: skip
-    """The run's endpoint (Triton gRPC, or the OpenAI front over it), counted, with the metrics read before it.
-
-    url: the deployment's gRPC address (default: the server `serve --detach` started, which also gives the
-    metrics endpoint); openai_url: the front (protocol openai); metrics_url: Triton's metrics port.
-    """
-    from specdeploy.client.triton_adapter import TritonEndpoint
-    from specdeploy.client.validate import server_url
-    from specdeploy.errors import ConfigError
-
-    if protocol not in PROTOCOLS:
-        raise ConfigError(f"--protocol {protocol!r} is not one of {', '.join(PROTOCOLS)}", "use --protocol triton or --protocol openai")
-    if metrics_url is None and url is None:
-        metrics_url = recorded_metrics_url(layout)
-    if protocol == "openai" and recipe.layout == "llmapi":
-        raise ConfigError("--protocol openai drives specdeploy's OpenAI front, which serves the inflight_batcher_llm layout",
-                          "validate the llmapi layout over Triton (--protocol triton)")  # fmt: skip
-    if protocol == "openai":
-        from specdeploy.client.openai_adapter import OpenAIEndpoint
-
-        if not openai_url:
-            raise ConfigError("--protocol openai needs the front's address", "pass --openai-url http://127.0.0.1:PORT (specdeploy serve RECIPE --openai-port PORT)")
-        try:
-            triton = TritonEndpoint(url or server_url(layout))  # the control's exact tokens and the served configs
-        except ClientError:
-            triton = None
-        endpoint = OpenAIEndpoint(openai_url, recipe.name, triton, recipe.speculative.num_draft_tokens)
-    elif recipe.layout == "llmapi":
-        from specdeploy.client.llmapi_adapter import LlmapiEndpoint
-
-        endpoint = LlmapiEndpoint(url or server_url(layout), load_unload=recipe.control == "load_unload")
-    else:
-        endpoint = TritonEndpoint(url or server_url(layout))
-    return MetricsCheck(endpoint, metrics_url)
-
-
-def recorded_metrics_url(layout) -> str | None:
-    """The metrics endpoint of the server `serve --detach` recorded for this recipe, if any."""
-    from specdeploy.triton.server import ServerState
-
-    state = ServerState.read(layout.server_state)
-    return state.metrics_url if state is not None else None
+        if not configured:
+            return {}
+        params = {k: v for k, v in configured.items() if k != "draft_kind"}
+    return {"source": source, **({"draft_kind": configured["draft_kind"]} if "draft_kind" in configured else {}),
+            **{k: v for k, v in params.items() if v not in ("", "{}")}}  # fmt: skip
 
 
 def summary_lines(report: dict) -> list[str]:

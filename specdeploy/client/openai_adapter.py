@@ -1,15 +1,15 @@
-"""`Endpoint` over the OpenAI-compatible front (`specdeploy.openai_api`): what `validate --protocol openai`
-and load through the front use.
+"""`Endpoint` over an OpenAI-compatible API: specdeploy's front (`specdeploy.openai_api`), trtllm-serve or vLLM
+(`/v1/models` and `/v1/completions`: NVIDIA/TensorRT-LLM@e7f7345 tensorrt_llm/serve/openai_server.py, register_routes).
 
-The core's model names map to the front's model ids: `tensorrt_llm_bls` -> `<recipe>-speculative`
+The core's model names map to model ids: for specdeploy's front `tensorrt_llm_bls` -> `<recipe>-speculative`
 (the front then sends its `num_draft_tokens`; a request without num_draft_tokens goes to `<recipe>-canary`,
-where the canary share applies), `ensemble` -> `<recipe>-control`. Prompts go to
-`/v1/completions` as text, exactly as the Triton path sends `text_input`, with `temperature: 0` for
-greedy. The server-side figures come back in the front's `specdeploy` extension field (draft tokens,
-accepted, server TTFT and decode time, k per round). The control's exact tokens (`trace`) and the
-served configs need the Triton deployment under the front: pass its gRPC endpoint as `triton`
-(None: parity falls back to the text, and the report says so). Standard library HTTP only.
-"""
+where the canary share applies), `ensemble` -> `<recipe>-control`; for any other server the ids given
+(`ids`), the control possibly on a server of its own (`control_url`). Prompts go to `/v1/completions` as
+text, exactly as the Triton path sends `text_input`, with `temperature: 0` for greedy. specdeploy's front
+returns server-side figures in its `specdeploy` extension field (draft tokens, accepted, server TTFT and
+decode time, k per round); another server returns text only, and the report says what that leaves
+unchecked. The control's exact tokens (`trace`) and the served configs need the Triton deployment under
+the front: pass its gRPC endpoint as `triton` (None: parity falls back to the text). Standard library HTTP only."""
 
 from __future__ import annotations
 
@@ -41,20 +41,29 @@ def base_url(url: str) -> str:
 
 
 class OpenAIEndpoint:
-    """The OpenAI front at `url`, serving `recipe_name`'s model ids; `triton`: the deployment under it (optional)."""
+    """The OpenAI-compatible API at `url`. Model ids: specdeploy's front for `recipe_name`, or `ids` (core name ->
+    model id; a missing one is resolved from `/v1/models` by `check_ready`); `control_url`: the control's own
+    server; `triton`: the Triton deployment under specdeploy's front (optional)."""
 
-    def __init__(self, url: str, recipe_name: str, triton=None, num_draft_tokens: int | None = None):
+    def __init__(self, url: str, recipe_name: str | None = None, triton=None, num_draft_tokens: int | None = None, *,
+                 ids: dict | None = None, canary_id: str | None = None, control_url: str | None = None):  # fmt: skip
         self.url = base_url(url)
-        self.recipe_name = recipe_name
+        self.urls = {SPECULATIVE_MODEL: self.url, CONTROL_MODEL: base_url(control_url) if control_url else self.url}
         self.triton = triton
-        self.ids = {SPECULATIVE_MODEL: f"{recipe_name}-speculative", CONTROL_MODEL: f"{recipe_name}-control"}
+        self.ids = dict(ids or {})
+        self.canary_id = canary_id
+        if recipe_name is not None:
+            self.ids = {SPECULATIVE_MODEL: f"{recipe_name}-speculative", CONTROL_MODEL: f"{recipe_name}-control"}
+            self.canary_id = f"{recipe_name}-canary"
         self.num_draft_tokens = num_draft_tokens
+        self.served_names: dict = {}  # the metrics endpoint is Triton's (specdeploy's front): its labels are the Triton names
 
     # ------------------------------------------------------------ http
 
-    def _http(self, method: str, path: str, body: dict | None, timeout_s: float):
+    def _http(self, method: str, path: str, body: dict | None, timeout_s: float, base: str | None = None):
+        base = base or self.url
         data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(self.url + path, data=data, method=method, headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(base + path, data=data, method=method, headers={"Content-Type": "application/json"})
         try:
             return urllib.request.urlopen(request, timeout=timeout_s)
         except urllib.error.HTTPError as exc:
@@ -63,31 +72,54 @@ class OpenAIEndpoint:
             except Exception:  # not OpenAI's error format
                 message = str(exc)
             hint = "raise validation.request_timeout_s or check the server log" if exc.code == 504 else "see the front's and the server's logs"
-            raise ClientError(f"the OpenAI front at {self.url} answered {exc.code} on {path}: {message[:400]}", hint) from None
+            raise ClientError(f"the OpenAI API at {base} answered {exc.code} on {path}: {message[:400]}", hint) from None
         except (urllib.error.URLError, OSError) as exc:
             if "timed out" in str(exc):
-                raise ClientError(f"a request to the OpenAI front at {self.url} timed out after {timeout_s:.0f} s",
+                raise ClientError(f"a request to the OpenAI API at {base} timed out after {timeout_s:.0f} s",
                                   "raise validation.request_timeout_s or check the server log") from None  # fmt: skip
-            raise ClientError(f"the OpenAI front at {self.url} is unreachable: {exc}",
-                              "start it (specdeploy serve RECIPE --openai-port N) or check --openai-url") from None  # fmt: skip
+            raise ClientError(f"the OpenAI API at {base} is unreachable: {exc}",
+                              "start it (specdeploy serve RECIPE --openai-port N) or check the address (--url, --openai-url, --control-url)") from None  # fmt: skip
 
     # ------------------------------------------------------------ Endpoint
 
+    def served_models(self, base: str) -> list[str]:
+        with self._http("GET", "/models", None, 10, base) as response:
+            return [m["id"] for m in json.loads(response.read().decode()).get("data", [])]
+
     def check_ready(self, models: Sequence[str]) -> None:
-        via_front = [m for m in models if m in self.ids]
-        if via_front:
-            with self._http("GET", "/models", None, 10) as response:
-                served = {m["id"] for m in json.loads(response.read().decode()).get("data", [])}
-            for model in via_front:
-                if self.ids[model] not in served:
-                    raise ClientError(f"the OpenAI front at {self.url} does not serve '{self.ids[model]}' (it serves: {', '.join(sorted(served))})",
-                                      "start the front for this recipe (specdeploy serve RECIPE --openai-port N)")  # fmt: skip
-        rest = [m for m in models if m not in self.ids]
+        via_api = [m for m in models if m in (SPECULATIVE_MODEL, CONTROL_MODEL)]
+        for model in via_api:
+            served = self.served_models(self.urls[model])
+            if model not in self.ids:
+                self._resolve(model, served)
+            if self.ids[model] not in served:
+                raise ClientError(f"the OpenAI API at {self.urls[model]} does not serve '{self.ids[model]}' (it serves: {', '.join(sorted(served))})",
+                                  "name a served model: --speculative-model ID / --control-model ID (specdeploy's front: "
+                                  "specdeploy serve RECIPE --openai-port N)")  # fmt: skip
+        rest = [m for m in models if m not in via_api]
         if rest:
             if self.triton is None:
-                raise ClientError(f"{', '.join(rest)} can only be reached over Triton, not through the OpenAI front",
+                raise ClientError(f"{', '.join(rest)} can only be reached over Triton, not through the OpenAI API",
                                   "pass the deployment's gRPC address too (--url host:port)")  # fmt: skip
             self.triton.check_ready(rest)
+
+    def _resolve(self, model: str, served: list[str]) -> None:
+        """The model id not given: specdeploy's front pair `<name>-speculative` / `<name>-control`, else the one model
+        a server serves (the control only when it has a server of its own)."""
+        pairs = [i[: -len("-speculative")] for i in served if i.endswith("-speculative") and i[: -len("-speculative")] + "-control" in served]
+        option = "--speculative-model" if model == SPECULATIVE_MODEL else "--control-model"
+        if len(pairs) == 1 and self.urls[SPECULATIVE_MODEL] == self.urls[CONTROL_MODEL]:
+            name = pairs[0]
+            self.ids.setdefault(SPECULATIVE_MODEL, f"{name}-speculative")
+            self.ids.setdefault(CONTROL_MODEL, f"{name}-control")
+            if self.canary_id is None and f"{name}-canary" in served:
+                self.canary_id = f"{name}-canary"
+        elif len(served) == 1 and (model == SPECULATIVE_MODEL or self.urls[CONTROL_MODEL] != self.urls[SPECULATIVE_MODEL]):
+            self.ids[model] = served[0]
+        else:
+            raise ClientError(f"which model of the OpenAI API at {self.urls[model]} is the {'speculative path' if model == SPECULATIVE_MODEL else 'control'}? "
+                              f"It serves: {', '.join(sorted(served)) or 'nothing'}",
+                              f"pass {option} ID" + ("" if model == SPECULATIVE_MODEL else " (the target alone), or --control-url for a server of its own"))  # fmt: skip
 
     def is_decoupled(self, model: str) -> bool:
         return self.triton.is_decoupled(model) if self.triton is not None else False
@@ -98,11 +130,13 @@ class OpenAIEndpoint:
         return self.triton.model_parameters(model)
 
     def body(self, model: str, request: GenerateRequest) -> dict:
+        if model not in (SPECULATIVE_MODEL, CONTROL_MODEL):
+            raise ClientError(f"the OpenAI API serves no path for the Triton model '{model}'", "use tensorrt_llm_bls or ensemble")
         if model not in self.ids:
-            raise ClientError(f"the OpenAI front serves no path for the Triton model '{model}'", "use tensorrt_llm_bls or ensemble")
+            self.check_ready([model])
         ident = self.ids[model]
-        if model == SPECULATIVE_MODEL and request.num_draft_tokens is None:
-            ident = f"{self.recipe_name}-canary"  # no num_draft_tokens: the deployment's canary share applies (as over Triton)
+        if model == SPECULATIVE_MODEL and request.num_draft_tokens is None and self.canary_id:
+            ident = self.canary_id  # no num_draft_tokens: the deployment's canary share applies (as over Triton)
         body: dict = {"model": ident, "prompt": request.prompt, "max_tokens": request.max_tokens, "stream": request.stream}
         if request.sampling is None:
             body["temperature"] = 0
@@ -124,7 +158,7 @@ class OpenAIEndpoint:
         body = self.body(model, request)
         start = time.perf_counter()
         pieces, first_s, ext = [], None, {}
-        with self._http("POST", "/completions", body, timeout_s) as response:
+        with self._http("POST", "/completions", body, timeout_s, self.urls[model]) as response:
             if not request.stream:
                 data = json.loads(response.read().decode())
                 pieces.append(data["choices"][0]["text"])
@@ -139,7 +173,7 @@ class OpenAIEndpoint:
                         break
                     data = json.loads(payload)
                     if "error" in data:
-                        raise ClientError(f"the OpenAI front at {self.url} reported: {data['error'].get('message')}", "see the server log")
+                        raise ClientError(f"the OpenAI API at {self.urls[model]} reported: {data['error'].get('message')}", "see the server log")
                     for choice in data.get("choices", []):
                         if choice.get("text"):
                             pieces.append(choice["text"])
@@ -164,7 +198,7 @@ class OpenAIEndpoint:
 
     def trace(self, prompt: str, max_tokens: int, timeout_s: float, with_logits: bool = True) -> TargetTrace:
         if self.triton is None:
-            raise ClientError("the target alone is not reachable through the OpenAI front", "pass the deployment's gRPC address too (--url host:port)")
+            raise ClientError("the target alone is not reachable through the OpenAI API", "pass the deployment's gRPC address too (--url host:port)")
         return self.triton.trace(prompt, max_tokens, timeout_s, with_logits)
 
     def close(self) -> None:

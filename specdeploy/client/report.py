@@ -66,6 +66,8 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
 
 def render_markdown(report: dict) -> str:
     settings = report.get("settings") or {}
+    deployment = report.get("deployment") or {}
+    names = deployment.get("served_names") or {}
     lines = [f"# Validation report: {report.get('recipe') or 'deployment'}", ""]
     gate = report.get("gate")
     if gate:
@@ -76,8 +78,11 @@ def render_markdown(report: dict) -> str:
     lines += [
         f"- server: `{report.get('url')}`" + (f", baseline: `{report['baseline_url']}`" if report.get("baseline_url") else ""),
         f"- created {report.get('created')}, took {_fmt(report.get('duration_s'), '.1f', ' s')}",
-        f"- control: `ensemble` (target alone); speculative: `tensorrt_llm_bls` with num_draft_tokens="
-        f"{settings.get('num_draft_tokens')} (max_draft_len {settings.get('max_draft_len')})",
+        f"- control: `{names.get('ensemble', 'ensemble')}` (target alone); speculative: `{names.get('tensorrt_llm_bls', 'tensorrt_llm_bls')}` "
+        f"with num_draft_tokens={settings.get('num_draft_tokens')} (max_draft_len {settings.get('max_draft_len')})"
+        + (f"; {deployment['protocol']} protocol" + (f", {deployment['layout']} layout" if deployment["protocol"] == "triton" else "")
+           + (f", control at `{deployment['control_url']}`" if deployment.get("control_url") else "")
+           + (" (a deployment described by its address and tokenizer, no recipe)" if deployment.get("foreign") else "") if deployment else ""),
         f"- prompts: {len(report.get('prompts') or [])} ({settings.get('prompt_set')}), max_tokens {settings.get('max_tokens')}, "
         f"concurrency {settings.get('concurrency')}, repeats {settings.get('repeats')}",
         "",
@@ -90,6 +95,7 @@ def render_markdown(report: dict) -> str:
     lines += cost_markdown(report.get("cost"))
     lines += _speculation_md(report)
     lines += _metrics_check_md(report)
+    lines += _not_checked_md(report)
     lines += _sweep_md(report)
     lines += _quality_md(report)
     for name, title in (("latency", "Latency distribution"), ("categories", "Per category"), ("sweep", "Draft-length sweep"),
@@ -287,6 +293,14 @@ def _metrics_check_md(report: dict) -> list[str]:
                           {True: "yes", False: "**NO**", None: "–"}[r["agree"]]] for r in rows])  # fmt: skip
     lines += [f"- {n}" for n in check.get("notes") or []]
     return lines + ([""] if check.get("notes") else [])
+
+
+def _not_checked_md(report: dict) -> list[str]:
+    items = report.get("not_checked") or []
+    if not items:
+        return []
+    lines = ["## Not checked", "", "What this deployment does not expose, so this run could not check it:", ""]
+    return lines + [f"- **{i['what']}**: not checked, because {i['because']}" for i in items] + [""]
 
 
 def _sweep_md(report: dict) -> list[str]:

@@ -47,16 +47,29 @@ def _tc():
     return grpcclient, InferenceServerException
 
 
-class TritonEndpoint:
-    """A Triton server at `url` (host:port of its gRPC endpoint)."""
+REPO_HINT = "regenerate the repository (specdeploy repo RECIPE) and restart the server"
 
-    def __init__(self, url: str):
+
+class TritonEndpoint:
+    """A Triton server at `url` (host:port of its gRPC endpoint). `names`: the core's model names -> the served
+    ones (default the same); `missing_hint`: what to do when a model is missing."""
+
+    def __init__(self, url: str, names: dict[str, str] | None = None, missing_hint: str | None = None,
+                 speculative_inputs: dict[str, bool] | None = None):  # fmt: skip
         if "://" in url:
             url = url.split("://", 1)[1]
         self.url = url
+        self.names = dict(names or {})
+        self.served_names = self.names  # the metrics check's `model` labels
+        self.missing_hint = missing_hint or REPO_HINT
+        self.speculative_inputs = dict(speculative_inputs or {})  # BOOL inputs sent with every speculative request
+        self.dropped_inputs: dict[str, set[str]] = {}  # served model -> inputs it does not declare (left out of requests)
         self._local = threading.local()
         self._decoupled: dict[str, bool] = {}
         self._configs: dict[str, dict] = {}
+
+    def served(self, model: str) -> str:
+        return self.names.get(model, model)
 
     # ------------------------------------------------------------ plumbing
 
@@ -100,17 +113,15 @@ class TritonEndpoint:
         live = self._call("the liveness check", CONNECT_TIMEOUT_S, client.is_server_live, client_timeout=CONNECT_TIMEOUT_S)
         if not live:
             raise ClientError(f"the server at {self.url} is not live", "check the server log")
-        for model in models:
+        for model in (self.served(m) for m in models):
             ready = self._call(f"the readiness check of {model}", CONNECT_TIMEOUT_S, client.is_model_ready, model, client_timeout=CONNECT_TIMEOUT_S)
             if ready:
                 continue
             index = self._call("the model index", CONNECT_TIMEOUT_S, client.get_model_repository_index, as_json=True, client_timeout=CONNECT_TIMEOUT_S)
             entries = {m.get("name"): m for m in index.get("models", [])}
             if model not in entries:
-                raise ClientError(
-                    f"model '{model}' is missing on {self.url} (it serves: {', '.join(sorted(entries)) or 'nothing'})",
-                    "regenerate the repository (specdeploy repo RECIPE) and restart the server",
-                )
+                raise ClientError(f"model '{model}' is missing on {self.url} (it serves: {', '.join(sorted(entries)) or 'nothing'})",
+                                  self.missing_hint)  # fmt: skip
             entry = entries[model]
             raise ClientError(
                 f"model '{model}' on {self.url} is not ready (state {entry.get('state', '?')}: {entry.get('reason', '')})",
@@ -126,7 +137,7 @@ class TritonEndpoint:
 
     def model_parameters(self, model: str) -> dict[str, str]:
         """The served model's config parameters (name -> string value), e.g. the BLS's policy settings."""
-        params = self._config(model).get("parameters", {}) or {}
+        params = self._config(self.served(model)).get("parameters", {}) or {}
         return {k: (v.get("string_value", "") if isinstance(v, dict) else str(v)) for k, v in params.items()}
 
     def _has_output(self, model: str, name: str) -> bool:
@@ -145,9 +156,13 @@ class TritonEndpoint:
             )
         if "seed" in inputs and "seed" not in declared and "random_seed" in declared:  # older NVIDIA name
             inputs = {**inputs, "random_seed": inputs["seed"]}
+        dropped = {name for name in inputs if name not in declared and name != "seed"}
+        if dropped:
+            self.dropped_inputs.setdefault(model, set()).update(dropped)
         return {name: value for name, value in inputs.items() if name in declared}
 
     def is_decoupled(self, model: str) -> bool:
+        model = self.served(model)
         if model not in self._decoupled:
             config = self._config(model)
             decoupled = bool(config.get("model_transaction_policy", {}).get("decoupled", False))
@@ -160,6 +175,8 @@ class TritonEndpoint:
 
     def generate(self, model: str, request: GenerateRequest, timeout_s: float, on_text=None) -> GenerateResult:
         """One request; `on_text(piece)` (optional) gets each response's text as it arrives (the OpenAI front streams it)."""
+        extra = self.speculative_inputs if request.num_draft_tokens is not None else {}
+        model = self.served(model)
         inputs = {
             "text_input": np.array([[request.prompt.encode("utf-8")]], dtype=object),
             "max_tokens": np.array([[request.max_tokens]], dtype=np.int32),
@@ -170,6 +187,8 @@ class TritonEndpoint:
             inputs["stream"] = np.array([[True]])
         if request.num_draft_tokens is not None:
             inputs["num_draft_tokens"] = np.array([[request.num_draft_tokens]], dtype=np.int32)
+        for name, value in extra.items():
+            inputs[name] = np.array([[bool(value)]])
         if request.sampling is not None:
             s = request.sampling
             inputs["temperature"] = np.array([[s.temperature]], dtype=np.float32)
@@ -195,7 +214,7 @@ class TritonEndpoint:
 
     def trace(self, prompt: str, max_tokens: int, timeout_s: float, with_logits: bool = True) -> TargetTrace:
         pre = self._run(
-            PREPROCESSING_MODEL,
+            self.served(PREPROCESSING_MODEL),
             {"QUERY": np.array([[prompt.encode("utf-8")]], dtype=object), "REQUEST_OUTPUT_LEN": np.array([[max_tokens]], dtype=np.int32)},
             ["INPUT_ID", "REQUEST_INPUT_LEN", "OUT_END_ID", "OUT_PAD_ID"],
             timeout_s,
@@ -216,7 +235,7 @@ class TritonEndpoint:
                 if dst == "end_id" and int(value.reshape(-1)[0]) >= 0:
                     end_id = int(value.reshape(-1)[0])
         outputs = ["output_ids", "sequence_length"] + (["generation_logits"] if with_logits else [])
-        out = self._run(TARGET_MODEL, llm_inputs, outputs, timeout_s)[-1]
+        out = self._run(self.served(TARGET_MODEL), llm_inputs, outputs, timeout_s)[-1]
         ids = out.as_numpy("output_ids").reshape(-1)
         n = int(out.as_numpy("sequence_length").reshape(-1)[0])
         logits = out.as_numpy("generation_logits") if with_logits else None

@@ -3,7 +3,8 @@
 Transport-free: it drives an `Endpoint` (Triton gRPC in production, a scripted fake in tests) and
 returns the report as a plain dict. A fault (server unreachable, model not ready, timeout, server
 gone) never escapes as an exception: it ends the run, and the report keeps what finished, marked
-incomplete, with the error.
+incomplete, with the error. `validate_deployment` runs it end to end on a `Deployment` (metrics check, gate,
+cost, the `not_checked` list of what the deployment does not expose, the report files).
 """
 
 from __future__ import annotations
@@ -16,11 +17,14 @@ from typing import Sequence
 
 from specdeploy.config import SpeculativeConfig, ValidationConfig, exact_verification
 from specdeploy.client import latency as lat
+from specdeploy.client import metrics_check
 from specdeploy.client import parity as par
+from specdeploy.client.deployment import Deployment
 from specdeploy.client.prompts import HFChatTemplate, Prompt, load_prompt_set, render_prompts, spread_over_categories
 from specdeploy.client.protocol import (
     CONTROL_MODEL,
     REQUIRED_MODELS,
+    SPECULATIVE_MODEL,
     TRIAGE_MODELS,
     Endpoint,
     GenerateRequest,
@@ -83,12 +87,16 @@ class Options:
             max_draft_len=s.max_draft_len,
             stream=recipe.triton.decoupled,
         )
-        base.update({k: v for k, v in overrides.items() if v is not None})
-        options = cls(**base)
+        return cls.build(**{**base, **{k: v for k, v in overrides.items() if v is not None}})
+
+    @classmethod
+    def build(cls, **fields) -> "Options":
+        """Options from fields (None: the default), checked: a run that could compare nothing is refused."""
+        options = cls(**{k: v for k, v in fields.items() if v is not None})
         if options.min_compared_tokens > options.max_tokens:
             raise ConfigError(
                 f"min_compared_tokens ({options.min_compared_tokens}) is larger than max_tokens ({options.max_tokens}): no output could be compared",
-                f"raise validation.max_tokens to at least {options.min_compared_tokens}",
+                f"raise --max-tokens (validation.max_tokens) to at least {options.min_compared_tokens}, or lower --min-compared-tokens",
             )
         for k in options.sweep_draft_tokens:
             if not 1 <= k <= options.max_draft_len:
@@ -120,7 +128,12 @@ class HFCodec:
     def __init__(self, tokenizer_dir: str | Path):
         from transformers import AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        except (OSError, ValueError) as exc:  # no such directory / repository, or no tokenizer files in it
+            raise ConfigError(f"cannot load a tokenizer from {str(tokenizer_dir)!r}: {str(exc).splitlines()[0][:300]}",
+                              "pass --tokenizer a directory with tokenizer.json / tokenizer_config.json (the target model's), "
+                              "or a Hugging Face model name already in the local cache") from None  # fmt: skip
 
     def chat_renderer(self):
         # The repository's preprocessing encodes with add_special_tokens (NVIDIA's default).
@@ -177,7 +190,7 @@ def validate(
     try:
         _run_phases(report, endpoint, codec, options, prompts, baseline, bar)
     except ClientError as exc:
-        _fail(report, exc.message)
+        _fail(report, f"{exc.message} (hint: {exc.hint})" if exc.hint else exc.message)
     except KeyboardInterrupt:
         _fail(report, "interrupted (Ctrl-C)")
     finally:
@@ -499,102 +512,101 @@ def _speed_warnings(report: dict, options: Options) -> None:
             )
 
 
-def read_quality(layout) -> dict:
-    """The quantize stage's quality reports (`extra["quality"]` of each checkpoint manifest), by role."""
-    from specdeploy.artifacts import Manifest
-    from specdeploy.config import ROLES
-
-    out = {}
-    for role in ROLES:
-        manifest = Manifest.read(layout.checkpoint(role))
-        if manifest is not None and manifest.extra.get("quality") is not None:
-            out[role] = {"qformat": manifest.settings.get("qformat"), **_flat(manifest.extra["quality"])}
-    return out
+# ---------------------------------------------------------------- one deployment, end to end
 
 
-def _flat(value) -> dict:
-    return value if isinstance(value, dict) else {"value": value}
+def validate_deployment(deployment: Deployment, options: Options, report_dir: str | Path, progress=True,
+                        baseline_url: str | None = None):  # fmt: skip
+    """Validate `deployment` (a `client.deployment.Deployment`) and write the report; returns (report, paths, verdict).
 
-
-# ---------------------------------------------------------------- the stage, for the CLI and `run`
-
-
-def tokenizer_dir(recipe, layout) -> Path:
-    """The tokenizer the server uses (the `tokenizer_dir` of the repository's preprocessing model),
-    else the target's source model."""
-    from specdeploy.client.protocol import PREPROCESSING_MODEL
-
-    config_path = Path(layout.repo) / PREPROCESSING_MODEL / "config.pbtxt"
-    if config_path.is_file():
-        from specdeploy.triton.repository import check_config
-
-        param = check_config(config_path.read_text()).parameters.get("tokenizer_dir")
-        if param is not None and param.string_value:
-            path = Path(param.string_value)
-            path = path if path.is_absolute() else (config_path.parent / path).resolve()
-            if (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file():
-                return path
-    from specdeploy import models
-
-    return models.resolve(recipe.target.model)
-
-
-def server_url(layout) -> str:
-    """The gRPC address of the server `serve --detach` (or `run`) started for this recipe."""
-    from specdeploy.triton import server
-
-    state, line = server.status(layout.server_state)
-    if state is None or not state.running():  # a PID now held by another process is no server
-        raise ClientError(f"no running server for this recipe: {line}", "start one with: specdeploy serve RECIPE --detach, or pass --url host:port")
-    return state.grpc_url
-
-
-def validate_recipe(
-    recipe,
-    layout,
-    url: str | None = None,
-    baseline_url: str | None = None,
-    report_dir: str | Path | None = None,
-    progress=True,
-    protocol: str = "triton",
-    openai_url: str | None = None,
-    metrics_url: str | None = None,
-    **overrides,
-):
-    """Validate the deployment of `recipe` at `url` and write the report; returns (report, paths, verdict).
-
-    Server faults do not raise: the verdict then fails with exit code 1 and the report is marked
-    incomplete. `overrides` replace Options fields (min_parity, min_speedup, max_prompts, ...).
+    Server faults do not raise: the verdict then fails with exit code 1 and the report is marked incomplete.
+    What the deployment does not expose is listed in the report's `not_checked` section, never skipped silently.
     """
     from specdeploy.client import gate
+    from specdeploy.client.deployment import open_endpoint
     from specdeploy.client.report import write_report
     from specdeploy.client.triton_adapter import TritonEndpoint
+    from specdeploy.cost import cost_section  # cost per response / per 1k tokens at the machine's price
 
-    options = Options.from_recipe(recipe, **overrides)
-    if options.sweep_draft_tokens and recipe.layout == "llmapi":
-        raise ConfigError("--sweep-draft-tokens needs a draft length per request, and the llmapi layout fixes it per "
-                          "deployment (speculative_config.max_draft_len in model.yaml)",
-                          "sweep on the inflight_batcher_llm layout, or change speculative.num_draft_tokens and redeploy")  # fmt: skip
-    codec = HFCodec(tokenizer_dir(recipe, layout))
-    from specdeploy.client import metrics_check  # counts the run's requests; reads the metrics endpoint before and after
-
-    check = metrics_check.open_run(recipe, layout, url, protocol, openai_url, metrics_url)
+    check_sweep(options, deployment.per_request_draft_tokens, deployment.layout if deployment.protocol == "triton" else "OpenAI")
+    codec = HFCodec(deployment.tokenizer)
+    check = metrics_check.MetricsCheck(open_endpoint(deployment), deployment.metrics_url, control_here=deployment.control_url is None)
     endpoint = check.endpoint
     baseline = TritonEndpoint(baseline_url) if baseline_url else None
     try:
-        report = validate(endpoint, codec, options, recipe.name, baseline, read_quality(layout), progress)
-        check.finish(report, metrics_check.served_policy(endpoint, recipe))
+        report = validate(endpoint, codec, options, deployment.title, baseline, deployment.quality, progress)
+        report["deployment"] = deployment.describe()
+        check.finish(report, metrics_check.served_policy(endpoint, deployment.policy))
+        report["not_checked"] = not_checked(report, deployment, endpoint)
     finally:
         endpoint.close()
         if baseline is not None:
             baseline.close()
     verdict = gate.evaluate(report, options.min_parity, options.min_speedup, options.min_compared_share)
     report["gate"] = verdict.to_dict()
-    from specdeploy.cost import cost_section  # cost per response / per 1k tokens at the recipe's machine price
-
-    report["cost"] = cost_section((report.get("latency") or {}).get("levels", []), recipe.cost.machine_price_per_hour, recipe.cost.currency)
-    paths = write_report(report, Path(report_dir) if report_dir else layout.report)
+    report["cost"] = cost_section((report.get("latency") or {}).get("levels", []), deployment.price_per_hour, deployment.currency)
+    paths = write_report(report, Path(report_dir))
     return report, paths, verdict
+
+
+def check_sweep(options: Options, per_request_draft_tokens: bool, kind: str) -> None:
+    """Refuse a draft-length sweep on a deployment whose requests cannot carry their own draft length."""
+    if options.sweep_draft_tokens and not per_request_draft_tokens:
+        raise ConfigError(f"--sweep-draft-tokens needs a draft length per request, and the {kind} deployment fixes it per "
+                          "deployment (the llmapi layout: speculative_config.max_draft_len in model.yaml; an OpenAI server: its settings)",
+                          "sweep on the inflight_batcher_llm layout over Triton, or change the draft length and redeploy")  # fmt: skip
+
+
+def not_checked(report: dict, deployment: Deployment, endpoint) -> list[dict]:
+    """What this run could not check on this deployment, each with the reason: [{"what", "because"}]."""
+    out: list[dict] = []
+
+    def add(what: str, because: str) -> None:
+        out.append({"what": what, "because": because})
+
+    items = (report.get("parity") or {}).get("items") or []
+    if any(i.get("token_source") == par.IDS_RETOKENIZED for i in items):
+        add("exact token ids of the outputs",
+            "the deployment returns no output_ids and has no target-only model (preprocessing + tensorrt_llm) to trace: "
+            "outputs were compared as text and tokens counted by re-tokenizing it with the given tokenizer")
+    if any("divergences cannot be triaged" in w for w in report.get("warnings", [])) and not (report.get("parity") or {}).get("exact_verification"):
+        add("near-tie triage of divergences",
+            "the deployment has no target-only model returning generation logits: a divergence counts as a mismatch")
+    counts = getattr(endpoint, "counts", {}).get(SPECULATIVE_MODEL)
+    if counts is not None and counts.requests and counts.perf_missing == counts.requests:
+        add("acceptance rate and acceptance length (draft tokens proposed / accepted)",
+            "the speculative model returned no total_draft_tokens / total_accepted_draft_tokens with its responses")
+    levels = (report.get("latency") or {}).get("levels") or []
+    if levels and not any(level.get("ttft_source") for level in levels):
+        add("TTFT and TPOT", "the deployment neither streams (not decoupled) nor returns arrival/first/last_token_time_ns: "
+            "only end-to-end latency and throughput were measured")
+    dropped = getattr(endpoint, "dropped_inputs", {}) or {}
+    spec_name = deployment.names().get(SPECULATIVE_MODEL, SPECULATIVE_MODEL)
+    if "num_draft_tokens" in dropped.get(spec_name, set()) or (deployment.foreign and not deployment.per_request_draft_tokens):
+        add(f"the draft length the report names (num_draft_tokens={report['settings'].get('num_draft_tokens')})",
+            "the speculative path takes no per-request num_draft_tokens: it ran with the deployment's own draft length")
+    for model, names in sorted(dropped.items()):
+        rest = sorted(n for n in names if n != "num_draft_tokens")
+        if rest:
+            add(f"request inputs {', '.join(rest)} of {model}", f"model '{model}' does not declare them, so they were not sent")
+    spec = report.get("speculation") or {}
+    if spec.get("source") is None:
+        add("speculation rounds (with / without a draft) and the draft length per round",
+            "the deployment returns no speculative_k_history and exports no specdeploy_spec_decode_rounds_total")
+    if not spec.get("policy"):
+        add("the speculation policy", "the speculative model's config carries no policy parameters and no recipe describes it")
+    check = report.get("metrics_check") or {}
+    if not check.get("checked"):
+        add("the metrics endpoint against validate's own counts", "; ".join(check.get("notes") or ["not read"]))
+    else:
+        for note in check.get("notes") or []:
+            if "not checked" in note or "exports no" in note:
+                add("part of the metrics endpoint", note)
+    if deployment.foreign:
+        add("quantization quality", "no checkpoint manifests: the deployment was not built by specdeploy")
+    if deployment.price_per_hour <= 0:
+        add("cost per response and per 1k tokens", "no machine price given (--price-per-hour, or cost.machine_price_per_hour in a recipe)")
+    return out
 
 
 def summary_lines(report: dict) -> list[str]:
@@ -631,9 +643,8 @@ def summary_lines(report: dict) -> list[str]:
         lines.append(
             f"sweep: alpha {sweep['alpha']:.3f}, c {sweep['cost_ratio'] or 0:.3f}; recommended num_draft_tokens {rec['recommended_k']}"
         )
-    from specdeploy.client.metrics_check import summary_lines as metrics_lines  # policy, rounds on/off, metrics check
-
-    lines += metrics_lines(report)
+    lines += metrics_check.summary_lines(report)  # policy, rounds on/off, metrics check
+    lines += [f"not checked: {n['what']} ({n['because']})" for n in report.get("not_checked") or []]
     lines += [f"warning: {w}" for w in report.get("warnings", [])]
     lines += [f"error: {e}" for e in report.get("errors", [])]
     return lines
