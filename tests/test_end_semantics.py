@@ -243,3 +243,20 @@ def test_a_draft_that_ended_gives_logits_only_for_its_tokens(bls):
            "frequency_penalty": 0.0, "min_tokens": 0}, "embedding_bias": None, "end_id": END, "prompt_ids": [1]}  # fmt: skip
     proposal = bls.TritonProposer(Call(), job).propose([1], 4, None, True)
     assert proposal.tokens == [2, 3] and tuple(proposal.logits.shape) == (2, VOCAB)
+
+
+def test_nvidias_client_loop_stops_at_the_end_of_the_answer(model):
+    """The client-orchestrated loop (tests/test_nvidia_loop.py `client_speculative`, here in process, the model as
+    its own draft) stops on a round that changed nothing: that is the end, only when output_ids hold no end token."""
+    prompt, max_tokens, k = [1], 12, 2
+    ids = prompt
+    while True:
+        n = min(k, len(prompt) + max_tokens - len(ids) - 1)
+        draft_out = ids + call(model, ids, n)[0] if n > 0 else None
+        draft = draft_out[len(ids) :] if draft_out is not None else None
+        extra = {"draft_input_ids": np.array([draft], np.int32)} if draft else {}
+        out = ids + call(model, ids, len(draft) + 1 if draft is not None else 1, **extra)[0]
+        last, ids = ids, out
+        if len(ids) >= len(prompt) + max_tokens or ids == draft_out or ids == last:
+            break
+    assert ids[len(prompt) :] == call(model, prompt, max_tokens)[0] == [2, 3, 4]
