@@ -260,3 +260,24 @@ def test_nvidias_client_loop_stops_at_the_end_of_the_answer(model):
         if len(ids) >= len(prompt) + max_tokens or ids == draft_out or ids == last:
             break
     assert ids[len(prompt) :] == call(model, prompt, max_tokens)[0] == [2, 3, 4]
+
+
+def test_the_ngram_draft_proposes_nothing_past_the_end_id(pb_utils, monkeypatch, request):
+    """The prompt holds `7 8 END 9 ... 7 8`: prompt lookup proposes END 9 after 7 8; a tensorrt_llm_draft's output
+    stops before the end id, so with end_id sent the proposal is what came before it (nothing)."""
+    module = _load("ngram_draft", monkeypatch, request)
+    params = {"max_draft_len": "4", "max_matching_ngram_size": "2", "is_keep_all": "true", "is_use_oldest": "true",
+              "is_public_pool": "false", "min_matching_ngram_size": "2", "max_input_len": "64"}  # fmt: skip
+    draft = module.TritonPythonModel()
+    draft.initialize({"model_name": "tensorrt_llm_draft", "model_config": json.dumps({"parameters": {k: {"string_value": v} for k, v in params.items()}})})
+    prompt = [1, 7, 8, END, 9, 4, 7, 8]
+
+    def proposal(**extra):
+        inputs = {"input_ids": np.array([prompt], np.int32), "input_lengths": np.array([[len(prompt)]], np.int32),
+                  "request_output_len": np.array([[2]], np.int32), **extra}  # fmt: skip
+        (response,) = draft.execute([_Request(**inputs)])
+        return response.tensors["output_ids"].reshape(-1).tolist()[len(prompt) :]
+
+    without = proposal()
+    assert END in without  # the lookup does propose the end id here
+    assert proposal(end_id=np.array([[END]], np.int32)) == without[: without.index(END)]
