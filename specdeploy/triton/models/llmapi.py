@@ -255,7 +255,9 @@ class TritonPythonModel:
 
 def finish_reason(reason: str | None) -> tuple[str, None]:
     """(CompletionOutput.finish_reason, stop_reason) from the loop's reason: "length", "cancelled" (the `stop` input)
-    or "stop" (the end id)."""
+    or "stop" (the end id: `FinishReason.END_ID` -> 'stop' in NVIDIA/TensorRT-LLM tensorrt_llm/executor/result.py
+    GenerationResultBase._handle_sequence). The end token itself never reaches text_output: the text is decoded with
+    skip_special_tokens, the LLM API's default (`_decode`)."""
     if reason == "length":
         return "length", None
     if reason in ("cancelled", "stopped"):

@@ -2,9 +2,9 @@
 
 The BLS calls it exactly as it calls a model draft: `input_ids` (prompt + output so far),
 `input_lengths`, `request_output_len` (k) -> `output_ids` [1, 1, n], `sequence_length` [1, 1] with
-n <= k proposed tokens (possibly none: no pattern matched). Every other optional input of the
-tensorrt_llm layout is accepted and has no effect on a proposal (the target's verification applies the
-request's sampling, penalties and stop conditions). `return_generation_logits` is refused: an n-gram
+n <= k proposed tokens (possibly none: no pattern matched), cut before `end_id` when one is sent. Every
+other optional input of the tensorrt_llm layout is accepted and has no effect on a proposal (the target's
+verification applies the request's sampling, penalties and stop conditions). `return_generation_logits` is refused: an n-gram
 draft has no logits. The pool (public or per request) is `specdeploy.ngram.NGramDrafts`.
 """
 
@@ -45,6 +45,11 @@ class TritonPythonModel:
         try:
             ids, out_len, exclude_input = self._parse(get)
             tokens = self.drafts.draft(ids, out_len)
+            end_id = common.scalar(get("end_id"), "end_id", int, None)
+            if end_id is not None and end_id in tokens:
+                # a tensorrt_llm model's output_ids stop before the end id (tensorrt_llm.py _without_end_token):
+                # the proposal does too, as a model draft's would
+                tokens = tokens[: tokens.index(end_id)]
         except RequestError as exc:
             emit(_error(f"{self.name}: {exc}"), True)
             return

@@ -287,8 +287,11 @@ class TritonPythonModel:
         tokens, logits, log_probs, context_logits = [], [], [], None
         held = _Held(self.tokenizer, self.skip_special_tokens) if flags["streaming"] else None
         chunks = self.executor.generate(gen) if self.batcher is None else self._stub_lock.released_while(self.batcher.generate(gen))
+        end_log_prob = 0.0  # the end token's log prob: in cum_log_probs, not in output_log_probs (see _without_end_token)
         try:
-            for chunk in chunks:
+            for raw_chunk in chunks:
+                chunk, dropped = _without_end_token(raw_chunk, gen.end_id, self._log_probs(raw_chunk, gen) if flags["return_log_probs"] else None)
+                end_log_prob += dropped
                 now = time.time_ns()
                 if times.first_ns is None and chunk.token_ids:
                     times.first_ns = int(getattr(chunk.stats, "first_token_time_ns", 0) or 0) or now
@@ -296,7 +299,7 @@ class TritonPythonModel:
                     raise Cancelled(self._cancel_text(flags["stop_check"].reason or chunk.finish_reason, flags, len(tokens) + len(chunk.token_ids)))
                 if context_logits is None and getattr(chunk, "context_logits", None) is not None:
                     context_logits = chunk.context_logits
-                chunk_log_probs = self._log_probs(chunk, gen) if flags["return_log_probs"] else None
+                chunk_log_probs = chunk.log_probs if flags["return_log_probs"] else None
                 times.last_ns = now
                 if flags["streaming"]:
                     # one response per run of tokens that completes text (per token for ASCII), the rest at the end
@@ -306,6 +309,7 @@ class TritonPythonModel:
                         response = self._response(
                             ids, ready_logits, ready_log_probs, flags, chunk.stats, times, sequence_index,
                             context_logits if not held.sent else None, len(gen.input_ids) + len(tokens) + len(chunk.token_ids),
+                            end_log_prob if chunk.finished else 0.0,
                         )
                         held.sent += len(ids)
                         emit(response, chunk.finished)
@@ -322,7 +326,7 @@ class TritonPythonModel:
                         emit(
                             self._response(
                                 ids, all_logits, log_probs if flags["return_log_probs"] else None, flags, chunk.stats, times,
-                                sequence_index, context_logits, len(gen.input_ids) + len(tokens),
+                                sequence_index, context_logits, len(gen.input_ids) + len(tokens), end_log_prob,
                             ),
                             True,
                         )
@@ -356,7 +360,7 @@ class TritonPythonModel:
             log_dist = torch.log(spec.sampling_distribution(rows, gen.sampling).clamp_min(1e-30))
         return log_dist[torch.arange(len(chunk.token_ids)), torch.tensor(chunk.token_ids)].tolist()
 
-    def _response(self, ids, logits, log_probs, flags, stats, times, sequence_index=0, context_logits=None, total_tokens=0):
+    def _response(self, ids, logits, log_probs, flags, stats, times, sequence_index=0, context_logits=None, total_tokens=0, end_log_prob=0.0):
         vocab = self.vocab_size or 0
         outputs = {
             "output_ids": np.array(ids, dtype=np.int32).reshape(1, 1, -1),  # [batch, beam, len]
@@ -364,7 +368,7 @@ class TritonPythonModel:
         }
         # Every output is sent (empty or zero when not asked for): the ensemble maps them all.
         if flags.get("return_log_probs") and log_probs is not None:
-            outputs["cum_log_probs"] = np.array([[sum(log_probs)]], dtype=np.float32)  # [batch, beam]
+            outputs["cum_log_probs"] = np.array([[sum(log_probs) + end_log_prob]], dtype=np.float32)  # [batch, beam]
             outputs["output_log_probs"] = np.array(log_probs, dtype=np.float32).reshape(1, 1, -1)  # [batch, beam, len]
         else:
             outputs["cum_log_probs"] = np.zeros((1, 1), np.float32)
@@ -400,6 +404,41 @@ class TritonPythonModel:
         if self.batcher is not None:
             self.batcher.close()
         self.executor = None
+
+
+def _without_end_token(chunk, end_id, log_probs):
+    """(chunk, the dropped end token's log prob): the chunk as TensorRT-LLM reports it when the sequence ended at
+    `end_id`, the end token left out of the tokens and their log probs. `log_probs` are the chunk's
+    (None when not asked for); the returned chunk carries them in `log_probs`.
+
+    TensorRT-LLM never counts the end token as an output token:
+    - its samplers write the chosen id, add its log prob to cum_log_probs, and on the end id set FINISHED_EOS
+      without advancing the sequence length ("Do not increase seq len when EOS is generated. Seq len should
+      always contain only tokens to be outputted": NVIDIA/TensorRT-LLM@03961722
+      cpp/tensorrt_llm/kernels/samplingTopKKernels.cu topKStage2Sampling, the same in samplingTopPKernels.cu);
+      output_log_probs are read up to the sequence length, so they hold no entry for it while cum_log_probs does;
+    - with several new tokens per step (draft_input_ids verified in one pass), `explicitEOSCriterion` finds the
+      first end id among them and cuts the sequence length and numNewTokens to the position before it, so accepted
+      draft tokens after the end id are dropped too (NVIDIA/TensorRT-LLM cpp/tensorrt_llm/kernels/
+      stopCriteriaKernels.cu explicitEOSCriterion; the accepted-token copy in externalDraftTokensKernels.cu
+      likewise stops at an end id without counting it);
+    - the backend's output_ids are the executor's Result.outputTokenIds and sequence_length their count
+      (triton-inference-server/tensorrtllm_backend@c2e65b8 inflight_batcher_llm/src/model_instance_state.cc:1059-1098).
+    A stop word stays in the output (stopWordsCriterion cuts "up to stopped word (including)", same file), and a
+    request that reaches request_output_len keeps all its tokens (lengthCriterion): only the end id is dropped.
+    The input is never examined: a prompt that ends with the end id is generated on like any other.
+    generation_logits keep the row of the step that chose the end id: TensorRT-LLM fills one row per decoding step
+    it ran, in a [beamWidth, maxNewTokens, vocab] buffer ([1, numDraftTokens + 1, vocab] when verifying), not one
+    per output token (NVIDIA/TensorRT-LLM cpp/include/tensorrt_llm/batch_manager/llmRequest.h
+    allocGenerationLogitsHost / setGenerationLogitsHost)."""
+    if not (chunk.finished and chunk.finish_reason == "end_id" and chunk.token_ids and end_id is not None and chunk.token_ids[-1] == end_id):
+        return (chunk if log_probs is None else dataclasses.replace(chunk, log_probs=list(log_probs))), 0.0
+    dropped = float(log_probs[-1]) if log_probs else 0.0
+    return dataclasses.replace(
+        chunk,
+        token_ids=list(chunk.token_ids[:-1]),
+        log_probs=None if log_probs is None else list(log_probs[:-1]),
+    ), dropped
 
 
 class _Held:

@@ -162,7 +162,8 @@ class TritonProposer:
     def propose(self, sequence, num_tokens, sampling, return_logits):
         extra = {"bad_words_list": self.job["bad_words_list"][None], **_request_tensors(self.job, len(sequence) - len(self.job["prompt_ids"]))}
         tokens, logits, _ = self.call(sequence, num_tokens, sampling, extra, return_logits, stop_check=self.job.get("stop_check"))
-        return spec.Proposal(tokens, logits)
+        # a draft that ended at the end id returns the logits row of that step too (no token for it)
+        return spec.Proposal(tokens, None if logits is None else logits[: len(tokens)])
 
 
 class TritonVerifier:
@@ -211,6 +212,9 @@ class TritonVerifier:
             self.record.kv_reused = last.get("kv_cache_reused_blocks", 0)
             self.record.first_token_ns = last.get("first_token_time_ns", 0)
         self.record.kv_total = last.get("kv_cache_alloc_total_blocks", self.record.kv_total)
+        requested = output_len or len(draft_tokens) + 1
+        if ended_at_end_id(sequence, draft_tokens, tokens, requested, job["end_id"], job["stop_words"]):
+            return tokens + [job["end_id"]]  # the loop (speculative_generate) then finishes with reason end_id
         return tokens
 
     def _run_slice_s(self, output_len):
@@ -220,6 +224,31 @@ class TritonVerifier:
         costs = self.costs
         per_token = (costs.plain_token_s or costs.verify_s.get(1)) if costs is not None else None
         return common.run_slice_s(output_len, per_token or RUN_TOKEN_GUESS_S, self.active())
+
+
+def ended_at_end_id(sequence, draft_tokens, returned, requested, end_id, stop_words) -> bool:
+    """Whether a tensorrt_llm call ended its sequence at `end_id`, read from what it returned.
+
+    TensorRT-LLM leaves the end token out of output_ids (see tensorrt_llm.py `_without_end_token` for the sources),
+    so the end shows only as a short answer. Without an end, a call returns what it was asked for: `requested`
+    tokens of a plain run, or, with draft tokens, the accepted prefix plus one token of the target's own, which
+    differs from the draft token at that place (greedy: else it would have been accepted; rejection sampling: the
+    residual distribution is zero at a rejected draft token; token matching: a rejection means a different token),
+    capped at `requested` = k + 1. Fewer tokens than that, not explained by a stop word (a stop word stays in the
+    output), means the end id came next. `stop_words` are token lists; matched over the whole sequence."""
+    if end_id is None:
+        return False
+    if draft_tokens:
+        agreed = 0
+        while agreed < min(len(draft_tokens), len(returned)) and draft_tokens[agreed] == returned[agreed]:
+            agreed += 1
+        expected = min(agreed + 1, requested)
+    else:
+        expected = requested
+    if len(returned) >= expected:
+        return False
+    whole = list(sequence) + list(returned)
+    return spec.find_stop(whole, len(sequence), None, stop_words) is None
 
 
 RUN_TOKEN_GUESS_S = 0.05  # seconds per plain token before the deployment has timed one
@@ -366,6 +395,13 @@ class TritonPythonModel:
             if isinstance(item, spec.SpecStats):
                 stats = item
                 continue
+            if job["end_id"] is not None and item and item[-1] == job["end_id"]:
+                # the loop ends at the first end id; NVIDIA's BLS returns its last target call's output_ids, which
+                # hold no end token (tensorrt_llm.py _without_end_token; tensorrtllm_backend@c2e65b8
+                # all_models/inflight_batcher_llm/tensorrt_llm_bls/1/lib/decode.py:353,380)
+                item = item[:-1]
+                if not item:
+                    continue
             times["first"] = times["first"] or record.first_token_ns or time.time_ns()
             output.extend(item)
             self.ops.tokens(ops, len(item))
