@@ -24,7 +24,8 @@ import pytest
 
 import tritonclient.grpc as grpcclient
 
-from specdeploy.triton import repository, server
+from specdeploy import backend_stages
+from specdeploy.triton import server
 
 pytestmark = pytest.mark.server
 
@@ -44,7 +45,7 @@ def chat(question: str) -> str:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, tiny_tokenizer_dir):
     from specdeploy.config import parse_recipe
-    from specdeploy.testing import TINY_QUANT, build_quietly, make_tiny_model
+    from tiny_models import TINY_QUANT, build_quietly, make_tiny_model
 
     root = tmp_path_factory.mktemp("nvidia-loop")
     model_dir = root / "target-hf"
@@ -58,7 +59,7 @@ def served(tmp_path_factory, tiny_tokenizer_dir):
         "triton": {"instance_count": 1},
     })  # fmt: skip
     layout = build_quietly(recipe, root)
-    repo, _ = repository.generate_repository(recipe, layout)
+    repo, _ = backend_stages.of(recipe).write_repository(recipe, layout)
     srv = server.start(repo, server.Ports.pick(), root / "tritonserver.log", exit_timeout_s=3)
     try:
         server.wait_ready(srv, 240)
