@@ -639,8 +639,10 @@ def test_real_cancelled_long_request_frees_the_instance(real, tokenizer):
     _scrape_until(real, before, lambda w: w.sum(metrics.RUNNING.name, model=model) >= 1, "the long request running")
     call.cancel()
     assert isinstance(done.get(timeout=60), InferenceServerException)
-    window = _scrape_until(real, before, lambda w: w.sum(metrics.REQUEST_ERRORS.name, model=model) >= 1, "the cancelled request ending")
+    ended = (metrics.REQUEST_ERRORS.name, metrics.REQUESTS.name)
+    window = _scrape_until(real, before, lambda w: sum(w.sum(n, model=model) for n in ended) >= 1, "the cancelled request ending")
     assert window.sum(metrics.REQUESTS.name, model=model) == 0  # it did not run to its end
+    assert window.sum(metrics.REQUEST_ERRORS.name, model=model) == 1
     assert window.sum(metrics.RUNNING.name, model=model) == 0
     # each pass emits at most k + 1 tokens: the whole output needs at least max_tokens / (k + 1) passes
     assert window.sum(metrics.TARGET_PASSES.name, model=model) < max_tokens / (k + 1), window.sum(metrics.TARGET_PASSES.name, model=model)
