@@ -628,7 +628,8 @@ def test_real_cancelled_long_request_frees_the_instance(real, tokenizer):
     cancellation) once the BLS reports it running (its num_requests_running gauge): the BLS sees it within one
     time slice of its draft/target calls (which stop between prefill chunks and tokens) and ends it as a failed
     request after fewer target passes than the whole output needs, so the instance serves the next request.
-    The request asks for every token the engine allows (end_id -1): it cannot end on its own before the cancel."""
+    The request asks for every token the engine allows (end_id -1): the cancel, sent as soon as the gauge shows
+    it, finds nearly all of that work still to do."""
     model = "tensorrt_llm_bls"
     words = " ".join(["Once upon a time there was a little robot."] * 90)
     max_tokens, k = _longest_output(tokenizer, words), 3
