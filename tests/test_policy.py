@@ -103,9 +103,9 @@ def test_cost_policy_falls_back_at_once_and_comes_back():
     good = trace.run(request, 30, lambda i, k: k)  # the draft is always right
     assert set(good[10:]) == {4}
     bad = trace.run(request, 30, lambda i, k: 0)  # the draft stops being right
-    first_plain = bad.index(0)
-    assert first_plain <= 4  # within a few rounds, not after a window, and not for good:
-    assert bad[first_plain + 1 : first_plain + 4] == [0, 0, 0]
+    plain_from = bad.index(0)
+    assert plain_from <= 4  # within a few rounds, not after a window, and not for good:
+    assert bad[plain_from + 1 : plain_from + 4] == [0, 0, 0]
     again = trace.run(request, 30, lambda i, k: k)  # right again: a probe finds out and speculation resumes
     assert again[-10:] == [4] * 10
     assert again.index(4) <= 8  # the first probe came after probe_interval plain rounds

@@ -57,7 +57,10 @@ def test_a_servers_regions_are_removed_when_it_stops(tmp_path, how):
 
             os.killpg(running.process.pid, signal.SIGKILL)
             running.process.wait(timeout=10)
-            time.sleep(0.5)
+            deadline = time.monotonic() + 60
+            while set(regions(prefix)) - set(shm.unused(min_age_s=0)):  # until no stub names the prefix any more
+                assert time.monotonic() < deadline, "the killed server's stubs did not die"
+                time.sleep(0.05)
             assert regions(prefix), "a killed server's regions stay behind (else this test proves nothing)"
     assert regions(prefix) == []
 

@@ -23,13 +23,39 @@ from specdeploy.triton import server
 # ---------------------------------------------------------------- stop and PID reuse
 
 
-@pytest.fixture
-def bystander():
+def _deaf():
+    """In the child before exec: the signals `stop` sends (all but SIGKILL) stay blocked, so one sent is still pending
+    (in /proc, at once and also after a later SIGKILL) instead of ending the process some time later."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT})
+
+
+def signals_sent_to(pid: int) -> int:
+    """The pending signals of `pid` (process- and thread-directed): a signal sent to it shows here once kill() returned."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return int(fields["ShdPnd"], 16) | int(fields["SigPnd"], 16)
+
+
+def _start_bystander(preexec_fn=None) -> subprocess.Popen:
     """An unrelated live process, in its own session like a tritonserver started by specdeploy."""
-    proc = subprocess.Popen(["sleep", "120"], start_new_session=True)
+    proc = subprocess.Popen(["sleep", "120"], start_new_session=True, preexec_fn=preexec_fn)
     deadline = time.monotonic() + 10
     while process_identity(proc.pid).cmdline != ("sleep", "120") and time.monotonic() < deadline:
         time.sleep(0.05)  # some kernels (and sandboxes) show the new command line a moment after exec
+    return proc
+
+
+@pytest.fixture
+def bystander():
+    proc = _start_bystander()
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+@pytest.fixture
+def deaf_bystander():
+    """A bystander that blocks the signals `stop` sends: whether one was sent can be read at once."""
+    proc = _start_bystander(_deaf)
     yield proc
     proc.kill()
     proc.wait()
@@ -46,7 +72,8 @@ TRITON_CMDLINE = ["/opt/tritonserver/bin/tritonserver", "--model-repository=/mod
     "recorded",
     ["other start time", "other command line", "state without identity"],
 )
-def test_stop_leaves_a_process_that_reused_the_pid_alone(tmp_path, bystander, recorded):
+def test_stop_leaves_a_process_that_reused_the_pid_alone(tmp_path, deaf_bystander, recorded):
+    bystander = deaf_bystander
     me = process_identity(bystander.pid)
     assert me is not None and me.start_ticks and me.cmdline == ("sleep", "120")
     state = {
@@ -59,11 +86,10 @@ def test_stop_leaves_a_process_that_reused_the_pid_alone(tmp_path, bystander, re
     assert "not running" in server.status(tmp_path)[1] and "another process" in server.status(tmp_path)[1]
     message = server.stop(tmp_path)
     assert "had already exited" in message and "another process, left alone" in message
-    time.sleep(0.3)
-    assert bystander.poll() is None, "stop signalled a process that is not the server it started"
+    assert signals_sent_to(bystander.pid) == 0, "stop signalled a process that is not the server it started"
     assert not (tmp_path / server.STATE_FILE).exists(), "the stale state is cleaned up"
     server.stop_pid(bystander.pid, timeout_s=1, expected=state.identity() or server.ProcessIdentity(bystander.pid, 1, ()))
-    assert bystander.poll() is None
+    assert signals_sent_to(bystander.pid) == 0 and bystander.poll() is None
 
 
 def test_stop_signals_the_process_it_recorded(tmp_path, bystander):
@@ -158,11 +184,12 @@ def test_a_second_run_waits_for_the_first(project, holder):
     second = cli(root, "repo", str(recipe))  # `repo` takes the lock before it looks at its inputs
     lines = lines_of(second)
     wait_for_line(lines, f"waiting for another specdeploy run on smollm2-135m (pid {first.pid}: specdeploy build recipe.yaml)")
-    time.sleep(1.0)
     assert second.poll() is None, "the second run must wait while the first holds the recipe"
     release.touch()
     assert first.wait(timeout=30) == 0
-    wait_for_line(lines, "got the lock on smollm2-135m")
+    # it went on only with the lock: nothing of its work came before that line (a run that went on without the
+    # lock would never print it)
+    assert not any("hint:" in line for line in wait_for_line(lines, "got the lock on smollm2-135m"))
     assert second.wait(timeout=60) == 1  # then it ran: this empty project has no engines to make a repository of
     wait_for_line(lines, "hint: run: specdeploy build")
 

@@ -7,6 +7,7 @@ different draft model) and `streaming` (decoupled, 1 instance, draft == target).
 from __future__ import annotations
 
 import queue
+import re
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from triton_hf_engine import make_engines  # noqa: E402
 
-from specdeploy import backend_stages  # noqa: E402
+from specdeploy import backend_stages, metrics  # noqa: E402
 from specdeploy.triton import repository, server  # noqa: E402
 
 import tritonclient.grpc as tritonclient_grpc  # noqa: E402
@@ -451,7 +452,7 @@ def test_detached_server_status(streaming):
 # (FP8 target, INT8 weight-only draft of a different, 1-layer model) and build (bf16, native kernels
 # where the machine has them), served with the default executor factory.
 
-LONG_PROMPT_TOKENS, LONG_OUTPUT = 1000, 200
+LONG_PROMPT_TOKENS, LONG_OUTPUT, REAL_MAX_SEQ_LEN = 1000, 200, 1400
 
 
 @pytest.fixture(scope="module")
@@ -462,7 +463,7 @@ def real(tmp_path_factory, tiny_tokenizer_dir):
     root = tmp_path_factory.mktemp("real")
     recipe = parse_recipe(tiny_pair_recipe(
         "real", *make_tiny_pair(root, tiny_tokenizer_dir, max_position_embeddings=2048),
-        engine={"dtype": "bfloat16", "max_batch_size": 4, "max_input_len": 1100, "max_seq_len": 1400},
+        engine={"dtype": "bfloat16", "max_batch_size": 4, "max_input_len": 1100, "max_seq_len": REAL_MAX_SEQ_LEN},
         triton={"instance_count": 1, "inflight_batching": True},  # the stop test needs requests to meet
         validation={"max_tokens": 16},
     ))  # fmt: skip
@@ -472,7 +473,7 @@ def real(tmp_path_factory, tiny_tokenizer_dir):
     try:
         server.wait_ready(srv, 240)
         client = tritonclient_grpc.InferenceServerClient(srv.state.grpc_url)
-        client.url = srv.state.grpc_url
+        client.url, client.metrics_url, client.log = srv.state.grpc_url, srv.state.metrics_url, srv.state.log
         yield client
         client.close()
     finally:
@@ -606,72 +607,116 @@ def test_real_long_prompt_same_text_on_both_paths(real, tokenizer):
     assert len(tokenizer(text(control), add_special_tokens=False).input_ids) >= LONG_OUTPUT // 2
 
 
-def _cancel_long_request(client, model):
-    """(seconds the next short request waited, seconds it takes alone) after cancelling a long request."""
+def _scrape_until(client, baseline, done, what: str):
+    """Scrape the server's metrics until `done(window since baseline)` holds: waiting for a signal, not for a time
+    (the overall bound only keeps a broken server from hanging the suite)."""
+    deadline = time.monotonic() + 600
+    while True:
+        window = metrics.scrape(client.metrics_url).minus(baseline)
+        if done(window):
+            return window
+        assert time.monotonic() < deadline, f"the server never showed {what}"
+        time.sleep(0.005)
+
+
+def _longest_output(tokenizer, prompt: str) -> int:
+    """The most tokens the real fixture's engine lets `prompt` ask for (max_seq_len minus the prompt)."""
+    return REAL_MAX_SEQ_LEN - len(tokenizer(prompt).input_ids)
+
+
+def test_real_cancelled_long_request_frees_the_instance(real, tokenizer):
+    """A client cancels a long BLS request (tritonclient's async_infer(...).cancel(), Triton's gRPC
+    cancellation) once the BLS reports it running (its num_requests_running gauge): the BLS sees it within one
+    time slice of its draft/target calls (which stop between prefill chunks and tokens) and ends it as a failed
+    request after fewer target passes than the whole output needs, so the instance serves the next request.
+    The request asks for every token the engine allows (end_id -1): the cancel, sent as soon as the gauge shows
+    it, finds nearly all of that work still to do."""
+    model = "tensorrt_llm_bls"
     words = " ".join(["Once upon a time there was a little robot."] * 90)
-    start = time.monotonic()
-    assert text(infer(client, model, text_input=PROMPTS[0], max_tokens=2))
-    alone = time.monotonic() - start
-    long_request = _inputs(dict(text_input=words, max_tokens=LONG_OUTPUT, end_id=-1))
-    start = time.monotonic()
-    client.infer(model, long_request, client_timeout=300)
-    whole = time.monotonic() - start  # how long the long request runs when left alone
-    done = queue.Queue()
-    call = client.async_infer(model, long_request, callback=lambda result, error: done.put(error))
-    time.sleep(whole / 3)  # the long request is running (prefilling its ~1,000 tokens, or decoding)
+    max_tokens, k = _longest_output(tokenizer, words), 3
+    long_request = _inputs(dict(text_input=words, max_tokens=max_tokens, end_id=-1, num_draft_tokens=k))
+    before = metrics.scrape(real.metrics_url)
+    done: queue.Queue = queue.Queue()
+    call = real.async_infer(model, long_request, callback=lambda result, error: done.put(error), client_timeout=900)
+    _scrape_until(real, before, lambda w: w.sum(metrics.RUNNING.name, model=model) >= 1, "the long request running")
     call.cancel()
     assert isinstance(done.get(timeout=60), InferenceServerException)
-    start = time.monotonic()
-    assert text(infer(client, model, text_input=PROMPTS[0], max_tokens=2))
-    return time.monotonic() - start, alone
+    ended = (metrics.REQUEST_ERRORS.name, metrics.REQUESTS.name)
+    window = _scrape_until(real, before, lambda w: sum(w.sum(n, model=model) for n in ended) >= 1, "the cancelled request ending")
+    assert window.sum(metrics.REQUESTS.name, model=model) == 0  # it did not run to its end
+    assert window.sum(metrics.REQUEST_ERRORS.name, model=model) == 1
+    assert window.sum(metrics.RUNNING.name, model=model) == 0
+    # each pass emits at most k + 1 tokens: the whole output needs at least max_tokens / (k + 1) passes
+    assert window.sum(metrics.TARGET_PASSES.name, model=model) < max_tokens / (k + 1), window.sum(metrics.TARGET_PASSES.name, model=model)
+    assert text(infer(real, model, text_input=PROMPTS[0], max_tokens=2))
 
 
-def test_real_cancelled_long_request_frees_the_instance(real):
-    """A client cancels a long BLS request (tritonclient's async_infer(...).cancel(), Triton's gRPC
-    cancellation): the BLS sees it within one time slice of its draft/target calls (which stop between
-    prefill chunks and tokens), so the next request waits at most ~a second for the instance; left
-    running, the 200-token request would hold it for ~100 times `alone`."""
-    waited, alone = _cancel_long_request(real, "tensorrt_llm_bls")
-    assert waited < 2 * alone + 1.0, (waited, alone)
+STOP = dict(input_ids=np.zeros((1, 1), np.int32), input_lengths=0, request_output_len=0, stop=True)
 
 
-def test_real_cancelled_long_ensemble_request_frees_the_instance(real):
+def _stopped_in_log(client, request_id: str) -> list[int]:
+    """How many running requests each `stop` for `request_id` ended, from the tensorrt_llm model's log lines."""
+    found = re.findall(rf"stop for request id '{re.escape(request_id)}': ([0-9]+) running request", Path(client.log).read_text(errors="replace"))
+    return [int(n) for n in found]
+
+
+def test_real_cancelled_long_ensemble_request_frees_the_instance(real, tokenizer):
     """The same on the ensemble. Triton 2.51 checks an ensemble request's cancellation only between ensemble
     steps (triton-inference-server/core#263, server#6739), so the running tensorrt_llm step never sees it and
-    generates on to its end or its deadline; with in-flight batching (the default, this fixture) the next
-    request joins the running batch instead of waiting behind it."""
-    waited, alone = _cancel_long_request(real, "ensemble")
-    assert waited < 2 * alone + 1.0, (waited, alone)
+    generates on; with in-flight batching (the default, this fixture) the next request joins the running batch
+    instead of waiting behind it: once it is answered, the cancelled request still runs, which a `stop` for its
+    id then shows (the ensemble gives its steps its own request id: triton-inference-server/core@r24.10
+    src/ensemble_scheduler/ensemble_scheduler.cc:977) and ends. It asks for every token the engine allows."""
+    prompt, request_id = "x", "cancelled-ensemble"
+    long_request = _inputs(dict(text_input=prompt, max_tokens=_longest_output(tokenizer, prompt), end_id=-1))
+    before = metrics.scrape(real.metrics_url)
+    done: queue.Queue = queue.Queue()
+    call = real.async_infer("ensemble", long_request, request_id=request_id, callback=lambda result, error: done.put(error),
+                            client_timeout=900)  # fmt: skip
+    _scrape_until(real, before, lambda w: w.sum("nv_inference_exec_count", model="tensorrt_llm") >= 1, "its tensorrt_llm step running")
+    call.cancel()
+    assert isinstance(done.get(timeout=60), InferenceServerException)
+    assert text(infer(real, "ensemble", text_input=PROMPTS[0], max_tokens=2))
+    real.infer("tensorrt_llm", _inputs(STOP), request_id=request_id, client_timeout=60)
+    assert _stopped_in_log(real, request_id) == [1], "the next request was answered only after the cancelled one ended"
+    # Triton counts the cancelled ensemble request once its steps are done (as a success: they all ran)
+    _scrape_until(real, before, lambda w: w.sum("nv_inference_request_success", model="ensemble") >= 2, "the cancelled request ending")
 
 
-def test_real_server_side_deadline(real):
-    """A request's Triton `timeout` stops it while it runs. The tiny engine is fast (the whole request
-    takes well under a second), so the deadline is a quarter of what the request takes without one (its
-    fastest run, with the prompt's KV already cached)."""
+DEADLINE = re.compile(r"ran past its server-side deadline.* after ([0-9]+) tokens")
+
+
+def test_real_server_side_deadline(real, tokenizer):
+    """A request's Triton `timeout` stops it while it runs: among deadlines doubling from 1 ms, one ends the
+    request with the server's "ran past its server-side deadline ... after N tokens" and N > 0 (it had been
+    generating; smaller deadlines may end it before its first token or inside one BLS call). No time of this
+    machine is assumed: the sweep finds a deadline that lands inside the run, which asks for every token the
+    engine allows."""
     words = " ".join(["Once upon a time there was a little robot."] * 90)
-    values = dict(text_input=words, max_tokens=LONG_OUTPUT, end_id=-1)
+    values = dict(text_input=words, max_tokens=_longest_output(tokenizer, words), end_id=-1)
     for model in ("tensorrt_llm_bls", "ensemble"):
-        alone_us = None
-        for _ in range(2):  # the second run reuses the prompt's cached KV, as the deadline run below will
-            start = time.monotonic()
-            real.infer(model, _inputs(values), client_timeout=120)
-            alone_us = int((time.monotonic() - start) * 1e6) if alone_us is None else min(alone_us, int((time.monotonic() - start) * 1e6))
-        with pytest.raises(InferenceServerException, match="deadline|timeout|Timeout|cancel"):
-            real.infer(model, _inputs(values), timeout=alone_us // 4, client_timeout=60)
+        seen, timeout_us = [], 1000
+        while not any(m and int(m.group(1)) > 0 for m in map(DEADLINE.search, seen)):
+            with pytest.raises(InferenceServerException, match="deadline|[Tt]imeout") as err:  # never finished: no deadline is too long yet
+                real.infer(model, _inputs(values), timeout=timeout_us, client_timeout=900)
+            seen.append(err.value.message())
+            timeout_us *= 2
         assert text(infer(real, model, text_input=PROMPTS[0], max_tokens=2))
 
 
 @pytest.mark.parametrize("num_draft_tokens", [None, 0])
 def test_real_unary_ttft_is_when_the_first_token_came(real, num_draft_tokens):
     """On the ensemble, and on the BLS when it runs plain tokens in one target call (num_draft_tokens 0):
-    TTFT is when the target produced the first token, not when the whole answer was back. The 63 decode steps
-    after it take milliseconds even on the tiny engine, while a first token stamped with the whole answer sits
-    microseconds from the last (no bound on the prefill's time: a loaded machine only widens the gap)."""
+    TTFT is when the target produced the first token, not when the whole answer was back. Two spans of the
+    same request compare: from its scheduling to its first token (the prefill of a 5-token prompt: one engine
+    pass) and from the first token to the last (255 more passes); a first token stamped with the whole answer
+    puts all the passes in the first span and none in the second."""
     model, extra = ("ensemble", {}) if num_draft_tokens is None else ("tensorrt_llm_bls", {"num_draft_tokens": 0})
-    r = infer(real, model, text_input=PROMPTS[0], max_tokens=64, end_id=-1, return_perf_metrics=True, **extra)
-    arrival, first, last = (int(r.as_numpy(x).reshape(-1)[0]) for x in ("arrival_time_ns", "first_token_time_ns", "last_token_time_ns"))
-    assert arrival < first < last
-    assert last - first > 5_000_000, (arrival, first, last)  # 63 tokens came after the first one
+    r = infer(real, model, text_input=PROMPTS[0], max_tokens=256, end_id=-1, return_perf_metrics=True, **extra)
+    arrival, scheduled, first, last = (int(r.as_numpy(x).reshape(-1)[0]) for x in
+                                       ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns"))  # fmt: skip
+    assert arrival <= scheduled < first < last
+    assert first - scheduled < last - first, (arrival, scheduled, first, last)
 
 
 def test_real_kv_block_counts_agree_on_both_paths(real):
@@ -690,23 +735,19 @@ def test_real_kv_block_counts_agree_on_both_paths(real):
 def test_real_stop_request_ends_the_running_request(real):
     """TensorRT-LLM's `stop` input: a second request with the running request's id and stop=true ends it
     (in-flight batching lets both reach the instance); the running request answers normally with the
-    tokens it has, the stop request with an empty response."""
-    long_output = 1300  # ~1 s of tiny-engine decoding: the stop lands while it runs
+    tokens it has, the stop request with an empty response. Stops are sent until the running request
+    answers (one that arrives before the request is registered stops nothing, and says so in the log); it
+    asks for every token the engine allows (end_id -1), so only a stop ends it short of that."""
+    long_output = REAL_MAX_SEQ_LEN - 4
     values = dict(input_ids=np.array([[5, 6, 7, 8]], np.int32), input_lengths=4, request_output_len=long_output, end_id=-1)
     done: queue.Queue = queue.Queue()
-    start = time.monotonic()
-    real.async_infer("tensorrt_llm", _inputs(values), request_id="stop-me", callback=lambda result, error: done.put((result, error)))
-    time.sleep(0.05)
-    stop = dict(input_ids=np.zeros((1, 1), np.int32), input_lengths=0, request_output_len=0, stop=True)
-    answer = real.infer("tensorrt_llm", _inputs(stop), request_id="stop-me", client_timeout=60)
-    assert answer.as_numpy("output_ids").size == 0
-    result, error = done.get(timeout=120)
-    stopped_after = time.monotonic() - start
+    real.async_infer("tensorrt_llm", _inputs(values), request_id="stop-me", callback=lambda result, error: done.put((result, error)),
+                     client_timeout=900)  # fmt: skip
+    while done.empty():
+        answer = real.infer("tensorrt_llm", _inputs(STOP), request_id="stop-me", client_timeout=60)
+        assert answer.as_numpy("output_ids").size == 0
+    result, error = done.get()
     assert error is None, error
     generated = int(result.as_numpy("sequence_length").reshape(-1)[0]) - 4
     assert 0 <= generated < long_output, generated
-    # the whole run, for comparison: the stopped request ended well before it
-    start = time.monotonic()
-    full = real.infer("tensorrt_llm", _inputs(values), client_timeout=120)
-    assert int(full.as_numpy("sequence_length").reshape(-1)[0]) - 4 == long_output
-    assert stopped_after < time.monotonic() - start
+    assert 1 in _stopped_in_log(real, "stop-me")  # a stop ended it (one before it was registered finds 0)
