@@ -12,6 +12,8 @@ from pathlib import Path
 
 import yaml
 
+from tiny_models import SERVER_READY_TIMEOUT_S
+
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
@@ -69,6 +71,7 @@ def build(root: Path, model_dir: Path, name: str, **sections):
         "speculative": {"max_draft_len": 4, "num_draft_tokens": 3},
         "engine": {"dtype": "float32", "max_batch_size": 4, "max_input_len": 256, "max_seq_len": 320},
         "validation": {"max_tokens": 16, "request_timeout_s": 60.0},
+        "triton": {"startup_timeout_s": SERVER_READY_TIMEOUT_S},
     }
     for key, value in sections.items():
         raw[key] = {**raw.get(key, {}), **value}
@@ -91,7 +94,7 @@ def build(root: Path, model_dir: Path, name: str, **sections):
 
 
 @contextlib.contextmanager
-def running(layout, startup_s: float = 240):
+def running(layout, startup_s: float = SERVER_READY_TIMEOUT_S):
     """A tritonserver on the layout's repository (free loopback ports); stopped on exit, also on failure."""
     from specdeploy.triton import server
 

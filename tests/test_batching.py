@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+from tiny_models import SERVER_READY_TIMEOUT_S
 from specdeploy.engine.executor import BatchScheduler, Executor, GenerationRequest, run
 from specdeploy.errors import ConfigError
 from specdeploy.speculative import SamplingParams
@@ -339,7 +340,7 @@ def batching_server(tmp_path_factory, tiny_tokenizer_dir):
     assert 'key: "inflight_batching"' in (repo / "tensorrt_llm" / "config.pbtxt").read_text()
     srv = server.start(repo, server.Ports.pick(), root / "tritonserver.log", exit_timeout_s=3)
     try:
-        server.wait_ready(srv, 240)
+        server.wait_ready(srv, SERVER_READY_TIMEOUT_S)
         client = grpcclient.InferenceServerClient(srv.state.grpc_url)
         yield srv.state.grpc_url, client
         client.close()

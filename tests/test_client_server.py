@@ -18,6 +18,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+from tiny_models import SERVER_READY_TIMEOUT_S
 from specdeploy.artifacts import Layout
 from specdeploy.config import parse_recipe
 
@@ -92,7 +93,7 @@ def deployment(tmp_path_factory, tiny_llama_dir, built):
     os.environ["SPECDEPLOY_TEST_CORRUPT"] = str(corrupt_file)
     server = server_mod.start(layout.repo, server_mod.Ports.pick(), layout.server_state / "tritonserver.log", extra_site=(str(TESTS_DIR),))
     try:
-        server_mod.wait_ready(server, 180)
+        server_mod.wait_ready(server, SERVER_READY_TIMEOUT_S)
         yield recipe, layout, recipe_path, server, corrupt_file
     finally:
         server.stop()
@@ -109,7 +110,7 @@ def decoupled_deployment(tmp_path_factory, tiny_llama_dir, built):
     recipe, layout = _deploy(root, built, _recipe_dict(tiny_llama_dir, tiny_llama_dir, decoupled=True))
     server = server_mod.start(layout.repo, server_mod.Ports.pick(), layout.server_state / "tritonserver.log")
     try:
-        server_mod.wait_ready(server, 180)
+        server_mod.wait_ready(server, SERVER_READY_TIMEOUT_S)
         yield recipe, layout, server
     finally:
         server.stop()

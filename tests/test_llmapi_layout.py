@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import yaml
 
+from tiny_models import SERVER_READY_TIMEOUT_S
 from specdeploy import backend_stages
 from specdeploy.artifacts import Layout
 from specdeploy.config import parse_recipe
@@ -121,7 +122,7 @@ def test_repository_holds_the_speculative_model_and_its_control(built):
 
 def _serve(recipe, repo, root: Path, name: str):
     srv = server.start(repo, server.Ports.pick(), root / f"{name}.log", exit_timeout_s=3, extra_args=llmapi.server_args(recipe))
-    server.wait_ready(srv, 240)  # stops the server itself when it does not come up
+    server.wait_ready(srv, SERVER_READY_TIMEOUT_S)  # stops the server itself when it does not come up
     return srv
 
 

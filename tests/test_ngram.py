@@ -12,6 +12,7 @@ import pytest
 import torch
 import tritonclient.grpc as tritonclient_grpc
 
+from tiny_models import SERVER_READY_TIMEOUT_S
 from specdeploy import ngram
 from specdeploy import policy as pol
 from specdeploy import speculative as spec
@@ -211,7 +212,7 @@ def test_served_ngram_draft_keeps_greedy_parity(tmp_path_factory, tiny_llama_dir
     server = server_mod.start(layout.repo, server_mod.Ports.pick(), layout.server_state / "tritonserver.log")
     drafted = accepted = 0
     try:
-        server_mod.wait_ready(server, 180)
+        server_mod.wait_ready(server, SERVER_READY_TIMEOUT_S)
         assert not abandoned.exists()  # swept by the BLS instances as they started
         endpoint = TritonEndpoint(server.state.grpc_url)
         prompts = ["one two three one two three one two", "def f(x): return x + 1\ndef g(x): return f(x)", "a b a b a b a b a"]

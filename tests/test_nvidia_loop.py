@@ -24,6 +24,7 @@ import pytest
 
 import tritonclient.grpc as grpcclient
 
+from tiny_models import SERVER_READY_TIMEOUT_S
 from specdeploy import backend_stages
 from specdeploy.triton import server
 
@@ -62,7 +63,7 @@ def served(tmp_path_factory, tiny_tokenizer_dir):
     repo, _ = backend_stages.of(recipe).write_repository(recipe, layout)
     srv = server.start(repo, server.Ports.pick(), root / "tritonserver.log", exit_timeout_s=3)
     try:
-        server.wait_ready(srv, 240)
+        server.wait_ready(srv, SERVER_READY_TIMEOUT_S)
         client = grpcclient.InferenceServerClient(srv.state.grpc_url)
         yield client
         client.close()

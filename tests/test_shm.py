@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tiny_models import SERVER_READY_TIMEOUT_S
 from specdeploy.triton import server, shm
 
 ECHO_MODEL = '''
@@ -49,7 +50,7 @@ def test_a_servers_regions_are_removed_when_it_stops(tmp_path, how):
     """Stopped cleanly, or killed with its stubs (the case that leaked them before): nothing stays in /dev/shm."""
     running = server.start(echo_repo(tmp_path), server.Ports.pick(), tmp_path / "tritonserver.log")
     with running:
-        server.wait_ready(running, 120)
+        server.wait_ready(running, SERVER_READY_TIMEOUT_S)
         [prefix] = shm.prefixes_in(running.process.args)
         assert len(regions(prefix)) >= 2, "one region per python model instance, named with this server's prefix"
         if how == "sigkill":  # what a crashed run leaves: the server and its stubs gone, their regions not

@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from triton_hf_engine import make_engines  # noqa: E402
 
+from tiny_models import SERVER_READY_TIMEOUT_S  # noqa: E402
 from specdeploy import backend_stages, metrics  # noqa: E402
 from specdeploy.triton import repository, server  # noqa: E402
 
@@ -45,7 +46,7 @@ def _start(tmp_path_factory, target_dir, draft_dir, name, **overrides):
     repo, _ = backend_stages.of(recipe).write_repository(recipe, layout, executor_factory="triton_hf_engine:load_executor")
     srv = server.start(repo, server.Ports.pick(), root / "tritonserver.log", extra_site=(TESTS_DIR,), exit_timeout_s=3)
     try:
-        server.wait_ready(srv, 240)
+        server.wait_ready(srv, SERVER_READY_TIMEOUT_S)
     except BaseException:
         srv.stop()
         raise
@@ -471,7 +472,7 @@ def real(tmp_path_factory, tiny_tokenizer_dir):
     repo, _ = backend_stages.of(recipe).write_repository(recipe, layout)
     srv = server.start(repo, server.Ports.pick(), root / "tritonserver.log", exit_timeout_s=3)
     try:
-        server.wait_ready(srv, 240)
+        server.wait_ready(srv, SERVER_READY_TIMEOUT_S)
         client = tritonclient_grpc.InferenceServerClient(srv.state.grpc_url)
         client.url, client.metrics_url, client.log = srv.state.grpc_url, srv.state.metrics_url, srv.state.log
         yield client

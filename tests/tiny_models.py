@@ -72,6 +72,10 @@ def make_tiny_model(path: str | Path, tokenizer_dir: str | Path, seed: int = 0, 
     AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(path))
 
 
+# How long a test waits for a real tritonserver to load its python models: a guard against a hang, never a claim
+# about speed. Loading takes ~10 s idle and took over 180 s on a 2-core machine at load average 15-80.
+SERVER_READY_TIMEOUT_S = 900
+
 TINY_QUANT = {"calib_size": 4, "calib_max_seq_length": 32}  # calibration small enough for a test
 
 
@@ -90,6 +94,7 @@ def tiny_pair_recipe(name: str, target_dir, draft_dir, **sections) -> dict:
         "target": {"model": str(target_dir), "quantization": {**TINY_QUANT, "qformat": "fp8"}},
         "draft": {"model": str(draft_dir), "quantization": {**TINY_QUANT, "qformat": "int8_wo"}},
         "speculative": {"max_draft_len": 4, "num_draft_tokens": 3},
+        "triton": {"startup_timeout_s": SERVER_READY_TIMEOUT_S},
     }
     for key, value in sections.items():
         raw[key] = {**raw.get(key, {}), **value} if isinstance(value, dict) else value
