@@ -49,6 +49,7 @@ import asyncio
 import hmac
 import ipaddress
 import json
+import math
 import os
 import threading
 import time
@@ -172,6 +173,8 @@ def _number(body: dict, key: str, kind, default, low=None, high=None):
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
         raise ApiError(400, f"'{key}' must be {'an integer' if kind is int else 'a number'}, got {value!r}", param=key)
+    if isinstance(value, float) and not math.isfinite(value):  # JSON from Python clients may carry NaN / Infinity
+        raise ApiError(400, f"'{key}' must be a finite number, got {value!r}", param=key)
     if (low is not None and value < low) or (high is not None and value > high):
         raise ApiError(400, f"'{key}' is {value}, must be in [{low}, {high if high is not None else 'inf'}]", param=key)
     return kind(value)
@@ -228,12 +231,17 @@ def parse_job(body: Any, chat: bool, served: dict[str, Route], codec: Codec, def
         max_tokens = _max_tokens(_number(body, "max_tokens", int, default_max_tokens, 1), "max_tokens", max_tokens_limit)
     if not prompt:
         raise ApiError(400, "the prompt is empty", param="messages" if chat else "prompt")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate (JSON "\ud800") has no UTF-8 form to send
+        raise ApiError(400, f"the prompt is not valid Unicode text ({exc.reason} at character {exc.start})",
+                       param="messages" if chat else "prompt") from None  # fmt: skip
     temperature = _number(body, "temperature", float, 1.0, 0.0, 2.0)
     top_p = _number(body, "top_p", float, 1.0, 0.0, 1.0)
-    seed = _number(body, "seed", int, None, 0)
+    seed = _number(body, "seed", int, None, 0, 2**64 - 1)  # Triton's seed is UINT64
     sampling = None if temperature == 0.0 else Sampling(temperature, 0, top_p if top_p > 0 else 1.0, seed)
     stop = body.get("stop")
-    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    stops = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) else () if stop is None else (None,)
     if not all(isinstance(s, str) for s in stops) or len(stops) > 4:
         raise ApiError(400, "'stop' must be a string or a list of up to 4 strings", param="stop")
     stream = body.get("stream", False)
@@ -342,6 +350,14 @@ def create_app(front: Front):
     async def _api_error(request, exc: ApiError):
         return JSONResponse(exc.body(), status_code=exc.status)
 
+    from starlette.exceptions import HTTPException
+
+    @app.exception_handler(HTTPException)  # unknown path, wrong method: OpenAI's error format, not FastAPI's {"detail"}
+    async def _http_error(request, exc: HTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return JSONResponse(ApiError(exc.status_code, message, code=code).body(), status_code=exc.status_code, headers=exc.headers)
+
     @app.exception_handler(Exception)
     async def _internal(request, exc: Exception):
         return JSONResponse(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error").body(), status_code=500)
@@ -371,6 +387,8 @@ def create_app(front: Front):
                 raise _too_large(None)
         try:
             return json.loads(bytes(raw))
+        except RecursionError:
+            raise ApiError(400, "the request body nests JSON too deeply") from None
         except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
             raise ApiError(400, "the request body is not valid JSON") from None
 
