@@ -165,3 +165,20 @@ def test_postprocessing_refuses_ids_and_lengths_it_cannot_decode(ops_decoupled):
     assert send([[[5, 6, 7]]], [[2]]).as_numpy("OUTPUT").shape == (1,)  # still decodes what it can
     assert send([[[5, 2**31 - 1]]], [[2]]).as_numpy("OUTPUT").shape == (1,)  # past the vocabulary: decodes to nothing
     client.close()
+
+
+@pytest.mark.server
+def test_num_return_sequences_is_bounded_by_max_batch_size(ops_decoupled):
+    """INT32_MAX sequences in one request held the target for good (every later request timed out)."""
+    fuzz = _fuzz_module()
+    recipe, _, srv = ops_decoupled
+    triton = fuzz.Triton(srv.state.grpc_url, 60)
+    model = next(m for m in fuzz.discover(triton.client) if m.name == "ensemble")
+    for n in (2**31 - 1, recipe.engine.max_batch_size + 1):
+        inputs = {**fuzz._base(model), "num_return_sequences": np.array([[n]], dtype=np.int32)}
+        outcome, message = triton.send(model, inputs)
+        assert outcome == "named", (outcome, message)
+        assert f"num_return_sequences is {n}, above this model's max_batch_size {recipe.engine.max_batch_size}" in message
+    inputs = {**fuzz._base(model), "num_return_sequences": np.array([[2]], dtype=np.int32)}
+    outcome, got = triton.send(model, inputs, outputs=["text_output"])
+    assert outcome == "served" and got  # within the bound it is served

@@ -110,6 +110,8 @@ def batch_size(array: np.ndarray, name: str) -> int:
 
 
 def require_single(array: np.ndarray, name: str) -> None:
+    if array is None:  # Triton lets a decoupled model's request through without it (bench/fuzz.py found a traceback)
+        raise RequestError(f"input '{name}' is required")
     n = batch_size(array, name)
     if n != 1:
         raise RequestError(f"input '{name}' has batch size {n}; this model takes one sequence per request (send batch 1)")
