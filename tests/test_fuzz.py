@@ -182,3 +182,16 @@ def test_num_return_sequences_is_bounded_by_max_batch_size(ops_decoupled):
     inputs = {**fuzz._base(model), "num_return_sequences": np.array([[2]], dtype=np.int32)}
     outcome, got = triton.send(model, inputs, outputs=["text_output"])
     assert outcome == "served" and got  # within the bound it is served
+
+
+@pytest.mark.server
+def test_target_without_request_output_len_is_answered_not_left_waiting(ops_decoupled):
+    """A missing request_output_len raised a TypeError in the request's thread: no response ever came."""
+    fuzz = _fuzz_module()
+    _, _, srv = ops_decoupled
+    triton = fuzz.Triton(srv.state.grpc_url, 60)
+    model = next(m for m in fuzz.discover(triton.client) if m.name == "tensorrt_llm")
+    inputs = fuzz._base(model)
+    del inputs["request_output_len"]
+    outcome, message = triton.send(model, inputs)
+    assert outcome == "named" and "input request_output_len (max_tokens) is required" in message, (outcome, message)

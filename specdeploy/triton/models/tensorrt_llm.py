@@ -145,6 +145,10 @@ class TritonPythonModel:
         except (RequestError, SpecDeployError) as exc:
             emit(_error(f"{self.name}: {common.error_text(exc)}"), True)
             return
+        except Exception as exc:  # noqa: BLE001  unanswered, a request thread's exception left its client waiting forever
+            traceback.print_exc()
+            emit(_error(f"{self.name}: internal error reading the request: {type(exc).__name__}: {exc}"), True)
+            return
         flags["arrival_ns"] = arrival_ns
         # with the batcher, the scheduler thread polls it between steps: under the stub lock
         flags["stop_check"] = common.request_cancel_check(request, self.request_timeout_s, self._stub_lock if self.batcher else None)
