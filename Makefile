@@ -8,7 +8,7 @@ SD     := $(BIN)/specdeploy
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup demo test bench clean found models check quantize build generate repo serve stop status validate run
+.PHONY: setup demo test bench fuzz clean found models check quantize build generate repo serve stop status validate run
 
 setup: $(VENV)/.installed
 
@@ -46,6 +46,12 @@ bench: setup models
 	$(BIN)/python -m pip install --quiet --target $(VENV)/bench-site --no-deps torchao==0.18.0
 	$(BIN)/python bench/engine.py --recipe $(RECIPE)
 	$(BIN)/python bench/kernels.py --recipe $(RECIPE) --threads 2
+
+# Serves the recipe's repository and OpenAI front on free loopback ports, sends every seeded malformed case
+# (docs/reliability.md), stops both; exit 1 on a crash, a lost known-good request or an error without a message.
+fuzz: setup models
+	$(SD) repo $(RECIPE)
+	$(BIN)/python -u bench/fuzz.py --recipe $(RECIPE) --out engines/fuzz.json
 
 quantize build generate repo validate run: setup
 	$(SD) $@ $(RECIPE)

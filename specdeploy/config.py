@@ -337,7 +337,8 @@ def _at_least(key: str, value, low) -> None:
 
 
 def _check(r: Recipe) -> None:
-    if not r.name or not all(c.isalnum() or c in "-_." for c in r.name):
+    # "." and ".." pass the character check but name no folder of their own: engines/.. is the project root
+    if not r.name or r.name in (".", "..") or not all(c.isalnum() or c in "-_." for c in r.name):
         raise ConfigError(f"key 'name' is {r.name!r}", "use letters, digits, '-', '_' or '.' (it names output folders)")
     _choice("backend", r.backend, BACKENDS)
     _check_draft_kind(r)

@@ -31,15 +31,26 @@ Semantics:
 - Extension field `specdeploy` on every completion (and on the final stream chunk):
   `{"path", "triton_model", "draft_tokens", "accepted_draft_tokens", "acceptance_rate",
   "server_ttft_s", "completion_tokens_exact"}` from the BLS perf outputs (null on the control path).
-- Errors: `{"error": {"message", "type", "param", "code"}}` with 400 (bad request), 404 (unknown
-  model), 503 (Triton unreachable), 504 (deadline), 500 (server fault).
+- Errors: `{"error": {"message", "type", "param", "code"}}` with 400 (bad request), 401 (API key
+  missing or wrong), 404 (unknown model), 413 (body too large), 503 (Triton unreachable), 504
+  (deadline), 500 (server fault).
+
+Security: it binds 127.0.0.1 unless a host is named (a non-loopback host needs an API key). With an
+API key (`--api-key` / `SPECDEPLOY_API_KEY`) every route but `/health` wants `Authorization: Bearer
+<key>`, as OpenAI's API does. Request bodies are capped (`--max-body-bytes`, 413) and `max_tokens`
+by the deployment (`engine.max_seq_len - 1`, or a lower `--max-tokens-limit`; 400 naming it).
+FastAPI's /docs and /openapi.json are off.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hmac
+import ipaddress
 import json
+import math
+import os
 import threading
 import time
 import uuid
@@ -53,6 +64,9 @@ from specdeploy.client.protocol import CONTROL_MODEL, SPECULATIVE_MODEL, Generat
 from specdeploy.errors import ClientError, ConfigError
 
 HOST = "127.0.0.1"
+API_KEY_ENV = "SPECDEPLOY_API_KEY"
+MAX_BODY_BYTES = 1 << 20  # 1 MiB: a prompt this front accepts (engine.max_input_len tokens) is far smaller
+OPEN_PATHS = ("/health",)  # reachable without the API key (load balancers, `wait_listening`)
 UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "best_of", "suffix", "tools", "functions", "logit_bias", "response_format")
 
 
@@ -159,6 +173,8 @@ def _number(body: dict, key: str, kind, default, low=None, high=None):
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
         raise ApiError(400, f"'{key}' must be {'an integer' if kind is int else 'a number'}, got {value!r}", param=key)
+    if isinstance(value, float) and not math.isfinite(value):  # JSON from Python clients may carry NaN / Infinity
+        raise ApiError(400, f"'{key}' must be a finite number, got {value!r}", param=key)
     if (low is not None and value < low) or (high is not None and value > high):
         raise ApiError(400, f"'{key}' is {value}, must be in [{low}, {high if high is not None else 'inf'}]", param=key)
     return kind(value)
@@ -175,7 +191,14 @@ class Job:
     include_usage: bool
 
 
-def parse_job(body: Any, chat: bool, served: dict[str, Route], codec: Codec, default_max_tokens: int) -> Job:
+def _max_tokens(value: int, key: str, limit: int | None) -> int:
+    if limit is not None and value > limit:
+        raise ApiError(400, f"'{key}' is {value}, above this deployment's limit of {limit} tokens (the engine's max_seq_len "
+                            "counts prompt plus output)", param=key, code="max_tokens_too_large")  # fmt: skip
+    return value
+
+
+def parse_job(body: Any, chat: bool, served: dict[str, Route], codec: Codec, default_max_tokens: int, max_tokens_limit: int | None = None) -> Job:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     model = body.get("model")
@@ -195,23 +218,30 @@ def parse_job(body: Any, chat: bool, served: dict[str, Route], codec: Codec, def
             raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages")
         prompt = codec.chat_prompt(messages)
         max_tokens = _number(body, "max_completion_tokens", int, None, 1)
+        key = "max_completion_tokens"
         if max_tokens is None:
-            max_tokens = _number(body, "max_tokens", int, default_max_tokens, 1)
+            max_tokens, key = _number(body, "max_tokens", int, default_max_tokens, 1), "max_tokens"
+        max_tokens = _max_tokens(max_tokens, key, max_tokens_limit)
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if not isinstance(prompt, str):
             raise ApiError(400, "'prompt' must be a string (one prompt per request)", param="prompt")
-        max_tokens = _number(body, "max_tokens", int, default_max_tokens, 1)
+        max_tokens = _max_tokens(_number(body, "max_tokens", int, default_max_tokens, 1), "max_tokens", max_tokens_limit)
     if not prompt:
         raise ApiError(400, "the prompt is empty", param="messages" if chat else "prompt")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate (JSON "\ud800") has no UTF-8 form to send
+        raise ApiError(400, f"the prompt is not valid Unicode text ({exc.reason} at character {exc.start})",
+                       param="messages" if chat else "prompt") from None  # fmt: skip
     temperature = _number(body, "temperature", float, 1.0, 0.0, 2.0)
     top_p = _number(body, "top_p", float, 1.0, 0.0, 1.0)
-    seed = _number(body, "seed", int, None, 0)
+    seed = _number(body, "seed", int, None, 0, 2**64 - 1)  # Triton's seed is UINT64
     sampling = None if temperature == 0.0 else Sampling(temperature, 0, top_p if top_p > 0 else 1.0, seed)
     stop = body.get("stop")
-    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    stops = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) else () if stop is None else (None,)
     if not all(isinstance(s, str) for s in stops) or len(stops) > 4:
         raise ApiError(400, "'stop' must be a string or a list of up to 4 strings", param="stop")
     stream = body.get("stream", False)
@@ -228,10 +258,27 @@ def parse_job(body: Any, chat: bool, served: dict[str, Route], codec: Codec, def
 class Front:
     """What the routes need: the Triton endpoint, the codec, the routes, the defaults."""
 
-    def __init__(self, endpoint, codec: Codec, served: dict[str, Route], default_max_tokens: int, num_draft_tokens: int, timeout_s: float):
+    def __init__(self, endpoint, codec: Codec, served: dict[str, Route], default_max_tokens: int, num_draft_tokens: int, timeout_s: float,
+                 api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES, max_tokens_limit: int | None = None):  # fmt: skip
         self.endpoint, self.codec, self.served = endpoint, codec, served
         self.default_max_tokens, self.num_draft_tokens, self.timeout_s = default_max_tokens, num_draft_tokens, timeout_s
+        self.api_key = api_key or None  # an empty key (an empty env var) means none
+        self.max_body_bytes, self.max_tokens_limit = max_body_bytes, max_tokens_limit
         self.created = int(time.time())
+
+    def auth_error(self, authorization: str | None) -> ApiError | None:
+        """None when the request may pass: no key configured, or `Authorization: Bearer <key>` matches."""
+        if self.api_key is None:
+            return None
+        scheme, _, given = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not given.strip():
+            return ApiError(401, "You didn't provide an API key: send the header 'Authorization: Bearer <key>' "
+                                 f"(the key this server was started with, --api-key or ${API_KEY_ENV})", code="missing_api_key")  # fmt: skip
+        # constant time, so the key cannot be found byte by byte from response times; bytes, because compare_digest
+        # refuses non-ASCII str: Starlette decodes header bytes as latin-1, so encoding back gives the bytes sent
+        if not hmac.compare_digest(given.strip().encode("latin-1", "replace"), self.api_key.encode("utf-8")):
+            return ApiError(401, "Incorrect API key provided", code="invalid_api_key")
+        return None
 
     def request(self, job: Job) -> GenerateRequest:
         return GenerateRequest(
@@ -281,11 +328,35 @@ def create_app(front: Front):
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse, StreamingResponse
 
-    app = FastAPI(title="specdeploy OpenAI-compatible API")
+    app = FastAPI(title="specdeploy OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.middleware("http")
+    async def _guard(request: Request, call_next):
+        if request.url.path not in OPEN_PATHS:
+            error = front.auth_error(request.headers.get("authorization"))
+            if error is not None:
+                return JSONResponse(error.body(), status_code=error.status, headers={"WWW-Authenticate": "Bearer"})
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > front.max_body_bytes:
+            return JSONResponse(_too_large(int(length)).body(), status_code=413)
+        return await call_next(request)
+
+    def _too_large(size: int | None) -> ApiError:
+        got = f"{size} bytes" if size is not None else "larger"
+        return ApiError(413, f"the request body is {got}, above this server's limit of {front.max_body_bytes} bytes "
+                             "(--max-body-bytes)", code="request_too_large")  # fmt: skip
 
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError):
         return JSONResponse(exc.body(), status_code=exc.status)
+
+    from starlette.exceptions import HTTPException
+
+    @app.exception_handler(HTTPException)  # unknown path, wrong method: OpenAI's error format, not FastAPI's {"detail"}
+    async def _http_error(request, exc: HTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return JSONResponse(ApiError(exc.status_code, message, code=code).body(), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def _internal(request, exc: Exception):
@@ -309,13 +380,21 @@ def create_app(front: Front):
         return {"id": r.id, "object": "model", "created": front.created, "owned_by": "specdeploy"}
 
     async def _body(request: Request):
+        raw = bytearray()
+        async for piece in request.stream():  # a chunked body has no Content-Length: count what arrives
+            raw += piece
+            if len(raw) > front.max_body_bytes:
+                raise _too_large(None)
         try:
-            return await request.json()
+            return json.loads(bytes(raw))
+        except RecursionError:
+            raise ApiError(400, "the request body nests JSON too deeply") from None
         except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
             raise ApiError(400, "the request body is not valid JSON") from None
 
     async def _complete(request: Request, chat: bool):
-        job = await asyncio.to_thread(parse_job, await _body(request), chat, front.served, front.codec, front.default_max_tokens)
+        job = await asyncio.to_thread(parse_job, await _body(request), chat, front.served, front.codec, front.default_max_tokens,
+                                      front.max_tokens_limit)  # fmt: skip
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         if job.stream:
             return StreamingResponse(_stream(job, ident, chat), media_type="text/event-stream")
@@ -400,7 +479,29 @@ def create_app(front: Front):
 # ---------------------------------------------------------------- running it
 
 
-def build_front(recipe, layout, grpc_url: str, timeout_s: float | None = None) -> Front:
+def deployment_max_tokens(recipe, option: int | None = None) -> int:
+    """The most tokens one request may ask for: the engine's max_seq_len less one prompt token, or a lower option."""
+    limit = recipe.engine.max_seq_len - 1
+    if option is not None:
+        if not 1 <= option <= limit:
+            raise ConfigError(f"--max-tokens-limit is {option}, must be in [1, {limit}]", f"engine.max_seq_len is {recipe.engine.max_seq_len}")
+        limit = option
+    return limit
+
+
+def check_bind(host: str, api_key: str | None) -> None:
+    """Refuse to listen beyond loopback without an API key: anyone who reaches the port could use the deployment."""
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback and not api_key:
+        raise ConfigError(f"the OpenAI front would listen on {host} (beyond this machine) without an API key",
+                          f"pass --api-key KEY (or set ${API_KEY_ENV}), or keep the default host {HOST}")  # fmt: skip
+
+
+def build_front(recipe, layout, grpc_url: str, timeout_s: float | None = None, api_key: str | None = None,
+                max_body_bytes: int = MAX_BODY_BYTES, max_tokens_limit: int | None = None) -> Front:  # fmt: skip
     """A Front over the deployment at grpc_url with the recipe's routes and its repository's tokenizer."""
     from specdeploy.client.protocol import REQUIRED_MODELS
     from specdeploy.client.triton_adapter import TritonEndpoint
@@ -410,31 +511,34 @@ def build_front(recipe, layout, grpc_url: str, timeout_s: float | None = None) -
     endpoint.check_ready(REQUIRED_MODELS)
     codec = Codec(tokenizer_dir(recipe, layout))
     return Front(endpoint, codec, routes(recipe), recipe.validation.max_tokens, recipe.speculative.num_draft_tokens,
-                 timeout_s or recipe.validation.request_timeout_s)  # fmt: skip
+                 timeout_s or recipe.validation.request_timeout_s, api_key=api_key, max_body_bytes=max_body_bytes,
+                 max_tokens_limit=deployment_max_tokens(recipe, max_tokens_limit))  # fmt: skip
+
+
+def _dial_host(host: str) -> str:
+    return HOST if host in ("0.0.0.0", "::", "") else host  # a wildcard bind is reached on loopback
 
 
 class ApiServer:
-    """uvicorn on 127.0.0.1:port in a background thread; `stop()` shuts it down."""
+    """uvicorn on host:port (127.0.0.1 by default) in a background thread; `stop()` shuts it down."""
 
     def __init__(self, app, port: int, host: str = HOST):
         import uvicorn
 
-        if host != HOST:
-            raise ConfigError(f"the OpenAI front binds only {HOST}, not {host}", "put a reverse proxy in front for other addresses")
-        self.port = port
+        self.port, self.host = port, host
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
         self.thread = threading.Thread(target=self.server.run, name="openai-api", daemon=True)
 
     @property
     def url(self) -> str:
-        return f"http://{HOST}:{self.port}/v1"
+        return f"http://{_dial_host(self.host)}:{self.port}/v1"
 
     def start(self, timeout_s: float = 30.0) -> "ApiServer":
         self.thread.start()
         deadline = time.monotonic() + timeout_s
         while not self.server.started:
             if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise ConfigError(f"the OpenAI front could not listen on {HOST}:{self.port}", "pick another --openai-port (is it taken?)")
+                raise ConfigError(f"the OpenAI front could not listen on {self.host}:{self.port}", "pick another --openai-port (is it taken?)")
             time.sleep(0.05)
         return self
 
@@ -453,14 +557,14 @@ STATE_FILE = "openai.json"  # beside the server state of `serve --detach`
 LOG_FILE = "openai.log"
 
 
-def wait_listening(port: int, timeout_s: float, alive=lambda: True) -> bool:
+def wait_listening(port: int, timeout_s: float, alive=lambda: True, host: str = HOST) -> bool:
     import urllib.error
     import urllib.request
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and alive():
         try:
-            with urllib.request.urlopen(f"http://{HOST}:{port}/health", timeout=1.0) as response:
+            with urllib.request.urlopen(f"http://{_dial_host(host)}:{port}/health", timeout=1.0) as response:
                 if response.status == 200:
                     return True
         except (urllib.error.URLError, OSError):
@@ -468,32 +572,40 @@ def wait_listening(port: int, timeout_s: float, alive=lambda: True) -> bool:
     return False
 
 
-def start_detached(recipe_path: str, root: str | None, grpc_url: str, port: int, state_dir: Path, timeout_s: float = 120.0, echo=print) -> int:
-    """Start the front in its own process (`python -m specdeploy.openai_api`) and record it for `stop`."""
+def start_detached(recipe_path: str, root: str | None, grpc_url: str, port: int, state_dir: Path, timeout_s: float = 120.0, echo=print,
+                   host: str = HOST, api_key: str | None = None) -> int:  # fmt: skip
+    """Start the front in its own process (`python -m specdeploy.openai_api`) and record it for `stop`.
+
+    The API key goes to the child in its environment, never on its command line (which `ps` shows and
+    the state file records)."""
     import subprocess
     import sys
 
     from specdeploy.artifacts import process_identity
     from specdeploy.errors import ServerError
 
+    check_bind(host, api_key)
     state_dir = Path(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
     log = state_dir / LOG_FILE
-    cmd = [sys.executable, "-m", "specdeploy.openai_api", str(recipe_path), "--grpc-url", grpc_url, "--port", str(port)]
+    cmd = [sys.executable, "-m", "specdeploy.openai_api", str(recipe_path), "--grpc-url", grpc_url, "--port", str(port), "--host", host]
     if root:
         cmd += ["--root", str(root)]
+    env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
+    if api_key:
+        env[API_KEY_ENV] = api_key
     with open(log, "w") as out:
-        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-    if not wait_listening(port, timeout_s, alive=lambda: process.poll() is None):
+        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+    if not wait_listening(port, timeout_s, alive=lambda: process.poll() is None, host=host):
         process.kill()
         process.wait(timeout=5)
         tail = log.read_text()[-1500:] if log.is_file() else ""
-        raise ServerError(f"the OpenAI front did not start on {HOST}:{port}:\n{tail}", f"full log: {log}")
+        raise ServerError(f"the OpenAI front did not start on {host}:{port}:\n{tail}", f"full log: {log}")
     ident = process_identity(process.pid)
     (state_dir / STATE_FILE).write_text(json.dumps({"pid": process.pid, "port": port, "log": str(log),
                                                      "start_ticks": ident.start_ticks if ident else None,
                                                      "cmdline": list(ident.cmdline) if ident else cmd}))  # fmt: skip
-    echo(f"  openai:  http://{HOST}:{port}/v1 (pid {process.pid}, log {log})")
+    echo(f"  openai:  http://{_dial_host(host)}:{port}/v1 (pid {process.pid}, log {log})")
     return process.pid
 
 
@@ -511,10 +623,11 @@ def stop_detached(state_dir: Path) -> str | None:
     return f"stopped the OpenAI front (pid {state['pid']})"
 
 
-def serve_foreground(front: Front, port: int, echo=print, stop: threading.Event | None = None) -> None:
-    """Serve the front on 127.0.0.1:port until Ctrl-C (or `stop` is set); says where once it listens."""
-    server = ApiServer(create_app(front), port).start()  # listening before it says so (a taken port fails here)
-    echo(f"  openai:  http://{HOST}:{port}/v1 (Ctrl-C stops it and the server)")
+def serve_foreground(front: Front, port: int, echo=print, stop: threading.Event | None = None, host: str = HOST) -> None:
+    """Serve the front on host:port (127.0.0.1 by default) until Ctrl-C (or `stop` is set); says where once it listens."""
+    check_bind(host, front.api_key)
+    server = ApiServer(create_app(front), port, host).start()  # listening before it says so (a taken port fails here)
+    echo(f"  openai:  {server.url} (Ctrl-C stops it and the server)")
     try:
         while server.thread.is_alive() and not (stop is not None and stop.is_set()):
             server.thread.join(0.5)
@@ -525,7 +638,8 @@ def serve_foreground(front: Front, port: int, echo=print, stop: threading.Event 
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m specdeploy.openai_api RECIPE --grpc-url H:P --port N [--root DIR]` (what `serve --detach --openai-port` runs)."""
+    """`python -m specdeploy.openai_api RECIPE --grpc-url H:P --port N [--host H] [--root DIR]` (what `serve --detach --openai-port` runs);
+    the API key comes from $SPECDEPLOY_API_KEY (or --api-key)."""
     from specdeploy.artifacts import Layout
     from specdeploy.config import load_recipe
 
@@ -533,13 +647,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("recipe")
     parser.add_argument("--grpc-url", required=True)
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--host", default=HOST)
     parser.add_argument("--root", default=None)
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None)
+    parser.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES)
+    parser.add_argument("--max-tokens-limit", type=int, default=None)
     args = parser.parse_args(argv)
+    check_bind(args.host, args.api_key)
     recipe = load_recipe(args.recipe)
-    front = build_front(recipe, Layout.of(recipe, args.root), args.grpc_url)
+    front = build_front(recipe, Layout.of(recipe, args.root), args.grpc_url, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                        max_tokens_limit=args.max_tokens_limit)  # fmt: skip
     import uvicorn
 
-    uvicorn.run(create_app(front), host=HOST, port=args.port, log_level="warning")
+    uvicorn.run(create_app(front), host=args.host, port=args.port, log_level="warning")
 
 
 if __name__ == "__main__":

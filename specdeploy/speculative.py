@@ -45,8 +45,8 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ConfigError(f"temperature is {self.temperature}, must be >= 0")
+        if not self.temperature >= 0 or self.temperature == float("inf"):  # NaN fails >=; NaN logits break sampling
+            raise ConfigError(f"temperature is {self.temperature}, must be a finite number >= 0")
         if self.top_k < 0:
             raise ConfigError(f"top_k is {self.top_k}, must be >= 0 (0 = not set)")
         if not 0.0 <= self.top_p <= 1.0:

@@ -56,3 +56,16 @@ def pytest_runtest_makereport(item, call):
         if log.stat().st_mtime >= call.start - 1:
             lines = log.read_text(errors="replace").splitlines()[-60:]
             report.sections.append((f"server log {log.relative_to(base)} (last {len(lines)} lines)", "\n".join(lines)))
+
+
+@pytest.fixture(scope="session")
+def ops_decoupled(tmp_path_factory):
+    """(recipe, layout, server) of the tiny decoupled CPU deployment (tests/ops_deploy.py) on a REAL tritonserver,
+    shared by the OpenAI-front, front-security and fuzz tests; stopped at the end of the session, also on failure."""
+    import ops_deploy
+
+    model_dir = ops_deploy.make_model(tmp_path_factory.mktemp("ops-model"))
+    root = tmp_path_factory.mktemp("openai-decoupled")
+    recipe, layout, _ = ops_deploy.build(root, model_dir, "ops", triton={"decoupled": True})
+    with ops_deploy.running(layout) as srv:
+        yield recipe, layout, srv

@@ -26,17 +26,15 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def streaming_api(tmp_path_factory, model_dir):
-    """(openai client, triton endpoint, recipe) over a decoupled deployment; server and front always stopped."""
-    root = tmp_path_factory.mktemp("openai-decoupled")
-    recipe, layout, _ = ops_deploy.build(root, model_dir, "ops", triton={"decoupled": True})
-    with ops_deploy.running(layout) as srv:
-        front = openai_api.build_front(recipe, layout, srv.state.grpc_url, timeout_s=60)
-        from specdeploy.triton.server import free_port
+def streaming_api(ops_decoupled):
+    """(openai client, triton endpoint, recipe) over the session's decoupled deployment; the front always stopped."""
+    recipe, layout, srv = ops_decoupled
+    front = openai_api.build_front(recipe, layout, srv.state.grpc_url, timeout_s=60)
+    from specdeploy.triton.server import free_port
 
-        with openai_api.ApiServer(openai_api.create_app(front), free_port()) as api:
-            client = openai.OpenAI(base_url=api.url, api_key="unused", max_retries=0, timeout=60)
-            yield client, TritonEndpoint(srv.state.grpc_url), recipe, api
+    with openai_api.ApiServer(openai_api.create_app(front), free_port()) as api:
+        client = openai.OpenAI(base_url=api.url, api_key="unused", max_retries=0, timeout=60)
+        yield client, TritonEndpoint(srv.state.grpc_url), recipe, api
 
 
 def _triton_text(endpoint, model, prompt, max_tokens=MAX_TOKENS):

@@ -110,6 +110,8 @@ def batch_size(array: np.ndarray, name: str) -> int:
 
 
 def require_single(array: np.ndarray, name: str) -> None:
+    if array is None:  # Triton lets a decoupled model's request through without it (bench/fuzz.py found a traceback)
+        raise RequestError(f"input '{name}' is required")
     n = batch_size(array, name)
     if n != 1:
         raise RequestError(f"input '{name}' has batch size {n}; this model takes one sequence per request (send batch 1)")
@@ -187,6 +189,8 @@ def from_words_list(array: np.ndarray | None, name: str) -> list[list[int]]:
 
 def check_output_len(prompt_len: int, max_tokens: int, max_seq_len: int, name: str = "max_tokens") -> None:
     """At least one token asked for, and the prompt plus the tokens asked for fit in max_seq_len."""
+    if max_tokens is None:  # a decoupled model's request may arrive without it
+        raise RequestError(f"input {name} is required")
     if max_tokens <= 0:
         raise RequestError(f"{name} is {max_tokens}; ask for at least 1 token")
     if prompt_len + max_tokens > max_seq_len:

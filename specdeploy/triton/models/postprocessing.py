@@ -26,21 +26,37 @@ class TritonPythonModel:
         for request in requests:
             tokens = pb_utils.get_input_tensor_by_name(request, "TOKENS_BATCH").as_numpy()  # [batch, beam, len]
             lengths = pb_utils.get_input_tensor_by_name(request, "SEQUENCE_LENGTH").as_numpy()  # [batch, beam]
-            if tokens.ndim == 2:
-                tokens = tokens[:, None, :]
-            lengths = lengths.reshape(tokens.shape[0], -1)
-            texts = []
-            for b in range(tokens.shape[0]):
-                beams = []
-                for w in range(tokens.shape[1]):
-                    n = int(lengths[b, w])
-                    text = self.tokenizer.decode(tokens[b, w, :n].tolist(), skip_special_tokens=self.skip_special_tokens)
-                    beams.append(text.encode("utf-8"))
-                texts.append(beams)
+            try:
+                texts = self._decode(tokens, lengths)
+            except ValueError as exc:  # ids or lengths a client sent directly: refused with what is wrong, not a traceback
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"postprocessing: {exc}")))
+                continue
             # [batch * beam], flat as NVIDIA's postprocessing sends it (its clients read text_output[0] as bytes)
             out = np.array([text for beams in texts for text in beams], dtype=object)
             responses.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("OUTPUT", out)]))
         return responses
+
+    def _decode(self, tokens, lengths) -> list[list[bytes]]:
+        if tokens.ndim == 2:
+            tokens = tokens[:, None, :]
+        if lengths.size != tokens.shape[0] * tokens.shape[1]:
+            raise ValueError(f"SEQUENCE_LENGTH has {lengths.size} values, TOKENS_BATCH has {tokens.shape[0] * tokens.shape[1]} beams")
+        lengths = lengths.reshape(tokens.shape[0], -1)
+        texts = []
+        for b in range(tokens.shape[0]):
+            beams = []
+            for w in range(tokens.shape[1]):
+                n = int(lengths[b, w])
+                if not 0 <= n <= tokens.shape[2]:
+                    raise ValueError(f"SEQUENCE_LENGTH {n} is outside [0, {tokens.shape[2]}] (the tokens TOKENS_BATCH holds per beam)")
+                ids = tokens[b, w, :n]
+                # ids past the tokenizer's vocabulary decode to nothing (a model's embedding may be padded past it);
+                # a negative one fails inside the tokenizer (OverflowError)
+                if ids.size and int(ids.min()) < 0:
+                    raise ValueError(f"TOKENS_BATCH holds token id {int(ids.min())}; token ids are >= 0")
+                beams.append(self.tokenizer.decode(ids.tolist(), skip_special_tokens=self.skip_special_tokens).encode("utf-8"))
+            texts.append(beams)
+        return texts
 
     def finalize(self):
         pass

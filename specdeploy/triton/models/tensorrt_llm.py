@@ -62,6 +62,8 @@ class TritonPythonModel:
         params = common.parameters(args)
         self.name = args["model_name"]
         self.decoupled = common.is_decoupled(args)
+        # the most sequences one request may ask for: as many as the model batches (each is a live sequence)
+        self.max_return_sequences = max(1, int(json.loads(args.get("model_config") or "{}").get("max_batch_size") or 1))
         self.exclude_input_default = common.flag(params.get("exclude_input_in_output"), False)
         self.request_timeout_s = float(params.get("request_timeout_s") or 0.0)
         factory = common.load_object(params.get("executor_factory") or "specdeploy.triton.models.common:load_cpu_executor")
@@ -143,6 +145,10 @@ class TritonPythonModel:
         except (RequestError, SpecDeployError) as exc:
             emit(_error(f"{self.name}: {common.error_text(exc)}"), True)
             return
+        except Exception as exc:  # noqa: BLE001  unanswered, a request thread's exception left its client waiting forever
+            traceback.print_exc()
+            emit(_error(f"{self.name}: internal error reading the request: {type(exc).__name__}: {exc}"), True)
+            return
         flags["arrival_ns"] = arrival_ns
         # with the batcher, the scheduler thread polls it between steps: under the stub lock
         flags["stop_check"] = common.request_cancel_check(request, self.request_timeout_s, self._stub_lock if self.batcher else None)
@@ -208,6 +214,9 @@ class TritonPythonModel:
         n_seq = common.scalar(get("num_return_sequences"), "num_return_sequences", int, 1)
         if n_seq < 1:
             raise RequestError(f"num_return_sequences is {n_seq}; send 1 or more")
+        if n_seq > self.max_return_sequences:  # INT32_MAX of them held the model for hours (bench/fuzz.py)
+            raise RequestError(f"num_return_sequences is {n_seq}, above this model's max_batch_size {self.max_return_sequences}; "
+                               "send at most that many (or raise engine.max_batch_size)")
         if n_seq > 1 and not self.decoupled:
             raise RequestError("num_return_sequences > 1 needs decoupled mode (one response per sequence; recipe triton.decoupled: true)")
         if n_seq > 1 and draft_tokens is not None:
