@@ -217,3 +217,25 @@ def test_recipe_names_that_are_not_folders_are_refused():
         with pytest.raises(ConfigError, match="key 'name'"):
             parse_recipe({"name": name, "target": {"model": "x"}, "draft": {"model": "x"}})
     assert parse_recipe({"name": "v1.2_a-b", "target": {"model": "x"}, "draft": {"model": "x"}}).name == "v1.2_a-b"
+
+
+@pytest.mark.server
+def test_validates_own_openai_client_sends_the_key_from_the_environment(ops_decoupled, monkeypatch):
+    """`validate --protocol openai` / `canary --drive openai` reach a front that wants a key: the client sends
+    SPECDEPLOY_API_KEY (or OpenAI's own OPENAI_API_KEY) as a Bearer token, and is refused without it."""
+    from specdeploy.client.openai_adapter import OpenAIEndpoint
+    from specdeploy.errors import SpecDeployError
+    from specdeploy.triton.server import free_port
+
+    recipe, layout, srv = ops_decoupled
+    front = openai_api.build_front(recipe, layout, srv.state.grpc_url, timeout_s=60, api_key="sk-ascii-key")
+    with openai_api.ApiServer(openai_api.create_app(front), free_port()) as api:
+        endpoint = OpenAIEndpoint(api.url, recipe.name)
+        for name in ("SPECDEPLOY_API_KEY", "OPENAI_API_KEY"):
+            monkeypatch.delenv(name, raising=False)
+        with pytest.raises(SpecDeployError, match="401"):
+            endpoint.served_models(endpoint.url)
+        for name in ("SPECDEPLOY_API_KEY", "OPENAI_API_KEY"):
+            monkeypatch.setenv(name, "sk-ascii-key")
+            assert f"{recipe.name}-speculative" in endpoint.served_models(endpoint.url)
+            monkeypatch.delenv(name)

@@ -14,6 +14,7 @@ the front: pass its gRPC endpoint as `triton` (None: parity falls back to the te
 from __future__ import annotations
 
 import json
+import os
 import time
 import urllib.error
 import urllib.request
@@ -40,6 +41,15 @@ def base_url(url: str) -> str:
     return url if url.endswith("/v1") else url + "/v1"
 
 
+# The key a front with an API key wants (specdeploy's front: --api-key / SPECDEPLOY_API_KEY; trtllm-serve and vLLM
+# read OpenAI's own variable), sent on every request as OpenAI's clients do.
+API_KEY_ENVS = ("SPECDEPLOY_API_KEY", "OPENAI_API_KEY")
+
+
+def api_key() -> str | None:
+    return next((os.environ[name] for name in API_KEY_ENVS if os.environ.get(name)), None)
+
+
 class OpenAIEndpoint:
     """The OpenAI-compatible API at `url`. Model ids: specdeploy's front for `recipe_name`, or `ids` (core name ->
     model id; a missing one is resolved from `/v1/models` by `check_ready`); `control_url`: the control's own
@@ -63,7 +73,11 @@ class OpenAIEndpoint:
     def _http(self, method: str, path: str, body: dict | None, timeout_s: float, base: str | None = None):
         base = base or self.url
         data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(base + path, data=data, method=method, headers={"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json"}
+        key = api_key()
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        request = urllib.request.Request(base + path, data=data, method=method, headers=headers)
         try:
             return urllib.request.urlopen(request, timeout=timeout_s)
         except urllib.error.HTTPError as exc:
