@@ -583,7 +583,8 @@ def test_bls_target_calls_with_drafts_ask_for_no_logits(monkeypatch, request):
     call = bls._LlmCall("tensorrt_llm", decoupled=False, slice_s=0.0, held=common.HeldResponses())
     job = {"bad_words_list": np.zeros((2, 0), np.int32), "stop_words_list": np.zeros((2, 0), np.int32),
            "return_log_probs": False, "return_context_logits": True, "return_generation_logits": True,
-           "penalties": dict(common.PENALTY_NEUTRAL), "prompt_ids": [1, 2], "embedding_bias": None, "end_id": None}  # fmt: skip
+           "penalties": dict(common.PENALTY_NEUTRAL), "prompt_ids": [1, 2], "embedding_bias": None, "end_id": None,
+           "stop_words": []}  # fmt: skip
     sampling = types.SimpleNamespace(temperature=1.0, top_k=0, top_p=0.0, seed=None)
     bls.TritonVerifier(call, job, bls._Record()).verify([1, 2, 3], [5], None, sampling)
     inputs, outputs = sent[-1]
