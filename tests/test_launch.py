@@ -186,19 +186,24 @@ def _version_check(dockerfile: str) -> str:
     return run.replace("\\\n", "")
 
 
-@pytest.mark.parametrize(("installed", "ok"), [("1.2.1", True), ("1.2.0", True), ("1.3.0rc24", False), ("1.20.0", False)])
-def test_image_build_refuses_another_tensorrt_llm(tmp_path, installed, ok):
+
+def _run_version_gate(recipe, installed: str, tmp_path):
+    """The Dockerfile's version check run in a Python that sees tensorrt_llm `installed` (its dist-info only)."""
     import subprocess
     import sys
 
-    r = parse_recipe({"name": "pkg", "backend": "trtllm-llmapi", "trtllm_version": "1.2",
-                      "target": {"model": "t"}, "draft": {"model": "d"}})  # fmt: skip
     dist = tmp_path / "site" / f"tensorrt_llm-{installed}.dist-info"
     dist.mkdir(parents=True)
     (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: tensorrt_llm\nVersion: {installed}\n")
-    program = _version_check(packaging.dockerfile(r, "base"))
-    done = subprocess.run([sys.executable, "-c", program], env={"PYTHONPATH": str(tmp_path / "site")},
+    program = _version_check(packaging.dockerfile(recipe, "base"))
+    return subprocess.run([sys.executable, "-c", program], env={"PYTHONPATH": str(tmp_path / "site")},
                           capture_output=True, text=True, timeout=60)  # fmt: skip
+
+@pytest.mark.parametrize(("installed", "ok"), [("1.2.1", True), ("1.2.0", True), ("1.3.0rc24", False), ("1.20.0", False)])
+def test_image_build_refuses_another_tensorrt_llm(tmp_path, installed, ok):
+    r = parse_recipe({"name": "pkg", "backend": "trtllm-llmapi", "trtllm_version": "1.2",
+                      "target": {"model": "t"}, "draft": {"model": "d"}})  # fmt: skip
+    done = _run_version_gate(r, installed, tmp_path)
     assert (done.returncode == 0) is ok, done.stderr
     if not ok:
         assert f"the image has TensorRT-LLM {installed}, the recipe targets 1.2" in done.stderr
@@ -209,17 +214,9 @@ def test_image_build_refuses_another_tensorrt_llm(tmp_path, installed, ok):
 def test_image_build_gate_for_a_release_line_starts_at_its_first_verified_candidate(tmp_path, installed, ok):
     """trtllm_version 1.3 names the options of 1.3.0rc22 and later (trtllm.llmapi_version refuses rc5); the image
     gate must refuse the same candidates, not take any 1.3.0rcN."""
-    import subprocess
-    import sys
-
     r = parse_recipe({"name": "pkg", "backend": "trtllm-llmapi", "trtllm_version": "1.3",
                       "target": {"model": "t"}, "draft": {"model": "d"}})  # fmt: skip
-    dist = tmp_path / "site" / f"tensorrt_llm-{installed}.dist-info"
-    dist.mkdir(parents=True)
-    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: tensorrt_llm\nVersion: {installed}\n")
-    program = _version_check(packaging.dockerfile(r, "base"))
-    done = subprocess.run([sys.executable, "-c", program], env={"PYTHONPATH": str(tmp_path / "site")},
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    done = _run_version_gate(r, installed, tmp_path)
     assert (done.returncode == 0) is ok, done.stderr
 
 
