@@ -57,11 +57,47 @@ class ModelConfig:
     pp_size: int = 1
 
 
-DRAFT_KINDS = ("model", "ngram")  # draft.kind
+DRAFT_KINDS = ("model", "ngram", "eagle3")  # draft.kind
+EAGLE3_HEAD_TRAINED = "trained"  # draft.head: the head `specdeploy draft train RECIPE` wrote for this recipe
 # draft.max_matching_ngram_size when null; the default of specdeploy.ngram.NGramSettings, written here because the
 # recipe checks draft.min_matching_ngram_size against it and the recipe imports nothing above the core.
 NGRAM_MAX_MATCHING_NGRAM_SIZE = 2
 SPECULATION_POLICIES = ("static", "cost")  # speculative.policy (specdeploy.policy)
+
+
+@dataclass(frozen=True)
+class Eagle3DataConfig:
+    """draft.data (kind eagle3): the head's training data, written by `specdeploy draft data RECIPE`.
+
+    The target writes its own training set (ModelOpt's "data synthesis"): prompts from `sources`
+    ("calibration": the shipped calibration passages turned into requests; "self_instruct": user turns the
+    target writes itself from its chat template; or a .jsonl/.txt prompt file), answered by the target through
+    the CPU engine. `text_files` are texts already on the machine, scored by the target (prefill only). The
+    validation prompt sets are never used."""
+
+    sources: tuple[str, ...] = ("calibration", "self_instruct")
+    text_files: tuple[str, ...] = ()
+    num_prompts: int = 512
+    samples_per_prompt: int = 2  # the first answer greedy, the others sampled at `temperature`
+    temperature: float = 0.8
+    max_new_tokens: int = 256
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Eagle3TrainConfig:
+    """draft.train (kind eagle3): how `specdeploy draft train RECIPE` trains the head with ModelOpt's EAGLE-3
+    (`modelopt.torch.speculative`), sized like the target (one decoder layer), not ModelOpt's 8B default."""
+
+    draft_vocab_size: int = 8192  # the head's own vocabulary (d2t maps it into the target's)
+    aux_layers: tuple[int, ...] = ()  # target layers whose outputs feed the head; empty: ModelOpt's default
+    ttt_steps: int = 3  # training-time test: draft positions trained per step
+    epochs: float = 2.0
+    learning_rate: float = 3e-4
+    seq_len: int = 512
+    batch_size: int = 4
+    seed: int = 0
+    max_train_hours: float = 4.0  # refused above this estimate, as quantize refuses a long calibration
 
 
 @dataclass(frozen=True)
@@ -78,6 +114,10 @@ class DraftConfig(ModelConfig):
     is_use_oldest: bool | None = None
     is_public_pool: bool | None = None
     min_matching_ngram_size: int | None = None  # specdeploy's own (vLLM: prompt_lookup_min), cpu backend only
+    # kind eagle3: an exported EAGLE-3 checkpoint folder (config.json + model.safetensors), or "trained"
+    head: str = ""
+    data: Eagle3DataConfig = field(default_factory=Eagle3DataConfig)
+    train: Eagle3TrainConfig = field(default_factory=Eagle3TrainConfig)
 
     NGRAM_KEYS = ("max_draft_len", "max_matching_ngram_size", "is_keep_all", "is_use_oldest", "is_public_pool",
                   "min_matching_ngram_size")
@@ -85,6 +125,15 @@ class DraftConfig(ModelConfig):
     @property
     def is_ngram(self) -> bool:
         return self.kind == "ngram"
+
+    @property
+    def is_eagle3(self) -> bool:
+        return self.kind == "eagle3"
+
+    @property
+    def has_weights_of_its_own(self) -> bool:
+        """A draft that is a model of its own, quantized and built like the target (kind model)."""
+        return self.kind == "model"
 
 
 @dataclass(frozen=True)
@@ -228,7 +277,7 @@ class Recipe:
     @property
     def model_roles(self) -> tuple[str, ...]:
         """The roles that are models to quantize and build: both, or only the target for an n-gram draft."""
-        return ("target",) if self.draft.is_ngram else ROLES
+        return ROLES if self.draft.has_weights_of_its_own else ("target",)
 
     def section_hash(self, *sections: str) -> str:
         """A stable hash of the named top-level sections (dotted paths allowed), for manifests."""
@@ -515,6 +564,14 @@ def _check_dynamic(r: Recipe) -> None:
 def _check_draft_kind(r: Recipe) -> None:
     d = r.draft
     _choice("draft.kind", d.kind, DRAFT_KINDS)
+    if not d.is_eagle3:
+        defaults = {"head": "", "data": Eagle3DataConfig(), "train": Eagle3TrainConfig()}
+        for key, default in defaults.items():
+            if getattr(d, key) != default:
+                raise ConfigError(f"key 'draft.{key}' applies to draft.kind eagle3 only", "remove it, or set draft.kind: eagle3")
+    else:
+        _check_eagle3(r)
+        return
     if not d.is_ngram:
         if not d.model:
             raise ConfigError("missing required key 'draft.model'", "name a bundled model or a local Hugging Face folder, or set draft.kind: ngram")
@@ -553,3 +610,30 @@ def _check_draft_kind(r: Recipe) -> None:
     if not _backends.get(r.backend).ngram_draft:
         raise ConfigError(f"draft.kind ngram is not wired for backend {r.backend}",
                           f"use backend {' or '.join(b.name for b in _backends.ALL if b.ngram_draft)} (trtllm-llmapi: decoding_type NGram)")
+
+
+def _check_eagle3(r: Recipe) -> None:
+    d = r.draft
+    if d.model or d.quantization != QuantConfig() or (d.tp_size, d.pp_size) != (1, 1):
+        key = "model" if d.model else ("quantization" if d.quantization != QuantConfig() else "tp_size")
+        raise ConfigError(f"key 'draft.{key}' does not apply to draft.kind eagle3 (the head runs inside the target)",
+                          "remove it from the draft section; draft.head names the head")
+    extra = [k for k in DraftConfig.NGRAM_KEYS if k != "max_draft_len" and getattr(d, k) is not None]
+    if extra:
+        raise ConfigError(f"key 'draft.{extra[0]}' applies to draft.kind ngram only", "remove it")
+    if not d.head:
+        raise ConfigError("missing required key 'draft.head' (draft.kind eagle3)",
+                          f"name an exported EAGLE-3 checkpoint folder, or '{EAGLE3_HEAD_TRAINED}' for the head "
+                          "`specdeploy draft train RECIPE` writes")
+    if d.max_draft_len is not None:
+        _at_least("draft.max_draft_len", d.max_draft_len, 1)
+        if d.max_draft_len > r.speculative.max_draft_len:
+            raise ConfigError(
+                f"key 'draft.max_draft_len' ({d.max_draft_len}) is larger than speculative.max_draft_len ({r.speculative.max_draft_len})",
+                f"set draft.max_draft_len <= {r.speculative.max_draft_len}",
+            )
+    t = d.train
+    _at_least("draft.train.draft_vocab_size", t.draft_vocab_size, 2)
+    _at_least("draft.train.ttt_steps", t.ttt_steps, 1)
+    _at_least("draft.data.num_prompts", d.data.num_prompts, 1)
+    _at_least("draft.data.samples_per_prompt", d.data.samples_per_prompt, 1)
