@@ -53,6 +53,16 @@ class Layout:
         return self.engines / role
 
     @property
+    def draft_data(self) -> Path:
+        """draft.kind eagle3: the head's training data (`specdeploy draft data`): train.jsonl, heldout.jsonl, manifest."""
+        return self.engines / "draft-data"
+
+    @property
+    def eagle3_head(self) -> Path:
+        """draft.kind eagle3: the head `specdeploy draft train` exports (EAGLE-3 checkpoint layout + manifest)."""
+        return self.engines / "eagle3-head"
+
+    @property
     def repo(self) -> Path:
         return self.root / "triton_repo" / self.recipe_name
 
