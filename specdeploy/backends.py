@@ -46,6 +46,7 @@ class Backend:
     checkpoint_format: str  # what `quantize` writes for it: "trtllm" (TensorRT-LLM checkpoint) | "hf" (ModelOpt HF export)
     dynamic_speculation: bool  # speculative.dynamic (draft_len_schedule / acceptance gate) has a meaning
     ngram_draft: bool  # draft.kind ngram is wired
+    eagle3_draft: bool  # draft.kind eagle3 (an EAGLE-3 head on the target's hidden states) is wired
     prequantized_models: bool  # loads pre-quantized ModelOpt Hugging Face exports as the model
     external_build: bool  # `build --dry-run` prints the external commands it would run
     tensorrt_engines: bool  # engines come from trtllm-build and load only in the release that built them
@@ -54,6 +55,7 @@ class Backend:
     bls_limits: BlsLimits | None  # None: the speculative BLS is not part of this backend's repository
     layouts: tuple[str, ...]  # repository layouts it serves (LAYOUTS), the default first
     preflight_checks: tuple[str, ...]  # names in specdeploy.preflight.CHECKS, run in this order
+    no_eagle3_because: str = ""  # why draft.kind eagle3 is not wired (eagle3_draft False), for the refusal
 
     def batches_in_flight(self, recipe) -> bool:
         """Whether the engine models step the concurrent requests of an instance together."""
@@ -75,7 +77,7 @@ class Backend:
 
 # ---------------------------------------------------------------- the table
 
-_COMMON_CHECKS = ("draft_len", "tokenizer")
+_COMMON_CHECKS = ("draft_len", "tokenizer", "eagle3_head")
 
 CPU = Backend(
     name="cpu",
@@ -87,6 +89,7 @@ CPU = Backend(
     checkpoint_format="trtllm",
     dynamic_speculation=True,
     ngram_draft=True,
+    eagle3_draft=True,  # specdeploy's own fused CPU engine runs the head
     prequantized_models=False,
     external_build=False,
     tensorrt_engines=False,
@@ -109,6 +112,7 @@ TRTLLM_ENGINE = Backend(
     checkpoint_format="trtllm",
     dynamic_speculation=False,
     ngram_draft=False,
+    eagle3_draft=False,  # see no_eagle3_because
     prequantized_models=False,
     external_build=True,
     tensorrt_engines=True,
@@ -119,6 +123,16 @@ TRTLLM_ENGINE = Backend(
     bls_limits=BlsLimits(max_request_batch=1, streaming=True),
     layouts=(IFB_LAYOUT,),
     preflight_checks=(*_COMMON_CHECKS, "fp8", "kv_cache", "memory", "bls"),
+    # The TensorRT engine path never built EAGLE-3. Its EAGLE is the EAGLE-1 draft network of
+    # tensorrt_llm/models/eagle/model.py, converted by examples/eagle/convert_checkpoint.py and built with
+    # `trtllm-build --speculative_decoding_mode eagle` (examples/eagle/README.md @06255cb: "Only EAGLE-1 is
+    # supported"; later READMEs add EAGLE-2's dynamic tree at run time, same EAGLE-1 checkpoint). EAGLE-3 came to
+    # TensorRT-LLM on the PyTorch backend only: NVIDIA/TensorRT-LLM PR #10124 (2025-12-18): "Eagle (v1, v2) are
+    # fundamentally different from Eagle3", "TRTLLM pytorch backend does not support Eagle and only supports
+    # Eagle3"; issue #10396 (1.2.0rc6, `--backend trt`): the engine path takes only the EagleForCausalLM (EAGLE-1)
+    # architecture. The engine path itself ends with 1.1 (docs/source/legacy/tensorrt-backend-removal.md).
+    no_eagle3_because="TensorRT-LLM's engine path (trtllm-build --speculative_decoding_mode eagle) builds only "
+                      "EAGLE-1/2 draft networks; EAGLE-3 heads run on its PyTorch backend (the LLM API) only",
 )
 # The LLM API (PyTorch backend) loads ModelOpt Hugging Face checkpoints: FP8 and INT4 AWQ, not the INT8
 # SmoothQuant/weight-only kernels of the TensorRT engine path.
@@ -132,6 +146,7 @@ TRTLLM_LLMAPI = Backend(
     checkpoint_format="hf",
     dynamic_speculation=True,
     ngram_draft=True,
+    eagle3_draft=True,  # speculative_config Eagle3DecodingConfig (trtllm.LLMAPI_VERSIONS)
     prequantized_models=True,
     external_build=True,
     tensorrt_engines=False,

@@ -632,6 +632,16 @@ def _check_eagle3(r: Recipe) -> None:
                 f"key 'draft.max_draft_len' ({d.max_draft_len}) is larger than speculative.max_draft_len ({r.speculative.max_draft_len})",
                 f"set draft.max_draft_len <= {r.speculative.max_draft_len}",
             )
+    backend = _backends.get(r.backend)
+    if not backend.eagle3_draft:
+        able = " or ".join(b.name for b in _backends.ALL if b.eagle3_draft)
+        raise ConfigError(f"draft.kind eagle3 is not wired for backend {r.backend}: {backend.no_eagle3_because}",
+                          f"use backend {able} (trtllm-llmapi: decoding_type Eagle3 with the same head folder), "
+                          "or draft.kind model on this backend")  # fmt: skip
+    if r.speculative.use_draft_logits and backend.gpu:
+        raise ConfigError(f"key 'speculative.use_draft_logits' is true, but TensorRT-LLM's EAGLE-3 on backend {r.backend} "
+                          "has no rejection sampling on the head's logits",
+                          "set use_draft_logits: false (greedy requests are verified token by token)")  # fmt: skip
     t = d.train
     _at_least("draft.train.draft_vocab_size", t.draft_vocab_size, 2)
     _at_least("draft.train.ttt_steps", t.ttt_steps, 1)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdeploy import backends
-from specdeploy.config import ROLES, Recipe
+from specdeploy.config import EAGLE3_HEAD_TRAINED, ROLES, Recipe
 from specdeploy.errors import ConfigError, SpecDeployError
 from specdeploy.gpu import GpuInfo
 
@@ -24,7 +24,7 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 QFORMAT_WEIGHT_BYTES = {"fp8": 1.0, "int8_sq": 1.0, "int8_wo": 1.0}
 RUNTIME_OVERHEAD_BYTES = int(1.5 * 2**30)  # CUDA context, activations and workspaces per GPU (rough)
 # Every check `run_all` can run; each backend lists those that apply to it (backends.Backend.preflight_checks).
-CHECKS = ("draft_len", "tokenizer", "fp8", "kv_cache", "memory", "bls", "llmapi")
+CHECKS = ("draft_len", "tokenizer", "eagle3_head", "fp8", "kv_cache", "memory", "bls", "llmapi")
 
 
 @dataclass(frozen=True)
@@ -300,6 +300,51 @@ def check_bls(recipe: Recipe) -> list[Finding]:
     return findings
 
 
+# ---------------------------------------------------------------- EAGLE-3 head (draft.kind eagle3)
+
+
+def check_eagle3_head(recipe: Recipe, layout=None, target_dir: Path | None = None) -> list[Finding]:
+    """The head folder exists with config.json and weights, and it was trained for this target: its hidden size
+    (`target_hidden_size`, else `hidden_size`) and `vocab_size` equal the target's config.json, and the target layers
+    it reads exist. Compared only where both are on this machine."""
+    if not recipe.draft.is_eagle3:
+        return []
+    from specdeploy import trtllm
+
+    if layout is None and recipe.draft.head == EAGLE3_HEAD_TRAINED:
+        return [Finding("info", "eagle3_head", "the trained head is checked once `specdeploy draft train` wrote it")]
+    head = trtllm.eagle3_head_source(recipe, layout) if layout is not None else Path(recipe.draft.head).expanduser()
+    try:
+        trtllm.check_eagle3_head_files(head, recipe)
+        config = trtllm.read_eagle3_head_config(head)
+    except SpecDeployError as exc:
+        return [Finding("error", "eagle3_head", exc.message, exc.hint)]
+    target_config_path = Path(target_dir) / "config.json" if target_dir else None
+    if target_config_path is None or not target_config_path.is_file():
+        return [Finding("info", "eagle3_head", f"EAGLE-3 head {head} found; the target is not on this machine yet, so "
+                                               "its hidden size and vocabulary are compared once it is")]  # fmt: skip
+    target = json.loads(target_config_path.read_text())
+    target = target.get("text_config", target)  # multimodal configs nest the language model's
+    head_config = head / "config.json"
+    fix = (f"use an EAGLE-3 head trained for this target ({recipe.target.model}), or train one: draft.head: trained "
+           "and `specdeploy draft train <recipe>`")
+    findings = []
+    head_hidden = config.get("target_hidden_size") or config.get("hidden_size")
+    if head_hidden != target.get("hidden_size"):
+        findings.append(Finding("error", "eagle3_head", f"{head_config} expects target hidden size {head_hidden}, but "
+                                f"{target_config_path} has hidden_size {target.get('hidden_size')}", fix))  # fmt: skip
+    if config.get("vocab_size") != target.get("vocab_size"):
+        findings.append(Finding("error", "eagle3_head", f"{head_config} has vocab_size {config.get('vocab_size')}, but "
+                                f"{target_config_path} has vocab_size {target.get('vocab_size')}", fix))  # fmt: skip
+    layers = trtllm.eagle3_aux_layers(config) or []
+    depth = target.get("num_hidden_layers")
+    if depth is not None and any(not 0 <= i < depth for i in layers if i != -1):
+        findings.append(Finding("error", "eagle3_head", f"{head_config} reads target layers {layers}, but "
+                                f"{target_config_path} has {depth} layers", fix))  # fmt: skip
+    return findings or [Finding("info", "eagle3_head", f"EAGLE-3 head {head} matches the target (hidden size "
+                                                       f"{head_hidden}, vocabulary {config.get('vocab_size')})")]  # fmt: skip
+
+
 # ---------------------------------------------------------------- LLM-API options of the target release
 
 
@@ -310,7 +355,8 @@ def check_llmapi_options(recipe: Recipe) -> list[Finding]:
 
     try:
         version = trtllm.llmapi_version(recipe.trtllm_version)
-        trtllm.speculative_options(recipe, version, Path("draft"))
+        kind = "eagle3" if recipe.draft.is_eagle3 else ("ngram" if recipe.draft.is_ngram else "draft_target")
+        trtllm.speculative_options(recipe, version, Path("draft"), kind)
     except SpecDeployError as exc:
         return [Finding("error", "llmapi", exc.message, exc.hint)]
     return [Finding("info", "llmapi", "; ".join(trtllm.llmapi_mapping_notes(recipe, version)))]
@@ -360,7 +406,11 @@ def run_all(
             target_engine_config = json.loads(path.read_text())
     checks = {  # the backend names which apply (Backend.preflight_checks), in its order
         "draft_len": lambda: check_draft_len(recipe, target_engine_config),
-        "tokenizer": lambda: check_tokenizers(model_dirs.get("target"), model_dirs.get("draft")),
+        "tokenizer": lambda: (check_tokenizers(model_dirs.get("target"), model_dirs.get("draft"))
+                              if recipe.draft.has_weights_of_its_own else
+                              [Finding("info", "tokenizer", f"draft.kind {recipe.draft.kind} uses the target's tokenizer")]),
+        "eagle3_head": lambda: check_eagle3_head(recipe, layout, model_dirs.get("target")
+                                                 or (layout.checkpoint("target") if layout is not None else None)),
         "fp8": lambda: check_fp8(recipe, gpus),
         "kv_cache": lambda: check_kv_cache_format(recipe),
         "memory": lambda: check_memory(recipe, shapes, gpus, gpu_memory_bytes),

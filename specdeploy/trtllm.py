@@ -24,8 +24,9 @@ from pathlib import Path
 import yaml
 
 from specdeploy import gpu as gpu_probe
-from specdeploy.artifacts import Layout, Manifest, atomic_output, fingerprint, is_up_to_date, require, tool_versions
-from specdeploy.config import Recipe, to_plain
+from specdeploy.artifacts import (MANIFEST, Layout, Manifest, atomic_output, dir_hash, fingerprint, is_up_to_date,
+                                  require, tool_versions)
+from specdeploy.config import EAGLE3_HEAD_TRAINED, Recipe, to_plain
 from specdeploy.errors import BuildError, ConfigError, StaleArtifactError
 
 TOOL = "trtllm-build"
@@ -333,6 +334,24 @@ def build_engine_recipe(recipe: Recipe, layout: Layout, force: bool = False, dry
 #   requests) until PR #12905 (2026-04-09, "BREAKING"), then `acceptance_rate_window_size` +
 #   `acceptance_rate_threshold` (accepted_draft_tokens / drafted_tokens over the last N speculative iterations,
 #   0..1).
+# - EAGLE-3 (draft.kind eagle3), read in each release's own llm_args.py as its documentation publishes it
+#   (NVIDIA/TensorRT-LLM gh-pages `<release>/_modules/tensorrt_llm/llmapi/llm_args.html`, Sphinx viewcode: the
+#   release's source without line numbers, so classes and fields are cited by name) and API reference pages:
+#   1.1.0 (@8660c11): EagleDecodingConfig with `decoding_type: ClassVar[str] = "Eagle"`, fields
+#     `eagle3_one_model: Optional[bool] = True`, `eagle3_layers_to_capture: Optional[Set[int]] = None`;
+#     validate() reads `speculative_model_dir`; no Eagle3DecodingConfig.
+#   1.2.0 (@7e873e5): the same EagleDecodingConfig fields (plus eagle3_model_arch); DecodingBaseConfig.from_dict
+#     dispatches "Eagle" -> EagleDecodingConfig (no "Eagle3" key; "DraftTarget", "NGram" as above);
+#     `speculative_model` with validation_alias AliasChoices("speculative_model", "speculative_model_dir").
+#     On the PyTorch backend decoding_type Eagle IS EAGLE-3 (spec_dec_mode EAGLE3_ONE_MODEL / EAGLE3).
+#   PR #10124 (merged 2025-12-18, after the 1.2 branch) added `decoding_type: Eagle3` and deprecated Eagle there.
+#   1.3.0rc27 and 1.4.0rc1 (API pages llm-api/reference/Eagle3DecodingConfig.html): `decoding_type:
+#     Literal['Eagle3']`, `speculative_model`, `max_draft_len`, `eagle3_layers_to_capture: Set[int] | None`; neither
+#     page lists `eagle3_one_model` (main's llm_args.py still has it, default True, "Eagle3 2-model is deprecated and
+#     will be removed in release 1.4"), so specdeploy leaves it out there: the default is the one-model path.
+#   eagle3_layers_to_capture means "Target model layer indices to capture hidden states from ... Defaults to {1,
+#   num_layers//2-1, num_layers-4}" in every one of them: the convention of ModelOpt's exported
+#   `eagle_aux_hidden_state_layer_ids`, written through unchanged when the head's config.json names them.
 # Release lines from PyPI upload dates: 1.1.0 2025-12-19, 1.2.0 2026-03-12 (branch: rc6 2025-12-23),
 # 1.3.0rc0 2026-01-22 ... rc22 2026-07-22, 1.4.0rc0 2026-10-13. The 1.3.0 release candidates before rc22 straddle
 # PRs #10860 and #12905, so specdeploy names no options for them rather than guess.
@@ -344,49 +363,63 @@ class LlmApiVersion:
 
     name: str
     releases: str  # which releases this covers, in words
-    decoding_types: dict  # draft kind ("draft_target"; room for "ngram") -> decoding_type value
-    draft_model_key: str  # speculative_model_dir | speculative_model
+    decoding_types: dict  # draft kind ("draft_target", "ngram", "eagle3") -> decoding_type value
+    draft_model_key: str  # speculative_model_dir | speculative_model (the EAGLE-3 head's key too)
     draft_len_schedule: str | None  # None (no such option verified) | "lower" | "upper" bounds
     acceptance_keys: tuple[str, str] | None  # (window key, threshold key)
     acceptance_measure: str | None  # "length" | "rate": what the threshold means in this release
     evidence: str
+    eagle3_fields: tuple[str, ...] = ()  # EAGLE-3 fields verified in this release's llm_args.py (beyond max_draft_len)
+    eagle3_evidence: str = ""
 
 
 LLMAPI_VERSIONS = {
     "1.1": LlmApiVersion(
         name="1.1", releases="1.1.x",
-        decoding_types={"draft_target": "DraftTarget", "ngram": "NGram"},
+        decoding_types={"draft_target": "DraftTarget", "ngram": "NGram", "eagle3": "Eagle"},
         draft_model_key="speculative_model_dir",
         draft_len_schedule=None,
         acceptance_keys=("acceptance_window", "acceptance_length_threshold"), acceptance_measure="length",
         evidence="from_dict dispatch keyed 'DraftTarget'; speculative_model_dir (before PR #10099); "
                  "draft_len_schedule unverified in the 1.1 branch",
+        eagle3_fields=("eagle3_one_model", "eagle3_layers_to_capture"),
+        eagle3_evidence="1.1.0 llm_args.py (release docs, gh-pages @8660c11): EagleDecodingConfig 'Eagle', "
+                        "eagle3_one_model, eagle3_layers_to_capture, speculative_model_dir",
     ),
     "1.2": LlmApiVersion(
         name="1.2", releases="1.2.x",
         # DraftTarget and speculative_model_dir are read on both sides of the Literal/rename changes, which the
         # 1.2 branch (cut around Dec 2025) may or may not carry.
-        decoding_types={"draft_target": "DraftTarget", "ngram": "NGram"},
+        decoding_types={"draft_target": "DraftTarget", "ngram": "NGram", "eagle3": "Eagle"},
         draft_model_key="speculative_model_dir",
         draft_len_schedule="lower",
         acceptance_keys=("acceptance_window", "acceptance_length_threshold"), acceptance_measure="length",
         evidence="PR #8194 (lower-bound draft_len_schedule) before the branch, PR #10860 and #12905 after it",
+        eagle3_fields=("eagle3_one_model", "eagle3_layers_to_capture"),
+        eagle3_evidence="1.2.0 llm_args.py (release docs, gh-pages @7e873e5): from_dict 'Eagle' -> "
+                        "EagleDecodingConfig, eagle3_one_model, eagle3_layers_to_capture, speculative_model_dir alias",
     ),
     "1.3": LlmApiVersion(
         name="1.3", releases="1.3.0rc22 and later 1.3 releases",
-        decoding_types={"draft_target": "Draft_Target", "ngram": "NGram"},
+        decoding_types={"draft_target": "Draft_Target", "ngram": "NGram", "eagle3": "Eagle3"},
         draft_model_key="speculative_model",
         draft_len_schedule="upper",
         acceptance_keys=("acceptance_rate_window_size", "acceptance_rate_threshold"), acceptance_measure="rate",
         evidence="decoding_type Literal['Draft_Target']; PR #10099, #10860 and #12905 merged",
+        eagle3_fields=("eagle3_layers_to_capture",),
+        eagle3_evidence="1.3.0rc27 API page Eagle3DecodingConfig: Literal['Eagle3'], speculative_model, "
+                        "eagle3_layers_to_capture (no eagle3_one_model listed)",
     ),
     "1.4": LlmApiVersion(
         name="1.4", releases="1.4.x",
-        decoding_types={"draft_target": "Draft_Target", "ngram": "NGram"},
+        decoding_types={"draft_target": "Draft_Target", "ngram": "NGram", "eagle3": "Eagle3"},
         draft_model_key="speculative_model",
         draft_len_schedule="upper",
         acceptance_keys=("acceptance_rate_window_size", "acceptance_rate_threshold"), acceptance_measure="rate",
         evidence="as 1.3 (main after PR #12905)",
+        eagle3_fields=("eagle3_layers_to_capture",),
+        eagle3_evidence="1.4.0rc1 API page Eagle3DecodingConfig: Literal['Eagle3'], speculative_model, "
+                        "eagle3_layers_to_capture (no eagle3_one_model listed)",
     ),
 }  # fmt: skip
 
@@ -437,7 +470,64 @@ def _draft_len_schedule(schedule: tuple, form: str) -> dict[int, int]:
     return out
 
 
-def speculative_options(recipe: Recipe, version: LlmApiVersion, draft_dir: Path, kind: str = "draft_target") -> dict:
+# ---------------------------------------------------------------- EAGLE-3 heads (draft.kind eagle3)
+
+EAGLE3_WEIGHTS = ("*.safetensors", "*.bin")  # the published heads ship pytorch_model.bin, ModelOpt exports safetensors
+
+
+def eagle3_head_source(recipe: Recipe, layout: Layout) -> Path:
+    """The recipe's EAGLE-3 head folder: draft.head, or the head `specdeploy draft train` exports (layout.eagle3_head)."""
+    head = recipe.draft.head
+    return Path(layout.eagle3_head) if head == EAGLE3_HEAD_TRAINED else Path(head).expanduser()
+
+
+def read_eagle3_head_config(head_dir: Path) -> dict | None:
+    """The head's config.json, or None when the folder is not on this machine (a dry run before the download)."""
+    path = Path(head_dir) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except ValueError as exc:
+        raise ConfigError(f"{path} is not valid JSON: {exc}", "re-download or re-export the EAGLE-3 head") from exc
+
+
+def eagle3_aux_layers(head_config: dict | None) -> list[int] | None:
+    """The target layers the head reads, as its config names them: `eagle_aux_hidden_state_layer_ids` at the top
+    (EAGLE authors' and vLLM's layout) or in `eagle_config` (ModelOpt's export); None: the consumer's default."""
+    if not head_config:
+        return None
+    ids = head_config.get("eagle_aux_hidden_state_layer_ids")
+    if ids is None:
+        ids = (head_config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    return sorted(int(i) for i in ids) if ids else None
+
+
+def _eagle3_options(recipe: Recipe, version: LlmApiVersion, head_dir: Path, head_config: dict | None) -> dict:
+    """Eagle3DecodingConfig (EagleDecodingConfig before 1.3) for one release; only fields verified there."""
+    d, s = recipe.draft, recipe.speculative
+    draft_len = d.max_draft_len if d.max_draft_len is not None else s.num_draft_tokens
+    if s.dynamic and s.dynamic.draft_len_schedule and draft_len != s.num_draft_tokens:
+        raise ConfigError(
+            f"draft.max_draft_len ({draft_len}) differs from speculative.num_draft_tokens ({s.num_draft_tokens}), but "
+            "TensorRT-LLM requires the draft_len_schedule's first entry to equal speculative_config.max_draft_len",
+            "drop draft.max_draft_len (it defaults to num_draft_tokens) or drop the schedule",
+        )
+    spec = {"decoding_type": version.decoding_types["eagle3"], "max_draft_len": draft_len,
+            version.draft_model_key: str(head_dir)}  # fmt: skip
+    if "eagle3_one_model" in version.eagle3_fields:
+        spec["eagle3_one_model"] = True  # the draft runs inside the target's engine (the default; two-model is deprecated)
+    layers = eagle3_aux_layers(head_config)
+    if layers:
+        if "eagle3_layers_to_capture" not in version.eagle3_fields:
+            raise ConfigError(f"the EAGLE-3 head reads target layers {layers}, but eagle3_layers_to_capture is not "
+                              f"verified for TensorRT-LLM {version.name}", "use trtllm_version 1.1 or later")  # fmt: skip
+        spec["eagle3_layers_to_capture"] = layers
+    return spec
+
+
+def speculative_options(recipe: Recipe, version: LlmApiVersion, draft_dir: Path, kind: str = "draft_target",
+                        head_config: dict | None = None) -> dict:
     """`speculative_config` for one TensorRT-LLM release. Every recipe setting is mapped or refused, never dropped.
 
     - speculative.num_draft_tokens -> max_draft_len: the LLM API drafts max_draft_len tokens every iteration (it
@@ -459,6 +549,8 @@ def speculative_options(recipe: Recipe, version: LlmApiVersion, draft_dir: Path,
         "max_draft_len": s.num_draft_tokens,
         version.draft_model_key: str(draft_dir),
     }
+    if kind == "eagle3":  # draft_dir is the head folder; head_config its config.json (None: not on this machine)
+        spec = _eagle3_options(recipe, version, draft_dir, head_config)
     if kind == "ngram":  # NGramDecodingConfig: no draft model; the recipe's draft section carries its fields
         from specdeploy.ngram import TRTLLM_FIELDS, settings_from_recipe
 
@@ -525,16 +617,27 @@ def llmapi_options(recipe: Recipe, layout: Layout, version: LlmApiVersion | None
             "enable_block_reuse": False,
             "dtype": kv_dtype if kv_dtype == "fp8" else "auto",
         },
-        "speculative_config": speculative_options(recipe, version, draft_dir or layout.checkpoint("draft"),
-                                                  "ngram" if recipe.draft.is_ngram else "draft_target"),
+        "speculative_config": _speculative_config(recipe, layout, version, draft_dir),
     }
+
+
+def _speculative_config(recipe: Recipe, layout: Layout, version: LlmApiVersion, draft_dir: Path | None) -> dict:
+    d = recipe.draft
+    if d.is_eagle3:
+        # the build stages the head in the deployment (engines/<recipe>/draft, under the project root that the
+        # container and the Kubernetes volume mount at the same path): speculative_model points there
+        head_config = read_eagle3_head_config(eagle3_head_source(recipe, layout))
+        return speculative_options(recipe, version, draft_dir or layout.engine("draft"), "eagle3", head_config)
+    return speculative_options(recipe, version, draft_dir or layout.checkpoint("draft"),
+                               "ngram" if d.is_ngram else "draft_target")
 
 
 def llmapi_mapping_notes(recipe: Recipe, version: LlmApiVersion | None = None) -> list[str]:
     """What the options file does with the recipe's speculative settings, for the dry run and the manifest."""
     version = version or llmapi_version(recipe.trtllm_version)
     s = recipe.speculative
-    notes = [f"TensorRT-LLM {version.name} ({version.releases}): decoding_type {version.decoding_types['draft_target']}, "
+    kind = "eagle3" if recipe.draft.is_eagle3 else ("ngram" if recipe.draft.is_ngram else "draft_target")
+    notes = [f"TensorRT-LLM {version.name} ({version.releases}): decoding_type {version.decoding_types[kind]}, "
              f"draft model key {version.draft_model_key}",
              f"speculative.num_draft_tokens {s.num_draft_tokens} -> speculative_config.max_draft_len (drafted every "
              f"iteration); speculative.max_draft_len {s.max_draft_len} only bounds it"]  # fmt: skip
@@ -544,6 +647,10 @@ def llmapi_mapping_notes(recipe: Recipe, version: LlmApiVersion | None = None) -
     # each release's tag, which could not be read here; the build's start check (LLM(...)) is what confirms them.
     notes.append(f"names read on TensorRT-LLM main around the renames, not from the {version.name} release's tag: "
                  "the build's LLM(...) start check on the GPU machine confirms them")
+    if kind == "eagle3":
+        fields = ", ".join(version.eagle3_fields) or "none"
+        notes.append(f"EAGLE-3 fields verified for {version.name}: max_draft_len, {version.draft_model_key}, {fields} "
+                     f"({version.eagle3_evidence}); the head is staged in the deployment and speculative_model points there")
     return notes
 
 
@@ -608,6 +715,11 @@ def build_llmapi_recipe(
         manifest = require(layout.checkpoint(role), "quantize", "specdeploy quantize <recipe>")
         check_hf_checkpoint(layout.checkpoint(role), role, recipe.model(role).quantization.qformat)
         checkpoint_fps[role] = manifest.fingerprint
+    head = None
+    if recipe.draft.is_eagle3:  # the head is an input of the deployment like a checkpoint
+        head = eagle3_head_source(recipe, layout)
+        check_eagle3_head_files(head, recipe)
+        checkpoint_fps["eagle3_head"] = dir_hash(head)
     fp = llmapi_fingerprint(recipe, options, checkpoint_fps)
     if not force and is_up_to_date(out, fp) and is_up_to_date(layout.engine("draft"), fp):
         echo(f"LLM-API options are up to date: {out / LLMAPI_OPTIONS}")
@@ -618,15 +730,23 @@ def build_llmapi_recipe(
     # and lets later stages treat both roles alike.
     draft_out = layout.engine("draft")
     with atomic_output(draft_out) as tmp:
+        extra = {"checkpoint_dir": str(layout.checkpoint("draft")), "tokenizer_dir": str(layout.checkpoint("draft")),
+                 "note": f"loaded by speculative_config in {out / LLMAPI_OPTIONS}"}  # fmt: skip
+        if head is not None:
+            # kind eagle3: the head folder itself, so that it travels with the project root (docker -v root:root,
+            # the Kubernetes volume) and speculative_model names a path that exists inside the container too
+            echo(f"staging the EAGLE-3 head {head} -> {draft_out}")
+            _copy_head(head, tmp)
+            extra = {"head_source": str(head), "tokenizer_dir": str(layout.checkpoint("target")),
+                     "note": f"the EAGLE-3 head speculative_config in {out / LLMAPI_OPTIONS} loads"}
         Manifest(
             stage=BUILD_STAGE,
             recipe_name=recipe.name,
             fingerprint=fp,
-            settings={"backend": "trtllm-llmapi", "role": "draft"},
-            inputs={"checkpoint": checkpoint_fps.get("draft")},
+            settings={"backend": "trtllm-llmapi", "role": "draft", "kind": recipe.draft.kind},
+            inputs={"checkpoint": checkpoint_fps.get("draft"), "eagle3_head": checkpoint_fps.get("eagle3_head")},
             tool_versions=tool_versions("tensorrt_llm"),
-            extra={"checkpoint_dir": str(layout.checkpoint("draft")), "tokenizer_dir": str(layout.checkpoint("draft")),
-                   "note": f"loaded by speculative_config in {out / LLMAPI_OPTIONS}"},
+            extra=extra,
         ).write(tmp)
     with atomic_output(out) as tmp:
         (tmp / LLMAPI_OPTIONS).write_text(text)
@@ -651,6 +771,31 @@ def build_llmapi_recipe(
         ).write(tmp)
     echo(f"wrote {out / LLMAPI_OPTIONS} (start check: {proof})")
     return [out, draft_out]
+
+
+def check_eagle3_head_files(head: Path, recipe: Recipe) -> None:
+    """The head folder a deployment needs: config.json and its weights (what TensorRT-LLM loads)."""
+    trained = recipe.draft.head == EAGLE3_HEAD_TRAINED
+    fix = ("run: specdeploy draft train <recipe> (it writes the head there)" if trained else
+           "download the head, e.g. huggingface-cli download yuhuili/EAGLE3-LLaMA3.1-Instruct-8B --local-dir <folder>, "
+           "and set draft.head to that folder")  # fmt: skip
+    if not (Path(head) / "config.json").is_file():
+        raise StaleArtifactError(f"the EAGLE-3 head {head} has no config.json (draft.head: {recipe.draft.head})", fix)
+    if not any(p for pattern in EAGLE3_WEIGHTS for p in Path(head).glob(pattern)):
+        raise StaleArtifactError(f"the EAGLE-3 head {head} has no weights (*.safetensors or *.bin)", fix)
+
+
+def _copy_head(head: Path, dest: Path) -> None:
+    """The head's files into `dest` (a hard link where the filesystem allows, else a copy)."""
+    import os
+
+    for src in sorted(Path(head).iterdir()):
+        if not src.is_file() or src.name == MANIFEST:
+            continue
+        try:
+            os.link(src, dest / src.name)
+        except OSError:
+            shutil.copy2(src, dest / src.name)
 
 
 def prove_llmapi_starts(target_dir: Path, options: dict, echo=print) -> str:
