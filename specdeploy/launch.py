@@ -345,6 +345,17 @@ PROMETHEUS_ADAPTER_RULE = f"""\
 """
 
 
+def _eagle3_head_line(recipe: Recipe, layout: Layout) -> str:
+    """draft.kind eagle3 on a GPU backend: where the head is on the volume (the build stages it in the project root,
+    so the options file's speculative_model is the same path inside the pod)."""
+    if not recipe.draft.is_eagle3 or not backends.of(recipe).gpu:
+        return ""
+    from specdeploy import trtllm
+
+    return (f"# EAGLE-3 head: {layout.engine('draft')} (staged from {trtllm.eagle3_head_source(recipe, layout)} by "
+            "specdeploy build); speculative_config.speculative_model names that path.\n")
+
+
 def k8s_yaml(recipe: Recipe, layout: Layout, **kwargs) -> str:
     docs = k8s_manifests(recipe, layout, **kwargs)
     header = (
@@ -352,6 +363,7 @@ def k8s_yaml(recipe: Recipe, layout: Layout, **kwargs) -> str:
         f"# The PersistentVolumeClaim must hold {Path(layout.root).resolve()} (engines/ and triton_repo/).\n"
         f"# The image is {packaging.image_tag(recipe, layout)}: {shlex.join(packaging.build_command(recipe, layout))}, "
         "then push it where the cluster pulls from (or pass --image).\n"
+        + _eagle3_head_line(recipe, layout)
         + PROMETHEUS_ADAPTER_RULE
     )
     return header + "---\n".join(yaml.safe_dump(d, sort_keys=False) for d in docs)

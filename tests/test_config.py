@@ -129,3 +129,15 @@ def test_bls_instances_follow_in_flight_batching_unless_set():
     assert cfg.parse_recipe(gpu).bls_instance_count == 4  # TensorRT-LLM batches in flight whatever the cpu key says
     with pytest.raises(ConfigError, match="bls_instance_count"):
         cfg.parse_recipe({**base, "triton": {"bls_instance_count": -1}})
+
+
+def test_eagle3_is_refused_where_the_backend_cannot_serve_it():
+    from specdeploy import backends
+
+    raw = {"name": "e", "target": {"model": "t"}, "draft": {"kind": "eagle3", "head": "/models/head"}}
+    assert [b.name for b in backends.ALL if b.eagle3_draft] == ["cpu", "trtllm-llmapi"]
+    for name in ("cpu", "trtllm-llmapi"):
+        assert cfg.parse_recipe({**raw, "backend": name}).draft.is_eagle3
+    with pytest.raises(ConfigError, match="not wired for backend trtllm-engine.*EAGLE-1/2") as exc:
+        cfg.parse_recipe({**raw, "backend": "trtllm-engine"})
+    assert "use backend cpu or trtllm-llmapi" in exc.value.hint

@@ -178,3 +178,69 @@ def test_llmapi_version_problems_are_preflight_errors():
     assert "llmapi" not in checks(engine_findings, "info") + checks(engine_findings, "error")
     assert "fp8" in checks(engine_findings, "info")  # the GPU checks do run for it
 
+
+
+# ---------------------------------------------------------------- EAGLE-3 head (draft.kind eagle3)
+
+
+def eagle3_recipe(head, backend="trtllm-llmapi"):
+    return parse_recipe({"name": "pf", "backend": backend, "target": {"model": "t"},
+                         "draft": {"kind": "eagle3", "head": str(head)},
+                         "speculative": {"max_draft_len": 3, "num_draft_tokens": 3}})  # fmt: skip
+
+
+def write_config(directory, **config):
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+@pytest.fixture
+def eagle3_dirs(tmp_path):
+    target = write_config(tmp_path / "target", hidden_size=4096, vocab_size=128256, num_hidden_layers=32)
+    head = write_config(tmp_path / "head", architectures=["LlamaForCausalLMEagle3"], hidden_size=4096,
+                        vocab_size=128256, draft_vocab_size=32000, num_hidden_layers=1)  # fmt: skip
+    (head / "pytorch_model.bin").write_bytes(b"weights")  # the published heads ship .bin
+    return target, head
+
+
+def test_eagle3_head_matching_the_target_passes(eagle3_dirs):
+    target, head = eagle3_dirs
+    findings = preflight.check_eagle3_head(eagle3_recipe(head), target_dir=target)
+    assert checks(findings, "error") == [] and checks(findings, "info") == ["eagle3_head"]
+
+
+@pytest.mark.parametrize(("field", "value", "named"), [
+    ("hidden_size", 2048, "hidden_size 4096"),        # a head for another model size
+    ("vocab_size", 151936, "vocab_size 128256"),      # a head for another tokenizer
+    ("eagle_aux_hidden_state_layer_ids", [1, 40, 76], "has 32 layers"),  # layers the target does not have
+])  # fmt: skip
+def test_eagle3_head_for_another_target_is_an_error_naming_both_files(eagle3_dirs, field, value, named):
+    target, head = eagle3_dirs
+    config = json.loads((head / "config.json").read_text())
+    (head / "config.json").write_text(json.dumps({**config, field: value}))
+    errors = [f for f in preflight.check_eagle3_head(eagle3_recipe(head), target_dir=target) if f.level == "error"]
+    assert len(errors) == 1 and named in errors[0].message
+    assert str(head / "config.json") in errors[0].message and str(target / "config.json") in errors[0].message
+    assert "trained for this target" in errors[0].hint
+
+
+def test_eagle3_head_target_hidden_size_is_what_counts(eagle3_dirs):
+    # heads whose own width differs from the target's declare target_hidden_size (e.g. NVIDIA's Llama 4 heads)
+    target, head = eagle3_dirs
+    write_config(head, hidden_size=5120, target_hidden_size=4096, vocab_size=128256)
+    assert checks(preflight.check_eagle3_head(eagle3_recipe(head), target_dir=target), "error") == []
+
+
+def test_missing_eagle3_head_is_an_error_with_the_download(tmp_path, eagle3_dirs):
+    target, _ = eagle3_dirs
+    errors = [f for f in preflight.check_eagle3_head(eagle3_recipe(tmp_path / "nowhere"), target_dir=target)
+              if f.level == "error"]  # fmt: skip
+    assert "no config.json" in errors[0].message and "huggingface-cli download" in errors[0].hint
+
+
+def test_eagle3_head_runs_in_every_backends_preflight_and_is_quiet_otherwise(eagle3_dirs):
+    target, head = eagle3_dirs
+    found = preflight.run_all(eagle3_recipe(head), gpus=[H100], model_dirs={"target": target, "draft": None})
+    assert "eagle3_head" in checks(found, "info") and checks(found, "error") == []
+    assert preflight.check_eagle3_head(recipe(), target_dir=target) == []

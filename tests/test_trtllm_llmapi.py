@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -209,3 +210,145 @@ def test_dry_run_states_the_mapping_and_warns_of_another_installed_release(tmp_p
     assert "speculative_model_dir: " in text and "decoding_type: DraftTarget" in text
     # the per-release names were not read from the release's tag: the dry run says so, and what confirms them
     assert "not from the 1.2 release's tag" in text and "LLM(...) start check" in text
+
+
+# ---------------------------------------------------------------- draft.kind eagle3 (EAGLE-3 heads)
+
+EXAMPLE_EAGLE3 = Path(__file__).parent.parent / "build" / "llama3.1-8b-eagle3.yaml"
+# What each release's llm_args.py takes for an EAGLE-3 head, written out by hand from the sources cited above
+# LLMAPI_VERSIONS (1.1.0 / 1.2.0 release docs' llm_args.py: EagleDecodingConfig "Eagle" with eagle3_one_model and
+# eagle3_layers_to_capture, speculative_model_dir; 1.3.0rc27 / 1.4.0rc1 API pages: Eagle3DecodingConfig "Eagle3",
+# speculative_model, eagle3_layers_to_capture, no eagle3_one_model). HEAD stands for the staged head folder.
+EAGLE3_EXPECTED = {
+    "1.1": {"decoding_type": "Eagle", "max_draft_len": 3, "speculative_model_dir": "HEAD", "eagle3_one_model": True},
+    "1.2": {"decoding_type": "Eagle", "max_draft_len": 3, "speculative_model_dir": "HEAD", "eagle3_one_model": True},
+    "1.3": {"decoding_type": "Eagle3", "max_draft_len": 3, "speculative_model": "HEAD"},
+    "1.4": {"decoding_type": "Eagle3", "max_draft_len": 3, "speculative_model": "HEAD"},
+}
+
+
+def write_eagle3_head(directory: Path, hidden=64, vocab=512, aux_layers=None, nested=False) -> Path:
+    """An exported EAGLE-3 head as the deployment reads it: config.json (LlamaForCausalLMEagle3) + weights file."""
+    directory.mkdir(parents=True, exist_ok=True)
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": hidden, "vocab_size": vocab,
+              "draft_vocab_size": 128, "num_hidden_layers": 1}  # fmt: skip
+    if aux_layers is not None:
+        if nested:  # ModelOpt's export nests it in eagle_config
+            config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux_layers, "use_aux_hidden_state": True}
+        else:
+            config["eagle_aux_hidden_state_layer_ids"] = aux_layers
+    (directory / "config.json").write_text(json.dumps(config))
+    (directory / "model.safetensors").write_bytes(b"head weights")
+    return directory
+
+
+def example_eagle3(version: str, head: Path | str | None = None, **changes):
+    raw = yaml.safe_load(EXAMPLE_EAGLE3.read_text())
+    raw["trtllm_version"] = version
+    if head is not None:
+        raw["draft"]["head"] = str(head)
+    for key, value in changes.items():
+        raw[key] = value
+    return parse_recipe(raw)
+
+
+@pytest.mark.parametrize("version", sorted(EAGLE3_EXPECTED))
+def test_the_example_eagle3_recipe_gives_each_release_its_eagle3_fields(version, tmp_path):
+    assert sorted(EAGLE3_EXPECTED) == sorted(trtllm.LLMAPI_VERSIONS)
+    # the published head names no aux layers: TensorRT-LLM's default {1, L//2-1, L-4} applies, nothing is written
+    recipe = example_eagle3(version)
+    layout = Layout.of(recipe, tmp_path)
+    head = str(layout.engine("draft"))
+    expected = {k: (head if v == "HEAD" else v) for k, v in EAGLE3_EXPECTED[version].items()}
+    assert trtllm.llmapi_options(recipe, layout)["speculative_config"] == expected
+    # a head that names its layers (ModelOpt's nested form or the top-level one) gets them written through
+    for nested in (False, True):
+        source = write_eagle3_head(tmp_path / f"head-{nested}", aux_layers=[26, 1, 14], nested=nested)
+        recipe = example_eagle3(version, source)
+        spec = trtllm.llmapi_options(recipe, Layout.of(recipe, tmp_path))["speculative_config"]
+        assert spec == {**expected, "eagle3_layers_to_capture": [1, 14, 26]}
+
+
+def test_the_example_eagle3_dry_run_prints_the_options(tmp_path, monkeypatch):
+    monkeypatch.setattr(trtllm.gpu_probe, "probe", lambda timeout_s=10.0: [])
+    recipe = example_eagle3("1.4")
+    lines = []
+    trtllm.build_llmapi_recipe(recipe, Layout.of(recipe, tmp_path), dry_run=True, echo=lines.append)
+    text = "\n".join(lines)
+    assert "decoding_type: Eagle3" in text and f"speculative_model: {tmp_path / 'engines' / recipe.name / 'draft'}" in text
+    assert "eagle3_one_model" not in text.split("would contain:")[1]  # not verified for 1.4
+    assert "EAGLE-3 fields verified for 1.4" in text
+    assert not (tmp_path / "engines").exists()
+
+
+def test_trtllm_engine_refuses_eagle3_with_the_reason_and_the_alternative():
+    with pytest.raises(ConfigError, match="EAGLE-1/2") as exc:
+        example_eagle3("1.2", backend="trtllm-engine")
+    assert "trtllm-llmapi" in exc.value.hint and "Eagle3" in exc.value.hint
+    with pytest.raises(ConfigError, match="use_draft_logits"):
+        example_eagle3("1.2", speculative={"max_draft_len": 3, "num_draft_tokens": 3, "use_draft_logits": True})
+
+
+def test_a_draft_len_other_than_the_schedule_is_refused(tmp_path):
+    recipe = example_eagle3("1.4", speculative={"max_draft_len": 4, "num_draft_tokens": 4,
+                                                "dynamic": {"draft_len_schedule": [[4, 4]]}})  # fmt: skip
+    with pytest.raises(ConfigError, match="first entry"):
+        trtllm.llmapi_options(recipe, Layout.of(recipe, tmp_path))
+
+
+@pytest.fixture
+def eagle3_env(tmp_path, monkeypatch, tiny_llama_dir):
+    monkeypatch.setattr(trtllm.gpu_probe, "probe", lambda timeout_s=10.0: [])
+    head = write_eagle3_head(tmp_path / "downloads" / "head", aux_layers=[0, 1])
+    raw = yaml.safe_load(EXAMPLE_EAGLE3.read_text())
+    raw["target"]["model"], raw["draft"]["head"], raw["trtllm_version"] = str(tiny_llama_dir), str(head), "1.3"
+    recipe = parse_recipe(raw)
+    layout = Layout.of(recipe, tmp_path / "project")
+    write_hf_checkpoint(layout.checkpoint("target"), recipe.name, tiny_llama_dir, quantized=False)
+    return recipe, layout, head
+
+
+def test_build_stages_the_head_in_the_deployment_and_points_the_options_at_it(eagle3_env):
+    recipe, layout, head = eagle3_env
+    trtllm.build_llmapi_recipe(recipe, layout, echo=lambda s: None)
+    staged = layout.engine("draft")
+    assert (staged / "config.json").read_text() == (head / "config.json").read_text()
+    assert (staged / "model.safetensors").read_bytes() == b"head weights"
+    written = yaml.safe_load((layout.engine("target") / trtllm.LLMAPI_OPTIONS).read_text())
+    assert written["speculative_config"] == {"decoding_type": "Eagle3", "max_draft_len": 3,
+                                             "speculative_model": str(staged), "eagle3_layers_to_capture": [0, 1]}
+    # inside the project root, which the container (-v root:root) and the Kubernetes volume mount at the same path
+    assert staged.resolve().is_relative_to(Path(layout.root).resolve())
+    m = Manifest.read(staged)
+    assert m.settings["kind"] == "eagle3" and m.extra["head_source"] == str(head)
+    # a changed head is a changed deployment
+    trtllm.build_llmapi_recipe(recipe, layout, echo=(again := []).append)
+    assert any("up to date" in line for line in again)
+    (head / "model.safetensors").write_bytes(b"retrained head")
+    trtllm.build_llmapi_recipe(recipe, layout, echo=(third := []).append)
+    assert not any("up to date" in line for line in third)
+    assert (staged / "model.safetensors").read_bytes() == b"retrained head"
+
+
+def test_build_refuses_a_head_without_weights(eagle3_env):
+    recipe, layout, head = eagle3_env
+    (head / "model.safetensors").unlink()
+    with pytest.raises(StaleArtifactError, match="no weights"):
+        trtllm.build_llmapi_recipe(recipe, layout, echo=lambda s: None)
+
+
+def test_repository_and_manifests_carry_the_staged_head(eagle3_env):
+    from specdeploy import backend_stages, launch
+    from specdeploy.triton import llmapi
+
+    recipe, layout, head = eagle3_env
+    trtllm.build_llmapi_recipe(recipe, layout, echo=lambda s: None)
+    path, _ = backend_stages.of(recipe).write_repository(recipe, layout)
+    model = yaml.safe_load((path / llmapi.SPECULATIVE_MODEL / "1" / "model.yaml").read_text())
+    assert model["speculative_config"]["speculative_model"] == str(layout.engine("draft"))
+    control = yaml.safe_load((path / llmapi.CONTROL_MODEL / "1" / "model.yaml").read_text())
+    assert "speculative_config" not in control
+    text = launch.k8s_yaml(recipe, layout)
+    mount = Path(layout.root).resolve()
+    assert f"mountPath: {mount}" in text
+    assert f"EAGLE-3 head: {layout.engine('draft')} (staged from {head} by specdeploy build)" in text
