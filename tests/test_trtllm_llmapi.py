@@ -352,3 +352,12 @@ def test_repository_and_manifests_carry_the_staged_head(eagle3_env):
     mount = Path(layout.root).resolve()
     assert f"mountPath: {mount}" in text
     assert f"EAGLE-3 head: {layout.engine('draft')} (staged from {head} by specdeploy build)" in text
+
+
+def test_the_dockerfile_says_where_the_head_comes_from(tmp_path):
+    from specdeploy import packaging
+
+    recipe = example_eagle3("1.4")
+    layout = Layout.of(recipe, tmp_path)
+    text = packaging.dockerfile(recipe, "nvcr.io/nvidia/tritonserver:26.10-trtllm-python-py3", layout)
+    assert f"stages it in {layout.engine('draft')}" in text and text.index("EAGLE-3 head") < text.index("FROM ")
