@@ -379,9 +379,12 @@ LLMAPI_VERSIONS = {
         decoding_types={"draft_target": "DraftTarget", "ngram": "NGram", "eagle3": "Eagle"},
         draft_model_key="speculative_model_dir",
         draft_len_schedule=None,
-        acceptance_keys=("acceptance_window", "acceptance_length_threshold"), acceptance_measure="length",
-        evidence="from_dict dispatch keyed 'DraftTarget'; speculative_model_dir (before PR #10099); "
-                 "draft_len_schedule unverified in the 1.1 branch",
+        # 1.1.0's own llm_args.py (release docs, gh-pages 1.1.0/_modules/tensorrt_llm/llmapi/llm_args.html @8660c11):
+        # DecodingBaseConfig holds max_draft_len, speculative_model_dir, max_concurrency, load_format only (a
+        # StrictBaseModel: other keys are rejected), so 1.1 has neither draft_len_schedule nor an acceptance gate.
+        acceptance_keys=None, acceptance_measure=None,
+        evidence="1.1.0 llm_args.py: from_dict keyed 'DraftTarget'/'NGram'/'Eagle'; speculative_model_dir; "
+                 "no draft_len_schedule, no acceptance gate",
         eagle3_fields=("eagle3_one_model", "eagle3_layers_to_capture"),
         eagle3_evidence="1.1.0 llm_args.py (release docs, gh-pages @8660c11): EagleDecodingConfig 'Eagle', "
                         "eagle3_one_model, eagle3_layers_to_capture, speculative_model_dir",

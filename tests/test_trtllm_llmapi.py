@@ -108,7 +108,7 @@ def test_start_check_says_why_it_did_not_run(tmp_path):
 
 GOLDEN_DIR = Path(__file__).parent / "data" / "llmapi"
 GOLDEN_DYNAMIC = {
-    "1.1": {"max_concurrency": 4, "acceptance_window": 16, "acceptance_threshold": 1.5, "acceptance_measure": "length"},
+    "1.1": {"max_concurrency": 4},  # 1.1.0 has no acceptance gate (test_release_11_has_no_acceptance_gate)
     "1.2": {"draft_len_schedule": [[4, 4], [8, 2]], "acceptance_window": 16, "acceptance_threshold": 1.5,
             "acceptance_measure": "length"},
     "1.3": {"draft_len_schedule": [[4, 4], [8, 2]], "acceptance_window": 16, "acceptance_threshold": 0.4},
@@ -168,6 +168,13 @@ def test_draft_logits_are_refused_not_dropped():
 def test_an_acceptance_gate_in_the_other_measure_is_refused(version, measure, named):
     recipe = golden_recipe(version, {"acceptance_window": 8, "acceptance_threshold": 0.5, "acceptance_measure": measure})
     with pytest.raises(ConfigError, match=named):
+        trtllm.llmapi_options(recipe, Layout.of(recipe, "/project"))
+
+
+def test_release_11_has_no_acceptance_gate():
+    # 1.1.0's DecodingBaseConfig (release docs' llm_args.py) has no acceptance_window / acceptance_length_threshold
+    recipe = golden_recipe("1.1", {"acceptance_window": 16, "acceptance_threshold": 1.5, "acceptance_measure": "length"})
+    with pytest.raises(ConfigError, match="1.1 has no acceptance gate"):
         trtllm.llmapi_options(recipe, Layout.of(recipe, "/project"))
 
 
