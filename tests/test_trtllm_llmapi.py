@@ -331,7 +331,8 @@ def test_build_stages_the_head_in_the_deployment_and_points_the_options_at_it(ea
     # a changed head is a changed deployment
     trtllm.build_llmapi_recipe(recipe, layout, echo=(again := []).append)
     assert any("up to date" in line for line in again)
-    (head / "model.safetensors").write_bytes(b"retrained head")
+    (head / "model.safetensors").write_bytes(b"retrained head")  # in place: the built deployment keeps its copy
+    assert (staged / "model.safetensors").read_bytes() == b"head weights"
     trtllm.build_llmapi_recipe(recipe, layout, echo=(third := []).append)
     assert not any("up to date" in line for line in third)
     assert (staged / "model.safetensors").read_bytes() == b"retrained head"
