@@ -40,6 +40,9 @@ LAYER_OF = {
     # math: pure and transport-free
     "speculative": "math",
     "policy": "math",
+    "policy_costs": "math",
+    "policy_schedule": "math",
+    "policy_sharing": "math",  # files shared by the BLS instances of one server
     "ngram": "math",
     # runtime: the CPU engine and in-process generation
     "engine.spec": "runtime",
