@@ -64,6 +64,11 @@ LAYER_OF = {
     # stages: quantize, build, repository, serve/launch, and the checks before them
     "calibration": "stages",
     "quantize": "stages",
+    "quant_formats": "stages",
+    "calibration_text": "stages",
+    "quant_quality": "stages",
+    "checkpoint_export": "stages",
+    "modelopt_quantize": "stages",
     "engine.compile": "stages",
     "engine.build": "stages",
     "preflight": "stages",
