@@ -85,6 +85,8 @@ LAYER_OF = {
     "client.prompts": "client",
     "client.parity": "client",
     "client.latency": "client",
+    "client.report_markdown": "client",
+    "client.report_plots": "client",
     "client.report": "client",
     "client.gate": "client",
     "client.metrics_check": "client",
