@@ -109,6 +109,8 @@ LAYER_OF = {
     "doctor": "commands",
     "monitor": "commands",
     "canary": "commands",
+    "openai_requests": "commands",
+    "openai_app": "commands",
     "openai_api": "commands",
     "cli": "cli",
 }
