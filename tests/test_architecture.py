@@ -77,6 +77,7 @@ LAYER_OF = {
     "triton.gpu_models": "stages",
     "triton.llmapi": "stages",
     "triton.shm": "stages",
+    "triton.install": "stages",
     "triton.server": "stages",
     "packaging": "stages",
     "launch": "stages",
