@@ -171,10 +171,27 @@ def k8s_manifests(
     name = k8s_name(recipe)
     plan = launch_plan(recipe, layout, TRITONSERVER)
     ports = _ports(recipe)
-    root = str(Path(layout.root).resolve())
     labels = {"app.kubernetes.io/name": name, "app.kubernetes.io/part-of": "specdeploy"}
+    container = _k8s_container(recipe, layout, plan, ports, image)
+    deployment = _k8s_deployment(name, labels, container, ports, volume_claim)
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "labels": dict(labels)},
+        "spec": {
+            "selector": dict(labels),
+            "ports": [{"name": n, "port": p, "targetPort": n} for n, p in ports.items()],
+        },
+    }
+    hpa = _k8s_autoscaler(name, labels, max_replicas, queue_us_per_second)
+    return [deployment, service, hpa, *operations_manifests(recipe, deployment, service)]
+
+
+def _k8s_container(recipe: Recipe, layout: Layout, plan: LaunchPlan, ports: dict, image: str | None) -> dict:
+    """The tritonserver container: the launch plan's command, its GPUs, health probes, the project volume."""
+    root = str(Path(layout.root).resolve())
     startup_s = int(recipe.triton.startup_timeout_s)
-    container = {
+    return {
         "name": "tritonserver",
         "image": image or packaging.image_tag(recipe, layout),  # pushed to a registry the cluster pulls from
         "command": plan.command,
@@ -197,7 +214,11 @@ def k8s_manifests(
                           "failureThreshold": 3},  # fmt: skip
         "volumeMounts": [{"name": "project", "mountPath": root}, {"name": "dshm", "mountPath": "/dev/shm"}],
     }
-    deployment = {
+
+
+def _k8s_deployment(name: str, labels: dict, container: dict, ports: dict, volume_claim: str | None) -> dict:
+    """One replica of the container, scraped by Prometheus, on a GPU node, with the project's volume claim."""
+    return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": {"name": name, "labels": dict(labels)},
@@ -221,16 +242,11 @@ def k8s_manifests(
             },
         },
     }
-    service = {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": {"name": name, "labels": dict(labels)},
-        "spec": {
-            "selector": dict(labels),
-            "ports": [{"name": n, "port": p, "targetPort": n} for n, p in ports.items()],
-        },
-    }
-    hpa = {
+
+
+def _k8s_autoscaler(name: str, labels: dict, max_replicas: int, queue_us_per_second: int) -> dict:
+    """The HorizontalPodAutoscaler on the per-pod rate of Triton's queue time (HPA_METRIC)."""
+    return {
         "apiVersion": "autoscaling/v2",
         "kind": "HorizontalPodAutoscaler",
         "metadata": {"name": name, "labels": dict(labels)},
@@ -249,7 +265,6 @@ def k8s_manifests(
             "behavior": {"scaleDown": {"stabilizationWindowSeconds": 600}},
         },
     }
-    return [deployment, service, hpa, *operations_manifests(recipe, deployment, service)]
 
 
 CANARY_ENV = "SPECDEPLOY_CANARY_CONTROL_PERCENT"  # overrides canary.control_percent in the BLS (specdeploy.metrics)
@@ -266,7 +281,6 @@ def operations_manifests(recipe: Recipe, deployment: dict, service: dict, gatewa
     - a Prometheus Operator ServiceMonitor scraping both Services' metrics ports;
     - a ConfigMap with the Grafana dashboard (label grafana_dashboard: "1" for Grafana's sidecar).
     """
-    import copy
     import json
 
     from specdeploy import metrics
@@ -287,21 +301,9 @@ def operations_manifests(recipe: Recipe, deployment: dict, service: dict, gatewa
     control_weight = round(percent * scale)
     backends = [{"name": name, "port": http_port, "weight": 100 * scale - control_weight}]
     if percent > 0:
-        control = copy.deepcopy(deployment)
-        control_name = f"{name[:55]}-control"
-        control["metadata"]["name"] = control_name
-        for labels in (control["metadata"]["labels"], control["spec"]["selector"]["matchLabels"], control["spec"]["template"]["metadata"]["labels"]):
-            labels["app.kubernetes.io/name"] = control_name
-        for labels in (control["spec"]["selector"]["matchLabels"], control["spec"]["template"]["metadata"]["labels"]):
-            labels["specdeploy.io/arm"] = "control"
-        control_env = control["spec"]["template"]["spec"]["containers"][0]["env"]
-        next(e for e in control_env if e["name"] == CANARY_ENV)["value"] = "100"
-        control_service = copy.deepcopy(service)
-        control_service["metadata"]["name"] = control_name
-        control_service["metadata"]["labels"]["app.kubernetes.io/name"] = control_name
-        control_service["spec"]["selector"].update({"app.kubernetes.io/name": control_name, "specdeploy.io/arm": "control"})
+        control, control_service = _control_arm(deployment, service, name)
         out += [control, control_service]
-        backends.append({"name": control_name, "port": http_port, "weight": control_weight})
+        backends.append({"name": control["metadata"]["name"], "port": http_port, "weight": control_weight})
     route = {
         "apiVersion": "gateway.networking.k8s.io/v1",
         "kind": "HTTPRoute",
@@ -333,6 +335,27 @@ def operations_manifests(recipe: Recipe, deployment: dict, service: dict, gatewa
         "data": {f"{name}.json": json.dumps(dashboard, indent=1)},
     }
     return out + [route, monitor, config_map]
+
+
+def _control_arm(deployment: dict, service: dict, name: str) -> tuple[dict, dict]:
+    """The control Deployment and Service: copies of the speculative ones whose BLS sends every request down the
+    plain path (CANARY_ENV=100), labelled arm "control"."""
+    import copy
+
+    control = copy.deepcopy(deployment)
+    control_name = f"{name[:55]}-control"
+    control["metadata"]["name"] = control_name
+    for labels in (control["metadata"]["labels"], control["spec"]["selector"]["matchLabels"], control["spec"]["template"]["metadata"]["labels"]):
+        labels["app.kubernetes.io/name"] = control_name
+    for labels in (control["spec"]["selector"]["matchLabels"], control["spec"]["template"]["metadata"]["labels"]):
+        labels["specdeploy.io/arm"] = "control"
+    control_env = control["spec"]["template"]["spec"]["containers"][0]["env"]
+    next(e for e in control_env if e["name"] == CANARY_ENV)["value"] = "100"
+    control_service = copy.deepcopy(service)
+    control_service["metadata"]["name"] = control_name
+    control_service["metadata"]["labels"]["app.kubernetes.io/name"] = control_name
+    control_service["spec"]["selector"].update({"app.kubernetes.io/name": control_name, "specdeploy.io/arm": "control"})
+    return control, control_service
 
 
 PROMETHEUS_ADAPTER_RULE = f"""\

@@ -25,6 +25,7 @@ import yaml
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
+from specdeploy import calibration_text, checkpoint_export, quant_formats
 from specdeploy import quantize as qz
 from specdeploy.artifacts import Layout, Manifest
 from specdeploy.cli import main
@@ -83,7 +84,7 @@ def source_weights(tiny_llama_dir):
 
 
 def test_every_qformat_has_a_handler():
-    assert set(qz.MODELOPT_CFG) == set(QFORMATS) == set(qz.QUANT_ALGO) == set(qz.WEIGHT_BYTES)
+    assert set(quant_formats.MODELOPT_CFG) == set(QFORMATS) == set(quant_formats.QUANT_ALGO) == set(quant_formats.WEIGHT_BYTES)
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -184,7 +185,7 @@ def test_quality_report(exports):
     assert full.top1_agreement == 1.0 and full.mean_kl == 0.0 and full.source_perplexity == full.quantized_perplexity
     for name in ("fp8", "int8_sq", "int8_wo", "int4_awq"):
         r = exports[name].report
-        assert r.num_tokens > 1000 and r.num_sequences == len(qz.heldout_passages())
+        assert r.num_tokens > 1000 and r.num_sequences == len(calibration_text.heldout_passages())
         assert r.source_perplexity == pytest.approx(full.source_perplexity)
         assert 0.5 < r.top1_agreement <= 1.0 and 0.0 <= r.mean_kl < 0.05
     table = exports["int4_awq"].report.table("target")
@@ -192,16 +193,16 @@ def test_quality_report(exports):
 
 
 def test_builtin_sets_are_disjoint_and_large():
-    calib, heldout = qz.calibration_passages("builtin"), qz.heldout_passages()
+    calib, heldout = calibration_text.calibration_passages("builtin"), calibration_text.heldout_passages()
     assert len(calib) >= 300 and len(heldout) >= 30
     assert not set(calib) & set(heldout)
 
 
 def test_calibration_is_seeded():
     tokens = [[i] * (i + 1) for i in range(20)]
-    a, passes = qz.pack_samples(tokens, 8, 16, seed=7, sep_id=0)
-    b, _ = qz.pack_samples(tokens, 8, 16, seed=7, sep_id=0)
-    c, _ = qz.pack_samples(tokens, 8, 16, seed=8, sep_id=0)
+    a, passes = calibration_text.pack_samples(tokens, 8, 16, seed=7, sep_id=0)
+    b, _ = calibration_text.pack_samples(tokens, 8, 16, seed=7, sep_id=0)
+    c, _ = calibration_text.pack_samples(tokens, 8, 16, seed=8, sep_id=0)
     assert a.shape == (8, 16) and torch.equal(a, b) and not torch.equal(a, c) and passes == 1
 
 
@@ -361,7 +362,7 @@ def test_bad_input_fails_and_keeps_the_checkpoint(done, bad_dir, case):
 def test_low_disk_space_fails_and_keeps_the_checkpoint(done, monkeypatch):
     recipe, layout, _, _ = done
     before = snapshot(layout)
-    monkeypatch.setattr(qz.shutil, "disk_usage", lambda p: SimpleNamespace(total=10**9, used=10**9 - 1000, free=1000))
+    monkeypatch.setattr(quant_formats.shutil, "disk_usage", lambda p: SimpleNamespace(total=10**9, used=10**9 - 1000, free=1000))
     with pytest.raises(QuantizeError, match="not enough disk space") as info:
         qz.quantize_recipe(recipe, layout, force=True, echo=lambda *_: None, progress=False)
     assert "free some space" in info.value.hint
@@ -375,7 +376,7 @@ def test_failure_midway_keeps_the_checkpoint(done, monkeypatch):
     def boom(*args, **kwargs):
         raise QuantizeError("simulated export failure", "none")
 
-    monkeypatch.setattr(qz, "_finish_config", boom)  # after ModelOpt has written into the temporary folder
+    monkeypatch.setattr(checkpoint_export, "_finish_config", boom)  # after ModelOpt has written into the temporary folder
     with pytest.raises(QuantizeError, match="simulated"):
         qz.quantize_recipe(recipe, layout, force=True, echo=lambda *_: None, progress=False)
     assert snapshot(layout) == before

@@ -1,0 +1,307 @@
+"""report.md of a validation run: the tables a person reads (parity, sampling, latency, speculation, metrics check,
+what was not checked, sweep, quantization quality, cost), rendered from the report dict.
+"""
+
+from __future__ import annotations
+
+from specdeploy.cost import cost_markdown
+
+def _fmt(value, spec: str = ".3f", unit: str = "") -> str:
+    if value is None:
+        return "–"
+    return f"{value:{spec}}{unit}"
+
+
+def _ms(value) -> str:
+    return _fmt(None if value is None else value * 1000, ".1f")
+
+
+def _table(header: list[str], rows: list[list]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c).replace("|", "\\|").replace("\n", "⏎") for c in row) + " |" for row in rows]
+    return lines + [""]
+
+
+def render_markdown(report: dict) -> str:
+    settings = report.get("settings") or {}
+    deployment = report.get("deployment") or {}
+    names = deployment.get("served_names") or {}
+    lines = [f"# Validation report: {report.get('recipe') or 'deployment'}", ""]
+    gate = report.get("gate")
+    if gate:
+        lines += [f"**{gate['line']}**", ""]
+    if not report.get("complete", True):
+        lines += ["> **INCOMPLETE**: the run stopped early; the tables below hold what finished.", ">"]
+        lines += [f"> error: {e}" for e in report.get("errors", [])] + [""]
+    lines += [
+        f"- server: `{report.get('url')}`" + (f", baseline: `{report['baseline_url']}`" if report.get("baseline_url") else ""),
+        f"- created {report.get('created')}, took {_fmt(report.get('duration_s'), '.1f', ' s')}",
+        f"- control: `{names.get('ensemble', 'ensemble')}` (target alone); speculative: `{names.get('tensorrt_llm_bls', 'tensorrt_llm_bls')}` "
+        f"with num_draft_tokens={settings.get('num_draft_tokens')} (max_draft_len {settings.get('max_draft_len')})"
+        + (f"; {deployment['protocol']} protocol" + (f", {deployment['layout']} layout" if deployment["protocol"] == "triton" else "")
+           + (f", control at `{deployment['control_url']}`" if deployment.get("control_url") else "")
+           + (" (a deployment described by its address and tokenizer, no recipe)" if deployment.get("foreign") else "") if deployment else ""),
+        f"- prompts: {len(report.get('prompts') or [])} ({settings.get('prompt_set')}), max_tokens {settings.get('max_tokens')}, "
+        f"concurrency {settings.get('concurrency')}, repeats {settings.get('repeats')}",
+        "",
+    ]
+    if report.get("warnings"):
+        lines += ["## Warnings", ""] + [f"- {w}" for w in report["warnings"]] + [""]
+    lines += _parity_md(report)
+    lines += _sampling_md(report)
+    lines += _latency_md(report)
+    lines += cost_markdown(report.get("cost"))
+    lines += _speculation_md(report)
+    lines += _metrics_check_md(report)
+    lines += _not_checked_md(report)
+    lines += _sweep_md(report)
+    lines += _quality_md(report)
+    for name, title in (("latency", "Latency distribution"), ("categories", "Per category"), ("sweep", "Draft-length sweep"),
+                        ("draft_length", "Draft length the policy chose")):  # fmt: skip
+        if name in (report.get("plots") or {}):
+            lines += [f"![{title}]({report['plots'][name]})", ""]
+    return "\n".join(lines)
+
+
+def _parity_md(report: dict) -> list[str]:
+    parity = report.get("parity")
+    if not parity:
+        return []
+    if parity.get("exact_verification", False):
+        rule = ("The backend verifies bit-exactly (the CPU engine's row-invariant kernels), so any divergence is a "
+                "failure; the logit margins below are informative.")
+    else:
+        rule = (f"A divergence is a near-tie when the target's logits of the two competing tokens (end_id for a side that "
+                f"ended there) differ by at most {parity.get('near_tie_margin')}; near-ties pass the gate and are counted, "
+                "real mismatches fail it.")
+    sources = sorted({i.get("token_source") for i in parity["items"] if i.get("token_source")})
+    lines = [
+        "## Greedy parity (speculative vs control)",
+        "",
+        f"{rule} A prompt whose control output has fewer than {parity.get('min_compared_tokens')} tokens is too short "
+        f"to compare: it counts as neither match nor mismatch, and the gate needs at least "
+        f"{_fmt(parity.get('min_compared_share'), '.0%')} of the prompts compared. Control tokens from: "
+        f"{', '.join(sources) or '–'} (output_ids: returned by the model; target: the target alone's ids; "
+        "retokenized: the text re-tokenized). Token agreement = tokens before the first divergence / control tokens."
+        + (" Decoupled deployment: every prompt was also streamed on both paths, and the concatenated stream must "
+           "equal the non-streamed text." if parity.get("streams_checked") else ""),
+        "",
+    ]
+    rows = []
+    for category, s in parity["summary"].items():
+        rows.append([
+            category, s["prompts"], s["compared"], s["tokens"], s["too_short"], s["exact"], s["near_ties"], s["mismatches"],
+            f"{s['token_agreement']:.1%}", f"{s['parity_rate']:.1%}",
+        ] + ([f"{s['streams_checked'] - s['stream_mismatches']}/{s['streams_checked']}"] if parity.get("streams_checked") else []))
+    header = ["category", "prompts", "compared", "tokens compared", "too short", "exact", "near-ties", "mismatches", "token agreement", "parity"]
+    lines += _table(header + (["streams equal"] if parity.get("streams_checked") else []), rows)
+    short = [i for i in parity["items"] if i["verdict"] == "too_short"]
+    if short:
+        lines += ["Too short to compare: " + ", ".join(f"{i['prompt_id']} ({i['control_tokens']} tokens)" for i in short), ""]
+    diverged = [i for i in parity["items"] if i["verdict"] not in ("match", "too_short") or i.get("stream_equal") is False]
+    if diverged:
+        lines += ["### Divergences", ""]
+        rows = [
+            [
+                i["prompt_id"],
+                i["verdict"],
+                i["divergence_index"],
+                f"{i['control_token']} {i['control_token_text']!r}" if i["control_token"] is not None else "(end)",
+                f"{i['speculative_token']} {i['speculative_token_text']!r}" if i["speculative_token"] is not None else "(end)",
+                _fmt(i["top1_top2_margin"], ".4f"),
+                _fmt(i["token_margin"], ".4f"),
+                i.get("note", ""),
+            ]
+            for i in diverged[:50]
+        ]
+        lines += _table(["prompt", "verdict", "first divergence", "control token", "speculative token", "top1-top2", "control-spec logit", "note"], rows)
+    baseline = report.get("baseline_parity")
+    if baseline and baseline.get("summary"):
+        s = baseline["summary"]["all"]
+        lines += [
+            f"Against the baseline deployment (informative, not gated): exact match {s['exact_match_rate']:.1%}, "
+            f"token agreement {s['token_agreement']:.1%} over {s['prompts']} prompts.",
+            "",
+        ]
+    return lines
+
+
+def _sampling_md(report: dict) -> list[str]:
+    sampling = report.get("sampling")
+    if not sampling:
+        return []
+    lines = [
+        "## Sampling (statistical comparison)",
+        "",
+        f"{sampling['samples_per_prompt']} seeded samples per side and prompt, {sampling['max_tokens']} tokens, "
+        f"settings {sampling['settings']}; chi-square test of homogeneity per prompt, combined with Fisher's method: "
+        f"**p = {_fmt(sampling['combined_p_value'], '.3g')}** (fails below {sampling['alpha']}).",
+        "",
+    ]
+    rows = [[t["prompt_id"], t["outcomes"], f"{t['statistic']:.2f}", t["dof"], f"{t['p_value']:.3g}"] for t in sampling["tests"]]
+    return lines + _table(["prompt", "distinct outcomes", "chi-square", "dof", "p-value"], rows)
+
+
+def _latency_md(report: dict) -> list[str]:
+    latency = report.get("latency")
+    if not latency or not latency.get("levels"):
+        return []
+    sources = sorted({r["ttft_source"] for r in latency["levels"] if r.get("ttft_source")})
+    explain = {
+        "stream": "stream (client clock: request sent → first non-empty streamed response → last response)",
+        "server": "server (the model's perf outputs: arrival_time_ns → first_token_time_ns → last_token_time_ns)",
+    }
+    counted = sorted({t for r in latency["levels"] for t in r.get("tokens_source") or []})
+    settings = report.get("settings") or {}
+    timed = settings.get("latency_prompt_ids")
+    lines = [
+        "## Latency",
+        "",
+        f"Milliseconds. TTFT and TPOT = (last token − first token) / (output tokens − 1) from: "
+        f"{'; '.join(explain.get(s, s) for s in sources) or 'n/a'}. Output tokens counted from: {', '.join(counted) or '–'} "
+        "(output_ids: returned by the model; parity: the parity phase's exact ids for the same text; retokenized: the text "
+        "re-tokenized). Acceptance rate = accepted / drafted draft tokens (server counts); acceptance length = output "
+        "tokens / target iterations, with iterations = output tokens − accepted tokens."
+        + (f" Each run sends {len(timed)} of the {len(report.get('prompts') or [])} prompts ({', '.join(timed)})." if timed and len(timed) < len(report.get("prompts") or []) else ""),
+        "",
+    ]
+    rows = [
+        [
+            r["concurrency"],
+            r["mode"],
+            r["requests"],
+            _ms(r["ttft_s_p50"]),
+            _ms(r["tpot_s_p50"]),
+            r.get("ttft_source") or "–",
+            _ms(r["e2e_s_p50"]),
+            _ms(r["e2e_s_p90"]),
+            _ms(r["e2e_s_p99"]),
+            _fmt(r["output_tokens_per_s"], ".1f"),
+            _fmt(r["requests_per_s"], ".2f"),
+            _fmt(r["acceptance_rate"], ".2f"),
+            _fmt(r["acceptance_length"], ".2f"),
+        ]
+        for r in latency["levels"]
+    ]
+    lines += _table(
+        ["conc.", "path", "requests", "TTFT p50", "TPOT p50", "timing from", "e2e p50", "e2e p90", "e2e p99", "out tok/s", "req/s", "accept rate", "accept len"],
+        rows,
+    )
+    lines += ["### Speedup (control latency / speculative latency; median and range over repeats)", ""]
+    rows = [
+        [r["concurrency"], r["category"], _fmt(r["median"], ".2f", "x"), f"{_fmt(r['min'], '.2f')}..{_fmt(r['max'], '.2f')}", _fmt(r["std"], ".3f")]
+        for r in latency["speedups"]
+    ]
+    return lines + _table(["concurrency", "category", "speedup", "range", "std"], rows)
+
+
+REASONS = {
+    "last_token": "one token left to generate: nothing to draft",
+    "no_proposal": "the draft proposed nothing (no n-gram match): a plain run instead",
+    "gate": "the acceptance gate turned speculation off (rolling acceptance below acceptance_rate_threshold)",
+    "schedule": "draft_len_schedule / max_concurrency: too many active sequences",
+    "policy": "the cost policy predicted a plain target step pays more",
+    "control_arm": "the canary sent the request down the plain path",
+    "num_draft_tokens_0": "the request asked for no draft tokens",
+}
+
+
+def _speculation_md(report: dict) -> list[str]:
+    spec = report.get("speculation")
+    if not spec:
+        return []
+    policy = spec.get("policy") or {}
+    lines = ["## Speculation policy and what it did", ""]
+    if policy:
+        settings = ", ".join(f"{k} {v}" for k, v in policy.items() if k not in ("source", "speculation_policy"))
+        lines += [f"Policy **{policy.get('speculation_policy', '?')}** (from the {policy.get('source', 'recipe')}): {settings}.", ""]
+    total = (spec.get("rounds_on") or 0) + (spec.get("rounds_off") or 0)
+    if not total:
+        return lines + ["No rounds counted (no metrics endpoint and no `speculative_k_history` output).", ""]
+    source = {"speculative_k_history": "the BLS's `speculative_k_history` output of every speculative request",
+              "metrics": "the metrics endpoint over the run (`specdeploy_spec_decode_rounds_total`, per-position draft counters)"}  # fmt: skip
+    lines += [
+        f"Over the run ({source.get(spec.get('source'), spec.get('source'))}): {total} target passes on the speculative path, "
+        f"**{spec['speculated_share']:.0%} speculated** ({spec['rounds_on']:g} with a draft, {spec['rounds_off']:g} plain steps).",
+        "",
+    ]
+    if spec.get("k_counts"):
+        lines += _table(["k (draft tokens)", "rounds", "share"],
+                        [[k, f"{n:g}", f"{n / total:.0%}"] for k, n in sorted(spec["k_counts"].items(), key=lambda kv: int(kv[0]))])  # fmt: skip
+    reasons = spec.get("off_reasons") or {}
+    if reasons:
+        off = sum(reasons.values())
+        lines += ["Where speculation was off, and why (metrics endpoint):", ""]
+        lines += _table(["reason", "rounds", "share of plain steps", "meaning"],
+                        [[r, f"{n:g}", f"{n / off:.0%}", REASONS.get(r, "")] for r, n in reasons.items()])  # fmt: skip
+    return lines
+
+
+def _metrics_check_md(report: dict) -> list[str]:
+    check = report.get("metrics_check")
+    if not check:
+        return []
+    lines = ["## Metrics endpoint against validate's own counts", ""]
+    if check.get("url"):
+        lines += [f"Endpoint `{check['url']}`, read before and after the run.", ""]
+    rows = check.get("rows") or []
+    if rows:
+        lines += _table(["path", "metric", "metrics endpoint", "validate counted", "agree"],
+                        [[r["path"], f"`{r['metric']}`", f"{r['metrics']:g}", "–" if r["client"] is None else f"{r['client']:g}",
+                          {True: "yes", False: "**NO**", None: "–"}[r["agree"]]] for r in rows])  # fmt: skip
+    lines += [f"- {n}" for n in check.get("notes") or []]
+    return lines + ([""] if check.get("notes") else [])
+
+
+def _not_checked_md(report: dict) -> list[str]:
+    items = report.get("not_checked") or []
+    if not items:
+        return []
+    lines = ["## Not checked", "", "What this deployment does not expose, so this run could not check it:", ""]
+    return lines + [f"- **{i['what']}**: not checked, because {i['because']}" for i in items] + [""]
+
+
+def _sweep_md(report: dict) -> list[str]:
+    sweep = report.get("sweep")
+    if not sweep or not sweep.get("points"):
+        return []
+    rec = sweep["recommendation"]
+    lines = ["## Draft-length sweep (concurrency 1)", ""]
+    rows = [
+        [
+            p["k"],
+            _fmt(p["acceptance_rate"], ".2f"),
+            _fmt(p["acceptance_length"], ".2f"),
+            _fmt(p["speedup"], ".2f", "x"),
+            f"{_fmt(p['speedup_spread']['min'], '.2f')}..{_fmt(p['speedup_spread']['max'], '.2f')}",
+            _fmt(rec.get("predicted", {}).get(p["k"], rec.get("predicted", {}).get(str(p["k"]))), ".2f", "x"),
+        ]
+        for p in sweep["points"]
+    ]
+    lines += _table(["k", "acceptance rate", "acceptance length", "speedup", "range", "model"], rows)
+    lines += [
+        f"Fitted expected-speedup model (Leviathan et al. 2023): α = {_fmt(sweep['alpha'], '.3f')}, "
+        f"c = draft/target cost = {_fmt(sweep['cost_ratio'], '.3f')}. "
+        f"**Recommended num_draft_tokens: {rec.get('recommended_k')}** "
+        f"(model {_fmt(rec.get('predicted_speedup'), '.2f', 'x')}; best measured {_fmt(rec.get('best_measured_speedup'), '.2f', 'x')} "
+        f"at k={rec.get('best_measured_k')}).",
+        "",
+    ]
+    return lines
+
+
+def _quality_md(report: dict) -> list[str]:
+    quality = report.get("quality") or {}
+    if not quality:
+        return []
+    known = ["qformat", "kv_cache_dtype", "source_perplexity", "quantized_perplexity", "top1_agreement", "mean_kl", "num_sequences", "num_tokens"]
+    present = {k for q in quality.values() for k in q if not isinstance(q[k], (dict, list))}
+    keys = [k for k in known if k in present] + sorted(present - set(known))
+    rows = [[role] + [_cell(q.get(k)) for k in keys] for role, q in quality.items()]
+    return ["## Quantization quality (quantize stage)", ""] + _table(["model"] + keys, rows)
+
+
+def _cell(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "–" if value is None else str(value)

@@ -1,0 +1,294 @@
+"""The OpenAI-compatible FastAPI app: the API-key and body-size guards, OpenAI's error format for every error, the
+model list, and the completion routes (whole answers, and server-sent events as Triton's responses arrive).
+`Front` holds what the routes need (the Triton endpoint, the codec, the routes, the limits) and answers for one job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import threading
+import time
+import uuid
+
+from fastapi import Request  # module level: FastAPI resolves the handlers' (string) annotations here
+
+from specdeploy.client.protocol import GenerateRequest, GenerateResult
+from specdeploy.errors import ClientError
+from specdeploy.openai_requests import ApiError, Codec, Job, Route, from_client_error, parse_job
+
+API_KEY_ENV = "SPECDEPLOY_API_KEY"
+MAX_BODY_BYTES = 1 << 20  # 1 MiB: a prompt this front accepts (engine.max_input_len tokens) is far smaller
+OPEN_PATHS = ("/health",)  # reachable without the API key (load balancers, `wait_listening`)
+
+
+class StopCutter:
+    """Cuts streamed text before the first stop string, holding back what could begin one."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.text = ""
+        self.sent = 0
+        self.stopped = False
+
+    def push(self, piece: str) -> str:
+        if self.stopped:
+            return ""
+        self.text += piece
+        cut = min((i for i in (self.text.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            out, self.sent = self.text[self.sent : cut], cut
+            self.text = self.text[:cut]
+            return out
+        limit = max(self.sent, len(self.text) - self.hold) if self.stops else len(self.text)
+        out, self.sent = self.text[self.sent : limit], limit
+        return out
+
+    def flush(self) -> str:
+        if self.stopped:
+            return ""
+        out, self.sent = self.text[self.sent :], len(self.text)
+        return out
+
+
+class Front:
+    """What the routes need: the Triton endpoint, the codec, the routes, the defaults."""
+
+    def __init__(self, endpoint, codec: Codec, served: dict[str, Route], default_max_tokens: int, num_draft_tokens: int, timeout_s: float,
+                 api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES, max_tokens_limit: int | None = None):  # fmt: skip
+        self.endpoint, self.codec, self.served = endpoint, codec, served
+        self.default_max_tokens, self.num_draft_tokens, self.timeout_s = default_max_tokens, num_draft_tokens, timeout_s
+        self.api_key = api_key or None  # an empty key (an empty env var) means none
+        self.max_body_bytes, self.max_tokens_limit = max_body_bytes, max_tokens_limit
+        self.created = int(time.time())
+
+    def auth_error(self, authorization: str | None) -> ApiError | None:
+        """None when the request may pass: no key configured, or `Authorization: Bearer <key>` matches."""
+        if self.api_key is None:
+            return None
+        scheme, _, given = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not given.strip():
+            return ApiError(401, "You didn't provide an API key: send the header 'Authorization: Bearer <key>' "
+                                 f"(the key this server was started with, --api-key or ${API_KEY_ENV})", code="missing_api_key")  # fmt: skip
+        # constant time, so the key cannot be found byte by byte from response times; bytes, because compare_digest
+        # refuses non-ASCII str: Starlette decodes header bytes as latin-1, so encoding back gives the bytes sent
+        if not hmac.compare_digest(given.strip().encode("latin-1", "replace"), self.api_key.encode("utf-8")):
+            return ApiError(401, "Incorrect API key provided", code="invalid_api_key")
+        return None
+
+    def request(self, job: Job) -> GenerateRequest:
+        return GenerateRequest(
+            prompt=job.prompt,
+            max_tokens=job.max_tokens,
+            num_draft_tokens=self.num_draft_tokens if job.route.send_num_draft_tokens else None,
+            sampling=job.sampling,
+            stream=job.stream and self.endpoint.is_decoupled(job.route.triton_model),
+            return_perf_metrics=True,
+        )
+
+    def run(self, job: Job, on_text=None) -> GenerateResult:
+        try:
+            return self.endpoint.generate(job.route.triton_model, self.request(job), self.timeout_s, on_text=on_text)
+        except ClientError as exc:
+            raise from_client_error(exc) from exc
+
+    def usage(self, job: Job, result: GenerateResult, text: str, cut: bool) -> dict:
+        prompt_tokens = self.codec.count_prompt(job.prompt)
+        if result.token_ids is not None and not cut:
+            completion = len(result.token_ids)
+        else:
+            completion = self.codec.count_output(text)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+
+    @staticmethod
+    def extension(job: Job, result: GenerateResult | None, cut: bool = False) -> dict:
+        perf = result.perf if result is not None else None
+        speculative = job.route.path != "control" and perf is not None and perf.total_draft_tokens is not None
+        return {
+            "path": job.route.path,
+            "triton_model": job.route.triton_model,
+            "draft_tokens": perf.total_draft_tokens if speculative else None,
+            "accepted_draft_tokens": perf.total_accepted_draft_tokens if speculative else None,
+            "acceptance_rate": perf.acceptance_rate if speculative else None,
+            "server_ttft_s": perf.server_ttft_s if perf is not None else None,
+            "server_decode_s": perf.server_decode_s if perf is not None else None,  # first -> last token on the server's clock
+            "completion_tokens_exact": result is not None and result.token_ids is not None and not cut,
+            "k_history": result.k_history if result is not None else None,  # draft length per round, where the BLS returns it
+        }
+
+    def finish_reason(self, job: Job, usage: dict, cut: bool) -> str:
+        return "stop" if cut or usage["completion_tokens"] < job.max_tokens else "length"
+
+
+def create_app(front: Front):
+    """The FastAPI app over `front`: guards, error handlers, routes. FastAPI's /docs and /openapi.json are off."""
+    from fastapi import FastAPI
+
+    app = FastAPI(title="specdeploy OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
+    _add_guard(app, front)
+    _add_error_handlers(app)
+    _add_routes(app, front)
+    return app
+
+
+def _add_guard(app, front: Front) -> None:
+    """The API key (every path but OPEN_PATHS) and the declared body size, checked before a route runs."""
+    from fastapi.responses import JSONResponse
+
+    @app.middleware("http")
+    async def _guard(request: Request, call_next):
+        if request.url.path not in OPEN_PATHS:
+            error = front.auth_error(request.headers.get("authorization"))
+            if error is not None:
+                return JSONResponse(error.body(), status_code=error.status, headers={"WWW-Authenticate": "Bearer"})
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > front.max_body_bytes:
+            return JSONResponse(_too_large(front, int(length)).body(), status_code=413)
+        return await call_next(request)
+
+
+def _too_large(front: Front, size: int | None) -> ApiError:
+    got = f"{size} bytes" if size is not None else "larger"
+    return ApiError(413, f"the request body is {got}, above this server's limit of {front.max_body_bytes} bytes "
+                         "(--max-body-bytes)", code="request_too_large")  # fmt: skip
+
+
+def _add_error_handlers(app) -> None:
+    """Every error in OpenAI's format: ours, Starlette's (unknown path, wrong method), and any other as a 500."""
+    from fastapi.responses import JSONResponse
+    from starlette.exceptions import HTTPException
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, exc: ApiError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(HTTPException)  # unknown path, wrong method: OpenAI's error format, not FastAPI's {"detail"}
+    async def _http_error(request, exc: HTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return JSONResponse(ApiError(exc.status_code, message, code=code).body(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _internal(request, exc: Exception):
+        return JSONResponse(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error").body(), status_code=500)
+
+
+def _add_routes(app, front: Front) -> None:
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def list_models():
+        data = [{"id": r.id, "object": "model", "created": front.created, "owned_by": "specdeploy",
+                 "specdeploy": {"path": r.path, "triton_model": r.triton_model}} for r in front.served.values()]  # fmt: skip
+        return {"object": "list", "data": data}
+
+    @app.get("/v1/models/{model_id}")
+    async def get_model(model_id: str):
+        if model_id not in front.served:
+            raise ApiError(404, f"the model '{model_id}' does not exist", param="model", code="model_not_found")
+        r = front.served[model_id]
+        return {"id": r.id, "object": "model", "created": front.created, "owned_by": "specdeploy"}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _complete(front, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _complete(front, request, chat=True)
+
+
+async def _read_body(front: Front, request: Request):
+    raw = bytearray()
+    async for piece in request.stream():  # a chunked body has no Content-Length: count what arrives
+        raw += piece
+        if len(raw) > front.max_body_bytes:
+            raise _too_large(front, None)
+    try:
+        return json.loads(bytes(raw))
+    except RecursionError:
+        raise ApiError(400, "the request body nests JSON too deeply") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+        raise ApiError(400, "the request body is not valid JSON") from None
+
+
+async def _complete(front: Front, request: Request, chat: bool):
+    from fastapi.responses import StreamingResponse
+
+    job = await asyncio.to_thread(parse_job, await _read_body(front, request), chat, front.served, front.codec, front.default_max_tokens,
+                                  front.max_tokens_limit)  # fmt: skip
+    ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    if job.stream:
+        return StreamingResponse(_stream(front, job, ident, chat), media_type="text/event-stream")
+    result = await asyncio.to_thread(front.run, job)
+    cutter = StopCutter(list(job.stops))
+    text = cutter.push(result.text) + cutter.flush()
+    usage = await asyncio.to_thread(front.usage, job, result, text, cutter.stopped)
+    reason = front.finish_reason(job, usage, cutter.stopped)
+    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason, "logprobs": None} if chat
+              else {"index": 0, "text": text, "finish_reason": reason, "logprobs": None})  # fmt: skip
+    return {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": job.route.id, "choices": [choice], "usage": usage, "specdeploy": front.extension(job, result, cutter.stopped)}  # fmt: skip
+
+
+async def _stream(front: Front, job: Job, ident: str, chat: bool):
+    loop = asyncio.get_running_loop()
+    pieces: asyncio.Queue = asyncio.Queue()
+    cutter = StopCutter(list(job.stops))
+    done = object()
+    outcome: dict = {}
+
+    def work():
+        try:
+            outcome["result"] = front.run(job, on_text=lambda piece: loop.call_soon_threadsafe(pieces.put_nowait, piece))
+        except BaseException as exc:  # reported to the client as an error event
+            outcome["error"] = exc
+        finally:
+            loop.call_soon_threadsafe(pieces.put_nowait, done)
+
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    created = int(time.time())
+
+    def chunk(delta_text: str | None, reason: str | None = None, first: bool = False, extra: dict | None = None) -> str:
+        if chat:
+            delta = {"role": "assistant", "content": ""} if first else ({"content": delta_text} if delta_text else {})
+            choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": delta_text or "", "finish_reason": reason, "logprobs": None}
+        data = {"id": ident, "object": kind, "created": created, "model": job.route.id, "choices": [choice], **(extra or {})}
+        return f"data: {json.dumps(data)}\n\n"
+
+    threading.Thread(target=work, name="openai-stream", daemon=True).start()
+    if chat:
+        yield chunk(None, first=True)
+    text = ""
+    while True:
+        piece = await pieces.get()
+        if piece is done:
+            break
+        out = cutter.push(piece)
+        if out:
+            text += out
+            yield chunk(out)
+    if "error" in outcome:
+        exc = outcome["error"]
+        api = exc if isinstance(exc, ApiError) else ApiError(500, f"internal error: {exc}", "server_error")
+        yield f"data: {json.dumps(api.body())}\n\n"
+        yield "data: [DONE]\n\n"
+        return
+    tail = cutter.flush()
+    if tail:
+        text += tail
+        yield chunk(tail)
+    result = outcome["result"]
+    usage = await asyncio.to_thread(front.usage, job, result, text, cutter.stopped)
+    yield chunk(None, front.finish_reason(job, usage, cutter.stopped), extra={"specdeploy": front.extension(job, result, cutter.stopped)})
+    if job.include_usage:
+        data = {"id": ident, "object": kind, "created": created, "model": job.route.id, "choices": [], "usage": usage}
+        yield f"data: {json.dumps(data)}\n\n"
+    yield "data: [DONE]\n\n"
