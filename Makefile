@@ -56,6 +56,8 @@ fuzz: setup models
 quantize build generate repo validate run: setup
 	$(SD) $@ $(RECIPE)
 
+draft-data: setup ; $(SD) draft data $(RECIPE)  # draft.kind eagle3: the head's training data (docs/eagle3-data.md)
+
 serve: setup
 	$(SD) serve $(RECIPE) --detach
 
