@@ -128,3 +128,111 @@ def test_output_format_heldout_split_and_greedy_answers(tmp_path, built, chat_mo
     # unchanged inputs and settings: up to date, nothing regenerated
     _, again = _make(recipe, layout)
     assert any("up to date" in line for line in again)
+
+
+class Interrupt(Exception):
+    pass
+
+
+def test_resume_after_interruption_gives_the_uninterrupted_result(tmp_path, built, chat_model):
+    data = {"num_prompts": 4, "max_new_tokens": 4}
+    recipe, layout = _setup(tmp_path / "whole", built, chat_model, data)
+    whole, _ = _make(recipe, layout)
+    recipe, layout = _setup(tmp_path / "cut", built, chat_model, data)
+    seen: list[str] = []
+
+    def interrupt_after_three(key):
+        seen.append(key)
+        if len(seen) == 3:
+            raise Interrupt
+
+    with pytest.raises(Interrupt):
+        _make(recipe, layout, on_sample=interrupt_after_three)
+    assert not layout.draft_data.exists()
+    assert len((dd.work_dir(layout) / "journal.jsonl").read_text().splitlines()) == 3
+    resumed: list[str] = []
+    dest, lines = _make(recipe, layout, on_sample=resumed.append)
+    assert any("resuming" in line and "3 generations" in line for line in lines)
+    assert len(resumed) == 8 - 3 and not set(resumed) & set(seen)  # only what was missing was generated
+    for name in ("train.jsonl", "heldout.jsonl"):
+        assert (dest / name).read_text() == (whole / name).read_text()
+    assert not dd.work_dir(layout).exists()
+    # --force starts over: every sample generated again, same result (same seed and settings)
+    again: list[str] = []
+    dd.make_draft_data(recipe, layout, force=True, echo=lambda m: None, on_sample=again.append)
+    assert len(again) == 8 and (dest / "train.jsonl").read_text() == (whole / "train.jsonl").read_text()
+
+
+def test_a_prompt_file_holding_a_validation_prompt_is_refused(tmp_path, built, chat_model):
+    prompts = tmp_path / "mine.jsonl"
+    builtin = json.loads((dd.VALIDATION_DIR / "code.jsonl").read_text().splitlines()[2])["prompt"]
+    prompts.write_text(json.dumps({"prompt": "Something new to say."}) + "\n" + json.dumps({"prompt": "  " + builtin.upper()}) + "\n")
+    recipe, layout = _setup(tmp_path, built, chat_model, {"sources": [str(prompts)]})
+    with pytest.raises(ConfigError) as exc:
+        _make(recipe, layout)
+    assert str(prompts) in exc.value.message and "line 2" in exc.value.message and builtin[:20].upper() in exc.value.message and "code.jsonl" in exc.value.message
+
+
+def test_calibration_prompts_equal_to_a_validation_prompt_are_dropped(tmp_path, built, chat_model):
+    first = dd.calibration_prompts(0)[0]  # the calibration prompt the run would take first
+    own_set = tmp_path / "validation.jsonl"
+    own_set.write_text(json.dumps({"prompt": first.messages[-1][1], "category": "x"}) + "\n")
+    recipe, layout = _setup(tmp_path, built, chat_model, {"num_prompts": 3, "samples_per_prompt": 1, "max_new_tokens": 2},
+                            validation={"prompt_set": str(own_set)})
+    dest, _ = _make(recipe, layout)
+    records = _read(dest / "train.jsonl") + _read(dest / "heldout.jsonl")
+    assert len(records) == 3 and not any(r["id"].startswith(first.id + "/") for r in records)
+    assert Manifest.read(dest).extra["dropped_validation_prompts"] == {"calibration": 1}
+
+
+def test_duplicate_prompts_are_dropped(tmp_path, built, chat_model):
+    prompts = tmp_path / "mine.txt"
+    prompts.write_text("Hello there, my friend.\nhello   there, MY friend.\nA different request entirely.\n")
+    recipe, layout = _setup(tmp_path, built, chat_model, {"num_prompts": 3, "samples_per_prompt": 1, "max_new_tokens": 2,
+                                                          "sources": [str(prompts)]})
+    dest, _ = _make(recipe, layout)
+    extra = Manifest.read(dest).extra
+    assert extra["total"]["prompts"] == 2 and extra["dropped_duplicate_prompts"] == {"file": 1}
+
+
+def test_self_instruct_prompts_are_user_turns_the_target_ended(tmp_path, built, chat_model, monkeypatch):
+    from specdeploy.generate import load_tokenizer
+
+    monkeypatch.setattr(dd, "SELF_INSTRUCT_MAX_TOKENS", 200)  # a random model ends a turn rarely: give it room
+    recipe, layout = _setup(tmp_path, built, chat_model, {"num_prompts": 2, "samples_per_prompt": 1, "max_new_tokens": 2,
+                                                          "sources": ["self_instruct"], "temperature": 1.0})
+    dest, _ = _make(recipe, layout)
+    tok = load_tokenizer(layout.engine("target"), recipe.target.model)
+    records = _read(dest / "train.jsonl") + _read(dest / "heldout.jsonl")
+    assert records and all(r["source"] == "self_instruct" for r in records)
+    prefix = dd.ChatFormat(tok).user_turn_prefix()
+    for r in records:
+        prompt = tok.decode(r["input_ids"][: r["loss_start"]])
+        assert prompt.startswith(tok.decode(prefix)) and prompt.endswith("</s>\n<s>assistant\n")
+        assert len(prompt[len(tok.decode(prefix)) :].split()) >= dd.SELF_INSTRUCT_MIN_WORDS
+
+
+def test_bad_inputs_are_refused_with_the_fix(tmp_path, built, chat_model):
+    recipe = parse_recipe(_raw(chat_model, {}))
+    with pytest.raises(StaleArtifactError) as exc:  # nothing built under this root
+        _make(recipe, Layout.of(recipe, tmp_path / "empty"))
+    assert "specdeploy build" in exc.value.hint
+    recipe, layout = _setup(tmp_path / "a", built, chat_model, {"sources": ["wikipedia"]})
+    with pytest.raises(ConfigError, match="unknown draft.data source 'wikipedia'"):
+        _make(recipe, layout)
+    recipe, layout = _setup(tmp_path / "b", built, chat_model, {"sources": [str(tmp_path / "nope.jsonl")]})
+    with pytest.raises(ConfigError, match="nope.jsonl .* not found"):
+        _make(recipe, layout)
+    recipe, layout = _setup(tmp_path / "c", built, chat_model, {"text_files": [str(tmp_path / "gone.txt")]})
+    with pytest.raises(ConfigError, match="gone.txt .* not found"):
+        _make(recipe, layout)
+
+
+def test_cli_names_the_build_command_when_the_engine_is_missing(tmp_path, chat_model):
+    from specdeploy.cli import main
+
+    path = tmp_path / "recipe.json"
+    path.write_text(json.dumps(_raw(chat_model, {})))
+    result = CliRunner().invoke(main, ["--root", str(tmp_path), "draft", "data", str(path)])
+    assert result.exit_code != 0
+    assert "no built target engine" in result.output and f"specdeploy build {path}" in result.output
