@@ -236,3 +236,13 @@ def test_cli_names_the_build_command_when_the_engine_is_missing(tmp_path, chat_m
     result = CliRunner().invoke(main, ["--root", str(tmp_path), "draft", "data", str(path)])
     assert result.exit_code != 0
     assert "no built target engine" in result.output and f"specdeploy build {path}" in result.output
+
+
+def test_the_journal_drops_a_line_cut_by_a_kill(tmp_path):
+    path = tmp_path / "journal.jsonl"
+    path.write_text('{"key": "a/0", "tokens": [1, 2], "reason": "end_id"}\n{"key": "a/1", "tokens": [3], "reason": "length"}\n{"key": "b/0", "tok')
+    journal = dd.Journal(path)
+    assert sorted(journal.done) == ["a/0", "a/1"]
+    journal.add("b/0", [4], "end_id")
+    journal.close()
+    assert sorted(dd.Journal(path).done) == ["a/0", "a/1", "b/0"]
