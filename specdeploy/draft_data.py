@@ -36,6 +36,7 @@ import json
 import random
 import shutil
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
@@ -318,8 +319,10 @@ class Generator:
         self.journal = journal
         self.echo = echo
         self.on_sample = on_sample
-        self.tokens = 0  # answer tokens generated in this run
+        self.tokens = 0  # answer tokens of the generations journaled in this run
+        self.live_tokens = 0  # tokens generated in this run so far, unfinished generations included
         self.busy_s = 0.0
+        self._lock = threading.Lock()
 
     def _one(self, job: Job):
         from specdeploy.engine.executor import GenerationRequest
@@ -328,11 +331,14 @@ class Generator:
         # top_p 1.0: sampled from the whole distribution; TensorRT-LLM (and the CPU engine) decode greedily when
         # neither top_k nor top_p is set, whatever the temperature (specdeploy.speculative.is_greedy)
         sampling = GREEDY if job.temperature is None else SamplingParams(temperature=job.temperature, top_p=1.0, seed=job.seed)
-        request = GenerationRequest(input_ids=job.input_ids, max_new_tokens=job.max_new_tokens, sampling=sampling, end_id=self.end_id)
+        request = GenerationRequest(input_ids=job.input_ids, max_new_tokens=job.max_new_tokens, sampling=sampling, end_id=self.end_id,
+                                    streaming=True)  # streamed: the progress line counts tokens as they come
         tokens: list[int] = []
         reason = None
         for chunk in self.scheduler.generate(request):
             tokens.extend(chunk.token_ids)
+            with self._lock:
+                self.live_tokens += len(chunk.token_ids)
             reason = chunk.finish_reason
         return job, tokens, reason
 
@@ -342,7 +348,7 @@ class Generator:
         if not todo:
             return
         start = time.monotonic()
-        tokens0 = self.tokens
+        tokens0 = self.live_tokens
         done = done_before
         last_print = 0.0
         workers = self.scheduler.max_batch_size
@@ -360,7 +366,7 @@ class Generator:
                 if now - last_print >= 5.0 or done == total:
                     last_print = now
                     elapsed = now - start
-                    rate = (self.tokens - tokens0) / elapsed if elapsed else 0.0
+                    rate = (self.live_tokens - tokens0) / elapsed if elapsed else 0.0
                     per_job = elapsed / (done - done_before)
                     eta = per_job * (total - done)
                     self.echo(f"{label}: {done}/{total}, {rate:.1f} tokens/s, ETA {_duration(eta)}")

@@ -192,6 +192,7 @@ def test_duplicate_prompts_are_dropped(tmp_path, built, chat_model):
                                                           "sources": [str(prompts)]})
     dest, _ = _make(recipe, layout)
     extra = Manifest.read(dest).extra
+    assert len(_read(dest / "train.jsonl") + _read(dest / "heldout.jsonl")) == 2
     assert extra["total"]["prompts"] == 2 and extra["dropped_duplicate_prompts"] == {"file": 1}
 
 
