@@ -343,13 +343,14 @@ class Generator:
         return job, tokens, reason
 
     def run(self, jobs: list[Job], label: str, total: int, done_before: int) -> None:
-        """Generate every job not in the journal yet; `total`/`done_before` are for the progress line."""
+        """Generate every job not in the journal yet; `total` and `done_before` (jobs done before `jobs`) are for the
+        progress line."""
         todo = [j for j in jobs if j.key not in self.journal.done]
         if not todo:
             return
         start = time.monotonic()
         tokens0 = self.live_tokens
-        done = done_before
+        done = done_before + len(jobs) - len(todo)
         last_print = 0.0
         workers = self.scheduler.max_batch_size
         pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="draft-data")
@@ -396,7 +397,7 @@ def self_instruct_prompts(gen: Generator, chat: ChatFormat, collector: _Collecto
     while kept < quota and index < limit:
         wave = min(limit - index, max(8, 2 * (quota - kept)))
         jobs = [Job(f"self_instruct-{i}", prefix, max_new, temperature, _seed(seed, "self_instruct", i)) for i in range(index, index + wave)]
-        gen.run(jobs, "self-instruct prompts (candidates)", limit, index)
+        gen.run(jobs, "draft data: self-instruct user turns", index + wave, index)
         for job in jobs:  # in index order: the result does not depend on the order generations finished in
             index += 1
             entry = gen.journal.done[job.key]
@@ -523,7 +524,7 @@ def make_draft_data(recipe: Recipe, layout, recipe_path: str = "RECIPE", force: 
             plan.append((prompt, ids))
             for k in range(data.samples_per_prompt):
                 jobs.append(Job(f"{prompt.id}/{k}", ids, max_new, None if k == 0 else data.temperature, _seed(data.seed, prompt.id, k)))
-        gen.run(jobs, "draft data: samples", len(jobs), sum(1 for j in jobs if j.key in journal.done))
+        gen.run(jobs, "draft data: samples", len(jobs), 0)
     finally:
         scheduler.close()
         journal.close()
