@@ -56,7 +56,7 @@ fuzz: setup models
 quantize build generate repo validate run: setup
 	$(SD) $@ $(RECIPE)
 
-draft-data: setup ; $(SD) draft data $(RECIPE)  # draft.kind eagle3: the head's training data (docs/eagle3-data.md)
+draft-data: setup ; $(SD) draft data $(RECIPE)
 
 serve: setup
 	$(SD) serve $(RECIPE) --detach
