@@ -489,7 +489,6 @@ def make_draft_data(recipe: Recipe, layout, recipe_path: str = "RECIPE", force: 
         # ---- prompts
         collector = _Collector(validation)
         quotas = _quotas(data.sources, data.num_prompts) if data.sources else {}
-        counts: dict[str, dict] = {}
         short = 0
         pools = {}
         for source in data.sources:  # the fixed sources first, each up to its quota
