@@ -56,6 +56,8 @@ fuzz: setup models
 quantize build generate repo validate run: setup
 	$(SD) $@ $(RECIPE)
 
+draft-data: setup ; $(SD) draft data $(RECIPE)
+
 serve: setup
 	$(SD) serve $(RECIPE) --detach
 

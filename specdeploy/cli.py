@@ -264,6 +264,28 @@ def _serve_openai(ctx, r, layout, recipe, detach, server_binary, port, host, api
     click.echo(server.stop(layout.server_state))
 
 
+# ---- draft (draft.kind eagle3: the head's data and training)
+
+
+@main.group("draft")
+def draft_group():
+    """The EAGLE-3 draft head of a recipe with draft.kind eagle3: its training data, then its training."""
+
+
+@draft_group.command("data")
+@RECIPE
+@click.option("--force", is_flag=True, help="Start over: discard an interrupted run's work and an up-to-date output.")
+@pass_ctx
+@handle_errors
+def draft_data(ctx, recipe, force):
+    """Have the target write the head's training set (draft.data): rerun to resume after an interruption."""
+    from specdeploy import draft_data as dd
+
+    r = ctx.recipe(recipe)
+    with ctx.locked(r, recipe):
+        dd.make_draft_data(r, ctx.layout(r), recipe_path=recipe, force=force, echo=lambda m: click.echo(m, err=True))
+
+
 @main.command()
 @RECIPE
 @pass_ctx

@@ -81,6 +81,7 @@ LAYER_OF = {
     "triton.server": "stages",
     "packaging": "stages",
     "launch": "stages",
+    "draft_data": "stages",  # draft.kind eagle3: the head's training data, written by the target engine
     # client: validation over the transport-free protocol and its adapters; never a stage
     "client.protocol": "client",
     "client.prompts": "client",

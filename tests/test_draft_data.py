@@ -1,0 +1,249 @@
+"""`specdeploy draft data`: the EAGLE-3 head's training set, written by a tiny random target through the real
+quantize -> build -> CPU engine with in-flight batching."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from tiny_models import TINY_QUANT, build_quietly, make_tiny_model
+
+from specdeploy import draft_data as dd
+from specdeploy.artifacts import Layout, Manifest
+from specdeploy.config import parse_recipe
+from specdeploy.errors import ConfigError, StaleArtifactError
+
+# a ChatML-like template with a default system turn, as SmolLM2's: </s> (the eos) ends every turn
+CHAT_TEMPLATE = (
+    "{% if messages[0]['role'] != 'system' %}<s>system\nYou are a tiny test model.</s>\n{% endif %}"
+    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
+NAME = "e3data"
+
+
+def _raw(model_dir, data: dict, **sections) -> dict:
+    raw = {
+        "name": NAME,
+        "backend": "cpu",
+        "target": {"model": str(model_dir), "quantization": {**TINY_QUANT, "qformat": "full_prec"}},
+        "draft": {"kind": "eagle3", "head": "trained",
+                  "data": {"num_prompts": 6, "samples_per_prompt": 2, "max_new_tokens": 6, "sources": ["calibration"], **data}},
+        "speculative": {"max_draft_len": 4, "num_draft_tokens": 3},
+        "engine": {"dtype": "float32", "max_batch_size": 3, "max_input_len": 384, "max_seq_len": 512},
+    }
+    raw.update(sections)
+    return raw
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory, tiny_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    tok_dir = tmp_path_factory.mktemp("chat-tokenizer")
+    tok = AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir))
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(str(tok_dir))
+    model_dir = tmp_path_factory.mktemp("chat-model")
+    make_tiny_model(model_dir, tok_dir, seed=0)
+    return model_dir
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, chat_model):
+    """engines/ of a real quantize + build of the tiny chat target (draft.kind eagle3: the target only)."""
+    root = tmp_path_factory.mktemp("e3-build")
+    layout = build_quietly(parse_recipe(_raw(chat_model, {})), root)
+    return layout.engines
+
+
+def _setup(tmp_path, built, chat_model, data: dict, **sections):
+    recipe = parse_recipe(_raw(chat_model, data, **sections))
+    layout = Layout.of(recipe, tmp_path)
+    shutil.copytree(built, layout.engines)
+    return recipe, layout
+
+
+def _read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _make(recipe, layout, **kw):
+    lines: list[str] = []
+    dest = dd.make_draft_data(recipe, layout, echo=lines.append, **kw)
+    return dest, lines
+
+
+def test_output_format_heldout_split_and_greedy_answers(tmp_path, built, chat_model):
+    from specdeploy.engine.executor import Executor, GenerationRequest, run
+    from specdeploy.generate import load_engine, load_tokenizer
+
+    prompts = tmp_path / "mine.txt"
+    prompts.write_text("Tell me about the sea.\nWrite a haiku about rain.\nWhy do cats purr so much?\nName three fruits.\n")
+    text = tmp_path / "notes.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    recipe, layout = _setup(tmp_path, built, chat_model, {"num_prompts": 20, "sources": ["calibration", str(prompts)],
+                                                          "text_files": [str(text)], "max_new_tokens": 5})
+    dest, lines = _make(recipe, layout)
+    assert dest == layout.draft_data
+    assert any("draft data: samples:" in line and "tokens/s" in line and "ETA" in line for line in lines)
+    train, heldout = _read(dest / "train.jsonl"), _read(dest / "heldout.jsonl")
+    records = train + heldout
+    assert {r["source"] for r in records} == {"calibration", "file", "text"}
+    tok = load_tokenizer(layout.engine("target"), recipe.target.model)
+    engine = Executor(load_engine(layout.engine("target"), "target"))
+    for r in records:
+        assert set(r) == {"id", "source", "input_ids", "loss_start", "sampled"}
+        assert all(isinstance(t, int) for t in r["input_ids"])
+        if r["source"] == "text":
+            assert r["loss_start"] == 0 and not r["sampled"]
+            continue
+        prompt_text = tok.decode(r["input_ids"][: r["loss_start"]])
+        assert prompt_text.startswith("<s>system\n") and prompt_text.endswith("</s>\n<s>assistant\n")
+        answer = r["input_ids"][r["loss_start"] :]
+        assert 1 <= len(answer) <= 5 and (len(answer) == 5 or answer[-1] == tok.eos_token_id)
+        assert r["sampled"] == (not r["id"].endswith("/0"))
+        if not r["sampled"]:  # the greedy answer is the target's own greedy continuation
+            expected = run(engine, GenerationRequest(r["input_ids"][: r["loss_start"]], 5, end_id=tok.eos_token_id)).token_ids
+            assert answer == expected
+    # the held-out split is by prompt: no prompt on both sides, and it is not empty
+    prompt_of = lambda r: r["id"].rsplit("/", 1)[0]  # noqa: E731
+    assert heldout and train
+    assert not {prompt_of(r) for r in train} & {prompt_of(r) for r in heldout}
+    by_prompt: dict[str, int] = {}
+    for r in records:
+        by_prompt[prompt_of(r)] = by_prompt.get(prompt_of(r), 0) + 1
+    assert all(n == 2 for p, n in by_prompt.items() if not p.startswith("text-"))
+    manifest = Manifest.read(dest)
+    assert manifest.stage == "draft-data"
+    assert manifest.extra["total"]["prompts"] == 20 + len([p for p in by_prompt if p.startswith("text-")])
+    assert manifest.extra["total"]["by_source"]["file"]["prompts"] == 4  # the file had 4 of its quota of 10
+    assert manifest.extra["total"]["by_source"]["calibration"]["prompts"] == 16  # calibration made up the other 6
+    assert "validation" in manifest.extra["validation_excluded"]
+    assert manifest.inputs["target_engine_fingerprint"] == Manifest.read(layout.engine("target")).fingerprint
+    assert not dd.work_dir(layout).exists()
+    # unchanged inputs and settings: up to date, nothing regenerated
+    _, again = _make(recipe, layout)
+    assert any("up to date" in line for line in again)
+
+
+class Interrupt(Exception):
+    pass
+
+
+def test_resume_after_interruption_gives_the_uninterrupted_result(tmp_path, built, chat_model):
+    data = {"num_prompts": 4, "max_new_tokens": 4}
+    recipe, layout = _setup(tmp_path / "whole", built, chat_model, data)
+    whole, _ = _make(recipe, layout)
+    recipe, layout = _setup(tmp_path / "cut", built, chat_model, data)
+    seen: list[str] = []
+
+    def interrupt_after_three(key):
+        seen.append(key)
+        if len(seen) == 3:
+            raise Interrupt
+
+    with pytest.raises(Interrupt):
+        _make(recipe, layout, on_sample=interrupt_after_three)
+    assert not layout.draft_data.exists()
+    assert len((dd.work_dir(layout) / "journal.jsonl").read_text().splitlines()) == 3
+    resumed: list[str] = []
+    dest, lines = _make(recipe, layout, on_sample=resumed.append)
+    assert any("resuming" in line and "3 generations" in line for line in lines)
+    assert len(resumed) == 8 - 3 and not set(resumed) & set(seen)  # only what was missing was generated
+    for name in ("train.jsonl", "heldout.jsonl"):
+        assert (dest / name).read_text() == (whole / name).read_text()
+    assert not dd.work_dir(layout).exists()
+    # --force starts over: every sample generated again, same result (same seed and settings)
+    again: list[str] = []
+    dd.make_draft_data(recipe, layout, force=True, echo=lambda m: None, on_sample=again.append)
+    assert len(again) == 8 and (dest / "train.jsonl").read_text() == (whole / "train.jsonl").read_text()
+
+
+def test_a_prompt_file_holding_a_validation_prompt_is_refused(tmp_path, built, chat_model):
+    prompts = tmp_path / "mine.jsonl"
+    builtin = json.loads((dd.VALIDATION_DIR / "code.jsonl").read_text().splitlines()[2])["prompt"]
+    prompts.write_text(json.dumps({"prompt": "Something new to say."}) + "\n" + json.dumps({"prompt": "  " + builtin.upper()}) + "\n")
+    recipe, layout = _setup(tmp_path, built, chat_model, {"sources": [str(prompts)]})
+    with pytest.raises(ConfigError) as exc:
+        _make(recipe, layout)
+    assert str(prompts) in exc.value.message and "line 2" in exc.value.message and builtin[:20].upper() in exc.value.message and "code.jsonl" in exc.value.message
+
+
+def test_calibration_prompts_equal_to_a_validation_prompt_are_dropped(tmp_path, built, chat_model):
+    first = dd.calibration_prompts(0)[0]  # the calibration prompt the run would take first
+    own_set = tmp_path / "validation.jsonl"
+    own_set.write_text(json.dumps({"prompt": first.messages[-1][1], "category": "x"}) + "\n")
+    recipe, layout = _setup(tmp_path, built, chat_model, {"num_prompts": 3, "samples_per_prompt": 1, "max_new_tokens": 2},
+                            validation={"prompt_set": str(own_set)})
+    dest, _ = _make(recipe, layout)
+    records = _read(dest / "train.jsonl") + _read(dest / "heldout.jsonl")
+    assert len(records) == 3 and not any(r["id"].startswith(first.id + "/") for r in records)
+    assert Manifest.read(dest).extra["dropped_validation_prompts"] == {"calibration": 1}
+
+
+def test_duplicate_prompts_are_dropped(tmp_path, built, chat_model):
+    prompts = tmp_path / "mine.txt"
+    prompts.write_text("Hello there, my friend.\nhello   there, MY friend.\nA different request entirely.\n")
+    recipe, layout = _setup(tmp_path, built, chat_model, {"num_prompts": 3, "samples_per_prompt": 1, "max_new_tokens": 2,
+                                                          "sources": [str(prompts)]})
+    dest, _ = _make(recipe, layout)
+    extra = Manifest.read(dest).extra
+    assert len(_read(dest / "train.jsonl") + _read(dest / "heldout.jsonl")) == 2
+    assert extra["total"]["prompts"] == 2 and extra["dropped_duplicate_prompts"] == {"file": 1}
+
+
+def test_self_instruct_prompts_are_user_turns_the_target_ended(tmp_path, built, chat_model, monkeypatch):
+    from specdeploy.generate import load_tokenizer
+
+    monkeypatch.setattr(dd, "SELF_INSTRUCT_MAX_TOKENS", 200)  # a random model ends a turn rarely: give it room
+    recipe, layout = _setup(tmp_path, built, chat_model, {"num_prompts": 2, "samples_per_prompt": 1, "max_new_tokens": 2,
+                                                          "sources": ["self_instruct"], "temperature": 1.0})
+    dest, _ = _make(recipe, layout)
+    tok = load_tokenizer(layout.engine("target"), recipe.target.model)
+    records = _read(dest / "train.jsonl") + _read(dest / "heldout.jsonl")
+    assert records and all(r["source"] == "self_instruct" for r in records)
+    prefix = dd.ChatFormat(tok).user_turn_prefix()
+    for r in records:
+        prompt = tok.decode(r["input_ids"][: r["loss_start"]])
+        assert prompt.startswith(tok.decode(prefix)) and prompt.endswith("</s>\n<s>assistant\n")
+        assert len(prompt[len(tok.decode(prefix)) :].split()) >= dd.SELF_INSTRUCT_MIN_WORDS
+
+
+def test_bad_inputs_are_refused_with_the_fix(tmp_path, built, chat_model):
+    recipe = parse_recipe(_raw(chat_model, {}))
+    with pytest.raises(StaleArtifactError) as exc:  # nothing built under this root
+        _make(recipe, Layout.of(recipe, tmp_path / "empty"))
+    assert "specdeploy build" in exc.value.hint
+    recipe, layout = _setup(tmp_path / "a", built, chat_model, {"sources": ["wikipedia"]})
+    with pytest.raises(ConfigError, match="unknown draft.data source 'wikipedia'"):
+        _make(recipe, layout)
+    recipe, layout = _setup(tmp_path / "b", built, chat_model, {"sources": [str(tmp_path / "nope.jsonl")]})
+    with pytest.raises(ConfigError, match="nope.jsonl .* not found"):
+        _make(recipe, layout)
+    recipe, layout = _setup(tmp_path / "c", built, chat_model, {"text_files": [str(tmp_path / "gone.txt")]})
+    with pytest.raises(ConfigError, match="gone.txt .* not found"):
+        _make(recipe, layout)
+
+
+def test_cli_names_the_build_command_when_the_engine_is_missing(tmp_path, chat_model):
+    from specdeploy.cli import main
+
+    path = tmp_path / "recipe.json"
+    path.write_text(json.dumps(_raw(chat_model, {})))
+    result = CliRunner().invoke(main, ["--root", str(tmp_path), "draft", "data", str(path)])
+    assert result.exit_code != 0
+    assert "no built target engine" in result.output and f"specdeploy build {path}" in result.output
+
+
+def test_the_journal_drops_a_line_cut_by_a_kill(tmp_path):
+    path = tmp_path / "journal.jsonl"
+    path.write_text('{"key": "a/0", "tokens": [1, 2], "reason": "end_id"}\n{"key": "a/1", "tokens": [3], "reason": "length"}\n{"key": "b/0", "tok')
+    journal = dd.Journal(path)
+    assert sorted(journal.done) == ["a/0", "a/1"]
+    journal.add("b/0", [4], "end_id")
+    journal.close()
+    assert sorted(dd.Journal(path).done) == ["a/0", "a/1", "b/0"]
