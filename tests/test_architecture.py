@@ -71,6 +71,7 @@ LAYER_OF = {
     "triton.shm": "stages",
     "triton.server": "stages",
     "packaging": "stages",
+    "draft_train": "stages",  # specdeploy draft train: the EAGLE-3 head (ModelOpt)
     "launch": "stages",
     # client: validation over the transport-free protocol and its adapters; never a stage
     "client.protocol": "client",
