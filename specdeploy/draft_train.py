@@ -134,7 +134,7 @@ class TrainPlan:
     def summary(self) -> str:
         gib = 2**30
         avail = f" of {self.available_bytes / gib:.0f} GiB" if self.available_bytes else ""
-        return (f"{self.total_steps} steps ({self.steps_per_epoch} per epoch), {self.train_tokens / 1e6:.2f} M tokens, "
+        return (f"{self.total_steps} steps ({self.steps_per_epoch} per epoch), {self.train_tokens:,} tokens, "
                 f"head {self.head_params / 1e6:.1f} M parameters, on {self.device}: ~{self.peak_bytes / gib:.1f} GiB"
                 f"{avail}, ~{_duration(self.seconds)} (estimate)")  # fmt: skip
 
