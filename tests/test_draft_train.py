@@ -150,8 +150,13 @@ def test_training_raises_heldout_acceptance_and_exports_a_head_that_drafts_the_s
     draft_train.load_exported_head(trained, head)
     reloaded = _drafts(trained, data)
     assert not torch.equal(fresh_drafts, reloaded)  # the untrained head drafts otherwise
-    acc = draft_train.heldout_acceptance(trained, _samples(data / "heldout.jsonl"), 3, 32, 8, 0)
+    heldout = _samples(data / "heldout.jsonl")
+    acc = draft_train.heldout_acceptance(trained, heldout, 3, 32, 8, 0)
     assert acc.per_position == after.per_position
+    # the held-out measure is what ModelOpt's own drafting loop gives, prefix by prefix
+    starts, hits = reference_acceptance(trained, heldout, 3)
+    assert hits[0] > 0 and hits[1] > 0  # trained enough to check the chain
+    assert acc.positions == starts and acc.accepted_at_least == [h / starts for h in hits]
 
     # up to date: a rerun is a no-op; --force trains again
     again = draft_train.train_recipe(recipe, layout, echo=lines.append, progress=False)
@@ -336,3 +341,26 @@ def test_cli_draft_train_without_data_names_the_data_command(tiny, tmp_path):
     result = CliRunner().invoke(main, ["--root", str(tmp_path), "draft", "train", str(recipe), "--no-progress"])
     assert result.exit_code != 0
     assert "no EAGLE-3 training data" in result.output and "run: specdeploy draft data RECIPE" in result.output
+
+
+def reference_acceptance(model, samples, k: int) -> tuple[int, list[int]]:
+    """(starts, hits per draft position) by ModelOpt's own drafting loop, one prefix at a time: for each answer
+    position s, `pseudo_speculative_generate(tokens 0..s, steps=k)` (the target's token, then k chained drafts)."""
+    model.eval()
+    starts, hits = 0, [0] * k
+    with torch.no_grad():
+        for s in samples:
+            x = torch.tensor([s.input_ids])
+            greedy = model(input_ids=x).logits.argmax(-1)[0]  # the target's token after each position
+            for start in range(max(0, s.loss_start - 1), len(s.input_ids) - k):
+                if not torch.equal(x[0, start + 1 : start + 1 + k], greedy[start : start + k]):
+                    continue
+                starts += 1
+                base, drafts = model.pseudo_speculative_generate(x[:, : start + 1], steps=k)
+                assert int(base) == s.input_ids[start + 1]
+                for j in range(k):
+                    if int(drafts[0, j]) != int(greedy[start + j + 1]):
+                        break
+                    hits[j] += 1
+    return starts, hits
+
