@@ -350,7 +350,7 @@ def head_parameters(model) -> list:
     return [p for p in model.eagle_module.parameters() if p.requires_grad]
 
 
-# ---------------------------------------------------------------- 5. batches
+# ---------------------------------------------------------------- batches
 
 
 def make_batch(samples, seq_len: int, pad_id: int, device: str = "cpu"):
