@@ -4,11 +4,12 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 RECIPE ?= build/smollm2-135m.yaml
 NGRAM_RECIPE ?= build/smollm2-135m-ngram.yaml
+EAGLE3_RECIPE ?= build/smollm2-135m-eagle3.yaml
 SD     := $(BIN)/specdeploy
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup demo test bench fuzz clean found models check quantize build generate repo serve stop status validate run
+.PHONY: setup demo test bench fuzz clean found models check quantize build generate repo serve stop status validate run draft-head
 
 setup: $(VENV)/.installed
 
@@ -52,6 +53,12 @@ bench: setup models
 fuzz: setup models
 	$(SD) repo $(RECIPE)
 	$(BIN)/python -u bench/fuzz.py --recipe $(RECIPE) --out engines/fuzz.json
+
+# The EAGLE-3 head of a draft.kind eagle3 recipe (docs/eagle3-train.md): the target writes its training set, then
+# ModelOpt trains the head on CPU (resumable: rerun after an interruption) and exports it to engines/<recipe>/eagle3-head.
+draft-head: setup models
+	@if [ ! -f $(EAGLE3_RECIPE) ]; then echo "draft-head: skipped: no $(EAGLE3_RECIPE) (set EAGLE3_RECIPE to a draft.kind eagle3 recipe)"; \
+	else $(SD) draft data $(EAGLE3_RECIPE) && $(SD) draft train $(EAGLE3_RECIPE); fi
 
 quantize build generate repo validate run: setup
 	$(SD) $@ $(RECIPE)

@@ -160,6 +160,31 @@ def quantize(ctx, recipe, force, no_progress):
         quant.quantize_recipe(r, ctx.layout(r), force=force, echo=click.echo, progress=not no_progress)
 
 
+# ---- draft: the EAGLE-3 head (draft.kind eagle3)
+
+
+@main.group("draft")
+def draft_group():
+    """The EAGLE-3 head of a draft.kind eagle3 recipe: its training data, then its training."""
+
+
+@draft_group.command("train")
+@RECIPE
+@click.option("--force", is_flag=True, help="Train again even when the head is up to date (discards an unfinished run's checkpoint).")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@pass_ctx
+@handle_errors
+def draft_train(ctx, recipe, force, no_progress):
+    """Train the recipe's EAGLE-3 head with ModelOpt on `draft data`'s set; export it (EAGLE-3 checkpoint layout).
+
+    An interrupted run continues from its last checkpoint (engines/<recipe>/eagle3-head.partial) when rerun."""
+    from specdeploy import draft_train as train
+
+    r = ctx.recipe(recipe)
+    with ctx.locked(r, recipe):
+        train.train_recipe(r, ctx.layout(r), force=force, echo=click.echo, progress=not no_progress)
+
+
 # ---- build (BackendStages.build: one builder per backend)
 
 

@@ -98,6 +98,8 @@ class Eagle3TrainConfig:
     batch_size: int = 4
     seed: int = 0
     max_train_hours: float = 4.0  # refused above this estimate, as quantize refuses a long calibration
+    # start the head's layer from the target's last layer and its LM head from the target's rows (ModelOpt: random)
+    init_from_target: bool = False
 
 
 @dataclass(frozen=True)

