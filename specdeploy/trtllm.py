@@ -496,14 +496,22 @@ def read_eagle3_head_config(head_dir: Path) -> dict | None:
 
 
 def eagle3_aux_layers(head_config: dict | None) -> list[int] | None:
-    """The target layers the head reads, as its config names them: `eagle_aux_hidden_state_layer_ids` at the top
-    (EAGLE authors' and vLLM's layout) or in `eagle_config` (ModelOpt's export); None: the consumer's default."""
+    """The target layers whose OUTPUTS the head reads (TensorRT-LLM's `eagle3_layers_to_capture` convention, whose
+    default {1, L//2-1, L-4} is ModelOpt's), from the head's config.json; None: the consumer's default.
+
+    Two conventions name them. ModelOpt's export nests `eagle_config.eagle_aux_hidden_state_layer_ids` and hooks
+    the outputs of those layers (modelopt/torch/speculative/plugins/hf_eagle.py: `register_forward_hook` on
+    `layers[i]` for i in the ids). vLLM and llama.cpp read a top-level `eagle_aux_hidden_state_layer_ids` as the
+    stream ENTERING layer i (vLLM model_executor/models/llama.py LlamaModel.forward appends `hidden_states +
+    residual` before running layer idx; llama.cpp `extract_layer_inputs`), i.e. the output of layer i - 1.
+    The nested ids win; top-level ones are shifted by one."""
     if not head_config:
         return None
-    ids = head_config.get("eagle_aux_hidden_state_layer_ids")
-    if ids is None:
-        ids = (head_config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    return sorted(int(i) for i in ids) if ids else None
+    nested = (head_config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if nested:
+        return sorted(int(i) for i in nested)
+    entering = head_config.get("eagle_aux_hidden_state_layer_ids")
+    return sorted(int(i) - 1 for i in entering) if entering else None
 
 
 def _eagle3_options(recipe: Recipe, version: LlmApiVersion, head_dir: Path, head_config: dict | None) -> dict:

@@ -268,12 +268,20 @@ def test_the_example_eagle3_recipe_gives_each_release_its_eagle3_fields(version,
     head = str(layout.engine("draft"))
     expected = {k: (head if v == "HEAD" else v) for k, v in EAGLE3_EXPECTED[version].items()}
     assert trtllm.llmapi_options(recipe, layout)["speculative_config"] == expected
-    # a head that names its layers (ModelOpt's nested form or the top-level one) gets them written through
-    for nested in (False, True):
-        source = write_eagle3_head(tmp_path / f"head-{nested}", aux_layers=[26, 1, 14], nested=nested)
+    # a head that names its layers gets them as TensorRT-LLM counts them (outputs of layers): ModelOpt's nested ids
+    # as they are, the top-level ids of vLLM / llama.cpp (the stream entering layer i) one lower
+    for nested, named in ((True, [26, 1, 14]), (False, [27, 2, 15])):
+        source = write_eagle3_head(tmp_path / f"head-{nested}", aux_layers=named, nested=nested)
         recipe = example_eagle3(version, source)
         spec = trtllm.llmapi_options(recipe, Layout.of(recipe, tmp_path))["speculative_config"]
         assert spec == {**expected, "eagle3_layers_to_capture": [1, 14, 26]}
+    # both present (specdeploy's own export writes both): the nested ids win
+    both = write_eagle3_head(tmp_path / "head-both", aux_layers=[1, 14, 26], nested=True)
+    config = json.loads((both / "config.json").read_text())
+    (both / "config.json").write_text(json.dumps({**config, "eagle_aux_hidden_state_layer_ids": [2, 15, 27]}))
+    recipe = example_eagle3(version, both)
+    spec = trtllm.llmapi_options(recipe, Layout.of(recipe, tmp_path))["speculative_config"]
+    assert spec["eagle3_layers_to_capture"] == [1, 14, 26]
 
 
 def test_the_example_eagle3_dry_run_prints_the_options(tmp_path, monkeypatch):
