@@ -80,31 +80,46 @@ struct Out {
   int64_t N;
 };
 
-// Outputs (m, n .. n + count) from their int32 sums: one function for every variant (not inlined into them), so
-// that the float arithmetic is the same instructions whatever computed the sums.
-__attribute__((noinline)) void store4(const Out& o, int64_t m, int64_t n, __m128i sums, int64_t count, bool offset) {
-  alignas(16) int32_t ws[4] = {0, 0, 0, 0};
-  alignas(16) float scale[4] = {0, 0, 0, 0}, bias[4] = {0, 0, 0, 0}, r[4];
-  std::memcpy(scale, o.out_scale + n, count * sizeof(float));
-  if (offset) {
-    std::memcpy(ws, o.wsum + n, count * sizeof(int32_t));
-    sums = _mm_sub_epi32(sums, _mm_slli_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(ws)), 7));
-  }
-  __m128 sc = _mm_load_ps(scale);
-  if (o.row_scale) sc = _mm_mul_ps(_mm_set1_ps(o.row_scale[m]), sc);
-  __m128 v = _mm_mul_ps(_mm_cvtepi32_ps(sums), sc);
-  if (o.bias) {
-    std::memcpy(bias, o.bias + n, count * sizeof(float));
-    v = _mm_add_ps(v, _mm_load_ps(bias));
-  }
-  _mm_store_ps(r, v);
+// f32 -> bf16 bits (round to nearest even, as c10::BFloat16 for finite values), four at a time, in the low 64 bits.
+inline __m128i f32_to_bf16x4(__m128 v) {
+  __m128i bits = _mm_castps_si128(v);
+  __m128i lsb = _mm_and_si128(_mm_srli_epi32(bits, 16), _mm_set1_epi32(1));
+  __m128i rounded = _mm_srli_epi32(_mm_add_epi32(bits, _mm_add_epi32(_mm_set1_epi32(0x7fff), lsb)), 16);
+  return _mm_packus_epi32(rounded, rounded);  // values < 2^16: no saturation
+}
+
+inline __m128 bf16x4_to_f32(__m128i bits) { return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(bits), 16)); }
+
+// Outputs (m, n .. n + count) from their int32 sums, count 4 (a block) or 1 (the last N % 4 channels). Every variant
+// runs this same sequence of exact-IEEE SSE operations (no FMA contraction in this file), so the float rescale
+// gives the same bits whatever computed the sums.
+inline void store4(const Out& o, int64_t m, int64_t n, __m128i sums, int64_t count, bool offset) {
   c10::BFloat16* y = o.y + m * o.N + n;
-  if (o.residual) {
-    const c10::BFloat16* res = o.residual + m * o.N + n;
-    for (int64_t c = 0; c < count; ++c)
-      y[c] = c10::BFloat16(static_cast<float>(res[c]) + static_cast<float>(c10::BFloat16(r[c])));
+  const c10::BFloat16* res = o.residual ? o.residual + m * o.N + n : nullptr;
+  __m128 scale, bias = _mm_setzero_ps(), resid = _mm_setzero_ps();
+  __m128i ws = _mm_setzero_si128();
+  if (count == 4) {
+    scale = _mm_loadu_ps(o.out_scale + n);
+    if (offset) ws = _mm_loadu_si128(reinterpret_cast<const __m128i*>(o.wsum + n));
+    if (o.bias) bias = _mm_loadu_ps(o.bias + n);
+    if (res) resid = bf16x4_to_f32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(res)));
   } else {
-    for (int64_t c = 0; c < count; ++c) y[c] = c10::BFloat16(r[c]);
+    scale = _mm_set_ss(o.out_scale[n]);
+    if (offset) ws = _mm_cvtsi32_si128(o.wsum[n]);
+    if (o.bias) bias = _mm_set_ss(o.bias[n]);
+    if (res) resid = _mm_set_ss(static_cast<float>(res[0]));
+  }
+  if (offset) sums = _mm_sub_epi32(sums, _mm_slli_epi32(ws, 7));  // VPDPBUSD summed (q + 128) * w
+  if (o.row_scale) scale = _mm_mul_ps(_mm_set1_ps(o.row_scale[m]), scale);
+  __m128 v = _mm_mul_ps(_mm_cvtepi32_ps(sums), scale);
+  if (o.bias) v = _mm_add_ps(v, bias);
+  if (res) v = _mm_add_ps(resid, bf16x4_to_f32(f32_to_bf16x4(v)));
+  __m128i out = f32_to_bf16x4(v);
+  if (count == 4) {
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(y), out);
+  } else {
+    uint16_t bits = static_cast<uint16_t>(_mm_extract_epi16(out, 0));
+    std::memcpy(y, &bits, 2);
   }
 }
 
