@@ -197,3 +197,10 @@ def test_bad_arguments_are_errors_not_crashes():
         _run(native.INT8_AVX2, packed, x, 6, weight_scale, s[:-1].contiguous(), 0.05)
     with pytest.raises(RuntimeError, match="int8"):
         OPS.int8_pack(w.float())
+
+
+def test_doctor_names_the_int8_variant():
+    from specdeploy import doctor
+
+    line = next(x for x in doctor.report_lines() if "native kernels" in x)
+    assert f"int8 {native.INT8_VARIANT_NAMES[native.int8_variant()]}" in line
