@@ -1,7 +1,8 @@
 """Native kernel benchmark (`make bench`, second part): multi-row cost curves, decode and prefill, beside llama.cpp.
 
 Three sections, one run, the same thread count for everything:
-  kernels   per weight format (bf16, fp8, int8_wo, int4_awq, smoothquant): one pass of M = 1..16 rows over
+  kernels   per weight format (bf16, fp8, int8_wo, int4_awq, smoothquant = int8_sq on integer dot products, and
+            smoothquant@<variant> for the other int8 kernel variants this CPU runs): one pass of M = 1..16 rows over
             every linear layer of the target's shape (30 layers x qkv, o, gate_up, down, random weights),
             its time relative to M = 1. The "decoded once for all rows" property shows as a flat curve.
   engine    the recipe's target engine (built if missing): decode ms/token, a pass of k+1 = 1..16 rows at a
@@ -96,13 +97,19 @@ def kernel_curves(shape: dict, repeats: int) -> dict:
     qkv = (shape["heads"] + 2 * shape["kv_heads"]) * shape["head"]
     dims = [(qkv, h), (h, shape["heads"] * shape["head"]), (2 * inter, h), (h, inter)]
     out = {}
-    for fmt in FORMATS:
+    # smoothquant runs the int8 kernel variant this CPU gets (native.int8_variant); the others it can run too,
+    # as smoothquant@<variant>, to compare them in the same run
+    variants = {native.INT8_VARIANT_NAMES[v]: v for v in ops.int8_variants() if v != native.int8_variant()}
+    for fmt in FORMATS + tuple(f"smoothquant@{name}" for name in variants):
         gen = torch.Generator().manual_seed(0)
         lins = []
         for _ in range(layers):
             for n, k in dims:
-                t, algo = _layer_tensors(fmt, n, k, gen)
-                lins.append((NativeLinear(ops, t, algo, torch.bfloat16, 64), k))  # AWQ groups of 64: K = 576 holds no 128
+                t, algo = _layer_tensors(fmt.split("@")[0], n, k, gen)
+                lin = NativeLinear(ops, t, algo, torch.bfloat16, 64)  # AWQ groups of 64: K = 576 holds no 128
+                if "@" in fmt:
+                    lin.group_size = variants[fmt.split("@")[1]]  # the int8 kernel's variant slot
+                lins.append((lin, k))
         xs = {k: torch.randn(max(ROWS), k, generator=gen).to(torch.bfloat16) for _, k in dims}
         secs = {}
         for m in ROWS:
@@ -279,7 +286,8 @@ def main(argv=None) -> int:
     from specdeploy.engine import native
 
     log(f"{platform.node()}: {os.cpu_count()} cores, {args.threads} threads, CPU capability "
-        f"{torch.backends.cpu.get_cpu_capability()}, native kernels {native.isa()}, load average {os.getloadavg()[0]:.1f}")
+        f"{torch.backends.cpu.get_cpu_capability()}, native kernels {native.isa()} (int8: "
+        f"{native.INT8_VARIANT_NAMES[native.int8_variant()]}), load average {os.getloadavg()[0]:.1f}")
     results = {"kernels": kernel_curves(model_shape(hf_dir), args.repeats)}
     engines = {} if args.skip_engine else {"target": ensure_engine(args.recipe, args.root)}
     engines.update({Path(e).name if Path(e).name != "target" else Path(e).parent.name: e for e in args.engine})
@@ -298,9 +306,9 @@ def main(argv=None) -> int:
     kern = results["kernels"]
     if "skipped" not in kern:
         print("pass of M rows / one row (all linears of the target's shape, random weights)")
-        print("format       1-row ms   GB/s  " + " ".join(f"{m:>5}" for m in ROWS))
+        print("format                   1-row ms   GB/s  " + " ".join(f"{m:>5}" for m in ROWS))
         for fmt, r in kern.items():
-            print(f"{fmt:<12} {r['seconds'][1] * 1e3:8.2f} {r['gb_per_s_1row']:6.1f}  "
+            print(f"{fmt:<24} {r['seconds'][1] * 1e3:8.2f} {r['gb_per_s_1row']:6.1f}  "
                   + " ".join(f"{r['ratio'][m]:5.2f}" for m in ROWS))
     llama = results["llama.cpp"]
     print()
@@ -319,7 +327,7 @@ def main(argv=None) -> int:
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"kernels-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"host": platform.node(), "threads": args.threads, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "native_isa": native.isa(),
+            "native_isa": native.isa(), "int8_variant": native.INT8_VARIANT_NAMES[native.int8_variant()],
             "load_average": os.getloadavg(), "recipe": args.recipe, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     out.write_text(json.dumps({"meta": meta, **results}, indent=2, default=str) + "\n")
     log(f"wrote {out}")

@@ -172,7 +172,7 @@ class Int4AwqLinear:
 class SmoothQuantLinear:
     """INT8 SmoothQuant (W8A8_SQ_PER_CHANNEL): per-tensor static activation scale, per-channel weight scale.
 
-    x_q = clamp(round(x * pre_quant_scale / act_scale), -128, 127); y = (x_q @ q^T) * act_scale * weight_scale.
+    x_q = clamp(round(x * pre_quant_scale * (1 / act_scale)), -128, 127); y = (x_q @ q^T) * act_scale * weight_scale.
     The integer products are exact in f32 and the torch int8 weight-only GEMM accumulates them in f32 with
     the f32 scales applied to the f32 result, as TensorRT-LLM's int8 GEMM does with its int32 accumulator.
     """
@@ -183,13 +183,16 @@ class SmoothQuantLinear:
         self.dtype = dtype
         self.weight = t["weight"].contiguous()  # [N, K] int8
         self.act_scale = t["act_scale"].float()
+        self.inv_act_scale = 1.0 / self.act_scale  # f32
         self.out_scale = (t["weight_scale"].float() * self.act_scale).contiguous()  # [N] f32
         self.pre_quant_scale = t["pre_quant_scale"].to(dtype)
         self.bias = _opt(t, "bias", dtype)
 
     def __call__(self, x, residual=None):
         x = (x * self.pre_quant_scale).float()
-        x_q = torch.round(x / self.act_scale).clamp_(-128.0, 127.0)  # [M, K] integer-valued f32
+        # x * (1 / act_scale), rounded to nearest even and saturated to [-128, 127], as TensorRT-LLM's
+        # quantizedKernel (see csrc/int8_kernels.cpp for the citations)
+        x_q = torch.round(x * self.inv_act_scale).clamp_(-128.0, 127.0)  # [M, K] integer-valued f32
         y = torch.ops.aten._weight_int8pack_mm(x_q, self.weight, self.out_scale).to(self.dtype)
         return _plus(y if self.bias is None else y + self.bias, residual)
 
@@ -203,6 +206,9 @@ class NativeLinear:
 
     Numerics as the torch classes above, except that scales apply to the f32 accumulator before the single
     rounding to bf16 (as TensorRT-LLM's GEMM epilogues do); FP8 stays 1 byte per weight in memory.
+    W8A8_SQ_PER_CHANNEL runs on int8 x int8 dot products with int32 sums (csrc/int8_kernels.cpp, whose comment
+    cites TensorRT-LLM's definition): x_q = sat_[-128, 127](rne(bf16(x * pre_quant_scale) * (1 / act_scale))),
+    y = f32(sum x_q * q) * (act_scale * weight_scale), in the variant native.int8_variant() picks for this CPU.
     """
 
     row_invariant = True
@@ -229,13 +235,17 @@ class NativeLinear:
             self.kind, self.group_size = native.INT4, group_size
             self.group_scale = t["weight_scale"].to(dtype).float().contiguous()
             self.pre_quant_scale = t["pre_quant_scale"].to(dtype).float().contiguous()
-        else:  # W8A8_SQ_PER_CHANNEL
-            self.kind, self.act_scale = native.INT8, float(t["act_scale"])
+        else:  # W8A8_SQ_PER_CHANNEL: integer dot products (csrc/int8_kernels.cpp), per-tensor static act_scale
+            self.kind, self.act_scale = native.INT8_SQ, float(t["act_scale"])
+            self.group_size = native.int8_variant()  # the kernel's `group_size` slot carries its ISA variant
             out_scale = t["weight_scale"].float() * t["act_scale"].float()
             self.pre_quant_scale = t["pre_quant_scale"].to(dtype).float().contiguous()
         self.k = weight.shape[1] * (2 if self.kind == native.INT4 else 1)
         self.out_scale = None if out_scale is None else out_scale.reshape(-1).expand(self.n).contiguous()
-        self.packed = ops.pack(weight.contiguous(), self.kind, self.k)
+        if self.kind == native.INT8_SQ:
+            self.packed = ops.int8_pack(weight.contiguous())
+        else:
+            self.packed = ops.pack(weight.contiguous(), self.kind, self.k)
 
     @staticmethod
     def supports(ops, t: dict, quant_algo: str | None, group_size: int | None) -> bool:
@@ -243,6 +253,8 @@ class NativeLinear:
         with AVX-512, 32 for bf16 with AVX512-BF16, 8 with AVX2); AWQ groups a power of two >= that step."""
         from specdeploy.engine import native
 
+        if quant_algo == "W8A8_SQ_PER_CHANNEL":
+            return True  # the integer kernels pad K to their step
         kind = {None: native.BF16, "FP8": native.FP8, "W4A16_AWQ": native.INT4}.get(quant_algo, native.INT8)
         step = int(ops.k_multiple(kind))
         k = t["weight"].shape[1] * (2 if quant_algo == "W4A16_AWQ" else 1)

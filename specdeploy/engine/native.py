@@ -26,14 +26,25 @@ import torch
 from specdeploy import artifacts
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+# INT8 SmoothQuant on integer dot products (issue 25), one extension with cpu_kernels.cpp; int8_gemv.inc is its
+# per-instruction-set body.
+INT8_SOURCE = Path(__file__).parent / "csrc" / "int8_kernels.cpp"
+SOURCES = (SOURCE, INT8_SOURCE, Path(__file__).parent / "csrc" / "int8_gemv.inc")
 DISABLE_ENV = "SPECDEPLOY_NATIVE"  # "0": always use the torch path
 # The kernels are built for the CPU that loads them (-march=native, one build folder per CPU feature set):
 # the 16-lane AVX-512 variant (VDPBF16PS for bf16 weights where the CPU has AVX512-BF16) where the CPU has
 # AVX-512F, else the 8-lane AVX2 + FMA one. "0" forces the AVX2 variant on an AVX-512 CPU (to compare the two).
 AVX512_ENV = "SPECDEPLOY_NATIVE_AVX512"
+# The int8 SmoothQuant kernels are compiled for every instruction set into the one binary and one variant is
+# picked per engine load from the CPU's flags (`int8_variant`): AVX512-VNNI, else AVX-VNNI, else AVX2. "0"
+# forces the AVX2 variant (VPMADDWD) on a VNNI CPU; SPECDEPLOY_NATIVE_AVX512=0 rules out the 512-bit one.
+VNNI_ENV = "SPECDEPLOY_NATIVE_VNNI"
 
 # Weight kinds of the native linear (csrc: WeightKind).
-BF16, FP8, INT8, INT4 = 0, 1, 2, 3
+BF16, FP8, INT8, INT4, INT8_SQ = 0, 1, 2, 3, 4
+# Variants of the int8 SmoothQuant kernel (csrc/int8_kernels.cpp: Variant).
+INT8_AVX2, INT8_AVX_VNNI, INT8_AVX512_VNNI = 0, 1, 2
+INT8_VARIANT_NAMES = {INT8_AVX2: "avx2", INT8_AVX_VNNI: "avx-vnni", INT8_AVX512_VNNI: "avx512-vnni"}
 
 
 @functools.cache
@@ -60,7 +71,7 @@ def cpu_supported() -> bool:
 def build_dir() -> Path:
     """One folder per source, torch, Python and CPU feature set: the build uses -march=native, so a home folder
     shared by machines with different CPUs must not hand one of them another's binary."""
-    source = SOURCE.read_bytes()
+    source = b"\0".join(path.read_bytes() for path in SOURCES)
     parts = [source, torch.__version__.encode(), platform.machine().encode(), sys.version.split()[0].encode(),
              _cpu_flags().encode(), " ".join(_cflags()).encode()]
     return artifacts.home() / "native" / hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
@@ -91,6 +102,19 @@ def isa() -> str:
     return "avx2"
 
 
+def int8_variant() -> int:
+    """The int8 SmoothQuant kernel variant for this CPU (INT8_AVX2, INT8_AVX_VNNI or INT8_AVX512_VNNI), from its own
+    flags when the engine loads; every variant gives the same bits (integer sums), only the speed differs."""
+    flags = _cpu_flag_set()
+    if os.environ.get(VNNI_ENV, "1") == "0":
+        return INT8_AVX2
+    if {"avx512_vnni", "avx512bw"} <= flags and os.environ.get(AVX512_ENV, "1") != "0":
+        return INT8_AVX512_VNNI
+    if "avx_vnni" in flags:
+        return INT8_AVX_VNNI
+    return INT8_AVX2
+
+
 def _cflags() -> list[str]:
     flags = ["-O3", "-march=native", "-fopenmp"]
     if not isa().startswith("avx512"):
@@ -111,7 +135,7 @@ def _load() -> None:
     directory.mkdir(parents=True, exist_ok=True)
     load(
         name="specdeploy_cpu",
-        sources=[str(SOURCE)],
+        sources=[str(SOURCE), str(INT8_SOURCE)],
         extra_cflags=_cflags(),
         extra_ldflags=["-fopenmp"],
         build_directory=str(directory),

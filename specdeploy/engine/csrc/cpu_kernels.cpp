@@ -29,12 +29,20 @@
 #error "specdeploy's native CPU kernels need AVX-512 or AVX2 with FMA (the engine falls back to torch ops without them)"
 #endif
 
+namespace specdeploy {
+// csrc/int8_kernels.cpp: INT8 SmoothQuant on integer dot products (weight kind kInt8Sq, issue 25).
+at::Tensor int8_sq_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_t variant,
+                          const std::optional<at::Tensor>& pre_quant_scale, double act_scale,
+                          const std::optional<at::Tensor>& out_scale, const std::optional<at::Tensor>& bias,
+                          const std::optional<at::Tensor>& residual);
+}  // namespace specdeploy
+
 namespace {
 
 constexpr int64_t kChannelBlock = 4;  // output channels per packed block
 constexpr float kFp8Max = 448.0f;
 
-enum WeightKind : int64_t { kBf16 = 0, kFp8 = 1, kInt8 = 2, kInt4 = 3 };
+enum WeightKind : int64_t { kBf16 = 0, kFp8 = 1, kInt8 = 2, kInt4 = 3, kInt8Sq = 4 };  // kInt8Sq: int8_kernels.cpp
 
 inline float round_bf16(float v) { return static_cast<float>(c10::BFloat16(v)); }
 
@@ -571,6 +579,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t kind, i
                   const std::optional<at::Tensor>& out_scale, const std::optional<at::Tensor>& bias,
                   const std::optional<at::Tensor>& residual) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x: expected contiguous bf16 [M, K]");
+  if (kind == kInt8Sq)  // packed by int8_pack; group_size carries the integer kernel's variant (native.int8_variant)
+    return specdeploy::int8_sq_linear(x, packed, N, group_size, pre_quant_scale, act_scale, out_scale, bias, residual);
   int64_t M = x.size(0), K = x.size(1);
   Layout lay = layout_of(kind);
   TORCH_CHECK(K % lay.step == 0, "K = ", K, " is not a multiple of ", lay.step);
