@@ -317,6 +317,14 @@ def build_model(target_dir: Path, t: Eagle3TrainConfig, draft_ids: list[int] | N
     head.rotary_emb = LlamaRotaryEmbedding(config=head.config)
     # trap 3: the head keeps ModelOpt's default sdpa attention (flex attention has no CPU backward).
     assert head.config._attn_implementation == "sdpa", head.config._attn_implementation
+    # trap 5: ModelOpt 0.47 feeds the features through the decoder layer's input_layernorm before its attention
+    # pre-hook applies hidden_norm (plugins/modeling_eagle.py `_eagle3_attention_forward_pre_hook`: self_attn gets
+    # `input_layernorm(hidden_states)` from LlamaDecoderLayer), while the runtimes that serve the head normalise the
+    # features with hidden_norm only (TensorRT-LLM Eagle3DecoderLayer, vLLM llama_eagle3, llama.cpp eagle3, and
+    # specdeploy/engine/eagle3.py). With input_layernorm's weight held at ones the extra RMSNorm is the identity on
+    # an already normalised vector, so what is trained is what is served; the weight only scales the embeddings'
+    # half of q/k/v's input, which q/k/v learn anyway.
+    head.layers[0].input_layernorm.weight.requires_grad_(False)
     if t.init_from_target:
         init_head_from_target(model, draft_ids)
     model.to(device)

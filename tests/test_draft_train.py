@@ -134,6 +134,10 @@ def test_training_raises_heldout_acceptance_and_exports_a_head_that_drafts_the_s
     assert weights["layers.0.self_attn.q_proj.weight"].shape == (64, 128)  # reads [embeddings, hidden]
     assert weights["lm_head.weight"].shape == (160, 64)
     assert {str(v.dtype) for k, v in weights.items() if k != "d2t"} == {"torch.float32"}
+    # trap 5: input_layernorm stays at ones, so ModelOpt's doubly normalised features equal the runtimes' single
+    # hidden_norm (what is trained is what is served); hidden_norm itself is trained
+    assert torch.equal(weights["layers.0.input_layernorm.weight"], torch.ones(64))
+    assert not torch.equal(weights["layers.0.hidden_norm.weight"], torch.ones(64))
     # d2t: target_id = draft_id + d2t[draft_id], the most frequent answer tokens (computed here independently)
     from collections import Counter
 
