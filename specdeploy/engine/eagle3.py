@@ -201,6 +201,10 @@ class Eagle3Head:
         with LazyTensors(weights) as tensors:
             return cls(config, tensors, target, head_dir)
 
+    def new_drafter(self, max_len: int | None = None) -> "Eagle3Drafter":
+        """One sequence's head state (the executor keeps one per pooled KV cache)."""
+        return Eagle3Drafter(self, max_len)
+
     def new_cache(self, max_len: int | None = None) -> KVCache:
         c = self.config
         return KVCache(1, c.num_kv_heads, c.head_size, min(max_len or self.max_len, self.max_len), self.dtype)
