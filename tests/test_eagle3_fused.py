@@ -326,3 +326,24 @@ def test_bundled_smollm2_with_a_random_head_stays_bit_exact(tmp_path):
         expected = run(plain, GenerationRequest(prompt, 24)).token_ids
         got = run(fused, GenerationRequest(prompt, 24, num_draft_tokens=3))
         assert got.token_ids == expected and got.stats.drafted > 0
+
+
+# ---------------------------------------------------------------- specdeploy generate (Session)
+
+
+def test_generate_session_runs_the_fused_loop(target, head_dir, tmp_path):
+    from types import SimpleNamespace
+
+    from specdeploy import generate as gen
+    from specdeploy.speculative import collect
+
+    session = gen.Session(SimpleNamespace(eos_token_id=None), Executor(target, head=Eagle3Head.load(head_dir, target)), eagle3=True)
+    prompt = prompt_of(7, 9)
+    tokens, stats = collect(session.stream(prompt, 16, num_draft_tokens=3))
+    assert tokens == run(Executor(target), GenerationRequest(prompt, 16)).token_ids
+    assert stats.policy == "eagle3-fused" and stats.drafted == sum(stats.k_per_round) > 0
+    assert stats.target_iterations == 1 + len(stats.k_per_round)
+    recipe = SimpleNamespace(draft=SimpleNamespace(head="trained"))
+    with pytest.raises(Exception) as err:
+        gen.load_eagle3_head(recipe, SimpleNamespace(eagle3_head=tmp_path / "none"), target, "r.yaml")
+    assert "specdeploy draft train r.yaml" in str(err.value)
