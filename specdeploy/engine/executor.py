@@ -108,7 +108,7 @@ class GenerationStats:
     fused: bool = False  # the request ran the fused loop (False: target alone, e.g. a sampled request)
     draft_time_s: float = 0.0  # head time: catch-up rows and draft steps
     accepted_per_round: list[int] = field(default_factory=list)
-    drafted_per_round: list[int] = field(default_factory=list)
+    drafted_per_round: list[int] = field(default_factory=list)  # every verification pass after the prefill (0: a plain step)
     drafted_per_position: list[int] = field(default_factory=list)  # [i]: rounds that drafted a token at position i
     accepted_per_position: list[int] = field(default_factory=list)  # [i]: rounds whose token at position i was accepted
 
@@ -609,11 +609,11 @@ class Executor:
             del entry.tokens[length + 1 + accepted :]
             pending_aux = aux_parts[0][: accepted + 1]  # [a + 1, L * hidden] positions length..length+a
             new = draft[:accepted] + [next_token]
+            stats.drafted += k
+            stats.accepted += accepted
+            stats.drafted_per_round.append(k)  # 0: a plain step (one token was left to generate)
+            stats.accepted_per_round.append(accepted)
             if k:
-                stats.drafted += k
-                stats.accepted += accepted
-                stats.drafted_per_round.append(k)
-                stats.accepted_per_round.append(accepted)
                 _count(stats.drafted_per_position, k, k)
                 _count(stats.accepted_per_position, accepted, k)
 
