@@ -16,8 +16,10 @@ must / may hold; d2t semantics: modelopt/torch/speculative/plugins/hf_eagle.py:6
 The head has no embedding table of its own: it embeds tokens with the target's (ModelOpt's
 `_base_model_embeddings`, hf_eagle.py:901 and :921-925).
 
-One head row at position p (the math of TensorRT-LLM's Eagle3DecoderLayer and vLLM's llama_eagle3.py,
-both `residual = feature; cat(input_layernorm(embed), hidden_norm(feature))`):
+One head row at position p (the math of TensorRT-LLM's PyTorch-backend Eagle3LlamaDecoderLayer.forward and
+Eagle3LlamaDraftModel.forward, and of vLLM's llama_eagle3.py: `residual = feature; cat(input_layernorm(embed),
+hidden_norm(feature))`, the next step's feature is the pre-norm sum `hidden_states_to_save`, and the head
+checkpoint has no embed_tokens, the target's is passed in):
 
     feature_p = fc(cat(aux_l1[p], aux_l2[p], aux_l3[p]))    the target's layer outputs at p (first step)
               | prenorm_{p-1}                               the head's own previous row (later steps)
