@@ -112,6 +112,46 @@ def target_only_generate(
     yield stats
 
 
+def fused_generate(
+    target: Executor,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    num_draft_tokens: int,
+    sampling: SamplingParams = spec.GREEDY,
+    end_id: int | None = None,
+    stop_words: Sequence[Sequence[int]] = (),
+    should_stop=None,
+) -> Iterator[list[int] | SpecStats]:
+    """draft.kind eagle3: the target Executor runs its EAGLE-3 head inside (Executor(head=...), the fused
+    loop of specdeploy.engine.executor), streamed; same event shape as speculative_generate. A sampled
+    request decodes with the target alone (the executor's fused loop is greedy only)."""
+    request = GenerationRequest(
+        input_ids=list(prompt_ids),
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
+        end_id=end_id,
+        stop_words=[list(w) for w in stop_words],
+        streaming=True,
+        is_cancelled=should_stop,
+        num_draft_tokens=num_draft_tokens,
+    )
+    stats = SpecStats(policy="eagle3-fused" if target.fuses(request) else "eagle3-fused (sampled: target alone)")
+    for chunk in target.generate(request):
+        stats.output_tokens += len(chunk.token_ids)
+        if chunk.token_ids:
+            yield chunk.token_ids
+        if chunk.finished:
+            s = chunk.stats
+            stats.target_iterations = s.iterations
+            stats.target_time_s = s.forward_time_s
+            stats.draft_time_s = s.draft_time_s
+            stats.drafted, stats.accepted = s.drafted, s.accepted
+            stats.accepted_per_round = list(s.accepted_per_round)
+            stats.k_per_round = list(s.drafted_per_round)
+            stats.finish_reason = chunk.finish_reason
+    yield stats
+
+
 # ---------------------------------------------------------------- loading
 
 
@@ -128,6 +168,20 @@ def load_engine(engine_dir: Path, role: str, recipe_path: str = "RECIPE"):
     except ImportError as exc:  # the runtime is a separate part of the package
         raise BuildError(f"the CPU engine runtime is not available: {exc}", "reinstall specdeploy") from exc
     return CpuEngine.load(engine_dir)
+
+
+def load_eagle3_head(recipe, layout, target_engine, recipe_path: str = "RECIPE"):
+    """draft.kind eagle3: the head named by draft.head ('trained': the one `specdeploy draft train` exported),
+    checked against the target engine."""
+    from specdeploy.config import EAGLE3_HEAD_TRAINED
+    from specdeploy.engine.eagle3 import Eagle3Head
+
+    trained = recipe.draft.head == EAGLE3_HEAD_TRAINED
+    head_dir = Path(layout.eagle3_head) if trained else Path(recipe.draft.head)
+    if not (head_dir / "config.json").is_file():
+        fix = f"train it with: specdeploy draft train {recipe_path}" if trained else "set draft.head to an exported EAGLE-3 checkpoint folder"
+        raise BuildError(f"no EAGLE-3 head at {head_dir}", fix)
+    return Eagle3Head.load(head_dir, target_engine)
 
 
 def load_tokenizer(engine_dir: Path, model: str):
@@ -162,9 +216,19 @@ class Session:
         if self.ngram is not None and self.ngram.is_public_pool and self.ngram_pool is None:
             self.ngram_pool = NGramPool(self.ngram)
 
+    eagle3: bool = False  # draft.kind eagle3: `target` runs the head inside (Executor.head)
+
     @classmethod
     def from_recipe(cls, recipe, layout, speculative: bool = True, recipe_path: str = "RECIPE", max_cached_sequences: int = 2) -> "Session":
         target_engine = load_engine(layout.engine("target"), "target", recipe_path)
+        if recipe.draft.is_eagle3:
+            head = load_eagle3_head(recipe, layout, target_engine, recipe_path) if speculative else None
+            return cls(
+                load_tokenizer(layout.engine("target"), recipe.target.model),
+                Executor(target_engine, max_cached_sequences, head=head),
+                eagle3=head is not None,
+                deployment=pol.Deployment(pol.PolicySettings.from_recipe(recipe.speculative)),
+            )
         ngram = settings_from_recipe(recipe) if recipe.draft.is_ngram else None
         use_draft_model = speculative and ngram is None
         draft_engine = load_engine(layout.engine("draft"), "draft", recipe_path) if use_draft_model else None
@@ -179,7 +243,7 @@ class Session:
 
     @property
     def can_speculate(self) -> bool:
-        return self.draft is not None or self.ngram is not None
+        return self.draft is not None or self.ngram is not None or self.eagle3
 
     def proposer(self):
         """A Proposer for one request: over the draft Executor, or an n-gram proposer (its own pool, or
@@ -212,6 +276,8 @@ class Session:
         comes from the session's policy (recipe speculative.policy), capped by num_draft_tokens."""
         if not self.can_speculate or num_draft_tokens <= 0:
             return target_only_generate(self.target, prompt_ids, max_new_tokens, sampling, self.end_id, self.stop_words)
+        if self.eagle3:  # the fused loop: k = num_draft_tokens every round (no policy yet)
+            return fused_generate(self.target, prompt_ids, max_new_tokens, num_draft_tokens, sampling, self.end_id, self.stop_words)
         return spec.speculative_generate(
             self.proposer(),
             ExecutorVerifier(self.target, self.end_id, self.stop_words),

@@ -50,6 +50,7 @@ LAYER_OF = {
     "engine.kernels": "runtime",
     "engine.native": "runtime",
     "engine.model": "runtime",
+    "engine.eagle3": "runtime",
     "engine.logits": "runtime",
     "engine.executor": "runtime",
     "generate": "runtime",

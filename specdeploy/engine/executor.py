@@ -65,6 +65,9 @@ class GenerationRequest:
     bad_words: list[list[int]] = field(default_factory=list)
     draft_tokens: list[int] | None = None
     draft_logits: torch.Tensor | None = None  # [k, vocab], the draft's (raw) generation logits
+    # Fused EAGLE-3 (an Executor given a head): draft up to this many tokens per round inside the engine.
+    # Greedy requests only; a sampled request decodes with the target alone (finish stats say fused=False).
+    num_draft_tokens: int = 0
     return_logits: bool = False
     streaming: bool = False
     repetition_penalty: float = 1.0  # over prompt + output tokens, as TensorRT-LLM
@@ -101,6 +104,13 @@ class GenerationStats:
     kv_cache_reused_blocks: int = 0
     kv_cache_alloc_total_blocks: int = 0
     cum_log_prob: float = 0.0  # sum of the output tokens' log probs (with return_log_probs)
+    # fused EAGLE-3 (Executor with a head, request.num_draft_tokens > 0): drafted/accepted above are the totals
+    fused: bool = False  # the request ran the fused loop (False: target alone, e.g. a sampled request)
+    draft_time_s: float = 0.0  # head time: catch-up rows and draft steps
+    accepted_per_round: list[int] = field(default_factory=list)
+    drafted_per_round: list[int] = field(default_factory=list)  # every verification pass after the prefill (0: a plain step)
+    drafted_per_position: list[int] = field(default_factory=list)  # [i]: rounds that drafted a token at position i
+    accepted_per_position: list[int] = field(default_factory=list)  # [i]: rounds whose token at position i was accepted
 
 
 @dataclass
@@ -122,6 +132,14 @@ class _Entry:
     cache: object
     capacity: int
     tokens: list[int] = field(default_factory=list)
+    drafter: object = None  # an eagle3.Eagle3Drafter: the head's rows 0..drafter.length-1 follow `tokens`
+
+    def truncate(self, length: int) -> None:
+        """Forget positions >= length; the head's row p reads the token at p + 1, so it keeps rows < length - 1."""
+        self.cache.truncate(length)
+        del self.tokens[length:]
+        if self.drafter is not None and self.drafter.length > max(0, length - 1):
+            self.drafter.truncate(max(0, length - 1))
 
 
 @dataclass
@@ -132,8 +150,17 @@ class _Pass:
     entry: _Entry
     tokens: list[int]
     keep: int | None = None
+    capture: bool = False  # also return the EAGLE-3 head's aux features of every row (Executor.head)
     logits: torch.Tensor | None = None
+    aux: torch.Tensor | None = None  # [len(tokens), len(aux layers) * hidden] with capture
     elapsed_s: float = 0.0
+
+
+def _count(per_position: list[int], n: int, size: int) -> None:
+    """Add one to positions 0..n-1 of a per-draft-position counter, grown to at least `size` positions."""
+    per_position.extend([0] * (size - len(per_position)))
+    for i in range(n):
+        per_position[i] += 1
 
 
 def reusable_prefix_len(cached_tokens: Sequence[int], input_ids: Sequence[int]) -> int:
@@ -173,11 +200,13 @@ class Executor:
         tokens_per_block: int = TOKENS_PER_BLOCK,
         normalize_log_probs: bool = True,
         prefill_chunk: int = PREFILL_CHUNK,
+        head=None,
     ):
         """`clock` times passes and deadlines (seconds); `wall_clock_ns` stamps the perf timestamps;
         `normalize_log_probs` is the `tensorrt_llm` model parameter of that name (default true, as in
         tensorrtllm_backend): log probs of the top-k/top-p renormalized distribution (0 for a greedy
-        token), else log_softmax of the processed row."""
+        token), else log_softmax of the processed row. `head` (an engine.eagle3.Eagle3Head loaded against
+        this engine) enables the fused EAGLE-3 loop for requests with num_draft_tokens > 0."""
         if max_cached_sequences < 1:
             raise ConfigError(f"max_cached_sequences is {max_cached_sequences}, must be >= 1")
         if prefill_chunk < 1:
@@ -193,6 +222,7 @@ class Executor:
         self.tokens_per_block = tokens_per_block
         self.normalize_log_probs = normalize_log_probs
         self.prefill_chunk = prefill_chunk
+        self.head = head
         self._pool: OrderedDict[int, _Entry] = OrderedDict()  # LRU order: oldest first
         self._next_id = 0
         self._lock = threading.Lock()
@@ -223,14 +253,12 @@ class Executor:
                     best_id, best_len = entry_id, n
             if best_id is not None:
                 entry = self._pool.pop(best_id)
-                entry.cache.truncate(best_len)  # the KV pointer moves back
-                del entry.tokens[best_len:]
+                entry.truncate(best_len)  # the KV pointer moves back
                 return entry, best_len
             if len(self._pool) >= self.max_cached_sequences:
                 _, victim = self._pool.popitem(last=False)  # evict the least recently used
                 if victim.capacity >= needed:
-                    victim.cache.truncate(0)
-                    victim.tokens.clear()
+                    victim.truncate(0)
                     return victim, 0
                 del victim
         capacity = max(self.cache_len, needed)
@@ -245,12 +273,14 @@ class Executor:
                 self._pool.popitem(last=False)
 
     def _prefill(
-        self, entry: _Entry, tokens: list[int], keep: int | None, stats: GenerationStats, request: GenerationRequest, start: float
+        self, entry: _Entry, tokens: list[int], keep: int | None, stats: GenerationStats, request: GenerationRequest, start: float,
+        aux: list | None = None,
     ):
         """Run `tokens` in passes of at most `prefill_chunk` positions, checking cancellation and the
         deadline between them: (the logits of the last `keep` positions (all when None), None), or
         (None, reason) when interrupted (the positions computed so far stay cached for reuse).
-        A generator step (see `_steps`): `logits, reason = yield from self._prefill(...)`."""
+        A generator step (see `_steps`): `logits, reason = yield from self._prefill(...)`. With a list `aux`,
+        every pass captures the head's aux features and appends them there (all rows, in order)."""
         rows: list[torch.Tensor] = []
         kept = 0
         for begin in range(0, len(tokens), self.prefill_chunk):
@@ -262,7 +292,7 @@ class Executor:
             # an earlier chunk's rows are needed only when `keep` reaches back into it
             # rows of this chunk among the last `keep` of all tokens: only those need logits
             want = None if keep is None else max(0, begin + len(part) - max(begin, len(tokens) - keep))
-            out = yield from self._forward(entry, part, stats, want)  # [want or n, vocab]
+            out = yield from self._forward(entry, part, stats, want, aux)  # [want or n, vocab]
             rows.append(out)
             kept += len(out)
             while keep is not None and len(rows) > 1 and kept - len(rows[0]) >= keep:  # drop rows no longer needed
@@ -270,12 +300,15 @@ class Executor:
         logits = rows[0] if len(rows) == 1 else torch.cat(rows)
         return (logits if keep is None else logits[-keep:]), None
 
-    def _forward(self, entry: _Entry, tokens: list[int], stats: GenerationStats, keep: int | None = None):
+    def _forward(self, entry: _Entry, tokens: list[int], stats: GenerationStats, keep: int | None = None, aux: list | None = None):
         """One engine pass over `tokens` appended to `entry`: yields a `_Pass` for the driver (`generate`
         runs it alone, a `BatchScheduler` together with other requests' passes) and returns its logits
-        ([n, vocab], or the last `keep` rows)."""
-        work = _Pass(entry, tokens, keep)
+        ([n, vocab], or the last `keep` rows). With a list `aux`, the pass captures the head's aux features
+        of its rows and appends them there."""
+        work = _Pass(entry, tokens, keep, capture=aux is not None)
         yield work
+        if aux is not None:
+            aux.append(work.aux)
         assert work.logits is not None, "the driver did not run the pass"
         stats.forward_time_s += work.elapsed_s
         stats.iterations += 1
@@ -287,17 +320,27 @@ class Executor:
         `forward_batch` and there is more than one, else one by one; sets each pass's logits and time."""
         t0 = self._clock()
         batch = getattr(self.engine, "forward_batch", None)
+        capture = [p.capture for p in passes]
+        layers = self.head.aux_layer_ids if any(capture) else None
+        auxs = [None] * len(passes)
         if batch is not None:  # also for one pass: it computes the kept rows' logits only
-            outs = batch([p.entry.cache for p in passes], [torch.tensor(p.tokens, dtype=torch.long) for p in passes],
-                         [p.keep for p in passes])
+            tokens = [torch.tensor(p.tokens, dtype=torch.long) for p in passes]
+            if layers is None:
+                outs = batch([p.entry.cache for p in passes], tokens, [p.keep for p in passes])
+            else:
+                outs, auxs = batch([p.entry.cache for p in passes], tokens, [p.keep for p in passes], aux_layers=layers, capture=capture)
         else:
             outs = []
-            for p in passes:
-                out = self.engine.forward(p.entry.cache, torch.tensor(p.tokens, dtype=torch.long))  # [n, vocab]
+            for i, p in enumerate(passes):
+                ids = torch.tensor(p.tokens, dtype=torch.long)
+                if p.capture:
+                    out, auxs[i] = self.engine.forward(p.entry.cache, ids, aux_layers=layers)
+                else:
+                    out = self.engine.forward(p.entry.cache, ids)  # [n, vocab]
                 outs.append(out if p.keep is None else out[len(out) - min(p.keep, len(out)) :])
         elapsed = self._clock() - t0
-        for p, out in zip(passes, outs):
-            p.logits, p.elapsed_s = out, elapsed
+        for p, out, aux in zip(passes, outs, auxs):
+            p.logits, p.aux, p.elapsed_s = out, aux, elapsed
             p.entry.tokens.extend(p.tokens)  # here, not in the request's steps: a request closed now keeps a consistent cache
 
     # ------------------------------------------------------------ requests
@@ -322,6 +365,8 @@ class Executor:
             )
         if request.draft_logits is not None and tuple(request.draft_logits.shape[:1]) != (k,):
             raise ConfigError(f"draft_logits has shape {tuple(request.draft_logits.shape)}, expected [{k}, vocab]")
+        if request.num_draft_tokens < 0:
+            raise ConfigError(f"num_draft_tokens is {request.num_draft_tokens}, must be >= 0", "send 0 for the target alone")
         if request.timeout_s is not None and not request.timeout_s > 0:
             raise ConfigError(f"timeout_s is {request.timeout_s}, must be > 0", "leave it unset for no deadline")
         bias = request.embedding_bias
@@ -379,19 +424,36 @@ class Executor:
         draft = list(request.draft_tokens or [])
         needed = len(request.input_ids) + max(request.max_new_tokens, len(draft) + 1)
         entry, reused = self._acquire(list(request.input_ids), needed)
+        fused = self.fuses(request)
         if request.return_context_logits and reused:
             # reused positions have no logits: recompute the whole prompt
-            entry.cache.truncate(0)
-            entry.tokens.clear()
+            entry.truncate(0)
             reused = 0
+        if fused:  # the head needs the aux features of every position it has not caught up on
+            if entry.drafter is None:
+                entry.drafter = self.head.new_drafter(entry.capacity + self.max_draft_len + 2)
+            # Entry.truncate left the head at most one row short of the reused prefix; the target steps back to
+            # the head's length (rows < it read tokens of the reused prefix only), and recomputes the rest
+            reused = min(reused, entry.drafter.length)
+            entry.cache.truncate(reused)
+            del entry.tokens[reused:]
         stats.reused_tokens = reused
         try:
             if draft:
                 yield from self._verify(entry, request, params, draft, stats, start)
+            elif fused:
+                yield from self._fused(entry, request, params, stats, start)
             else:
                 yield from self._decode(entry, request, params, stats, start)
         finally:
             self._release(entry)
+
+    def fuses(self, request: GenerationRequest) -> bool:
+        """Whether the request runs the fused EAGLE-3 loop: a head is loaded, the request asks for draft tokens
+        and sends none of its own, and it is greedy (a sampled request decodes with the target alone: the
+        head's proposals would need token-match or rejection verification, not written yet)."""
+        return (self.head is not None and request.num_draft_tokens > 0 and not request.draft_tokens
+                and self.max_draft_len > 0 and spec.is_greedy(request.sampling))
 
     def _interrupted(self, request: GenerationRequest, start: float) -> str | None:
         if request.is_cancelled is not None and request.is_cancelled():
@@ -468,6 +530,93 @@ class Executor:
                 pending = 0
             raw = (yield from self._forward(entry, [token], stats, 1))[0]
 
+    def _fused(
+        self, entry: _Entry, request: GenerationRequest, params: LogitsParams, stats: GenerationStats, start: float
+    ) -> Iterator[GenerationChunk]:
+        """The fused EAGLE-3 loop (TensorRT-LLM's one-model path): every target pass also returns the aux
+        features of its rows; the head catches up on the accepted positions and drafts k tokens; the next
+        pass verifies them (k + 1 rows) and decides every token, so the output is the target's own greedy
+        continuation, bit for bit (rows do not depend on how many a pass holds: engine/model.py).
+
+        State between rounds: the target cache holds positions 0..L-1 (the last chosen token not run yet),
+        the head rows 0..L-1 (row p: the target's features at p and the token at p + 1)."""
+        head, drafter = self.head, entry.drafter
+        input_ids = list(request.input_ids)
+        n_in = len(input_ids)
+        aux_parts: list[torch.Tensor] = []
+        logits, reason = yield from self._prefill(
+            entry, input_ids[stats.reused_tokens :], None if request.return_context_logits else 1, stats, request, start, aux_parts
+        )
+        if reason is not None:
+            self._finish(stats, [], [], start)
+            yield self._chunk(request, [], [], [], reason, stats, None)
+            return
+        stats.fused = True
+        context_logits = logits[:n_in] if request.return_context_logits else None
+        raw_rows = logits[-1:]  # [1, vocab]: the rows the tokens of this round were chosen from
+        rows = lp.process_rows(raw_rows, input_ids, n_in, 0, params)
+        new = [spec.greedy_token(rows[0])]
+        pending_aux = torch.cat(aux_parts) if len(aux_parts) > 1 else aux_parts[0]  # rows drafter.length..L-1
+        sequence = list(input_ids)
+        output: list[int] = []
+        kept_logits: list[torch.Tensor] = []
+        kept_log_probs: list[float] = []
+        pending = 0
+        while True:
+            # the round's tokens (draft[:a] + the target's own), cut by length and stop conditions
+            base = len(sequence)
+            self._stamp_token(stats, not output, start)
+            new = new[: request.max_new_tokens - len(output)]
+            sequence.extend(new)
+            reason = None
+            cut = spec.find_stop(sequence, base, request.end_id, request.stop_words)
+            if cut is not None:
+                del sequence[cut:]
+                reason = "end_id" if sequence[-1] == request.end_id else "stop_words"
+            elif len(output) + len(new) >= request.max_new_tokens:
+                reason = "length"
+            new = sequence[base:]
+            output.extend(new)
+            pending += len(new)
+            if request.return_logits:
+                kept_logits.extend(raw_rows[: len(new)])
+            if request.return_log_probs:
+                kept_log_probs.extend(lp.token_log_prob(rows[i], t, request.sampling, self.normalize_log_probs) for i, t in enumerate(new))
+            if reason is None:
+                reason = self._interrupted(request, start)
+            if reason is not None:
+                self._finish(stats, output, kept_log_probs, start)
+                yield self._chunk(request, output[-pending:], kept_logits[-pending:], kept_log_probs[-pending:], reason, stats, context_logits)
+                return
+            if request.streaming and new:
+                yield self._chunk(request, new, kept_logits[-len(new):], kept_log_probs[-len(new):], None, None, context_logits)
+                context_logits = None
+                pending = 0
+            # the head catches up on the positions the target just computed and kept, then drafts
+            t0 = self._clock()
+            length = entry.cache.length
+            drafter.truncate(length - pending_aux.shape[0])
+            drafter.catch_up(pending_aux, sequence[drafter.length + 1 : length + 1])
+            k = max(0, min(request.num_draft_tokens, self.max_draft_len, request.max_new_tokens - len(output) - 1))
+            draft = drafter.draft(k) if k else []
+            stats.draft_time_s += self._clock() - t0
+            # one target pass: the last token + k drafts, k + 1 rows, with their aux features
+            aux_parts = []
+            raw_rows = yield from self._forward(entry, [sequence[-1]] + draft, stats, None, aux_parts)  # [k + 1, vocab]
+            rows = lp.process_rows(raw_rows, sequence + draft, len(sequence), len(output), params)  # [k + 1, vocab]
+            accepted, next_token = spec.verify_greedy(draft, rows)
+            entry.cache.truncate(length + 1 + accepted)  # the rejected drafts' KV: the pointer moves back
+            del entry.tokens[length + 1 + accepted :]
+            pending_aux = aux_parts[0][: accepted + 1]  # [a + 1, L * hidden] positions length..length+a
+            new = draft[:accepted] + [next_token]
+            stats.drafted += k
+            stats.accepted += accepted
+            stats.drafted_per_round.append(k)  # 0: a plain step (one token was left to generate)
+            stats.accepted_per_round.append(accepted)
+            if k:
+                _count(stats.drafted_per_position, k, k)
+                _count(stats.accepted_per_position, accepted, k)
+
     def _verify(
         self,
         entry: _Entry,
@@ -513,8 +662,7 @@ class Executor:
                 num_accepted, next_token = spec.verify_token_match(draft, target_probs, generator)
         self._stamp_token(stats, True, start)
         # Keep the KV of the accepted draft tokens only: the pointer moves back past the rejected ones.
-        entry.cache.truncate(n_in + num_accepted)
-        del entry.tokens[n_in + num_accepted :]
+        entry.truncate(n_in + num_accepted)
         output = (draft[:num_accepted] + [next_token])[: request.max_new_tokens]
         reason = "draft" if len(output) < request.max_new_tokens else "length"
         cut = spec.find_stop(input_ids + output, n_in, request.end_id, request.stop_words)

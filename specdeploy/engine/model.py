@@ -146,6 +146,7 @@ class CpuEngine:
         self.kv_size = spec.num_kv_heads * spec.head_size
         self.scale = 1.0 / math.sqrt(spec.head_size)
         self.decoder = self._native_decoder()
+        self._segment_cache: dict = {}  # aux layer ids -> native decoder segments (EAGLE-3 capture)
 
     @classmethod
     def load(cls, engine_dir: str | Path, num_threads: int | None = None) -> "CpuEngine":
@@ -172,8 +173,11 @@ class CpuEngine:
         return KVCache(s.num_layers, s.num_kv_heads, s.head_size, max_len, self.dtype, s.kv_cache_quant_algo, self.kv_scales)
 
     @torch.inference_mode()
-    def forward(self, cache: KVCache, token_ids: torch.Tensor) -> torch.Tensor:
-        """Logits [n, vocab] (fp32) of n tokens placed at positions cache.length.. ; advances cache.length by n."""
+    def forward(self, cache: KVCache, token_ids: torch.Tensor, aux_layers: tuple[int, ...] | None = None):
+        """Logits [n, vocab] (fp32) of n tokens placed at positions cache.length.. ; advances cache.length by n.
+        With `aux_layers` (an EAGLE-3 head's layer ids, ascending): (logits, aux) where aux [n, len * hidden]
+        (compute dtype) holds the outputs of those layers for every row, concatenated in layer order. The
+        logits are the same bits either way (capture only copies rows out between layers)."""
         token_ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
         n = token_ids.numel()
         if cache.length + n > cache.max_len:
@@ -183,24 +187,42 @@ class CpuEngine:
             )
         if n and (int(token_ids.min()) < 0 or int(token_ids.max()) >= self.spec.vocab_size):
             raise ConfigError(f"token ids must lie in [0, {self.spec.vocab_size})", "check the tokenizer matches the model")
-        return self._forward_rows(cache, token_ids, None)
+        if aux_layers is None:
+            return self._forward_rows(cache, token_ids, None)
+        aux: list[torch.Tensor] = []
+        logits = self._forward_rows(cache, token_ids, None, self._check_aux(aux_layers), aux)
+        return logits, self._join_aux(aux, aux_layers)
 
-    def _forward_rows(self, cache: KVCache, token_ids: torch.Tensor, keep: int | None) -> torch.Tensor:
-        """forward's chunks; logits of the last `keep` rows only (None: all)."""
+    def _check_aux(self, aux_layers) -> tuple[int, ...]:
+        layers = tuple(aux_layers)
+        if list(layers) != sorted(set(layers)) or not layers or not 0 <= layers[0] <= layers[-1] < self.spec.num_layers:
+            raise ConfigError(f"aux_layers {list(layers)} must be distinct ascending layer ids in 0..{self.spec.num_layers - 1}",
+                              "check the EAGLE-3 head's eagle_aux_hidden_state_layer_ids")
+        return layers
+
+    def _join_aux(self, parts: list[torch.Tensor], layers) -> torch.Tensor:
+        if not parts:
+            return torch.empty(0, len(layers) * self.spec.hidden_size, dtype=self.dtype)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _forward_rows(self, cache: KVCache, token_ids: torch.Tensor, keep: int | None, aux_layers=None, aux=None) -> torch.Tensor:
+        """forward's chunks; logits of the last `keep` rows only (None: all). With aux_layers, each chunk's
+        aux features [m, len * hidden] are appended to the list `aux`."""
         n, step = token_ids.numel(), self.chunk_rows
         first_kept = 0 if keep is None else n - min(keep, n)
         chunks = []
         for i in range(0, n, step):
             end = min(i + step, n)
-            chunks.append(self._forward_chunk(cache, token_ids[i:end], max(0, end - max(i, first_kept))))
+            chunks.append(self._forward_chunk(cache, token_ids[i:end], max(0, end - max(i, first_kept)), aux_layers, aux))
         if len(chunks) == 1:  # a decode step or a verification pass: no copy of the logits
             return chunks[0]
         return torch.cat(chunks) if chunks else torch.empty(0, self.spec.vocab_size)
 
     @torch.inference_mode()
     def forward_batch(
-        self, caches: list[KVCache], token_ids: list[torch.Tensor], keep: list[int | None] | None = None
-    ) -> list[torch.Tensor]:
+        self, caches: list[KVCache], token_ids: list[torch.Tensor], keep: list[int | None] | None = None,
+        aux_layers: tuple[int, ...] | None = None, capture: list[bool] | None = None,
+    ):
         """Several sequences' new tokens in one pass (in-flight batching): sequence i places token_ids[i] at
         positions caches[i].length.. and gets back the fp32 logits of its last keep[i] rows (None: all).
 
@@ -223,11 +245,19 @@ class CpuEngine:
                 )
             if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.spec.vocab_size):
                 raise ConfigError(f"token ids must lie in [0, {self.spec.vocab_size})", "check the tokenizer matches the model")
+        layers = None if aux_layers is None else self._check_aux(aux_layers)
+        capture = list(capture) if capture is not None else [True] * len(ids)
         if self.pad_rows is not None or len(ids) == 1:
-            return [self._forward_rows(cache, t, k) for cache, t, k in zip(caches, ids, keep)]
+            logits, aux = [], []
+            for cache, t, k, c in zip(caches, ids, keep, capture):
+                parts = [] if layers is not None and c else None
+                logits.append(self._forward_rows(cache, t, k, layers if parts is not None else None, parts))
+                aux.append(None if parts is None else self._join_aux(parts, layers))
+            return logits if layers is None else (logits, aux)
         sizes = [t.numel() for t in ids]
         starts = [cache.length for cache in caches]
         x = self.embedding[torch.cat(ids)]  # [rows of all sequences, hidden]
+        captured = []  # [rows, hidden] after each aux layer
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(self._norm(x, layer.input_norm))  # [rows, (heads + 2 kv_heads) * head_size]
             parts, offset = [], 0
@@ -236,6 +266,8 @@ class CpuEngine:
                 offset += n
             x = layer.o(parts[0] if len(parts) == 1 else torch.cat(parts), residual=x)
             x = layer.mlp(self._norm(x, layer.post_norm), x, self.native)
+            if layers is not None and i in layers:
+                captured.append(x.clone())
         rows, offset = [], 0  # the rows whose logits are wanted, per sequence
         for n, k in zip(sizes, keep):
             take = n if k is None else min(k, n)
@@ -248,7 +280,15 @@ class CpuEngine:
             logits = torch.empty(0, self.spec.vocab_size)
         for cache, start, n in zip(caches, starts, sizes):
             cache.length = start + n
-        return list(torch.split(logits, [len(r) for r in rows]))
+        logits = list(torch.split(logits, [len(r) for r in rows]))
+        if layers is None:
+            return logits
+        joined = torch.cat(captured, dim=-1)  # [rows, len * hidden]
+        aux, offset = [], 0
+        for n, c in zip(sizes, capture):
+            aux.append(joined[offset : offset + n] if c else None)
+            offset += n
+        return logits, aux
 
     def weight_bytes(self) -> int:
         """Bytes of the weights as held in memory for inference (the embedding table and the LM head's packed
@@ -280,19 +320,49 @@ class CpuEngine:
                 decoder.set_linear(i, name, *getattr(layer, name).args())
         return decoder
 
-    def _forward_chunk(self, cache: KVCache, ids: torch.Tensor, keep: int | None = None) -> torch.Tensor:
+    def _segments(self, aux_layers: tuple[int, ...]) -> list[tuple[int, int, object]]:
+        """The native decoder split after each aux layer: (first, end, Decoder over layers first..end-1), so a
+        pass with capture makes len(aux_layers) + 1 native calls instead of one (no change to the csrc loop)."""
+        found = self._segment_cache.get(aux_layers)
+        if found is None:
+            s, found, first = self.spec, [], 0
+            for end in sorted(set(aux_layers) | {s.num_layers - 1}):
+                decoder = torch.classes.specdeploy_cpu.Decoder(end + 1 - first, s.num_heads, s.num_kv_heads, self.scale,
+                                                               s.norm_epsilon, self.cos, self.sin)
+                for i in range(first, end + 1):
+                    layer = self.layers[i]
+                    decoder.set_norms(i - first, layer.input_norm, layer.post_norm)
+                    for name in ("qkv", "o", "gate_up", "down"):
+                        decoder.set_linear(i - first, name, *getattr(layer, name).args())
+                found.append((first, end + 1, decoder))
+                first = end + 1
+            self._segment_cache[aux_layers] = found
+        return found
+
+    def _forward_chunk(self, cache: KVCache, ids: torch.Tensor, keep: int | None = None, aux_layers=None, aux=None) -> torch.Tensor:
         """Logits [m, vocab] of one chunk of m rows, or of its last `keep` rows (the others skip the LM head,
-        except in an engine that pads: its LM head runs on all rows, as every call)."""
+        except in an engine that pads: its LM head runs on all rows, as every call). With aux_layers, the
+        outputs of those layers for the m rows go to `aux` as one [m, len * hidden] tensor."""
         s, m, start = self.spec, ids.numel(), cache.length
         rows = self.pad_rows or m
         x = self.embedding[F.pad(ids, (0, rows - m))]  # [rows, hidden] (rows m.. are padding)
-        if self.decoder is not None and cache.quant_algo is None:
+        captured = []
+        if self.decoder is not None and cache.quant_algo is None and aux_layers is None:
             x = self.decoder.forward(x, cache.keys, cache.values, start, m)  # the loop below, in one native call
+        elif self.decoder is not None and cache.quant_algo is None:
+            for first, end, decoder in self._segments(aux_layers):
+                x = decoder.forward(x, cache.keys[first:end], cache.values[first:end], start, m)
+                if end - 1 in aux_layers:
+                    captured.append(x[:m].clone())
         else:
             for i, layer in enumerate(self.layers):
                 qkv = layer.qkv(self._norm(x, layer.input_norm))  # [rows, (heads + 2 kv_heads) * head_size]
                 x = layer.o(self._attention(cache, i, qkv, start, m), residual=x)
                 x = layer.mlp(self._norm(x, layer.post_norm), x, self.native)
+                if aux_layers is not None and i in aux_layers:
+                    captured.append(x[:m].clone())
+        if aux_layers is not None:
+            aux.append(torch.cat(captured, dim=-1))  # [m, len * hidden]
         cache.length = start + m
         if keep is not None and keep < m and self.pad_rows is None:
             if keep <= 0:

@@ -1,0 +1,313 @@
+"""An EAGLE-3 draft head run inside the CPU engine, as TensorRT-LLM's one-model EAGLE-3 path does.
+
+The head is the standard exported checkpoint (ModelOpt's `export_speculative_decoding`; TensorRT-LLM,
+vLLM, SGLang and llama.cpp load the same files): config.json with architectures
+["LlamaForCausalLMEagle3"] and model.safetensors with
+
+    fc.weight                                    [hidden, len(aux_layer_ids) * hidden]
+    layers.0.self_attn.{q,k,v}_proj.weight       [.., 2 * hidden]   (input: [embedding ; feature])
+    layers.0.self_attn.o_proj.weight, layers.0.mlp.{gate,up,down}_proj.weight
+    layers.0.{input_layernorm,hidden_norm,post_attention_layernorm}.weight
+    norm.weight (optional: use_last_layernorm), lm_head.weight [draft_vocab, hidden] (optional),
+    d2t [draft_vocab] int64 (optional when draft_vocab == vocab): target_id = draft_id + d2t[draft_id]
+
+(tensor names: modelopt/torch/export/plugins/hf_spec_export.py:49-64, the keys an exported llama head
+must / may hold; d2t semantics: modelopt/torch/speculative/plugins/hf_eagle.py:636-643 and :937-938).
+The head has no embedding table of its own: it embeds tokens with the target's (ModelOpt's
+`_base_model_embeddings`, hf_eagle.py:901 and :921-925).
+
+One head row at position p (the math of TensorRT-LLM's PyTorch-backend Eagle3LlamaDecoderLayer.forward and
+Eagle3LlamaDraftModel.forward, and of vLLM's llama_eagle3.py: `residual = feature; cat(input_layernorm(embed),
+hidden_norm(feature))`, the next step's feature is the pre-norm sum `hidden_states_to_save`, and the head
+checkpoint has no embed_tokens, the target's is passed in):
+
+    feature_p = fc(cat(aux_l1[p], aux_l2[p], aux_l3[p]))    the target's layer outputs at p (first step)
+              | prenorm_{p-1}                               the head's own previous row (later steps)
+    x      = cat(input_layernorm(embed(token_{p+1})), hidden_norm(feature_p))     [2 * hidden]
+    h      = feature_p + o(attention(q(x), k(x), v(x)))     RoPE at position p, the head's own KV cache
+    prenorm_p = h + down(silu(gate(n)) * up(n)), n = post_attention_layernorm(h)
+    logits = lm_head(norm(prenorm_p)) -> draft token (argmax), mapped to the target vocab by d2t
+
+The aux features are the outputs (residual stream, before the final norm) of the target layers
+`eagle_aux_hidden_state_layer_ids`, concatenated in layer order: ModelOpt registers a forward hook on
+those layers (hf_eagle.py:402-406, :208-216) and concatenates in call order (:218-234); the default ids
+when the config has none are hf_eagle.py:58-63's. Row p pairs the feature at p with the token at p + 1
+(ModelOpt shifts the input ids left by one, hf_eagle.py:480-484 and :901) and uses RoPE position p
+(modeling_eagle.py:145-153, position_ids = arange from the cache length).
+
+Note: ModelOpt 0.47's own HF training path applies the decoder layer's input_layernorm to the feature
+before its pre-hook applies hidden_norm (transformers LlamaDecoderLayer.forward normalises first, then
+modeling_eagle.py:117-126 normalises again); the runtimes above (and this one) normalise the feature by
+hidden_norm only. A head trained with that path is served as the runtimes serve it.
+
+The KV cache is indexed by absolute position; rollback moves the pointer (STYLE.md rule 3).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specdeploy.engine.kernels import make_linear
+from specdeploy.engine.kv_cache import KVCache
+from specdeploy.engine.model import LazyTensors, rms_norm, rope_inv_freq
+from specdeploy.errors import ModelError
+
+HEAD_CONFIG = "config.json"
+HEAD_WEIGHTS = "model.safetensors"
+ARCHITECTURE = "LlamaForCausalLMEagle3"  # modelopt/torch/export/plugins/hf_spec_configs.py:19
+
+
+def default_aux_layer_ids(num_layers: int) -> tuple[int, ...]:
+    """ModelOpt's default (hf_eagle.py:58-63): a layer near the start, the middle and the end."""
+    return tuple(sorted({1, max(0, num_layers // 2 - 1), max(0, num_layers - 4)}))
+
+
+@dataclass(frozen=True)
+class Eagle3HeadConfig:
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    intermediate_size: int
+    norm_epsilon: float
+    rope_theta: float
+    rope_scaling: dict | None
+    vocab_size: int
+    draft_vocab_size: int
+    aux_layer_ids: tuple[int, ...] | None  # None: the default for the target's depth
+
+    @classmethod
+    def read(cls, head_dir: Path) -> "Eagle3HeadConfig":
+        path = Path(head_dir) / HEAD_CONFIG
+        if not path.is_file():
+            raise ModelError(f"{head_dir} is not an EAGLE-3 head (no {HEAD_CONFIG})",
+                             "point draft.head at the folder export_speculative_decoding wrote (config.json + model.safetensors)")
+        c = json.loads(path.read_text())
+        arch = c.get("architectures") or []
+        if ARCHITECTURE not in arch:
+            raise ModelError(f"{path}: architectures is {arch}, expected [{ARCHITECTURE!r}]",
+                             "export the head with modelopt.torch.export.export_speculative_decoding")
+        missing = [k for k in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size") if k not in c]
+        if missing:
+            raise ModelError(f"{path} lacks {', '.join(missing)}", "re-export the head (export_speculative_decoding)")
+        eagle = c.get("eagle_config") or {}
+        ids = eagle.get("eagle_aux_hidden_state_layer_ids") or c.get("eagle_aux_hidden_state_layer_ids") or None
+        rope_scaling = c.get("rope_scaling") or None
+        theta = c.get("rope_theta") or (rope_scaling or {}).get("rope_theta") or 10000.0  # transformers 5 keeps it there
+        heads = int(c["num_attention_heads"])
+        return cls(
+            hidden_size=int(c["hidden_size"]),
+            num_heads=heads,
+            num_kv_heads=int(c.get("num_key_value_heads") or heads),
+            head_size=int(c.get("head_dim") or c["hidden_size"] // heads),
+            intermediate_size=int(c["intermediate_size"]),
+            norm_epsilon=float(c.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            rope_scaling=rope_scaling,
+            vocab_size=int(c["vocab_size"]),
+            draft_vocab_size=int(c.get("draft_vocab_size") or c["vocab_size"]),
+            aux_layer_ids=None if ids is None else tuple(int(i) for i in ids),
+        )
+
+
+def _fail(path: Path, problem: str, fix: str = "use the head trained for this target (the draft.head of its recipe)"):
+    raise ModelError(f"EAGLE-3 head {path}: {problem}", fix)
+
+
+class Eagle3Head:
+    """A loaded head, checked against the target engine it drafts for. `catch_up` and `draft` run it."""
+
+    def __init__(self, config: Eagle3HeadConfig, tensors, target, path: Path = Path("<head>")):
+        spec, c = target.spec, config
+        self.config, self.path = c, Path(path)
+        if c.hidden_size != spec.hidden_size:
+            _fail(path, f"hidden_size {c.hidden_size} differs from the target's {spec.hidden_size}")
+        if c.vocab_size != spec.vocab_size:
+            _fail(path, f"vocab_size {c.vocab_size} differs from the target's {spec.vocab_size}")
+        if not 0 < c.draft_vocab_size <= c.vocab_size:
+            _fail(path, f"draft_vocab_size {c.draft_vocab_size} is not in 1..vocab_size ({c.vocab_size})", "re-export the head")
+        ids = c.aux_layer_ids if c.aux_layer_ids is not None else default_aux_layer_ids(spec.num_layers)
+        bad = [i for i in ids if not 0 <= i < spec.num_layers]
+        if bad:
+            _fail(path, f"eagle_aux_hidden_state_layer_ids {list(ids)} name layers {bad} the target (num_layers "
+                        f"{spec.num_layers}) does not have")
+        self.aux_layer_ids = tuple(sorted(set(ids)))  # the order ModelOpt's hooks fire in
+        self.dtype = dtype = target.dtype
+        self.native = target.native
+        h, nq, nkv, d = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_size
+
+        def get(name, shape):
+            if name not in tensors:
+                _fail(path, f"model.safetensors has no {name}", "re-export the head (export_speculative_decoding)")
+            t = tensors[name]
+            if tuple(t.shape) != tuple(shape):
+                _fail(path, f"{name} has shape {list(t.shape)}, expected {list(shape)} (config.json and the target)")
+            return t
+
+        def linear(weight):
+            return make_linear({"weight": weight.to(dtype).contiguous()}, None, dtype, None, self.native)
+
+        p = "layers.0."
+        self.fc = linear(get("fc.weight", (h, len(ids) * h)))
+        qkv = [get(f"{p}self_attn.{n}_proj.weight", (rows, 2 * h)) for n, rows in (("q", nq * d), ("k", nkv * d), ("v", nkv * d))]
+        self.qkv = linear(torch.cat(qkv))  # [(nq + 2 nkv) d, 2h], the engine's fused layout
+        self.o = linear(get(f"{p}self_attn.o_proj.weight", (h, nq * d)))
+        gate = get(f"{p}mlp.gate_proj.weight", (c.intermediate_size, h))
+        up = get(f"{p}mlp.up_proj.weight", (c.intermediate_size, h))
+        self.gate_up = linear(torch.cat([gate, up]))  # [2 I, h]
+        self.down = linear(get(f"{p}mlp.down_proj.weight", (h, c.intermediate_size)))
+        self.input_norm = get(f"{p}input_layernorm.weight", (h,)).to(dtype)
+        self.hidden_norm = get(f"{p}hidden_norm.weight", (h,)).to(dtype)
+        self.post_norm = get(f"{p}post_attention_layernorm.weight", (h,)).to(dtype)
+        self.final_norm = get("norm.weight", (h,)).to(dtype) if "norm.weight" in tensors else None  # use_last_layernorm
+        if "lm_head.weight" in tensors:
+            self.lm_head = linear(get("lm_head.weight", (c.draft_vocab_size, h)))
+        elif c.draft_vocab_size == c.vocab_size:
+            self.lm_head = target.lm_head  # hf_spec_export.py:175-176 fills it from the base model on export
+        else:
+            _fail(path, "model.safetensors has no lm_head.weight but draft_vocab_size < vocab_size", "re-export the head")
+        if "d2t" in tensors:
+            d2t = get("d2t", (c.draft_vocab_size,)).long()
+            mapped = torch.arange(c.draft_vocab_size) + d2t
+            if int(mapped.min()) < 0 or int(mapped.max()) >= c.vocab_size:
+                _fail(path, f"d2t maps draft ids to target ids outside 0..{c.vocab_size - 1} "
+                            f"(min {int(mapped.min())}, max {int(mapped.max())})", "re-export the head with the target's vocabulary")
+            self.draft_to_target = mapped  # [draft_vocab] target ids
+        elif c.draft_vocab_size == c.vocab_size:
+            self.draft_to_target = None
+        else:
+            _fail(path, "draft_vocab_size < vocab_size but model.safetensors has no d2t", "re-export the head with its draft vocabulary")
+        self.embedding = target.embedding  # [vocab, h], the target's table
+        inv_freq = rope_inv_freq(d, c.rope_theta, c.rope_scaling)  # [d / 2]
+        positions = torch.arange(spec.max_seq_len + spec.max_draft_len + 2, dtype=torch.float32)
+        emb = torch.cat([torch.outer(positions, inv_freq)] * 2, dim=-1)  # [positions, d]
+        sign = torch.cat([-torch.ones_like(inv_freq), torch.ones_like(inv_freq)])
+        self.cos, self.sin = emb.cos(), emb.sin() * sign  # as model.rope_tables
+        self.scale = 1.0 / math.sqrt(d)
+        self.max_len = len(positions)
+
+    @classmethod
+    def load(cls, head_dir: str | Path, target) -> "Eagle3Head":
+        """Read an exported head and check it against `target` (a CpuEngine)."""
+        head_dir = Path(head_dir)
+        config = Eagle3HeadConfig.read(head_dir)
+        weights = head_dir / HEAD_WEIGHTS
+        if not weights.is_file():
+            raise ModelError(f"EAGLE-3 head {head_dir} has no {HEAD_WEIGHTS}", "re-export the head (export_speculative_decoding)")
+        with LazyTensors(weights) as tensors:
+            return cls(config, tensors, target, head_dir)
+
+    def new_drafter(self, max_len: int | None = None) -> "Eagle3Drafter":
+        """One sequence's head state (the executor keeps one per pooled KV cache)."""
+        return Eagle3Drafter(self, max_len)
+
+    def new_cache(self, max_len: int | None = None) -> KVCache:
+        c = self.config
+        return KVCache(1, c.num_kv_heads, c.head_size, min(max_len or self.max_len, self.max_len), self.dtype)
+
+    # ------------------------------------------------------------------ the math
+
+    def _norm(self, x, weight):
+        if self.native is not None:
+            return self.native.rms_norm(x, weight, self.config.norm_epsilon)
+        return rms_norm(x, weight, self.config.norm_epsilon)
+
+    def project(self, aux: torch.Tensor) -> torch.Tensor:
+        """fc: the target's aux features [n, len(ids) * hidden] -> head features [n, hidden]."""
+        return self.fc(aux.to(self.dtype))
+
+    @torch.inference_mode()
+    def forward(self, cache: KVCache, features: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows at positions cache.length..: features [n, hidden] (fc'd target features or the head's own
+        prenorm states), token_ids [n] (the token after each row's position). Returns the draft-vocab
+        logits of the last row [draft_vocab] (f32) and the prenorm states [n, hidden]; advances the cache."""
+        c, n, start = self.config, features.shape[0], cache.length
+        features = features.to(self.dtype)
+        embeds = self.embedding[torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)]  # [n, h]
+        x = torch.cat([self._norm(embeds, self.input_norm), self._norm(features, self.hidden_norm)], dim=-1)  # [n, 2h]
+        qkv = self.qkv(x)  # [n, (nq + 2 nkv) d]
+        h = self.o(self._attention(cache, qkv, start, n), residual=features)  # [n, h]
+        gate_up = self.gate_up(self._norm(h, self.post_norm))  # [n, 2I]
+        if self.native is not None:
+            act = self.native.swiglu(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        prenorm = self.down(act, residual=h)  # [n, h]
+        cache.length = start + n
+        last = prenorm[-1:]
+        if self.final_norm is not None:
+            last = self._norm(last, self.final_norm)
+        return self.lm_head(last)[0].float(), prenorm
+
+    def _attention(self, cache: KVCache, qkv: torch.Tensor, start: int, m: int) -> torch.Tensor:
+        """Causal attention of rows start..start+m-1 over the head's cache (RoPE on q, k): [m, nq * d]."""
+        c = self.config
+        if self.native is not None:
+            return self.native.attention(qkv, self.cos, self.sin, cache.keys[0], cache.values[0], start, m,
+                                         c.num_heads, c.num_kv_heads, self.scale)
+        from specdeploy.engine.model import apply_rope
+
+        d, nq, nkv = c.head_size, c.num_heads, c.num_kv_heads
+        cos, sin = self.cos[start : start + m], self.sin[start : start + m]
+        qk = apply_rope(qkv[:, : (nq + nkv) * d].view(m, nq + nkv, d), cos, sin)  # [m, nq + nkv, d]
+        q, k = qk.split([nq, nkv], dim=1)
+        cache.write(0, start, k, qkv[:, (nq + nkv) * d :].view(m, nkv, d))
+        keys, values = cache.read(0, start + m)  # [nkv, start + m, d] f32
+        groups = nq // nkv
+        keys, values = keys.repeat_interleave(groups, 0), values.repeat_interleave(groups, 0)  # [nq, start + m, d]
+        mask = torch.arange(start + m)[None, :] <= torch.arange(start, start + m)[:, None]  # [m, start + m]
+        out = F.scaled_dot_product_attention(q.float().transpose(0, 1), keys, values, attn_mask=mask, scale=self.scale)
+        return out.transpose(0, 1).reshape(m, nq * d).to(self.dtype)  # [m, nq * d]
+
+    def to_target(self, draft_id: int) -> int:
+        return draft_id if self.draft_to_target is None else int(self.draft_to_target[draft_id])
+
+
+class Eagle3Drafter:
+    """One sequence's head state: its KV cache (rows 0..length-1 computed from the target's features) and
+    the last row's logits and prenorm state, from which the next draft starts.
+
+    Round protocol (the fused loop): `catch_up(aux, tokens)` after each target pass over the rows it
+    accepted, then `draft(k)`. The drafted rows (from the head's own states) are rolled back after
+    drafting, since the next catch-up recomputes those positions from the target's features."""
+
+    def __init__(self, head: Eagle3Head, max_len: int | None = None):
+        self.head = head
+        self.cache = head.new_cache(max_len)
+        self.logits: torch.Tensor | None = None  # [draft_vocab] of the last caught-up row
+        self.prenorm: torch.Tensor | None = None  # [1, hidden]
+
+    @property
+    def length(self) -> int:
+        return self.cache.length
+
+    def truncate(self, length: int) -> None:
+        self.cache.truncate(length)
+        self.logits = self.prenorm = None
+
+    def catch_up(self, aux: torch.Tensor, next_tokens: list[int]) -> None:
+        """Rows at positions length.. from the target's aux features [n, L * hidden] of those positions and
+        the tokens that follow them (next_tokens[i] is the token at position length + i + 1)."""
+        assert aux.shape[0] == len(next_tokens) > 0, (aux.shape, len(next_tokens))
+        self.logits, prenorm = self.head.forward(self.cache, self.head.project(aux), torch.tensor(next_tokens))
+        self.prenorm = prenorm[-1:]
+
+    def draft(self, k: int) -> list[int]:
+        """k draft tokens (target ids), greedy: the first from the last caught-up row, each later one from a
+        row fed with the previous row's prenorm state and the token just drafted. Leaves the cache as it was."""
+        assert self.logits is not None, "catch_up first"
+        base = self.cache.length
+        tokens = [self.head.to_target(int(self.logits.argmax()))]
+        prenorm = self.prenorm
+        for _ in range(k - 1):
+            logits, prenorm = self.head.forward(self.cache, prenorm, torch.tensor([tokens[-1]]))
+            tokens.append(self.head.to_target(int(logits.argmax())))
+        self.cache.truncate(base)  # the drafted rows are recomputed from the target's features next round
+        return tokens

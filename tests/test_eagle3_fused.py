@@ -1,0 +1,349 @@
+"""The fused EAGLE-3 loop: the CPU engine runs the target and an EAGLE-3 head as one model.
+
+Tiers (STYLE.md rule 11): greedy output equals the target alone token for token (random heads, k = 1..4,
+one request and in-flight batches); a drafter that proposes the target's own continuation gets every draft
+accepted; the head's forward equals an independent plain-torch implementation of the exported format's math;
+heads that do not fit the target are refused naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eagle3_heads import make_eagle3_head
+from specdeploy.engine.eagle3 import Eagle3Head, default_aux_layer_ids
+from specdeploy.engine.executor import BatchScheduler, Executor, GenerationRequest, run
+from specdeploy.errors import ModelError
+from specdeploy.speculative import SamplingParams
+from tiny_models import make_tiny_model
+
+AUX = (0, 1, 2)
+
+
+def _engine(model_dir, out_dir, dtype, max_draft_len=8):
+    from specdeploy.config import EngineConfig, QuantConfig
+    from specdeploy.engine.compile import compile_checkpoint
+    from specdeploy.engine.model import CpuEngine
+    from specdeploy.quantize import quantize_model
+
+    ckpt = out_dir / "ckpt"
+    if not ckpt.exists():
+        quantize_model(model_dir, QuantConfig(), ckpt, progress=False)
+    compile_checkpoint(ckpt, out_dir / dtype, EngineConfig(dtype=dtype, max_input_len=128, max_seq_len=256), max_draft_len)
+    return CpuEngine.load(out_dir / dtype)
+
+
+@pytest.fixture(scope="module")
+def four_layer_dir(tmp_path_factory, tiny_tokenizer_dir):
+    path = tmp_path_factory.mktemp("tiny-llama-4l")
+    make_tiny_model(path, tiny_tokenizer_dir, seed=0, num_hidden_layers=4)
+    return path
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def target(request, four_layer_dir, tmp_path_factory):
+    """The tiny 4-layer target: fp32 (torch kernels, padded rows) and bf16 (native decoder, run in segments)."""
+    return _engine(four_layer_dir, tmp_path_factory.mktemp("eng"), request.param)
+
+
+@pytest.fixture(scope="module")
+def head_dir(tmp_path_factory):
+    return make_eagle3_head(tmp_path_factory.mktemp("head") / "h", 64, 512, AUX)
+
+
+def prompt_of(seed, n):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(4, 512, (n,), generator=g).tolist()
+
+
+# ---------------------------------------------------------------- the target's aux features
+
+
+def test_capture_leaves_logits_unchanged(target):
+    ids = torch.tensor(prompt_of(1, 21))
+    plain = target.forward(target.new_cache(64), ids)
+    logits, aux = target.forward(target.new_cache(64), ids, aux_layers=AUX)
+    assert torch.equal(plain, logits)
+    assert aux.shape == (21, 3 * 64) and aux.dtype == target.dtype
+    # the features are the layers' outputs: the last captured layer of a 3-layer prefix equals ...
+    outs, auxs = target.forward_batch([target.new_cache(64), target.new_cache(64)], [ids, ids[:7]], [1, None],
+                                      aux_layers=(1, 3), capture=[True, False])
+    assert torch.equal(outs[0], plain[-1:]) and torch.equal(outs[1], target.forward(target.new_cache(64), ids[:7]))
+    assert torch.equal(auxs[0][:, :64], aux[:, 64:128]) and auxs[1] is None
+    # ... and the last layer's output, normed and through the LM head, gives the logits
+    last = auxs[0][:, 64:].contiguous()
+    assert torch.allclose(target.lm_head(target._norm(last, target.final_norm)).float(), plain, atol=1e-5)
+
+
+# ---------------------------------------------------------------- the head's math
+
+
+def reference_head_logits(head_dir, embedding, aux, next_tokens):
+    """The exported head's forward in plain f32 torch, written from the format (vLLM llama_eagle3 /
+    TensorRT-LLM Eagle3DecoderLayer math), independent of engine/eagle3.py: all rows at once with a causal mask."""
+    from safetensors.torch import load_file
+
+    w = {k: v.float() for k, v in load_file(str(head_dir / "model.safetensors")).items()}
+    c = json.loads((head_dir / "config.json").read_text())
+    h, nq, nkv, d, eps = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"], c["rms_norm_eps"]
+
+    def norm(x, name):
+        return F.rms_norm(x, (h,), w[name], eps)
+
+    n = aux.shape[0]
+    feature = aux.float() @ w["fc.weight"].T
+    x = torch.cat([norm(embedding[next_tokens].float(), "layers.0.input_layernorm.weight"),
+                   norm(feature, "layers.0.hidden_norm.weight")], dim=-1)
+    q = (x @ w["layers.0.self_attn.q_proj.weight"].T).view(n, nq, d)
+    k = (x @ w["layers.0.self_attn.k_proj.weight"].T).view(n, nkv, d)
+    v = (x @ w["layers.0.self_attn.v_proj.weight"].T).view(n, nkv, d)
+    inv = 1.0 / (c["rope_theta"] ** (torch.arange(0, d, 2).float() / d))
+    ang = torch.outer(torch.arange(n).float(), inv)
+    cos, sin = torch.cat([ang.cos()] * 2, -1)[:, None], torch.cat([ang.sin()] * 2, -1)[:, None]
+
+    def rope(t):
+        t1, t2 = t[..., : d // 2], t[..., d // 2 :]
+        return t * cos + torch.cat([-t2, t1], -1) * sin
+
+    q, k = rope(q), rope(k)
+    k, v = k.repeat_interleave(nq // nkv, 1), v.repeat_interleave(nq // nkv, 1)
+    att = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
+    hs = feature + att.transpose(0, 1).reshape(n, nq * d) @ w["layers.0.self_attn.o_proj.weight"].T
+    m = norm(hs, "layers.0.post_attention_layernorm.weight")
+    mlp = (F.silu(m @ w["layers.0.mlp.gate_proj.weight"].T) * (m @ w["layers.0.mlp.up_proj.weight"].T)) @ w["layers.0.mlp.down_proj.weight"].T
+    prenorm = hs + mlp
+    return norm(prenorm, "norm.weight") @ w["lm_head.weight"].T  # [n, draft_vocab]
+
+
+def test_head_forward_matches_an_independent_implementation(four_layer_dir, tmp_path):
+    target = _engine(four_layer_dir, tmp_path, "float32")
+    head_dir = make_eagle3_head(tmp_path / "head", 64, 512, AUX, dtype="float32", seed=3)
+    head = Eagle3Head.load(head_dir, target)
+    ids = prompt_of(2, 12)
+    _, aux = target.forward(target.new_cache(64), torch.tensor(ids), aux_layers=AUX)
+    next_tokens = ids[1:] + [7]
+    expected = reference_head_logits(head_dir, target.embedding, aux, torch.tensor(next_tokens))  # [12, draft_vocab]
+    for split in (12, 5):  # all rows in one call, or two calls over the cache (positions continue)
+        cache = head.new_cache(64)
+        logits, prenorm = head.forward(cache, head.project(aux[:split]), torch.tensor(next_tokens[:split]))
+        assert torch.allclose(logits, expected[split - 1], atol=2e-4, rtol=1e-4)
+        if split < 12:
+            logits, _ = head.forward(cache, head.project(aux[split:]), torch.tensor(next_tokens[split:]))
+            assert torch.allclose(logits, expected[-1], atol=2e-4, rtol=1e-4)
+    assert cache.length == 12
+
+
+def test_draft_maps_draft_ids_through_d2t(four_layer_dir, tmp_path):
+    target = _engine(four_layer_dir, tmp_path, "float32")
+    d2t = torch.arange(64) * 3  # draft id i -> target id 4 i
+    head = Eagle3Head.load(make_eagle3_head(tmp_path / "h", 64, 512, AUX, draft_vocab_size=64, d2t=d2t), target)
+    drafter = head.new_drafter(64)
+    ids = prompt_of(3, 9)
+    _, aux = target.forward(target.new_cache(64), torch.tensor(ids), aux_layers=AUX)
+    drafter.catch_up(aux, ids[1:] + [5])
+    draft = drafter.draft(4)
+    assert len(draft) == 4 and all(t % 4 == 0 for t in draft)
+    assert draft[0] == 4 * int(drafter.logits.argmax()) and drafter.length == 9  # drafted rows rolled back
+
+
+# ---------------------------------------------------------------- the fused loop: greedy parity
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_fused_greedy_equals_the_target_alone(target, head_dir, k):
+    plain, fused = Executor(target), Executor(target, head=Eagle3Head.load(head_dir, target))
+    for seed, n in ((0, 5), (1, 11), (2, 30)):
+        prompt = prompt_of(seed, n)
+        expected = run(plain, GenerationRequest(prompt, 20))
+        got = run(fused, GenerationRequest(prompt, 20, num_draft_tokens=k, return_logits=True))
+        assert got.token_ids == expected.token_ids
+        assert got.stats.fused and got.stats.drafted > 0
+        assert sum(got.stats.drafted_per_position) == got.stats.drafted
+        assert torch.equal(got.logits, run(plain, GenerationRequest(prompt, 20, return_logits=True)).logits)
+    again = run(fused, GenerationRequest(prompt, 20, num_draft_tokens=k))  # prefix reuse: the head's rows are pooled too
+    assert again.token_ids == expected.token_ids and again.stats.reused_tokens > 0
+
+
+def test_fused_stops_and_streams_as_the_target(target, head_dir):
+    plain, fused = Executor(target), Executor(target, head=Eagle3Head.load(head_dir, target))
+    prompt = prompt_of(4, 8)
+    ref = run(plain, GenerationRequest(prompt, 20)).token_ids
+    stop = ref[5:7]
+    expected = run(plain, GenerationRequest(prompt, 20, stop_words=[stop], end_id=ref[12]))
+    got = run(fused, GenerationRequest(prompt, 20, stop_words=[stop], end_id=ref[12], num_draft_tokens=3))
+    assert (got.token_ids, got.finish_reason) == (expected.token_ids, expected.finish_reason)
+    chunks = list(fused.generate(GenerationRequest(prompt, 20, num_draft_tokens=3, streaming=True)))
+    assert [t for c in chunks for t in c.token_ids] == ref and chunks[-1].finished
+
+
+def test_sampled_requests_decode_with_the_target_alone(target, head_dir):
+    fused = Executor(target, head=Eagle3Head.load(head_dir, target))
+    sampling = SamplingParams(temperature=0.8, top_k=20, seed=5)
+    got = run(fused, GenerationRequest(prompt_of(5, 6), 10, sampling=sampling, num_draft_tokens=3))
+    expected = run(Executor(target), GenerationRequest(prompt_of(5, 6), 10, sampling=sampling))
+    assert got.token_ids == expected.token_ids and not got.stats.fused and got.stats.drafted == 0
+
+
+def test_fused_requests_in_flight_batching(target, head_dir):
+    """Several requests' verification rows in one forward_batch: each request's output is the target's own."""
+    plain = Executor(target)
+    scheduler = BatchScheduler(Executor(target, max_cached_sequences=8, head=Eagle3Head.load(head_dir, target)), 4)
+    try:
+        requests = [GenerationRequest(prompt_of(10 + i, 4 + 3 * i), 16, num_draft_tokens=1 + i % 4) for i in range(5)]
+        requests.append(GenerationRequest(prompt_of(20, 9), 12))  # a plain request in the same batches
+        results = [None] * len(requests)
+
+        def consume(i):
+            tokens = []
+            for chunk in scheduler.generate(requests[i]):
+                tokens.extend(chunk.token_ids)
+            results[i] = tokens
+
+        with scheduler.paused():
+            threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(requests))]
+            for t in threads:
+                t.start()
+            while scheduler.waiting() < len(requests):
+                threading.Event().wait(0.01)
+        for t in threads:
+            t.join(600)
+        for request, tokens in zip(requests, results):
+            assert tokens == run(plain, GenerationRequest(request.input_ids, request.max_new_tokens)).token_ids
+        assert scheduler.max_active > 1
+    finally:
+        scheduler.close()
+
+
+# ---------------------------------------------------------------- a drafter that knows the target's answer
+
+
+class OracleDrafter:
+    """Proposes the target's own greedy continuation (from a reference run), optionally wrong at every
+    `wrong_every`-th draft: the loop's accounting, with nothing left to chance."""
+
+    def __init__(self, reference: list[int], wrong_every: int = 0):
+        self.reference, self.wrong_every, self.length, self.drafts = reference, wrong_every, 0, 0
+
+    def truncate(self, length):
+        self.length = length
+
+    def catch_up(self, aux, next_tokens):
+        assert aux.shape[0] == len(next_tokens)
+        assert next_tokens == self.reference[self.length + 1 : self.length + 1 + len(next_tokens)]  # the target's tokens
+        self.length += len(next_tokens)
+
+    def draft(self, k):
+        tokens = self.reference[self.length + 1 : self.length + 1 + k]
+        if self.wrong_every:
+            self.drafts += 1
+            if self.drafts % self.wrong_every == 0:
+                tokens[-1] = (tokens[-1] + 1) % 512
+        return tokens
+
+
+class OracleHead:
+    aux_layer_ids = AUX
+
+    def __init__(self, reference, wrong_every=0):
+        self.reference, self.wrong_every = reference, wrong_every
+
+    def new_drafter(self, max_len):
+        return OracleDrafter(self.reference, self.wrong_every)
+
+
+@pytest.mark.parametrize("k", [1, 3, 4])
+def test_a_drafter_with_the_targets_answer_gets_every_draft_accepted(target, k):
+    prompt = prompt_of(6, 7)
+    expected = run(Executor(target), GenerationRequest(prompt, 21)).token_ids
+    got = run(Executor(target, head=OracleHead(prompt + expected)), GenerationRequest(prompt, 21, num_draft_tokens=k))
+    s = got.stats
+    assert got.token_ids == expected
+    assert s.accepted == s.drafted > 0 and s.accepted_per_position == s.drafted_per_position
+    assert s.accepted_per_round == s.drafted_per_round
+    assert s.iterations == 1 + -(-20 // (k + 1))  # prefill, then k + 1 tokens per pass
+    partly = run(Executor(target, head=OracleHead(prompt + expected, 2)), GenerationRequest(prompt, 21, num_draft_tokens=k))
+    assert partly.token_ids == expected and 0 < partly.stats.accepted < partly.stats.drafted
+
+
+# ---------------------------------------------------------------- heads that do not fit
+
+
+@pytest.mark.parametrize(
+    "kwargs, edit, words",
+    [
+        (dict(hidden_size=32), None, "hidden_size 32"),
+        (dict(aux_layer_ids=(0, 2, 4)), None, "layers [4]"),
+        (dict(draft_vocab_size=64, d2t=torch.full((64,), 500)), None, "d2t maps draft ids"),
+        (dict(vocab_size=1024), None, "vocab_size 1024"),
+        (dict(draft_vocab_size=64), lambda c: c, None),  # fine: d2t of zeros
+        ({}, lambda c: c.update(architectures=["LlamaForCausalLM"]), "architectures"),
+        ({}, lambda c: c.update(intermediate_size=96), "mlp.gate_proj.weight has shape"),
+    ],
+)
+def test_heads_that_do_not_fit_the_target_are_refused(target, tmp_path, kwargs, edit, words):
+    args = dict(hidden_size=64, vocab_size=512, aux_layer_ids=AUX)
+    args.update(kwargs)
+    path = make_eagle3_head(tmp_path / "head", **args)
+    if edit is not None:
+        config = json.loads((path / "config.json").read_text())
+        edit(config)
+        (path / "config.json").write_text(json.dumps(config))
+    if words is None:
+        assert Eagle3Head.load(path, target).draft_to_target is not None
+        return
+    with pytest.raises(ModelError) as err:
+        Eagle3Head.load(path, target)
+    assert str(path) in str(err.value) and words in str(err.value) and err.value.hint
+
+
+def test_default_layer_ids_and_top_level_ids(target, tmp_path):
+    assert default_aux_layer_ids(32) == (1, 15, 28) and default_aux_layer_ids(4) == (0, 1)
+    head = Eagle3Head.load(make_eagle3_head(tmp_path / "h", 64, 512, (2, 0, 1), top_level_ids=True), target)
+    assert head.aux_layer_ids == (0, 1, 2)
+
+
+# ---------------------------------------------------------------- the bundled model
+
+
+@pytest.mark.slow
+def test_bundled_smollm2_with_a_random_head_stays_bit_exact(tmp_path):
+    from specdeploy.models import resolve
+
+    target = _engine(resolve("smollm2-135m-instruct"), tmp_path, "bfloat16", max_draft_len=4)
+    s = target.spec
+    d2t = torch.arange(4096) * 11  # draft id i -> target id 12 i (< 49152)
+    head = Eagle3Head.load(make_eagle3_head(tmp_path / "head", s.hidden_size, s.vocab_size, default_aux_layer_ids(s.num_layers),
+                                            num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, intermediate_size=1536,
+                                            draft_vocab_size=4096, d2t=d2t), target)
+    plain, fused = Executor(target), Executor(target, head=head)
+    for seed in (0, 1):
+        prompt = prompt_of(seed, 12)
+        expected = run(plain, GenerationRequest(prompt, 24)).token_ids
+        got = run(fused, GenerationRequest(prompt, 24, num_draft_tokens=3))
+        assert got.token_ids == expected and got.stats.drafted > 0
+
+
+# ---------------------------------------------------------------- specdeploy generate (Session)
+
+
+def test_generate_session_runs_the_fused_loop(target, head_dir, tmp_path):
+    from types import SimpleNamespace
+
+    from specdeploy import generate as gen
+    from specdeploy.speculative import collect
+
+    session = gen.Session(SimpleNamespace(eos_token_id=None), Executor(target, head=Eagle3Head.load(head_dir, target)), eagle3=True)
+    prompt = prompt_of(7, 9)
+    tokens, stats = collect(session.stream(prompt, 16, num_draft_tokens=3))
+    assert tokens == run(Executor(target), GenerationRequest(prompt, 16)).token_ids
+    assert stats.policy == "eagle3-fused" and stats.drafted == sum(stats.k_per_round) > 0
+    assert stats.target_iterations == 1 + len(stats.k_per_round)
+    recipe = SimpleNamespace(draft=SimpleNamespace(head="trained"))
+    with pytest.raises(Exception) as err:
+        gen.load_eagle3_head(recipe, SimpleNamespace(eagle3_head=tmp_path / "none"), target, "r.yaml")
+    assert "specdeploy draft train r.yaml" in str(err.value)
