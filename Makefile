@@ -8,7 +8,7 @@ SD     := $(BIN)/specdeploy
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup demo test bench fuzz clean found models check quantize build generate repo serve stop status validate run
+.PHONY: setup demo test bench fuzz soak clean found models check quantize build generate repo serve stop status validate run
 
 setup: $(VENV)/.installed
 
@@ -52,6 +52,14 @@ bench: setup models
 fuzz: setup models
 	$(SD) repo $(RECIPE)
 	$(BIN)/python -u bench/fuzz.py --recipe $(RECIPE) --out engines/fuzz.json
+
+# Serves the recipe's repository and OpenAI front on free loopback ports and sends 10 minutes of mixed load (32 at a
+# time, both entry points, over Triton and the front); exit 1 on an error, a counter that disagrees with the client's
+# counts, or a shared-memory region left after the stop (docs/reliability.md).
+SOAK_SECONDS ?= 600
+soak: setup models
+	$(SD) repo $(RECIPE)
+	$(BIN)/python -u bench/soak.py --recipe $(RECIPE) --duration $(SOAK_SECONDS) --concurrency 32 --out engines/soak.json
 
 quantize build generate repo validate run: setup
 	$(SD) $@ $(RECIPE)

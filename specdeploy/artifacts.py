@@ -185,13 +185,54 @@ def atomic_output(dest: Path):
     dest.parent.mkdir(parents=True, exist_ok=True)
     recover(dest)
     tmp = _scratch(dest, "tmp")
-    tmp.mkdir()
     try:
+        tmp.mkdir()
         yield tmp
         _swap_in(tmp, dest)
-    except BaseException:
+    except BaseException as exc:
+        written = tree_bytes(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise _disk_full(dest, written, exc) from exc
         raise
+
+
+def tree_bytes(path: Path) -> int:
+    """Bytes of the files under `path` (0 when it is gone)."""
+    total = 0
+    for folder, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(folder, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def _disk_full(dest: Path, written: int, exc: OSError):
+    """The DiskFullError of a stage that ran out of space writing `dest` (its temporary folder already removed)."""
+    from specdeploy.errors import DiskFullError
+
+    free = shutil.disk_usage(dest.parent).free
+    previous = tree_bytes(dest) if dest.is_dir() else 0
+    need = max(written, previous)
+    estimate = (f"the previous {dest.name} takes {_size(previous)}" if previous >= written else
+                f"it had written {_size(written)} when the space ran out")  # fmt: skip
+    return DiskFullError(
+        f"no space left writing {dest} ({exc.filename or dest.parent}: {exc.strerror}); {dest.parent} has {_size(free)} free, and this "
+        f"output needs more than {_size(need)} ({estimate}); nothing was left half-written"
+        + (", the previous one is unchanged" if previous else ""),
+        f"make room on the filesystem holding {dest.parent} (more than {_size(need)} free), or point --root at a larger one, "
+        "and run the command again",
+    )
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
 
 
 _SCRATCH_KINDS = ("tmp", "old", "trash")
