@@ -228,13 +228,13 @@ class Watcher(threading.Thread):
 
 def run_soak(grpc_url: str, openai_url: str, metrics_url: str, server_pid: int, recipe, codec, duration_s: float = 600.0,
              concurrency: int = 32, max_requests: int | None = None, seed: int = 0, timeout_s: float = 300.0, sample_s: float = 10.0,
-             prefixes=(), echo=print) -> dict:  # fmt: skip
+             prefixes=(), max_new_tokens=MAX_NEW_TOKENS, echo=print) -> dict:  # fmt: skip
     """Send the mixed load; return the report (see the module docstring). The server must be this run's only client."""
     from specdeploy import metrics as m
     from specdeploy.client import metrics_check
 
     client = Client(grpc_url, openai_url, recipe, codec, timeout_s)
-    max_new = [n for n in MAX_NEW_TOKENS if n < recipe.engine.max_seq_len // 2] or [1]
+    max_new = [n for n in max_new_tokens if n < recipe.engine.max_seq_len // 2] or [1]
     prompts = prompt_pool(codec, random.Random(seed), min(recipe.engine.max_input_len, recipe.engine.max_seq_len - max(max_new)) - 1)
     before = m.scrape(metrics_url)
     t0 = time.monotonic()
@@ -351,7 +351,8 @@ def compare_counters(window, counts: Counts) -> dict:
         expected.append((m.DRAFT_TOKENS_PER_POS.name, {**spec, "position": str(pos)}, sum(1 for k in rounds if k > pos)))
     notes = ["time counters (draft/target seconds) and histogram buckets have no client-side count; not compared"]
     if counts.output_unknown:
-        notes.append(f"{counts.output_unknown} answers had no exact token count: {m.GENERATION_TOKENS.name} not compared")
+        notes.append(f"{counts.output_unknown} answers had no exact token count (the speculative entry point returns text, not ids, "
+                     f"as NVIDIA's BLS does): {m.GENERATION_TOKENS.name} not compared")  # fmt: skip
     else:
         expected.append((m.GENERATION_TOKENS.name, spec, counts.output_tokens))
     rows = []
@@ -384,7 +385,8 @@ def serve_and_soak(recipe_path: str, root: str | None = None, echo=print, **kwar
     try:
         server.wait_ready(srv, recipe.triton.startup_timeout_s)
         port = server.free_port()
-        openai_api.start_detached(recipe_path, root, srv.state.grpc_url, port, state_dir, echo=echo)
+        # the front's deadline per Triton call: the soak's, not the recipe's validation.request_timeout_s
+        openai_api.start_detached(recipe_path, root, srv.state.grpc_url, port, state_dir, echo=echo, request_timeout_s=kwargs.get("timeout_s"))
         try:
             codec = openai_api.Codec(tokenizer_dir(recipe, layout))
             report = run_soak(srv.state.grpc_url, f"http://127.0.0.1:{port}", srv.state.metrics_url, srv.process.pid, recipe, codec,

@@ -34,20 +34,23 @@ def test_short_soak_has_no_errors_and_counters_equal_client_counts(tmp_path_fact
     model_dir = ops_deploy.make_model(tmp_path_factory.mktemp("soak-model"))
     root = tmp_path_factory.mktemp("soak")
     _, _, recipe_path = ops_deploy.build(root, model_dir, "soak", triton={"decoupled": True})
-    lines = []
-    report = soak.serve_and_soak(str(recipe_path), str(root), duration_s=900, concurrency=8, max_requests=48, sample_s=2.0,
-                                 timeout_s=240, echo=lines.append)  # fmt: skip
-    assert report["requests"] == 48 and report["errors"] == 0, (report["error_samples"], lines)
+    lines = []  # timeout_s (Triton calls and the front's): generous, the shared test machine may be loaded
+    report = soak.serve_and_soak(str(recipe_path), str(root), duration_s=900, concurrency=8, max_requests=32, sample_s=2.0,
+                                 timeout_s=600, max_new_tokens=(1, 4, 8), echo=lines.append)  # fmt: skip
+    assert report["requests"] == 32 and report["errors"] == 0, (report["error_samples"], lines)
     assert set(report["by_path"]) == set(soak.PATHS)  # both entry points, over Triton and over the front
     rows = report["counters"]["rows"]
     assert not report["counters"]["mismatches"], report["counters"]["mismatches"]
     checked = {r["metric"].split("{")[0] for r in rows}
-    assert {"specdeploy_request_success_total", "specdeploy_prompt_tokens_total", "specdeploy_generation_tokens_total",
+    assert {"specdeploy_request_success_total", "specdeploy_request_failure_total", "specdeploy_prompt_tokens_total",
             "specdeploy_spec_decode_num_draft_tokens_total", "specdeploy_spec_decode_num_accepted_tokens_total",
-            "specdeploy_spec_decode_num_target_passes_total", "nv_inference_request_success"} <= checked  # fmt: skip
+            "specdeploy_spec_decode_num_drafts_total", "specdeploy_spec_decode_num_target_passes_total",
+            "specdeploy_spec_decode_rounds_total", "specdeploy_num_requests_running", "nv_inference_request_success"} <= checked  # fmt: skip
+    # the speculative entry point returns text, not ids (NVIDIA's BLS interface): output tokens have no exact client count
+    assert any("specdeploy_generation_tokens_total not compared" in note for note in report["counters"]["notes"])
     spec_ok = next(r for r in rows if r["metric"].startswith('nv_inference_request_success{model="tensorrt_llm_bls"'))
     control_ok = next(r for r in rows if r["metric"].startswith('nv_inference_request_success{model="ensemble"'))
-    assert spec_ok["client"] == 24 and control_ok["client"] == 24  # the counts compared are the load that was sent
+    assert spec_ok["client"] == 16 and control_ok["client"] == 16  # the counts compared are the load that was sent
     assert report["stubs"] >= 6 and not report["stub_restarts"]
     assert report["stub_rss_bytes"]["end"] - report["stub_rss_bytes"]["start"] < RSS_GROWTH_BOUND
     assert report["shm_regions_left"] == [] and report["server_live_at_end"]

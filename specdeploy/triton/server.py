@@ -486,6 +486,10 @@ def serve(
             f"a server for this recipe is already running (pid {existing.pid}, grpc {existing.grpc_url})",
             f"stop it first: specdeploy stop {recipe_path}",
         )
+    if existing is not None:  # a server that died (killed, crashed): its stubs and regions go before a new one starts
+        said = _reap(existing)
+        if said:
+            echo(f"the previous tritonserver (pid {existing.pid}) had exited{said}")
     ports = Ports.pick(triton_cfg.grpc_port, triton_cfg.http_port, triton_cfg.metrics_port)
     server = start(repo, ports, Path(state_dir) / LOG_FILE, binary=binary, extra_site=extra_site, extra_args=extra_args,
                    die_with_parent=not detach)
@@ -539,7 +543,7 @@ def status(state_dir: Path) -> tuple[ServerState | None, str]:
     if state is None:
         return None, "not running (no server started with --detach)"
     if not state.running():
-        return state, f"not running (pid {state.pid} has exited{_reused(state)}; log: {state.log})"
+        return state, f"not running (pid {state.pid} has exited{_reused(state)}; log: {state.log}){_orphans_line(state)}"
     ready = "ready" if is_ready(state.http_port) else "not ready"
     line = f"running, {ready}: pid {state.pid}, grpc {state.grpc_url}, http {state.http_url}, metrics {state.metrics_url}"
     return state, line + _stub_changes(state)
@@ -604,26 +608,42 @@ def stop(state_dir: Path) -> str:
     return message
 
 
-def _reap(state: ServerState) -> str:
-    """After a server that exited by itself (or was killed): stop stubs of it still running and remove its shared-memory
-    regions. Its stubs are found by the region prefix their command line names (a prefix is unique to one server)."""
+def _orphans(state: ServerState) -> tuple[list, list[Path]]:
+    """(stub processes, shared-memory regions) a server that is gone left behind. tritonserver 2.51's python stubs
+    outlive a SIGKILLed server (seen: still running a minute later, each holding its model and its region). Its stubs
+    are found by the region prefix their command line names (a prefix is unique to one server)."""
     import psutil
 
     prefixes = shm.prefixes_in(state.cmdline or ())
-    if not prefixes:
-        return ""
     stubs = []
-    for proc in psutil.process_iter(["cmdline"]):
+    for proc in psutil.process_iter(["cmdline"]) if prefixes else ():
         cmd = proc.info.get("cmdline") or []
         if cmd and os.path.basename(cmd[0]) == STUB_BINARY and any(p in arg for p in prefixes for arg in cmd):
             stubs.append(proc)
+    return stubs, [path for prefix in prefixes for path in shm.SHM_DIR.glob(prefix + "*")]
+
+
+def _orphans_line(state: ServerState) -> str:
+    stubs, regions = _orphans(state)
+    if not (stubs or regions):
+        return ""
+    return (f"; it left {len(stubs)} python stubs running and {len(regions)} shared-memory regions "
+            "(specdeploy stop, or the next serve, removes them)")  # fmt: skip
+
+
+def _reap(state: ServerState) -> str:
+    """After a server that exited by itself (or was killed): stop its stubs still running and remove its shared-memory
+    regions (see _orphans)."""
+    import psutil
+
+    stubs, _ = _orphans(state)
     for proc in stubs:
         try:
             proc.kill()
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(stubs, timeout=10)
-    removed = sum(shm.remove(prefix) for prefix in prefixes)
+    removed = sum(shm.remove(prefix) for prefix in shm.prefixes_in(state.cmdline or ()))
     said = [f"stopped {len(stubs)} python stubs it left"] if stubs else []
     said += [f"removed {removed} shared-memory regions it left"] if removed else []
     return "; " + ", ".join(said) if said else ""
