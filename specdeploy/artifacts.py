@@ -210,20 +210,18 @@ def tree_bytes(path: Path) -> int:
 
 
 def _disk_full(dest: Path, written: int, exc: OSError):
-    """The DiskFullError of a stage that ran out of space writing `dest` (its temporary folder already removed)."""
+    """The DiskFullError of a stage that ran out of space writing `dest` (its temporary folder already removed): it
+    used up all the free space, so it needs more than what is free now; the previous output's size is an estimate."""
     from specdeploy.errors import DiskFullError
 
     free = shutil.disk_usage(dest.parent).free
     previous = tree_bytes(dest) if dest.is_dir() else 0
-    need = max(written, previous)
-    estimate = (f"the previous {dest.name} takes {_size(previous)}" if previous >= written else
-                f"it had written {_size(written)} when the space ran out")  # fmt: skip
+    need = max(free, written, previous)
     return DiskFullError(
-        f"no space left writing {dest} ({exc.filename or dest.parent}: {exc.strerror}); {dest.parent} has {_size(free)} free, and this "
-        f"output needs more than {_size(need)} ({estimate}); nothing was left half-written"
-        + (", the previous one is unchanged" if previous else ""),
-        f"make room on the filesystem holding {dest.parent} (more than {_size(need)} free), or point --root at a larger one, "
-        "and run the command again",
+        f"no space left writing {dest} ({exc.strerror}): it ran out after writing {_size(written)}, so it needs more than the "
+        f"{_size(free)} free on the filesystem of {dest.parent}"
+        + (f" (the previous one takes {_size(previous)}, and is unchanged)" if previous else "") + "; nothing was left half-written",
+        f"make more than {_size(need)} free there, or point --root at a larger disk, and run the command again",
     )
 
 
