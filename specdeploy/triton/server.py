@@ -574,7 +574,7 @@ def python_stubs(server_pid: int) -> dict[str, int]:
 
 def _stub_changes(state: ServerState) -> str:
     """What happened to the python stubs since the server was ready. tritonserver 2.51's python backend does not
-    restart a stub that died: the model stays READY and each request to that instance fails with "Stub process
+    restart a stub that died: the server stays ready and each request to that instance fails with "Stub process
     '<instance>' is not healthy" (libtriton_python.so of the nvidia-pytriton 0.7.0 wheel has that message and no
     restart path), so a dead stub is said here with the fix."""
     if not state.stubs:
@@ -610,7 +610,7 @@ def stop(state_dir: Path) -> str:
 
 def _orphans(state: ServerState) -> tuple[list, list[Path]]:
     """(stub processes, shared-memory regions) a server that is gone left behind. tritonserver 2.51's python stubs
-    outlive a SIGKILLed server (seen: still running a minute later, each holding its model and its region). Its stubs
+    outlive a SIGKILLed server (seen: some still running a minute later, each holding its model and its region). Its stubs
     are found by the region prefix their command line names (a prefix is unique to one server)."""
     import psutil
 
