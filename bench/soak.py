@@ -227,7 +227,7 @@ class Watcher(threading.Thread):
 
 
 def run_soak(grpc_url: str, openai_url: str, metrics_url: str, server_pid: int, recipe, codec, duration_s: float = 600.0,
-             concurrency: int = 32, max_requests: int | None = None, seed: int = 0, timeout_s: float = 300.0, sample_s: float = 10.0,
+             concurrency: int = 32, max_requests: int | None = None, seed: int = 0, timeout_s: float = 1800.0, sample_s: float = 10.0,
              prefixes=(), max_new_tokens=MAX_NEW_TOKENS, echo=print) -> dict:  # fmt: skip
     """Send the mixed load; return the report (see the module docstring). The server must be this run's only client."""
     from specdeploy import metrics as m
@@ -428,7 +428,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-requests", type=int, default=None, help="stop after this many requests (default: only the duration)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sample-every", type=float, default=10.0, help="seconds between RSS / shm / tmp samples")
-    parser.add_argument("--timeout", type=float, default=300.0, help="per-request deadline (s)")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="per-request deadline, s (also the front's deadline per Triton call)")
     parser.add_argument("--out", default=None, help="write the report as JSON here")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
