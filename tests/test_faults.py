@@ -70,7 +70,6 @@ class Lines:
 
     def rest(self, timeout_s: float = 300) -> str:
         self.proc.wait(timeout=timeout_s)
-        time.sleep(0)  # let the reader thread drain
         while True:
             try:
                 self.seen.append(self.queue.get(timeout=2))
