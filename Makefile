@@ -9,7 +9,7 @@ SD     := $(BIN)/specdeploy
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup demo test bench fuzz clean found models check quantize build generate repo serve stop status validate run draft-head
+.PHONY: setup demo test bench fuzz soak clean found models check quantize build generate repo serve stop status validate run draft-head draft-data
 
 setup: $(VENV)/.installed
 
@@ -58,7 +58,16 @@ fuzz: setup models
 # ModelOpt trains the head on CPU (resumable: rerun after an interruption) and exports it to engines/<recipe>/eagle3-head.
 draft-head: setup models
 	@if [ ! -f $(EAGLE3_RECIPE) ]; then echo "draft-head: skipped: no $(EAGLE3_RECIPE) (set EAGLE3_RECIPE to a draft.kind eagle3 recipe)"; \
-	else $(SD) draft data $(EAGLE3_RECIPE) && $(SD) draft train $(EAGLE3_RECIPE); fi
+	else $(SD) quantize $(EAGLE3_RECIPE) && $(SD) build $(EAGLE3_RECIPE) && $(SD) draft data $(EAGLE3_RECIPE) \
+	  && $(SD) draft train $(EAGLE3_RECIPE); fi
+
+# Serves the recipe's repository and OpenAI front on free loopback ports and sends 10 minutes of mixed load (32 at a
+# time, both entry points, over Triton and the front); exit 1 on an error, a counter that disagrees with the client's
+# counts, or a shared-memory region left after the stop (docs/reliability.md).
+SOAK_SECONDS ?= 600
+soak: setup models
+	$(SD) repo $(RECIPE)
+	$(BIN)/python -u bench/soak.py --recipe $(RECIPE) --duration $(SOAK_SECONDS) --concurrency 32 --out engines/soak.json
 
 quantize build generate repo validate run: setup
 	$(SD) $@ $(RECIPE)

@@ -185,13 +185,52 @@ def atomic_output(dest: Path):
     dest.parent.mkdir(parents=True, exist_ok=True)
     recover(dest)
     tmp = _scratch(dest, "tmp")
-    tmp.mkdir()
     try:
+        tmp.mkdir()
         yield tmp
         _swap_in(tmp, dest)
-    except BaseException:
+    except BaseException as exc:
+        written = tree_bytes(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise _disk_full(dest, written, exc) from exc
         raise
+
+
+def tree_bytes(path: Path) -> int:
+    """Bytes of the files under `path` (0 when it is gone)."""
+    total = 0
+    for folder, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(folder, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def _disk_full(dest: Path, written: int, exc: OSError):
+    """The DiskFullError of a stage that ran out of space writing `dest` (its temporary folder already removed): it
+    used up all the free space, so it needs more than what is free now; the previous output's size is an estimate."""
+    from specdeploy.errors import DiskFullError
+
+    free = shutil.disk_usage(dest.parent).free
+    previous = tree_bytes(dest) if dest.is_dir() else 0
+    need = max(free, written, previous)
+    return DiskFullError(
+        f"no space left writing {dest} ({exc.strerror}): it ran out after writing {_size(written)}, so it needs more than the "
+        f"{_size(free)} free on the filesystem of {dest.parent}"
+        + (f" (the previous one takes {_size(previous)}, and is unchanged)" if previous else "") + "; nothing was left half-written",
+        f"make more than {_size(need)} free there, or point --root at a larger disk, and run the command again",
+    )
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
 
 
 _SCRATCH_KINDS = ("tmp", "old", "trash")

@@ -55,3 +55,7 @@ class BusyError(SpecDeployError):
 
 class StaleArtifactError(SpecDeployError):
     """An input artifact does not match the recipe; the hint names the command to re-run."""
+
+
+class DiskFullError(SpecDeployError):
+    """A stage ran out of space (ENOSPC / EDQUOT) writing its output; nothing half-written was left in place."""

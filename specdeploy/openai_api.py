@@ -159,7 +159,7 @@ def wait_listening(port: int, timeout_s: float, alive=lambda: True, host: str = 
 
 
 def start_detached(recipe_path: str, root: str | None, grpc_url: str, port: int, state_dir: Path, timeout_s: float = 120.0, echo=print,
-                   host: str = HOST, api_key: str | None = None) -> int:  # fmt: skip
+                   host: str = HOST, api_key: str | None = None, request_timeout_s: float | None = None) -> int:  # fmt: skip
     """Start the front in its own process (`python -m specdeploy.openai_api`) and record it for `stop`.
 
     The API key goes to the child in its environment, never on its command line (which `ps` shows and
@@ -177,6 +177,8 @@ def start_detached(recipe_path: str, root: str | None, grpc_url: str, port: int,
     cmd = [sys.executable, "-m", "specdeploy.openai_api", str(recipe_path), "--grpc-url", grpc_url, "--port", str(port), "--host", host]
     if root:
         cmd += ["--root", str(root)]
+    if request_timeout_s:
+        cmd += ["--request-timeout", str(request_timeout_s)]
     env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
     if api_key:
         env[API_KEY_ENV] = api_key
@@ -238,11 +240,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None)
     parser.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES)
     parser.add_argument("--max-tokens-limit", type=int, default=None)
+    parser.add_argument("--request-timeout", type=float, default=None, help="deadline of each Triton call, s [recipe validation.request_timeout_s]")
     args = parser.parse_args(argv)
     check_bind(args.host, args.api_key)
     recipe = load_recipe(args.recipe)
-    front = build_front(recipe, Layout.of(recipe, args.root), args.grpc_url, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                        max_tokens_limit=args.max_tokens_limit)  # fmt: skip
+    front = build_front(recipe, Layout.of(recipe, args.root), args.grpc_url, timeout_s=args.request_timeout, api_key=args.api_key,
+                        max_body_bytes=args.max_body_bytes, max_tokens_limit=args.max_tokens_limit)  # fmt: skip
     import uvicorn
 
     uvicorn.run(create_app(front), host=args.host, port=args.port, log_level="warning")
