@@ -289,12 +289,7 @@ def _serve_openai(ctx, r, layout, recipe, detach, server_binary, port, host, api
     click.echo(server.stop(layout.server_state))
 
 
-# ---- draft (draft.kind eagle3: the head's data and training)
-
-
-@main.group("draft")
-def draft_group():
-    """The EAGLE-3 draft head of a recipe with draft.kind eagle3: its training data, then its training."""
+# ---- draft data (the group is defined above, with draft train)
 
 
 @draft_group.command("data")

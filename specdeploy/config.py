@@ -58,7 +58,8 @@ class ModelConfig:
 
 
 DRAFT_KINDS = ("model", "ngram", "eagle3")  # draft.kind
-EAGLE3_HEAD_TRAINED = "trained"  # draft.head: the head `specdeploy draft train RECIPE` wrote for this recipe
+EAGLE3_HEAD_TRAINED = "trained"
+EAGLE3_EXPORT_DTYPES = ("float32", "bfloat16", "float16")  # draft.train.export_dtype  # draft.head: the head `specdeploy draft train RECIPE` wrote for this recipe
 # draft.max_matching_ngram_size when null; the default of specdeploy.ngram.NGramSettings, written here because the
 # recipe checks draft.min_matching_ngram_size against it and the recipe imports nothing above the core.
 NGRAM_MAX_MATCHING_NGRAM_SIZE = 2
@@ -98,6 +99,7 @@ class Eagle3TrainConfig:
     batch_size: int = 4
     seed: int = 0
     max_train_hours: float = 4.0  # refused above this estimate, as quantize refuses a long calibration
+    export_dtype: str = "float32"  # the exported head's weights: float32 (as trained) | bfloat16 | float16
     # start the head's layer from the target's last layer and its LM head from the target's rows (ModelOpt: random)
     init_from_target: bool = False
 
@@ -645,6 +647,7 @@ def _check_eagle3(r: Recipe) -> None:
                           "has no rejection sampling on the head's logits",
                           "set use_draft_logits: false (greedy requests are verified token by token)")  # fmt: skip
     t = d.train
+    _choice("draft.train.export_dtype", t.export_dtype, EAGLE3_EXPORT_DTYPES)
     _at_least("draft.train.draft_vocab_size", t.draft_vocab_size, 2)
     _at_least("draft.train.ttt_steps", t.ttt_steps, 1)
     _at_least("draft.data.num_prompts", d.data.num_prompts, 1)

@@ -591,7 +591,20 @@ def train_head(model, data: DraftData, t: Eagle3TrainConfig, work_dir: Path, *, 
 # ---------------------------------------------------------------- 7. export
 
 
-def export_head(model, out_dir: Path, aux_ids: list[int]) -> dict:
+def cast_weights(path: Path, dtype: str) -> None:
+    """Rewrite an exported head's weights in `dtype` (draft.train.export_dtype); d2t stays integer. The head trains
+    in fp32; bfloat16 halves the file (the CPU engine and the GPU runtimes compute the head in bf16 anyway)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(path))
+    cast = {k: (v if k == "d2t" or not v.is_floating_point() else v.to(getattr(torch, dtype))) for k, v in weights.items()}
+    tmp = path.with_suffix(".tmp")
+    save_file(cast, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, path)
+
+
+def export_head(model, out_dir: Path, aux_ids: list[int], dtype: str = "float32") -> dict:
     """ModelOpt's exporter (export_speculative_decoding), then config.json stating what was trained.
 
     The exporter writes the state dict as it is (fp32 here) while config.json takes `torch_dtype` from the
@@ -605,6 +618,8 @@ def export_head(model, out_dir: Path, aux_ids: list[int]) -> dict:
 
     out_dir = Path(out_dir)
     export_speculative_decoding(model, export_dir=out_dir)
+    if dtype != "float32":
+        cast_weights(out_dir / "model.safetensors", dtype)
     config_path = out_dir / "config.json"
     config = json.loads(config_path.read_text())
     with safe_open(str(out_dir / "model.safetensors"), "pt") as f:
@@ -709,7 +724,7 @@ def train_recipe(recipe: Recipe, layout, force: bool = False, echo=print, progre
     result = train_head(model, data, t, work, fingerprint=fp, progress=progress, echo=echo, device=device, pad_id=pad_id)
     head_params = sum(p.numel() for p in model.eagle_module.parameters())
     with atomic_output(dest) as tmp:
-        export_head(model, tmp, aux_ids)
+        export_head(model, tmp, aux_ids, t.export_dtype)
         (tmp / TRAIN_LOG).write_text("".join(json.dumps(entry) + "\n" for entry in result.log))
         Manifest(
             stage=STAGE,

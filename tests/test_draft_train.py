@@ -368,3 +368,27 @@ def reference_acceptance(model, samples, k: int) -> tuple[int, list[int]]:
                     hits[j] += 1
     return starts, hits
 
+
+
+def test_export_dtype_bfloat16_halves_the_weights_and_keeps_d2t_integer(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "model.safetensors"
+    weights = {"fc.weight": torch.randn(8, 24), "lm_head.weight": torch.randn(16, 8), "d2t": torch.arange(16) * 3}
+    save_file(weights, str(path))
+    draft_train.cast_weights(path, "bfloat16")
+    back = load_file(str(path))
+    assert back["fc.weight"].dtype == torch.bfloat16 and torch.equal(back["fc.weight"], weights["fc.weight"].bfloat16())
+    assert back["d2t"].dtype == weights["d2t"].dtype and torch.equal(back["d2t"], weights["d2t"])
+    assert not path.with_suffix(".tmp").exists()
+
+
+def test_an_unknown_export_dtype_is_refused_naming_the_choices():
+    from specdeploy.config import parse_recipe
+    from specdeploy.errors import ConfigError
+
+    raw = {"name": "x", "target": {"model": "smollm2-135m-instruct"},
+           "draft": {"kind": "eagle3", "head": "trained", "train": {"export_dtype": "int8"}}}  # fmt: skip
+    with pytest.raises(ConfigError, match="export_dtype") as caught:
+        parse_recipe(raw)
+    assert "float32, bfloat16, float16" in str(caught.value)

@@ -357,6 +357,10 @@ def test_a_python_stub_killed_mid_request(project):
         stubs = _stubs(state["pid"])
         target = [pid for pid, cmd in stubs.items() if cmd.endswith("tensorrt_llm_0_0 DEFAULT")]
         assert len(target) == 1, stubs
+        # every stub waits for OpenMP work passively (server.OMP_WAIT_POLICY): no spinning for a core another stub holds
+        for pid in stubs:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            assert b"OMP_WAIT_POLICY=PASSIVE" in environ, (pid, stubs[pid])
         first, done, outcome = _stream_one(grpc_url)
         assert first.wait(300) and not done.is_set(), outcome
         os.kill(target[0], signal.SIGKILL)

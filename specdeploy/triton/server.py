@@ -33,6 +33,13 @@ HOST = "127.0.0.1"
 STATE_FILE = "server.json"
 LOG_FILE = "tritonserver.log"
 STUB_SHM_BYTES = 64 * 2**20
+# The python stubs of one server (preprocessing, BLS, tensorrt_llm, draft, postprocessing) share the machine's
+# cores, each with its own OpenMP pool. libgomp's default waits for work by spinning, so a pool whose threads lost
+# their core to another stub spins at every barrier: measured on a 2-core VM at load average ~5, one SmolLM2 decode
+# step with 2 threads took 1,202 ms (519 ms of CPU) spinning, 44 ms with OMP_WAIT_POLICY=PASSIVE, 42 ms on one
+# thread (/tmp probe: CpuEngine.forward of one token after 64, 30 steps). Passive waiting sleeps instead; a user's
+# own OMP_WAIT_POLICY wins.
+OMP_WAIT_POLICY = "PASSIVE"
 EXIT_TIMEOUT_S = 10
 
 
@@ -169,6 +176,7 @@ def start(
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY)
     cmd = [
         str(install.binary),
         f"--model-repository={Path(repo).resolve()}",
