@@ -28,6 +28,10 @@ from specdeploy.policy import PolicySettings
 STAGE = "repo"
 MODEL_SOURCES = Path(__file__).parent / "models"
 TOKENIZER_SUBDIR = "tokenizer"
+# draft.kind eagle3: the head is copied into the tensorrt_llm model's folder (beside its version 1/), so the
+# repository carries what it serves; its hash is in the repository's fingerprint (a changed head: out of date)
+EAGLE3_HEAD_SUBDIR = "eagle3_head"
+EAGLE3_HEAD_FILES = ("config.json", "model.safetensors")
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -169,6 +173,14 @@ BLS_ONLY_INPUTS = _table([
     ("use_draft_logits", "BOOL", [1], OPT),
 ])
 TEXT_OUTPUTS = _table([("text_output", "STRING", [-1], REQ)])
+# draft.kind eagle3 (cpu): specdeploy's own tensorrt_llm tensors, beyond NVIDIA's layout. TensorRT-LLM's one-model
+# EAGLE-3 drafts max_draft_len tokens per round with no per-request input; here the BLS passes its k (0 or absent:
+# plain decoding, what the control `ensemble` gets), and reads back the per-round counts for its metrics.
+EAGLE3_LLM_INPUTS = _table([("num_draft_tokens", "INT32", [1], OPT)])
+EAGLE3_LLM_OUTPUTS = _table([
+    ("draft_tokens_per_round", "INT32", [-1], REQ),
+    ("accepted_draft_tokens_per_round", "INT32", [-1], REQ),
+])
 
 PREPROCESSING_INPUTS = _table([
     ("QUERY", "STRING", [1], REQ),
@@ -378,6 +390,8 @@ class RepoInputs:
     engine_dirs: dict[str, Path]  # role -> absolute engine dir
     engine_manifests: dict[str, Manifest]
     executor_factory: str  # "module:callable" that loads an Executor from an engine dir
+    eagle3_head_dir: Path | None = None  # draft.kind eagle3: the head folder draft.head names (absolute)
+    eagle3_head_hash: str = ""  # the hash of its files (EAGLE3_HEAD_FILES)
 
     def engine_setting(self, role: str, key: str, default):
         """A build setting from the engine's manifest (top level or its `engine` section), else `default`."""
@@ -538,6 +552,8 @@ def bls_spec(inp: RepoInputs) -> ModelSpec:
         parameters={
             # draft.kind ngram: the BLS proposes by prompt lookup itself (no call to tensorrt_llm_draft)
             **({"draft_kind": "ngram", **ngram.to_parameters(ngram.settings_from_recipe(r))} if r.draft.is_ngram else {}),
+            # draft.kind eagle3: tensorrt_llm drafts with its head inside; the BLS passes k, one call per request
+            **({"draft_kind": "eagle3"} if r.draft.is_eagle3 else {}),
             **_tokenizer_params(BLS),
             "add_special_tokens": "true",
             "skip_special_tokens": "true",
@@ -586,14 +602,19 @@ def cpu_engine_models(inp: RepoInputs) -> list[ModelSpec]:
         if role == "draft" and r.draft.is_ngram:
             specs.append(_ngram_draft_model(inp))
             continue
+        if role == "draft" and r.draft.is_eagle3:  # the head runs inside tensorrt_llm: no draft model
+            continue
         max_draft_len = inp.target_max_draft_len if role == "target" else 0
+        eagle3 = role == "target" and r.draft.is_eagle3
         specs.append(
             ModelSpec(
                 name=name,
                 max_batch_size=r.engine.max_batch_size,
-                inputs=LLM_INPUTS,
-                outputs=LLM_OUTPUTS,
+                inputs=LLM_INPUTS + (EAGLE3_LLM_INPUTS if eagle3 else ()),
+                outputs=LLM_OUTPUTS + (EAGLE3_LLM_OUTPUTS if eagle3 else ()),
                 parameters={
+                    # relative to the model's folder, like tokenizer_dir (common.resolve_dir)
+                    **({"eagle3_head": EAGLE3_HEAD_SUBDIR} if eagle3 else {}),
                     **engine_model_parameters(inp, role),
                     "kv_cache_free_gpu_mem_fraction": str(r.engine.kv_cache_free_gpu_mem_fraction),
                     "executor_factory": inp.executor_factory,
@@ -706,7 +727,8 @@ def repo_inputs(recipe: Recipe, layout, recipe_path: str = "RECIPE", executor_fa
                 f"run: specdeploy build {recipe_path}",
             )
         dirs[role] = engine_dir
-    inp = RepoInputs(recipe, dirs, manifests, executor_factory or CPU_EXECUTOR_FACTORY)
+    head_dir, head_hash = _eagle3_head(recipe, layout, recipe_path) if recipe.draft.is_eagle3 else (None, "")
+    inp = RepoInputs(recipe, dirs, manifests, executor_factory or CPU_EXECUTOR_FACTORY, head_dir, head_hash)
     if recipe.speculative.num_draft_tokens > inp.target_max_draft_len:
         raise RepoError(
             f"speculative.num_draft_tokens ({recipe.speculative.num_draft_tokens}) is larger than the target "
@@ -714,6 +736,30 @@ def repo_inputs(recipe: Recipe, layout, recipe_path: str = "RECIPE", executor_fa
             f"rebuild the target with a larger max_draft_len: specdeploy build {recipe_path} --force",
         )
     return inp
+
+
+def _eagle3_head(recipe: Recipe, layout, recipe_path: str) -> tuple[Path, str]:
+    """draft.kind eagle3: (the head folder, the hash of its files). BuildError when there is none."""
+    from specdeploy.artifacts import file_hash
+    from specdeploy.config import EAGLE3_HEAD_TRAINED
+    from specdeploy.errors import BuildError
+
+    trained = recipe.draft.head == EAGLE3_HEAD_TRAINED
+    head_dir = (Path(layout.eagle3_head) if trained else Path(recipe.draft.head)).resolve()
+    missing = [name for name in EAGLE3_HEAD_FILES if not (head_dir / name).is_file()]
+    if missing:
+        fix = f"train it with: specdeploy draft train {recipe_path}" if trained else "set draft.head to an exported EAGLE-3 checkpoint folder"
+        raise BuildError(f"no EAGLE-3 head at {head_dir} (no {', '.join(missing)})", fix)
+    return head_dir, fingerprint(**{name: file_hash(head_dir / name) for name in EAGLE3_HEAD_FILES})
+
+
+def check_eagle3_head(inp: RepoInputs) -> None:
+    """Load the head against the target engine (engine.eagle3.Eagle3Head.load's checks: hidden size, vocabulary,
+    aux layers, shapes), so a head that does not fit is refused by `specdeploy repo`, not by tritonserver."""
+    from specdeploy.engine.eagle3 import Eagle3Head
+    from specdeploy.engine.model import CpuEngine
+
+    Eagle3Head.load(inp.eagle3_head_dir, CpuEngine.load(str(inp.engine_dirs["target"])))
 
 
 def _expected_engine_fingerprint(recipe: Recipe, layout, role: str) -> str | None:
@@ -740,6 +786,7 @@ def repo_fingerprint(inp: RepoInputs) -> str:
         backend=r.backend,
         speculative=to_plain(r.speculative),
         draft=to_plain(r.draft) if r.draft.is_ngram else None,
+        **({"eagle3_head": inp.eagle3_head_hash} if r.draft.is_eagle3 else {}),
         engine=to_plain(r.engine),
         triton={k: getattr(r.triton, k) for k in ("instance_count", "decoupled", "max_queue_delay_microseconds", "request_timeout_s",
                                                   "inflight_batching")} | {"bls_instance_count": r.bls_instance_count},
@@ -769,6 +816,8 @@ def generate_layout_repository(
     if not force and current is not None and current.stage == STAGE and current.fingerprint == fp:
         return dest, False
 
+    if inp.eagle3_head_dir is not None:
+        check_eagle3_head(inp)
     specs = model_specs(inp, engine_models, finish_models)
     by_name = {s.name: s for s in specs}
     texts = {}
@@ -787,6 +836,10 @@ def generate_layout_repository(
             (model_dir / "config.pbtxt").write_text(texts[spec.name])
             if spec.source:
                 shutil.copyfile(MODEL_SOURCES / spec.source, model_dir / "1" / "model.py")
+        if inp.eagle3_head_dir is not None:
+            (tmp / TARGET_MODEL / EAGLE3_HEAD_SUBDIR).mkdir()
+            for name in EAGLE3_HEAD_FILES:
+                shutil.copyfile(inp.eagle3_head_dir / name, tmp / TARGET_MODEL / EAGLE3_HEAD_SUBDIR / name)
         tok_dir = tmp / PREPROCESSING / TOKENIZER_SUBDIR
         tok_dir.mkdir()
         for name in TOKENIZER_FILES:
@@ -806,9 +859,11 @@ def generate_layout_repository(
                 "max_input_len": inp.max_input_len,
                 "max_seq_len": inp.max_seq_len,
             },
-            inputs={f"{role}_engine": m.fingerprint for role, m in inp.engine_manifests.items()},
+            inputs={f"{role}_engine": m.fingerprint for role, m in inp.engine_manifests.items()}
+            | ({"eagle3_head": inp.eagle3_head_hash} if inp.eagle3_head_dir is not None else {}),
             tool_versions=tool_versions("tritonclient", "transformers"),
-            extra={"engine_dirs": {r: str(d) for r, d in inp.engine_dirs.items()}, "tokenizer_source": str(tokenizer_src)},
+            extra={"engine_dirs": {r: str(d) for r, d in inp.engine_dirs.items()}, "tokenizer_source": str(tokenizer_src)}
+            | ({"eagle3_head_source": str(inp.eagle3_head_dir)} if inp.eagle3_head_dir is not None else {}),
         ).write(tmp)
     return dest, True
 

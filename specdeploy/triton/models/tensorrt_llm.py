@@ -67,7 +67,12 @@ class TritonPythonModel:
         self.exclude_input_default = common.flag(params.get("exclude_input_in_output"), False)
         self.request_timeout_s = float(params.get("request_timeout_s") or 0.0)
         factory = common.load_object(params.get("executor_factory") or "specdeploy.triton.models.common:load_cpu_executor")
-        self.executor, self.batcher = self._load(args, params, lambda: factory(params["gpt_model_path"]))
+        # draft.kind eagle3: the EAGLE-3 head (copied into this model's folder by `specdeploy repo`) runs inside the
+        # executor (engine/executor.py, the fused loop); a request drafts with it only when it sends num_draft_tokens > 0
+        head_dir = common.resolve_dir(params["eagle3_head"], args) if params.get("eagle3_head") else None
+        self.eagle3 = head_dir is not None
+        load = lambda: common.with_eagle3_head(factory(params["gpt_model_path"]), head_dir)  # noqa: E731
+        self.executor, self.batcher = self._load(args, params, load)
         self._stub_lock = common.StubLock()  # the batching path's request threads and scheduler share the stub
         self._running = common.RunningRequests()  # request id -> its stop check, for TensorRT-LLM's `stop` input
         spec = self.executor.engine.spec
@@ -222,6 +227,15 @@ class TritonPythonModel:
         if n_seq > 1 and draft_tokens is not None:
             raise RequestError("num_return_sequences > 1 cannot be combined with draft_input_ids")
         sampling = self._SamplingParams(**common.sampling_fields(get, "runtime_top_k", "runtime_top_p"))
+        num_draft_tokens = 0
+        if self.eagle3:  # the head drafts k per round, capped by the engine's max_draft_len (0 or absent: plain)
+            num_draft_tokens = common.scalar(get("num_draft_tokens"), "num_draft_tokens", int, 0)
+            if num_draft_tokens < 0:
+                raise RequestError(f"num_draft_tokens is {num_draft_tokens}, must be >= 0 (0: the target alone)")
+            if num_draft_tokens and draft_tokens is not None:
+                raise RequestError("num_draft_tokens > 0 (the EAGLE-3 head drafts) cannot be combined with draft_input_ids")
+            num_draft_tokens = min(num_draft_tokens, self.max_draft_len)
+        flags_eagle3 = {"eagle3_rounds": self.eagle3}
         end_id = common.scalar(get("end_id"), "end_id", int, None)
         pad_id = common.scalar(get("pad_id"), "pad_id", int, None)
         return_log_probs = common.scalar(get("return_log_probs"), "return_log_probs", bool, False)
@@ -233,6 +247,7 @@ class TritonPythonModel:
             "perf": common.scalar(get("return_perf_metrics"), "return_perf_metrics", bool, False),
             "streaming": streaming,
             "num_return_sequences": n_seq,
+            **flags_eagle3,
         }
         values = {
             **common.penalty_fields(get),
@@ -250,6 +265,7 @@ class TritonPythonModel:
             bad_words=common.from_words_list(get("bad_words_list"), "bad_words_list"),
             draft_tokens=draft_tokens,
             draft_logits=draft_logits,
+            **({"num_draft_tokens": num_draft_tokens} if num_draft_tokens else {}),
             # logits are kept for return_generation_logits, and to derive log probs when the executor gives none
             return_logits=flags["return_logits"] or return_log_probs,
             streaming=True,  # always one chunk per token here: cancellation and TTFT are checked per token
@@ -407,6 +423,13 @@ class TritonPythonModel:
         outputs["acceptance_rate"] = np.array([[accepted / drafted if drafted else 0.0]], dtype=np.float32)
         outputs["total_accepted_draft_tokens"] = np.array([[accepted]], dtype=np.int32)
         outputs["total_draft_tokens"] = np.array([[drafted]], dtype=np.int32)
+        if flags.get("eagle3_rounds"):
+            # per verification pass after the prefill (GenerationStats.drafted_per_round; 0: a plain step), final only
+            final = stats is not None and getattr(stats, "fused", False)
+            per_round = list(getattr(stats, "drafted_per_round", [])) if final else []
+            accepted_round = list(getattr(stats, "accepted_per_round", [])) if final else []
+            outputs["draft_tokens_per_round"] = np.array(per_round, dtype=np.int32).reshape(1, -1)
+            outputs["accepted_draft_tokens_per_round"] = np.array(accepted_round, dtype=np.int32).reshape(1, -1)
         return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in outputs.items()])
 
     def finalize(self):

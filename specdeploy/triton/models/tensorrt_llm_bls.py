@@ -11,7 +11,10 @@ Where a round costs:
   - draft.kind ngram (BLS parameter `draft_kind`): the proposal is computed here from the token ids the
     BLS already holds (`specdeploy.ngram.NGramProposer`, same settings and pool semantics as the
     `tensorrt_llm_draft` python model, which stays in the repository for clients that call it), so a
-    round is one Triton call, to the target.
+    round is one Triton call, to the target;
+  - draft.kind eagle3 (`draft_kind` eagle3): tensorrt_llm runs the EAGLE-3 head inside (the fused loop of
+    engine/executor.py), so a request is ONE call to tensorrt_llm with `num_draft_tokens` = k (0: plain); its
+    per-round counts (`draft_tokens_per_round`, `accepted_draft_tokens_per_round`) feed the metrics here.
 `speculative_k_history` (INT32 [-1], sent only when a client requests it by name): the k of each round.
 """
 
@@ -280,6 +283,7 @@ class TritonPythonModel:
         # draft.kind ngram: propose here, from the ids this BLS holds (a public pool is this instance's)
         self.ngram = ngram.from_parameters(params) if params.get("draft_kind") == "ngram" else None
         self.ngram_pool = ngram.NGramPool(self.ngram) if self.ngram is not None and self.ngram.is_public_pool else None
+        self.eagle3 = params.get("draft_kind") == "eagle3"
         # Speculation policy (specdeploy.policy): the instances of this repository share the active count, and those
         # of this server (its tritonserver is our parent) the measured costs, acceptance and gate
         pol.remove_abandoned(tempfile.gettempdir())
@@ -368,6 +372,8 @@ class TritonPythonModel:
         }
 
     def _run(self, job, arrival_ns, emit):
+        if self.eagle3:
+            return self._run_fused(job, arrival_ns, emit)
         record = _Record()
         proposer = ngram.NGramProposer(self.ngram, self.ngram_pool) if self.ngram is not None else TritonProposer(self.draft, job)
         verifier = TritonVerifier(self.target, job, record, self.deployment.costs, self.active)
@@ -427,6 +433,74 @@ class TritonPythonModel:
         emit(self._response(text, job, stats, times, record, extras, len(output)), True)
         return True
 
+    def _run_fused(self, job, arrival_ns, emit):
+        """draft.kind eagle3: one tensorrt_llm call that drafts with the head inside, k = the request's num_draft_tokens
+        (the canary's control arm, and requests that want logits: 0), capped by the static policy (schedule, gate).
+        The metrics get one round per target pass: the prefill (no draft: the head has no features yet), then each
+        verification pass with its drafted / accepted counts. `stream`: the text is sent when the call returns."""
+        ops = job["ops"]
+        times = {"arrival": arrival_ns, "scheduled": time.time_ns(), "first": None}
+        wants_logits = job["return_context_logits"] or job["return_generation_logits"]
+        k = 0 if wants_logits else self.ops.num_draft_tokens(ops, job["num_draft_tokens"])
+        metered = self.ops.policy(ops, self.deployment.request(), self.deployment)
+        if k > 0:
+            k = metered.choose(min(k, self.max_draft_len))  # the static policy: schedule and gate may turn it off
+            plain_reason = metered.reason if k == 0 else None
+        else:
+            plain_reason = metered.forced_reason or metrics.REASON_NO_DRAFT
+        extra = {
+            "bad_words_list": job["bad_words_list"][None],
+            "stop_words_list": job["stop_words_list"][None],
+            "return_log_probs": np.array([[job["return_log_probs"]]]),
+            "return_context_logits": np.array([[job["return_context_logits"]]]),
+            "num_draft_tokens": np.array([[k]], dtype=np.int32),
+            **_request_tensors(job, 0),
+        }
+        wanted = ["output_log_probs", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks", "first_token_time_ns",
+                  "draft_tokens_per_round", "accepted_draft_tokens_per_round"] + (["context_logits"] if job["return_context_logits"] else [])
+        started = time.perf_counter()
+        tokens, logits, outputs = self.target(
+            job["prompt_ids"], job["max_tokens"], job["sampling"], extra, job["return_generation_logits"], wanted,
+            stop_check=job["stop_check"], slice_s=common.run_slice_s(job["max_tokens"], RUN_TOKEN_GUESS_S, self.active()),
+        )
+        call_s = time.perf_counter() - started
+        if job["stop_check"].reason is not None:
+            what = "ran past its server-side deadline" if job["stop_check"].reason == "timeout" else "was cancelled"
+            emit(_error(f"{self.name}: the request {what} after {len(tokens)} tokens"), True)
+            return
+        flat = lambda name: [int(x) for a in outputs.get(name, []) for x in a.reshape(-1)]  # noqa: E731
+        drafted_rounds, accepted_rounds = flat("draft_tokens_per_round"), flat("accepted_draft_tokens_per_round")
+        # rounds: the prefill pass (k = 0), then the verification passes; a request served plain is one call
+        k_rounds = [0] + drafted_rounds if drafted_rounds else [0]
+        a_rounds = [0] + accepted_rounds if drafted_rounds else [0]
+        emitted = [a + 1 for a in a_rounds] if drafted_rounds else [len(tokens)]
+        if drafted_rounds:  # the last pass may have stopped early (end id, stop word, length): emitted sums to the output
+            emitted[-1] = max(0, len(tokens) - sum(emitted[:-1]))
+        per_pass_s = call_s / len(k_rounds)
+        for i, (kr, ar, er) in enumerate(zip(k_rounds, a_rounds, emitted)):
+            reason = None if kr else (plain_reason or (m_reason_no_draft() if i == 0 and drafted_rounds else None))
+            self.ops.recorder.round(ops.arm, kr, ar, er, 0.0, per_pass_s, reason)
+        record = _Record()
+        log_probs = [float(x) for a in outputs.get("output_log_probs", []) for x in a.reshape(-1)] if job["return_log_probs"] else None
+        if outputs.get("context_logits"):
+            rows = outputs["context_logits"][0]
+            record.context_logits = rows.reshape(-1, rows.shape[-1])
+        last = {n: int(outputs[n][-1].reshape(-1)[0]) for n in wanted[1:4] if outputs.get(n)}
+        record.kv_reused = last.get("kv_cache_reused_blocks", 0)
+        record.kv_total = last.get("kv_cache_alloc_total_blocks", 0)
+        times["first"] = last.get("first_token_time_ns", 0) or (time.time_ns() if tokens else None)
+        self.ops.tokens(ops, len(tokens))
+        stats = spec.SpecStats(drafted=sum(drafted_rounds), accepted=sum(accepted_rounds), output_tokens=len(tokens),
+                               k_per_round=k_rounds, accepted_per_round=a_rounds, target_iterations=len(k_rounds), policy="eagle3-fused")
+        extras = {"log_probs": log_probs or [], "logits": [logits[: len(tokens)]] if logits is not None else []}
+        ids = tokens if job["exclude_input"] or job["stream"] else job["prompt_ids"] + tokens
+        text = self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        if job["stream"]:
+            emit(self._response(text, job, None, times, record, None), False)
+            text = ""
+        emit(self._response(text, job, stats, times, record, extras, len(tokens)), True)
+        return True
+
     def _response(self, text, job, stats, times, record, extras, n_output=0):
         # [1], flat as NVIDIA's BLS sends it (its clients read text_output[0] as bytes)
         outputs = [pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=object))]
@@ -465,6 +539,12 @@ class TritonPythonModel:
         self.active.close(when_last=self.shared.files)
         self.ops.close()
         self.held.clear()  # the stub's queue has long been idle: its clean-ups are done (common.HeldResponses)
+
+
+def m_reason_no_draft():
+    """Why the first pass of a fused EAGLE-3 request drafted nothing: the head drafts from the target's features,
+    which the prefill pass computes (metrics.REASON_NO_PROPOSAL: k > 0 was chosen, nothing proposed)."""
+    return metrics.REASON_NO_PROPOSAL
 
 
 def _requested_outputs(request) -> set:

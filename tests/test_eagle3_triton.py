@@ -1,0 +1,253 @@
+"""draft.kind eagle3 in the Triton repository (backend cpu), on a REAL tritonserver.
+
+A tiny 4-layer target (quantize -> build with specdeploy's own stages) and a random EAGLE-3 head in the exported
+format: `specdeploy repo` writes no tensorrt_llm_draft, copies the head into tensorrt_llm's folder and records its
+hash; tensorrt_llm drafts with the head inside (one BLS call per request). Greedy text and token ids of the
+speculative paths equal the control's (ensemble / tensorrt_llm without num_draft_tokens) for k = 1..4, the
+responses' draft counters are > 0 and agree with the metrics endpoint; a head that does not fit is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from eagle3_heads import make_eagle3_head  # noqa: E402
+from ops_deploy import CHAT_TEMPLATE, chat_text  # noqa: E402
+from tiny_models import SERVER_READY_TIMEOUT_S, make_tiny_model, make_tokenizer  # noqa: E402
+
+pytestmark = pytest.mark.server
+
+AUX = (0, 1, 2)
+MAX_TOKENS = 16
+CHATS = [
+    [{"role": "user", "content": "What is speculative decoding?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name three colours."}],
+    [{"role": "user", "content": "def add(a, b):"}],
+    [{"role": "user", "content": "Once upon a time"}, {"role": "assistant", "content": "there was"}, {"role": "user", "content": "go on"}],
+]
+
+
+def _model(root: Path) -> Path:
+    from transformers import AutoTokenizer
+
+    tok_dir, model_dir = root / "tokenizer", root / "model"
+    make_tokenizer(tok_dir)
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(str(tok_dir))
+    make_tiny_model(model_dir, tok_dir, seed=0, num_hidden_layers=4)
+    return model_dir
+
+
+def _deployment(root: Path, model_dir: Path, head: Path, **sections):
+    """(recipe, layout, recipe_path) of a built tiny eagle3 deployment (the repository not written yet)."""
+    from specdeploy.artifacts import Layout
+    from specdeploy.config import parse_recipe
+    from specdeploy.engine.build import build_recipe
+    from specdeploy.quantize import quantize_recipe
+
+    raw = {
+        "name": "eagle3-triton",
+        "target": {"model": str(model_dir)},
+        "draft": {"kind": "eagle3", "head": str(head)},
+        "speculative": {"max_draft_len": 4, "num_draft_tokens": 3},
+        "engine": {"dtype": "float32", "max_batch_size": 4, "max_input_len": 256, "max_seq_len": 320},
+        "validation": {"max_tokens": MAX_TOKENS, "request_timeout_s": 60.0},
+        "triton": {"startup_timeout_s": SERVER_READY_TIMEOUT_S},
+    }
+    for key, value in sections.items():
+        raw[key] = {**raw.get(key, {}), **value}
+    recipe = parse_recipe(raw)
+    root.mkdir(parents=True, exist_ok=True)
+    recipe_path = root / "eagle3.yaml"
+    recipe_path.write_text(yaml.safe_dump(raw))
+    layout = Layout.of(recipe, root)
+    quantize_recipe(recipe, layout, echo=lambda *a, **k: None, progress=False)
+    build_recipe(recipe, layout, echo=lambda *a, **k: None)
+    return recipe, layout, recipe_path
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eagle3-triton")
+    model_dir = _model(root / "hf")
+    head = make_eagle3_head(root / "head", 64, 512, AUX, dtype="float32")
+    recipe, layout, recipe_path = _deployment(root / "deploy", model_dir, head)
+    return recipe, layout, recipe_path, head
+
+
+@pytest.fixture(scope="module")
+def served(built):
+    from specdeploy import backend_stages
+    from specdeploy.triton import server
+
+    import tritonclient.grpc as grpc
+
+    recipe, layout, recipe_path, head = built
+    repo, _ = backend_stages.of(recipe).write_repository(recipe, layout, recipe_path=str(recipe_path))
+    srv = server.start(repo, server.Ports.pick(), Path(layout.server_state) / "tritonserver.log", exit_timeout_s=3)
+    try:
+        server.wait_ready(srv, SERVER_READY_TIMEOUT_S)
+        client = grpc.InferenceServerClient(srv.state.grpc_url)
+        client.metrics_url = srv.state.metrics_url
+        yield client
+        client.close()
+    finally:
+        srv.stop()
+
+
+def test_repository_has_no_draft_model_and_carries_the_head(built, served):
+    from specdeploy.artifacts import Manifest
+    from specdeploy.errors import StaleArtifactError
+    from specdeploy.triton import repository
+
+    recipe, layout, recipe_path, head = built
+    repo = Path(layout.repo)
+    manifest = Manifest.read(repo)
+    assert "tensorrt_llm_draft" not in manifest.settings["models"] and not (repo / "tensorrt_llm_draft").exists()
+    copied = repo / "tensorrt_llm" / repository.EAGLE3_HEAD_SUBDIR
+    assert (copied / "model.safetensors").read_bytes() == (head / "model.safetensors").read_bytes()
+    assert manifest.inputs["eagle3_head"]
+    config = (repo / "tensorrt_llm" / "config.pbtxt").read_text()
+    assert 'key: "eagle3_head"' in config and '"num_draft_tokens"' in config
+    assert 'key: "draft_kind"' in (repo / "tensorrt_llm_bls" / "config.pbtxt").read_text()
+    repository.require_repository(recipe, layout, str(recipe_path))
+    # a changed head makes the repository out of date
+    changed = json.loads((head / "config.json").read_text())
+    try:
+        (head / "config.json").write_text(json.dumps({**changed, "rms_norm_eps": 1e-6}))
+        with pytest.raises(StaleArtifactError, match="stale"):
+            repository.require_repository(recipe, layout, str(recipe_path))
+    finally:
+        (head / "config.json").write_text(json.dumps(changed, indent=2))
+    repository.require_repository(recipe, layout, str(recipe_path))
+
+
+def _inputs(values: dict):
+    import tritonclient.grpc as grpc
+
+    kinds = {np.int32: "INT32", np.bool_: "BOOL", np.object_: "BYTES", np.float32: "FP32"}
+    out = []
+    for name, arr in values.items():
+        tensor = grpc.InferInput(name, list(arr.shape), kinds[arr.dtype.type])
+        tensor.set_data_from_numpy(arr)
+        out.append(tensor)
+    return out
+
+
+def _bls(client, prompt, **extra):
+    values = {"text_input": np.array([[prompt.encode()]], dtype=object), "max_tokens": np.array([[MAX_TOKENS]], dtype=np.int32),
+              **{k: np.array([[v]], dtype=np.int32) for k, v in extra.items()}}
+    return client.infer("tensorrt_llm_bls" if extra else "ensemble", _inputs(values), client_timeout=300)
+
+
+def _llm(client, ids, **extra):
+    values = {"input_ids": np.array([ids], dtype=np.int32), "input_lengths": np.array([[len(ids)]], dtype=np.int32),
+              "request_output_len": np.array([[MAX_TOKENS]], dtype=np.int32), "exclude_input_in_output": np.array([[True]]),
+              **{k: np.array([[v]], dtype=np.int32) for k, v in extra.items()}}
+    r = client.infer("tensorrt_llm", _inputs(values), client_timeout=300)
+    n = int(r.as_numpy("sequence_length").reshape(-1)[0])
+    return r.as_numpy("output_ids").reshape(-1)[:n].tolist(), r
+
+
+def _count(r, name) -> int:
+    return int(r.as_numpy(name).reshape(-1)[0])
+
+
+def _scrape_until(url, baseline, done):
+    from specdeploy import metrics
+
+    deadline = time.monotonic() + 300
+    while True:
+        window = metrics.scrape(url).minus(baseline)
+        if done(window):
+            return window
+        assert time.monotonic() < deadline, "the metrics never showed the requests"
+        time.sleep(0.01)
+
+
+def test_greedy_parity_and_draft_counters_match_metrics(built, served):
+    """The BLS with k = 1..4 and tensorrt_llm with num_draft_tokens = k give the control's text / token ids; the
+    head drafted (counters > 0) and the metrics endpoint counts the same drafted / accepted tokens."""
+    from specdeploy import metrics
+    from transformers import AutoTokenizer
+
+    recipe, layout, _, _ = built
+    tok = AutoTokenizer.from_pretrained(str(Path(layout.repo) / "preprocessing" / "tokenizer"))
+    baseline = metrics.scrape(served.metrics_url)
+    drafted = accepted = requests = 0
+    for chat in CHATS:
+        prompt = chat_text(chat)
+        control = _bls(served, prompt).as_numpy("text_output").reshape(-1)[0].decode()
+        ids = tok(prompt).input_ids
+        control_ids, plain = _llm(served, ids)
+        assert _count(plain, "total_draft_tokens") == 0  # the control never uses the head
+        for k in (1, 2, 3, 4):
+            r = _bls(served, prompt, num_draft_tokens=k)
+            assert r.as_numpy("text_output").reshape(-1)[0].decode() == control, (prompt, k)
+            d, a = _count(r, "total_draft_tokens"), _count(r, "total_accepted_draft_tokens")
+            assert d > 0 and 0 <= a <= d, (prompt, k, d, a)
+            assert float(r.as_numpy("acceptance_rate").reshape(-1)[0]) == pytest.approx(a / d, abs=1e-6)
+            drafted, accepted, requests = drafted + d, accepted + a, requests + 1
+            spec_ids, direct = _llm(served, ids, num_draft_tokens=k)
+            assert spec_ids == control_ids, (prompt, k)
+            rounds = direct.as_numpy("draft_tokens_per_round").reshape(-1).tolist()
+            assert sum(rounds) == _count(direct, "total_draft_tokens") > 0 and max(rounds) <= k
+    window = _scrape_until(served.metrics_url, baseline, lambda w: w.sum(metrics.REQUESTS.name, arm="speculative") >= requests)
+    assert window.sum(metrics.DRAFT_TOKENS.name, arm="speculative") == drafted
+    assert window.sum(metrics.ACCEPTED_TOKENS.name, arm="speculative") == accepted
+    assert window.sum(metrics.REQUESTS.name, arm="speculative") == requests
+    # one round per target pass: the prefill (no draft) and each verification pass
+    assert window.sum(metrics.DRAFTS.name, arm="speculative") > 0
+
+
+def test_num_draft_tokens_zero_is_plain_and_counted_as_such(built, served):
+    from specdeploy import metrics
+
+    baseline = metrics.scrape(served.metrics_url)
+    prompt = chat_text(CHATS[0])
+    r = _bls(served, prompt, num_draft_tokens=0)
+    assert r.as_numpy("text_output").reshape(-1)[0].decode() == _bls(served, prompt).as_numpy("text_output").reshape(-1)[0].decode()
+    assert _count(r, "total_draft_tokens") == 0
+    window = _scrape_until(served.metrics_url, baseline, lambda w: w.sum(metrics.REQUESTS.name, arm="speculative") >= 1)
+    assert window.sum(metrics.DRAFT_TOKENS.name) == 0
+    assert window.sum(metrics.ROUNDS.name, reason=metrics.REASON_NO_DRAFT) == 1
+
+
+def test_a_head_of_another_hidden_size_is_refused_at_repo(built, tmp_path):
+    from specdeploy import backend_stages
+    from specdeploy.config import parse_recipe, to_plain
+    from specdeploy.errors import ModelError
+
+    recipe, layout, recipe_path, _ = built
+    wrong = make_eagle3_head(tmp_path / "wrong", 32, 512, AUX, dtype="float32")
+    raw = to_plain(recipe)
+    raw["draft"]["head"] = str(wrong)
+    other = parse_recipe(raw)
+    moved = layout.__class__.of(other, tmp_path / "deploy")
+    shutil.copytree(layout.engines, moved.engines)
+    with pytest.raises(ModelError, match=r"hidden_size 32 differs from the target's 64") as info:
+        backend_stages.of(other).write_repository(other, moved, recipe_path=str(recipe_path))
+    assert str(wrong) in info.value.message
+    assert not Path(moved.repo).exists()
+
+
+def test_config_refuses_what_eagle3_on_cpu_does_not_have(built):
+    from specdeploy.config import parse_recipe, to_plain
+    from specdeploy.errors import ConfigError
+
+    raw = to_plain(built[0])
+    with pytest.raises(ConfigError, match="policy"):
+        parse_recipe({**raw, "speculative": {**raw["speculative"], "policy": "cost"}})
+    with pytest.raises(ConfigError, match="llmapi"):
+        parse_recipe({**raw, "triton": {**raw["triton"], "layout": "llmapi"}})
