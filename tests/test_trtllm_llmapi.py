@@ -314,7 +314,7 @@ def test_a_draft_len_other_than_the_schedule_is_refused(tmp_path):
 @pytest.fixture
 def eagle3_env(tmp_path, monkeypatch, tiny_llama_dir):
     monkeypatch.setattr(trtllm.gpu_probe, "probe", lambda timeout_s=10.0: [])
-    head = write_eagle3_head(tmp_path / "downloads" / "head", aux_layers=[0, 1])
+    head = write_eagle3_head(tmp_path / "downloads" / "head", aux_layers=[0, 1], nested=True)
     raw = yaml.safe_load(EXAMPLE_EAGLE3.read_text())
     raw["target"]["model"], raw["draft"]["head"], raw["trtllm_version"] = str(tiny_llama_dir), str(head), "1.3"
     recipe = parse_recipe(raw)
