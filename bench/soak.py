@@ -36,7 +36,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-STUB = "triton_python_backend_stub"
 PATHS = ("triton_speculative", "triton_control", "openai_speculative", "openai_control")
 WORDS = ("the river", "a quiet harbour", "seven lanterns", "under the bridge", "morning trains", "copper kettles", "old maps")
 MAX_NEW_TOKENS = (1, 4, 8, 16, 32, 64)
@@ -151,20 +150,9 @@ class Client:
 
 def stub_rss(server_pid: int) -> dict[int, int]:
     """pid -> resident bytes of every python stub under the server (/proc/PID/status VmRSS)."""
-    import psutil
+    from specdeploy.triton.server import python_stubs
 
-    out = {}
-    try:
-        children = psutil.Process(server_pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return out
-    for child in children:
-        try:
-            if STUB in " ".join(child.cmdline()[:1]) or child.name().startswith(STUB[:15]):
-                out[child.pid] = _vm_rss(child.pid)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, OSError):
-            pass
-    return out
+    return {pid: _vm_rss(pid) for pid in python_stubs(server_pid).values()}
 
 
 def _vm_rss(pid: int) -> int:
