@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from specdeploy.config import Recipe, stable_hash
+from specdeploy.config import EAGLE3_HEAD_TRAINED, Recipe, stable_hash
 from specdeploy.errors import StaleArtifactError
 
 SCHEMA_VERSION = 1
@@ -28,6 +28,10 @@ MANIFEST = "manifest.json"
 def home() -> Path:
     """The cache for bundled models and server files: $SPECDEPLOY_HOME or ~/.cache/specdeploy."""
     return Path(os.environ.get("SPECDEPLOY_HOME", Path.home() / ".cache" / "specdeploy"))
+
+
+# EAGLE-3 heads shipped with specdeploy, each trained by `specdeploy draft train` (its README says how)
+BUNDLED_HEADS = Path(__file__).resolve().parent / "data" / "heads"
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,15 @@ class Layout:
     def eagle3_head(self) -> Path:
         """draft.kind eagle3: the head `specdeploy draft train` exports (EAGLE-3 checkpoint layout + manifest)."""
         return self.engines / "eagle3-head"
+
+    def eagle3_head_source(self, head: str) -> Path:
+        """The folder draft.head names: 'trained' (the head `specdeploy draft train` exports for this recipe), the
+        name of a head shipped with specdeploy (specdeploy/data/heads/<name>), or a path."""
+        if head == EAGLE3_HEAD_TRAINED:
+            return self.eagle3_head
+        if "/" not in head and (BUNDLED_HEADS / head / "config.json").is_file():
+            return BUNDLED_HEADS / head
+        return Path(head).expanduser()
 
     @property
     def repo(self) -> Path:

@@ -58,8 +58,9 @@ class ModelConfig:
 
 
 DRAFT_KINDS = ("model", "ngram", "eagle3")  # draft.kind
-EAGLE3_HEAD_TRAINED = "trained"
-EAGLE3_EXPORT_DTYPES = ("float32", "bfloat16", "float16")  # draft.train.export_dtype  # draft.head: the head `specdeploy draft train RECIPE` wrote for this recipe
+EAGLE3_HEAD_TRAINED = "trained"  # draft.head: the head `specdeploy draft train RECIPE` wrote for this recipe
+EAGLE3_EXPORT_DTYPES = ("float32", "bfloat16", "float16")  # draft.train.export_dtype
+EAGLE3_TRAIN_PRECISIONS = ("auto", "float32", "bfloat16")  # draft.train.precision
 # draft.max_matching_ngram_size when null; the default of specdeploy.ngram.NGramSettings, written here because the
 # recipe checks draft.min_matching_ngram_size against it and the recipe imports nothing above the core.
 NGRAM_MAX_MATCHING_NGRAM_SIZE = 2
@@ -83,6 +84,9 @@ class Eagle3DataConfig:
     temperature: float = 0.8
     max_new_tokens: int = 256
     seed: int = 0
+    # requests in flight while the target writes the data (in-flight batching); 0: engine.max_batch_size. The
+    # engine's multi-row passes cost far less per row than one-row steps, so more rows make more tokens per second.
+    batch_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -102,6 +106,9 @@ class Eagle3TrainConfig:
     export_dtype: str = "float32"  # the exported head's weights: float32 (as trained) | bfloat16 | float16
     # start the head's layer from the target's last layer and its LM head from the target's rows (ModelOpt: random)
     init_from_target: bool = False
+    # the forward passes under torch autocast in bfloat16 (master weights and optimizer stay fp32). auto: bfloat16
+    # where the CPU multiplies bf16 natively (AMX / AVX512-BF16; ~3x faster than fp32 there) or on a GPU, else float32
+    precision: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -655,6 +662,8 @@ def _check_eagle3(r: Recipe) -> None:
                           "set use_draft_logits: false (greedy requests are verified token by token)")  # fmt: skip
     t = d.train
     _choice("draft.train.export_dtype", t.export_dtype, EAGLE3_EXPORT_DTYPES)
+    _choice("draft.train.precision", t.precision, EAGLE3_TRAIN_PRECISIONS)
+    _at_least("draft.data.batch_size", d.data.batch_size, 0)
     _at_least("draft.train.draft_vocab_size", t.draft_vocab_size, 2)
     _at_least("draft.train.ttt_steps", t.ttt_steps, 1)
     _at_least("draft.data.num_prompts", d.data.num_prompts, 1)

@@ -479,10 +479,11 @@ def make_draft_data(recipe: Recipe, layout, recipe_path: str = "RECIPE", force: 
     def load():
         engine = load_engine(target_dir, "target", recipe_path)
         engine_box["max_seq_len"] = int(engine.spec.max_seq_len)
-        return Executor(engine, max_cached_sequences=recipe.engine.max_batch_size + 1)
+        return Executor(engine, max_cached_sequences=in_flight + 1)
 
+    in_flight = data.batch_size or recipe.engine.max_batch_size
     started = time.monotonic()
-    scheduler = BatchScheduler.loading(load, recipe.engine.max_batch_size)
+    scheduler = BatchScheduler.loading(load, in_flight)
     try:
         max_seq_len = engine_box["max_seq_len"]
         gen = Generator(scheduler, chat.end_id, journal, echo, on_sample)
@@ -553,7 +554,7 @@ def make_draft_data(recipe: Recipe, layout, recipe_path: str = "RECIPE", force: 
             stage=STAGE,
             recipe_name=recipe.name,
             fingerprint=fp,
-            settings={"data": asdict(data), "heldout_percent": HELDOUT_PERCENT, "max_batch_size": recipe.engine.max_batch_size,
+            settings={"data": asdict(data), "heldout_percent": HELDOUT_PERCENT, "max_batch_size": in_flight,
                       "text_chunk_tokens": min(recipe.draft.train.seq_len, max_seq_len)},
             inputs={"target_engine": str(target_dir), "target_engine_fingerprint": target_manifest.fingerprint,
                     "files": [p for p in [*data.sources, *data.text_files] if p not in NAMED_SOURCES]},

@@ -177,7 +177,7 @@ def load_eagle3_head(recipe, layout, target_engine, recipe_path: str = "RECIPE")
     from specdeploy.engine.eagle3 import Eagle3Head
 
     trained = recipe.draft.head == EAGLE3_HEAD_TRAINED
-    head_dir = Path(layout.eagle3_head) if trained else Path(recipe.draft.head)
+    head_dir = layout.eagle3_head_source(recipe.draft.head)
     if not (head_dir / "config.json").is_file():
         fix = f"train it with: specdeploy draft train {recipe_path}" if trained else "set draft.head to an exported EAGLE-3 checkpoint folder"
         raise BuildError(f"no EAGLE-3 head at {head_dir}", fix)

@@ -479,9 +479,8 @@ EAGLE3_WEIGHTS = ("*.safetensors", "*.bin")  # the published heads ship pytorch_
 
 
 def eagle3_head_source(recipe: Recipe, layout: Layout) -> Path:
-    """The recipe's EAGLE-3 head folder: draft.head, or the head `specdeploy draft train` exports (layout.eagle3_head)."""
-    head = recipe.draft.head
-    return Path(layout.eagle3_head) if head == EAGLE3_HEAD_TRAINED else Path(head).expanduser()
+    """The recipe's EAGLE-3 head folder (Layout.eagle3_head_source: trained, bundled or a path)."""
+    return layout.eagle3_head_source(recipe.draft.head)
 
 
 def read_eagle3_head_config(head_dir: Path) -> dict | None:

@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from specdeploy import artifacts
@@ -75,6 +77,22 @@ def test_layout_paths(tmp_path):
     assert layout.engine("draft") == tmp_path / "engines/smollm2-135m/draft"
     assert layout.repo == tmp_path / "triton_repo/smollm2-135m"
     assert layout.report == tmp_path / "engines/smollm2-135m/report"
+
+
+def test_eagle3_head_source_is_trained_bundled_or_a_path(tmp_path, monkeypatch):
+    from specdeploy.config import load_recipe
+
+    layout = artifacts.Layout.of(load_recipe("build/smollm2-135m.yaml"), tmp_path)
+    assert layout.eagle3_head_source("trained") == layout.eagle3_head == tmp_path / "engines/smollm2-135m/eagle3-head"
+    bundled = tmp_path / "heads"
+    (bundled / "tiny-eagle3").mkdir(parents=True)
+    (bundled / "tiny-eagle3" / "config.json").write_text("{}")
+    monkeypatch.setattr(artifacts, "BUNDLED_HEADS", bundled)
+    assert layout.eagle3_head_source("tiny-eagle3") == bundled / "tiny-eagle3"
+    # a name with no bundled head, or a path, is the path itself
+    assert layout.eagle3_head_source("other-head") == Path("other-head")
+    assert layout.eagle3_head_source("./tiny-eagle3") == Path("./tiny-eagle3")
+    assert layout.eagle3_head_source("~/h") == Path.home() / "h"
 
 
 def test_leftovers_of_a_killed_process_are_removed(tmp_path):

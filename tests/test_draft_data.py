@@ -119,6 +119,7 @@ def test_output_format_heldout_split_and_greedy_answers(tmp_path, built, chat_mo
     assert all(n == 2 for p, n in by_prompt.items() if not p.startswith("text-"))
     manifest = Manifest.read(dest)
     assert manifest.stage == "draft-data"
+    assert manifest.settings["max_batch_size"] == 3  # draft.data.batch_size 0: engine.max_batch_size
     assert manifest.extra["total"]["prompts"] == 20 + len([p for p in by_prompt if p.startswith("text-")])
     assert manifest.extra["total"]["by_source"]["file"]["prompts"] == 4  # the file had 4 of its quota of 10
     assert manifest.extra["total"]["by_source"]["calibration"]["prompts"] == 16  # calibration made up the other 6
@@ -227,6 +228,20 @@ def test_bad_inputs_are_refused_with_the_fix(tmp_path, built, chat_model):
     recipe, layout = _setup(tmp_path / "c", built, chat_model, {"text_files": [str(tmp_path / "gone.txt")]})
     with pytest.raises(ConfigError, match="gone.txt .* not found"):
         _make(recipe, layout)
+
+
+def test_more_answers_in_flight_write_the_same_data(tmp_path, built, chat_model):
+    """draft.data.batch_size: more requests per engine step, the same samples (greedy rows are batch-invariant,
+    sampled ones carry their own seed)."""
+    recipe, layout = _setup(tmp_path / "default", built, chat_model, {})
+    wide, wide_layout = _setup(tmp_path / "wide", built, chat_model, {"batch_size": 5})
+    narrow_dest, _ = _make(recipe, layout)
+    wide_dest, _ = _make(wide, wide_layout)
+    assert Manifest.read(wide_dest).settings["max_batch_size"] == 5
+    for name in ("train.jsonl", "heldout.jsonl"):
+        assert _read(wide_dest / name) == _read(narrow_dest / name)
+    with pytest.raises(ConfigError, match="draft.data.batch_size"):
+        parse_recipe(_raw(chat_model, {"batch_size": -1}))
 
 
 def test_cli_names_the_build_command_when_the_engine_is_missing(tmp_path, chat_model):

@@ -27,7 +27,9 @@ from tiny_models import make_tiny_model, make_tokenizer  # noqa: E402
 VOCAB = 512
 POOL = 48  # the tokens prompts and answers use: the target maps each to a successor inside the pool
 PROMPT_LEN, ANSWER_LEN = 6, 18
-TRAIN = dict(draft_vocab_size=160, ttt_steps=3, epochs=8.0, learning_rate=1e-2, seq_len=32, batch_size=8, seed=0)
+# precision float32: the same numbers on every CPU (auto picks bfloat16 where the CPU multiplies it natively)
+TRAIN = dict(draft_vocab_size=160, ttt_steps=3, epochs=8.0, learning_rate=1e-2, seq_len=32, batch_size=8, seed=0,
+             precision="float32")
 
 
 def make_bigram_target(path: Path, tokenizer_dir: Path) -> None:
@@ -392,3 +394,43 @@ def test_an_unknown_export_dtype_is_refused_naming_the_choices():
     with pytest.raises(ConfigError, match="export_dtype") as caught:
         parse_recipe(raw)
     assert "float32, bfloat16, float16" in str(caught.value)
+
+
+def test_bfloat16_training_also_raises_heldout_acceptance(tiny):
+    """draft.train.precision bfloat16: the forward passes under autocast (the head's weights and AdamW stay fp32)."""
+    root, target, data = tiny
+    recipe = recipe_for(target, precision="bfloat16")
+    layout = layout_with_data(root, data, recipe, "run-bf16")
+    lines: list[str] = []
+    result = draft_train.train_recipe(recipe, layout, echo=lines.append, progress=False)
+    assert any("forward passes in bfloat16" in line for line in lines)
+    assert result.acceptance.per_position[0] > result.initial_acceptance.per_position[0] + 0.2
+    manifest = artifacts.Manifest.read(layout.eagle3_head)
+    assert manifest.settings["precision"] == "bfloat16"
+    from safetensors.torch import load_file
+
+    weights = load_file(str(layout.eagle3_head / "model.safetensors"))
+    assert {str(v.dtype) for k, v in weights.items() if k != "d2t"} == {"torch.float32"}  # fp32 master weights
+
+
+def test_precision_auto_is_bfloat16_only_where_the_cpu_multiplies_bf16(monkeypatch):
+    from specdeploy.engine import native
+
+    t = Eagle3TrainConfig()
+    assert t.precision == "auto"
+    monkeypatch.setattr(native, "_cpu_flags", lambda: "flags : fpu avx2 fma avx512f avx512_bf16")
+    assert draft_train.train_precision(t, "cpu") == "bfloat16"
+    monkeypatch.setattr(native, "_cpu_flags", lambda: "flags : fpu avx2 fma amx_tile amx_bf16")
+    assert draft_train.train_precision(t, "cpu") == "bfloat16"
+    monkeypatch.setattr(native, "_cpu_flags", lambda: "flags : fpu avx2 fma avx512f avx512_vnni")
+    assert draft_train.train_precision(t, "cpu") == "float32"
+    assert draft_train.train_precision(t, "cuda") == "bfloat16"
+    assert draft_train.train_precision(replace(t, precision="float32"), "cuda") == "float32"
+
+
+def test_an_unknown_precision_is_refused_naming_the_choices():
+    raw = {"name": "x", "target": {"model": "smollm2-135m-instruct"},
+           "draft": {"kind": "eagle3", "head": "trained", "train": {"precision": "fp8"}}}  # fmt: skip
+    with pytest.raises(ConfigError, match="precision") as caught:
+        parse_recipe(raw)
+    assert "auto, float32, bfloat16" in str(caught.value)

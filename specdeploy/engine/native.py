@@ -102,6 +102,12 @@ def isa() -> str:
     return "avx2"
 
 
+def bf16_native() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AMX tiles or AVX512-BF16), where torch's bf16 matmuls (oneDNN)
+    run several times faster than fp32; on AVX2-only CPUs they are emulated and slower."""
+    return bool({"amx_bf16", "avx512_bf16"} & _cpu_flag_set())
+
+
 def int8_variant() -> int:
     """The int8 SmoothQuant kernel variant for this CPU (INT8_AVX2, INT8_AVX_VNNI or INT8_AVX512_VNNI), from its own
     flags when the engine loads; every variant gives the same bits (integer sums), only the speed differs."""

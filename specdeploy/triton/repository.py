@@ -745,7 +745,7 @@ def _eagle3_head(recipe: Recipe, layout, recipe_path: str) -> tuple[Path, str]:
     from specdeploy.errors import BuildError
 
     trained = recipe.draft.head == EAGLE3_HEAD_TRAINED
-    head_dir = (Path(layout.eagle3_head) if trained else Path(recipe.draft.head)).resolve()
+    head_dir = layout.eagle3_head_source(recipe.draft.head).resolve()
     missing = [name for name in EAGLE3_HEAD_FILES if not (head_dir / name).is_file()]
     if missing:
         fix = f"train it with: specdeploy draft train {recipe_path}" if trained else "set draft.head to an exported EAGLE-3 checkpoint folder"
