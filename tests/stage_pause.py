@@ -6,6 +6,7 @@ POINT: `write`  - the stage has written its artifact into atomic_output's tempor
                   manifest (a half-written artifact: what a kill during the model export leaves);
        `swap`   - the previous artifact has just been set aside (renamed to .NAME.old-...) and the new one is not yet
                   in place (between the two renames of atomic_output's swap);
+       `checkpoint` - `draft train` has saved its first resume checkpoint (engines/<recipe>/eagle3-head.partial);
        `none`   - no pause.
 At the point it prints `PAUSED <point> <folder>` on stderr and blocks until killed, so the test waits on that line
 (a signal, not a sleep) and sends SIGKILL. Nothing else of the CLI or the stages is changed.
@@ -50,6 +51,20 @@ elif point == "swap":
                 pause(str(src))
 
     artifacts.os = _Os()
+elif point == "checkpoint":
+    from specdeploy import draft_train
+
+    class _TrainOs:  # os for draft_train, whose replace pauses once the resume checkpoint is in place
+        def __getattr__(self, name):
+            return getattr(os, name)
+
+        @staticmethod
+        def replace(src, dst, *args, **kwargs):
+            os.replace(src, dst, *args, **kwargs)
+            if os.path.basename(str(dst)) == draft_train.RESUME_STATE:
+                pause(str(dst))
+
+    draft_train.os = _TrainOs()
 elif point != "none":
     raise SystemExit(f"unknown pause point {point!r}")
 

@@ -333,6 +333,73 @@ def test_llama_cpp_converts_the_exported_head_of_the_bundled_model(tmp_path):
     assert {"fc.weight", "output.weight", "blk.0.attn_q.weight"} <= set(tensors)
 
 
+def test_sigkill_mid_training_keeps_the_previous_head_and_the_rerun_resumes(tiny, tmp_path):
+    """The CLI as a subprocess, SIGKILLed once its first resume checkpoint is on disk (tests/stage_pause.py): the head
+    exported before (other settings) stays in place byte for byte and loadable, and the same command again resumes
+    from the checkpoint and gives the weights of an uninterrupted run."""
+    import signal
+
+    import yaml
+    from safetensors.torch import load_file
+
+    _, target, data = tiny
+    tests = Path(__file__).resolve().parent
+
+    def recipe_file(name: str, **train) -> Path:
+        path = tmp_path / name
+        path.write_text(yaml.safe_dump({"name": "tiny-eagle3", "target": {"model": str(target)},
+                                        "draft": {"kind": "eagle3", "head": "trained", "train": {**TRAIN, **train}},
+                                        "speculative": {"max_draft_len": 4, "num_draft_tokens": 3}}))  # fmt: skip
+        return path
+
+    def cli(root: Path, recipe: Path, point: str = "none") -> subprocess.Popen:
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(tests.parent)}
+        return subprocess.Popen([sys.executable, str(tests / "stage_pause.py"), point, "--root", str(root), "draft", "train",
+                                 str(recipe), "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
+
+    def finished(root: Path, recipe: Path) -> str:
+        proc = cli(root, recipe)
+        out, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0, out
+        return out
+
+    short, full = recipe_file("short.yaml", epochs=1.0), recipe_file("full.yaml", epochs=4.0)
+    reference = artifacts.Layout(tmp_path / "reference", "tiny-eagle3")
+    shutil.copytree(data, reference.draft_data)
+    finished(reference.root, full)  # uninterrupted
+
+    layout = artifacts.Layout(tmp_path / "killed", "tiny-eagle3")
+    shutil.copytree(data, layout.draft_data)
+    finished(layout.root, short)  # the previous head
+    head, partial = layout.eagle3_head, draft_train.resume_dir(layout.eagle3_head)
+    before = {p.name: p.read_bytes() for p in head.iterdir()}
+
+    proc = cli(layout.root, full, point="checkpoint")
+    paused = ""
+    for line in proc.stdout:  # a signal, not a sleep: the line stage_pause prints once the checkpoint is saved
+        paused += line
+        if line.startswith("PAUSED checkpoint"):
+            break
+    assert "PAUSED checkpoint" in paused, paused
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=60) == -signal.SIGKILL
+    assert (partial / draft_train.RESUME_STATE).is_file()
+    assert {p.name: p.read_bytes() for p in head.iterdir()} == before  # the previous head, untouched
+    previous = artifacts.Manifest.read(head)
+    assert previous.settings["train"]["epochs"] == 1.0
+    d2t = load_file(str(head / "model.safetensors"))["d2t"]
+    model = draft_train.build_model(target, recipe_for(target).draft.train, (torch.arange(len(d2t)) + d2t).tolist(), [0, 1])
+    draft_train.load_exported_head(model, head)  # loadable
+
+    out = finished(layout.root, full)
+    assert "resuming at step" in out, out
+    assert not partial.exists()
+    resumed, straight = load_file(str(head / "model.safetensors")), load_file(str(reference.eagle3_head / "model.safetensors"))
+    assert resumed.keys() == straight.keys()
+    for key in straight:
+        assert torch.equal(resumed[key], straight[key]), key
+
+
 def test_cli_draft_train_without_data_names_the_data_command(tiny, tmp_path):
     import yaml
     from click.testing import CliRunner
