@@ -61,6 +61,7 @@ DRAFT_KINDS = ("model", "ngram", "eagle3")  # draft.kind
 EAGLE3_HEAD_TRAINED = "trained"  # draft.head: the head `specdeploy draft train RECIPE` wrote for this recipe
 EAGLE3_EXPORT_DTYPES = ("float32", "bfloat16", "float16")  # draft.train.export_dtype
 EAGLE3_TRAIN_PRECISIONS = ("auto", "float32", "bfloat16")  # draft.train.precision
+EAGLE3_LR_SCHEDULES = ("constant", "cosine")  # draft.train.lr_schedule
 # draft.max_matching_ngram_size when null; the default of specdeploy.ngram.NGramSettings, written here because the
 # recipe checks draft.min_matching_ngram_size against it and the recipe imports nothing above the core.
 NGRAM_MAX_MATCHING_NGRAM_SIZE = 2
@@ -99,6 +100,8 @@ class Eagle3TrainConfig:
     ttt_steps: int = 3  # training-time test: draft positions trained per step
     epochs: float = 2.0
     learning_rate: float = 3e-4
+    # constant, or cosine: from learning_rate down to a tenth of it over the run (a short run ends on small steps)
+    lr_schedule: str = "constant"
     seq_len: int = 512
     batch_size: int = 4
     seed: int = 0
@@ -663,6 +666,7 @@ def _check_eagle3(r: Recipe) -> None:
     t = d.train
     _choice("draft.train.export_dtype", t.export_dtype, EAGLE3_EXPORT_DTYPES)
     _choice("draft.train.precision", t.precision, EAGLE3_TRAIN_PRECISIONS)
+    _choice("draft.train.lr_schedule", t.lr_schedule, EAGLE3_LR_SCHEDULES)
     _at_least("draft.data.batch_size", d.data.batch_size, 0)
     _at_least("draft.train.draft_vocab_size", t.draft_vocab_size, 2)
     _at_least("draft.train.ttt_steps", t.ttt_steps, 1)

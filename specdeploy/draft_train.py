@@ -494,6 +494,15 @@ class TrainResult:
         return self.tokens / self.step_seconds if self.step_seconds else 0.0
 
 
+def learning_rate_at(t: Eagle3TrainConfig, step: int, total_steps: int) -> float:
+    """draft.train.lr_schedule at `step` (0-based): a function of the step alone, so a resumed run follows the same
+    curve. cosine: learning_rate at the first step, a tenth of it at the last."""
+    if t.lr_schedule == "constant" or total_steps <= 1:
+        return t.learning_rate
+    floor = 0.1 * t.learning_rate
+    return floor + 0.5 * (t.learning_rate - floor) * (1 + math.cos(math.pi * step / (total_steps - 1)))
+
+
 def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
     import torch
 
@@ -555,6 +564,8 @@ def train_head(model, data: DraftData, t: Eagle3TrainConfig, work_dir: Path, *, 
             chunk = [data.train[i] for i in order[k * t.batch_size : (k + 1) * t.batch_size]]
             ids, loss_mask, lengths = make_batch(chunk, t.seq_len, pad_id, device)
             masks.use(ids.shape[1])
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate_at(t, step, total_steps)
             started = time.monotonic()
             with autocast(precision, device):
                 out = model(input_ids=ids, loss_mask=loss_mask)

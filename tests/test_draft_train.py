@@ -501,3 +501,15 @@ def test_an_unknown_precision_is_refused_naming_the_choices():
     with pytest.raises(ConfigError, match="precision") as caught:
         parse_recipe(raw)
     assert "auto, float32, bfloat16" in str(caught.value)
+
+
+def test_cosine_schedule_runs_from_the_learning_rate_to_a_tenth_and_depends_on_the_step_alone():
+    t = Eagle3TrainConfig(learning_rate=1e-3, lr_schedule="cosine")
+    rates = [draft_train.learning_rate_at(t, step, 11) for step in range(11)]
+    assert rates[0] == pytest.approx(1e-3) and rates[-1] == pytest.approx(1e-4) and rates[5] == pytest.approx(5.5e-4)
+    assert all(a > b for a, b in zip(rates, rates[1:]))
+    constant = replace(t, lr_schedule="constant")
+    assert {draft_train.learning_rate_at(constant, step, 11) for step in range(11)} == {1e-3}
+    with pytest.raises(ConfigError, match="lr_schedule"):
+        parse_recipe({"name": "x", "target": {"model": "smollm2-135m-instruct"},
+                      "draft": {"kind": "eagle3", "head": "trained", "train": {"lr_schedule": "linear"}}})  # fmt: skip
