@@ -4,6 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 RECIPE ?= build/smollm2-135m.yaml
 NGRAM_RECIPE ?= build/smollm2-135m-ngram.yaml
+MODEL_DRAFT_RECIPE ?= build/smollm2-135m-int8-draft.yaml
 EAGLE3_RECIPE ?= build/smollm2-135m-eagle3.yaml
 SD     := $(BIN)/specdeploy
 export HF_HUB_OFFLINE := 1
@@ -31,7 +32,8 @@ models: setup
 check: setup
 	$(SD) check $(RECIPE)
 
-# Both deployments of the same target: the model-draft pair, then the n-gram (prompt-lookup) draft.
+# Two deployments of the same target: the EAGLE-3 head shipped for it (the default recipe), then the n-gram
+# (prompt-lookup) draft.
 demo: found models
 	$(SD) run $(RECIPE)
 	$(SD) run $(NGRAM_RECIPE)
@@ -44,8 +46,10 @@ test: setup
 bench: setup models
 	$(SD) quantize $(RECIPE)
 	$(SD) build $(RECIPE)
+	$(SD) quantize $(MODEL_DRAFT_RECIPE)
+	$(SD) build $(MODEL_DRAFT_RECIPE)
 	$(BIN)/python -m pip install --quiet --target $(VENV)/bench-site --no-deps torchao==0.18.0
-	$(BIN)/python bench/engine.py --recipe $(RECIPE)
+	$(BIN)/python bench/engine.py --recipe $(MODEL_DRAFT_RECIPE)
 	$(BIN)/python bench/kernels.py --recipe $(RECIPE) --threads 2
 
 # Serves the recipe's repository and OpenAI front on free loopback ports, sends every seeded malformed case

@@ -13,7 +13,7 @@ bandwidth and the memory-bandwidth floor of the target (weight bytes / copy band
 engine alone (for the cost ratio c), and the speedup predicted by Leviathan et al.'s model
 (DESIGN.md) from the measured acceptance rate and c.
 
-    .venv/bin/python bench/engine.py [--recipe build/smollm2-135m.yaml] [--prompts 4] [--max-tokens 64]
+    .venv/bin/python bench/engine.py [--recipe build/smollm2-135m-int8-draft.yaml] [--prompts 4] [--max-tokens 64]
 
 Prints a table and writes bench/results/engine-<time>.json.
 """
@@ -281,7 +281,7 @@ def ensure_engines(recipe, layout, recipe_path: str) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--recipe", default=str(ROOT / "build" / "smollm2-135m.yaml"))
+    ap.add_argument("--recipe", default=str(ROOT / "build" / "smollm2-135m-int8-draft.yaml"))
     ap.add_argument("--root", default=None, help="project root holding engines/ (default: $SPECDEPLOY_ROOT or the repo)")
     ap.add_argument("--prompts", type=int, default=4, help="bundled prompts, one per category")
     ap.add_argument("--max-tokens", type=int, default=64)

@@ -41,9 +41,11 @@ CHECKPOINT_EVERY_S = 300.0  # model + optimizer + position saved this often (and
 LENGTH_BUCKET = 32  # batches are padded to a multiple of this (one cached TTT mask per padded length)
 TOOL_DISTRIBUTIONS = ("nvidia-modelopt", "torch", "transformers", "safetensors")
 # Throughput assumed for the time estimate (as specdeploy.calibration: labelled estimates; they decide a refusal only
-# when far off). Training on CPU in fp32 runs well below calibration's forward-only figure; measured on this
-# 2-core machine: see docs/eagle3-train.md.
-CPU_FLOPS = 2.0e10
+# when far off). Training on CPU in fp32 runs well below calibration's forward-only figure. Measured on 2 cores
+# (docs/eagle3-train.md): ~1e11 FLOP/s fp32 and ~3e11 bf16 autocast on an idle AMX Xeon, 2e10 fp32 under load ~20;
+# the figures below sit between, so a busy machine still finishes near the estimate.
+CPU_FLOPS = 4.0e10
+CPU_BF16_FLOPS = 1.2e11  # where draft.train.precision resolves to bfloat16 (AMX / AVX512-BF16)
 GPU_FLOPS = 1.0e14
 ADAM_BYTES_PER_PARAM = 16  # fp32 weight, gradient, two Adam moments
 
@@ -162,7 +164,7 @@ def head_shape(target_config: dict, draft_vocab_size: int, num_aux: int) -> int:
 
 
 def plan_training(target_config: dict, data: DraftData, t: Eagle3TrainConfig, device: str, available_bytes: int | None,
-                  draft_vocab_size: int, num_aux: int) -> TrainPlan:  # fmt: skip
+                  draft_vocab_size: int, num_aux: int, precision: str = "float32") -> TrainPlan:  # fmt: skip
     from specdeploy.calibration import count_params
 
     steps_per_epoch = math.ceil(len(data.train) / t.batch_size)
@@ -175,7 +177,7 @@ def plan_training(target_config: dict, data: DraftData, t: Eagle3TrainConfig, de
     # per token: the target's forward (2 P), the head's forward + backward over ttt_steps (6 P each); the
     # held-out passes add about one more target forward per epoch over a smaller set.
     flops = train_tokens * (2.0 * target_params + 6.0 * head_params * t.ttt_steps)
-    seconds = flops / (GPU_FLOPS if device == "cuda" else CPU_FLOPS)
+    seconds = flops / (GPU_FLOPS if device == "cuda" else CPU_BF16_FLOPS if precision == "bfloat16" else CPU_FLOPS)
     # memory: the target in fp32, the head with gradients and Adam, and per batch the target's logits (full
     # vocabulary: logits, softmax, draft-vocabulary copy) and the head's per TTT step
     tokens_per_batch = t.batch_size * t.seq_len
@@ -742,7 +744,8 @@ def train_recipe(recipe: Recipe, layout, force: bool = False, echo=print, progre
     draft_ids = choose_draft_vocab(data.train, vocab, t.draft_vocab_size)
     draft_vocab_size = len(draft_ids) if draft_ids is not None else vocab
     device = _device()
-    plan = plan_training(target_config, data, t, device, _available_memory(device), draft_vocab_size, len(aux_ids))
+    precision = train_precision(t, device)
+    plan = plan_training(target_config, data, t, device, _available_memory(device), draft_vocab_size, len(aux_ids), precision)
     check_plan(plan, t)
     echo(f"eagle3 head for {recipe.target.model}: {plan.summary()}")
     echo(f"  aux layers {aux_ids}, draft vocabulary {draft_vocab_size} of {vocab}, {len(data.train)} training and "
@@ -753,7 +756,6 @@ def train_recipe(recipe: Recipe, layout, force: bool = False, echo=print, progre
     model = build_model(target_dir, t, draft_ids, aux_ids, device)
     pad_id = target_config.get("pad_token_id")
     pad_id = pad_id if isinstance(pad_id, int) and 0 <= pad_id < vocab else 0
-    precision = train_precision(t, device)
     echo(f"  forward passes in {precision} (draft.train.precision {t.precision})")
     result = train_head(model, data, t, work, fingerprint=fp, progress=progress, echo=echo, device=device, pad_id=pad_id,
                         precision=precision)

@@ -11,7 +11,7 @@ def run(*args):
 
 
 def recipe_file(tmp_path, **changes):
-    raw = yaml.safe_load(open("build/smollm2-135m.yaml"))
+    raw = yaml.safe_load(open("build/smollm2-135m-int8-draft.yaml"))
     for dotted, value in changes.items():
         node = raw
         *parents, last = dotted.split("__")
@@ -31,7 +31,7 @@ def test_help_lists_commands():
 
 
 def test_check_prints_the_plan(tmp_path):
-    result = run("--root", str(tmp_path), "check", "build/smollm2-135m.yaml")
+    result = run("--root", str(tmp_path), "check", "build/smollm2-135m-int8-draft.yaml")
     assert result.exit_code == 0, result.output
     for word in ("quantize target", "build draft", "repo", "serve", "validate", "missing"):
         assert word in result.output

@@ -6,7 +6,8 @@ import yaml
 from specdeploy import config as cfg
 from specdeploy.errors import ConfigError
 
-RECIPE = "build/smollm2-135m.yaml"
+RECIPE = "build/smollm2-135m-int8-draft.yaml"  # a model-draft recipe: these tests change its draft and target sections
+DEFAULT = "build/smollm2-135m.yaml"
 
 
 def raw_default():
@@ -24,9 +25,22 @@ def with_change(path: str, value):
     return raw
 
 
-def test_default_recipe_loads_into_frozen_dataclasses():
+def test_default_recipe_drafts_with_the_bundled_eagle3_head():
+    from specdeploy import artifacts
+
+    r = cfg.load_recipe(DEFAULT)
+    assert r.name == "smollm2-135m" and r.backend == "cpu"
+    assert r.draft.is_eagle3 and r.draft.head == "smollm2-135m-instruct-eagle3"
+    head = artifacts.Layout.of(r, "/nonexistent").eagle3_head_source(r.draft.head)
+    assert head == artifacts.BUNDLED_HEADS / "smollm2-135m-instruct-eagle3"
+    assert (head / "config.json").is_file() and (head / "model.safetensors").is_file()
+    # the head was trained for this target as this recipe quantizes it (the training recipe's target section)
+    assert r.target == cfg.load_recipe("build/smollm2-135m-eagle3.yaml").target
+
+
+def test_model_draft_recipe_loads_into_frozen_dataclasses():
     r = cfg.load_recipe(RECIPE)
-    assert r.name == "smollm2-135m"
+    assert r.name == "smollm2-135m-int8-draft"
     assert r.backend == "cpu"
     assert r.target.quantization.qformat == "fp8"
     assert r.draft.quantization.qformat == "int8_wo"
@@ -40,7 +54,7 @@ def test_every_shipped_recipe_validates():
     import glob
 
     paths = glob.glob("build/*.yaml")
-    assert RECIPE in paths
+    assert RECIPE in paths and DEFAULT in paths
     for path in paths:
         cfg.load_recipe(path)
 
