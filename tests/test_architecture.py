@@ -74,6 +74,10 @@ LAYER_OF = {
     "engine.build": "stages",
     "preflight": "stages",
     "trtllm": "stages",
+    "triton.model_config": "stages",  # ModelSpec -> config.pbtxt, checked with Triton's ModelConfig
+    "triton.tensors": "stages",  # the inflight_batcher_llm layout's model names and tensors
+    "triton.repo_inputs": "stages",  # the engines, tokenizer and head a repository is generated from
+    "triton.layout_models": "stages",  # the layout's models as ModelSpecs
     "triton.repository": "stages",
     "triton.gpu_models": "stages",
     "triton.llmapi": "stages",
