@@ -73,6 +73,9 @@ LAYER_OF = {
     "engine.compile": "stages",
     "engine.build": "stages",
     "preflight": "stages",
+    "trtllm_engine": "stages",  # backend trtllm-engine: trtllm-build
+    "llmapi_versions": "stages",  # each TensorRT-LLM release's LLM-API option names
+    "llmapi_options": "stages",  # the recipe as LLM-API options
     "trtllm": "stages",
     "triton.model_config": "stages",  # ModelSpec -> config.pbtxt, checked with Triton's ModelConfig
     "triton.tensors": "stages",  # the inflight_batcher_llm layout's model names and tensors
