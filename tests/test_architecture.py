@@ -35,7 +35,12 @@ LAYER_OF = {
     "cost": "core",
     "gpu": "core",
     "lock": "core",
-    "metrics": "core",  # metric names, the recorder the BLS writes through, the reader of the metrics endpoint
+    "metric_names": "core",  # the metrics a deployment exports, written once
+    "metrics_sinks": "core",  # where updates go: Triton's MetricFamily, a prometheus_client registry
+    "metrics_recorder": "core",  # the recorder the BLS writes through, BlsOps (metrics and the canary's arms)
+    "metrics_reader": "core",  # the reader of the metrics endpoint: Snapshot, arm_stats
+    "metrics_dashboard": "core",  # the Grafana dashboard
+    "metrics": "core",  # the names of the five above, importable from one place
     "models": "core",  # where a recipe's model comes from (bundled or a local folder)
     # math: pure and transport-free
     "speculative": "math",
