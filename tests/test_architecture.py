@@ -128,6 +128,13 @@ LAYER_OF = {
     "openai_requests": "commands",
     "openai_app": "commands",
     "openai_api": "commands",
+    "cli_common": "cli",  # RECIPE, the context, SpecDeployError -> exit codes
+    "cli_setup": "cli",  # check, doctor, models
+    "cli_build": "cli",  # quantize, draft data/train, build, repo
+    "cli_serve": "cli",  # serve, stop, status
+    "cli_generate": "cli",  # generate
+    "cli_validate": "cli",  # validate, run
+    "cli_ops": "cli",  # monitor, canary
     "cli": "cli",
 }
 
