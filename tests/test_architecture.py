@@ -94,6 +94,8 @@ LAYER_OF = {
     "triton.server": "stages",
     "packaging": "stages",
     "draft_train": "stages",  # specdeploy draft train: the EAGLE-3 head (ModelOpt)
+    "launch_command": "stages",  # the tritonserver launch plan and its docker equivalent
+    "launch_k8s": "stages",  # the Kubernetes manifests
     "launch": "stages",
     "draft_data": "stages",  # draft.kind eagle3: the head's training data, written by the target engine
     # client: validation over the transport-free protocol and its adapters; never a stage
