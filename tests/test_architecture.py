@@ -91,6 +91,9 @@ LAYER_OF = {
     "triton.llmapi": "stages",
     "triton.shm": "stages",
     "triton.install": "stages",
+    "triton.ports": "stages",  # the server's loopback ports
+    "triton.server_state": "stages",  # what serve --detach records for status and stop
+    "triton.stubs": "stages",  # the python-backend stubs under a server, and what a dead one left
     "triton.server": "stages",
     "packaging": "stages",
     "draft_train": "stages",  # specdeploy draft train: the EAGLE-3 head (ModelOpt)
