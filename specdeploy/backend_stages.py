@@ -1,8 +1,8 @@
 """What each backend does: its stages composed, behind one interface (build, repository, serve, start, stop).
 
     cpu            the CPU engine build (engine/build.py), python-backend engine models, the embedded tritonserver
-    trtllm-engine  trtllm-build (trtllm.py), Triton's tensorrtllm models (triton/gpu_models.py), the GPU launch
-    trtllm-llmapi  the LLM-API options (trtllm.py), TensorRT-LLM's llmapi model (triton/llmapi.py), the GPU launch
+    trtllm-engine  trtllm-build (trtllm_engine.py), Triton's tensorrtllm models (triton/gpu_models.py), the GPU launch
+    trtllm-llmapi  the LLM-API options (llmapi_options.py, trtllm.py), TensorRT-LLM's llmapi model (triton/llmapi.py), the GPU launch
 
 What a backend *is* (its facts) is `specdeploy.backends`, in the core; this layer sits above the stages and imports
 them, and only the pipeline and the CLI import it (docs/architecture.md). The per-backend choices here are made on

@@ -35,7 +35,12 @@ LAYER_OF = {
     "cost": "core",
     "gpu": "core",
     "lock": "core",
-    "metrics": "core",  # metric names, the recorder the BLS writes through, the reader of the metrics endpoint
+    "metric_names": "core",  # the metrics a deployment exports, written once
+    "metrics_sinks": "core",  # where updates go: Triton's MetricFamily, a prometheus_client registry
+    "metrics_recorder": "core",  # the recorder the BLS writes through, BlsOps (metrics and the canary's arms)
+    "metrics_reader": "core",  # the reader of the metrics endpoint: Snapshot, arm_stats
+    "metrics_dashboard": "core",  # the Grafana dashboard
+    "metrics": "core",  # the names of the five above, importable from one place
     "models": "core",  # where a recipe's model comes from (bundled or a local folder)
     # math: pure and transport-free
     "speculative": "math",
@@ -73,15 +78,27 @@ LAYER_OF = {
     "engine.compile": "stages",
     "engine.build": "stages",
     "preflight": "stages",
+    "trtllm_engine": "stages",  # backend trtllm-engine: trtllm-build
+    "llmapi_versions": "stages",  # each TensorRT-LLM release's LLM-API option names
+    "llmapi_options": "stages",  # the recipe as LLM-API options
     "trtllm": "stages",
+    "triton.model_config": "stages",  # ModelSpec -> config.pbtxt, checked with Triton's ModelConfig
+    "triton.tensors": "stages",  # the inflight_batcher_llm layout's model names and tensors
+    "triton.repo_inputs": "stages",  # the engines, tokenizer and head a repository is generated from
+    "triton.layout_models": "stages",  # the layout's models as ModelSpecs
     "triton.repository": "stages",
     "triton.gpu_models": "stages",
     "triton.llmapi": "stages",
     "triton.shm": "stages",
     "triton.install": "stages",
+    "triton.ports": "stages",  # the server's loopback ports
+    "triton.server_state": "stages",  # what serve --detach records for status and stop
+    "triton.stubs": "stages",  # the python-backend stubs under a server, and what a dead one left
     "triton.server": "stages",
     "packaging": "stages",
     "draft_train": "stages",  # specdeploy draft train: the EAGLE-3 head (ModelOpt)
+    "launch_command": "stages",  # the tritonserver launch plan and its docker equivalent
+    "launch_k8s": "stages",  # the Kubernetes manifests
     "launch": "stages",
     "draft_data": "stages",  # draft.kind eagle3: the head's training data, written by the target engine
     # client: validation over the transport-free protocol and its adapters; never a stage
@@ -116,6 +133,13 @@ LAYER_OF = {
     "openai_requests": "commands",
     "openai_app": "commands",
     "openai_api": "commands",
+    "cli_common": "cli",  # RECIPE, the context, SpecDeployError -> exit codes
+    "cli_setup": "cli",  # check, doctor, models
+    "cli_build": "cli",  # quantize, draft data/train, build, repo
+    "cli_serve": "cli",  # serve, stop, status
+    "cli_generate": "cli",  # generate
+    "cli_validate": "cli",  # validate, run
+    "cli_ops": "cli",  # monitor, canary
     "cli": "cli",
 }
 

@@ -7,30 +7,31 @@ themselves.
 
 A server started here runs in its own process group, logs to a file, binds to 127.0.0.1 on free
 ports (or the recipe's), and is stopped with SIGTERM (then SIGKILL to the whole group).
+
+The parts, one module each: `triton.ports` (free or the recipe's ports), `triton.server_state` (what `serve --detach`
+records), `triton.stubs` (the python-backend stubs under a server, and what a dead one left); their names stay
+importable from here.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
-import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from specdeploy.artifacts import ProcessIdentity, pid_alive, process_identity
 from specdeploy.errors import ServerError
 from specdeploy.triton import shm
-from specdeploy.triton.install import find_binary, prepare, python_lib_dir, site_paths
+from specdeploy.triton.install import find_binary, prepare, python_lib_dir, site_paths  # noqa: F401 (find_binary: importable from here)
+from specdeploy.triton.ports import HOST, Ports, free_port  # noqa: F401 (free_port: importable from here)
+from specdeploy.triton.server_state import STATE_FILE, ServerState, is_same_process
+from specdeploy.triton.stubs import STUB_BINARY, orphans_line, python_stubs, reap, stub_changes  # noqa: F401
 
-HOST = "127.0.0.1"
-STATE_FILE = "server.json"
 LOG_FILE = "tritonserver.log"
 STUB_SHM_BYTES = 64 * 2**20
 # The python stubs of one server (preprocessing, BLS, tensorrt_llm, draft, postprocessing) share the machine's
@@ -41,95 +42,6 @@ STUB_SHM_BYTES = 64 * 2**20
 # own OMP_WAIT_POLICY wins.
 OMP_WAIT_POLICY = "PASSIVE"
 EXIT_TIMEOUT_S = 10
-
-
-# ---------------------------------------------------------------- ports
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
-def _port_taken(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((HOST, port))
-        except OSError:
-            return True
-    return False
-
-
-@dataclass(frozen=True)
-class Ports:
-    grpc: int
-    http: int
-    metrics: int
-
-    @classmethod
-    def pick(cls, grpc: int = 0, http: int = 0, metrics: int = 0) -> "Ports":
-        """The given ports (0 = a free loopback port); a given port in use is an error."""
-        chosen = []
-        for name, port in (("grpc_port", grpc), ("http_port", http), ("metrics_port", metrics)):
-            if port and _port_taken(port):
-                raise ServerError(f"port {port} (triton.{name}) is already in use", f"set triton.{name}: 0 to pick a free one")
-            while not port or port in chosen:
-                port = free_port()
-            chosen.append(port)
-        return cls(*chosen)
-
-
-# ---------------------------------------------------------------- the running server
-
-
-@dataclass
-class ServerState:
-    """What `serve --detach` leaves for `status` and `stop`."""
-
-    pid: int
-    grpc_port: int
-    http_port: int
-    metrics_port: int
-    log: str
-    repo: str
-    started: float
-    # who `pid` was when the server started: a PID can be reused once the server exits, so status and
-    # stop act only on a process with this start time and command line (None: a state from before they were kept)
-    start_ticks: int | None = None
-    cmdline: list[str] | None = None
-    # python-backend instance -> its stub's pid once the server was ready: status says which stub went away
-    stubs: dict[str, int] | None = None
-
-    def identity(self) -> ProcessIdentity | None:
-        return None if self.start_ticks is None else ProcessIdentity(self.pid, self.start_ticks, tuple(self.cmdline or ()))
-
-    def running(self) -> bool:
-        """True when `pid` is still the server this state recorded (not a later process given the same PID)."""
-        return _is_same_process(self.pid, self.identity())
-
-    @property
-    def grpc_url(self) -> str:
-        return f"{HOST}:{self.grpc_port}"
-
-    @property
-    def http_url(self) -> str:
-        return f"{HOST}:{self.http_port}"
-
-    @property
-    def metrics_url(self) -> str:
-        return f"http://{HOST}:{self.metrics_port}/metrics"
-
-    def write(self, directory: Path) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
-        (directory / STATE_FILE).write_text(json.dumps(asdict(self), indent=2) + "\n")
-
-    @classmethod
-    def read(cls, directory: Path) -> "ServerState | None":
-        try:
-            return cls(**json.loads((Path(directory) / STATE_FILE).read_text()))
-        except (OSError, ValueError, TypeError):
-            return None
 
 
 class Server:
@@ -278,20 +190,6 @@ def relevant_log(path: str | os.PathLike, tail: int = 25) -> str:
     chosen = picked[-tail:] if picked else lines[-tail:]
     return "\n".join("  | " + line for line in chosen)
 
-
-def _is_same_process(pid: int, expected: ProcessIdentity | None) -> bool:
-    """Whether `pid` runs and is the process `expected` describes (start time and command line). Without an
-    expected identity (a state written by an older specdeploy) the process must at least be a tritonserver."""
-    current = process_identity(pid)
-    if current is None:
-        return False
-    if expected is None:
-        return bool(current.cmdline) and "tritonserver" in os.path.basename(current.cmdline[0])
-    if None not in (expected.start_ticks, current.start_ticks) and current.start_ticks != expected.start_ticks:
-        return False
-    return not expected.cmdline or current.cmdline == expected.cmdline
-
-
 def stop_pid(
     pid: int,
     timeout_s: float = EXIT_TIMEOUT_S + 10,
@@ -303,7 +201,7 @@ def stop_pid(
 
     expected: who `pid` must be (see ServerState.running); a PID now held by another process is not signalled.
     """
-    if process is None and expected is not None and not _is_same_process(pid, expected):
+    if process is None and expected is not None and not is_same_process(pid, expected):
         return
     me = process_identity(pid) if process is None else None
     regions = shm.prefixes_in(process.args if process is not None else me.cmdline if me else ())
@@ -323,7 +221,7 @@ def stop_pid(
             if process is None and not pid_alive(pid):
                 break
             time.sleep(0.1)
-        replaced = process is None and expected is not None and pid_alive(pid) and not _is_same_process(pid, expected)
+        replaced = process is None and expected is not None and pid_alive(pid) and not is_same_process(pid, expected)
         if pgid == pid and not replaced:  # our own session: take the stub processes down with it
             try:
                 os.killpg(pgid, signal.SIGKILL)
@@ -364,7 +262,7 @@ def serve(
             f"stop it first: specdeploy stop {recipe_path}",
         )
     if existing is not None:  # a server that died (killed, crashed): its stubs and regions go before a new one starts
-        said = _reap(existing)
+        said = reap(existing)
         if said:
             echo(f"the previous tritonserver (pid {existing.pid}) had exited{said}")
     ports = Ports.pick(triton_cfg.grpc_port, triton_cfg.http_port, triton_cfg.metrics_port)
@@ -420,56 +318,11 @@ def status(state_dir: Path) -> tuple[ServerState | None, str]:
     if state is None:
         return None, "not running (no server started with --detach)"
     if not state.running():
-        return state, f"not running (pid {state.pid} has exited{_reused(state)}; log: {state.log}){_orphans_line(state)}"
+        return state, f"not running (pid {state.pid} has exited{_reused(state)}; log: {state.log}){orphans_line(state)}"
     ready = "ready" if is_ready(state.http_port) else "not ready"
     line = f"running, {ready}: pid {state.pid}, grpc {state.grpc_url}, http {state.http_url}, metrics {state.metrics_url}"
-    return state, line + _stub_changes(state)
+    return state, line + stub_changes(state)
 
-
-STUB_BINARY = "triton_python_backend_stub"
-
-
-def python_stubs(server_pid: int) -> dict[str, int]:
-    """Python-backend instance name (`tensorrt_llm_0_0`) -> pid of its stub process under the server. The stub's
-    command line ends with the instance name and the kind (`... tensorrt_llm_0_0 DEFAULT`)."""
-    import psutil
-
-    out = {}
-    try:
-        children = psutil.Process(server_pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return out
-    for child in children:
-        try:
-            cmd = child.cmdline()
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-        if len(cmd) >= 3 and os.path.basename(cmd[0]) == STUB_BINARY:
-            out[cmd[-2]] = child.pid
-    return out
-
-
-def _stub_changes(state: ServerState) -> str:
-    """What happened to the python stubs since the server was ready. tritonserver 2.51's python backend does not
-    restart a stub that died: the server stays ready and each request to that instance fails with "Stub process
-    '<instance>' is not healthy" (libtriton_python.so of the nvidia-pytriton 0.7.0 wheel has that message and no
-    restart path), so a dead stub is said here with the fix."""
-    if not state.stubs:
-        return ""
-    now = python_stubs(state.pid)
-    gone = sorted(name for name, pid in state.stubs.items() if now.get(name) != pid)
-    if not gone:
-        return f"; {len(now)} python stubs alive"
-    restarted = [f"{name} (pid {state.stubs[name]} -> {now[name]})" for name in gone if name in now]
-    dead = [f"{name} (pid {state.stubs[name]})" for name in gone if name not in now]
-    parts = []
-    if dead:
-        parts.append(f"python stub {', '.join(dead)} has exited (killed or crashed); tritonserver does not restart it and "
-                     "requests to that instance fail with 'Stub process ... is not healthy': restart the server "
-                     "(specdeploy stop RECIPE, then specdeploy serve RECIPE --detach)")  # fmt: skip
-    if restarted:
-        parts.append(f"python stub restarted: {', '.join(restarted)}")
-    return "; " + "; ".join(parts)
 
 
 def stop(state_dir: Path) -> str:
@@ -480,50 +333,10 @@ def stop(state_dir: Path) -> str:
         stop_pid(state.pid, expected=state.identity())
         message = f"stopped tritonserver (pid {state.pid})"
     else:
-        message = f"tritonserver (pid {state.pid}) had already exited{_reused(state)}" + _reap(state)
+        message = f"tritonserver (pid {state.pid}) had already exited{_reused(state)}" + reap(state)
     (Path(state_dir) / STATE_FILE).unlink(missing_ok=True)
     return message
 
-
-def _orphans(state: ServerState) -> tuple[list, list[Path]]:
-    """(stub processes, shared-memory regions) a server that is gone left behind. tritonserver 2.51's python stubs
-    outlive a SIGKILLed server (seen: some still running a minute later, each holding its model and its region). Its stubs
-    are found by the region prefix their command line names (a prefix is unique to one server)."""
-    import psutil
-
-    prefixes = shm.prefixes_in(state.cmdline or ())
-    stubs = []
-    for proc in psutil.process_iter(["cmdline"]) if prefixes else ():
-        cmd = proc.info.get("cmdline") or []
-        if cmd and os.path.basename(cmd[0]) == STUB_BINARY and any(p in arg for p in prefixes for arg in cmd):
-            stubs.append(proc)
-    return stubs, [path for prefix in prefixes for path in shm.SHM_DIR.glob(prefix + "*")]
-
-
-def _orphans_line(state: ServerState) -> str:
-    stubs, regions = _orphans(state)
-    if not (stubs or regions):
-        return ""
-    return (f"; it left {len(stubs)} python stubs running and {len(regions)} shared-memory regions "
-            "(specdeploy stop, or the next serve, removes them)")  # fmt: skip
-
-
-def _reap(state: ServerState) -> str:
-    """After a server that exited by itself (or was killed): stop its stubs still running and remove its shared-memory
-    regions (see _orphans)."""
-    import psutil
-
-    stubs, _ = _orphans(state)
-    for proc in stubs:
-        try:
-            proc.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(stubs, timeout=10)
-    removed = sum(shm.remove(prefix) for prefix in shm.prefixes_in(state.cmdline or ()))
-    said = [f"stopped {len(stubs)} python stubs it left"] if stubs else []
-    said += [f"removed {removed} shared-memory regions it left"] if removed else []
-    return "; " + ", ".join(said) if said else ""
 
 
 def _reused(state: ServerState) -> str:
