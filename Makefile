@@ -10,7 +10,7 @@ SD     := $(BIN)/specdeploy
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup demo test bench fuzz soak clean found models check quantize build generate repo serve stop status validate run draft-head draft-data
+.PHONY: setup demo test bench fuzz soak clean found models check quantize build generate repo serve stop status validate run draft-head draft-data head ship-head
 
 setup: $(VENV)/.installed
 
@@ -64,6 +64,27 @@ draft-head: setup models
 	@if [ ! -f $(EAGLE3_RECIPE) ]; then echo "draft-head: skipped: no $(EAGLE3_RECIPE) (set EAGLE3_RECIPE to a draft.kind eagle3 recipe)"; \
 	else $(SD) quantize $(EAGLE3_RECIPE) && $(SD) build $(EAGLE3_RECIPE) && $(SD) draft data $(EAGLE3_RECIPE) \
 	  && $(SD) draft train $(EAGLE3_RECIPE); fi
+
+# The EAGLE-3 head shipped with specdeploy (the default recipe's draft), reproduced from scratch in the background:
+# the target writes the data, ModelOpt trains the head (draft-head above), then ship-head copies it with its
+# manifests, log and recipe into specdeploy/data/heads/. About 1.5 h on 2 cores; rerun after an interruption resumes.
+HEAD_NAME ?= smollm2-135m-instruct-eagle3
+HEAD_DIR  := specdeploy/data/heads/$(HEAD_NAME)
+HEAD_SRC  := engines/$(basename $(notdir $(EAGLE3_RECIPE)))
+head: setup
+	@mkdir -p engines
+	nohup $(MAKE) draft-head ship-head > engines/draft-head.log 2>&1 &
+	@echo "head: training in the background; progress: tail -f engines/draft-head.log"
+
+ship-head:
+	rm -rf $(HEAD_DIR).tmp && mkdir -p $(HEAD_DIR).tmp
+	cp $(HEAD_SRC)/eagle3-head/config.json $(HEAD_SRC)/eagle3-head/model.safetensors $(HEAD_SRC)/eagle3-head/manifest.json \
+	   $(HEAD_SRC)/eagle3-head/train_log.jsonl $(HEAD_DIR).tmp/
+	cp $(HEAD_SRC)/draft-data/manifest.json $(HEAD_DIR).tmp/data-manifest.json
+	cp $(EAGLE3_RECIPE) $(HEAD_DIR).tmp/recipe.yaml
+	if [ -f $(HEAD_DIR)/README.md ]; then cp $(HEAD_DIR)/README.md $(HEAD_DIR).tmp/; fi
+	rm -rf $(HEAD_DIR) && mv $(HEAD_DIR).tmp $(HEAD_DIR)
+	@echo "ship-head: $(HEAD_DIR) (update its README.md with the figures of this run)"
 
 # Serves the recipe's repository and OpenAI front on free loopback ports and sends 10 minutes of mixed load (32 at a
 # time, both entry points, over Triton and the front); exit 1 on an error, a counter that disagrees with the client's
