@@ -328,6 +328,34 @@ def test_bundled_smollm2_with_a_random_head_stays_bit_exact(tmp_path):
         assert got.token_ids == expected and got.stats.drafted > 0
 
 
+@pytest.mark.slow
+def test_the_shipped_head_on_smollm2_is_bit_exact_and_accepted(tmp_path):
+    """The head specdeploy ships for SmolLM2 (the default recipe's draft) on the bundled target, on chat-formatted
+    prompts of the built-in validation set (never trained on): the fused output equals the target alone, and the
+    head's drafts are accepted (a trained head, unlike a random one)."""
+    from transformers import AutoTokenizer
+
+    from specdeploy.artifacts import BUNDLED_HEADS
+    from specdeploy.client.prompts import load_prompt_set
+    from specdeploy.models import resolve
+
+    model_dir = resolve("smollm2-135m-instruct")
+    target = _engine(model_dir, tmp_path, "bfloat16", max_draft_len=4)
+    head = Eagle3Head.load(BUNDLED_HEADS / "smollm2-135m-instruct-eagle3", target)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    plain, fused = Executor(target), Executor(target, head=head)
+    drafted = accepted = 0
+    for prompt in load_prompt_set("builtin", 48)[:3]:
+        messages = [{"role": role, "content": content} for role, content in prompt.messages] or [{"role": "user", "content": prompt.text}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        expected = run(plain, GenerationRequest(ids, 48)).token_ids
+        got = run(fused, GenerationRequest(ids, 48, num_draft_tokens=3))
+        assert got.token_ids == expected
+        drafted, accepted = drafted + got.stats.drafted, accepted + got.stats.accepted
+    assert drafted > 0 and accepted / drafted > 0.1, (accepted, drafted)
+
+
 # ---------------------------------------------------------------- specdeploy generate (Session)
 
 
