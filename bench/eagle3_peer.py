@@ -471,7 +471,8 @@ def main(argv=None) -> int:
     for fmt in formats if not llama_skipped else []:
         r = results[f"llama.cpp {fmt}"]
         print(f"llama.cpp {fmt} plain output == specdeploy plain output: {r['plain_equals_specdeploy_plain']}/{r['prompts']} "
-              f"(mean common prefix {r['mean_common_prefix_with_specdeploy_plain']:.1f} tokens; different target formats)")
+              f"(mean common prefix {r['mean_common_prefix_with_specdeploy_plain']:.1f} tokens; targets: llama.cpp {fmt}, "
+              f"specdeploy {results['specdeploy']['target_format'].split(' ')[0]})")
 
     meta = {"host": platform.node(), "threads": args.threads, "load_average": os.getloadavg(), "recipe": args.recipe,
             "head": str(head_dir), "engine": engine_dir, "draft_len": draft_len, "max_tokens": args.max_tokens,
