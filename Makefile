@@ -42,7 +42,9 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 # torchao (int8 draft for Hugging Face assisted generation) goes to a side folder: installed in the
-# venv, transformers would import it on every model load.
+# venv, transformers would import it on every model load. The last line sets the fused EAGLE-3 loop beside
+# llama.cpp's draft-eagle3 (same head: the recipe's trained one, else the bundled one; skipped with one line
+# when there is none).
 bench: setup models
 	$(SD) quantize $(RECIPE)
 	$(SD) build $(RECIPE)
@@ -51,6 +53,7 @@ bench: setup models
 	$(BIN)/python -m pip install --quiet --target $(VENV)/bench-site --no-deps torchao==0.18.0
 	$(BIN)/python bench/engine.py --recipe $(MODEL_DRAFT_RECIPE)
 	$(BIN)/python bench/kernels.py --recipe $(RECIPE) --threads 2
+	$(BIN)/python bench/eagle3_peer.py --recipe $(EAGLE3_RECIPE) --threads 2
 
 # Serves the recipe's repository and OpenAI front on free loopback ports, sends every seeded malformed case
 # (docs/reliability.md), stops both; exit 1 on a crash, a lost known-good request or an error without a message.

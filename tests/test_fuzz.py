@@ -8,27 +8,19 @@ may have changed its answer, and every refusal must carry a message.
 from __future__ import annotations
 
 import http.client
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+import bench_modules
 from specdeploy import openai_api
 from specdeploy.errors import ConfigError
 
-FUZZ_PATH = Path(__file__).resolve().parent.parent / "bench" / "fuzz.py"
-
 
 def _fuzz_module():
-    spec = importlib.util.spec_from_file_location("specdeploy_bench_fuzz", FUZZ_PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return bench_modules.load("fuzz")
 
 
 @pytest.mark.server

@@ -8,22 +8,15 @@ server is left after it stops. Nothing is asserted on latency or wall-clock time
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-SOAK_PATH = Path(__file__).resolve().parent.parent / "bench" / "soak.py"
+import bench_modules
+
 RSS_GROWTH_BOUND = 512 * 2**20  # bytes over the whole short run, all stubs together: a leak per request would pass it
 
 
 def _soak_module():
-    spec = importlib.util.spec_from_file_location("specdeploy_bench_soak", SOAK_PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return bench_modules.load("soak")
 
 
 @pytest.mark.server

