@@ -53,7 +53,7 @@ bench: setup models
 	$(BIN)/python -m pip install --quiet --target $(VENV)/bench-site --no-deps torchao==0.18.0
 	$(BIN)/python bench/engine.py --recipe $(MODEL_DRAFT_RECIPE)
 	$(BIN)/python bench/kernels.py --recipe $(RECIPE) --threads 2
-	$(BIN)/python bench/eagle3_peer.py --recipe $(EAGLE3_RECIPE) --threads 2
+	$(BIN)/python bench/eagle3_peer.py --recipe $(RECIPE) --threads 2
 
 # Serves the recipe's repository and OpenAI front on free loopback ports, sends every seeded malformed case
 # (docs/reliability.md), stops both; exit 1 on a crash, a lost known-good request or an error without a message.

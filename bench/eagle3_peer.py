@@ -23,7 +23,7 @@ speculative greedy output equals its own plain greedy output. llama.cpp's per-pa
 (draft_n, draft_n_accepted). Both sides wait for OpenMP work passively (OMP_WAIT_POLICY=PASSIVE, as specdeploy's
 served models): on a shared 2-core machine a spinning thread costs more than it saves.
 
-    .venv/bin/python bench/eagle3_peer.py [--recipe build/smollm2-135m-eagle3.yaml] [--head DIR] [--threads 2]
+    .venv/bin/python bench/eagle3_peer.py [--recipe build/smollm2-135m.yaml] [--head DIR] [--threads 2]
         [--prompts 8] [--max-tokens 64] [--draft-len K] [--formats bf16,q8_0] [--engine DIR] [--skip-llama]
 
 --head defaults to the recipe's head (`specdeploy draft train` output) or the bundled one; without any the run is
@@ -347,7 +347,7 @@ def summarize(runs: dict[str, list[Run]], plain_key: str, spec_key: str) -> dict
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--recipe", default=str(ROOT / "build" / "smollm2-135m-eagle3.yaml"))
+    ap.add_argument("--recipe", default=str(ROOT / "build" / "smollm2-135m.yaml"))
     ap.add_argument("--root", default=None, help="project root holding engines/ (default: $SPECDEPLOY_ROOT or the repo)")
     ap.add_argument("--head", default=None, help="exported EAGLE-3 head folder (default: the recipe's, else the bundled one)")
     ap.add_argument("--engine", default=None, help="specdeploy target engine folder (default: the recipe's, built if missing)")
