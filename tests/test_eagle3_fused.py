@@ -363,6 +363,7 @@ def test_generate_session_runs_the_fused_loop(target, head_dir, tmp_path):
     from types import SimpleNamespace
 
     from specdeploy import generate as gen
+    from specdeploy.artifacts import Layout
     from specdeploy.speculative import collect
 
     session = gen.Session(SimpleNamespace(eos_token_id=None), Executor(target, head=Eagle3Head.load(head_dir, target)), eagle3=True)
@@ -373,5 +374,5 @@ def test_generate_session_runs_the_fused_loop(target, head_dir, tmp_path):
     assert stats.target_iterations == 1 + len(stats.k_per_round)
     recipe = SimpleNamespace(draft=SimpleNamespace(head="trained"))
     with pytest.raises(Exception) as err:
-        gen.load_eagle3_head(recipe, SimpleNamespace(eagle3_head=tmp_path / "none"), target, "r.yaml")
+        gen.load_eagle3_head(recipe, Layout(tmp_path, "none"), target, "r.yaml")  # no head trained there
     assert "specdeploy draft train r.yaml" in str(err.value)
