@@ -7,6 +7,7 @@ writes, in its contract's format), so the head has something to learn: the targe
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
