@@ -144,7 +144,7 @@ def test_max_tokens_option_may_lower_the_limit_but_not_raise_it():
 def test_default_bind_is_loopback_and_wider_binds_need_a_key():
     import inspect
 
-    from specdeploy.cli import serve
+    from specdeploy.cli_serve import serve
     from specdeploy.triton.server import free_port
 
     assert openai_api.HOST == "127.0.0.1"
