@@ -86,6 +86,9 @@ ship-head:
 	cp $(HEAD_SRC)/draft-data/manifest.json $(HEAD_DIR).tmp/data-manifest.json
 	cp $(EAGLE3_RECIPE) $(HEAD_DIR).tmp/recipe.yaml
 	if [ -f $(HEAD_DIR)/README.md ]; then cp $(HEAD_DIR)/README.md $(HEAD_DIR).tmp/; fi
+	# the manifests say where things were on the training machine: project paths relative, the cache as $$SPECDEPLOY_HOME
+	sed -i -e 's#"$(CURDIR)/#"#g' -e "s#\"$$($(BIN)/python -c 'from specdeploy.artifacts import home; print(home())')/#\"\$$SPECDEPLOY_HOME/#g" \
+	   $(HEAD_DIR).tmp/manifest.json $(HEAD_DIR).tmp/data-manifest.json
 	rm -rf $(HEAD_DIR) && mv $(HEAD_DIR).tmp $(HEAD_DIR)
 	@echo "ship-head: $(HEAD_DIR) (update its README.md with the figures of this run)"
 

@@ -476,12 +476,13 @@ def make_draft_data(recipe: Recipe, layout, recipe_path: str = "RECIPE", force: 
     chat = ChatFormat(tokenizer)
     engine_box: dict = {}
 
+    in_flight = data.batch_size or recipe.engine.max_batch_size
+
     def load():
         engine = load_engine(target_dir, "target", recipe_path)
         engine_box["max_seq_len"] = int(engine.spec.max_seq_len)
         return Executor(engine, max_cached_sequences=in_flight + 1)
 
-    in_flight = data.batch_size or recipe.engine.max_batch_size
     started = time.monotonic()
     scheduler = BatchScheduler.loading(load, in_flight)
     try:

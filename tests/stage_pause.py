@@ -38,33 +38,29 @@ if point == "write":
         return real_write(self, directory)
 
     artifacts.Manifest.write = write
-elif point == "swap":
+elif point in ("swap", "checkpoint"):
 
-    class _Os:  # os for the artifacts module, whose rename pauses after setting the previous artifact aside
-        def __getattr__(self, name):
-            return getattr(os, name)
+    def pausing_os(call: str, pause_after):
+        """os for one module, whose `call` (rename / replace) pauses once pause_after(src, dst) holds."""
 
-        @staticmethod
-        def rename(src, dst, *args, **kwargs):
-            os.rename(src, dst, *args, **kwargs)
-            if ".old-" in os.path.basename(str(dst)):
-                pause(str(src))
+        class _Os:
+            def __getattr__(self, name):
+                return getattr(os, name)
 
-    artifacts.os = _Os()
-elif point == "checkpoint":
-    from specdeploy import draft_train
+        def wrapped(src, dst, *args, **kwargs):
+            getattr(os, call)(src, dst, *args, **kwargs)
+            if pause_after(src, dst):
+                pause(str(src if point == "swap" else dst))
 
-    class _TrainOs:  # os for draft_train, whose replace pauses once the resume checkpoint is in place
-        def __getattr__(self, name):
-            return getattr(os, name)
+        setattr(_Os, call, staticmethod(wrapped))
+        return _Os()
 
-        @staticmethod
-        def replace(src, dst, *args, **kwargs):
-            os.replace(src, dst, *args, **kwargs)
-            if os.path.basename(str(dst)) == draft_train.RESUME_STATE:
-                pause(str(dst))
+    if point == "swap":  # after setting the previous artifact aside (the first rename of the swap)
+        artifacts.os = pausing_os("rename", lambda src, dst: ".old-" in os.path.basename(str(dst)))
+    else:  # once draft train's resume checkpoint is in place
+        from specdeploy import draft_train
 
-    draft_train.os = _TrainOs()
+        draft_train.os = pausing_os("replace", lambda src, dst: os.path.basename(str(dst)) == draft_train.RESUME_STATE)
 elif point != "none":
     raise SystemExit(f"unknown pause point {point!r}")
 
