@@ -38,8 +38,9 @@ demo: found models
 	$(SD) run $(RECIPE)
 	$(SD) run $(NGRAM_RECIPE)
 
+# -u: progress reaches a piped log (CI) as it happens, not when the buffer fills.
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -u -m pytest -q
 
 # torchao (int8 draft for Hugging Face assisted generation) goes to a side folder: installed in the
 # venv, transformers would import it on every model load. The last line sets the fused EAGLE-3 loop beside
