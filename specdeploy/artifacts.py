@@ -205,9 +205,41 @@ def atomic_output(dest: Path):
     except BaseException as exc:
         written = tree_bytes(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise _disk_full(dest, written, exc) from exc
+        reason = disk_full_reason(exc)
+        if reason:
+            raise _disk_full(dest, written, reason) from exc
         raise
+
+
+# How writers other than Python's own file objects report a full disk: safetensors raises SafetensorError("Error while
+# serializing: I/O error: No space left on device (os error 28)") (Rust's io::Error text; seen on a full tmpfs,
+# tests/test_faults.py), torch.save a RuntimeError that names no errno ("PytorchStreamWriter failed writing file ...").
+_DISK_FULL_TEXT = (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT), f"os error {errno.ENOSPC}", f"os error {errno.EDQUOT}")
+
+
+def disk_full_reason(exc: BaseException, folder: Path | None = None) -> str | None:
+    """The reason text when `exc` (or an exception it was raised from) is a full disk or quota, else None. An error
+    that names no errno (torch.save's) counts when `folder` is given and its filesystem has less than 1 MiB free."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return exc.strerror or os.strerror(exc.errno)
+        text = str(exc)
+        for needle in _DISK_FULL_TEXT:
+            if needle in text:
+                return os.strerror(errno.ENOSPC) if needle.startswith("os error") else needle
+        if folder is not None and "write" in text.lower() and _free_bytes(folder) < 2**20:
+            return f"{os.strerror(errno.ENOSPC)}: {text.splitlines()[0] if text else type(exc).__name__}"
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _free_bytes(folder: Path) -> int:
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return 2**63
 
 
 def tree_bytes(path: Path) -> int:
@@ -222,7 +254,7 @@ def tree_bytes(path: Path) -> int:
     return total
 
 
-def _disk_full(dest: Path, written: int, exc: OSError):
+def _disk_full(dest: Path, written: int, reason: str):
     """The DiskFullError of a stage that ran out of space writing `dest` (its temporary folder already removed): it
     used up all the free space, so it needs more than what is free now; the previous output's size is an estimate."""
     from specdeploy.errors import DiskFullError
@@ -231,7 +263,7 @@ def _disk_full(dest: Path, written: int, exc: OSError):
     previous = tree_bytes(dest) if dest.is_dir() else 0
     need = max(free, written, previous)
     return DiskFullError(
-        f"no space left writing {dest} ({exc.strerror}): it ran out after writing {_size(written)}, so it needs more than the "
+        f"no space left writing {dest} ({reason}): it ran out after writing {_size(written)}, so it needs more than the "
         f"{_size(free)} free on the filesystem of {dest.parent}"
         + (f" (the previous one takes {_size(previous)}, and is unchanged)" if previous else "") + "; nothing was left half-written",
         f"make more than {_size(need)} free there, or point --root at a larger disk, and run the command again",

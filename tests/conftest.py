@@ -58,6 +58,45 @@ def pytest_runtest_makereport(item, call):
             report.sections.append((f"server log {log.relative_to(base)} (last {len(lines)} lines)", "\n".join(lines)))
 
 
+ROOM_LEFT = 64 * 1024  # what a full disk still has free: a stage writes a little, then runs out mid-write
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """full_disk(folder, keep=()) makes `folder` a small filesystem (a tmpfs; root only, else the test is skipped)
+    holding copies of the entries named in `keep` (a stage's inputs, e.g. the checkpoints a build reads) and a filler
+    file, so that only ROOM_LEFT bytes are free. Returns the names in the folder then; unmounted at the end (what was
+    there before shows again)."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    mounted = []
+
+    def mount(folder: Path, keep: tuple[str, ...] = ()) -> list[str]:
+        folder.mkdir(parents=True, exist_ok=True)
+        held = Path(tmp_path) / f"held-{len(mounted)}"
+        for name in keep:
+            shutil.copytree(folder / name, held / name, symlinks=True)
+        kept = sum(p.stat().st_size for p in held.rglob("*") if p.is_file()) if held.exists() else 0
+        size = kept + 8 * ROOM_LEFT + 64 * 4096  # page rounding and inodes: the filler takes the slack
+        got = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True, text=True)
+        if got.returncode != 0:
+            pytest.skip(f"cannot mount a small tmpfs here ({got.stderr.strip()}); needs root")
+        mounted.append(folder)
+        for name in keep:
+            shutil.copytree(held / name, folder / name, symlinks=True)
+        free = shutil.disk_usage(folder).free
+        with open(folder / ".filler", "wb") as filler:
+            filler.write(b"\0" * max(0, free - ROOM_LEFT))
+        assert shutil.disk_usage(folder).free <= ROOM_LEFT + 4096
+        return sorted(os.listdir(folder))
+
+    yield mount
+    for folder in mounted:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
 @pytest.fixture(scope="session")
 def ops_decoupled(tmp_path_factory):
     """(recipe, layout, server) of the tiny decoupled CPU deployment (tests/ops_deploy.py) on a REAL tritonserver,
