@@ -13,6 +13,40 @@ import torch
 from tiny_models import make_tiny_model, make_tokenizer
 
 
+_running = {"test": None}
+
+
+def pytest_runtest_logstart(nodeid, location):
+    _running["test"] = nodeid
+
+
+def pytest_sessionstart(session):
+    """SPECDEPLOY_TEST_BUDGET_S (set by .ci/run): past it, print the test running and every thread's stack and exit,
+    so a run that would outlive CI's time limit says where it was (pyproject.toml's per-test timeout catches a single
+    hung test; this, many slow ones). Output capture is suspended first, or the stacks would go to pytest's capture."""
+    budget = float(os.environ.get("SPECDEPLOY_TEST_BUDGET_S") or 0)
+    if budget <= 0:
+        return
+    import faulthandler
+    import sys
+    import threading
+
+    def out_of_time():
+        capman = session.config.pluginmanager.getplugin("capturemanager")
+        if capman is not None:
+            capman.suspend_global_capture(in_=True)
+        sys.stderr.write(f"\nthe test suite outlived SPECDEPLOY_TEST_BUDGET_S={budget:g} s during {_running['test']}; "
+                         "every thread's stack:\n")
+        sys.stderr.flush()
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        os._exit(3)
+
+    timer = threading.Timer(budget, out_of_time)
+    timer.daemon = True
+    timer.start()
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory):
     """A byte-level BPE tokenizer (vocab 512) with <s>, </s>, <pad> special tokens."""
@@ -63,9 +97,9 @@ ROOM_LEFT = 64 * 1024  # what a full disk still has free: a stage writes a littl
 
 @pytest.fixture
 def full_disk(tmp_path):
-    """full_disk(folder, keep=()) makes `folder` a small filesystem (a tmpfs; root only, else the test is skipped)
+    """full_disk(folder, keep=(), room=ROOM_LEFT) makes `folder` a small filesystem (a tmpfs; root only, else the test is skipped)
     holding copies of the entries named in `keep` (a stage's inputs, e.g. the checkpoints a build reads) and a filler
-    file, so that only ROOM_LEFT bytes are free. Returns the names in the folder then; unmounted at the end (what was
+    file, so that only `room` bytes are free. Returns the names in the folder then; unmounted at the end (what was
     there before shows again)."""
     import shutil
     import subprocess
@@ -73,7 +107,7 @@ def full_disk(tmp_path):
 
     mounted = []
 
-    def mount(folder: Path, keep: tuple[str, ...] = ()) -> list[str]:
+    def mount(folder: Path, keep: tuple[str, ...] = (), room: int = ROOM_LEFT) -> list[str]:
         folder.mkdir(parents=True, exist_ok=True)
         held = Path(tmp_path) / f"held-{len(mounted)}"
         for name in keep:
@@ -88,8 +122,8 @@ def full_disk(tmp_path):
             shutil.copytree(held / name, folder / name, symlinks=True)
         free = shutil.disk_usage(folder).free
         with open(folder / ".filler", "wb") as filler:
-            filler.write(b"\0" * max(0, free - ROOM_LEFT))
-        assert shutil.disk_usage(folder).free <= ROOM_LEFT + 4096
+            filler.write(b"\0" * max(0, free - room))
+        assert shutil.disk_usage(folder).free <= room + 4096
         return sorted(os.listdir(folder))
 
     yield mount
