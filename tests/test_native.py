@@ -305,3 +305,21 @@ def test_supports_falls_back_where_the_build_needs_a_larger_k_multiple():
     assert isinstance(make_linear({"weight": odd}, None, torch.bfloat16, None, OPS), DenseLinear)
     even = make_linear({"weight": torch.randn(8, 2 * step).to(torch.bfloat16)}, None, torch.bfloat16, None, OPS)
     assert isinstance(even, NativeLinear)
+
+
+def test_a_baton_left_by_a_killed_build_does_not_hang_the_next_load(tmp_path):
+    """torch's build baton (`lock` in the build folder, FileBaton) outlives a process killed mid-build and makes every
+    later load wait forever (pytorch/pytorch#189245). A new process loads the kernels anyway and removes it."""
+    import subprocess
+    import sys
+
+    baton = native.build_dir() / native.TORCH_BATON
+    baton.write_text("")  # what a build killed between FileBaton.try_acquire and release leaves
+    try:
+        got = subprocess.run([sys.executable, "-c", "from specdeploy.engine import native; assert native.ops() is not None"],
+                             capture_output=True, text=True, timeout=300)  # fmt: skip
+    finally:
+        left = baton.exists()
+        baton.unlink(missing_ok=True)
+    assert got.returncode == 0, got.stderr[-2000:]
+    assert not left and "left by a kernel build that was killed" in got.stderr

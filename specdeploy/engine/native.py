@@ -13,6 +13,7 @@ each format's input quantization, the GEMV and the output scaling, bias and resi
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -139,12 +140,39 @@ def _load() -> None:
         print(f"compiling native CPU kernels into {directory} (once per machine, about a minute)", file=sys.stderr,
               flush=True)
     directory.mkdir(parents=True, exist_ok=True)
-    load(
-        name="specdeploy_cpu",
-        sources=[str(SOURCE), str(INT8_SOURCE)],
-        extra_cflags=_cflags(),
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(directory),
-        is_python_module=False,
-        verbose=False,
-    )
+    with _build_lock(directory):
+        load(
+            name="specdeploy_cpu",
+            sources=[str(SOURCE), str(INT8_SOURCE)],
+            extra_cflags=_cflags(),
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(directory),
+            is_python_module=False,
+            verbose=False,
+        )
+
+
+BUILD_LOCK = ".specdeploy-build.lock"
+TORCH_BATON = "lock"  # torch.utils.cpp_extension._jit_compile's FileBaton(os.path.join(build_directory, "lock"))
+
+
+@contextlib.contextmanager
+def _build_lock(directory: Path):
+    """Serialize the kernels' build and load across processes with an OS lock (flock, released by the kernel when its
+    holder dies), and inside it remove torch's own build baton if one is there: torch 2.13's FileBaton is a file
+    created with O_EXCL that a process killed mid-build (SIGKILL, OOM, a stopped server's python stub) never removes,
+    after which every later load waits for it forever (pytorch/pytorch#189245; upstream fix #190543 replaces it with a
+    FileLock). Under our lock no other specdeploy process is building in this folder, so a baton there is stale."""
+    import fcntl
+
+    with open(directory / BUILD_LOCK, "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            baton = directory / TORCH_BATON
+            if baton.exists():
+                print(f"removing {baton}: left by a kernel build that was killed (pytorch/pytorch#189245)", file=sys.stderr,
+                      flush=True)
+                baton.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
