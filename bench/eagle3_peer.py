@@ -190,7 +190,7 @@ class SpecdeploySide:
         self.end_id = end_id
 
     def generate(self, ids: list[int], max_tokens: int, draft_len: int) -> Run:
-        from specdeploy.engine.executor import GenerationRequest, run
+        from specdeploy.engine.request import GenerationRequest, run
 
         request = GenerationRequest(input_ids=list(ids), max_new_tokens=max_tokens, end_id=self.end_id, num_draft_tokens=draft_len)
         out = run(self.fused if draft_len else self.plain, request)

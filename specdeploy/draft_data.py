@@ -2,7 +2,7 @@
 
 EAGLE-3 heads learn to predict what the *target* says, so the target writes its own training set (ModelOpt's
 "data synthesis" step): prompts from draft.data.sources are rendered with the target's chat template and answered
-by the recipe's own built CPU engine, many at a time (engine.executor.BatchScheduler: in-flight batching, up to
+by the recipe's own built CPU engine, many at a time (engine.batching.BatchScheduler: in-flight batching, up to
 engine.max_batch_size requests per step). The first answer to a prompt is greedy, the others are sampled at
 draft.data.temperature with a seed derived from the prompt, so the same seed and settings give the same data.
 
@@ -325,7 +325,7 @@ class Generator:
         self._lock = threading.Lock()
 
     def _one(self, job: Job):
-        from specdeploy.engine.executor import GenerationRequest
+        from specdeploy.engine.request import GenerationRequest
         from specdeploy.speculative import GREEDY, SamplingParams
 
         # top_p 1.0: sampled from the whole distribution; TensorRT-LLM (and the CPU engine) decode greedily when
@@ -439,7 +439,8 @@ def make_draft_data(recipe: Recipe, layout, recipe_path: str = "RECIPE", force: 
                     on_sample: Callable[[str], None] | None = None) -> Path:
     """Write Layout.draft_data for `recipe` (see the module docstring); returns it. `on_sample(key)` is called
     after each generation is journaled (tests interrupt the run there)."""
-    from specdeploy.engine.executor import BatchScheduler, Executor
+    from specdeploy.engine.batching import BatchScheduler
+    from specdeploy.engine.executor import Executor
     from specdeploy.generate import load_engine, load_tokenizer
 
     echo = echo or (lambda message: print(message, file=sys.stderr, flush=True))

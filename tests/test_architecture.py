@@ -57,7 +57,10 @@ LAYER_OF = {
     "engine.model": "runtime",
     "engine.eagle3": "runtime",
     "engine.logits": "runtime",
+    "engine.request": "runtime",  # what crosses the executor's seam: GenerationRequest, GenerationChunk, GenerationStats
+    "engine.kv_pool": "runtime",  # the pool of finished sequences' KV caches (prefix reuse)
     "engine.executor": "runtime",
+    "engine.batching": "runtime",  # BatchScheduler: in-flight batching over one Executor
     "generate": "runtime",
     # the python-backend models that run inside tritonserver: they import only what they run
     "triton.models.common": "triton-models",

@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from tiny_models import SERVER_READY_TIMEOUT_S
-from specdeploy.engine.executor import BatchScheduler, Executor, GenerationRequest, run
+from specdeploy.engine.batching import BatchScheduler
+from specdeploy.engine.executor import Executor
+from specdeploy.engine.request import GenerationRequest, run
 from specdeploy.errors import ConfigError
 from specdeploy.speculative import SamplingParams
 

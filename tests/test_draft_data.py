@@ -78,7 +78,8 @@ def _make(recipe, layout, **kw):
 
 
 def test_output_format_heldout_split_and_greedy_answers(tmp_path, built, chat_model):
-    from specdeploy.engine.executor import Executor, GenerationRequest, run
+    from specdeploy.engine.executor import Executor
+    from specdeploy.engine.request import GenerationRequest, run
     from specdeploy.generate import load_engine, load_tokenizer
 
     prompts = tmp_path / "mine.txt"
