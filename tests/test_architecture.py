@@ -99,6 +99,10 @@ LAYER_OF = {
     "triton.stubs": "stages",  # the python-backend stubs under a server, and what a dead one left
     "triton.server": "stages",
     "packaging": "stages",
+    "draft_samples": "stages",  # the head's training samples as draft train reads them, checked
+    "draft_train_plan": "stages",  # a training run's steps, time and memory, refused up front
+    "modelopt_eagle3": "stages",  # the head through ModelOpt: vocabulary, config, build, export
+    "draft_train_loop": "stages",  # training the head: batches, held-out acceptance, resumable train_head
     "draft_train": "stages",  # specdeploy draft train: the EAGLE-3 head (ModelOpt)
     "launch_command": "stages",  # the tritonserver launch plan and its docker equivalent
     "launch_k8s": "stages",  # the Kubernetes manifests
