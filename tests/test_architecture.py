@@ -107,6 +107,8 @@ LAYER_OF = {
     "launch_command": "stages",  # the tritonserver launch plan and its docker equivalent
     "launch_k8s": "stages",  # the Kubernetes manifests
     "launch": "stages",
+    "draft_generation": "stages",  # the target answering: chat template, generations in flight, the journal
+    "draft_prompts": "stages",  # the training prompts' sources, the validation exclusion, self-instruct
     "draft_data": "stages",  # draft.kind eagle3: the head's training data, written by the target engine
     # client: validation over the transport-free protocol and its adapters; never a stage
     "client.protocol": "client",
