@@ -362,7 +362,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read when torch loads OpenMP (below); llama-server inherits it
 
     from specdeploy.artifacts import Layout
-    from specdeploy.config import load_recipe
+    from specdeploy.config_loader import load_recipe
 
     recipe = load_recipe(args.recipe)
     layout = Layout.of(recipe, args.root or os.environ.get("SPECDEPLOY_ROOT") or ROOT)

@@ -30,7 +30,9 @@ LAYER_OF = {
     # core: the recipe and what every layer shares; imports no stage
     "errors": "core",
     "backends": "core",  # facts about each backend (pure data); what a backend does is backend_stages
-    "config": "core",
+    "config": "core",  # the recipe's sections as frozen dataclasses, every default and choice
+    "config_checks": "core",  # the checks across a recipe's keys
+    "config_loader": "core",  # YAML -> Recipe: unknown keys, types, then config_checks
     "artifacts": "core",
     "cost": "core",
     "gpu": "core",

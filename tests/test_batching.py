@@ -326,7 +326,7 @@ def batching_server(tmp_path_factory, tiny_tokenizer_dir):
     import tritonclient.grpc as grpcclient
 
     from specdeploy import backend_stages
-    from specdeploy.config import parse_recipe
+    from specdeploy.config_loader import parse_recipe
     from tiny_models import build_quietly, make_tiny_pair, tiny_pair_recipe
     from specdeploy.triton import server
 

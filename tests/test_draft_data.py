@@ -14,7 +14,7 @@ from tiny_models import TINY_QUANT, build_quietly, make_tiny_model
 from specdeploy import draft_data as dd
 from specdeploy import draft_generation, draft_prompts
 from specdeploy.artifacts import Layout, Manifest
-from specdeploy.config import parse_recipe
+from specdeploy.config_loader import parse_recipe
 from specdeploy.errors import ConfigError, StaleArtifactError
 
 # a ChatML-like template with a default system turn, as SmolLM2's: </s> (the eos) ends every turn

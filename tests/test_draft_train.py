@@ -20,7 +20,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("modelopt.torch.speculative")
 
 from specdeploy import artifacts, draft_samples, draft_train, draft_train_loop, draft_train_plan, modelopt_eagle3  # noqa: E402
-from specdeploy.config import Eagle3TrainConfig, parse_recipe  # noqa: E402
+from specdeploy.config import Eagle3TrainConfig  # noqa: E402
+from specdeploy.config_loader import parse_recipe  # noqa: E402
 from specdeploy.errors import ConfigError, SpecDeployError  # noqa: E402
 import bench_modules  # noqa: E402
 from tiny_models import make_tiny_model, make_tokenizer  # noqa: E402
@@ -416,7 +417,7 @@ def test_export_dtype_bfloat16_halves_the_weights_and_keeps_d2t_integer(tmp_path
 
 
 def test_an_unknown_export_dtype_is_refused_naming_the_choices():
-    from specdeploy.config import parse_recipe
+    from specdeploy.config_loader import parse_recipe
     from specdeploy.errors import ConfigError
 
     raw = {"name": "x", "target": {"model": "smollm2-135m-instruct"},
