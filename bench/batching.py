@@ -133,7 +133,7 @@ def _median_row(runs: list[dict]) -> dict:
 
 def main(argv=None) -> int:
     from specdeploy.artifacts import Layout
-    from specdeploy.config import load_recipe
+    from specdeploy.config_loader import load_recipe
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", default=str(ROOT / "build" / "smollm2-135m.yaml"))

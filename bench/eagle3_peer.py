@@ -190,7 +190,7 @@ class SpecdeploySide:
         self.end_id = end_id
 
     def generate(self, ids: list[int], max_tokens: int, draft_len: int) -> Run:
-        from specdeploy.engine.executor import GenerationRequest, run
+        from specdeploy.engine.request import GenerationRequest, run
 
         request = GenerationRequest(input_ids=list(ids), max_new_tokens=max_tokens, end_id=self.end_id, num_draft_tokens=draft_len)
         out = run(self.fused if draft_len else self.plain, request)
@@ -362,7 +362,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read when torch loads OpenMP (below); llama-server inherits it
 
     from specdeploy.artifacts import Layout
-    from specdeploy.config import load_recipe
+    from specdeploy.config_loader import load_recipe
 
     recipe = load_recipe(args.recipe)
     layout = Layout.of(recipe, args.root or os.environ.get("SPECDEPLOY_ROOT") or ROOT)

@@ -295,7 +295,7 @@ def main(argv=None) -> int:
 
     from specdeploy.artifacts import Layout
     from specdeploy.client.prompts import load_prompt_set
-    from specdeploy.config import load_recipe
+    from specdeploy.config_loader import load_recipe
     from specdeploy.models import resolve
     from specdeploy.speculative import predicted_speedup
     from transformers import AutoTokenizer

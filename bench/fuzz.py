@@ -506,7 +506,7 @@ def main(argv=None) -> int:
 def _serve_and_fuzz(args) -> dict:
     from specdeploy import openai_api
     from specdeploy.artifacts import Layout
-    from specdeploy.config import load_recipe
+    from specdeploy.config_loader import load_recipe
     from specdeploy.triton import server
 
     recipe = load_recipe(args.recipe)

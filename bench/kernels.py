@@ -161,7 +161,7 @@ def engine_numbers(engine_dir: str, repeats: int) -> dict:
 
 def ensure_engine(recipe_path: str, root: str | None) -> str:
     from specdeploy.artifacts import Layout
-    from specdeploy.config import load_recipe
+    from specdeploy.config_loader import load_recipe
 
     recipe = load_recipe(recipe_path)
     layout = Layout.of(recipe, root or os.environ.get("SPECDEPLOY_ROOT") or ROOT)
@@ -233,7 +233,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from specdeploy.config import load_recipe
+    from specdeploy.config_loader import load_recipe
     from specdeploy.models import resolve
 
     torch.set_num_threads(args.threads)

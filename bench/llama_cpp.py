@@ -113,7 +113,7 @@ def convert_model(hf_dir: Path, kind: str) -> Path:
 
 
 def convert_head(head_dir: Path, target_dir: Path) -> Path:
-    """An exported EAGLE-3 head (config.json + model.safetensors, specdeploy.draft_train.export_head) as an f32
+    """An exported EAGLE-3 head (config.json + model.safetensors, specdeploy.modelopt_eagle3.export_head) as an f32
     GGUF for `--spec-type draft-eagle3`, converted against its target once per head content."""
     digest = hashlib.sha256()
     for name in ("config.json", "model.safetensors"):

@@ -365,7 +365,7 @@ def serve_and_soak(recipe_path: str, root: str | None = None, echo=print, **kwar
     loopback ports, soak them, stop both; then check that no shared-memory region of the server is left."""
     from specdeploy import openai_api
     from specdeploy.artifacts import Layout
-    from specdeploy.config import load_recipe
+    from specdeploy.config_loader import load_recipe
     from specdeploy.recipe_deployment import tokenizer_dir
     from specdeploy.triton import server, shm
 

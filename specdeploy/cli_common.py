@@ -10,6 +10,7 @@ import traceback
 import click
 
 from specdeploy import config as cfg
+from specdeploy.config_loader import load_recipe
 from specdeploy.errors import SpecDeployError
 
 RECIPE = click.argument("recipe", type=click.Path(dir_okay=False))
@@ -22,7 +23,7 @@ class Context:
         self.lock_timeout_s = lock_timeout_s
 
     def recipe(self, path: str) -> cfg.Recipe:
-        return cfg.load_recipe(path)
+        return load_recipe(path)
 
     def layout(self, recipe: cfg.Recipe):
         from specdeploy.artifacts import Layout

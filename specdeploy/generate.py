@@ -16,7 +16,8 @@ import torch
 
 from specdeploy import policy as pol
 from specdeploy import speculative as spec
-from specdeploy.engine.executor import Executor, GenerationRequest, run
+from specdeploy.engine.executor import Executor
+from specdeploy.engine.request import GenerationRequest, run
 from specdeploy.errors import BuildError, ModelError
 from specdeploy.ngram import NGramPool, NGramProposer, NGramSettings, settings_from_recipe
 from specdeploy.speculative import Proposal, SamplingParams, SpecStats

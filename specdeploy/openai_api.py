@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     """`python -m specdeploy.openai_api RECIPE --grpc-url H:P --port N [--host H] [--root DIR]` (what `serve --detach --openai-port` runs);
     the API key comes from $SPECDEPLOY_API_KEY (or --api-key)."""
     from specdeploy.artifacts import Layout
-    from specdeploy.config import load_recipe
+    from specdeploy.config_loader import load_recipe
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("recipe")

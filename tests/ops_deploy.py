@@ -60,7 +60,7 @@ def build(root: Path, model_dir: Path, name: str, **sections):
 
     from specdeploy import backend_stages
     from specdeploy.artifacts import Layout
-    from specdeploy.config import parse_recipe
+    from specdeploy.config_loader import parse_recipe
     from specdeploy.engine.build import build_recipe
     from specdeploy.quantize import quantize_recipe
 

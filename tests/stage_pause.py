@@ -58,9 +58,9 @@ elif point in ("swap", "checkpoint"):
     if point == "swap":  # after setting the previous artifact aside (the first rename of the swap)
         artifacts.os = pausing_os("rename", lambda src, dst: ".old-" in os.path.basename(str(dst)))
     else:  # once draft train's resume checkpoint is in place
-        from specdeploy import draft_train
+        from specdeploy import draft_train_loop  # where train_head saves the checkpoint
 
-        draft_train.os = pausing_os("replace", lambda src, dst: os.path.basename(str(dst)) == draft_train.RESUME_STATE)
+        draft_train_loop.os = pausing_os("replace", lambda src, dst: os.path.basename(str(dst)) == draft_train_loop.RESUME_STATE)
 elif point != "none":
     raise SystemExit(f"unknown pause point {point!r}")
 

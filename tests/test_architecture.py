@@ -30,7 +30,9 @@ LAYER_OF = {
     # core: the recipe and what every layer shares; imports no stage
     "errors": "core",
     "backends": "core",  # facts about each backend (pure data); what a backend does is backend_stages
-    "config": "core",
+    "config": "core",  # the recipe's sections as frozen dataclasses, every default and choice
+    "config_checks": "core",  # the checks across a recipe's keys
+    "config_loader": "core",  # YAML -> Recipe: unknown keys, types, then config_checks
     "artifacts": "core",
     "cost": "core",
     "gpu": "core",
@@ -57,7 +59,10 @@ LAYER_OF = {
     "engine.model": "runtime",
     "engine.eagle3": "runtime",
     "engine.logits": "runtime",
+    "engine.request": "runtime",  # what crosses the executor's seam: GenerationRequest, GenerationChunk, GenerationStats
+    "engine.kv_pool": "runtime",  # the pool of finished sequences' KV caches (prefix reuse)
     "engine.executor": "runtime",
+    "engine.batching": "runtime",  # BatchScheduler: in-flight batching over one Executor
     "generate": "runtime",
     # the python-backend models that run inside tritonserver: they import only what they run
     "triton.models.common": "triton-models",
@@ -96,10 +101,16 @@ LAYER_OF = {
     "triton.stubs": "stages",  # the python-backend stubs under a server, and what a dead one left
     "triton.server": "stages",
     "packaging": "stages",
+    "draft_samples": "stages",  # the head's training samples as draft train reads them, checked
+    "draft_train_plan": "stages",  # a training run's steps, time and memory, refused up front
+    "modelopt_eagle3": "stages",  # the head through ModelOpt: vocabulary, config, build, export
+    "draft_train_loop": "stages",  # training the head: batches, held-out acceptance, resumable train_head
     "draft_train": "stages",  # specdeploy draft train: the EAGLE-3 head (ModelOpt)
     "launch_command": "stages",  # the tritonserver launch plan and its docker equivalent
     "launch_k8s": "stages",  # the Kubernetes manifests
     "launch": "stages",
+    "draft_generation": "stages",  # the target answering: chat template, generations in flight, the journal
+    "draft_prompts": "stages",  # the training prompts' sources, the validation exclusion, self-instruct
     "draft_data": "stages",  # draft.kind eagle3: the head's training data, written by the target engine
     # client: validation over the transport-free protocol and its adapters; never a stage
     "client.protocol": "client",

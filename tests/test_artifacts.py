@@ -70,7 +70,7 @@ def test_fingerprint_and_dir_hash(tmp_path):
 
 
 def test_layout_paths(tmp_path):
-    from specdeploy.config import load_recipe
+    from specdeploy.config_loader import load_recipe
 
     layout = artifacts.Layout.of(load_recipe("build/smollm2-135m.yaml"), tmp_path)
     assert layout.checkpoint("target") == tmp_path / "engines/smollm2-135m/checkpoints/target"
@@ -80,7 +80,7 @@ def test_layout_paths(tmp_path):
 
 
 def test_eagle3_head_source_is_trained_bundled_or_a_path(tmp_path, monkeypatch):
-    from specdeploy.config import load_recipe
+    from specdeploy.config_loader import load_recipe
 
     layout = artifacts.Layout.of(load_recipe("build/smollm2-135m.yaml"), tmp_path)
     assert layout.eagle3_head_source("trained") == layout.eagle3_head == tmp_path / "engines/smollm2-135m/eagle3-head"

@@ -14,6 +14,7 @@ import pytest
 
 from _trtllm_standin import STANDIN_TRITONSERVER, install_standin, recorded
 from specdeploy import backend_stages, backends, config, preflight
+from specdeploy.config_loader import parse_recipe
 from specdeploy.errors import ConfigError
 
 PACKAGE = Path(__file__).resolve().parents[1] / "specdeploy"
@@ -69,13 +70,13 @@ def test_no_backend_string_decisions_outside_the_backend_facts():
 def test_registry_is_what_config_accepts():
     assert set(backends.NAMES) == BACKEND_NAMES
     assert config.BACKENDS == backends.NAMES
-    assert config.parse_recipe({"name": "x", "target": {"model": "t"}, "draft": {"model": "d"}}).backend == "cpu"
+    assert parse_recipe({"name": "x", "target": {"model": "t"}, "draft": {"model": "d"}}).backend == "cpu"
     assert backends.get("trtllm-llmapi") is backends.TRTLLM_LLMAPI
     with pytest.raises(ConfigError, match="unknown backend 'tensorrt'") as exc:
         backends.get("tensorrt")
     assert "cpu, trtllm-engine, trtllm-llmapi" in exc.value.hint
     with pytest.raises(ConfigError, match="backend"):
-        config.parse_recipe({"name": "x", "backend": "vllm", "target": {"model": "t"}, "draft": {"model": "d"}})
+        parse_recipe({"name": "x", "backend": "vllm", "target": {"model": "t"}, "draft": {"model": "d"}})
 
 
 def test_every_backend_answers_every_question():
@@ -105,7 +106,7 @@ def test_every_backend_has_its_stages():
 
 
 def test_facts_answer_from_data():
-    r = config.parse_recipe({"name": "x", "target": {"model": "t"}, "draft": {"model": "d"},
+    r = parse_recipe({"name": "x", "target": {"model": "t"}, "draft": {"model": "d"},
                              "triton": {"inflight_batching": False}})  # fmt: skip
     assert not backends.CPU.batches_in_flight(r) and backends.TRTLLM_ENGINE.batches_in_flight(r)
     assert backends.CPU.usable([], None, False)
@@ -115,17 +116,17 @@ def test_facts_answer_from_data():
 
 def test_config_asks_the_backend():
     base = {"name": "x", "target": {"model": "t", "quantization": {"qformat": "int8_sq"}}, "draft": {"model": "d"}}
-    config.parse_recipe({**base, "backend": "trtllm-engine"})
+    parse_recipe({**base, "backend": "trtllm-engine"})
     with pytest.raises(ConfigError, match="which backend 'trtllm-llmapi' cannot run") as exc:
-        config.parse_recipe({**base, "backend": "trtllm-llmapi"})
+        parse_recipe({**base, "backend": "trtllm-llmapi"})
     assert "full_prec, fp8, int4_awq" in exc.value.hint
     sharded = {"name": "x", "target": {"model": "t", "tp_size": 2}, "draft": {"model": "d"}}
     with pytest.raises(ConfigError, match="2 ranks on backend 'cpu'") as exc:
-        config.parse_recipe(sharded)
+        parse_recipe(sharded)
     assert "trtllm-engine or trtllm-llmapi" in exc.value.hint
     ngram = {"name": "x", "target": {"model": "t"}, "draft": {"kind": "ngram"}, "backend": "trtllm-engine"}
     with pytest.raises(ConfigError, match="ngram is not wired for backend trtllm-engine"):
-        config.parse_recipe(ngram)
+        parse_recipe(ngram)
 
 
 def test_repository_does_not_import_the_gpu_models():
@@ -140,7 +141,7 @@ def test_repository_does_not_import_the_gpu_models():
 
 
 def test_generate_refuses_gpu_recipes():
-    r = config.parse_recipe({"name": "g", "backend": "trtllm-llmapi", "target": {"model": "t"}, "draft": {"model": "d"}})
+    r = parse_recipe({"name": "g", "backend": "trtllm-llmapi", "target": {"model": "t"}, "draft": {"model": "d"}})
     with pytest.raises(ConfigError, match="runs the cpu backend; recipe g uses trtllm-llmapi"):
         backends.of(r).require_local("'specdeploy generate'", r)
     backends.CPU.require_local("'specdeploy generate'", r)  # the cpu backend runs it
@@ -211,7 +212,7 @@ def test_an_llmapi_recipe_is_validatable_but_not_swept(tmp_path):
     from specdeploy.artifacts import Layout
     from specdeploy.recipe_deployment import validate_recipe
 
-    r = config.parse_recipe({"name": "l", "backend": "trtllm-llmapi", "target": {"model": "t"}, "draft": {"model": "d"}})
+    r = parse_recipe({"name": "l", "backend": "trtllm-llmapi", "target": {"model": "t"}, "draft": {"model": "d"}})
     with pytest.raises(ConfigError, match="fixes it per deployment"):
         validate_recipe(r, Layout.of(r, tmp_path), url="127.0.0.1:1", sweep_draft_tokens=(1, 2))
 

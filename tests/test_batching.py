@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from tiny_models import SERVER_READY_TIMEOUT_S
-from specdeploy.engine.executor import BatchScheduler, Executor, GenerationRequest, run
+from specdeploy.engine.batching import BatchScheduler
+from specdeploy.engine.executor import Executor
+from specdeploy.engine.request import GenerationRequest, run
 from specdeploy.errors import ConfigError
 from specdeploy.speculative import SamplingParams
 
@@ -324,7 +326,7 @@ def batching_server(tmp_path_factory, tiny_tokenizer_dir):
     import tritonclient.grpc as grpcclient
 
     from specdeploy import backend_stages
-    from specdeploy.config import parse_recipe
+    from specdeploy.config_loader import parse_recipe
     from tiny_models import build_quietly, make_tiny_pair, tiny_pair_recipe
     from specdeploy.triton import server
 

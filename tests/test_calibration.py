@@ -9,7 +9,8 @@ import pytest
 
 from specdeploy import calibration, quantize
 from specdeploy.artifacts import Layout, Manifest
-from specdeploy.config import QuantConfig, parse_recipe
+from specdeploy.config import QuantConfig
+from specdeploy.config_loader import parse_recipe
 from specdeploy.errors import ConfigError, QuantizeError
 
 GIB = 2**30

@@ -143,7 +143,7 @@ def test_kubernetes_output_has_weighted_route_scrape_config_and_dashboard(tmp_pa
 
     from specdeploy import launch
     from specdeploy.artifacts import Layout
-    from specdeploy.config import load_recipe
+    from specdeploy.config_loader import load_recipe
 
     base = load_recipe(Path(__file__).parent.parent / "build" / "llama3-70b-fp8-engine.yaml")
     r = dataclasses.replace(base, canary=dataclasses.replace(base.canary, control_percent=20.0),
@@ -201,7 +201,7 @@ def test_live_metrics_match_a_known_run_and_canary_gives_a_verdict(tmp_path_fact
     layout_repo = root / "triton_repo" / "ops"
     assert 'key: "canary_control_percent"' in (layout_repo / "tensorrt_llm_bls" / "config.pbtxt").read_text()
     from specdeploy.artifacts import Layout
-    from specdeploy.config import load_recipe
+    from specdeploy.config_loader import load_recipe
 
     layout = Layout.of(load_recipe(recipe_path), root)
     with ops_deploy.running(layout) as srv:
@@ -261,7 +261,7 @@ def test_live_metrics_match_a_known_run_and_canary_gives_a_verdict(tmp_path_fact
     ({"cost": {"price": 3}}, "cost.price"),
 ])  # fmt: skip
 def test_recipe_refuses_bad_operations_keys_naming_them(section, key):
-    from specdeploy.config import parse_recipe
+    from specdeploy.config_loader import parse_recipe
     from specdeploy.errors import ConfigError
 
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

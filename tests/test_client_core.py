@@ -14,7 +14,8 @@ from specdeploy.client.protocol import CONTROL_MODEL, SPECULATIVE_MODEL, PerfMet
 from specdeploy.client.report import write_report
 from specdeploy.client.triton_adapter import timing
 from specdeploy.client.validate import Options, parse_range, validate
-from specdeploy.config import exact_verification, parse_recipe
+from specdeploy.config import exact_verification
+from specdeploy.config_loader import parse_recipe
 from specdeploy.errors import ConfigError
 
 
@@ -31,7 +32,7 @@ def test_builtin_prompt_sets_have_a_few_dozen_per_category():
 def test_default_recipe_compares_at_least_32_prompts_of_64_tokens_over_every_category():
     from pathlib import Path
 
-    from specdeploy.config import load_recipe
+    from specdeploy.config_loader import load_recipe
 
     recipe = load_recipe(Path(__file__).resolve().parent.parent / "build" / "smollm2-135m.yaml")
     v = recipe.validation

@@ -20,7 +20,7 @@ from click.testing import CliRunner
 
 from tiny_models import SERVER_READY_TIMEOUT_S
 from specdeploy.artifacts import Layout
-from specdeploy.config import parse_recipe
+from specdeploy.config_loader import parse_recipe
 
 from specdeploy.triton import server as server_mod  # noqa: E402
 from specdeploy.client import gate  # noqa: E402

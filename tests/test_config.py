@@ -3,7 +3,7 @@ import copy
 import pytest
 import yaml
 
-from specdeploy import config as cfg
+from specdeploy.config_loader import load_recipe, parse_recipe
 from specdeploy.errors import ConfigError
 
 RECIPE = "build/smollm2-135m-int8-draft.yaml"  # a model-draft recipe: these tests change its draft and target sections
@@ -28,18 +28,18 @@ def with_change(path: str, value):
 def test_default_recipe_drafts_with_the_bundled_eagle3_head():
     from specdeploy import artifacts
 
-    r = cfg.load_recipe(DEFAULT)
+    r = load_recipe(DEFAULT)
     assert r.name == "smollm2-135m" and r.backend == "cpu"
     assert r.draft.is_eagle3 and r.draft.head == "smollm2-135m-instruct-eagle3"
     head = artifacts.Layout.of(r, "/nonexistent").eagle3_head_source(r.draft.head)
     assert head == artifacts.BUNDLED_HEADS / "smollm2-135m-instruct-eagle3"
     assert (head / "config.json").is_file() and (head / "model.safetensors").is_file()
     # the head was trained for this target as this recipe quantizes it (the training recipe's target section)
-    assert r.target == cfg.load_recipe("build/smollm2-135m-eagle3.yaml").target
+    assert r.target == load_recipe("build/smollm2-135m-eagle3.yaml").target
 
 
 def test_model_draft_recipe_loads_into_frozen_dataclasses():
-    r = cfg.load_recipe(RECIPE)
+    r = load_recipe(RECIPE)
     assert r.name == "smollm2-135m-int8-draft"
     assert r.backend == "cpu"
     assert r.target.quantization.qformat == "fp8"
@@ -56,7 +56,7 @@ def test_every_shipped_recipe_validates():
     paths = glob.glob("build/*.yaml")
     assert RECIPE in paths and DEFAULT in paths
     for path in paths:
-        cfg.load_recipe(path)
+        load_recipe(path)
 
 
 @pytest.mark.parametrize(
@@ -85,7 +85,7 @@ def test_every_shipped_recipe_validates():
 )
 def test_invalid_recipes_name_the_key(path, value, message):
     with pytest.raises(ConfigError) as err:
-        cfg.parse_recipe(with_change(path, value))
+        parse_recipe(with_change(path, value))
     assert message in str(err.value)
 
 
@@ -93,7 +93,7 @@ def test_num_draft_tokens_error_names_both_values_and_fix():
     raw = with_change("speculative.num_draft_tokens", 9)
     raw["speculative"]["max_draft_len"] = 4
     with pytest.raises(ConfigError) as err:
-        cfg.parse_recipe(raw)
+        parse_recipe(raw)
     assert "9" in err.value.message and "4" in err.value.message
     assert "num_draft_tokens <= 4" in err.value.hint
 
@@ -102,7 +102,7 @@ def test_backend_that_cannot_run_qformat_is_rejected():
     raw = with_change("backend", "trtllm-llmapi")
     raw["draft"]["quantization"]["qformat"] = "int8_wo"
     with pytest.raises(ConfigError) as err:
-        cfg.parse_recipe(raw)
+        parse_recipe(raw)
     assert "cannot run" in err.value.message and "fp8" in err.value.hint
 
 
@@ -110,24 +110,24 @@ def test_missing_required_key():
     raw = raw_default()
     del raw["target"]
     with pytest.raises(ConfigError, match="missing required key 'target'"):
-        cfg.parse_recipe(raw)
+        parse_recipe(raw)
 
 
 def test_missing_file_and_bad_yaml(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
-        cfg.load_recipe(tmp_path / "nope.yaml")
+        load_recipe(tmp_path / "nope.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: [unclosed\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
-        cfg.load_recipe(bad)
+        load_recipe(bad)
 
 
 def test_int_accepted_for_float_and_section_hash_is_stable():
-    a = cfg.parse_recipe(with_change("validation.min_speedup", 2))
+    a = parse_recipe(with_change("validation.min_speedup", 2))
     assert a.validation.min_speedup == 2.0
-    b = cfg.parse_recipe(with_change("validation.min_speedup", 2.0))
+    b = parse_recipe(with_change("validation.min_speedup", 2.0))
     assert a.section_hash("target", "engine") == b.section_hash("target", "engine")
-    c = cfg.parse_recipe(with_change("target.quantization.qformat", "int8_wo"))
+    c = parse_recipe(with_change("target.quantization.qformat", "int8_wo"))
     assert a.section_hash("target") != c.section_hash("target")
 
 
@@ -135,14 +135,14 @@ def test_bls_instances_follow_in_flight_batching_unless_set():
     """Each tensorrt_llm_bls instance runs one speculative request at a time: with engines that batch in flight the
     BLS gets min(max_batch_size, 4) instances (NVIDIA's bls_instance_count), else instance_count, unless set."""
     base = {"name": "b", "target": {"model": "t"}, "draft": {"model": "d"}, "engine": {"max_batch_size": 8}}
-    assert cfg.parse_recipe(base).bls_instance_count == 4  # cpu, in-flight batching on by default
-    assert cfg.parse_recipe({**base, "engine": {"max_batch_size": 2}}).bls_instance_count == 2
-    assert cfg.parse_recipe({**base, "triton": {"inflight_batching": False, "instance_count": 3}}).bls_instance_count == 3
-    assert cfg.parse_recipe({**base, "triton": {"bls_instance_count": 6}}).bls_instance_count == 6
+    assert parse_recipe(base).bls_instance_count == 4  # cpu, in-flight batching on by default
+    assert parse_recipe({**base, "engine": {"max_batch_size": 2}}).bls_instance_count == 2
+    assert parse_recipe({**base, "triton": {"inflight_batching": False, "instance_count": 3}}).bls_instance_count == 3
+    assert parse_recipe({**base, "triton": {"bls_instance_count": 6}}).bls_instance_count == 6
     gpu = {**base, "backend": "trtllm-engine", "triton": {"inflight_batching": False}}
-    assert cfg.parse_recipe(gpu).bls_instance_count == 4  # TensorRT-LLM batches in flight whatever the cpu key says
+    assert parse_recipe(gpu).bls_instance_count == 4  # TensorRT-LLM batches in flight whatever the cpu key says
     with pytest.raises(ConfigError, match="bls_instance_count"):
-        cfg.parse_recipe({**base, "triton": {"bls_instance_count": -1}})
+        parse_recipe({**base, "triton": {"bls_instance_count": -1}})
 
 
 def test_eagle3_is_refused_where_the_backend_cannot_serve_it():
@@ -151,7 +151,7 @@ def test_eagle3_is_refused_where_the_backend_cannot_serve_it():
     raw = {"name": "e", "target": {"model": "t"}, "draft": {"kind": "eagle3", "head": "/models/head"}}
     assert [b.name for b in backends.ALL if b.eagle3_draft] == ["cpu", "trtllm-llmapi"]
     for name in ("cpu", "trtllm-llmapi"):
-        assert cfg.parse_recipe({**raw, "backend": name}).draft.is_eagle3
+        assert parse_recipe({**raw, "backend": name}).draft.is_eagle3
     with pytest.raises(ConfigError, match="not wired for backend trtllm-engine.*EAGLE-1/2") as exc:
-        cfg.parse_recipe({**raw, "backend": "trtllm-engine"})
+        parse_recipe({**raw, "backend": "trtllm-engine"})
     assert "use backend cpu or trtllm-llmapi" in exc.value.hint

@@ -12,8 +12,9 @@ from click.testing import CliRunner
 from tiny_models import TINY_QUANT, build_quietly, make_tiny_model
 
 from specdeploy import draft_data as dd
+from specdeploy import draft_generation, draft_prompts
 from specdeploy.artifacts import Layout, Manifest
-from specdeploy.config import parse_recipe
+from specdeploy.config_loader import parse_recipe
 from specdeploy.errors import ConfigError, StaleArtifactError
 
 # a ChatML-like template with a default system turn, as SmolLM2's: </s> (the eos) ends every turn
@@ -78,7 +79,8 @@ def _make(recipe, layout, **kw):
 
 
 def test_output_format_heldout_split_and_greedy_answers(tmp_path, built, chat_model):
-    from specdeploy.engine.executor import Executor, GenerationRequest, run
+    from specdeploy.engine.executor import Executor
+    from specdeploy.engine.request import GenerationRequest, run
     from specdeploy.generate import load_engine, load_tokenizer
 
     prompts = tmp_path / "mine.txt"
@@ -166,7 +168,7 @@ def test_resume_after_interruption_gives_the_uninterrupted_result(tmp_path, buil
 
 def test_a_prompt_file_holding_a_validation_prompt_is_refused(tmp_path, built, chat_model):
     prompts = tmp_path / "mine.jsonl"
-    builtin = json.loads((dd.VALIDATION_DIR / "code.jsonl").read_text().splitlines()[2])["prompt"]
+    builtin = json.loads((draft_prompts.VALIDATION_DIR / "code.jsonl").read_text().splitlines()[2])["prompt"]
     prompts.write_text(json.dumps({"prompt": "Something new to say."}) + "\n" + json.dumps({"prompt": "  " + builtin.upper()}) + "\n")
     recipe, layout = _setup(tmp_path, built, chat_model, {"sources": [str(prompts)]})
     with pytest.raises(ConfigError) as exc:
@@ -175,7 +177,7 @@ def test_a_prompt_file_holding_a_validation_prompt_is_refused(tmp_path, built, c
 
 
 def test_calibration_prompts_equal_to_a_validation_prompt_are_dropped(tmp_path, built, chat_model):
-    first = dd.calibration_prompts(0)[0]  # the calibration prompt the run would take first
+    first = draft_prompts.calibration_prompts(0)[0]  # the calibration prompt the run would take first
     own_set = tmp_path / "validation.jsonl"
     own_set.write_text(json.dumps({"prompt": first.messages[-1][1], "category": "x"}) + "\n")
     recipe, layout = _setup(tmp_path, built, chat_model, {"num_prompts": 3, "samples_per_prompt": 1, "max_new_tokens": 2},
@@ -200,18 +202,18 @@ def test_duplicate_prompts_are_dropped(tmp_path, built, chat_model):
 def test_self_instruct_prompts_are_user_turns_the_target_ended(tmp_path, built, chat_model, monkeypatch):
     from specdeploy.generate import load_tokenizer
 
-    monkeypatch.setattr(dd, "SELF_INSTRUCT_MAX_TOKENS", 200)  # a random model ends a turn rarely: give it room
+    monkeypatch.setattr(draft_prompts, "SELF_INSTRUCT_MAX_TOKENS", 200)  # a random model ends a turn rarely: give it room
     recipe, layout = _setup(tmp_path, built, chat_model, {"num_prompts": 2, "samples_per_prompt": 1, "max_new_tokens": 2,
                                                           "sources": ["self_instruct"], "temperature": 1.0})
     dest, _ = _make(recipe, layout)
     tok = load_tokenizer(layout.engine("target"), recipe.target.model)
     records = _read(dest / "train.jsonl") + _read(dest / "heldout.jsonl")
     assert records and all(r["source"] == "self_instruct" for r in records)
-    prefix = dd.ChatFormat(tok).user_turn_prefix()
+    prefix = draft_generation.ChatFormat(tok).user_turn_prefix()
     for r in records:
         prompt = tok.decode(r["input_ids"][: r["loss_start"]])
         assert prompt.startswith(tok.decode(prefix)) and prompt.endswith("</s>\n<s>assistant\n")
-        assert len(prompt[len(tok.decode(prefix)) :].split()) >= dd.SELF_INSTRUCT_MIN_WORDS
+        assert len(prompt[len(tok.decode(prefix)) :].split()) >= draft_prompts.SELF_INSTRUCT_MIN_WORDS
 
 
 def test_bad_inputs_are_refused_with_the_fix(tmp_path, built, chat_model):
@@ -257,8 +259,8 @@ def test_cli_names_the_build_command_when_the_engine_is_missing(tmp_path, chat_m
 def test_the_journal_drops_a_line_cut_by_a_kill(tmp_path):
     path = tmp_path / "journal.jsonl"
     path.write_text('{"key": "a/0", "tokens": [1, 2], "reason": "end_id"}\n{"key": "a/1", "tokens": [3], "reason": "length"}\n{"key": "b/0", "tok')
-    journal = dd.Journal(path)
+    journal = draft_generation.Journal(path)
     assert sorted(journal.done) == ["a/0", "a/1"]
     journal.add("b/0", [4], "end_id")
     journal.close()
-    assert sorted(dd.Journal(path).done) == ["a/0", "a/1", "b/0"]
+    assert sorted(draft_generation.Journal(path).done) == ["a/0", "a/1", "b/0"]

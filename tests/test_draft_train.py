@@ -19,8 +19,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("modelopt.torch.speculative")
 
-from specdeploy import artifacts, draft_train  # noqa: E402
-from specdeploy.config import Eagle3TrainConfig, parse_recipe  # noqa: E402
+from specdeploy import artifacts, draft_samples, draft_train, draft_train_loop, draft_train_plan, modelopt_eagle3  # noqa: E402
+from specdeploy.config import Eagle3TrainConfig  # noqa: E402
+from specdeploy.config_loader import parse_recipe  # noqa: E402
 from specdeploy.errors import ConfigError, SpecDeployError  # noqa: E402
 import bench_modules  # noqa: E402
 from tiny_models import make_tiny_model, make_tokenizer  # noqa: E402
@@ -152,13 +153,13 @@ def test_training_raises_heldout_acceptance_and_exports_a_head_that_drafts_the_s
 
     # reloaded into a fresh model, the head drafts what the trained one drafted
     t = recipe.draft.train
-    trained = draft_train.build_model(target, t, draft_targets, [0, 1])
+    trained = modelopt_eagle3.build_model(target, t, draft_targets, [0, 1])
     fresh_drafts = _drafts(trained, data)
-    draft_train.load_exported_head(trained, head)
+    modelopt_eagle3.load_exported_head(trained, head)
     reloaded = _drafts(trained, data)
     assert not torch.equal(fresh_drafts, reloaded)  # the untrained head drafts otherwise
     heldout = _samples(data / "heldout.jsonl")
-    acc = draft_train.heldout_acceptance(trained, heldout, 3, 32, 8, 0)
+    acc = draft_train_loop.heldout_acceptance(trained, heldout, 3, 32, 8, 0)
     assert acc.per_position == after.per_position
     # the held-out measure is what ModelOpt's own drafting loop gives, prefix by prefix
     starts, hits = reference_acceptance(trained, heldout, 3)
@@ -171,7 +172,7 @@ def test_training_raises_heldout_acceptance_and_exports_a_head_that_drafts_the_s
 
 
 def _samples(path: Path):
-    return draft_train._read_samples(path, VOCAB, "x")
+    return draft_samples._read_samples(path, VOCAB, "x")
 
 
 def _drafts(model, data: Path):
@@ -185,28 +186,28 @@ def test_resume_after_interruption_gives_the_same_weights(tiny):
     root, target, data = tiny
     recipe = recipe_for(target, epochs=2.0)
     t = recipe.draft.train
-    d = draft_train.read_draft_data(data, VOCAB)
-    draft_ids = draft_train.choose_draft_vocab(d.train, VOCAB, t.draft_vocab_size)
+    d = draft_samples.read_draft_data(data, VOCAB)
+    draft_ids = modelopt_eagle3.choose_draft_vocab(d.train, VOCAB, t.draft_vocab_size)
 
     def run(work: Path, stop=None):
-        model = draft_train.build_model(target, t, draft_ids, [0, 1])
-        draft_train.train_head(model, d, t, work, fingerprint="fp", progress=False, echo=lambda m: None,
+        model = modelopt_eagle3.build_model(target, t, draft_ids, [0, 1])
+        draft_train_loop.train_head(model, d, t, work, fingerprint="fp", progress=False, echo=lambda m: None,
                                checkpoint_every_s=0.0, _stop_after_step=stop)  # fmt: skip
         return model.eagle_module.state_dict()
 
     straight = run(root / "straight")
     with pytest.raises(KeyboardInterrupt):
         run(root / "interrupted", stop=3)
-    state = torch.load(root / "interrupted" / draft_train.RESUME_STATE, weights_only=False)
+    state = torch.load(root / "interrupted" / draft_train_loop.RESUME_STATE, weights_only=False)
     assert state["step"] == 3
     resumed = run(root / "interrupted")
     assert straight.keys() == resumed.keys()
     for key in straight:
         assert torch.equal(straight[key], resumed[key]), key
     # a checkpoint of other inputs is not resumed from
-    other = draft_train.build_model(target, t, draft_ids, [0, 1])
+    other = modelopt_eagle3.build_model(target, t, draft_ids, [0, 1])
     lines = []
-    draft_train.train_head(other, d, replace(t, epochs=0.2), root / "interrupted", fingerprint="other", progress=False, echo=lines.append)
+    draft_train_loop.train_head(other, d, replace(t, epochs=0.2), root / "interrupted", fingerprint="other", progress=False, echo=lines.append)
     assert not any("resuming" in line for line in lines)
 
 
@@ -246,11 +247,11 @@ def test_a_run_estimated_over_max_train_hours_is_refused_with_the_estimate(tiny,
 def test_a_run_that_needs_more_memory_than_there_is_is_refused():
     cfg = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
            "num_hidden_layers": 32, "vocab_size": 128256}  # fmt: skip
-    d = draft_train.DraftData(Path("."), (draft_train.Sample("a", (1, 2, 3), 1),), (), "x")
+    d = draft_samples.DraftData(Path("."), (draft_samples.Sample("a", (1, 2, 3), 1),), (), "x")
     t = Eagle3TrainConfig()
-    plan = draft_train.plan_training(cfg, d, t, "cpu", 8 * 2**30, t.draft_vocab_size, 3)
+    plan = draft_train_plan.plan_training(cfg, d, t, "cpu", 8 * 2**30, t.draft_vocab_size, 3)
     with pytest.raises(ConfigError, match="GiB are available"):
-        draft_train.check_plan(plan, t)
+        draft_train_plan.check_plan(plan, t)
 
 
 # ---------------------------------------------------------------- an independent reader: llama.cpp's converter
@@ -268,12 +269,12 @@ def test_llama_cpp_converts_the_exported_head_of_the_bundled_model(tmp_path):
     target = models.cached_path("smollm2-135m-instruct")
     t = Eagle3TrainConfig(draft_vocab_size=8192)
     config = json.loads((target / "config.json").read_text())
-    aux = draft_train.aux_layer_ids(config, t)
+    aux = modelopt_eagle3.aux_layer_ids(config, t)
     assert aux == [1, 14, 26]  # ModelOpt's default for 30 layers
     draft_ids = list(range(0, 2 * 8192, 2))  # any ascending set: d2t is what is checked here
-    model = draft_train.build_model(target, t, draft_ids, aux)
+    model = modelopt_eagle3.build_model(target, t, draft_ids, aux)
     head = tmp_path / "head"
-    draft_train.export_head(model, head, aux)
+    modelopt_eagle3.export_head(model, head, aux)
     out = tmp_path / "head.gguf"
     got = subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(head), "--outfile", str(out), "--outtype", "f32",
                           "--target-model-dir", str(target)], capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
@@ -346,13 +347,13 @@ def test_sigkill_mid_training_keeps_the_previous_head_and_the_rerun_resumes(tiny
     assert "PAUSED checkpoint" in paused, paused
     proc.send_signal(signal.SIGKILL)
     assert proc.wait(timeout=60) == -signal.SIGKILL
-    assert (partial / draft_train.RESUME_STATE).is_file()
+    assert (partial / draft_train_loop.RESUME_STATE).is_file()
     assert {p.name: p.read_bytes() for p in head.iterdir()} == before  # the previous head, untouched
     previous = artifacts.Manifest.read(head)
     assert previous.settings["train"]["epochs"] == 1.0
     d2t = load_file(str(head / "model.safetensors"))["d2t"]
-    model = draft_train.build_model(target, recipe_for(target).draft.train, (torch.arange(len(d2t)) + d2t).tolist(), [0, 1])
-    draft_train.load_exported_head(model, head)  # loadable
+    model = modelopt_eagle3.build_model(target, recipe_for(target).draft.train, (torch.arange(len(d2t)) + d2t).tolist(), [0, 1])
+    modelopt_eagle3.load_exported_head(model, head)  # loadable
 
     out = finished(layout.root, full)
     assert "resuming at step" in out, out
@@ -408,7 +409,7 @@ def test_export_dtype_bfloat16_halves_the_weights_and_keeps_d2t_integer(tmp_path
     path = tmp_path / "model.safetensors"
     weights = {"fc.weight": torch.randn(8, 24), "lm_head.weight": torch.randn(16, 8), "d2t": torch.arange(16) * 3}
     save_file(weights, str(path))
-    draft_train.cast_weights(path, "bfloat16")
+    modelopt_eagle3.cast_weights(path, "bfloat16")
     back = load_file(str(path))
     assert back["fc.weight"].dtype == torch.bfloat16 and torch.equal(back["fc.weight"], weights["fc.weight"].bfloat16())
     assert back["d2t"].dtype == weights["d2t"].dtype and torch.equal(back["d2t"], weights["d2t"])
@@ -416,7 +417,7 @@ def test_export_dtype_bfloat16_halves_the_weights_and_keeps_d2t_integer(tmp_path
 
 
 def test_an_unknown_export_dtype_is_refused_naming_the_choices():
-    from specdeploy.config import parse_recipe
+    from specdeploy.config_loader import parse_recipe
     from specdeploy.errors import ConfigError
 
     raw = {"name": "x", "target": {"model": "smollm2-135m-instruct"},
@@ -468,11 +469,11 @@ def test_an_unknown_precision_is_refused_naming_the_choices():
 
 def test_cosine_schedule_runs_from_the_learning_rate_to_a_tenth_and_depends_on_the_step_alone():
     t = Eagle3TrainConfig(learning_rate=1e-3, lr_schedule="cosine")
-    rates = [draft_train.learning_rate_at(t, step, 11) for step in range(11)]
+    rates = [draft_train_loop.learning_rate_at(t, step, 11) for step in range(11)]
     assert rates[0] == pytest.approx(1e-3) and rates[-1] == pytest.approx(1e-4) and rates[5] == pytest.approx(5.5e-4)
     assert all(a > b for a, b in zip(rates, rates[1:]))
     constant = replace(t, lr_schedule="constant")
-    assert {draft_train.learning_rate_at(constant, step, 11) for step in range(11)} == {1e-3}
+    assert {draft_train_loop.learning_rate_at(constant, step, 11) for step in range(11)} == {1e-3}
     with pytest.raises(ConfigError, match="lr_schedule"):
         parse_recipe({"name": "x", "target": {"model": "smollm2-135m-instruct"},
                       "draft": {"kind": "eagle3", "head": "trained", "train": {"lr_schedule": "linear"}}})  # fmt: skip

@@ -17,7 +17,9 @@ import torch.nn.functional as F
 
 from eagle3_heads import make_eagle3_head
 from specdeploy.engine.eagle3 import Eagle3Head, default_aux_layer_ids
-from specdeploy.engine.executor import BatchScheduler, Executor, GenerationRequest, run
+from specdeploy.engine.batching import BatchScheduler
+from specdeploy.engine.executor import Executor
+from specdeploy.engine.request import GenerationRequest, run
 from specdeploy.errors import ModelError
 from specdeploy.speculative import SamplingParams
 from tiny_models import make_tiny_model

@@ -52,7 +52,7 @@ def _model(root: Path) -> Path:
 def _deployment(root: Path, model_dir: Path, head: Path, **sections):
     """(recipe, layout, recipe_path) of a built tiny eagle3 deployment (the repository not written yet)."""
     from specdeploy.artifacts import Layout
-    from specdeploy.config import parse_recipe
+    from specdeploy.config_loader import parse_recipe
     from specdeploy.engine.build import build_recipe
     from specdeploy.quantize import quantize_recipe
 
@@ -226,7 +226,8 @@ def test_num_draft_tokens_zero_is_plain_and_counted_as_such(built, served):
 
 def test_a_head_of_another_hidden_size_is_refused_at_repo(built, tmp_path):
     from specdeploy import backend_stages
-    from specdeploy.config import parse_recipe, to_plain
+    from specdeploy.config import to_plain
+    from specdeploy.config_loader import parse_recipe
     from specdeploy.errors import ModelError
 
     recipe, layout, recipe_path, _ = built
@@ -243,7 +244,8 @@ def test_a_head_of_another_hidden_size_is_refused_at_repo(built, tmp_path):
 
 
 def test_config_refuses_what_eagle3_on_cpu_does_not_have(built):
-    from specdeploy.config import parse_recipe, to_plain
+    from specdeploy.config import to_plain
+    from specdeploy.config_loader import parse_recipe
     from specdeploy.errors import ConfigError
 
     raw = to_plain(built[0])

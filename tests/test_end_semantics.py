@@ -191,7 +191,7 @@ def test_without_end_id_the_end_token_is_an_ordinary_token(model):
 def test_the_final_chunk_loses_only_a_final_end_token(pb_utils, monkeypatch, request):
     """Per chunk (streaming sends one per token): only the last chunk of a sequence that ended at the end id
     changes; its end token's log prob is handed back for cum_log_probs."""
-    from specdeploy.engine.executor import GenerationChunk
+    from specdeploy.engine.request import GenerationChunk
 
     module = _load("tensorrt_llm", monkeypatch, request)
     final = GenerationChunk(token_ids=[3, END], finished=True, finish_reason="end_id")

@@ -444,7 +444,8 @@ def _recipe_and_checkpoints(tmp_path, quant_checkpoints, quant_hf_dir):
     import shutil
 
     from specdeploy.artifacts import Layout, Manifest
-    from specdeploy.config import ROLES, parse_recipe, to_plain
+    from specdeploy.config import ROLES, to_plain
+    from specdeploy.config_loader import parse_recipe
 
     recipe = parse_recipe({
         "name": "tiny",

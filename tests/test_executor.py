@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from specdeploy import speculative as spec
-from specdeploy.engine.executor import Executor, GenerationRequest, reusable_prefix_len, run
+from specdeploy.engine.executor import Executor
+from specdeploy.engine.kv_pool import reusable_prefix_len
+from specdeploy.engine.request import GenerationRequest, run
 from specdeploy.errors import ConfigError
 from specdeploy.generate import ExecutorProposer, ExecutorVerifier, target_only_generate
 from specdeploy.speculative import SamplingParams

@@ -132,7 +132,7 @@ def test_max_tokens_is_bounded_by_the_deployment(keyed):
 
 
 def test_max_tokens_option_may_lower_the_limit_but_not_raise_it():
-    from specdeploy.config import parse_recipe
+    from specdeploy.config_loader import parse_recipe
 
     recipe = parse_recipe({"name": "r", "target": {"model": "x"}, "draft": {"model": "x"}, "engine": {"max_input_len": 64, "max_seq_len": 100}})
     assert openai_api.deployment_max_tokens(recipe) == 99
@@ -211,7 +211,7 @@ def test_detached_front_gets_the_key_in_its_environment_not_its_command_line(tmp
 
 
 def test_recipe_names_that_are_not_folders_are_refused():
-    from specdeploy.config import parse_recipe
+    from specdeploy.config_loader import parse_recipe
 
     for name in (".", "..", "a/b", "", "x y"):
         with pytest.raises(ConfigError, match="key 'name'"):

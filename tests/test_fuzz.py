@@ -78,7 +78,7 @@ def test_nan_or_infinite_temperature_is_refused_before_sampling():
 
 
 def _parse(body):
-    from specdeploy.config import parse_recipe
+    from specdeploy.config_loader import parse_recipe
 
     recipe = parse_recipe({"name": "r", "target": {"model": "x"}, "draft": {"model": "x"}})
     return openai_api.parse_job(body, False, openai_api.routes(recipe), None, 16, 319)

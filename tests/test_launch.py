@@ -10,7 +10,7 @@ import yaml
 from _trtllm_standin import STANDIN_TRITONSERVER
 from specdeploy import launch, packaging
 from specdeploy.artifacts import Layout
-from specdeploy.config import parse_recipe
+from specdeploy.config_loader import parse_recipe
 from specdeploy.errors import ConfigError, ServerError
 from specdeploy.triton import gpu_models
 
@@ -295,7 +295,7 @@ def test_gpu_serve_in_the_foreground_stops_its_server_on_sigterm(standin_server,
     r, layout, exe = standin_server
     program = (
         "import json, sys\n"
-        "from specdeploy import launch\nfrom specdeploy.artifacts import Layout\nfrom specdeploy.config import parse_recipe\n"
+        "from specdeploy import launch\nfrom specdeploy.artifacts import Layout\nfrom specdeploy.config_loader import parse_recipe\n"
         "r = parse_recipe(json.loads(sys.argv[1]))\n"
         "launch.serve_gpu(r, Layout.of(r, sys.argv[2]), tritonserver=sys.argv[3], echo=lambda s: print(s, flush=True))\n"
     )

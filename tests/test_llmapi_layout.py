@@ -14,7 +14,7 @@ import yaml
 from tiny_models import SERVER_READY_TIMEOUT_S
 from specdeploy import backend_stages
 from specdeploy.artifacts import Layout
-from specdeploy.config import parse_recipe
+from specdeploy.config_loader import parse_recipe
 from specdeploy.errors import ConfigError
 from specdeploy.triton import llmapi, repository, server
 from tiny_models import TINY_QUANT, build_quietly, make_tiny_pair, tiny_pair_recipe

@@ -96,7 +96,7 @@ class _Verifier(ExecutorVerifier):
         type(self).calls += 1
         if output_len is None:
             return super().verify(sequence, draft_tokens, draft_logits, sampling)
-        from specdeploy.engine.executor import GenerationRequest, run
+        from specdeploy.engine.request import GenerationRequest, run
 
         return run(self.executor, GenerationRequest(input_ids=sequence, max_new_tokens=output_len, sampling=sampling)).token_ids
 

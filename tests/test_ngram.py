@@ -97,7 +97,7 @@ def test_is_public_pool_shares_patterns_between_requests():
 
 
 def test_settings_from_recipe_and_parameters_round_trip():
-    from specdeploy.config import parse_recipe
+    from specdeploy.config_loader import parse_recipe
 
     raw = {"name": "x", "target": {"model": "m"}, "draft": {"kind": "ngram", "max_matching_ngram_size": 3, "is_public_pool": False},
            "speculative": {"max_draft_len": 6, "num_draft_tokens": 5}}  # fmt: skip
@@ -119,7 +119,7 @@ def test_settings_from_recipe_and_parameters_round_trip():
     ({"model": "d", "min_matching_ngram_size": 2}, "cpu", "applies to draft.kind ngram only"),
 ])  # fmt: skip
 def test_min_matching_ngram_size_is_checked(draft, backend, words):
-    from specdeploy.config import parse_recipe
+    from specdeploy.config_loader import parse_recipe
     from specdeploy.errors import ConfigError
 
     raw = {"name": "x", "backend": backend, "target": {"model": "m", "quantization": {"qformat": "fp8"}}, "draft": draft}
@@ -152,7 +152,7 @@ def test_llmapi_options_write_decoding_type_ngram_for_every_version():
     from pathlib import Path
 
     from specdeploy import trtllm
-    from specdeploy.config import parse_recipe
+    from specdeploy.config_loader import parse_recipe
 
     raw = {"name": "x", "backend": "trtllm-llmapi", "target": {"model": "m", "quantization": {"qformat": "fp8"}},
            "draft": {"kind": "ngram", "max_draft_len": 3, "is_use_oldest": False}, "speculative": {"num_draft_tokens": 4}}  # fmt: skip
@@ -179,7 +179,7 @@ def test_served_ngram_draft_keeps_greedy_parity(tmp_path_factory, tiny_llama_dir
     from specdeploy import backend_stages
     from specdeploy.client.protocol import GenerateRequest
     from specdeploy.client.triton_adapter import TritonEndpoint
-    from specdeploy.config import parse_recipe
+    from specdeploy.config_loader import parse_recipe
     from specdeploy.engine.build import build_recipe
     from specdeploy.quantize import quantize_recipe
     from specdeploy.triton import repository

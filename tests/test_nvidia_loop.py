@@ -45,7 +45,7 @@ def chat(question: str) -> str:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, tiny_tokenizer_dir):
-    from specdeploy.config import parse_recipe
+    from specdeploy.config_loader import parse_recipe
     from tiny_models import TINY_QUANT, build_quietly, make_tiny_model
 
     root = tmp_path_factory.mktemp("nvidia-loop")

@@ -233,7 +233,7 @@ class _Codec:
 
 
 def _parse(body, chat=False):
-    from specdeploy.config import parse_recipe
+    from specdeploy.config_loader import parse_recipe
 
     recipe = parse_recipe({"name": "r", "target": {"model": "x"}, "draft": {"model": "x"}, "canary": {"control_percent": 10}})
     return openai_api.parse_job(body, chat, openai_api.routes(recipe), _Codec(), 16)

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from specdeploy import policy as pol
-from specdeploy.config import parse_recipe
+from specdeploy.config_loader import parse_recipe
 from specdeploy.errors import ConfigError
 from specdeploy.policy import AcceptanceGate, Deployment, PolicySettings, RoundOutcome
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from specdeploy import preflight
-from specdeploy.config import parse_recipe
+from specdeploy.config_loader import parse_recipe
 from specdeploy.errors import ConfigError
 from specdeploy.gpu import GpuInfo, parse_nvidia_smi
 from specdeploy.preflight import ModelShape

@@ -29,7 +29,8 @@ from specdeploy import calibration_text, checkpoint_export, quant_formats
 from specdeploy import quantize as qz
 from specdeploy.artifacts import Layout, Manifest
 from specdeploy.cli import main
-from specdeploy.config import QFORMATS, QuantConfig, parse_recipe, to_plain
+from specdeploy.config import QFORMATS, QuantConfig, to_plain
+from specdeploy.config_loader import parse_recipe
 from specdeploy.errors import ConfigError, ModelError, QuantizeError
 
 TINY = dict(calib_size=4, calib_max_seq_length=32, awq_block_size=64)

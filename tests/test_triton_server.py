@@ -458,7 +458,7 @@ LONG_PROMPT_TOKENS, LONG_OUTPUT, REAL_MAX_SEQ_LEN = 1000, 200, 1400
 
 @pytest.fixture(scope="module")
 def real(tmp_path_factory, tiny_tokenizer_dir):
-    from specdeploy.config import parse_recipe
+    from specdeploy.config_loader import parse_recipe
     from tiny_models import build_quietly, make_tiny_pair, tiny_pair_recipe
 
     root = tmp_path_factory.mktemp("real")

@@ -9,7 +9,7 @@ import pytest
 from _trtllm_standin import install_standin, recorded, write_trtllm_checkpoint
 from specdeploy import trtllm
 from specdeploy.artifacts import Layout, Manifest
-from specdeploy.config import parse_recipe
+from specdeploy.config_loader import parse_recipe
 from specdeploy.errors import BuildError, StaleArtifactError
 from specdeploy.trtllm import CheckpointInfo, build_command
 
@@ -215,7 +215,7 @@ def test_tool_exiting_zero_without_engines_is_an_error(gpu_env, tmp_path, monkey
 
 
 def test_gpu_recipe_file_loads_and_dry_runs(tmp_path, monkeypatch):
-    from specdeploy.config import load_recipe
+    from specdeploy.config_loader import load_recipe
 
     monkeypatch.setattr(trtllm.gpu_probe, "probe", lambda timeout_s=10.0: [])
     recipe = load_recipe(Path(__file__).parent.parent / "build" / "llama3-70b-fp8-engine.yaml")
@@ -231,7 +231,7 @@ def test_the_default_gpu_example_is_the_llm_api_on_a_current_image(tmp_path, mon
     """TensorRT-LLM removed the TensorRT engine path on main (docs/source/legacy/tensorrt-backend-removal.md): the
     GPU example without a qualifier is the LLM-API recipe; the engine recipe says so in its name."""
     from specdeploy import backends
-    from specdeploy.config import load_recipe
+    from specdeploy.config_loader import load_recipe
 
     monkeypatch.setattr(trtllm.gpu_probe, "probe", lambda timeout_s=10.0: [])
     build = Path(__file__).parent.parent / "build"

@@ -11,7 +11,7 @@ import yaml
 from _trtllm_standin import write_hf_checkpoint, write_trtllm_checkpoint
 from specdeploy import trtllm
 from specdeploy.artifacts import Layout, Manifest
-from specdeploy.config import parse_recipe
+from specdeploy.config_loader import parse_recipe
 from specdeploy.errors import ConfigError, StaleArtifactError
 
 

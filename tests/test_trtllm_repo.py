@@ -10,7 +10,7 @@ import yaml
 from _trtllm_standin import install_standin, write_hf_checkpoint, write_trtllm_checkpoint
 from specdeploy import backend_stages, trtllm
 from specdeploy.artifacts import Layout
-from specdeploy.config import parse_recipe
+from specdeploy.config_loader import parse_recipe
 from specdeploy.triton import gpu_models, llmapi, repository
 
 

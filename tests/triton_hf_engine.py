@@ -75,7 +75,7 @@ def load_executor(engine_dir: str):
 def make_engines(root, target_dir, draft_dir, max_draft_len: int = 4, **recipe_overrides):
     """A recipe and fake 'build' outputs (HF model + tokenizer + engine_spec.json + manifest) under root."""
     from specdeploy.artifacts import Layout
-    from specdeploy.config import parse_recipe
+    from specdeploy.config_loader import parse_recipe
 
     raw = {
         "name": "tiny",

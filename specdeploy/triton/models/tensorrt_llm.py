@@ -55,7 +55,7 @@ class Cancelled(Exception):
 
 class TritonPythonModel:
     def initialize(self, args):
-        from specdeploy.engine.executor import GenerationRequest
+        from specdeploy.engine.request import GenerationRequest
         from specdeploy.speculative import SamplingParams
 
         self._GenerationRequest, self._SamplingParams = GenerationRequest, SamplingParams
@@ -99,7 +99,7 @@ class TritonPythonModel:
         on = common.flag(params.get("inflight_batching"), False) or os.environ.get("SPECDEPLOY_INFLIGHT_BATCHING") == "1"
         if not on:
             return load(), None
-        from specdeploy.engine.executor import BatchScheduler
+        from specdeploy.engine.batching import BatchScheduler
 
         max_batch_size = max(1, int(json.loads(args["model_config"]).get("max_batch_size") or 1))
 

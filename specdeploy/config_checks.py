@@ -1,0 +1,321 @@
+"""The checks of a recipe across its keys: choices, ranges and impossible combinations (`num_draft_tokens >
+max_draft_len`, a draft kind's keys on another kind, a layout its backend does not serve, ...). Each problem is a
+ConfigError that names the key and what to set instead; `check_recipe` runs them all, in order."""
+
+from __future__ import annotations
+
+from specdeploy import backends as _backends
+from specdeploy.config import (
+    AWQ_BLOCK_SIZES,
+    BACKENDS,
+    CHAT_TEMPLATE_MODES,
+    CONTROL_MODES,
+    DRAFT_KINDS,
+    EAGLE3_EXPORT_DTYPES,
+    EAGLE3_HEAD_TRAINED,
+    EAGLE3_LR_SCHEDULES,
+    EAGLE3_TRAIN_PRECISIONS,
+    ENGINE_DTYPES,
+    KV_CACHE_DTYPES,
+    NGRAM_MAX_MATCHING_NGRAM_SIZE,
+    QFORMATS,
+    SPECULATION_POLICIES,
+    DraftConfig,
+    Eagle3DataConfig,
+    Eagle3TrainConfig,
+    QuantConfig,
+    Recipe,
+)
+from specdeploy.errors import ConfigError
+
+
+def check_recipe(r: Recipe) -> None:
+    """Every check of a parsed recipe; the first problem raises."""
+    _check(r)
+    _check_operations(r)
+
+
+def _choice(key: str, value, choices) -> None:
+    if value not in choices:
+        shown = ", ".join("null" if c is None else str(c) for c in choices)
+        raise ConfigError(f"key '{key}' has invalid value {value!r}", f"valid choices: {shown}")
+
+
+def _at_least(key: str, value, low) -> None:
+    if value < low:
+        raise ConfigError(f"key '{key}' is {value}, must be >= {low}")
+
+
+def _check(r: Recipe) -> None:
+    # "." and ".." pass the character check but name no folder of their own: engines/.. is the project root
+    if not r.name or r.name in (".", "..") or not all(c.isalnum() or c in "-_." for c in r.name):
+        raise ConfigError(f"key 'name' is {r.name!r}", "use letters, digits, '-', '_' or '.' (it names output folders)")
+    _choice("backend", r.backend, BACKENDS)
+    _check_draft_kind(r)
+    for role in r.model_roles:
+        m = r.model(role)
+        q = m.quantization
+        _choice(f"{role}.quantization.qformat", q.qformat, QFORMATS)
+        _choice(f"{role}.quantization.kv_cache_dtype", q.kv_cache_dtype, KV_CACHE_DTYPES)
+        _choice(f"{role}.quantization.awq_block_size", q.awq_block_size, AWQ_BLOCK_SIZES)
+        _at_least(f"{role}.quantization.calib_size", q.calib_size, 1)
+        _at_least(f"{role}.quantization.calib_max_seq_length", q.calib_max_seq_length, 8)
+        if not q.max_calib_hours > 0:
+            raise ConfigError(f"key '{role}.quantization.max_calib_hours' is {q.max_calib_hours}, must be > 0")
+        _at_least(f"{role}.tp_size", m.tp_size, 1)
+        _at_least(f"{role}.pp_size", m.pp_size, 1)
+        backend = _backends.get(r.backend)
+        if q.qformat not in backend.qformats:
+            raise ConfigError(
+                f"key '{role}.quantization.qformat' is {q.qformat!r}, which backend '{r.backend}' cannot run",
+                f"qformats for {r.backend}: {', '.join(backend.qformats)}",
+            )
+        if m.tp_size * m.pp_size > 1 and not backend.multi_rank:
+            raise ConfigError(
+                f"key '{role}.tp_size'/'{role}.pp_size' asks for {m.tp_size * m.pp_size} ranks on backend '{r.backend}'",
+                f"the cpu engine runs one rank; set tp_size: 1 and pp_size: 1, or use {' or '.join(b.name for b in _backends.ALL if b.multi_rank)}",
+            )
+    s = r.speculative
+    _at_least("speculative.max_draft_len", s.max_draft_len, 1)
+    _at_least("speculative.num_draft_tokens", s.num_draft_tokens, 1)
+    if s.num_draft_tokens > s.max_draft_len:
+        raise ConfigError(
+            f"key 'speculative.num_draft_tokens' is {s.num_draft_tokens}, larger than speculative.max_draft_len "
+            f"({s.max_draft_len}); the target would fail with 'Number of draft tokens is larger than maximum'",
+            f"set num_draft_tokens <= {s.max_draft_len} or raise max_draft_len (the target engine is built with it)",
+        )
+    _check_dynamic(r)
+    _choice("speculative.policy", s.policy, SPECULATION_POLICIES)
+    _at_least("speculative.probe_interval", s.probe_interval, 1)
+    e = r.engine
+    _choice("engine.dtype", e.dtype, ENGINE_DTYPES)
+    _at_least("engine.max_batch_size", e.max_batch_size, 1)
+    _at_least("engine.max_input_len", e.max_input_len, 1)
+    if e.max_seq_len <= e.max_input_len:
+        raise ConfigError(
+            f"key 'engine.max_seq_len' ({e.max_seq_len}) must be larger than engine.max_input_len ({e.max_input_len})",
+            "max_seq_len counts prompt plus generated tokens",
+        )
+    if not 0.0 < e.kv_cache_free_gpu_mem_fraction <= 1.0:
+        raise ConfigError(f"key 'engine.kv_cache_free_gpu_mem_fraction' is {e.kv_cache_free_gpu_mem_fraction}, must be in (0, 1]")
+    t = r.triton
+    for port_key in ("grpc_port", "http_port", "metrics_port"):
+        port = getattr(t, port_key)
+        if not 0 <= port <= 65535:
+            raise ConfigError(f"key 'triton.{port_key}' is {port}", "use 0 (pick a free port) or 1..65535")
+    _at_least("triton.instance_count", t.instance_count, 1)
+    _at_least("triton.bls_instance_count", t.bls_instance_count, 0)
+    _at_least("triton.request_timeout_s", t.request_timeout_s, 0)
+    _check_layout(r)
+    v = r.validation
+    _at_least("validation.max_tokens", v.max_tokens, 1)
+    if v.max_tokens >= e.max_seq_len:
+        raise ConfigError(f"key 'validation.max_tokens' ({v.max_tokens}) must be below engine.max_seq_len ({e.max_seq_len})")
+    if not v.concurrency:
+        raise ConfigError("key 'validation.concurrency' is empty", "list at least one level, e.g. [1, 2, 4]")
+    for i, level in enumerate(v.concurrency):
+        _at_least(f"validation.concurrency[{i}]", level, 1)
+    _at_least("validation.repeats", v.repeats, 1)
+    if not 0.0 <= v.min_parity <= 1.0:
+        raise ConfigError(f"key 'validation.min_parity' is {v.min_parity}, must be in [0, 1]")
+    _choice("validation.chat_template", v.chat_template, CHAT_TEMPLATE_MODES)
+    _at_least("validation.min_compared_tokens", v.min_compared_tokens, 1)
+    if v.min_compared_tokens > v.max_tokens:
+        raise ConfigError(
+            f"key 'validation.min_compared_tokens' ({v.min_compared_tokens}) is larger than validation.max_tokens ({v.max_tokens}): "
+            "no output could be long enough to compare",
+            f"raise validation.max_tokens to at least {v.min_compared_tokens} or lower min_compared_tokens",
+        )
+    if not 0.0 <= v.min_compared_share <= 1.0:
+        raise ConfigError(f"key 'validation.min_compared_share' is {v.min_compared_share}, must be in [0, 1]")
+    _at_least("validation.latency_prompts", v.latency_prompts, 0)
+
+
+def _check_layout(r: Recipe) -> None:
+    t, backend = r.triton, _backends.get(r.backend)
+    if t.layout != "auto" and t.layout not in backend.layouts:
+        others = [b.name for b in _backends.ALL if t.layout in b.layouts]
+        raise ConfigError(
+            f"key 'triton.layout' is {t.layout!r}, which backend '{r.backend}' does not serve (it serves: {', '.join(backend.layouts)})",
+            f"use backend {' or '.join(others)}, or layout {backend.layouts[0]}" if others else f"choices: {', '.join(_backends.LAYOUTS)}",
+        )
+    _choice("triton.control", t.control, CONTROL_MODES)
+    if t.control != "auto" and r.layout != _backends.LLMAPI_LAYOUT:
+        raise ConfigError(
+            f"key 'triton.control' is {t.control}, which only the llmapi layout has (its control is a model of its own)",
+            "set triton.layout: llmapi, or drop triton.control (the inflight_batcher_llm layout's control, ensemble, "
+            "shares the target model with the speculative path)",
+        )
+    if r.layout == _backends.LLMAPI_LAYOUT and r.canary.control_percent:
+        raise ConfigError(
+            "canary.control_percent is set, but the canary's control arm lives in tensorrt_llm_bls, which the llmapi layout does not have",
+            "set canary.control_percent: 0, or use triton.layout: inflight_batcher_llm",
+        )
+
+
+def _check_operations(r: Recipe) -> None:
+    if r.cost.machine_price_per_hour < 0:
+        raise ConfigError(f"key 'cost.machine_price_per_hour' is {r.cost.machine_price_per_hour}, must be >= 0", "0 leaves cost out of the report")
+    c = r.canary
+    if not 0.0 <= c.control_percent <= 100.0:
+        raise ConfigError(f"key 'canary.control_percent' is {c.control_percent}, must be in [0, 100]", "e.g. 20 sends a fifth of the speculative entry point's requests down the plain path")
+    if c.window_s <= 0:
+        raise ConfigError(f"key 'canary.window_s' is {c.window_s}, must be > 0")
+    _at_least("canary.min_requests", c.min_requests, 1)
+    if c.min_speedup <= 0 or c.max_p99_ratio <= 0:
+        raise ConfigError("keys 'canary.min_speedup' and 'canary.max_p99_ratio' must be > 0")
+    if not 0.0 <= c.min_acceptance_rate <= 1.0:
+        raise ConfigError(f"key 'canary.min_acceptance_rate' is {c.min_acceptance_rate}, must be in [0, 1]")
+
+
+ACCEPTANCE_MEASURES = ("rate", "length")
+
+
+def _check_dynamic(r: Recipe) -> None:
+    """speculative.dynamic: shape and ranges here; what a TensorRT-LLM version accepts in trtllm.llmapi_options."""
+    d = r.speculative.dynamic
+    if d is None:
+        return
+    if not _backends.get(r.backend).dynamic_speculation:
+        raise ConfigError(
+            f"key 'speculative.dynamic' is set, but backend '{r.backend}' has no dynamic speculation",
+            f"remove speculative.dynamic, or use backend {' or '.join(b.name for b in _backends.ALL if b.dynamic_speculation)}",
+        )
+    if d.max_concurrency is not None:
+        _at_least("speculative.dynamic.max_concurrency", d.max_concurrency, 1)
+    previous = 0
+    for i, entry in enumerate(d.draft_len_schedule):
+        key = f"speculative.dynamic.draft_len_schedule[{i}]"
+        if len(entry) != 2:
+            raise ConfigError(f"key '{key}' is {list(entry)}", "each entry is [up_to_batch_size, draft_len]")
+        bound, length = entry
+        if bound <= previous:
+            raise ConfigError(f"key '{key}' has batch size {bound} after {previous}", "list batch sizes in ascending order, from 1")
+        if not 0 <= length <= r.speculative.num_draft_tokens:
+            raise ConfigError(f"key '{key}' has draft length {length}",
+                              f"use 0..{r.speculative.num_draft_tokens} (speculative.num_draft_tokens)")  # fmt: skip
+        previous = bound
+    if d.draft_len_schedule and d.draft_len_schedule[0][1] != r.speculative.num_draft_tokens:
+        raise ConfigError(
+            f"key 'speculative.dynamic.draft_len_schedule[0]' drafts {d.draft_len_schedule[0][1]} tokens, but the smallest "
+            f"batch sizes must draft speculative.num_draft_tokens ({r.speculative.num_draft_tokens})",
+            "TensorRT-LLM requires the first entry to use the full draft length",
+        )
+    if d.max_concurrency is not None and d.draft_len_schedule:
+        raise ConfigError(
+            "keys 'speculative.dynamic.max_concurrency' and 'draft_len_schedule' are both set",
+            "use one: a schedule whose last bound is N already turns speculation off above N requests",
+        )
+    _choice("speculative.dynamic.acceptance_measure", d.acceptance_measure, ACCEPTANCE_MEASURES)
+    if (d.acceptance_window is None) != (d.acceptance_threshold is None):
+        raise ConfigError("keys 'speculative.dynamic.acceptance_window' and 'acceptance_threshold' go together",
+                          "set both (window > 0 and a threshold) or neither")  # fmt: skip
+    if d.acceptance_window is not None:
+        _at_least("speculative.dynamic.acceptance_window", d.acceptance_window, 1)
+        high = 1.0 if d.acceptance_measure == "rate" else float(r.speculative.num_draft_tokens + 1)
+        if not 0.0 <= d.acceptance_threshold <= high:
+            raise ConfigError(
+                f"key 'speculative.dynamic.acceptance_threshold' is {d.acceptance_threshold}, outside 0..{high:g} "
+                f"for measure '{d.acceptance_measure}'",
+                "a rate is accepted/drafted (0..1); a length is tokens per step (0..num_draft_tokens+1)",
+            )
+
+
+
+def _check_draft_kind(r: Recipe) -> None:
+    d = r.draft
+    _choice("draft.kind", d.kind, DRAFT_KINDS)
+    if not d.is_eagle3:
+        defaults = {"head": "", "data": Eagle3DataConfig(), "train": Eagle3TrainConfig()}
+        for key, default in defaults.items():
+            if getattr(d, key) != default:
+                raise ConfigError(f"key 'draft.{key}' applies to draft.kind eagle3 only", "remove it, or set draft.kind: eagle3")
+    else:
+        _check_eagle3(r)
+        return
+    if not d.is_ngram:
+        if not d.model:
+            raise ConfigError("missing required key 'draft.model'", "name a bundled model or a local Hugging Face folder, or set draft.kind: ngram")
+        extra = [k for k in DraftConfig.NGRAM_KEYS if getattr(d, k) is not None]
+        if extra:
+            raise ConfigError(f"key 'draft.{extra[0]}' applies to draft.kind ngram only", "remove it, or set draft.kind: ngram")
+        return
+    if d.model or d.quantization != QuantConfig() or (d.tp_size, d.pp_size) != (1, 1):
+        key = "model" if d.model else ("quantization" if d.quantization != QuantConfig() else "tp_size")
+        raise ConfigError(f"key 'draft.{key}' does not apply to draft.kind ngram (it has no weights)", "remove it from the draft section")
+    s = r.speculative
+    if d.max_draft_len is not None:
+        _at_least("draft.max_draft_len", d.max_draft_len, 1)
+        if d.max_draft_len > s.max_draft_len:
+            raise ConfigError(
+                f"key 'draft.max_draft_len' ({d.max_draft_len}) is larger than speculative.max_draft_len ({s.max_draft_len})",
+                f"set draft.max_draft_len <= {s.max_draft_len}: the target engine verifies at most that many draft tokens",
+            )
+    if d.max_matching_ngram_size is not None:
+        _at_least("draft.max_matching_ngram_size", d.max_matching_ngram_size, 1)
+    if d.min_matching_ngram_size is not None:
+        _at_least("draft.min_matching_ngram_size", d.min_matching_ngram_size, 1)
+        largest = d.max_matching_ngram_size or NGRAM_MAX_MATCHING_NGRAM_SIZE
+        if d.min_matching_ngram_size > largest:
+            raise ConfigError(f"key 'draft.min_matching_ngram_size' ({d.min_matching_ngram_size}) is larger than "
+                              f"draft.max_matching_ngram_size ({largest})", "set min_matching_ngram_size <= max_matching_ngram_size")
+        if d.min_matching_ngram_size > 1 and _backends.get(r.backend).gpu:
+            raise ConfigError(f"key 'draft.min_matching_ngram_size' is {d.min_matching_ngram_size}, but TensorRT-LLM's "
+                              f"NGramDecodingConfig has no minimum pattern size (backend {r.backend})",
+                              "remove it (1: every pattern size proposes), or use backend cpu")
+    if s.use_draft_logits:
+        raise ConfigError(
+            "key 'speculative.use_draft_logits' is true, but an n-gram draft has no logits",
+            "set use_draft_logits: false (sampled requests are then verified by token matching, which keeps the target's distribution)",
+        )
+    if not _backends.get(r.backend).ngram_draft:
+        raise ConfigError(f"draft.kind ngram is not wired for backend {r.backend}",
+                          f"use backend {' or '.join(b.name for b in _backends.ALL if b.ngram_draft)} (trtllm-llmapi: decoding_type NGram)")
+
+
+def _check_eagle3(r: Recipe) -> None:
+    d = r.draft
+    if d.model or d.quantization != QuantConfig() or (d.tp_size, d.pp_size) != (1, 1):
+        key = "model" if d.model else ("quantization" if d.quantization != QuantConfig() else "tp_size")
+        raise ConfigError(f"key 'draft.{key}' does not apply to draft.kind eagle3 (the head runs inside the target)",
+                          "remove it from the draft section; draft.head names the head")
+    extra = [k for k in DraftConfig.NGRAM_KEYS if k != "max_draft_len" and getattr(d, k) is not None]
+    if extra:
+        raise ConfigError(f"key 'draft.{extra[0]}' applies to draft.kind ngram only", "remove it")
+    if not d.head:
+        raise ConfigError("missing required key 'draft.head' (draft.kind eagle3)",
+                          f"name an exported EAGLE-3 checkpoint folder, or '{EAGLE3_HEAD_TRAINED}' for the head "
+                          "`specdeploy draft train RECIPE` writes")
+    if d.max_draft_len is not None:
+        _at_least("draft.max_draft_len", d.max_draft_len, 1)
+        if d.max_draft_len > r.speculative.max_draft_len:
+            raise ConfigError(
+                f"key 'draft.max_draft_len' ({d.max_draft_len}) is larger than speculative.max_draft_len ({r.speculative.max_draft_len})",
+                f"set draft.max_draft_len <= {r.speculative.max_draft_len}",
+            )
+    backend = _backends.get(r.backend)
+    if not backend.eagle3_draft:
+        able = " or ".join(b.name for b in _backends.ALL if b.eagle3_draft)
+        raise ConfigError(f"draft.kind eagle3 is not wired for backend {r.backend}: {backend.no_eagle3_because}",
+                          f"use backend {able} (trtllm-llmapi: decoding_type Eagle3 with the same head folder), "
+                          "or draft.kind model on this backend")  # fmt: skip
+    if not backend.gpu and r.speculative.policy == "cost":
+        raise ConfigError(f"key 'speculative.policy' is cost, but on backend {r.backend} the EAGLE-3 head drafts inside tensorrt_llm "
+                          "(one call per request, the fused loop), which does not consult the cost policy yet",
+                          "set speculative.policy: static (k = num_draft_tokens every round, the schedule and gate apply per request)")  # fmt: skip
+    if not backend.gpu and r.layout == _backends.LLMAPI_LAYOUT:
+        raise ConfigError(f"draft.kind eagle3 is not wired for the llmapi layout on backend {r.backend} yet",
+                          "set triton.layout: inflight_batcher_llm (or auto)")
+    if r.speculative.use_draft_logits and backend.gpu:
+        raise ConfigError(f"key 'speculative.use_draft_logits' is true, but TensorRT-LLM's EAGLE-3 on backend {r.backend} "
+                          "has no rejection sampling on the head's logits",
+                          "set use_draft_logits: false (greedy requests are verified token by token)")  # fmt: skip
+    t = d.train
+    _choice("draft.train.export_dtype", t.export_dtype, EAGLE3_EXPORT_DTYPES)
+    _choice("draft.train.precision", t.precision, EAGLE3_TRAIN_PRECISIONS)
+    _choice("draft.train.lr_schedule", t.lr_schedule, EAGLE3_LR_SCHEDULES)
+    _at_least("draft.data.batch_size", d.data.batch_size, 0)
+    _at_least("draft.train.draft_vocab_size", t.draft_vocab_size, 2)
+    _at_least("draft.train.ttt_steps", t.ttt_steps, 1)
+    _at_least("draft.data.num_prompts", d.data.num_prompts, 1)
+    _at_least("draft.data.samples_per_prompt", d.data.samples_per_prompt, 1)

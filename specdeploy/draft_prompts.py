@@ -1,0 +1,205 @@
+"""Where the prompts of an EAGLE-3 head's training data come from (draft.data.sources): the shipped calibration
+passages inside a few instruction templates, prompt files (.jsonl or .txt), and user turns the target writes itself
+(self_instruct). The validation prompt sets are never used: a prompt file holding one of their prompts is refused, a
+calibration or self-instruct prompt equal to one (normalized) is dropped (`PromptCollector` counts both)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from specdeploy.config import Recipe
+from specdeploy.draft_generation import ChatFormat, Generator, Job
+from specdeploy.errors import ConfigError
+
+DATA_DIR = Path(__file__).resolve().parent / "data"
+CALIBRATION_FILE = DATA_DIR / "calib" / "calibration.jsonl"
+VALIDATION_DIR = DATA_DIR / "prompts"
+NAMED_SOURCES = ("calibration", "self_instruct")
+PROMPT_FILE_SUFFIXES = (".jsonl", ".txt")
+
+# "calibration": a passage inside one of these requests (the passage is the only variable part)
+CALIBRATION_TEMPLATES = (
+    "Summarize the following passage in two or three sentences.\n\n{text}",
+    "Continue this text for another paragraph, keeping its style and tone.\n\n{text}",
+    "Explain the following passage in simple words, as you would to a curious teenager.\n\n{text}",
+    "Write three questions about this passage, then answer each of them.\n\n{text}",
+    "What is the main idea of this text, and what details support it?\n\n{text}",
+)
+
+SELF_INSTRUCT_MAX_TOKENS = 96  # a user turn longer than this is cut off, and dropped (it never ended)
+SELF_INSTRUCT_MIN_WORDS = 3
+SELF_INSTRUCT_ATTEMPTS = 4  # at most this many candidates per wanted prompt (plus one wave of slack)
+
+
+def normalize(text: str) -> str:
+    """The form prompts are compared in (dedupe, validation exclusion): case and whitespace folded."""
+    return " ".join(text.lower().split())
+
+def derived_seed(*parts) -> int:
+    """A seed of its own for one draw (a source's order, a generation), from the run's seed and what names the draw."""
+    return int.from_bytes(hashlib.sha256(json.dumps(parts).encode()).digest()[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+# ---------------------------------------------------------------- prompts
+
+
+@dataclass(frozen=True)
+class PromptSpec:
+    """One prompt of the plan: `messages` as (role, content) pairs, the last one the user's."""
+
+    id: str
+    source: str  # "calibration" | "self_instruct" | "file"
+    messages: tuple[tuple[str, str], ...]
+
+    @property
+    def key(self) -> str:
+        """The normalized text the prompt is compared and held out by."""
+        return normalize(" ".join(content for role, content in self.messages if role == "user"))
+
+
+def validation_prompts(recipe: Recipe) -> dict[str, str]:
+    """normalized user text -> file, for every prompt of the built-in validation sets and of the recipe's own."""
+    files = sorted(VALIDATION_DIR.glob("*.jsonl"))
+    if recipe.validation.prompt_set != "builtin":
+        files.append(Path(recipe.validation.prompt_set))
+    found: dict[str, str] = {}
+    for path in files:
+        if not path.is_file():
+            continue  # validate refuses a missing prompt set itself
+        for _, messages in _read_prompt_file(path):
+            found.setdefault(normalize(" ".join(c for r, c in messages if r == "user")), str(path))
+    return found
+
+
+def _read_prompt_file(path: Path) -> list[tuple[int, tuple[tuple[str, str], ...]]]:
+    """(line number, messages) of a .jsonl ({"prompt"} or {"messages"}) or .txt (one prompt per line) file."""
+    if not path.is_file():
+        raise ConfigError(f"prompt file {path} not found", "fix the path in draft.data.sources (relative paths are from the current directory)")
+    out = []
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        if path.suffix != ".jsonl":
+            out.append((lineno, (("user", line.strip()),)))
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            obj = json.loads(line)
+        except ValueError as exc:
+            raise ConfigError(f"{where} is not valid JSON: {exc}", 'one object per line, e.g. {"prompt": "Hello"}') from exc
+        if isinstance(obj, dict) and isinstance(obj.get("prompt"), str) and obj["prompt"].strip():
+            out.append((lineno, (("user", obj["prompt"]),)))
+        elif isinstance(obj, dict) and isinstance(obj.get("messages"), list) and obj["messages"]:
+            try:
+                messages = tuple((str(m["role"]), str(m["content"])) for m in obj["messages"])
+            except (TypeError, KeyError) as exc:
+                raise ConfigError(f"{where}: every message needs 'role' and 'content'", 'e.g. {"messages": [{"role": "user", "content": "Hi"}]}') from exc
+            if messages[-1][0] != "user":
+                raise ConfigError(f"{where}: the last message is not the user's", "end the conversation with a user message: the target answers it")
+            out.append((lineno, messages))
+        else:
+            raise ConfigError(f"{where} has neither a non-empty 'prompt' nor 'messages'", 'e.g. {"prompt": "Hello"}')
+    return out
+
+
+def check_sources(recipe: Recipe) -> None:
+    """Refuse an unknown source or a missing file before any work."""
+    data = recipe.draft.data
+    if not recipe.draft.is_eagle3:
+        raise ConfigError(f"draft.kind is {recipe.draft.kind}: `draft data` makes the training set of an EAGLE-3 head",
+                          "set draft.kind: eagle3 (with draft.head) in the recipe")
+    if not data.sources and not data.text_files:
+        raise ConfigError("draft.data.sources and draft.data.text_files are both empty", 'e.g. sources: ["calibration", "self_instruct"]')
+    for source in data.sources:
+        if source in NAMED_SOURCES:
+            continue
+        if Path(source).suffix not in PROMPT_FILE_SUFFIXES:
+            raise ConfigError(f"unknown draft.data source {source!r}",
+                              f"use {', '.join(NAMED_SOURCES)}, or a path to a .jsonl or .txt prompt file")
+        if not Path(source).is_file():
+            raise ConfigError(f"prompt file {source} (draft.data.sources) not found", "fix the path (relative paths are from the current directory)")
+    for path in data.text_files:
+        if not Path(path).is_file():
+            raise ConfigError(f"text file {path} (draft.data.text_files) not found", "fix the path, or remove it")
+
+
+def source_quotas(sources: Sequence[str], total: int) -> dict[str, int]:
+    base, extra = divmod(total, len(sources))
+    return {s: base + (1 if i < extra else 0) for i, s in enumerate(sources)}
+
+
+class PromptCollector:
+    """Accepts prompts in order: drops duplicates and validation prompts (counted per source)."""
+
+    def __init__(self, validation: dict[str, str]):
+        self.validation = validation
+        self.seen: set[str] = set()
+        self.prompts: list[PromptSpec] = []
+        self.dropped_validation: dict[str, int] = {}
+        self.dropped_duplicate: dict[str, int] = {}
+
+    def offer(self, prompt: PromptSpec) -> bool:
+        key = prompt.key
+        if key in self.validation:
+            self.dropped_validation[prompt.source] = self.dropped_validation.get(prompt.source, 0) + 1
+            return False
+        if key in self.seen:
+            self.dropped_duplicate[prompt.source] = self.dropped_duplicate.get(prompt.source, 0) + 1
+            return False
+        self.seen.add(key)
+        self.prompts.append(prompt)
+        return True
+
+
+def calibration_prompts(seed: int) -> list[PromptSpec]:
+    """Every (passage, template) pair, in the seed's order."""
+    passages = [json.loads(line)["text"] for line in CALIBRATION_FILE.read_text(encoding="utf-8").splitlines() if line.strip()]
+    pairs = [(p, t) for p in range(len(passages)) for t in range(len(CALIBRATION_TEMPLATES))]
+    random.Random(derived_seed(seed, "calibration")).shuffle(pairs)
+    return [PromptSpec(f"calibration-{p}-{t}", "calibration", (("user", CALIBRATION_TEMPLATES[t].format(text=passages[p])),))
+            for p, t in pairs]
+
+
+def file_prompts(path: str, seed: int, validation: dict[str, str]) -> list[PromptSpec]:
+    """A prompt file's prompts in the seed's order; a validation prompt in it is refused."""
+    prompts = []
+    for lineno, messages in _read_prompt_file(Path(path)):
+        prompt = PromptSpec(f"file-{derived_seed(str(path))% 10**6}-{lineno}", "file", messages)
+        if prompt.key in validation:
+            user = next(c for r, c in reversed(messages) if r == "user")
+            raise ConfigError(
+                f"prompt file {path} line {lineno} holds a validation prompt ({validation[prompt.key]}): {user[:80]!r}",
+                "remove the validation prompts from the training prompts: a draft trained on them makes validation measure memory",
+            )
+        prompts.append(prompt)
+    random.Random(derived_seed(seed, "file", str(path))).shuffle(prompts)
+    return prompts
+
+
+def self_instruct_prompts(gen: Generator, chat: ChatFormat, collector: PromptCollector, quota: int, seed: int, temperature: float,
+                          max_seq_len: int) -> int:
+    """Ask the target for user turns until `quota` are accepted (or the attempts run out); returns how many were kept."""
+    prefix = chat.user_turn_prefix()
+    max_new = min(SELF_INSTRUCT_MAX_TOKENS, max_seq_len - len(prefix))
+    kept, index, limit = 0, 0, SELF_INSTRUCT_ATTEMPTS * quota + 8
+    temperature = temperature if temperature > 0 else 1.0  # a greedy user turn would be the same every time
+    while kept < quota and index < limit:
+        wave = min(limit - index, max(8, 2 * (quota - kept)))
+        jobs = [Job(f"self_instruct-{i}", prefix, max_new, temperature, derived_seed(seed, "self_instruct", i)) for i in range(index, index + wave)]
+        gen.run(jobs, "draft data: self-instruct user turns", index + wave, index)
+        for job in jobs:  # in index order: the result does not depend on the order generations finished in
+            index += 1
+            entry = gen.journal.done[job.key]
+            text = chat.decode(entry["tokens"]).strip()
+            if entry["reason"] != "end_id" or len(text.split()) < SELF_INSTRUCT_MIN_WORDS:
+                continue
+            if collector.offer(PromptSpec(job.key, "self_instruct", (("user", text),))):
+                kept += 1
+                if kept == quota:
+                    break
+    return kept

@@ -1,0 +1,185 @@
+"""In-flight (continuous) batching over one Executor: `BatchScheduler` steps every active request together, the
+engine passes of all of them in one batched forward, as TensorRT-LLM's batch manager does."""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from collections import deque
+from typing import Callable, Iterator
+
+from specdeploy.engine.executor import EnginePass, Executor
+from specdeploy.engine.request import GenerationChunk, GenerationRequest
+from specdeploy.errors import ConfigError
+
+
+class _Job:
+    """A request in a BatchScheduler: its steps generator and the queue its consumer reads."""
+
+    def __init__(self, request: GenerationRequest):
+        self.request = request
+        self.steps: Iterator | None = None
+        self.out: queue.SimpleQueue = queue.SimpleQueue()  # GenerationChunk | BaseException
+        self.closed = False  # the consumer stopped reading (cancelled, or gone)
+
+
+class BatchScheduler:
+    """In-flight (continuous) batching over one Executor, as TensorRT-LLM's batch manager does.
+
+    A background thread steps every active request together: each request runs until it needs an
+    engine pass (`Executor.steps` yields a `EnginePass`), then the passes of all active requests (decode
+    rows, k + 1 verification rows, prefill chunks of `prefill_chunk` positions) run in one
+    `engine.forward_batch`: the linear layers once over all rows, attention per sequence over its own
+    KV cache. Requests join and leave between steps; at most `max_batch_size` are active, the others
+    wait in arrival order. Rows are computed independently of their neighbours (see
+    specdeploy.engine.model), so a request's tokens and logits do not depend on what it was batched
+    with. The KV caches come from the executor's one pool (prefix reuse across requests and rounds).
+
+    `generate(request)` is called from any thread and yields the request's chunks as `Executor.generate`
+    does; closing it early (cancellation) drops the request at the next step and frees its cache."""
+
+    def __init__(self, executor: Executor, max_batch_size: int, load: Callable[[], Executor] | None = None):
+        if max_batch_size < 1:
+            raise ConfigError(f"max_batch_size is {max_batch_size}, must be >= 1", "set engine.max_batch_size >= 1")
+        self.executor = executor
+        self.max_batch_size = max_batch_size
+        self.steps_run = 0  # batched engine steps so far
+        self.max_active = 0  # the most requests that shared one step
+        self._cond = threading.Condition()
+        self._waiting: deque[_Job] = deque()
+        self._stopped = False
+        self._paused = 0
+        loaded, failure = threading.Event(), []
+
+        def main():
+            try:
+                if load is not None:
+                    self.executor = load()
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+                failure.append(exc)
+                return
+            finally:
+                loaded.set()
+            self._loop()
+
+        self._thread = threading.Thread(target=main, name="specdeploy-batch-scheduler", daemon=True)
+        self._thread.start()
+        loaded.wait()
+        if failure:
+            raise failure[0]
+
+    @classmethod
+    def loading(cls, load: Callable[[], Executor], max_batch_size: int) -> "BatchScheduler":
+        """A scheduler whose executor `load()` builds in the scheduler's own thread, so that the engine's OpenMP
+        work (loading, prepacking, every step) runs in that one thread. torch's OpenMP (libgomp) gives every
+        thread that runs a parallel region its own team; a second team on a machine with as many cores as one
+        team has threads makes all of them sleep between regions instead of spinning, and a step then took
+        2-4x longer (bench/batching.py, README "In-flight batching")."""
+        return cls(None, max_batch_size, load)  # type: ignore[arg-type]
+
+    def generate(self, request: GenerationRequest) -> Iterator[GenerationChunk]:
+        job = _Job(request)
+        with self._cond:
+            if self._stopped:
+                raise ConfigError("the batch scheduler was closed", "the model is unloading; send the request again")
+            self._waiting.append(job)
+            self._cond.notify()
+        try:
+            while True:
+                item = job.out.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            job.closed = True
+            with self._cond:
+                self._cond.notify()
+
+    @contextlib.contextmanager
+    def paused(self):
+        """No step starts inside this block (requests queue up): lets a test or a caller line requests up."""
+        with self._cond:
+            self._paused += 1
+        try:
+            yield self
+        finally:
+            with self._cond:
+                self._paused -= 1
+                self._cond.notify()
+
+    def waiting(self) -> int:
+        """Requests queued, not yet active."""
+        with self._cond:
+            return len(self._waiting)
+
+    def close(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        active: list[_Job] = []
+        while True:
+            with self._cond:
+                while not self._stopped and (self._paused or (not self._waiting and not active)):
+                    self._cond.wait()
+                if self._stopped:
+                    break
+                while self._waiting and len(active) < self.max_batch_size:
+                    active.append(self._waiting.popleft())  # join between steps
+            work = []  # (job, pass)
+            for job in list(active):
+                step = self._advance(job)
+                if step is None:
+                    active.remove(job)  # leave between steps
+                else:
+                    work.append((job, step))
+            if not work:
+                continue
+            self.max_active = max(self.max_active, len(work))
+            try:
+                self.executor.run_passes([step for _, step in work])
+                self.steps_run += 1
+            except Exception as exc:  # an engine failure fails the requests of this step, the others go on
+                for job, _ in work:
+                    job.out.put(exc)
+                    self._drop(job)
+                    active.remove(job)
+        for job in active + list(self._waiting):
+            job.out.put(ConfigError("the batch scheduler was closed", "the model is unloading; send the request again"))
+            self._drop(job)
+
+    def _advance(self, job: _Job) -> "EnginePass | None":
+        """Run the job's steps up to its next engine pass (sending its chunks on the way); None when the
+        job is done, failed or closed (its steps are then closed and its cache back in the pool)."""
+        if job.closed:
+            self._drop(job)
+            return None
+        try:
+            if job.steps is None:
+                job.steps = self.executor.steps(job.request)
+            item = next(job.steps)
+            while not isinstance(item, EnginePass):
+                job.out.put(item)
+                item = next(job.steps)
+            return item
+        except StopIteration:
+            self._drop(job)
+            return None
+        except Exception as exc:  # a refused request (ConfigError) or a failure in its processing
+            job.out.put(exc)
+            self._drop(job)
+            return None
+
+    @staticmethod
+    def _drop(job: _Job) -> None:
+        if job.steps is not None:
+            try:
+                job.steps.close()
+            except Exception:  # noqa: BLE001  (a failed pass may leave the cache inconsistent: it is discarded)
+                pass
+            job.steps = None
