@@ -213,13 +213,15 @@ def atomic_output(dest: Path):
 
 # How writers other than Python's own file objects report a full disk: safetensors raises SafetensorError("Error while
 # serializing: I/O error: No space left on device (os error 28)") (Rust's io::Error text; seen on a full tmpfs,
-# tests/test_faults.py), torch.save a RuntimeError that names no errno ("PytorchStreamWriter failed writing file ...").
+# tests/test_faults.py), torch.save a RuntimeError that names no errno ("PytorchStreamWriter failed writing file ..." or
+# "[enforce fail at inline_container.cc:672] . unexpected pos 56640 vs 56592", tests/test_draft_train.py).
 _DISK_FULL_TEXT = (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT), f"os error {errno.ENOSPC}", f"os error {errno.EDQUOT}")
 
 
 def disk_full_reason(exc: BaseException, folder: Path | None = None) -> str | None:
     """The reason text when `exc` (or an exception it was raised from) is a full disk or quota, else None. An error
-    that names no errno (torch.save's) counts when `folder` is given and its filesystem has less than 1 MiB free."""
+    that names no errno (torch.save's RuntimeError) counts when `folder` is given and its filesystem has less than 1 MiB
+    free."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
@@ -229,17 +231,44 @@ def disk_full_reason(exc: BaseException, folder: Path | None = None) -> str | No
         for needle in _DISK_FULL_TEXT:
             if needle in text:
                 return os.strerror(errno.ENOSPC) if needle.startswith("os error") else needle
-        if folder is not None and "write" in text.lower() and _free_bytes(folder) < 2**20:
+        if folder is not None and isinstance(exc, (OSError, RuntimeError)) and free_bytes(folder) < 2**20:
             return f"{os.strerror(errno.ENOSPC)}: {text.splitlines()[0] if text else type(exc).__name__}"
         exc = exc.__cause__ or exc.__context__
     return None
 
 
-def _free_bytes(folder: Path) -> int:
+def free_bytes(folder: Path) -> int:
+    """Free bytes on the filesystem of `folder`, or of its nearest existing parent."""
+    folder = Path(folder).absolute()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
     try:
         return shutil.disk_usage(folder).free
     except OSError:
         return 2**63
+
+
+@contextlib.contextmanager
+def disk_full_as_error(folder: Path, what: str, kept: str):
+    """Inside the block, a full disk (disk_full_reason) becomes a DiskFullError naming `folder`, what was being
+    written there and what the stage keeps (`kept`: e.g. "the journal of the answers done so far; the next run
+    resumes from it"). For a stage's work outside atomic_output: a resume journal, a training checkpoint."""
+    from specdeploy.errors import DiskFullError
+
+    folder = Path(folder)
+    try:
+        yield
+    except DiskFullError:
+        raise
+    except Exception as exc:
+        reason = disk_full_reason(exc, folder)
+        if reason is None:
+            raise
+        free = free_bytes(folder)
+        raise DiskFullError(
+            f"no space left writing {what} in {folder} ({reason}); {_size(free)} free on its filesystem; {kept}",
+            f"make more space free there (or point --root at a larger disk) and run the command again",
+        ) from exc
 
 
 def tree_bytes(path: Path) -> int:

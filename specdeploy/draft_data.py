@@ -128,74 +128,77 @@ def make_draft_data(recipe: Recipe, layout, recipe_path: str = "RECIPE", force: 
         return dest
 
     work = work_dir(layout)
-    stamp = work / "fingerprint"
-    if force or not stamp.is_file() or stamp.read_text().strip() != fp:
-        if work.exists():
-            echo(f"draft data: starting over ({'--force' if force else 'inputs or settings changed since the interrupted run'})")
-        shutil.rmtree(work, ignore_errors=True)
-        work.mkdir(parents=True)
-        stamp.write_text(fp + "\n")
-    journal = Journal(work / "journal.jsonl")
-    if journal.done:
-        echo(f"draft data: resuming from {work} ({len(journal.done)} generations already done)")
+    # a full disk while journaling: the error names the folder, and what was journaled stays for the next run
+    with artifacts.disk_full_as_error(work, "the answers' journal", "the answers journaled before it filled up stay there, "
+                                      "and the next run resumes from them"):
+        stamp = work / "fingerprint"
+        if force or not stamp.is_file() or stamp.read_text().strip() != fp:
+            if work.exists():
+                echo(f"draft data: starting over ({'--force' if force else 'inputs or settings changed since the interrupted run'})")
+            shutil.rmtree(work, ignore_errors=True)
+            work.mkdir(parents=True)
+            stamp.write_text(fp + "\n")
+        journal = Journal(work / "journal.jsonl")
+        if journal.done:
+            echo(f"draft data: resuming from {work} ({len(journal.done)} generations already done)")
 
-    tokenizer = load_tokenizer(target_dir, recipe.target.model)
-    chat = ChatFormat(tokenizer)
-    engine_box: dict = {}
+        tokenizer = load_tokenizer(target_dir, recipe.target.model)
+        chat = ChatFormat(tokenizer)
+        engine_box: dict = {}
 
-    in_flight = data.batch_size or recipe.engine.max_batch_size
+        in_flight = data.batch_size or recipe.engine.max_batch_size
 
-    def load():
-        engine = load_engine(target_dir, "target", recipe_path)
-        engine_box["max_seq_len"] = int(engine.spec.max_seq_len)
-        return Executor(engine, max_cached_sequences=in_flight + 1)
+        def load():
+            engine = load_engine(target_dir, "target", recipe_path)
+            engine_box["max_seq_len"] = int(engine.spec.max_seq_len)
+            return Executor(engine, max_cached_sequences=in_flight + 1)
 
-    started = time.monotonic()
-    scheduler = BatchScheduler.loading(load, in_flight)
-    try:
-        max_seq_len = engine_box["max_seq_len"]
-        gen = Generator(scheduler, chat.end_id, journal, echo, on_sample)
-        # ---- prompts
-        collector = PromptCollector(validation)
-        quotas = source_quotas(data.sources, data.num_prompts) if data.sources else {}
-        short = 0
-        pools = {}
-        for source in data.sources:  # the fixed sources first, each up to its quota
-            if source == "self_instruct":
-                continue
-            pools[source] = iter(calibration_prompts(data.seed) if source == "calibration" else file_lists[source])
-            kept = 0
-            for prompt in pools[source] if quotas[source] else ():
-                kept += collector.offer(prompt)
-                if kept == quotas[source]:
-                    break
-            short += quotas[source] - kept
-        for source, pool in pools.items():  # what a source lacked comes from the others' remaining prompts, in order,
-            for prompt in pool:  # then from self_instruct
-                if short == 0:
-                    break
-                short -= collector.offer(prompt)
-        if "self_instruct" in data.sources:
-            quotas["self_instruct"] += short
-            kept = self_instruct_prompts(gen, chat, collector, quotas["self_instruct"], data.seed, data.temperature, max_seq_len)
-            if kept < quotas["self_instruct"]:
-                echo(f"draft data: the target wrote {kept} usable user turns of {quotas['self_instruct']} wanted "
-                     f"(the others did not end within {draft_prompts.SELF_INSTRUCT_MAX_TOKENS} tokens, were trivial or repeated)")
-        # ---- answers
-        jobs, plan, too_long = [], [], 0
-        for prompt in collector.prompts:
-            ids = chat.prompt_ids(prompt.messages)
-            max_new = min(data.max_new_tokens, max_seq_len - len(ids))
-            if max_new < min(MIN_ANSWER_TOKENS, data.max_new_tokens):
-                too_long += 1
-                continue
-            plan.append((prompt, ids))
-            for k in range(data.samples_per_prompt):
-                jobs.append(Job(f"{prompt.id}/{k}", ids, max_new, None if k == 0 else data.temperature, derived_seed(data.seed, prompt.id, k)))
-        gen.run(jobs, "draft data: samples", len(jobs), 0)
-    finally:
-        scheduler.close()
-        journal.close()
+        started = time.monotonic()
+        scheduler = BatchScheduler.loading(load, in_flight)
+        try:
+            max_seq_len = engine_box["max_seq_len"]
+            gen = Generator(scheduler, chat.end_id, journal, echo, on_sample)
+            # ---- prompts
+            collector = PromptCollector(validation)
+            quotas = source_quotas(data.sources, data.num_prompts) if data.sources else {}
+            short = 0
+            pools = {}
+            for source in data.sources:  # the fixed sources first, each up to its quota
+                if source == "self_instruct":
+                    continue
+                pools[source] = iter(calibration_prompts(data.seed) if source == "calibration" else file_lists[source])
+                kept = 0
+                for prompt in pools[source] if quotas[source] else ():
+                    kept += collector.offer(prompt)
+                    if kept == quotas[source]:
+                        break
+                short += quotas[source] - kept
+            for source, pool in pools.items():  # what a source lacked comes from the others' remaining prompts, in order,
+                for prompt in pool:  # then from self_instruct
+                    if short == 0:
+                        break
+                    short -= collector.offer(prompt)
+            if "self_instruct" in data.sources:
+                quotas["self_instruct"] += short
+                kept = self_instruct_prompts(gen, chat, collector, quotas["self_instruct"], data.seed, data.temperature, max_seq_len)
+                if kept < quotas["self_instruct"]:
+                    echo(f"draft data: the target wrote {kept} usable user turns of {quotas['self_instruct']} wanted "
+                         f"(the others did not end within {draft_prompts.SELF_INSTRUCT_MAX_TOKENS} tokens, were trivial or repeated)")
+            # ---- answers
+            jobs, plan, too_long = [], [], 0
+            for prompt in collector.prompts:
+                ids = chat.prompt_ids(prompt.messages)
+                max_new = min(data.max_new_tokens, max_seq_len - len(ids))
+                if max_new < min(MIN_ANSWER_TOKENS, data.max_new_tokens):
+                    too_long += 1
+                    continue
+                plan.append((prompt, ids))
+                for k in range(data.samples_per_prompt):
+                    jobs.append(Job(f"{prompt.id}/{k}", ids, max_new, None if k == 0 else data.temperature, derived_seed(data.seed, prompt.id, k)))
+            gen.run(jobs, "draft data: samples", len(jobs), 0)
+        finally:
+            scheduler.close()
+            journal.close()
 
     # ---- the output
     records: list[tuple[bool, dict]] = []  # (held out, record)

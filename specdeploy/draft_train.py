@@ -32,7 +32,7 @@ from pathlib import Path
 from specdeploy.config import Eagle3TrainConfig, Recipe, to_plain
 from specdeploy.draft_samples import read_draft_data
 from specdeploy.draft_train_loop import TrainResult, train_head
-from specdeploy.draft_train_plan import check_plan, plan_training
+from specdeploy.draft_train_plan import check_disk, check_plan, plan_training
 from specdeploy.errors import ConfigError
 from specdeploy.modelopt_eagle3 import aux_layer_ids, build_model, choose_draft_vocab, export_head
 
@@ -87,7 +87,7 @@ def train_recipe(recipe: Recipe, layout, force: bool = False, echo=print, progre
     import shutil
 
     from specdeploy import models
-    from specdeploy.artifacts import Manifest, atomic_output, dir_hash, is_up_to_date, tool_versions
+    from specdeploy.artifacts import Manifest, atomic_output, dir_hash, free_bytes, is_up_to_date, tool_versions, tree_bytes
 
     if not recipe.draft.is_eagle3:
         raise ConfigError(f"draft.kind is {recipe.draft.kind}, not eagle3: there is no head to train",
@@ -116,6 +116,7 @@ def train_recipe(recipe: Recipe, layout, force: bool = False, echo=print, progre
     work = resume_dir(dest)
     if force and work.exists():
         shutil.rmtree(work)
+    check_disk(plan, t, dest.parent, free_bytes(dest.parent) + tree_bytes(work))  # the work folder's checkpoint is replaced
     model = build_model(target_dir, t, draft_ids, aux_ids, device)
     pad_id = target_config.get("pad_token_id")
     pad_id = pad_id if isinstance(pad_id, int) and 0 <= pad_id < vocab else 0

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from specdeploy.config import Eagle3TrainConfig
 from specdeploy.draft_samples import DraftData
+from specdeploy.artifacts import disk_full_as_error
 from specdeploy.modelopt_eagle3 import head_parameters
 
 RESUME_STATE = "resume.pt"
@@ -208,8 +209,14 @@ def train_head(model, data: DraftData, t: Eagle3TrainConfig, work_dir: Path, *, 
 
     def save() -> None:
         tmp = state_path.with_suffix(".tmp")
-        torch.save({"fingerprint": fingerprint, "step": step, "log": log, "head": model.eagle_module.state_dict(),
-                    "optimizer": optimizer.state_dict(), "initial_acceptance": asdict(initial)}, tmp)  # fmt: skip
+        kept = "the checkpoint saved before stays there, and the next run resumes from it" if state_path.is_file() else "nothing was kept"
+        try:
+            with disk_full_as_error(work_dir, "the training checkpoint", kept):
+                torch.save({"fingerprint": fingerprint, "step": step, "log": log, "head": model.eagle_module.state_dict(),
+                            "optimizer": optimizer.state_dict(), "initial_acceptance": asdict(initial)}, tmp)  # fmt: skip
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a half-written checkpoint is never left to be read back
+            raise
         os.replace(tmp, state_path)
 
     model.train()

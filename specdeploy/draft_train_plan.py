@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from specdeploy.config import Eagle3TrainConfig
 from specdeploy.draft_samples import DraftData
-from specdeploy.errors import ConfigError
+from specdeploy.errors import ConfigError, DiskFullError
 
 # Throughput assumed for the time estimate (as specdeploy.calibration: labelled estimates; they decide a refusal only
 # when far off). Training on CPU in fp32 runs well below calibration's forward-only figure. Measured on 2 cores
@@ -18,6 +18,8 @@ CPU_FLOPS = 4.0e10
 CPU_BF16_FLOPS = 1.2e11  # where draft.train.precision resolves to bfloat16 (AMX / AVX512-BF16)
 GPU_FLOPS = 1.0e14
 ADAM_BYTES_PER_PARAM = 16  # fp32 weight, gradient, two Adam moments
+CHECKPOINT_BYTES_PER_PARAM = 12  # the resume checkpoint: fp32 weight and two Adam moments (no gradient)
+EXPORT_BYTES_PER_PARAM = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 
@@ -97,3 +99,20 @@ def check_plan(plan: TrainPlan, t: Eagle3TrainConfig) -> None:
                           f"({t.max_train_hours:g} h)",
                           "lower draft.train.epochs or draft.data.num_prompts, train on a GPU machine, or raise "
                           "draft.train.max_train_hours if you mean it (the run is resumable)")  # fmt: skip
+
+
+def disk_needed(plan: TrainPlan, t: Eagle3TrainConfig) -> int:
+    """Bytes the run writes beside its output: the resume checkpoint twice (the new one is written beside the last
+    before it replaces it) and the exported head, plus 1 MiB for the config, manifest and log."""
+    checkpoint = plan.head_params * CHECKPOINT_BYTES_PER_PARAM
+    return 2 * checkpoint + plan.head_params * EXPORT_BYTES_PER_PARAM.get(t.export_dtype, 4) + (1 << 20)
+
+
+def check_disk(plan: TrainPlan, t: Eagle3TrainConfig, folder, free: int) -> None:
+    """Refuse up front a run whose checkpoints and export cannot fit in the `free` bytes of `folder`'s disk (rather
+    than failing at its first checkpoint or, worse, at the export after hours of training)."""
+    needed = disk_needed(plan, t)
+    if free < needed:
+        raise DiskFullError(f"not enough disk space to train the EAGLE-3 head in {folder}: about {needed / 2**20:.1f} MiB "
+                            f"needed (resume checkpoints and the exported head), {free / 2**20:.1f} MiB free",
+                            "free some space on that disk or point --root at a larger one, and run the command again")  # fmt: skip

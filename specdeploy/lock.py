@@ -11,6 +11,7 @@ The file records the holder's pid and command, only for the messages.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import time
@@ -54,8 +55,12 @@ def recipe_lock(engines_dir: Path, recipe_name: str, command: str, timeout_s: fl
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         _acquire(fd, path, recipe_name, timeout_s, echo)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()} {command}\n".encode(), 0)
+        try:  # who holds it, for a waiting run's message; the flock is the lock, so a full disk only loses the name
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()} {command}\n".encode(), 0)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
         _held[key] = 1
         try:
             yield path

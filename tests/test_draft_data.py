@@ -4,6 +4,7 @@ quantize -> build -> CPU engine with in-flight batching."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -264,3 +265,27 @@ def test_the_journal_drops_a_line_cut_by_a_kill(tmp_path):
     journal.add("b/0", [4], "end_id")
     journal.close()
     assert sorted(draft_generation.Journal(path).done) == ["a/0", "a/1", "b/0"]
+
+
+def test_a_full_disk_stops_with_the_folder_named_and_keeps_the_previous_data(tmp_path, built, chat_model, full_disk):
+    """draft data on a disk with no room left (a tmpfs holding the built target engine; tests/conftest.py full_disk):
+    the run stops with the folder and the space named, no traceback, nothing half-written beside the data, and the
+    data written before stays byte for byte."""
+    from specdeploy.cli import main
+
+    recipe, layout = _setup(tmp_path, built, chat_model, {})
+    path = tmp_path / "recipe.json"
+    path.write_text(json.dumps(_raw(chat_model, {})))
+    run = lambda *extra: CliRunner().invoke(main, ["--root", str(tmp_path), "draft", "data", str(path), *extra])  # noqa: E731
+    first = run()
+    assert first.exit_code == 0, first.output
+    previous = {p.name: p.read_bytes() for p in layout.draft_data.iterdir()}
+    there = full_disk(layout.engines, keep=("target", "draft-data"), room=0)
+    got = run("--force")
+    print(got.output)
+    assert got.exit_code == 1 and "Traceback" not in got.output and isinstance(got.exception, SystemExit), (got.output, got.exception)
+    assert f"{layout.engines}" in got.output and "no space left" in got.output and "hint:" in got.output, got.output
+    assert "the next run resumes from them" in got.output, got.output
+    # the recipe's lock and the resume journal's folder (what it names) may stay; nothing else may appear
+    assert sorted(set(os.listdir(layout.engines)) - {".lock", dd.work_dir(layout).name}) == there, "nothing half-written may be left"
+    assert {p.name: p.read_bytes() for p in layout.draft_data.iterdir()} == previous

@@ -477,3 +477,45 @@ def test_cosine_schedule_runs_from_the_learning_rate_to_a_tenth_and_depends_on_t
     with pytest.raises(ConfigError, match="lr_schedule"):
         parse_recipe({"name": "x", "target": {"model": "smollm2-135m-instruct"},
                       "draft": {"kind": "eagle3", "head": "trained", "train": {"lr_schedule": "linear"}}})  # fmt: skip
+
+
+@pytest.mark.parametrize("when", ["before training", "at the first checkpoint"])
+def test_a_full_disk_is_refused_or_reported_naming_the_folder_and_the_previous_head_stays(tiny, tmp_path, full_disk, monkeypatch, when):
+    """draft train on a full disk (a tmpfs holding the recipe's data and an exported head, 64 KiB free; tests/conftest.py
+    full_disk). `before training`: the run is refused up front with the space its checkpoints and export need.
+    `at the first checkpoint` (that check switched off): the checkpoint cannot be written, and the run stops with
+    the folder and the space named. Either way no traceback, nothing half-written, and the head exported before
+    stays byte for byte."""
+    from click.testing import CliRunner
+
+    import yaml
+
+    from specdeploy.cli import main
+
+    _, target, data = tiny
+    layout = layout_with_data(tmp_path, data, recipe_for(target), "p")
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump({"name": "tiny-eagle3", "target": {"model": str(target)},
+                                    "draft": {"kind": "eagle3", "head": "trained", "train": {**TRAIN, "epochs": 1.0}},
+                                    "speculative": {"max_draft_len": 4, "num_draft_tokens": 3}}))  # fmt: skip
+    run = lambda *extra: CliRunner().invoke(main, ["--root", str(layout.root), "draft", "train", str(path), "--no-progress", *extra])  # noqa: E731
+    first = run()
+    assert first.exit_code == 0, first.output
+    previous = {p.name: p.read_bytes() for p in layout.eagle3_head.iterdir()}
+    there = full_disk(layout.engines, keep=("draft-data", "eagle3-head"))
+    if when == "at the first checkpoint":
+        monkeypatch.setattr(draft_train, "check_disk", lambda *args: None)
+    got = run("--force")
+    print(got.output)
+    assert got.exit_code == 1 and isinstance(got.exception, SystemExit) and "Traceback" not in got.output, (got.output, got.exception)
+    if when == "before training":
+        assert f"error: not enough disk space to train the EAGLE-3 head in {layout.engines}: about " in got.output, got.output
+        assert "MiB needed (resume checkpoints and the exported head)" in got.output and "untrained head" not in got.output
+    else:
+        assert f"error: no space left writing the training checkpoint in {draft_train.resume_dir(layout.eagle3_head)} (" in got.output
+        assert "nothing was kept" in got.output, got.output
+    assert "hint:" in got.output and "point --root at a larger" in got.output, got.output
+    left = sorted(set(os.listdir(layout.engines)) - {".lock", draft_train.resume_dir(layout.eagle3_head).name})
+    assert left == there, "nothing half-written may be left"
+    assert not list(draft_train.resume_dir(layout.eagle3_head).glob("*.tmp")), "no half-written checkpoint"
+    assert {p.name: p.read_bytes() for p in layout.eagle3_head.iterdir()} == previous
