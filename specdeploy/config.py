@@ -174,6 +174,9 @@ class SpeculativeConfig:
     dynamic: DynamicSpeculation | None = None
     policy: str = "static"  # static: TensorRT-LLM's (num_draft_tokens, dynamic schedule and gate); cost: specdeploy.policy
     probe_interval: int = 8  # policy cost: plain rounds before a request that stopped speculating tries again
+    # draft.kind eagle3, cpu backend: the head stops drafting at the first token it gives less than this probability
+    # (llama.cpp's --spec-draft-p-min), so a round it is unsure of costs one target row; 0: k drafts every round
+    draft_p_min: float = 0.0
 
 
 @dataclass(frozen=True)

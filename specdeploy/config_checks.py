@@ -78,6 +78,7 @@ def _check(r: Recipe) -> None:
     s = r.speculative
     _at_least("speculative.max_draft_len", s.max_draft_len, 1)
     _at_least("speculative.num_draft_tokens", s.num_draft_tokens, 1)
+    _check_draft_p_min(r)
     if s.num_draft_tokens > s.max_draft_len:
         raise ConfigError(
             f"key 'speculative.num_draft_tokens' is {s.num_draft_tokens}, larger than speculative.max_draft_len "
@@ -319,3 +320,20 @@ def _check_eagle3(r: Recipe) -> None:
     _at_least("draft.train.ttt_steps", t.ttt_steps, 1)
     _at_least("draft.data.num_prompts", d.data.num_prompts, 1)
     _at_least("draft.data.samples_per_prompt", d.data.samples_per_prompt, 1)
+
+
+def _check_draft_p_min(r: Recipe) -> None:
+    p = r.speculative.draft_p_min
+    if not 0.0 <= p < 1.0:
+        raise ConfigError(f"key 'speculative.draft_p_min' is {p}, must be in [0, 1)",
+                          "use 0 (draft k tokens every round) or a probability such as 0.2")  # fmt: skip
+    if p > 0 and not r.draft.is_eagle3:
+        raise ConfigError(f"key 'speculative.draft_p_min' is {p}, but draft.kind is {r.draft.kind}: the cut-off is the "
+                          "EAGLE-3 head's own probability", "remove speculative.draft_p_min, or use draft.kind eagle3")  # fmt: skip
+    if p > 0 and r.backend != "cpu":
+        # specdeploy writes TensorRT-LLM's Eagle3DecodingConfig with the fields read in each release's llm_args.py
+        # (specdeploy/llmapi_versions.py): speculative_model, max_draft_len, eagle3_layers_to_capture, eagle3_one_model;
+        # none is a confidence cut-off, so the GPU path would silently draft k every round
+        raise ConfigError(f"key 'speculative.draft_p_min' is {p} on backend {r.backend}: TensorRT-LLM's EAGLE-3 options "
+                          "have no confidence cut-off (specdeploy/llmapi_versions.py)",
+                          "set speculative.draft_p_min: 0 for the GPU backends")  # fmt: skip

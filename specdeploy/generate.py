@@ -226,7 +226,7 @@ class Session:
             head = load_eagle3_head(recipe, layout, target_engine, recipe_path) if speculative else None
             return cls(
                 load_tokenizer(layout.engine("target"), recipe.target.model),
-                Executor(target_engine, max_cached_sequences, head=head),
+                Executor(target_engine, max_cached_sequences, head=head, draft_p_min=recipe.speculative.draft_p_min),
                 eagle3=head is not None,
                 deployment=pol.Deployment(pol.PolicySettings.from_recipe(recipe.speculative)),
             )

@@ -239,7 +239,7 @@ class OracleDrafter:
         assert next_tokens == self.reference[self.length + 1 : self.length + 1 + len(next_tokens)]  # the target's tokens
         self.length += len(next_tokens)
 
-    def draft(self, k):
+    def draft(self, k, p_min=0.0):
         tokens = self.reference[self.length + 1 : self.length + 1 + k]
         if self.wrong_every:
             self.drafts += 1
@@ -270,6 +270,76 @@ def test_a_drafter_with_the_targets_answer_gets_every_draft_accepted(target, k):
     assert s.iterations == 1 + -(-20 // (k + 1))  # prefill, then k + 1 tokens per pass
     partly = run(Executor(target, head=OracleHead(prompt + expected, 2)), GenerationRequest(prompt, 21, num_draft_tokens=k))
     assert partly.token_ids == expected and 0 < partly.stats.accepted < partly.stats.drafted
+
+
+# ---------------------------------------------------------------- the head's confidence cut-off (draft_p_min)
+
+
+def _first_draft_probability(drafter) -> float:
+    return float(torch.softmax(drafter.logits.reshape(-1).float(), -1).max())
+
+
+def test_draft_p_min_stops_at_the_first_draft_below_it(target, head_dir):
+    """draft(k, p_min) is the prefix of draft(k) up to the first draft whose probability under the head is below
+    p_min: just above the first draft's probability nothing is proposed, just below it at least that draft."""
+    head = Eagle3Head.load(head_dir, target)
+    fused = Executor(target, head=head)
+    prompt = prompt_of(3, 9)
+    drafters = []
+    real_new = head.new_drafter
+    head.new_drafter = lambda *a, **kw: drafters.append(real_new(*a, **kw)) or drafters[-1]
+    run(fused, GenerationRequest(prompt, 4, num_draft_tokens=3))  # a caught-up drafter to probe
+    drafter = drafters[-1]
+    full = drafter.draft(4)
+    p0 = _first_draft_probability(drafter)
+    assert drafter.draft(4, p_min=p0 * 1.0001) == []
+    assert drafter.draft(4, p_min=p0 * 0.9999)[:1] == full[:1]
+    for p_min in (0.0, 0.001, 0.002, 0.003, 0.01, 0.5):
+        cut = drafter.draft(4, p_min=p_min)
+        assert cut == full[: len(cut)], p_min
+    assert drafter.draft(4) == full  # drafting leaves the head's cache as it was
+
+
+def _first_draft_probabilities(head, executor, prompt, n) -> list[float]:
+    """The head's probability of its first draft in every round of a k = 3 run (p_min 0)."""
+    seen = []
+    real_new = head.new_drafter
+
+    def new_drafter(*args, **kwargs):
+        drafter = real_new(*args, **kwargs)
+        real_draft = drafter.draft
+        drafter.draft = lambda k, p_min=0.0: seen.append(_first_draft_probability(drafter)) or real_draft(k, p_min)
+        return drafter
+
+    head.new_drafter = new_drafter
+    try:
+        run(executor, GenerationRequest(prompt, n, num_draft_tokens=3))
+    finally:
+        head.new_drafter = real_new
+    return seen
+
+
+@pytest.mark.parametrize("cut", ["median", "never sure"])
+def test_fused_with_draft_p_min_equals_the_target_alone_and_counts_the_rounds_it_drafted(target, head_dir, cut):
+    """p_min at the median of the head's first-draft probabilities: about half the rounds propose nothing (one
+    target row), the others draft; at 0.99, which a random head never reaches, no round drafts. The output is the
+    target's own either way, and the counters add up."""
+    plain = Executor(target)
+    for seed in (0, 1, 2):
+        prompt = prompt_of(seed, 11)
+        expected = run(plain, GenerationRequest(prompt, 24)).token_ids
+        head = Eagle3Head.load(head_dir, target)
+        probabilities = sorted(_first_draft_probabilities(head, Executor(target, head=head), prompt, 24))
+        p_min = probabilities[len(probabilities) // 2] if cut == "median" else 0.99
+        got = run(Executor(target, head=head, draft_p_min=p_min), GenerationRequest(prompt, 24, num_draft_tokens=3))
+        s = got.stats
+        assert got.token_ids == expected
+        assert sum(s.drafted_per_round) == s.drafted and max(s.drafted_per_round) <= 3 and s.accepted <= s.drafted
+        if cut == "median":  # the rounds the head is unsure of are one-row passes; the others draft
+            assert 0 < s.drafted_per_round.count(0) < len(s.drafted_per_round), s.drafted_per_round
+            assert s.drafted > 0
+        else:
+            assert s.drafted == 0 and len(s.drafted_per_round) == len(expected) - 1
 
 
 # ---------------------------------------------------------------- heads that do not fit

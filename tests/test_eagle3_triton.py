@@ -253,3 +253,51 @@ def test_config_refuses_what_eagle3_on_cpu_does_not_have(built):
         parse_recipe({**raw, "speculative": {**raw["speculative"], "policy": "cost"}})
     with pytest.raises(ConfigError, match="llmapi"):
         parse_recipe({**raw, "triton": {**raw["triton"], "layout": "llmapi"}})
+
+
+def test_config_bounds_draft_p_min_to_the_head_on_cpu(built):
+    from specdeploy.config import to_plain
+    from specdeploy.config_loader import parse_recipe
+    from specdeploy.errors import ConfigError
+
+    raw = to_plain(built[0])
+    speculative = lambda p: {**raw["speculative"], "draft_p_min": p}  # noqa: E731
+    assert parse_recipe({**raw, "speculative": speculative(0.2)}).speculative.draft_p_min == 0.2
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ConfigError, match=r"speculative.draft_p_min.*must be in \[0, 1\)"):
+            parse_recipe({**raw, "speculative": speculative(bad)})
+    with pytest.raises(ConfigError, match="draft.kind is ngram") as err:
+        parse_recipe({**raw, "draft": {"kind": "ngram"}, "speculative": speculative(0.2)})
+    assert "use draft.kind eagle3" in err.value.hint
+    with pytest.raises(ConfigError, match="no confidence cut-off") as err:
+        parse_recipe({**raw, "backend": "trtllm-llmapi", "speculative": speculative(0.2)})
+    assert "speculative.draft_p_min: 0" in err.value.hint
+
+
+def test_served_draft_p_min_reaches_the_head_inside_tensorrt_llm(built, tmp_path):
+    """speculative.draft_p_min travels to the served tensorrt_llm model (its config parameter): at 0.99, which this
+    random head never reaches, the speculative entry point drafts nothing and answers as the control does; the
+    same deployment without it drafts (test_greedy_parity_and_draft_counters_match_metrics)."""
+    from specdeploy import backend_stages
+    from specdeploy.triton import server
+
+    import tritonclient.grpc as grpc
+
+    recipe, layout, _, head = built
+    model_dir = Path(recipe.target.model)
+    recipe, layout, recipe_path = _deployment(tmp_path / "pmin", model_dir, head, speculative={"draft_p_min": 0.99})
+    repo, _ = backend_stages.of(recipe).write_repository(recipe, layout, recipe_path=str(recipe_path))
+    assert 'key: "eagle3_draft_p_min"' in (Path(repo) / "tensorrt_llm" / "config.pbtxt").read_text()
+    srv = server.start(repo, server.Ports.pick(), Path(layout.server_state) / "tritonserver.log", exit_timeout_s=3)
+    try:
+        server.wait_ready(srv, SERVER_READY_TIMEOUT_S)
+        client = grpc.InferenceServerClient(srv.state.grpc_url)
+        for chat in CHATS[:2]:
+            prompt = chat_text(chat)
+            control = _bls(client, prompt).as_numpy("text_output").reshape(-1)[0].decode()
+            r = _bls(client, prompt, num_draft_tokens=3)
+            assert r.as_numpy("text_output").reshape(-1)[0].decode() == control
+            assert _count(r, "total_draft_tokens") == 0
+        client.close()
+    finally:
+        srv.stop()

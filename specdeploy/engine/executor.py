@@ -85,12 +85,14 @@ class Executor:
         normalize_log_probs: bool = True,
         prefill_chunk: int = PREFILL_CHUNK,
         head=None,
+        draft_p_min: float = 0.0,
     ):
         """`clock` times passes and deadlines (seconds); `wall_clock_ns` stamps the perf timestamps;
         `normalize_log_probs` is the `tensorrt_llm` model parameter of that name (default true, as in
         tensorrtllm_backend): log probs of the top-k/top-p renormalized distribution (0 for a greedy
         token), else log_softmax of the processed row. `head` (an engine.eagle3.Eagle3Head loaded against
-        this engine) enables the fused EAGLE-3 loop for requests with num_draft_tokens > 0."""
+        this engine) enables the fused EAGLE-3 loop for requests with num_draft_tokens > 0; `draft_p_min`
+        (recipe speculative.draft_p_min) cuts its drafts at the first one it gives less than that probability."""
         if max_cached_sequences < 1:
             raise ConfigError(f"max_cached_sequences is {max_cached_sequences}, must be >= 1")
         if prefill_chunk < 1:
@@ -107,6 +109,7 @@ class Executor:
         self.normalize_log_probs = normalize_log_probs
         self.prefill_chunk = prefill_chunk
         self.head = head
+        self.draft_p_min = draft_p_min
         self._clock = clock
         self._wall_ns = wall_clock_ns
 
@@ -418,7 +421,8 @@ class Executor:
             drafter.truncate(length - pending_aux.shape[0])
             drafter.catch_up(pending_aux, sequence[drafter.length + 1 : length + 1])
             k = max(0, min(request.num_draft_tokens, self.max_draft_len, request.max_new_tokens - len(output) - 1))
-            draft = drafter.draft(k) if k else []
+            draft = drafter.draft(k, self.draft_p_min) if k else []
+            k = len(draft)  # fewer where the head was unsure (draft_p_min): a round of k + 1 rows
             stats.draft_time_s += self._clock() - t0
             # one target pass: the last token + k drafts, k + 1 rows, with their aux features
             aux_parts = []

@@ -71,7 +71,8 @@ class TritonPythonModel:
         # executor (engine/executor.py, the fused loop); a request drafts with it only when it sends num_draft_tokens > 0
         head_dir = common.resolve_dir(params["eagle3_head"], args) if params.get("eagle3_head") else None
         self.eagle3 = head_dir is not None
-        load = lambda: common.with_eagle3_head(factory(params["gpt_model_path"]), head_dir)  # noqa: E731
+        draft_p_min = float(params.get("eagle3_draft_p_min") or 0.0)  # speculative.draft_p_min
+        load = lambda: common.with_eagle3_head(factory(params["gpt_model_path"]), head_dir, draft_p_min)  # noqa: E731
         self.executor, self.batcher = self._load(args, params, load)
         self._stub_lock = common.StubLock()  # the batching path's request threads and scheduler share the stub
         self._running = common.RunningRequests()  # request id -> its stop check, for TensorRT-LLM's `stop` input
