@@ -1,0 +1,174 @@
+"""How often the target accepts an EAGLE-3 head's drafts, by the probability the head gave them, and what cutting
+drafts below a probability (recipe speculative.draft_p_min) would buy.
+
+The recipe's target engine runs the fused loop in-process with k drafts every round (no cut-off) while each round's
+drafts and the head's probability of each are recorded (around Eagle3Drafter.draft); a draft counts as accepted when
+the target's own greedy output has it at that position and all earlier drafts of the round were accepted.
+
+Prompts: `--prompts heldout` (default): the held-out prompts of a `specdeploy draft data` folder (`--data`, default
+the head's training recipe's, engines/smollm2-135m-eagle3/draft-data), never trained on and never the validation
+prompts: choose draft_p_min here. `--prompts builtin`: the built-in validation prompts, to report what a chosen value
+does there (never to choose it).
+
+The sweep estimates the speedup of each cut-off with a cost model in target steps: a round of 1 + k rows costs
+ROWS[k] (default: bench/eagle3.py's 1.00 / 1.11 / 1.24 / 1.31 steps for 1..4 rows) plus HEAD per draft step of the
+head (default 0.06, its catch-up included once per round).
+
+    .venv/bin/python bench/eagle3_confidence.py [--recipe build/smollm2-135m.yaml] [--prompts heldout|builtin]
+        [--count 24] [--max-tokens 64] [--draft-len 3] [--data DIR] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+ROWS = (1.00, 1.11, 1.24, 1.31, 1.41)  # pass of 1..5 rows in target steps (bench/eagle3.py, README)
+HEAD = 0.06  # one head step in target steps (bench/eagle3.py: 1.7 ms / 29.2 ms)
+CUTS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7)
+
+
+def heldout_prompts(data_dir: Path, count: int) -> list[tuple[str, list[int]]]:
+    """(id, prompt ids) of the greedy held-out samples of a draft-data folder (input_ids[:loss_start])."""
+    lines = (data_dir / "heldout.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines if line.strip()]
+    return [(r["id"], r["input_ids"][: r["loss_start"]]) for r in records if not r["sampled"]][:count]
+
+
+def record_rounds(executor, head, prompts, max_tokens: int, k: int, end_id) -> list[dict]:
+    """Every round of the fused loop over `prompts`: the head's probability of each draft and whether it was accepted."""
+    import torch
+
+    from specdeploy.engine.request import GenerationRequest, run
+
+    rounds, seen = [], []
+    real_new = head.new_drafter
+
+    def new_drafter(*args, **kwargs):
+        drafter = real_new(*args, **kwargs)
+        real_draft = drafter.draft
+
+        def draft(n, p_min=0.0):
+            base, logits, prenorm, probabilities = drafter.cache.length, drafter.logits, drafter.prenorm, []
+            tokens = real_draft(n, p_min)
+            for i, token in enumerate(tokens):  # the same rows again, for their probabilities (draft() keeps none)
+                if i:
+                    logits, prenorm = head.forward(drafter.cache, prenorm, torch.tensor([tokens[i - 1]]))
+                probabilities.append(float(torch.softmax(logits.reshape(-1).float(), -1).max()))
+            drafter.cache.truncate(base)
+            seen.append((base, tokens, probabilities))
+            return tokens
+
+        drafter.draft = draft
+        return drafter
+
+    head.new_drafter = new_drafter
+    try:
+        for prompt_id, ids in prompts:
+            seen.clear()
+            out = run(executor, GenerationRequest(input_ids=list(ids), max_new_tokens=max_tokens, end_id=end_id, num_draft_tokens=k))
+            sequence = list(ids) + list(out.token_ids)
+            for base, tokens, probabilities in seen:
+                if len(tokens) < k:
+                    continue  # the last rounds, cut by max_tokens
+                accepted = 0  # draft i is for position base + 1 + i (the head's row base - 1 predicts base + 1)
+                while accepted < len(tokens) and base + 1 + accepted < len(sequence) and sequence[base + 1 + accepted] == tokens[accepted]:
+                    accepted += 1
+                rounds.append({"prompt": prompt_id, "probabilities": probabilities, "accepted": accepted})
+            print(f"  {prompt_id}: {len(seen)} rounds, {out.stats.accepted}/{out.stats.drafted} accepted", flush=True)
+    finally:
+        head.new_drafter = real_new
+    return rounds
+
+
+def by_probability(rounds: list[dict]) -> list[tuple[float, int, float]]:
+    """(bin start, rounds, share whose first draft was accepted) per 0.1 of the first draft's probability."""
+    count, hits = Counter(), Counter()
+    for r in rounds:
+        b = min(int(r["probabilities"][0] * 10), 9)
+        count[b] += 1
+        hits[b] += r["accepted"] > 0
+    return [(b / 10, count[b], hits[b] / count[b]) for b in sorted(count)]
+
+
+def sweep(rounds: list[dict], rows=ROWS, head=HEAD) -> list[dict]:
+    """Per cut-off: drafts and accepted drafts per round, and the estimated speedup (tokens per step-cost)."""
+    out = []
+    for cut in CUTS:
+        drafted = accepted = 0
+        cost = 0.0
+        for r in rounds:
+            k = 0
+            while k < len(r["probabilities"]) and r["probabilities"][k] >= cut:
+                k += 1
+            drafted, accepted = drafted + k, accepted + min(k, r["accepted"])
+            cost += rows[min(k, len(rows) - 1)] + head * max(1, k)  # the head's catch-up and first draft every round, then each later draft
+        n = len(rounds)
+        out.append({"draft_p_min": cut, "drafted_per_round": drafted / n, "accepted_per_round": accepted / n,
+                    "estimated_speedup": (n + accepted) / cost if cost else 0.0})  # plain decoding: one step per token
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--recipe", default=str(ROOT / "build" / "smollm2-135m.yaml"))
+    ap.add_argument("--root", default=str(ROOT))
+    ap.add_argument("--prompts", choices=("heldout", "builtin"), default="heldout")
+    ap.add_argument("--data", default=str(ROOT / "engines" / "smollm2-135m-eagle3" / "draft-data"))
+    ap.add_argument("--count", type=int, default=24)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--draft-len", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from specdeploy import models
+    from specdeploy.artifacts import Layout
+    from specdeploy.config_loader import load_recipe
+    from specdeploy.engine.eagle3 import Eagle3Head
+    from specdeploy.engine.executor import Executor
+    from specdeploy.engine.model import CpuEngine
+
+    torch.set_num_threads(args.threads)
+    recipe = load_recipe(args.recipe)
+    layout = Layout.of(recipe, Path(args.root))
+    engine = CpuEngine.load(layout.engine("target"))
+    head_dir = layout.eagle3_head_source(recipe.draft.head)
+    head = Eagle3Head.load(head_dir, engine)
+    tokenizer = AutoTokenizer.from_pretrained(str(models.resolve(recipe.target.model)))
+    if args.prompts == "heldout":
+        prompts = heldout_prompts(Path(args.data), args.count)
+    else:
+        from bench.eagle3_peer import chat_prompts
+
+        prompts = chat_prompts(tokenizer, args.count, args.max_tokens)
+    print(f"head {head_dir}, target {layout.engine('target')}, {len(prompts)} {args.prompts} prompts x {args.max_tokens} "
+          f"tokens, k = {args.draft_len}, no cut-off", flush=True)
+    rounds = record_rounds(Executor(engine, 2, head=head), head, prompts, args.max_tokens, args.draft_len, tokenizer.eos_token_id)
+    print(f"\nfirst draft accepted, by the head's probability of it ({len(rounds)} rounds of {args.draft_len} drafts):")
+    for start, n, share in by_probability(rounds):
+        print(f"  {start:.1f}-{start + 0.1:.1f}  {n:5d} rounds  {share:.2f}")
+    table = sweep(rounds)
+    print("\ndraft_p_min  drafts/round  accepted/round  estimated speedup (cost model: bench/eagle3_confidence.py)")
+    for row in table:
+        print(f"  {row['draft_p_min']:.1f}        {row['drafted_per_round']:.2f}          {row['accepted_per_round']:.2f}"
+              f"            {row['estimated_speedup']:.2f}x")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"prompts": args.prompts, "rounds": rounds, "sweep": table}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
