@@ -25,6 +25,7 @@ import json
 import os
 import sys
 from collections import Counter
+from itertools import zip_longest
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,10 +39,15 @@ CUTS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7)
 
 
 def heldout_prompts(data_dir: Path, count: int) -> list[tuple[str, list[int]]]:
-    """(id, prompt ids) of the greedy held-out samples of a draft-data folder (input_ids[:loss_start])."""
+    """(id, prompt ids) of the greedy held-out samples of a draft-data folder (input_ids[:loss_start]), taken in
+    turns from each source (calibration, self_instruct, a prompt file) so that none dominates."""
     lines = (data_dir / "heldout.jsonl").read_text().splitlines()
-    records = [json.loads(line) for line in lines if line.strip()]
-    return [(r["id"], r["input_ids"][: r["loss_start"]]) for r in records if not r["sampled"]][:count]
+    by_source: dict[str, list[dict]] = {}
+    for record in (json.loads(line) for line in lines if line.strip()):
+        if not record["sampled"]:
+            by_source.setdefault(record["source"], []).append(record)
+    turns = [r for group in zip_longest(*by_source.values()) for r in group if r is not None]
+    return [(r["id"], r["input_ids"][: r["loss_start"]]) for r in turns][:count]
 
 
 def record_rounds(executor, head, prompts, max_tokens: int, k: int, end_id) -> list[dict]:
