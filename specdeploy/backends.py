@@ -56,6 +56,9 @@ class Backend:
     layouts: tuple[str, ...]  # repository layouts it serves (LAYOUTS), the default first
     preflight_checks: tuple[str, ...]  # names in specdeploy.preflight.CHECKS, run in this order
     no_eagle3_because: str = ""  # why draft.kind eagle3 is not wired (eagle3_draft False), for the refusal
+    # speculative.draft_p_min (the EAGLE-3 head's confidence cut-off) is carried out; TensorRT-LLM's EAGLE-3 options
+    # have no such field (specdeploy/llmapi_versions.py lists the fields of each release)
+    draft_confidence_cutoff: bool = False
 
     def batches_in_flight(self, recipe) -> bool:
         """Whether the engine models step the concurrent requests of an instance together."""
@@ -90,6 +93,7 @@ CPU = Backend(
     dynamic_speculation=True,
     ngram_draft=True,
     eagle3_draft=True,  # specdeploy's own fused CPU engine runs the head
+    draft_confidence_cutoff=True,  # Eagle3Drafter.draft(k, p_min)
     prequantized_models=False,
     external_build=False,
     tensorrt_engines=False,

@@ -330,10 +330,11 @@ def _check_draft_p_min(r: Recipe) -> None:
     if p > 0 and not r.draft.is_eagle3:
         raise ConfigError(f"key 'speculative.draft_p_min' is {p}, but draft.kind is {r.draft.kind}: the cut-off is the "
                           "EAGLE-3 head's own probability", "remove speculative.draft_p_min, or use draft.kind eagle3")  # fmt: skip
-    if p > 0 and r.backend != "cpu":
+    if p > 0 and not _backends.get(r.backend).draft_confidence_cutoff:
         # specdeploy writes TensorRT-LLM's Eagle3DecodingConfig with the fields read in each release's llm_args.py
         # (specdeploy/llmapi_versions.py): speculative_model, max_draft_len, eagle3_layers_to_capture, eagle3_one_model;
         # none is a confidence cut-off, so the GPU path would silently draft k every round
+        able = " or ".join(b.name for b in _backends.ALL if b.draft_confidence_cutoff)
         raise ConfigError(f"key 'speculative.draft_p_min' is {p} on backend {r.backend}: TensorRT-LLM's EAGLE-3 options "
                           "have no confidence cut-off (specdeploy/llmapi_versions.py)",
-                          "set speculative.draft_p_min: 0 for the GPU backends")  # fmt: skip
+                          f"set speculative.draft_p_min: 0 on this backend, or use backend {able}")  # fmt: skip
