@@ -74,6 +74,7 @@ LAYER_OF = {
     "triton.models.preprocessing": "triton-models",
     "triton.models.postprocessing": "triton-models",
     "triton.models.tensorrt_llm": "triton-models",
+    "triton.models.bls_calls": "triton-models",  # the BLS's draft and target calls as the loop's Proposer / Verifier
     "triton.models.tensorrt_llm_bls": "triton-models",
     "triton.models.ngram_draft": "triton-models",
     "triton.models.llmapi": "triton-models",
