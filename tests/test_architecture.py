@@ -65,10 +65,16 @@ LAYER_OF = {
     "engine.batching": "runtime",  # BatchScheduler: in-flight batching over one Executor
     "generate": "runtime",
     # the python-backend models that run inside tritonserver: they import only what they run
-    "triton.models.common": "triton-models",
+    "triton.models.request_inputs": "triton-models",  # RequestError; a request's tensors read and checked
+    "triton.models.optional_inputs": "triton-models",  # NVIDIA's optional inputs: honoured, or refused unless neutral
+    "triton.models.text_stream": "triton-models",  # detokenizing a stream: TextStream, HoldBack
+    "triton.models.cancellation": "triton-models",  # deadlines, cancellation, stop; BLS calls in time slices
+    "triton.models.stub_safety": "triton-models",  # HeldResponses, StubLock: the python stub's hazards
+    "triton.models.common": "triton-models",  # parameters, loading, execute_all; every part's names importable
     "triton.models.preprocessing": "triton-models",
     "triton.models.postprocessing": "triton-models",
     "triton.models.tensorrt_llm": "triton-models",
+    "triton.models.bls_calls": "triton-models",  # the BLS's draft and target calls as the loop's Proposer / Verifier
     "triton.models.tensorrt_llm_bls": "triton-models",
     "triton.models.ngram_draft": "triton-models",
     "triton.models.llmapi": "triton-models",

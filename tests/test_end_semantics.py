@@ -1,7 +1,7 @@
 """End-token and stop semantics of the CPU `tensorrt_llm` model, its BLS and the n-gram draft, as TensorRT-LLM's.
 
 The sources behind each rule are cited where it is encoded (tensorrt_llm.py `_without_end_token`,
-tensorrt_llm_bls.py `ended_at_end_id`). Here the model file runs outside a stub (a stand-in for
+bls_calls.py `ended_at_end_id`). Here the model file runs outside a stub (a stand-in for
 triton_python_backend_utils) over the real Executor and a bigram engine whose greedy chain is known:
 1 -> 2 -> 3 -> ... (token t is followed by t + 1), so every expected value is written down, not computed by the
 code under test.
@@ -207,7 +207,7 @@ def test_the_final_chunk_loses_only_a_final_end_token(pb_utils, monkeypatch, req
 
 @pytest.fixture
 def bls(pb_utils, monkeypatch, request):
-    return _load("tensorrt_llm_bls", monkeypatch, request)
+    return _load("bls_calls", monkeypatch, request)
 
 
 @pytest.mark.parametrize(

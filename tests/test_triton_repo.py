@@ -458,13 +458,13 @@ def test_stub_lock_is_held_except_while_waiting_for_the_engine():
 
 
 def _bls_module(monkeypatch, request, **pb_utils):
-    """The BLS model's module bound to a stand-in for triton_python_backend_utils (imported outside a stub)."""
+    """The BLS calls' module (bls_calls.py) bound to a stand-in for triton_python_backend_utils (imported outside a stub)."""
     import importlib
     import types
 
     stand_in = types.SimpleNamespace(TRITONSERVER_RESPONSE_COMPLETE_FINAL=1, **pb_utils)
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", stand_in)
-    name = "specdeploy.triton.models.tensorrt_llm_bls"
+    name = "specdeploy.triton.models.bls_calls"
     monkeypatch.delitem(sys.modules, name, raising=False)
     request.addfinalizer(lambda: sys.modules.pop(name, None))  # not left bound to the stand-in
     return importlib.import_module(name)
@@ -512,7 +512,7 @@ def test_decoupled_bls_calls_keep_their_iterators_until_the_stubs_queue_is_past_
 
     output = lambda response, name: types.SimpleNamespace(as_numpy=lambda: response.outputs[name]) if name in response.outputs else None  # noqa: E731
     bls = _bls_module(monkeypatch, request, InferenceRequest=InferenceRequest, Tensor=lambda name, value: (name, value), get_output_tensor_by_name=output)
-    call = bls._LlmCall("tensorrt_llm", decoupled=True, slice_s=0.0, held=common.HeldResponses())
+    call = bls.LlmCall("tensorrt_llm", decoupled=True, slice_s=0.0, held=common.HeldResponses())
     sampling = types.SimpleNamespace(temperature=1.0, top_k=0, top_p=0.0, seed=None)
 
     def check(*answers):  # its own polls never come due: every question here is a barrier's
@@ -563,7 +563,7 @@ def test_bls_sends_the_tensor_names_of_the_engine_backend_release(monkeypatch, r
     sampling = types.SimpleNamespace(temperature=1.0, top_k=0, top_p=0.0, seed=7)
     extra = {"min_tokens": np.array([[3]], np.int32)}
     for call_names in (names, None):
-        call = bls._LlmCall("tensorrt_llm", decoupled=False, slice_s=0.0, held=common.HeldResponses(), names=call_names)
+        call = bls.LlmCall("tensorrt_llm", decoupled=False, slice_s=0.0, held=common.HeldResponses(), names=call_names)
         assert call([1, 2, 3], 2, sampling, extra, False, ["first_token_time_ns", "kv_cache_reused_blocks"])[0] == [5, 6]
     (old_inputs, old_outputs), (new_inputs, new_outputs) = sent
     assert {"min_length", "random_seed"} <= set(old_inputs) and not {"min_tokens", "seed", "return_perf_metrics"} & set(old_inputs)
@@ -580,18 +580,18 @@ def test_bls_target_calls_with_drafts_ask_for_no_logits(monkeypatch, request):
 
     sent = []
     bls = _recording_bls(monkeypatch, request, sent)
-    call = bls._LlmCall("tensorrt_llm", decoupled=False, slice_s=0.0, held=common.HeldResponses())
+    call = bls.LlmCall("tensorrt_llm", decoupled=False, slice_s=0.0, held=common.HeldResponses())
     job = {"bad_words_list": np.zeros((2, 0), np.int32), "stop_words_list": np.zeros((2, 0), np.int32),
            "return_log_probs": False, "return_context_logits": True, "return_generation_logits": True,
            "penalties": dict(common.PENALTY_NEUTRAL), "prompt_ids": [1, 2], "embedding_bias": None, "end_id": None,
            "stop_words": []}  # fmt: skip
     sampling = types.SimpleNamespace(temperature=1.0, top_k=0, top_p=0.0, seed=None)
-    bls.TritonVerifier(call, job, bls._Record()).verify([1, 2, 3], [5], None, sampling)
+    bls.TritonVerifier(call, job, bls.Record()).verify([1, 2, 3], [5], None, sampling)
     inputs, outputs = sent[-1]
     assert "draft_input_ids" in inputs
     assert not inputs["return_context_logits"].any() and not inputs["return_generation_logits"].any()
     assert "context_logits" not in outputs and "generation_logits" not in outputs
-    bls.TritonVerifier(call, job, bls._Record()).verify([1, 2, 3], [], None, sampling, output_len=4)
+    bls.TritonVerifier(call, job, bls.Record()).verify([1, 2, 3], [], None, sampling, output_len=4)
     inputs, outputs = sent[-1]
     assert "draft_input_ids" not in inputs and inputs["return_context_logits"].all() and inputs["return_generation_logits"].all()
     assert "context_logits" in outputs and "generation_logits" in outputs

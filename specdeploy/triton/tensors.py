@@ -14,7 +14,7 @@ ENGINE_MODEL_NAMES = {"target": TARGET_MODEL, "draft": DRAFT_MODEL}
 # Every tensor of the layout, written once, exactly as NVIDIA declares it (name, data type, dims,
 # optional) in tensorrtllm_backend c2e65b8 all_models/inflight_batcher_llm/*/config.pbtxt
 # (tests/test_triton_repo.py compares with tests/data/trtllm_backend_c2e65b8_tensors.json). Which of
-# them the CPU models honour and which they refuse unless neutral: specdeploy/triton/models/common.py
+# them the CPU models honour and which they refuse unless neutral: specdeploy/triton/models/optional_inputs.py
 # (HONOURED, NEUTRAL) and the README table "tensor -> honoured or refused".
 REQ, OPT = False, True
 RAGGED = {"input_ids", "draft_input_ids", "draft_logits", "stop_words_list", "bad_words_list", "lora_weights",

@@ -1,7 +1,7 @@
 """tensorrt_llm_bls: speculative decoding over BLS calls to tensorrt_llm_draft and tensorrt_llm.
 
-The loop is `specdeploy.speculative.speculative_generate` (no Triton import there); this file only
-maps its `Proposer` / `Verifier` protocols to BLS requests with the tensor names of NVIDIA's layout,
+The loop is `specdeploy.speculative.speculative_generate` (no Triton import there); `bls_calls` maps its
+`Proposer` / `Verifier` protocols to BLS requests with the tensor names of NVIDIA's layout; this file
 tokenizes the prompt, detokenizes the output, and checks the request. With `stream` (decoupled
 mode) each round's new text is sent as it comes, holding back an incomplete UTF-8 character.
 
@@ -38,14 +38,19 @@ from specdeploy import ngram  # noqa: E402
 from specdeploy import policy as pol  # noqa: E402
 from specdeploy import speculative as spec  # noqa: E402
 from specdeploy.errors import SpecDeployError  # noqa: E402
+from specdeploy.triton.models.bls_calls import (  # noqa: E402
+    RUN_TOKEN_GUESS_S,
+    BlsModelError,
+    LlmCall,
+    Record,
+    TritonProposer,
+    TritonVerifier,
+    request_tensors,
+)
 from specdeploy.triton.models import common  # noqa: E402
 from specdeploy.triton.models.common import RequestError  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-
-
-class BlsModelError(Exception):
-    """A draft or target call came back with an error."""
 
 
 # NVIDIA's BLS inputs this model cannot honour (accepted only at their neutral value).
@@ -54,207 +59,6 @@ REFUSED = (
     "prompt_embedding_table", "prompt_vocab_size", "prompt_table_extra_id", "lora_task_id", "lora_weights",
     "lora_config", "guided_decoding_guide_type", "guided_decoding_guide",
 )
-
-
-class _Record:
-    """What the engine calls of one request returned besides tokens (log probs, logits, KV blocks)."""
-
-    def __init__(self):
-        self.rounds = []  # per target call: (log_probs list | None, generation_logits [n, vocab] | None)
-        self.context_logits = None
-        # KV blocks of the request: every target call carries the whole sequence, so the last call's total is
-        # the request's; what was reused from earlier requests shows in the first call
-        self.kv_reused, self.kv_total = 0, 0
-        self.first_token_ns = 0  # when the first target call produced its first token (the request's TTFT)
-
-
-class _LlmCall:
-    """One BLS call to a tensorrt_llm-layout model; returns (new token ids, generation logits or None, outputs)."""
-
-    def __init__(self, model_name: str, decoupled: bool, slice_s: float, held: common.HeldResponses, names=None):
-        self.model_name = model_name
-        self.decoupled = decoupled
-        self.slice_s = slice_s  # each call's first Triton timeout (0: none), see common.call_in_slices
-        self.held = held  # the decoupled calls' response iterators (common.HeldResponses)
-        # the engine backend release's tensor names (BLS parameter engine_tensor_names, gpu_models.BackendNames):
-        # NVIDIA's c2e65b8 name -> the release's name, or None where the release has no such tensor
-        self.names = names or {}
-
-    def __call__(self, sequence, output_len, sampling, extra, return_logits, more_outputs=(), stop_check=None, slice_s=None):
-        if self.decoupled:
-            self.held.release(stop_check)
-            # Not sliced: a decoupled BLS call abandoned at its timeout while the model still sends responses
-            # corrupted the stub's heap (tritonserver 2.51: "malloc_consolidate(): unaligned fastbin chunk
-            # detected", then "Stub process is not healthy"), so there the BLS checks between rounds only.
-            return self._call(sequence, output_len, sampling, extra, return_logits, more_outputs, 0)
-        if not self.slice_s or stop_check is None:
-            return self._call(sequence, output_len, sampling, extra, return_logits, more_outputs, 0)
-        attempt = lambda s: self._call(sequence, output_len, sampling, extra, return_logits, more_outputs, int(s * 1e6))  # noqa: E731
-        try:
-            return common.call_in_slices(attempt, stop_check, max(self.slice_s, slice_s or 0.0))
-        except common.ParentStopped as exc:
-            raise BlsModelError(f"{self.model_name}: {exc}") from None
-
-    def _call(self, sequence, output_len, sampling, extra, return_logits, more_outputs, timeout_us):
-        tensors = {
-            "input_ids": np.array([sequence], dtype=np.int32),
-            "input_lengths": np.array([[len(sequence)]], dtype=np.int32),
-            "request_output_len": np.array([[output_len]], dtype=np.int32),
-            "exclude_input_in_output": np.array([[True]]),
-            "return_generation_logits": np.array([[bool(return_logits)]]),
-            "return_perf_metrics": np.array([[True]]),
-            "temperature": np.array([[sampling.temperature]], dtype=np.float32),
-            "runtime_top_k": np.array([[sampling.top_k]], dtype=np.int32),
-            "runtime_top_p": np.array([[sampling.top_p]], dtype=np.float32),
-            **extra,
-        }
-        if sampling.seed is not None:
-            tensors["seed"] = np.array([[sampling.seed]], dtype=np.uint64)
-        wanted = ["output_ids", "sequence_length"] + (["generation_logits"] if return_logits else []) + list(more_outputs)
-        named = {self.names.get(k, k): v for k, v in tensors.items() if self.names.get(k, k) is not None}
-        request = pb_utils.InferenceRequest(
-            model_name=self.model_name,
-            requested_output_names=[n for n in wanted if self.names.get(n, n) is not None],
-            inputs=[pb_utils.Tensor(k, v) for k, v in named.items()],
-            timeout=timeout_us,  # microseconds; the engine model stops at it (between prefill chunks and tokens)
-        )
-        responses = self.held.hold(request.exec(decoupled=True)) if self.decoupled else [request.exec()]
-        tokens, logits, outputs = [], [], {}
-        for response in responses:
-            if response.has_error():
-                message = response.error().message()
-                if timeout_us and common.is_slice_expiry(message):
-                    raise common.SliceExpired(message)
-                raise BlsModelError(f"{self.model_name}: {message}")
-            out = pb_utils.get_output_tensor_by_name(response, "output_ids")
-            if out is None:  # the empty final response of a decoupled model
-                continue
-            n = int(pb_utils.get_output_tensor_by_name(response, "sequence_length").as_numpy().reshape(-1)[0])
-            tokens.extend(int(t) for t in out.as_numpy().reshape(-1)[:n])
-            if return_logits:
-                rows = pb_utils.get_output_tensor_by_name(response, "generation_logits").as_numpy()
-                logits.append(torch.from_numpy(rows.reshape(-1, rows.shape[-1]).copy()))  # [n, vocab]
-            for name in more_outputs:
-                tensor = pb_utils.get_output_tensor_by_name(response, name)
-                if tensor is not None:
-                    outputs.setdefault(name, []).append(tensor.as_numpy())
-        return tokens, (torch.cat(logits) if logits else None), outputs
-
-
-def _request_tensors(job, produced: int) -> dict:
-    """Penalties, min_tokens (less the tokens already produced) and the embedding bias, for draft and target alike."""
-    out = {
-        "repetition_penalty": np.array([[job["penalties"]["repetition_penalty"]]], dtype=np.float32),
-        "presence_penalty": np.array([[job["penalties"]["presence_penalty"]]], dtype=np.float32),
-        "frequency_penalty": np.array([[job["penalties"]["frequency_penalty"]]], dtype=np.float32),
-        "min_tokens": np.array([[max(job["penalties"]["min_tokens"] - produced, 0)]], dtype=np.int32),
-    }
-    if job["embedding_bias"] is not None:
-        out["embedding_bias"] = job["embedding_bias"][None]  # [1, vocab]
-    if job["end_id"] is not None:
-        out["end_id"] = np.array([[job["end_id"]]], dtype=np.int32)
-    return out
-
-
-class TritonProposer:
-    """specdeploy.speculative.Proposer over tensorrt_llm_draft."""
-
-    def __init__(self, call: _LlmCall, job):
-        self.call, self.job = call, job
-
-    def propose(self, sequence, num_tokens, sampling, return_logits):
-        extra = {"bad_words_list": self.job["bad_words_list"][None], **_request_tensors(self.job, len(sequence) - len(self.job["prompt_ids"]))}
-        tokens, logits, _ = self.call(sequence, num_tokens, sampling, extra, return_logits, stop_check=self.job.get("stop_check"))
-        # a draft that ended at the end id returns the logits row of that step too (no token for it)
-        return spec.Proposal(tokens, None if logits is None else logits[: len(tokens)])
-
-
-class TritonVerifier:
-    """specdeploy.speculative.Verifier over tensorrt_llm with draft_input_ids (request_output_len = k + 1)."""
-
-    def __init__(self, call: _LlmCall, job, record: _Record, costs=None, active=lambda: 1):
-        self.call, self.job, self.record = call, job, record
-        self.costs = costs  # the deployment's measured costs (specdeploy.policy.CostModel), to size a plain run's time slice
-        self.active = active  # requests the BLS instances are serving now (policy.ActiveCount)
-
-    def verify(self, sequence, draft_tokens, draft_logits, sampling, output_len=None):
-        job = self.job
-        first = not self.record.rounds
-        # A call that carries draft_input_ids never asks for logits: NVIDIA's BLS sets both flags only when the call
-        # has no draft request (tensorrtllm_backend@c2e65b8 all_models/inflight_batcher_llm/tensorrt_llm_bls/1/lib/
-        # triton_decoder.py:495-508) and docs/model_config.md:223 says they are "not supported when using
-        # speculative decoding". A request that wants logits is served without drafts (_run).
-        context_logits = job["return_context_logits"] and first and not draft_tokens
-        extra = {
-            "bad_words_list": job["bad_words_list"][None],
-            "stop_words_list": job["stop_words_list"][None],
-            "return_log_probs": np.array([[job["return_log_probs"]]]),
-            "return_context_logits": np.array([[context_logits]]),
-            **_request_tensors(job, len(sequence) - len(job["prompt_ids"])),
-        }
-        if draft_tokens:
-            extra["draft_input_ids"] = np.array([draft_tokens], dtype=np.int32)
-        if draft_logits is not None:
-            extra["draft_logits"] = draft_logits.float().numpy()[None].astype(np.float32)  # [1, k, vocab]
-        wanted = ["output_log_probs", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks", "first_token_time_ns"]
-        if context_logits:
-            wanted.append("context_logits")
-        # output_len: a plain run of the policy, or the canary's plain path (the whole answer in one call,
-        # specdeploy.metrics.PlainVerifier)
-        tokens, logits, outputs = self.call(
-            sequence, output_len or len(draft_tokens) + 1, sampling, extra, job["return_generation_logits"] and not draft_tokens, wanted,
-            stop_check=job.get("stop_check"), slice_s=self._run_slice_s(output_len),
-        )
-        log_probs = [float(x) for a in outputs.get("output_log_probs", []) for x in a.reshape(-1)] if job["return_log_probs"] else None
-        self.record.rounds.append((log_probs, logits))
-        if "context_logits" in outputs:
-            rows = outputs["context_logits"][0]
-            self.record.context_logits = rows.reshape(-1, rows.shape[-1])  # [prompt, vocab]
-        last = {name: int(outputs[name][-1].reshape(-1)[0]) for name in wanted[1:] if outputs.get(name)}
-        if first:
-            self.record.kv_reused = last.get("kv_cache_reused_blocks", 0)
-            self.record.first_token_ns = last.get("first_token_time_ns", 0)
-        self.record.kv_total = last.get("kv_cache_alloc_total_blocks", self.record.kv_total)
-        requested = output_len or len(draft_tokens) + 1
-        if ended_at_end_id(sequence, draft_tokens, tokens, requested, job["end_id"], job["stop_words"]):
-            return tokens + [job["end_id"]]  # the loop (speculative_generate) then finishes with reason end_id
-        return tokens
-
-    def _run_slice_s(self, output_len):
-        """A first time slice long enough for a plain run of output_len tokens (common.run_slice_s)."""
-        if not output_len or output_len <= 1:
-            return None
-        costs = self.costs
-        per_token = (costs.plain_token_s or costs.verify_s.get(1)) if costs is not None else None
-        return common.run_slice_s(output_len, per_token or RUN_TOKEN_GUESS_S, self.active())
-
-
-def ended_at_end_id(sequence, draft_tokens, returned, requested, end_id, stop_words) -> bool:
-    """Whether a tensorrt_llm call ended its sequence at `end_id`, read from what it returned.
-
-    TensorRT-LLM leaves the end token out of output_ids (see tensorrt_llm.py `_without_end_token` for the sources),
-    so the end shows only as a short answer. Without an end, a call returns what it was asked for: `requested`
-    tokens of a plain run, or, with draft tokens, the accepted prefix plus one token of the target's own, which
-    differs from the draft token at that place (greedy: else it would have been accepted; rejection sampling: the
-    residual distribution is zero at a rejected draft token; token matching: a rejection means a different token),
-    capped at `requested` = k + 1. Fewer tokens than that, not explained by a stop word (a stop word stays in the
-    output), means the end id came next. `stop_words` are token lists; matched over the whole sequence."""
-    if end_id is None:
-        return False
-    if draft_tokens:
-        agreed = 0
-        while agreed < min(len(draft_tokens), len(returned)) and draft_tokens[agreed] == returned[agreed]:
-            agreed += 1
-        expected = min(agreed + 1, requested)
-    else:
-        expected = requested
-    if len(returned) >= expected:
-        return False
-    whole = list(sequence) + list(returned)
-    return spec.find_stop(whole, len(sequence), None, stop_words) is None
-
-
-RUN_TOKEN_GUESS_S = 0.05  # seconds per plain token before the deployment has timed one
 
 
 class TritonPythonModel:
@@ -277,8 +81,8 @@ class TritonPythonModel:
         slice_s = float(params.get("cancel_check_interval_s") or common.CANCEL_CHECK_INTERVAL_S)
         self.held = common.HeldResponses()  # one queue barrier serves both models' calls
         names = json.loads(params.get("engine_tensor_names") or "{}")
-        self.target = _LlmCall(params["tensorrt_llm_model_name"], self.decoupled, slice_s, self.held, names)
-        self.draft = _LlmCall(params["tensorrt_llm_draft_model_name"], self.decoupled, slice_s, self.held, names)
+        self.target = LlmCall(params["tensorrt_llm_model_name"], self.decoupled, slice_s, self.held, names)
+        self.draft = LlmCall(params["tensorrt_llm_draft_model_name"], self.decoupled, slice_s, self.held, names)
         self.default_end_id = self.tokenizer.eos_token_id
         # draft.kind ngram: propose here, from the ids this BLS holds (a public pool is this instance's)
         self.ngram = ngram.from_parameters(params) if params.get("draft_kind") == "ngram" else None
@@ -374,7 +178,7 @@ class TritonPythonModel:
     def _run(self, job, arrival_ns, emit):
         if self.eagle3:
             return self._run_fused(job, arrival_ns, emit)
-        record = _Record()
+        record = Record()
         proposer = ngram.NGramProposer(self.ngram, self.ngram_pool) if self.ngram is not None else TritonProposer(self.draft, job)
         verifier = TritonVerifier(self.target, job, record, self.deployment.costs, self.active)
         times = {"arrival": arrival_ns, "scheduled": time.time_ns(), "first": None}
@@ -454,7 +258,7 @@ class TritonPythonModel:
             "return_log_probs": np.array([[job["return_log_probs"]]]),
             "return_context_logits": np.array([[job["return_context_logits"]]]),
             "num_draft_tokens": np.array([[k]], dtype=np.int32),
-            **_request_tensors(job, 0),
+            **request_tensors(job, 0),
         }
         wanted = ["output_log_probs", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks", "first_token_time_ns",
                   "draft_tokens_per_round", "accepted_draft_tokens_per_round"] + (["context_logits"] if job["return_context_logits"] else [])
@@ -480,7 +284,7 @@ class TritonPythonModel:
         for i, (kr, ar, er) in enumerate(zip(k_rounds, a_rounds, emitted)):
             reason = None if kr else (plain_reason or (m_reason_no_draft() if i == 0 and drafted_rounds else None))
             self.ops.recorder.round(ops.arm, kr, ar, er, 0.0, per_pass_s, reason)
-        record = _Record()
+        record = Record()
         log_probs = [float(x) for a in outputs.get("output_log_probs", []) for x in a.reshape(-1)] if job["return_log_probs"] else None
         if outputs.get("context_logits"):
             rows = outputs["context_logits"][0]
@@ -557,3 +361,4 @@ def _requested_outputs(request) -> set:
 
 def _error(message: str):
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(message))
+
