@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdeploy.config import QuantConfig
+from specdeploy.durations import duration_text
 from specdeploy.errors import ConfigError, QuantizeError
 
 # Sustained throughput assumed for calibration forwards (dense matmuls): a many-core server CPU in fp32, and a
@@ -51,17 +52,7 @@ class CalibrationPlan:
         where = "GPU memory" if self.device == "cuda" else "RAM"
         avail = f" of {self.available_bytes / gib:.0f} GiB" if self.available_bytes else ""
         return (f"calibrating {self.params / 1e9:.2f}B parameters on {self.device}: ~{self.peak_bytes / gib:.1f} GiB "
-                f"{where}{avail}, ~{_duration(self.seconds)} (estimate)")  # fmt: skip
-
-
-def _duration(seconds: float) -> str:
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f} min"
-    if seconds < 3 * 86400:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 86400:.1f} days"
+                f"{where}{avail}, ~{duration_text(self.seconds)} (estimate)")  # fmt: skip
 
 
 def count_params(hf_config: dict) -> int:

@@ -60,6 +60,7 @@ from specdeploy.draft_prompts import (
     source_quotas,
     validation_prompts,
 )
+from specdeploy.draft_samples import HELDOUT_FILE, TRAIN_FILE
 from specdeploy.errors import StaleArtifactError
 
 STAGE = "draft-data"
@@ -110,7 +111,6 @@ def make_draft_data(recipe: Recipe, layout, recipe_path: str = "RECIPE", force: 
     from specdeploy.generate import load_engine, load_tokenizer
 
     echo = echo or (lambda message: print(message, file=sys.stderr, flush=True))
-    rerun = RERUN.format(recipe=recipe_path)
     check_sources(recipe)
     data = recipe.draft.data
     target_dir = layout.engine("target")
@@ -131,16 +131,7 @@ def make_draft_data(recipe: Recipe, layout, recipe_path: str = "RECIPE", force: 
     # a full disk while journaling: the error names the folder, and what was journaled stays for the next run
     with artifacts.disk_full_as_error(work, "the answers' journal", "the answers journaled before it filled up stay there, "
                                       "and the next run resumes from them"):
-        stamp = work / "fingerprint"
-        if force or not stamp.is_file() or stamp.read_text().strip() != fp:
-            if work.exists():
-                echo(f"draft data: starting over ({'--force' if force else 'inputs or settings changed since the interrupted run'})")
-            shutil.rmtree(work, ignore_errors=True)
-            work.mkdir(parents=True)
-            stamp.write_text(fp + "\n")
-        journal = Journal(work / "journal.jsonl")
-        if journal.done:
-            echo(f"draft data: resuming from {work} ({len(journal.done)} generations already done)")
+        journal = _open_journal(work, fp, force, echo)
 
         tokenizer = load_tokenizer(target_dir, recipe.target.model)
         chat = ChatFormat(tokenizer)
@@ -158,67 +149,31 @@ def make_draft_data(recipe: Recipe, layout, recipe_path: str = "RECIPE", force: 
         try:
             max_seq_len = engine_box["max_seq_len"]
             gen = Generator(scheduler, chat.end_id, journal, echo, on_sample)
-            # ---- prompts
             collector = PromptCollector(validation)
-            quotas = source_quotas(data.sources, data.num_prompts) if data.sources else {}
-            short = 0
-            pools = {}
-            for source in data.sources:  # the fixed sources first, each up to its quota
-                if source == "self_instruct":
-                    continue
-                pools[source] = iter(calibration_prompts(data.seed) if source == "calibration" else file_lists[source])
-                kept = 0
-                for prompt in pools[source] if quotas[source] else ():
-                    kept += collector.offer(prompt)
-                    if kept == quotas[source]:
-                        break
-                short += quotas[source] - kept
-            for source, pool in pools.items():  # what a source lacked comes from the others' remaining prompts, in order,
-                for prompt in pool:  # then from self_instruct
-                    if short == 0:
-                        break
-                    short -= collector.offer(prompt)
-            if "self_instruct" in data.sources:
-                quotas["self_instruct"] += short
-                kept = self_instruct_prompts(gen, chat, collector, quotas["self_instruct"], data.seed, data.temperature, max_seq_len)
-                if kept < quotas["self_instruct"]:
-                    echo(f"draft data: the target wrote {kept} usable user turns of {quotas['self_instruct']} wanted "
-                         f"(the others did not end within {draft_prompts.SELF_INSTRUCT_MAX_TOKENS} tokens, were trivial or repeated)")
-            # ---- answers
-            jobs, plan, too_long = [], [], 0
-            for prompt in collector.prompts:
-                ids = chat.prompt_ids(prompt.messages)
-                max_new = min(data.max_new_tokens, max_seq_len - len(ids))
-                if max_new < min(MIN_ANSWER_TOKENS, data.max_new_tokens):
-                    too_long += 1
-                    continue
-                plan.append((prompt, ids))
-                for k in range(data.samples_per_prompt):
-                    jobs.append(Job(f"{prompt.id}/{k}", ids, max_new, None if k == 0 else data.temperature, derived_seed(data.seed, prompt.id, k)))
+            _collect_prompts(recipe, collector, file_lists, gen, chat, max_seq_len, echo)
+            jobs, plan, too_long = _answer_jobs(collector, chat, data, max_seq_len)
             gen.run(jobs, "draft data: samples", len(jobs), 0)
         finally:
             scheduler.close()
             journal.close()
 
-    # ---- the output
-    records: list[tuple[bool, dict]] = []  # (held out, record)
-    for prompt, ids in plan:
-        for k in range(data.samples_per_prompt):
-            entry = journal.done[f"{prompt.id}/{k}"]
-            records.append((prompt.key, {"id": f"{prompt.id}/{k}", "source": prompt.source, "input_ids": ids + entry["tokens"],
-                                         "loss_start": len(ids), "sampled": k > 0}))
-    for path in data.text_files:
-        for i, chunk in enumerate(_text_chunks(tokenizer, Path(path), min(recipe.draft.train.seq_len, max_seq_len))):
-            records.append((f"{path}#{i}", {"id": f"text-{derived_seed(str(path)) % 10**6}-{i}", "source": "text", "input_ids": chunk,
-                                            "loss_start": 0, "sampled": False}))
-    keys = list(dict.fromkeys(key for key, _ in records))
-    held = {key for key in keys if is_heldout(key)}
-    if not held and len(keys) >= 2:  # a small set still holds one prompt out: the one with the lowest hash bucket
-        held = {min(keys, key=lambda key: (_hash_bucket(key), key))}
+    records, held = _records(recipe, journal, plan, tokenizer, max_seq_len)
     stats = _stats(records, held, collector, too_long)
     elapsed = time.monotonic() - started
+    _write_output(dest, recipe, records, held, fp, stats, target_dir, target_manifest, in_flight, max_seq_len, gen, elapsed)
+    shutil.rmtree(work, ignore_errors=True)
+    echo(f"draft data: wrote {dest} ({stats['train']['samples']} train, {stats['heldout']['samples']} held-out samples, "
+         f"{stats['total']['tokens']} tokens; {gen.tokens} answer tokens this run"
+         + (f", {gen.tokens / gen.busy_s:.1f} tokens/s)" if gen.busy_s else ")"))
+    return dest
+
+
+def _write_output(dest: Path, recipe: Recipe, records, held, fp: str, stats: dict, target_dir: Path, target_manifest,
+                  in_flight: int, max_seq_len: int, gen: Generator, elapsed: float) -> None:
+    """train.jsonl, heldout.jsonl and the manifest, written into a temporary folder renamed into `dest`."""
+    data = recipe.draft.data
     with artifacts.atomic_output(dest) as tmp:
-        with open(tmp / "train.jsonl", "w", encoding="utf-8") as train, open(tmp / "heldout.jsonl", "w", encoding="utf-8") as heldout:
+        with open(tmp / TRAIN_FILE, "w", encoding="utf-8") as train, open(tmp / HELDOUT_FILE, "w", encoding="utf-8") as heldout:
             for key, record in records:
                 (heldout if key in held else train).write(json.dumps(record) + "\n")
         artifacts.Manifest(
@@ -237,11 +192,88 @@ def make_draft_data(recipe: Recipe, layout, recipe_path: str = "RECIPE", force: 
                    "tokens_per_s": round(gen.tokens / gen.busy_s, 2) if gen.busy_s else None,
                    "wall_s_this_run": round(elapsed, 1)},
         ).write(tmp)
-    shutil.rmtree(work, ignore_errors=True)
-    echo(f"draft data: wrote {dest} ({stats['train']['samples']} train, {stats['heldout']['samples']} held-out samples, "
-         f"{stats['total']['tokens']} tokens; {gen.tokens} answer tokens this run"
-         + (f", {gen.tokens / gen.busy_s:.1f} tokens/s)" if gen.busy_s else ")"))
-    return dest
+
+
+def _open_journal(work: Path, fp: str, force: bool, echo) -> Journal:
+    """The journal of an interrupted run with the same inputs (resumed), else a new one in an emptied `work`."""
+    stamp = work / "fingerprint"
+    if force or not stamp.is_file() or stamp.read_text().strip() != fp:
+        if work.exists():
+            echo(f"draft data: starting over ({'--force' if force else 'inputs or settings changed since the interrupted run'})")
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        stamp.write_text(fp + "\n")
+    journal = Journal(work / "journal.jsonl")
+    if journal.done:
+        echo(f"draft data: resuming from {work} ({len(journal.done)} generations already done)")
+    return journal
+
+
+def _collect_prompts(recipe: Recipe, collector: PromptCollector, file_lists: dict, gen: Generator, chat: ChatFormat,
+                     max_seq_len: int, echo) -> None:
+    """Fill `collector` with the recipe's prompts: each fixed source up to its quota, what a source lacked from the
+    others' remaining prompts in order, then self_instruct (the target writing user turns)."""
+    data = recipe.draft.data
+    quotas = source_quotas(data.sources, data.num_prompts) if data.sources else {}
+    short = 0
+    pools = {}
+    for source in data.sources:
+        if source == "self_instruct":
+            continue
+        pools[source] = iter(calibration_prompts(data.seed) if source == "calibration" else file_lists[source])
+        kept = 0
+        for prompt in pools[source] if quotas[source] else ():
+            kept += collector.offer(prompt)
+            if kept == quotas[source]:
+                break
+        short += quotas[source] - kept
+    for pool in pools.values():
+        for prompt in pool:
+            if short == 0:
+                break
+            short -= collector.offer(prompt)
+    if "self_instruct" in data.sources:
+        quotas["self_instruct"] += short
+        kept = self_instruct_prompts(gen, chat, collector, quotas["self_instruct"], data.seed, data.temperature, max_seq_len)
+        if kept < quotas["self_instruct"]:
+            echo(f"draft data: the target wrote {kept} usable user turns of {quotas['self_instruct']} wanted "
+                 f"(the others did not end within {draft_prompts.SELF_INSTRUCT_MAX_TOKENS} tokens, were trivial or repeated)")
+
+
+def _answer_jobs(collector: PromptCollector, chat: ChatFormat, data, max_seq_len: int):
+    """The generations to run: samples_per_prompt per prompt (the first greedy); prompts too long to leave room for
+    an answer are dropped and counted. Returns (jobs, [(prompt, prompt ids)], dropped count)."""
+    jobs, plan, too_long = [], [], 0
+    for prompt in collector.prompts:
+        ids = chat.prompt_ids(prompt.messages)
+        max_new = min(data.max_new_tokens, max_seq_len - len(ids))
+        if max_new < min(MIN_ANSWER_TOKENS, data.max_new_tokens):
+            too_long += 1
+            continue
+        plan.append((prompt, ids))
+        for k in range(data.samples_per_prompt):
+            jobs.append(Job(f"{prompt.id}/{k}", ids, max_new, None if k == 0 else data.temperature, derived_seed(data.seed, prompt.id, k)))
+    return jobs, plan, too_long
+
+
+def _records(recipe: Recipe, journal: Journal, plan, tokenizer, max_seq_len: int):
+    """The samples (answers from the journal, then the text files' chunks) as [(key, record)], and the keys held out."""
+    data = recipe.draft.data
+    records: list[tuple[str, dict]] = []
+    for prompt, ids in plan:
+        for k in range(data.samples_per_prompt):
+            entry = journal.done[f"{prompt.id}/{k}"]
+            records.append((prompt.key, {"id": f"{prompt.id}/{k}", "source": prompt.source, "input_ids": ids + entry["tokens"],
+                                         "loss_start": len(ids), "sampled": k > 0}))
+    for path in data.text_files:
+        for i, chunk in enumerate(_text_chunks(tokenizer, Path(path), min(recipe.draft.train.seq_len, max_seq_len))):
+            records.append((f"{path}#{i}", {"id": f"text-{derived_seed(str(path)) % 10**6}-{i}", "source": "text", "input_ids": chunk,
+                                            "loss_start": 0, "sampled": False}))
+    keys = list(dict.fromkeys(key for key, _ in records))
+    held = {key for key in keys if is_heldout(key)}
+    if not held and len(keys) >= 2:  # a small set still holds one prompt out: the one with the lowest hash bucket
+        held = {min(keys, key=lambda key: (_hash_bucket(key), key))}
+    return records, held
 
 
 def _text_chunks(tokenizer, path: Path, size: int) -> list[list[int]]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from specdeploy.durations import duration_text
 from specdeploy.errors import ConfigError
 
 _MARK = "\u2063SPECDEPLOY-USER-TURN\u2063"  # stands in for a user turn's content when cutting the template
@@ -161,7 +162,7 @@ class Generator:
                     rate = (self.live_tokens - tokens0) / elapsed if elapsed else 0.0
                     per_job = elapsed / (done - done_before)
                     eta = per_job * (total - done)
-                    self.echo(f"{label}: {done}/{total}, {rate:.1f} tokens/s, ETA {_duration(eta)}")
+                    self.echo(f"{label}: {done}/{total}, {rate:.1f} tokens/s, ETA {duration_text(eta)}")
         except BaseException:
             for f in futures if "futures" in locals() else []:
                 f.cancel()
@@ -169,10 +170,3 @@ class Generator:
         finally:
             self.busy_s += time.monotonic() - start
             pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _duration(seconds: float) -> str:
-    seconds = int(seconds)
-    if seconds >= 3600:
-        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-    return f"{seconds // 60}m{seconds % 60:02d}s"

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from specdeploy.config import Eagle3TrainConfig
 from specdeploy.draft_samples import DraftData
+from specdeploy.durations import duration_text
 from specdeploy.errors import ConfigError, DiskFullError
 
 # Throughput assumed for the time estimate (as specdeploy.calibration: labelled estimates; they decide a refusal only
@@ -20,7 +21,6 @@ GPU_FLOPS = 1.0e14
 ADAM_BYTES_PER_PARAM = 16  # fp32 weight, gradient, two Adam moments
 CHECKPOINT_BYTES_PER_PARAM = 12  # the resume checkpoint: fp32 weight and two Adam moments (no gradient)
 EXPORT_BYTES_PER_PARAM = {"float32": 4, "bfloat16": 2, "float16": 2}
-
 
 
 @dataclass(frozen=True)
@@ -39,15 +39,7 @@ class TrainPlan:
         avail = f" of {self.available_bytes / gib:.0f} GiB" if self.available_bytes else ""
         return (f"{self.total_steps} steps ({self.steps_per_epoch} per epoch), {self.train_tokens:,} tokens, "
                 f"head {self.head_params / 1e6:.1f} M parameters, on {self.device}: ~{self.peak_bytes / gib:.1f} GiB"
-                f"{avail}, ~{_duration(self.seconds)} (estimate)")  # fmt: skip
-
-
-def _duration(seconds: float) -> str:
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
+                f"{avail}, ~{duration_text(self.seconds)} (estimate)")  # fmt: skip
 
 
 def head_shape(target_config: dict, draft_vocab_size: int, num_aux: int) -> int:

@@ -35,6 +35,7 @@ LAYER_OF = {
     "config_loader": "core",  # YAML -> Recipe: unknown keys, types, then config_checks
     "artifacts": "core",
     "cost": "core",
+    "durations": "core",  # how long something takes, for a person
     "gpu": "core",
     "lock": "core",
     "metric_names": "core",  # the metrics a deployment exports, written once

@@ -64,6 +64,21 @@ class EnginePass:
     elapsed_s: float = 0.0
 
 
+
+def _append_round(sequence: list[int], new: list[int], request: GenerationRequest, produced: int) -> tuple[list[int], str | None]:
+    """Append a round's tokens to `sequence`, cut at max_new_tokens and at the first end id or stop word; returns
+    the tokens kept and why generation ends there (None: it goes on)."""
+    base = len(sequence)
+    sequence.extend(new[: request.max_new_tokens - produced])
+    reason = None
+    cut = spec.find_stop(sequence, base, request.end_id, request.stop_words)
+    if cut is not None:
+        del sequence[cut:]
+        reason = "end_id" if sequence[-1] == request.end_id else "stop_words"
+    elif produced + len(sequence) - base >= request.max_new_tokens:
+        reason = "length"
+    return sequence[base:], reason
+
 def _count(per_position: list[int], n: int, size: int) -> None:
     """Add one to positions 0..n-1 of a per-draft-position counter, grown to at least `size` positions."""
     per_position.extend([0] * (size - len(per_position)))
@@ -363,7 +378,6 @@ class Executor:
 
         State between rounds: the target cache holds positions 0..L-1 (the last chosen token not run yet),
         the head rows 0..L-1 (row p: the target's features at p and the token at p + 1)."""
-        head, drafter = self.head, entry.drafter
         input_ids = list(request.input_ids)
         n_in = len(input_ids)
         aux_parts: list[torch.Tensor] = []
@@ -387,18 +401,8 @@ class Executor:
         pending = 0
         while True:
             # the round's tokens (draft[:a] + the target's own), cut by length and stop conditions
-            base = len(sequence)
             self._stamp_token(stats, not output, start)
-            new = new[: request.max_new_tokens - len(output)]
-            sequence.extend(new)
-            reason = None
-            cut = spec.find_stop(sequence, base, request.end_id, request.stop_words)
-            if cut is not None:
-                del sequence[cut:]
-                reason = "end_id" if sequence[-1] == request.end_id else "stop_words"
-            elif len(output) + len(new) >= request.max_new_tokens:
-                reason = "length"
-            new = sequence[base:]
+            new, reason = _append_round(sequence, new, request, len(output))
             output.extend(new)
             pending += len(new)
             if request.return_logits:
@@ -415,31 +419,40 @@ class Executor:
                 yield chunk_of(request, new, kept_logits[-len(new):], kept_log_probs[-len(new):], None, None, context_logits)
                 context_logits = None
                 pending = 0
-            # the head catches up on the positions the target just computed and kept, then drafts
-            t0 = self._clock()
-            length = entry.cache.length
-            drafter.truncate(length - pending_aux.shape[0])
-            drafter.catch_up(pending_aux, sequence[drafter.length + 1 : length + 1])
-            k = max(0, min(request.num_draft_tokens, self.max_draft_len, request.max_new_tokens - len(output) - 1))
-            draft = drafter.draft(k, self.draft_p_min) if k else []
-            k = len(draft)  # fewer where the head was unsure (draft_p_min): a round of k + 1 rows
-            stats.draft_time_s += self._clock() - t0
-            # one target pass: the last token + k drafts, k + 1 rows, with their aux features
-            aux_parts = []
-            raw_rows = yield from self._forward(entry, [sequence[-1]] + draft, stats, None, aux_parts)  # [k + 1, vocab]
-            rows = lp.process_rows(raw_rows, sequence + draft, len(sequence), len(output), params)  # [k + 1, vocab]
-            accepted, next_token = spec.verify_greedy(draft, rows)
-            entry.cache.truncate(length + 1 + accepted)  # the rejected drafts' KV: the pointer moves back
-            del entry.tokens[length + 1 + accepted :]
-            pending_aux = aux_parts[0][: accepted + 1]  # [a + 1, L * hidden] positions length..length+a
-            new = draft[:accepted] + [next_token]
-            stats.drafted += k
-            stats.accepted += accepted
-            stats.drafted_per_round.append(k)  # 0: a plain step (one token was left to generate)
-            stats.accepted_per_round.append(accepted)
-            if k:
-                _count(stats.drafted_per_position, k, k)
-                _count(stats.accepted_per_position, accepted, k)
+            raw_rows, rows, new, pending_aux = yield from self._fused_round(entry, pending_aux, sequence, len(output), request, params, stats)
+
+    def _fused_round(
+        self, entry: CachedSequence, pending_aux: torch.Tensor, sequence: list[int], produced: int,
+        request: GenerationRequest, params: LogitsParams, stats: GenerationStats,
+    ):
+        """One round of the fused loop: the head catches up on the positions the target computed and kept, drafts up
+        to k, and one target pass of k + 1 rows verifies them. Returns (the pass's raw rows, its processed rows, the
+        round's tokens: accepted drafts + the target's own, the aux features of the kept positions)."""
+        drafter = entry.drafter
+        t0 = self._clock()
+        length = entry.cache.length
+        drafter.truncate(length - pending_aux.shape[0])
+        drafter.catch_up(pending_aux, sequence[drafter.length + 1 : length + 1])
+        k = max(0, min(request.num_draft_tokens, self.max_draft_len, request.max_new_tokens - produced - 1))
+        draft = drafter.draft(k, self.draft_p_min) if k else []
+        k = len(draft)  # fewer where the head was unsure (draft_p_min): a round of k + 1 rows
+        stats.draft_time_s += self._clock() - t0
+        # one target pass: the last token + k drafts, k + 1 rows, with their aux features
+        aux_parts = []
+        raw_rows = yield from self._forward(entry, [sequence[-1]] + draft, stats, None, aux_parts)  # [k + 1, vocab]
+        rows = lp.process_rows(raw_rows, sequence + draft, len(sequence), produced, params)  # [k + 1, vocab]
+        accepted, next_token = spec.verify_greedy(draft, rows)
+        entry.cache.truncate(length + 1 + accepted)  # the rejected drafts' KV: the pointer moves back
+        del entry.tokens[length + 1 + accepted :]
+        pending_aux = aux_parts[0][: accepted + 1]  # [a + 1, L * hidden] positions length..length+a
+        stats.drafted += k
+        stats.accepted += accepted
+        stats.drafted_per_round.append(k)  # 0: a plain step (one token was left to generate)
+        stats.accepted_per_round.append(accepted)
+        if k:
+            _count(stats.drafted_per_position, k, k)
+            _count(stats.accepted_per_position, accepted, k)
+        return raw_rows, rows, draft[:accepted] + [next_token], pending_aux
 
     def _verify(
         self,

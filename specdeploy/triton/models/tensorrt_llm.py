@@ -172,71 +172,11 @@ class TritonPythonModel:
 
     def _parse(self, get):
         common.refuse_unsupported(get, REFUSED)
-        input_ids = get("input_ids")
-        if input_ids is None:
-            raise RequestError("input_ids is required (encoder inputs are not supported by the cpu backend)")
-        common.require_single(input_ids, "input_ids")
-        ids = input_ids.reshape(-1).tolist()
-        length = common.scalar(get("input_lengths"), "input_lengths", int, len(ids))
-        if not 0 <= length <= len(ids):
-            raise RequestError(f"input_lengths is {length} but input_ids holds {len(ids)} ids")
-        ids = [int(t) for t in ids[:length]]
-        if not ids:
-            raise RequestError("input_ids is empty; send a non-empty prompt")
-        common.check_token_ids(ids, self.vocab_size, "input_ids")
-        out_len = common.scalar(get("request_output_len"), "request_output_len", int)
-        common.check_output_len(len(ids), out_len, self.max_seq_len, "request_output_len (max_tokens)")
-
-        draft = get("draft_input_ids")
-        draft_tokens = None if draft is None or draft.size == 0 else [int(t) for t in draft.reshape(-1).tolist()]
-        if draft_tokens is not None:
-            if len(draft_tokens) > self.max_draft_len:
-                raise RequestError(
-                    f"Number of draft tokens ({len(draft_tokens)}) is larger than maximum number of draft tokens "
-                    f"({self.max_draft_len}); lower num_draft_tokens or rebuild the target with a larger max_draft_len"
-                )
-            common.check_token_ids(draft_tokens, self.vocab_size, "draft_input_ids")
-        draft_logits = get("draft_logits")
-        if draft_logits is not None and draft_logits.size == 0:
-            draft_logits = None
-        if draft_logits is not None:
-            if draft_tokens is None:
-                raise RequestError("draft_logits given without draft_input_ids")
-            draft_logits = torch.from_numpy(np.ascontiguousarray(draft_logits.reshape(-1, draft_logits.shape[-1]), dtype=np.float32))
-            if draft_logits.shape[0] != len(draft_tokens) or (self.vocab_size and draft_logits.shape[1] != self.vocab_size):
-                raise RequestError(
-                    f"draft_logits has shape {list(draft_logits.shape)}, expected [{len(draft_tokens)}, {self.vocab_size}] "
-                    "(one row per draft token)"
-                )
-
-        streaming = common.scalar(get("streaming"), "streaming", bool, False)
-        if streaming and not self.decoupled:
-            raise RequestError("streaming needs the model deployed in decoupled mode (recipe triton.decoupled: true)")
-        if streaming and self.stream_problem:
-            raise RequestError(
-                f"streaming is not supported with this tokenizer: {self.stream_problem}, so the streamed text would differ "
-                "from the whole text; stream from tensorrt_llm_bls (stream=true) or send stream=false"
-            )
-        n_seq = common.scalar(get("num_return_sequences"), "num_return_sequences", int, 1)
-        if n_seq < 1:
-            raise RequestError(f"num_return_sequences is {n_seq}; send 1 or more")
-        if n_seq > self.max_return_sequences:  # INT32_MAX of them held the model for hours (bench/fuzz.py)
-            raise RequestError(f"num_return_sequences is {n_seq}, above this model's max_batch_size {self.max_return_sequences}; "
-                               "send at most that many (or raise engine.max_batch_size)")
-        if n_seq > 1 and not self.decoupled:
-            raise RequestError("num_return_sequences > 1 needs decoupled mode (one response per sequence; recipe triton.decoupled: true)")
-        if n_seq > 1 and draft_tokens is not None:
-            raise RequestError("num_return_sequences > 1 cannot be combined with draft_input_ids")
+        ids, out_len = self._prompt(get)
+        draft_tokens, draft_logits = self._drafts(get)
+        streaming, n_seq = self._sequences(get, draft_tokens)
         sampling = self._SamplingParams(**common.sampling_fields(get, "runtime_top_k", "runtime_top_p"))
-        num_draft_tokens = 0
-        if self.eagle3:  # the head drafts k per round, capped by the engine's max_draft_len (0 or absent: plain)
-            num_draft_tokens = common.scalar(get("num_draft_tokens"), "num_draft_tokens", int, 0)
-            if num_draft_tokens < 0:
-                raise RequestError(f"num_draft_tokens is {num_draft_tokens}, must be >= 0 (0: the target alone)")
-            if num_draft_tokens and draft_tokens is not None:
-                raise RequestError("num_draft_tokens > 0 (the EAGLE-3 head drafts) cannot be combined with draft_input_ids")
-            num_draft_tokens = min(num_draft_tokens, self.max_draft_len)
-        flags_eagle3 = {"eagle3_rounds": self.eagle3}
+        num_draft_tokens = self._eagle3_draft_count(get, draft_tokens)
         end_id = common.scalar(get("end_id"), "end_id", int, None)
         pad_id = common.scalar(get("pad_id"), "pad_id", int, None)
         return_log_probs = common.scalar(get("return_log_probs"), "return_log_probs", bool, False)
@@ -248,7 +188,7 @@ class TritonPythonModel:
             "perf": common.scalar(get("return_perf_metrics"), "return_perf_metrics", bool, False),
             "streaming": streaming,
             "num_return_sequences": n_seq,
-            **flags_eagle3,
+            "eagle3_rounds": self.eagle3,
         }
         values = {
             **common.penalty_fields(get),
@@ -273,6 +213,82 @@ class TritonPythonModel:
             **common.request_kwargs(self._GenerationRequest, values),
         )
         return gen, flags
+
+    def _prompt(self, get):
+        """The prompt's ids (input_lengths honoured, each id in the vocabulary) and request_output_len, checked."""
+        input_ids = get("input_ids")
+        if input_ids is None:
+            raise RequestError("input_ids is required (encoder inputs are not supported by the cpu backend)")
+        common.require_single(input_ids, "input_ids")
+        ids = input_ids.reshape(-1).tolist()
+        length = common.scalar(get("input_lengths"), "input_lengths", int, len(ids))
+        if not 0 <= length <= len(ids):
+            raise RequestError(f"input_lengths is {length} but input_ids holds {len(ids)} ids")
+        ids = [int(t) for t in ids[:length]]
+        if not ids:
+            raise RequestError("input_ids is empty; send a non-empty prompt")
+        common.check_token_ids(ids, self.vocab_size, "input_ids")
+        out_len = common.scalar(get("request_output_len"), "request_output_len", int)
+        common.check_output_len(len(ids), out_len, self.max_seq_len, "request_output_len (max_tokens)")
+        return ids, out_len
+
+    def _drafts(self, get):
+        """draft_input_ids and draft_logits (None when absent or empty), checked against max_draft_len and the vocabulary."""
+        draft = get("draft_input_ids")
+        draft_tokens = None if draft is None or draft.size == 0 else [int(t) for t in draft.reshape(-1).tolist()]
+        if draft_tokens is not None:
+            if len(draft_tokens) > self.max_draft_len:
+                raise RequestError(
+                    f"Number of draft tokens ({len(draft_tokens)}) is larger than maximum number of draft tokens "
+                    f"({self.max_draft_len}); lower num_draft_tokens or rebuild the target with a larger max_draft_len"
+                )
+            common.check_token_ids(draft_tokens, self.vocab_size, "draft_input_ids")
+        draft_logits = get("draft_logits")
+        if draft_logits is not None and draft_logits.size == 0:
+            draft_logits = None
+        if draft_logits is not None:
+            if draft_tokens is None:
+                raise RequestError("draft_logits given without draft_input_ids")
+            draft_logits = torch.from_numpy(np.ascontiguousarray(draft_logits.reshape(-1, draft_logits.shape[-1]), dtype=np.float32))
+            if draft_logits.shape[0] != len(draft_tokens) or (self.vocab_size and draft_logits.shape[1] != self.vocab_size):
+                raise RequestError(
+                    f"draft_logits has shape {list(draft_logits.shape)}, expected [{len(draft_tokens)}, {self.vocab_size}] "
+                    "(one row per draft token)"
+                )
+        return draft_tokens, draft_logits
+
+    def _sequences(self, get, draft_tokens):
+        """streaming and num_return_sequences, refused where this deployment cannot serve them."""
+        streaming = common.scalar(get("streaming"), "streaming", bool, False)
+        if streaming and not self.decoupled:
+            raise RequestError("streaming needs the model deployed in decoupled mode (recipe triton.decoupled: true)")
+        if streaming and self.stream_problem:
+            raise RequestError(
+                f"streaming is not supported with this tokenizer: {self.stream_problem}, so the streamed text would differ "
+                "from the whole text; stream from tensorrt_llm_bls (stream=true) or send stream=false"
+            )
+        n_seq = common.scalar(get("num_return_sequences"), "num_return_sequences", int, 1)
+        if n_seq < 1:
+            raise RequestError(f"num_return_sequences is {n_seq}; send 1 or more")
+        if n_seq > self.max_return_sequences:  # INT32_MAX of them held the model for hours (bench/fuzz.py)
+            raise RequestError(f"num_return_sequences is {n_seq}, above this model's max_batch_size {self.max_return_sequences}; "
+                               "send at most that many (or raise engine.max_batch_size)")
+        if n_seq > 1 and not self.decoupled:
+            raise RequestError("num_return_sequences > 1 needs decoupled mode (one response per sequence; recipe triton.decoupled: true)")
+        if n_seq > 1 and draft_tokens is not None:
+            raise RequestError("num_return_sequences > 1 cannot be combined with draft_input_ids")
+        return streaming, n_seq
+
+    def _eagle3_draft_count(self, get, draft_tokens):
+        """num_draft_tokens for the EAGLE-3 head (0: the target alone), capped by the engine's max_draft_len."""
+        if not self.eagle3:
+            return 0
+        num_draft_tokens = common.scalar(get("num_draft_tokens"), "num_draft_tokens", int, 0)
+        if num_draft_tokens < 0:
+            raise RequestError(f"num_draft_tokens is {num_draft_tokens}, must be >= 0 (0: the target alone)")
+        if num_draft_tokens and draft_tokens is not None:
+            raise RequestError("num_draft_tokens > 0 (the EAGLE-3 head drafts) cannot be combined with draft_input_ids")
+        return min(num_draft_tokens, self.max_draft_len)
 
     def _embedding_bias(self, array):
         if array is None or np.asarray(array).size == 0:
