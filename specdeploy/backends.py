@@ -59,6 +59,11 @@ class Backend:
     # speculative.draft_p_min (the EAGLE-3 head's confidence cut-off) is carried out; TensorRT-LLM's EAGLE-3 options
     # have no such field (specdeploy/llmapi_versions.py lists the fields of each release)
     draft_confidence_cutoff: bool = False
+    # quantization.per_token on int8_sq: the CPU engine quantizes activations per token at build time from ModelOpt's
+    # checkpoint. ModelOpt 0.47 exports int8_sq as W8A8_SQ_PER_CHANNEL only (modelopt/torch/export/quant_utils.py:728),
+    # and TensorRT-LLM's per-token SmoothQuant comes from its own convert_checkpoint.py (--smoothquant --per_token
+    # --per_channel), which specdeploy does not run: the GPU backends refuse it rather than build something unchecked
+    int8_sq_per_token: bool = False
 
     def batches_in_flight(self, recipe) -> bool:
         """Whether the engine models step the concurrent requests of an instance together."""
@@ -94,6 +99,7 @@ CPU = Backend(
     ngram_draft=True,
     eagle3_draft=True,  # specdeploy's own fused CPU engine runs the head
     draft_confidence_cutoff=True,  # Eagle3Drafter.draft(k, p_min)
+    int8_sq_per_token=True,  # engine/compile.py SQ_PER_TOKEN
     prequantized_models=False,
     external_build=False,
     tensorrt_engines=False,

@@ -43,6 +43,23 @@ class QuantConfig:
     awq_block_size: int = 128
     seed: int = 1234
     max_calib_hours: float = 4.0  # the quantize stage refuses a longer (estimated) calibration; see calibration.py
+    # int8_sq only: activations quantized per token with each row's own scale (TensorRT-LLM's
+    # W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN) instead of ModelOpt's one static scale per tensor. A build setting:
+    # the checkpoint is the same (BUILD_ONLY_QUANT_KEYS), the engine differs.
+    per_token: bool = False
+
+
+# Quantization keys that are not part of a checkpoint's identity: a limit on the quantize run, and what the build
+# makes of the same checkpoint.
+BUILD_ONLY_QUANT_KEYS = ("max_calib_hours", "per_token")
+
+
+def checkpoint_settings(model: "ModelConfig") -> dict:
+    """The model's settings that make its checkpoint (what the quantize stage fingerprints and the build compares)."""
+    plain = to_plain(model)
+    for key in BUILD_ONLY_QUANT_KEYS:
+        plain["quantization"].pop(key, None)
+    return plain
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,14 @@ def _check(r: Recipe) -> None:
                 f"key '{role}.quantization.qformat' is {q.qformat!r}, which backend '{r.backend}' cannot run",
                 f"qformats for {r.backend}: {', '.join(backend.qformats)}",
             )
+        if q.per_token and q.qformat != "int8_sq":
+            raise ConfigError(f"key '{role}.quantization.per_token' is true with qformat {q.qformat!r}: per-token activation "
+                              "scales are an int8_sq (SmoothQuant) setting", f"set {role}.quantization.per_token: false, or qformat: int8_sq")  # fmt: skip
+        if q.per_token and not backend.int8_sq_per_token:
+            able = " or ".join(b.name for b in _backends.ALL if b.int8_sq_per_token)
+            raise ConfigError(f"key '{role}.quantization.per_token' is true on backend {r.backend}: ModelOpt exports int8_sq "
+                              "with static per-tensor activation scales only, and specdeploy does not run TensorRT-LLM's "
+                              "convert_checkpoint.py --per_token", f"set per_token: false on this backend, or use backend {able}")  # fmt: skip
         if m.tp_size * m.pp_size > 1 and not backend.multi_rank:
             raise ConfigError(
                 f"key '{role}.tp_size'/'{role}.pp_size' asks for {m.tp_size * m.pp_size} ranks on backend '{r.backend}'",

@@ -20,7 +20,7 @@ from pathlib import Path
 from specdeploy import calibration
 from specdeploy.calibration_text import BUILTIN, CALIB_FILE, HELDOUT_FILE, builtin_path, read_passages
 from specdeploy.checkpoint_export import export_dtype
-from specdeploy.config import QuantConfig, Recipe, to_plain
+from specdeploy.config import QuantConfig, Recipe, checkpoint_settings
 from specdeploy.modelopt_quantize import quantize_model  # noqa: F401 (also public here: tests and benches call it)
 from specdeploy.quant_formats import KV_CACHE_QUANT_ALGO, QUANT_ALGO, check_model, check_quant_config, needs_calibration
 
@@ -66,12 +66,10 @@ def recipe_fingerprint(recipe: Recipe, role: str, source_hash: str) -> str:
 
     m = recipe.model(role)
     calib = m.quantization.calib_dataset
-    model = to_plain(m)
-    model["quantization"].pop("max_calib_hours", None)  # a limit on the run, not part of the checkpoint
     return fingerprint(
         stage=STAGE,
         source=source_hash,
-        model=model,
+        model=checkpoint_settings(m),
         format=checkpoint_format(recipe),
         dtype=export_dtype(recipe.engine.dtype),
         calib=file_hash(Path(calib)) if calib != BUILTIN else file_hash(builtin_path(CALIB_FILE)),
@@ -141,7 +139,7 @@ def _link_prequantized(recipe: Recipe, role: str, m, source: Path, source_hash: 
             stage=STAGE,
             recipe_name=recipe.name,
             fingerprint=fp,
-            settings={**to_plain(m), "role": role, "format": "hf", "prequantized": True},
+            settings={**checkpoint_settings(m), "role": role, "format": "hf", "prequantized": True},
             inputs={"source_dir": str(source), "source_hash": source_hash},
             tool_versions=tool_versions(*TOOL_DISTRIBUTIONS),
             extra={"quality": None, "prequantized_from": pre.source, "linked_files": files, **_quant_algos(m.quantization)},
@@ -168,7 +166,7 @@ def _quantize_role(recipe: Recipe, role: str, m, source: Path, source_hash: str,
             stage=STAGE,
             recipe_name=recipe.name,
             fingerprint=fp,
-            settings={**to_plain(m), "dtype": dtype, "role": role, "format": checkpoint_format(recipe)},
+            settings={**checkpoint_settings(m), "dtype": dtype, "role": role, "format": checkpoint_format(recipe)},
             inputs={"source_dir": str(source), "source_hash": source_hash},
             tool_versions=tool_versions(*TOOL_DISTRIBUTIONS),
             extra={"quality": report.as_dict(), **_quant_algos(q)},

@@ -106,6 +106,20 @@ def test_backend_that_cannot_run_qformat_is_rejected():
     assert "cannot run" in err.value.message and "fp8" in err.value.hint
 
 
+def test_per_token_is_an_int8_sq_setting_of_the_cpu_backend():
+    raw = with_change("target.quantization.qformat", "int8_sq")
+    raw["target"]["quantization"]["per_token"] = True
+    assert parse_recipe(raw).target.quantization.per_token
+    raw["target"]["quantization"]["qformat"] = "fp8"
+    with pytest.raises(ConfigError, match="per_token' is true with qformat 'fp8'"):
+        parse_recipe(raw)
+    raw = with_change("backend", "trtllm-engine")
+    raw["target"]["quantization"].update(qformat="int8_sq", per_token=True)
+    with pytest.raises(ConfigError, match="per_token' is true on backend trtllm-engine") as err:
+        parse_recipe(raw)
+    assert "backend cpu" in err.value.hint
+
+
 def test_missing_required_key():
     raw = raw_default()
     del raw["target"]

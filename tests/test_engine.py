@@ -70,9 +70,10 @@ def export_checkpoint(hf_dir, out_dir, qformat=None, kv_cache_dtype=None, dtype=
     return model
 
 
-def dequantized_reference(hf_dir, ckpt_dir):
+def dequantized_reference(hf_dir, ckpt_dir, per_token=False):
     """An fp32 Hugging Face model carrying the checkpoint's dequantized weights, with hooks that quantize each
-    linear's input the way the checkpoint's quant_algo says: an independent reading of the checkpoint."""
+    linear's input the way the checkpoint's quant_algo says (int8_sq with `per_token`: each row by its own
+    max |x| / 127): an independent reading of the checkpoint."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -105,6 +106,9 @@ def dequantized_reference(hf_dir, ckpt_dir):
                 x = x * pre
             if act is not None and algo == "FP8":
                 x = (x / act).clamp(-448, 448).to(torch.float8_e4m3fn).float() * act
+            elif act is not None and per_token:
+                row = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-6) / 127
+                x = (x / row).round().clamp(-128, 127) * row
             elif act is not None:
                 x = (x / act).round().clamp(-128, 127) * act
             return (x,)
@@ -293,6 +297,35 @@ def test_weights_are_stored_quantized(quant_checkpoints, tmp_path):
         assert ("layers.0.gate_up.weight" in tensors) or ("layers.0.gate.weight" in tensors)
 
 
+
+def test_per_token_build_of_an_int8_sq_checkpoint(quant_hf_dir, quant_checkpoints, tmp_path):
+    """quantization.per_token: the same ModelOpt int8_sq checkpoint compiled into an engine whose linears quantize
+    activations per token (SQ_PER_TOKEN, no act_scale kept); its logits follow an independent per-token reading of
+    the checkpoint and differ from the static engine's; per_token on another format is refused."""
+    from safetensors.torch import load_file
+
+    from specdeploy.engine.spec import SQ_PER_TOKEN
+
+    _, ckpt = quant_checkpoints["int8_sq"]
+    engines = {}
+    for dtype in ("float32", "bfloat16"):  # torch's SmoothQuantLinear, and the native kernel's per-token mode
+        spec = compile_checkpoint(ckpt, tmp_path / dtype, dataclasses.replace(ENGINE, dtype=dtype), 4, per_token=True)
+        assert spec.quant_algo == SQ_PER_TOKEN
+        tensors = load_file(str(tmp_path / dtype / "model.safetensors"))
+        assert not any(name.endswith("act_scale") for name in tensors) and "layers.0.qkv.pre_quant_scale" in tensors
+        engines[dtype] = CpuEngine.load(tmp_path / dtype)
+    static = build(tmp_path, ckpt, "float32")
+    ids = prompt(20)
+    a = engines["float32"].forward(engines["float32"].new_cache(), ids)
+    ref = hf_logits(dequantized_reference(quant_hf_dir, ckpt, per_token=True), ids)
+    assert (a - ref).abs().max().item() < 1e-2  # as the static engine against its reference
+    assert (a - static.forward(static.new_cache(), ids)).abs().max().item() > 1e-3  # the mode is applied
+    b = engines["bfloat16"].forward(engines["bfloat16"].new_cache(), ids)
+    assert (a - b).abs().max().item() < 0.1 and (a.argmax(-1) == b.argmax(-1)).sum().item() >= 18
+    with pytest.raises(BuildError, match="per_token applies to int8_sq"):
+        compile_checkpoint(quant_checkpoints["fp8"][1], tmp_path / "bad", ENGINE, 4, per_token=True)
+
+
 # ---------------------------------------------------------------- exact batch invariance
 
 
@@ -440,7 +473,7 @@ def test_cache_bounds_are_errors(quant_checkpoints, tmp_path):
 # ---------------------------------------------------------------- the build stage
 
 
-def _recipe_and_checkpoints(tmp_path, quant_checkpoints, quant_hf_dir):
+def _recipe_and_checkpoints(tmp_path, quant_checkpoints, quant_hf_dir, draft_quantization=None):
     import shutil
 
     from specdeploy.artifacts import Layout, Manifest
@@ -450,7 +483,7 @@ def _recipe_and_checkpoints(tmp_path, quant_checkpoints, quant_hf_dir):
     recipe = parse_recipe({
         "name": "tiny",
         "target": {"model": str(quant_hf_dir), "quantization": {"qformat": "fp8"}},
-        "draft": {"model": str(quant_hf_dir), "quantization": {"qformat": "int8_wo"}},
+        "draft": {"model": str(quant_hf_dir), "quantization": draft_quantization or {"qformat": "int8_wo"}},
         "speculative": {"max_draft_len": 3, "num_draft_tokens": 3},
         "engine": {"max_input_len": 32, "max_seq_len": 64},
         "validation": {"max_tokens": 16},
@@ -491,6 +524,28 @@ def test_build_recipe_builds_both_engines_once(quant_checkpoints, quant_hf_dir, 
     capable = {"avx2", "fma"} <= set(flags) and os.environ.get("SPECDEPLOY_NATIVE") != "0"
     capable = capable and shutil.which(os.environ.get("CXX", "c++")) is not None
     assert lines[-1] == "native CPU kernels: " + ("ready" if capable else "unavailable, engines use torch ops")
+
+
+def test_per_token_is_a_build_setting_of_the_same_checkpoint(quant_checkpoints, quant_hf_dir, tmp_path):
+    """Switching quantization.per_token rebuilds that engine from the checkpoint it has (no re-quantize: the
+    checkpoint is the same), leaves the other engine up to date, and switching back rebuilds the static engine."""
+    import dataclasses as dc
+
+    from specdeploy.artifacts import Manifest
+    from specdeploy.engine.build import build_recipe
+    from specdeploy.engine.spec import SQ_PER_TOKEN
+
+    recipe, layout = _recipe_and_checkpoints(tmp_path, quant_checkpoints, quant_hf_dir, {"qformat": "int8_sq"})
+    quiet = lambda *_: None  # noqa: E731
+    assert build_recipe(recipe, layout, echo=quiet)["draft"].quant_algo == "W8A8_SQ_PER_CHANNEL"
+    static_fp = Manifest.read(layout.engine("draft")).fingerprint
+    q = dc.replace(recipe.draft.quantization, per_token=True)
+    per_token = dc.replace(recipe, draft=dc.replace(recipe.draft, quantization=q))
+    built = build_recipe(per_token, layout, echo=quiet)
+    assert built["target"] is None and built["draft"].quant_algo == SQ_PER_TOKEN
+    assert Manifest.read(layout.engine("draft")).fingerprint != static_fp
+    assert build_recipe(per_token, layout, echo=quiet) == {"target": None, "draft": None}
+    assert build_recipe(recipe, layout, echo=quiet)["draft"].quant_algo == "W8A8_SQ_PER_CHANNEL"
 
 
 def test_build_refuses_missing_or_stale_checkpoints(quant_checkpoints, quant_hf_dir, tmp_path):

@@ -185,6 +185,32 @@ def test_the_engine_linear_runs_the_integer_kernel():
     assert torch.equal(lin(x[:1]), linear_reference(x[:1], w, weight_scale, s, act, b))
 
 
+def test_per_token_engine_linears_native_and_torch_give_the_definitions_bits():
+    """quantization.per_token engines (quant_algo SQ_PER_TOKEN, no act_scale in the engine): NativeLinear runs the
+    kernel's per-token mode and the torch fallback (SmoothQuantLinear) computes the same bits, both equal to the
+    reference of TensorRT-LLM's per-token definition; the static act_scale a checkpoint carries is not used."""
+    from specdeploy.engine.kernels import SmoothQuantLinear, make_linear
+    from specdeploy.engine.spec import SQ_PER_TOKEN
+
+    n, k = 12, 200
+    w, weight_scale, s, b, r = _case(n, k, 11, bias=True, residual_rows=6)
+    t = {"weight": w, "weight_scale": weight_scale, "pre_quant_scale": s.to(torch.bfloat16), "bias": b.to(torch.bfloat16)}
+    x = _x(6, k, 12)
+    x[2] *= 40  # rows of very different ranges: one static scale would saturate this row and flatten the others
+    x[4] *= 0.01
+    ref = linear_reference(x, w, weight_scale, s, 0.0, b, r)
+    native_lin = NativeLinear(OPS, t, SQ_PER_TOKEN, torch.bfloat16, None)
+    assert native_lin.act_scale == 0.0
+    torch_lin = make_linear(t, SQ_PER_TOKEN, torch.bfloat16, None)
+    assert isinstance(torch_lin, SmoothQuantLinear) and torch_lin.per_token
+    assert torch.equal(native_lin(x, r), ref)
+    assert torch.equal(torch_lin(x, r), ref)
+    for i in range(6):  # a row alone gives its bits in the batch
+        assert torch.equal(native_lin(x[i : i + 1]), linear_reference(x[i : i + 1], w, weight_scale, s, 0.0, b))
+    static = linear_reference(x, w, weight_scale, s, float(x.float().abs().max()) / 127, b, r)
+    assert not torch.equal(static, ref)  # the two modes differ on these rows, so the equalities above tell them apart
+
+
 def test_bad_arguments_are_errors_not_crashes():
     w, weight_scale, s, _, _ = _case(6, 70, 2)
     packed = OPS.int8_pack(w)

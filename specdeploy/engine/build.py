@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from specdeploy import artifacts
-from specdeploy.config import Recipe, to_plain
+from specdeploy.config import BUILD_ONLY_QUANT_KEYS, Recipe, checkpoint_settings
 from specdeploy.engine.compile import compile_checkpoint, read_checkpoint_config
 from specdeploy.engine.spec import FORMAT_VERSION
 from specdeploy.errors import BuildError, StaleArtifactError
@@ -44,7 +44,7 @@ def build_recipe(recipe: Recipe, layout, force: bool = False, echo=print) -> dic
             continue
         echo(f"{role}: compiling {ckpt} for cpu" + (f" (max_draft_len {max_draft_len})" if max_draft_len else ""))
         with artifacts.atomic_output(dest) as tmp:
-            spec = compile_checkpoint(ckpt, tmp, recipe.engine, max_draft_len)
+            spec = compile_checkpoint(ckpt, tmp, recipe.engine, max_draft_len, _per_token(recipe, role))
             artifacts.Manifest(
                 stage=STAGE,
                 recipe_name=recipe.name,
@@ -80,13 +80,20 @@ def engine_fingerprint(recipe: Recipe, role: str, checkpoint_manifest, max_draft
         engine={k: getattr(recipe.engine, k) for k in ENGINE_KEYS},
         max_draft_len=max_draft_len,
         format_version=FORMAT_VERSION,
+        **({"per_token": True} if _per_token(recipe, role) else {}),  # absent when off: earlier engines stay up to date
     )
+
+
+def _per_token(recipe: Recipe, role: str) -> bool:
+    return recipe.model(role).quantization.per_token
 
 
 def _check_checkpoint_matches(recipe: Recipe, role: str, manifest, ckpt) -> None:
     """The checkpoint must come from the model and quantization the recipe asks for now."""
-    wanted = to_plain(recipe.model(role))
+    wanted = checkpoint_settings(recipe.model(role))
     have = {k: manifest.settings.get(k) for k in wanted}
+    if isinstance(have.get("quantization"), dict):  # older manifests also recorded the build-only keys
+        have["quantization"] = {k: v for k, v in have["quantization"].items() if k not in BUILD_ONLY_QUANT_KEYS}
     if manifest.settings.get("role", role) != role or have != wanted:
         raise StaleArtifactError(
             f"{ckpt} was quantized with other settings than the recipe's {role} asks for now",

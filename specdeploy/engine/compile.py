@@ -35,6 +35,7 @@ from specdeploy.engine.spec import (
     ENGINE_WEIGHTS,
     KV_CACHE_QUANT_ALGOS,
     QUANT_ALGOS,
+    SQ_PER_TOKEN,
     ROPE_SCALING_TYPES,
     EngineSpec,
 )
@@ -58,13 +59,18 @@ REQUIRED = {
     "W8A16": ("weight_scale",),
     "W4A16_AWQ": ("weight_scale", "pre_quant_scale"),
     "W8A8_SQ_PER_CHANNEL": ("weight_scale", "act_scale", "pre_quant_scale"),
+    SQ_PER_TOKEN: ("weight_scale", "pre_quant_scale"),
 }
+# Tensors a checkpoint may hold that the engine does not use: per token, the activation scale is each row's own, so
+# the static act_scale ModelOpt calibrated is read and dropped.
+UNUSED = {SQ_PER_TOKEN: ("act_scale",)}
 WEIGHT_DTYPES = {
     None: (torch.float32, torch.bfloat16, torch.float16),
     "FP8": (torch.float8_e4m3fn,),
     "W8A16": (torch.int8,),
     "W4A16_AWQ": (torch.int8, torch.uint8),
     "W8A8_SQ_PER_CHANNEL": (torch.int8,),
+    SQ_PER_TOKEN: (torch.int8,),
 }
 
 
@@ -81,18 +87,19 @@ def row_bucket_for(max_draft_len: int | None, dtype: str) -> int:
 
 
 def compile_checkpoint(
-    ckpt_dir: str | Path, out_dir: str | Path, engine_cfg: EngineConfig, max_draft_len: int | None
+    ckpt_dir: str | Path, out_dir: str | Path, engine_cfg: EngineConfig, max_draft_len: int | None, per_token: bool = False
 ) -> EngineSpec:
     """Read the TensorRT-LLM checkpoint in ckpt_dir and write a CPU engine into out_dir.
 
     `max_draft_len` is set on a target (the longest draft it verifies in one pass), None on a draft.
+    `per_token` (an int8_sq checkpoint only) makes the engine quantize activations per token (SQ_PER_TOKEN).
     Raises BuildError for what the CPU runtime cannot run faithfully (architecture, quant algo, TP/PP > 1).
     """
     from safetensors.torch import load_file, save_file
 
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
     config = read_checkpoint_config(ckpt_dir)
-    spec = make_spec(config, engine_cfg, max_draft_len, ckpt_dir)
+    spec = make_spec(config, engine_cfg, max_draft_len, ckpt_dir, per_token)
     weights = ckpt_dir / CHECKPOINT_WEIGHTS
     if not weights.is_file():
         raise BuildError(f"{ckpt_dir} has no {CHECKPOINT_WEIGHTS}", "re-run: specdeploy quantize RECIPE")
@@ -117,7 +124,8 @@ def read_checkpoint_config(ckpt_dir: Path) -> dict:
         raise BuildError(f"{path} is not valid JSON: {exc}", "re-run: specdeploy quantize RECIPE --force") from exc
 
 
-def make_spec(config: dict, engine_cfg: EngineConfig, max_draft_len: int | None, ckpt_dir: Path | None = None) -> EngineSpec:
+def make_spec(config: dict, engine_cfg: EngineConfig, max_draft_len: int | None, ckpt_dir: Path | None = None,
+              per_token: bool = False) -> EngineSpec:
     """Check the checkpoint config against what the runtime executes and derive the engine spec."""
     where = f"checkpoint {ckpt_dir}" if ckpt_dir else "checkpoint"
     arch = config.get("architecture")
@@ -141,6 +149,11 @@ def make_spec(config: dict, engine_cfg: EngineConfig, max_draft_len: int | None,
             "cpu qformats: full_prec, fp8, int8_sq, int8_wo, int4_awq (quant_algo "
             + ", ".join(str(a) for a in QUANT_ALGOS) + ")",
         )
+    if per_token:
+        if quant_algo != "W8A8_SQ_PER_CHANNEL":
+            raise BuildError(f"{where}: quantization.per_token applies to int8_sq checkpoints, this one is {quant_algo}",
+                             "set per_token: false, or qformat: int8_sq and re-run: specdeploy quantize RECIPE")
+        quant_algo = SQ_PER_TOKEN
     if kv_algo not in KV_CACHE_QUANT_ALGOS:
         raise BuildError(f"{where}: kv_cache_quant_algo {kv_algo!r} is not supported", "use kv_cache_dtype fp8, int8 or null")
     if quant.get("has_zero_point"):
@@ -285,7 +298,7 @@ def convert_linear(t: dict, spec: EngineSpec, name: str, dtype) -> dict:
     algo = spec.quant_algo
     if "weight" not in t:
         raise BuildError(f"checkpoint lacks tensor {name}.weight", "re-run: specdeploy quantize RECIPE --force")
-    allowed = {"weight", "bias", *REQUIRED[algo]}
+    allowed = {"weight", "bias", *REQUIRED[algo], *UNUSED.get(algo, ())}
     missing = [k for k in REQUIRED[algo] if k not in t]
     surplus = sorted(set(t) - allowed)
     if missing or surplus:
@@ -315,7 +328,7 @@ def convert_linear(t: dict, spec: EngineSpec, name: str, dtype) -> dict:
         if scale.numel() != w.shape[0]:
             raise BuildError(f"checkpoint linear {name}: {scale.numel()} weight scales for {w.shape[0]} channels")
         out["weight_scale"] = scale
-    if "act_scale" in t:
+    if "act_scale" in t and "act_scale" not in UNUSED.get(algo, ()):
         out["act_scale"] = t["act_scale"].float().reshape(())
     if "pre_quant_scale" in t:
         out["pre_quant_scale"] = t["pre_quant_scale"].to(dtype)

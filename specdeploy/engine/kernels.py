@@ -9,6 +9,8 @@ Engine weight layout (written by compile.py, read here), per linear layer `P`:
     W4A16_AWQ (int4_awq)  P.weight [N, K/2] uint8 (low nibble = even k, values q + 8), P.weight_scale [N, K/G] f32,
                           P.pre_quant_scale [K]
     W8A8_SQ_PER_CHANNEL   P.weight [N, K] int8, P.weight_scale [N] f32, P.act_scale [] f32, P.pre_quant_scale [K]
+    W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN (int8_sq, quantization.per_token)
+                          P.weight [N, K] int8, P.weight_scale [N] f32, P.pre_quant_scale [K]
 
 Dequantized weight: W = q * weight_scale (per tensor, per output channel, or per [channel, group]).
 Every layer maps x [M, K] (compute dtype) to y [M, N] (compute dtype).
@@ -24,6 +26,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from specdeploy.engine.spec import SQ_PER_TOKEN
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 INT4_INNER_K_TILES = 2
@@ -170,31 +174,47 @@ class Int4AwqLinear:
 
 
 class SmoothQuantLinear:
-    """INT8 SmoothQuant (W8A8_SQ_PER_CHANNEL): per-tensor static activation scale, per-channel weight scale.
+    """INT8 SmoothQuant, per-channel weight scales, activations quantized per tensor with the static act_scale
+    (W8A8_SQ_PER_CHANNEL) or per token with each row's own scale (SQ_PER_TOKEN).
 
-    x_q = clamp(round(x * pre_quant_scale * (1 / act_scale)), -128, 127); y = (x_q @ q^T) * act_scale * weight_scale.
-    The integer products are exact in f32 and the torch int8 weight-only GEMM accumulates them in f32 with
-    the f32 scales applied to the f32 result, as TensorRT-LLM's int8 GEMM does with its int32 accumulator.
+    Per tensor: x_q = clamp(round(v * (1 / act_scale)), -128, 127), y = (x_q @ q^T) * act_scale * weight_scale;
+    per token: row_max = max(bf16(1e-6), max |v|), x_q = clamp(round(v * (127 / row_max)), -128, 127),
+    y = (x_q @ q^T) * (row_max / 127) * weight_scale; v = bf16(x * pre_quant_scale) in both (csrc/int8_kernels.cpp
+    cites TensorRT-LLM for each step). The integer products are exact in f32 and the torch int8 weight-only GEMM
+    accumulates them in f32 with the f32 scales applied to the f32 result, as TensorRT-LLM's int8 GEMM does with its
+    int32 accumulator.
     """
 
     row_invariant = True
+    _TINY = float(torch.tensor(1e-6).to(torch.bfloat16))  # TensorRT-LLM's T(1e-6) floor of a row's max, in bf16
 
-    def __init__(self, t: dict, dtype: torch.dtype):
-        self.dtype = dtype
+    def __init__(self, t: dict, dtype: torch.dtype, per_token: bool = False):
+        self.dtype, self.per_token = dtype, per_token
         self.weight = t["weight"].contiguous()  # [N, K] int8
-        self.act_scale = t["act_scale"].float()
-        self.inv_act_scale = 1.0 / self.act_scale  # f32
-        self.out_scale = (t["weight_scale"].float() * self.act_scale).contiguous()  # [N] f32
+        self.weight_scale = t["weight_scale"].float().contiguous()  # [N] f32
+        if per_token:
+            self._ones = torch.ones_like(self.weight_scale)
+        else:
+            self.act_scale = t["act_scale"].float()
+            self.inv_act_scale = 1.0 / self.act_scale  # f32
+            self.out_scale = (self.weight_scale * self.act_scale).contiguous()  # [N] f32
         self.pre_quant_scale = t["pre_quant_scale"].to(dtype)
         self.bias = _opt(t, "bias", dtype)
 
     def __call__(self, x, residual=None):
-        x = (x * self.pre_quant_scale).float()
-        # x * (1 / act_scale), rounded to nearest even and saturated to [-128, 127], as TensorRT-LLM's
-        # quantizedKernel (see csrc/int8_kernels.cpp for the citations)
-        x_q = torch.round(x * self.inv_act_scale).clamp_(-128.0, 127.0)  # [M, K] integer-valued f32
-        y = torch.ops.aten._weight_int8pack_mm(x_q, self.weight, self.out_scale).to(self.dtype)
-        return _plus(y if self.bias is None else y + self.bias, residual)
+        v = (x * self.pre_quant_scale).float()
+        if self.per_token:
+            row_max = v.abs().amax(dim=-1, keepdim=True).clamp_min_(self._TINY)
+            full = torch.full_like(row_max, 127.0)
+            x_q = torch.round(v * torch.div(full, row_max)).clamp_(-128.0, 127.0)
+            sums = torch.ops.aten._weight_int8pack_mm(x_q, self.weight, self._ones)  # [M, N] f32 integer sums
+            y = sums * (torch.div(row_max, full) * self.weight_scale)  # the kernel's order of products
+        else:
+            # v * (1 / act_scale), rounded to nearest even and saturated to [-128, 127], as TensorRT-LLM's quantizedKernel
+            x_q = torch.round(v * self.inv_act_scale).clamp_(-128.0, 127.0)  # [M, K] integer-valued f32
+            y = torch.ops.aten._weight_int8pack_mm(x_q, self.weight, self.out_scale)
+        # the bias joins the f32 result before the one rounding to the compute dtype, as in the kernel's epilogue
+        return _plus((y if self.bias is None else y + self.bias.float()).to(self.dtype), residual)
 
     def nbytes(self) -> int:
         return _nbytes(self.weight, self.bias)
@@ -235,10 +255,11 @@ class NativeLinear:
             self.kind, self.group_size = native.INT4, group_size
             self.group_scale = t["weight_scale"].to(dtype).float().contiguous()
             self.pre_quant_scale = t["pre_quant_scale"].to(dtype).float().contiguous()
-        else:  # W8A8_SQ_PER_CHANNEL: integer dot products (csrc/int8_kernels.cpp), per-tensor static act_scale
-            self.kind, self.act_scale = native.INT8_SQ, float(t["act_scale"])
+        else:  # W8A8_SQ_*: integer dot products (csrc/int8_kernels.cpp), per-tensor static act_scale or per token
+            per_token = quant_algo == SQ_PER_TOKEN  # act_scale 0 tells the kernel: each row's own scale
+            self.kind, self.act_scale = native.INT8_SQ, 0.0 if per_token else float(t["act_scale"])
             self.group_size = native.int8_variant()  # the kernel's `group_size` slot carries its ISA variant
-            out_scale = t["weight_scale"].float() * t["act_scale"].float()
+            out_scale = t["weight_scale"].float() * (1.0 if per_token else t["act_scale"].float())
             self.pre_quant_scale = t["pre_quant_scale"].to(dtype).float().contiguous()
         self.k = weight.shape[1] * (2 if self.kind == native.INT4 else 1)
         self.out_scale = None if out_scale is None else out_scale.reshape(-1).expand(self.n).contiguous()
@@ -253,7 +274,7 @@ class NativeLinear:
         with AVX-512, 32 for bf16 with AVX512-BF16, 8 with AVX2); AWQ groups a power of two >= that step."""
         from specdeploy.engine import native
 
-        if quant_algo == "W8A8_SQ_PER_CHANNEL":
+        if quant_algo in ("W8A8_SQ_PER_CHANNEL", SQ_PER_TOKEN):
             return True  # the integer kernels pad K to their step
         kind = {None: native.BF16, "FP8": native.FP8, "W4A16_AWQ": native.INT4}.get(quant_algo, native.INT8)
         step = int(ops.k_multiple(kind))
@@ -288,8 +309,8 @@ def make_linear(t: dict, quant_algo: str | None, dtype: torch.dtype, group_size:
         return Int8WeightOnlyLinear(t, dtype)
     if quant_algo == "W4A16_AWQ":
         return Int4AwqLinear(t, dtype, group_size)
-    if quant_algo == "W8A8_SQ_PER_CHANNEL":
-        return SmoothQuantLinear(t, dtype)
+    if quant_algo in ("W8A8_SQ_PER_CHANNEL", SQ_PER_TOKEN):
+        return SmoothQuantLinear(t, dtype, per_token=quant_algo == SQ_PER_TOKEN)
     raise AssertionError(f"compile.py lets no other quant_algo through: {quant_algo}")
 
 

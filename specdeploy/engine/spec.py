@@ -14,6 +14,12 @@ FORMAT_VERSION = 1
 
 # Checkpoint `quantization.quant_algo` values the CPU runtime executes with their own numerics.
 QUANT_ALGOS = (None, "FP8", "W8A16", "W4A16_AWQ", "W8A8_SQ_PER_CHANNEL")
+# What an engine runs: the checkpoint's quant_algo, or W8A8_SQ_PER_CHANNEL with dynamic per-token activation scales
+# (the recipe's quantization.per_token), which TensorRT-LLM names W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN
+# (tensorrt_llm/quantization/mode.py QuantAlgo; examples/models/core/llama/convert_checkpoint.py args_to_quant_config:
+# --smoothquant with --per_channel and --per_token, NVIDIA/TensorRT-LLM@fd96a08).
+SQ_PER_TOKEN = "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN"
+ENGINE_QUANT_ALGOS = (*QUANT_ALGOS, SQ_PER_TOKEN)
 KV_CACHE_QUANT_ALGOS = (None, "FP8", "INT8")
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 ROPE_SCALING_TYPES = ("linear", "llama3")
