@@ -189,15 +189,21 @@ def ensure_llama(hf_dir: Path) -> tuple[Path, dict] | str:
 def llama_numbers(bench: Path, ggufs: dict, threads: int) -> dict:
     out = {}
     for kind, path in ggufs.items():
-        res = subprocess.run([str(bench), "-m", str(path), "-t", str(threads), "-p", "64,512", "-n", "64", "-o", "json"],
-                             check=True, capture_output=True, text=True)
+        cmd = ["-m", str(path), "-t", str(threads), "-p", "64,512", "-n", "64", "-o", "json"]
+        res = subprocess.run([str(bench), *cmd], capture_output=True, text=True)
+        if res.returncode == llama_cpp.SIGILL:  # AMX code this machine cannot run (llama_cpp.py): the build without it
+            log(f"llama.cpp {kind}: llama-bench died with SIGILL (AMX); building and using llama.cpp without AMX")
+            bench = llama_cpp.binary("llama-bench", amx=False)
+            res = subprocess.run([str(bench), *cmd], capture_output=True, text=True)
+        if res.returncode != 0:
+            raise subprocess.CalledProcessError(res.returncode, [str(bench), *cmd], res.stdout, res.stderr)
         rows = json.loads(res.stdout)
-        entry = {}
+        entry = {"build": bench.parent.parent.name}
         for r in rows:
             key = f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}"
             entry[key] = float(r["avg_ts"])
         out[kind] = entry
-        log(f"llama.cpp {kind}: " + ", ".join(f"{k} {v:.0f} tok/s" for k, v in entry.items()))
+        log(f"llama.cpp {kind} ({entry['build']}): " + ", ".join(f"{k} {v:.0f} tok/s" for k, v in entry.items() if k != "build"))
     return out
 
 

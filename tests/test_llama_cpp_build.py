@@ -1,0 +1,29 @@
+"""How the benchmarks configure llama.cpp (bench/llama_cpp.py): -march=native, or on a CPU whose AMX code dies with
+SIGILL, the instruction sets it lists one by one without AMX, in a build folder of its own."""
+
+from __future__ import annotations
+
+import bench_modules
+
+llama_cpp = bench_modules.load("llama_cpp")
+
+XEON = {"sse4_2", "f16c", "fma", "bmi2", "avx", "avx2", "avx_vnni", "avx512f", "avx512cd", "avx512vl", "avx512dq",
+        "avx512bw", "avx512vbmi", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16"}
+EPYC = {"sse4_2", "f16c", "fma", "bmi2", "avx", "avx2"}
+
+
+def test_native_unless_amx_is_ruled_out_on_a_cpu_that_lists_it():
+    assert llama_cpp.cmake_options(XEON) == ("build", llama_cpp.CMAKE_OPTIONS)
+    assert llama_cpp.cmake_options(EPYC, amx=False) == ("build", llama_cpp.CMAKE_OPTIONS)  # nothing to rule out
+    folder, options = llama_cpp.cmake_options(XEON, amx=False)
+    assert folder == "build-noamx" and "-DGGML_NATIVE=OFF" in options and "-DGGML_NATIVE=ON" not in options
+    on = {o.split("=")[0][2:] for o in options if o.endswith("=ON") and o.startswith("-DGGML_")}
+    assert on == {"GGML_SSE42", "GGML_F16C", "GGML_FMA", "GGML_BMI2", "GGML_AVX", "GGML_AVX2", "GGML_AVX_VNNI",
+                  "GGML_AVX512", "GGML_AVX512_VBMI", "GGML_AVX512_VNNI", "GGML_AVX512_BF16"}
+    assert not any("AMX" in o for o in options)
+    assert "-DLLAMA_CURL=OFF" in options and "-DCMAKE_BUILD_TYPE=Release" in options
+
+
+def test_avx512_needs_all_five_subsets():
+    _, options = llama_cpp.cmake_options((XEON - {"avx512dq"}), amx=False)
+    assert "-DGGML_AVX512=OFF" in options and "-DGGML_AVX2=ON" in options
