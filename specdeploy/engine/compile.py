@@ -142,54 +142,11 @@ def make_spec(config: dict, engine_cfg: EngineConfig, max_draft_len: int | None,
             "quantize with tp_size: 1 and pp_size: 1 for backend cpu",
         )
     quant = config.get("quantization") or {}
-    quant_algo, kv_algo = quant.get("quant_algo"), quant.get("kv_cache_quant_algo")
-    if quant_algo not in QUANT_ALGOS:
-        raise BuildError(
-            f"{where}: quant_algo {quant_algo!r} has no faithful CPU implementation",
-            "cpu qformats: full_prec, fp8, int8_sq, int8_wo, int4_awq (quant_algo "
-            + ", ".join(str(a) for a in QUANT_ALGOS) + ")",
-        )
-    if per_token:
-        if quant_algo != "W8A8_SQ_PER_CHANNEL":
-            raise BuildError(f"{where}: quantization.per_token applies to int8_sq checkpoints, this one is {quant_algo}",
-                             "set per_token: false, or qformat: int8_sq and re-run: specdeploy quantize RECIPE")
-        quant_algo = SQ_PER_TOKEN
-    if kv_algo not in KV_CACHE_QUANT_ALGOS:
-        raise BuildError(f"{where}: kv_cache_quant_algo {kv_algo!r} is not supported", "use kv_cache_dtype fp8, int8 or null")
-    if quant.get("has_zero_point"):
-        raise BuildError(f"{where}: asymmetric (zero-point) INT4 is not supported", "quantize with qformat int4_awq (symmetric)")
-    exclude = quant.get("exclude_modules") or []
-    if quant_algo is not None and "lm_head" not in exclude and not any("lm_head" in e for e in exclude):
-        raise BuildError(f"{where}: a quantized lm_head is not supported", "keep lm_head in exclude_modules (ModelOpt's default)")
-    checks = [
-        (config.get("position_embedding_type", "rope_gpt_neox") == "rope_gpt_neox", "position_embedding_type must be rope_gpt_neox"),
-        (float(config.get("rotary_pct", 1.0)) == 1.0, "partial rotary (rotary_pct < 1) is not supported"),
-        (config.get("hidden_act", "silu") in ("silu", "swiglu"), f"hidden_act {config.get('hidden_act')!r} is not silu"),
-        (config.get("rmsnorm", True), "only RMSNorm models are supported"),
-        (not config.get("residual_mlp", False), "residual_mlp is not supported"),
-        (config.get("moe") is None or not (config.get("moe") or {}).get("num_experts"), "mixture-of-experts is not supported"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise BuildError(f"{where}: {message}", "use a Llama/Mistral/Qwen2-style model or a GPU backend")
+    quant_algo, kv_algo = _check_quantization(quant, where, per_token)
     scaling = config.get("rotary_scaling")
-    from specdeploy.engine.model import rope_scaling_type
-
-    kind = rope_scaling_type(scaling)
-    if kind is not None and kind not in ROPE_SCALING_TYPES:
-        raise BuildError(f"{where}: rotary_scaling type {kind!r} is not supported", f"supported: {', '.join(ROPE_SCALING_TYPES)}")
-    window = config.get("sliding_window") or config.get("max_attention_window")
-    if isinstance(window, list):
-        window = min(window) if window else None
-    if window and engine_cfg.max_seq_len > int(window):
-        raise BuildError(
-            f"{where}: sliding-window attention ({window}) shorter than engine.max_seq_len ({engine_cfg.max_seq_len})",
-            f"set engine.max_seq_len <= {window} (full attention is then exact)",
-        )
+    _check_model(config, engine_cfg, where)
     if engine_cfg.dtype not in DTYPES:
         raise BuildError(f"engine dtype {engine_cfg.dtype!r} is not supported on cpu", f"use one of {', '.join(DTYPES)}")
-    if quant_algo == "W4A16_AWQ" and not quant.get("group_size"):
-        raise BuildError(f"{where}: W4A16_AWQ without quantization.group_size", "re-run: specdeploy quantize RECIPE --force")
 
     heads = int(config["num_attention_heads"])
     hidden = int(config["hidden_size"])
@@ -221,6 +178,62 @@ def make_spec(config: dict, engine_cfg: EngineConfig, max_draft_len: int | None,
         eos_token_id=config.get("eos_token_id"),
         extra=extra,
     )
+
+
+def _check_quantization(quant: dict, where: str, per_token: bool) -> tuple[str | None, str | None]:
+    """The checkpoint's quantization as the engine runs it: (quant_algo, kv_cache_quant_algo), or BuildError."""
+    quant_algo, kv_algo = quant.get("quant_algo"), quant.get("kv_cache_quant_algo")
+    if quant_algo not in QUANT_ALGOS:
+        raise BuildError(
+            f"{where}: quant_algo {quant_algo!r} has no faithful CPU implementation",
+            "cpu qformats: full_prec, fp8, int8_sq, int8_wo, int4_awq (quant_algo "
+            + ", ".join(str(a) for a in QUANT_ALGOS) + ")",
+        )
+    if per_token:
+        if quant_algo != "W8A8_SQ_PER_CHANNEL":
+            raise BuildError(f"{where}: quantization.per_token applies to int8_sq checkpoints, this one is {quant_algo}",
+                             "set per_token: false, or qformat: int8_sq and re-run: specdeploy quantize RECIPE")
+        quant_algo = SQ_PER_TOKEN
+    if kv_algo not in KV_CACHE_QUANT_ALGOS:
+        raise BuildError(f"{where}: kv_cache_quant_algo {kv_algo!r} is not supported", "use kv_cache_dtype fp8, int8 or null")
+    if quant.get("has_zero_point"):
+        raise BuildError(f"{where}: asymmetric (zero-point) INT4 is not supported", "quantize with qformat int4_awq (symmetric)")
+    exclude = quant.get("exclude_modules") or []
+    if quant_algo is not None and "lm_head" not in exclude and not any("lm_head" in e for e in exclude):
+        raise BuildError(f"{where}: a quantized lm_head is not supported", "keep lm_head in exclude_modules (ModelOpt's default)")
+    if quant_algo == "W4A16_AWQ" and not quant.get("group_size"):
+        raise BuildError(f"{where}: W4A16_AWQ without quantization.group_size", "re-run: specdeploy quantize RECIPE --force")
+    return quant_algo, kv_algo
+
+
+def _check_model(config: dict, engine_cfg: EngineConfig, where: str) -> None:
+    """The architecture facts the CPU runtime executes faithfully (position embedding, activation, norm, RoPE
+    scaling, attention window), or BuildError."""
+    checks = [
+        (config.get("position_embedding_type", "rope_gpt_neox") == "rope_gpt_neox", "position_embedding_type must be rope_gpt_neox"),
+        (float(config.get("rotary_pct", 1.0)) == 1.0, "partial rotary (rotary_pct < 1) is not supported"),
+        (config.get("hidden_act", "silu") in ("silu", "swiglu"), f"hidden_act {config.get('hidden_act')!r} is not silu"),
+        (config.get("rmsnorm", True), "only RMSNorm models are supported"),
+        (not config.get("residual_mlp", False), "residual_mlp is not supported"),
+        (config.get("moe") is None or not (config.get("moe") or {}).get("num_experts"), "mixture-of-experts is not supported"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise BuildError(f"{where}: {message}", "use a Llama/Mistral/Qwen2-style model or a GPU backend")
+    scaling = config.get("rotary_scaling")
+    from specdeploy.engine.model import rope_scaling_type
+
+    kind = rope_scaling_type(scaling)
+    if kind is not None and kind not in ROPE_SCALING_TYPES:
+        raise BuildError(f"{where}: rotary_scaling type {kind!r} is not supported", f"supported: {', '.join(ROPE_SCALING_TYPES)}")
+    window = config.get("sliding_window") or config.get("max_attention_window")
+    if isinstance(window, list):
+        window = min(window) if window else None
+    if window and engine_cfg.max_seq_len > int(window):
+        raise BuildError(
+            f"{where}: sliding-window attention ({window}) shorter than engine.max_seq_len ({engine_cfg.max_seq_len})",
+            f"set engine.max_seq_len <= {window} (full attention is then exact)",
+        )
 
 
 # ---------------------------------------------------------------- weights
