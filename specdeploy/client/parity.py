@@ -242,27 +242,11 @@ def compare_greedy(
     """
     end_id = trace.end_id if trace is not None else None
     notes = []
-    if control_ids is not None:
-        ids, source = list(control_ids), IDS_FROM_MODEL
-    elif trace is not None:
-        ids, source = list(trace.output_ids), IDS_FROM_TARGET
-        if codec.decode(ids) != control_text:
-            notes.append("the target alone (tensorrt_llm) and the ensemble returned different text; divergence located in the target's tokens")
-    else:
-        ids, source = codec.encode(control_text), IDS_RETOKENIZED
-        notes.append("no token ids from the server: control tokens counted by re-tokenizing its text")
+    ids, source = _control_ids(control_text, codec, trace, control_ids, notes)
     control = content_ids(ids, end_id)
     generated = len(ids) if source != IDS_RETOKENIZED else None
     spec = content_ids(speculative_ids, end_id) if speculative_ids is not None else None
-    if spec is not None:
-        index = first_difference(control, spec)
-        spec_token = spec[index] if index is not None and index < len(spec) else None
-    else:
-        index, spec_token = locate_divergence(control, speculative_text, codec)
-        if spec_token is not None:
-            notes.append("speculative token re-tokenized from text (the model returns no output_ids)")
-        if index is not None and index == len(control) and len(speculative_text) <= len(control_text):
-            notes.append("the texts differ inside undecodable bytes: the index is approximate")
+    index, spec_token = _first_divergence(control, spec, control_text, speculative_text, codec, notes)
     if control_text != speculative_text and index is None:
         index = len(control)  # equal ids, different text: cannot happen with one detokenizer
         notes.append("equal token ids decoded to different texts")
@@ -312,6 +296,33 @@ def compare_greedy(
         token_margin=token_margin,
         note=_join(*notes),
     )
+
+
+def _control_ids(control_text: str, codec: TokenCodec, trace: TargetTrace | None, control_ids, notes: list) -> tuple[list[int], str]:
+    """The control's token ids and where they came from: its model's output_ids, the target alone's, or its text
+    re-tokenized (each but the first adds a note)."""
+    if control_ids is not None:
+        return list(control_ids), IDS_FROM_MODEL
+    if trace is not None:
+        if codec.decode(list(trace.output_ids)) != control_text:
+            notes.append("the target alone (tensorrt_llm) and the ensemble returned different text; divergence located in the target's tokens")
+        return list(trace.output_ids), IDS_FROM_TARGET
+    notes.append("no token ids from the server: control tokens counted by re-tokenizing its text")
+    return codec.encode(control_text), IDS_RETOKENIZED
+
+
+def _first_divergence(control: list[int], spec, control_text: str, speculative_text: str, codec: TokenCodec, notes: list):
+    """(index of the first differing token or None, the speculative token there or None): in token space when the
+    speculative path returned ids, else located in its text."""
+    if spec is not None:
+        index = first_difference(control, spec)
+        return index, spec[index] if index is not None and index < len(spec) else None
+    index, spec_token = locate_divergence(control, speculative_text, codec)
+    if spec_token is not None:
+        notes.append("speculative token re-tokenized from text (the model returns no output_ids)")
+    if index is not None and index == len(control) and len(speculative_text) <= len(control_text):
+        notes.append("the texts differ inside undecodable bytes: the index is approximate")
+    return index, spec_token
 
 
 def _differ(control: GenerateResult, speculative: GenerateResult) -> bool:
