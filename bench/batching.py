@@ -1,7 +1,7 @@
 """In-flight batching on the served paths: before and after, side by side in one run.
 
     .venv/bin/python bench/batching.py [--recipe build/smollm2-135m.yaml] [--root .] [--levels 1,2,4,8]
-        [--models ensemble,tensorrt_llm_bls] [--variants before,after] [--out batching.json]
+        [--models ensemble,tensorrt_llm_bls] [--variants before,after] [--in-process] [--raw] [--out batching.json]
 
 Serves the recipe's built engines (`specdeploy build RECIPE` first; they are only read) from two
 servers started side by side, with repositories generated under a scratch folder:
@@ -10,7 +10,10 @@ servers started side by side, with repositories generated under a scratch folder
 and at each concurrency level sends the same greedy requests to each of `--models` (`ensemble`: the control
 path; `tensorrt_llm_bls`: the speculative path, with the recipe's draft and policy) from that many client
 threads, alternating between the servers `--repeats` times (on a shared machine the load drifts: the
-median run of each is shown). Prints one table (output tokens/s, end-to-end p50/p90/p99 latency, the machine's
+median run of each is shown). The prompts go in the tokenizer's chat template (`--raw`: as plain text).
+`--in-process` also runs the same requests on the target engine in this process, one at a time: the served
+path's ms/token at the first level over that is what serving adds. Prints one table (output tokens/s,
+end-to-end p50/p90/p99 latency, the median request's latency per output token, the machine's
 load average, and the peak RSS of the `tensorrt_llm` stub so far: what concurrency adds to the target's memory)
 and writes it as JSON. Output tokens are counted by tokenizing each returned text with the model's
 tokenizer (the same texts in every row, so the ratios are exact). Also checks that every prompt got the
@@ -73,7 +76,9 @@ def _level(url: str, model: str, prompts: list[str], concurrency: int, max_token
         results = list(pool.map(lambda p: _infer(url, model, p, max_tokens), prompts))
     wall = time.perf_counter() - t0
     latencies = sorted(lat for _, lat in results)
-    tokens = sum(count(text) for text, _ in results)
+    counts = [count(text) for text, _ in results]
+    tokens = sum(counts)
+    per_token = sorted(1000 * lat / n for (_, lat), n in zip(results, counts) if n)
     return {
         "concurrency": concurrency,
         "requests": len(prompts),
@@ -83,6 +88,7 @@ def _level(url: str, model: str, prompts: list[str], concurrency: int, max_token
         "p50_ms": round(1000 * statistics.median(latencies), 1),
         "p90_ms": round(1000 * latencies[min(len(latencies) - 1, int(0.9 * len(latencies)))], 1),
         "p99_ms": round(1000 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))], 1),
+        "ms_per_token": round(statistics.median(per_token), 2) if per_token else None,  # a request's latency / its tokens
         "load1": round((load_before + os.getloadavg()[0]) / 2, 2),
         "texts": [text for text, _ in results],
     }
@@ -122,6 +128,25 @@ def _start_server(recipe, engines_dir: Path, work: Path, label: str):
     return srv
 
 
+def _in_process_ms_per_token(engine_dir: Path, tokenizer, prompts: list[str], max_tokens: int) -> float:
+    """The same greedy requests on the same target engine in this process, one at a time (an Executor, as the
+    served `tensorrt_llm` model runs it): the median over requests of its time / its tokens, measured as the
+    served column (prefill included). What serving adds is the served figure over this one."""
+    from specdeploy.engine.executor import Executor
+    from specdeploy.engine.model import CpuEngine
+    from specdeploy.engine.request import GenerationRequest, run
+
+    executor = Executor(CpuEngine.load(engine_dir))
+    per_token = []
+    for i, prompt in enumerate([prompts[0], *prompts]):  # the first is a warm-up
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        t0 = time.perf_counter()
+        chunk = run(executor, GenerationRequest(input_ids=ids, max_new_tokens=max_tokens, end_id=tokenizer.eos_token_id))
+        if i and chunk.token_ids:
+            per_token.append(1000 * (time.perf_counter() - t0) / len(chunk.token_ids))
+    return round(statistics.median(per_token), 2)
+
+
 def _median_row(runs: list[dict]) -> dict:
     """The run with the median throughput of repeated runs (its latencies with it), all texts kept."""
     runs = sorted(runs, key=lambda r: r["out_tok_s"])
@@ -148,6 +173,10 @@ def main(argv=None) -> int:
                     help="OMP_NUM_THREADS for both servers (0: inherit). On a loaded machine a 2-thread OpenMP team in the "
                          "python stub's main thread (where the one-request-at-a-time path runs the engine) can stall on its "
                          "barriers; 1 compares the two paths on equal terms")
+    ap.add_argument("--raw", action="store_true",
+                    help="send the prompts as raw text (default: in the tokenizer's chat template, as an instruct model expects)")
+    ap.add_argument("--in-process", action="store_true",
+                    help="also run the requests one at a time on the target engine in this process (the served overhead)")
     ap.add_argument("--out", default="batching.json")
     args = ap.parse_args(argv)
 
@@ -166,6 +195,9 @@ def main(argv=None) -> int:
     count = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
     levels = [int(x) for x in args.levels.split(",")]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]
+    if not args.raw and tokenizer.chat_template:
+        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+                   for p in prompts]
     models = args.models.split(",")
     every = {
         "before": recipe,
@@ -203,18 +235,26 @@ def main(argv=None) -> int:
     row_at = {(r["model"], r["variant"], r["concurrency"]): r for r in rows}
     print()
     print(f"{'model':17s} {'variant':8s} {'conc':>4s} {'out tok/s':>10s} {'vs c=1':>7s} {'p50 ms':>8s} {'p90 ms':>8s} {'p99 ms':>8s} "
-          f"{'vs before':>10s} {'vs ' + models[0]:>13s} {'load':>5s} {'target RSS MB':>13s}")
+          f"{'ms/token':>8s} {'vs c=1':>7s} {'vs before':>10s} {'vs ' + models[0]:>13s} {'load':>5s} {'target RSS MB':>13s}")
     for r in rows:
         c1 = row_at[r["model"], r["variant"], levels[0]]
         control = row_at[models[0], r["variant"], r["concurrency"]]
         before = row_at.get((r["model"], "before", r["concurrency"]))
         vs_before = f"{r['out_tok_s'] / before['out_tok_s']:9.2f}x" if before else f"{'-':>10s}"
         print(f"{r['model']:17s} {r['variant']:8s} {r['concurrency']:4d} {r['out_tok_s']:10.1f} {r['out_tok_s'] / c1['out_tok_s']:6.2f}x "
-              f"{r['p50_ms']:8.0f} {r['p90_ms']:8.0f} {r['p99_ms']:8.0f} {vs_before} {r['out_tok_s'] / control['out_tok_s']:12.2f}x {r['load1']:5.1f} "
+              f"{r['p50_ms']:8.0f} {r['p90_ms']:8.0f} {r['p99_ms']:8.0f} {r['ms_per_token']:8.2f} {r['ms_per_token'] / c1['ms_per_token']:6.2f}x "
+              f"{vs_before} {r['out_tok_s'] / control['out_tok_s']:12.2f}x {r['load1']:5.1f} "
               f"{r['target_peak_rss_mb'] or float('nan'):13.0f}")
     print(f"same text for every prompt on every path, in every server, at every concurrency: {'yes' if identical else 'NO'}")
+    in_process = None
+    if args.in_process:
+        in_process = _in_process_ms_per_token(engines_dir / "target", tokenizer, prompts, args.max_tokens)
+        served = row_at[models[0], list(variants)[-1], levels[0]]["ms_per_token"]
+        print(f"in-process, same engine and requests, one at a time: {in_process:.2f} ms/token; served "
+              f"{models[0]} at concurrency {levels[0]}: {served:.2f} ms/token ({served / in_process:.2f}x)")
     print(f"cores: {os.cpu_count()}, load average now: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
     out = {"recipe": args.recipe, "max_tokens": args.max_tokens, "identical_outputs": identical, "threads": args.threads,
+           "chat_template": not args.raw, "in_process_ms_per_token": in_process,
            "rows": [{k: v for k, v in r.items() if k not in ("texts", "all_texts")} for r in rows]}
     Path(args.out).write_text(json.dumps(out, indent=2))
     print(f"wrote {args.out}")

@@ -187,23 +187,27 @@ def ensure_llama(hf_dir: Path) -> tuple[Path, dict] | str:
 
 
 def llama_numbers(bench: Path, ggufs: dict, threads: int) -> dict:
+    """llama-bench's pp64, pp512 (prompt) and tg64 (generation) per GGUF kind, each from the native build; a part that
+    dies with SIGILL there (AMX code this VM cannot run: bench/llama_cpp.py) from the build without AMX, named."""
     out = {}
     for kind, path in ggufs.items():
-        cmd = ["-m", str(path), "-t", str(threads), "-p", "64,512", "-n", "64", "-o", "json"]
-        res = subprocess.run([str(bench), *cmd], capture_output=True, text=True)
-        if res.returncode == llama_cpp.SIGILL:  # AMX code this machine cannot run (llama_cpp.py): the build without it
-            log(f"llama.cpp {kind}: llama-bench died with SIGILL (AMX); building and using llama.cpp without AMX")
-            bench = llama_cpp.binary("llama-bench", amx=False)
-            res = subprocess.run([str(bench), *cmd], capture_output=True, text=True)
-        if res.returncode != 0:
-            raise subprocess.CalledProcessError(res.returncode, [str(bench), *cmd], res.stdout, res.stderr)
-        rows = json.loads(res.stdout)
-        entry = {"build": bench.parent.parent.name}
-        for r in rows:
-            key = f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}"
-            entry[key] = float(r["avg_ts"])
+        entry = {"build": {}}
+        for part, args in (("prompt", ["-p", "64,512", "-n", "0"]), ("generation", ["-p", "0", "-n", "64"])):
+            cmd = ["-m", str(path), "-t", str(threads), *args, "-o", "json"]
+            binary = bench
+            res = subprocess.run([str(binary), *cmd], capture_output=True, text=True)
+            if res.returncode == llama_cpp.SIGILL:
+                log(f"llama.cpp {kind} {part}: llama-bench died with SIGILL (AMX); running it on llama.cpp built without AMX")
+                binary = llama_cpp.binary("llama-bench", amx=False)
+                res = subprocess.run([str(binary), *cmd], capture_output=True, text=True)
+            if res.returncode != 0:
+                raise subprocess.CalledProcessError(res.returncode, [str(binary), *cmd], res.stdout, res.stderr)
+            for r in json.loads(res.stdout):
+                key = f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}"
+                entry[key] = float(r["avg_ts"])
+                entry["build"][key] = binary.parent.parent.name
         out[kind] = entry
-        log(f"llama.cpp {kind} ({entry['build']}): " + ", ".join(f"{k} {v:.0f} tok/s" for k, v in entry.items() if k != "build"))
+        log(f"llama.cpp {kind}: " + ", ".join(f"{k} {v:.0f} tok/s ({entry['build'][k]})" for k, v in entry.items() if k != "build"))
     return out
 
 
@@ -282,7 +286,9 @@ def main(argv=None) -> int:
         print(f"llama.cpp           skipped: {llama['skipped']}")
     else:
         for kind, r in llama.items():
-            print(f"llama.cpp {kind:<17} {r.get('tg64', 0):12.1f} {r.get('pp64', 0):12.0f} {r.get('pp512', 0):13.0f}")
+            builds = sorted(set(r["build"].values()))
+            print(f"llama.cpp {kind:<17} {r.get('tg64', 0):12.1f} {r.get('pp64', 0):12.0f} {r.get('pp512', 0):13.0f}"
+                  + (f"   (builds: " + ", ".join(f"{k} {b}" for k, b in r["build"].items()) + ")" if len(builds) > 1 else ""))
     for name, eng in results["engines"].items():
         print(f"engine {name}: pass of k+1 rows / one step: " + " ".join(f"{m}:{eng['pass_ratio'][m]:.2f}" for m in ROWS))
 
