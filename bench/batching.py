@@ -57,8 +57,10 @@ def _infer(url: str, model: str, prompt: str, max_tokens: int) -> tuple[str, flo
     try:
         inputs = []
         for name, arr in (("text_input", np.array([[prompt.encode()]], dtype=object)),
-                          ("max_tokens", np.array([[max_tokens]], dtype=np.int32))):
-            tensor = grpcclient.InferInput(name, list(arr.shape), "BYTES" if arr.dtype == object else "INT32")
+                          ("max_tokens", np.array([[max_tokens]], dtype=np.int32)),
+                          ("exclude_input_in_output", np.array([[True]]))):  # text_output: the answer alone
+            kind = {np.dtype(object): "BYTES", np.dtype(np.int32): "INT32", np.dtype(bool): "BOOL"}[arr.dtype]
+            tensor = grpcclient.InferInput(name, list(arr.shape), kind)
             tensor.set_data_from_numpy(arr)
             inputs.append(tensor)
         t0 = time.perf_counter()

@@ -4,7 +4,8 @@
 instead: each engine folder given (its real kernels, weights and activation quantization, e.g. an int8_sq engine
 built with `quantization.per_token`, which ModelOpt's simulation does not have) against the Hugging Face source in
 fp32, with the same metrics on the same rows (specdeploy.calibration_text.heldout_rows: the shipped held-out
-passages, never calibration text nor validation prompts): perplexity, top-1 agreement, mean KL(source || engine).
+passages, never calibration text nor validation prompts; or `--text FILE`, e.g. a text no setting was chosen on):
+perplexity, top-1 agreement, mean KL(source || engine).
 
     .venv/bin/python bench/engine_quality.py --model smollm2-135m-instruct \
         --engine engines/smollm2-135m/target --engine engines/sm-int8sq/target [--row-len 256]
@@ -49,6 +50,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="smollm2-135m-instruct", help="the engines' source: bundled name or HF folder")
     ap.add_argument("--engine", action="append", required=True, help="an engine folder (repeatable)")
     ap.add_argument("--row-len", type=int, default=256, help="tokens per row (the recipes' calib_max_seq_length)")
+    ap.add_argument("--text", default=None,
+                    help="measure on this text file instead (cut into rows of --row-len tokens), e.g. text no setting was chosen on")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -65,8 +68,14 @@ def main(argv=None) -> int:
     source_dir = resolve(args.model)
     tokenizer = AutoTokenizer.from_pretrained(str(source_dir))
     source = AutoModelForCausalLM.from_pretrained(str(source_dir), dtype=torch.float32).eval()
-    rows, passages = heldout_rows(tokenizer, args.row_len)
-    print(f"held-out text: {passages} passages, {len(rows)} rows of up to {args.row_len} tokens", file=sys.stderr)
+    if args.text:
+        ids = tokenizer(Path(args.text).read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
+        rows = [r for r in (ids[i : i + args.row_len] for i in range(0, len(ids), args.row_len)) if len(r) >= 2]
+        passages = 1
+        print(f"text {args.text}: {len(rows)} rows of up to {args.row_len} tokens", file=sys.stderr)
+    else:
+        rows, passages = heldout_rows(tokenizer, args.row_len)
+        print(f"held-out text: {passages} passages, {len(rows)} rows of up to {args.row_len} tokens", file=sys.stderr)
     results = []
     for folder in args.engine:
         engine, call = engine_model(folder)
@@ -82,7 +91,7 @@ def main(argv=None) -> int:
               f"{100 * r['top1_agreement']:6.2f}% {r['mean_kl']:8.4f}")
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"engine-quality-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"model": args.model, "row_len": args.row_len, "rows": len(rows), "passages": passages,
+    out.write_text(json.dumps({"model": args.model, "text": args.text or "heldout", "row_len": args.row_len, "rows": len(rows), "passages": passages,
                                "results": results}, indent=2) + "\n")
     print(f"wrote {out}", file=sys.stderr)
     return 0

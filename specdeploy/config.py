@@ -47,18 +47,27 @@ class QuantConfig:
     # W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN) instead of ModelOpt's one static scale per tensor. A build setting:
     # the checkpoint is the same (BUILD_ONLY_QUANT_KEYS), the engine differs.
     per_token: bool = False
+    # int8_sq only: SmoothQuant's migration strength (ModelOpt's SmoothQuantCalibConfig.alpha, in [0, 1]; a larger value
+    # moves more of the activations' outliers into the weights). null: ModelOpt's default, 1.0.
+    smoothquant_alpha: float | None = None
 
 
 # Quantization keys that are not part of a checkpoint's identity: a limit on the quantize run, and what the build
 # makes of the same checkpoint.
 BUILD_ONLY_QUANT_KEYS = ("max_calib_hours", "per_token")
+# Quantization keys added after checkpoints existed, with the default that means what those checkpoints were made with.
+LATER_QUANT_KEYS = {"smoothquant_alpha": None}
 
 
 def checkpoint_settings(model: "ModelConfig") -> dict:
-    """The model's settings that make its checkpoint (what the quantize stage fingerprints and the build compares)."""
+    """The model's settings that make its checkpoint (what the quantize stage fingerprints and the build compares).
+    Keys added after checkpoints were made are left out at their default, so those checkpoints stay up to date."""
     plain = to_plain(model)
     for key in BUILD_ONLY_QUANT_KEYS:
         plain["quantization"].pop(key, None)
+    for key, default in LATER_QUANT_KEYS.items():
+        if plain["quantization"].get(key, default) == default:
+            plain["quantization"].pop(key, None)
     return plain
 
 

@@ -73,6 +73,13 @@ def _check(r: Recipe) -> None:
         if q.per_token and q.qformat != "int8_sq":
             raise ConfigError(f"key '{role}.quantization.per_token' is true with qformat {q.qformat!r}: per-token activation "
                               "scales are an int8_sq (SmoothQuant) setting", f"set {role}.quantization.per_token: false, or qformat: int8_sq")  # fmt: skip
+        if q.smoothquant_alpha is not None:
+            if q.qformat != "int8_sq":
+                raise ConfigError(f"key '{role}.quantization.smoothquant_alpha' is set with qformat {q.qformat!r}: it is "
+                                  "SmoothQuant's (int8_sq)", f"remove {role}.quantization.smoothquant_alpha, or use qformat: int8_sq")  # fmt: skip
+            if not 0.0 <= q.smoothquant_alpha <= 1.0:
+                raise ConfigError(f"key '{role}.quantization.smoothquant_alpha' is {q.smoothquant_alpha}, must be in [0, 1] "
+                                  "(ModelOpt's SmoothQuantCalibConfig)", "use e.g. 0.8, or null for ModelOpt's default 1.0")  # fmt: skip
         if q.per_token and not backend.int8_sq_per_token:
             able = " or ".join(b.name for b in _backends.ALL if b.int8_sq_per_token)
             raise ConfigError(f"key '{role}.quantization.per_token' is true on backend {r.backend}: ModelOpt exports int8_sq "

@@ -33,6 +33,8 @@ def modelopt_config(quant: QuantConfig) -> dict | None:
         for entry in cfg["quant_cfg"]:
             if entry.get("quantizer_name") == "*weight_quantizer" and "block_sizes" in entry.get("cfg", {}):
                 entry["cfg"]["block_sizes"][-1] = quant.awq_block_size
+    if quant.smoothquant_alpha is not None:  # ModelOpt's SmoothQuantCalibConfig.alpha (its default 1.0 otherwise)
+        cfg["algorithm"] = {"method": "smoothquant", "alpha": float(quant.smoothquant_alpha)}
     if quant.kv_cache_dtype is not None:
         kv = copy.deepcopy(mtq.FP8_KV_CFG["quant_cfg"])
         for entry in kv:

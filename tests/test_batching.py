@@ -21,7 +21,7 @@ from specdeploy.errors import ConfigError
 from specdeploy.speculative import SamplingParams
 
 
-def _build(model_dir, out_dir, dtype, qformat="full_prec", max_draft_len=4):
+def _build(model_dir, out_dir, dtype, qformat="full_prec", max_draft_len=4, per_token=False):
     """Quantize + compile + load with the project's own stages."""
     from specdeploy.config import EngineConfig, QuantConfig
     from specdeploy.engine.compile import compile_checkpoint
@@ -30,7 +30,8 @@ def _build(model_dir, out_dir, dtype, qformat="full_prec", max_draft_len=4):
 
     ckpt = out_dir / "ckpt"
     quantize_model(model_dir, QuantConfig(qformat=qformat, calib_size=4, calib_max_seq_length=32), ckpt, progress=False)
-    compile_checkpoint(ckpt, out_dir / "engine", EngineConfig(dtype=dtype, max_input_len=128, max_seq_len=256), max_draft_len)
+    compile_checkpoint(ckpt, out_dir / "engine", EngineConfig(dtype=dtype, max_input_len=128, max_seq_len=256), max_draft_len,
+                       per_token)
     return CpuEngine.load(out_dir / "engine")
 
 
@@ -176,6 +177,35 @@ def test_batched_requests_equal_their_solo_runs(bf16_engine, max_batch_size):
     # decode rows, a 4-row verification and prefill chunks shared steps
     assert any(1 in c and max(c) > 1 for c in calls)
     assert sum(len(c) for c in calls) > len(calls)
+
+
+def test_int8_sq_per_token_requests_alone_equal_the_same_requests_among_15_others(tmp_path, tiny_llama_dir):
+    """Bit-exact batch invariance of the integer path (issue 25): an int8_sq engine with per-token activation scales
+    (each row quantized by its own max) gives every request the same tokens and logits alone as in steps shared
+    with 1..15 others; 16 requests of different lengths leave at different steps, so every batch size occurs."""
+    from specdeploy.engine.spec import SQ_PER_TOKEN
+
+    engine = _build(tiny_llama_dir, tmp_path, "bfloat16", qformat="int8_sq", per_token=True)
+    assert engine.spec.quant_algo == SQ_PER_TOKEN
+    requests = [GenerationRequest(_prompt(40 + i, 3 + 5 * i), 2 + i, return_logits=True) for i in range(16)]
+    solo = [run(Executor(engine), r) for r in requests]
+    sizes = []
+    inner = engine.forward_batch
+
+    def recording(caches, token_ids, keep=None):
+        sizes.append(len(token_ids))
+        return inner(caches, token_ids, keep)
+
+    engine.forward_batch = recording
+    scheduler = BatchScheduler(Executor(engine, max_cached_sequences=16), 16)
+    try:
+        results = _concurrently(scheduler, requests)
+    finally:
+        del engine.forward_batch
+        scheduler.close()
+    for got, expected in zip(results, solo):
+        _assert_same(got, expected)
+    assert set(range(2, 17)) <= set(sizes)  # shared with 1..15 others
 
 
 def test_requests_join_and_leave_between_steps(bf16_engine):

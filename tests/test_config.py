@@ -169,3 +169,26 @@ def test_eagle3_is_refused_where_the_backend_cannot_serve_it():
     with pytest.raises(ConfigError, match="not wired for backend trtllm-engine.*EAGLE-1/2") as exc:
         parse_recipe({**raw, "backend": "trtllm-engine"})
     assert "use backend cpu or trtllm-llmapi" in exc.value.hint
+
+
+def test_smoothquant_alpha_is_an_int8_sq_setting_in_modelopts_range():
+    from specdeploy.config import checkpoint_settings
+    from specdeploy.modelopt_quantize import modelopt_config
+
+    raw = with_change("target.quantization.qformat", "int8_sq")
+    before = checkpoint_settings(parse_recipe(raw).target)
+    raw["target"]["quantization"]["smoothquant_alpha"] = 1  # an int is a float here
+    recipe = parse_recipe(raw)
+    assert recipe.target.quantization.smoothquant_alpha == 1.0
+    assert modelopt_config(recipe.target.quantization)["algorithm"] == {"method": "smoothquant", "alpha": 1.0}
+    assert modelopt_config(parse_recipe(with_change("target.quantization.qformat", "int8_sq")).target.quantization)["algorithm"] == "smoothquant"
+    # the checkpoint's identity: unchanged when the key is left at null (earlier checkpoints stay up to date), else part of it
+    assert "smoothquant_alpha" not in before["quantization"]
+    assert checkpoint_settings(recipe.target)["quantization"]["smoothquant_alpha"] == 1.0
+    for value, message in ((1.5, "must be in [0, 1]"), (-0.1, "must be in [0, 1]")):
+        raw["target"]["quantization"]["smoothquant_alpha"] = value
+        with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+            parse_recipe(raw)
+    raw["target"]["quantization"].update(qformat="fp8", smoothquant_alpha=0.8)
+    with pytest.raises(ConfigError, match="smoothquant_alpha' is set with qformat 'fp8'"):
+        parse_recipe(raw)
