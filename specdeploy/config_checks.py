@@ -53,43 +53,7 @@ def _check(r: Recipe) -> None:
     _choice("backend", r.backend, BACKENDS)
     _check_draft_kind(r)
     for role in r.model_roles:
-        m = r.model(role)
-        q = m.quantization
-        _choice(f"{role}.quantization.qformat", q.qformat, QFORMATS)
-        _choice(f"{role}.quantization.kv_cache_dtype", q.kv_cache_dtype, KV_CACHE_DTYPES)
-        _choice(f"{role}.quantization.awq_block_size", q.awq_block_size, AWQ_BLOCK_SIZES)
-        _at_least(f"{role}.quantization.calib_size", q.calib_size, 1)
-        _at_least(f"{role}.quantization.calib_max_seq_length", q.calib_max_seq_length, 8)
-        if not q.max_calib_hours > 0:
-            raise ConfigError(f"key '{role}.quantization.max_calib_hours' is {q.max_calib_hours}, must be > 0")
-        _at_least(f"{role}.tp_size", m.tp_size, 1)
-        _at_least(f"{role}.pp_size", m.pp_size, 1)
-        backend = _backends.get(r.backend)
-        if q.qformat not in backend.qformats:
-            raise ConfigError(
-                f"key '{role}.quantization.qformat' is {q.qformat!r}, which backend '{r.backend}' cannot run",
-                f"qformats for {r.backend}: {', '.join(backend.qformats)}",
-            )
-        if q.per_token and q.qformat != "int8_sq":
-            raise ConfigError(f"key '{role}.quantization.per_token' is true with qformat {q.qformat!r}: per-token activation "
-                              "scales are an int8_sq (SmoothQuant) setting", f"set {role}.quantization.per_token: false, or qformat: int8_sq")  # fmt: skip
-        if q.smoothquant_alpha is not None:
-            if q.qformat != "int8_sq":
-                raise ConfigError(f"key '{role}.quantization.smoothquant_alpha' is set with qformat {q.qformat!r}: it is "
-                                  "SmoothQuant's (int8_sq)", f"remove {role}.quantization.smoothquant_alpha, or use qformat: int8_sq")  # fmt: skip
-            if not 0.0 <= q.smoothquant_alpha <= 1.0:
-                raise ConfigError(f"key '{role}.quantization.smoothquant_alpha' is {q.smoothquant_alpha}, must be in [0, 1] "
-                                  "(ModelOpt's SmoothQuantCalibConfig)", "use e.g. 0.8, or null for ModelOpt's default 1.0")  # fmt: skip
-        if q.per_token and not backend.int8_sq_per_token:
-            able = " or ".join(b.name for b in _backends.ALL if b.int8_sq_per_token)
-            raise ConfigError(f"key '{role}.quantization.per_token' is true on backend {r.backend}: ModelOpt exports int8_sq "
-                              "with static per-tensor activation scales only, and specdeploy does not run TensorRT-LLM's "
-                              "convert_checkpoint.py --per_token", f"set per_token: false on this backend, or use backend {able}")  # fmt: skip
-        if m.tp_size * m.pp_size > 1 and not backend.multi_rank:
-            raise ConfigError(
-                f"key '{role}.tp_size'/'{role}.pp_size' asks for {m.tp_size * m.pp_size} ranks on backend '{r.backend}'",
-                f"the cpu engine runs one rank; set tp_size: 1 and pp_size: 1, or use {' or '.join(b.name for b in _backends.ALL if b.multi_rank)}",
-            )
+        _check_model(r, role)
     s = r.speculative
     _at_least("speculative.max_draft_len", s.max_draft_len, 1)
     _at_least("speculative.num_draft_tokens", s.num_draft_tokens, 1)
@@ -145,6 +109,53 @@ def _check(r: Recipe) -> None:
     if not 0.0 <= v.min_compared_share <= 1.0:
         raise ConfigError(f"key 'validation.min_compared_share' is {v.min_compared_share}, must be in [0, 1]")
     _at_least("validation.latency_prompts", v.latency_prompts, 0)
+
+
+def _check_model(r: Recipe, role: str) -> None:
+    """One role's model section: quantization choices and ranges, what the backend runs, ranks."""
+    m = r.model(role)
+    q = m.quantization
+    _choice(f"{role}.quantization.qformat", q.qformat, QFORMATS)
+    _choice(f"{role}.quantization.kv_cache_dtype", q.kv_cache_dtype, KV_CACHE_DTYPES)
+    _choice(f"{role}.quantization.awq_block_size", q.awq_block_size, AWQ_BLOCK_SIZES)
+    _at_least(f"{role}.quantization.calib_size", q.calib_size, 1)
+    _at_least(f"{role}.quantization.calib_max_seq_length", q.calib_max_seq_length, 8)
+    if not q.max_calib_hours > 0:
+        raise ConfigError(f"key '{role}.quantization.max_calib_hours' is {q.max_calib_hours}, must be > 0")
+    _at_least(f"{role}.tp_size", m.tp_size, 1)
+    _at_least(f"{role}.pp_size", m.pp_size, 1)
+    backend = _backends.get(r.backend)
+    if q.qformat not in backend.qformats:
+        raise ConfigError(
+            f"key '{role}.quantization.qformat' is {q.qformat!r}, which backend '{r.backend}' cannot run",
+            f"qformats for {r.backend}: {', '.join(backend.qformats)}",
+        )
+    _check_smoothquant(r, role, backend)
+    if m.tp_size * m.pp_size > 1 and not backend.multi_rank:
+        raise ConfigError(
+            f"key '{role}.tp_size'/'{role}.pp_size' asks for {m.tp_size * m.pp_size} ranks on backend '{r.backend}'",
+            f"the cpu engine runs one rank; set tp_size: 1 and pp_size: 1, or use {' or '.join(b.name for b in _backends.ALL if b.multi_rank)}",
+        )
+
+
+def _check_smoothquant(r: Recipe, role: str, backend) -> None:
+    """int8_sq's own keys (per_token, smoothquant_alpha): only with qformat int8_sq, in range, where the backend runs them."""
+    q = r.model(role).quantization
+    if q.per_token and q.qformat != "int8_sq":
+        raise ConfigError(f"key '{role}.quantization.per_token' is true with qformat {q.qformat!r}: per-token activation "
+                          "scales are an int8_sq (SmoothQuant) setting", f"set {role}.quantization.per_token: false, or qformat: int8_sq")  # fmt: skip
+    if q.smoothquant_alpha is not None:
+        if q.qformat != "int8_sq":
+            raise ConfigError(f"key '{role}.quantization.smoothquant_alpha' is set with qformat {q.qformat!r}: it is "
+                              "SmoothQuant's (int8_sq)", f"remove {role}.quantization.smoothquant_alpha, or use qformat: int8_sq")  # fmt: skip
+        if not 0.0 <= q.smoothquant_alpha <= 1.0:
+            raise ConfigError(f"key '{role}.quantization.smoothquant_alpha' is {q.smoothquant_alpha}, must be in [0, 1] "
+                              "(ModelOpt's SmoothQuantCalibConfig)", "use e.g. 0.8, or null for ModelOpt's default 1.0")  # fmt: skip
+    if q.per_token and not backend.int8_sq_per_token:
+        able = " or ".join(b.name for b in _backends.ALL if b.int8_sq_per_token)
+        raise ConfigError(f"key '{role}.quantization.per_token' is true on backend {r.backend}: ModelOpt exports int8_sq "
+                          "with static per-tensor activation scales only, and specdeploy does not run TensorRT-LLM's "
+                          "convert_checkpoint.py --per_token", f"set per_token: false on this backend, or use backend {able}")  # fmt: skip
 
 
 def _check_layout(r: Recipe) -> None:
