@@ -63,12 +63,15 @@ def checkpoint_settings(model: "ModelConfig") -> dict:
     """The model's settings that make its checkpoint (what the quantize stage fingerprints and the build compares).
     Keys added after checkpoints were made are left out at their default, so those checkpoints stay up to date."""
     plain = to_plain(model)
-    for key in BUILD_ONLY_QUANT_KEYS:
-        plain["quantization"].pop(key, None)
-    for key, default in LATER_QUANT_KEYS.items():
-        if plain["quantization"].get(key, default) == default:
-            plain["quantization"].pop(key, None)
+    plain["quantization"] = checkpoint_quantization(plain["quantization"])
     return plain
+
+
+def checkpoint_quantization(quant: dict) -> dict:
+    """A quantization section (plain, from a recipe or an older manifest) without the keys that do not make the
+    checkpoint: the build-only ones, and later keys at the default earlier checkpoints were made with."""
+    return {k: v for k, v in quant.items()
+            if k not in BUILD_ONLY_QUANT_KEYS and not (k in LATER_QUANT_KEYS and v == LATER_QUANT_KEYS[k])}
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from specdeploy import artifacts
-from specdeploy.config import BUILD_ONLY_QUANT_KEYS, LATER_QUANT_KEYS, Recipe, checkpoint_settings
+from specdeploy.config import Recipe, checkpoint_quantization, checkpoint_settings
 from specdeploy.engine.compile import compile_checkpoint, read_checkpoint_config
 from specdeploy.engine.spec import FORMAT_VERSION
 from specdeploy.errors import BuildError, StaleArtifactError
@@ -93,8 +93,7 @@ def _check_checkpoint_matches(recipe: Recipe, role: str, manifest, ckpt) -> None
     wanted = checkpoint_settings(recipe.model(role))
     have = {k: manifest.settings.get(k) for k in wanted}
     if isinstance(have.get("quantization"), dict):  # older manifests also recorded the build-only keys
-        have["quantization"] = {k: v for k, v in have["quantization"].items() if k not in BUILD_ONLY_QUANT_KEYS
-                                and not (k in LATER_QUANT_KEYS and v == LATER_QUANT_KEYS[k])}
+        have["quantization"] = checkpoint_quantization(have["quantization"])
     if manifest.settings.get("role", role) != role or have != wanted:
         raise StaleArtifactError(
             f"{ckpt} was quantized with other settings than the recipe's {role} asks for now",
