@@ -152,8 +152,34 @@ def test_native_engine_close_to_torch_engine(bf16_engines, monkeypatch):
     assert (a.argmax(-1) == b.argmax(-1)).sum().item() >= 22  # of 24
 
 
-def test_decoder_call_equals_the_per_op_native_loop(bf16_engines):
-    engine = CpuEngine.load(bf16_engines)
+@pytest.fixture(scope="module")
+def int8_sq_engines(tmp_path_factory, tiny_tokenizer_dir):
+    """The tiny test model's int8_sq checkpoint as bf16 engines, static and per token, with gate and up apart, as
+    in the bundled model's checkpoint, where each has its own smoothing and activation scales (the tiny model's
+    happen to be equal, so compile's fuse is turned off here)."""
+    from unittest import mock
+
+    from specdeploy.engine import compile as compile_module
+    from specdeploy.engine.compile import compile_checkpoint
+    from tiny_models import make_tiny_model
+    from tests.test_engine import ENGINE, QUANT_MODEL, export_checkpoint
+
+    root = tmp_path_factory.mktemp("native_sq")
+    make_tiny_model(root / "hf", tiny_tokenizer_dir, seed=5, **QUANT_MODEL)
+    export_checkpoint(root / "hf", root / "ckpt", "int8_sq", dtype=torch.bfloat16)
+    engine = dataclasses.replace(ENGINE, dtype="bfloat16")
+    with mock.patch.object(compile_module, "fuse", lambda gate, up: None):
+        compile_checkpoint(root / "ckpt", root / "static", engine, 4)
+        compile_checkpoint(root / "ckpt", root / "per_token", engine, 4, per_token=True)
+    return {"static": root / "static", "per_token": root / "per_token"}
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8_sq static", "int8_sq per_token"])
+def test_decoder_call_equals_the_per_op_native_loop(kind, bf16_engines, int8_sq_engines):
+    engine = CpuEngine.load(bf16_engines if kind == "fp8" else int8_sq_engines[kind.split()[1]])
+    assert engine.decoder is not None  # int8_sq too: its gate and up run apart inside the native call
+    fused = kind == "fp8"
+    assert all((layer.gate_up is not None) == fused for layer in engine.layers)
     ids = torch.randint(0, 512, (12,), generator=torch.Generator().manual_seed(5))
     one_call = engine.forward(engine.new_cache(), ids)
     engine.decoder = None  # the same native kernels, called layer by layer from Python

@@ -309,15 +309,13 @@ class CpuEngine:
         gate/up projection; else None and _forward_chunk loops over the layers in Python."""
         s = self.spec
         if self.native is None or not all(
-            all(isinstance(x, NativeLinear) for x in (layer.qkv, layer.o, layer.gate_up, layer.down)) for layer in self.layers
+            all(isinstance(getattr(layer, name), NativeLinear) for name in _native_linears(layer)) for layer in self.layers
         ):
             return None
         decoder = torch.classes.specdeploy_cpu.Decoder(s.num_layers, s.num_heads, s.num_kv_heads, self.scale,
                                                        s.norm_epsilon, self.cos, self.sin)
         for i, layer in enumerate(self.layers):
-            decoder.set_norms(i, layer.input_norm, layer.post_norm)
-            for name in ("qkv", "o", "gate_up", "down"):
-                decoder.set_linear(i, name, *getattr(layer, name).args())
+            _set_layer(decoder, i, layer)
         return decoder
 
     def _segments(self, aux_layers: tuple[int, ...]) -> list[tuple[int, int, object]]:
@@ -330,10 +328,7 @@ class CpuEngine:
                 decoder = torch.classes.specdeploy_cpu.Decoder(end + 1 - first, s.num_heads, s.num_kv_heads, self.scale,
                                                                s.norm_epsilon, self.cos, self.sin)
                 for i in range(first, end + 1):
-                    layer = self.layers[i]
-                    decoder.set_norms(i - first, layer.input_norm, layer.post_norm)
-                    for name in ("qkv", "o", "gate_up", "down"):
-                        decoder.set_linear(i - first, name, *getattr(layer, name).args())
+                    _set_layer(decoder, i - first, self.layers[i])
                 found.append((first, end + 1, decoder))
                 first = end + 1
             self._segment_cache[aux_layers] = found
@@ -400,6 +395,20 @@ class CpuEngine:
         if rows > m:
             out.append(torch.zeros(rows - m, s.num_heads * s.head_size))
         return (out[0] if len(out) == 1 else torch.cat(out)).to(self.dtype)
+
+
+def _native_linears(layer: Layer) -> tuple[str, ...]:
+    """The linears a native Decoder layer runs: gate and up apart where the checkpoint keeps them apart (int8_sq:
+    each has its own smoothing and activation scales), else the fused gate_up."""
+    if layer.gate_up is not None:
+        return ("qkv", "o", "gate_up", "down")
+    return ("qkv", "o", "gate", "up", "down")
+
+
+def _set_layer(decoder, index: int, layer: Layer) -> None:
+    decoder.set_norms(index, layer.input_norm, layer.post_norm)
+    for name in _native_linears(layer):
+        decoder.set_linear(index, name, *getattr(layer, name).args())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -40,6 +40,10 @@ at::Tensor int8_sq_linear(const at::Tensor& x, const at::Tensor& packed, int64_t
 namespace {
 
 constexpr int64_t kChannelBlock = 4;  // output channels per packed block
+#ifndef SPECDEPLOY_PREFETCH_BLOCKS
+#define SPECDEPLOY_PREFETCH_BLOCKS 1
+#endif
+constexpr int64_t kPrefetchBlocks = SPECDEPLOY_PREFETCH_BLOCKS;  // how far ahead a tile prefetches (block_rows)
 constexpr float kFp8Max = 448.0f;
 
 enum WeightKind : int64_t { kBf16 = 0, kFp8 = 1, kInt8 = 2, kInt4 = 3, kInt8Sq = 4 };  // kInt8Sq: int8_kernels.cpp
@@ -435,9 +439,12 @@ template <int64_t R> constexpr int64_t kTileChannels = R <= 2 ? 4 : 2;
 // k order, then the epilogue reduces its lanes. The tile shape changes which products share a register load,
 // not the order in which any one (m, n) is summed: every row's bits are those of a one-row call.
 // p: the tile's first chunk; stride: bytes from one step of the block to the next.
+// ahead > 0: also prefetch, step by step, the `stride` bytes that far past p (the next block's same step), so that
+// the next block streams in from memory while this one computes (without it a pass over several rows costs the
+// memory time plus the compute time: the hardware prefetchers stop at the block's end).
 template <int64_t CB, int64_t RB, class W>
 inline void tile(const typename W::Activation* xa, int64_t K, const uint8_t* p, int64_t stride, const W& weights,
-                 int64_t n, int64_t m, const Epilogue& out) {
+                 int64_t n, int64_t m, const Epilogue& out, int64_t ahead = 0) {
   // Fully unrolled (the pragmas): the accumulators must live in registers, not on the stack.
   Vec acc[CB][RB];
 #pragma GCC unroll 8
@@ -447,6 +454,8 @@ inline void tile(const typename W::Activation* xa, int64_t K, const uint8_t* p, 
   const typename W::Activation* x0 = xa + m * K;
   for (int64_t k = 0; k < K; k += W::kStep, p += stride) {
     const typename W::Activation* xk = x0 + k;
+    if (ahead > 0)
+      for (int64_t c = 0; c < stride; c += 64) _mm_prefetch(reinterpret_cast<const char*>(p + ahead + c), _MM_HINT_T0);
 #if defined(__AVX512F__)
     typename W::XVec x[RB];  // 32 registers: each activation vector loaded once per step
 #pragma GCC unroll 8
@@ -485,13 +494,14 @@ inline void tile(const typename W::Activation* xa, int64_t K, const uint8_t* p, 
 // Rows [m, m + rows) of one packed block of `width` channels from channel n (rows <= kRowTile).
 template <int64_t R, class W>
 inline void tile_rows(int64_t rows, const typename W::Activation* xa, int64_t K, const uint8_t* block, int64_t width,
-                      const W& weights, int64_t n, int64_t m, const Epilogue& out) {
+                      const W& weights, int64_t n, int64_t m, const Epilogue& out, int64_t ahead) {
   if constexpr (R >= 1) {
-    if (rows != R) return tile_rows<R - 1>(rows, xa, K, block, width, weights, n, m, out);
+    if (rows != R) return tile_rows<R - 1>(rows, xa, K, block, width, weights, n, m, out, ahead);
     int64_t stride = width * W::kChunk;
-    if (width == 1) return tile<1, R>(xa, K, block, stride, weights, n, m, out);
+    if (width == 1) return tile<1, R>(xa, K, block, stride, weights, n, m, out, ahead);
     constexpr int64_t CB = kTileChannels<R>;
-    for (int64_t j = 0; j < kChannelBlock; j += CB) tile<CB, R>(xa, K, block + j * W::kChunk, stride, weights, n + j, m, out);
+    for (int64_t j = 0; j < kChannelBlock; j += CB)  // the first channel tile prefetches the whole step
+      tile<CB, R>(xa, K, block + j * W::kChunk, stride, weights, n + j, m, out, j == 0 ? ahead : 0);
   }
 }
 
@@ -500,9 +510,11 @@ template <class W>
 inline void block_rows(const typename W::Activation* xa, int64_t m0, int64_t rows, int64_t K, const uint8_t* packed,
                        int64_t width, const W& weights, int64_t n, const Epilogue& out) {
   const uint8_t* block = packed + n * (K / W::kStep) * W::kChunk;
+  // The first row tile of a full block prefetches kPrefetchBlocks blocks ahead; the others find it in cache.
+  int64_t ahead = width == kChannelBlock ? kPrefetchBlocks * width * (K / W::kStep) * W::kChunk : 0;
   int64_t m = m0, end = m0 + rows;
-  for (; m + kRowTile <= end; m += kRowTile) tile_rows<kRowTile>(kRowTile, xa, K, block, width, weights, n, m, out);
-  if (m < end) tile_rows<kRowTile>(end - m, xa, K, block, width, weights, n, m, out);
+  for (; m + kRowTile <= end; m += kRowTile, ahead = 0) tile_rows<kRowTile>(kRowTile, xa, K, block, width, weights, n, m, out, ahead);
+  if (m < end) tile_rows<kRowTile>(end - m, xa, K, block, width, weights, n, m, out, ahead);
 }
 
 // All of y. Threads split the full blocks of channels; each thread walks its blocks once per chunk of rows,
@@ -779,6 +791,7 @@ struct LinearParams {
 struct LayerParams {
   at::Tensor input_norm, post_norm;
   LinearParams qkv, o, gate_up, down;
+  LinearParams gate, up;  // instead of gate_up where the checkpoint's scales keep them apart (int8_sq)
 };
 
 // The decoder layers of an engine in one call, with the same ops in the same order as CpuEngine's layer
@@ -805,7 +818,7 @@ struct Decoder : torch::CustomClassHolder {
                   double act_scale, std::optional<at::Tensor> out_scale, std::optional<at::Tensor> bias) {
     LayerParams& l = layers.at(layer);
     LinearParams* target = name == "qkv" ? &l.qkv : name == "o" ? &l.o : name == "gate_up" ? &l.gate_up
-                           : name == "down" ? &l.down : nullptr;
+                           : name == "down" ? &l.down : name == "gate" ? &l.gate : name == "up" ? &l.up : nullptr;
     TORCH_CHECK(target != nullptr, "unknown linear ", name);
     *target = LinearParams{std::move(packed), kind, n, group_size, std::move(group_scale), std::move(pre_quant_scale),
                            std::move(out_scale), std::move(bias), act_scale};
@@ -819,7 +832,10 @@ struct Decoder : torch::CustomClassHolder {
       at::Tensor layer_keys = keys.select(0, i), layer_values = values.select(0, i);
       at::Tensor attn = attention(qkv, cos, sin, layer_keys, layer_values, start, m, num_heads, num_kv_heads, scale);
       x = l.o(attn, x);
-      x = l.down(swiglu(l.gate_up(rms_norm(x, l.post_norm, eps))), x);
+      at::Tensor h = rms_norm(x, l.post_norm, eps);
+      // unfused: swiglu of [gate | up] has the bits of torch's silu(gate) * up (CpuEngine's unfused loop)
+      at::Tensor gate_up = l.gate_up.packed.defined() ? l.gate_up(h) : at::cat({l.gate(h), l.up(h)}, 1);
+      x = l.down(swiglu(gate_up), x);
     }
     return x;
   }
