@@ -181,9 +181,32 @@ def test_decoder_call_equals_the_per_op_native_loop(kind, bf16_engines, int8_sq_
     fused = kind == "fp8"
     assert all((layer.gate_up is not None) == fused for layer in engine.layers)
     ids = torch.randint(0, 512, (12,), generator=torch.Generator().manual_seed(5))
-    one_call = engine.forward(engine.new_cache(), ids)
-    engine.decoder = None  # the same native kernels, called layer by layer from Python
-    assert torch.equal(one_call, engine.forward(engine.new_cache(), ids))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(2, threads))  # the one-call step runs its loops on its own team (csrc/step_team.h)
+    try:
+        one_call = engine.forward(engine.new_cache(), ids)
+        steps = [engine.forward(cache := engine.new_cache(), ids[:8])] + [engine.forward(cache, ids[i : i + 1]) for i in range(8, 12)]
+        engine.decoder = None  # the same native kernels, called layer by layer from Python (at::parallel_for)
+        assert torch.equal(one_call, engine.forward(engine.new_cache(), ids))
+        assert torch.equal(torch.cat(steps), one_call)  # a prefill then decode steps: the rows' bits again
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_an_error_inside_the_one_call_step_is_raised_and_the_next_step_runs(bf16_engines):
+    engine = CpuEngine.load(bf16_engines)
+    ids = torch.randint(0, 512, (6,), generator=torch.Generator().manual_seed(6))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(2, threads))
+    try:
+        before = engine.forward(engine.new_cache(), ids)
+        cache = engine.new_cache()
+        x = engine.embedding[ids]
+        with pytest.raises(RuntimeError, match="positions out of range"):  # attention's check, on the team's thread
+            engine.decoder.forward(x, cache.keys, cache.values, cache.max_len, ids.numel())
+        assert torch.equal(engine.forward(engine.new_cache(), ids), before)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_disabled_by_environment(monkeypatch):

@@ -30,7 +30,7 @@ SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 # INT8 SmoothQuant on integer dot products (issue 25), one extension with cpu_kernels.cpp; int8_gemv.inc is its
 # per-instruction-set body.
 INT8_SOURCE = Path(__file__).parent / "csrc" / "int8_kernels.cpp"
-SOURCES = (SOURCE, INT8_SOURCE, Path(__file__).parent / "csrc" / "int8_gemv.inc")
+SOURCES = (SOURCE, INT8_SOURCE, Path(__file__).parent / "csrc" / "int8_gemv.inc", Path(__file__).parent / "csrc" / "step_team.h")
 DISABLE_ENV = "SPECDEPLOY_NATIVE"  # "0": always use the torch path
 # The kernels are built for the CPU that loads them (-march=native, one build folder per CPU feature set):
 # the 16-lane AVX-512 variant (VDPBF16PS for bf16 weights where the CPU has AVX512-BF16) where the CPU has

@@ -25,6 +25,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "step_team.h"
+
 #if !defined(__AVX512F__) && !(defined(__AVX2__) && defined(__FMA__))
 #error "specdeploy's native CPU kernels need AVX-512 or AVX2 with FMA (the engine falls back to torch ops without them)"
 #endif
@@ -525,7 +527,7 @@ void gemv(const typename W::Activation* xa, int64_t M, int64_t N, int64_t K, con
   int64_t blocks = N / kChannelBlock;
   int64_t row_bytes = K * static_cast<int64_t>(sizeof(typename W::Activation));
   int64_t chunk = std::max<int64_t>(kRowTile, (int64_t{192} << 10) / row_bytes / kRowTile * kRowTile);
-  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
+  specdeploy::step_team::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
     ExactFloatMode exact;
     for (int64_t m0 = 0; m0 < M; m0 += chunk)
       for (int64_t b = begin; b < end; ++b)
@@ -742,7 +744,7 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
   at::Tensor out = at::zeros({rows, num_heads * D}, qkv.options());
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
   int64_t work_per_pair = (start + m) * D;
-  at::parallel_for(0, m * num_heads, std::max<int64_t>(1, 32768 / std::max<int64_t>(work_per_pair, 1)),
+  specdeploy::step_team::parallel_for(0, m * num_heads, std::max<int64_t>(1, 32768 / std::max<int64_t>(work_per_pair, 1)),
                    [&](int64_t begin, int64_t end) {
     std::vector<float> p(start + m), acc(D);
     for (int64_t pair = begin; pair < end; ++pair) {
@@ -825,7 +827,13 @@ struct Decoder : torch::CustomClassHolder {
   }
 
   // x [rows, hidden] bf16 -> the hidden states after every layer; keys/values [layers, KV, max_len, D] f32.
+  // The whole step on one OpenMP team (step_team.h): its parallel loops wake no sleeping thread.
   at::Tensor forward(at::Tensor x, at::Tensor keys, at::Tensor values, int64_t start, int64_t m) {
+    step_team::run_step([&] { x = layers_forward(x, keys, values, start, m); });
+    return x;
+  }
+
+  at::Tensor layers_forward(at::Tensor x, const at::Tensor& keys, const at::Tensor& values, int64_t start, int64_t m) {
     for (size_t i = 0; i < layers.size(); ++i) {
       const LayerParams& l = layers[i];
       at::Tensor qkv = l.qkv(rms_norm(x, l.input_norm, eps));

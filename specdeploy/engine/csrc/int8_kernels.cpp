@@ -46,6 +46,8 @@
 #include <cstring>
 #include <vector>
 
+#include "step_team.h"
+
 // The epilogue's multiply and add must stay two roundings in every variant (no FMA contraction), as the
 // reference computes them.
 #pragma GCC optimize("fp-contract=off")

@@ -1,0 +1,128 @@
+// One OpenMP team for a whole decoder step (issue 25, served overhead), shared by cpu_kernels.cpp and
+// int8_kernels.cpp.
+//
+// A step of 30 layers makes ~180 parallel loops (every GEMV and attention). Through at::parallel_for each is an
+// OpenMP region: the served stubs wait for work passively (OMP_WAIT_POLICY=PASSIVE, triton/server.py: spinning
+// pools on 2 shared cores made a step 1.2 s), so every region starts by waking the sleeping second thread
+// (futex), ~4 ms of a ~12 ms one-token step measured in process against libgomp's spinning default.
+//
+// Decoder::forward instead opens one region for the whole step (`run_step`): the calling thread runs the step's
+// ops as before, and each parallel loop (`parallel_for`) is handed to the team's helpers, which spin for it
+// between loops (a loop follows the last within microseconds) and leave at the end of the step, so between
+// steps they sleep as before. Chunks are taken from a shared counter: where a helper lost its core to another
+// process, the caller takes the chunks it would have done instead of waiting for it, and a helper that has
+// spun past kYieldAfter yields its core on every further spin.
+//
+// Which thread computes a chunk changes no bits: every output element is computed whole by one call of the
+// chunk's body (see cpu_kernels.cpp's row invariance).
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+#include <omp.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <functional>
+
+namespace specdeploy::step_team {
+
+// One contiguous chunk per thread, as at::parallel_for splits (4 per thread measured the same, idle and with a
+// busy process beside it); the shared counter still lets the caller take a missing helper's chunk.
+constexpr int64_t kChunksPerThread = 1;
+constexpr int64_t kYieldAfter = 1024;  // spins (PAUSE: tens to ~140 cycles each) before a waiting thread yields its core
+
+struct Team {
+  // even: the published task is `epoch`'s; odd: the caller is writing the next one (helpers keep out)
+  std::atomic<uint64_t> epoch{0};
+  std::atomic<int> active{0};  // helpers inside the current task
+  std::atomic<bool> stop{false};
+  std::atomic<int64_t> next{0};
+  int64_t end = 0, chunk = 1;
+  const std::function<void(int64_t, int64_t)>* body = nullptr;
+
+  void take_chunks() {
+    for (int64_t b = next.fetch_add(chunk); b < end; b = next.fetch_add(chunk)) (*body)(b, std::min(b + chunk, end));
+  }
+
+  void helper() {
+    uint64_t done = epoch.load();
+    int64_t spins = 0;
+    while (!stop.load()) {
+      uint64_t e = epoch.load();
+      if (e != done && e % 2 == 0) {
+        active.fetch_add(1);
+        if (epoch.load() == e) take_chunks();
+        active.fetch_sub(1);
+        done = e;
+        spins = 0;
+        continue;
+      }
+      _mm_pause();
+      if (++spins > kYieldAfter) sched_yield();
+    }
+  }
+
+  // The caller: publish [begin, end) in chunks, take chunks itself, then wait for helpers still in one.
+  void run(int64_t begin, int64_t stop_at, int64_t chunk_size, const std::function<void(int64_t, int64_t)>& fn) {
+    epoch.fetch_add(1);  // odd: helpers that arrive now back off
+    while (active.load() != 0) _mm_pause();  // only a helper that came late to the last task: it finds no chunk
+    body = &fn;
+    end = stop_at;
+    chunk = chunk_size;
+    next.store(begin);
+    epoch.fetch_add(1);  // even: published
+    take_chunks();
+    for (int64_t spins = 0; active.load() != 0;) {
+      _mm_pause();
+      if (++spins > kYieldAfter) sched_yield();
+    }
+  }
+};
+
+// The team of the step the calling thread runs, or nullptr outside Decoder::forward.
+inline thread_local Team* current = nullptr;
+
+// As at::parallel_for(begin, end, grain, f), on the step's team where there is one.
+template <class F>
+void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  Team* team = current;
+  if (team == nullptr) return at::parallel_for(begin, end, grain, f);
+  if (end <= begin) return;
+  int threads = omp_get_num_threads();
+  // about four chunks per thread (a late helper costs at most one), none below the grain
+  int64_t chunk = std::max<int64_t>({grain, 1, (end - begin + kChunksPerThread * threads - 1) / (kChunksPerThread * threads)});
+  if (end - begin <= chunk) return f(begin, end);
+  std::function<void(int64_t, int64_t)> body(f);
+  team->run(begin, end, chunk, body);
+}
+
+// Runs step() on the calling thread with the team of at::get_num_threads() threads behind parallel_for.
+template <class Step>
+void run_step(const Step& step) {
+  int threads = at::get_num_threads();
+  if (threads <= 1 || current != nullptr || omp_in_parallel()) return step();
+  Team team;
+  std::exception_ptr error;
+#pragma omp parallel num_threads(threads)
+  {
+    if (omp_get_thread_num() == 0) {
+      current = &team;
+      try {
+        step();
+      } catch (...) {
+        error = std::current_exception();
+      }
+      current = nullptr;
+      team.stop.store(true);
+    } else {
+      team.helper();
+    }
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+}  // namespace specdeploy::step_team
