@@ -47,6 +47,11 @@ def fp8_engine(tmp_path_factory, tiny_llama_dir):
 
 
 @pytest.fixture(scope="module")
+def int8_sq_engine(tmp_path_factory, tiny_llama_dir):
+    return _build(tiny_llama_dir, tmp_path_factory.mktemp("int8_sq"), "bfloat16", qformat="int8_sq", per_token=True)
+
+
+@pytest.fixture(scope="module")
 def fp32_engine(tmp_path_factory, tiny_llama_dir):
     """fp32: MKL's GEMM is not row-invariant, so the engine pads its calls and batches sequence by sequence."""
     return _build(tiny_llama_dir, tmp_path_factory.mktemp("fp32"), "float32")
@@ -59,11 +64,12 @@ def _prompt(seed, n, vocab=512):
 # ---------------------------------------------------------------- the engine: batched pass == single passes
 
 
-@pytest.mark.parametrize("engine_name", ["bf16_engine", "fp8_engine", "fp32_engine"])
+@pytest.mark.parametrize("engine_name", ["bf16_engine", "fp8_engine", "int8_sq_engine", "fp32_engine"])
 def test_forward_batch_logits_are_bit_identical_to_single_sequences(engine_name, request):
     engine = request.getfixturevalue(engine_name)
     if engine_name != "fp32_engine":
         assert engine.pad_rows is None  # the batched path proper (rows of all sequences in one kernel call)
+        assert engine.decoder is not None  # ... in one native call per step (Decoder.forward_batch)
     # step 1: prefill chunks of different lengths; step 2: a decode row, a 5-row verification, a chunk, a row
     first = [_prompt(1, 7), _prompt(2, 33), _prompt(3, 1), _prompt(4, 70)]
     second = [_prompt(5, 1), _prompt(6, 5), _prompt(7, 19), _prompt(8, 1)]

@@ -258,16 +258,10 @@ class CpuEngine:
         starts = [cache.length for cache in caches]
         x = self.embedding[torch.cat(ids)]  # [rows of all sequences, hidden]
         captured = []  # [rows, hidden] after each aux layer
-        for i, layer in enumerate(self.layers):
-            qkv = layer.qkv(self._norm(x, layer.input_norm))  # [rows, (heads + 2 kv_heads) * head_size]
-            parts, offset = [], 0
-            for cache, start, n in zip(caches, starts, sizes):  # each sequence over its own keys
-                parts.append(self._attention(cache, i, qkv[offset : offset + n], start, n))
-                offset += n
-            x = layer.o(parts[0] if len(parts) == 1 else torch.cat(parts), residual=x)
-            x = layer.mlp(self._norm(x, layer.post_norm), x, self.native)
-            if layers is not None and i in layers:
-                captured.append(x.clone())
+        if self.decoder is not None and all(cache.quant_algo is None for cache in caches):
+            x = self._native_batch(x, caches, starts, sizes, layers, captured)
+        else:
+            x = self._layers_batch(x, caches, starts, sizes, layers, captured)
         rows, offset = [], 0  # the rows whose logits are wanted, per sequence
         for n, k in zip(sizes, keep):
             take = n if k is None else min(k, n)
@@ -289,6 +283,32 @@ class CpuEngine:
             aux.append(joined[offset : offset + n] if c else None)
             offset += n
         return logits, aux
+
+    def _native_batch(self, x, caches, starts, sizes, layers, captured) -> torch.Tensor:
+        """forward_batch's layers in one native call (csrc Decoder.forward_batch), or one per segment between
+        aux layers (as _forward_chunk)."""
+        if layers is None:
+            return self.decoder.forward_batch(x, [c.keys for c in caches], [c.values for c in caches], starts, sizes)
+        for first, end, decoder in self._segments(layers):
+            x = decoder.forward_batch(x, [c.keys[first:end] for c in caches], [c.values[first:end] for c in caches],
+                                      starts, sizes)
+            if end - 1 in layers:
+                captured.append(x.clone())
+        return x
+
+    def _layers_batch(self, x, caches, starts, sizes, layers, captured) -> torch.Tensor:
+        """forward_batch's layers op by op (torch ops, or native kernels where the decoder cannot run)."""
+        for i, layer in enumerate(self.layers):
+            qkv = layer.qkv(self._norm(x, layer.input_norm))  # [rows, (heads + 2 kv_heads) * head_size]
+            parts, offset = [], 0
+            for cache, start, n in zip(caches, starts, sizes):  # each sequence over its own keys
+                parts.append(self._attention(cache, i, qkv[offset : offset + n], start, n))
+                offset += n
+            x = layer.o(parts[0] if len(parts) == 1 else torch.cat(parts), residual=x)
+            x = layer.mlp(self._norm(x, layer.post_norm), x, self.native)
+            if layers is not None and i in layers:
+                captured.append(x.clone())
+        return x
 
     def weight_bytes(self) -> int:
         """Bytes of the weights as held in memory for inference (the embedding table and the LM head's packed

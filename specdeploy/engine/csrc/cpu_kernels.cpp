@@ -833,12 +833,41 @@ struct Decoder : torch::CustomClassHolder {
     return x;
   }
 
+  // Several sequences' rows in one step (in-flight batching): x holds sizes[s] rows of each sequence s in turn,
+  // keys[s] / values[s] its cache, starts[s] its first new position. Row-wise ops run once over all rows,
+  // attention per sequence over its own cache: each sequence's bits are those of forward on it alone.
+  at::Tensor forward_batch(at::Tensor x, std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
+                           std::vector<int64_t> starts, std::vector<int64_t> sizes) {
+    TORCH_CHECK(keys.size() == values.size() && keys.size() == starts.size() && keys.size() == sizes.size(),
+                "forward_batch: one cache, start and size per sequence");
+    step_team::run_step([&] { x = layers_forward_batch(x, keys, values, starts, sizes); });
+    return x;
+  }
+
   at::Tensor layers_forward(at::Tensor x, const at::Tensor& keys, const at::Tensor& values, int64_t start, int64_t m) {
+    return layers_forward_batch(x, {keys}, {values}, {start}, {m});
+  }
+
+  at::Tensor layers_forward_batch(at::Tensor x, const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
+                                  const std::vector<int64_t>& starts, const std::vector<int64_t>& sizes) {
     for (size_t i = 0; i < layers.size(); ++i) {
       const LayerParams& l = layers[i];
       at::Tensor qkv = l.qkv(rms_norm(x, l.input_norm, eps));
-      at::Tensor layer_keys = keys.select(0, i), layer_values = values.select(0, i);
-      at::Tensor attn = attention(qkv, cos, sin, layer_keys, layer_values, start, m, num_heads, num_kv_heads, scale);
+      at::Tensor attn;
+      if (keys.size() == 1) {  // one sequence: its rows may include padding past sizes[0] (attention zeroes them)
+        at::Tensor layer_keys = keys[0].select(0, i), layer_values = values[0].select(0, i);
+        attn = attention(qkv, cos, sin, layer_keys, layer_values, starts[0], sizes[0], num_heads, num_kv_heads, scale);
+      } else {
+        std::vector<at::Tensor> parts;
+        int64_t offset = 0;
+        for (size_t s = 0; s < keys.size(); ++s) {
+          at::Tensor layer_keys = keys[s].select(0, i), layer_values = values[s].select(0, i);
+          parts.push_back(attention(qkv.narrow(0, offset, sizes[s]), cos, sin, layer_keys, layer_values, starts[s],
+                                    sizes[s], num_heads, num_kv_heads, scale));
+          offset += sizes[s];
+        }
+        attn = at::cat(parts);
+      }
       x = l.o(attn, x);
       at::Tensor h = rms_norm(x, l.post_norm, eps);
       // unfused: swiglu of [gate | up] has the bits of torch's silu(gate) * up (CpuEngine's unfused loop)
@@ -856,7 +885,8 @@ TORCH_LIBRARY(specdeploy_cpu, ops) {
       .def(torch::init<int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor>())
       .def("set_norms", &specdeploy::Decoder::set_norms)
       .def("set_linear", &specdeploy::Decoder::set_linear)
-      .def("forward", &specdeploy::Decoder::forward);
+      .def("forward", &specdeploy::Decoder::forward)
+      .def("forward_batch", &specdeploy::Decoder::forward_batch);
   ops.def("pack", &pack);
   ops.def("k_multiple", &k_multiple);
   ops.def("linear", &linear);
