@@ -289,3 +289,34 @@ def test_a_full_disk_stops_with_the_folder_named_and_keeps_the_previous_data(tmp
     # the recipe's lock and the resume journal's folder (what it names) may stay; nothing else may appear
     assert sorted(set(os.listdir(layout.engines)) - {".lock", dd.work_dir(layout).name}) == there, "nothing half-written may be left"
     assert {p.name: p.read_bytes() for p in layout.draft_data.iterdir()} == previous
+
+
+def test_the_task_prompts_are_their_generators_output_and_not_the_validation_tasks():
+    """build/draft_prompts/tasks.jsonl (a source of the EAGLE-3 recipe) is what make_tasks.py writes, the data stage
+    accepts it (no validation prompt in it), and no prompt in it is a validation prompt with other numbers or words:
+    every one differs from each validation prompt by more than a fifth of its characters (difflib's ratio < 0.8)."""
+    import difflib
+    import importlib.util
+
+    from specdeploy.config_loader import load_recipe
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("make_tasks", root / "build" / "draft_prompts" / "make_tasks.py")
+    make_tasks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_tasks)
+    path = root / "build" / "draft_prompts" / "tasks.jsonl"
+    rows = make_tasks.prompts()
+    assert path.read_text(encoding="utf-8") == "".join(json.dumps(r) + "\n" for r in rows)
+    recipe = load_recipe(root / "build" / "smollm2-135m-eagle3.yaml")
+    assert str(path.relative_to(root)) in recipe.draft.data.sources
+    prompts = draft_prompts.file_prompts(str(path), 0, draft_prompts.validation_prompts(recipe))
+    assert len(prompts) == len(rows) > 500
+    validation = [json.loads(line)["prompt"] for f in sorted((root / "specdeploy" / "data" / "prompts").glob("*.jsonl"))
+                  for line in f.read_text(encoding="utf-8").splitlines() if line.strip()]
+    close = []
+    for task in (r["prompt"] for r in rows):
+        for prompt in validation:
+            matcher = difflib.SequenceMatcher(None, task, prompt)
+            if matcher.real_quick_ratio() >= 0.8 and matcher.quick_ratio() >= 0.8 and matcher.ratio() >= 0.8:
+                close.append((task, prompt))
+    assert close == []

@@ -399,6 +399,22 @@ def test_bls_calls_run_in_slices_until_done_or_the_parent_stops():
     assert common.is_slice_expiry("Request timeout expired") and not common.is_slice_expiry("input_ids is empty")
 
 
+class _Tensor:  # a pb_utils.Tensor stand-in that can be weakly referenced
+    def __init__(self, name):
+        self.name = name
+
+
+class _Response:  # a pb_utils.InferenceResponse stand-in: the response holds its tensors, as the stub's does
+    def __init__(self, *names):
+        self.tensors = [_Tensor(n) for n in names]
+
+    def output_tensors(self):
+        return list(self.tensors)
+
+    def has_error(self):
+        return False
+
+
 def test_streamed_emit_drops_responses_of_a_cancelled_request_only():
     from specdeploy.triton.models import common
 
@@ -412,13 +428,67 @@ def test_streamed_emit_drops_responses_of_a_cancelled_request_only():
             self.sent.append((response, flags))
 
     open_sender = Sender()
+    a, b = _Response("x"), _Response("x")
     emit = common.streamed_emit(open_sender, final_flag=1)
-    emit("a", False)
-    emit("b", True)
-    assert open_sender.sent == [("a", 0), ("b", 1)]
-    common.streamed_emit(Sender("Unable to send response. Response sender has been closed."), 1)("c", True)
+    emit(a, False)
+    emit(b, True)
+    assert open_sender.sent == [(a, 0), (b, 1)]
+    common.streamed_emit(Sender("Unable to send response. Response sender has been closed."), 1)(_Response("x"), True)
     with pytest.raises(RuntimeError, match="out of memory"):
-        common.streamed_emit(Sender("out of memory"), 1)("d", True)
+        common.streamed_emit(Sender("out of memory"), 1)(_Response("x"), True)
+
+
+def test_send_leaves_the_stub_no_tensor_to_free():
+    """tritonserver 2.51's ResponseSender::Send drops the tensors the request did not ask for with the GIL released,
+    and a tensor freed there corrupts the stub's heap (stub_safety.send). Through `common.send` (used by
+    streamed_emit and the batching path's emit), a tensor the sender drops stays alive until the send returned,
+    and is freed then; errors and empty final flags pass through unchanged."""
+    import gc
+    import weakref
+
+    from specdeploy.triton.models import common
+
+    freed_inside = []
+
+    class PruningSender:  # as the stub: keep only the requested outputs, inside send
+        def __init__(self, requested):
+            self.requested, self.sent = requested, []
+
+        def send(self, response, flags=0):
+            if isinstance(response, _Response):
+                dropped = [weakref.ref(t) for t in response.tensors if t.name not in self.requested]
+                response.tensors = [t for t in response.tensors if t.name in self.requested]
+                gc.collect()
+                freed_inside.extend(ref() is None for ref in dropped)
+            self.sent.append((response, flags))
+
+    response = _Response("output_ids", "generation_logits", "context_logits")
+    refs = {t.name: weakref.ref(t) for t in response.tensors}
+    sender = PruningSender({"output_ids"})
+    common.send(sender, response, 1)
+    assert freed_inside == [False, False]  # the sender dropped two and freed neither
+    gc.collect()
+    assert [refs[n]() is None for n in ("generation_logits", "context_logits")] == [True, True]  # freed after send
+    assert refs["output_ids"]() is not None  # the response still holds what it sends
+    # a bare final flag and an error response go to the sender as they are
+    common.send(sender, None, 1)
+    error = type("E", (), {"has_error": lambda self: True, "output_tensors": lambda self: 1 / 0})()
+    common.send(sender, error, 1)
+    assert sender.sent[-2:] == [(None, 1), (error, 1)]
+    # without the hold, the same sender frees them inside send: the stand-in shows the hazard it guards against
+    freed_inside.clear()
+    PruningSender({"output_ids"}).send(_Response("output_ids", "generation_logits"), 1)
+    assert freed_inside == [True]
+
+
+def test_no_model_calls_a_response_sender_directly():
+    """Every response sender call goes through stub_safety.send (see test_send_leaves_the_stub_no_tensor_to_free)."""
+    import re
+
+    models = Path(common.__file__).parent
+    direct = [f"{p.name}:{i}" for p in sorted(models.glob("*.py")) if p.name != "stub_safety.py"
+              for i, line in enumerate(p.read_text().splitlines(), 1) if re.search(r"(?<!common)\.send\(", line)]
+    assert direct == []
 
 
 def test_stub_lock_is_held_except_while_waiting_for_the_engine():

@@ -59,7 +59,7 @@ from specdeploy.triton.models.request_inputs import (  # noqa: F401
     strings,
     to_words_list,
 )
-from specdeploy.triton.models.stub_safety import HeldResponses, StubLock  # noqa: F401
+from specdeploy.triton.models.stub_safety import HeldResponses, StubLock, send  # noqa: F401
 from specdeploy.triton.models.text_stream import HoldBack, TextStream, chunk_decoding_problem  # noqa: F401
 
 # A python stub that dies on a signal (SIGSEGV, SIGABRT from a corrupted heap) prints every thread's Python stack
@@ -139,7 +139,7 @@ def streamed_emit(sender, final_flag: int):
 
     def emit(response, final: bool) -> None:
         try:
-            sender.send(response, flags=final_flag if final else 0)
+            send(sender, response, final_flag if final else 0)
         except Exception as exc:  # noqa: BLE001 - pb_utils.TritonModelException, only importable in the stub
             if "sender has been closed" not in str(exc):
                 raise

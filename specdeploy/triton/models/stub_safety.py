@@ -1,7 +1,8 @@
 """Living with the python backend's stub: what a model keeps and locks so that the stub's heap stays whole.
 
 `HeldResponses` (decoupled BLS calls' response iterators, released only once the stub's own thread is done with
-them) and `StubLock` (one lock for every triton_python_backend_utils call made from more than one thread).
+them), `StubLock` (one lock for every triton_python_backend_utils call made from more than one thread) and `send`
+(a response sender's send that frees none of the response's tensors inside the stub).
 """
 
 from __future__ import annotations
@@ -40,6 +41,26 @@ class HeldResponses:
 
     def __len__(self) -> int:
         return len(self._held)
+
+
+def send(sender, response, flags: int) -> None:
+    """`sender.send(response, flags=flags)`, the response's tensors kept alive by the model until the send is done.
+
+    In tritonserver 2.51's python backend (r24.10), `ResponseSender::Send` releases the GIL and then drops the
+    response's output tensors that the request did not ask for (`InferResponse::PruneOutputTensors`,
+    src/response_sender.cc, added by python_backend bfabfdb). A tensor dropped there frees its numpy array without
+    the GIL (`PbTensor::~PbTensor`; fixed in python_backend b771f4f, r24.12, which takes the GIL there) while another
+    of the model's threads runs Python: the Python heap is corrupted and the stub dies with SIGSEGV in whatever it
+    allocates next. In-flight batching made it frequent: a request thread sends its answer to a BLS that asked for a
+    few outputs while the scheduler thread builds the next step (docs/triton-stub-workarounds.md: without this hold a
+    stub died within 2-16 rounds of test_batching's served requests, with it none did in 450 rounds). Holding the
+    tensors' Python handles here leaves the stub only a reference to drop; the tensors are freed when this
+    function returns, with the GIL."""
+    held = response.output_tensors() if response is not None and not response.has_error() else None
+    try:
+        sender.send(response, flags=flags)
+    finally:
+        del held
 
 
 class StubLock:

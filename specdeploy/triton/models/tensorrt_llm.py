@@ -124,9 +124,9 @@ class TritonPythonModel:
         for request in requests:  # each request on its own thread, all stepped together by the batcher
             sender = request.get_response_sender()
             if self.decoupled:
-                emit = lambda response, final, s=sender: s.send(response, flags=FINAL if final else 0)  # noqa: E731
+                emit = lambda response, final, s=sender: common.send(s, response, FINAL if final else 0)  # noqa: E731
             else:  # one response per request, sent with the final flag
-                emit = lambda response, final, s=sender: s.send(response, flags=FINAL) if final else None  # noqa: E731
+                emit = lambda response, final, s=sender: common.send(s, response, FINAL) if final else None  # noqa: E731
             threading.Thread(target=self._serve_locked, args=(request, emit, arrival_ns), daemon=True).start()
         return None
 
