@@ -285,15 +285,15 @@ class CpuEngine:
         return logits, aux
 
     def _native_batch(self, x, caches, starts, sizes, layers, captured) -> torch.Tensor:
-        """forward_batch's layers in one native call (csrc Decoder.forward_batch), or one per segment between
-        aux layers (as _forward_chunk)."""
+        """The layers over the rows of one or more sequences in one native call (csrc Decoder.forward_batch), or
+        one per segment between aux layers, whose outputs (the sequences' rows, not padding) go to `captured`."""
         if layers is None:
             return self.decoder.forward_batch(x, [c.keys for c in caches], [c.values for c in caches], starts, sizes)
         for first, end, decoder in self._segments(layers):
             x = decoder.forward_batch(x, [c.keys[first:end] for c in caches], [c.values[first:end] for c in caches],
                                       starts, sizes)
             if end - 1 in layers:
-                captured.append(x.clone())
+                captured.append(x[: sum(sizes)].clone())
         return x
 
     def _layers_batch(self, x, caches, starts, sizes, layers, captured) -> torch.Tensor:
@@ -362,13 +362,8 @@ class CpuEngine:
         rows = self.pad_rows or m
         x = self.embedding[F.pad(ids, (0, rows - m))]  # [rows, hidden] (rows m.. are padding)
         captured = []
-        if self.decoder is not None and cache.quant_algo is None and aux_layers is None:
-            x = self.decoder.forward(x, cache.keys, cache.values, start, m)  # the loop below, in one native call
-        elif self.decoder is not None and cache.quant_algo is None:
-            for first, end, decoder in self._segments(aux_layers):
-                x = decoder.forward(x, cache.keys[first:end], cache.values[first:end], start, m)
-                if end - 1 in aux_layers:
-                    captured.append(x[:m].clone())
+        if self.decoder is not None and cache.quant_algo is None:
+            x = self._native_batch(x, [cache], [start], [m], aux_layers, captured)  # the loop below, in one native call
         else:
             for i, layer in enumerate(self.layers):
                 qkv = layer.qkv(self._norm(x, layer.input_norm))  # [rows, (heads + 2 kv_heads) * head_size]

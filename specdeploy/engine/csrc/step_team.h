@@ -26,7 +26,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <functional>
+#include <exception>
 
 namespace specdeploy::step_team {
 
@@ -42,10 +42,12 @@ struct Team {
   std::atomic<bool> stop{false};
   std::atomic<int64_t> next{0};
   int64_t end = 0, chunk = 1;
-  const std::function<void(int64_t, int64_t)>* body = nullptr;
+  // the loop's body, called through a plain pointer (no std::function to build per loop on the step's hot path)
+  const void* body = nullptr;
+  void (*call)(const void* body, int64_t begin, int64_t end) = nullptr;
 
   void take_chunks() {
-    for (int64_t b = next.fetch_add(chunk); b < end; b = next.fetch_add(chunk)) (*body)(b, std::min(b + chunk, end));
+    for (int64_t b = next.fetch_add(chunk); b < end; b = next.fetch_add(chunk)) call(body, b, std::min(b + chunk, end));
   }
 
   void helper() {
@@ -67,10 +69,12 @@ struct Team {
   }
 
   // The caller: publish [begin, end) in chunks, take chunks itself, then wait for helpers still in one.
-  void run(int64_t begin, int64_t stop_at, int64_t chunk_size, const std::function<void(int64_t, int64_t)>& fn) {
+  template <class F>
+  void run(int64_t begin, int64_t stop_at, int64_t chunk_size, const F& fn) {
     epoch.fetch_add(1);  // odd: helpers that arrive now back off
     while (active.load() != 0) _mm_pause();  // only a helper that came late to the last task: it finds no chunk
     body = &fn;
+    call = [](const void* f, int64_t b, int64_t e) { (*static_cast<const F*>(f))(b, e); };
     end = stop_at;
     chunk = chunk_size;
     next.store(begin);
@@ -93,11 +97,10 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   if (team == nullptr) return at::parallel_for(begin, end, grain, f);
   if (end <= begin) return;
   int threads = omp_get_num_threads();
-  // about four chunks per thread (a late helper costs at most one), none below the grain
+  // kChunksPerThread chunks per thread, none below the grain
   int64_t chunk = std::max<int64_t>({grain, 1, (end - begin + kChunksPerThread * threads - 1) / (kChunksPerThread * threads)});
   if (end - begin <= chunk) return f(begin, end);
-  std::function<void(int64_t, int64_t)> body(f);
-  team->run(begin, end, chunk, body);
+  team->run(begin, end, chunk, f);
 }
 
 // Runs step() on the calling thread with the team of at::get_num_threads() threads behind parallel_for.
