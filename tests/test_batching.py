@@ -446,6 +446,7 @@ def test_rounds_of_concurrent_requests_leave_every_stub_alive(batching_server):
         answers += [r.as_numpy("output_ids").reshape(-1).tolist() for r in results[len(texts) :]]
         first = first or answers
         assert answers == first
+    assert all(len(a) > 0 for a in first) and len({str(a) for a in first[: N_CONCURRENT]}) == N_CONCURRENT  # real, distinct answers
 
 
 @pytest.mark.server
