@@ -92,6 +92,8 @@ ship-head:
 	cp $(HEAD_SRC)/draft-data/manifest.json $(HEAD_DIR).tmp/data-manifest.json
 	cp $(EAGLE3_RECIPE) $(HEAD_DIR).tmp/recipe.yaml
 	if [ -f $(HEAD_DIR)/README.md ]; then cp $(HEAD_DIR)/README.md $(HEAD_DIR).tmp/; fi
+	# the stages' output (progress, held-out acceptance): make head's log, every 20th progress line
+	if [ -f engines/draft-head.log ]; then tr '\r' '\n' < engines/draft-head.log | grep -v '^ *$$' | awk '!/ETA|it\/s|s\/step/ || ++n % 20 == 0' > $(HEAD_DIR).tmp/run.log; fi
 	# the manifests say where things were on the training machine: project paths relative, the cache as $$SPECDEPLOY_HOME
 	sed -i -e 's#"$(CURDIR)/#"#g' -e "s#\"$$($(BIN)/python -c 'from specdeploy.artifacts import home; print(home())')/#\"\$$SPECDEPLOY_HOME/#g" \
 	   $(HEAD_DIR).tmp/manifest.json $(HEAD_DIR).tmp/data-manifest.json

@@ -106,6 +106,16 @@ def by_probability(rounds: list[dict]) -> list[tuple[float, int, float]]:
     return [(b / 10, count[b], hits[b] / count[b]) for b in sorted(count)]
 
 
+def by_group(rounds: list[dict], k: int) -> list[tuple[str, int, float, list[float]]]:
+    """(group, rounds, accepted drafts per round, share of rounds accepting drafts 1..k) per prompt group: the
+    category of a built-in prompt ("code-3" -> code), the source of a held-out one."""
+    groups: dict[str, list[int]] = {}
+    for r in rounds:
+        groups.setdefault(str(r["prompt"]).split("-", 1)[0], []).append(r["accepted"])
+    groups["all"] = [r["accepted"] for r in rounds]
+    return [(g, len(a), sum(a) / len(a), [sum(x > i for x in a) / len(a) for i in range(k)]) for g, a in groups.items() if a]
+
+
 def sweep(rounds: list[dict], rows=ROWS, head=HEAD) -> list[dict]:
     """Per cut-off: drafts and accepted drafts per round, and the estimated speedup (tokens per step-cost)."""
     out = []
@@ -166,13 +176,17 @@ def main(argv=None) -> int:
     print(f"\nfirst draft accepted, by the head's probability of it ({len(rounds)} rounds of {args.draft_len} drafts):")
     for start, n, share in by_probability(rounds):
         print(f"  {start:.1f}-{start + 0.1:.1f}  {n:5d} rounds  {share:.2f}")
+    print(f"\naccepted drafts per round (no cut-off) and the share of rounds accepting draft 1..{args.draft_len}, by group:")
+    groups = by_group(rounds, args.draft_len)
+    for name, n, mean, shares in groups:
+        print(f"  {name:15s} {n:5d} rounds  {mean:.2f}  " + " / ".join(f"{x:.2f}" for x in shares))
     table = sweep(rounds)
     print("\ndraft_p_min  drafts/round  accepted/round  estimated speedup (cost model: bench/eagle3_confidence.py)")
     for row in table:
         print(f"  {row['draft_p_min']:.1f}        {row['drafted_per_round']:.2f}          {row['accepted_per_round']:.2f}"
               f"            {row['estimated_speedup']:.2f}x")
     if args.out:
-        Path(args.out).write_text(json.dumps({"prompts": args.prompts, "rounds": rounds, "sweep": table}, indent=1))
+        Path(args.out).write_text(json.dumps({"prompts": args.prompts, "rounds": rounds, "groups": groups, "sweep": table}, indent=1))
     return 0
 
 

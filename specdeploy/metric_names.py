@@ -68,6 +68,7 @@ REASON_SCHEDULE = "schedule"  # draft_len_schedule / max_concurrency: too many a
 REASON_POLICY = "policy"  # the cost policy predicted a plain step pays more
 REASON_NO_DRAFT = "num_draft_tokens_0"  # the request asked for no draft tokens
 REASON_NO_PROPOSAL = "no_proposal"  # the draft proposed nothing (an n-gram without a match)
+REASON_DRAFT_P_MIN = "draft_p_min"  # the EAGLE-3 head gave its first draft less than speculative.draft_p_min
 
 
 def names(metrics: Iterable[MetricDef] = ALL_METRICS) -> list[str]:

@@ -39,6 +39,7 @@ from specdeploy.metric_names import (  # noqa: F401
     PREFIX,
     PROMPT_TOKENS,
     REASON_CONTROL_ARM,
+    REASON_DRAFT_P_MIN,
     REASON_GATE,
     REASON_LAST_TOKEN,
     REASON_NONE,

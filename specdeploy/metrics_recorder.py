@@ -22,6 +22,7 @@ from specdeploy.metric_names import (
     GENERATION_TOKENS,
     PROMPT_TOKENS,
     REASON_CONTROL_ARM,
+    REASON_DRAFT_P_MIN,
     REASON_GATE,
     REASON_LAST_TOKEN,
     REASON_NO_DRAFT,
@@ -89,7 +90,7 @@ class Recorder:
                 self.sink.declare(ACCEPTED_PER_POS, self._labels(arm, position=pos))
             self.sink.declare(ROUNDS, self._labels(arm, speculation=SPEC_ON, reason=REASON_NONE))
             for reason in (REASON_LAST_TOKEN, REASON_CONTROL_ARM, REASON_GATE, REASON_SCHEDULE, REASON_POLICY, REASON_NO_DRAFT,
-                           REASON_NO_PROPOSAL):
+                           REASON_NO_PROPOSAL, REASON_DRAFT_P_MIN):
                 self.sink.declare(ROUNDS, self._labels(arm, speculation=SPEC_OFF, reason=reason))
 
     def request_started(self, arm: str) -> RequestTimer:

@@ -277,8 +277,9 @@ def test_config_bounds_draft_p_min_to_the_head_on_cpu(built):
 def test_served_draft_p_min_reaches_the_head_inside_tensorrt_llm(built, tmp_path):
     """speculative.draft_p_min travels to the served tensorrt_llm model (its config parameter): at 0.99, which this
     random head never reaches, the speculative entry point drafts nothing and answers as the control does; the
-    same deployment without it drafts (test_greedy_parity_and_draft_counters_match_metrics)."""
-    from specdeploy import backend_stages
+    same deployment without it drafts (test_greedy_parity_and_draft_counters_match_metrics). The metrics say why
+    each pass was plain: draft_p_min for the verification passes, not last_token (at most one per request)."""
+    from specdeploy import backend_stages, metrics
     from specdeploy.triton import server
 
     import tritonclient.grpc as grpc
@@ -292,6 +293,7 @@ def test_served_draft_p_min_reaches_the_head_inside_tensorrt_llm(built, tmp_path
     try:
         server.wait_ready(srv, SERVER_READY_TIMEOUT_S)
         client = grpc.InferenceServerClient(srv.state.grpc_url)
+        baseline = metrics.scrape(srv.state.metrics_url)
         for chat in CHATS[:2]:
             prompt = chat_text(chat)
             control = _bls(client, prompt).as_numpy("text_output").reshape(-1)[0].decode()
@@ -299,5 +301,11 @@ def test_served_draft_p_min_reaches_the_head_inside_tensorrt_llm(built, tmp_path
             assert r.as_numpy("text_output").reshape(-1)[0].decode() == control
             assert _count(r, "total_draft_tokens") == 0
         client.close()
+        window = _scrape_until(srv.state.metrics_url, baseline, lambda w: w.sum(metrics.REQUESTS.name, arm="speculative") >= 2)
+        off = {reason: window.sum(metrics.ROUNDS.name, arm="speculative", reason=reason)
+               for reason in (metrics.REASON_NO_PROPOSAL, metrics.REASON_DRAFT_P_MIN, metrics.REASON_LAST_TOKEN)}
+        assert off[metrics.REASON_NO_PROPOSAL] == 2  # each request's prefill pass
+        assert off[metrics.REASON_DRAFT_P_MIN] > 0 and off[metrics.REASON_LAST_TOKEN] <= 2, off
+        assert sum(off.values()) == window.sum(metrics.TARGET_PASSES.name, arm="speculative")
     finally:
         srv.stop()

@@ -198,6 +198,7 @@ def _latency_md(report: dict) -> list[str]:
 REASONS = {
     "last_token": "one token left to generate: nothing to draft",
     "no_proposal": "the draft proposed nothing (no n-gram match): a plain run instead",
+    "draft_p_min": "the EAGLE-3 head gave its first draft less than speculative.draft_p_min: one target row, no drafts",
     "gate": "the acceptance gate turned speculation off (rolling acceptance below acceptance_rate_threshold)",
     "schedule": "draft_len_schedule / max_concurrency: too many active sequences",
     "policy": "the cost policy predicted a plain target step pays more",

@@ -282,7 +282,7 @@ class TritonPythonModel:
             emitted[-1] = max(0, len(tokens) - sum(emitted[:-1]))
         per_pass_s = call_s / len(k_rounds)
         for i, (kr, ar, er) in enumerate(zip(k_rounds, a_rounds, emitted)):
-            reason = None if kr else (plain_reason or (m_reason_no_draft() if i == 0 and drafted_rounds else None))
+            reason = None if kr else (plain_reason or _plain_round_reason(i, k, self.max_draft_len, job["max_tokens"], emitted, drafted_rounds))
             self.ops.recorder.round(ops.arm, kr, ar, er, 0.0, per_pass_s, reason)
         record = Record()
         log_probs = [float(x) for a in outputs.get("output_log_probs", []) for x in a.reshape(-1)] if job["return_log_probs"] else None
@@ -345,10 +345,15 @@ class TritonPythonModel:
         self.held.clear()  # the stub's queue has long been idle: its clean-ups are done (common.HeldResponses)
 
 
-def m_reason_no_draft():
-    """Why the first pass of a fused EAGLE-3 request drafted nothing: the head drafts from the target's features,
-    which the prefill pass computes (metrics.REASON_NO_PROPOSAL: k > 0 was chosen, nothing proposed)."""
-    return metrics.REASON_NO_PROPOSAL
+def _plain_round_reason(i: int, k: int, max_draft_len: int, max_tokens: int, emitted: list[int], drafted_rounds: list[int]) -> str:
+    """Why pass i of a fused EAGLE-3 request (k > 0 chosen) drafted nothing. The prefill pass (i = 0): the head drafts
+    from the target's features, which that pass computes (no_proposal). A verification pass: the executor asked the
+    head for min(k, max_draft_len, tokens left - 1) drafts (Executor._fused_round); none asked means one token was
+    left (last_token), else the head gave its first draft less than speculative.draft_p_min (draft_p_min)."""
+    if i == 0:
+        return metrics.REASON_NO_PROPOSAL if drafted_rounds else metrics.REASON_LAST_TOKEN
+    asked = min(k, max_draft_len, max_tokens - sum(emitted[:i]) - 1)
+    return metrics.REASON_DRAFT_P_MIN if asked > 0 else metrics.REASON_LAST_TOKEN
 
 
 def _requested_outputs(request) -> set:
