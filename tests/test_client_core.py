@@ -104,10 +104,14 @@ def test_speedup_table_spread_over_repeats():
     runs = []
     for repeat, (c_lat, s_lat) in enumerate([(1.0, 0.5), (1.0, 0.4), (1.2, 0.8)]):
         for mode, value in (("control", c_lat), ("speculative", s_lat)):
-            samples = [_sample(mode, value, 0.1, 10, prompt="a", category="chat", repeat=repeat),
-                       _sample(mode, value * 2, 0.1, 10, prompt="b", category="code", repeat=repeat)]
+            spec = mode == "speculative"  # chat: 6 of 8 drafts accepted per request (10 tokens, 4 passes); code: 2 of 8
+            samples = [_sample(mode, value, 0.1, 10, prompt="a", category="chat", repeat=repeat, drafted=8 if spec else None, accepted=6 if spec else None),
+                       _sample(mode, value * 2, 0.1, 10, prompt="b", category="code", repeat=repeat, drafted=8 if spec else None, accepted=2 if spec else None)]  # fmt: skip
             runs.append(lat.LevelRun(mode, 1, repeat, None, 1.0, samples))
     rows = {(r["concurrency"], r["category"]): r for r in lat.speedup_table(runs)}
+    assert (rows[(1, "chat")]["acceptance_rate"], rows[(1, "chat")]["acceptance_length"]) == pytest.approx((0.75, 2.5))
+    assert (rows[(1, "code")]["acceptance_rate"], rows[(1, "code")]["acceptance_length"]) == pytest.approx((0.25, 10 / 8))
+    assert rows[(1, "all")]["acceptance_rate"] == pytest.approx(0.5)
     assert rows[(1, "all")]["per_repeat"] == pytest.approx([2.0, 2.5, 1.5])
     assert rows[(1, "all")]["median"] == pytest.approx(2.0)
     assert (rows[(1, "chat")]["min"], rows[(1, "chat")]["max"]) == pytest.approx((1.5, 2.5))
@@ -620,7 +624,7 @@ def test_validation_keys_are_checked(key, value, message):
 # ---------------------------------------------------------------- the metrics endpoint against validate's counts
 
 
-def _exposition(requests, drafted, accepted, tokens, control_requests, rounds=None, per_pos=None, model="tensorrt_llm_bls"):
+def _exposition(requests, drafted, accepted, tokens, control_requests, rounds=None, per_pos=None, model="tensorrt_llm_bls", accepted_per_pos=None):
     """Prometheus text as Triton exports it (nv_* counters without _total, declared by # TYPE)."""
     arm = f'model="{model}",arm="speculative"'
     lines = ["# TYPE nv_inference_request_success counter", f'nv_inference_request_success{{model="ensemble",version="1"}} {control_requests}',
@@ -630,6 +634,8 @@ def _exposition(requests, drafted, accepted, tokens, control_requests, rounds=No
         lines.append(f'specdeploy_spec_decode_rounds_total{{{arm},speculation="{on}",reason="{reason}"}} {n}')
     for pos, n in (per_pos or {}).items():
         lines.append(f'specdeploy_spec_decode_num_draft_tokens_per_pos_total{{{arm},position="{pos}"}} {n}')
+    for pos, n in (accepted_per_pos or {}).items():
+        lines.append(f'specdeploy_spec_decode_num_accepted_tokens_per_pos_total{{{arm},position="{pos}"}} {n}')
     return "\n".join(lines) + "\n"
 
 
@@ -679,9 +685,13 @@ def test_rounds_per_k_from_the_per_position_counters_and_from_the_k_history(tmp_
 
     # rounds: 4 with k=1, 4 with k=3, 2 with k=4 -> drafted at position 0: 10, 1: 6, 2: 6, 3: 2; 5 plain steps
     text = _exposition(1, 0, 0, 0, 0, rounds={("on", "none"): 10, ("off", "policy"): 3, ("off", "last_token"): 2},
-                       per_pos={0: 10, 1: 6, 2: 6, 3: 2})  # fmt: skip
+                       per_pos={0: 10, 1: 6, 2: 6, 3: 2}, accepted_per_pos={0: 5, 1: 3, 2: 1})  # fmt: skip
     section = mc.speculation_section(m.parse(text), mc.PathCounts(), {"speculation_policy": "cost"})
     assert section["source"] == "metrics" and section["k_counts"] == {0: 5, 1: 4, 3: 4, 4: 2}
+    # per draft position: accepted / drafted there, and accepted / the 10 rounds that drafted
+    assert [(r["position"], r["drafted"], r["accepted"]) for r in section["acceptance_by_position"]] == [(1, 10, 5), (2, 6, 3), (3, 6, 1), (4, 2, 0)]
+    assert [r["rate"] for r in section["acceptance_by_position"]] == pytest.approx([0.5, 0.5, 1 / 6, 0.0])
+    assert [r["of_drafting_rounds"] for r in section["acceptance_by_position"]] == pytest.approx([0.5, 0.3, 0.1, 0.0])
     assert section["speculated_share"] == pytest.approx(10 / 15) and section["off_reasons"] == {"policy": 3, "last_token": 2}
 
     history = [[4, 4, 0, 0, 1], [0, 0, 0, 2, 4, 4]]
@@ -693,3 +703,4 @@ def test_rounds_per_k_from_the_per_position_counters_and_from_the_k_history(tmp_
     assert (tmp_path / "draft_length.png").read_bytes()[:4] == b"\x89PNG" and "draft_length" in paths
     md = (tmp_path / "report.md").read_text()
     assert "Policy **cost**" in md and "55% speculated" in md and "the cost policy predicted a plain target step pays more" in md
+    assert "Acceptance by draft position" in md and "| 2 | 6 | 3 | 0.50 | 0.30 |" in md

@@ -32,3 +32,12 @@ def test_sweep_cuts_each_round_at_its_first_draft_below_the_cut_and_costs_it():
     assert table[0.2]["estimated_speedup"] == pytest.approx((4 + 4) / ((1.3 + 0.3) + (1.1 + 0.1) + 2 * (1.0 + 0.1)))
     # 0.7 keeps only the sure round
     assert table[0.7]["drafted_per_round"] == 3 / 4 and table[0.7]["accepted_per_round"] == 3 / 4
+
+
+def test_acceptance_by_group_is_per_category_or_source_and_per_draft_position():
+    conf = bench_modules.load("eagle3_confidence")
+    rounds = [dict(r, prompt=p) for r, p in zip(ROUNDS, ("code-0", "code-1", "chat-0", "calibration-12-3/0"))]
+    groups = {name: (n, mean, shares) for name, n, mean, shares in conf.by_group(rounds, 3)}
+    assert groups["code"] == (2, 2.5, [1.0, 1.0, 0.5])  # accepted 3 and 2: both rounds kept drafts 1 and 2
+    assert groups["chat"] == (1, 0.0, [0.0, 0.0, 0.0]) and groups["calibration"] == (1, 1.0, [1.0, 0.0, 0.0])
+    assert groups["all"] == (4, 1.5, [0.75, 0.5, 0.25])

@@ -154,18 +154,21 @@ def speedup_of(control: Sequence[RequestSample], speculative: Sequence[RequestSa
 
 
 def speedup_table(runs: Sequence[LevelRun]) -> list[dict]:
-    """Rows (concurrency, category, spread of the per-repeat speedup); category "all" first."""
+    """Rows (concurrency, category, spread of the per-repeat speedup, and the speculative path's acceptance rate and
+    length over all repeats); category "all" first."""
     rows = []
     levels = sorted({r.concurrency for r in runs})
     for level in levels:
         pairs = _paired_runs(runs, level)
         categories = ["all"] + sorted({s.category for c, _ in pairs for s in c.samples})
         for category in categories:
-            per_repeat = []
+            per_repeat, spec_samples = [], []
             for control, spec in pairs:
                 pick = (lambda s: True) if category == "all" else (lambda s, g=category: s.category == g)
                 per_repeat.append(speedup_of([s for s in control.samples if pick(s)], [s for s in spec.samples if pick(s)]))
-            rows.append({"concurrency": level, "category": category, **spread(per_repeat)})
+                spec_samples += [s for s in spec.samples if pick(s)]
+            rate, length = acceptance(spec_samples)
+            rows.append({"concurrency": level, "category": category, **spread(per_repeat), "acceptance_rate": rate, "acceptance_length": length})
     return rows
 
 

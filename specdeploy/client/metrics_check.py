@@ -257,6 +257,16 @@ def k_counts_from_metrics(stats: m.ArmStats) -> dict[int, float]:
     return out
 
 
+def acceptance_by_position(stats: m.ArmStats) -> list[dict]:
+    """Per draft position (1-based) from the per-position counters: drafts proposed there, accepted there, their
+    ratio (a draft at position p is accepted only after every earlier one of its round was), and the share of the
+    rounds that drafted at all whose draft at p was accepted."""
+    rounds = stats.rounds_on or 0
+    return [{"position": p + 1, "drafted": d, "accepted": a, "rate": a / d if d else None,
+             "of_drafting_rounds": a / rounds if rounds else None}
+            for p in sorted(stats.drafted_per_pos) for d, a in [(stats.drafted_per_pos[p], stats.accepted_per_pos.get(p, 0.0))]]  # fmt: skip
+
+
 def speculation_section(window: m.Snapshot | None, spec: PathCounts, policy: dict | None, spec_label: str = SPECULATIVE_MODEL) -> dict:
     """What the deployment's policy did over the run: rounds on/off (and why), k per round."""
     section: dict = {"policy": policy or {}, "source": None, "rounds_on": None, "rounds_off": None, "speculated_share": None,
@@ -281,6 +291,7 @@ def speculation_section(window: m.Snapshot | None, spec: PathCounts, policy: dic
                 section["source"] = "metrics"
                 section["rounds_on"], section["rounds_off"] = stats.rounds_on, stats.rounds_off
                 section["k_counts"] = k_counts_from_metrics(stats)
+            section["acceptance_by_position"] = acceptance_by_position(stats)
     total = (section["rounds_on"] or 0) + (section["rounds_off"] or 0)
     if total:
         section["speculated_share"] = section["rounds_on"] / total

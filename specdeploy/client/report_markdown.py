@@ -187,12 +187,13 @@ def _latency_md(report: dict) -> list[str]:
         ["conc.", "path", "requests", "TTFT p50", "TPOT p50", "timing from", "e2e p50", "e2e p90", "e2e p99", "out tok/s", "req/s", "accept rate", "accept len"],
         rows,
     )
-    lines += ["### Speedup (control latency / speculative latency; median and range over repeats)", ""]
+    lines += ["### Speedup (control latency / speculative latency; median and range over repeats) and acceptance by category", ""]
     rows = [
-        [r["concurrency"], r["category"], _fmt(r["median"], ".2f", "x"), f"{_fmt(r['min'], '.2f')}..{_fmt(r['max'], '.2f')}", _fmt(r["std"], ".3f")]
+        [r["concurrency"], r["category"], _fmt(r["median"], ".2f", "x"), f"{_fmt(r['min'], '.2f')}..{_fmt(r['max'], '.2f')}", _fmt(r["std"], ".3f"),
+         _fmt(r.get("acceptance_rate"), ".2f"), _fmt(r.get("acceptance_length"), ".2f")]
         for r in latency["speedups"]
-    ]
-    return lines + _table(["concurrency", "category", "speedup", "range", "std"], rows)
+    ]  # fmt: skip
+    return lines + _table(["concurrency", "category", "speedup", "range", "std", "accept rate", "accept len"], rows)
 
 
 REASONS = {
@@ -229,6 +230,12 @@ def _speculation_md(report: dict) -> list[str]:
     if spec.get("k_counts"):
         lines += _table(["k (draft tokens)", "rounds", "share"],
                         [[k, f"{n:g}", f"{n / total:.0%}"] for k, n in sorted(spec["k_counts"].items(), key=lambda kv: int(kv[0]))])  # fmt: skip
+    by_position = spec.get("acceptance_by_position") or []
+    if by_position:
+        lines += ["Acceptance by draft position (metrics endpoint, per-position counters):", ""]
+        lines += _table(["draft position", "drafted", "accepted", "accepted / drafted", "accepted / drafting rounds"],
+                        [[r["position"], f"{r['drafted']:g}", f"{r['accepted']:g}", _fmt(r["rate"], ".2f"), _fmt(r["of_drafting_rounds"], ".2f")]
+                         for r in by_position])  # fmt: skip
     reasons = spec.get("off_reasons") or {}
     if reasons:
         off = sum(reasons.values())
