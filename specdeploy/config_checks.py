@@ -330,9 +330,6 @@ def _check_eagle3(r: Recipe) -> None:
         raise ConfigError(f"key 'speculative.policy' is cost, but on backend {r.backend} the EAGLE-3 head drafts inside tensorrt_llm "
                           "(one call per request, the fused loop), which does not consult the cost policy yet",
                           "set speculative.policy: static (k = num_draft_tokens every round, the schedule and gate apply per request)")  # fmt: skip
-    if not backend.gpu and r.layout == _backends.LLMAPI_LAYOUT:
-        raise ConfigError(f"draft.kind eagle3 is not wired for the llmapi layout on backend {r.backend} yet",
-                          "set triton.layout: inflight_batcher_llm (or auto)")
     if r.speculative.use_draft_logits and backend.gpu:
         raise ConfigError(f"key 'speculative.use_draft_logits' is true, but TensorRT-LLM's EAGLE-3 on backend {r.backend} "
                           "has no rejection sampling on the head's logits",

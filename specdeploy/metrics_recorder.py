@@ -189,6 +189,17 @@ class PlainVerifier:
         return self.inner.verify(sequence, [], None, sampling, output_len=max(remaining, 1))
 
 
+def _fused_plain_reason(i: int, k: int, max_draft_len: int, max_tokens: int, emitted: list[int], drafted_rounds: list[int]) -> str:
+    """Why pass i of a fused EAGLE-3 request (k > 0 chosen) drafted nothing. The prefill pass (i = 0): the head drafts
+    from the target's features, which that pass computes (no_proposal). A verification pass: the executor asked the
+    head for min(k, max_draft_len, tokens left - 1) drafts (Executor._fused_round); none asked means one token was
+    left (last_token), else the head gave its first draft less than speculative.draft_p_min (draft_p_min)."""
+    if i == 0:
+        return REASON_NO_PROPOSAL if drafted_rounds else REASON_LAST_TOKEN
+    asked = min(k, max_draft_len, max_tokens - sum(emitted[:i]) - 1)
+    return REASON_DRAFT_P_MIN if asked > 0 else REASON_LAST_TOKEN
+
+
 class BlsOps:
     """What tensorrt_llm_bls does for metrics and the canary, behind a few calls (see that file).
 
@@ -232,6 +243,24 @@ class BlsOps:
         if timer.arm == CONTROL_ARM:
             return MeteredPolicy(None, self.recorder, timer, None, REASON_CONTROL_ARM)
         return MeteredPolicy(inner, self.recorder, timer, deployment)
+
+    def fused_rounds(self, timer: RequestTimer, k: int, max_draft_len: int, max_tokens: int, drafted_rounds: list[int],
+                     accepted_rounds: list[int], n_tokens: int, call_s: float, plain_reason: str | None) -> tuple[list[int], list[int]]:
+        """One metrics round per target pass of a fused EAGLE-3 call (the head drafts inside the target's model): the
+        prefill pass, then each verification pass with its drafted / accepted counts (`drafted_rounds`,
+        `accepted_rounds`: the executor's per-pass lists; empty: the request ran plain, one round). The call's time is
+        split evenly over its passes. `k`: the draft count the request asked for (0: plain, with `plain_reason`).
+        Returns (k per pass, accepted per pass), the prefill pass first."""
+        k_rounds = [0] + drafted_rounds if drafted_rounds else [0]
+        a_rounds = [0] + accepted_rounds if drafted_rounds else [0]
+        emitted = [a + 1 for a in a_rounds] if drafted_rounds else [n_tokens]
+        if drafted_rounds:  # the last pass may have stopped early (end id, stop word, length): emitted sums to the output
+            emitted[-1] = max(0, n_tokens - sum(emitted[:-1]))
+        per_pass_s = call_s / len(k_rounds)
+        for i, (kr, ar, er) in enumerate(zip(k_rounds, a_rounds, emitted)):
+            reason = None if kr else (plain_reason or _fused_plain_reason(i, k, max_draft_len, max_tokens, emitted, drafted_rounds))
+            self.recorder.round(timer.arm, kr, ar, er, 0.0, per_pass_s, reason)
+        return k_rounds, a_rounds
 
     def tokens(self, timer: RequestTimer | None, n: int) -> None:
         if timer is not None:

@@ -251,8 +251,7 @@ def test_config_refuses_what_eagle3_on_cpu_does_not_have(built):
     raw = to_plain(built[0])
     with pytest.raises(ConfigError, match="policy"):
         parse_recipe({**raw, "speculative": {**raw["speculative"], "policy": "cost"}})
-    with pytest.raises(ConfigError, match="llmapi"):
-        parse_recipe({**raw, "triton": {**raw["triton"], "layout": "llmapi"}})
+    assert parse_recipe({**raw, "triton": {**raw["triton"], "layout": "llmapi"}}).layout == "llmapi"  # served: test below
 
 
 def test_config_bounds_draft_p_min_to_the_head_on_cpu(built):
@@ -307,5 +306,67 @@ def test_served_draft_p_min_reaches_the_head_inside_tensorrt_llm(built, tmp_path
         assert off[metrics.REASON_NO_PROPOSAL] == 2  # each request's prefill pass
         assert off[metrics.REASON_DRAFT_P_MIN] > 0 and off[metrics.REASON_LAST_TOKEN] <= 2, off
         assert sum(off.values()) == window.sum(metrics.TARGET_PASSES.name, arm="speculative")
+    finally:
+        srv.stop()
+
+
+def _llmapi_infer(client, model: str, prompt: str, max_tokens: int = MAX_TOKENS) -> dict:
+    import tritonclient.grpc as grpcclient
+
+    values = {"text_input": np.array([prompt.encode()], dtype=object), "sampling_param_max_tokens": np.array([max_tokens], dtype=np.int32),
+              "sampling_param_exclude_input_from_output": np.array([True]), "sampling_param_return_perf_metrics": np.array([True])}  # fmt: skip
+    inputs = []
+    for name, array in values.items():
+        tensor = grpcclient.InferInput(name, list(array.shape), {"object": "BYTES", "int32": "INT32", "bool": "BOOL"}[array.dtype.name])
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    result = client.infer(model, inputs, client_timeout=300)
+    return {o.name: result.as_numpy(o.name) for o in result.get_response().outputs}
+
+
+def test_llmapi_layout_runs_the_head_inside_the_speculative_model(built, tmp_path):
+    """triton.layout llmapi on cpu: model.yaml's speculative_config names the head (decoding_type Eagle3, copied into
+    the repository), tensorrt_llm drafts with it inside and answers as tensorrt_llm_control (the target alone) does,
+    its acceptance outputs and the metrics endpoint count the same drafts, and each pass is a metrics round."""
+    from specdeploy import backend_stages, metrics
+    from specdeploy.llmapi_versions import llmapi_version
+    from specdeploy.triton import server
+
+    import tritonclient.grpc as grpc
+
+    _, _, _, head = built
+    model_dir = Path(built[0].target.model)
+    recipe, layout, recipe_path = _deployment(tmp_path / "llmapi", model_dir, head, triton={"layout": "llmapi"},
+                                              speculative={"draft_p_min": 0.0})  # fmt: skip
+    repo, _ = backend_stages.of(recipe).write_repository(recipe, layout, recipe_path=str(recipe_path))
+    options = yaml.safe_load((Path(repo) / "tensorrt_llm" / "1" / "model.yaml").read_text())
+    spec = options["speculative_config"]
+    version = llmapi_version(recipe.trtllm_version)  # the recipe's release names the decoding type and the head's key
+    assert spec["decoding_type"] == version.decoding_types["eagle3"] and spec["max_draft_len"] == 3
+    staged = Path(spec[version.draft_model_key])
+    assert staged == Path(repo) / "tensorrt_llm" / "eagle3_head" and (staged / "model.safetensors").read_bytes() == (head / "model.safetensors").read_bytes()
+    assert "speculative_config" not in yaml.safe_load((Path(repo) / "tensorrt_llm_control" / "1" / "model.yaml").read_text())
+    srv = server.start(repo, server.Ports.pick(), Path(layout.server_state) / "tritonserver.log", exit_timeout_s=3)
+    try:
+        server.wait_ready(srv, SERVER_READY_TIMEOUT_S)
+        client = grpc.InferenceServerClient(srv.state.grpc_url)
+        baseline = metrics.scrape(srv.state.metrics_url)
+        drafted = accepted = 0
+        for chat in CHATS:
+            prompt = chat_text(chat)
+            control = _llmapi_infer(client, "tensorrt_llm_control", prompt)
+            out = _llmapi_infer(client, "tensorrt_llm", prompt)
+            assert out["text_output"][0].decode() == control["text_output"][0].decode() and control["text_output"][0], prompt
+            assert int(control["total_draft_tokens"][0]) == 0
+            d, a = int(out["total_draft_tokens"][0]), int(out["total_accepted_draft_tokens"][0])
+            assert d > 0 and 0 <= a <= d, (prompt, d, a)
+            drafted, accepted = drafted + d, accepted + a
+        client.close()
+        window = _scrape_until(srv.state.metrics_url, baseline, lambda w: w.sum(metrics.REQUESTS.name, arm="speculative") >= len(CHATS))
+        assert window.sum(metrics.DRAFT_TOKENS.name, arm="speculative") == drafted
+        assert window.sum(metrics.ACCEPTED_TOKENS.name, arm="speculative") == accepted
+        rounds = window.sum(metrics.ROUNDS.name, arm="speculative")
+        assert rounds == window.sum(metrics.TARGET_PASSES.name, arm="speculative") > window.sum(metrics.DRAFTS.name, arm="speculative") > 0
+        assert window.sum(metrics.ROUNDS.name, arm="speculative", reason=metrics.REASON_NO_PROPOSAL) == len(CHATS)  # the prefills
     finally:
         srv.stop()

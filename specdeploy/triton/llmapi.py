@@ -8,7 +8,9 @@ options in the recipe's TensorRT-LLM release, trtllm.llmapi_options). What runs 
 - backend `trtllm-llmapi`: TensorRT-LLM's own model.py + helpers.py (copied from a TensorRT-LLM checkout when one is
   given; otherwise listed as missing), LLM(...) on the GPU; model.yaml `model` is the target's HF checkpoint.
 - backend `cpu`: specdeploy's python model (models/llmapi.py) with the same interface over the CPU engines;
-  model.yaml `model` is the target engine and the draft key names the draft engine.
+  model.yaml `model` is the target engine and the draft key names the draft engine, or for draft.kind eagle3 the
+  head, copied into the speculative model's folder (`tensorrt_llm/eagle3_head`, as the inflight_batcher_llm
+  layout stages it) and run inside the target (the fused loop).
 
 With triton.control load_unload the server starts in explicit model control with only tensorrt_llm loaded, and
 validate loads the control, measures it and unloads it (client/llmapi_adapter.py).
@@ -23,6 +25,8 @@ import yaml
 
 from specdeploy.errors import RepoError
 from specdeploy.triton import repository
+from specdeploy.triton.layout_models import EAGLE3_HEAD_SUBDIR
+from specdeploy.triton.repo_inputs import EAGLE3_HEAD_FILES, check_eagle3_head
 from specdeploy.triton.repository import MODEL_SOURCES, ModelSpec, RepoInputs, _t, check_config, render
 
 SPECULATIVE_MODEL = "tensorrt_llm"  # the upstream model's name: NVIDIA's llmapi clients reach the speculative path
@@ -100,6 +104,8 @@ def model_yaml(inp: RepoInputs, layout, speculative: bool, tokenizer_dir: Path |
         head = {"model": target, "backend": "pytorch"}
     else:  # the cpu engines: same option names, engine folders where the GPU has checkpoints
         draft = inp.engine_dirs.get("draft", Path(layout.engine("draft")))
+        if inp.eagle3_head_dir is not None:  # the head staged in the repository (write_models), where the server reads it
+            draft = Path(layout.repo) / SPECULATIVE_MODEL / EAGLE3_HEAD_SUBDIR
         options = trtllm.llmapi_options(r, layout, draft_dir=draft)
         head = {"model": str(inp.engine_dirs["target"]), "tokenizer": str(tokenizer_dir), "backend": "specdeploy-cpu"}
     if not speculative:
@@ -123,6 +129,8 @@ def model_spec(inp: RepoInputs, name: str) -> ModelSpec:
             "add_special_tokens": "true",
             **(PolicySettings.from_recipe(r.speculative).to_parameters() if name == SPECULATIVE_MODEL else {}),
         }
+        if r.draft.is_eagle3 and name == SPECULATIVE_MODEL:  # the head's cut-off: specdeploy's own (TensorRT-LLM has none)
+            parameters["eagle3_draft_p_min"] = str(r.speculative.draft_p_min)
         if r.draft.is_ngram and name == SPECULATIVE_MODEL:  # specdeploy's own n-gram field (model.yaml has TensorRT-LLM's)
             from specdeploy import ngram
 
@@ -148,6 +156,10 @@ def write_models(inp: RepoInputs, layout, dest: Path, upstream_src: Path | None 
         (model_dir / "1" / "model.yaml").write_text(yaml.safe_dump(options, sort_keys=False))
         if not gpu:
             shutil.copyfile(MODEL_SOURCES / CPU_SOURCE, model_dir / "1" / "model.py")
+            if inp.eagle3_head_dir is not None and name == SPECULATIVE_MODEL:
+                (model_dir / EAGLE3_HEAD_SUBDIR).mkdir()
+                for file in EAGLE3_HEAD_FILES:
+                    shutil.copyfile(inp.eagle3_head_dir / file, model_dir / EAGLE3_HEAD_SUBDIR / file)
             continue
         for file in UPSTREAM_FILES:
             src = Path(upstream_src) / UPSTREAM_DIR / file if upstream_src else None
@@ -174,6 +186,8 @@ def generate_repository(recipe, layout, recipe_path: str = "RECIPE", force: bool
     tokenizer = None
     if not backends.of(recipe).gpu:
         tokenizer = repository.find_tokenizer(inp.engine_dirs["target"], inp.engine_manifests["target"], recipe.target.model)
+        if inp.eagle3_head_dir is not None:
+            check_eagle3_head(inp)  # a head that does not fit the target: refused here, naming the file
     with atomic_output(dest) as tmp:
         missing = write_models(inp, layout, tmp, upstream_src, tokenizer)
         Manifest(

@@ -34,7 +34,7 @@ from specdeploy import metrics, ngram  # noqa: E402
 from specdeploy import policy as pol  # noqa: E402
 from specdeploy import speculative as spec  # noqa: E402
 from specdeploy.errors import SpecDeployError  # noqa: E402
-from specdeploy.generate import ExecutorProposer, ExecutorVerifier, target_only_generate  # noqa: E402
+from specdeploy.generate import ExecutorProposer, ExecutorVerifier, fused_generate, target_only_generate  # noqa: E402
 from specdeploy.triton.models import common  # noqa: E402
 from specdeploy.triton.models.common import RequestError  # noqa: E402
 
@@ -42,6 +42,7 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 DEFAULT_MAX_TOKENS = 32  # tensorrt_llm.SamplingParams.max_tokens
 DRAFT_MODEL_KEYS = ("speculative_model", "speculative_model_dir")  # 1.3+ and the older name (trtllm.LLMAPI_VERSIONS)
 DRAFT_TARGET_TYPES = ("Draft_Target", "DraftTarget")
+EAGLE3_TYPES = ("Eagle3", "Eagle")  # Eagle3DecodingConfig from 1.3, EagleDecodingConfig before (llmapi_versions.py)
 REFUSED = ("image_url", "lora_id", "lora_name", "lora_path", "lora_ckpt_source")
 PENALTIES = ("sampling_param_frequency_penalty", "sampling_param_presence_penalty")
 
@@ -66,6 +67,7 @@ class TritonPythonModel:
         self.max_seq_len = int(options.get("max_seq_len") or self.target.engine.spec.max_seq_len)
         self.max_input_len = int(options.get("max_input_len") or self.max_seq_len - 1)
         self.draft, self.ngram, self.ngram_pool = None, None, None
+        self.eagle3 = False
         self.max_draft_len = 0
         speculative = options.get("speculative_config")
         if speculative:
@@ -76,6 +78,13 @@ class TritonPythonModel:
                 if key is None:
                     raise pb_utils.TritonModelException(f"{self.name}: speculative_config names no draft ({' or '.join(DRAFT_MODEL_KEYS)})")
                 self.draft = factory(speculative[key])
+            elif kind in EAGLE3_TYPES:
+                # the head runs inside the target's executor (the fused loop), with specdeploy's own cut-off
+                key = next((k for k in DRAFT_MODEL_KEYS if speculative.get(k)), None)
+                if key is None:
+                    raise pb_utils.TritonModelException(f"{self.name}: speculative_config names no EAGLE-3 head ({' or '.join(DRAFT_MODEL_KEYS)})")
+                self.target = common.with_eagle3_head(self.target, speculative[key], float(params.get("eagle3_draft_p_min") or 0.0))
+                self.eagle3 = True
             elif kind == "NGram":
                 # TensorRT-LLM's fields from speculative_config; specdeploy's own minimum from the model's parameters
                 self.ngram = ngram.NGramSettings(**{f: speculative[f] for f in ngram.TRTLLM_FIELDS if f in speculative},
@@ -83,7 +92,7 @@ class TritonPythonModel:
                 self.ngram_pool = ngram.NGramPool(self.ngram) if self.ngram.is_public_pool else None
             else:
                 raise pb_utils.TritonModelException(f"{self.name}: decoding_type {kind!r} is not served by the cpu backend "
-                                                    f"(it serves {', '.join(DRAFT_TARGET_TYPES)} and NGram)")  # fmt: skip
+                                                    f"(it serves {', '.join(DRAFT_TARGET_TYPES + EAGLE3_TYPES)} and NGram)")  # fmt: skip
             settings = pol.PolicySettings.from_parameters(params, self.max_draft_len)
             self.deployment = pol.Deployment(settings)
             self.ops = metrics.BlsOps.in_triton(pb_utils, self.name, self.max_draft_len, params)
@@ -180,6 +189,8 @@ class TritonPythonModel:
         if not self.speculative:
             return target_only_generate(self.target, job["prompt_ids"], job["max_tokens"], job["sampling"], self.end_id,
                                         should_stop=should_stop)  # fmt: skip
+        if self.eagle3:
+            return self._fused_rounds(job, should_stop, timer)
         if self.ngram is not None:
             proposer = ngram.NGramProposer(self.ngram, self.ngram_pool)
         else:
@@ -196,6 +207,28 @@ class TritonPythonModel:
             should_stop=should_stop,
             policy=self.ops.policy(timer, self.deployment.request(), self.deployment),
         )
+
+    def _fused_rounds(self, job, should_stop, timer):
+        """draft.kind eagle3: one call of the target's executor with the head inside, k = max_draft_len (0 on the
+        canary's control arm), capped by the static policy (schedule, gate); the metrics get one round per target
+        pass afterwards (metrics.BlsOps.fused_rounds), as in tensorrt_llm_bls."""
+        metered = self.ops.policy(timer, self.deployment.request(), self.deployment)
+        k = self.ops.num_draft_tokens(timer, self.max_draft_len)
+        if k > 0:
+            k = metered.choose(k)
+            plain_reason = metered.reason if k == 0 else None
+        else:
+            plain_reason = metered.forced_reason or metrics.REASON_NO_DRAFT
+        started = time.perf_counter()
+        stats = None
+        for item in fused_generate(self.target, job["prompt_ids"], job["max_tokens"], k, job["sampling"], self.end_id,
+                                   should_stop=should_stop):  # fmt: skip
+            if isinstance(item, spec.SpecStats):
+                stats = item
+            yield item
+        if stats is not None:
+            self.ops.fused_rounds(timer, k, self.max_draft_len, job["max_tokens"], stats.k_per_round, stats.accepted_per_round,
+                                  stats.output_tokens, time.perf_counter() - started, plain_reason)  # fmt: skip
 
     def _run(self, job, check, timer, arrival_ns, emit) -> bool:
         times = {"arrival": arrival_ns, "scheduled": time.time_ns(), "first": None}

@@ -274,16 +274,8 @@ class TritonPythonModel:
             return
         flat = lambda name: [int(x) for a in outputs.get(name, []) for x in a.reshape(-1)]  # noqa: E731
         drafted_rounds, accepted_rounds = flat("draft_tokens_per_round"), flat("accepted_draft_tokens_per_round")
-        # rounds: the prefill pass (k = 0), then the verification passes; a request served plain is one call
-        k_rounds = [0] + drafted_rounds if drafted_rounds else [0]
-        a_rounds = [0] + accepted_rounds if drafted_rounds else [0]
-        emitted = [a + 1 for a in a_rounds] if drafted_rounds else [len(tokens)]
-        if drafted_rounds:  # the last pass may have stopped early (end id, stop word, length): emitted sums to the output
-            emitted[-1] = max(0, len(tokens) - sum(emitted[:-1]))
-        per_pass_s = call_s / len(k_rounds)
-        for i, (kr, ar, er) in enumerate(zip(k_rounds, a_rounds, emitted)):
-            reason = None if kr else (plain_reason or _plain_round_reason(i, k, self.max_draft_len, job["max_tokens"], emitted, drafted_rounds))
-            self.ops.recorder.round(ops.arm, kr, ar, er, 0.0, per_pass_s, reason)
+        k_rounds, a_rounds = self.ops.fused_rounds(ops, k, self.max_draft_len, job["max_tokens"], drafted_rounds, accepted_rounds,
+                                                   len(tokens), call_s, plain_reason)  # fmt: skip
         record = Record()
         log_probs = [float(x) for a in outputs.get("output_log_probs", []) for x in a.reshape(-1)] if job["return_log_probs"] else None
         if outputs.get("context_logits"):
@@ -343,17 +335,6 @@ class TritonPythonModel:
         self.active.close(when_last=self.shared.files)
         self.ops.close()
         self.held.clear()  # the stub's queue has long been idle: its clean-ups are done (common.HeldResponses)
-
-
-def _plain_round_reason(i: int, k: int, max_draft_len: int, max_tokens: int, emitted: list[int], drafted_rounds: list[int]) -> str:
-    """Why pass i of a fused EAGLE-3 request (k > 0 chosen) drafted nothing. The prefill pass (i = 0): the head drafts
-    from the target's features, which that pass computes (no_proposal). A verification pass: the executor asked the
-    head for min(k, max_draft_len, tokens left - 1) drafts (Executor._fused_round); none asked means one token was
-    left (last_token), else the head gave its first draft less than speculative.draft_p_min (draft_p_min)."""
-    if i == 0:
-        return metrics.REASON_NO_PROPOSAL if drafted_rounds else metrics.REASON_LAST_TOKEN
-    asked = min(k, max_draft_len, max_tokens - sum(emitted[:i]) - 1)
-    return metrics.REASON_DRAFT_P_MIN if asked > 0 else metrics.REASON_LAST_TOKEN
 
 
 def _requested_outputs(request) -> set:
