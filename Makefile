@@ -97,6 +97,7 @@ ship-head:
 	# the manifests say where things were on the training machine: project paths relative, the cache as $$SPECDEPLOY_HOME
 	sed -i -e 's#"$(CURDIR)/#"#g' -e "s#\"$$($(BIN)/python -c 'from specdeploy.artifacts import home; print(home())')/#\"\$$SPECDEPLOY_HOME/#g" \
 	   $(HEAD_DIR).tmp/manifest.json $(HEAD_DIR).tmp/data-manifest.json
+	if [ -f $(HEAD_DIR).tmp/run.log ]; then sed -i -e 's#$(CURDIR)/##g' -e "s#$$($(BIN)/python -c 'from specdeploy.artifacts import home; print(home())')/#\$$SPECDEPLOY_HOME/#g" $(HEAD_DIR).tmp/run.log; fi
 	rm -rf $(HEAD_DIR) && mv $(HEAD_DIR).tmp $(HEAD_DIR)
 	@echo "ship-head: $(HEAD_DIR) (update its README.md with the figures of this run)"
 

@@ -244,6 +244,16 @@ class BlsOps:
             return MeteredPolicy(None, self.recorder, timer, None, REASON_CONTROL_ARM)
         return MeteredPolicy(inner, self.recorder, timer, deployment)
 
+    def fused_k(self, timer: RequestTimer, requested: int, cap: int, inner, deployment) -> tuple[int, str | None]:
+        """(k, why it is 0) for a fused EAGLE-3 call: `requested` drafts (0 on the canary's control arm), capped at
+        `cap` and by the policy (`inner`: the static policy's schedule and gate). The reason is None when k > 0."""
+        metered = self.policy(timer, inner, deployment)
+        k = self.num_draft_tokens(timer, requested)
+        if k <= 0:
+            return 0, metered.forced_reason or REASON_NO_DRAFT
+        k = metered.choose(min(k, cap))
+        return k, (metered.reason if k == 0 else None)
+
     def fused_rounds(self, timer: RequestTimer, k: int, max_draft_len: int, max_tokens: int, drafted_rounds: list[int],
                      accepted_rounds: list[int], n_tokens: int, call_s: float, plain_reason: str | None) -> tuple[list[int], list[int]]:
         """One metrics round per target pass of a fused EAGLE-3 call (the head drafts inside the target's model): the

@@ -262,9 +262,12 @@ def acceptance_by_position(stats: m.ArmStats) -> list[dict]:
     ratio (a draft at position p is accepted only after every earlier one of its round was), and the share of the
     rounds that drafted at all whose draft at p was accepted."""
     rounds = stats.rounds_on or 0
-    return [{"position": p + 1, "drafted": d, "accepted": a, "rate": a / d if d else None,
-             "of_drafting_rounds": a / rounds if rounds else None}
-            for p in sorted(stats.drafted_per_pos) for d, a in [(stats.drafted_per_pos[p], stats.accepted_per_pos.get(p, 0.0))]]  # fmt: skip
+    rows = []
+    for p in sorted(stats.drafted_per_pos):
+        drafted, accepted = stats.drafted_per_pos[p], stats.accepted_per_pos.get(p, 0.0)
+        rows.append({"position": p + 1, "drafted": drafted, "accepted": accepted, "rate": accepted / drafted if drafted else None,
+                     "of_drafting_rounds": accepted / rounds if rounds else None})  # fmt: skip
+    return rows
 
 
 def speculation_section(window: m.Snapshot | None, spec: PathCounts, policy: dict | None, spec_label: str = SPECULATIVE_MODEL) -> dict:

@@ -26,7 +26,7 @@ import yaml
 from specdeploy.errors import RepoError
 from specdeploy.triton import repository
 from specdeploy.triton.layout_models import EAGLE3_HEAD_SUBDIR
-from specdeploy.triton.repo_inputs import EAGLE3_HEAD_FILES, check_eagle3_head
+from specdeploy.triton.repo_inputs import check_eagle3_head, stage_eagle3_head
 from specdeploy.triton.repository import MODEL_SOURCES, ModelSpec, RepoInputs, _t, check_config, render
 
 SPECULATIVE_MODEL = "tensorrt_llm"  # the upstream model's name: NVIDIA's llmapi clients reach the speculative path
@@ -157,9 +157,7 @@ def write_models(inp: RepoInputs, layout, dest: Path, upstream_src: Path | None 
         if not gpu:
             shutil.copyfile(MODEL_SOURCES / CPU_SOURCE, model_dir / "1" / "model.py")
             if inp.eagle3_head_dir is not None and name == SPECULATIVE_MODEL:
-                (model_dir / EAGLE3_HEAD_SUBDIR).mkdir()
-                for file in EAGLE3_HEAD_FILES:
-                    shutil.copyfile(inp.eagle3_head_dir / file, model_dir / EAGLE3_HEAD_SUBDIR / file)
+                stage_eagle3_head(inp, model_dir / EAGLE3_HEAD_SUBDIR)
             continue
         for file in UPSTREAM_FILES:
             src = Path(upstream_src) / UPSTREAM_DIR / file if upstream_src else None

@@ -125,6 +125,15 @@ def _eagle3_head(recipe: Recipe, layout, recipe_path: str) -> tuple[Path, str]:
     return head_dir, fingerprint(**{name: file_hash(head_dir / name) for name in EAGLE3_HEAD_FILES})
 
 
+def stage_eagle3_head(inp: RepoInputs, dest: Path) -> None:
+    """Copy the head's files (EAGLE3_HEAD_FILES) into `dest` (a model folder's head subfolder), made here."""
+    import shutil
+
+    dest.mkdir()
+    for name in EAGLE3_HEAD_FILES:
+        shutil.copyfile(inp.eagle3_head_dir / name, dest / name)
+
+
 def check_eagle3_head(inp: RepoInputs) -> None:
     """Load the head against the target engine (engine.eagle3.Eagle3Head.load's checks: hidden size, vocabulary,
     aux layers, shapes), so a head that does not fit is refused by `specdeploy repo`, not by tritonserver."""

@@ -27,7 +27,7 @@ from specdeploy.config import Recipe, to_plain
 # The parts, one module each; the names other modules and the tests use stay importable from here.
 from specdeploy.triton.layout_models import EAGLE3_HEAD_SUBDIR, TOKENIZER_SUBDIR, cpu_engine_models, engine_model_parameters, model_specs  # noqa: F401
 from specdeploy.triton.model_config import ModelSpec, Tensor, _check_ensemble, _t, check_config, render  # noqa: F401
-from specdeploy.triton.repo_inputs import EAGLE3_HEAD_FILES, RepoInputs, check_eagle3_head, find_tokenizer, repo_inputs
+from specdeploy.triton.repo_inputs import RepoInputs, check_eagle3_head, find_tokenizer, repo_inputs, stage_eagle3_head
 from specdeploy.triton.tensors import (  # noqa: F401
     BLS,
     BLS_EXTRA_OUTPUTS,
@@ -128,9 +128,7 @@ def generate_layout_repository(
             if spec.source:
                 shutil.copyfile(MODEL_SOURCES / spec.source, model_dir / "1" / "model.py")
         if inp.eagle3_head_dir is not None:
-            (tmp / TARGET_MODEL / EAGLE3_HEAD_SUBDIR).mkdir()
-            for name in EAGLE3_HEAD_FILES:
-                shutil.copyfile(inp.eagle3_head_dir / name, tmp / TARGET_MODEL / EAGLE3_HEAD_SUBDIR / name)
+            stage_eagle3_head(inp, tmp / TARGET_MODEL / EAGLE3_HEAD_SUBDIR)
         tok_dir = tmp / PREPROCESSING / TOKENIZER_SUBDIR
         tok_dir.mkdir()
         for name in TOKENIZER_FILES:

@@ -212,13 +212,7 @@ class TritonPythonModel:
         """draft.kind eagle3: one call of the target's executor with the head inside, k = max_draft_len (0 on the
         canary's control arm), capped by the static policy (schedule, gate); the metrics get one round per target
         pass afterwards (metrics.BlsOps.fused_rounds), as in tensorrt_llm_bls."""
-        metered = self.ops.policy(timer, self.deployment.request(), self.deployment)
-        k = self.ops.num_draft_tokens(timer, self.max_draft_len)
-        if k > 0:
-            k = metered.choose(k)
-            plain_reason = metered.reason if k == 0 else None
-        else:
-            plain_reason = metered.forced_reason or metrics.REASON_NO_DRAFT
+        k, plain_reason = self.ops.fused_k(timer, self.max_draft_len, self.max_draft_len, self.deployment.request(), self.deployment)
         started = time.perf_counter()
         stats = None
         for item in fused_generate(self.target, job["prompt_ids"], job["max_tokens"], k, job["sampling"], self.end_id,

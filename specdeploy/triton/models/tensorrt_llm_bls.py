@@ -245,13 +245,9 @@ class TritonPythonModel:
         ops = job["ops"]
         times = {"arrival": arrival_ns, "scheduled": time.time_ns(), "first": None}
         wants_logits = job["return_context_logits"] or job["return_generation_logits"]
-        k = 0 if wants_logits else self.ops.num_draft_tokens(ops, job["num_draft_tokens"])
-        metered = self.ops.policy(ops, self.deployment.request(), self.deployment)
-        if k > 0:
-            k = metered.choose(min(k, self.max_draft_len))  # the static policy: schedule and gate may turn it off
-            plain_reason = metered.reason if k == 0 else None
-        else:
-            plain_reason = metered.forced_reason or metrics.REASON_NO_DRAFT
+        # the static policy: schedule and gate may turn it off
+        k, plain_reason = self.ops.fused_k(ops, 0 if wants_logits else job["num_draft_tokens"], self.max_draft_len,
+                                           self.deployment.request(), self.deployment)  # fmt: skip
         extra = {
             "bad_words_list": job["bad_words_list"][None],
             "stop_words_list": job["stop_words_list"][None],
