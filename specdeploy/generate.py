@@ -124,8 +124,8 @@ def fused_generate(
     should_stop=None,
 ) -> Iterator[list[int] | SpecStats]:
     """draft.kind eagle3: the target Executor runs its EAGLE-3 head inside (Executor(head=...), the fused
-    loop of specdeploy.engine.executor), streamed; same event shape as speculative_generate. A sampled
-    request decodes with the target alone (the executor's fused loop is greedy only)."""
+    loop of specdeploy.engine.executor), streamed; same event shape as speculative_generate. A sampled request's
+    drafts are verified by token match (the target's own draws: the same tokens as the target alone, seed for seed)."""
     request = GenerationRequest(
         input_ids=list(prompt_ids),
         max_new_tokens=max_new_tokens,
@@ -136,7 +136,7 @@ def fused_generate(
         is_cancelled=should_stop,
         num_draft_tokens=num_draft_tokens,
     )
-    stats = SpecStats(policy="eagle3-fused" if target.fuses(request) else "eagle3-fused (sampled: target alone)")
+    stats = SpecStats(policy="eagle3-fused" if target.fuses(request) else "eagle3-fused (no draft tokens asked: target alone)")
     for chunk in target.generate(request):
         stats.output_tokens += len(chunk.token_ids)
         if chunk.token_ids:

@@ -1,7 +1,7 @@
 """The fused EAGLE-3 loop: the CPU engine runs the target and an EAGLE-3 head as one model.
 
 Tiers (STYLE.md rule 11): greedy output equals the target alone token for token (random heads, k = 1..4,
-one request and in-flight batches); a drafter that proposes the target's own continuation gets every draft
+one request and in-flight batches), and so does seeded sampled output (token-match verification); a drafter that proposes the target's own continuation gets every draft
 accepted; the head's forward equals an independent plain-torch implementation of the exported format's math;
 heads that do not fit the target are refused naming the file.
 """
@@ -183,12 +183,33 @@ def test_fused_stops_and_streams_as_the_target(target, head_dir):
     assert [t for c in chunks for t in c.token_ids] == ref and chunks[-1].finished
 
 
-def test_sampled_requests_decode_with_the_target_alone(target, head_dir):
+SAMPLINGS = [SamplingParams(temperature=0.8, top_k=20, seed=5), SamplingParams(temperature=1.0, top_p=0.9, seed=11),
+             SamplingParams(temperature=0.6, top_k=50, top_p=0.95, seed=2)]
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["top_k", "top_p", "both"])
+def test_sampled_requests_run_fused_and_return_the_targets_own_draws(target, head_dir, sampling):
+    """Token-match verification: every emitted token is the target's draw from the rows it would have alone, so a
+    seeded request gives the target-alone output token for token, whatever the head drafts."""
     fused = Executor(target, head=Eagle3Head.load(head_dir, target))
-    sampling = SamplingParams(temperature=0.8, top_k=20, seed=5)
-    got = run(fused, GenerationRequest(prompt_of(5, 6), 10, sampling=sampling, num_draft_tokens=3))
-    expected = run(Executor(target), GenerationRequest(prompt_of(5, 6), 10, sampling=sampling))
-    assert got.token_ids == expected.token_ids and not got.stats.fused and got.stats.drafted == 0
+    for i, k in enumerate((1, 3, 4)):
+        prompt = prompt_of(5 + i, 6 + i)
+        got = run(fused, GenerationRequest(prompt, 24, sampling=sampling, num_draft_tokens=k))
+        expected = run(Executor(target), GenerationRequest(prompt, 24, sampling=sampling))
+        assert got.token_ids == expected.token_ids and len(expected.token_ids) == 24
+        assert got.stats.fused and got.stats.drafted > 0 and got.stats.iterations == len(got.stats.drafted_per_round) + 1
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_a_drafter_with_the_targets_sampled_answer_gets_every_draft_accepted(target, k):
+    """The draws decide: drafts equal to the target's seeded sample are all kept, a wrong one ends its round there."""
+    sampling, prompt = SAMPLINGS[1], prompt_of(8, 7)
+    expected = run(Executor(target), GenerationRequest(prompt, 21, sampling=sampling)).token_ids
+    got = run(Executor(target, head=OracleHead(prompt + expected)), GenerationRequest(prompt, 21, sampling=sampling, num_draft_tokens=k))
+    assert got.token_ids == expected and got.stats.accepted == got.stats.drafted > 0
+    assert got.stats.iterations == 1 + -(-20 // (k + 1))
+    partly = run(Executor(target, head=OracleHead(prompt + expected, 2)), GenerationRequest(prompt, 21, sampling=sampling, num_draft_tokens=k))
+    assert partly.token_ids == expected and 0 < partly.stats.accepted < partly.stats.drafted
 
 
 def test_fused_requests_in_flight_batching(target, head_dir):

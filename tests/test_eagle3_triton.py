@@ -136,7 +136,7 @@ def test_repository_has_no_draft_model_and_carries_the_head(built, served):
 def _inputs(values: dict):
     import tritonclient.grpc as grpc
 
-    kinds = {np.int32: "INT32", np.bool_: "BOOL", np.object_: "BYTES", np.float32: "FP32"}
+    kinds = {np.int32: "INT32", np.bool_: "BOOL", np.object_: "BYTES", np.float32: "FP32", np.uint64: "UINT64"}
     out = []
     for name, arr in values.items():
         tensor = grpc.InferInput(name, list(arr.shape), kinds[arr.dtype.type])
@@ -209,6 +209,25 @@ def test_greedy_parity_and_draft_counters_match_metrics(built, served):
     assert window.sum(metrics.REQUESTS.name, arm="speculative") == requests
     # one round per target pass: the prefill (no draft) and each verification pass
     assert window.sum(metrics.DRAFTS.name, arm="speculative") > 0
+
+
+def test_sampled_requests_draft_with_the_head_and_return_the_controls_draws(served):
+    """A seeded sampled request (temperature, top-k / top-p) through the BLS with k drafts gives the text the control
+    path draws with the same seed (token-match verification keeps the target's own draws) and the head drafted."""
+    sampling = {"temperature": np.array([[0.8]], dtype=np.float32), "top_k": np.array([[20]], dtype=np.int32),
+                "top_p": np.array([[0.95]], dtype=np.float32)}
+    drafted = 0
+    for i, chat in enumerate(CHATS):
+        values = {"text_input": np.array([[chat_text(chat).encode()]], dtype=object), "max_tokens": np.array([[MAX_TOKENS]], dtype=np.int32),
+                  "seed": np.array([[100 + i]], dtype=np.uint64), **sampling}
+        control = served.infer("ensemble", _inputs(values), client_timeout=300).as_numpy("text_output").reshape(-1)[0].decode()
+        k = 1 + i % 4
+        r = served.infer("tensorrt_llm_bls", _inputs({**values, "num_draft_tokens": np.array([[k]], dtype=np.int32)}), client_timeout=300)
+        assert r.as_numpy("text_output").reshape(-1)[0].decode() == control, (chat, k)
+        other = dict(values, seed=np.array([[200 + i]], dtype=np.uint64))
+        assert served.infer("ensemble", _inputs(other), client_timeout=300).as_numpy("text_output").reshape(-1)[0].decode() != control
+        drafted += _count(r, "total_draft_tokens")
+    assert drafted > 0
 
 
 def test_num_draft_tokens_zero_is_plain_and_counted_as_such(built, served):

@@ -4,7 +4,7 @@
 decodes up to `max_new_tokens` tokens (greedy or sampled, see `specdeploy.speculative.is_greedy`). A request with
 `draft_tokens` runs one target pass over input + draft, accepts per `specdeploy.speculative` and returns the
 accepted prefix plus one token of its own: TensorRT-LLM's `draft_tokens_external` semantics. With an EAGLE-3 head,
-a greedy request with `num_draft_tokens` runs the fused loop (the head drafts inside the executor).
+a request with `num_draft_tokens` runs the fused loop (the head drafts inside the executor; greedy or sampled).
 
 Prefix KV reuse across calls (TensorRT-LLM's `enable_kv_cache_reuse`) is `engine.kv_pool`: a request takes the
 pooled cache sharing its longest prefix and computes only the suffix; memory is bounded by
@@ -288,10 +288,8 @@ class Executor:
 
     def fuses(self, request: GenerationRequest) -> bool:
         """Whether the request runs the fused EAGLE-3 loop: a head is loaded, the request asks for draft tokens
-        and sends none of its own, and it is greedy (a sampled request decodes with the target alone: the
-        head's proposals would need token-match or rejection verification, not written yet)."""
-        return (self.head is not None and request.num_draft_tokens > 0 and not request.draft_tokens
-                and self.max_draft_len > 0 and spec.is_greedy(request.sampling))
+        and sends none of its own. Greedy or sampled (a sampled request's drafts are verified by token match)."""
+        return self.head is not None and request.num_draft_tokens > 0 and not request.draft_tokens and self.max_draft_len > 0
 
     def _interrupted(self, request: GenerationRequest, start: float) -> str | None:
         if request.is_cancelled is not None and request.is_cancelled():
@@ -376,6 +374,12 @@ class Executor:
         pass verifies them (k + 1 rows) and decides every token, so the output is the target's own greedy
         continuation, bit for bit (rows do not depend on how many a pass holds: engine/model.py).
 
+        A sampled request is verified by token match (TensorRT-LLM's acceptance without draft logits,
+        spec.verify_token_match): the target draws its own token at each row, in order, and a draft token is kept
+        while it equals the draw. The draws are the ones the target alone would make: one per emitted token, from
+        the same rows with the same generator, so a seeded request gives the target's own sampled output token for
+        token, whatever the head proposed.
+
         State between rounds: the target cache holds positions 0..L-1 (the last chosen token not run yet),
         the head rows 0..L-1 (row p: the target's features at p and the token at p + 1)."""
         input_ids = list(request.input_ids)
@@ -392,7 +396,9 @@ class Executor:
         context_logits = logits[:n_in] if request.return_context_logits else None
         raw_rows = logits[-1:]  # [1, vocab]: the rows the tokens of this round were chosen from
         rows = lp.process_rows(raw_rows, input_ids, n_in, 0, params)
-        new = [spec.greedy_token(rows[0])]
+        generator = None if spec.is_greedy(request.sampling) else spec.make_generator(request.sampling.seed)
+        sampler = lp.sampler_params(request.sampling)
+        new = [spec.choose_token(rows[0], sampler, generator)]
         pending_aux = torch.cat(aux_parts) if len(aux_parts) > 1 else aux_parts[0]  # rows drafter.length..L-1
         sequence = list(input_ids)
         output: list[int] = []
@@ -419,14 +425,16 @@ class Executor:
                 yield chunk_of(request, new, kept_logits[-len(new):], kept_log_probs[-len(new):], None, None, context_logits)
                 context_logits = None
                 pending = 0
-            raw_rows, rows, new, pending_aux = yield from self._fused_round(entry, pending_aux, sequence, len(output), request, params, stats)
+            raw_rows, rows, new, pending_aux = yield from self._fused_round(entry, pending_aux, sequence, len(output), request, params,
+                                                                            stats, generator)
 
     def _fused_round(
         self, entry: CachedSequence, pending_aux: torch.Tensor, sequence: list[int], produced: int,
-        request: GenerationRequest, params: LogitsParams, stats: GenerationStats,
+        request: GenerationRequest, params: LogitsParams, stats: GenerationStats, generator: torch.Generator | None,
     ):
         """One round of the fused loop: the head catches up on the positions the target computed and kept, drafts up
-        to k, and one target pass of k + 1 rows verifies them. Returns (the pass's raw rows, its processed rows, the
+        to k, and one target pass of k + 1 rows verifies them (greedy: exact match; sampled: token match with the
+        request's `generator`). Returns (the pass's raw rows, its processed rows, the
         round's tokens: accepted drafts + the target's own, the aux features of the kept positions)."""
         drafter = entry.drafter
         t0 = self._clock()
@@ -441,7 +449,14 @@ class Executor:
         aux_parts = []
         raw_rows = yield from self._forward(entry, [sequence[-1]] + draft, stats, None, aux_parts)  # [k + 1, vocab]
         rows = lp.process_rows(raw_rows, sequence + draft, len(sequence), produced, params)  # [k + 1, vocab]
-        accepted, next_token = spec.verify_greedy(draft, rows)
+        if generator is None:
+            accepted, next_token = spec.verify_greedy(draft, rows)
+        else:
+            # row by row, as the target alone computes each token's distribution (a [k + 1, vocab] softmax or sort
+            # need not round like k + 1 one-row ones)
+            sampler = lp.sampler_params(request.sampling)
+            probs = torch.stack([spec.sampling_distribution(row, sampler) for row in rows])  # [k + 1, vocab]
+            accepted, next_token = spec.verify_token_match(draft, probs, generator)
         entry.cache.truncate(length + 1 + accepted)  # the rejected drafts' KV: the pointer moves back
         del entry.tokens[length + 1 + accepted :]
         pending_aux = aux_parts[0][: accepted + 1]  # [a + 1, L * hidden] positions length..length+a

@@ -33,7 +33,7 @@ class GenerationRequest:
     draft_tokens: list[int] | None = None
     draft_logits: torch.Tensor | None = None  # [k, vocab], the draft's (raw) generation logits
     # Fused EAGLE-3 (an Executor given a head): draft up to this many tokens per round inside the engine.
-    # Greedy requests only; a sampled request decodes with the target alone (finish stats say fused=False).
+    # Greedy requests verify by exact match, sampled ones by token match (the target's own draws: same tokens).
     num_draft_tokens: int = 0
     return_logits: bool = False
     streaming: bool = False
