@@ -252,7 +252,7 @@ def main(argv=None) -> int:
     from specdeploy.engine import native
 
     log(f"{platform.node()}: {os.cpu_count()} cores, {args.threads} threads, CPU capability "
-        f"{torch.backends.cpu.get_cpu_capability()}, native kernels {native.isa()} (int8: "
+        f"{torch.backends.cpu.get_cpu_capability()}, native kernels {native.isa()} (bf16: {native.bf16_kernel()}, int8: "
         f"{native.INT8_VARIANT_NAMES[native.int8_variant()]}), load average {os.getloadavg()[0]:.1f}")
     results = {"kernels": kernel_curves(model_shape(hf_dir), args.repeats)}
     engines = {} if args.skip_engine else {"target": ensure_engine(args.recipe, args.root)}
@@ -295,7 +295,7 @@ def main(argv=None) -> int:
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"kernels-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"host": platform.node(), "threads": args.threads, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "native_isa": native.isa(), "int8_variant": native.INT8_VARIANT_NAMES[native.int8_variant()],
+            "native_isa": native.isa(), "bf16_kernel": native.bf16_kernel(), "int8_variant": native.INT8_VARIANT_NAMES[native.int8_variant()],
             "load_average": os.getloadavg(), "recipe": args.recipe, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     out.write_text(json.dumps({"meta": meta, **results}, indent=2, default=str) + "\n")
     log(f"wrote {out}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 
 import pytest
 import torch
@@ -239,6 +240,50 @@ def test_the_isa_and_the_build_follow_the_cpus_own_flags(monkeypatch, flags, env
     other = native.build_dir()
     monkeypatch.setattr(native, "_cpu_flags", lambda: flags + " amx_int8")
     assert native.build_dir() != other
+
+
+@pytest.mark.parametrize("flags, env, kernel", [
+    ("flags : fpu avx avx2 fma", "dpbf16", "f32"),
+    ("flags : fpu avx avx2 fma avx512f avx512bw", None, "pairs"),
+    ("flags : fpu avx avx2 fma avx512f avx512bw", "dpbf16", "pairs"),  # no AVX512-BF16: nothing else to use
+    ("flags : fpu avx avx2 fma avx512f avx512bw avx512_bf16", None, "pairs"),
+    ("flags : fpu avx avx2 fma avx512f avx512bw avx512_bf16", "dpbf16", "dpbf16"),
+])
+def test_the_bf16_kernel_and_its_build_follow_the_cpu_and_the_environment(monkeypatch, flags, env, kernel):
+    monkeypatch.setattr(native, "_cpu_flags", lambda: flags)
+    monkeypatch.delenv(native.AVX512_ENV, raising=False)
+    if env is None:
+        monkeypatch.delenv(native.BF16_ENV, raising=False)
+    else:
+        monkeypatch.setenv(native.BF16_ENV, env)
+    assert native.bf16_kernel() == kernel
+    assert ("-DSPECDEPLOY_BF16_DPBF16" in native._cflags()) == (kernel == "dpbf16")
+    monkeypatch.setenv(native.BF16_ENV, "vdpbf16")
+    if kernel != "f32":
+        with pytest.raises(ValueError, match="SPECDEPLOY_NATIVE_BF16='vdpbf16': expected pairs or dpbf16"):
+            native.bf16_kernel()
+
+
+@pytest.mark.skipif(native.bf16_kernel() != "pairs" or native.isa() != "avx512-bf16", reason="needs an AVX512-BF16 CPU")
+def test_the_vdpbf16ps_build_agrees_with_the_pairs_kernel(tmp_path):
+    """The opt-in VDPBF16PS build (SPECDEPLOY_NATIVE_BF16=dpbf16, its own build folder) gives the default pairs
+    kernel's bits: both add each lane's odd then even product, exact in f32 (away from subnormals, which VDPBF16PS
+    flushes and the engine's weights and activations do not hold)."""
+    import subprocess
+
+    kind, weight, kwargs, reference = _formats()["bf16"]
+    x = _x()
+    torch.save({"weight": weight, "x": x}, tmp_path / "in.pt")
+    code = (f"import torch; from specdeploy.engine import native; d = torch.load({str(tmp_path / 'in.pt')!r}); ops = native.ops(); "
+            f"assert native.bf16_kernel() == 'dpbf16'; p = ops.pack(d['weight'].contiguous(), native.BF16, {K}); "
+            f"f = lambda x: ops.linear(x, p, native.BF16, {N}, None, 0, None, 0.0, None, None, None); "
+            f"torch.save([f(d['x'])] + [f(d['x'][:r].contiguous()) for r in range(1, 10)], {str(tmp_path / 'out.pt')!r})")
+    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, native.BF16_ENV: "dpbf16"}, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    y, *parts = torch.load(tmp_path / "out.pt")
+    for rows, part in enumerate(parts, 1):
+        assert torch.equal(part, y[:rows]), rows
+    assert torch.equal(y, _linear(kind, OPS.pack(weight.contiguous(), kind, K), x, **kwargs))
 
 
 def test_the_loaded_build_is_the_isa_doctor_names():

@@ -33,13 +33,16 @@ INT8_SOURCE = Path(__file__).parent / "csrc" / "int8_kernels.cpp"
 SOURCES = (SOURCE, INT8_SOURCE, Path(__file__).parent / "csrc" / "int8_gemv.inc", Path(__file__).parent / "csrc" / "step_team.h")
 DISABLE_ENV = "SPECDEPLOY_NATIVE"  # "0": always use the torch path
 # The kernels are built for the CPU that loads them (-march=native, one build folder per CPU feature set):
-# the 16-lane AVX-512 variant (VDPBF16PS for bf16 weights where the CPU has AVX512-BF16) where the CPU has
-# AVX-512F, else the 8-lane AVX2 + FMA one. "0" forces the AVX2 variant on an AVX-512 CPU (to compare the two).
+# the 16-lane AVX-512 variant where the CPU has AVX-512F, else the 8-lane AVX2 + FMA one. "0" forces the AVX2 variant on an AVX-512 CPU (to compare the two).
 AVX512_ENV = "SPECDEPLOY_NATIVE_AVX512"
 # The int8 SmoothQuant kernels are compiled for every instruction set into the one binary and one variant is
 # picked per engine load from the CPU's flags (`int8_variant`): AVX512-VNNI, else AVX-VNNI, else AVX2. "0"
 # forces the AVX2 variant (VPMADDWD) on a VNNI CPU; SPECDEPLOY_NATIVE_AVX512=0 rules out the 512-bit one.
 VNNI_ENV = "SPECDEPLOY_NATIVE_VNNI"
+# bf16 weights on AVX-512: "pairs" (default) splits each bf16 pair into two f32 vectors (two integer instructions
+# per 32 weights) and multiplies with FMA; "dpbf16" uses VDPBF16PS where the CPU has AVX512-BF16 (csrc: why not
+# by default). Both give the same bits (each lane adds its odd, then its even product, exact in f32: tested).
+BF16_ENV = "SPECDEPLOY_NATIVE_BF16"
 
 # Weight kinds of the native linear (csrc: WeightKind).
 BF16, FP8, INT8, INT4, INT8_SQ = 0, 1, 2, 3, 4
@@ -64,8 +67,7 @@ def ops():
 
 
 def cpu_supported() -> bool:
-    """Whether this CPU runs the kernels: AVX-512 (16-lane build, with VDPBF16PS where the CPU has it) or
-    AVX2 + FMA (8-lane build); torch reports AVX2 only where FMA is present too."""
+    """Whether this CPU runs the kernels: AVX-512 (16-lane build) or AVX2 + FMA (8-lane build); torch reports AVX2 only where FMA is present too."""
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512", "AMX")
 
 
@@ -126,7 +128,20 @@ def _cflags() -> list[str]:
     flags = ["-O3", "-march=native", "-fopenmp"]
     if not isa().startswith("avx512"):
         flags.append("-mno-avx512f")  # turns off every AVX-512 extension -march=native enabled
+    elif bf16_kernel() == "dpbf16":
+        flags.append("-DSPECDEPLOY_BF16_DPBF16")
     return flags
+
+
+def bf16_kernel() -> str:
+    """How the native kernels multiply bf16 weights here: `dpbf16` (VDPBF16PS, asked for by SPECDEPLOY_NATIVE_BF16
+    on an AVX512-BF16 CPU), `pairs` (AVX-512: bf16 pairs split into f32, FMA) or `f32` (AVX2: widened, FMA)."""
+    if not isa().startswith("avx512"):
+        return "f32"
+    wanted = os.environ.get(BF16_ENV, "pairs")
+    if wanted not in ("pairs", "dpbf16"):
+        raise ValueError(f"{BF16_ENV}={wanted!r}: expected pairs or dpbf16")
+    return "dpbf16" if wanted == "dpbf16" and isa() == "avx512-bf16" else "pairs"
 
 
 def _load() -> None:

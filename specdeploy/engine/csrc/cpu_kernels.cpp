@@ -240,8 +240,8 @@ inline __m256 round_e4m3(__m256 v) {
 // activation type it multiplies (f32 after the prologue, or bf16 as given), decode (operator(): one chunk to
 // a vector) and madd: acc += x * w over one step.
 
-#if defined(__AVX512BF16__)
-// bf16 x bf16 with VDPBF16PS: 32 products per instruction, no conversion.
+#if defined(__AVX512BF16__) && defined(SPECDEPLOY_BF16_DPBF16)
+// bf16 x bf16 with VDPBF16PS: 32 products per instruction, no conversion (SPECDEPLOY_NATIVE_BF16=dpbf16).
 struct Bf16Weights {
   static constexpr int64_t kStep = 32, kChunk = 64;
   using Activation = c10::BFloat16;
@@ -251,6 +251,31 @@ struct Bf16Weights {
   WVec operator()(const uint8_t* p, int64_t, int64_t) const { return _mm512_loadu_si512(p); }
   static __m512 madd(__m512 acc, XVec x, WVec w) { return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)w); }
 };
+#elif defined(__AVX512F__)
+// bf16 pairs split into f32 halves: a 32-bit lane holding bf16 weights (w[2j], w[2j+1]) is w[2j + 1]'s f32 once
+// its low half is cleared and w[2j]'s once shifted left by 16, so 32 weights take two integer instructions to
+// decode, shared by every row of the tile, then one FMA per 16 products and row. The activations are split the
+// same way once per call (prologue_pairs: per step of 32, the 16 even then the 16 odd ones, exact in f32).
+// Why not VDPBF16PS (32 products per instruction): on the AVX512-BF16 Xeon this was measured on it issued at a
+// quarter of the FMA rate (1.26 G/s against 5.1 G/s per core, register-only loop), so past ~2 rows, where the
+// LM head's pass stops being memory-bound, it is the slower of the two (docs/benchmarks.md).
+struct Bf16Weights {
+  static constexpr int64_t kStep = 2 * kLanes, kChunk = 4 * kLanes;
+  using Activation = float;
+  struct XVec {
+    Vec even, odd;
+  };
+  using WVec = XVec;
+  static XVec load_x(const Activation* x) { return {vload(x), vload(x + kLanes)}; }
+  WVec operator()(const uint8_t* p, int64_t, int64_t) const { return split_pairs(_mm512_loadu_si512(p)); }
+  static XVec split_pairs(__m512i pairs) {
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)),
+            _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(static_cast<int>(0xffff0000u))))};
+  }
+  // odd then even, as VDPBF16PS adds them (Intel SDM): bf16 products are exact in f32, so the sums round alike
+  static Vec madd(Vec acc, XVec x, WVec w) { return vfmadd(x.even, w.even, vfmadd(x.odd, w.odd, acc)); }
+};
+#define SPECDEPLOY_BF16_PAIRS 1
 #else
 struct Bf16Weights {
   static constexpr int64_t kStep = kLanes, kChunk = 2 * kLanes;
@@ -572,11 +597,30 @@ std::vector<float> prologue(const at::Tensor& x, int64_t kind, const float* pre_
   return xa;
 }
 
-// bf16 weights take no input quantization: VDPBF16PS multiplies x as given, the f32 fallback its f32 values.
+#if defined(SPECDEPLOY_BF16_PAIRS)
+// x [M, K] bf16 -> f32 in the pairs kernel's order: per step of 32 inputs, the 16 even ones, then the 16 odd ones.
+std::vector<float> prologue_pairs(const at::Tensor& x) {
+  int64_t MK = x.numel();
+  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+  std::vector<float> xa(MK);
+  for (int64_t i = 0; i < MK; i += Bf16Weights::kStep) {
+    Bf16Weights::XVec v = Bf16Weights::split_pairs(_mm512_loadu_si512(xp + i));
+    vstore(xa.data() + i, v.even);
+    vstore(xa.data() + i + kLanes, v.odd);
+  }
+  return xa;
+}
+#endif
+
+// bf16 weights take no input quantization: VDPBF16PS multiplies x as given, the f32 kernels its f32 values.
 template <class W = Bf16Weights>
 void gemv_bf16(const at::Tensor& x, int64_t M, int64_t N, int64_t K, const uint8_t* packed, const Epilogue& out) {
   if constexpr (std::is_same_v<typename W::Activation, c10::BFloat16>) {
     gemv(x.data_ptr<c10::BFloat16>(), M, N, K, packed, W{}, out);
+  } else if constexpr (W::kStep == 2 * kLanes) {
+#if defined(SPECDEPLOY_BF16_PAIRS)
+    gemv(prologue_pairs(x).data(), M, N, K, packed, W{}, out);
+#endif
   } else {
     gemv(prologue(x, kBf16, nullptr, 0.0).data(), M, N, K, packed, W{}, out);
   }
