@@ -1,0 +1,104 @@
+"""What a fused EAGLE-3 round costs in target steps, in process: the recipe's target engine with its head
+(`draft.head`), greedy, on the built-in chat prompts, with k = 0 (the target alone) and k = --draft-len (the fused
+loop with the recipe's `speculative.draft_p_min`) taking turns (ABAB), each prompt from an empty cache.
+
+Per run: ms per token after the first, target passes, forward time per pass (the head's time is inside it: the head
+runs within the engine step), the head's time per token, drafted / accepted drafts, and tokens per pass. A round's
+cost in target steps is the k run's forward time per pass over the k = 0 run's; the outputs of both must be equal.
+
+    .venv/bin/python bench/eagle3_rounds.py [--recipe build/smollm2-135m.yaml] [--count 8] [--max-tokens 64]
+        [--draft-len 3] [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def run_all(executor, prompts, k: int, max_tokens: int, end_id) -> tuple[dict, list[list[int]]]:
+    from specdeploy.engine.request import GenerationRequest, run
+
+    tot = dict(t=0.0, fwd=0.0, draft=0.0, out=0, passes=0, drafted=0, accepted=0)
+    outputs = []
+    for _, ids in prompts:
+        executor.clear_cache()
+        t0 = time.perf_counter()
+        o = run(executor, GenerationRequest(input_ids=list(ids), max_new_tokens=max_tokens, end_id=end_id, num_draft_tokens=k))
+        dt = time.perf_counter() - t0
+        s = o.stats
+        tot["t"] += dt - s.first_token_time_s
+        tot["fwd"] += s.forward_time_s - s.first_forward_time_s
+        tot["draft"] += s.draft_time_s
+        tot["out"] += len(o.token_ids) - 1
+        tot["passes"] += s.iterations - 1
+        tot["drafted"] += s.drafted
+        tot["accepted"] += s.accepted
+        outputs.append(list(o.token_ids))
+    return tot, outputs
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--recipe", default=str(ROOT / "build" / "smollm2-135m.yaml"))
+    ap.add_argument("--root", default=str(ROOT))
+    ap.add_argument("--count", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--draft-len", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from bench.eagle3_peer import chat_prompts
+    from specdeploy import models
+    from specdeploy.artifacts import Layout
+    from specdeploy.config_loader import load_recipe
+    from specdeploy.engine.eagle3 import Eagle3Head
+    from specdeploy.engine.executor import Executor
+    from specdeploy.engine.model import CpuEngine
+
+    torch.set_num_threads(args.threads)
+    recipe = load_recipe(args.recipe)
+    layout = Layout.of(recipe, Path(args.root))
+    engine = CpuEngine.load(layout.engine("target"))
+    head = Eagle3Head.load(layout.eagle3_head_source(recipe.draft.head), engine)
+    tokenizer = AutoTokenizer.from_pretrained(str(models.resolve(recipe.target.model)))
+    prompts = chat_prompts(tokenizer, args.count, args.max_tokens)
+    executor = Executor(engine, 2, head=head, draft_p_min=recipe.speculative.draft_p_min)
+    k = args.draft_len
+    run_all(executor, prompts[:1], 0, 8, tokenizer.eos_token_id)  # warm-up
+    runs: dict[int, list[dict]] = {0: [], k: []}
+    outputs: dict[int, list] = {}
+    for rep in range(args.repeats):
+        for kk in (0, k) if rep % 2 == 0 else (k, 0):
+            tot, outputs[kk] = run_all(executor, prompts, kk, args.max_tokens, tokenizer.eos_token_id)
+            runs[kk].append(tot)
+    print(f"{len(prompts)} built-in chat prompts x {args.max_tokens} tokens, {args.threads} threads, draft_p_min "
+          f"{recipe.speculative.draft_p_min}, target {layout.engine('target')}")
+    for kk in (0, k):
+        for t in runs[kk]:
+            n, passes = t["out"], max(t["passes"], 1)
+            print(f"k={kk}: {n} tokens after the first, {t['t'] * 1000 / n:.2f} ms/token; {passes} passes, forward "
+                  f"{t['fwd'] * 1000 / passes:.2f} ms/pass (head inside: {t['draft'] * 1000 / passes:.2f} ms/pass); drafted "
+                  f"{t['drafted']} accepted {t['accepted']}; {n / passes:.2f} tokens/pass")
+    step = min(t["fwd"] / max(t["passes"], 1) for t in runs[0])
+    for t in runs[k]:
+        per_pass = t["fwd"] / max(t["passes"], 1)
+        print(f"k={k} round: {per_pass / step:.2f} target steps (head {t['draft'] / max(t['passes'], 1) / step:.2f})")
+    print("outputs equal to the target alone:", outputs[0] == outputs[k])
+    return 0 if outputs[0] == outputs[k] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
