@@ -65,6 +65,17 @@ class EnginePass:
 
 
 
+def _token_match(draft: list[int], rows: torch.Tensor, sampler, generator: torch.Generator) -> tuple[int, int]:
+    """spec.verify_token_match over processed rows, each row's distribution computed only when it is drawn from and
+    alone, as the target alone computes it (a [k + 1, vocab] softmax or sort need not round like one-row ones):
+    (accepted drafts, the target's own token)."""
+    for i in range(len(draft) + 1):
+        token = spec.choose_token(rows[i], sampler, generator)
+        if i == len(draft) or token != draft[i]:
+            return i, token
+    raise AssertionError("unreachable")
+
+
 def _append_round(sequence: list[int], new: list[int], request: GenerationRequest, produced: int) -> tuple[list[int], str | None]:
     """Append a round's tokens to `sequence`, cut at max_new_tokens and at the first end id or stop word; returns
     the tokens kept and why generation ends there (None: it goes on)."""
@@ -452,11 +463,7 @@ class Executor:
         if generator is None:
             accepted, next_token = spec.verify_greedy(draft, rows)
         else:
-            # row by row, as the target alone computes each token's distribution (a [k + 1, vocab] softmax or sort
-            # need not round like k + 1 one-row ones)
-            sampler = lp.sampler_params(request.sampling)
-            probs = torch.stack([spec.sampling_distribution(row, sampler) for row in rows])  # [k + 1, vocab]
-            accepted, next_token = spec.verify_token_match(draft, probs, generator)
+            accepted, next_token = _token_match(draft, rows, lp.sampler_params(request.sampling), generator)
         entry.cache.truncate(length + 1 + accepted)  # the rejected drafts' KV: the pointer moves back
         del entry.tokens[length + 1 + accepted :]
         pending_aux = aux_parts[0][: accepted + 1]  # [a + 1, L * hidden] positions length..length+a
