@@ -40,9 +40,11 @@ def draft_group():
 @RECIPE
 @click.option("--force", is_flag=True, help="Train again even when the head is up to date (discards an unfinished run's checkpoint).")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
+@click.option("--time-limit", type=click.FloatRange(min=0, min_open=True), default=None, metavar="MINUTES",
+              help="End within this many minutes: the planned steps are cut to what fits (a lent GPU's time).")
 @pass_ctx
 @handle_errors
-def draft_train(ctx, recipe, force, no_progress):
+def draft_train(ctx, recipe, force, no_progress, time_limit):
     """Train the recipe's EAGLE-3 head with ModelOpt on `draft data`'s set; export it (EAGLE-3 checkpoint layout).
 
     An interrupted run continues from its last checkpoint (engines/<recipe>/eagle3-head.partial) when rerun."""
@@ -50,7 +52,8 @@ def draft_train(ctx, recipe, force, no_progress):
 
     r = ctx.recipe(recipe)
     with ctx.locked(r, recipe):
-        train.train_recipe(r, ctx.layout(r), force=force, echo=click.echo, progress=not no_progress)
+        train.train_recipe(r, ctx.layout(r), force=force, echo=click.echo, progress=not no_progress,
+                           time_limit_s=None if time_limit is None else 60.0 * time_limit)
 
 
 # ---- draft data

@@ -87,6 +87,7 @@ EAGLE3_HEAD_TRAINED = "trained"  # draft.head: the head `specdeploy draft train 
 EAGLE3_EXPORT_DTYPES = ("float32", "bfloat16", "float16")  # draft.train.export_dtype
 EAGLE3_TRAIN_PRECISIONS = ("auto", "float32", "bfloat16")  # draft.train.precision
 EAGLE3_LR_SCHEDULES = ("constant", "cosine")  # draft.train.lr_schedule
+EAGLE3_DATA_BACKENDS = ("engine", "torch")  # draft.data.backend
 # draft.max_matching_ngram_size when null; the default of specdeploy.ngram.NGramSettings, written here because the
 # recipe checks draft.min_matching_ngram_size against it and the recipe imports nothing above the core.
 NGRAM_MAX_MATCHING_NGRAM_SIZE = 2
@@ -100,7 +101,7 @@ class Eagle3DataConfig:
     The target writes its own training set (ModelOpt's "data synthesis"): prompts from `sources`
     ("calibration": the shipped calibration passages turned into requests; "self_instruct": user turns the
     target writes itself from its chat template; or a .jsonl/.txt prompt file), answered by the target through
-    the CPU engine. `text_files` are texts already on the machine, scored by the target (prefill only). The
+    the CPU engine (or its weights with torch on a GPU: `backend`). `text_files` are texts already on the machine, scored by the target (prefill only). The
     validation prompt sets are never used."""
 
     sources: tuple[str, ...] = ("calibration", "self_instruct")
@@ -113,6 +114,10 @@ class Eagle3DataConfig:
     # requests in flight while the target writes the data (in-flight batching); 0: engine.max_batch_size. The
     # engine's multi-row passes cost far less per row than one-row steps, so more rows make more tokens per second.
     batch_size: int = 0
+    # who answers: "engine" (the recipe's built CPU engine, the quantized target that serves) or "torch" (the
+    # target's Hugging Face weights with torch, on a GPU where torch sees one: batch_size rows a pass;
+    # specdeploy.draft_decode_torch)
+    backend: str = "engine"
 
 
 @dataclass(frozen=True)

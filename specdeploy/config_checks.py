@@ -11,6 +11,7 @@ from specdeploy.config import (
     CHAT_TEMPLATE_MODES,
     CONTROL_MODES,
     DRAFT_KINDS,
+    EAGLE3_DATA_BACKENDS,
     EAGLE3_EXPORT_DTYPES,
     EAGLE3_HEAD_TRAINED,
     EAGLE3_LR_SCHEDULES,
@@ -338,6 +339,7 @@ def _check_eagle3(r: Recipe) -> None:
     _choice("draft.train.export_dtype", t.export_dtype, EAGLE3_EXPORT_DTYPES)
     _choice("draft.train.precision", t.precision, EAGLE3_TRAIN_PRECISIONS)
     _choice("draft.train.lr_schedule", t.lr_schedule, EAGLE3_LR_SCHEDULES)
+    _choice("draft.data.backend", d.data.backend, EAGLE3_DATA_BACKENDS)
     _at_least("draft.data.batch_size", d.data.batch_size, 0)
     _at_least("draft.train.draft_vocab_size", t.draft_vocab_size, 2)
     _at_least("draft.train.ttt_steps", t.ttt_steps, 1)

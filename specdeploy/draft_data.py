@@ -81,12 +81,13 @@ def _hash_bucket(key: str) -> int:
 # ---------------------------------------------------------------- the stage
 
 
-def data_fingerprint(recipe: Recipe, target_manifest, validation: dict[str, str]) -> str:
+def data_fingerprint(recipe: Recipe, target_identity: str, validation: dict[str, str]) -> str:
+    """`target_identity`: the built engine's fingerprint (backend engine) or the model folder's hash (backend torch)."""
     data = recipe.draft.data
     files = {p: artifacts.file_hash(Path(p)) for p in [*data.sources, *data.text_files] if p not in NAMED_SOURCES}
     return artifacts.fingerprint(
         stage=STAGE,
-        target=target_manifest.fingerprint,
+        target=target_identity,
         data=asdict(data),
         text_chunk=recipe.draft.train.seq_len,
         files=files,
@@ -106,22 +107,15 @@ def make_draft_data(recipe: Recipe, layout, recipe_path: str = "RECIPE", force: 
                     on_sample: Callable[[str], None] | None = None) -> Path:
     """Write Layout.draft_data for `recipe` (see the module docstring); returns it. `on_sample(key)` is called
     after each generation is journaled (tests interrupt the run there)."""
-    from specdeploy.engine.batching import BatchScheduler
-    from specdeploy.engine.executor import Executor
-    from specdeploy.generate import load_engine, load_tokenizer
+    from specdeploy.generate import load_tokenizer
 
     echo = echo or (lambda message: print(message, file=sys.stderr, flush=True))
     check_sources(recipe)
     data = recipe.draft.data
-    target_dir = layout.engine("target")
-    try:
-        target_manifest = artifacts.require(target_dir, stage="build", rerun=f"specdeploy build {recipe_path}")
-    except StaleArtifactError as exc:
-        raise StaleArtifactError(f"no built target engine at {target_dir}: `draft data` answers prompts with it",
-                                 f"run: specdeploy quantize {recipe_path} && specdeploy build {recipe_path}") from exc
+    answerer = _TorchAnswerer(recipe) if data.backend == "torch" else _EngineAnswerer(recipe, layout, recipe_path)
     validation = validation_prompts(recipe)
     file_lists = {s: file_prompts(s, data.seed, validation) for s in data.sources if s not in NAMED_SOURCES}  # refuses early
-    fp = data_fingerprint(recipe, target_manifest, validation)
+    fp = data_fingerprint(recipe, answerer.identity, validation)
     dest = layout.draft_data
     if not force and artifacts.is_up_to_date(dest, fp):
         echo(f"draft data: up to date ({dest})")
@@ -132,35 +126,23 @@ def make_draft_data(recipe: Recipe, layout, recipe_path: str = "RECIPE", force: 
     with artifacts.disk_full_as_error(work, "the answers' journal", "the answers journaled before it filled up stay there, "
                                       "and the next run resumes from them"):
         journal = _open_journal(work, fp, force, echo)
-
-        tokenizer = load_tokenizer(target_dir, recipe.target.model)
+        tokenizer = load_tokenizer(answerer.tokenizer_dir, recipe.target.model)
         chat = ChatFormat(tokenizer)
-        engine_box: dict = {}
-
-        in_flight = data.batch_size or recipe.engine.max_batch_size
-
-        def load():
-            engine = load_engine(target_dir, "target", recipe_path)
-            engine_box["max_seq_len"] = int(engine.spec.max_seq_len)
-            return Executor(engine, max_cached_sequences=in_flight + 1)
-
         started = time.monotonic()
-        scheduler = BatchScheduler.loading(load, in_flight)
         try:
-            max_seq_len = engine_box["max_seq_len"]
-            gen = Generator(scheduler, chat.end_id, journal, echo, on_sample)
+            gen, max_seq_len = answerer.start(chat.end_id, journal, echo, on_sample)
             collector = PromptCollector(validation)
             _collect_prompts(recipe, collector, file_lists, gen, chat, max_seq_len, echo)
             jobs, plan, too_long = _answer_jobs(collector, chat, data, max_seq_len)
             gen.run(jobs, "draft data: samples", len(jobs), 0)
         finally:
-            scheduler.close()
+            answerer.close()
             journal.close()
 
     records, held = _records(recipe, journal, plan, tokenizer, max_seq_len)
     stats = _stats(records, held, collector, too_long)
     elapsed = time.monotonic() - started
-    _write_output(dest, recipe, records, held, fp, stats, target_dir, target_manifest, in_flight, max_seq_len, gen, elapsed)
+    _write_output(dest, recipe, records, held, fp, stats, answerer, max_seq_len, gen, elapsed)
     shutil.rmtree(work, ignore_errors=True)
     echo(f"draft data: wrote {dest} ({stats['train']['samples']} train, {stats['heldout']['samples']} held-out samples, "
          f"{stats['total']['tokens']} tokens; {gen.tokens} answer tokens this run"
@@ -168,8 +150,81 @@ def make_draft_data(recipe: Recipe, layout, recipe_path: str = "RECIPE", force: 
     return dest
 
 
-def _write_output(dest: Path, recipe: Recipe, records, held, fp: str, stats: dict, target_dir: Path, target_manifest,
-                  in_flight: int, max_seq_len: int, gen: Generator, elapsed: float) -> None:
+class _EngineAnswerer:
+    """draft.data.backend engine: the recipe's built CPU engine (the quantized target that serves), in-flight batching."""
+
+    def __init__(self, recipe: Recipe, layout, recipe_path: str):
+        self.recipe, self.recipe_path = recipe, recipe_path
+        self.target_dir = self.tokenizer_dir = layout.engine("target")
+        try:
+            self.manifest = artifacts.require(self.target_dir, stage="build", rerun=f"specdeploy build {recipe_path}")
+        except StaleArtifactError as exc:
+            raise StaleArtifactError(f"no built target engine at {self.target_dir}: `draft data` answers prompts with it",
+                                     f"run: specdeploy quantize {recipe_path} && specdeploy build {recipe_path}") from exc
+        self.identity = self.manifest.fingerprint
+        self.in_flight = recipe.draft.data.batch_size or recipe.engine.max_batch_size
+        self.scheduler = None
+
+    def start(self, end_id: int, journal: Journal, echo, on_sample):
+        from specdeploy.engine.batching import BatchScheduler
+        from specdeploy.engine.executor import Executor
+        from specdeploy.generate import load_engine
+
+        box: dict = {}
+
+        def load():
+            engine = load_engine(self.target_dir, "target", self.recipe_path)
+            box["max_seq_len"] = int(engine.spec.max_seq_len)
+            return Executor(engine, max_cached_sequences=self.in_flight + 1)
+
+        self.scheduler = BatchScheduler.loading(load, self.in_flight)
+        return Generator(self.scheduler, end_id, journal, echo, on_sample), box["max_seq_len"]
+
+    def close(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.close()
+
+    def inputs(self) -> dict:
+        return {"target_engine": str(self.target_dir), "target_engine_fingerprint": self.identity}
+
+    def settings(self) -> dict:
+        return {"max_batch_size": self.in_flight}
+
+
+class _TorchAnswerer:
+    """draft.data.backend torch: the target's Hugging Face weights with torch (a GPU where torch sees one), batches
+    of draft.data.batch_size rows (specdeploy.draft_decode_torch); max_seq_len is engine.max_seq_len, as the engine
+    would cut."""
+
+    def __init__(self, recipe: Recipe):
+        from specdeploy import models
+
+        self.recipe = recipe
+        self.target_dir = self.tokenizer_dir = models.resolve(recipe.target.model)
+        self.identity = artifacts.dir_hash(self.target_dir)
+        self.rows = recipe.draft.data.batch_size or recipe.engine.max_batch_size
+        self.device = None
+
+    def start(self, end_id: int, journal: Journal, echo, on_sample):
+        from specdeploy.draft_decode_torch import TorchGenerator
+
+        gen = TorchGenerator(self.target_dir, end_id, journal, echo, on_sample, self.rows)
+        self.device = gen.device
+        echo(f"draft data: answering with the target's weights ({self.target_dir}) on {gen.device}, {self.rows} rows a batch")
+        return gen, int(self.recipe.engine.max_seq_len)
+
+    def close(self) -> None:
+        pass
+
+    def inputs(self) -> dict:
+        return {"target_model": str(self.target_dir), "target_model_hash": self.identity}
+
+    def settings(self) -> dict:
+        return {"batch_rows": self.rows, "device": self.device}
+
+
+def _write_output(dest: Path, recipe: Recipe, records, held, fp: str, stats: dict, answerer, max_seq_len: int, gen: Generator,
+                  elapsed: float) -> None:
     """train.jsonl, heldout.jsonl and the manifest, written into a temporary folder renamed into `dest`."""
     data = recipe.draft.data
     with artifacts.atomic_output(dest) as tmp:
@@ -180,10 +235,9 @@ def _write_output(dest: Path, recipe: Recipe, records, held, fp: str, stats: dic
             stage=STAGE,
             recipe_name=recipe.name,
             fingerprint=fp,
-            settings={"data": asdict(data), "heldout_percent": HELDOUT_PERCENT, "max_batch_size": in_flight,
+            settings={"data": asdict(data), "heldout_percent": HELDOUT_PERCENT, **answerer.settings(),
                       "text_chunk_tokens": min(recipe.draft.train.seq_len, max_seq_len)},
-            inputs={"target_engine": str(target_dir), "target_engine_fingerprint": target_manifest.fingerprint,
-                    "files": [p for p in [*data.sources, *data.text_files] if p not in NAMED_SOURCES]},
+            inputs={**answerer.inputs(), "files": [p for p in [*data.sources, *data.text_files] if p not in NAMED_SOURCES]},
             tool_versions=artifacts.tool_versions("torch", "transformers"),
             extra={**stats, "seed": data.seed,
                    "validation_excluded": "the validation prompt sets (specdeploy/data/prompts/*.jsonl and validation.prompt_set) "

@@ -71,10 +71,12 @@ def _available_memory(device: str) -> int | None:
         return None
 
 
-def stage_fingerprint(recipe: Recipe, target_hash: str, data_fingerprint: str) -> str:
+def stage_fingerprint(recipe: Recipe, target_hash: str, data_fingerprint: str, time_limit_s: float | None = None) -> str:
+    """A time limit is part of a head's identity (it may cut the steps); without one the fingerprint is as before."""
     from specdeploy.artifacts import fingerprint
 
-    return fingerprint(stage=STAGE, target=target_hash, data=data_fingerprint, train=to_plain(recipe.draft.train))
+    limit = {} if time_limit_s is None else {"time_limit_s": time_limit_s}
+    return fingerprint(stage=STAGE, target=target_hash, data=data_fingerprint, train=to_plain(recipe.draft.train), **limit)
 
 
 def resume_dir(dest: Path) -> Path:
@@ -82,8 +84,10 @@ def resume_dir(dest: Path) -> Path:
     return dest.parent / f"{dest.name}.partial"
 
 
-def train_recipe(recipe: Recipe, layout, force: bool = False, echo=print, progress: bool = True) -> TrainResult | None:
-    """Train and export the recipe's EAGLE-3 head into layout.eagle3_head; None when it is up to date."""
+def train_recipe(recipe: Recipe, layout, force: bool = False, echo=print, progress: bool = True,
+                 time_limit_s: float | None = None) -> TrainResult | None:
+    """Train and export the recipe's EAGLE-3 head into layout.eagle3_head; None when it is up to date.
+    `time_limit_s`: the training ends within it, with fewer steps where the plan does not fit (train_head)."""
     import shutil
 
     from specdeploy import models
@@ -98,7 +102,7 @@ def train_recipe(recipe: Recipe, layout, force: bool = False, echo=print, progre
     vocab = target_config["vocab_size"]
     data = read_draft_data(layout.draft_data, vocab)
     target_hash = dir_hash(target_dir)
-    fp = stage_fingerprint(recipe, target_hash, data.fingerprint)
+    fp = stage_fingerprint(recipe, target_hash, data.fingerprint, time_limit_s)
     dest = layout.eagle3_head
     if not force and is_up_to_date(dest, fp):
         echo(f"eagle3 head: up to date ({dest})")
@@ -122,7 +126,7 @@ def train_recipe(recipe: Recipe, layout, force: bool = False, echo=print, progre
     pad_id = pad_id if isinstance(pad_id, int) and 0 <= pad_id < vocab else 0
     echo(f"  forward passes in {precision} (draft.train.precision {t.precision})")
     result = train_head(model, data, t, work, fingerprint=fp, progress=progress, echo=echo, device=device, pad_id=pad_id,
-                        precision=precision)
+                        precision=precision, time_limit_s=time_limit_s)
     head_params = sum(p.numel() for p in model.eagle_module.parameters())
     with atomic_output(dest) as tmp:
         export_head(model, tmp, aux_ids, t.export_dtype)
@@ -132,13 +136,13 @@ def train_recipe(recipe: Recipe, layout, force: bool = False, echo=print, progre
             recipe_name=recipe.name,
             fingerprint=fp,
             settings={"train": to_plain(t), "aux_layers": aux_ids, "draft_vocab_size": draft_vocab_size,
-                      "device": device, "precision": precision, "seed": t.seed},  # fmt: skip
+                      "device": device, "precision": precision, "seed": t.seed, "time_limit_s": time_limit_s},  # fmt: skip
             inputs={"target_dir": str(target_dir), "target_hash": target_hash, "data_dir": str(data.folder),
                     "data_fingerprint": data.fingerprint},  # fmt: skip
             tool_versions=tool_versions(*TOOL_DISTRIBUTIONS),
             extra={"heldout_acceptance": asdict(result.acceptance), "untrained_acceptance": asdict(result.initial_acceptance),
                    "mean_accepted": result.acceptance.mean_accepted, "head_parameters": head_params,
-                   "steps": result.steps, "resumed_from_step": result.resumed_from_step, "train_seconds": round(result.seconds, 1),
+                   "steps": result.steps, "planned_steps": result.planned_steps, "resumed_from_step": result.resumed_from_step, "train_seconds": round(result.seconds, 1),
                    "train_tokens_per_s": round(result.tokens_per_s, 1),
                    "seconds_per_step": round(result.step_seconds / max(1, result.steps - result.resumed_from_step), 2),
                    "command": " ".join(sys.argv) or f"specdeploy draft train {recipe.name}"},  # fmt: skip

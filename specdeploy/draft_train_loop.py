@@ -18,6 +18,7 @@ from specdeploy.modelopt_eagle3 import head_parameters
 
 RESUME_STATE = "resume.pt"
 CHECKPOINT_EVERY_S = 300.0  # model + optimizer + position saved this often (and at every epoch end)
+FIT_AFTER_STEPS = 20  # with a time limit: the steps are fitted to it once this many have been timed
 LENGTH_BUCKET = 32  # batches are padded to a multiple of this (one cached TTT mask per padded length)
 
 
@@ -116,19 +117,12 @@ def heldout_acceptance(model, samples, ttt_steps: int, seq_len: int, batch_size:
                 for logits in recorded[:ttt_steps]:
                     d = logits.argmax(-1)  # [batch, width] draft-vocabulary ids
                     drafts.append(d + d2t[d] if d2t is not None else d)
-                for row, (s, n) in enumerate(zip(chunk, lengths)):
-                    x = ids[row, :n]
-                    g = target_next[row, :n]
-                    for start in range(max(0, s.loss_start - 1), n - ttt_steps):
-                        # the sample follows the target's greedy path for the next K tokens
-                        if not torch.equal(x[start + 1 : start + 1 + ttt_steps], g[start : start + ttt_steps]):
-                            continue
-                        starts += 1
-                        for j in range(ttt_steps):
-                            # draft j+1 sits at head position start + j (step j) and predicts token start + j + 2
-                            if drafts[j][row, start + j] != g[start + j + 1]:
-                                break
-                            hits[j] += 1
+                begin = torch.tensor([max(0, s.loss_start - 1) for s in chunk], device=ids.device)
+                end = torch.tensor(lengths, device=ids.device) - ttt_steps
+                chains, counted = chain_hits(ids, target_next, drafts, begin, end)
+                starts += counted
+                for j in range(ttt_steps):
+                    hits[j] += chains[j]
     finally:
         model._eagle_forward = original
         model.train(was_training)
@@ -136,6 +130,39 @@ def heldout_acceptance(model, samples, ttt_steps: int, seq_len: int, batch_size:
     reached = [starts] + hits[:-1]
     per_position = [h / r if r else 0.0 for h, r in zip(hits, reached)]
     return Acceptance(starts, at_least, per_position)
+
+
+def chain_hits(ids, target_next, drafts, begin, end) -> tuple[list[int], int]:
+    """Over every row r and start position s in [begin[r], end[r]) where the sample follows the target's greedy path
+    for the next K = len(drafts) tokens (ids[s + 1 + i] == target_next[s + i], i < K): how many starts have drafts
+    1..j all equal to the target's tokens (draft j sits at head position s + j - 1 and predicts token s + j + 1),
+    for each j, and how many starts were counted. One pass of tensor operations per batch (a loop over positions
+    would wait on the device at every comparison)."""
+    import torch
+
+    width = ids.shape[1]
+    k = len(drafts)
+
+    def ahead(x, i):  # ahead(x, i)[:, s] = x[:, s + i], False past the end
+        if i == 0:
+            return x
+        out = torch.zeros_like(x)
+        out[:, : width - i] = x[:, i:]
+        return out
+
+    follows_next = torch.zeros_like(ids, dtype=torch.bool)
+    follows_next[:, : width - 1] = ids[:, 1:] == target_next[:, : width - 1]  # [:, p]: token p + 1 is the target's
+    positions = torch.arange(width, device=ids.device)[None, :]
+    counted = (positions >= begin[:, None]) & (positions < end[:, None])
+    for i in range(k):
+        counted &= ahead(follows_next, i)
+    gives = ahead(target_next, 1)  # [:, p]: the target's token after position p + 1
+    chain = counted
+    hits = []
+    for j in range(k):
+        chain = chain & ahead(drafts[j] == gives, j)
+        hits.append(int(chain.sum()))
+    return hits, int(counted.sum())
 
 
 # ---------------------------------------------------------------- training
@@ -151,6 +178,7 @@ class TrainResult:
     tokens: int
     step_seconds: float  # in training steps alone (held-out passes not counted)
     log: list = field(default_factory=list)
+    planned_steps: int = 0  # before a time limit cut them (== steps without one)
 
     @property
     def tokens_per_s(self) -> float:
@@ -175,9 +203,13 @@ def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
 
 def train_head(model, data: DraftData, t: Eagle3TrainConfig, work_dir: Path, *, fingerprint: str = "", progress: bool = True,
                echo=print, device: str = "cpu", pad_id: int = 0, checkpoint_every_s: float = CHECKPOINT_EVERY_S,
-               precision: str = "float32", _stop_after_step: int | None = None) -> TrainResult:  # fmt: skip
+               precision: str = "float32", time_limit_s: float | None = None, _stop_after_step: int | None = None) -> TrainResult:  # fmt: skip
     """Train the head of `model` on `data`; checkpoints model + optimizer + position into `work_dir` (a rerun
-    with the same `fingerprint` continues from there). Returns the held-out acceptance before and after."""
+    with the same `fingerprint` continues from there). Returns the held-out acceptance before and after.
+
+    `time_limit_s`: the run (held-out passes included) ends within about that many seconds: once FIT_AFTER_STEPS
+    steps are timed, the planned steps are cut to what fits (the learning-rate schedule follows the new total), so a
+    lent GPU's minutes still end in an exported head."""
     import torch
     from tqdm.auto import tqdm
 
@@ -193,16 +225,21 @@ def train_head(model, data: DraftData, t: Eagle3TrainConfig, work_dir: Path, *, 
     evaluate = lambda: heldout_acceptance(model, list(data.heldout), t.ttt_steps, t.seq_len, t.batch_size, pad_id, device)  # noqa: E731
 
     step, log = 0, []
+    began = time.monotonic()
+    planned_steps = total_steps
     state_path = work_dir / RESUME_STATE
     state = torch.load(state_path, map_location=device, weights_only=False) if state_path.is_file() else None
     if state is not None and state.get("fingerprint") == fingerprint:
         model.eagle_module.load_state_dict(state["head"])
         optimizer.load_state_dict(state["optimizer"])
         step, log = state["step"], state["log"]
+        total_steps = state.get("total_steps", total_steps)
         initial = Acceptance(**state["initial_acceptance"])
         echo(f"resuming at step {step} of {total_steps} ({state_path})")
+        evaluate_s = 0.0
     else:
         initial = evaluate()
+        evaluate_s = time.monotonic() - began
         echo(f"untrained head: {initial.line()}")
         log.append({"epoch": 0, "step": 0, "heldout": asdict(initial)})
     resumed_from = step
@@ -212,7 +249,7 @@ def train_head(model, data: DraftData, t: Eagle3TrainConfig, work_dir: Path, *, 
         kept = "the checkpoint saved before stays there, and the next run resumes from it" if state_path.is_file() else "nothing was kept"
         try:
             with disk_full_as_error(work_dir, "the training checkpoint", kept):
-                torch.save({"fingerprint": fingerprint, "step": step, "log": log, "head": model.eagle_module.state_dict(),
+                torch.save({"fingerprint": fingerprint, "step": step, "total_steps": total_steps, "log": log, "head": model.eagle_module.state_dict(),
                             "optimizer": optimizer.state_dict(), "initial_acceptance": asdict(initial)}, tmp)  # fmt: skip
         except BaseException:
             tmp.unlink(missing_ok=True)  # a half-written checkpoint is never left to be read back
@@ -248,6 +285,13 @@ def train_head(model, data: DraftData, t: Eagle3TrainConfig, work_dir: Path, *, 
             accs.append(out.train_acc[0])
             bar.update(1)
             bar.set_postfix(loss=f"{losses[-1]:.3f}", acc1=f"{accs[-1][0]:.2f}", tok_s=f"{tokens / step_seconds:.0f}")
+            if time_limit_s is not None and step == resumed_from + FIT_AFTER_STEPS and step < total_steps:
+                fitted = fit_steps(step, total_steps, steps_per_epoch, (time.monotonic() - t0) / FIT_AFTER_STEPS, evaluate_s,
+                                   began + time_limit_s - time.monotonic())  # fmt: skip
+                if fitted < total_steps:
+                    bar.write(f"time limit {time_limit_s:.0f} s: {fitted} of the {total_steps} planned steps fit", file=sys.stderr)
+                    total_steps = fitted
+                    bar.total = total_steps
             end_of_epoch = step % steps_per_epoch == 0 or step == total_steps
             if end_of_epoch:
                 acc = evaluate()
@@ -267,7 +311,21 @@ def train_head(model, data: DraftData, t: Eagle3TrainConfig, work_dir: Path, *, 
     finally:
         bar.close()
     final = Acceptance(**log[-1]["heldout"])
-    return TrainResult(final, initial, step, resumed_from, time.monotonic() - t0, tokens, step_seconds, log)
+    return TrainResult(final, initial, step, resumed_from, time.monotonic() - t0, tokens, step_seconds, log, planned_steps)
+
+
+def fit_steps(step: int, total_steps: int, steps_per_epoch: int, step_s: float, evaluate_s: float, left_s: float) -> int:
+    """The last step that lets a run at `step` end within `left_s` seconds, at `step_s` a step and `evaluate_s` a
+    held-out pass (one at the end, one at each epoch end before it); never below step + 1, never above the plan."""
+    def needed(last: int) -> float:
+        epoch_ends = (last - 1) // steps_per_epoch - step // steps_per_epoch  # epoch ends before the last step
+        return (last - step) * step_s + (1 + max(0, epoch_ends)) * evaluate_s
+
+    low, high = step + 1, total_steps  # needed() grows with `last`: the largest that fits, by bisection
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if needed(mid) <= left_s else (low, mid - 1)
+    return low
 
 
 def autocast(precision: str, device: str):

@@ -320,3 +320,109 @@ def test_the_task_prompts_are_their_generators_output_and_not_the_validation_tas
             if matcher.real_quick_ratio() >= 0.8 and matcher.quick_ratio() >= 0.8 and matcher.ratio() >= 0.8:
                 close.append((task, prompt))
     assert close == []
+
+
+# ---------------------------------------------------------------- draft.data.backend torch
+
+
+def _torch_recipe(tmp_path, chat_model, data: dict):
+    recipe = parse_recipe(_raw(chat_model, {"backend": "torch", **data}))
+    return recipe, Layout.of(recipe, tmp_path)  # no engine: the torch backend answers from the model folder
+
+
+def test_torch_backend_answers_are_the_targets_greedy_answers_and_need_no_engine(tmp_path, chat_model):
+    """The torch backend (a GPU's path, run here on the CPU): every greedy answer is what Hugging Face `generate`
+    answers alone, although rows of different prompt lengths share (left-padded) batches."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    recipe, layout = _torch_recipe(tmp_path, chat_model, {"num_prompts": 7, "max_new_tokens": 6, "batch_size": 4})
+    dest, lines = _make(recipe, layout)
+    assert any("answering with the target's weights" in line and "cpu" in line for line in lines)
+    assert any("draft data: samples:" in line and "ETA" in line for line in lines)
+    records = _read(dest / "train.jsonl") + _read(dest / "heldout.jsonl")
+    assert len(records) == 14 and len({len(r["input_ids"][: r["loss_start"]]) for r in records}) > 1
+    tok = AutoTokenizer.from_pretrained(str(chat_model))
+    model = AutoModelForCausalLM.from_pretrained(str(chat_model), dtype=torch.float32).eval()
+    greedy = [r for r in records if not r["sampled"]]
+    assert len(greedy) == 7
+    for r in greedy:
+        prompt = r["input_ids"][: r["loss_start"]]
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=tok.eos_token_id,
+                             pad_token_id=tok.eos_token_id)[0, len(prompt) :].tolist()
+        if tok.eos_token_id in out:
+            out = out[: out.index(tok.eos_token_id) + 1]
+        assert r["input_ids"][r["loss_start"] :] == out
+    manifest = Manifest.read(dest)
+    assert manifest.settings["data"]["backend"] == "torch" and manifest.settings["device"] == "cpu"
+    assert manifest.settings["batch_rows"] == 4
+    assert manifest.inputs["target_model"] == str(chat_model) and manifest.inputs["target_model_hash"]
+    assert not layout.engine("target").exists()
+    # the backend is part of the data's identity: the engine's data is another artifact
+    assert dd.data_fingerprint(recipe, "x", {}) != dd.data_fingerprint(parse_recipe(_raw(chat_model, {"num_prompts": 7, "max_new_tokens": 6, "batch_size": 4})), "x", {})
+
+
+def test_torch_backend_sampled_answers_do_not_depend_on_the_batch(tmp_path, chat_model):
+    """A sampled answer's noise is hashed from its own seed, step and token: batches of 1 and of 5 rows write the
+    same data, sampled rows included; another seed writes other samples."""
+    data = {"num_prompts": 5, "max_new_tokens": 8, "samples_per_prompt": 3, "temperature": 1.0}
+    one, one_layout = _torch_recipe(tmp_path / "one", chat_model, {**data, "batch_size": 1})
+    five, five_layout = _torch_recipe(tmp_path / "five", chat_model, {**data, "batch_size": 5})
+    other, other_layout = _torch_recipe(tmp_path / "other", chat_model, {**data, "batch_size": 5, "seed": 1})
+    a, _ = _make(one, one_layout)
+    b, _ = _make(five, five_layout)
+    c, _ = _make(other, other_layout)
+    for name in ("train.jsonl", "heldout.jsonl"):
+        assert _read(a / name) == _read(b / name)
+    sampled = lambda dest: {r["id"]: r["input_ids"] for name in ("train.jsonl", "heldout.jsonl") for r in _read(dest / name) if r["sampled"]}  # noqa: E731
+    assert len(sampled(a)) == 10
+    assert len({tuple(v) for v in sampled(a).values()}) > 5  # sampled answers differ from each other
+    assert sampled(a) != sampled(c)
+
+
+def test_torch_backend_resumes_after_an_interruption(tmp_path, chat_model):
+    data = {"num_prompts": 4, "max_new_tokens": 4, "batch_size": 2}
+    recipe, layout = _torch_recipe(tmp_path / "whole", chat_model, data)
+    whole, _ = _make(recipe, layout)
+    recipe, layout = _torch_recipe(tmp_path / "cut", chat_model, data)
+    seen: list[str] = []
+
+    def interrupt_after_three(key):
+        seen.append(key)
+        if len(seen) == 3:
+            raise Interrupt
+
+    with pytest.raises(Interrupt):
+        _make(recipe, layout, on_sample=interrupt_after_three)
+    resumed: list[str] = []
+    dest, lines = _make(recipe, layout, on_sample=resumed.append)
+    assert any("resuming" in line and "3 generations" in line for line in lines)
+    assert len(resumed) == 8 - 3 and not set(resumed) & set(seen)
+    for name in ("train.jsonl", "heldout.jsonl"):
+        assert (dest / name).read_text() == (whole / name).read_text()
+
+
+def test_torch_backend_refuses_another_architecture_and_a_bad_backend(tmp_path, chat_model):
+    from specdeploy.draft_decode_torch import TorchGenerator
+
+    other = tmp_path / "gpt2ish"
+    shutil.copytree(chat_model, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+    with pytest.raises(ConfigError, match="draft.data.backend: engine"):
+        TorchGenerator(other, 2, draft_generation.Journal(tmp_path / "j.jsonl"), print, None, 4)
+    with pytest.raises(ConfigError, match="draft.data.backend"):
+        parse_recipe(_raw(chat_model, {"backend": "gpu"}))
+
+
+def test_gumbel_noise_is_gumbel_and_a_function_of_seed_step_and_token():
+    import torch
+
+    from specdeploy.draft_decode_torch import gumbel_noise
+
+    seeds = torch.tensor([1, 2, 2**62 + 5], dtype=torch.int64)
+    noise = gumbel_noise(seeds, 3, 20000)
+    assert noise.shape == (3, 20000) and torch.isfinite(noise).all()
+    assert abs(noise.mean().item() - 0.5772) < 0.03 and abs(noise.std().item() - 1.2825) < 0.03  # Gumbel(0, 1)
+    assert torch.equal(gumbel_noise(seeds[1:2], 3, 20000)[0], noise[1])  # a row's noise alone = in a batch
+    assert not torch.equal(noise[0], noise[1]) and not torch.equal(gumbel_noise(seeds, 4, 20000), noise)

@@ -519,3 +519,75 @@ def test_a_full_disk_is_refused_or_reported_naming_the_folder_and_the_previous_h
     assert left == there, "nothing half-written may be left"
     assert not list(draft_train.resume_dir(layout.eagle3_head).glob("*.tmp")), "no half-written checkpoint"
     assert {p.name: p.read_bytes() for p in layout.eagle3_head.iterdir()} == previous
+
+
+def test_chain_hits_counts_as_the_position_by_position_definition():
+    """The held-out acceptance's tensor count equals a loop over rows and start positions written from its
+    definition (the loop the count replaced), on random batches where drafts and samples often agree."""
+    g = torch.Generator().manual_seed(3)
+    for trial in range(20):
+        rows, width, k = 3, 24, 1 + trial % 4
+        ids = torch.randint(0, 3, (rows, width), generator=g)
+        target_next = torch.randint(0, 3, (rows, width), generator=g)
+        target_next[:, :-1] = torch.where(torch.rand(rows, width - 1, generator=g) < 0.7, ids[:, 1:], target_next[:, :-1])
+        drafts = [torch.randint(0, 3, (rows, width), generator=g) for _ in range(k)]
+        lengths = torch.randint(k + 1, width + 1, (rows,), generator=g).tolist()
+        begin = torch.randint(0, 6, (rows,), generator=g)
+        hits, starts = [0] * k, 0
+        for r in range(rows):
+            x, t, n = ids[r], target_next[r], lengths[r]
+            for s in range(int(begin[r]), n - k):
+                if not all(x[s + 1 + i] == t[s + i] for i in range(k)):
+                    continue
+                starts += 1
+                for j in range(k):
+                    if drafts[j][r, s + j] != t[s + j + 1]:
+                        break
+                    hits[j] += 1
+        got_hits, got_starts = draft_train_loop.chain_hits(ids, target_next, drafts, begin, torch.tensor(lengths) - k)
+        assert (got_hits, got_starts) == (hits, starts), trial
+    assert starts > 0 and hits[0] > 0
+
+
+def test_fit_steps_keeps_the_plan_when_it_fits_and_cuts_it_to_the_time_left():
+    fit = draft_train_loop.fit_steps
+    assert fit(20, 1000, 500, 0.1, 5.0, 1000.0) == 1000
+    assert fit(20, 1000, 500, 0.1, 5.0, 50.0) == 470  # 450 steps x 0.1 s + the final held-out pass
+    assert fit(20, 1000, 500, 0.1, 5.0, 60.0) == 520  # past the epoch end: its held-out pass counts too
+    assert fit(20, 1000, 500, 0.1, 5.0, 0.0) == 21  # never below one more step
+
+
+def test_a_time_limit_cuts_the_steps_and_still_exports_the_head(tiny, tmp_path):
+    """draft train --time-limit: a limit no run can meet ends at the first step after the timed ones, and the head
+    is exported with the planned and done steps in its manifest; a generous limit trains the whole plan."""
+    from click.testing import CliRunner
+
+    from specdeploy.cli import main
+
+    root, target, data = tiny
+    recipe = recipe_for(target, epochs=4.0)
+    layout = layout_with_data(tmp_path, data, recipe, "cut")
+    result = draft_train.train_recipe(recipe, layout, echo=lambda m: None, progress=False, time_limit_s=1e-6)
+    planned = 4 * 2  # 16 samples / batch 8 x 4 epochs
+    assert result.planned_steps == planned and result.steps == planned  # under FIT_AFTER_STEPS steps: nothing to fit
+    recipe = recipe_for(target, epochs=16.0, batch_size=4)
+    layout = layout_with_data(tmp_path, data, recipe, "cut2")
+    result = draft_train.train_recipe(recipe, layout, echo=lambda m: None, progress=False, time_limit_s=1e-6)
+    assert result.planned_steps == 64 and result.steps == draft_train_loop.FIT_AFTER_STEPS + 1
+    manifest = artifacts.Manifest.read(layout.eagle3_head)
+    assert manifest.extra["planned_steps"] == 64 and manifest.extra["steps"] == 21
+    assert manifest.settings["time_limit_s"] == 1e-6
+    assert (layout.eagle3_head / "model.safetensors").is_file()
+    # the CLI passes minutes; a limit changes the head's identity, so the run without one trains again
+    path = tmp_path / "recipe.json"
+    raw = {"name": "tiny-eagle3", "target": {"model": str(target)},
+           "draft": {"kind": "eagle3", "head": "trained", "train": {**TRAIN, "epochs": 16.0, "batch_size": 4}},
+           "speculative": {"max_draft_len": 4, "num_draft_tokens": 3}}  # fmt: skip
+    path.write_text(json.dumps(raw))
+    cli_layout = layout_with_data(tmp_path / "cli", data, recipe, "")
+    out = CliRunner().invoke(main, ["--root", str(cli_layout.root), "draft", "train", str(path), "--no-progress", "--time-limit", "600"])
+    assert out.exit_code == 0, out.output
+    manifest = artifacts.Manifest.read(cli_layout.eagle3_head)
+    assert manifest.settings["time_limit_s"] == 36000.0 and manifest.extra["steps"] == 64 == manifest.extra["planned_steps"]
+    out = CliRunner().invoke(main, ["--root", str(cli_layout.root), "draft", "train", str(path), "--no-progress", "--time-limit", "0"])
+    assert out.exit_code != 0 and "--time-limit" in out.output
