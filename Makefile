@@ -10,7 +10,7 @@ SD     := $(BIN)/specdeploy
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup demo test bench fuzz soak clean found models check quantize build generate repo serve stop status validate run draft-head draft-data head ship-head
+.PHONY: setup demo test bench fuzz soak clean found models check quantize build generate repo serve stop status validate run draft-head draft-data head ship-head gpu-head
 
 setup: $(VENV)/.installed
 
@@ -84,6 +84,15 @@ head: setup
 	@mkdir -p engines
 	nohup $(MAKE) draft-head ship-head > engines/draft-head.log 2>&1 &
 	@echo "head: training in the background; progress: tail -f engines/draft-head.log"
+
+# The shipped head as it was made (build/smollm2-135m-eagle3-gpu.yaml: draft.data.backend torch, the target's weights
+# answering on the GPU; docs/eagle3-train.md "On a GPU"): on a machine where torch sees a GPU, ~7 min of data and ~2 min
+# of training on an H200; then ship-head. GPU_HEAD_ARGS="--time-limit 2.6" repeats the shipped run's training cut.
+GPU_HEAD_RECIPE ?= build/smollm2-135m-eagle3-gpu.yaml
+gpu-head: setup models
+	$(SD) draft data $(GPU_HEAD_RECIPE)
+	$(SD) draft train $(GPU_HEAD_RECIPE) $(GPU_HEAD_ARGS)
+	$(MAKE) ship-head EAGLE3_RECIPE=$(GPU_HEAD_RECIPE)
 
 ship-head:
 	rm -rf $(HEAD_DIR).tmp && mkdir -p $(HEAD_DIR).tmp

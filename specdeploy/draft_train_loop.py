@@ -18,7 +18,11 @@ from specdeploy.modelopt_eagle3 import head_parameters
 
 RESUME_STATE = "resume.pt"
 CHECKPOINT_EVERY_S = 300.0  # model + optimizer + position saved this often (and at every epoch end)
-FIT_AFTER_STEPS = 20  # with a time limit: the steps are fitted to it once this many have been timed
+# with a time limit: the steps are fitted to it once FIT_AFTER_STEPS are done, at the pace of those after the first
+# WARM_UP_STEPS (a GPU's first steps also pay for its kernels' set-up: timed from step 0, an H200's first run fitted
+# 820 steps into a limit that 2,044 would have met)
+WARM_UP_STEPS = 10
+FIT_AFTER_STEPS = 30
 LENGTH_BUCKET = 32  # batches are padded to a multiple of this (one cached TTT mask per padded length)
 
 
@@ -208,7 +212,7 @@ def train_head(model, data: DraftData, t: Eagle3TrainConfig, work_dir: Path, *, 
     with the same `fingerprint` continues from there). Returns the held-out acceptance before and after.
 
     `time_limit_s`: the run (held-out passes included) ends within about that many seconds: once FIT_AFTER_STEPS
-    steps are timed, the planned steps are cut to what fits (the learning-rate schedule follows the new total), so a
+    steps are done, the planned steps are cut to what fits at the pace of those after WARM_UP_STEPS (the learning-rate schedule follows the new total), so a
     lent GPU's minutes still end in an exported head."""
     import torch
     from tqdm.auto import tqdm
@@ -285,9 +289,11 @@ def train_head(model, data: DraftData, t: Eagle3TrainConfig, work_dir: Path, *, 
             accs.append(out.train_acc[0])
             bar.update(1)
             bar.set_postfix(loss=f"{losses[-1]:.3f}", acc1=f"{accs[-1][0]:.2f}", tok_s=f"{tokens / step_seconds:.0f}")
+            if step == resumed_from + WARM_UP_STEPS:
+                warm = time.monotonic()
             if time_limit_s is not None and step == resumed_from + FIT_AFTER_STEPS and step < total_steps:
-                fitted = fit_steps(step, total_steps, steps_per_epoch, (time.monotonic() - t0) / FIT_AFTER_STEPS, evaluate_s,
-                                   began + time_limit_s - time.monotonic())  # fmt: skip
+                pace = (time.monotonic() - warm) / (FIT_AFTER_STEPS - WARM_UP_STEPS)
+                fitted = fit_steps(step, total_steps, steps_per_epoch, pace, evaluate_s, began + time_limit_s - time.monotonic())
                 if fitted < total_steps:
                     bar.write(f"time limit {time_limit_s:.0f} s: {fitted} of the {total_steps} planned steps fit", file=sys.stderr)
                     total_steps = fitted

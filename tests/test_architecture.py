@@ -117,6 +117,7 @@ LAYER_OF = {
     "launch_k8s": "stages",  # the Kubernetes manifests
     "launch": "stages",
     "draft_generation": "stages",  # the target answering: chat template, generations in flight, the journal
+    "draft_decode_torch": "stages",  # the target answering from its weights with torch (a GPU), batch-invariant sampling
     "draft_prompts": "stages",  # the training prompts' sources, the validation exclusion, self-instruct
     "draft_data": "stages",  # draft.kind eagle3: the head's training data, written by the target engine
     # client: validation over the transport-free protocol and its adapters; never a stage
@@ -159,6 +160,7 @@ LAYER_OF = {
     "cli_validate": "cli",  # validate, run
     "cli_ops": "cli",  # monitor, canary
     "cli": "cli",
+    "__main__": "cli",  # python -m specdeploy
 }
 
 

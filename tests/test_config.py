@@ -1,4 +1,5 @@
 import copy
+from pathlib import Path
 
 import pytest
 import yaml
@@ -34,8 +35,12 @@ def test_default_recipe_drafts_with_the_bundled_eagle3_head():
     head = artifacts.Layout.of(r, "/nonexistent").eagle3_head_source(r.draft.head)
     assert head == artifacts.BUNDLED_HEADS / "smollm2-135m-instruct-eagle3"
     assert (head / "config.json").is_file() and (head / "model.safetensors").is_file()
-    # the head was trained for this target as this recipe quantizes it (the training recipe's target section)
-    assert r.target == load_recipe("build/smollm2-135m-eagle3.yaml").target
+    # the head was trained for this target as this recipe quantizes it (the training recipes' target section), by
+    # the recipe shipped beside it, which is the GPU one in build/
+    assert r.target == load_recipe("build/smollm2-135m-eagle3.yaml").target == load_recipe("build/smollm2-135m-eagle3-gpu.yaml").target
+    assert (head / "recipe.yaml").read_text() == Path("build/smollm2-135m-eagle3-gpu.yaml").read_text()
+    gpu = load_recipe("build/smollm2-135m-eagle3-gpu.yaml")
+    assert gpu.draft.data.backend == "torch" and load_recipe("build/smollm2-135m-eagle3.yaml").draft.data.backend == "engine"
 
 
 def test_model_draft_recipe_loads_into_frozen_dataclasses():

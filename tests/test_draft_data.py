@@ -138,29 +138,38 @@ class Interrupt(Exception):
     pass
 
 
+def _interrupt_after(n: int, seen: list[str]):
+    def hook(key):
+        seen.append(key)
+        if len(seen) == n:
+            raise Interrupt
+
+    return hook
+
+
+def _resume_and_compare(recipe, layout, whole: Path, seen: list[str], total: int) -> Path:
+    """Rerun an interrupted stage: it resumes, generates only what was missing, and writes the uninterrupted data."""
+    resumed: list[str] = []
+    dest, lines = _make(recipe, layout, on_sample=resumed.append)
+    assert any("resuming" in line and f"{len(seen)} generations" in line for line in lines)
+    assert len(resumed) == total - len(seen) and not set(resumed) & set(seen)  # only what was missing was generated
+    for name in ("train.jsonl", "heldout.jsonl"):
+        assert (dest / name).read_text() == (whole / name).read_text()
+    assert not dd.work_dir(layout).exists()
+    return dest
+
+
 def test_resume_after_interruption_gives_the_uninterrupted_result(tmp_path, built, chat_model):
     data = {"num_prompts": 4, "max_new_tokens": 4}
     recipe, layout = _setup(tmp_path / "whole", built, chat_model, data)
     whole, _ = _make(recipe, layout)
     recipe, layout = _setup(tmp_path / "cut", built, chat_model, data)
     seen: list[str] = []
-
-    def interrupt_after_three(key):
-        seen.append(key)
-        if len(seen) == 3:
-            raise Interrupt
-
     with pytest.raises(Interrupt):
-        _make(recipe, layout, on_sample=interrupt_after_three)
+        _make(recipe, layout, on_sample=_interrupt_after(3, seen))
     assert not layout.draft_data.exists()
     assert len((dd.work_dir(layout) / "journal.jsonl").read_text().splitlines()) == 3
-    resumed: list[str] = []
-    dest, lines = _make(recipe, layout, on_sample=resumed.append)
-    assert any("resuming" in line and "3 generations" in line for line in lines)
-    assert len(resumed) == 8 - 3 and not set(resumed) & set(seen)  # only what was missing was generated
-    for name in ("train.jsonl", "heldout.jsonl"):
-        assert (dest / name).read_text() == (whole / name).read_text()
-    assert not dd.work_dir(layout).exists()
+    dest = _resume_and_compare(recipe, layout, whole, seen, 8)
     # --force starts over: every sample generated again, same result (same seed and settings)
     again: list[str] = []
     dd.make_draft_data(recipe, layout, force=True, echo=lambda m: None, on_sample=again.append)
@@ -386,20 +395,9 @@ def test_torch_backend_resumes_after_an_interruption(tmp_path, chat_model):
     whole, _ = _make(recipe, layout)
     recipe, layout = _torch_recipe(tmp_path / "cut", chat_model, data)
     seen: list[str] = []
-
-    def interrupt_after_three(key):
-        seen.append(key)
-        if len(seen) == 3:
-            raise Interrupt
-
     with pytest.raises(Interrupt):
-        _make(recipe, layout, on_sample=interrupt_after_three)
-    resumed: list[str] = []
-    dest, lines = _make(recipe, layout, on_sample=resumed.append)
-    assert any("resuming" in line and "3 generations" in line for line in lines)
-    assert len(resumed) == 8 - 3 and not set(resumed) & set(seen)
-    for name in ("train.jsonl", "heldout.jsonl"):
-        assert (dest / name).read_text() == (whole / name).read_text()
+        _make(recipe, layout, on_sample=_interrupt_after(3, seen))
+    _resume_and_compare(recipe, layout, whole, seen, 8)
 
 
 def test_torch_backend_refuses_another_architecture_and_a_bad_backend(tmp_path, chat_model):
