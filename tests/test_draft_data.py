@@ -424,3 +424,47 @@ def test_gumbel_noise_is_gumbel_and_a_function_of_seed_step_and_token():
     assert abs(noise.mean().item() - 0.5772) < 0.03 and abs(noise.std().item() - 1.2825) < 0.03  # Gumbel(0, 1)
     assert torch.equal(gumbel_noise(seeds[1:2], 3, 20000)[0], noise[1])  # a row's noise alone = in a batch
     assert not torch.equal(noise[0], noise[1]) and not torch.equal(gumbel_noise(seeds, 4, 20000), noise)
+
+
+def test_torch_backend_slots_take_the_next_prompt_as_answers_end(tmp_path, chat_model):
+    """Continuous batching: with 2 slots, three short answers run beside a long one and end before it (a static batch
+    would hold the long one's neighbour idle); every answer equals the same job decoded alone in one slot."""
+    from specdeploy.draft_decode_torch import TorchGenerator
+
+    journal = draft_generation.Journal(tmp_path / "j.jsonl")
+    two = TorchGenerator(chat_model, -1, journal, print, None, batch_size=2)  # end id -1: every answer runs to its limit
+    one = TorchGenerator(chat_model, -1, journal, print, None, batch_size=1)
+    prompts = [[1, 5, 9, 13, 17, 21], [2, 6, 10], [3, 7, 11, 15], [4, 8]]
+    jobs = [draft_generation.Job(f"j{i}", p, n, t, 11 + i) for i, (p, n, t) in enumerate(zip(prompts, (9, 2, 3, 2), (None, 0.9, None, 0.9)))]
+    streamed = list(two.stream(jobs))
+    assert [job.key for job, _, _ in streamed] == ["j1", "j2", "j3", "j0"]
+    for job, tokens, reason in streamed:
+        assert len(tokens) == job.max_new_tokens and reason == "length"
+        assert one.decode([job]) == ([tokens], ["length"])
+
+
+def test_torch_decoder_states_equal_transformers_forward(tmp_path, chat_model):
+    """The decoder loop against Hugging Face's forward over the whole sequence: the final hidden state of the last
+    prompt position and of each decoded token (KV cache read back at each slot's own columns), prompts of three
+    lengths side by side."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from specdeploy.draft_decode_torch import TorchGenerator, _Slots
+
+    gen = TorchGenerator(chat_model, -1, draft_generation.Journal(tmp_path / "j.jsonl"), print, None, batch_size=3)
+    prompts = [[1, 5, 9, 13, 17, 21, 25], [2, 6, 10], [3, 7, 11, 15, 19]]
+    fed = torch.tensor([[30, 31, 32], [40, 41, 42], [50, 51, 52]])
+    slots = _Slots(gen, [draft_generation.Job(f"j{i}", p, 4, None, 0) for i, p in enumerate(prompts)])
+    with torch.inference_mode():
+        slots._prefill([0, 1, 2])
+        states = [slots.hidden.clone()]
+        for t in range(fed.shape[1]):
+            states.append(slots._decode_step(fed[:, t]))
+            slots.length += 1
+    model = AutoModelForCausalLM.from_pretrained(str(chat_model), dtype=torch.float32).eval()
+    for r, prompt in enumerate(prompts):
+        with torch.no_grad():
+            ref = model.model(torch.tensor([prompt + fed[r].tolist()])).last_hidden_state[0]
+        for t, state in enumerate(states):
+            torch.testing.assert_close(state[r], ref[len(prompt) - 1 + t], atol=1e-4, rtol=1e-4)
