@@ -7,7 +7,11 @@ runs within the engine step), the head's time per token, drafted / accepted draf
 cost in target steps is the k run's forward time per pass over the k = 0 run's; the outputs of both must be equal.
 
     .venv/bin/python bench/eagle3_rounds.py [--recipe build/smollm2-135m.yaml] [--count 8] [--max-tokens 64]
-        [--draft-len 3] [--repeats 2]
+        [--draft-len 3] [--repeats 2] [--compare-team]
+
+--compare-team adds a third run in each turn: the k run without the standing team around the head's work
+(engine/native.standing_team), to see what one wake-up per round instead of one per parallel loop saves; run it
+with OMP_WAIT_POLICY=PASSIVE, as the served stubs run.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-len", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--compare-team", action="store_true", help="also run k without the standing team (see above)")
     args = ap.parse_args(argv)
 
     import torch
@@ -78,26 +83,48 @@ def main(argv=None) -> int:
     executor = Executor(engine, 2, head=head, draft_p_min=recipe.speculative.draft_p_min)
     k = args.draft_len
     run_all(executor, prompts[:1], 0, 8, tokenizer.eos_token_id)  # warm-up
-    runs: dict[int, list[dict]] = {0: [], k: []}
-    outputs: dict[int, list] = {}
+    runs: dict = {0: [], k: [], "no team": []}
+    outputs: dict = {}
+    order = [0, k] + (["no team"] if args.compare_team else [])
     for rep in range(args.repeats):
-        for kk in (0, k) if rep % 2 == 0 else (k, 0):
-            tot, outputs[kk] = run_all(executor, prompts, kk, args.max_tokens, tokenizer.eos_token_id)
+        for kk in order if rep % 2 == 0 else order[::-1]:
+            with _standing_team(kk != "no team"):
+                tot, outputs[kk] = run_all(executor, prompts, k if kk == "no team" else kk, args.max_tokens, tokenizer.eos_token_id)
             runs[kk].append(tot)
     print(f"{len(prompts)} built-in chat prompts x {args.max_tokens} tokens, {args.threads} threads, draft_p_min "
           f"{recipe.speculative.draft_p_min}, target {layout.engine('target')}")
-    for kk in (0, k):
+    for kk in order:
         for t in runs[kk]:
             n, passes = t["out"], max(t["passes"], 1)
             print(f"k={kk}: {n} tokens after the first, {t['t'] * 1000 / n:.2f} ms/token; {passes} passes, forward "
                   f"{t['fwd'] * 1000 / passes:.2f} ms/pass (head inside: {t['draft'] * 1000 / passes:.2f} ms/pass); drafted "
                   f"{t['drafted']} accepted {t['accepted']}; {n / passes:.2f} tokens/pass")
     step = min(t["fwd"] / max(t["passes"], 1) for t in runs[0])
-    for t in runs[k]:
-        per_pass = t["fwd"] / max(t["passes"], 1)
-        print(f"k={k} round: {per_pass / step:.2f} target steps (head {t['draft'] / max(t['passes'], 1) / step:.2f})")
-    print("outputs equal to the target alone:", outputs[0] == outputs[k])
-    return 0 if outputs[0] == outputs[k] else 1
+    for kk in order[1:]:
+        for t in runs[kk]:
+            per_pass = t["fwd"] / max(t["passes"], 1)
+            print(f"k={kk} round: {per_pass / step:.2f} target steps (head {t['draft'] / max(t['passes'], 1) / step:.2f})")
+    same = all(outputs[kk] == outputs[0] for kk in order)
+    print("outputs equal to the target alone:", same)
+    return 0 if same else 1
+
+
+def _standing_team(on: bool):
+    """The executor's standing team as it is (on) or replaced by a no-op (off) for one run."""
+    import contextlib
+
+    from specdeploy.engine import executor as ex
+
+    @contextlib.contextmanager
+    def patched():
+        original = ex.standing_team
+        ex.standing_team = lambda native_ops: contextlib.nullcontext()
+        try:
+            yield
+        finally:
+            ex.standing_team = original
+
+    return contextlib.nullcontext() if on else patched()
 
 
 if __name__ == "__main__":

@@ -210,6 +210,39 @@ def test_an_error_inside_the_one_call_step_is_raised_and_the_next_step_runs(bf16
         torch.set_num_threads(threads)
 
 
+def test_a_standing_team_gives_the_same_bits_nests_and_reopens_after_an_error(bf16_engines):
+    """native.standing_team: linears and a whole engine step inside it equal the same outside (which thread computes a
+    chunk changes no bits); an inner block inside an open team does not open another; an error inside closes it, and
+    the next block opens it again and works."""
+    kind, weight, kwargs, _ = _formats()["bf16"]
+    packed = OPS.pack(weight.contiguous(), kind, K)
+    x = _x()
+    engine = CpuEngine.load(bf16_engines)
+    ids = torch.randint(0, 512, (6,), generator=torch.Generator().manual_seed(7))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(2, threads))
+    try:
+        alone, step = _linear(kind, packed, x, **kwargs), engine.forward(engine.new_cache(), ids)
+        with native.standing_team(OPS):
+            assert OPS.team_open() is False  # already open on this thread: an inner block is a no-op
+            inside = [_linear(kind, packed, x[:rows].contiguous(), **kwargs) for rows in (9, 4, 1)]
+            inside_step = engine.forward(engine.new_cache(), ids)  # its one-call step runs on the open team
+        assert torch.equal(inside[0], alone) and torch.equal(inside[1], alone[:4]) and torch.equal(inside[2], alone[:1])
+        assert torch.equal(inside_step, step)
+        with pytest.raises(ZeroDivisionError):
+            with native.standing_team(OPS):
+                _linear(kind, packed, x, **kwargs)
+                raise ZeroDivisionError
+        with native.standing_team(OPS):
+            assert torch.equal(_linear(kind, packed, x, **kwargs), alone)
+        assert OPS.team_open() is True  # closed again after the block
+        OPS.team_close()
+        with native.standing_team(None):  # no native kernels: nothing to open
+            pass
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_disabled_by_environment(monkeypatch):
     monkeypatch.setenv(native.DISABLE_ENV, "0")
     native.ops.cache_clear()

@@ -10,6 +10,7 @@ from collections import deque
 from typing import Callable, Iterator
 
 from specdeploy.engine.executor import EnginePass, Executor
+from specdeploy.engine.native import standing_team
 from specdeploy.engine.request import GenerationChunk, GenerationRequest
 from specdeploy.errors import ConfigError
 
@@ -131,24 +132,27 @@ class BatchScheduler:
                     break
                 while self._waiting and len(active) < self.max_batch_size:
                     active.append(self._waiting.popleft())  # join between steps
-            work = []  # (job, pass)
-            for job in list(active):
-                step = self._advance(job)
-                if step is None:
-                    active.remove(job)  # leave between steps
-                else:
-                    work.append((job, step))
-            if not work:
-                continue
-            self.max_active = max(self.max_active, len(work))
-            try:
-                self.executor.run_passes([step for _, step in work])
-                self.steps_run += 1
-            except Exception as exc:  # an engine failure fails the requests of this step, the others go on
-                for job, _ in work:
-                    job.out.put(exc)
-                    self._drop(job)
-                    active.remove(job)
+            # one standing team for the step (the requests' own work between passes, the EAGLE-3 head's included, and
+            # the pass): its helper threads are woken once, not once per parallel loop (engine/native.standing_team)
+            with standing_team(getattr(self.executor.engine, "native", None)):
+                work = []  # (job, pass)
+                for job in list(active):
+                    step = self._advance(job)
+                    if step is None:
+                        active.remove(job)  # leave between steps
+                    else:
+                        work.append((job, step))
+                if not work:
+                    continue
+                self.max_active = max(self.max_active, len(work))
+                try:
+                    self.executor.run_passes([step for _, step in work])
+                    self.steps_run += 1
+                except Exception as exc:  # an engine failure fails the requests of this step, the others go on
+                    for job, _ in work:
+                        job.out.put(exc)
+                        self._drop(job)
+                        active.remove(job)
         for job in active + list(self._waiting):
             job.out.put(ConfigError("the batch scheduler was closed", "the model is unloading; send the request again"))
             self._drop(job)

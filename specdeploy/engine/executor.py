@@ -37,6 +37,7 @@ from specdeploy import speculative as spec
 from specdeploy.engine import logits as lp
 from specdeploy.engine.kv_pool import CachedSequence, KvPool
 from specdeploy.engine.logits import LogitsParams
+from specdeploy.engine.native import standing_team
 from specdeploy.engine.request import GenerationChunk, GenerationRequest, GenerationStats, check_request, chunk_of
 from specdeploy.errors import ConfigError
 
@@ -249,9 +250,12 @@ class Executor:
             item = next(steps)
             while True:
                 if isinstance(item, EnginePass):
-                    self.run_passes([item])
-                else:
-                    yield item
+                    # the pass and the request's work up to its next item on one standing team (native.standing_team)
+                    with standing_team(getattr(self.engine, "native", None)):
+                        self.run_passes([item])
+                        item = next(steps)
+                    continue
+                yield item
                 item = next(steps)
         except StopIteration:
             return
@@ -450,10 +454,11 @@ class Executor:
         drafter = entry.drafter
         t0 = self._clock()
         length = entry.cache.length
-        drafter.truncate(length - pending_aux.shape[0])
-        drafter.catch_up(pending_aux, sequence[drafter.length + 1 : length + 1])
         k = max(0, min(request.num_draft_tokens, self.max_draft_len, request.max_new_tokens - produced - 1))
-        draft = drafter.draft(k, self.draft_p_min) if k else []
+        with standing_team(getattr(self.engine, "native", None)):  # the head's ~15 small parallel loops: one wake-up, not one each
+            drafter.truncate(length - pending_aux.shape[0])
+            drafter.catch_up(pending_aux, sequence[drafter.length + 1 : length + 1])
+            draft = drafter.draft(k, self.draft_p_min) if k else []
         k = len(draft)  # fewer where the head was unsure (draft_p_min): a round of k + 1 rows
         stats.draft_time_s += self._clock() - t0
         # one target pass: the last token + k drafts, k + 1 rows, with their aux features

@@ -66,6 +66,20 @@ def ops():
     return torch.ops.specdeploy_cpu
 
 
+@contextlib.contextmanager
+def standing_team(native_ops):
+    """Every native parallel loop inside the block on one team of helper threads (csrc/step_team.h `Standing`): the
+    helpers are woken once for the block, not once per loop (each OpenMP region wakes a sleeping thread under the
+    served stubs' OMP_WAIT_POLICY=PASSIVE). `native_ops`: ops() or None (then nothing changes). The bits are the
+    same either way: which thread computes a chunk changes none."""
+    opened = native_ops is not None and bool(native_ops.team_open())
+    try:
+        yield
+    finally:
+        if opened:
+            native_ops.team_close()
+
+
 def cpu_supported() -> bool:
     """Whether this CPU runs the kernels: AVX-512 (16-lane build) or AVX2 + FMA (8-lane build); torch reports AVX2 only where FMA is present too."""
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512", "AMX")

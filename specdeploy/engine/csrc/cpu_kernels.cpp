@@ -917,6 +917,11 @@ struct Decoder : torch::CustomClassHolder {
 
 }  // namespace specdeploy
 
+// A standing team around several ops (step_team::Standing): team_open() -> whether this call opened it;
+// team_close() only after a team_open() that returned true, on the same thread.
+static bool team_open() { return specdeploy::step_team::Standing::get().open(); }
+static void team_close() { specdeploy::step_team::Standing::get().close(); }
+
 TORCH_LIBRARY(specdeploy_cpu, ops) {
   ops.class_<specdeploy::Decoder>("Decoder")
       .def(torch::init<int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor>())
@@ -924,6 +929,8 @@ TORCH_LIBRARY(specdeploy_cpu, ops) {
       .def("set_linear", &specdeploy::Decoder::set_linear)
       .def("forward", &specdeploy::Decoder::forward)
       .def("forward_batch", &specdeploy::Decoder::forward_batch);
+  ops.def("team_open", &team_open);
+  ops.def("team_close", &team_close);
   ops.def("pack", &pack);
   ops.def("k_multiple", &k_multiple);
   ops.def("linear", &linear);

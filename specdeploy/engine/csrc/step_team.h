@@ -25,8 +25,12 @@
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <exception>
+#include <mutex>
+#include <thread>
+#include <vector>
 
 namespace specdeploy::step_team {
 
@@ -42,6 +46,7 @@ struct Team {
   std::atomic<bool> stop{false};
   std::atomic<int64_t> next{0};
   int64_t end = 0, chunk = 1;
+  int threads = 1;  // the caller and its helpers
   // the loop's body, called through a plain pointer (no std::function to build per loop on the step's hot path)
   const void* body = nullptr;
   void (*call)(const void* body, int64_t begin, int64_t end) = nullptr;
@@ -96,7 +101,7 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   Team* team = current;
   if (team == nullptr) return at::parallel_for(begin, end, grain, f);
   if (end <= begin) return;
-  int threads = omp_get_num_threads();
+  int threads = team->threads;
   // kChunksPerThread chunks per thread, none below the grain
   int64_t chunk = std::max<int64_t>({grain, 1, (end - begin + kChunksPerThread * threads - 1) / (kChunksPerThread * threads)});
   if (end - begin <= chunk) return f(begin, end);
@@ -109,6 +114,7 @@ void run_step(const Step& step) {
   int threads = at::get_num_threads();
   if (threads <= 1 || current != nullptr || omp_in_parallel()) return step();
   Team team;
+  team.threads = threads;
   std::exception_ptr error;
 #pragma omp parallel num_threads(threads)
   {
@@ -127,5 +133,69 @@ void run_step(const Step& step) {
   }
   if (error) std::rethrow_exception(error);
 }
+
+// A team that outlives one step: between open() and close() on a thread, every parallel loop there (the decoder
+// steps' run_step included) goes to the same helpers, which spin for it as a step's helpers do; outside, they sleep
+// on a condition variable. The fused EAGLE-3 round opens one around the head's work: a catch-up and ~2 draft
+// passes are ~15 small parallel loops, and under OMP_WAIT_POLICY=PASSIVE (the served stubs) each OpenMP region
+// wakes the sleeping thread again. Its helpers are std::threads made on the first open (never joined: the
+// object is never destroyed, so process exit does not wait for them).
+class Standing {
+ public:
+  static Standing& get() {
+    static Standing* standing = new Standing();  // leaked on purpose (see above)
+    return *standing;
+  }
+
+  // true where this call opened it (close() only then); false inside a step or another open team
+  bool open() {
+    int threads = at::get_num_threads();
+    if (current != nullptr || omp_in_parallel() || threads <= 1) return false;
+    while (static_cast<int>(helpers_.size()) < threads - 1) helpers_.emplace_back([this] { helper_main(); }).detach();
+    team_.threads = threads;
+    team_.stop.store(false);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      running_ = true;
+      ++generation_;
+    }
+    wake_.notify_all();
+    current = &team_;
+    return true;
+  }
+
+  void close() {
+    current = nullptr;
+    team_.stop.store(true);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      running_ = false;
+    }
+    while (inside_.load() != 0) _mm_pause();  // every helper back out of the team before it can open again
+  }
+
+ private:
+  void helper_main() {
+    uint64_t seen = 0;
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [&] { return running_ && generation_ != seen; });
+        seen = generation_;
+        inside_.fetch_add(1);  // under the lock: close() cannot miss a helper on its way in
+      }
+      if (!team_.stop.load()) team_.helper();
+      inside_.fetch_sub(1);
+    }
+  }
+
+  Team team_;
+  std::vector<std::thread> helpers_;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  bool running_ = false;
+  uint64_t generation_ = 0;
+  std::atomic<int> inside_{0};
+};
 
 }  // namespace specdeploy::step_team
