@@ -171,7 +171,10 @@ class Standing {
       std::lock_guard<std::mutex> lock(mutex_);
       running_ = false;
     }
-    while (inside_.load() != 0) _mm_pause();  // every helper back out of the team before it can open again
+    for (int64_t spins = 0; inside_.load() != 0;) {  // every helper back out of the team before it can open again
+      _mm_pause();
+      if (++spins > kYieldAfter) sched_yield();  // a helper that lost its core gets it back sooner
+    }
   }
 
  private:
