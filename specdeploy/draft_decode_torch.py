@@ -57,8 +57,8 @@ def gumbel_noise(seeds, steps, vocab: int):
 
 
 class TorchGenerator:
-    """Runs jobs (draft_generation.Job) in batches of `batch_size` rows through the target's Hugging Face weights;
-    journals each finished one; shows progress with an ETA."""
+    """Runs jobs (draft_generation.Job) through the target's Hugging Face weights, `batch_size` answers at a time
+    (slots refilled as answers end); journals each finished one; shows progress with an ETA."""
 
     def __init__(self, model_dir: Path, end_id: int, journal: Journal, echo, on_sample: Callable[[str], None] | None,
                  batch_size: int, device: str | None = None, dtype: str | None = None):
