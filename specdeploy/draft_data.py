@@ -5,6 +5,8 @@ EAGLE-3 heads learn to predict what the *target* says, so the target writes its 
 by the recipe's own built CPU engine, many at a time (engine.batching.BatchScheduler: in-flight batching, up to
 engine.max_batch_size requests per step). The first answer to a prompt is greedy, the others are sampled at
 draft.data.temperature with a seed derived from the prompt, so the same seed and settings give the same data.
+With draft.data.backend torch the target's Hugging Face weights answer instead, with torch on a GPU where there is
+one (specdeploy.draft_decode_torch: batch_size answers at a time, no engine needed).
 
 Prompt sources:
 - "calibration": the shipped passages (specdeploy/data/calib/calibration.jsonl) inside a few instruction
@@ -192,9 +194,9 @@ class _EngineAnswerer:
 
 
 class _TorchAnswerer:
-    """draft.data.backend torch: the target's Hugging Face weights with torch (a GPU where torch sees one), batches
-    of draft.data.batch_size rows (specdeploy.draft_decode_torch); max_seq_len is engine.max_seq_len, as the engine
-    would cut."""
+    """draft.data.backend torch: the target's Hugging Face weights with torch (a GPU where torch sees one),
+    draft.data.batch_size answers at a time (specdeploy.draft_decode_torch); max_seq_len is engine.max_seq_len, as
+    the engine would cut."""
 
     def __init__(self, recipe: Recipe):
         from specdeploy import models
