@@ -9,9 +9,9 @@ cost in target steps is the k run's forward time per pass over the k = 0 run's; 
     .venv/bin/python bench/eagle3_rounds.py [--recipe build/smollm2-135m.yaml] [--count 8] [--max-tokens 64]
         [--draft-len 3] [--repeats 2] [--compare-team]
 
---compare-team adds a third run in each turn: the k run without the standing team around the head's work
-(engine/native.standing_team), to see what one wake-up per round instead of one per parallel loop saves; run it
-with OMP_WAIT_POLICY=PASSIVE, as the served stubs run.
+--compare-team adds a third run in each turn: the k run without the standing team Executor.generate opens around
+each step (engine/native.standing_team; the head's work included), to see what one wake-up per step instead of one
+per parallel loop saves; run it with OMP_WAIT_POLICY=PASSIVE, as the served stubs run.
 """
 
 from __future__ import annotations

@@ -176,7 +176,7 @@ class _Slots:
             if any(job is not None and job.temperature is not None for job in self.job):
                 noisy = (logits / self.temps[:, None] + gumbel_noise(self.seeds, self.made, logits.shape[-1])).argmax(-1)
                 token = torch.where(self.sampled, noisy, token)
-            at = self.made.clamp(max=self.widest - 1)
+            at = self.made.clamp(max=self.widest - 1)  # a finished slot keeps its last token there
             self.out[self.every, at] = torch.where(self.alive, token, self.out[self.every, at])
             self.made += self.alive.long()
             ended = self.alive & (token == end_id)

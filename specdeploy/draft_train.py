@@ -30,6 +30,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from specdeploy.config import Eagle3TrainConfig, Recipe, to_plain
+from specdeploy.draft_decode_torch import device_name
 from specdeploy.draft_samples import read_draft_data
 from specdeploy.draft_train_loop import TrainResult, train_head
 from specdeploy.draft_train_plan import check_disk, check_plan, plan_training
@@ -39,12 +40,6 @@ from specdeploy.modelopt_eagle3 import aux_layer_ids, build_model, choose_draft_
 STAGE = "eagle3-head"
 TRAIN_LOG = "train_log.jsonl"
 TOOL_DISTRIBUTIONS = ("nvidia-modelopt", "torch", "transformers", "safetensors")
-
-
-def _device() -> str:
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def train_precision(t: Eagle3TrainConfig, device: str) -> str:
@@ -110,7 +105,7 @@ def train_recipe(recipe: Recipe, layout, force: bool = False, echo=print, progre
     aux_ids = aux_layer_ids(target_config, t)
     draft_ids = choose_draft_vocab(data.train, vocab, t.draft_vocab_size)
     draft_vocab_size = len(draft_ids) if draft_ids is not None else vocab
-    device = _device()
+    device = device_name()
     precision = train_precision(t, device)
     plan = plan_training(target_config, data, t, device, _available_memory(device), draft_vocab_size, len(aux_ids), precision)
     check_plan(plan, t)

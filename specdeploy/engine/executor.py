@@ -454,11 +454,10 @@ class Executor:
         drafter = entry.drafter
         t0 = self._clock()
         length = entry.cache.length
+        drafter.truncate(length - pending_aux.shape[0])
+        drafter.catch_up(pending_aux, sequence[drafter.length + 1 : length + 1])
         k = max(0, min(request.num_draft_tokens, self.max_draft_len, request.max_new_tokens - produced - 1))
-        with standing_team(getattr(self.engine, "native", None)):  # the head's ~15 small parallel loops: one wake-up, not one each
-            drafter.truncate(length - pending_aux.shape[0])
-            drafter.catch_up(pending_aux, sequence[drafter.length + 1 : length + 1])
-            draft = drafter.draft(k, self.draft_p_min) if k else []
+        draft = drafter.draft(k, self.draft_p_min) if k else []
         k = len(draft)  # fewer where the head was unsure (draft_p_min): a round of k + 1 rows
         stats.draft_time_s += self._clock() - t0
         # one target pass: the last token + k drafts, k + 1 rows, with their aux features

@@ -136,9 +136,10 @@ void run_step(const Step& step) {
 
 // A team that outlives one step: between open() and close() on a thread, every parallel loop there (the decoder
 // steps' run_step included) goes to the same helpers, which spin for it as a step's helpers do; outside, they sleep
-// on a condition variable. The fused EAGLE-3 round opens one around the head's work: a catch-up and ~2 draft
-// passes are ~15 small parallel loops, and under OMP_WAIT_POLICY=PASSIVE (the served stubs) each OpenMP region
-// wakes the sleeping thread again. Its helpers are std::threads made on the first open (never joined: the
+// on a condition variable. BatchScheduler and Executor.generate open one around each engine step: the LM head,
+// the requests' work between passes and the EAGLE-3 head's (a catch-up and ~2 draft passes, ~15 small parallel
+// loops a round) would otherwise each open an OpenMP region, and under OMP_WAIT_POLICY=PASSIVE (the served stubs)
+// each region wakes the sleeping thread again. Its helpers are std::threads made on the first open (never joined: the
 // object is never destroyed, so process exit does not wait for them).
 class Standing {
  public:
