@@ -39,9 +39,13 @@ AVX512_ENV = "SPECDEPLOY_NATIVE_AVX512"
 # picked per engine load from the CPU's flags (`int8_variant`): AVX512-VNNI, else AVX-VNNI, else AVX2. "0"
 # forces the AVX2 variant (VPMADDWD) on a VNNI CPU; SPECDEPLOY_NATIVE_AVX512=0 rules out the 512-bit one.
 VNNI_ENV = "SPECDEPLOY_NATIVE_VNNI"
-# bf16 weights on AVX-512: "pairs" (default) splits each bf16 pair into two f32 vectors (two integer instructions
-# per 32 weights) and multiplies with FMA; "dpbf16" uses VDPBF16PS where the CPU has AVX512-BF16 (csrc: why not
-# by default). Both give the same bits (each lane adds its odd, then its even product, exact in f32: tested).
+# bf16 weights on AVX-512: "pairs" splits each bf16 pair into two f32 vectors (two integer instructions per 32
+# weights) and multiplies with FMA; "dpbf16" uses VDPBF16PS where the CPU has AVX512-BF16. Both give the same bits
+# (each lane adds its odd, then its even product, exact in f32: tested). "auto" (the default) takes the one measured
+# faster on the CPU's maker: pairs on Intel (the AVX512-BF16 Xeon issued VDPBF16PS at a quarter of its FMA rate:
+# csrc), VDPBF16PS elsewhere (the 2-core AMD EPYC with AVX512-BF16, 2026-11-27: the int8_sq engine's pass of 4 / 8 /
+# 16 rows 8.4 / 12.1 / 21.7 ms against 9.1-9.9 / 15.2-15.9 / 28.3-28.8 with pairs, one row alike; its LM head alone
+# 2.0 against 3.7-4.6 ms at 8 rows: docs/benchmarks.md).
 BF16_ENV = "SPECDEPLOY_NATIVE_BF16"
 
 # Weight kinds of the native linear (csrc: WeightKind).
@@ -104,6 +108,17 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def _cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD), or "" where there is none."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def _cpu_flag_set() -> set[str]:
     line = _cpu_flags()
     return set(line.split(":", 1)[1].split()) if ":" in line else set(line.split())
@@ -148,14 +163,19 @@ def _cflags() -> list[str]:
 
 
 def bf16_kernel() -> str:
-    """How the native kernels multiply bf16 weights here: `dpbf16` (VDPBF16PS, asked for by SPECDEPLOY_NATIVE_BF16
-    on an AVX512-BF16 CPU), `pairs` (AVX-512: bf16 pairs split into f32, FMA) or `f32` (AVX2: widened, FMA)."""
+    """How the native kernels multiply bf16 weights here: `dpbf16` (VDPBF16PS, on an AVX512-BF16 CPU not made by
+    Intel, or asked for by SPECDEPLOY_NATIVE_BF16), `pairs` (AVX-512: bf16 pairs split into f32, FMA) or `f32`
+    (AVX2: widened, FMA). See BF16_ENV for why the maker decides."""
     if not isa().startswith("avx512"):
         return "f32"
-    wanted = os.environ.get(BF16_ENV, "pairs")
-    if wanted not in ("pairs", "dpbf16"):
-        raise ValueError(f"{BF16_ENV}={wanted!r}: expected pairs or dpbf16")
-    return "dpbf16" if wanted == "dpbf16" and isa() == "avx512-bf16" else "pairs"
+    wanted = os.environ.get(BF16_ENV, "auto")
+    if wanted not in ("auto", "pairs", "dpbf16"):
+        raise ValueError(f"{BF16_ENV}={wanted!r}: expected auto, pairs or dpbf16")
+    if isa() != "avx512-bf16":
+        return "pairs"
+    if wanted == "auto":
+        return "pairs" if _cpu_vendor() == "GenuineIntel" else "dpbf16"
+    return wanted
 
 
 def _load() -> None:

@@ -241,7 +241,7 @@ inline __m256 round_e4m3(__m256 v) {
 // a vector) and madd: acc += x * w over one step.
 
 #if defined(__AVX512BF16__) && defined(SPECDEPLOY_BF16_DPBF16)
-// bf16 x bf16 with VDPBF16PS: 32 products per instruction, no conversion (SPECDEPLOY_NATIVE_BF16=dpbf16).
+// bf16 x bf16 with VDPBF16PS: 32 products per instruction, no conversion (native.bf16_kernel() == "dpbf16").
 struct Bf16Weights {
   static constexpr int64_t kStep = 32, kChunk = 64;
   using Activation = c10::BFloat16;
@@ -256,9 +256,10 @@ struct Bf16Weights {
 // its low half is cleared and w[2j]'s once shifted left by 16, so 32 weights take two integer instructions to
 // decode, shared by every row of the tile, then one FMA per 16 products and row. The activations are split the
 // same way once per call (prologue_pairs: per step of 32, the 16 even then the 16 odd ones, exact in f32).
-// Why not VDPBF16PS (32 products per instruction): on the AVX512-BF16 Xeon this was measured on it issued at a
-// quarter of the FMA rate (1.26 G/s against 5.1 G/s per core, register-only loop), so past ~2 rows, where the
-// LM head's pass stops being memory-bound, it is the slower of the two (docs/benchmarks.md).
+// Why not VDPBF16PS (32 products per instruction) on every AVX512-BF16 CPU: on the Xeon this was measured on it
+// issued at a quarter of the FMA rate (1.26 G/s against 5.1 G/s per core, register-only loop), so past ~2 rows,
+// where the LM head's pass stops being memory-bound, it is the slower of the two there; on the AMD EPYC it is the
+// faster (native.py BF16_ENV: the maker picks the build, docs/benchmarks.md).
 struct Bf16Weights {
   static constexpr int64_t kStep = 2 * kLanes, kChunk = 4 * kLanes;
   using Activation = float;

@@ -141,6 +141,13 @@ void run_step(const Step& step) {
 // loops a round) would otherwise each open an OpenMP region, and under OMP_WAIT_POLICY=PASSIVE (the served stubs)
 // each region wakes the sleeping thread again. Its helpers are std::threads made on the first open (never joined: the
 // object is never destroyed, so process exit does not wait for them).
+//
+// While it stands, torch's own parallel loops (a logits copy, a cat: at::parallel_for on libgomp's pool) run on the
+// calling thread alone (omp_set_num_threads(1) until close()): a libgomp worker they woke would spin on for its
+// GOMP_SPINCOUNT after each loop (OMP_WAIT_POLICY's default), taking the second core from this team's helper. In
+// process with the default policy that made a one-row int8_sq step 9.7 ms (median 12.0) against 7.2 without a
+// team, and 7.3 with torch's loops kept on the caller (/tmp script, 2-core AMD EPYC, 2026-11-27); under PASSIVE
+// (the served stubs) it saves the futex wake of each such loop.
 class Standing {
  public:
   static Standing& get() {
@@ -155,6 +162,8 @@ class Standing {
     while (static_cast<int>(helpers_.size()) < threads - 1) helpers_.emplace_back([this] { helper_main(); }).detach();
     team_.threads = threads;
     team_.stop.store(false);
+    saved_threads_ = omp_get_max_threads();
+    omp_set_num_threads(1);  // torch's loops on this thread alone while the team stands (see above)
     {
       std::lock_guard<std::mutex> lock(mutex_);
       running_ = true;
@@ -167,6 +176,7 @@ class Standing {
 
   void close() {
     current = nullptr;
+    omp_set_num_threads(saved_threads_);
     team_.stop.store(true);
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -198,6 +208,7 @@ class Standing {
   std::mutex mutex_;
   std::condition_variable wake_;
   bool running_ = false;
+  int saved_threads_ = 1;  // the opening thread's OpenMP team size, restored by close()
   uint64_t generation_ = 0;
   std::atomic<int> inside_{0};
 };
