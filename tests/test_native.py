@@ -464,3 +464,51 @@ def test_a_baton_left_by_a_killed_build_does_not_hang_the_next_load(tmp_path):
         baton.unlink(missing_ok=True)
     assert got.returncode == 0, got.stderr[-2000:]
     assert not left and "left by a kernel build that was killed" in got.stderr
+
+
+def _rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The kernel's RoPE on [rows, heads, D] bf16 with [rows, D] tables (sin's first half negated by the caller):
+    x * cos + [x2, x1] * sin in f32, rounded to bf16."""
+    x = x.float()
+    rotated = torch.cat([x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]], dim=-1)
+    return (x * cos[:, None] + rotated * sin[:, None]).to(torch.bfloat16).double()
+
+
+@pytest.mark.parametrize("head_size", [16, 24, 64, 128])  # 24: no whole number of vectors (the per-key dot)
+@pytest.mark.parametrize("start", [0, 37])
+def test_attention_follows_a_reference_and_each_rows_bits_are_its_own(head_size, start):
+    """native attention: each row of a pass is softmax(q k^T * scale) v over exactly its own positions 0..start+r
+    (a float64 reference from the same RoPE tables, the cache's earlier keys included), and is bit for bit the row a
+    pass of that one row gives, whatever the pass's size (keys in blocks of a vector's lanes: a row's keys count
+    never changes another row's sums)."""
+    g = torch.Generator().manual_seed(head_size + start)
+    heads, kv_heads, rows, max_len = 6, 2, 19, 80
+    width = (heads + 2 * kv_heads) * head_size
+    cos, sin = torch.randn(max_len, head_size, generator=g), torch.randn(max_len, head_size, generator=g)
+    keys0 = torch.randn(kv_heads, max_len, head_size, generator=g)
+    values0 = torch.randn(kv_heads, max_len, head_size, generator=g)
+    qkv = torch.randn(rows, width, generator=g).to(torch.bfloat16)
+    scale = head_size ** -0.5
+    keys, values = keys0.clone(), values0.clone()
+    out = OPS.attention(qkv, cos, sin, keys, values, start, rows, heads, kv_heads, scale)
+    for r in (0, 1, 7, rows - 1):  # row by row, each on the cache as the pass before it left it
+        k1, v1 = keys0.clone(), values0.clone()
+        if r:
+            OPS.attention(qkv[:r].contiguous(), cos, sin, k1, v1, start, r, heads, kv_heads, scale)
+        one = OPS.attention(qkv[r : r + 1].contiguous(), cos, sin, k1, v1, start + r, 1, heads, kv_heads, scale)
+        assert torch.equal(one[0], out[r]), r
+    q = _rope_ref(qkv[:, : heads * head_size].view(rows, heads, head_size), cos[start : start + rows], sin[start : start + rows])
+    k_new = _rope_ref(qkv[:, heads * head_size : (heads + kv_heads) * head_size].view(rows, kv_heads, head_size),
+                      cos[start : start + rows], sin[start : start + rows])
+    v_new = qkv[:, (heads + kv_heads) * head_size :].view(rows, kv_heads, head_size).double()
+    all_k = torch.cat([keys0[:, :start].double(), k_new.transpose(0, 1)], dim=1)  # [kv, start + rows, D]
+    all_v = torch.cat([values0[:, :start].double(), v_new.transpose(0, 1)], dim=1)
+    assert torch.equal(keys[:, : start + rows].double(), all_k) and torch.equal(values[:, : start + rows].double(), all_v)
+    group = heads // kv_heads
+    for r in range(rows):
+        n = start + r + 1
+        for h in range(heads):
+            p = torch.softmax((all_k[h // group, :n] @ q[r, h]) * scale, dim=0)
+            expected = p @ all_v[h // group, :n]
+            got = out[r, h * head_size : (h + 1) * head_size].double()
+            torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2)

@@ -127,7 +127,21 @@ inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
 }
 
 inline float hsum(Vec a) { return _mm_cvtss_f32(hsum4(a, vzero(), vzero(), vzero())); }
-inline float vreduce(Vec a) { return _mm512_reduce_add_ps(a); }  // attention's dot products
+inline float vreduce(Vec a) { return _mm512_reduce_add_ps(a); }  // attention's dot products (heads of other sizes)
+
+// The lane sums of kLanes vectors at once (attention's scores, kLanes keys a call): lane i of the result is the sum
+// of a[kReduceSlot[i]]'s lanes only, in one fixed tree (256-bit halves, then 128-bit quarters, then pairs twice).
+constexpr int kReduceSlot[kLanes] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+inline Vec reduce_lanes(const Vec* a) {
+  Vec b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[i], a[i + 8], 0x44), _mm512_shuffle_f32x4(a[i], a[i + 8], 0xee));
+  for (int i = 0; i < 4; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[i], b[i + 4], 0x88), _mm512_shuffle_f32x4(b[i], b[i + 4], 0xdd));
+  for (int i = 0; i < 2; ++i)
+    d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[i], c[i + 2], 0x88), _mm512_shuffle_ps(c[i], c[i + 2], 0xdd));
+  return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xdd));
+}
 
 // Lanes [0, count) of p (count < kLanes: the rest 0), and the store of those lanes.
 inline Vec vload_first(const float* p, int64_t count) {
@@ -209,6 +223,17 @@ inline float hsum(Vec a) {
   return _mm_cvtss_f32(s);
 }
 inline float vreduce(Vec a) { return hsum(a); }
+
+// As the AVX-512 version: lane i is the sum of a[kReduceSlot[i]]'s lanes (halves, then pairs twice).
+constexpr int kReduceSlot[kLanes] = {0, 2, 1, 3, 4, 6, 5, 7};
+inline Vec reduce_lanes(const Vec* a) {
+  Vec b[4], c[2];
+  for (int i = 0; i < 4; ++i)
+    b[i] = _mm256_add_ps(_mm256_permute2f128_ps(a[i], a[i + 4], 0x20), _mm256_permute2f128_ps(a[i], a[i + 4], 0x31));
+  for (int i = 0; i < 2; ++i)
+    c[i] = _mm256_add_ps(_mm256_shuffle_ps(b[i], b[i + 2], 0x88), _mm256_shuffle_ps(b[i], b[i + 2], 0xdd));
+  return _mm256_add_ps(_mm256_shuffle_ps(c[0], c[1], 0x88), _mm256_shuffle_ps(c[0], c[1], 0xdd));
+}
 
 inline __m256i first_mask(int64_t count) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(count, kLanes))),
@@ -743,6 +768,59 @@ inline float dot(const float* a, const float* b, int64_t D) {
   return s;
 }
 
+// One query head against keys 0..n-1 of its KV head, the head size D = C * kLanes (q in registers):
+// p[j] = (q . key_j) * scale, each dot product FMA'd over the head's C vectors from zero, then kLanes keys' lane
+// sums at once (reduce_lanes). p[j]'s bits depend on q and key j alone, never on n (a row's keys count) or the
+// other keys of its block (lanes past n are zeros, never stored).
+template <int C>
+inline void head_scores(const float* qh, const float* keys, int64_t D, int64_t n, float scale, float* p) {
+  Vec q[C];
+  for (int c = 0; c < C; ++c) q[c] = vload(qh + c * kLanes);
+  for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
+    int64_t count = std::min<int64_t>(kLanes, n - j0);
+    Vec acc[kLanes];
+    for (int64_t i = 0; i < kLanes; ++i) {
+      Vec a = vzero();
+      if (i < count) {
+        const float* k = keys + (j0 + i) * D;
+        for (int c = 0; c < C; ++c) a = vfmadd(q[c], vload(k + c * kLanes), a);
+      }
+      acc[kReduceSlot[i]] = a;
+    }
+    Vec scores = vmul(reduce_lanes(acc), vset1(scale));
+    if (count == kLanes) vstore(p + j0, scores);
+    else vstore_first(p + j0, scores, count);
+  }
+}
+
+// out = bf16(sum_j (p[j] / sum) * value_j) over keys 0..n-1, D = C * kLanes, the sums in registers.
+template <int C>
+inline void head_values(const float* p, float sum, const float* values, int64_t D, int64_t n, c10::BFloat16* out) {
+  Vec acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = vzero();
+  for (int64_t j = 0; j < n; ++j) {
+    Vec w = vset1(p[j] / sum);
+    const float* v = values + j * D;
+    for (int c = 0; c < C; ++c) acc[c] = vfmadd(w, vload(v + c * kLanes), acc[c]);
+  }
+  for (int c = 0; c < C; ++c) store_bf16(out + c * kLanes, acc[c]);
+}
+
+// The largest of p[0..n).
+inline float max_of(const float* p, int64_t n) {
+  float mx = -INFINITY;
+  int64_t j = 0;
+  if (n >= kLanes) {
+    Vec m = vload(p);
+    for (j = kLanes; j + kLanes <= n; j += kLanes) m = vmax(m, vload(p + j));
+    alignas(64) float lanes[kLanes];
+    vstore(lanes, m);
+    for (float l : lanes) mx = std::max(mx, l);
+  }
+  for (; j < n; ++j) mx = std::max(mx, p[j]);
+  return mx;
+}
+
 // RoPE (rotate halves) in f32 on one head, rounded to bf16: x * cos + [x2, x1] * signed_sin.
 inline void rope(const c10::BFloat16* x, const float* cos, const float* sin, int64_t D, float* out) {
   int64_t half = D / 2;
@@ -786,16 +864,30 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
   at::Tensor out = at::zeros({rows, num_heads * D}, qkv.options());
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
   int64_t work_per_pair = (start + m) * D;
+  // head sizes of 1, 2, 4 or 8 vectors: head_scores / head_values (the sums in registers); others: dot per key
+  int64_t vectors = D % kLanes == 0 ? D / kLanes : 0;
+  bool fast = vectors == 1 || vectors == 2 || vectors == 4 || vectors == 8;
   specdeploy::step_team::parallel_for(0, m * num_heads, std::max<int64_t>(1, 32768 / std::max<int64_t>(work_per_pair, 1)),
                    [&](int64_t begin, int64_t end) {
-    std::vector<float> p(start + m), acc(D);
+    std::vector<float> p(start + m + kLanes), acc(D);
     for (int64_t pair = begin; pair < end; ++pair) {
       int64_t r = pair / num_heads, h = pair % num_heads, g = h / groups, n = start + r + 1;
       const float* qh = q.data() + (r * num_heads + h) * D;
       const float* key = kp + g * max_len * D;
       const float* value = vp + g * max_len * D;
       float mx = -INFINITY;
-      for (int64_t j = 0; j < n; ++j) mx = std::max(mx, p[j] = dot(qh, key + j * D, D) * static_cast<float>(scale));
+      if (fast) {
+        float sc = static_cast<float>(scale);
+        switch (vectors) {
+          case 1: head_scores<1>(qh, key, D, n, sc, p.data()); break;
+          case 2: head_scores<2>(qh, key, D, n, sc, p.data()); break;
+          case 4: head_scores<4>(qh, key, D, n, sc, p.data()); break;
+          default: head_scores<8>(qh, key, D, n, sc, p.data());
+        }
+        mx = max_of(p.data(), n);
+      } else {
+        for (int64_t j = 0; j < n; ++j) mx = std::max(mx, p[j] = dot(qh, key + j * D, D) * static_cast<float>(scale));
+      }
       Vec lanes = vzero();
       for (int64_t j = 0; j < n; j += kLanes) {  // e^(s - max), kLanes keys at a time (the tail masked)
         Vec e = vkeep_first(exp_ps(vadd(vload_first(p.data() + j, n - j), vset1(-mx))), n - j);
@@ -803,6 +895,16 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
         lanes = vadd(lanes, e);
       }
       float sum = hsum(lanes);
+      if (fast) {
+        c10::BFloat16* o = op + r * num_heads * D + h * D;
+        switch (vectors) {
+          case 1: head_values<1>(p.data(), sum, value, D, n, o); break;
+          case 2: head_values<2>(p.data(), sum, value, D, n, o); break;
+          case 4: head_values<4>(p.data(), sum, value, D, n, o); break;
+          default: head_values<8>(p.data(), sum, value, D, n, o);
+        }
+        continue;
+      }
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t j = 0; j < n; ++j) {
         float w = p[j] / sum;
