@@ -162,7 +162,7 @@ def main(argv=None) -> int:
     layout = Layout.of(recipe, Path(args.root))
     engine = CpuEngine.load(layout.engine("target"))
     head_dir = layout.eagle3_head_source(recipe.draft.head)
-    head = Eagle3Head.load(head_dir, engine)
+    head = Eagle3Head.load(head_dir, engine, recipe.draft.cpu_head_weights)
     tokenizer = AutoTokenizer.from_pretrained(str(models.resolve(recipe.target.model)))
     if args.prompts == "heldout":
         prompts = heldout_prompts(Path(args.data), args.count)

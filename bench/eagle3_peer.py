@@ -178,7 +178,7 @@ def _strip_end(tokens: list[int], end_ids: set[int]) -> list[int]:
 class SpecdeploySide:
     """The target engine with and without its head, in this process."""
 
-    def __init__(self, engine_dir: str, head_dir: Path, end_id: int | None):
+    def __init__(self, engine_dir: str, head_dir: Path, end_id: int | None, head_weights: str = "bf16"):
         from specdeploy.engine.eagle3 import Eagle3Head
         from specdeploy.engine.executor import Executor
         from specdeploy.engine.model import CpuEngine
@@ -186,7 +186,7 @@ class SpecdeploySide:
         engine = CpuEngine.load(engine_dir)
         self.spec = engine.spec
         self.plain = Executor(engine, 2)
-        self.fused = Executor(engine, 2, head=Eagle3Head.load(head_dir, engine))
+        self.fused = Executor(engine, 2, head=Eagle3Head.load(head_dir, engine, head_weights))
         self.end_id = end_id
 
     def generate(self, ids: list[int], max_tokens: int, draft_len: int) -> Run:
@@ -386,9 +386,10 @@ def main(argv=None) -> int:
     end_id = tokenizer.eos_token_id
     prompts = chat_prompts(tokenizer, args.prompts, args.max_tokens)
     log(f"{platform.node()}: {os.cpu_count()} cores, {args.threads} threads, load average {os.getloadavg()[0]:.1f}; "
-        f"head {head_dir}; {len(prompts)} prompts x {args.max_tokens} tokens, K = {draft_len}, greedy")
+        f"head {head_dir} (specdeploy holds its linears in {recipe.draft.cpu_head_weights}: draft.head_weights); "
+        f"{len(prompts)} prompts x {args.max_tokens} tokens, K = {draft_len}, greedy")
 
-    sd = SpecdeploySide(engine_dir, head_dir, end_id)
+    sd = SpecdeploySide(engine_dir, head_dir, end_id, recipe.draft.cpu_head_weights)
     if draft_len > sd.fused.max_draft_len:
         ap.error(f"--draft-len {draft_len} exceeds the engine's max_draft_len {sd.fused.max_draft_len}")
     sides: dict[str, object] = {"specdeploy plain": (sd, 0), "specdeploy eagle3": (sd, draft_len)}
@@ -475,7 +476,7 @@ def main(argv=None) -> int:
               f"specdeploy {results['specdeploy']['target_format'].split(' ')[0]})")
 
     meta = {"host": platform.node(), "threads": args.threads, "load_average": os.getloadavg(), "recipe": args.recipe,
-            "head": str(head_dir), "engine": engine_dir, "draft_len": draft_len, "max_tokens": args.max_tokens,
+            "head": str(head_dir), "head_weights": recipe.draft.cpu_head_weights, "engine": engine_dir, "draft_len": draft_len, "max_tokens": args.max_tokens,
             "prompts": [pid for pid, _ in prompts], "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
             "llama_server_args": {s.log_path.stem: s.args for s in servers}, "llama_sdist": llama_cpp.SDIST,
             "time": time.strftime("%Y-%m-%d %H:%M:%S")}

@@ -77,7 +77,7 @@ def main(argv=None) -> int:
     recipe = load_recipe(args.recipe)
     layout = Layout.of(recipe, Path(args.root))
     engine = CpuEngine.load(layout.engine("target"))
-    head = Eagle3Head.load(layout.eagle3_head_source(recipe.draft.head), engine)
+    head = Eagle3Head.load(layout.eagle3_head_source(recipe.draft.head), engine, recipe.draft.cpu_head_weights)
     tokenizer = AutoTokenizer.from_pretrained(str(models.resolve(recipe.target.model)))
     prompts = chat_prompts(tokenizer, args.count, args.max_tokens)
     executor = Executor(engine, 2, head=head, draft_p_min=recipe.speculative.draft_p_min)

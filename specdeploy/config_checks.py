@@ -14,6 +14,7 @@ from specdeploy.config import (
     EAGLE3_DATA_BACKENDS,
     EAGLE3_EXPORT_DTYPES,
     EAGLE3_HEAD_TRAINED,
+    EAGLE3_HEAD_WEIGHTS,
     EAGLE3_LR_SCHEDULES,
     EAGLE3_TRAIN_PRECISIONS,
     ENGINE_DTYPES,
@@ -254,7 +255,7 @@ def _check_draft_kind(r: Recipe) -> None:
     d = r.draft
     _choice("draft.kind", d.kind, DRAFT_KINDS)
     if not d.is_eagle3:
-        defaults = {"head": "", "data": Eagle3DataConfig(), "train": Eagle3TrainConfig()}
+        defaults = {"head": "", "head_weights": "auto", "data": Eagle3DataConfig(), "train": Eagle3TrainConfig()}
         for key, default in defaults.items():
             if getattr(d, key) != default:
                 raise ConfigError(f"key 'draft.{key}' applies to draft.kind eagle3 only", "remove it, or set draft.kind: eagle3")
@@ -322,6 +323,11 @@ def _check_eagle3(r: Recipe) -> None:
                 f"set draft.max_draft_len <= {r.speculative.max_draft_len}",
             )
     backend = _backends.get(r.backend)
+    _choice("draft.head_weights", d.head_weights, EAGLE3_HEAD_WEIGHTS)
+    if d.head_weights == "int8" and backend.gpu:
+        raise ConfigError(f"key 'draft.head_weights' is int8 on backend {r.backend}, but only the CPU engine quantizes the "
+                          "head: TensorRT-LLM loads the EAGLE-3 checkpoint as exported (Eagle3DecodingConfig's "
+                          "speculative_model)", "remove draft.head_weights (auto), or set it to bf16")  # fmt: skip
     if not backend.eagle3_draft:
         able = " or ".join(b.name for b in _backends.ALL if b.eagle3_draft)
         raise ConfigError(f"draft.kind eagle3 is not wired for backend {r.backend}: {backend.no_eagle3_because}",

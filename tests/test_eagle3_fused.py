@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from eagle3_heads import make_eagle3_head
-from specdeploy.engine.eagle3 import Eagle3Head, default_aux_layer_ids
+from specdeploy.engine.eagle3 import Eagle3Head, default_aux_layer_ids, quantize_int8_per_channel
 from specdeploy.engine.batching import BatchScheduler
 from specdeploy.engine.executor import Executor
 from specdeploy.engine.request import GenerationRequest, run
@@ -169,6 +169,37 @@ def test_fused_greedy_equals_the_target_alone(target, head_dir, k):
         assert torch.equal(got.logits, run(plain, GenerationRequest(prompt, 20, return_logits=True)).logits)
     again = run(fused, GenerationRequest(prompt, 20, num_draft_tokens=k))  # prefix reuse: the head's rows are pooled too
     assert again.token_ids == expected.token_ids and again.stats.reused_tokens > 0
+
+
+def test_an_int8_head_holds_per_channel_int8_weights_and_stays_bit_exact(target, head_dir):
+    """draft.head_weights int8: each of the head's linears holds int8 weights with one scale per output channel,
+    within half a step of the exported weight; its logits follow the exported head's; the fused output still equals
+    the target alone (only the drafts can change); an unknown kind is refused."""
+    from safetensors.torch import load_file
+
+    from specdeploy.engine.kernels import make_linear
+
+    w = load_file(str(head_dir / "model.safetensors"))["layers.0.mlp.down_proj.weight"]
+    q = quantize_int8_per_channel(w, target.dtype)
+    assert q["weight"].dtype == torch.int8 and q["weight_scale"].shape == (w.shape[0],)
+    assert int(q["weight"].abs().max()) == 127  # each channel's largest weight on the grid's end
+    error = (q["weight"].float() * q["weight_scale"][:, None] - w.float()).abs()
+    assert bool((error <= q["weight_scale"][:, None] * 0.5 + 1e-6).all())
+    bf16, int8 = Eagle3Head.load(head_dir, target), Eagle3Head.load(head_dir, target, "int8")
+    assert int8.weights == "int8" and bf16.weights == "bf16"
+    assert type(int8.down) is type(make_linear(q, "W8A16", target.dtype, None, target.native))
+    ids = prompt_of(4, 10)
+    _, aux = target.forward(target.new_cache(64), torch.tensor(ids), aux_layers=AUX)
+    exact, _ = bf16.forward(bf16.new_cache(64), bf16.project(aux), torch.tensor(ids[1:] + [9]))
+    approx, _ = int8.forward(int8.new_cache(64), int8.project(aux), torch.tensor(ids[1:] + [9]))
+    assert F.cosine_similarity(exact, approx, dim=0) > 0.99 and not torch.equal(exact, approx)
+    plain, fused = Executor(target), Executor(target, head=int8)
+    for seed, n in ((0, 5), (2, 30)):
+        prompt = prompt_of(seed, n)
+        got = run(fused, GenerationRequest(prompt, 20, num_draft_tokens=3))
+        assert got.token_ids == run(plain, GenerationRequest(prompt, 20)).token_ids and got.stats.drafted > 0
+    with pytest.raises(ValueError, match="head weights 'int4'"):
+        Eagle3Head.load(head_dir, target, "int4")
 
 
 def test_fused_stops_and_streams_as_the_target(target, head_dir):
@@ -422,10 +453,12 @@ def test_bundled_smollm2_with_a_random_head_stays_bit_exact(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_shipped_head_on_smollm2_is_bit_exact_and_accepted(tmp_path):
+@pytest.mark.parametrize("weights", ["bf16", "int8"])
+def test_the_shipped_head_on_smollm2_is_bit_exact_and_accepted(tmp_path, weights):
     """The head specdeploy ships for SmolLM2 (the default recipe's draft) on the bundled target, on chat-formatted
     prompts of the built-in validation set (never trained on): the fused output equals the target alone, and the
-    head's drafts are accepted (a trained head, unlike a random one)."""
+    head's drafts are accepted (a trained head, unlike a random one), its linears as exported or in int8 (the
+    default recipe's draft.head_weights)."""
     from transformers import AutoTokenizer
 
     from specdeploy.artifacts import BUNDLED_HEADS
@@ -434,7 +467,7 @@ def test_the_shipped_head_on_smollm2_is_bit_exact_and_accepted(tmp_path):
 
     model_dir = resolve("smollm2-135m-instruct")
     target = _engine(model_dir, tmp_path, "bfloat16", max_draft_len=4)
-    head = Eagle3Head.load(BUNDLED_HEADS / "smollm2-135m-instruct-eagle3", target)
+    head = Eagle3Head.load(BUNDLED_HEADS / "smollm2-135m-instruct-eagle3", target, weights)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     plain, fused = Executor(target), Executor(target, head=head)
     drafted = accepted = 0

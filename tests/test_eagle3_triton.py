@@ -273,6 +273,26 @@ def test_config_refuses_what_eagle3_on_cpu_does_not_have(built):
     assert parse_recipe({**raw, "triton": {**raw["triton"], "layout": "llmapi"}}).layout == "llmapi"  # served: test below
 
 
+def test_config_head_weights_resolve_for_the_cpu_and_are_refused_where_they_cannot_apply(built):
+    from specdeploy.config import to_plain
+    from specdeploy.config_loader import parse_recipe
+    from specdeploy.errors import ConfigError
+
+    raw = to_plain(built[0])
+    draft = lambda **kw: {**raw["draft"], **kw}  # noqa: E731
+    assert parse_recipe(raw).draft.head_weights == "auto" and parse_recipe(raw).draft.cpu_head_weights == "int8"
+    assert parse_recipe({**raw, "draft": draft(head_weights="bf16")}).draft.cpu_head_weights == "bf16"
+    with pytest.raises(ConfigError, match="draft.head_weights") as err:
+        parse_recipe({**raw, "draft": draft(head_weights="int4")})
+    assert "int8" in err.value.hint
+    with pytest.raises(ConfigError, match="only the CPU engine quantizes the head") as err:
+        parse_recipe({**raw, "backend": "trtllm-llmapi", "draft": draft(head_weights="int8")})
+    assert "set it to bf16" in err.value.hint
+    assert parse_recipe({**raw, "backend": "trtllm-llmapi", "speculative": {**raw["speculative"], "draft_p_min": 0.0}}).draft.head_weights == "auto"
+    with pytest.raises(ConfigError, match="draft.head_weights' applies to draft.kind eagle3 only"):
+        parse_recipe({**raw, "draft": {"kind": "ngram", "head_weights": "bf16"}})
+
+
 def test_config_bounds_draft_p_min_to_the_head_on_cpu(built):
     from specdeploy.config import to_plain
     from specdeploy.config_loader import parse_recipe
@@ -306,7 +326,9 @@ def test_served_draft_p_min_reaches_the_head_inside_tensorrt_llm(built, tmp_path
     model_dir = Path(recipe.target.model)
     recipe, layout, recipe_path = _deployment(tmp_path / "pmin", model_dir, head, speculative={"draft_p_min": 0.99})
     repo, _ = backend_stages.of(recipe).write_repository(recipe, layout, recipe_path=str(recipe_path))
-    assert 'key: "eagle3_draft_p_min"' in (Path(repo) / "tensorrt_llm" / "config.pbtxt").read_text()
+    config = (Path(repo) / "tensorrt_llm" / "config.pbtxt").read_text()
+    assert 'key: "eagle3_draft_p_min"' in config
+    assert 'key: "eagle3_head_weights"' in config and 'string_value: "int8"' in config  # draft.head_weights auto
     srv = server.start(repo, server.Ports.pick(), Path(layout.server_state) / "tritonserver.log", exit_timeout_s=3)
     try:
         server.wait_ready(srv, SERVER_READY_TIMEOUT_S)

@@ -61,6 +61,18 @@ from specdeploy.errors import ModelError
 HEAD_CONFIG = "config.json"
 HEAD_WEIGHTS = "model.safetensors"
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # modelopt/torch/export/plugins/hf_spec_configs.py:19
+HEAD_WEIGHTS_KINDS = ("bf16", "int8")  # how the CPU engine holds the head's linears (recipe draft.head_weights)
+
+
+def quantize_int8_per_channel(weight: torch.Tensor, dtype: torch.dtype) -> dict:
+    """A weight [N, K] as the engine's W8A16 layer takes it (kernels.py): int8 q and a per-output-channel scale s,
+    W ~ q * s, s = max|W[n]| / 127 rounded to `dtype` (the kernel multiplies by the scale in that precision, so q is
+    rounded against the same s), q = clamp(rne(W / s), -127, 127); an all-zero channel keeps s = 1."""
+    w = weight.float()
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax)).to(dtype).float()
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return {"weight": q.contiguous(), "weight_scale": scale}
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, ...]:
@@ -123,8 +135,11 @@ def _fail(path: Path, problem: str, fix: str = "use the head trained for this ta
 class Eagle3Head:
     """A loaded head, checked against the target engine it drafts for. `catch_up` and `draft` run it."""
 
-    def __init__(self, config: Eagle3HeadConfig, tensors, target, path: Path = Path("<head>")):
+    def __init__(self, config: Eagle3HeadConfig, tensors, target, path: Path = Path("<head>"), weights: str = "bf16"):
         spec, c = target.spec, config
+        if weights not in HEAD_WEIGHTS_KINDS:
+            raise ValueError(f"head weights {weights!r}: expected one of {HEAD_WEIGHTS_KINDS}")
+        self.weights = weights
         self.config, self.path = c, Path(path)
         if c.hidden_size != spec.hidden_size:
             _fail(path, f"hidden_size {c.hidden_size} differs from the target's {spec.hidden_size}")
@@ -151,6 +166,8 @@ class Eagle3Head:
             return t
 
         def linear(weight):
+            if weights == "int8":
+                return make_linear(quantize_int8_per_channel(weight, dtype), "W8A16", dtype, None, self.native)
             return make_linear({"weight": weight.to(dtype).contiguous()}, None, dtype, None, self.native)
 
         p = "layers.0."
@@ -193,15 +210,16 @@ class Eagle3Head:
         self.max_len = len(positions)
 
     @classmethod
-    def load(cls, head_dir: str | Path, target) -> "Eagle3Head":
-        """Read an exported head and check it against `target` (a CpuEngine)."""
+    def load(cls, head_dir: str | Path, target, weights: str = "bf16") -> "Eagle3Head":
+        """Read an exported head and check it against `target` (a CpuEngine); `weights` (recipe draft.head_weights,
+        resolved): bf16 keeps its linear layers as exported, int8 quantizes them per output channel."""
         head_dir = Path(head_dir)
         config = Eagle3HeadConfig.read(head_dir)
-        weights = head_dir / HEAD_WEIGHTS
-        if not weights.is_file():
+        path = head_dir / HEAD_WEIGHTS
+        if not path.is_file():
             raise ModelError(f"EAGLE-3 head {head_dir} has no {HEAD_WEIGHTS}", "re-export the head (export_speculative_decoding)")
-        with LazyTensors(weights) as tensors:
-            return cls(config, tensors, target, head_dir)
+        with LazyTensors(path) as tensors:
+            return cls(config, tensors, target, head_dir, weights)
 
     def new_drafter(self, max_len: int | None = None) -> "Eagle3Drafter":
         """One sequence's head state (the executor keeps one per pooled KV cache)."""

@@ -83,7 +83,8 @@ class TritonPythonModel:
                 key = next((k for k in DRAFT_MODEL_KEYS if speculative.get(k)), None)
                 if key is None:
                     raise pb_utils.TritonModelException(f"{self.name}: speculative_config names no EAGLE-3 head ({' or '.join(DRAFT_MODEL_KEYS)})")
-                self.target = common.with_eagle3_head(self.target, speculative[key], float(params.get("eagle3_draft_p_min") or 0.0))
+                self.target = common.with_eagle3_head(self.target, speculative[key], float(params.get("eagle3_draft_p_min") or 0.0),
+                                                      params.get("eagle3_head_weights") or "bf16")
                 self.eagle3 = True
             elif kind == "NGram":
                 # TensorRT-LLM's fields from speculative_config; specdeploy's own minimum from the model's parameters
