@@ -164,7 +164,7 @@ class DraftConfig(ModelConfig):
     # kind eagle3, backend cpu: how the CPU engine holds the head's linear layers. int8: int8 per output channel
     # (weight-only, the target's int8_wo numerics), half the bytes a draft pass reads; bf16: as exported. auto: int8
     # on backend cpu (on the 2-core EPYC the head's time a round 1.25 against 1.49 ms, the built-in prompts' accepted
-    # drafts alike: docs/eagle3-train.md); TensorRT-LLM loads the head as exported on the GPU backends.
+    # drafts alike: docs/recipes.md, docs/benchmarks.md); TensorRT-LLM loads the head as exported on the GPU backends.
     head_weights: str = "auto"
     data: Eagle3DataConfig = field(default_factory=Eagle3DataConfig)
     train: Eagle3TrainConfig = field(default_factory=Eagle3TrainConfig)
