@@ -821,14 +821,27 @@ inline float max_of(const float* p, int64_t n) {
   return mx;
 }
 
-// RoPE (rotate halves) in f32 on one head, rounded to bf16: x * cos + [x2, x1] * signed_sin.
+// RoPE (rotate halves) in f32 on one head, rounded to bf16: x * cos + [x2, x1] * signed_sin, two products and a
+// sum each rounded to f32 (no FMA contraction here, as torch's unfused ops), kLanes at a time where half the head
+// is a whole number of vectors.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
 inline void rope(const c10::BFloat16* x, const float* cos, const float* sin, int64_t D, float* out) {
   int64_t half = D / 2;
+  if (half % kLanes == 0) {
+    for (int64_t d = 0; d < half; d += kLanes) {
+      Vec x1 = load_bf16(x + d), x2 = load_bf16(x + half + d);
+      vstore(out + d, round_bf16(vadd(vmul(x1, vload(cos + d)), vmul(x2, vload(sin + d)))));
+      vstore(out + half + d, round_bf16(vadd(vmul(x2, vload(cos + half + d)), vmul(x1, vload(sin + half + d)))));
+    }
+    return;
+  }
   for (int64_t d = 0; d < D; ++d) {
     float xd = static_cast<float>(x[d]), rotated = static_cast<float>(x[(d + half) % D]);
     out[d] = round_bf16(xd * cos[d] + rotated * sin[d]);
   }
 }
+#pragma GCC pop_options
 
 // One layer's attention for rows 0..m-1 at positions start.. of one sequence:
 //   qkv [rows, (H + 2 KV) * D] bf16; cos, sin [positions, D] f32 (sin with its first half negated);
@@ -858,7 +871,11 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
       rope(row + (num_heads + g) * D, c, s, D, key);
       const c10::BFloat16* v = row + (num_heads + num_kv_heads + g) * D;
       float* value = vp + (g * max_len + start + r) * D;
-      for (int64_t d = 0; d < D; ++d) value[d] = static_cast<float>(v[d]);
+      if (D % kLanes == 0) {
+        for (int64_t d = 0; d < D; d += kLanes) vstore(value + d, load_bf16(v + d));
+      } else {
+        for (int64_t d = 0; d < D; ++d) value[d] = static_cast<float>(v[d]);
+      }
     }
   }
   at::Tensor out = at::zeros({rows, num_heads * D}, qkv.options());
