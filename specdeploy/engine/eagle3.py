@@ -53,6 +53,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from specdeploy.config import EAGLE3_HEAD_WEIGHTS
 from specdeploy.engine.kernels import make_linear
 from specdeploy.engine.kv_cache import KVCache
 from specdeploy.engine.model import LazyTensors, rms_norm, rope_inv_freq
@@ -61,7 +62,8 @@ from specdeploy.errors import ModelError
 HEAD_CONFIG = "config.json"
 HEAD_WEIGHTS = "model.safetensors"
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # modelopt/torch/export/plugins/hf_spec_configs.py:19
-HEAD_WEIGHTS_KINDS = ("bf16", "int8")  # how the CPU engine holds the head's linears (recipe draft.head_weights)
+# how the CPU engine holds the head's linears: recipe draft.head_weights with "auto" resolved (DraftConfig.cpu_head_weights)
+HEAD_WEIGHTS_KINDS = tuple(w for w in EAGLE3_HEAD_WEIGHTS if w != "auto")
 
 
 def quantize_int8_per_channel(weight: torch.Tensor, dtype: torch.dtype) -> dict:

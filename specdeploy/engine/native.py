@@ -98,25 +98,22 @@ def build_dir() -> Path:
     return artifacts.home() / "native" / hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
-def _cpu_flags() -> str:
+def _cpuinfo_line(key: str) -> str | None:
+    """The first line of /proc/cpuinfo starting with `key`, or None."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
+        return next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith(key)), None)
     except OSError:
-        pass
-    return platform.processor()
+        return None
+
+
+def _cpu_flags() -> str:
+    return _cpuinfo_line("flags") or platform.processor()
 
 
 def _cpu_vendor() -> str:
     """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD), or "" where there is none."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    line = _cpuinfo_line("vendor_id")
+    return line.split(":", 1)[1].strip() if line else ""
 
 
 def _cpu_flag_set() -> set[str]:

@@ -821,6 +821,25 @@ inline float max_of(const float* p, int64_t n) {
   return mx;
 }
 
+// p[0..n) <- e^(p - mx), kLanes at a time (the tail masked); returns their sum (lane sums, then hsum).
+inline float softmax_numerators(float* p, int64_t n, float mx) {
+  Vec lanes = vzero();
+  for (int64_t j = 0; j < n; j += kLanes) {
+    Vec e = vkeep_first(exp_ps(vadd(vload_first(p + j, n - j), vset1(-mx))), n - j);
+    vstore_first(p + j, e, n - j);
+    lanes = vadd(lanes, e);
+  }
+  return hsum(lanes);
+}
+
+// One query head's attention, D = C * kLanes: scores, softmax, weighted values (p: n + kLanes floats of scratch).
+template <int C>
+inline void attend_head(const float* qh, const float* keys, const float* values, int64_t D, int64_t n, float scale,
+                        float* p, c10::BFloat16* out) {
+  head_scores<C>(qh, keys, D, n, scale, p);
+  head_values<C>(p, softmax_numerators(p, n, max_of(p, n)), values, D, n, out);
+}
+
 // RoPE (rotate halves) in f32 on one head, rounded to bf16: x * cos + [x2, x1] * signed_sin, two products and a
 // sum each rounded to f32 (no FMA contraction here, as torch's unfused ops), kLanes at a time where half the head
 // is a whole number of vectors.
@@ -881,7 +900,7 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
   at::Tensor out = at::zeros({rows, num_heads * D}, qkv.options());
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
   int64_t work_per_pair = (start + m) * D;
-  // head sizes of 1, 2, 4 or 8 vectors: head_scores / head_values (the sums in registers); others: dot per key
+  // head sizes of 1, 2, 4 or 8 vectors: attend_head (the sums in registers); others: a dot product per key
   int64_t vectors = D % kLanes == 0 ? D / kLanes : 0;
   bool fast = vectors == 1 || vectors == 2 || vectors == 4 || vectors == 8;
   specdeploy::step_team::parallel_for(0, m * num_heads, std::max<int64_t>(1, 32768 / std::max<int64_t>(work_per_pair, 1)),
@@ -892,36 +911,20 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
       const float* qh = q.data() + (r * num_heads + h) * D;
       const float* key = kp + g * max_len * D;
       const float* value = vp + g * max_len * D;
-      float mx = -INFINITY;
-      if (fast) {
-        float sc = static_cast<float>(scale);
-        switch (vectors) {
-          case 1: head_scores<1>(qh, key, D, n, sc, p.data()); break;
-          case 2: head_scores<2>(qh, key, D, n, sc, p.data()); break;
-          case 4: head_scores<4>(qh, key, D, n, sc, p.data()); break;
-          default: head_scores<8>(qh, key, D, n, sc, p.data());
-        }
-        mx = max_of(p.data(), n);
-      } else {
-        for (int64_t j = 0; j < n; ++j) mx = std::max(mx, p[j] = dot(qh, key + j * D, D) * static_cast<float>(scale));
-      }
-      Vec lanes = vzero();
-      for (int64_t j = 0; j < n; j += kLanes) {  // e^(s - max), kLanes keys at a time (the tail masked)
-        Vec e = vkeep_first(exp_ps(vadd(vload_first(p.data() + j, n - j), vset1(-mx))), n - j);
-        vstore_first(p.data() + j, e, n - j);
-        lanes = vadd(lanes, e);
-      }
-      float sum = hsum(lanes);
       if (fast) {
         c10::BFloat16* o = op + r * num_heads * D + h * D;
+        float sc = static_cast<float>(scale);
         switch (vectors) {
-          case 1: head_values<1>(p.data(), sum, value, D, n, o); break;
-          case 2: head_values<2>(p.data(), sum, value, D, n, o); break;
-          case 4: head_values<4>(p.data(), sum, value, D, n, o); break;
-          default: head_values<8>(p.data(), sum, value, D, n, o);
+          case 1: attend_head<1>(qh, key, value, D, n, sc, p.data(), o); break;
+          case 2: attend_head<2>(qh, key, value, D, n, sc, p.data(), o); break;
+          case 4: attend_head<4>(qh, key, value, D, n, sc, p.data(), o); break;
+          default: attend_head<8>(qh, key, value, D, n, sc, p.data(), o);
         }
         continue;
       }
+      float mx = -INFINITY;
+      for (int64_t j = 0; j < n; ++j) mx = std::max(mx, p[j] = dot(qh, key + j * D, D) * static_cast<float>(scale));
+      float sum = softmax_numerators(p.data(), n, mx);
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t j = 0; j < n; ++j) {
         float w = p[j] / sum;
