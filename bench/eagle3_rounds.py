@@ -7,7 +7,13 @@ runs within the engine step), the head's time per token, drafted / accepted draf
 cost in target steps is the k run's forward time per pass over the k = 0 run's; the outputs of both must be equal.
 
     .venv/bin/python bench/eagle3_rounds.py [--recipe build/smollm2-135m.yaml] [--count 8] [--max-tokens 64]
-        [--draft-len 3] [--repeats 2] [--compare-team]
+        [--draft-len 3] [--repeats 2] [--compare-team] [--variants static,cost,cost:0]
+
+--concurrency N runs the prompts N at a time through one BatchScheduler (in-flight batching, as served) and times
+the whole set: tokens per second of each variant against the target alone.
+
+--variants runs the k run once per POLICY[:DRAFT_P_MIN] (speculative.policy static or cost, the recipe's
+draft_p_min unless given), each on its own executor (the cost policy's measurements carry over its runs).
 
 --compare-team adds a third run in each turn: the k run without the standing team Executor.generate opens around
 each step (engine/native.standing_team; the head's work included), to see what one wake-up per step instead of one
@@ -60,6 +66,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--compare-team", action="store_true", help="also run k without the standing team (see above)")
+    ap.add_argument("--concurrency", type=int, default=1, help="prompts in flight (see above)")
+    ap.add_argument("--variants", default="", help="POLICY[:DRAFT_P_MIN],... (see above); default: the recipe's")
     args = ap.parse_args(argv)
 
     import torch
@@ -80,31 +88,99 @@ def main(argv=None) -> int:
     head = Eagle3Head.load(layout.eagle3_head_source(recipe.draft.head), engine, recipe.draft.cpu_head_weights)
     tokenizer = AutoTokenizer.from_pretrained(str(models.resolve(recipe.target.model)))
     prompts = chat_prompts(tokenizer, args.count, args.max_tokens)
-    executor = Executor(engine, 2, head=head, draft_p_min=recipe.speculative.draft_p_min)
     k = args.draft_len
-    run_all(executor, prompts[:1], 0, 8, tokenizer.eos_token_id)  # warm-up
-    runs: dict = {0: [], k: [], "no team": []}
+    own = f"{recipe.speculative.policy}:{recipe.speculative.draft_p_min:g}"
+    variants = [v if ":" in v else f"{v}:{recipe.speculative.draft_p_min:g}" for v in args.variants.split(",") if v] or [own]
+    executors = {}
+    for name in ["0"] + variants + (["no team"] if args.compare_team else []):
+        policy, p_min = (own if name in ("0", "no team") else name).split(":")
+        executors[name] = Executor(engine, 2, head=head, draft_p_min=float(p_min), draft_policy=policy)
+        run_all(executors[name], prompts[:1], 0 if name == "0" else k, 8, tokenizer.eos_token_id)  # warm-up
+    runs: dict = {name: [] for name in executors}
     outputs: dict = {}
-    order = [0, k] + (["no team"] if args.compare_team else [])
+    order = list(executors)
     for rep in range(args.repeats):
-        for kk in order if rep % 2 == 0 else order[::-1]:
-            with _standing_team(kk != "no team"):
-                tot, outputs[kk] = run_all(executor, prompts, k if kk == "no team" else kk, args.max_tokens, tokenizer.eos_token_id)
-            runs[kk].append(tot)
-    print(f"{len(prompts)} built-in chat prompts x {args.max_tokens} tokens, {args.threads} threads, draft_p_min "
-          f"{recipe.speculative.draft_p_min}, target {layout.engine('target')}")
+        for name in order if rep % 2 == 0 else order[::-1]:
+            with _standing_team(name != "no team"):
+                if args.concurrency > 1:
+                    tot, outputs[name] = run_batched(executors[name], prompts, 0 if name == "0" else k, args.max_tokens,
+                                                     tokenizer.eos_token_id, args.concurrency)  # fmt: skip
+                else:
+                    tot, outputs[name] = run_all(executors[name], prompts, 0 if name == "0" else k, args.max_tokens, tokenizer.eos_token_id)
+            runs[name].append(tot)
+    if args.concurrency > 1:
+        return report_batched(runs, outputs, order, args.concurrency)
+    print(f"{len(prompts)} built-in chat prompts x {args.max_tokens} tokens, {args.threads} threads, k = {k} "
+          f"(variants POLICY:DRAFT_P_MIN; 0: the target alone), target {layout.engine('target')}")
     for kk in order:
         for t in runs[kk]:
             n, passes = t["out"], max(t["passes"], 1)
-            print(f"k={kk}: {n} tokens after the first, {t['t'] * 1000 / n:.2f} ms/token; {passes} passes, forward "
+            print(f"{kk}: {n} tokens after the first, {t['t'] * 1000 / n:.2f} ms/token; {passes} passes, forward "
                   f"{t['fwd'] * 1000 / passes:.2f} ms/pass (head inside: {t['draft'] * 1000 / passes:.2f} ms/pass); drafted "
                   f"{t['drafted']} accepted {t['accepted']}; {n / passes:.2f} tokens/pass")
-    step = min(t["fwd"] / max(t["passes"], 1) for t in runs[0])
+    step = min(t["fwd"] / max(t["passes"], 1) for t in runs["0"])
+    plain = min(t["t"] / t["out"] for t in runs["0"])
     for kk in order[1:]:
         for t in runs[kk]:
             per_pass = t["fwd"] / max(t["passes"], 1)
-            print(f"k={kk} round: {per_pass / step:.2f} target steps (head {t['draft'] / max(t['passes'], 1) / step:.2f})")
-    same = all(outputs[kk] == outputs[0] for kk in order)
+            print(f"{kk} round: {per_pass / step:.2f} target steps (head {t['draft'] / max(t['passes'], 1) / step:.2f}), "
+                  f"{t['out'] / max(t['passes'], 1):.2f} tokens; {plain / (t['t'] / t['out']):.2f}x the target alone's ms/token")
+    same = all(outputs[kk] == outputs["0"] for kk in order)
+    print("outputs equal to the target alone:", same)
+    return 0 if same else 1
+
+
+def run_batched(executor, prompts, k: int, max_tokens: int, end_id, concurrency: int) -> tuple[dict, list[list[int]]]:
+    """The prompts `concurrency` at a time through one BatchScheduler: wall time of the set, tokens, drafts."""
+    import threading
+
+    from specdeploy.engine.batching import BatchScheduler
+    from specdeploy.engine.request import GenerationRequest
+
+    executor.clear_cache()
+    scheduler = BatchScheduler(executor, concurrency)
+    outputs: list = [None] * len(prompts)
+    stats: list = [None] * len(prompts)
+    next_prompt = iter(range(len(prompts)))
+    lock = threading.Lock()
+
+    def worker():
+        while True:
+            with lock:
+                i = next(next_prompt, None)
+            if i is None:
+                return
+            tokens = []
+            for chunk in scheduler.generate(GenerationRequest(input_ids=list(prompts[i][1]), max_new_tokens=max_tokens, end_id=end_id,
+                                                              num_draft_tokens=k)):  # fmt: skip
+                tokens.extend(chunk.token_ids)
+                if chunk.finished:
+                    stats[i] = chunk.stats
+            outputs[i] = tokens
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    scheduler.close()
+    tot = dict(t=wall, out=sum(len(o) for o in outputs), passes=sum(s.iterations for s in stats), drafted=sum(s.drafted for s in stats),
+               accepted=sum(s.accepted for s in stats))  # fmt: skip
+    return tot, outputs
+
+
+def report_batched(runs: dict, outputs: dict, order: list, concurrency: int) -> int:
+    plain = [t["out"] / t["t"] for t in runs["0"]]
+    print(f"{concurrency} requests in flight (one BatchScheduler), the target alone: "
+          + ", ".join(f"{x:.1f}" for x in plain) + " tokens/s")  # fmt: skip
+    for name in order[1:]:
+        for t in runs[name]:
+            rate = t["out"] / t["t"]
+            print(f"{name}: {rate:.1f} tokens/s ({rate / (sum(plain) / len(plain)):.2f}x), drafted {t['drafted']} accepted "
+                  f"{t['accepted']}, {t['out'] / max(t['passes'], 1):.2f} tokens per request pass")  # fmt: skip
+    same = all(outputs[kk] == outputs["0"] for kk in order)
     print("outputs equal to the target alone:", same)
     return 0 if same else 1
 

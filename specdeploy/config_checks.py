@@ -333,10 +333,6 @@ def _check_eagle3(r: Recipe) -> None:
         raise ConfigError(f"draft.kind eagle3 is not wired for backend {r.backend}: {backend.no_eagle3_because}",
                           f"use backend {able} (trtllm-llmapi: decoding_type Eagle3 with the same head folder), "
                           "or draft.kind model on this backend")  # fmt: skip
-    if not backend.gpu and r.speculative.policy == "cost":
-        raise ConfigError(f"key 'speculative.policy' is cost, but on backend {r.backend} the EAGLE-3 head drafts inside tensorrt_llm "
-                          "(one call per request, the fused loop), which does not consult the cost policy yet",
-                          "set speculative.policy: static (k = num_draft_tokens every round, the schedule and gate apply per request)")  # fmt: skip
     if r.speculative.use_draft_logits and backend.gpu:
         raise ConfigError(f"key 'speculative.use_draft_logits' is true, but TensorRT-LLM's EAGLE-3 on backend {r.backend} "
                           "has no rejection sampling on the head's logits",

@@ -226,7 +226,8 @@ class Session:
             head = load_eagle3_head(recipe, layout, target_engine, recipe_path) if speculative else None
             return cls(
                 load_tokenizer(layout.engine("target"), recipe.target.model),
-                Executor(target_engine, max_cached_sequences, head=head, draft_p_min=recipe.speculative.draft_p_min),
+                Executor(target_engine, max_cached_sequences, head=head, draft_p_min=recipe.speculative.draft_p_min,
+                         draft_policy=recipe.speculative.policy),
                 eagle3=head is not None,
                 deployment=pol.Deployment(pol.PolicySettings.from_recipe(recipe.speculative)),
             )
@@ -277,7 +278,7 @@ class Session:
         comes from the session's policy (recipe speculative.policy), capped by num_draft_tokens."""
         if not self.can_speculate or num_draft_tokens <= 0:
             return target_only_generate(self.target, prompt_ids, max_new_tokens, sampling, self.end_id, self.stop_words)
-        if self.eagle3:  # the fused loop: k = num_draft_tokens every round (no policy yet)
+        if self.eagle3:  # the fused loop: up to num_draft_tokens a round (policy cost: the engine's measured costs decide)
             return fused_generate(self.target, prompt_ids, max_new_tokens, num_draft_tokens, sampling, self.end_id, self.stop_words)
         return spec.speculative_generate(
             self.proposer(),

@@ -189,15 +189,19 @@ class PlainVerifier:
         return self.inner.verify(sequence, [], None, sampling, output_len=max(remaining, 1))
 
 
-def _fused_plain_reason(i: int, k: int, max_draft_len: int, max_tokens: int, emitted: list[int], drafted_rounds: list[int]) -> str:
+def _fused_plain_reason(i: int, k: int, max_draft_len: int, max_tokens: int, emitted: list[int], drafted_rounds: list[int],
+                        policy: str = "static") -> str:
     """Why pass i of a fused EAGLE-3 request (k > 0 chosen) drafted nothing. The prefill pass (i = 0): the head drafts
     from the target's features, which that pass computes (no_proposal). A verification pass: the executor asked the
     head for min(k, max_draft_len, tokens left - 1) drafts (Executor._fused_round); none asked means one token was
-    left (last_token), else the head gave its first draft less than speculative.draft_p_min (draft_p_min)."""
+    left (last_token), else the head gave its first draft less than speculative.draft_p_min (draft_p_min), or with
+    policy cost its first draft did not pay for its row (policy; engine/draft_cost.py)."""
     if i == 0:
         return REASON_NO_PROPOSAL if drafted_rounds else REASON_LAST_TOKEN
     asked = min(k, max_draft_len, max_tokens - sum(emitted[:i]) - 1)
-    return REASON_DRAFT_P_MIN if asked > 0 else REASON_LAST_TOKEN
+    if asked <= 0:
+        return REASON_LAST_TOKEN
+    return REASON_POLICY if policy == "cost" else REASON_DRAFT_P_MIN
 
 
 class BlsOps:
@@ -255,11 +259,13 @@ class BlsOps:
         return k, (metered.reason if k == 0 else None)
 
     def fused_rounds(self, timer: RequestTimer, k: int, max_draft_len: int, max_tokens: int, drafted_rounds: list[int],
-                     accepted_rounds: list[int], n_tokens: int, call_s: float, plain_reason: str | None) -> tuple[list[int], list[int]]:
+                     accepted_rounds: list[int], n_tokens: int, call_s: float, plain_reason: str | None,
+                     policy: str = "static") -> tuple[list[int], list[int]]:
         """One metrics round per target pass of a fused EAGLE-3 call (the head drafts inside the target's model): the
         prefill pass, then each verification pass with its drafted / accepted counts (`drafted_rounds`,
         `accepted_rounds`: the executor's per-pass lists; empty: the request ran plain, one round). The call's time is
         split evenly over its passes. `k`: the draft count the request asked for (0: plain, with `plain_reason`).
+        `policy`: speculative.policy (with cost, a verification pass without drafts is counted under reason policy).
         Returns (k per pass, accepted per pass), the prefill pass first."""
         k_rounds = [0] + drafted_rounds if drafted_rounds else [0]
         a_rounds = [0] + accepted_rounds if drafted_rounds else [0]
@@ -268,7 +274,7 @@ class BlsOps:
             emitted[-1] = max(0, n_tokens - sum(emitted[:-1]))
         per_pass_s = call_s / len(k_rounds)
         for i, (kr, ar, er) in enumerate(zip(k_rounds, a_rounds, emitted)):
-            reason = None if kr else (plain_reason or _fused_plain_reason(i, k, max_draft_len, max_tokens, emitted, drafted_rounds))
+            reason = None if kr else (plain_reason or _fused_plain_reason(i, k, max_draft_len, max_tokens, emitted, drafted_rounds, policy))
             self.recorder.round(timer.arm, kr, ar, er, 0.0, per_pass_s, reason)
         return k_rounds, a_rounds
 

@@ -205,6 +205,12 @@ class Deployment:
             return CostPolicy(self)
         return StaticPolicy(self)
 
+    def fused_request(self) -> "RequestPolicy":
+        """A fused EAGLE-3 call's side (one call per request, the head drafts inside the engine): the schedule and the
+        gate cap its k as in StaticPolicy; with policy cost the engine decides draft by draft inside the call
+        (engine/draft_cost.py)."""
+        return StaticPolicy(self)
+
     def describe(self) -> str:
         s = self.settings
         parts = [s.policy]

@@ -243,10 +243,12 @@ def test_a_drafter_with_the_targets_sampled_answer_gets_every_draft_accepted(tar
     assert partly.token_ids == expected and 0 < partly.stats.accepted < partly.stats.drafted
 
 
-def test_fused_requests_in_flight_batching(target, head_dir):
-    """Several requests' verification rows in one forward_batch: each request's output is the target's own."""
+@pytest.mark.parametrize("policy", ["static", "cost"])
+def test_fused_requests_in_flight_batching(target, head_dir, policy):
+    """Several requests' verification rows in one forward_batch: each request's output is the target's own (the cost
+    policy measures passes of several requests)."""
     plain = Executor(target)
-    scheduler = BatchScheduler(Executor(target, max_cached_sequences=8, head=Eagle3Head.load(head_dir, target)), 4)
+    scheduler = BatchScheduler(Executor(target, max_cached_sequences=8, head=Eagle3Head.load(head_dir, target), draft_policy=policy), 4)
     try:
         requests = [GenerationRequest(prompt_of(10 + i, 4 + 3 * i), 16, num_draft_tokens=1 + i % 4) for i in range(5)]
         requests.append(GenerationRequest(prompt_of(20, 9), 12))  # a plain request in the same batches
@@ -269,6 +271,8 @@ def test_fused_requests_in_flight_batching(target, head_dir):
         for request, tokens in zip(requests, results):
             assert tokens == run(plain, GenerationRequest(request.input_ids, request.max_new_tokens)).token_ids
         assert scheduler.max_active > 1
+        if policy == "cost":
+            assert scheduler.executor.draft_cost.requests >= 1 and len(scheduler.executor.draft_cost.pass_s) > 2
     finally:
         scheduler.close()
 
@@ -291,13 +295,22 @@ class OracleDrafter:
         assert next_tokens == self.reference[self.length + 1 : self.length + 1 + len(next_tokens)]  # the target's tokens
         self.length += len(next_tokens)
 
-    def draft(self, k, p_min=0.0):
+    def draft(self, k, p_min=0.0, rule=None):
         tokens = self.reference[self.length + 1 : self.length + 1 + k]
+        wrong = None
         if self.wrong_every:
             self.drafts += 1
             if self.drafts % self.wrong_every == 0:
                 tokens[-1] = (tokens[-1] + 1) % 512
-        return tokens
+                wrong = len(tokens) - 1
+        if rule is None:
+            return tokens
+        kept = []  # policy cost: the oracle is sure of its right drafts (0.95) and unsure of the wrong one (0.05)
+        for j, token in enumerate(tokens):
+            if (j and not rule.more()) or not rule.verify(0.05 if j == wrong else 0.95):
+                break
+            kept.append(token)
+        return kept
 
 
 class OracleHead:
@@ -322,6 +335,46 @@ def test_a_drafter_with_the_targets_answer_gets_every_draft_accepted(target, k):
     assert s.iterations == 1 + -(-20 // (k + 1))  # prefill, then k + 1 tokens per pass
     partly = run(Executor(target, head=OracleHead(prompt + expected, 2)), GenerationRequest(prompt, 21, num_draft_tokens=k))
     assert partly.token_ids == expected and 0 < partly.stats.accepted < partly.stats.drafted
+
+
+def test_policy_cost_verifies_the_drafts_that_pay_and_stays_the_target(target):
+    """policy cost (engine/draft_cost.py): the oracle is sure (0.95) of its right drafts and unsure (0.05) of the one
+    it gets wrong every second round; the static policy verifies every draft and has some rejected, the cost policy
+    verifies the sure ones only: every draft it verifies is accepted, in fewer passes than plain steps. Both give
+    the target's own tokens; the cost model measured the passes and calibrated the head's probabilities."""
+    prompt = prompt_of(6, 7)
+    expected = run(Executor(target), GenerationRequest(prompt, 21)).token_ids
+    static = run(Executor(target, head=OracleHead(prompt + expected, 2)), GenerationRequest(prompt, 21, num_draft_tokens=3))
+    assert static.token_ids == expected and 0 < static.stats.accepted < static.stats.drafted
+    executor = Executor(target, head=OracleHead(prompt + expected, 2), draft_policy="cost")
+    got = run(executor, GenerationRequest(prompt, 21, num_draft_tokens=3))
+    s = got.stats
+    assert got.token_ids == expected
+    assert s.accepted == s.drafted > 0 and s.iterations < len(expected)
+    cost = executor.draft_cost
+    assert cost.pass_s.keys() >= {len(prompt), 1}  # the prefill and plain rounds' passes among those timed
+    sure, unsure = cost.calibration[-1], cost.calibration[0]
+    assert sure.successes == sure.trials > 0 and unsure.trials == 0  # every sure draft verified and accepted
+    assert executor.draft_policy == "cost" and Executor(target).draft_policy == "static"
+
+
+@pytest.mark.parametrize("policy", ["static", "cost"])
+def test_a_random_head_under_either_policy_is_the_target(target, head_dir, policy):
+    """A random head (first drafts at a few percent) under the cost policy: the rule counts the rounds it cut, and the
+    output is the target's; static drafts every round."""
+    plain = Executor(target)
+    for seed in (0, 1):
+        prompt = prompt_of(seed, 11)
+        expected = run(plain, GenerationRequest(prompt, 24)).token_ids
+        executor = Executor(target, head=Eagle3Head.load(head_dir, target), draft_policy=policy)
+        got = run(executor, GenerationRequest(prompt, 24, num_draft_tokens=3))
+        s = got.stats
+        assert got.token_ids == expected
+        assert sum(s.drafted_per_round) == s.drafted and s.accepted <= s.drafted
+        if policy == "static":
+            assert min(s.drafted_per_round) == 3 or s.drafted_per_round[-1] < 3
+        else:
+            assert s.drafted < 3 * len(s.drafted_per_round) and executor.draft_cost.pass_s
 
 
 # ---------------------------------------------------------------- the head's confidence cut-off (draft_p_min)
@@ -360,7 +413,7 @@ def _first_draft_probabilities(head, executor, prompt, n) -> list[float]:
     def new_drafter(*args, **kwargs):
         drafter = real_new(*args, **kwargs)
         real_draft = drafter.draft
-        drafter.draft = lambda k, p_min=0.0: seen.append(_first_draft_probability(drafter)) or real_draft(k, p_min)
+        drafter.draft = lambda k, p_min=0.0, rule=None: seen.append(_first_draft_probability(drafter)) or real_draft(k, p_min, rule)
         return drafter
 
     head.new_drafter = new_drafter

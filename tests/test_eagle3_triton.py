@@ -262,14 +262,12 @@ def test_a_head_of_another_hidden_size_is_refused_at_repo(built, tmp_path):
     assert not Path(moved.repo).exists()
 
 
-def test_config_refuses_what_eagle3_on_cpu_does_not_have(built):
+def test_config_takes_the_cost_policy_and_the_llmapi_layout_for_eagle3_on_cpu(built):
     from specdeploy.config import to_plain
     from specdeploy.config_loader import parse_recipe
-    from specdeploy.errors import ConfigError
 
     raw = to_plain(built[0])
-    with pytest.raises(ConfigError, match="policy"):
-        parse_recipe({**raw, "speculative": {**raw["speculative"], "policy": "cost"}})
+    assert parse_recipe({**raw, "speculative": {**raw["speculative"], "policy": "cost"}}).speculative.policy == "cost"  # served: below
     assert parse_recipe({**raw, "triton": {**raw["triton"], "layout": "llmapi"}}).layout == "llmapi"  # served: test below
 
 
@@ -312,11 +310,13 @@ def test_config_bounds_draft_p_min_to_the_head_on_cpu(built):
     assert "speculative.draft_p_min: 0 on this backend, or use backend cpu" in err.value.hint
 
 
-def test_served_draft_p_min_reaches_the_head_inside_tensorrt_llm(built, tmp_path):
-    """speculative.draft_p_min travels to the served tensorrt_llm model (its config parameter): at 0.99, which this
-    random head never reaches, the speculative entry point drafts nothing and answers as the control does; the
-    same deployment without it drafts (test_greedy_parity_and_draft_counters_match_metrics). The metrics say why
-    each pass was plain: draft_p_min for the verification passes, not last_token (at most one per request)."""
+@pytest.mark.parametrize("cut", ["draft_p_min", "cost"])
+def test_served_draft_cut_reaches_the_head_inside_tensorrt_llm(built, tmp_path, cut):
+    """speculative.draft_p_min and policy cost travel to the served tensorrt_llm model (its config parameters): at a
+    p_min of 0.99, which this random head never reaches, the speculative entry point drafts nothing, and the metrics
+    say why each verification pass was plain (draft_p_min, not last_token: at most one per request); under the cost
+    policy the random head's drafts seldom go past the first (the deployment with neither drafts k = 3 every round,
+    test_greedy_parity_and_draft_counters_match_metrics). Either answers as the control does."""
     from specdeploy import backend_stages, metrics
     from specdeploy.triton import server
 
@@ -324,29 +324,38 @@ def test_served_draft_p_min_reaches_the_head_inside_tensorrt_llm(built, tmp_path
 
     recipe, layout, _, head = built
     model_dir = Path(recipe.target.model)
-    recipe, layout, recipe_path = _deployment(tmp_path / "pmin", model_dir, head, speculative={"draft_p_min": 0.99})
+    speculative = {"draft_p_min": 0.99} if cut == "draft_p_min" else {"policy": "cost"}
+    recipe, layout, recipe_path = _deployment(tmp_path / cut, model_dir, head, speculative=speculative)
     repo, _ = backend_stages.of(recipe).write_repository(recipe, layout, recipe_path=str(recipe_path))
     config = (Path(repo) / "tensorrt_llm" / "config.pbtxt").read_text()
     assert 'key: "eagle3_draft_p_min"' in config
     assert 'key: "eagle3_head_weights"' in config and 'string_value: "int8"' in config  # draft.head_weights auto
+    assert 'key: "eagle3_policy"' in config and f'string_value: "{recipe.speculative.policy}"' in config
+    reason = metrics.REASON_DRAFT_P_MIN if cut == "draft_p_min" else metrics.REASON_POLICY
     srv = server.start(repo, server.Ports.pick(), Path(layout.server_state) / "tritonserver.log", exit_timeout_s=3)
     try:
         server.wait_ready(srv, SERVER_READY_TIMEOUT_S)
         client = grpc.InferenceServerClient(srv.state.grpc_url)
         baseline = metrics.scrape(srv.state.metrics_url)
+        drafted = 0
         for chat in CHATS[:2]:
             prompt = chat_text(chat)
             control = _bls(client, prompt).as_numpy("text_output").reshape(-1)[0].decode()
             r = _bls(client, prompt, num_draft_tokens=3)
             assert r.as_numpy("text_output").reshape(-1)[0].decode() == control
-            assert _count(r, "total_draft_tokens") == 0
+            drafted += _count(r, "total_draft_tokens")
         client.close()
         window = _scrape_until(srv.state.metrics_url, baseline, lambda w: w.sum(metrics.REQUESTS.name, arm="speculative") >= 2)
-        off = {reason: window.sum(metrics.ROUNDS.name, arm="speculative", reason=reason)
-               for reason in (metrics.REASON_NO_PROPOSAL, metrics.REASON_DRAFT_P_MIN, metrics.REASON_LAST_TOKEN)}
+        off = {why: window.sum(metrics.ROUNDS.name, arm="speculative", reason=why)
+               for why in (metrics.REASON_NO_PROPOSAL, reason, metrics.REASON_LAST_TOKEN)}
         assert off[metrics.REASON_NO_PROPOSAL] == 2  # each request's prefill pass
-        assert off[metrics.REASON_DRAFT_P_MIN] > 0 and off[metrics.REASON_LAST_TOKEN] <= 2, off
-        assert sum(off.values()) == window.sum(metrics.TARGET_PASSES.name, arm="speculative")
+        assert off[metrics.REASON_LAST_TOKEN] <= 2, off
+        assert window.sum(metrics.DRAFT_TOKENS.name, arm="speculative") == drafted
+        if cut == "draft_p_min":
+            assert off[reason] > 0 and drafted == 0 and sum(off.values()) == window.sum(metrics.TARGET_PASSES.name, arm="speculative")
+        else:  # its drafts rarely go past the first: a second head step is worth it only after a likely first draft
+            per_position = window.by_label(metrics.DRAFT_TOKENS_PER_POS.name, "position", arm="speculative")
+            assert per_position.get("1", 0.0) < per_position["0"] / 2, per_position
     finally:
         srv.stop()
 
@@ -365,10 +374,12 @@ def _llmapi_infer(client, model: str, prompt: str, max_tokens: int = MAX_TOKENS)
     return {o.name: result.as_numpy(o.name) for o in result.get_response().outputs}
 
 
-def test_llmapi_layout_runs_the_head_inside_the_speculative_model(built, tmp_path):
+@pytest.mark.parametrize("policy", ["static", "cost"])
+def test_llmapi_layout_runs_the_head_inside_the_speculative_model(built, tmp_path, policy):
     """triton.layout llmapi on cpu: model.yaml's speculative_config names the head (decoding_type Eagle3, copied into
     the repository), tensorrt_llm drafts with it inside and answers as tensorrt_llm_control (the target alone) does,
-    its acceptance outputs and the metrics endpoint count the same drafts, and each pass is a metrics round."""
+    its acceptance outputs and the metrics endpoint count the same drafts, and each pass is a metrics round; under
+    policy cost (the model's speculation_policy parameter) the head's drafts stop where they stop paying."""
     from specdeploy import backend_stages, metrics
     from specdeploy.llmapi_versions import llmapi_version
     from specdeploy.triton import server
@@ -378,7 +389,7 @@ def test_llmapi_layout_runs_the_head_inside_the_speculative_model(built, tmp_pat
     _, _, _, head = built
     model_dir = Path(built[0].target.model)
     recipe, layout, recipe_path = _deployment(tmp_path / "llmapi", model_dir, head, triton={"layout": "llmapi"},
-                                              speculative={"draft_p_min": 0.0})  # fmt: skip
+                                              speculative={"draft_p_min": 0.0, "policy": policy})  # fmt: skip
     repo, _ = backend_stages.of(recipe).write_repository(recipe, layout, recipe_path=str(recipe_path))
     options = yaml.safe_load((Path(repo) / "tensorrt_llm" / "1" / "model.yaml").read_text())
     spec = options["speculative_config"]
@@ -406,6 +417,9 @@ def test_llmapi_layout_runs_the_head_inside_the_speculative_model(built, tmp_pat
         window = _scrape_until(srv.state.metrics_url, baseline, lambda w: w.sum(metrics.REQUESTS.name, arm="speculative") >= len(CHATS))
         assert window.sum(metrics.DRAFT_TOKENS.name, arm="speculative") == drafted
         assert window.sum(metrics.ACCEPTED_TOKENS.name, arm="speculative") == accepted
+        per_position = window.by_label(metrics.DRAFT_TOKENS_PER_POS.name, "position", arm="speculative")
+        if policy == "cost":  # the random head's drafts seldom go past the first (static: k = 3 every round)
+            assert per_position.get("1", 0.0) < per_position["0"] / 2, per_position
         rounds = window.sum(metrics.ROUNDS.name, arm="speculative")
         assert rounds == window.sum(metrics.TARGET_PASSES.name, arm="speculative") > window.sum(metrics.DRAFTS.name, arm="speculative") > 0
         assert window.sum(metrics.ROUNDS.name, arm="speculative", reason=metrics.REASON_NO_PROPOSAL) == len(CHATS)  # the prefills

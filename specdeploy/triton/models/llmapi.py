@@ -84,7 +84,7 @@ class TritonPythonModel:
                 if key is None:
                     raise pb_utils.TritonModelException(f"{self.name}: speculative_config names no EAGLE-3 head ({' or '.join(DRAFT_MODEL_KEYS)})")
                 self.target = common.with_eagle3_head(self.target, speculative[key], float(params.get("eagle3_draft_p_min") or 0.0),
-                                                      params.get("eagle3_head_weights") or "bf16")
+                                                      params.get("eagle3_head_weights") or "bf16", params.get("speculation_policy") or "static")
                 self.eagle3 = True
             elif kind == "NGram":
                 # TensorRT-LLM's fields from speculative_config; specdeploy's own minimum from the model's parameters
@@ -213,7 +213,7 @@ class TritonPythonModel:
         """draft.kind eagle3: one call of the target's executor with the head inside, k = max_draft_len (0 on the
         canary's control arm), capped by the static policy (schedule, gate); the metrics get one round per target
         pass afterwards (metrics.BlsOps.fused_rounds), as in tensorrt_llm_bls."""
-        k, plain_reason = self.ops.fused_k(timer, self.max_draft_len, self.max_draft_len, self.deployment.request(), self.deployment)
+        k, plain_reason = self.ops.fused_k(timer, self.max_draft_len, self.max_draft_len, self.deployment.fused_request(), self.deployment)
         started = time.perf_counter()
         stats = None
         for item in fused_generate(self.target, job["prompt_ids"], job["max_tokens"], k, job["sampling"], self.end_id,
@@ -223,7 +223,7 @@ class TritonPythonModel:
             yield item
         if stats is not None:
             self.ops.fused_rounds(timer, k, self.max_draft_len, job["max_tokens"], stats.k_per_round, stats.accepted_per_round,
-                                  stats.output_tokens, time.perf_counter() - started, plain_reason)  # fmt: skip
+                                  stats.output_tokens, time.perf_counter() - started, plain_reason, self.deployment.settings.policy)  # fmt: skip
 
     def _run(self, job, check, timer, arrival_ns, emit) -> bool:
         times = {"arrival": arrival_ns, "scheduled": time.time_ns(), "first": None}

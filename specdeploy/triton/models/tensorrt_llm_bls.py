@@ -247,7 +247,7 @@ class TritonPythonModel:
         wants_logits = job["return_context_logits"] or job["return_generation_logits"]
         # the static policy: schedule and gate may turn it off
         k, plain_reason = self.ops.fused_k(ops, 0 if wants_logits else job["num_draft_tokens"], self.max_draft_len,
-                                           self.deployment.request(), self.deployment)  # fmt: skip
+                                           self.deployment.fused_request(), self.deployment)  # fmt: skip
         extra = {
             "bad_words_list": job["bad_words_list"][None],
             "stop_words_list": job["stop_words_list"][None],
@@ -271,7 +271,7 @@ class TritonPythonModel:
         flat = lambda name: [int(x) for a in outputs.get(name, []) for x in a.reshape(-1)]  # noqa: E731
         drafted_rounds, accepted_rounds = flat("draft_tokens_per_round"), flat("accepted_draft_tokens_per_round")
         k_rounds, a_rounds = self.ops.fused_rounds(ops, k, self.max_draft_len, job["max_tokens"], drafted_rounds, accepted_rounds,
-                                                   len(tokens), call_s, plain_reason)  # fmt: skip
+                                                   len(tokens), call_s, plain_reason, self.deployment.settings.policy)  # fmt: skip
         record = Record()
         log_probs = [float(x) for a in outputs.get("output_log_probs", []) for x in a.reshape(-1)] if job["return_log_probs"] else None
         if outputs.get("context_logits"):
