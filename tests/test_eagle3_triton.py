@@ -315,8 +315,9 @@ def test_served_draft_cut_reaches_the_head_inside_tensorrt_llm(built, tmp_path, 
     """speculative.draft_p_min and policy cost travel to the served tensorrt_llm model (its config parameters): at a
     p_min of 0.99, which this random head never reaches, the speculative entry point drafts nothing, and the metrics
     say why each verification pass was plain (draft_p_min, not last_token: at most one per request); under the cost
-    policy the random head's drafts seldom go past the first (the deployment with neither drafts k = 3 every round,
-    test_greedy_parity_and_draft_counters_match_metrics). Either answers as the control does."""
+    policy the random head's rounds (one token each, for the head's work and a pass of k + 1 rows) cost more than
+    plain ones, so the engine goes plain, counted under reason policy (the deployment with neither drafts k = 3
+    every round, test_greedy_parity_and_draft_counters_match_metrics). Either answers as the control does."""
     from specdeploy import backend_stages, metrics
     from specdeploy.triton import server
 
@@ -351,11 +352,9 @@ def test_served_draft_cut_reaches_the_head_inside_tensorrt_llm(built, tmp_path, 
         assert off[metrics.REASON_NO_PROPOSAL] == 2  # each request's prefill pass
         assert off[metrics.REASON_LAST_TOKEN] <= 2, off
         assert window.sum(metrics.DRAFT_TOKENS.name, arm="speculative") == drafted
+        assert off[reason] > 0
         if cut == "draft_p_min":
-            assert off[reason] > 0 and drafted == 0 and sum(off.values()) == window.sum(metrics.TARGET_PASSES.name, arm="speculative")
-        else:  # its drafts rarely go past the first: a second head step is worth it only after a likely first draft
-            per_position = window.by_label(metrics.DRAFT_TOKENS_PER_POS.name, "position", arm="speculative")
-            assert per_position.get("1", 0.0) < per_position["0"] / 2, per_position
+            assert drafted == 0 and sum(off.values()) == window.sum(metrics.TARGET_PASSES.name, arm="speculative")
     finally:
         srv.stop()
 
@@ -379,7 +378,8 @@ def test_llmapi_layout_runs_the_head_inside_the_speculative_model(built, tmp_pat
     """triton.layout llmapi on cpu: model.yaml's speculative_config names the head (decoding_type Eagle3, copied into
     the repository), tensorrt_llm drafts with it inside and answers as tensorrt_llm_control (the target alone) does,
     its acceptance outputs and the metrics endpoint count the same drafts, and each pass is a metrics round; under
-    policy cost (the model's speculation_policy parameter) the head's drafts stop where they stop paying."""
+    policy cost (the model's speculation_policy parameter) the engine goes plain once the random head's rounds are
+    found to cost more per token than plain ones (reason policy)."""
     from specdeploy import backend_stages, metrics
     from specdeploy.llmapi_versions import llmapi_version
     from specdeploy.triton import server
@@ -411,15 +411,15 @@ def test_llmapi_layout_runs_the_head_inside_the_speculative_model(built, tmp_pat
             assert out["text_output"][0].decode() == control["text_output"][0].decode() and control["text_output"][0], prompt
             assert int(control["total_draft_tokens"][0]) == 0
             d, a = int(out["total_draft_tokens"][0]), int(out["total_accepted_draft_tokens"][0])
-            assert d > 0 and 0 <= a <= d, (prompt, d, a)
+            assert (d > 0 or policy == "cost") and 0 <= a <= d, (prompt, d, a)  # cost: plain once drafting does not pay
             drafted, accepted = drafted + d, accepted + a
         client.close()
         window = _scrape_until(srv.state.metrics_url, baseline, lambda w: w.sum(metrics.REQUESTS.name, arm="speculative") >= len(CHATS))
         assert window.sum(metrics.DRAFT_TOKENS.name, arm="speculative") == drafted
         assert window.sum(metrics.ACCEPTED_TOKENS.name, arm="speculative") == accepted
-        per_position = window.by_label(metrics.DRAFT_TOKENS_PER_POS.name, "position", arm="speculative")
-        if policy == "cost":  # the random head's drafts seldom go past the first (static: k = 3 every round)
-            assert per_position.get("1", 0.0) < per_position["0"] / 2, per_position
+        assert drafted > 0
+        plain_by_policy = window.sum(metrics.ROUNDS.name, arm="speculative", reason=metrics.REASON_POLICY)
+        assert (plain_by_policy > 0) == (policy == "cost")  # cost: the random head's one-token rounds do not pay
         rounds = window.sum(metrics.ROUNDS.name, arm="speculative")
         assert rounds == window.sum(metrics.TARGET_PASSES.name, arm="speculative") > window.sum(metrics.DRAFTS.name, arm="speculative") > 0
         assert window.sum(metrics.ROUNDS.name, arm="speculative", reason=metrics.REASON_NO_PROPOSAL) == len(CHATS)  # the prefills
