@@ -11,17 +11,16 @@ The static policy verifies k = num_draft_tokens drafts every round (cut at the f
   - cal(p): how often the target accepted a draft the head gave probability p (ten bins, decayed counts, the
     bin's lower edge as prior: the shipped head's measured acceptance lies above p in every bin, README of
     specdeploy/data/heads/, so the prior errs on the side of a plain step), and abar: how often a draft after an
-    accepted one was accepted.
+    accepted one was accepted;
+  - tau: what a token costs now, engine-wide: a request's seconds per token over its recent drafting rounds (the
+    round's head work and its pass; decayed sums), over the requests that share a pass (before any: V(n) / n).
 
-  - tau: what a token costs now, engine-wide: a request's seconds per token over its recent rounds (the round's
-    head work and its pass), over the requests that share a pass (before any round: V(1)).
-
-Whether to draft at all: a fused round costs more than its rows (the head catches up on every position and the pass
-captures its features), so when the requests' measured tau is not SPECULATION_MARGIN below what a token costs
-plainly (a plain round's measured seconds over the n requests sharing a pass; before one is measured V(n) / n, so
-the first comparison falls back and measures it), the rounds go plain, the head idle, for PLAIN_ROUNDS request
-rounds (doubling after each probe that does not pay, up to MAX_PLAIN_ROUNDS), then PROBE_ROUNDS rounds draft to
-measure tau again; the head catches up on the skipped positions in one pass of its own when drafting resumes.
+Whether to draft at all: a fused round costs more than its rows (the head catches up on every position), so when
+tau is not SPECULATION_MARGIN below what a token costs plainly (a plain round's measured seconds over the n requests
+sharing a pass; before one is measured V(n) / n, so the first comparison falls back and measures it), the rounds go
+plain, the head idle, for PLAIN_ROUNDS request rounds (doubling after each probe that does not pay, up to
+MAX_PLAIN_ROUNDS), then PROBE_ROUNDS rounds draft to measure tau again; the head catches up on the skipped positions
+in one pass of its own when drafting resumes.
 
 A draft's survival s_j = cal(p_1) ... cal(p_j) is the chance that it and every draft before it are accepted, its
 expected tokens. Maximising tokens per second over many rounds, an action pays when it buys tokens cheaper than
