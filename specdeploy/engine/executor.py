@@ -474,7 +474,8 @@ class Executor:
         k = max(0, min(request.num_draft_tokens, self.max_draft_len, request.max_new_tokens - produced - 1))
         rule = self.draft_cost.round() if self.draft_cost is not None and k else None
         plain = rule is not None and not rule.speculate()  # policy cost: drafting does not pay now, nor does the head's work
-        if plain:
+        idle = plain or k == 0  # no drafts this round (also the last token's): the head catches up later, if ever
+        if idle:
             draft, rule = [], None
         else:
             drafter.truncate(length - pending_aux.shape[0])  # pending_aux: the positions the head has not seen yet
@@ -497,10 +498,10 @@ class Executor:
         entry.cache.truncate(length + 1 + accepted)  # the rejected drafts' KV: the pointer moves back
         del entry.tokens[length + 1 + accepted :]
         kept = aux_parts[0][: accepted + 1]  # [a + 1, L * hidden] positions length..length+a
-        pending_aux = torch.cat([pending_aux, kept]) if plain else kept  # a plain round: the head catches up later
+        pending_aux = torch.cat([pending_aux, kept]) if idle else kept  # the head has not seen these positions yet
         stats.drafted += k
         stats.accepted += accepted
-        stats.drafted_per_round.append(k)  # 0: a plain step (one token was left to generate)
+        stats.drafted_per_round.append(k)  # 0: a plain step (one token left, the head unsure, or the cost policy)
         stats.accepted_per_round.append(accepted)
         if k:
             _count(stats.drafted_per_position, k, k)
