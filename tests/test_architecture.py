@@ -62,6 +62,7 @@ LAYER_OF = {
     "engine.logits": "runtime",
     "engine.request": "runtime",  # what crosses the executor's seam: GenerationRequest, GenerationChunk, GenerationStats
     "engine.kv_pool": "runtime",  # the pool of finished sequences' KV caches (prefix reuse)
+    "engine.draft_cost": "runtime",  # speculative.policy cost inside the fused EAGLE-3 loop
     "engine.executor": "runtime",
     "engine.batching": "runtime",  # BatchScheduler: in-flight batching over one Executor
     "generate": "runtime",
