@@ -12,8 +12,8 @@ cost in target steps is the k run's forward time per pass over the k = 0 run's; 
 --concurrency N runs the prompts N at a time through one BatchScheduler (in-flight batching, as served) and times
 the whole set: tokens per second of each variant against the target alone.
 
---variants runs the k run once per POLICY[:DRAFT_P_MIN] (speculative.policy static or cost, the recipe's
-draft_p_min unless given), each on its own executor (the cost policy's measurements carry over its runs).
+--variants runs the k run once per POLICY[:DRAFT_P_MIN[:K]] (speculative.policy static or cost, the recipe's
+draft_p_min and --draft-len unless given), each on its own executor (the cost policy's measurements carry over its runs).
 
 --compare-team adds a third run in each turn: the k run without the standing team Executor.generate opens around
 each step (engine/native.standing_team; the head's work included), to see what one wake-up per step instead of one
@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--compare-team", action="store_true", help="also run k without the standing team (see above)")
     ap.add_argument("--concurrency", type=int, default=1, help="prompts in flight (see above)")
-    ap.add_argument("--variants", default="", help="POLICY[:DRAFT_P_MIN],... (see above); default: the recipe's")
+    ap.add_argument("--variants", default="", help="POLICY[:DRAFT_P_MIN[:K]],... (see above); default: the recipe's")
     args = ap.parse_args(argv)
 
     import torch
@@ -91,11 +91,12 @@ def main(argv=None) -> int:
     k = args.draft_len
     own = f"{recipe.speculative.policy}:{recipe.speculative.draft_p_min:g}"
     variants = [v if ":" in v else f"{v}:{recipe.speculative.draft_p_min:g}" for v in args.variants.split(",") if v] or [own]
-    executors = {}
+    executors, draft_len = {}, {"0": 0}
     for name in ["0"] + variants + (["no team"] if args.compare_team else []):
-        policy, p_min = (own if name in ("0", "no team") else name).split(":")
+        policy, p_min, *kk = (own if name in ("0", "no team") else name).split(":")
         executors[name] = Executor(engine, 2, head=head, draft_p_min=float(p_min), draft_policy=policy)
-        run_all(executors[name], prompts[:1], 0 if name == "0" else k, 8, tokenizer.eos_token_id)  # warm-up
+        draft_len.setdefault(name, int(kk[0]) if kk else k)
+        run_all(executors[name], prompts[:1], draft_len[name], 8, tokenizer.eos_token_id)  # warm-up
     runs: dict = {name: [] for name in executors}
     outputs: dict = {}
     order = list(executors)
@@ -103,15 +104,15 @@ def main(argv=None) -> int:
         for name in order if rep % 2 == 0 else order[::-1]:
             with _standing_team(name != "no team"):
                 if args.concurrency > 1:
-                    tot, outputs[name] = run_batched(executors[name], prompts, 0 if name == "0" else k, args.max_tokens,
+                    tot, outputs[name] = run_batched(executors[name], prompts, draft_len[name], args.max_tokens,
                                                      tokenizer.eos_token_id, args.concurrency)  # fmt: skip
                 else:
-                    tot, outputs[name] = run_all(executors[name], prompts, 0 if name == "0" else k, args.max_tokens, tokenizer.eos_token_id)
+                    tot, outputs[name] = run_all(executors[name], prompts, draft_len[name], args.max_tokens, tokenizer.eos_token_id)
             runs[name].append(tot)
     if args.concurrency > 1:
         return report_batched(runs, outputs, order, args.concurrency)
     print(f"{len(prompts)} built-in chat prompts x {args.max_tokens} tokens, {args.threads} threads, k = {k} "
-          f"(variants POLICY:DRAFT_P_MIN; 0: the target alone), target {layout.engine('target')}")
+          f"(variants POLICY:DRAFT_P_MIN[:K]; 0: the target alone), target {layout.engine('target')}")
     for kk in order:
         for t in runs[kk]:
             n, passes = t["out"], max(t["passes"], 1)
