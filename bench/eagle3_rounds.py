@@ -91,16 +91,17 @@ def main(argv=None) -> int:
     k = args.draft_len
     own = f"{recipe.speculative.policy}:{recipe.speculative.draft_p_min:g}"
     variants = [v if ":" in v else f"{v}:{recipe.speculative.draft_p_min:g}" for v in args.variants.split(",") if v] or [own]
-    executors, draft_len = {}, {"0": 0}
-    for name in ["0"] + variants + (["no team"] if args.compare_team else []):
-        policy, p_min, *kk = (own if name in ("0", "no team") else name).split(":")
+    executors, draft_len = {"0": None}, {"0": 0}
+    for name in variants + (["no team"] if args.compare_team else []):
+        policy, p_min, *kk = (own if name == "no team" else name).split(":")
         executors[name] = Executor(engine, 2, head=head, draft_p_min=float(p_min), draft_policy=policy)
-        draft_len.setdefault(name, int(kk[0]) if kk else k)
+        draft_len[name] = int(kk[0]) if kk else k
         run_all(executors[name], prompts[:1], draft_len[name], 8, tokenizer.eos_token_id)  # warm-up
     # the target alone runs on the first variant's executor, as target-alone and fused requests share one in a server
     # (and as this script did before --variants: with two executors a round measured 1.43-1.61 steps against 1.28-1.43
     # here the same hour, within this VM's noise or not)
     executors["0"] = executors[variants[0]]
+    run_all(executors["0"], prompts[:1], 0, 8, tokenizer.eos_token_id)  # warm-up
     runs: dict = {name: [] for name in executors}
     outputs: dict = {}
     order = list(executors)

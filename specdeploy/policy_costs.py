@@ -92,13 +92,13 @@ class CostModel:
         if outcome.first_round:  # prefill time says nothing about a round's cost
             return
         if outcome.is_run:
-            self.plain_token_s = _ewma(self.plain_token_s, outcome.target_time_s / outcome.emitted)
+            self.plain_token_s = ewma(self.plain_token_s, outcome.target_time_s / outcome.emitted)
             return
         rows = outcome.rows
-        self.verify_s[rows] = _ewma(self.verify_s.get(rows), outcome.target_time_s)
+        self.verify_s[rows] = ewma(self.verify_s.get(rows), outcome.target_time_s)
         self.verify_n[rows] = self.verify_n.get(rows, 0) + 1
         if outcome.k > 0 and outcome.draft_fresh:
-            self.draft_s[outcome.k] = _ewma(self.draft_s.get(outcome.k), outcome.draft_time_s)
+            self.draft_s[outcome.k] = ewma(self.draft_s.get(outcome.k), outcome.draft_time_s)
 
     def round_seconds(self, k: int) -> float | None:
         """Predicted seconds of a round with k draft tokens; k = 0 is one plain token, at the cheaper of
@@ -135,7 +135,8 @@ class CostModel:
         return best[1]
 
 
-def _ewma(old: float | None, new: float) -> float:
+def ewma(old: float | None, new: float) -> float:
+    """The decayed mean with a new sample (COST_EWMA); the sample itself when there is none yet."""
     return new if old is None else (1.0 - COST_EWMA) * old + COST_EWMA * new
 
 

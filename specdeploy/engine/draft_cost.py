@@ -37,7 +37,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from specdeploy.policy_costs import COST_EWMA, PRIOR_VERIFY_SLOPE, SPECULATION_MARGIN
+from specdeploy.policy_costs import PRIOR_VERIFY_SLOPE, SPECULATION_MARGIN, ewma
 
 BINS = 10  # cal(p) in bins of 0.1
 CAL_DECAY = 0.995  # weight of earlier drafts in a bin, per new draft there
@@ -86,7 +86,8 @@ class _Ratio:
 
 @dataclass
 class DraftCost:
-    """One engine's measurements and the rule above. `round(n)` hands each round a `DraftRound`."""
+    """One engine's measurements and the rule above: `speculate()` says whether a round drafts, `round()` hands a
+    drafting round its `DraftRound`."""
 
     clock: object = time.perf_counter
     pass_s: dict[int, float] = field(default_factory=dict)  # rows of a pass -> seconds (decayed mean)
@@ -99,6 +100,7 @@ class DraftCost:
     plain_left: int = 0  # request rounds still to go plain
     probe_left: int = 0  # drafting rounds still to go before deciding again
     plain_rounds: int = PLAIN_ROUNDS  # the next fallback's length
+    _line: tuple[float, float] | None = field(default=None, repr=False)  # line() until the next pass is timed
 
     def speculate(self) -> bool:
         """Whether this round drafts (see the module's docstring); counts the round."""
@@ -122,9 +124,9 @@ class DraftCost:
         return False
 
     def observe_pass(self, rows: int, seconds: float, requests: int) -> None:
-        old = self.pass_s.get(rows)
-        self.pass_s[rows] = seconds if old is None else (1.0 - COST_EWMA) * old + COST_EWMA * seconds
+        self.pass_s[rows] = ewma(self.pass_s.get(rows), seconds)
         self.requests = max(1, requests)
+        self._line = None
 
     def observe_round(self, seconds: float, tokens: int) -> None:
         """One request's drafting round: its head work and its pass took `seconds` and gave `tokens`."""
@@ -147,17 +149,24 @@ class DraftCost:
         return (per_token if per_token is not None else self.pass_seconds(self.requests)) / self.requests
 
     def observe_head_step(self, seconds: float) -> None:
-        old = self.head_step_s
-        self.head_step_s = seconds if old is None else (1.0 - COST_EWMA) * old + COST_EWMA * seconds
+        self.head_step_s = ewma(self.head_step_s, seconds)
+
+    def bin_of(self, draft_prob: float) -> _Rate:
+        return self.calibration[min(BINS - 1, max(0, int(draft_prob * BINS)))]
 
     def accepted_share(self, draft_prob: float) -> float:
         """cal(p): the measured share of drafts with the head's probability p that the target accepted."""
-        return self.calibration[min(BINS - 1, max(0, int(draft_prob * BINS)))].rate()
+        return self.bin_of(draft_prob).rate()
 
     def line(self) -> tuple[float, float]:
         """(V(1), seconds per further row): a least-squares line through the measured passes of up to FIT_ROWS rows
         (all of them when none is that short); one row count: the prior slope through it; none: (1, prior slope), in
-        units of a one-row pass."""
+        units of a one-row pass. Computed once per timed pass (a round asks for it several times)."""
+        if self._line is None:
+            self._line = self._fit()
+        return self._line
+
+    def _fit(self) -> tuple[float, float]:
         points = [(r, s) for r, s in self.pass_s.items() if r <= FIT_ROWS] or list(self.pass_s.items())
         if not points:
             return 1.0, PRIOR_VERIFY_SLOPE
@@ -194,7 +203,6 @@ class DraftRound:
 
     def __init__(self, cost: DraftCost):
         self.cost = cost
-        self.speculate = cost.speculate
         self.token_s = cost.token_seconds()  # tau, fixed for the round
         self.row_s = cost.line()[1]  # b
         self.survival = 1.0
@@ -225,7 +233,7 @@ class DraftRound:
         first rejected one are evidence for cal and abar; the round's seconds per token for tau."""
         for j, draft_prob in enumerate(self.draft_probs[: accepted + 1]):
             ok = j < accepted
-            self.cost.calibration[min(BINS - 1, int(draft_prob * BINS))].observe(ok)
+            self.cost.bin_of(draft_prob).observe(ok)
             if j > 0:
                 self.cost.later.observe(ok)
         self.cost.observe_round(seconds, accepted + 1)

@@ -472,15 +472,16 @@ class Executor:
         t0 = self._clock()
         length = entry.cache.length
         k = max(0, min(request.num_draft_tokens, self.max_draft_len, request.max_new_tokens - produced - 1))
-        rule = self.draft_cost.round() if self.draft_cost is not None and k else None
-        plain = rule is not None and not rule.speculate()  # policy cost: drafting does not pay now, nor does the head's work
+        cost = self.draft_cost if k else None
+        plain = cost is not None and not cost.speculate()  # policy cost: drafting does not pay now, nor does the head's work
         idle = plain or k == 0  # no drafts this round (also the last token's): the head catches up later, if ever
+        rule = cost.round() if cost is not None and not idle else None
         if idle:
-            draft, rule = [], None
+            draft = []
         else:
             drafter.truncate(length - pending_aux.shape[0])  # pending_aux: the positions the head has not seen yet
             drafter.catch_up(pending_aux, sequence[drafter.length + 1 : length + 1])
-            draft = drafter.draft(k, self.draft_p_min, rule) if k else []
+            draft = drafter.draft(k, self.draft_p_min, rule)
         k = len(draft)  # fewer where the head was unsure (draft_p_min) or a draft did not pay (cost): k + 1 rows
         stats.draft_time_s += self._clock() - t0
         # one target pass: the last token + k drafts, k + 1 rows, with their aux features
