@@ -272,7 +272,7 @@ def test_fused_requests_in_flight_batching(target, head_dir, policy):
             assert tokens == run(plain, GenerationRequest(request.input_ids, request.max_new_tokens)).token_ids
         assert scheduler.max_active > 1
         if policy == "cost":
-            assert scheduler.executor.draft_cost.requests >= 1 and len(scheduler.executor.draft_cost.pass_s) > 2
+            assert len(scheduler.executor.draft_cost.pass_s) > 2  # passes of several row counts timed
     finally:
         scheduler.close()
 
@@ -371,8 +371,8 @@ def test_a_random_head_under_either_policy_is_the_target(target, head_dir, polic
         s = got.stats
         assert got.token_ids == expected
         assert sum(s.drafted_per_round) == s.drafted and s.accepted <= s.drafted
-        if policy == "static":
-            assert min(s.drafted_per_round) == 3 or s.drafted_per_round[-1] < 3
+        if policy == "static":  # k = 3 every round but the last ones, where fewer tokens are left than k + 1
+            assert len(s.drafted_per_round) > 3 and set(s.drafted_per_round[:-3]) == {3}, s.drafted_per_round
         else:
             assert s.drafted < 3 * len(s.drafted_per_round) and executor.draft_cost.pass_s
 
