@@ -37,6 +37,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+# --in-process waits for OpenMP work as the served stubs do (triton/server.py); read when torch loads OpenMP
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 PROMPTS = [
     "Write a short story about a robot who learns to paint.",
@@ -131,21 +133,27 @@ def _start_server(recipe, engines_dir: Path, work: Path, label: str):
 
 
 def _in_process_ms_per_token(engine_dir: Path, tokenizer, prompts: list[str], max_tokens: int) -> float:
-    """The same greedy requests on the same target engine in this process, one at a time (an Executor, as the
-    served `tensorrt_llm` model runs it): the median over requests of its time / its tokens, measured as the
-    served column (prefill included). What serving adds is the served figure over this one."""
+    """The same greedy requests on the same target engine in this process, one at a time, run as the served
+    `tensorrt_llm` model runs them: an Executor loaded and stepped in a BatchScheduler's own thread (one standing
+    team per step). The median over requests of its time / its tokens, measured as the served column (prefill
+    included). What serving adds is the served figure over this one."""
+    from specdeploy.engine.batching import BatchScheduler
     from specdeploy.engine.executor import Executor
     from specdeploy.engine.model import CpuEngine
-    from specdeploy.engine.request import GenerationRequest, run
+    from specdeploy.engine.request import GenerationRequest
 
-    executor = Executor(CpuEngine.load(engine_dir))
-    per_token = []
-    for i, prompt in enumerate([prompts[0], *prompts]):  # the first is a warm-up
-        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        t0 = time.perf_counter()
-        chunk = run(executor, GenerationRequest(input_ids=ids, max_new_tokens=max_tokens, end_id=tokenizer.eos_token_id))
-        if i and chunk.token_ids:
-            per_token.append(1000 * (time.perf_counter() - t0) / len(chunk.token_ids))
+    scheduler = BatchScheduler.loading(lambda: Executor(CpuEngine.load(engine_dir)), max_batch_size=1)
+    try:
+        per_token = []
+        for i, prompt in enumerate([prompts[0], *prompts]):  # the first is a warm-up
+            ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            t0 = time.perf_counter()
+            request = GenerationRequest(input_ids=ids, max_new_tokens=max_tokens, end_id=tokenizer.eos_token_id)
+            tokens = sum(len(chunk.token_ids) for chunk in scheduler.generate(request))
+            if i and tokens:
+                per_token.append(1000 * (time.perf_counter() - t0) / tokens)
+    finally:
+        scheduler.close()
     return round(statistics.median(per_token), 2)
 
 

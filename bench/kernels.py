@@ -14,6 +14,8 @@ Three sections, one run, the same thread count for everything:
 
     .venv/bin/python bench/kernels.py [--recipe build/smollm2-135m.yaml] [--threads 2] [--skip-engine] [--skip-llama]
 
+Passes run as the served engine runs them (one standing team of threads per pass, OpenMP waiting passively), and
+the row counts of a curve take turns in every repeat, so that a slow spell of a shared machine falls on all of them.
 Prints a table and writes bench/results/kernels-<time>.json. The machine may be shared: quote ratios
 from one run, side by side, not absolute numbers across runs.
 """
@@ -33,6 +35,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# OpenMP threads wait for work passively, as in the served stubs (triton/server.py); read when torch loads OpenMP
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from bench import llama_cpp  # noqa: E402
 from bench.llama_cpp import log  # noqa: E402
@@ -45,13 +49,23 @@ CLOCK = time.perf_counter  # --cpu-time: time.process_time (one thread: the time
 
 def best_of(fn, repeats: int) -> float:
     """Minimum time of fn() over `repeats` runs after one warm-up (the least disturbed run on a shared box)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = CLOCK()
+    return best_of_each({None: fn}, repeats)[None]
+
+
+def best_of_each(fns: dict, repeats: int) -> dict:
+    """key -> minimum time of fns[key]() over `repeats` rounds, each round running every fn once in turn (after
+    one warm-up round). Side by side in time: a slow spell of a shared machine (its memory bandwidth moves the one-row
+    pass by 20-30 % from one minute to the next) falls on every key's runs alike, not on one row count's whole series,
+    so the ratios between keys hold where absolute times do not."""
+    for fn in fns.values():
         fn()
-        times.append(CLOCK() - t0)
-    return min(times)
+    times = {key: [] for key in fns}
+    for _ in range(repeats):
+        for key, fn in fns.items():
+            t0 = CLOCK()
+            fn()
+            times[key].append(CLOCK() - t0)
+    return {key: min(ts) for key, ts in times.items()}
 
 
 # ---------------------------------------------------------------- kernels: synthetic layers of the target's shape
@@ -107,10 +121,9 @@ def kernel_curves(shape: dict, repeats: int) -> dict:
                     lin.group_size = variants[fmt.split("@")[1]]  # the int8 kernel's variant slot
                 lins.append((lin, k))
         xs = {k: torch.randn(max(ROWS), k, generator=gen).to(torch.bfloat16) for _, k in dims}
-        secs = {}
-        for m in ROWS:
-            inputs = {k: x[:m].contiguous() for k, x in xs.items()}
-            secs[m] = best_of(lambda: [lin(inputs[k]) for lin, k in lins], repeats)
+        inputs = {m: {k: x[:m].contiguous() for k, x in xs.items()} for m in ROWS}
+        with native.standing_team(ops):  # as the served engine runs its passes (engine/batching.py)
+            secs = best_of_each({m: lambda m=m: [lin(inputs[m][k]) for lin, k in lins] for m in ROWS}, repeats)
         nbytes = sum(lin.nbytes() for lin, _ in lins)
         out[fmt] = {"seconds": secs, "ratio": {m: secs[m] / secs[1] for m in ROWS}, "weight_mb": nbytes / 1e6,
                     "gb_per_s_1row": nbytes / secs[1] / 1e9}
@@ -127,6 +140,7 @@ def engine_numbers(engine_dir: str, repeats: int) -> dict:
     import torch
 
     from specdeploy.engine.model import CpuEngine
+    from specdeploy.engine.native import standing_team
 
     engine = CpuEngine.load(engine_dir)
     gen = torch.Generator().manual_seed(0)
@@ -142,15 +156,17 @@ def engine_numbers(engine_dir: str, repeats: int) -> dict:
             engine.forward(cache, ids)
             cache.truncate(len(context))
 
-        return best_of(run, repeats)
+        return run
 
-    secs = {m: pass_of(m) for m in ROWS}
     prefill = {}
-    for n in (64, 512):
-        ids = torch.randint(0, vocab, (n,), generator=gen)
-        # as served (Executor.run_passes) and as llama-bench's pp: the logits of the prompt's last position only
-        # (engine.forward returns every row's: 512 rows of LM head and a 100 MB logits copy that no request needs)
-        prefill[n] = n / best_of(lambda: engine.forward_batch([engine.new_cache(n + 1)], [ids], [1]), max(1, repeats // 3))
+    # passes as the served engine runs them (one standing team per step, engine/batching.py), the row counts in turns
+    with standing_team(engine.native):
+        secs = best_of_each({m: pass_of(m) for m in ROWS}, repeats)
+        for n in (64, 512):
+            ids = torch.randint(0, vocab, (n,), generator=gen)
+            # as served (Executor.run_passes) and as llama-bench's pp: the logits of the prompt's last position only
+            # (engine.forward returns every row's: 512 rows of LM head and a 100 MB logits copy that no request needs)
+            prefill[n] = n / best_of(lambda: engine.forward_batch([engine.new_cache(n + 1)], [ids], [1]), max(1, repeats // 3))
     decode_ms = secs[1] * 1e3
     log(f"engine: decode {decode_ms:.2f} ms/token ({1e3 / decode_ms:.1f} tok/s), prefill 64: {prefill[64]:.0f} tok/s, "
         f"512: {prefill[512]:.0f} tok/s; passes " + " ".join(f"{m}:{secs[m] / secs[1]:.2f}" for m in (2, 4, 5, 8, 16)))
