@@ -12,8 +12,9 @@ cost in target steps is the k run's forward time per pass over the k = 0 run's; 
 --concurrency N runs the prompts N at a time through one BatchScheduler (in-flight batching, as served) and times
 the whole set: tokens per second of each variant against the target alone.
 
---variants runs the k run once per POLICY[:DRAFT_P_MIN[:K]] (speculative.policy static or cost, the recipe's
-draft_p_min and --draft-len unless given), each on its own executor (the cost policy's measurements carry over its runs).
+--variants runs the k run once per POLICY[:DRAFT_P_MIN[:K[:SA]]] (speculative.policy static or cost, the recipe's
+draft_p_min and --draft-len unless given; SA: draft.sa_config.threshold, the request's own text looked up before the head,
+0 off; default the recipe's), each on its own executor (the cost policy's measurements carry over its runs).
 
 --compare-team adds a third run in each turn: the k run without the standing team Executor.generate opens around
 each step (engine/native.standing_team; the head's work included), to see what one wake-up per step instead of one
@@ -37,7 +38,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 def run_all(executor, prompts, k: int, max_tokens: int, end_id) -> tuple[dict, list[list[int]]]:
     from specdeploy.engine.request import GenerationRequest, run
 
-    tot = dict(t=0.0, fwd=0.0, draft=0.0, out=0, passes=0, drafted=0, accepted=0)
+    tot = dict(t=0.0, fwd=0.0, draft=0.0, out=0, passes=0, drafted=0, accepted=0, lookup=0)
     outputs = []
     for _, ids in prompts:
         executor.clear_cache()
@@ -52,6 +53,7 @@ def run_all(executor, prompts, k: int, max_tokens: int, end_id) -> tuple[dict, l
         tot["passes"] += s.iterations - 1
         tot["drafted"] += s.drafted
         tot["accepted"] += s.accepted
+        tot["lookup"] += s.lookup_rounds
         outputs.append(list(o.token_ids))
     return tot, outputs
 
@@ -67,7 +69,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--compare-team", action="store_true", help="also run k without the standing team (see above)")
     ap.add_argument("--concurrency", type=int, default=1, help="prompts in flight (see above)")
-    ap.add_argument("--variants", default="", help="POLICY[:DRAFT_P_MIN[:K]],... (see above); default: the recipe's")
+    ap.add_argument("--variants", default="", help="POLICY[:DRAFT_P_MIN[:K[:SA]]],... (see above); default: the recipe's")
     args = ap.parse_args(argv)
 
     import torch
@@ -93,9 +95,10 @@ def main(argv=None) -> int:
     variants = [v if ":" in v else f"{v}:{recipe.speculative.draft_p_min:g}" for v in args.variants.split(",") if v] or [own]
     executors, draft_len = {"0": None}, {"0": 0}
     for name in variants + (["no team"] if args.compare_team else []):
-        policy, p_min, *kk = (own if name == "no team" else name).split(":")
-        executors[name] = Executor(engine, 2, head=head, draft_p_min=float(p_min), draft_policy=policy)
-        draft_len[name] = int(kk[0]) if kk else k
+        policy, p_min, *rest = (own if name == "no team" else name).split(":")
+        sa = int(rest[1]) if len(rest) > 1 else recipe.draft.lookup_threshold
+        executors[name] = Executor(engine, 2, head=head, draft_p_min=float(p_min), draft_policy=policy, lookup_threshold=sa)
+        draft_len[name] = int(rest[0]) if rest else k
         run_all(executors[name], prompts[:1], draft_len[name], 8, tokenizer.eos_token_id)  # warm-up
     # the target alone runs on the first variant's executor, as target-alone and fused requests share one in a server
     # (and as this script did before --variants: with two executors a round measured 1.43-1.61 steps against 1.28-1.43
@@ -117,13 +120,14 @@ def main(argv=None) -> int:
     if args.concurrency > 1:
         return report_batched(runs, outputs, order, args.concurrency)
     print(f"{len(prompts)} built-in chat prompts x {args.max_tokens} tokens, {args.threads} threads, k = {k} "
-          f"(variants POLICY:DRAFT_P_MIN[:K]; 0: the target alone), target {layout.engine('target')}")
+          f"(variants POLICY:DRAFT_P_MIN[:K[:SA]]; 0: the target alone), target {layout.engine('target')}")
     for kk in order:
         for t in runs[kk]:
             n, passes = t["out"], max(t["passes"], 1)
             print(f"{kk}: {n} tokens after the first, {t['t'] * 1000 / n:.2f} ms/token; {passes} passes, forward "
                   f"{t['fwd'] * 1000 / passes:.2f} ms/pass (head inside: {t['draft'] * 1000 / passes:.2f} ms/pass); drafted "
-                  f"{t['drafted']} accepted {t['accepted']}; {n / passes:.2f} tokens/pass")
+                  f"{t['drafted']} accepted {t['accepted']}; {n / passes:.2f} tokens/pass"
+                  + (f"; {t['lookup']} rounds drafted by lookup" if t["lookup"] else ""))
     step = min(t["fwd"] / max(t["passes"], 1) for t in runs["0"])
     plain = min(t["t"] / t["out"] for t in runs["0"])
     for kk in order[1:]:

@@ -89,6 +89,7 @@ EAGLE3_TRAIN_PRECISIONS = ("auto", "float32", "bfloat16")  # draft.train.precisi
 EAGLE3_LR_SCHEDULES = ("constant", "cosine")  # draft.train.lr_schedule
 EAGLE3_DATA_BACKENDS = ("engine", "torch")  # draft.data.backend
 EAGLE3_HEAD_WEIGHTS = ("auto", "int8", "bf16")  # draft.head_weights
+
 # draft.max_matching_ngram_size when null; the default of specdeploy.ngram.NGramSettings, written here because the
 # recipe checks draft.min_matching_ngram_size against it and the recipe imports nothing above the core.
 NGRAM_MAX_MATCHING_NGRAM_SIZE = 2
@@ -146,6 +147,16 @@ class Eagle3TrainConfig:
 
 
 @dataclass(frozen=True)
+class SAConfig:
+    """draft.sa_config (kind eagle3): TensorRT-LLM's SAEnhancerConfig, its fields and defaults (llmapi_versions.py):
+    a suffix match of at least `threshold` tokens drafts instead of the head; `enable_global_pool` also searches other
+    requests' tokens (TensorRT-LLM only: the CPU engine looks in the request's own)."""
+
+    threshold: int = 4
+    enable_global_pool: bool = False
+
+
+@dataclass(frozen=True)
 class DraftConfig(ModelConfig):
     """The draft: a model (quantized and built like the target) or `ngram` (prompt lookup over the request's own
     tokens, no weights). The n-gram keys are TensorRT-LLM's NGramDecodingConfig fields; null means its default
@@ -166,6 +177,10 @@ class DraftConfig(ModelConfig):
     # on backend cpu (on the 2-core EPYC the head's time a round 1.25 against 1.49 ms, the built-in prompts' accepted
     # drafts alike: docs/recipes.md, docs/benchmarks.md); TensorRT-LLM loads the head as exported on the GPU backends.
     head_weights: str = "auto"
+    # kind eagle3: the request's own text before the head (TensorRT-LLM's suffix automaton enhancement,
+    # Eagle3DecodingConfig.sa_config): where the longest suffix of the sequence that occurred earlier is at least
+    # sa_config.threshold tokens long, what followed it is the round's draft. null: off.
+    sa_config: SAConfig | None = None
     data: Eagle3DataConfig = field(default_factory=Eagle3DataConfig)
     train: Eagle3TrainConfig = field(default_factory=Eagle3TrainConfig)
 
@@ -184,6 +199,11 @@ class DraftConfig(ModelConfig):
     def cpu_head_weights(self) -> str:
         """int8 or bf16: head_weights with auto resolved for the CPU engine."""
         return "int8" if self.head_weights == "auto" else self.head_weights
+
+    @property
+    def lookup_threshold(self) -> int:
+        """The CPU engine's suffix lookup before the head (Executor lookup_threshold): 0 without sa_config."""
+        return self.sa_config.threshold if self.is_eagle3 and self.sa_config is not None else 0
 
     @property
     def has_weights_of_its_own(self) -> bool:

@@ -255,7 +255,7 @@ def _check_draft_kind(r: Recipe) -> None:
     d = r.draft
     _choice("draft.kind", d.kind, DRAFT_KINDS)
     if not d.is_eagle3:
-        defaults = {"head": "", "head_weights": "auto", "data": Eagle3DataConfig(), "train": Eagle3TrainConfig()}
+        defaults = {"head": "", "head_weights": "auto", "sa_config": None, "data": Eagle3DataConfig(), "train": Eagle3TrainConfig()}
         for key, default in defaults.items():
             if getattr(d, key) != default:
                 raise ConfigError(f"key 'draft.{key}' applies to draft.kind eagle3 only", "remove it, or set draft.kind: eagle3")
@@ -324,6 +324,11 @@ def _check_eagle3(r: Recipe) -> None:
             )
     backend = _backends.get(r.backend)
     _choice("draft.head_weights", d.head_weights, EAGLE3_HEAD_WEIGHTS)
+    if d.sa_config is not None:
+        _at_least("draft.sa_config.threshold", d.sa_config.threshold, 1)
+        if d.sa_config.enable_global_pool and not backend.gpu:
+            raise ConfigError("key 'draft.sa_config.enable_global_pool' is true, but the CPU engine looks up each "
+                              "request's own tokens only", "remove it (false), or use backend trtllm-llmapi")  # fmt: skip
     if d.head_weights == "int8" and backend.gpu:
         raise ConfigError(f"key 'draft.head_weights' is int8 on backend {r.backend}, but only the CPU engine quantizes the "
                           "head: TensorRT-LLM loads the EAGLE-3 checkpoint as exported (Eagle3DecodingConfig's "

@@ -227,7 +227,7 @@ class Session:
             return cls(
                 load_tokenizer(layout.engine("target"), recipe.target.model),
                 Executor(target_engine, max_cached_sequences, head=head, draft_p_min=recipe.speculative.draft_p_min,
-                         draft_policy=recipe.speculative.policy),
+                         draft_policy=recipe.speculative.policy, lookup_threshold=recipe.draft.lookup_threshold),
                 eagle3=head is not None,
                 deployment=pol.Deployment(pol.PolicySettings.from_recipe(recipe.speculative)),
             )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from specdeploy import backends
 from specdeploy.artifacts import Layout
 from specdeploy.config import Recipe
 from specdeploy.errors import ConfigError
@@ -88,6 +89,12 @@ def _eagle3_options(recipe: Recipe, version: LlmApiVersion, head_dir: Path, head
             raise ConfigError(f"the EAGLE-3 head reads target layers {layers}, but eagle3_layers_to_capture is not "
                               f"verified for TensorRT-LLM {version.name}", "use trtllm_version 1.1 or later")  # fmt: skip
         spec["eagle3_layers_to_capture"] = layers
+    sa = d.sa_config
+    if sa is not None and backends.of(recipe).gpu:  # the CPU engine takes it as a model parameter (triton/llmapi.py)
+        if "sa_config" not in version.eagle3_fields:
+            raise ConfigError(f"key 'draft.sa_config' is set, but Eagle3DecodingConfig.sa_config is not verified for "
+                              f"TensorRT-LLM {version.name}", "use trtllm_version 1.3 or later, or remove draft.sa_config")  # fmt: skip
+        spec["sa_config"] = {"threshold": sa.threshold, "enable_global_pool": sa.enable_global_pool}
     return spec
 
 

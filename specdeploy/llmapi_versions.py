@@ -43,6 +43,14 @@ from specdeploy.errors import ConfigError
 #     Literal['Eagle3']`, `speculative_model`, `max_draft_len`, `eagle3_layers_to_capture: Set[int] | None`; neither
 #     page lists `eagle3_one_model` (main's llm_args.py still has it, default True, "Eagle3 2-model is deprecated and
 #     will be removed in release 1.4"), so specdeploy leaves it out there: the default is the one-model path.
+#   sa_config (draft.sa_config): 1.3.0rc27, 1.4.0rc1 and 1.4.0rc4 API pages list `sa_config: SAEnhancerConfig |
+#     None = None` on Eagle3DecodingConfig ("When set, combines SA drafting with Eagle3 speculative decoding", beta);
+#     main's llm_args.py: `class SAEnhancerConfig(StrictBaseModel)` with `threshold: PositiveInt = 4` ("Minimum
+#     suffix match length required for the SA output to override neural draft tokens") and `enable_global_pool:
+#     bool = False`. The suffix automaton drafts for the one-model path only (`_torch/speculative/utils.py`
+#     get_spec_resource_manager; two-model and dynamic-tree EAGLE-3 build no SA state). Before (PR #11878, merged
+#     2026-03, "Integrate SA with EAGLE3 and PARD") main spelled it `use_sa_spec` / `sa_spec_threshold`; no release
+#     page seen lists those, so specdeploy writes sa_config and only where a release page shows it.
 #   eagle3_layers_to_capture means "Target model layer indices to capture hidden states from ... Defaults to {1,
 #   num_layers//2-1, num_layers-4}" in every one of them: the convention of ModelOpt's exported
 #   `eagle_aux_hidden_state_layer_ids`, written through unchanged when the head's config.json names them.
@@ -103,9 +111,9 @@ LLMAPI_VERSIONS = {
         draft_len_schedule="upper",
         acceptance_keys=("acceptance_rate_window_size", "acceptance_rate_threshold"), acceptance_measure="rate",
         evidence="decoding_type Literal['Draft_Target']; PR #10099, #10860 and #12905 merged",
-        eagle3_fields=("eagle3_layers_to_capture",),
+        eagle3_fields=("eagle3_layers_to_capture", "sa_config"),
         eagle3_evidence="1.3.0rc27 API page Eagle3DecodingConfig: Literal['Eagle3'], speculative_model, "
-                        "eagle3_layers_to_capture (no eagle3_one_model listed)",
+                        "eagle3_layers_to_capture, sa_config (no eagle3_one_model listed)",
     ),
     "1.4": LlmApiVersion(
         name="1.4", releases="1.4.x",
@@ -114,9 +122,9 @@ LLMAPI_VERSIONS = {
         draft_len_schedule="upper",
         acceptance_keys=("acceptance_rate_window_size", "acceptance_rate_threshold"), acceptance_measure="rate",
         evidence="as 1.3 (main after PR #12905)",
-        eagle3_fields=("eagle3_layers_to_capture",),
+        eagle3_fields=("eagle3_layers_to_capture", "sa_config"),
         eagle3_evidence="1.4.0rc1 API page Eagle3DecodingConfig: Literal['Eagle3'], speculative_model, "
-                        "eagle3_layers_to_capture (no eagle3_one_model listed)",
+                        "eagle3_layers_to_capture, sa_config (no eagle3_one_model listed)",
     ),
 }  # fmt: skip
 

@@ -169,3 +169,48 @@ def from_parameters(params: dict[str, str]) -> NGramSettings:
     return NGramSettings(int(params["max_draft_len"]), int(params["max_matching_ngram_size"]),
                          flag("is_keep_all"), flag("is_use_oldest"), flag("is_public_pool"),
                          int(params.get("min_matching_ngram_size", "1")))  # fmt: skip
+
+
+class SuffixLookup:
+    """The request's own text as a draft, tried before an EAGLE-3 head: TensorRT-LLM's suffix automaton enhancement
+    (`Eagle3DecodingConfig.sa_config`, `SAEnhancerConfig.threshold`), with its rule: where the longest suffix of the
+    sequence that occurred earlier (prompt or output) is at least `threshold` tokens long, the tokens that followed
+    its first occurrence are the round's drafts, and the head's are not used (`sa_enhancer.py`: the override when
+    match_len >= threshold; `suffixAutomaton.h` `lookup()`: the state's pos, set where the state was created, is
+    where the substring first ended). The head does not draft such a round at all here (TensorRT-LLM runs it and
+    discards its drafts): its catch-up waits for the next round it drafts.
+
+    One per request, fed every token of its sequence in order (`extend`); a lookup follows each earlier occurrence
+    of the last token back at most MAX_MATCH tokens (a suffix automaton finds the match in constant time; at the
+    sequence lengths of this engine the walk costs less than a target step's thousandth)."""
+
+    MAX_MATCH = 64  # matches are compared up to this length (two longer ones: the first of them, as if equal)
+
+    def __init__(self, threshold: int, tokens: list[int] | None = None):
+        assert threshold >= 1, threshold
+        self.threshold = threshold
+        self.tokens: list[int] = []
+        self._positions: dict[int, list[int]] = {}  # token -> where it occurs, in order
+        self.extend(tokens or [])
+
+    def extend(self, tokens: list[int]) -> None:
+        for token in tokens:
+            self._positions.setdefault(token, []).append(len(self.tokens))
+            self.tokens.append(token)
+
+    def draft(self, num_tokens: int) -> list[int]:
+        """Up to num_tokens tokens that followed the first occurrence of the longest earlier match of the sequence's
+        suffix, if that match is at least `threshold` tokens long; else none."""
+        seq, n = self.tokens, len(self.tokens)
+        if num_tokens <= 0 or n < 2:
+            return []
+        best_len, best_end = 0, -1
+        for end in self._positions[seq[-1]][:-1]:  # earlier occurrences of the last token, oldest first
+            length = 1
+            while length < self.MAX_MATCH and length <= end and seq[end - length] == seq[n - 1 - length]:
+                length += 1
+            if length > best_len:  # strictly longer: the first occurrence keeps a tie
+                best_len, best_end = length, end
+        if best_len < self.threshold:
+            return []
+        return seq[best_end + 1 : best_end + 1 + num_tokens]

@@ -243,14 +243,16 @@ def test_a_drafter_with_the_targets_sampled_answer_gets_every_draft_accepted(tar
     assert partly.token_ids == expected and 0 < partly.stats.accepted < partly.stats.drafted
 
 
-@pytest.mark.parametrize("policy", ["static", "cost"])
-def test_fused_requests_in_flight_batching(target, head_dir, policy):
+@pytest.mark.parametrize("policy,lookup", [("static", 0), ("cost", 0), ("static", 2)])
+def test_fused_requests_in_flight_batching(target, head_dir, policy, lookup):
     """Several requests' verification rows in one forward_batch: each request's output is the target's own (the cost
-    policy measures passes of several requests)."""
+    policy measures passes of several requests; with the suffix lookup, some requests' rounds are the lookup's)."""
     plain = Executor(target)
-    scheduler = BatchScheduler(Executor(target, max_cached_sequences=8, head=Eagle3Head.load(head_dir, target), draft_policy=policy), 4)
+    executor = Executor(target, max_cached_sequences=8, head=Eagle3Head.load(head_dir, target), draft_policy=policy, lookup_threshold=lookup)
+    scheduler = BatchScheduler(executor, 4)
     try:
-        requests = [GenerationRequest(prompt_of(10 + i, 4 + 3 * i), 16, num_draft_tokens=1 + i % 4) for i in range(5)]
+        requests = [GenerationRequest(prompt_of(10 + i, 4 + 3 * i) if i % 2 else _repeating_prompt(10 + i), 16, num_draft_tokens=1 + i % 4)
+                    for i in range(5)]  # fmt: skip
         requests.append(GenerationRequest(prompt_of(20, 9), 12))  # a plain request in the same batches
         results = [None] * len(requests)
 
@@ -375,6 +377,74 @@ def test_a_random_head_under_either_policy_is_the_target(target, head_dir, polic
             assert len(s.drafted_per_round) > 3 and set(s.drafted_per_round[:-3]) == {3}, s.drafted_per_round
         else:
             assert s.drafted < 3 * len(s.drafted_per_round) and executor.draft_cost.pass_s
+
+
+# ---------------------------------------------------------------- the request's own text first (draft.sa_config)
+
+
+def _repeating_prompt(seed: int) -> list[int]:
+    block = prompt_of(seed, 5)
+    return block * 3 + block[:2]
+
+
+def _replayed_lookup_rounds(prompt, output, stats, k, threshold, max_new) -> int:
+    """The rounds of a fused run in which the suffix lookup proposes, found again from its output alone: before round
+    r the sequence is the prompt and the tokens emitted so far (the prefill's one, then accepted + 1 a round); a
+    lookup round drafted exactly what SuffixLookup proposes there, so its count of drafts must be that length, and
+    the stats' lookup_accepted must be what those rounds accepted."""
+    from specdeploy.ngram import SuffixLookup
+
+    produced, found, kept, proposed = 1, 0, 0, 0
+    for drafted, accepted in zip(stats.drafted_per_round, stats.accepted_per_round):
+        asked = min(k, max_new - produced - 1)
+        proposal = SuffixLookup(threshold, prompt + output[:produced]).draft(asked)
+        if proposal:
+            assert drafted == len(proposal), (produced, proposal, drafted)
+            found, kept, proposed = found + 1, kept + accepted, proposed + drafted
+        produced += accepted + 1
+    assert stats.lookup_accepted == kept
+    return found, proposed
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_lookup_rounds_rest_the_head_which_catches_up_on_the_right_tokens(target, k):
+    """lookup_threshold (draft.sa_config): a round whose suffix occurred earlier verifies what followed it and the
+    head drafts nothing; the oracle head then catches up on exactly the positions it skipped (OracleDrafter checks
+    the tokens and the rows of aux features) and every draft it makes is accepted. The output is the target's, and
+    the rounds the lookup drafted are the ones a replay of the output finds."""
+    looked_up = 0
+    for seed in (7, 8, 9):
+        prompt = _repeating_prompt(seed)
+        expected = run(Executor(target), GenerationRequest(prompt, 21)).token_ids
+        got = run(Executor(target, head=OracleHead(prompt + expected), lookup_threshold=1), GenerationRequest(prompt, 21, num_draft_tokens=k))
+        s = got.stats
+        assert got.token_ids == expected
+        rounds, lookup_drafted = _replayed_lookup_rounds(prompt, expected, s, k, 1, 21)
+        assert s.lookup_rounds == rounds < len(s.drafted_per_round)
+        assert s.accepted - s.lookup_accepted == s.drafted - lookup_drafted  # the oracle head's drafts: all accepted
+        looked_up += s.lookup_rounds
+        off = run(Executor(target, head=OracleHead(prompt + expected)), GenerationRequest(prompt, 21, num_draft_tokens=k))
+        assert off.token_ids == expected and off.stats.lookup_rounds == 0 and off.stats.accepted == off.stats.drafted
+    assert looked_up > 0
+
+
+@pytest.mark.parametrize("policy", ["static", "cost"])
+def test_lookup_with_a_random_head_greedy_and_sampled_is_the_target(target, head_dir, policy):
+    """With a random head, greedy and seeded sampled requests (token match) under either policy: the target's own
+    tokens, with the rounds the replay finds drafted by the lookup; a threshold longer than any repeat looks nothing up."""
+    plain, looked_up = Executor(target), 0
+    for seed, sampling in ((0, SamplingParams()), (1, SAMPLINGS[0]), (2, SamplingParams())):
+        prompt = _repeating_prompt(seed)
+        expected = run(plain, GenerationRequest(prompt, 24, sampling=sampling)).token_ids
+        executor = Executor(target, head=Eagle3Head.load(head_dir, target), draft_policy=policy, lookup_threshold=1)
+        got = run(executor, GenerationRequest(prompt, 24, sampling=sampling, num_draft_tokens=3))
+        assert got.token_ids == expected
+        assert got.stats.lookup_rounds == _replayed_lookup_rounds(prompt, expected, got.stats, 3, 1, 24)[0]
+        looked_up += got.stats.lookup_rounds
+        never = Executor(target, head=Eagle3Head.load(head_dir, target), draft_policy=policy, lookup_threshold=len(prompt) + 24)
+        got = run(never, GenerationRequest(prompt, 24, sampling=sampling, num_draft_tokens=3))
+        assert got.token_ids == expected and got.stats.lookup_rounds == 0
+    assert looked_up > 0
 
 
 # ---------------------------------------------------------------- the head's confidence cut-off (draft_p_min)

@@ -10,6 +10,7 @@ responses' draft counters are > 0 and agree with the metrics endpoint; a head th
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 import time
@@ -310,14 +311,16 @@ def test_config_bounds_draft_p_min_to_the_head_on_cpu(built):
     assert "speculative.draft_p_min: 0 on this backend, or use backend cpu" in err.value.hint
 
 
-@pytest.mark.parametrize("cut", ["draft_p_min", "cost"])
+@pytest.mark.parametrize("cut", ["draft_p_min", "cost", "sa_config"])
 def test_served_draft_cut_reaches_the_head_inside_tensorrt_llm(built, tmp_path, cut):
     """speculative.draft_p_min and policy cost travel to the served tensorrt_llm model (its config parameters): at a
     p_min of 0.99, which this random head never reaches, the speculative entry point drafts nothing, and the metrics
     say why each verification pass was plain (draft_p_min, not last_token: at most one per request); under the cost
     policy the random head's rounds (one token each, for the head's work and a pass of k + 1 rows) cost more than
     plain ones, so the engine goes plain, counted under reason policy (the deployment with neither drafts k = 3
-    every round, test_greedy_parity_and_draft_counters_match_metrics). Either answers as the control does."""
+    every round, test_greedy_parity_and_draft_counters_match_metrics). sa_config: the same p_min of 0.99 with
+    draft.sa_config (threshold 1): the head still drafts nothing, so every draft counted is the suffix lookup's,
+    run inside the served model. Each answers as the control does."""
     from specdeploy import backend_stages, metrics
     from specdeploy.triton import server
 
@@ -325,14 +328,16 @@ def test_served_draft_cut_reaches_the_head_inside_tensorrt_llm(built, tmp_path, 
 
     recipe, layout, _, head = built
     model_dir = Path(recipe.target.model)
-    speculative = {"draft_p_min": 0.99} if cut == "draft_p_min" else {"policy": "cost"}
-    recipe, layout, recipe_path = _deployment(tmp_path / cut, model_dir, head, speculative=speculative)
+    speculative = {"policy": "cost"} if cut == "cost" else {"draft_p_min": 0.99}
+    draft = {"sa_config": {"threshold": 1}} if cut == "sa_config" else {}
+    recipe, layout, recipe_path = _deployment(tmp_path / cut, model_dir, head, speculative=speculative, draft=draft)
     repo, _ = backend_stages.of(recipe).write_repository(recipe, layout, recipe_path=str(recipe_path))
     config = (Path(repo) / "tensorrt_llm" / "config.pbtxt").read_text()
     assert 'key: "eagle3_draft_p_min"' in config
     assert 'key: "eagle3_head_weights"' in config and 'string_value: "int8"' in config  # draft.head_weights auto
     assert 'key: "eagle3_policy"' in config and f'string_value: "{recipe.speculative.policy}"' in config
-    reason = metrics.REASON_DRAFT_P_MIN if cut == "draft_p_min" else metrics.REASON_POLICY
+    assert re.search(r'key: "eagle3_sa_threshold"\s*value: \{\s*string_value: "%d"' % (1 if cut == "sa_config" else 0), config)
+    reason = metrics.REASON_POLICY if cut == "cost" else metrics.REASON_DRAFT_P_MIN
     srv = server.start(repo, server.Ports.pick(), Path(layout.server_state) / "tritonserver.log", exit_timeout_s=3)
     try:
         server.wait_ready(srv, SERVER_READY_TIMEOUT_S)
@@ -355,6 +360,10 @@ def test_served_draft_cut_reaches_the_head_inside_tensorrt_llm(built, tmp_path, 
         assert off[reason] > 0
         if cut == "draft_p_min":
             assert drafted == 0 and sum(off.values()) == window.sum(metrics.TARGET_PASSES.name, arm="speculative")
+        if cut == "sa_config":  # rounds the lookup drafted, the others cut by draft_p_min: no pass left uncounted
+            drafting = window.sum(metrics.ROUNDS.name, arm="speculative", reason=metrics.REASON_NONE)
+            assert drafted > 0 and drafting > 0
+            assert sum(off.values()) + drafting == window.sum(metrics.TARGET_PASSES.name, arm="speculative")
     finally:
         srv.stop()
 
@@ -373,13 +382,15 @@ def _llmapi_infer(client, model: str, prompt: str, max_tokens: int = MAX_TOKENS)
     return {o.name: result.as_numpy(o.name) for o in result.get_response().outputs}
 
 
-@pytest.mark.parametrize("policy", ["static", "cost"])
+@pytest.mark.parametrize("policy", ["static", "cost", "lookup"])
 def test_llmapi_layout_runs_the_head_inside_the_speculative_model(built, tmp_path, policy):
     """triton.layout llmapi on cpu: model.yaml's speculative_config names the head (decoding_type Eagle3, copied into
     the repository), tensorrt_llm drafts with it inside and answers as tensorrt_llm_control (the target alone) does,
     its acceptance outputs and the metrics endpoint count the same drafts, and each pass is a metrics round; under
     policy cost (the model's speculation_policy parameter) the engine goes plain once the random head's rounds are
-    found to cost more per token than plain ones (reason policy)."""
+    found to cost more per token than plain ones (reason policy); lookup: draft.sa_config (threshold 1) with a
+    draft_p_min the random head never reaches, so the drafts counted are the suffix lookup's (its threshold a model
+    parameter of the CPU engine, not in model.yaml)."""
     from specdeploy import backend_stages, metrics
     from specdeploy.llmapi_versions import llmapi_version
     from specdeploy.triton import server
@@ -388,8 +399,10 @@ def test_llmapi_layout_runs_the_head_inside_the_speculative_model(built, tmp_pat
 
     _, _, _, head = built
     model_dir = Path(built[0].target.model)
+    speculative = {"draft_p_min": 0.99, "policy": "static"} if policy == "lookup" else {"draft_p_min": 0.0, "policy": policy}
+    draft = {"sa_config": {"threshold": 1}} if policy == "lookup" else {}
     recipe, layout, recipe_path = _deployment(tmp_path / "llmapi", model_dir, head, triton={"layout": "llmapi"},
-                                              speculative={"draft_p_min": 0.0, "policy": policy})  # fmt: skip
+                                              speculative=speculative, draft=draft)  # fmt: skip
     repo, _ = backend_stages.of(recipe).write_repository(recipe, layout, recipe_path=str(recipe_path))
     options = yaml.safe_load((Path(repo) / "tensorrt_llm" / "1" / "model.yaml").read_text())
     spec = options["speculative_config"]
@@ -398,6 +411,9 @@ def test_llmapi_layout_runs_the_head_inside_the_speculative_model(built, tmp_pat
     staged = Path(spec[version.draft_model_key])
     assert staged == Path(repo) / "tensorrt_llm" / "eagle3_head" and (staged / "model.safetensors").read_bytes() == (head / "model.safetensors").read_bytes()
     assert "speculative_config" not in yaml.safe_load((Path(repo) / "tensorrt_llm_control" / "1" / "model.yaml").read_text())
+    assert "sa_config" not in spec
+    config = (Path(repo) / "tensorrt_llm" / "config.pbtxt").read_text()
+    assert re.search(r'key: "eagle3_sa_threshold"\s*value: \{\s*string_value: "%d"' % (1 if policy == "lookup" else 0), config)
     srv = server.start(repo, server.Ports.pick(), Path(layout.server_state) / "tritonserver.log", exit_timeout_s=3)
     try:
         server.wait_ready(srv, SERVER_READY_TIMEOUT_S)
@@ -411,7 +427,7 @@ def test_llmapi_layout_runs_the_head_inside_the_speculative_model(built, tmp_pat
             assert out["text_output"][0].decode() == control["text_output"][0].decode() and control["text_output"][0], prompt
             assert int(control["total_draft_tokens"][0]) == 0
             d, a = int(out["total_draft_tokens"][0]), int(out["total_accepted_draft_tokens"][0])
-            assert (d > 0 or policy == "cost") and 0 <= a <= d, (prompt, d, a)  # cost: plain once drafting does not pay
+            assert (d > 0 or policy != "static") and 0 <= a <= d, (prompt, d, a)  # cost: plain once drafting does not pay
             drafted, accepted = drafted + d, accepted + a
         client.close()
         window = _scrape_until(srv.state.metrics_url, baseline, lambda w: w.sum(metrics.REQUESTS.name, arm="speculative") >= len(CHATS))

@@ -18,7 +18,7 @@ from specdeploy import policy as pol
 from specdeploy import speculative as spec
 from specdeploy.engine.executor import Executor
 from specdeploy.generate import ExecutorVerifier, target_only_generate
-from specdeploy.ngram import NGramDrafts, NGramPool, NGramProposer, NGramSettings
+from specdeploy.ngram import NGramDrafts, NGramPool, NGramProposer, NGramSettings, SuffixLookup
 from standin_engines import TableEngine
 
 
@@ -81,6 +81,29 @@ def test_is_keep_all_keeps_one_match_unless_a_longer_one_comes():
     assert pool.matches[(4,)] == [(9,)]
     pool.add([4, 9, 8], 0)
     assert pool.matches[(4,)] == [(9, 8)]
+
+
+def test_suffix_lookup_proposes_what_followed_the_first_occurrence_of_the_longest_match():
+    """SuffixLookup (draft.sa_config, TensorRT-LLM's suffix automaton rule): the longest earlier occurrence of the
+    sequence's suffix wins over a more recent shorter one; among equally long ones the first; below the threshold
+    nothing; a draft stops at the end of the sequence; built at once or token by token, the same."""
+    seq = [1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 1, 2, 3]
+    lookup = SuffixLookup(2, seq)
+    assert lookup.draft(3) == [4, 5, 9]  # [1, 2, 3] at 0..2 (3 tokens) beats [2, 3] at 6..7
+    assert lookup.draft(0) == [] and lookup.draft(1) == [4]
+    assert SuffixLookup(4, seq).draft(3) == []  # the longest match is 3 tokens
+    lookup.extend([4])
+    assert lookup.draft(4) == [5, 9, 2, 3]  # [1, 2, 3, 4] now
+    first = SuffixLookup(2, [5, 6, 1, 5, 6, 2, 5, 6])
+    assert first.draft(2) == [1, 5]  # [5, 6] twice before, 2 tokens each: the first occurrence
+    assert SuffixLookup(2, [5, 6, 7, 5, 6]).draft(5) == [7, 5, 6]  # cut where the sequence ends
+    assert SuffixLookup(1, [8, 9]).draft(2) == [] and SuffixLookup(1, [3]).draft(2) == []  # nothing occurred earlier
+    stepwise = SuffixLookup(2)
+    for token in seq + [4]:
+        stepwise.extend([token])
+    assert stepwise.draft(4) == lookup.draft(4)
+    long = list(range(100)) * 2  # a 100-token match: followed back MAX_MATCH tokens, still proposed
+    assert SuffixLookup(SuffixLookup.MAX_MATCH, long).draft(2) == [0, 1]
 
 
 def test_is_public_pool_shares_patterns_between_requests():

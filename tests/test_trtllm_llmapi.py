@@ -284,6 +284,44 @@ def test_the_example_eagle3_recipe_gives_each_release_its_eagle3_fields(version,
     assert spec["eagle3_layers_to_capture"] == [1, 14, 26]
 
 
+@pytest.mark.parametrize("version", sorted(EAGLE3_EXPECTED))
+def test_draft_sa_config_is_written_where_the_release_has_it_and_refused_where_not(version, tmp_path):
+    """draft.sa_config (the suffix lookup before the head): Eagle3DecodingConfig.sa_config as TensorRT-LLM's
+    SAEnhancerConfig (threshold, enable_global_pool) where the release's API page lists it (1.3.0rc27, 1.4.0rc1), a
+    refusal naming the release before; never dropped."""
+    raw = yaml.safe_load(EXAMPLE_EAGLE3.read_text())
+    raw["draft"]["sa_config"] = {"threshold": 3, "enable_global_pool": True}
+    recipe = example_eagle3(version, draft=raw["draft"])
+    assert recipe.draft.sa_config.threshold == 3 and recipe.draft.lookup_threshold == 3
+    layout = Layout.of(recipe, tmp_path)
+    if "sa_config" not in trtllm.LLMAPI_VERSIONS[version].eagle3_fields:
+        with pytest.raises(ConfigError, match=f"sa_config is not verified for TensorRT-LLM {version}") as err:
+            trtllm.llmapi_options(recipe, layout)
+        assert "trtllm_version 1.3 or later" in err.value.hint
+        return
+    spec = trtllm.llmapi_options(recipe, layout)["speculative_config"]
+    assert spec["sa_config"] == {"threshold": 3, "enable_global_pool": True}
+    default = example_eagle3(version, draft={**raw["draft"], "sa_config": {}})  # TensorRT-LLM's defaults
+    assert trtllm.llmapi_options(default, layout)["speculative_config"]["sa_config"] == {"threshold": 4, "enable_global_pool": False}
+
+
+def test_draft_sa_config_on_cpu_is_the_engines_and_checked():
+    """backend cpu: the lookup runs in the CPU engine (its threshold a model parameter, not in model.yaml); it looks
+    in the request's own tokens only, so a global pool is refused; a threshold below 1 too; other draft kinds have
+    no head to put it before."""
+    raw = yaml.safe_load(EXAMPLE_EAGLE3.read_text())
+    cpu = {**raw, "backend": "cpu", "trtllm_version": "1.2"}
+    with pytest.raises(ConfigError, match="enable_global_pool.*request's own tokens") as err:
+        parse_recipe({**cpu, "draft": {**raw["draft"], "sa_config": {"enable_global_pool": True}}})
+    assert "backend trtllm-llmapi" in err.value.hint
+    with pytest.raises(ConfigError, match=r"draft.sa_config.threshold' is 0, must be >= 1"):
+        parse_recipe({**cpu, "draft": {**raw["draft"], "sa_config": {"threshold": 0}}})
+    with pytest.raises(ConfigError, match="'draft.sa_config' applies to draft.kind eagle3 only"):
+        parse_recipe({**cpu, "draft": {"kind": "ngram", "sa_config": {"threshold": 2}}})
+    assert parse_recipe({**cpu, "draft": {**raw["draft"], "sa_config": {"threshold": 2}}}).draft.lookup_threshold == 2
+    assert parse_recipe(cpu).draft.lookup_threshold == 0
+
+
 def test_the_example_eagle3_dry_run_prints_the_options(tmp_path, monkeypatch):
     monkeypatch.setattr(trtllm.gpu_probe, "probe", lambda timeout_s=10.0: [])
     recipe = example_eagle3("1.4")

@@ -41,6 +41,7 @@ from specdeploy.engine.logits import LogitsParams
 from specdeploy.engine.native import standing_team
 from specdeploy.engine.request import GenerationChunk, GenerationRequest, GenerationStats, check_request, chunk_of
 from specdeploy.errors import ConfigError
+from specdeploy.ngram import SuffixLookup
 
 # Tokens per KV cache block for the kv_cache_* block counts: TensorRT-LLM's default
 # (`PluginConfig._tokens_per_block = 32` in tensorrt_llm/plugin/plugin.py; older releases used 64).
@@ -115,6 +116,7 @@ class Executor:
         head=None,
         draft_p_min: float = 0.0,
         draft_policy: str = "static",
+        lookup_threshold: int = 0,
     ):
         """`clock` times passes and deadlines (seconds); `wall_clock_ns` stamps the perf timestamps;
         `normalize_log_probs` is the `tensorrt_llm` model parameter of that name (default true, as in
@@ -123,7 +125,10 @@ class Executor:
         this engine) enables the fused EAGLE-3 loop for requests with num_draft_tokens > 0; `draft_p_min`
         (recipe speculative.draft_p_min) cuts its drafts at the first one it gives less than that probability;
         `draft_policy` (recipe speculative.policy) "cost" verifies only the drafts this engine's measured costs and
-        acceptance say pay (engine/draft_cost.py), "static" all of them."""
+        acceptance say pay (engine/draft_cost.py), "static" all of them. `lookup_threshold` > 0 (recipe
+        draft.sa_config.threshold): a round first looks the sequence's suffix up in the request's own tokens
+        (ngram.SuffixLookup) and, where it occurred earlier over at least that many tokens, verifies what followed it
+        instead of drafting with the head (TensorRT-LLM's suffix automaton enhancement)."""
         if max_cached_sequences < 1:
             raise ConfigError(f"max_cached_sequences is {max_cached_sequences}, must be >= 1")
         if prefill_chunk < 1:
@@ -141,6 +146,7 @@ class Executor:
         self.prefill_chunk = prefill_chunk
         self.head = head
         self.draft_p_min = draft_p_min
+        self.lookup_threshold = lookup_threshold
         self._clock = clock
         self.draft_cost: DraftCost | None = None
         self.draft_policy = draft_policy
@@ -437,10 +443,13 @@ class Executor:
         kept_logits: list[torch.Tensor] = []
         kept_log_probs: list[float] = []
         pending = 0
+        lookup = SuffixLookup(self.lookup_threshold, sequence) if self.lookup_threshold > 0 else None
         while True:
             # the round's tokens (draft[:a] + the target's own), cut by length and stop conditions
             self._stamp_token(stats, not output, start)
             new, reason = _append_round(sequence, new, request, len(output))
+            if lookup is not None:
+                lookup.extend(new)
             output.extend(new)
             pending += len(new)
             if request.return_logits:
@@ -458,31 +467,38 @@ class Executor:
                 context_logits = None
                 pending = 0
             raw_rows, rows, new, pending_aux = yield from self._fused_round(entry, pending_aux, sequence, len(output), request, params,
-                                                                            stats, generator)
+                                                                            stats, generator, lookup)
 
     def _fused_round(
         self, entry: CachedSequence, pending_aux: torch.Tensor, sequence: list[int], produced: int,
         request: GenerationRequest, params: LogitsParams, stats: GenerationStats, generator: torch.Generator | None,
+        lookup: SuffixLookup | None = None,
     ):
         """One round of the fused loop: the head catches up on the positions the target computed and kept, drafts up
         to k, and one target pass of k + 1 rows verifies them (greedy: exact match; sampled: token match with the
-        request's `generator`). Returns (the pass's raw rows, its processed rows, the
+        request's `generator`). With a `lookup` whose suffix match is long enough, its tokens are the drafts and
+        the head stays idle (it catches up in a later round). Returns (the pass's raw rows, its processed rows, the
         round's tokens: accepted drafts + the target's own, the aux features of the kept positions)."""
         drafter = entry.drafter
         t0 = self._clock()
         length = entry.cache.length
         k = max(0, min(request.num_draft_tokens, self.max_draft_len, request.max_new_tokens - produced - 1))
-        cost = self.draft_cost if k else None
+        # the request's own text first (no head work, no policy: a row is all such a draft costs)
+        looked_up = lookup.draft(k) if lookup is not None else []
+        cost = self.draft_cost if k and not looked_up else None
         plain = cost is not None and not cost.speculate()  # policy cost: drafting does not pay now, nor does the head's work
-        idle = plain or k == 0  # no drafts this round (also the last token's): the head catches up later, if ever
+        idle = plain or k == 0 or bool(looked_up)  # the head drafts nothing this round: it catches up later, if ever
         rule = cost.round() if cost is not None and not idle else None
-        if idle:
+        if looked_up:
+            draft = looked_up
+            stats.lookup_rounds += 1
+        elif idle:
             draft = []
         else:
             drafter.truncate(length - pending_aux.shape[0])  # pending_aux: the positions the head has not seen yet
             drafter.catch_up(pending_aux, sequence[drafter.length + 1 : length + 1])
             draft = drafter.draft(k, self.draft_p_min, rule)
-        k = len(draft)  # fewer where the head was unsure (draft_p_min) or a draft did not pay (cost): k + 1 rows
+        k = len(draft)  # fewer where the head was unsure (draft_p_min), a draft did not pay (cost) or the match ran out
         stats.draft_time_s += self._clock() - t0
         # one target pass: the last token + k drafts, k + 1 rows, with their aux features
         aux_parts = []
@@ -502,6 +518,7 @@ class Executor:
         pending_aux = torch.cat([pending_aux, kept]) if idle else kept  # the head has not seen these positions yet
         stats.drafted += k
         stats.accepted += accepted
+        stats.lookup_accepted += accepted if looked_up else 0
         stats.drafted_per_round.append(k)  # 0: a plain step (one token left, the head unsure, or the cost policy)
         stats.accepted_per_round.append(accepted)
         if k:

@@ -78,6 +78,8 @@ class GenerationStats:
     drafted_per_round: list[int] = field(default_factory=list)  # every verification pass after the prefill (0: a plain step)
     drafted_per_position: list[int] = field(default_factory=list)  # [i]: rounds that drafted a token at position i
     accepted_per_position: list[int] = field(default_factory=list)  # [i]: rounds whose token at position i was accepted
+    lookup_rounds: int = 0  # rounds whose drafts were the request's own text (Executor lookup_threshold), not the head's
+    lookup_accepted: int = 0  # of `accepted`, those drafted by the lookup
 
 
 @dataclass

@@ -84,7 +84,8 @@ class TritonPythonModel:
                 if key is None:
                     raise pb_utils.TritonModelException(f"{self.name}: speculative_config names no EAGLE-3 head ({' or '.join(DRAFT_MODEL_KEYS)})")
                 self.target = common.with_eagle3_head(self.target, speculative[key], float(params.get("eagle3_draft_p_min") or 0.0),
-                                                      params.get("eagle3_head_weights") or "bf16", params.get("speculation_policy") or "static")
+                                                      params.get("eagle3_head_weights") or "bf16", params.get("speculation_policy") or "static",
+                                                      self._sa_threshold(params, speculative))
                 self.eagle3 = True
             elif kind == "NGram":
                 # TensorRT-LLM's fields from speculative_config; specdeploy's own minimum from the model's parameters
@@ -102,6 +103,19 @@ class TritonPythonModel:
     @property
     def speculative(self) -> bool:
         return self.max_draft_len > 0
+
+    def _sa_threshold(self, params: dict, speculative: dict) -> int:
+        """The suffix lookup's threshold (draft.sa_config): specdeploy's model parameter, else an `sa_config` in the
+        options' speculative_config (TensorRT-LLM's SAEnhancerConfig, threshold 4 by default); 0: none."""
+        if params.get("eagle3_sa_threshold"):
+            return int(params["eagle3_sa_threshold"])
+        sa = speculative.get("sa_config")
+        if sa is None:
+            return 0
+        if sa.get("enable_global_pool"):
+            raise pb_utils.TritonModelException(f"{self.name}: sa_config.enable_global_pool is true, but the CPU engine "
+                                                "looks up each request's own tokens only")  # fmt: skip
+        return int(sa.get("threshold", 4))
 
     def finalize(self):
         if getattr(self, "ops", None) is not None:
