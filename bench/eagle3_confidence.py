@@ -50,6 +50,34 @@ def heldout_prompts(data_dir: Path, count: int) -> list[tuple[str, list[int]]]:
     return [(r["id"], r["input_ids"][: r["loss_start"]]) for r in turns][:count]
 
 
+def load_pair(recipe_path: str, root: str):
+    """(recipe, layout, target engine, head loaded against it as the recipe holds it, tokenizer) of an eagle3 recipe
+    whose target engine is built under `root`."""
+    from transformers import AutoTokenizer
+
+    from specdeploy import models
+    from specdeploy.artifacts import Layout
+    from specdeploy.config_loader import load_recipe
+    from specdeploy.engine.eagle3 import Eagle3Head
+    from specdeploy.engine.model import CpuEngine
+
+    recipe = load_recipe(recipe_path)
+    layout = Layout.of(recipe, Path(root))
+    engine = CpuEngine.load(layout.engine("target"))
+    head = Eagle3Head.load(layout.eagle3_head_source(recipe.draft.head), engine, recipe.draft.cpu_head_weights)
+    tokenizer = AutoTokenizer.from_pretrained(str(models.resolve(recipe.target.model)))
+    return recipe, layout, engine, head, tokenizer
+
+
+def prompts_of(kind: str, data_dir: str, count: int, tokenizer, max_tokens: int) -> list[tuple[str, list[int]]]:
+    """`heldout`: the draft-data folder's greedy held-out prompts; `builtin`: the built-in validation prompts."""
+    if kind == "heldout":
+        return heldout_prompts(Path(data_dir), count)
+    from bench.eagle3_peer import chat_prompts
+
+    return chat_prompts(tokenizer, count, max_tokens)
+
+
 def record_rounds(executor, head, prompts, max_tokens: int, k: int, end_id) -> list[dict]:
     """Every round of the fused loop over `prompts`: the head's probability of each draft and whether it was accepted."""
     import torch
@@ -63,9 +91,9 @@ def record_rounds(executor, head, prompts, max_tokens: int, k: int, end_id) -> l
         drafter = real_new(*args, **kwargs)
         real_draft = drafter.draft
 
-        def draft(n, p_min=0.0):
+        def draft(n, p_min=0.0, rule=None):
             base, logits, prenorm, probabilities = drafter.cache.length, drafter.logits, drafter.prenorm, []
-            tokens = real_draft(n, p_min)
+            tokens = real_draft(n, p_min, rule)
             for i, token in enumerate(tokens):  # the same rows again, for their probabilities (draft() keeps none)
                 if i:
                     logits, prenorm = head.forward(drafter.cache, prenorm, torch.tensor([tokens[i - 1]]))
@@ -148,28 +176,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import torch
-    from transformers import AutoTokenizer
 
-    from specdeploy import models
-    from specdeploy.artifacts import Layout
-    from specdeploy.config_loader import load_recipe
-    from specdeploy.engine.eagle3 import Eagle3Head
     from specdeploy.engine.executor import Executor
-    from specdeploy.engine.model import CpuEngine
 
     torch.set_num_threads(args.threads)
-    recipe = load_recipe(args.recipe)
-    layout = Layout.of(recipe, Path(args.root))
-    engine = CpuEngine.load(layout.engine("target"))
+    recipe, layout, engine, head, tokenizer = load_pair(args.recipe, args.root)
     head_dir = layout.eagle3_head_source(recipe.draft.head)
-    head = Eagle3Head.load(head_dir, engine, recipe.draft.cpu_head_weights)
-    tokenizer = AutoTokenizer.from_pretrained(str(models.resolve(recipe.target.model)))
-    if args.prompts == "heldout":
-        prompts = heldout_prompts(Path(args.data), args.count)
-    else:
-        from bench.eagle3_peer import chat_prompts
-
-        prompts = chat_prompts(tokenizer, args.count, args.max_tokens)
+    prompts = prompts_of(args.prompts, args.data, args.count, tokenizer, args.max_tokens)
     print(f"head {head_dir}, target {layout.engine('target')}, {len(prompts)} {args.prompts} prompts x {args.max_tokens} "
           f"tokens, k = {args.draft_len}, no cut-off", flush=True)
     rounds = record_rounds(Executor(engine, 2, head=head), head, prompts, args.max_tokens, args.draft_len, tokenizer.eos_token_id)

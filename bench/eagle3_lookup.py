@@ -62,24 +62,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import torch
-    from transformers import AutoTokenizer
 
-    from bench.eagle3_confidence import heldout_prompts
-    from bench.eagle3_peer import chat_prompts
-    from specdeploy import models
-    from specdeploy.artifacts import Layout
-    from specdeploy.config_loader import load_recipe
-    from specdeploy.engine.eagle3 import Eagle3Head
+    from bench.eagle3_confidence import load_pair, prompts_of
     from specdeploy.engine.executor import Executor
-    from specdeploy.engine.model import CpuEngine
 
     torch.set_num_threads(args.threads)
-    recipe = load_recipe(args.recipe)
-    layout = Layout.of(recipe, Path(args.root))
-    engine = CpuEngine.load(layout.engine("target"))
-    head = Eagle3Head.load(layout.eagle3_head_source(recipe.draft.head), engine, recipe.draft.cpu_head_weights)
-    tokenizer = AutoTokenizer.from_pretrained(str(models.resolve(recipe.target.model)))
-    prompts = heldout_prompts(Path(args.data), args.count) if args.prompts == "heldout" else chat_prompts(tokenizer, args.count, args.max_tokens)
+    recipe, layout, engine, head, tokenizer = load_pair(args.recipe, args.root)
+    prompts = prompts_of(args.prompts, args.data, args.count, tokenizer, args.max_tokens)
     k = args.draft_len or recipe.speculative.num_draft_tokens
     thresholds = [int(t) for t in args.thresholds.split(",")]
     print(f"{len(prompts)} {args.prompts} prompts x {args.max_tokens} tokens, k = {k}, draft_p_min "

@@ -73,22 +73,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import torch
-    from transformers import AutoTokenizer
 
+    from bench.eagle3_confidence import load_pair
     from bench.eagle3_peer import chat_prompts
-    from specdeploy import models
-    from specdeploy.artifacts import Layout
-    from specdeploy.config_loader import load_recipe
-    from specdeploy.engine.eagle3 import Eagle3Head
     from specdeploy.engine.executor import Executor
-    from specdeploy.engine.model import CpuEngine
 
     torch.set_num_threads(args.threads)
-    recipe = load_recipe(args.recipe)
-    layout = Layout.of(recipe, Path(args.root))
-    engine = CpuEngine.load(layout.engine("target"))
-    head = Eagle3Head.load(layout.eagle3_head_source(recipe.draft.head), engine, recipe.draft.cpu_head_weights)
-    tokenizer = AutoTokenizer.from_pretrained(str(models.resolve(recipe.target.model)))
+    recipe, layout, engine, head, tokenizer = load_pair(args.recipe, args.root)
     prompts = chat_prompts(tokenizer, args.count, args.max_tokens)
     k = args.draft_len
     own = f"{recipe.speculative.policy}:{recipe.speculative.draft_p_min:g}"
