@@ -41,3 +41,34 @@ def test_acceptance_by_group_is_per_category_or_source_and_per_draft_position():
     assert groups["code"] == (2, 2.5, [1.0, 1.0, 0.5])  # accepted 3 and 2: both rounds kept drafts 1 and 2
     assert groups["chat"] == (1, 0.0, [0.0, 0.0, 0.0]) and groups["calibration"] == (1, 1.0, [1.0, 0.0, 0.0])
     assert groups["all"] == (4, 1.5, [0.75, 0.5, 0.25])
+
+
+def test_record_rounds_and_the_lookup_bench_drive_the_real_fused_loop(tmp_path, tiny_tokenizer_dir):
+    """The benches' engine parts on a tiny target with a random head: record_rounds wraps the executor's own drafter
+    (its rounds' probabilities and acceptance recorded, the output the target's), and eagle3_lookup.measure counts
+    the lookup's rounds within the passes; both broke silently before when the drafter's signature changed."""
+    from eagle3_heads import make_eagle3_head
+    from specdeploy.config import EngineConfig, QuantConfig
+    from specdeploy.engine.compile import compile_checkpoint
+    from specdeploy.engine.eagle3 import Eagle3Head
+    from specdeploy.engine.executor import Executor
+    from specdeploy.engine.model import CpuEngine
+    from specdeploy.engine.request import GenerationRequest, run
+    from specdeploy.quantize import quantize_model
+    from tiny_models import make_tiny_model
+
+    make_tiny_model(tmp_path / "model", tiny_tokenizer_dir, seed=0, num_hidden_layers=4)
+    quantize_model(tmp_path / "model", QuantConfig(), tmp_path / "ckpt", progress=False)
+    compile_checkpoint(tmp_path / "ckpt", tmp_path / "engine", EngineConfig(dtype="float32", max_input_len=128, max_seq_len=256), 8)
+    engine = CpuEngine.load(tmp_path / "engine")
+    head = Eagle3Head.load(make_eagle3_head(tmp_path / "head", 64, 512, (0, 1, 2)), engine)
+    prompts = [("a", [5, 6, 7, 8, 9, 5, 6, 7]), ("b", [40, 41, 42, 43])]
+    conf = bench_modules.load("eagle3_confidence")
+    rounds = conf.record_rounds(Executor(engine, 2, head=head), head, prompts, 12, 3, None)
+    assert rounds and all(len(r["probabilities"]) == 3 and 0 <= r["accepted"] <= 3 for r in rounds)
+    assert all(0.0 < p <= 1.0 for r in rounds for p in r["probabilities"])
+    lookup = bench_modules.load("eagle3_lookup")
+    plain, outputs = lookup.measure(Executor(engine, 2, head=head), prompts, 3, 24, None)
+    looked, same = lookup.measure(Executor(engine, 2, head=head, lookup_threshold=1), prompts, 3, 24, None)
+    assert same == outputs == [run(Executor(engine), GenerationRequest(list(ids), 24)).token_ids for _, ids in prompts]
+    assert plain["lookup_rounds"] == 0 and 0 < looked["lookup_rounds"] <= looked["rounds"] <= looked["passes"]
