@@ -89,7 +89,6 @@ EAGLE3_TRAIN_PRECISIONS = ("auto", "float32", "bfloat16")  # draft.train.precisi
 EAGLE3_LR_SCHEDULES = ("constant", "cosine")  # draft.train.lr_schedule
 EAGLE3_DATA_BACKENDS = ("engine", "torch")  # draft.data.backend
 EAGLE3_HEAD_WEIGHTS = ("auto", "int8", "bf16")  # draft.head_weights
-
 # draft.max_matching_ngram_size when null; the default of specdeploy.ngram.NGramSettings, written here because the
 # recipe checks draft.min_matching_ngram_size against it and the recipe imports nothing above the core.
 NGRAM_MAX_MATCHING_NGRAM_SIZE = 2

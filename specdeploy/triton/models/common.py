@@ -125,8 +125,7 @@ def with_eagle3_head(executor, head_dir, draft_p_min: float = 0.0, head_weights:
     engine/executor.py), its linears held as `head_weights` (draft.head_weights: bf16 or int8), its draft cut-off
     (speculative.draft_p_min), which drafts a round verifies (speculative.policy: static, or cost:
     engine/draft_cost.py) and the suffix lookup tried before the head (`lookup_threshold`: draft.sa_config.threshold,
-    0 off); unchanged when head_dir is None. A head that does not fit the engine: ModelError
-    naming the file."""
+    0 off); unchanged when head_dir is None. A head that does not fit the engine: ModelError naming the file."""
     if head_dir is None:
         return executor
     from specdeploy.engine.eagle3 import Eagle3Head
