@@ -87,6 +87,7 @@ EAGLE3_HEAD_TRAINED = "trained"  # draft.head: the head `specdeploy draft train 
 EAGLE3_EXPORT_DTYPES = ("float32", "bfloat16", "float16")  # draft.train.export_dtype
 EAGLE3_TRAIN_PRECISIONS = ("auto", "float32", "bfloat16")  # draft.train.precision
 EAGLE3_LR_SCHEDULES = ("constant", "cosine")  # draft.train.lr_schedule
+EAGLE3_TRAIN_FEATURES = ("target", "engine")  # draft.train.features
 EAGLE3_DATA_BACKENDS = ("engine", "torch")  # draft.data.backend
 EAGLE3_HEAD_WEIGHTS = ("auto", "int8", "bf16")  # draft.head_weights
 # draft.max_matching_ngram_size when null; the default of specdeploy.ngram.NGramSettings, written here because the
@@ -143,6 +144,19 @@ class Eagle3TrainConfig:
     # the forward passes under torch autocast in bfloat16 (master weights and optimizer stay fp32). auto: bfloat16
     # where the CPU multiplies bf16 natively (AMX / AVX512-BF16; ~3x faster than fp32 there) or on a GPU, else float32
     precision: str = "auto"
+    # where the target's features (its aux layers' outputs) and its distribution (the soft labels) come from.
+    # target: ModelOpt runs the target's Hugging Face weights in torch inside each step (its online mode). engine: the
+    # recipe's built CPU engine computes them (the quantized target the head will draft for, ~3x faster than torch
+    # on 2 cores) and ModelOpt trains through its offline mode (`eagle_offline`, `base_model_outputs`)
+    features: str = "target"
+    # start from an exported head (a folder, or a head bundled with specdeploy by name) instead of a fresh one: a
+    # head trained further. Its aux layers and draft vocabulary (d2t) are kept; the optimizer starts anew
+    init_head: str = ""
+    # batches of samples of similar length (sorted within pools of 64 batches, the batches then shuffled): less
+    # padding, the same samples each epoch
+    length_grouping: bool = False
+    # the training data's folder; empty: the recipe's own (`specdeploy draft data RECIPE` writes it)
+    data_dir: str = ""
 
 
 @dataclass(frozen=True)

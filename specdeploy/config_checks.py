@@ -16,6 +16,7 @@ from specdeploy.config import (
     EAGLE3_HEAD_TRAINED,
     EAGLE3_HEAD_WEIGHTS,
     EAGLE3_LR_SCHEDULES,
+    EAGLE3_TRAIN_FEATURES,
     EAGLE3_TRAIN_PRECISIONS,
     ENGINE_DTYPES,
     KV_CACHE_DTYPES,
@@ -346,6 +347,13 @@ def _check_eagle3(r: Recipe) -> None:
     _choice("draft.train.export_dtype", t.export_dtype, EAGLE3_EXPORT_DTYPES)
     _choice("draft.train.precision", t.precision, EAGLE3_TRAIN_PRECISIONS)
     _choice("draft.train.lr_schedule", t.lr_schedule, EAGLE3_LR_SCHEDULES)
+    _choice("draft.train.features", t.features, EAGLE3_TRAIN_FEATURES)
+    if t.init_head == EAGLE3_HEAD_TRAINED:
+        raise ConfigError("key 'draft.train.init_head' is 'trained': the head this recipe trains cannot be its own start",
+                          "name another head's folder or a bundled head (specdeploy/data/heads), or remove init_head")  # fmt: skip
+    if t.features == "engine" and backend.gpu:
+        raise ConfigError(f"key 'draft.train.features' is engine on backend {r.backend}, but only the CPU engine returns "
+                          "the target's features", "remove it (target: ModelOpt runs the target's weights), or use backend cpu")  # fmt: skip
     _choice("draft.data.backend", d.data.backend, EAGLE3_DATA_BACKENDS)
     _at_least("draft.data.batch_size", d.data.batch_size, 0)
     _at_least("draft.train.draft_vocab_size", t.draft_vocab_size, 2)

@@ -35,7 +35,7 @@ from specdeploy.draft_samples import read_draft_data
 from specdeploy.draft_train_loop import TrainResult, train_head
 from specdeploy.draft_train_plan import check_disk, check_plan, plan_training
 from specdeploy.errors import ConfigError
-from specdeploy.modelopt_eagle3 import aux_layer_ids, build_model, choose_draft_vocab, export_head
+from specdeploy.modelopt_eagle3 import aux_layer_ids, build_model, choose_draft_vocab, export_head, load_exported_head
 
 STAGE = "eagle3-head"
 TRAIN_LOG = "train_log.jsonl"
@@ -66,12 +66,59 @@ def _available_memory(device: str) -> int | None:
         return None
 
 
-def stage_fingerprint(recipe: Recipe, target_hash: str, data_fingerprint: str, time_limit_s: float | None = None) -> str:
-    """A time limit is part of a head's identity (it may cut the steps); without one the fingerprint is as before."""
+# draft.train keys added after heads were shipped: at their defaults they stay out of the fingerprint, so those
+# heads stay up to date
+_LATER_KEYS = {"features": "target", "init_head": "", "length_grouping": False, "data_dir": ""}
+
+
+def stage_fingerprint(recipe: Recipe, target_hash: str, data_fingerprint: str, time_limit_s: float | None = None,
+                      inputs: dict | None = None) -> str:  # fmt: skip
+    """A time limit is part of a head's identity (it may cut the steps); without one the fingerprint is as before.
+    `inputs`: the other things the head is made from (the engine that gives the features, the head it starts from)."""
     from specdeploy.artifacts import fingerprint
 
     limit = {} if time_limit_s is None else {"time_limit_s": time_limit_s}
-    return fingerprint(stage=STAGE, target=target_hash, data=data_fingerprint, train=to_plain(recipe.draft.train), **limit)
+    train = {k: v for k, v in to_plain(recipe.draft.train).items() if _LATER_KEYS.get(k, object()) != v}
+    return fingerprint(stage=STAGE, target=target_hash, data=data_fingerprint, train=train, **limit, **(inputs or {}))
+
+
+def data_folder(recipe: Recipe, layout) -> Path:
+    """draft.train.data_dir, or the recipe's own draft data."""
+    return Path(recipe.draft.train.data_dir).expanduser() if recipe.draft.train.data_dir else layout.draft_data
+
+
+def init_head_folder(recipe: Recipe, layout, aux_ids: list[int]) -> Path | None:
+    """draft.train.init_head resolved (a folder or a bundled head's name), checked to feed from the same layers."""
+    from specdeploy.engine.eagle3 import Eagle3HeadConfig
+
+    name = recipe.draft.train.init_head
+    if not name:
+        return None
+    folder = layout.eagle3_head_source(name)
+    if not (folder / "config.json").is_file() or not (folder / "model.safetensors").is_file():
+        raise ConfigError(f"draft.train.init_head: {folder} is not an exported EAGLE-3 head (config.json, model.safetensors)",
+                          "name a head folder that `specdeploy draft train` exported, or a bundled head (specdeploy/data/heads)")  # fmt: skip
+    ids = json.loads((folder / "config.json").read_text()).get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
+    if ids is not None and sorted(ids) != sorted(aux_ids):
+        raise ConfigError(f"draft.train.init_head: {folder} reads target layers {ids}, this recipe trains on {aux_ids}",
+                          f"set draft.train.aux_layers: {list(ids)}, or start from a fresh head (remove init_head)")  # fmt: skip
+    Eagle3HeadConfig.read(folder)  # a readable head config, else its own error
+    return folder
+
+
+def engine_features(recipe: Recipe, layout, aux_ids: list[int]):
+    """draft.train.features: engine: the recipe's built CPU engine (specdeploy.draft_features)."""
+    from specdeploy import artifacts
+    from specdeploy.draft_features import EngineFeatures
+    from specdeploy.errors import StaleArtifactError
+
+    engine_dir = layout.engine("target")
+    try:
+        manifest = artifacts.require(engine_dir, stage="build", rerun=f"specdeploy build {recipe.name}")
+    except StaleArtifactError as exc:
+        raise StaleArtifactError(f"no built target engine at {engine_dir}: draft.train.features engine computes the "
+                                 "target's features with it", f"run: specdeploy quantize RECIPE && specdeploy build RECIPE") from exc  # fmt: skip
+    return EngineFeatures.load(engine_dir, aux_ids, manifest.fingerprint)
 
 
 def resume_dir(dest: Path) -> Path:
@@ -95,19 +142,27 @@ def train_recipe(recipe: Recipe, layout, force: bool = False, echo=print, progre
     target_dir = models.resolve(recipe.target.model)
     target_config = json.loads((target_dir / "config.json").read_text())
     vocab = target_config["vocab_size"]
-    data = read_draft_data(layout.draft_data, vocab)
+    data = read_draft_data(data_folder(recipe, layout), vocab)
     target_hash = dir_hash(target_dir)
-    fp = stage_fingerprint(recipe, target_hash, data.fingerprint, time_limit_s)
+    aux_ids = aux_layer_ids(target_config, t)
+    init = init_head_folder(recipe, layout, aux_ids)
+    features = engine_features(recipe, layout, aux_ids) if t.features == "engine" else None
+    inputs = {}
+    if init is not None:
+        inputs["init_head"] = dir_hash(init)
+    if features is not None:
+        inputs["features_engine"] = features.identity
+    fp = stage_fingerprint(recipe, target_hash, data.fingerprint, time_limit_s, inputs)
     dest = layout.eagle3_head
     if not force and is_up_to_date(dest, fp):
         echo(f"eagle3 head: up to date ({dest})")
         return None
-    aux_ids = aux_layer_ids(target_config, t)
     draft_ids = choose_draft_vocab(data.train, vocab, t.draft_vocab_size)
     draft_vocab_size = len(draft_ids) if draft_ids is not None else vocab
     device = device_name()
     precision = train_precision(t, device)
-    plan = plan_training(target_config, data, t, device, _available_memory(device), draft_vocab_size, len(aux_ids), precision)
+    plan = plan_training(target_config, data, t, device, _available_memory(device), draft_vocab_size, len(aux_ids), precision,
+                         engine_features=features is not None)  # fmt: skip
     check_plan(plan, t)
     echo(f"eagle3 head for {recipe.target.model}: {plan.summary()}")
     echo(f"  aux layers {aux_ids}, draft vocabulary {draft_vocab_size} of {vocab}, {len(data.train)} training and "
@@ -116,12 +171,17 @@ def train_recipe(recipe: Recipe, layout, force: bool = False, echo=print, progre
     if force and work.exists():
         shutil.rmtree(work)
     check_disk(plan, t, dest.parent, free_bytes(dest.parent) + tree_bytes(work))  # the work folder's checkpoint is replaced
-    model = build_model(target_dir, t, draft_ids, aux_ids, device)
+    model = build_model(target_dir, t, draft_ids, aux_ids, device, offline=features is not None)
+    if init is not None:
+        load_exported_head(model, init)  # its weights and its d2t
+        echo(f"  starting from the head in {init}")
+    if features is not None:
+        echo(f"  the target's features and distribution from the CPU engine {layout.engine('target')} (ModelOpt's offline mode)")
     pad_id = target_config.get("pad_token_id")
     pad_id = pad_id if isinstance(pad_id, int) and 0 <= pad_id < vocab else 0
     echo(f"  forward passes in {precision} (draft.train.precision {t.precision})")
     result = train_head(model, data, t, work, fingerprint=fp, progress=progress, echo=echo, device=device, pad_id=pad_id,
-                        precision=precision, time_limit_s=time_limit_s)
+                        precision=precision, time_limit_s=time_limit_s, features=features)
     head_params = sum(p.numel() for p in model.eagle_module.parameters())
     with atomic_output(dest) as tmp:
         export_head(model, tmp, aux_ids, t.export_dtype)
@@ -133,7 +193,8 @@ def train_recipe(recipe: Recipe, layout, force: bool = False, echo=print, progre
             settings={"train": to_plain(t), "aux_layers": aux_ids, "draft_vocab_size": draft_vocab_size,
                       "device": device, "precision": precision, "seed": t.seed, "time_limit_s": time_limit_s},  # fmt: skip
             inputs={"target_dir": str(target_dir), "target_hash": target_hash, "data_dir": str(data.folder),
-                    "data_fingerprint": data.fingerprint},  # fmt: skip
+                    "data_fingerprint": data.fingerprint, **({"init_head": str(init), "init_head_hash": inputs["init_head"]} if init else {}),
+                    **({"features_engine": str(layout.engine("target")), "features_engine_fingerprint": features.identity} if features else {})},  # fmt: skip
             tool_versions=tool_versions(*TOOL_DISTRIBUTIONS),
             extra={"heldout_acceptance": asdict(result.acceptance), "untrained_acceptance": asdict(result.initial_acceptance),
                    "mean_accepted": result.acceptance.mean_accepted, "head_parameters": head_params,

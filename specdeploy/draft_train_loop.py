@@ -24,6 +24,7 @@ CHECKPOINT_EVERY_S = 300.0  # model + optimizer + position saved this often (and
 WARM_UP_STEPS = 10
 FIT_AFTER_STEPS = 30
 LENGTH_BUCKET = 32  # batches are padded to a multiple of this (one cached TTT mask per padded length)
+GROUP_POOL_BATCHES = 64  # draft.train.length_grouping: samples sorted by length within pools of this many batches
 
 
 # ---------------------------------------------------------------- batches
@@ -79,7 +80,8 @@ class Acceptance:
         return f"held-out acceptance per position {per}; mean accepted {self.mean_accepted:.2f} ({self.positions} positions)"
 
 
-def heldout_acceptance(model, samples, ttt_steps: int, seq_len: int, batch_size: int, pad_id: int, device: str = "cpu") -> Acceptance:
+def heldout_acceptance(model, samples, ttt_steps: int, seq_len: int, batch_size: int, pad_id: int, device: str = "cpu",
+                       features=None) -> Acceptance:  # fmt: skip
     """Greedy acceptance of the head on held-out answers, as drafting at inference would see it.
 
     For each answer position s (the target has read tokens 0..s and gives token s+1), the head drafts j = 1..K
@@ -88,7 +90,10 @@ def heldout_acceptance(model, samples, ttt_steps: int, seq_len: int, batch_size:
     with `get_ttt_msk_func`). Draft j is accepted when it and all before it equal the target's greedy tokens.
     Drafts past the first are fed the sample's tokens, which equal the drafts wherever all earlier drafts were
     accepted; a start counts only where the sample's next K tokens are the target's own greedy ones (always on
-    greedy answers; on sampled answers elsewhere the chain would be fed tokens it did not draft)."""
+    greedy answers; on sampled answers elsewhere the chain would be fed tokens it did not draft).
+
+    `features(samples, width)`: the target's outputs for ModelOpt's offline mode (specdeploy.draft_features);
+    None: the model runs the target itself."""
     import torch
 
     head = model.eagle_module
@@ -115,7 +120,7 @@ def heldout_acceptance(model, samples, ttt_steps: int, seq_len: int, batch_size:
                     model._mask_cache = _MaskCache(model)
                 model._mask_cache.use(ids.shape[1])
                 recorded.clear()
-                out = model(input_ids=ids, loss_mask=loss_mask)
+                out = model(input_ids=ids, loss_mask=loss_mask, **(features(chunk, ids.shape[1]) if features else {}))
                 target_next = out.logits.argmax(-1)  # [batch, width]: the target's token after position p
                 drafts = []
                 for logits in recorded[:ttt_steps]:
@@ -205,15 +210,37 @@ def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
     return torch.randperm(n, generator=g).tolist()
 
 
+def epoch_batches(lengths: list[int], t: Eagle3TrainConfig, epoch: int) -> list[list[int]]:
+    """The epoch's batches (sample indices), a function of (seed, epoch) alone, so a resumed run takes the same.
+    Shuffled and cut in order; with draft.train.length_grouping the shuffled order is cut into pools of
+    GROUP_POOL_BATCHES batches, each pool sorted by length and cut, and the batches shuffled again: the same number
+    of batches, each of similar lengths (padding is what a CPU pays for most: 45 % of the padded tokens of the
+    shipped head's data in shuffled batches of 32)."""
+    import torch
+
+    order = epoch_order(len(lengths), t.seed, epoch)
+    size = t.batch_size
+    if not t.length_grouping:
+        return [order[i : i + size] for i in range(0, len(order), size)]
+    pool = size * GROUP_POOL_BATCHES
+    batches = []
+    for i in range(0, len(order), pool):
+        sorted_pool = sorted(order[i : i + pool], key=lambda j: (lengths[j], j))
+        batches += [sorted_pool[k : k + size] for k in range(0, len(sorted_pool), size)]
+    g = torch.Generator().manual_seed(t.seed * 1_000_003 + epoch + 500_009)
+    return [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
+
+
 def train_head(model, data: DraftData, t: Eagle3TrainConfig, work_dir: Path, *, fingerprint: str = "", progress: bool = True,
                echo=print, device: str = "cpu", pad_id: int = 0, checkpoint_every_s: float = CHECKPOINT_EVERY_S,
-               precision: str = "float32", time_limit_s: float | None = None, _stop_after_step: int | None = None) -> TrainResult:  # fmt: skip
+               precision: str = "float32", time_limit_s: float | None = None, features=None,
+               _stop_after_step: int | None = None) -> TrainResult:  # fmt: skip
     """Train the head of `model` on `data`; checkpoints model + optimizer + position into `work_dir` (a rerun
     with the same `fingerprint` continues from there). Returns the held-out acceptance before and after.
 
     `time_limit_s`: the run (held-out passes included) ends within about that many seconds: once FIT_AFTER_STEPS
     steps are done, the planned steps are cut to what fits at the pace of those after WARM_UP_STEPS (the learning-rate schedule follows the new total), so a
-    lent GPU's minutes still end in an exported head."""
+    lent GPU's minutes still end in an exported head. `features`: as in heldout_acceptance."""
     import torch
     from tqdm.auto import tqdm
 
@@ -226,7 +253,9 @@ def train_head(model, data: DraftData, t: Eagle3TrainConfig, work_dir: Path, *, 
     masks = _MaskCache(model)
     model._mask_cache = masks
     # held-out acceptance in fp32 whatever the training precision: the target's greedy tokens as exact as here
-    evaluate = lambda: heldout_acceptance(model, list(data.heldout), t.ttt_steps, t.seq_len, t.batch_size, pad_id, device)  # noqa: E731
+    evaluate = lambda: heldout_acceptance(model, list(data.heldout), t.ttt_steps, t.seq_len, t.batch_size, pad_id, device, features)  # noqa: E731
+    lengths = [min(len(s.input_ids), t.seq_len) for s in data.train]
+    batches: dict[int, list[list[int]]] = {}  # epoch -> its batches
 
     step, log = 0, []
     began = time.monotonic()
@@ -270,21 +299,24 @@ def train_head(model, data: DraftData, t: Eagle3TrainConfig, work_dir: Path, *, 
     try:
         while step < total_steps:
             epoch, k = divmod(step, steps_per_epoch)
-            order = epoch_order(len(data.train), t.seed, epoch)
-            chunk = [data.train[i] for i in order[k * t.batch_size : (k + 1) * t.batch_size]]
-            ids, loss_mask, lengths = make_batch(chunk, t.seq_len, pad_id, device)
+            if epoch not in batches:
+                batches.clear()
+                batches[epoch] = epoch_batches(lengths, t, epoch)
+            chunk = [data.train[i] for i in batches[epoch][k]]
+            started = time.monotonic()  # the engine's features count as the step's (the target's part of it)
+            ids, loss_mask, rows = make_batch(chunk, t.seq_len, pad_id, device)
+            extra = features(chunk, ids.shape[1]) if features else {}
             masks.use(ids.shape[1])
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate_at(t, step, total_steps)
-            started = time.monotonic()
             with autocast(precision, device):
-                out = model(input_ids=ids, loss_mask=loss_mask)
+                out = model(input_ids=ids, loss_mask=loss_mask, **extra)
             optimizer.zero_grad(set_to_none=True)
             out.loss.backward()
             optimizer.step()
             step_seconds += time.monotonic() - started
             step += 1
-            tokens += sum(lengths)
+            tokens += sum(rows)
             losses.append(float(out.loss.detach()))
             accs.append(out.train_acc[0])
             bar.update(1)

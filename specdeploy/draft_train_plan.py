@@ -17,6 +17,9 @@ from specdeploy.errors import ConfigError, DiskFullError
 # the figures below sit between, so a busy machine still finishes near the estimate.
 CPU_FLOPS = 4.0e10
 CPU_BF16_FLOPS = 1.2e11  # where draft.train.precision resolves to bfloat16 (AMX / AVX512-BF16)
+# draft.train.features engine: the CPU engine's prefill with every row's logits and the aux layers captured
+# (int8_sq SmolLM2-135M, 2 cores, AVX-512 EPYC: ~720 tokens/s measured, docs/eagle3-train.md)
+ENGINE_FEATURE_TOKENS_PER_S = 500.0
 GPU_FLOPS = 1.0e14
 ADAM_BYTES_PER_PARAM = 16  # fp32 weight, gradient, two Adam moments
 CHECKPOINT_BYTES_PER_PARAM = 12  # the resume checkpoint: fp32 weight and two Adam moments (no gradient)
@@ -57,7 +60,7 @@ def head_shape(target_config: dict, draft_vocab_size: int, num_aux: int) -> int:
 
 
 def plan_training(target_config: dict, data: DraftData, t: Eagle3TrainConfig, device: str, available_bytes: int | None,
-                  draft_vocab_size: int, num_aux: int, precision: str = "float32") -> TrainPlan:  # fmt: skip
+                  draft_vocab_size: int, num_aux: int, precision: str = "float32", engine_features: bool = False) -> TrainPlan:  # fmt: skip
     from specdeploy.calibration import count_params
 
     steps_per_epoch = math.ceil(len(data.train) / t.batch_size)
@@ -69,8 +72,10 @@ def plan_training(target_config: dict, data: DraftData, t: Eagle3TrainConfig, de
     vocab = target_config["vocab_size"]
     # per token: the target's forward (2 P), the head's forward + backward over ttt_steps (6 P each); the
     # held-out passes add about one more target forward per epoch over a smaller set.
-    flops = train_tokens * (2.0 * target_params + 6.0 * head_params * t.ttt_steps)
+    flops = train_tokens * ((0.0 if engine_features else 2.0 * target_params) + 6.0 * head_params * t.ttt_steps)
     seconds = flops / (GPU_FLOPS if device == "cuda" else CPU_BF16_FLOPS if precision == "bfloat16" else CPU_FLOPS)
+    if engine_features:  # the target's forward in the engine, every training token once a step
+        seconds += train_tokens / ENGINE_FEATURE_TOKENS_PER_S
     # memory: the target in fp32, the head with gradients and Adam, and per batch the target's logits (full
     # vocabulary: logits, softmax, draft-vocabulary copy) and the head's per TTT step
     tokens_per_batch = t.batch_size * t.seq_len

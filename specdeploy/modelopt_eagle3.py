@@ -112,8 +112,13 @@ def _rope_theta(target_config: dict) -> float:
     return 10000.0
 
 
-def build_model(target_dir: Path, t: Eagle3TrainConfig, draft_ids: list[int] | None, aux_ids: list[int], device: str = "cpu"):
-    """The target (frozen, fp32) converted to ModelOpt's EAGLE-3 model with a fresh head (seeded)."""
+def build_model(target_dir: Path, t: Eagle3TrainConfig, draft_ids: list[int] | None, aux_ids: list[int], device: str = "cpu",
+                offline: bool = False):  # fmt: skip
+    """The target (frozen, fp32) converted to ModelOpt's EAGLE-3 model with a fresh head (seeded).
+
+    `offline`: ModelOpt's offline mode (`eagle_offline`): the target's decoder layers are dropped and each forward
+    takes the target's outputs as `base_model_outputs` (draft.train.features: engine, specdeploy.draft_features);
+    the embeddings, final norm and LM head stay."""
     import modelopt.torch.speculative as mtsp
     import torch
     from transformers import AutoModelForCausalLM
@@ -123,8 +128,11 @@ def build_model(target_dir: Path, t: Eagle3TrainConfig, draft_ids: list[int] | N
     target_config = model.config.to_dict()
     vocab = target_config["vocab_size"]
     draft_vocab_size = len(draft_ids) if draft_ids is not None else vocab
+    last_layer = model.model.layers[-1]  # kept for init_from_target: offline mode drops the layers
     torch.manual_seed(t.seed)  # the head's initial weights
-    mtsp.convert(model, [("eagle", eagle_config(target_config, t, draft_vocab_size, aux_ids))])
+    cfg = eagle_config(target_config, t, draft_vocab_size, aux_ids)
+    cfg["eagle_offline"] = offline
+    mtsp.convert(model, [("eagle", cfg)])
     head = model.eagle_module
     if draft_ids is not None:
         with torch.no_grad():
@@ -144,19 +152,18 @@ def build_model(target_dir: Path, t: Eagle3TrainConfig, draft_ids: list[int] | N
     # half of q/k/v's input, which q/k/v learn anyway.
     head.layers[0].input_layernorm.weight.requires_grad_(False)
     if t.init_from_target:
-        init_head_from_target(model, draft_ids)
+        init_head_from_target(model, draft_ids, last_layer)
     model.to(device)
     return model
 
 
-def init_head_from_target(model, draft_ids: list[int] | None) -> None:
-    """Start the head's decoder layer from the target's last layer and its LM head from the target's rows.
+def init_head_from_target(model, draft_ids: list[int] | None, src) -> None:
+    """Start the head's decoder layer from the target's last layer `src` and its LM head from the target's rows.
 
     ModelOpt has no such option (its head starts random). The head's q/k/v read [embeddings, hidden] (2x
     hidden): the hidden half takes the target's weights, the embedding half stays as initialised."""
     import torch
 
-    src = model.model.layers[-1]
     dst = model.eagle_module.layers[0]
     h = model.config.hidden_size
     with torch.no_grad():

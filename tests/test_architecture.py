@@ -114,6 +114,7 @@ LAYER_OF = {
     "modelopt_eagle3": "stages",  # the head through ModelOpt: vocabulary, config, build, export
     "draft_train_loop": "stages",  # training the head: batches, held-out acceptance, resumable train_head
     "draft_train": "stages",  # specdeploy draft train: the EAGLE-3 head (ModelOpt)
+    "draft_features": "stages",  # draft.train.features engine: the target's side of a training step from the CPU engine
     "launch_command": "stages",  # the tritonserver launch plan and its docker equivalent
     "launch_k8s": "stages",  # the Kubernetes manifests
     "launch": "stages",

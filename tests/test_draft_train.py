@@ -591,3 +591,140 @@ def test_a_time_limit_cuts_the_steps_and_still_exports_the_head(tiny, tmp_path):
     assert manifest.settings["time_limit_s"] == 36000.0 and manifest.extra["steps"] == 64 == manifest.extra["planned_steps"]
     out = CliRunner().invoke(main, ["--root", str(cli_layout.root), "draft", "train", str(path), "--no-progress", "--time-limit", "0"])
     assert out.exit_code != 0 and "--time-limit" in out.output
+
+
+# ---------------------------------------------------------------- the target's side from the CPU engine, a head trained further
+
+
+def engine_recipe(target: Path, name: str = "tiny-eagle3-engine", **train):
+    """recipe_for with a built CPU engine behind it (full precision, float32: the engine's numbers close to torch's)."""
+    return parse_recipe({
+        "name": name, "backend": "cpu",
+        "target": {"model": str(target), "quantization": {"qformat": "full_prec", "calib_size": 4, "calib_max_seq_length": 32}},
+        "draft": {"kind": "eagle3", "head": "trained", "train": {**TRAIN, **train}},
+        "speculative": {"max_draft_len": 4, "num_draft_tokens": 3},
+        "engine": {"dtype": "float32", "max_batch_size": 2, "max_input_len": 64, "max_seq_len": 96},
+    })  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny):
+    """The tiny target quantized (full_prec) and built as a CPU engine, with the draft data beside it."""
+    from specdeploy.engine.build import build_recipe
+    from specdeploy.quantize import quantize_recipe
+
+    root, target, data = tiny
+    recipe = engine_recipe(target, features="engine")
+    layout = layout_with_data(root, data, recipe, "engine-run")
+    quantize_recipe(recipe, layout, echo=lambda *_: None, progress=False)
+    build_recipe(recipe, layout, echo=lambda *_: None)
+    return layout
+
+
+def test_engine_features_are_what_modelopt_captures_from_the_targets_weights(tiny, tiny_engine):
+    """The engine's aux features and logits, fed to ModelOpt's offline mode, are the outputs its online mode hooks
+    from the same layers of the target's weights (ModelOpt's ids: layer outputs), and its loss is the same."""
+    from specdeploy.draft_features import EngineFeatures
+
+    root, target, data = tiny
+    t = Eagle3TrainConfig(**TRAIN)
+    samples = _samples(data / "heldout.jsonl")[:4]
+    ids, loss_mask, _ = draft_train_loop.make_batch(samples, 32, 0)
+    features = EngineFeatures.load(tiny_engine.engine("target"), [0, 1])
+    extra = features(samples, ids.shape[1])
+    outputs = extra["base_model_outputs"]
+    assert outputs["aux_hidden_states"].shape == (4, ids.shape[1], 2 * 64)
+    assert outputs["base_model_logits"].shape == (4, ids.shape[1], VOCAB)
+
+    online = modelopt_eagle3.build_model(target, t, None, [0, 1])
+    offline = modelopt_eagle3.build_model(target, t, None, [0, 1], offline=True)
+    offline.eagle_module.load_state_dict(online.eagle_module.state_dict())
+    assert not hasattr(offline.model, "layers")  # ModelOpt's offline mode dropped the target's decoder layers
+    captured = []
+    online.eagle_module.fc.register_forward_hook(lambda m, args, out: captured.append(args[0].detach()))
+    for model in (online, offline):
+        model.train()
+        model._mask_cache = draft_train_loop._MaskCache(model)
+        model._mask_cache.use(ids.shape[1])
+    with torch.no_grad():
+        a = online(input_ids=ids, loss_mask=loss_mask)
+        b = offline(input_ids=ids, loss_mask=loss_mask, **extra)
+    real = torch.zeros_like(ids, dtype=torch.bool)
+    for row, s in enumerate(samples):
+        real[row, : len(s.input_ids)] = True
+    torch.testing.assert_close(outputs["aux_hidden_states"][real], captured[0][real], rtol=1e-3, atol=1e-3)
+    # the engine's LM head holds bf16 weights (as served): logits within 1 % of their scale, the same greedy tokens
+    scale = float(a.logits[real].abs().max())
+    torch.testing.assert_close(b.logits[real], a.logits[real], rtol=0, atol=0.01 * scale)
+    assert torch.equal(b.logits[real].argmax(-1), a.logits[real].argmax(-1))
+    torch.testing.assert_close(b.loss, a.loss, rtol=1e-3, atol=1e-3)
+
+
+def test_training_on_engine_features_raises_heldout_acceptance_and_names_the_engine(tiny, tiny_engine):
+    result = draft_train.train_recipe(engine_recipe(tiny[1], features="engine"), tiny_engine, echo=lambda *_: None, progress=False)
+    before, after = result.initial_acceptance, result.acceptance
+    assert before.positions == after.positions > 50
+    assert after.per_position[0] > before.per_position[0] + 0.2, (before, after)
+    manifest = artifacts.Manifest.read(tiny_engine.eagle3_head)
+    build = artifacts.Manifest.read(tiny_engine.engine("target"))
+    assert manifest.inputs["features_engine_fingerprint"] == build.fingerprint
+    assert manifest.settings["train"]["features"] == "engine"
+
+
+def test_a_head_trained_further_starts_where_the_exported_one_ended(tiny, tmp_path):
+    """init_head: the second run's untrained acceptance is the first run's final one (its weights and d2t loaded),
+    and it trains on from there; the fingerprint names the head it started from."""
+    root, target, data = tiny
+    first_recipe = recipe_for(target, epochs=2.0)
+    first_layout = layout_with_data(tmp_path, data, first_recipe, "first")
+    first = draft_train.train_recipe(first_recipe, first_layout, echo=lambda *_: None, progress=False)
+    head = first_layout.eagle3_head
+    second_recipe = recipe_for(target, epochs=2.0, init_head=str(head), learning_rate=5e-3)
+    second_layout = layout_with_data(tmp_path, data, second_recipe, "second")
+    lines = []
+    second = draft_train.train_recipe(second_recipe, second_layout, echo=lines.append, progress=False)
+    assert second.initial_acceptance == first.acceptance
+    assert second.acceptance.mean_accepted > first.acceptance.mean_accepted
+    assert any(str(head) in line for line in lines)
+    manifest = artifacts.Manifest.read(second_layout.eagle3_head)
+    assert manifest.inputs["init_head_hash"] == artifacts.dir_hash(head)
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(str(head / "model.safetensors"))["d2t"], load_file(str(second_layout.eagle3_head / "model.safetensors"))["d2t"])
+    # a head that reads other layers is refused, naming the setting
+    with pytest.raises(ConfigError, match="init_head") as err:
+        draft_train.train_recipe(recipe_for(target, init_head=str(head), aux_layers=(1, 3)), second_layout, echo=lambda *_: None, progress=False)
+    assert "aux_layers" in err.value.hint
+
+
+def test_length_grouping_takes_every_sample_once_in_batches_of_like_lengths():
+    import random
+
+    rng = random.Random(3)
+    lengths = [rng.randint(20, 400) for _ in range(1000)]
+    t = Eagle3TrainConfig(batch_size=8, seed=5, length_grouping=True)
+    plain = draft_train_loop.epoch_batches(lengths, replace(t, length_grouping=False), 0)
+    grouped = draft_train_loop.epoch_batches(lengths, t, 0)
+    assert len(grouped) == len(plain) == 125 and all(len(b) == 8 for b in grouped)
+    assert sorted(i for b in grouped for i in b) == list(range(1000))
+    assert grouped == draft_train_loop.epoch_batches(lengths, t, 0)  # a function of (seed, epoch): resumable
+    assert grouped != draft_train_loop.epoch_batches(lengths, t, 1)
+
+    def padded(batches):
+        return sum(len(b) * max(lengths[i] for i in b) for b in batches)
+
+    assert padded(grouped) < 0.75 * padded(plain), (padded(grouped), padded(plain))
+
+
+def test_new_train_keys_at_their_defaults_keep_a_heads_fingerprint_and_bad_ones_are_refused():
+    from specdeploy.artifacts import fingerprint
+    from specdeploy.config import to_plain
+
+    recipe = recipe_for(Path("/nonexistent"))
+    old = {k: v for k, v in to_plain(recipe.draft.train).items() if k not in ("features", "init_head", "length_grouping", "data_dir")}
+    assert draft_train.stage_fingerprint(recipe, "t", "d") == fingerprint(stage=draft_train.STAGE, target="t", data="d", train=old)
+    assert draft_train.stage_fingerprint(recipe_for(Path("/nonexistent"), length_grouping=True), "t", "d") != draft_train.stage_fingerprint(recipe, "t", "d")
+    with pytest.raises(ConfigError, match="draft.train.features"):
+        recipe_for(Path("/x"), features="gpu")
+    with pytest.raises(ConfigError, match="init_head"):
+        recipe_for(Path("/x"), init_head="trained")
