@@ -10,7 +10,7 @@ SD     := $(BIN)/specdeploy
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup demo test bench fuzz soak clean found models check quantize build generate repo serve stop status validate run draft-head draft-data head ship-head gpu-head
+.PHONY: setup demo test bench fuzz soak clean found models check quantize build generate repo serve stop status validate run draft-head draft-data head ship-head gpu-head head-tune
 
 setup: $(VENV)/.installed
 
@@ -94,11 +94,24 @@ gpu-head: setup models
 	$(SD) draft train $(GPU_HEAD_RECIPE) $(GPU_HEAD_ARGS)
 	$(MAKE) ship-head EAGLE3_RECIPE=$(GPU_HEAD_RECIPE)
 
+# The shipped head trained further on this CPU (build/smollm2-135m-eagle3-tune.yaml, docs/eagle3-train.md "Training
+# further on the CPU"): the recipe's int8_sq engine gives the target's side of each step; the data is the GPU recipe's
+# (make gpu-head). ~8 h on 2 cores, in the background; rerun after an interruption resumes from the last checkpoint
+# (every 5 min). Then: make ship-head EAGLE3_RECIPE=$(TUNE_RECIPE) HEAD_DATA=$(TUNE_DATA) (and the head's README).
+TUNE_RECIPE ?= build/smollm2-135m-eagle3-tune.yaml
+TUNE_DATA   ?= engines/smollm2-135m-eagle3-gpu/draft-data
+head-tune: setup models
+	@if [ ! -f $(TUNE_DATA)/train.jsonl ]; then echo "head-tune: no training data in $(TUNE_DATA): make gpu-head writes it (on a GPU machine), or specdeploy draft data $(GPU_HEAD_RECIPE)"; exit 1; fi
+	$(SD) quantize $(TUNE_RECIPE) && $(SD) build $(TUNE_RECIPE)
+	nohup env OMP_WAIT_POLICY=PASSIVE $(SD) draft train $(TUNE_RECIPE) >> engines/head-tune.log 2>&1 &
+	@echo "head-tune: training in the background; progress: tail -f engines/head-tune.log"
+
+HEAD_DATA ?= $(HEAD_SRC)/draft-data
 ship-head:
 	rm -rf $(HEAD_DIR).tmp && mkdir -p $(HEAD_DIR).tmp
 	cp $(HEAD_SRC)/eagle3-head/config.json $(HEAD_SRC)/eagle3-head/model.safetensors $(HEAD_SRC)/eagle3-head/manifest.json \
 	   $(HEAD_SRC)/eagle3-head/train_log.jsonl $(HEAD_DIR).tmp/
-	cp $(HEAD_SRC)/draft-data/manifest.json $(HEAD_DIR).tmp/data-manifest.json
+	cp $(HEAD_DATA)/manifest.json $(HEAD_DIR).tmp/data-manifest.json
 	cp $(EAGLE3_RECIPE) $(HEAD_DIR).tmp/recipe.yaml
 	if [ -f $(HEAD_DIR)/README.md ]; then cp $(HEAD_DIR)/README.md $(HEAD_DIR).tmp/; fi
 	# the stages' output (progress, held-out acceptance): make head's log, every 20th progress line
