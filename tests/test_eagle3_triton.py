@@ -382,7 +382,7 @@ def _llmapi_infer(client, model: str, prompt: str, max_tokens: int = MAX_TOKENS)
     return {o.name: result.as_numpy(o.name) for o in result.get_response().outputs}
 
 
-@pytest.mark.parametrize("policy", ["static", "cost", "lookup"])
+@pytest.mark.parametrize("policy", ["static", "cost", "lookup", "user_sa_config"])
 def test_llmapi_layout_runs_the_head_inside_the_speculative_model(built, tmp_path, policy):
     """triton.layout llmapi on cpu: model.yaml's speculative_config names the head (decoding_type Eagle3, copied into
     the repository), tensorrt_llm drafts with it inside and answers as tensorrt_llm_control (the target alone) does,
@@ -390,7 +390,9 @@ def test_llmapi_layout_runs_the_head_inside_the_speculative_model(built, tmp_pat
     policy cost (the model's speculation_policy parameter) the engine goes plain once the random head's rounds are
     found to cost more per token than plain ones (reason policy); lookup: draft.sa_config (threshold 1) with a
     draft_p_min the random head never reaches, so the drafts counted are the suffix lookup's (its threshold a model
-    parameter of the CPU engine, not in model.yaml)."""
+    parameter of the CPU engine, not in model.yaml); user_sa_config: the recipe without one (parameter 0) and the
+    user's own `sa_config` (TensorRT-LLM's SAEnhancerConfig) added to model.yaml's speculative_config, which the
+    engine then honours as lookup does."""
     from specdeploy import backend_stages, metrics
     from specdeploy.llmapi_versions import llmapi_version
     from specdeploy.triton import server
@@ -399,7 +401,8 @@ def test_llmapi_layout_runs_the_head_inside_the_speculative_model(built, tmp_pat
 
     _, _, _, head = built
     model_dir = Path(built[0].target.model)
-    speculative = {"draft_p_min": 0.99, "policy": "static"} if policy == "lookup" else {"draft_p_min": 0.0, "policy": policy}
+    lookup = policy in ("lookup", "user_sa_config")
+    speculative = {"draft_p_min": 0.99, "policy": "static"} if lookup else {"draft_p_min": 0.0, "policy": policy}
     draft = {"sa_config": {"threshold": 1}} if policy == "lookup" else {}
     recipe, layout, recipe_path = _deployment(tmp_path / "llmapi", model_dir, head, triton={"layout": "llmapi"},
                                               speculative=speculative, draft=draft)  # fmt: skip
@@ -414,6 +417,9 @@ def test_llmapi_layout_runs_the_head_inside_the_speculative_model(built, tmp_pat
     assert "sa_config" not in spec
     config = (Path(repo) / "tensorrt_llm" / "config.pbtxt").read_text()
     assert re.search(r'key: "eagle3_sa_threshold"\s*value: \{\s*string_value: "%d"' % (1 if policy == "lookup" else 0), config)
+    if policy == "user_sa_config":
+        options["speculative_config"]["sa_config"] = {"threshold": 1}
+        (Path(repo) / "tensorrt_llm" / "1" / "model.yaml").write_text(yaml.safe_dump(options))
     srv = server.start(repo, server.Ports.pick(), Path(layout.server_state) / "tritonserver.log", exit_timeout_s=3)
     try:
         server.wait_ready(srv, SERVER_READY_TIMEOUT_S)
@@ -434,6 +440,9 @@ def test_llmapi_layout_runs_the_head_inside_the_speculative_model(built, tmp_pat
         assert window.sum(metrics.DRAFT_TOKENS.name, arm="speculative") == drafted
         assert window.sum(metrics.ACCEPTED_TOKENS.name, arm="speculative") == accepted
         assert drafted > 0
+        # the random head's own drafts past 0.99 are never accepted here (3 drafted, 0 accepted with the user's
+        # sa_config ignored); the lookup's are, where the random target repeats itself (32 / 21)
+        assert accepted > 0 or not lookup, (drafted, accepted)
         plain_by_policy = window.sum(metrics.ROUNDS.name, arm="speculative", reason=metrics.REASON_POLICY)
         assert (plain_by_policy > 0) == (policy == "cost")  # cost: the random head's one-token rounds do not pay
         rounds = window.sum(metrics.ROUNDS.name, arm="speculative")

@@ -105,9 +105,10 @@ class TritonPythonModel:
         return self.max_draft_len > 0
 
     def _sa_threshold(self, params: dict, speculative: dict) -> int:
-        """The suffix lookup's threshold (draft.sa_config): specdeploy's model parameter, else an `sa_config` in the
-        options' speculative_config (TensorRT-LLM's SAEnhancerConfig, threshold 4 by default); 0: none."""
-        if params.get("eagle3_sa_threshold"):
+        """The suffix lookup's threshold (draft.sa_config): specdeploy's model parameter where it sets one, else an
+        `sa_config` in the options' speculative_config (TensorRT-LLM's SAEnhancerConfig, threshold 4 by default: a
+        user's own model.yaml); 0: none."""
+        if int(params.get("eagle3_sa_threshold") or 0) > 0:
             return int(params["eagle3_sa_threshold"])
         sa = speculative.get("sa_config")
         if sa is None:
