@@ -728,3 +728,32 @@ def test_new_train_keys_at_their_defaults_keep_a_heads_fingerprint_and_bad_ones_
         recipe_for(Path("/x"), features="gpu")
     with pytest.raises(ConfigError, match="init_head"):
         recipe_for(Path("/x"), init_head="trained")
+
+
+def test_checkpoint_bench_measures_the_runs_head_and_its_start_with_the_runs_own_measure(tiny, tiny_engine):
+    """bench/eagle3_checkpoint.py: a resume checkpoint holding the trained head, a recipe starting from that head:
+    both rows are the trained head's held-out acceptance as draft train measured it (engine features)."""
+    bench = bench_modules.load("eagle3_checkpoint")
+    head = tiny_engine.eagle3_head
+    if not (head / "model.safetensors").is_file():  # the engine-features run above (module order), else its own
+        draft_train.train_recipe(engine_recipe(tiny[1], features="engine"), tiny_engine, echo=lambda *_: None, progress=False)
+    trained = artifacts.Manifest.read(head).extra["heldout_acceptance"]
+    recipe = engine_recipe(tiny[1], name="tiny-eagle3-engine", features="engine", init_head=str(head))
+    t = recipe.draft.train
+    from safetensors.torch import load_file
+
+    d2t = load_file(str(head / "model.safetensors"))["d2t"]
+    model = modelopt_eagle3.build_model(tiny[1], t, (torch.arange(len(d2t)) + d2t).tolist(), [0, 1], offline=True)
+    modelopt_eagle3.load_exported_head(model, head)
+    partial = draft_train.resume_dir(tiny_engine.eagle3_head)
+    partial.mkdir(exist_ok=True)
+    torch.save({"head": model.eagle_module.state_dict(), "step": 3, "total_steps": 9}, partial / draft_train_loop.RESUME_STATE)
+    try:
+        lines = []
+        result = bench.measure(recipe, tiny_engine, 1000, echo=lines.append)
+    finally:
+        shutil.rmtree(partial)
+    assert result["step"] == 3 and result["samples"] == 8
+    for row in ("start", "checkpoint"):
+        assert result[row]["per_position"] == trained["per_position"] and result[row]["positions"] == trained["positions"] > 50
+    assert any("step 3 of 9" in line for line in lines)
