@@ -149,6 +149,7 @@ def fused_generate(
             stats.drafted, stats.accepted = s.drafted, s.accepted
             stats.accepted_per_round = list(s.accepted_per_round)
             stats.k_per_round = list(s.drafted_per_round)
+            stats.lookup_per_round = list(s.lookup_per_round)
             stats.finish_reason = chunk.finish_reason
     yield stats
 

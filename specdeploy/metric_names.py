@@ -49,6 +49,10 @@ TARGET_PASSES = _m("spec_decode_num_target_passes_total", "counter", "Target for
 ACCEPTANCE_LENGTH = _m(
     "spec_decode_acceptance_length", "histogram", "Tokens emitted per target pass in a round (accepted drafts + 1).", buckets=()
 )  # buckets 1..max_draft_len+1, set by the Recorder
+LOOKUP_DRAFTS = _m("spec_decode_num_lookup_drafts_total", "counter",
+                   "Of num_drafts, the rounds whose drafts were the request's own text (EAGLE-3 draft.sa_config), not the head's.")
+LOOKUP_DRAFT_TOKENS = _m("spec_decode_num_lookup_draft_tokens_total", "counter", "Of num_draft_tokens, those the suffix lookup drafted.")
+LOOKUP_ACCEPTED_TOKENS = _m("spec_decode_num_lookup_accepted_tokens_total", "counter", "Of num_accepted_tokens, those the suffix lookup drafted.")
 DRAFT_SECONDS = _m("spec_decode_draft_seconds_total", "counter", "Time spent in draft calls.")
 TARGET_SECONDS = _m("spec_decode_target_seconds_total", "counter", "Time spent in target calls.")
 ROUNDS = _m(
@@ -57,7 +61,7 @@ ROUNDS = _m(
 ALL_METRICS = (
     REQUESTS, REQUEST_ERRORS, PROMPT_TOKENS, GENERATION_TOKENS, RUNNING, E2E, TTFT, TPOT, DRAFTS, DRAFT_TOKENS,
     ACCEPTED_TOKENS, DRAFT_TOKENS_PER_POS, ACCEPTED_PER_POS, TARGET_PASSES, ACCEPTANCE_LENGTH, DRAFT_SECONDS,
-    TARGET_SECONDS, ROUNDS,
+    TARGET_SECONDS, ROUNDS, LOOKUP_DRAFTS, LOOKUP_DRAFT_TOKENS, LOOKUP_ACCEPTED_TOKENS,
 )  # fmt: skip
 SPEC_ON, SPEC_OFF = "on", "off"
 REASON_NONE = "none"  # speculation was on

@@ -20,6 +20,9 @@ from specdeploy.metric_names import (
     DRAFTS,
     E2E,
     GENERATION_TOKENS,
+    LOOKUP_ACCEPTED_TOKENS,
+    LOOKUP_DRAFT_TOKENS,
+    LOOKUP_DRAFTS,
     PROMPT_TOKENS,
     REASON_CONTROL_ARM,
     REASON_DRAFT_P_MIN,
@@ -80,7 +83,8 @@ class Recorder:
         the endpoint shows them from the start, and no request pays for creating them."""
         for arm in ARMS:
             for metric in (REQUESTS, REQUEST_ERRORS, PROMPT_TOKENS, GENERATION_TOKENS, RUNNING, DRAFTS, DRAFT_TOKENS,
-                           ACCEPTED_TOKENS, TARGET_PASSES, DRAFT_SECONDS, TARGET_SECONDS):  # fmt: skip
+                           ACCEPTED_TOKENS, TARGET_PASSES, DRAFT_SECONDS, TARGET_SECONDS, LOOKUP_DRAFTS, LOOKUP_DRAFT_TOKENS,
+                           LOOKUP_ACCEPTED_TOKENS):  # fmt: skip
                 self.sink.declare(metric, self._labels(arm))
             for metric in (E2E, TTFT, TPOT):
                 self.sink.declare(metric, self._labels(arm), metric.buckets)
@@ -98,8 +102,10 @@ class Recorder:
         self.sink.add(RUNNING, self._labels(arm), 1)
         return RequestTimer(arm, self.clock())
 
-    def round(self, arm: str, drafted: int, accepted: int, emitted: int, draft_s: float, target_s: float, reason: str | None = None) -> None:
-        """One target pass: `drafted` draft tokens proposed, `accepted` of them kept, `emitted` new tokens."""
+    def round(self, arm: str, drafted: int, accepted: int, emitted: int, draft_s: float, target_s: float, reason: str | None = None,
+              lookup: bool = False) -> None:  # fmt: skip
+        """One target pass: `drafted` draft tokens proposed, `accepted` of them kept, `emitted` new tokens; `lookup`:
+        the drafts were the request's own text (EAGLE-3 draft.sa_config), counted also in the lookup series."""
         labels = self._labels(arm)
         on = drafted > 0
         self.sink.add(ROUNDS, self._labels(arm, speculation=SPEC_ON if on else SPEC_OFF, reason=REASON_NONE if on else (reason or REASON_LAST_TOKEN)), 1)
@@ -110,6 +116,10 @@ class Recorder:
             self.sink.add(DRAFT_TOKENS, labels, drafted)
             self.sink.add(ACCEPTED_TOKENS, labels, accepted)
             self.sink.add(DRAFT_SECONDS, labels, draft_s)
+            if lookup:
+                self.sink.add(LOOKUP_DRAFTS, labels, 1)
+                self.sink.add(LOOKUP_DRAFT_TOKENS, labels, drafted)
+                self.sink.add(LOOKUP_ACCEPTED_TOKENS, labels, accepted)
             for pos in range(drafted):
                 self.sink.add(DRAFT_TOKENS_PER_POS, self._labels(arm, position=pos), 1)
                 if pos < accepted:
@@ -260,12 +270,13 @@ class BlsOps:
 
     def fused_rounds(self, timer: RequestTimer, k: int, max_draft_len: int, max_tokens: int, drafted_rounds: list[int],
                      accepted_rounds: list[int], n_tokens: int, call_s: float, plain_reason: str | None,
-                     policy: str = "static") -> tuple[list[int], list[int]]:
+                     policy: str = "static", lookup_rounds: list[int] | None = None) -> tuple[list[int], list[int]]:
         """One metrics round per target pass of a fused EAGLE-3 call (the head drafts inside the target's model): the
         prefill pass, then each verification pass with its drafted / accepted counts (`drafted_rounds`,
         `accepted_rounds`: the executor's per-pass lists; empty: the request ran plain, one round). The call's time is
         split evenly over its passes. `k`: the draft count the request asked for (0: plain, with `plain_reason`).
         `policy`: speculative.policy (with cost, a verification pass without drafts is counted under reason policy).
+        `lookup_rounds`: beside drafted_rounds, 1 where the pass's drafts were the suffix lookup's (lookup series).
         Returns (k per pass, accepted per pass), the prefill pass first."""
         k_rounds = [0] + drafted_rounds if drafted_rounds else [0]
         a_rounds = [0] + accepted_rounds if drafted_rounds else [0]
@@ -273,9 +284,11 @@ class BlsOps:
         if drafted_rounds:  # the last pass may have stopped early (end id, stop word, length): emitted sums to the output
             emitted[-1] = max(0, n_tokens - sum(emitted[:-1]))
         per_pass_s = call_s / len(k_rounds)
+        looked = [0] + list(lookup_rounds or []) if drafted_rounds else [0]
+        looked += [0] * (len(k_rounds) - len(looked))
         for i, (kr, ar, er) in enumerate(zip(k_rounds, a_rounds, emitted)):
             reason = None if kr else (plain_reason or _fused_plain_reason(i, k, max_draft_len, max_tokens, emitted, drafted_rounds, policy))
-            self.recorder.round(timer.arm, kr, ar, er, 0.0, per_pass_s, reason)
+            self.recorder.round(timer.arm, kr, ar, er, 0.0, per_pass_s, reason, lookup=bool(looked[i]))
         return k_rounds, a_rounds
 
     def tokens(self, timer: RequestTimer | None, n: int) -> None:

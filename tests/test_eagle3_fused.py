@@ -395,9 +395,11 @@ def _replayed_lookup_rounds(prompt, output, stats, k, threshold, max_new) -> int
     from specdeploy.ngram import SuffixLookup
 
     produced, found, kept, proposed = 1, 0, 0, 0
-    for drafted, accepted in zip(stats.drafted_per_round, stats.accepted_per_round):
+    assert len(stats.lookup_per_round) == len(stats.drafted_per_round)
+    for drafted, accepted, looked in zip(stats.drafted_per_round, stats.accepted_per_round, stats.lookup_per_round):
         asked = min(k, max_new - produced - 1)
         proposal = SuffixLookup(threshold, prompt + output[:produced]).draft(asked)
+        assert looked == (1 if proposal else 0), (produced, proposal, looked)  # the per-round flag the metrics read
         if proposal:
             assert drafted == len(proposal), (produced, proposal, drafted)
             found, kept, proposed = found + 1, kept + accepted, proposed + drafted

@@ -360,10 +360,16 @@ def test_served_draft_cut_reaches_the_head_inside_tensorrt_llm(built, tmp_path, 
         assert off[reason] > 0
         if cut == "draft_p_min":
             assert drafted == 0 and sum(off.values()) == window.sum(metrics.TARGET_PASSES.name, arm="speculative")
+        lookup = {m.name: window.sum(m.name, arm="speculative") for m in (metrics.LOOKUP_DRAFTS, metrics.LOOKUP_DRAFT_TOKENS, metrics.LOOKUP_ACCEPTED_TOKENS)}
         if cut == "sa_config":  # rounds the lookup drafted, the others cut by draft_p_min: no pass left uncounted
             drafting = window.sum(metrics.ROUNDS.name, arm="speculative", reason=metrics.REASON_NONE)
             assert drafted > 0 and drafting > 0
             assert sum(off.values()) + drafting == window.sum(metrics.TARGET_PASSES.name, arm="speculative")
+            # the head drafts nothing past 0.99: every drafting round, draft and accepted draft is the lookup's
+            assert lookup == {metrics.LOOKUP_DRAFTS.name: drafting, metrics.LOOKUP_DRAFT_TOKENS.name: drafted,
+                              metrics.LOOKUP_ACCEPTED_TOKENS.name: window.sum(metrics.ACCEPTED_TOKENS.name, arm="speculative")}, lookup
+        else:
+            assert not any(lookup.values()), lookup
     finally:
         srv.stop()
 
@@ -440,6 +446,9 @@ def test_llmapi_layout_runs_the_head_inside_the_speculative_model(built, tmp_pat
         assert window.sum(metrics.DRAFT_TOKENS.name, arm="speculative") == drafted
         assert window.sum(metrics.ACCEPTED_TOKENS.name, arm="speculative") == accepted
         assert drafted > 0
+        # the lookup's share of the drafts (the random head still passes 0.99 now and then: 29 of 32 drafts here)
+        looked, looked_accepted = (window.sum(m.name, arm="speculative") for m in (metrics.LOOKUP_DRAFT_TOKENS, metrics.LOOKUP_ACCEPTED_TOKENS))
+        assert (0 < looked <= drafted and 0 < looked_accepted <= accepted) if lookup else looked == looked_accepted == 0, (looked, drafted)
         # the random head's own drafts past 0.99 are never accepted here (3 drafted, 0 accepted with the user's
         # sa_config ignored); the lookup's are, where the random target repeats itself (32 / 21)
         assert accepted > 0 or not lookup, (drafted, accepted)

@@ -521,6 +521,7 @@ class Executor:
         stats.lookup_accepted += accepted if looked_up else 0
         stats.drafted_per_round.append(k)  # 0: a plain step (one token left, the head unsure, or the cost policy)
         stats.accepted_per_round.append(accepted)
+        stats.lookup_per_round.append(1 if looked_up else 0)
         if k:
             _count(stats.drafted_per_position, k, k)
             _count(stats.accepted_per_position, accepted, k)

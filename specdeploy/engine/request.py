@@ -80,6 +80,7 @@ class GenerationStats:
     accepted_per_position: list[int] = field(default_factory=list)  # [i]: rounds whose token at position i was accepted
     lookup_rounds: int = 0  # rounds whose drafts were the request's own text (Executor lookup_threshold), not the head's
     lookup_accepted: int = 0  # of `accepted`, those drafted by the lookup
+    lookup_per_round: list[int] = field(default_factory=list)  # beside drafted_per_round: 1 where the lookup drafted
 
 
 @dataclass

@@ -97,6 +97,7 @@ EAGLE3_LLM_INPUTS = _table([("num_draft_tokens", "INT32", [1], OPT)])
 EAGLE3_LLM_OUTPUTS = _table([
     ("draft_tokens_per_round", "INT32", [-1], REQ),
     ("accepted_draft_tokens_per_round", "INT32", [-1], REQ),
+    ("lookup_draft_rounds", "INT32", [-1], REQ),
 ])
 
 PREPROCESSING_INPUTS = _table([

@@ -451,6 +451,9 @@ class TritonPythonModel:
             accepted_round = list(getattr(stats, "accepted_per_round", [])) if final else []
             outputs["draft_tokens_per_round"] = np.array(per_round, dtype=np.int32).reshape(1, -1)
             outputs["accepted_draft_tokens_per_round"] = np.array(accepted_round, dtype=np.int32).reshape(1, -1)
+            # 1 where that pass's drafts were the request's own text (draft.sa_config), not the head's
+            lookup_round = list(getattr(stats, "lookup_per_round", [])) if final else []
+            outputs["lookup_draft_rounds"] = np.array(lookup_round, dtype=np.int32).reshape(1, -1)
         return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in outputs.items()])
 
     def finalize(self):

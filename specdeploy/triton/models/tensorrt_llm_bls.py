@@ -257,7 +257,7 @@ class TritonPythonModel:
             **request_tensors(job, 0),
         }
         wanted = ["output_log_probs", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks", "first_token_time_ns",
-                  "draft_tokens_per_round", "accepted_draft_tokens_per_round"] + (["context_logits"] if job["return_context_logits"] else [])
+                  "draft_tokens_per_round", "accepted_draft_tokens_per_round", "lookup_draft_rounds"] + (["context_logits"] if job["return_context_logits"] else [])
         started = time.perf_counter()
         tokens, logits, outputs = self.target(
             job["prompt_ids"], job["max_tokens"], job["sampling"], extra, job["return_generation_logits"], wanted,
@@ -271,7 +271,8 @@ class TritonPythonModel:
         flat = lambda name: [int(x) for a in outputs.get(name, []) for x in a.reshape(-1)]  # noqa: E731
         drafted_rounds, accepted_rounds = flat("draft_tokens_per_round"), flat("accepted_draft_tokens_per_round")
         k_rounds, a_rounds = self.ops.fused_rounds(ops, k, self.max_draft_len, job["max_tokens"], drafted_rounds, accepted_rounds,
-                                                   len(tokens), call_s, plain_reason, self.deployment.settings.policy)  # fmt: skip
+                                                   len(tokens), call_s, plain_reason, self.deployment.settings.policy,
+                                                   flat("lookup_draft_rounds"))  # fmt: skip
         record = Record()
         log_probs = [float(x) for a in outputs.get("output_log_probs", []) for x in a.reshape(-1)] if job["return_log_probs"] else None
         if outputs.get("context_logits"):
