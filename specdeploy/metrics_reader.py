@@ -20,6 +20,9 @@ from specdeploy.metric_names import (
     DRAFT_TOKENS_PER_POS,
     E2E,
     GENERATION_TOKENS,
+    LOOKUP_ACCEPTED_TOKENS,
+    LOOKUP_DRAFT_TOKENS,
+    LOOKUP_DRAFTS,
     REQUEST_ERRORS,
     REQUESTS,
     ROUNDS,
@@ -195,6 +198,10 @@ class ArmStats:
     target_s: float
     accepted_per_pos: Mapping[int, float] = field(default_factory=dict)
     drafted_per_pos: Mapping[int, float] = field(default_factory=dict)
+    # EAGLE-3 with draft.sa_config: of the drafting rounds / drafts / accepted drafts, the suffix lookup's
+    lookup_rounds: float = 0.0
+    lookup_drafted: float = 0.0
+    lookup_accepted: float = 0.0
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -243,6 +250,9 @@ def arm_stats(snapshot: Snapshot, arm: str, model: str | None = None) -> ArmStat
         target_s=snapshot.sum(TARGET_SECONDS.name, **match),
         accepted_per_pos={int(k): v for k, v in snapshot.by_label(ACCEPTED_PER_POS.name, "position", **match).items() if k and v},
         drafted_per_pos={int(k): v for k, v in snapshot.by_label(DRAFT_TOKENS_PER_POS.name, "position", **match).items() if k and v},
+        lookup_rounds=snapshot.sum(LOOKUP_DRAFTS.name, **match),
+        lookup_drafted=snapshot.sum(LOOKUP_DRAFT_TOKENS.name, **match),
+        lookup_accepted=snapshot.sum(LOOKUP_ACCEPTED_TOKENS.name, **match),
     )
 
 

@@ -43,6 +43,9 @@ def frame(total: m.Snapshot, window: m.Snapshot, window_s: float, cost: CostConf
             f"{_f(shown.acceptance_rate):>7} {_f(shown.tokens_per_round, 2):>9} {_f(shown.tpot_p50_s, 1, 1000, 'ms'):>9} "
             f"{_f(shown.tpot_p99_s, 1, 1000, 'ms'):>9} {onoff:>12}"
         )
+        if all_time.lookup_rounds:
+            lines.append(f"{'':<12} suffix lookup drafted {all_time.lookup_rounds:.0f} of {all_time.rounds_on:.0f} drafting rounds, "
+                         f"{all_time.lookup_accepted:.0f} of its {all_time.lookup_drafted:.0f} drafts accepted")  # fmt: skip
         if all_time.off_reasons:
             reasons = ", ".join(f"{k} {v:.0f}" for k, v in sorted(all_time.off_reasons.items()))
             lines.append(f"{'':<12} speculation off: {reasons}")

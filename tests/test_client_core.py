@@ -704,3 +704,26 @@ def test_rounds_per_k_from_the_per_position_counters_and_from_the_k_history(tmp_
     md = (tmp_path / "report.md").read_text()
     assert "Policy **cost**" in md and "55% speculated" in md and "the cost policy predicted a plain target step pays more" in md
     assert "Acceptance by draft position" in md and "| 2 | 6 | 3 | 0.50 | 0.30 |" in md
+
+
+def test_the_report_and_monitor_split_drafting_rounds_between_the_suffix_lookup_and_the_head(tmp_path):
+    from specdeploy import metrics as m
+    from specdeploy.client import metrics_check as mc
+    from specdeploy.config import CostConfig
+    from specdeploy.monitor import frame
+
+    arm = 'model="tensorrt_llm_bls",arm="speculative"'
+    text = _exposition(2, 30, 12, 50, 0, rounds={("on", "none"): 10, ("off", "draft_p_min"): 4}, per_pos={0: 10, 1: 10, 2: 10},
+                       accepted_per_pos={0: 6, 1: 4, 2: 2}) + "".join(
+        f"specdeploy_spec_decode_num_lookup_{name}_total{{{arm}}} {n}\n" for name, n in (("drafts", 4), ("draft_tokens", 12), ("accepted_tokens", 7)))  # fmt: skip
+    section = mc.speculation_section(m.parse(text), mc.PathCounts(), {"speculation_policy": "static"})
+    assert section["lookup"] == {"rounds": 4, "drafted": 12, "accepted": 7, "head_rounds": 6, "head_drafted": 18, "head_accepted": 5}
+    write_report({"recipe": "fake", "speculation": section}, tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    assert "| suffix lookup | 4 | 12 | 7 | 1.75 |" in md and "| head | 6 | 18 | 5 | 0.83 |" in md
+    # without lookup counters: no such table
+    plain = mc.speculation_section(m.parse(_exposition(2, 30, 12, 50, 0, rounds={("on", "none"): 10})), mc.PathCounts(), {})
+    assert "lookup" not in plain
+    snapshot = m.parse(text)
+    lines = frame(snapshot, snapshot, 1.0, CostConfig(machine_price_per_hour=0.0))
+    assert any("suffix lookup drafted 4 of 10 drafting rounds, 7 of its 12 drafts accepted" in line for line in lines), lines

@@ -295,6 +295,10 @@ def speculation_section(window: m.Snapshot | None, spec: PathCounts, policy: dic
                 section["rounds_on"], section["rounds_off"] = stats.rounds_on, stats.rounds_off
                 section["k_counts"] = k_counts_from_metrics(stats)
             section["acceptance_by_position"] = acceptance_by_position(stats)
+            if stats.lookup_rounds:  # EAGLE-3 draft.sa_config: the drafting rounds the request's own text drafted
+                section["lookup"] = {"rounds": stats.lookup_rounds, "drafted": stats.lookup_drafted, "accepted": stats.lookup_accepted,
+                                     "head_rounds": stats.rounds_on - stats.lookup_rounds, "head_drafted": stats.drafted - stats.lookup_drafted,
+                                     "head_accepted": stats.accepted - stats.lookup_accepted}  # fmt: skip
     total = (section["rounds_on"] or 0) + (section["rounds_off"] or 0)
     if total:
         section["speculated_share"] = section["rounds_on"] / total

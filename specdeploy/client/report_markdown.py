@@ -236,6 +236,13 @@ def _speculation_md(report: dict) -> list[str]:
         lines += _table(["draft position", "drafted", "accepted", "accepted / drafted", "accepted / drafting rounds"],
                         [[r["position"], f"{r['drafted']:g}", f"{r['accepted']:g}", _fmt(r["rate"], ".2f"), _fmt(r["of_drafting_rounds"], ".2f")]
                          for r in by_position])  # fmt: skip
+    lookup = spec.get("lookup")
+    if lookup:
+        lines += ["Who drafted (metrics endpoint: `draft.sa_config`'s suffix lookup in the request's own text, else the head):", ""]
+        lines += _table(["drafted by", "rounds", "draft tokens", "accepted", "accepted a round"],
+                        [[who, f"{lookup[r]:g}", f"{lookup[d]:g}", f"{lookup[a]:g}", _fmt(lookup[a] / lookup[r] if lookup[r] else None, ".2f")]
+                         for who, r, d, a in (("suffix lookup", "rounds", "drafted", "accepted"),
+                                              ("head", "head_rounds", "head_drafted", "head_accepted"))])  # fmt: skip
     reasons = spec.get("off_reasons") or {}
     if reasons:
         off = sum(reasons.values())
