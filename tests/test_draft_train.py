@@ -728,6 +728,11 @@ def test_new_train_keys_at_their_defaults_keep_a_heads_fingerprint_and_bad_ones_
         recipe_for(Path("/x"), features="gpu")
     with pytest.raises(ConfigError, match="init_head"):
         recipe_for(Path("/x"), init_head="trained")
+    with pytest.raises(ConfigError, match="draft.train.features' is engine on backend trtllm-llmapi") as err:
+        parse_recipe({"name": "x", "backend": "trtllm-llmapi", "target": {"model": "/x"},
+                      "draft": {"kind": "eagle3", "head": "trained", "train": {"features": "engine"}},
+                      "speculative": {"max_draft_len": 4, "num_draft_tokens": 3}})  # fmt: skip
+    assert "backend cpu" in err.value.hint
 
 
 def test_checkpoint_bench_measures_the_runs_head_and_its_start_with_the_runs_own_measure(tiny, tiny_engine):
@@ -757,3 +762,13 @@ def test_checkpoint_bench_measures_the_runs_head_and_its_start_with_the_runs_own
     for row in ("start", "checkpoint"):
         assert result[row]["per_position"] == trained["per_position"] and result[row]["positions"] == trained["positions"] > 50
     assert any("step 3 of 9" in line for line in lines)
+
+
+def test_data_dir_trains_on_another_recipes_data_and_its_absence_names_the_folder(tiny, tmp_path):
+    root, target, data = tiny
+    recipe = recipe_for(target, epochs=1.0, data_dir=str(data))
+    layout = artifacts.Layout(tmp_path / "elsewhere", recipe.name)  # no draft-data of its own
+    draft_train.train_recipe(recipe, layout, echo=lambda *_: None, progress=False)
+    assert artifacts.Manifest.read(layout.eagle3_head).inputs["data_dir"] == str(data)
+    with pytest.raises(SpecDeployError, match=str(tmp_path / "missing")):
+        draft_train.train_recipe(recipe_for(target, data_dir=str(tmp_path / "missing")), layout, echo=lambda *_: None, progress=False)
