@@ -752,3 +752,52 @@ def test_real_stop_request_ends_the_running_request(real):
     generated = int(result.as_numpy("sequence_length").reshape(-1)[0]) - 4
     assert 0 <= generated < long_output, generated
     assert 1 in _stopped_in_log(real, "stop-me")  # a stop ended it (one before it was registered finds 0)
+
+
+def test_wait_ready_returns_only_once_the_metrics_endpoint_answers_too(tmp_path):
+    """tritonserver says ready on HTTP before its metrics service listens (40 ms apart in a CI log, where a scrape right
+    after wait_ready found the port closed): a stand-in whose metrics port opens only at the third readiness poll."""
+    import http.server
+    import threading
+    import types
+
+    from specdeploy.triton.ports import free_port
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.server.hits.append(self.path)
+            if self.path == "/v2/health/ready" and sum(p == self.path for p in self.server.hits) == 3:
+                metrics_server.thread.start()
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"ok")
+
+        def log_message(self, *args):
+            pass
+
+    http_srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    http_srv.hits = []
+    metrics_port = free_port()
+
+    class Lazy:  # binds and serves the metrics port only when started
+        def __init__(self):
+            self.srv = None
+            self.thread = threading.Thread(target=self._run, daemon=True)
+
+        def _run(self):
+            self.srv = http.server.ThreadingHTTPServer(("127.0.0.1", metrics_port), Handler)
+            self.srv.hits = http_srv.hits
+            self.srv.serve_forever()
+
+    metrics_server = Lazy()
+    threading.Thread(target=http_srv.serve_forever, daemon=True).start()
+    state = types.SimpleNamespace(http_port=http_srv.server_address[1], metrics_port=metrics_port, log=str(tmp_path / "log"))
+    fake = types.SimpleNamespace(state=state, alive=lambda: True, stop=lambda: None)
+    try:
+        server.wait_ready(fake, SERVER_READY_TIMEOUT_S)
+        assert http_srv.hits.count("/v2/health/ready") >= 3 and "/metrics" in http_srv.hits  # waited for it, in that order
+        assert server.metrics_listening(metrics_port)
+    finally:
+        http_srv.shutdown()
+        if metrics_server.srv is not None:
+            metrics_server.srv.shutdown()

@@ -150,8 +150,18 @@ def is_ready(http_port: int, timeout_s: float = 2.0) -> bool:
         return False
 
 
+def metrics_listening(metrics_port: int, timeout_s: float = 2.0) -> bool:
+    """The metrics endpoint answers (tritonserver starts it after HTTP says ready: 40 ms later in one CI log)."""
+    try:
+        with urllib.request.urlopen(f"http://{HOST}:{metrics_port}/metrics", timeout=timeout_s) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
 def wait_ready(server: Server, timeout_s: float) -> None:
-    """Block until the server says ready; on exit or timeout stop it and raise ServerError with the log's gist."""
+    """Block until the server says ready and its metrics endpoint answers (a scrape right after this must not find
+    the port closed); on exit or timeout stop it and raise ServerError with the log's gist."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if not server.alive():
@@ -159,7 +169,7 @@ def wait_ready(server: Server, timeout_s: float) -> None:
                 f"tritonserver exited with code {server.process.returncode} while starting\n{relevant_log(server.state.log)}",
                 f"full log: {server.state.log}",
             )
-        if is_ready(server.state.http_port):
+        if is_ready(server.state.http_port) and metrics_listening(server.state.metrics_port):
             return
         time.sleep(0.25)
     server.stop()
