@@ -46,8 +46,7 @@ def measure(recipe, layout, count: int, echo=print) -> dict:
     features = draft_train.engine_features(recipe, layout, aux) if t.features == "engine" else None
     model = build_model(target_dir, t, choose_draft_vocab(data.train, target_config["vocab_size"], t.draft_vocab_size), aux,
                         offline=features is not None)  # fmt: skip
-    pad = target_config.get("pad_token_id")
-    pad = pad if isinstance(pad, int) and 0 <= pad < target_config["vocab_size"] else 0
+    pad = draft_train.pad_id_of(target_config)
     samples = list(data.heldout)[:count]
     rows = {}
     init = draft_train.init_head_folder(recipe, layout, aux)

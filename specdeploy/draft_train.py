@@ -110,15 +110,17 @@ def engine_features(recipe: Recipe, layout, aux_ids: list[int]):
     """draft.train.features: engine: the recipe's built CPU engine (specdeploy.draft_features)."""
     from specdeploy import artifacts
     from specdeploy.draft_features import EngineFeatures
-    from specdeploy.errors import StaleArtifactError
 
     engine_dir = layout.engine("target")
-    try:
-        manifest = artifacts.require(engine_dir, stage="build", rerun=f"specdeploy build {recipe.name}")
-    except StaleArtifactError as exc:
-        raise StaleArtifactError(f"no built target engine at {engine_dir}: draft.train.features engine computes the "
-                                 "target's features with it", f"run: specdeploy quantize RECIPE && specdeploy build RECIPE") from exc  # fmt: skip
+    manifest = artifacts.require(engine_dir, stage="build", rerun="specdeploy quantize RECIPE && specdeploy build RECIPE "
+                                 "(draft.train.features engine computes the target's features with it)")  # fmt: skip
     return EngineFeatures.load(engine_dir, aux_ids, manifest.fingerprint)
+
+
+def pad_id_of(target_config: dict) -> int:
+    """The target's pad token where it names a valid one, else 0 (padding is masked out either way)."""
+    pad_id = target_config.get("pad_token_id")
+    return pad_id if isinstance(pad_id, int) and 0 <= pad_id < target_config["vocab_size"] else 0
 
 
 def resume_dir(dest: Path) -> Path:
@@ -177,8 +179,7 @@ def train_recipe(recipe: Recipe, layout, force: bool = False, echo=print, progre
         echo(f"  starting from the head in {init}")
     if features is not None:
         echo(f"  the target's features and distribution from the CPU engine {layout.engine('target')} (ModelOpt's offline mode)")
-    pad_id = target_config.get("pad_token_id")
-    pad_id = pad_id if isinstance(pad_id, int) and 0 <= pad_id < vocab else 0
+    pad_id = pad_id_of(target_config)
     echo(f"  forward passes in {precision} (draft.train.precision {t.precision})")
     result = train_head(model, data, t, work, fingerprint=fp, progress=progress, echo=echo, device=device, pad_id=pad_id,
                         precision=precision, time_limit_s=time_limit_s, features=features)

@@ -142,21 +142,21 @@ def _die_with_parent() -> None:
         pass
 
 
-def is_ready(http_port: int, timeout_s: float = 2.0) -> bool:
+def _answers_ok(url: str, timeout_s: float) -> bool:
     try:
-        with urllib.request.urlopen(f"http://{HOST}:{http_port}/v2/health/ready", timeout=timeout_s) as response:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
             return response.status == 200
     except (urllib.error.URLError, OSError):
         return False
+
+
+def is_ready(http_port: int, timeout_s: float = 2.0) -> bool:
+    return _answers_ok(f"http://{HOST}:{http_port}/v2/health/ready", timeout_s)
 
 
 def metrics_listening(metrics_port: int, timeout_s: float = 2.0) -> bool:
     """The metrics endpoint answers (tritonserver starts it after HTTP says ready: 40 ms later in one CI log)."""
-    try:
-        with urllib.request.urlopen(f"http://{HOST}:{metrics_port}/metrics", timeout=timeout_s) as response:
-            return response.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
+    return _answers_ok(f"http://{HOST}:{metrics_port}/metrics", timeout_s)
 
 
 def wait_ready(server: Server, timeout_s: float) -> None:
