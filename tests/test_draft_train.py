@@ -736,8 +736,8 @@ def test_new_train_keys_at_their_defaults_keep_a_heads_fingerprint_and_bad_ones_
 
 
 def test_checkpoint_bench_measures_the_runs_head_and_its_start_with_the_runs_own_measure(tiny, tiny_engine):
-    """bench/eagle3_checkpoint.py: a resume checkpoint holding the trained head, a recipe starting from that head:
-    both rows are the trained head's held-out acceptance as draft train measured it (engine features)."""
+    """bench/eagle3_checkpoint.py: a recipe starting from a trained head, a resume checkpoint holding the untrained
+    head: the rows are those heads' held-out acceptance as draft train measured them (engine features)."""
     bench = bench_modules.load("eagle3_checkpoint")
     head = tiny_engine.eagle3_head
     if not (head / "model.safetensors").is_file():  # the engine-features run above (module order), else its own
@@ -748,8 +748,9 @@ def test_checkpoint_bench_measures_the_runs_head_and_its_start_with_the_runs_own
     from safetensors.torch import load_file
 
     d2t = load_file(str(head / "model.safetensors"))["d2t"]
-    model = modelopt_eagle3.build_model(tiny[1], t, (torch.arange(len(d2t)) + d2t).tolist(), [0, 1], offline=True)
-    modelopt_eagle3.load_exported_head(model, head)
+    # the checkpoint holds the untrained head (the training run's seed), the start row the trained one
+    model = modelopt_eagle3.build_model(tiny[1], replace(t, init_head=""), (torch.arange(len(d2t)) + d2t).tolist(), [0, 1], offline=True)
+    untrained = artifacts.Manifest.read(head).extra["untrained_acceptance"]
     partial = draft_train.resume_dir(tiny_engine.eagle3_head)
     partial.mkdir(exist_ok=True)
     torch.save({"head": model.eagle_module.state_dict(), "step": 3, "total_steps": 9}, partial / draft_train_loop.RESUME_STATE)
@@ -759,8 +760,8 @@ def test_checkpoint_bench_measures_the_runs_head_and_its_start_with_the_runs_own
     finally:
         shutil.rmtree(partial)
     assert result["step"] == 3 and result["samples"] == 8
-    for row in ("start", "checkpoint"):
-        assert result[row]["per_position"] == trained["per_position"] and result[row]["positions"] == trained["positions"] > 50
+    assert result["start"]["per_position"] == trained["per_position"] and result["start"]["positions"] == trained["positions"] > 50
+    assert result["checkpoint"]["per_position"] == untrained["per_position"] != trained["per_position"]
     assert any("step 3 of 9" in line for line in lines)
 
 
