@@ -55,11 +55,19 @@ class PromptSpec:
     id: str
     source: str  # "calibration" | "self_instruct" | "file"
     messages: tuple[tuple[str, str], ...]
+    # what the prompt is held out with: prompts sharing a text (a calibration passage in its five requests) go to
+    # the same side, or a held-out request would be judged on a passage the head learned by heart; "": the prompt
+    group_text: str = ""
 
     @property
     def key(self) -> str:
-        """The normalized text the prompt is compared and held out by."""
+        """The normalized text the prompt is compared by."""
         return normalize(" ".join(content for role, content in self.messages if role == "user"))
+
+    @property
+    def group(self) -> str:
+        """The normalized text the prompt is held out by (draft_data.is_heldout)."""
+        return normalize(self.group_text) if self.group_text else self.key
 
 
 def validation_prompts(recipe: Recipe) -> dict[str, str]:
@@ -161,7 +169,8 @@ def calibration_prompts(seed: int) -> list[PromptSpec]:
     passages = [json.loads(line)["text"] for line in CALIBRATION_FILE.read_text(encoding="utf-8").splitlines() if line.strip()]
     pairs = [(p, t) for p in range(len(passages)) for t in range(len(CALIBRATION_TEMPLATES))]
     random.Random(derived_seed(seed, "calibration")).shuffle(pairs)
-    return [PromptSpec(f"calibration-{p}-{t}", "calibration", (("user", CALIBRATION_TEMPLATES[t].format(text=passages[p])),))
+    return [PromptSpec(f"calibration-{p}-{t}", "calibration", (("user", CALIBRATION_TEMPLATES[t].format(text=passages[p])),),
+                       group_text=passages[p])
             for p, t in pairs]
 
 

@@ -159,6 +159,40 @@ def _resume_and_compare(recipe, layout, whole: Path, seen: list[str], total: int
     return dest
 
 
+def test_the_requests_around_one_calibration_passage_are_held_out_together(tmp_path):
+    """All five requests wrapping a calibration passage go to the same side: held out by prompt, ~every held-out
+    calibration request had its passage in training under another request (the held-out figure measured memory)."""
+    from types import SimpleNamespace
+
+    prompts = draft_prompts.calibration_prompts(seed=0)
+    journal = SimpleNamespace(done={f"{p.id}/0": {"tokens": [7, 8]} for p in prompts})
+    recipe = SimpleNamespace(draft=SimpleNamespace(data=SimpleNamespace(samples_per_prompt=1, text_files=()),
+                                                   train=SimpleNamespace(seq_len=64)))
+    plan = [(p, [1, 2, 3]) for p in prompts]
+    records, held = dd._records(recipe, journal, plan, tokenizer=None, max_seq_len=64)
+    passage_of = lambda record: record["id"].split("-")[1]  # noqa: E731  (calibration-{passage}-{template}/0)
+    held_passages = {passage_of(r) for key, r in records if key in held}
+    train_passages = {passage_of(r) for key, r in records if key not in held}
+    assert held_passages and train_passages and not held_passages & train_passages
+    assert all(sum(passage_of(r) == p for _, r in records if _ in held) == len(draft_prompts.CALIBRATION_TEMPLATES)
+               for p in held_passages)
+    assert 0.02 < len(held_passages) / (len(held_passages) + len(train_passages)) < 0.10
+    # the rule it replaced (by prompt) put passages on both sides
+    by_prompt = {key for key, _ in records if dd.is_heldout(key)}
+    assert {passage_of(r) for key, r in records if key in by_prompt} & {passage_of(r) for key, r in records if key not in by_prompt}
+
+
+def test_a_set_of_one_group_still_holds_a_prompt_out():
+    from types import SimpleNamespace
+
+    prompts = [p for p in draft_prompts.calibration_prompts(seed=0) if p.id.startswith("calibration-0-")]
+    journal = SimpleNamespace(done={f"{p.id}/0": {"tokens": [7]} for p in prompts})
+    recipe = SimpleNamespace(draft=SimpleNamespace(data=SimpleNamespace(samples_per_prompt=1, text_files=()),
+                                                   train=SimpleNamespace(seq_len=64)))
+    records, held = dd._records(recipe, journal, [(p, [1]) for p in prompts], tokenizer=None, max_seq_len=64)
+    assert len(held) == 1 and len(records) == len(draft_prompts.CALIBRATION_TEMPLATES)
+
+
 def test_resume_after_interruption_gives_the_uninterrupted_result(tmp_path, built, chat_model):
     data = {"num_prompts": 4, "max_new_tokens": 4}
     recipe, layout = _setup(tmp_path / "whole", built, chat_model, data)
