@@ -111,13 +111,17 @@ def record_rounds(executor, head, prompts, max_tokens: int, k: int, end_id) -> l
             seen.clear()
             out = run(executor, GenerationRequest(input_ids=list(ids), max_new_tokens=max_tokens, end_id=end_id, num_draft_tokens=k))
             sequence = list(ids) + list(out.token_ids)
+            prompt_bigrams = set(zip(ids, ids[1:]))
             for base, tokens, probabilities in seen:
                 if len(tokens) < k:
                     continue  # the last rounds, cut by max_tokens
                 accepted = 0  # draft i is for position base + 1 + i (the head's row base - 1 predicts base + 1)
                 while accepted < len(tokens) and base + 1 + accepted < len(sequence) and sequence[base + 1 + accepted] == tokens[accepted]:
                     accepted += 1
-                rounds.append({"prompt": prompt_id, "probabilities": probabilities, "accepted": accepted})
+                # does the target's token at the first draft's position repeat, with the token before it, two tokens of the prompt?
+                repeats = base + 1 < len(sequence) and (sequence[base], sequence[base + 1]) in prompt_bigrams
+                rounds.append({"prompt": prompt_id, "probabilities": probabilities, "accepted": accepted, "repeats_prompt": repeats,
+                               "position": base + 1})
             print(f"  {prompt_id}: {len(seen)} rounds, {out.stats.accepted}/{out.stats.drafted} accepted", flush=True)
     finally:
         head.new_drafter = real_new
@@ -142,6 +146,19 @@ def by_group(rounds: list[dict], k: int) -> list[tuple[str, int, float, list[flo
         groups.setdefault(str(r["prompt"]).split("-", 1)[0], []).append(r["accepted"])
     groups["all"] = [r["accepted"] for r in rounds]
     return [(g, len(a), sum(a) / len(a), [sum(x > i for x in a) / len(a) for i in range(k)]) for g, a in groups.items() if a]
+
+
+def by_repeat(rounds: list[dict]) -> list[tuple[str, int, float, float]]:
+    """(kind, rounds, share accepting the first draft, accepted drafts per round) for the rounds whose first drafted
+    position repeats two tokens of the prompt (the answer quotes its prompt there) and for the others: a head that
+    drafts from what it learned of the language, not from the request's own text, accepts less where it quotes."""
+    out = []
+    for name, flag in (("repeats the prompt", True), ("other", False)):
+        subset = [r for r in rounds if r.get("repeats_prompt") is flag]
+        if subset:
+            out.append((name, len(subset), sum(r["accepted"] > 0 for r in subset) / len(subset),
+                        sum(r["accepted"] for r in subset) / len(subset)))
+    return out
 
 
 def sweep(rounds: list[dict], rows=ROWS, head=HEAD) -> list[dict]:
@@ -193,13 +210,17 @@ def main(argv=None) -> int:
     groups = by_group(rounds, args.draft_len)
     for name, n, mean, shares in groups:
         print(f"  {name:15s} {n:5d} rounds  {mean:.2f}  " + " / ".join(f"{x:.2f}" for x in shares))
+    repeat = by_repeat(rounds)
+    print("\nby the first drafted position: rounds, first draft accepted, accepted drafts per round")
+    for name, n, first, mean in repeat:
+        print(f"  {name:19s} {n:5d} rounds  {first:.2f}  {mean:.2f}")
     table = sweep(rounds)
     print("\ndraft_p_min  drafts/round  accepted/round  estimated speedup (cost model: bench/eagle3_confidence.py)")
     for row in table:
         print(f"  {row['draft_p_min']:.1f}        {row['drafted_per_round']:.2f}          {row['accepted_per_round']:.2f}"
               f"            {row['estimated_speedup']:.2f}x")
     if args.out:
-        Path(args.out).write_text(json.dumps({"prompts": args.prompts, "rounds": rounds, "groups": groups, "sweep": table}, indent=1))
+        Path(args.out).write_text(json.dumps({"prompts": args.prompts, "rounds": rounds, "groups": groups, "repeats": repeat, "sweep": table}, indent=1))
     return 0
 
 

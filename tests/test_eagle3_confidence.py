@@ -43,6 +43,13 @@ def test_acceptance_by_group_is_per_category_or_source_and_per_draft_position():
     assert groups["all"] == (4, 1.5, [0.75, 0.5, 0.25])
 
 
+def test_acceptance_split_by_whether_the_drafted_position_repeats_the_prompt():
+    conf = bench_modules.load("eagle3_confidence")
+    rounds = [dict(r, repeats_prompt=flag) for r, flag in zip(ROUNDS, (True, False, True, False))]
+    assert conf.by_repeat(rounds) == [("repeats the prompt", 2, 0.5, 1.5), ("other", 2, 1.0, 1.5)]
+    assert conf.by_repeat([dict(ROUNDS[0], repeats_prompt=False)]) == [("other", 1, 1.0, 3.0)]
+
+
 def test_record_rounds_and_the_lookup_bench_drive_the_real_fused_loop(tmp_path, tiny_tokenizer_dir):
     """The benches' engine parts on a tiny target with a random head: record_rounds wraps the executor's own drafter
     (its rounds' probabilities and acceptance recorded, the output the target's), and eagle3_lookup.measure counts
@@ -67,6 +74,13 @@ def test_record_rounds_and_the_lookup_bench_drive_the_real_fused_loop(tmp_path, 
     rounds = conf.record_rounds(Executor(engine, 2, head=head), head, prompts, 12, 3, None)
     assert rounds and all(len(r["probabilities"]) == 3 and 0 <= r["accepted"] <= 3 for r in rounds)
     assert all(0.0 < p <= 1.0 for r in rounds for p in r["probabilities"])
+    # prompt "a" repeats itself (5 6 7 twice): a round is flagged exactly when its first drafted token and the one
+    # before it are a bigram of the prompt
+    for prompt_id, ids in prompts:
+        sequence = list(ids) + run(Executor(engine), GenerationRequest(list(ids), 12)).token_ids
+        bigrams = {tuple(ids[i : i + 2]) for i in range(len(ids) - 1)}
+        mine = [r for r in rounds if r["prompt"] == prompt_id]
+        assert mine and all(r["repeats_prompt"] == (tuple(sequence[r["position"] - 1 : r["position"] + 1]) in bigrams) for r in mine)
     lookup = bench_modules.load("eagle3_lookup")
     plain, outputs = lookup.measure(Executor(engine, 2, head=head), prompts, 3, 24, None)
     looked, same = lookup.measure(Executor(engine, 2, head=head, lookup_threshold=1), prompts, 3, 24, None)
