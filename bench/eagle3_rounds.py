@@ -1,5 +1,6 @@
 """What a fused EAGLE-3 round costs in target steps, in process: the recipe's target engine with its head
-(`draft.head`), greedy, on the built-in chat prompts, with k = 0 (the target alone) and k = --draft-len (the fused
+(`draft.head`), greedy, on the built-in chat prompts (or `--prompts heldout --data DIR`: a draft-data folder's
+held-out prompts, never trained on, to choose settings on), with k = 0 (the target alone) and k = --draft-len (the fused
 loop with the recipe's `speculative.draft_p_min`) taking turns (ABAB), each prompt from an empty cache.
 
 Per run: ms per token after the first, target passes, forward time per pass (the head's time is inside it: the head
@@ -62,6 +63,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", default=str(ROOT / "build" / "smollm2-135m.yaml"))
     ap.add_argument("--root", default=str(ROOT))
+    ap.add_argument("--prompts", choices=("builtin", "heldout"), default="builtin",
+                    help="heldout: the greedy held-out prompts of a draft-data folder (--data), to choose settings on")
+    ap.add_argument("--data", default=str(ROOT / "engines" / "smollm2-135m-eagle3-gpu" / "draft-data"))
     ap.add_argument("--count", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--draft-len", type=int, default=3)
@@ -74,13 +78,12 @@ def main(argv=None) -> int:
 
     import torch
 
-    from bench.eagle3_confidence import load_pair
-    from bench.eagle3_peer import chat_prompts
+    from bench.eagle3_confidence import load_pair, prompts_of
     from specdeploy.engine.executor import Executor
 
     torch.set_num_threads(args.threads)
     recipe, layout, engine, head, tokenizer = load_pair(args.recipe, args.root)
-    prompts = chat_prompts(tokenizer, args.count, args.max_tokens)
+    prompts = prompts_of(args.prompts, args.data, args.count, tokenizer, args.max_tokens)
     k = args.draft_len
     own = f"{recipe.speculative.policy}:{recipe.speculative.draft_p_min:g}"
     variants = [v if ":" in v else f"{v}:{recipe.speculative.draft_p_min:g}" for v in args.variants.split(",") if v] or [own]

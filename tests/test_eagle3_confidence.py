@@ -86,3 +86,49 @@ def test_record_rounds_and_the_lookup_bench_drive_the_real_fused_loop(tmp_path, 
     looked, same = lookup.measure(Executor(engine, 2, head=head, lookup_threshold=1), prompts, 3, 24, None)
     assert same == outputs == [run(Executor(engine), GenerationRequest(list(ids), 24)).token_ids for _, ids in prompts]
     assert plain["lookup_rounds"] == 0 and 0 < looked["lookup_rounds"] <= looked["rounds"] <= looked["passes"]
+
+
+def test_quotes_bench_pure_parts():
+    quotes = bench_modules.load("eagle3_quotes")
+    prompt = [1, 2, 3, 4]
+    sequence = prompt + [9, 2, 3, 7]
+    assert [quotes.quotes_prompt(prompt, sequence, i) for i in (5, 6, 7)] == [False, True, False]
+    assert quotes.summarize([(True, True), (True, False), (False, True)]) == {"quotes": (2, 0.5), "other": (1, 1.0), "all": (3, 2 / 3)}
+    prose = "The harbor woke slowly while the ferry left the pier. " * 5
+    text = f"# Title\n\n{prose.strip()}\n\n.. note:: skipped\n\nToo short.\n\n{prose.strip()} See https://x.org.\n\n{prose.strip()}\n"
+    assert quotes.paragraphs(text) == [prose.strip(), prose.strip()]
+    prompts = quotes.passage_prompts([text, prose.strip().upper()])
+    assert len(prompts) == 1 and prompts[0].endswith(prose.strip())  # deduplicated across texts (case folded)
+    assert prompts == quotes.passage_prompts([text])  # seeded
+
+
+def test_quotes_bench_first_drafts_are_the_fused_loops(tmp_path, tiny_tokenizer_dir):
+    """first_draft_hits feeds the head row by row as the fused loop does: at every position its draft equals the one
+    a drafter caught up on the whole history at once makes."""
+    import torch
+    from eagle3_heads import make_eagle3_head
+    from specdeploy.config import EngineConfig, QuantConfig
+    from specdeploy.engine.compile import compile_checkpoint
+    from specdeploy.engine.eagle3 import Eagle3Head
+    from specdeploy.engine.model import CpuEngine
+    from specdeploy.quantize import quantize_model
+    from tiny_models import make_tiny_model
+
+    make_tiny_model(tmp_path / "model", tiny_tokenizer_dir, seed=0, num_hidden_layers=4)
+    quantize_model(tmp_path / "model", QuantConfig(), tmp_path / "ckpt", progress=False)
+    compile_checkpoint(tmp_path / "ckpt", tmp_path / "engine", EngineConfig(dtype="float32", max_input_len=128, max_seq_len=256), 8)
+    engine = CpuEngine.load(tmp_path / "engine")
+    head = Eagle3Head.load(make_eagle3_head(tmp_path / "head", 64, 512, (0, 1, 2)), engine)
+    quotes = bench_modules.load("eagle3_quotes")
+    prompt, answer = [5, 6, 7, 8, 9, 5, 6], [7, 30, 31, 5, 6, 7, 40]
+    hits = quotes.first_draft_hits(engine, head, prompt, answer)
+    sequence = prompt + answer
+    assert len(hits) == len(answer) - 1
+    _, aux = engine.forward(engine.new_cache(len(sequence)), torch.tensor(sequence), aux_layers=head.aux_layer_ids)
+    for i, (quoted, hit) in enumerate(hits):
+        position = len(prompt) + 1 + i
+        drafter = head.new_drafter(len(sequence))
+        drafter.catch_up(aux[: position - 1], sequence[1:position])
+        assert hit == (drafter.draft(1)[0] == sequence[position])
+        assert quoted == quotes.quotes_prompt(prompt, sequence, position)
+    assert [q for q, _ in hits] == [False, False, False, True, True, False]  # (5, 6) and (6, 7) of the prompt
