@@ -78,6 +78,11 @@ def prompts_of(kind: str, data_dir: str, count: int, tokenizer, max_tokens: int)
     return chat_prompts(tokenizer, count, max_tokens)
 
 
+def prompt_bigrams(ids) -> set[tuple[int, int]]:
+    """The prompt's pairs of adjacent tokens: an answer position quotes the prompt where it and the token before it are one."""
+    return set(zip(ids, ids[1:]))
+
+
 def record_rounds(executor, head, prompts, max_tokens: int, k: int, end_id) -> list[dict]:
     """Every round of the fused loop over `prompts`: the head's probability of each draft and whether it was accepted."""
     import torch
@@ -111,7 +116,7 @@ def record_rounds(executor, head, prompts, max_tokens: int, k: int, end_id) -> l
             seen.clear()
             out = run(executor, GenerationRequest(input_ids=list(ids), max_new_tokens=max_tokens, end_id=end_id, num_draft_tokens=k))
             sequence = list(ids) + list(out.token_ids)
-            prompt_bigrams = set(zip(ids, ids[1:]))
+            bigrams = prompt_bigrams(ids)
             for base, tokens, probabilities in seen:
                 if len(tokens) < k:
                     continue  # the last rounds, cut by max_tokens
@@ -119,7 +124,7 @@ def record_rounds(executor, head, prompts, max_tokens: int, k: int, end_id) -> l
                 while accepted < len(tokens) and base + 1 + accepted < len(sequence) and sequence[base + 1 + accepted] == tokens[accepted]:
                     accepted += 1
                 # does the target's token at the first draft's position repeat, with the token before it, two tokens of the prompt?
-                repeats = base + 1 < len(sequence) and (sequence[base], sequence[base + 1]) in prompt_bigrams
+                repeats = base + 1 < len(sequence) and (sequence[base], sequence[base + 1]) in bigrams
                 rounds.append({"prompt": prompt_id, "probabilities": probabilities, "accepted": accepted, "repeats_prompt": repeats,
                                "position": base + 1})
             print(f"  {prompt_id}: {len(seen)} rounds, {out.stats.accepted}/{out.stats.drafted} accepted", flush=True)

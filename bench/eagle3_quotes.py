@@ -36,9 +36,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 MIN_WORDS, MAX_WORDS = 40, 160
 
 
-def quotes_prompt(prompt: list[int], sequence: list[int], position: int) -> bool:
-    """Is the token at `position` of `sequence`, with the one before it, a bigram of `prompt`?"""
-    return (sequence[position - 1], sequence[position]) in set(zip(prompt, prompt[1:]))
+def quotes_prompt(prompt: list[int], sequence: list[int], position: int, bigrams=None) -> bool:
+    """Is the token at `position` of `sequence`, with the one before it, a bigram of `prompt` (`bigrams`: its
+    eagle3_confidence.prompt_bigrams, computed once per prompt)?"""
+    if bigrams is None:
+        from bench.eagle3_confidence import prompt_bigrams
+
+        bigrams = prompt_bigrams(prompt)
+    return (sequence[position - 1], sequence[position]) in bigrams
 
 
 def first_draft_hits(engine, head, prompt: list[int], answer: list[int]) -> list[tuple[bool, bool]]:
@@ -50,11 +55,14 @@ def first_draft_hits(engine, head, prompt: list[int], answer: list[int]) -> list
     cache = engine.new_cache(len(sequence) + 1)
     _, aux = engine.forward(cache, torch.tensor(sequence), aux_layers=head.aux_layer_ids)
     drafter = head.new_drafter(len(sequence) + 1)
+    from bench.eagle3_confidence import prompt_bigrams
+
+    bigrams = prompt_bigrams(prompt)
     out = []
     for row in range(len(prompt) - 1, len(sequence) - 2):  # row `row` (with token row + 1) drafts position row + 2
         drafter.catch_up(aux[drafter.length : row + 1], sequence[drafter.length + 1 : row + 2])
         hit = head.to_target(int(drafter.logits.argmax())) == sequence[row + 2]
-        out.append((quotes_prompt(prompt, sequence, row + 2), hit))
+        out.append((quotes_prompt(prompt, sequence, row + 2, bigrams), hit))
     return out
 
 
