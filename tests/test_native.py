@@ -476,13 +476,16 @@ def _rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
 
 @pytest.mark.parametrize("head_size", [16, 24, 64, 128])  # 24: no whole number of vectors (the per-key dot)
 @pytest.mark.parametrize("start", [0, 37])
-def test_attention_follows_a_reference_and_each_rows_bits_are_its_own(head_size, start):
+@pytest.mark.parametrize("heads, kv_heads, rows", [(6, 2, 19), (8, 2, 5), (4, 2, 2)])
+def test_attention_follows_a_reference_and_each_rows_bits_are_its_own(head_size, start, heads, kv_heads, rows):
     """native attention: each row of a pass is softmax(q k^T * scale) v over exactly its own positions 0..start+r
     (a float64 reference from the same RoPE tables, the cache's earlier keys included), and is bit for bit the row a
     pass of that one row gives, whatever the pass's size (keys in blocks of a vector's lanes: a row's keys count
-    never changes another row's sums)."""
-    g = torch.Generator().manual_seed(head_size + start)
-    heads, kv_heads, rows, max_len = 6, 2, 19, 80
+    never changes another row's sums). A pass of several rows reads each KV head's keys once for a unit of rows x
+    its query heads (csrc attend_queries, the values 3, 2 or 1 queries at a time: groups of 3, 4 and 2 here); one
+    row runs each query head on its own (attend_head): the same bits."""
+    g = torch.Generator().manual_seed(head_size + start + rows)
+    max_len = 80
     width = (heads + 2 * kv_heads) * head_size
     cos, sin = torch.randn(max_len, head_size, generator=g), torch.randn(max_len, head_size, generator=g)
     keys0 = torch.randn(kv_heads, max_len, head_size, generator=g)
@@ -491,7 +494,7 @@ def test_attention_follows_a_reference_and_each_rows_bits_are_its_own(head_size,
     scale = head_size ** -0.5
     keys, values = keys0.clone(), values0.clone()
     out = OPS.attention(qkv, cos, sin, keys, values, start, rows, heads, kv_heads, scale)
-    for r in (0, 1, 7, rows - 1):  # row by row, each on the cache as the pass before it left it
+    for r in sorted({0, 1, min(7, rows - 1), rows - 1}):  # row by row, each on the cache as the pass before it left it
         k1, v1 = keys0.clone(), values0.clone()
         if r:
             OPS.attention(qkv[:r].contiguous(), cos, sin, k1, v1, start, r, heads, kv_heads, scale)

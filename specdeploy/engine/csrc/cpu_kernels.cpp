@@ -768,15 +768,15 @@ inline float dot(const float* a, const float* b, int64_t D) {
   return s;
 }
 
-// One query head against keys 0..n-1 of its KV head, the head size D = C * kLanes (q in registers):
-// p[j] = (q . key_j) * scale, each dot product FMA'd over the head's C vectors from zero, then kLanes keys' lane
-// sums at once (reduce_lanes). p[j]'s bits depend on q and key j alone, never on n (a row's keys count) or the
-// other keys of its block (lanes past n are zeros, never stored).
+// One query head against keys j_begin..n-1 of its KV head (j_begin a multiple of kLanes), the head size
+// D = C * kLanes (q in registers): p[j] = (q . key_j) * scale, each dot product FMA'd over the head's C vectors from
+// zero, then kLanes keys' lane sums at once (reduce_lanes). p[j]'s bits depend on q and key j alone, never on n (a
+// row's keys count) or the other keys of its block (lanes past n are zeros, never stored).
 template <int C>
-inline void head_scores(const float* qh, const float* keys, int64_t D, int64_t n, float scale, float* p) {
+inline void head_scores(const float* qh, const float* keys, int64_t D, int64_t j_begin, int64_t n, float scale, float* p) {
   Vec q[C];
   for (int c = 0; c < C; ++c) q[c] = vload(qh + c * kLanes);
-  for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
+  for (int64_t j0 = j_begin; j0 < n; j0 += kLanes) {
     int64_t count = std::min<int64_t>(kLanes, n - j0);
     Vec acc[kLanes];
     for (int64_t i = 0; i < kLanes; ++i) {
@@ -836,8 +836,82 @@ inline float softmax_numerators(float* p, int64_t n, float mx) {
 template <int C>
 inline void attend_head(const float* qh, const float* keys, const float* values, int64_t D, int64_t n, float scale,
                         float* p, c10::BFloat16* out) {
-  head_scores<C>(qh, keys, D, n, scale, p);
+  head_scores<C>(qh, keys, D, 0, n, scale, p);
   head_values<C>(p, softmax_numerators(p, n, max_of(p, n)), values, D, n, out);
+}
+
+// The query heads of one KV head over rows r0..r1-1 (heads h0..h1-1 of each row) as attend_head computes each of them,
+// bit for bit, but with the keys and values read once for all of them: a block of kKeyBlock keys (and then of
+// values) is loaded from the cache into L1 once and used by every query before the next block, where attend_head
+// streams a head's keys from L2 once per query (a pass of m rows reads a KV head's cache 3m times). Each query's
+// arithmetic is attend_head's: its scores kLanes keys at a time (head_scores' FMAs and reduce_lanes), its softmax
+// numerators, p[j] / sum (a vector division rounds as the scalar one), then its weighted values in key order.
+//   q: [rows, H, D] f32 after RoPE; keys, values: this KV head's cache; p: queries x stride floats of scratch
+//   (stride >= start + r1 + kLanes); acc: queries x D floats; out: [rows, H * D] bf16.
+constexpr int64_t kKeyBlock = 4 * kLanes;
+constexpr int64_t kValueQueries = 3;
+
+// acc[q] += w[q][j] * value_j for keys b0..n-1 in order, Q queries with weights w + q * stride and sums acc + q * D.
+template <int C, int Q>
+inline void weigh_values(const float* w, int64_t stride, const float* values, int64_t b0, int64_t n, float* acc) {
+  constexpr int64_t D = C * kLanes;
+  Vec a[Q][C];
+  for (int q = 0; q < Q; ++q)
+    for (int c = 0; c < C; ++c) a[q][c] = vload(acc + q * D + c * kLanes);
+  for (int64_t j = b0; j < n; ++j) {
+    const float* v = values + j * D;
+    Vec vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = vload(v + c * kLanes);
+    for (int q = 0; q < Q; ++q) {
+      Vec wj = vset1(w[q * stride + j]);
+      for (int c = 0; c < C; ++c) a[q][c] = vfmadd(wj, vv[c], a[q][c]);
+    }
+  }
+  for (int q = 0; q < Q; ++q)
+    for (int c = 0; c < C; ++c) vstore(acc + q * D + c * kLanes, a[q][c]);
+}
+template <int C>
+void attend_queries(const float* q, int64_t num_heads, const float* keys, const float* values, int64_t start, int64_t r0,
+                    int64_t r1, int64_t h0, int64_t h1, float scale, float* p, int64_t stride, float* acc,
+                    c10::BFloat16* out) {
+  constexpr int64_t D = C * kLanes;
+  int64_t heads = h1 - h0, queries = (r1 - r0) * heads, last = start + r1;  // last: keys of the last row
+  auto keys_of = [&](int64_t k) { return start + r0 + k / heads + 1; };
+  auto query = [&](int64_t k) { return q + ((r0 + k / heads) * num_heads + h0 + k % heads) * D; };
+  for (int64_t b0 = 0; b0 < last; b0 += kKeyBlock) {
+    for (int64_t k = 0; k < queries; ++k) {
+      int64_t n = std::min(keys_of(k), b0 + kKeyBlock);
+      if (n <= b0) continue;
+      head_scores<C>(query(k), keys, D, b0, n, scale, p + k * stride);
+    }
+  }
+  for (int64_t k = 0; k < queries; ++k) {
+    float* pk = p + k * stride;
+    int64_t n = keys_of(k);
+    Vec sum = vset1(softmax_numerators(pk, n, max_of(pk, n)));
+    for (int64_t j = 0; j < n; j += kLanes) vstore_first(pk + j, vdiv(vload_first(pk + j, n - j), sum), n - j);
+  }
+  // The weighted values: the queries of a row (one count of keys) kValueQueries at a time, a value's vectors loaded once
+  // for all of them; each query's sums in its own registers, in key order.
+  std::fill(acc, acc + queries * D, 0.0f);
+  for (int64_t b0 = 0; b0 < last; b0 += kKeyBlock) {
+    for (int64_t k = 0; k < queries;) {
+      int64_t n = std::min(keys_of(k), b0 + kKeyBlock);
+      int64_t together = std::min<int64_t>({kValueQueries, queries - k, heads - k % heads});  // same row: same n
+      if (n > b0) {
+        switch (together) {
+          case 3: weigh_values<C, 3>(p + k * stride, stride, values, b0, n, acc + k * D); break;
+          case 2: weigh_values<C, 2>(p + k * stride, stride, values, b0, n, acc + k * D); break;
+          default: weigh_values<C, 1>(p + k * stride, stride, values, b0, n, acc + k * D);
+        }
+      }
+      k += together;
+    }
+  }
+  for (int64_t k = 0; k < queries; ++k) {
+    c10::BFloat16* o = out + (r0 + k / heads) * num_heads * D + (h0 + k % heads) * D;
+    for (int c = 0; c < C; ++c) store_bf16(o + c * kLanes, vload(acc + k * D + c * kLanes));
+  }
 }
 
 // RoPE (rotate halves) in f32 on one head, rounded to bf16: x * cos + [x2, x1] * signed_sin, two products and a
@@ -899,10 +973,34 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
   }
   at::Tensor out = at::zeros({rows, num_heads * D}, qkv.options());
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
-  int64_t work_per_pair = (start + m) * D;
-  // head sizes of 1, 2, 4 or 8 vectors: attend_head (the sums in registers); others: a dot product per key
+  // head sizes of 1, 2, 4 or 8 vectors: attend_head's arithmetic (the sums in registers); others: a dot product per key
   int64_t vectors = D % kLanes == 0 ? D / kLanes : 0;
   bool fast = vectors == 1 || vectors == 2 || vectors == 4 || vectors == 8;
+  if (fast && m > 1) {
+    // A pass of several rows (verification, batched prefill): units of up to kUnitRows rows x one KV head's query
+    // heads, each reading that head's keys once (attend_queries); about three units per thread at k+1 = 4..8 rows.
+    constexpr int64_t kUnitRows = 8;
+    int64_t unit_rows = std::clamp<int64_t>(m / 2, 1, kUnitRows), row_units = (m + unit_rows - 1) / unit_rows;
+    int64_t stride = start + m + kLanes;
+    float sc = static_cast<float>(scale);
+    specdeploy::step_team::parallel_for(0, num_kv_heads * row_units, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> p(unit_rows * groups * stride), acc(unit_rows * groups * D);
+      for (int64_t unit = begin; unit < end; ++unit) {
+        int64_t g = unit / row_units, r0 = (unit % row_units) * unit_rows, r1 = std::min(m, r0 + unit_rows);
+        const float* key = kp + g * max_len * D;
+        const float* value = vp + g * max_len * D;
+        int64_t h0 = g * groups, h1 = h0 + groups;
+        switch (vectors) {
+          case 1: attend_queries<1>(q.data(), num_heads, key, value, start, r0, r1, h0, h1, sc, p.data(), stride, acc.data(), op); break;
+          case 2: attend_queries<2>(q.data(), num_heads, key, value, start, r0, r1, h0, h1, sc, p.data(), stride, acc.data(), op); break;
+          case 4: attend_queries<4>(q.data(), num_heads, key, value, start, r0, r1, h0, h1, sc, p.data(), stride, acc.data(), op); break;
+          default: attend_queries<8>(q.data(), num_heads, key, value, start, r0, r1, h0, h1, sc, p.data(), stride, acc.data(), op);
+        }
+      }
+    });
+    return out;
+  }
+  int64_t work_per_pair = (start + m) * D;
   specdeploy::step_team::parallel_for(0, m * num_heads, std::max<int64_t>(1, 32768 / std::max<int64_t>(work_per_pair, 1)),
                    [&](int64_t begin, int64_t end) {
     std::vector<float> p(start + m + kLanes), acc(D);
