@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -793,19 +794,6 @@ inline void head_scores(const float* qh, const float* keys, int64_t D, int64_t j
   }
 }
 
-// out = bf16(sum_j (p[j] / sum) * value_j) over keys 0..n-1, D = C * kLanes, the sums in registers.
-template <int C>
-inline void head_values(const float* p, float sum, const float* values, int64_t D, int64_t n, c10::BFloat16* out) {
-  Vec acc[C];
-  for (int c = 0; c < C; ++c) acc[c] = vzero();
-  for (int64_t j = 0; j < n; ++j) {
-    Vec w = vset1(p[j] / sum);
-    const float* v = values + j * D;
-    for (int c = 0; c < C; ++c) acc[c] = vfmadd(w, vload(v + c * kLanes), acc[c]);
-  }
-  for (int c = 0; c < C; ++c) store_bf16(out + c * kLanes, acc[c]);
-}
-
 // The largest of p[0..n).
 inline float max_of(const float* p, int64_t n) {
   float mx = -INFINITY;
@@ -832,20 +820,11 @@ inline float softmax_numerators(float* p, int64_t n, float mx) {
   return hsum(lanes);
 }
 
-// One query head's attention, D = C * kLanes: scores, softmax, weighted values (p: n + kLanes floats of scratch).
-template <int C>
-inline void attend_head(const float* qh, const float* keys, const float* values, int64_t D, int64_t n, float scale,
-                        float* p, c10::BFloat16* out) {
-  head_scores<C>(qh, keys, D, 0, n, scale, p);
-  head_values<C>(p, softmax_numerators(p, n, max_of(p, n)), values, D, n, out);
-}
-
-// The query heads of one KV head over rows r0..r1-1 (heads h0..h1-1 of each row) as attend_head computes each of them,
-// bit for bit, but with the keys and values read once for all of them: a block of kKeyBlock keys (and then of
-// values) is loaded from the cache into L1 once and used by every query before the next block, where attend_head
-// streams a head's keys from L2 once per query (a pass of m rows reads a KV head's cache 3m times). Each query's
-// arithmetic is attend_head's: its scores kLanes keys at a time (head_scores' FMAs and reduce_lanes), its softmax
-// numerators, p[j] / sum (a vector division rounds as the scalar one), then its weighted values in key order.
+// The query heads h0..h1-1 of one KV head over rows r0..r1-1, D = C * kLanes, each query's arithmetic its own: its
+// scores kLanes keys at a time (head_scores: FMAs, then reduce_lanes), softmax numerators, w[j] = p[j] / sum, then
+// sum_j w[j] * value_j in key order from zero, rounded to bf16 at the end. A block of kKeyBlock keys (then of values)
+// is read from the cache into L1 once and used by every query of the task before the next block (one query per
+// task streamed a KV head's cache from L2 once per query: a pass of m rows read it 3m times for SmolLM2's groups).
 //   q: [rows, H, D] f32 after RoPE; keys, values: this KV head's cache; p: queries x stride floats of scratch
 //   (stride >= start + r1 + kLanes); acc: queries x D floats; out: [rows, H * D] bf16.
 constexpr int64_t kKeyBlock = 4 * kLanes;
@@ -936,103 +915,136 @@ inline void rope(const c10::BFloat16* x, const float* cos, const float* sin, int
 }
 #pragma GCC pop_options
 
-// One layer's attention for rows 0..m-1 at positions start.. of one sequence:
-//   qkv [rows, (H + 2 KV) * D] bf16; cos, sin [positions, D] f32 (sin with its first half negated);
-//   keys, values [KV, max_len, D] f32, this layer's cache (k after RoPE and v written at start..start+m-1).
-// Row r attends over exactly positions 0..start+r, in f32. Returns [rows, H * D] bf16 (rows >= m are 0).
-at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& keys,
-                     at::Tensor& values, int64_t start, int64_t m, int64_t num_heads, int64_t num_kv_heads,
-                     double scale) {
+// One sequence's share of a layer's attention pass (attention_batch).
+struct AttentionSeq {
+  const c10::BFloat16* qkv;  // its rows of the pass's qkv
+  float *keys, *values;      // this layer's cache of the sequence, [KV, max_len, D]
+  int64_t max_len, start, m;
+  float* q;                  // [m, H, D]: its queries after RoPE
+  c10::BFloat16* out;        // its rows of the output
+};
+
+// A task of attention_batch: rows r0..r1-1 of one sequence x query heads h0..h1-1 (of one KV head).
+struct AttentionUnit {
+  int64_t seq, r0, r1, h0, h1;
+};
+
+// One layer's attention for several sequences in one parallel loop: sequence s has sizes[s] rows at positions
+// starts[s].. of its own cache (keys[s], values[s]: [KV, max_len, D] f32, this layer's; k after RoPE and v are
+// written at those positions); its rows sit one after another in qkv [rows, (H + 2 KV) * D] bf16; cos, sin
+// [positions, D] f32 (sin with its first half negated). Row r of a sequence attends over exactly its positions
+// 0..start+r, in f32; a row's bits are its own, whatever shares the pass. Returns [rows, H * D] bf16 (rows past the
+// sequences' are 0). Tasks: a row of several (verification, prefill) reads a KV head's keys once for up to
+// kUnitRows rows x that head's query heads (attend_queries); a one-row sequence (decode) runs one task per query
+// head, so the rows of a batched decode step share one loop over both threads.
+at::Tensor attention_batch(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                           const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
+                           const std::vector<int64_t>& starts, const std::vector<int64_t>& sizes, int64_t num_heads,
+                           int64_t num_kv_heads, double scale) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kBFloat16 && qkv.is_contiguous(), "qkv: expected contiguous bf16");
-  TORCH_CHECK(keys.scalar_type() == at::kFloat && keys.is_contiguous() && values.scalar_type() == at::kFloat &&
-                  values.is_contiguous() && keys.dim() == 3 && keys.sizes() == values.sizes(),
-              "keys, values: expected contiguous f32 [KV, max_len, D]");
-  int64_t rows = qkv.size(0), D = keys.size(2), max_len = keys.size(1), groups = num_heads / num_kv_heads;
-  TORCH_CHECK(keys.size(0) == num_kv_heads && qkv.size(1) == (num_heads + 2 * num_kv_heads) * D, "qkv/cache shapes disagree");
-  TORCH_CHECK(start >= 0 && m <= rows && start + m <= max_len && start + m <= cos.size(0), "positions out of range");
-  const c10::BFloat16* qp = qkv.data_ptr<c10::BFloat16>();
+  TORCH_CHECK(!keys.empty() && keys.size() == values.size() && keys.size() == starts.size() && keys.size() == sizes.size(),
+              "attention: one cache, start and size per sequence");
+  int64_t rows = qkv.size(0), D = keys[0].size(2), groups = num_heads / num_kv_heads, width = qkv.size(1);
+  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * D, "qkv/cache shapes disagree");
+  int64_t total = std::accumulate(sizes.begin(), sizes.end(), int64_t{0});
+  TORCH_CHECK(total <= rows, "more rows in the sequences than in qkv");
+  std::vector<float> q(total * num_heads * D);
+  at::Tensor out = at::zeros({rows, num_heads * D}, qkv.options());
+  std::vector<AttentionSeq> seqs;
+  int64_t offset = 0;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const at::Tensor &k = keys[i], &v = values[i];
+    TORCH_CHECK(k.scalar_type() == at::kFloat && k.is_contiguous() && v.scalar_type() == at::kFloat && v.is_contiguous() &&
+                    k.dim() == 3 && k.sizes() == v.sizes() && k.size(0) == num_kv_heads && k.size(2) == D,
+                "keys, values: expected contiguous f32 [KV, max_len, D]");
+    int64_t start = starts[i], m = sizes[i];
+    TORCH_CHECK(start >= 0 && m >= 0 && start + m <= k.size(1) && start + m <= cos.size(0), "positions out of range");
+    seqs.push_back({qkv.data_ptr<c10::BFloat16>() + offset * width, k.data_ptr<float>(), v.data_ptr<float>(), k.size(1),
+                    start, m, q.data() + offset * num_heads * D, out.data_ptr<c10::BFloat16>() + offset * num_heads * D});
+    offset += m;
+  }
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  float *kp = keys.data_ptr<float>(), *vp = values.data_ptr<float>();
-  int64_t width = qkv.size(1);
-  std::vector<float> q(rows * num_heads * D);
-  for (int64_t r = 0; r < m; ++r) {
-    const c10::BFloat16* row = qp + r * width;
-    const float *c = cp + (start + r) * D, *s = sp + (start + r) * D;
-    for (int64_t h = 0; h < num_heads; ++h) rope(row + h * D, c, s, D, q.data() + (r * num_heads + h) * D);
-    for (int64_t g = 0; g < num_kv_heads; ++g) {
-      float* key = kp + (g * max_len + start + r) * D;
-      rope(row + (num_heads + g) * D, c, s, D, key);
-      const c10::BFloat16* v = row + (num_heads + num_kv_heads + g) * D;
-      float* value = vp + (g * max_len + start + r) * D;
-      if (D % kLanes == 0) {
-        for (int64_t d = 0; d < D; d += kLanes) vstore(value + d, load_bf16(v + d));
-      } else {
-        for (int64_t d = 0; d < D; ++d) value[d] = static_cast<float>(v[d]);
+  for (const AttentionSeq& a : seqs) {
+    for (int64_t r = 0; r < a.m; ++r) {
+      const c10::BFloat16* row = a.qkv + r * width;
+      const float *c = cp + (a.start + r) * D, *s = sp + (a.start + r) * D;
+      for (int64_t h = 0; h < num_heads; ++h) rope(row + h * D, c, s, D, a.q + (r * num_heads + h) * D);
+      for (int64_t g = 0; g < num_kv_heads; ++g) {
+        rope(row + (num_heads + g) * D, c, s, D, a.keys + (g * a.max_len + a.start + r) * D);
+        const c10::BFloat16* v = row + (num_heads + num_kv_heads + g) * D;
+        float* value = a.values + (g * a.max_len + a.start + r) * D;
+        if (D % kLanes == 0) {
+          for (int64_t d = 0; d < D; d += kLanes) vstore(value + d, load_bf16(v + d));
+        } else {
+          for (int64_t d = 0; d < D; ++d) value[d] = static_cast<float>(v[d]);
+        }
       }
     }
   }
-  at::Tensor out = at::zeros({rows, num_heads * D}, qkv.options());
-  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
-  // head sizes of 1, 2, 4 or 8 vectors: attend_head's arithmetic (the sums in registers); others: a dot product per key
+  // head sizes of 1, 2, 4 or 8 vectors: attend_queries (the sums in registers); others: a dot product per key
   int64_t vectors = D % kLanes == 0 ? D / kLanes : 0;
   bool fast = vectors == 1 || vectors == 2 || vectors == 4 || vectors == 8;
-  if (fast && m > 1) {
-    // A pass of several rows (verification, batched prefill): units of up to kUnitRows rows x one KV head's query
-    // heads, each reading that head's keys once (attend_queries); about three units per thread at k+1 = 4..8 rows.
-    constexpr int64_t kUnitRows = 8;
-    int64_t unit_rows = std::clamp<int64_t>(m / 2, 1, kUnitRows), row_units = (m + unit_rows - 1) / unit_rows;
-    int64_t stride = start + m + kLanes;
-    float sc = static_cast<float>(scale);
-    specdeploy::step_team::parallel_for(0, num_kv_heads * row_units, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> p(unit_rows * groups * stride), acc(unit_rows * groups * D);
-      for (int64_t unit = begin; unit < end; ++unit) {
-        int64_t g = unit / row_units, r0 = (unit % row_units) * unit_rows, r1 = std::min(m, r0 + unit_rows);
-        const float* key = kp + g * max_len * D;
-        const float* value = vp + g * max_len * D;
-        int64_t h0 = g * groups, h1 = h0 + groups;
-        switch (vectors) {
-          case 1: attend_queries<1>(q.data(), num_heads, key, value, start, r0, r1, h0, h1, sc, p.data(), stride, acc.data(), op); break;
-          case 2: attend_queries<2>(q.data(), num_heads, key, value, start, r0, r1, h0, h1, sc, p.data(), stride, acc.data(), op); break;
-          case 4: attend_queries<4>(q.data(), num_heads, key, value, start, r0, r1, h0, h1, sc, p.data(), stride, acc.data(), op); break;
-          default: attend_queries<8>(q.data(), num_heads, key, value, start, r0, r1, h0, h1, sc, p.data(), stride, acc.data(), op);
-        }
-      }
-    });
-    return out;
+  constexpr int64_t kUnitRows = 8;
+  std::vector<AttentionUnit> units;
+  int64_t most_queries = 1, most_keys = 0, work = 0;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    int64_t m = seqs[i].m, start = seqs[i].start;
+    most_keys = std::max(most_keys, start + m);
+    work += m * num_heads * (start + m) * D;
+    if (fast && m > 1) {  // about three tasks per thread at k+1 = 4..8 rows
+      int64_t unit_rows = std::clamp<int64_t>(m / 2, 1, kUnitRows);
+      most_queries = std::max(most_queries, unit_rows * groups);
+      for (int64_t g = 0; g < num_kv_heads; ++g)
+        for (int64_t r0 = 0; r0 < m; r0 += unit_rows)
+          units.push_back({static_cast<int64_t>(i), r0, std::min(m, r0 + unit_rows), g * groups, (g + 1) * groups});
+    } else {
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t h = 0; h < num_heads; ++h) units.push_back({static_cast<int64_t>(i), r, r + 1, h, h + 1});
+    }
   }
-  int64_t work_per_pair = (start + m) * D;
-  specdeploy::step_team::parallel_for(0, m * num_heads, std::max<int64_t>(1, 32768 / std::max<int64_t>(work_per_pair, 1)),
-                   [&](int64_t begin, int64_t end) {
-    std::vector<float> p(start + m + kLanes), acc(D);
-    for (int64_t pair = begin; pair < end; ++pair) {
-      int64_t r = pair / num_heads, h = pair % num_heads, g = h / groups, n = start + r + 1;
-      const float* qh = q.data() + (r * num_heads + h) * D;
-      const float* key = kp + g * max_len * D;
-      const float* value = vp + g * max_len * D;
-      if (fast) {
-        c10::BFloat16* o = op + r * num_heads * D + h * D;
-        float sc = static_cast<float>(scale);
-        switch (vectors) {
-          case 1: attend_head<1>(qh, key, value, D, n, sc, p.data(), o); break;
-          case 2: attend_head<2>(qh, key, value, D, n, sc, p.data(), o); break;
-          case 4: attend_head<4>(qh, key, value, D, n, sc, p.data(), o); break;
-          default: attend_head<8>(qh, key, value, D, n, sc, p.data(), o);
+  if (units.empty()) return out;
+  int64_t stride = most_keys + kLanes, units_count = static_cast<int64_t>(units.size());
+  int64_t grain = std::max<int64_t>(1, 32768 * units_count / std::max<int64_t>(work, 1));  // tiny passes: one thread
+  float sc = static_cast<float>(scale);
+  specdeploy::step_team::parallel_for(0, units_count, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> p(most_queries * stride), acc(most_queries * D);
+    for (int64_t u = begin; u < end; ++u) {
+      const AttentionUnit& t = units[u];
+      const AttentionSeq& a = seqs[t.seq];
+      int64_t g = t.h0 / groups;
+      const float* key = a.keys + g * a.max_len * D;
+      const float* value = a.values + g * a.max_len * D;
+      switch (fast ? vectors : 0) {
+        case 1: attend_queries<1>(a.q, num_heads, key, value, a.start, t.r0, t.r1, t.h0, t.h1, sc, p.data(), stride, acc.data(), a.out); break;
+        case 2: attend_queries<2>(a.q, num_heads, key, value, a.start, t.r0, t.r1, t.h0, t.h1, sc, p.data(), stride, acc.data(), a.out); break;
+        case 4: attend_queries<4>(a.q, num_heads, key, value, a.start, t.r0, t.r1, t.h0, t.h1, sc, p.data(), stride, acc.data(), a.out); break;
+        case 8: attend_queries<8>(a.q, num_heads, key, value, a.start, t.r0, t.r1, t.h0, t.h1, sc, p.data(), stride, acc.data(), a.out); break;
+        default: {  // one row, one head: a dot product per key
+          int64_t r = t.r0, h = t.h0, n = a.start + r + 1;
+          const float* qh = a.q + (r * num_heads + h) * D;
+          float mx = -INFINITY;
+          for (int64_t j = 0; j < n; ++j) mx = std::max(mx, p[j] = dot(qh, key + j * D, D) * sc);
+          float sum = softmax_numerators(p.data(), n, mx);
+          std::fill(acc.begin(), acc.begin() + D, 0.0f);
+          for (int64_t j = 0; j < n; ++j) {
+            float w = p[j] / sum;
+            const float* vj = value + j * D;
+            for (int64_t d = 0; d < D; ++d) acc[d] += w * vj[d];
+          }
+          for (int64_t d = 0; d < D; ++d) a.out[r * num_heads * D + h * D + d] = c10::BFloat16(acc[d]);
         }
-        continue;
       }
-      float mx = -INFINITY;
-      for (int64_t j = 0; j < n; ++j) mx = std::max(mx, p[j] = dot(qh, key + j * D, D) * static_cast<float>(scale));
-      float sum = softmax_numerators(p.data(), n, mx);
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t j = 0; j < n; ++j) {
-        float w = p[j] / sum;
-        const float* vj = value + j * D;
-        for (int64_t d = 0; d < D; ++d) acc[d] += w * vj[d];
-      }
-      for (int64_t d = 0; d < D; ++d) op[r * num_heads * D + h * D + d] = c10::BFloat16(acc[d]);
     }
   });
   return out;
+}
+
+// One layer's attention for rows 0..m-1 at positions start.. of one sequence (attention_batch of one sequence;
+// qkv's rows past m are padding, their output rows 0).
+at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& keys,
+                     at::Tensor& values, int64_t start, int64_t m, int64_t num_heads, int64_t num_kv_heads,
+                     double scale) {
+  return attention_batch(qkv, cos, sin, {keys}, {values}, {start}, {m}, num_heads, num_kv_heads, scale);
 }
 
 }  // namespace
@@ -1111,21 +1123,12 @@ struct Decoder : torch::CustomClassHolder {
     for (size_t i = 0; i < layers.size(); ++i) {
       const LayerParams& l = layers[i];
       at::Tensor qkv = l.qkv(rms_norm(x, l.input_norm, eps));
-      at::Tensor attn;
-      if (keys.size() == 1) {  // one sequence: its rows may include padding past sizes[0] (attention zeroes them)
-        at::Tensor layer_keys = keys[0].select(0, i), layer_values = values[0].select(0, i);
-        attn = attention(qkv, cos, sin, layer_keys, layer_values, starts[0], sizes[0], num_heads, num_kv_heads, scale);
-      } else {
-        std::vector<at::Tensor> parts;
-        int64_t offset = 0;
-        for (size_t s = 0; s < keys.size(); ++s) {
-          at::Tensor layer_keys = keys[s].select(0, i), layer_values = values[s].select(0, i);
-          parts.push_back(attention(qkv.narrow(0, offset, sizes[s]), cos, sin, layer_keys, layer_values, starts[s],
-                                    sizes[s], num_heads, num_kv_heads, scale));
-          offset += sizes[s];
-        }
-        attn = at::cat(parts);
+      std::vector<at::Tensor> layer_keys, layer_values;  // one sequence: its rows may include padding past sizes[0]
+      for (size_t s = 0; s < keys.size(); ++s) {
+        layer_keys.push_back(keys[s].select(0, i));
+        layer_values.push_back(values[s].select(0, i));
       }
+      at::Tensor attn = attention_batch(qkv, cos, sin, layer_keys, layer_values, starts, sizes, num_heads, num_kv_heads, scale);
       x = l.o(attn, x);
       at::Tensor h = rms_norm(x, l.post_norm, eps);
       // unfused: swiglu of [gate | up] has the bits of torch's silu(gate) * up (CpuEngine's unfused loop)
