@@ -146,7 +146,6 @@ class CpuEngine:
         self.kv_size = spec.num_kv_heads * spec.head_size
         self.scale = 1.0 / math.sqrt(spec.head_size)
         self.decoder = self._native_decoder()
-        self._segment_cache: dict = {}  # aux layer ids -> native decoder segments (EAGLE-3 capture)
 
     @classmethod
     def load(cls, engine_dir: str | Path, num_threads: int | None = None) -> "CpuEngine":
@@ -285,15 +284,14 @@ class CpuEngine:
         return logits, aux
 
     def _native_batch(self, x, caches, starts, sizes, layers, captured) -> torch.Tensor:
-        """The layers over the rows of one or more sequences in one native call (csrc Decoder.forward_batch), or
-        one per segment between aux layers, whose outputs (the sequences' rows, not padding) go to `captured`."""
+        """The layers over the rows of one or more sequences in one native call (csrc Decoder.forward_batch); with
+        aux `layers`, forward_capture, whose copies of the sequences' rows (not padding) after those layers go to
+        `captured`."""
+        keys, values = [c.keys for c in caches], [c.values for c in caches]
         if layers is None:
-            return self.decoder.forward_batch(x, [c.keys for c in caches], [c.values for c in caches], starts, sizes)
-        for first, end, decoder in self._segments(layers):
-            x = decoder.forward_batch(x, [c.keys[first:end] for c in caches], [c.values[first:end] for c in caches],
-                                      starts, sizes)
-            if end - 1 in layers:
-                captured.append(x[: sum(sizes)].clone())
+            return self.decoder.forward_batch(x, keys, values, starts, sizes)
+        x, rows = self.decoder.forward_capture(x, keys, values, starts, sizes, list(layers))
+        captured.extend(rows)
         return x
 
     def _layers_batch(self, x, caches, starts, sizes, layers, captured) -> torch.Tensor:
@@ -337,22 +335,6 @@ class CpuEngine:
         for i, layer in enumerate(self.layers):
             _set_layer(decoder, i, layer)
         return decoder
-
-    def _segments(self, aux_layers: tuple[int, ...]) -> list[tuple[int, int, object]]:
-        """The native decoder split after each aux layer: (first, end, Decoder over layers first..end-1), so a
-        pass with capture makes len(aux_layers) + 1 native calls instead of one (no change to the csrc loop)."""
-        found = self._segment_cache.get(aux_layers)
-        if found is None:
-            s, found, first = self.spec, [], 0
-            for end in sorted(set(aux_layers) | {s.num_layers - 1}):
-                decoder = torch.classes.specdeploy_cpu.Decoder(end + 1 - first, s.num_heads, s.num_kv_heads, self.scale,
-                                                               s.norm_epsilon, self.cos, self.sin)
-                for i in range(first, end + 1):
-                    _set_layer(decoder, i - first, self.layers[i])
-                found.append((first, end + 1, decoder))
-                first = end + 1
-            self._segment_cache[aux_layers] = found
-        return found
 
     def _forward_chunk(self, cache: KVCache, ids: torch.Tensor, keep: int | None = None, aux_layers=None, aux=None) -> torch.Tensor:
         """Logits [m, vocab] of one chunk of m rows, or of its last `keep` rows (the others skip the LM head,

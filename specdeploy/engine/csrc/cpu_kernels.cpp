@@ -1118,8 +1118,22 @@ struct Decoder : torch::CustomClassHolder {
     return x;
   }
 
+  // forward_batch that also returns the sequences' rows (not padding) of x after each layer of `capture` (ascending
+  // layer ids: an EAGLE-3 head's auxiliary layers), copied out between layers in the same step: the same bits.
+  std::tuple<at::Tensor, std::vector<at::Tensor>> forward_capture(at::Tensor x, std::vector<at::Tensor> keys,
+                                                                  std::vector<at::Tensor> values, std::vector<int64_t> starts,
+                                                                  std::vector<int64_t> sizes, std::vector<int64_t> capture) {
+    TORCH_CHECK(keys.size() == values.size() && keys.size() == starts.size() && keys.size() == sizes.size(),
+                "forward_capture: one cache, start and size per sequence");
+    std::vector<at::Tensor> captured;
+    step_team::run_step([&] { x = layers_forward_batch(x, keys, values, starts, sizes, &capture, &captured); });
+    return {x, captured};
+  }
+
   at::Tensor layers_forward_batch(at::Tensor x, const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
-                                  const std::vector<int64_t>& starts, const std::vector<int64_t>& sizes) {
+                                  const std::vector<int64_t>& starts, const std::vector<int64_t>& sizes,
+                                  const std::vector<int64_t>* capture = nullptr, std::vector<at::Tensor>* captured = nullptr) {
+    int64_t total = std::accumulate(sizes.begin(), sizes.end(), int64_t{0});
     for (size_t i = 0; i < layers.size(); ++i) {
       const LayerParams& l = layers[i];
       at::Tensor qkv = l.qkv(rms_norm(x, l.input_norm, eps));
@@ -1134,6 +1148,8 @@ struct Decoder : torch::CustomClassHolder {
       // unfused: swiglu of [gate | up] has the bits of torch's silu(gate) * up (CpuEngine's unfused loop)
       at::Tensor gate_up = l.gate_up.packed.defined() ? l.gate_up(h) : at::cat({l.gate(h), l.up(h)}, 1);
       x = l.down(swiglu(gate_up), x);
+      if (capture != nullptr && std::find(capture->begin(), capture->end(), static_cast<int64_t>(i)) != capture->end())
+        captured->push_back(x.narrow(0, 0, total).clone());
     }
     return x;
   }
@@ -1152,7 +1168,8 @@ TORCH_LIBRARY(specdeploy_cpu, ops) {
       .def("set_norms", &specdeploy::Decoder::set_norms)
       .def("set_linear", &specdeploy::Decoder::set_linear)
       .def("forward", &specdeploy::Decoder::forward)
-      .def("forward_batch", &specdeploy::Decoder::forward_batch);
+      .def("forward_batch", &specdeploy::Decoder::forward_batch)
+      .def("forward_capture", &specdeploy::Decoder::forward_capture);
   ops.def("team_open", &team_open);
   ops.def("team_close", &team_close);
   ops.def("pack", &pack);
