@@ -820,13 +820,7 @@ inline float softmax_numerators(float* p, int64_t n, float mx) {
   return hsum(lanes);
 }
 
-// The query heads h0..h1-1 of one KV head over rows r0..r1-1, D = C * kLanes, each query's arithmetic its own: its
-// scores kLanes keys at a time (head_scores: FMAs, then reduce_lanes), softmax numerators, w[j] = p[j] / sum, then
-// sum_j w[j] * value_j in key order from zero, rounded to bf16 at the end. A block of kKeyBlock keys (then of values)
-// is read from the cache into L1 once and used by every query of the task before the next block (one query per
-// task streamed a KV head's cache from L2 once per query: a pass of m rows read it 3m times for SmolLM2's groups).
-//   q: [rows, H, D] f32 after RoPE; keys, values: this KV head's cache; p: queries x stride floats of scratch
-//   (stride >= start + r1 + kLanes); acc: queries x D floats; out: [rows, H * D] bf16.
+// Keys (then values) a task reads into L1 at a time; queries of a row whose values are weighed together.
 constexpr int64_t kKeyBlock = 4 * kLanes;
 constexpr int64_t kValueQueries = 3;
 
@@ -849,6 +843,14 @@ inline void weigh_values(const float* w, int64_t stride, const float* values, in
   for (int q = 0; q < Q; ++q)
     for (int c = 0; c < C; ++c) vstore(acc + q * D + c * kLanes, a[q][c]);
 }
+
+// The query heads h0..h1-1 of one KV head over rows r0..r1-1, D = C * kLanes, each query's arithmetic its own: its
+// scores kLanes keys at a time (head_scores: FMAs, then reduce_lanes), softmax numerators, w[j] = p[j] / sum, then
+// sum_j w[j] * value_j in key order from zero, rounded to bf16 at the end. A block of kKeyBlock keys (then of values)
+// is read from the cache into L1 once and used by every query of the task before the next block (one query per
+// task streamed a KV head's cache from L2 once per query: a pass of m rows read it 3m times for SmolLM2's groups).
+//   q: [rows, H, D] f32 after RoPE; keys, values: this KV head's cache; p: queries x stride floats of scratch
+//   (stride >= start + r1 + kLanes); acc: queries x D floats; out: [rows, H * D] bf16.
 template <int C>
 void attend_queries(const float* q, int64_t num_heads, const float* keys, const float* values, int64_t start, int64_t r0,
                     int64_t r1, int64_t h0, int64_t h1, float scale, float* p, int64_t stride, float* acc,
@@ -1112,10 +1114,8 @@ struct Decoder : torch::CustomClassHolder {
   // attention per sequence over its own cache: each sequence's bits are those of forward on it alone.
   at::Tensor forward_batch(at::Tensor x, std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
                            std::vector<int64_t> starts, std::vector<int64_t> sizes) {
-    TORCH_CHECK(keys.size() == values.size() && keys.size() == starts.size() && keys.size() == sizes.size(),
-                "forward_batch: one cache, start and size per sequence");
-    step_team::run_step([&] { x = layers_forward_batch(x, keys, values, starts, sizes); });
-    return x;
+    return std::get<0>(forward_capture(std::move(x), std::move(keys), std::move(values), std::move(starts),
+                                       std::move(sizes), {}));
   }
 
   // forward_batch that also returns the sequences' rows (not padding) of x after each layer of `capture` (ascending
@@ -1124,7 +1124,7 @@ struct Decoder : torch::CustomClassHolder {
                                                                   std::vector<at::Tensor> values, std::vector<int64_t> starts,
                                                                   std::vector<int64_t> sizes, std::vector<int64_t> capture) {
     TORCH_CHECK(keys.size() == values.size() && keys.size() == starts.size() && keys.size() == sizes.size(),
-                "forward_capture: one cache, start and size per sequence");
+                "forward_batch: one cache, start and size per sequence");
     std::vector<at::Tensor> captured;
     step_team::run_step([&] { x = layers_forward_batch(x, keys, values, starts, sizes, &capture, &captured); });
     return {x, captured};
