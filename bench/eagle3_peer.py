@@ -20,8 +20,9 @@ per verification pass = 1 + accepted / passes that held drafts), acceptance rate
 (share of verification passes that accepted position i; llama.cpp's "acc per pos") and whether each side's
 speculative greedy output equals its own plain greedy output. llama.cpp's per-pass counts come from its log
 (LLAMA_TRACE=1: one "accepted a/k draft tokens" line per pass) and are checked against its response timings
-(draft_n, draft_n_accepted). Both sides wait for OpenMP work passively (OMP_WAIT_POLICY=PASSIVE, as specdeploy's
-served models): on a shared 2-core machine a spinning thread costs more than it saves.
+(draft_n, draft_n_accepted). Each side runs as it is served: specdeploy with OMP_WAIT_POLICY=PASSIVE (its served
+stubs' setting; its engine spins one team of threads per step instead, csrc/step_team.h), llama.cpp with its own
+default (its threads spin between ops; passive, its decode ran at a third of its speed: bench/llama_cpp.py).
 
     .venv/bin/python bench/eagle3_peer.py [--recipe build/smollm2-135m.yaml] [--head DIR] [--threads 2]
         [--prompts 8] [--max-tokens 64] [--draft-len K] [--formats bf16,q8_0] [--engine DIR] [--skip-llama]
@@ -226,7 +227,7 @@ class LlamaServer:
             args += ["-md", str(head), "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(draft_len),
                      "--spec-draft-p-min", "0", "-td", str(threads), "-tbd", str(threads)]
         self.args = args
-        env = dict(os.environ, LLAMA_TRACE="1")
+        env = llama_cpp.peer_env(LLAMA_TRACE="1")
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         deadline = time.monotonic() + SERVER_START_S
@@ -359,7 +360,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-llama", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read when torch loads OpenMP (below); llama-server inherits it
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read when torch loads OpenMP (below); not llama-server's (peer_env)
 
     from specdeploy.artifacts import Layout
     from specdeploy.config_loader import load_recipe

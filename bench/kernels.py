@@ -35,7 +35,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-# OpenMP threads wait for work passively, as in the served stubs (triton/server.py); read when torch loads OpenMP
+# OpenMP threads wait for work passively, as in the served stubs (triton/server.py); read when torch loads OpenMP.
+# llama-bench runs with its own default (llama_cpp.peer_env).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from bench import llama_cpp  # noqa: E402
@@ -211,11 +212,11 @@ def llama_numbers(bench: Path, ggufs: dict, threads: int) -> dict:
         for part, args in (("prompt", ["-p", "64,512", "-n", "0"]), ("generation", ["-p", "0", "-n", "64"])):
             cmd = ["-m", str(path), "-t", str(threads), *args, "-o", "json"]
             binary = bench
-            res = subprocess.run([str(binary), *cmd], capture_output=True, text=True)
+            res = subprocess.run([str(binary), *cmd], capture_output=True, text=True, env=llama_cpp.peer_env())
             if res.returncode == llama_cpp.SIGILL:
                 log(f"llama.cpp {kind} {part}: llama-bench died with SIGILL (AMX); running it on llama.cpp built without AMX")
                 binary = llama_cpp.binary("llama-bench", amx=False)
-                res = subprocess.run([str(binary), *cmd], capture_output=True, text=True)
+                res = subprocess.run([str(binary), *cmd], capture_output=True, text=True, env=llama_cpp.peer_env())
             if res.returncode != 0:
                 raise subprocess.CalledProcessError(res.returncode, [str(binary), *cmd], res.stdout, res.stderr)
             for r in json.loads(res.stdout):

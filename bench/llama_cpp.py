@@ -127,6 +127,21 @@ def binary(target: str, jobs: int | None = None, amx: bool = True) -> Path:
     return path
 
 
+# Set by the benchmarks for specdeploy's side (bench/kernels.py, bench/eagle3_peer.py: OpenMP waits passively, as in
+# the served stubs, whose engine keeps one spinning team per step instead: csrc/step_team.h). llama.cpp has no such
+# team: passive, its threads sleep between ops and its decode ran at 50 against 142 tokens/s (llama-bench tg64, Q8_0,
+# 2 threads, this VM, 2026-11-28), so the peer runs with its own default.
+SPECDEPLOY_ONLY_ENV = ("OMP_WAIT_POLICY",)
+
+
+def peer_env(**extra: str) -> dict:
+    """The environment llama.cpp's programs run in: this one without what the benchmarks set for specdeploy's side
+    (SPECDEPLOY_ONLY_ENV), plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if k not in SPECDEPLOY_ONLY_ENV}
+    env.update(extra)
+    return env
+
+
 def converter_env() -> dict:
     """The environment convert_hf_to_gguf.py runs in: llama.cpp's gguf-py and sentencepiece on PYTHONPATH."""
     src, site = source(), home() / "py"

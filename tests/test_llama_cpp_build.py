@@ -27,3 +27,19 @@ def test_native_unless_amx_is_ruled_out_on_a_cpu_that_lists_it():
 def test_avx512_needs_all_five_subsets():
     _, options = llama_cpp.cmake_options((XEON - {"avx512dq"}), amx=False)
     assert "-DGGML_AVX512=OFF" in options and "-DGGML_AVX2=ON" in options
+
+
+def test_llama_bench_runs_without_the_passive_openmp_wait_set_for_specdeploys_side(tmp_path, monkeypatch):
+    """bench/kernels.py sets OMP_WAIT_POLICY=PASSIVE for the engine (as served); llama-bench, passive, decoded at a
+    third of its speed. A stand-in llama-bench reports, as its tokens/s, whether it saw the variable."""
+    fake = tmp_path / "llama-bench"
+    fake.write_text('#!/bin/sh\nif [ -n "$OMP_WAIT_POLICY" ]; then ts=1; else ts=2; fi\n'
+                    'echo "[{\\"n_prompt\\": 64, \\"n_gen\\": 0, \\"avg_ts\\": $ts}]"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setenv("SPECDEPLOY_PEER_PROBE", "kept")
+    env = llama_cpp.peer_env(LLAMA_TRACE="1")
+    assert "OMP_WAIT_POLICY" not in env and env["SPECDEPLOY_PEER_PROBE"] == "kept" and env["LLAMA_TRACE"] == "1"
+    kernels = bench_modules.load("kernels")
+    numbers = kernels.llama_numbers(fake, {"q8_0": tmp_path / "model.gguf"}, threads=2)
+    assert numbers["q8_0"]["pp64"] == 2.0
