@@ -286,7 +286,7 @@ namespace avx512vnni {
 using XType = uint8_t;  // q + 128
 using Acc = __m512i;
 constexpr bool kOffset = true;
-// (kTileEpilogue, tile_store4x4: below, after hsum4)
+// kTileEpilogue and tile_store4x4 follow hsum4 below
 constexpr int64_t kRowTile = 4;
 template <int64_t R> constexpr int64_t kTileChannels = 4;  // 32 registers: 16 sums + 4 activation vectors
 inline Acc acc_zero() { return _mm512_setzero_si512(); }
