@@ -117,9 +117,8 @@ def kernel_curves(shape: dict, repeats: int) -> dict:
         for _ in range(layers):
             for n, k in dims:
                 t, algo = _layer_tensors(fmt.split("@")[0], n, k, gen)
-                lin = NativeLinear(ops, t, algo, torch.bfloat16, 64)  # AWQ groups of 64: K = 576 holds no 128
-                if "@" in fmt:
-                    lin.group_size = variants[fmt.split("@")[1]]  # the int8 kernel's variant slot
+                variant = variants[fmt.split("@")[1]] if "@" in fmt else None
+                lin = NativeLinear(ops, t, algo, torch.bfloat16, 64, int8_variant=variant)  # AWQ groups of 64: K = 576 holds no 128
                 lins.append((lin, k))
         xs = {k: torch.randn(max(ROWS), k, generator=gen).to(torch.bfloat16) for _, k in dims}
         inputs = {m: {k: x[:m].contiguous() for k, x in xs.items()} for m in ROWS}

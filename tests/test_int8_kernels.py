@@ -74,7 +74,15 @@ def _x(rows, k, seed, spread=3.0):
     return (torch.randn(rows, k, generator=torch.Generator().manual_seed(seed)) * spread).to(torch.bfloat16)
 
 
+def _packs(w):
+    """The weight packed for every variant (each has its layout)."""
+    return {variant: OPS.int8_pack(w, variant) for variant in VARIANTS}
+
+
 def _run(variant, packed, x, n, weight_scale, pqs, act_scale, bias=None, residual=None):
+    """`packed`: int8_pack's bytes for this variant, or _packs' dict of them."""
+    if isinstance(packed, dict):
+        packed = packed[variant]
     out_scale = (torch.tensor(act_scale, dtype=torch.float32) * weight_scale) if act_scale > 0 else weight_scale
     return OPS.int8_linear(x, packed, n, variant, pqs, act_scale, out_scale.contiguous(), bias, residual)
 
@@ -129,7 +137,7 @@ SHAPES = [(1, 1), (3, 17), (4, 64), (7, 100), (70, 96), (13, 203), (8, 576)]  # 
 @pytest.mark.parametrize("act_scale", [0.05, 0.0])
 def test_every_variant_equals_the_reference_bit_for_bit_for_1_to_16_rows(n, k, act_scale):
     w, weight_scale, s, b, r = _case(n, k, n * 1000 + k, bias=True, residual_rows=16)
-    packed = OPS.int8_pack(w)
+    packed = _packs(w)
     x = _x(16, k, k)
     for variant in VARIANTS:
         for rows in range(1, 17):
@@ -144,7 +152,7 @@ def test_variants_and_row_counts_give_the_same_bits():
     """The same rows through every variant, alone, in calls of 1..16 rows and shuffled: one set of bits."""
     n, k = 38, 1544  # K: 24 steps of 64 and a tail of 8
     w, weight_scale, s, _, _ = _case(n, k, 9)
-    packed = OPS.int8_pack(w)
+    packed = _packs(w)
     x = _x(16, k, 21)
     for act_scale in (0.05, 0.0):
         alone = torch.cat([_run(native.INT8_AVX2, packed, x[i : i + 1].contiguous(), n, weight_scale, s, act_scale)
@@ -162,7 +170,7 @@ def test_prefill_sized_calls_keep_the_bits():
     """300 rows of K = 1536: the kernel walks rows in L2-sized chunks and threads split the channels."""
     n, k = 24, 1536
     w, weight_scale, s, _, _ = _case(n, k, 4)
-    packed = OPS.int8_pack(w)
+    packed = _packs(w)
     x = _x(300, k, 8)
     ref = linear_reference(x, w, weight_scale, s, 0.05)
     for variant in VARIANTS:
@@ -211,9 +219,34 @@ def test_per_token_engine_linears_native_and_torch_give_the_definitions_bits():
     assert not torch.equal(static, ref)  # the two modes differ on these rows, so the equalities above tell them apart
 
 
+def test_each_variants_packed_layout_is_the_documented_one():
+    """int8_pack's bytes, read back by the layout int8_kernels.cpp documents (packing needs no CPU feature, so every
+    layout is checked on every machine): 4-channel blocks of 64-byte steps of K (AVX2, AVX-VNNI), or 16-channel
+    blocks of 4-byte groups of K (AVX512-VNNI), zeros past K and N, then the channels' int32 weight sums."""
+    n, k = 18, 70  # N % 4 = 2 (two single channels), N % 16 = 2 (a padded block), K % 64 = 6
+    w = _case(n, k, 13)[0]
+    kp = 128
+    sums = w.to(torch.int32).sum(dim=1)
+    for variant in (native.INT8_AVX2, native.INT8_AVX_VNNI):
+        packed = OPS.int8_pack(w, variant)
+        assert packed.numel() == n * kp + 4 * n
+        body = packed[: n * kp].view(torch.int8)
+        blocks = body[: 16 * kp].view(4, kp // 64, 4, 64).permute(0, 2, 1, 3).reshape(16, kp)  # [block, step, ch, byte]
+        singles = body[16 * kp :].view(2, kp)
+        unpacked = torch.cat([blocks, singles])
+        assert torch.equal(unpacked[:, :k], w) and not unpacked[:, k:].any()
+        assert torch.equal(packed[n * kp :].view(torch.int32), sums)
+    packed = OPS.int8_pack(w, native.INT8_AVX512_VNNI)
+    assert packed.numel() == 32 * kp + 4 * n
+    body = packed[: 32 * kp].view(torch.int8).view(2, kp // 4, 16, 4)  # [block, group of 4 in K, channel, byte]
+    unpacked = body.permute(0, 2, 1, 3).reshape(32, kp)
+    assert torch.equal(unpacked[:n, :k], w) and not unpacked[:, k:].any() and not unpacked[n:].any()
+    assert torch.equal(packed[32 * kp :].view(torch.int32), sums)
+
+
 def test_bad_arguments_are_errors_not_crashes():
     w, weight_scale, s, _, _ = _case(6, 70, 2)
-    packed = OPS.int8_pack(w)
+    packed = OPS.int8_pack(w, native.INT8_AVX2)
     x = _x(2, 70, 3)
     with pytest.raises(RuntimeError, match="packed weight"):
         _run(native.INT8_AVX2, packed[:-1].contiguous(), x, 6, weight_scale, s, 0.05)
@@ -222,7 +255,12 @@ def test_bad_arguments_are_errors_not_crashes():
     with pytest.raises(RuntimeError, match="pre_quant_scale"):
         _run(native.INT8_AVX2, packed, x, 6, weight_scale, s[:-1].contiguous(), 0.05)
     with pytest.raises(RuntimeError, match="int8"):
-        OPS.int8_pack(w.float())
+        OPS.int8_pack(w.float(), native.INT8_AVX2)
+    with pytest.raises(RuntimeError, match="variant 7 does not exist"):
+        OPS.int8_pack(w, 7)
+    if native.INT8_AVX512_VNNI in VARIANTS:  # another variant's layout has another size: refused, not misread
+        with pytest.raises(RuntimeError, match="packed weight"):
+            _run(native.INT8_AVX512_VNNI, packed, x, 6, weight_scale, s, 0.05)
 
 
 def test_doctor_names_the_int8_variant():

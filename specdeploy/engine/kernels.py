@@ -233,7 +233,10 @@ class NativeLinear:
 
     row_invariant = True
 
-    def __init__(self, ops, t: dict, quant_algo: str | None, dtype: torch.dtype, group_size: int | None):
+    def __init__(self, ops, t: dict, quant_algo: str | None, dtype: torch.dtype, group_size: int | None,
+                 int8_variant: int | None = None):
+        """`int8_variant`: the int8 kernel variant (its own weight layout) where it is not the one this CPU gets
+        (native.int8_variant()), to compare variants."""
         from specdeploy.engine import native
 
         weight = t["weight"]
@@ -258,13 +261,14 @@ class NativeLinear:
         else:  # W8A8_SQ_*: integer dot products (csrc/int8_kernels.cpp), per-tensor static act_scale or per token
             per_token = quant_algo == SQ_PER_TOKEN  # act_scale 0 tells the kernel: each row's own scale
             self.kind, self.act_scale = native.INT8_SQ, 0.0 if per_token else float(t["act_scale"])
-            self.group_size = native.int8_variant()  # the kernel's `group_size` slot carries its ISA variant
+            # the kernel's `group_size` slot carries its ISA variant, which has its own packed layout
+            self.group_size = native.int8_variant() if int8_variant is None else int8_variant
             out_scale = t["weight_scale"].float() * (1.0 if per_token else t["act_scale"].float())
             self.pre_quant_scale = t["pre_quant_scale"].to(dtype).float().contiguous()
         self.k = weight.shape[1] * (2 if self.kind == native.INT4 else 1)
         self.out_scale = None if out_scale is None else out_scale.reshape(-1).expand(self.n).contiguous()
         if self.kind == native.INT8_SQ:
-            self.packed = ops.int8_pack(weight.contiguous())
+            self.packed = ops.int8_pack(weight.contiguous(), self.group_size)
         else:
             self.packed = ops.pack(weight.contiguous(), self.kind, self.k)
 

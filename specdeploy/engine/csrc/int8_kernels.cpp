@@ -25,15 +25,20 @@
 //   0 AVX2         VPMOVSXBW (weights to int16) + VPMADDWD against int16 activations: 16 products per VPMADDWD
 //   1 AVX-VNNI     VPDPBUSD ymm: u8 (q_x + 128) x s8 weights into int32, 32 products per instruction; the
 //                  epilogue subtracts 128 * sum_k q_w[n, k] (computed at pack time), exact
-//   2 AVX512-VNNI  the same on zmm, 64 products per instruction
+//   2 AVX512-VNNI  the same on zmm, 64 products per instruction, with 16 channels in each accumulator (a row's
+//                  4 activation bytes broadcast against 4 bytes of K of 16 channels): no lane sums to add
 // Every variant reduces to the same int32 per (row, channel) and runs the same prologue, and the same epilogue
-// operations per output (AVX-512 on sixteen outputs of a 4 x 4 tile at once, `tile_store4x4`; SSE on four
-// otherwise), so results are bit-identical across variants, tile shapes and row counts (a row never depends on the
-// other rows: its quantization scale is per tensor or its own).
+// operations per output (SSE on four outputs, `store4`; AVX-512 on sixteen, `store16`), so results are
+// bit-identical across variants, tile shapes and row counts (a row never depends on the other rows: its
+// quantization scale is per tensor or its own).
 //
-// Packed weights (`int8_pack`): K padded with zeros to a multiple of kStep = 64; channels in blocks of four (the
-// last N % 4 alone); within a block, for each 64-byte step of K, that step's 64 bytes of each channel in turn;
-// then N int32: each channel's sum of weights (for the VNNI offset).
+// Packed weights (`int8_pack(weight, variant)`): K padded with zeros to a multiple of kStep = 64, then N int32:
+// each channel's sum of weights (for the VNNI offset). The channels:
+//   AVX2, AVX-VNNI  in blocks of four (the last N % 4 alone); within a block, for each 64-byte step of K, that
+//                   step's 64 bytes of each channel in turn;
+//   AVX512-VNNI     in blocks of 16 (the last one padded with zero channels); within a block, for each 4 bytes of
+//                   K, those 4 bytes of each of the 16 channels in turn: 64 bytes, one vector (the layout of the
+//                   rows of an AMX B tile).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -57,7 +62,8 @@
 namespace {
 
 constexpr int64_t kStep = 64;   // K bytes per packed chunk
-constexpr int64_t kBlock = 4;   // output channels per packed block
+constexpr int64_t kBlock = 4;   // output channels per packed block (AVX2, AVX-VNNI)
+constexpr int64_t kLanes = 16;  // output channels per packed block (AVX512-VNNI)
 enum Variant : int64_t { kAvx2 = 0, kAvxVnni = 1, kAvx512Vnni = 2 };
 
 inline int64_t padded(int64_t K) { return (K + kStep - 1) / kStep * kStep; }
@@ -214,8 +220,6 @@ namespace avx2 {
 using XType = int16_t;  // activations sign-extended once per call
 using Acc = __m256i;
 constexpr bool kOffset = false;
-constexpr bool kTileEpilogue = false;
-inline void tile_store4x4(const Out&, int64_t, int64_t, const Acc (&)[4][4]) {}
 constexpr int64_t kRowTile = 4;
 template <int64_t R> constexpr int64_t kTileChannels = R <= 2 ? 4 : 2;  // 16 registers: 8 sums + 2 weight vectors
 inline Acc acc_zero() { return _mm256_setzero_si256(); }
@@ -251,8 +255,6 @@ namespace avxvnni {
 using XType = uint8_t;  // q + 128
 using Acc = __m256i;
 constexpr bool kOffset = true;
-constexpr bool kTileEpilogue = false;
-inline void tile_store4x4(const Out&, int64_t, int64_t, const Acc (&)[4][4]) {}
 constexpr int64_t kRowTile = 4;
 template <int64_t R> constexpr int64_t kTileChannels = R <= 2 ? 4 : 2;
 inline Acc acc_zero() { return _mm256_setzero_si256(); }
@@ -283,93 +285,113 @@ inline __m128i hsum4(Acc a, Acc b, Acc c, Acc d) {
 #pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")
 namespace {
 namespace avx512vnni {
-using XType = uint8_t;  // q + 128
-using Acc = __m512i;
-constexpr bool kOffset = true;
-// kTileEpilogue and tile_store4x4 follow hsum4 below
-constexpr int64_t kRowTile = 4;
-template <int64_t R> constexpr int64_t kTileChannels = 4;  // 32 registers: 16 sums + 4 activation vectors
-inline Acc acc_zero() { return _mm512_setzero_si512(); }
+// Its own weight layout (`pack16`, see the file's comment): per block of 16 channels, each 4 bytes of K for all 16
+// channels form one 64-byte vector, and a row's 4 activation bytes, broadcast, multiply it (VPDPBUSD): each
+// accumulator holds 16 channels' sums, so no lane sums follow the products and the epilogue is 16 outputs of one row
+// in one vector. Measured (1536 x 576, 8 rows, one core, the sums alone): 31-33 us against 39-43 with the 4-channel
+// blocks of the other variants, whose accumulators need horizontal sums; about one VPDPBUSD a cycle.
 
-template <int64_t CB, int64_t RB>
-inline void madd_step(Acc (&acc)[CB][RB], const XType* x, int64_t Kp, const int8_t* p) {
-  __m512i w[CB];
-  unroll<CB>([&](auto j) {
-    w[j] = _mm512_loadu_si512(p + j * kStep);
-    // In a register, not a memory operand of each row's VPDPBUSD (GCC folds the load into all RB of them): a 4 x 4
-    // tile then loads 8 vectors a step instead of 20, and a core's loads, not its products, had set the pace.
-    asm("" : "+v"(w[j]));
-  });
-  unroll<RB>([&](auto i) {
-    __m512i xi = _mm512_loadu_si512(x + i * Kp);
-    unroll<CB>([&](auto j) { acc[j][i] = _mm512_dpbusd_epi32(acc[j][i], xi, w[j]); });
-  });
+constexpr int64_t kMaxRows = 8;  // rows of one register tile
+// Blocks of a tile: 16 accumulators at most (the other 16 registers: weights and broadcast activations).
+template <int64_t R> constexpr int64_t kTileBlocks = R <= 4 ? 4 : 2;
+
+// The products of rows [m, m + R) with CB consecutive blocks over all of K, each accumulator stored whole to `raw`.
+// Out of line for the reason int8_gemv.inc's `tile` is.
+template <int64_t CB, int64_t R>
+__attribute__((noinline)) void tile16(const uint8_t* xa, int64_t Kp, const int8_t* w, int64_t m, __m512i (&raw)[CB][R]) {
+  __m512i acc[CB][R];
+  unroll<CB>([&](auto j) { unroll<R>([&](auto i) { acc[j][i] = _mm512_setzero_si512(); }); });
+  const uint8_t* x0 = xa + m * Kp;
+  const int64_t block_bytes = kLanes * Kp;
+  for (int64_t k = 0; k < Kp; k += 16) {  // 16 bytes of K: 4 vectors of each block
+    unroll<4>([&](auto s) {
+      __m512i wv[CB];
+      unroll<CB>([&](auto j) {
+        wv[j] = _mm512_loadu_si512(w + j * block_bytes + (k + s * 4) * kLanes);
+        asm("" : "+v"(wv[j]));  // one load per vector, not one per row (int8_gemv.inc's madd_step)
+      });
+      unroll<R>([&](auto i) {
+        int32_t four;
+        std::memcpy(&four, x0 + i * Kp + k + s * 4, 4);
+        __m512i xi = _mm512_set1_epi32(four);  // the row's 4 bytes (u8: q + 128) in every lane
+        unroll<CB>([&](auto j) { acc[j][i] = _mm512_dpbusd_epi32(acc[j][i], xi, wv[j]); });
+      });
+    });
+  }
+  unroll<CB>([&](auto j) { unroll<R>([&](auto i) { raw[j][i] = acc[j][i]; }); });
 }
 
-// The lane sums of four accumulators: 128-bit quarters first, then within each quarter.
-inline __m128i hsum4(Acc a, Acc b, Acc c, Acc d) {
-  __m512i ab = _mm512_add_epi32(_mm512_shuffle_i32x4(a, b, 0x44), _mm512_shuffle_i32x4(a, b, 0xee));
-  __m512i cd = _mm512_add_epi32(_mm512_shuffle_i32x4(c, d, 0x44), _mm512_shuffle_i32x4(c, d, 0xee));
-  __m512i u = _mm512_add_epi32(_mm512_shuffle_i32x4(ab, cd, 0x88), _mm512_shuffle_i32x4(ab, cd, 0xdd));
-  __m512i v = _mm512_add_epi32(u, _mm512_shuffle_epi32(u, _MM_PERM_BADC));
-  __m512i w = _mm512_add_epi32(v, _mm512_shuffle_epi32(v, _MM_PERM_CDAB));
-  return _mm512_castsi512_si128(
-      _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), w));
-}
-
-// Outputs (m .. m + 3, n .. n + 3) from raw[channel][row]: the sixteen accumulators' lane sums in one vector (lane
-// 4 i + j: row m + i, channel n + j), then store4's operations on all sixteen at once: the same exact-IEEE
-// operations per element (integer subtract, int -> f32, f32 multiply and add, round to bf16), so the same bits as
-// store4; for a 4 x 4 tile it runs about a third of store4's instructions four times over with their four lane sums,
-// which cost about as much as the tile's products at K = 576 (perf: 25 % of the time against 33 % in the tile).
-constexpr bool kTileEpilogue = true;
-inline void tile_store4x4(const Out& o, int64_t m, int64_t n, const Acc (&raw)[4][4]) {
-  // per row i: the four channels' sums within each 128-bit quarter (unpack 32 then 64 bits, add)
-  __m512i e[4];
-  unroll<4>([&](auto i) {
-    __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(raw[0][i], raw[1][i]), _mm512_unpackhi_epi32(raw[0][i], raw[1][i]));
-    __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi32(raw[2][i], raw[3][i]), _mm512_unpackhi_epi32(raw[2][i], raw[3][i]));
-    e[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
-  });
-  // then across the quarters: quarter i of the result holds row i's four channels
-  auto fold = [](__m512i a, __m512i b) {
-    return _mm512_add_epi32(_mm512_shuffle_i32x4(a, b, 0x88), _mm512_shuffle_i32x4(a, b, 0xdd));
-  };
-  __m512i sums = fold(fold(e[0], e[1]), fold(e[2], e[3]));
-  if (kOffset) {  // VPDPBUSD summed (q + 128) * w
-    __m512i ws = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o.wsum + n)));
-    sums = _mm512_sub_epi32(sums, _mm512_slli_epi32(ws, 7));
-  }
-  __m512 scale = _mm512_broadcast_f32x4(_mm_loadu_ps(o.out_scale + n));
-  if (o.row_scale) {
-    __m512 rows = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
-                                        _mm512_castps128_ps512(_mm_loadu_ps(o.row_scale + m)));
-    scale = _mm512_mul_ps(rows, scale);
-  }
+// Outputs (m, n .. n + count), count <= 16, from their 16 int32 sums: store4's operations, element for element, on
+// a 16-lane vector (masked past count), so the same bits as the other variants.
+inline void store16(const Out& o, int64_t m, int64_t n, __m512i sums, int64_t count) {
+  const __mmask16 k = count >= kLanes ? __mmask16(0xffff) : __mmask16((1u << count) - 1);
+  __m512i ws = _mm512_maskz_loadu_epi32(k, o.wsum + n);
+  sums = _mm512_sub_epi32(sums, _mm512_slli_epi32(ws, 7));  // VPDPBUSD summed (q + 128) * w
+  __m512 scale = _mm512_maskz_loadu_ps(k, o.out_scale + n);
+  if (o.row_scale) scale = _mm512_mul_ps(_mm512_set1_ps(o.row_scale[m]), scale);
   __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(sums), scale);
-  if (o.bias) v = _mm512_add_ps(v, _mm512_broadcast_f32x4(_mm_loadu_ps(o.bias + n)));
+  if (o.bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, o.bias + n));
   auto to_bf16 = [](__m512 f) {  // f32 -> bf16 bits (nearest, ties to even), as f32_to_bf16x4
     __m512i bits = _mm512_castps_si512(f);
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
     return _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
   };
   if (o.residual) {
-    const c10::BFloat16* r = o.residual + m * o.N + n;
-    auto row = [&](int64_t i) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + i * o.N)); };
-    __m256i rb = _mm256_set_m128i(_mm_unpacklo_epi64(row(2), row(3)), _mm_unpacklo_epi64(row(0), row(1)));
-    __m512 resid = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rb), 16));
+    __m256i r = _mm256_maskz_loadu_epi16(k, o.residual + m * o.N + n);
+    __m512 resid = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16));
     v = _mm512_add_ps(resid, _mm512_castsi512_ps(_mm512_slli_epi32(to_bf16(v), 16)));
   }
-  __m256i out = _mm512_cvtepi32_epi16(to_bf16(v));  // values < 2^16: no truncation
-  __m128i lo = _mm256_castsi256_si128(out), hi = _mm256_extracti128_si256(out, 1);
-  c10::BFloat16* y = o.y + m * o.N + n;
-  _mm_storel_epi64(reinterpret_cast<__m128i*>(y), lo);
-  _mm_storeh_pd(reinterpret_cast<double*>(y + o.N), _mm_castsi128_pd(lo));
-  _mm_storel_epi64(reinterpret_cast<__m128i*>(y + 2 * o.N), hi);
-  _mm_storeh_pd(reinterpret_cast<double*>(y + 3 * o.N), _mm_castsi128_pd(hi));
+  _mm256_mask_storeu_epi16(o.y + m * o.N + n, k, _mm512_cvtepi32_epi16(to_bf16(v)));  // values < 2^16
 }
 
-#include "int8_gemv.inc"
+// Rows [m, m + R) x blocks [b, b + CB).
+template <int64_t CB, int64_t R>
+inline void run_tile(const uint8_t* xa, int64_t Kp, const int8_t* packed, int64_t b, int64_t m, const Out& o) {
+  __m512i raw[CB][R];
+  tile16<CB, R>(xa, Kp, packed + b * kLanes * Kp, m, raw);
+  for (int64_t j = 0; j < CB; ++j) {
+    int64_t n = (b + j) * kLanes, count = std::min(kLanes, o.N - n);
+    for (int64_t i = 0; i < R; ++i) store16(o, m + i, n, raw[j][i], count);
+  }
+}
+
+// A tile of `rows` (1 .. kMaxRows) rows and `blocks` (1 .. kTileBlocks) blocks: the instantiation of that shape.
+template <int64_t R = kMaxRows>
+inline void tile_any(int64_t rows, int64_t blocks, const uint8_t* xa, int64_t Kp, const int8_t* packed, int64_t b,
+                     int64_t m, const Out& o) {
+  if constexpr (R >= 1) {
+    if (rows != R) return tile_any<R - 1>(rows, blocks, xa, Kp, packed, b, m, o);
+    if constexpr (kTileBlocks<R> == 4) {
+      if (blocks == 4) return run_tile<4, R>(xa, Kp, packed, b, m, o);
+    }
+    if (blocks >= 2) {
+      run_tile<2, R>(xa, Kp, packed, b, m, o);
+      if (blocks == 3) run_tile<1, R>(xa, Kp, packed, b + 2, m, o);
+      return;
+    }
+    run_tile<1, R>(xa, Kp, packed, b, m, o);
+  }
+}
+
+// All of y: threads split the blocks; for each group of a tile's blocks, every row tile of an L2-sized chunk of
+// rows (the group's weights stay in L1/L2 while the row tiles re-read them).
+void gemv(const uint8_t* xa, int64_t M, int64_t N, int64_t Kp, const int8_t* packed, const Out& out) {
+  int64_t blocks = (N + kLanes - 1) / kLanes;
+  int64_t chunk = std::max<int64_t>(kMaxRows, (int64_t{192} << 10) / Kp / kMaxRows * kMaxRows);
+  int64_t group = M <= 4 ? kTileBlocks<4> : kTileBlocks<kMaxRows>;
+  ::specdeploy::step_team::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
+    ExactFloatMode exact;
+    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+      int64_t m_end = std::min(M, m0 + chunk);
+      for (int64_t b = begin; b < end; b += group) {
+        int64_t count = std::min(group, end - b);
+        for (int64_t m = m0; m < m_end; m += kMaxRows)
+          tile_any(std::min(kMaxRows, m_end - m), count, xa, Kp, packed, b, m, out);
+      }
+    }
+  });
+}
+
 }  // namespace avx512vnni
 }  // namespace
 #pragma GCC pop_options
@@ -394,29 +416,43 @@ std::vector<int64_t> int8_variants() {
   return out;
 }
 
-// [N, K] int8 -> packed bytes (see the file's comment), K any size.
-at::Tensor int8_pack(const at::Tensor& weight) {
+// Bytes of a packed [N, K] weight for a variant: the blocks (N rounded up to whole blocks of 16 channels for
+// AVX512-VNNI) and then N int32 weight sums.
+int64_t packed_bytes(int64_t N, int64_t K, int64_t variant) {
+  int64_t channels = variant == kAvx512Vnni ? (N + kLanes - 1) / kLanes * kLanes : N;
+  return channels * padded(K) + 4 * N;
+}
+
+// [N, K] int8 -> the variant's packed bytes (see the file's comment), K any size.
+at::Tensor int8_pack(const at::Tensor& weight, int64_t variant) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.is_contiguous(),
               "weight: expected a contiguous int8 [N, K] tensor");
+  TORCH_CHECK(variant >= kAvx2 && variant <= kAvx512Vnni, "int8 kernel variant ", variant, " does not exist");
   int64_t N = weight.size(0), K = weight.size(1), Kp = padded(K);
-  at::Tensor packed = at::zeros({N * Kp + 4 * N}, weight.options().dtype(at::kByte));
+  at::Tensor packed = at::zeros({packed_bytes(N, K, variant)}, weight.options().dtype(at::kByte));
   const int8_t* src = weight.data_ptr<int8_t>();
   int8_t* dst = reinterpret_cast<int8_t*>(packed.data_ptr<uint8_t>());
-  int64_t full = N / kBlock * kBlock;
-  for (int64_t n0 = 0; n0 < N;) {
-    int64_t width = n0 < full ? kBlock : 1;
-    int8_t* block = dst + n0 * Kp;
-    for (int64_t s = 0; s < Kp / kStep; ++s)
-      for (int64_t j = 0; j < width; ++j) {
-        int64_t k0 = s * kStep, count = std::max<int64_t>(0, std::min(kStep, K - k0));
-        std::memcpy(block + (s * width + j) * kStep, src + (n0 + j) * K + k0, count);
-      }
-    n0 += width;
+  if (variant == kAvx512Vnni) {  // block b, 4 bytes of K at k: 64 bytes, channel c's 4 at (b * Kp + k) * 16 + 4 c
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t k = 0; k < K; k += 4)
+        std::memcpy(dst + (n / kLanes * Kp + k) * kLanes + n % kLanes * 4, src + n * K + k, std::min<int64_t>(4, K - k));
+  } else {
+    int64_t full = N / kBlock * kBlock;
+    for (int64_t n0 = 0; n0 < N;) {
+      int64_t width = n0 < full ? kBlock : 1;
+      int8_t* block = dst + n0 * Kp;
+      for (int64_t s = 0; s < Kp / kStep; ++s)
+        for (int64_t j = 0; j < width; ++j) {
+          int64_t k0 = s * kStep, count = std::max<int64_t>(0, std::min(kStep, K - k0));
+          std::memcpy(block + (s * width + j) * kStep, src + (n0 + j) * K + k0, count);
+        }
+      n0 += width;
+    }
   }
   std::vector<int32_t> wsum(N, 0);
   for (int64_t n = 0; n < N; ++n)
     for (int64_t k = 0; k < K; ++k) wsum[n] += src[n * K + k];
-  std::memcpy(dst + N * Kp, wsum.data(), N * sizeof(int32_t));
+  std::memcpy(dst + packed.numel() - 4 * N, wsum.data(), N * sizeof(int32_t));
   return packed;
 }
 
@@ -456,9 +492,10 @@ at::Tensor int8_sq_linear(const at::Tensor& x, const at::Tensor& packed, int64_t
                           const std::optional<at::Tensor>& residual) {
   check_x(x);
   int64_t M = x.size(0), K = x.size(1), Kp = padded(K);
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() == N * Kp + 4 * N,
-              "packed weight: expected ", N * Kp + 4 * N, " bytes from int8_pack() for N = ", N, ", K = ", K);
   TORCH_CHECK(variant_supported(variant), "int8 kernel variant ", variant, " is not supported by this CPU");
+  int64_t bytes = packed_bytes(N, K, variant);
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() == bytes,
+              "packed weight: expected ", bytes, " bytes from int8_pack(weight, ", variant, ") for N = ", N, ", K = ", K);
   TORCH_CHECK(out_scale.has_value(), "int8 SmoothQuant needs out_scale");
   at::Tensor y = at::empty({M, N}, x.options());
   if (residual.has_value())
@@ -472,7 +509,7 @@ at::Tensor int8_sq_linear(const at::Tensor& x, const at::Tensor& packed, int64_t
                 static_cast<float>(act_scale), q.data(), row_scale.data());
   const int8_t* w = reinterpret_cast<const int8_t*>(packed.data_ptr<uint8_t>());
   Out out{f32_arg(out_scale, N, "out_scale"), act_scale > 0 ? nullptr : row_scale.data(),
-          reinterpret_cast<const int32_t*>(w + N * Kp), f32_arg(bias, N, "bias"),
+          reinterpret_cast<const int32_t*>(w + bytes - 4 * N), f32_arg(bias, N, "bias"),
           residual.has_value() ? residual->data_ptr<c10::BFloat16>() : nullptr, y.data_ptr<c10::BFloat16>(), N};
   if (variant == kAvx2) {
     std::vector<int16_t> xa(q.begin(), q.end());
