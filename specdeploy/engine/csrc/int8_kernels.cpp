@@ -285,11 +285,12 @@ inline __m128i hsum4(Acc a, Acc b, Acc c, Acc d) {
 #pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")
 namespace {
 namespace avx512vnni {
-// Its own weight layout (`pack16`, see the file's comment): per block of 16 channels, each 4 bytes of K for all 16
-// channels form one 64-byte vector, and a row's 4 activation bytes, broadcast, multiply it (VPDPBUSD): each
-// accumulator holds 16 channels' sums, so no lane sums follow the products and the epilogue is 16 outputs of one row
-// in one vector. Measured (1536 x 576, 8 rows, one core, the sums alone): 31-33 us against 39-43 with the 4-channel
-// blocks of the other variants, whose accumulators need horizontal sums; about one VPDPBUSD a cycle.
+// Its own weight layout (int8_pack(weight, kAvx512Vnni), see the file's comment): per block of 16 channels, each 4
+// bytes of K for all 16 channels form one 64-byte vector, and a row's 4 activation bytes, broadcast, multiply it
+// (VPDPBUSD): each accumulator holds 16 channels' sums, so no lane sums follow the products and the epilogue is 16
+// outputs of one row in one vector. Measured (a 1536 x 576 GEMV in L2, 8 rows, one core, the 2-core Xeon, builds in
+// turns): 31-37 us against 48-52 with the 4-channel blocks and their horizontal sums (docs/benchmarks.md "The
+// AVX-512 int8 layout").
 
 constexpr int64_t kMaxRows = 8;  // rows of one register tile
 // Blocks of a tile: 16 accumulators at most (the other 16 registers: weights and broadcast activations).
