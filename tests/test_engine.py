@@ -355,6 +355,53 @@ def test_k_plus_one_rows_bit_identical_to_single_rows(quant_checkpoints, qformat
         assert torch.equal(_in_one_call(engine, draft, start), _row_by_row(engine, draft, start)), k
 
 
+@pytest.mark.skipif(native.ops() is None, reason="the LM head screen runs on the native kernels")
+def test_greedy_rows_screen_the_lm_head_and_keep_its_argmax(quant_checkpoints, tmp_path):
+    """greedy=True (engine/lm_screen.py): calls of up to max_rows rows (decode steps) go through the screen, whose kept
+    logits are the bf16 head's bits and whose argmax is its argmax; longer calls, and batches with one sequence that
+    wants every logit, get the whole head."""
+    engine = build(tmp_path, quant_checkpoints["int8_sq"][1], "bfloat16", max_draft_len=6)
+    assert engine.screen is not None
+    exact, greedy = engine.new_cache(), engine.new_cache()
+    start = prompt(9, seed=1)
+    assert torch.equal(engine.forward(exact, start), engine.forward(greedy, start, greedy=True))  # 9 rows: the whole head
+    steps = prompt(20, seed=3)
+    narrowed = False
+    for token in steps:  # decode steps: one row a call
+        full, screened = engine.forward(exact, token.reshape(1)), engine.forward(greedy, token.reshape(1), greedy=True)
+        kept = torch.isfinite(screened)
+        assert torch.equal(screened[kept], full[kept]) and torch.equal(screened.argmax(-1), full.argmax(-1))
+        narrowed |= not kept.all()
+    assert narrowed  # the screen did leave tokens out
+    consulted = engine.screen.rows
+    assert consulted == 20
+    more = engine.forward(greedy, prompt(engine.screen.max_rows + 1, seed=4), greedy=True)
+    assert torch.isfinite(more).all() and engine.screen.rows == consulted  # longer calls: the whole head
+    a, b = engine.new_cache(), engine.new_cache()
+    engine.forward_batch([a, b], [start, start], [1, 1])
+    mixed = engine.forward_batch([a, b], [steps[:1], steps[1:2]], [1, 1], greedy=[True, False])
+    assert all(torch.isfinite(rows).all() for rows in mixed) and engine.screen.rows == consulted
+
+
+@pytest.mark.skipif(native.ops() is None, reason="the LM head screen runs on the native kernels")
+def test_executor_screens_greedy_requests_only(quant_checkpoints, tmp_path, monkeypatch):
+    """A greedy request's tokens are the same with the screen as without it, and it consults the screen; a request
+    that returns its logits gets every logit (none -inf) and does not."""
+    from specdeploy.engine.executor import Executor
+    from specdeploy.engine.request import GenerationRequest, run
+
+    engine = build(tmp_path, quant_checkpoints["int8_sq"][1], "bfloat16", max_draft_len=6)
+    request = GenerationRequest(input_ids=prompt(10, seed=7).tolist(), max_new_tokens=12)
+    screened = run(Executor(engine), request)
+    assert engine.screen.rows == 12  # the prompt's last row (the only one kept), then 11 decode steps
+    with_logits = run(Executor(engine), dataclasses.replace(request, return_logits=True))
+    assert engine.screen.rows == 12 and torch.isfinite(with_logits.logits).all()
+    assert with_logits.token_ids == screened.token_ids
+    screen, engine.screen = engine.screen, None
+    assert run(Executor(engine), request).token_ids == screened.token_ids
+    assert screen.rows == 12
+
+
 def test_prompt_longer_than_bucket_is_bit_identical_to_single_rows(quant_checkpoints, tmp_path):
     engine = build(tmp_path, quant_checkpoints["fp8"][1], "bfloat16", max_draft_len=4)
     ids = prompt(2 * engine.spec.row_bucket + 3, seed=2)

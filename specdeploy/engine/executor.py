@@ -62,10 +62,20 @@ class EnginePass:
     tokens: list[int]
     keep: int | None = None
     capture: bool = False  # also return the EAGLE-3 head's aux features of every row (Executor.head)
+    argmax_only: bool = False  # the request takes only each row's argmax: the engine may screen its LM head
     logits: torch.Tensor | None = None
     aux: torch.Tensor | None = None  # [len(tokens), len(aux layers) * hidden] with capture
     elapsed_s: float = 0.0
 
+
+
+def argmax_only(request: GenerationRequest, params: LogitsParams) -> bool:
+    """Whether a request uses nothing of its logits rows but their argmax: greedy, no logits or log probs returned, and
+    no processing that can lift a token over another (embedding bias, penalties, min_tokens, bad words). Its passes
+    may then screen the LM head (engine/lm_screen.py: every token that can win keeps its exact logit)."""
+    returns = request.return_logits or request.return_log_probs or request.return_context_logits
+    reorders = params.embedding_bias is not None or params.uses_penalties or params.min_tokens > 0 or bool(params.bad_words)
+    return spec.is_greedy(request.sampling) and not returns and not reorders
 
 
 def _token_match(draft: list[int], rows: torch.Tensor, sampler, generator: torch.Generator) -> tuple[int, int]:
@@ -186,13 +196,14 @@ class Executor:
 
     def _prefill(
         self, entry: CachedSequence, tokens: list[int], keep: int | None, stats: GenerationStats, request: GenerationRequest, start: float,
-        aux: list | None = None,
+        aux: list | None = None, argmax: bool = False,
     ):
         """Run `tokens` in passes of at most `prefill_chunk` positions, checking cancellation and the
         deadline between them: (the logits of the last `keep` positions (all when None), None), or
         (None, reason) when interrupted (the positions computed so far stay cached for reuse).
         A generator step (see `_steps`): `logits, reason = yield from self._prefill(...)`. With a list `aux`,
-        every pass captures the head's aux features and appends them there (all rows, in order)."""
+        every pass captures the head's aux features and appends them there (all rows, in order). argmax: the request
+        takes only the rows' argmax (`argmax_only`)."""
         rows: list[torch.Tensor] = []
         kept = 0
         for begin in range(0, len(tokens), self.prefill_chunk):
@@ -204,7 +215,7 @@ class Executor:
             # an earlier chunk's rows are needed only when `keep` reaches back into it
             # rows of this chunk among the last `keep` of all tokens: only those need logits
             want = None if keep is None else max(0, begin + len(part) - max(begin, len(tokens) - keep))
-            out = yield from self._forward(entry, part, stats, want, aux)  # [want or n, vocab]
+            out = yield from self._forward(entry, part, stats, want, aux, argmax)  # [want or n, vocab]
             rows.append(out)
             kept += len(out)
             while keep is not None and len(rows) > 1 and kept - len(rows[0]) >= keep:  # drop rows no longer needed
@@ -212,12 +223,13 @@ class Executor:
         logits = rows[0] if len(rows) == 1 else torch.cat(rows)
         return (logits if keep is None else logits[-keep:]), None
 
-    def _forward(self, entry: CachedSequence, tokens: list[int], stats: GenerationStats, keep: int | None = None, aux: list | None = None):
+    def _forward(self, entry: CachedSequence, tokens: list[int], stats: GenerationStats, keep: int | None = None, aux: list | None = None,
+                 argmax: bool = False):
         """One engine pass over `tokens` appended to `entry`: yields a `EnginePass` for the driver (`generate`
         runs it alone, a `BatchScheduler` together with other requests' passes) and returns its logits
         ([n, vocab], or the last `keep` rows). With a list `aux`, the pass captures the head's aux features
-        of its rows and appends them there."""
-        work = EnginePass(entry, tokens, keep, capture=aux is not None)
+        of its rows and appends them there. argmax: only the rows' argmax is used (`argmax_only`)."""
+        work = EnginePass(entry, tokens, keep, capture=aux is not None, argmax_only=argmax)
         yield work
         if aux is not None:
             aux.append(work.aux)
@@ -235,20 +247,25 @@ class Executor:
         capture = [p.capture for p in passes]
         layers = self.head.aux_layer_ids if any(capture) else None
         auxs = [None] * len(passes)
+        # an engine with a screened LM head (CpuEngine.screen) is told which passes need only their rows' argmax
+        screens = getattr(self.engine, "screen", None) is not None
         if batch is not None:  # also for one pass: it computes the kept rows' logits only
             tokens = [torch.tensor(p.tokens, dtype=torch.long) for p in passes]
+            extra = {"greedy": [p.argmax_only for p in passes]} if screens else {}
             if layers is None:
-                outs = batch([p.entry.cache for p in passes], tokens, [p.keep for p in passes])
+                outs = batch([p.entry.cache for p in passes], tokens, [p.keep for p in passes], **extra)
             else:
-                outs, auxs = batch([p.entry.cache for p in passes], tokens, [p.keep for p in passes], aux_layers=layers, capture=capture)
+                outs, auxs = batch([p.entry.cache for p in passes], tokens, [p.keep for p in passes], aux_layers=layers, capture=capture,
+                                   **extra)
         else:
             outs = []
             for i, p in enumerate(passes):
                 ids = torch.tensor(p.tokens, dtype=torch.long)
+                extra = {"greedy": p.argmax_only} if screens else {}
                 if p.capture:
-                    out, auxs[i] = self.engine.forward(p.entry.cache, ids, aux_layers=layers)
+                    out, auxs[i] = self.engine.forward(p.entry.cache, ids, aux_layers=layers, **extra)
                 else:
-                    out = self.engine.forward(p.entry.cache, ids)  # [n, vocab]
+                    out = self.engine.forward(p.entry.cache, ids, **extra)  # [n, vocab]
                 outs.append(out if p.keep is None else out[len(out) - min(p.keep, len(out)) :])
         elapsed = self._clock() - t0
         if self.draft_cost is not None:
@@ -361,8 +378,9 @@ class Executor:
         n_in = len(input_ids)
         generator = None if spec.is_greedy(request.sampling) else spec.make_generator(request.sampling.seed)
         sampler = lp.sampler_params(request.sampling)
+        argmax = argmax_only(request, params)
         logits, reason = yield from self._prefill(
-            entry, input_ids[stats.reused_tokens :], None if request.return_context_logits else 1, stats, request, start
+            entry, input_ids[stats.reused_tokens :], None if request.return_context_logits else 1, stats, request, start, argmax=argmax
         )
         if reason is not None:
             self._finish(stats, [], [], start)
@@ -402,7 +420,7 @@ class Executor:
                 yield chunk_of(request, [token], kept_logits[-1:], kept_log_probs[-1:], None, None, context_logits)
                 context_logits = None
                 pending = 0
-            raw = (yield from self._forward(entry, [token], stats, 1))[0]
+            raw = (yield from self._forward(entry, [token], stats, 1, argmax=argmax))[0]
 
     def _fused(
         self, entry: CachedSequence, request: GenerationRequest, params: LogitsParams, stats: GenerationStats, start: float
@@ -424,7 +442,8 @@ class Executor:
         n_in = len(input_ids)
         aux_parts: list[torch.Tensor] = []
         logits, reason = yield from self._prefill(
-            entry, input_ids[stats.reused_tokens :], None if request.return_context_logits else 1, stats, request, start, aux_parts
+            entry, input_ids[stats.reused_tokens :], None if request.return_context_logits else 1, stats, request, start, aux_parts,
+            argmax_only(request, params),
         )
         if reason is not None:
             self._finish(stats, [], [], start)
@@ -502,7 +521,7 @@ class Executor:
         stats.draft_time_s += self._clock() - t0
         # one target pass: the last token + k drafts, k + 1 rows, with their aux features
         aux_parts = []
-        raw_rows = yield from self._forward(entry, [sequence[-1]] + draft, stats, None, aux_parts)  # [k + 1, vocab]
+        raw_rows = yield from self._forward(entry, [sequence[-1]] + draft, stats, None, aux_parts, argmax_only(request, params))  # [k + 1, vocab]
         rows = lp.process_rows(raw_rows, sequence + draft, len(sequence), produced, params)  # [k + 1, vocab]
         if generator is None:
             accepted, next_token = spec.verify_greedy(draft, rows)
@@ -545,7 +564,8 @@ class Executor:
         k = len(draft)
         n_in = len(input_ids)
         logits, reason = yield from self._prefill(
-            entry, input_ids[stats.reused_tokens :] + draft, None if request.return_context_logits else k + 1, stats, request, start
+            entry, input_ids[stats.reused_tokens :] + draft, None if request.return_context_logits else k + 1, stats, request, start,
+            argmax=argmax_only(request, params),
         )  # [n_in - reused + k, vocab], or the last k + 1 rows
         if reason is not None:
             self._finish(stats, [], [], start)

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from specdeploy.engine import native
 from specdeploy.engine.kernels import NativeLinear, PackedGemm, make_linear
 from specdeploy.engine.kv_cache import KVCache
+from specdeploy.engine.lm_screen import ScreenedHead
 from specdeploy.engine.spec import ENGINE_WEIGHTS, UNPADDED_CHUNK, EngineSpec
 from specdeploy.errors import BuildError, ConfigError
 
@@ -127,6 +128,8 @@ class CpuEngine:
             self.lm_head = NativeLinear(self.native, {"weight": lm_head}, None, dtype, None)  # tied: a packed copy
         else:
             self.lm_head = PackedGemm(lm_head, None)
+        # greedy rows' LM head: an int8 screen, then the bf16 rows that can win (lm_screen.py); None where it cannot run
+        self.screen = ScreenedHead(self.native, lm_head, self.lm_head) if ScreenedHead.supports(self.lm_head) else None
         self.final_norm = tensors["final_norm.weight"].to(dtype)
         self.layers = []
         for i in range(spec.num_layers):
@@ -172,11 +175,13 @@ class CpuEngine:
         return KVCache(s.num_layers, s.num_kv_heads, s.head_size, max_len, self.dtype, s.kv_cache_quant_algo, self.kv_scales)
 
     @torch.inference_mode()
-    def forward(self, cache: KVCache, token_ids: torch.Tensor, aux_layers: tuple[int, ...] | None = None):
+    def forward(self, cache: KVCache, token_ids: torch.Tensor, aux_layers: tuple[int, ...] | None = None, greedy: bool = False):
         """Logits [n, vocab] (fp32) of n tokens placed at positions cache.length.. ; advances cache.length by n.
         With `aux_layers` (an EAGLE-3 head's layer ids, ascending): (logits, aux) where aux [n, len * hidden]
         (compute dtype) holds the outputs of those layers for every row, concatenated in layer order. The
-        logits are the same bits either way (capture only copies rows out between layers)."""
+        logits are the same bits either way (capture only copies rows out between layers).
+        greedy=True: the caller takes only each row's argmax, so the LM head may be screened (`_logits`): every
+        token that can be a row's maximum keeps its exact logit, the others are -inf."""
         token_ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
         n = token_ids.numel()
         if cache.length + n > cache.max_len:
@@ -187,9 +192,9 @@ class CpuEngine:
         if n and (int(token_ids.min()) < 0 or int(token_ids.max()) >= self.spec.vocab_size):
             raise ConfigError(f"token ids must lie in [0, {self.spec.vocab_size})", "check the tokenizer matches the model")
         if aux_layers is None:
-            return self._forward_rows(cache, token_ids, None)
+            return self._forward_rows(cache, token_ids, None, greedy=greedy)
         aux: list[torch.Tensor] = []
-        logits = self._forward_rows(cache, token_ids, None, self._check_aux(aux_layers), aux)
+        logits = self._forward_rows(cache, token_ids, None, self._check_aux(aux_layers), aux, greedy)
         return logits, self._join_aux(aux, aux_layers)
 
     def _check_aux(self, aux_layers) -> tuple[int, ...]:
@@ -204,7 +209,8 @@ class CpuEngine:
             return torch.empty(0, len(layers) * self.spec.hidden_size, dtype=self.dtype)
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def _forward_rows(self, cache: KVCache, token_ids: torch.Tensor, keep: int | None, aux_layers=None, aux=None) -> torch.Tensor:
+    def _forward_rows(self, cache: KVCache, token_ids: torch.Tensor, keep: int | None, aux_layers=None, aux=None,
+                      greedy: bool = False) -> torch.Tensor:
         """forward's chunks; logits of the last `keep` rows only (None: all). With aux_layers, each chunk's
         aux features [m, len * hidden] are appended to the list `aux`."""
         n, step = token_ids.numel(), self.chunk_rows
@@ -212,7 +218,7 @@ class CpuEngine:
         chunks = []
         for i in range(0, n, step):
             end = min(i + step, n)
-            chunks.append(self._forward_chunk(cache, token_ids[i:end], max(0, end - max(i, first_kept)), aux_layers, aux))
+            chunks.append(self._forward_chunk(cache, token_ids[i:end], max(0, end - max(i, first_kept)), aux_layers, aux, greedy))
         if len(chunks) == 1:  # a decode step or a verification pass: no copy of the logits
             return chunks[0]
         return torch.cat(chunks) if chunks else torch.empty(0, self.spec.vocab_size)
@@ -220,7 +226,7 @@ class CpuEngine:
     @torch.inference_mode()
     def forward_batch(
         self, caches: list[KVCache], token_ids: list[torch.Tensor], keep: list[int | None] | None = None,
-        aux_layers: tuple[int, ...] | None = None, capture: list[bool] | None = None,
+        aux_layers: tuple[int, ...] | None = None, capture: list[bool] | None = None, greedy: list[bool] | None = None,
     ):
         """Several sequences' new tokens in one pass (in-flight batching): sequence i places token_ids[i] at
         positions caches[i].length.. and gets back the fp32 logits of its last keep[i] rows (None: all).
@@ -229,7 +235,9 @@ class CpuEngine:
         every sequence, so each weight is read once for the whole batch; attention runs per sequence over
         its own cache. Rows do not depend on their neighbours (rule 1 of the module docstring), so each
         sequence's logits are bit-identical to `forward(caches[i], token_ids[i])` alone: batch invariance.
-        An engine that pads its calls (a kernel that is not row-invariant) runs the sequences one by one."""
+        An engine that pads its calls (a kernel that is not row-invariant) runs the sequences one by one.
+        greedy[i]: sequence i takes only its rows' argmax (see `forward`); the kept rows are screened together
+        where every sequence with kept rows is greedy."""
         ids = [torch.as_tensor(t, dtype=torch.long).reshape(-1) for t in token_ids]
         keep = list(keep) if keep is not None else [None] * len(ids)
         if len(caches) != len(ids) or len(keep) != len(ids):
@@ -246,11 +254,12 @@ class CpuEngine:
                 raise ConfigError(f"token ids must lie in [0, {self.spec.vocab_size})", "check the tokenizer matches the model")
         layers = None if aux_layers is None else self._check_aux(aux_layers)
         capture = list(capture) if capture is not None else [True] * len(ids)
+        greedy = list(greedy) if greedy is not None else [False] * len(ids)
         if self.pad_rows is not None or len(ids) == 1:
             logits, aux = [], []
-            for cache, t, k, c in zip(caches, ids, keep, capture):
+            for cache, t, k, c, g in zip(caches, ids, keep, capture, greedy):
                 parts = [] if layers is not None and c else None
-                logits.append(self._forward_rows(cache, t, k, layers if parts is not None else None, parts))
+                logits.append(self._forward_rows(cache, t, k, layers if parts is not None else None, parts, g))
                 aux.append(None if parts is None else self._join_aux(parts, layers))
             return logits if layers is None else (logits, aux)
         sizes = [t.numel() for t in ids]
@@ -268,7 +277,8 @@ class CpuEngine:
             offset += n
         index = torch.cat(rows)
         if index.numel():
-            logits = self.lm_head(self._norm(x[index], self.final_norm)).float()  # [kept rows, vocab]
+            argmax_only = all(g for g, r in zip(greedy, rows) if len(r))  # exact rows for one: exact rows for all
+            logits = self._logits(self._norm(x[index], self.final_norm), argmax_only)  # [kept rows, vocab]
         else:
             logits = torch.empty(0, self.spec.vocab_size)
         for cache, start, n in zip(caches, starts, sizes):
@@ -336,7 +346,8 @@ class CpuEngine:
             _set_layer(decoder, i, layer)
         return decoder
 
-    def _forward_chunk(self, cache: KVCache, ids: torch.Tensor, keep: int | None = None, aux_layers=None, aux=None) -> torch.Tensor:
+    def _forward_chunk(self, cache: KVCache, ids: torch.Tensor, keep: int | None = None, aux_layers=None, aux=None,
+                       greedy: bool = False) -> torch.Tensor:
         """Logits [m, vocab] of one chunk of m rows, or of its last `keep` rows (the others skip the LM head,
         except in an engine that pads: its LM head runs on all rows, as every call). With aux_layers, the
         outputs of those layers for the m rows go to `aux` as one [m, len * hidden] tensor."""
@@ -360,10 +371,19 @@ class CpuEngine:
             if keep <= 0:
                 return torch.empty(0, s.vocab_size)
             x = x[m - keep : m]  # the LM head's rows are independent: only the kept ones are computed
-            return self.lm_head(self._norm(x, self.final_norm)).float()  # [keep, vocab]
-        logits = self.lm_head(self._norm(x, self.final_norm))  # [rows, vocab]
+            return self._logits(self._norm(x, self.final_norm), greedy)  # [keep, vocab]
         first = 0 if keep is None else m - min(keep, m)
+        if greedy and self.pad_rows is None:
+            return self._logits(self._norm(x[first:m], self.final_norm), True)
+        logits = self.lm_head(self._norm(x, self.final_norm))  # [rows, vocab]
         return logits[first:m].float()
+
+    def _logits(self, h: torch.Tensor, greedy: bool) -> torch.Tensor:
+        """fp32 logits [rows, vocab] of the final norm's rows h. greedy: through the screen (lm_screen.py) where
+        the engine has one and the rows are few enough for it to pay, exact for the tokens that can win."""
+        if greedy and self.screen is not None and h.shape[0] <= self.screen.max_rows:
+            return self.screen.argmax_rows(h)
+        return self.lm_head(h).float()
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.native is not None:
