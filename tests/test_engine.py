@@ -357,9 +357,9 @@ def test_k_plus_one_rows_bit_identical_to_single_rows(quant_checkpoints, qformat
 
 @pytest.mark.skipif(native.ops() is None, reason="the LM head screen runs on the native kernels")
 def test_greedy_rows_screen_the_lm_head_and_keep_its_argmax(quant_checkpoints, tmp_path):
-    """greedy=True (engine/lm_screen.py): calls of up to max_rows rows (decode steps) go through the screen, whose kept
-    logits are the bf16 head's bits and whose argmax is its argmax; longer calls, and batches with one sequence that
-    wants every logit, get the whole head."""
+    """greedy=True (engine/lm_screen.py): calls of up to max_rows rows (decode steps, short verification passes, small
+    batches) go through the screen, whose kept logits are the bf16 head's bits and whose argmax is its argmax; longer
+    calls, and batches with one sequence that wants every logit, get the whole head."""
     engine = build(tmp_path, quant_checkpoints["int8_sq"][1], "bfloat16", max_draft_len=6)
     assert engine.screen is not None
     exact, greedy = engine.new_cache(), engine.new_cache()
@@ -367,11 +367,12 @@ def test_greedy_rows_screen_the_lm_head_and_keep_its_argmax(quant_checkpoints, t
     assert torch.equal(engine.forward(exact, start), engine.forward(greedy, start, greedy=True))  # 9 rows: the whole head
     steps = prompt(20, seed=3)
     narrowed = False
-    for token in steps:  # decode steps: one row a call
-        full, screened = engine.forward(exact, token.reshape(1)), engine.forward(greedy, token.reshape(1), greedy=True)
-        kept = torch.isfinite(screened)
-        assert torch.equal(screened[kept], full[kept]) and torch.equal(screened.argmax(-1), full.argmax(-1))
-        narrowed |= not kept.all()
+    for i in range(0, 20, 2):  # two one-row calls (decode steps), or one two-row call (a verification pass)
+        for rows in (steps[i : i + 1], steps[i + 1 : i + 2]) if i % 4 else (steps[i : i + 2],):
+            full, screened = engine.forward(exact, rows), engine.forward(greedy, rows, greedy=True)
+            kept = torch.isfinite(screened)
+            assert torch.equal(screened[kept], full[kept]) and torch.equal(screened.argmax(-1), full.argmax(-1))
+            narrowed |= not kept.all()
     assert narrowed  # the screen did leave tokens out
     consulted = engine.screen.rows
     assert consulted == 20
@@ -381,6 +382,11 @@ def test_greedy_rows_screen_the_lm_head_and_keep_its_argmax(quant_checkpoints, t
     engine.forward_batch([a, b], [start, start], [1, 1])
     mixed = engine.forward_batch([a, b], [steps[:1], steps[1:2]], [1, 1], greedy=[True, False])
     assert all(torch.isfinite(rows).all() for rows in mixed) and engine.screen.rows == consulted
+    a.truncate(len(start))
+    b.truncate(len(start))
+    both = engine.forward_batch([a, b], [steps[:1], steps[1:2]], [1, 1], greedy=[True, True])  # one row each: screened
+    assert engine.screen.rows == consulted + 2
+    assert [int(rows.argmax()) for rows in both] == [int(rows.argmax()) for rows in mixed]
 
 
 @pytest.mark.skipif(native.ops() is None, reason="the LM head screen runs on the native kernels")

@@ -24,9 +24,9 @@ id, is the argmax of the full bf16 row. Anything else a caller may do with logit
 penalties, bias, bad words, min_tokens) needs the full row: the executor screens only requests that need none
 of that (executor.argmax_only).
 
-One row a call only (`MAX_ROWS`): a pass over several rows is compute-bound in either head on this model, and there
-the screen was measured slower than the bf16 head (docs/benchmarks.md), with the integer kernels of the int8_sq
-layers too (activations split into two int8 rows to keep the bound tight).
+Up to MAX_ROWS rows a call (decode steps, verification passes of up to 3 drafts, batches of up to 4 one-row
+steps): past that the int8 kernel's f32 decode and products make it compute-bound and no faster than the bf16 head
+(measured in docs/benchmarks.md); longer calls read the whole head.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from specdeploy.engine.kernels import NativeLinear
 DISABLE_ENV = "SPECDEPLOY_LM_SCREEN"  # "0": greedy steps read the whole bf16 head (to compare)
 BF16_ROUNDING = 0.0082  # two bf16 roundings (2^-8 each) and their cross terms, rounded up
 INT8_MAX = 127
-MAX_ROWS = 1  # rows a call screens: decode steps (see the module docstring)
+MAX_ROWS = 4  # rows a call screens (see the module docstring)
 
 
 class ScreenedHead:
