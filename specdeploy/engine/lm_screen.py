@@ -42,6 +42,7 @@ DISABLE_ENV = "SPECDEPLOY_LM_SCREEN"  # "0": greedy steps read the whole bf16 he
 BF16_ROUNDING = 0.0082  # two bf16 roundings (2^-8 each) and their cross terms, rounded up
 INT8_MAX = 127
 MAX_ROWS = 4  # rows a call screens (see the module docstring)
+CHUNK = 4096  # tokens of the head at a time while the copy is made
 
 
 class ScreenedHead:
@@ -53,16 +54,21 @@ class ScreenedHead:
         assert weight.dtype == torch.bfloat16 and weight.dim() == 2, "the LM head's bf16 [vocab, hidden] weight"
         self.ops, self.full, self.weight = ops, full, weight  # weight: for the candidates' rows (tied: the embedding)
         self.vocab, self.hidden = weight.shape
-        w = weight.double()  # [vocab, hidden]
-        amax = w.abs().amax(dim=1)
-        # one bf16 scale per token (as NativeLinear keeps W8A16 scales); an all-zero row keeps scale 1, codes 0
-        scale = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax)).to(torch.bfloat16)
-        codes = torch.clamp(torch.round(w / scale.double()[:, None]), -INT8_MAX, INT8_MAX)  # [vocab, hidden]
-        self.screen = NativeLinear(ops, {"weight": codes.to(torch.int8), "weight_scale": scale}, "W8A16", torch.bfloat16, None)
-        dequantized = scale.double()[:, None] * codes
-        error = (w - dequantized).norm(dim=1)  # ||W_j - s_j q_j||, exact to double rounding
+        scale = torch.empty(self.vocab, dtype=torch.bfloat16)
+        codes = torch.empty(self.vocab, self.hidden, dtype=torch.int8)
+        slack = torch.empty(self.vocab, dtype=torch.float64)
         gamma = 2.0 * (self.hidden + 8) * 2.0**-24  # gamma_K with room for the kernels' final lane sums
-        slack = 1.01 * error + gamma * (dequantized.norm(dim=1) + w.norm(dim=1))
+        for begin in range(0, self.vocab, CHUNK):  # in chunks: float64 copies of the whole head would hold ~0.7 GB
+            w = weight[begin : begin + CHUNK].double()  # [chunk, hidden]
+            amax = w.abs().amax(dim=1)
+            # one bf16 scale per token (as NativeLinear keeps W8A16 scales); an all-zero row keeps scale 1, codes 0
+            s = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax)).to(torch.bfloat16)
+            q = torch.clamp(torch.round(w / s.double()[:, None]), -INT8_MAX, INT8_MAX)
+            dequantized = s.double()[:, None] * q
+            error = (w - dequantized).norm(dim=1)  # ||W_j - s_j q_j||, exact to double rounding
+            slack[begin : begin + CHUNK] = 1.01 * error + gamma * (dequantized.norm(dim=1) + w.norm(dim=1))
+            scale[begin : begin + CHUNK], codes[begin : begin + CHUNK] = s, q.to(torch.int8)
+        self.screen = NativeLinear(ops, {"weight": codes, "weight_scale": scale}, "W8A16", torch.bfloat16, None)
         self.slack = (slack * (1 + 1e-6) + 1e-7).float()  # [vocab], c_j rounded up into f32
         self.max_candidates = max(1, self.vocab // 16)  # past this, reading the whole head is as cheap
         self.max_rows = MAX_ROWS
