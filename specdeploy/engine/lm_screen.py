@@ -24,9 +24,9 @@ id, is the argmax of the full bf16 row. Anything else a caller may do with logit
 penalties, bias, bad words, min_tokens) needs the full row: the executor screens only requests that need none
 of that (executor.argmax_only).
 
-Up to MAX_ROWS rows a call (decode steps, verification passes of up to 3 drafts, batches of up to 4 one-row
-steps): past that the int8 kernel's f32 decode and products make it compute-bound and no faster than the bf16 head
-(measured in docs/benchmarks.md); longer calls read the whole head.
+Up to MAX_ROWS rows a call (decode steps, verification passes of up to 7 drafts, batches of up to 8 steps): past
+that the int8 kernel's f32 decode and products make it compute-bound and no faster than the bf16 head (measured in
+docs/benchmarks.md); longer calls read the whole head.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from specdeploy.engine.kernels import NativeLinear
 DISABLE_ENV = "SPECDEPLOY_LM_SCREEN"  # "0": greedy steps read the whole bf16 head (to compare)
 BF16_ROUNDING = 0.0082  # two bf16 roundings (2^-8 each) and their cross terms, rounded up
 INT8_MAX = 127
-MAX_ROWS = 4  # rows a call screens (see the module docstring)
+MAX_ROWS = 8  # rows a call screens (see the module docstring)
 CHUNK = 4096  # tokens of the head at a time while the copy is made
 
 
@@ -91,14 +91,10 @@ class ScreenedHead:
         x = x.contiguous()
         self.rows += x.shape[0]
         screened = self.screen(x)  # [rows, vocab] bf16, A
-        norms = (x.double().norm(dim=1) * (1 + 1e-6)).float()  # [rows], ||x|| rounded up
-        candidates = self.ops.screen_candidates(screened, norms, self.slack, BF16_ROUNDING, self.max_candidates)  # [n]
-        if candidates.numel() == 0:  # a non-finite value, or too many candidates
+        # ||x||, the candidates, their rows packed and run through the bf16 kernel, -inf elsewhere: one native call
+        logits, candidates = self.ops.screen_logits(x, screened, self.slack, self.weight, BF16_ROUNDING, self.max_candidates)
+        if candidates == 0:  # a non-finite value, or too many candidates
             self.fallbacks += 1
             return self.full(x).float()
-        self.candidates += candidates.numel()
-        rows = self.ops.pack(self.weight[candidates].contiguous(), native.BF16, self.hidden)  # as the head packs
-        exact = self.ops.linear(x, rows, native.BF16, candidates.numel(), None, 0, None, 0.0, None, None, None)
-        logits = torch.full((x.shape[0], self.vocab), float("-inf"))
-        logits[:, candidates] = exact.float()  # [rows, n]: every row gets each candidate's exact value
+        self.candidates += candidates
         return logits

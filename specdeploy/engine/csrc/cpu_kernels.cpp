@@ -817,6 +817,48 @@ at::Tensor screen_candidates(const at::Tensor& screened, const at::Tensor& norms
   return out;
 }
 
+// The logits [rows, vocab] (f32) of a screened LM head's rows (engine/lm_screen.py): x [rows, K] bf16 the final norm's
+// rows, screened [rows, vocab] bf16 their int8 copy's logits, slack [vocab], head [vocab, K] bf16 the head's weight.
+// The candidates (screen_candidates, with ||x|| rounded up) get the bf16 head's own logits, computed by `linear` on
+// their rows packed as `pack` packs the head; every other token is -inf. Empty where screen_candidates is (the
+// caller then runs the whole head); with the number of candidates. One call for what took eight torch ops, ~0.5 ms a step after the layers had
+// streamed the caches out (measured on the 2-core Xeon: docs/benchmarks.md).
+std::tuple<at::Tensor, int64_t> screen_logits(const at::Tensor& x, const at::Tensor& screened, const at::Tensor& slack,
+                                              const at::Tensor& head, double rounding, int64_t max_candidates) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x: expected contiguous bf16 [rows, K]");
+  TORCH_CHECK(head.dim() == 2 && head.scalar_type() == at::kBFloat16 && head.is_contiguous() && head.size(1) == x.size(1),
+              "head: expected contiguous bf16 [vocab, K]");
+  TORCH_CHECK(screened.dim() == 2 && screened.size(0) == x.size(0) && screened.size(1) == head.size(0),
+              "screened: expected [rows, vocab]");
+  const int64_t rows = x.size(0), K = x.size(1), V = head.size(0);
+  at::Tensor norms = at::empty({rows}, at::kFloat);
+  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+  for (int64_t i = 0; i < rows; ++i) {
+    double squares = 0;
+    for (int64_t k = 0; k < K; ++k) {
+      double v = static_cast<float>(xp[i * K + k]);
+      squares += v * v;
+    }
+    norms.data_ptr<float>()[i] = static_cast<float>(std::sqrt(squares) * (1 + 1e-6));  // ||x||, rounded up
+  }
+  at::Tensor candidates = screen_candidates(screened, norms, slack, rounding, max_candidates);
+  const int64_t n = candidates.numel();
+  if (n == 0) return {at::empty({0, V}, at::kFloat), 0};
+  const int64_t* ids = candidates.data_ptr<int64_t>();
+  at::Tensor picked = at::empty({n, K}, head.options());
+  for (int64_t j = 0; j < n; ++j)
+    std::memcpy(picked.data_ptr<c10::BFloat16>() + j * K, head.data_ptr<c10::BFloat16>() + ids[j] * K, K * sizeof(c10::BFloat16));
+  at::Tensor exact = linear(x, pack(picked, kBf16, K), kBf16, n, std::nullopt, 0, std::nullopt, 0.0, std::nullopt,
+                            std::nullopt, std::nullopt);  // [rows, n] bf16
+  at::Tensor out = at::empty({rows, V}, at::kFloat);
+  float* op = out.data_ptr<float>();
+  std::fill(op, op + rows * V, -INFINITY);
+  const c10::BFloat16* ep = exact.data_ptr<c10::BFloat16>();
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < n; ++j) op[i * V + ids[j]] = static_cast<float>(ep[i * n + j]);
+  return {out, n};
+}
+
 inline float dot(const float* a, const float* b, int64_t D) {
   if (D % kLanes == 0) {
     Vec acc = vzero();
@@ -1237,6 +1279,7 @@ TORCH_LIBRARY(specdeploy_cpu, ops) {
   ops.def("rms_norm", &rms_norm);
   ops.def("swiglu", &swiglu);
   ops.def("screen_candidates", &screen_candidates);
+  ops.def("screen_logits", &screen_logits);
   ops.def(
       "attention(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) keys, Tensor(b!) values, int start, int m, "
       "int num_heads, int num_kv_heads, float scale) -> Tensor",
