@@ -6,7 +6,7 @@ streams ~20 GB/s the head alone is a third of the step. A greedy request needs o
 `ScreenedHead` reads an int8 copy of the head instead (28 MB: one byte a weight, a bf16 scale a token, through the
 int8 weight-only kernel: f32 activations, so no activation rounding to bound), bounds how far each screened logit
 can lie from the one the bf16 head computes, and recomputes with the bf16 kernel only the tokens whose upper bound
-reaches the best lower bound: ~7 of 49,152 on chat text (the profile in docs/benchmarks.md).
+reaches the best lower bound: ~5 of 49,152 on chat text (the profile in docs/benchmarks.md).
 
 Why the argmax is the bf16 head's, bit for bit. Per row x and token j, with R_j = sum_k x_k W_jk exact:
   - the bf16 head returns C_j = bf16(fl(sum_k x_k W_jk));
