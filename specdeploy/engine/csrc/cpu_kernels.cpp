@@ -1278,7 +1278,6 @@ TORCH_LIBRARY(specdeploy_cpu, ops) {
   ops.def("linear", &linear);
   ops.def("rms_norm", &rms_norm);
   ops.def("swiglu", &swiglu);
-  ops.def("screen_candidates", &screen_candidates);
   ops.def("screen_logits", &screen_logits);
   ops.def(
       "attention(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) keys, Tensor(b!) values, int start, int m, "
