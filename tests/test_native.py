@@ -488,8 +488,8 @@ def test_attention_follows_a_reference_and_each_rows_bits_are_its_own(head_size,
     max_len = 80
     width = (heads + 2 * kv_heads) * head_size
     cos, sin = torch.randn(max_len, head_size, generator=g), torch.randn(max_len, head_size, generator=g)
-    keys0 = torch.randn(kv_heads, max_len, head_size, generator=g)
-    values0 = torch.randn(kv_heads, max_len, head_size, generator=g)
+    keys0 = torch.randn(kv_heads, max_len, head_size, generator=g).to(torch.bfloat16)  # the cache holds bf16
+    values0 = torch.randn(kv_heads, max_len, head_size, generator=g).to(torch.bfloat16)
     qkv = torch.randn(rows, width, generator=g).to(torch.bfloat16)
     scale = head_size ** -0.5
     keys, values = keys0.clone(), values0.clone()

@@ -512,3 +512,24 @@ def test_fallback_runs_equal_the_target_alone_with_fewer_target_calls(sampling):
         tokens, stats = spec.collect(run)
         assert tokens == expected and target.calls == 1 and stats.k_per_round == [0]
     assert gated_runs >= 2  # the gate tripped and the rest ran plain on most prompts
+
+
+def test_greedy_token_is_torchs_argmax_ties_nans_and_infinities_included():
+    """greedy_token takes a float32 row through numpy's argmax (SIMD; torch's CPU argmax was ~0.1 ms a token): the
+    same index as torch's on ties (the lowest id), NaNs (the first wins), infinities, all -inf rows (the screened head's
+    rows are -inf outside its candidates), rows of a 2-D tensor, inference tensors, and other dtypes (through torch)."""
+    from specdeploy.speculative import greedy_token
+
+    g = torch.Generator().manual_seed(0)
+    nan, inf = float("nan"), float("inf")
+    rows = [
+        torch.tensor([1.0, 3.0, 3.0, 2.0]), torch.tensor([1.0, nan, 5.0, nan]), torch.tensor([-inf] * 5),
+        torch.tensor([1.0, inf, inf]), torch.tensor([-0.0, 0.0]), torch.tensor([-inf, 2.0, -inf, 2.0]),
+        torch.randn(49152, generator=g), torch.randn(3, 4096, generator=g)[1], torch.randn(4096, 3, generator=g)[:, 2],
+    ]
+    with torch.inference_mode():
+        rows.append(torch.randn(49152, generator=g))
+    rows += [r.to(torch.bfloat16) for r in rows[:3]] + [rows[6].double()]
+    for row in rows:
+        assert greedy_token(row) == int(torch.argmax(row)), row
+    assert greedy_token(torch.tensor([1.0, 3.0, 3.0, 2.0])) == 1 and greedy_token(torch.tensor([1.0, nan, 5.0])) == 1

@@ -2,9 +2,11 @@
 
 Values are those of the compute dtype (k and v as the layer computed them), or FP8 (E4M3) / INT8 with the
 checkpoint's per-layer `kv_cache_scaling_factor` (stored = quantize(k / scale), read = stored * scale rounded
-to the compute dtype), as TensorRT-LLM does. Reads return f32, the dtype attention computes in: an
-unquantized cache holds its bf16/fp16 values in f32 storage (exact), so a decode step reads the keys
-without converting them, at twice the memory of a bf16 cache.
+to the compute dtype), as TensorRT-LLM does. An unquantized cache stores the compute dtype itself (k after RoPE
+and v are rounded to it by the layer), as TensorRT-LLM's default KV cache does; attention computes in f32 and reads
+bf16 exactly as f32 (`read`, and the native kernels' loads). A batched decode step reads every sequence's cache:
+f32 storage, the earlier choice, made 4 sequences' steps at 100 positions cost 1.39 one-sequence steps against
+1.21 for one sequence's 4 rows, and the gap grew with the positions (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ class KVCache:
         self.dtype = dtype
         self.quant_algo = quant_algo
         self.scales = None if scales is None else [float(s) for s in scales]
-        storage = {None: torch.float32, "FP8": torch.float8_e4m3fn, "INT8": torch.int8}[quant_algo]
+        storage = {None: dtype, "FP8": torch.float8_e4m3fn, "INT8": torch.int8}[quant_algo]
         shape = (num_layers, num_kv_heads, max_len, head_size)  # [layer, kv_head, position, head_size]
         # Uninitialised: attention reads only positions < length, all written first. Pages are touched as
         # positions are written, so a pool of long caches costs memory for the positions in use only.
@@ -56,13 +58,13 @@ class KVCache:
         k = self.keys[layer, :, :end]
         v = self.values[layer, :, :end]
         if self.quant_algo is None:
-            return k, v
+            return k.float(), v.float()  # no copy for f32 storage
         scale = self.scales[layer]
         return (k.float() * scale).to(self.dtype).float(), (v.float() * scale).to(self.dtype).float()
 
     def _store(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         if self.quant_algo is None:
-            return x.to(self.dtype)  # the compute dtype's rounding; the f32 storage holds it exactly
+            return x.to(self.dtype)  # the compute dtype's rounding
         x = x.float() / self.scales[layer]
         if self.quant_algo == "FP8":
             return x.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)

@@ -859,14 +859,15 @@ std::tuple<at::Tensor, int64_t> screen_logits(const at::Tensor& x, const at::Ten
   return {out, n};
 }
 
-inline float dot(const float* a, const float* b, int64_t D) {
+// a . b for a key of the cache (bf16, read as f32: exact)
+inline float dot(const float* a, const c10::BFloat16* b, int64_t D) {
   if (D % kLanes == 0) {
     Vec acc = vzero();
-    for (int64_t d = 0; d < D; d += kLanes) acc = vfmadd(vload(a + d), vload(b + d), acc);
+    for (int64_t d = 0; d < D; d += kLanes) acc = vfmadd(vload(a + d), load_bf16(b + d), acc);
     return vreduce(acc);
   }
   float s = 0.0f;
-  for (int64_t d = 0; d < D; ++d) s += a[d] * b[d];
+  for (int64_t d = 0; d < D; ++d) s += a[d] * static_cast<float>(b[d]);
   return s;
 }
 
@@ -875,7 +876,7 @@ inline float dot(const float* a, const float* b, int64_t D) {
 // zero, then kLanes keys' lane sums at once (reduce_lanes). p[j]'s bits depend on q and key j alone, never on n (a
 // row's keys count) or the other keys of its block (lanes past n are zeros, never stored).
 template <int C>
-inline void head_scores(const float* qh, const float* keys, int64_t D, int64_t j_begin, int64_t n, float scale, float* p) {
+inline void head_scores(const float* qh, const c10::BFloat16* keys, int64_t D, int64_t j_begin, int64_t n, float scale, float* p) {
   Vec q[C];
   for (int c = 0; c < C; ++c) q[c] = vload(qh + c * kLanes);
   for (int64_t j0 = j_begin; j0 < n; j0 += kLanes) {
@@ -884,8 +885,8 @@ inline void head_scores(const float* qh, const float* keys, int64_t D, int64_t j
     for (int64_t i = 0; i < kLanes; ++i) {
       Vec a = vzero();
       if (i < count) {
-        const float* k = keys + (j0 + i) * D;
-        for (int c = 0; c < C; ++c) a = vfmadd(q[c], vload(k + c * kLanes), a);
+        const c10::BFloat16* k = keys + (j0 + i) * D;
+        for (int c = 0; c < C; ++c) a = vfmadd(q[c], load_bf16(k + c * kLanes), a);
       }
       acc[kReduceSlot[i]] = a;
     }
@@ -927,15 +928,15 @@ constexpr int64_t kValueQueries = 3;
 
 // acc[q] += w[q][j] * value_j for keys b0..n-1 in order, Q queries with weights w + q * stride and sums acc + q * D.
 template <int C, int Q>
-inline void weigh_values(const float* w, int64_t stride, const float* values, int64_t b0, int64_t n, float* acc) {
+inline void weigh_values(const float* w, int64_t stride, const c10::BFloat16* values, int64_t b0, int64_t n, float* acc) {
   constexpr int64_t D = C * kLanes;
   Vec a[Q][C];
   for (int q = 0; q < Q; ++q)
     for (int c = 0; c < C; ++c) a[q][c] = vload(acc + q * D + c * kLanes);
   for (int64_t j = b0; j < n; ++j) {
-    const float* v = values + j * D;
+    const c10::BFloat16* v = values + j * D;
     Vec vv[C];
-    for (int c = 0; c < C; ++c) vv[c] = vload(v + c * kLanes);
+    for (int c = 0; c < C; ++c) vv[c] = load_bf16(v + c * kLanes);
     for (int q = 0; q < Q; ++q) {
       Vec wj = vset1(w[q * stride + j]);
       for (int c = 0; c < C; ++c) a[q][c] = vfmadd(wj, vv[c], a[q][c]);
@@ -953,7 +954,7 @@ inline void weigh_values(const float* w, int64_t stride, const float* values, in
 //   q: [rows, H, D] f32 after RoPE; keys, values: this KV head's cache; p: queries x stride floats of scratch
 //   (stride >= start + r1 + kLanes); acc: queries x D floats; out: [rows, H * D] bf16.
 template <int C>
-void attend_queries(const float* q, int64_t num_heads, const float* keys, const float* values, int64_t start, int64_t r0,
+void attend_queries(const float* q, int64_t num_heads, const c10::BFloat16* keys, const c10::BFloat16* values, int64_t start, int64_t r0,
                     int64_t r1, int64_t h0, int64_t h1, float scale, float* p, int64_t stride, float* acc,
                     c10::BFloat16* out) {
   constexpr int64_t D = C * kLanes;
@@ -1021,7 +1022,7 @@ inline void rope(const c10::BFloat16* x, const float* cos, const float* sin, int
 // One sequence's share of a layer's attention pass (attention_batch).
 struct AttentionSeq {
   const c10::BFloat16* qkv;  // its rows of the pass's qkv
-  float *keys, *values;      // this layer's cache of the sequence, [KV, max_len, D]
+  c10::BFloat16 *keys, *values;  // this layer's cache of the sequence, [KV, max_len, D]
   int64_t max_len, start, m;
   float* q;                  // [m, H, D]: its queries after RoPE
   c10::BFloat16* out;        // its rows of the output
@@ -1038,8 +1039,9 @@ struct AttentionUnit {
 // [positions, D] f32 (sin with its first half negated). Row r of a sequence attends over exactly its positions
 // 0..start+r, in f32; a row's bits are its own, whatever shares the pass. Returns [rows, H * D] bf16 (rows past the
 // sequences' are 0). Tasks: a row of several (verification, prefill) reads a KV head's keys once for up to
-// kUnitRows rows x that head's query heads (attend_queries); a one-row sequence (decode) runs one task per query
-// head, so the rows of a batched decode step share one loop over both threads.
+// kUnitRows rows x that head's query heads (attend_queries); so does a one-row sequence (decode) of a batch with
+// enough of them to give each thread two such tasks (4 sequences' decode rows: 1.39 -> see docs/benchmarks.md), and
+// a lone decode row runs one task per query head, so that it still shares the loop over both threads.
 at::Tensor attention_batch(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                            const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
                            const std::vector<int64_t>& starts, const std::vector<int64_t>& sizes, int64_t num_heads,
@@ -1057,30 +1059,28 @@ at::Tensor attention_batch(const at::Tensor& qkv, const at::Tensor& cos, const a
   int64_t offset = 0;
   for (size_t i = 0; i < keys.size(); ++i) {
     const at::Tensor &k = keys[i], &v = values[i];
-    TORCH_CHECK(k.scalar_type() == at::kFloat && k.is_contiguous() && v.scalar_type() == at::kFloat && v.is_contiguous() &&
+    TORCH_CHECK(k.scalar_type() == at::kBFloat16 && k.is_contiguous() && v.scalar_type() == at::kBFloat16 && v.is_contiguous() &&
                     k.dim() == 3 && k.sizes() == v.sizes() && k.size(0) == num_kv_heads && k.size(2) == D,
-                "keys, values: expected contiguous f32 [KV, max_len, D]");
+                "keys, values: expected contiguous bf16 [KV, max_len, D]");
     int64_t start = starts[i], m = sizes[i];
     TORCH_CHECK(start >= 0 && m >= 0 && start + m <= k.size(1) && start + m <= cos.size(0), "positions out of range");
-    seqs.push_back({qkv.data_ptr<c10::BFloat16>() + offset * width, k.data_ptr<float>(), v.data_ptr<float>(), k.size(1),
+    seqs.push_back({qkv.data_ptr<c10::BFloat16>() + offset * width, k.data_ptr<c10::BFloat16>(), v.data_ptr<c10::BFloat16>(), k.size(1),
                     start, m, q.data() + offset * num_heads * D, out.data_ptr<c10::BFloat16>() + offset * num_heads * D});
     offset += m;
   }
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  std::vector<float> rotated(D);  // a key after RoPE: rounded to bf16 already, so its bf16 copy in the cache is exact
   for (const AttentionSeq& a : seqs) {
     for (int64_t r = 0; r < a.m; ++r) {
       const c10::BFloat16* row = a.qkv + r * width;
       const float *c = cp + (a.start + r) * D, *s = sp + (a.start + r) * D;
       for (int64_t h = 0; h < num_heads; ++h) rope(row + h * D, c, s, D, a.q + (r * num_heads + h) * D);
       for (int64_t g = 0; g < num_kv_heads; ++g) {
-        rope(row + (num_heads + g) * D, c, s, D, a.keys + (g * a.max_len + a.start + r) * D);
-        const c10::BFloat16* v = row + (num_heads + num_kv_heads + g) * D;
-        float* value = a.values + (g * a.max_len + a.start + r) * D;
-        if (D % kLanes == 0) {
-          for (int64_t d = 0; d < D; d += kLanes) vstore(value + d, load_bf16(v + d));
-        } else {
-          for (int64_t d = 0; d < D; ++d) value[d] = static_cast<float>(v[d]);
-        }
+        rope(row + (num_heads + g) * D, c, s, D, rotated.data());
+        c10::BFloat16* key = a.keys + (g * a.max_len + a.start + r) * D;
+        for (int64_t d = 0; d < D; ++d) key[d] = c10::BFloat16(rotated[d]);
+        std::memcpy(a.values + (g * a.max_len + a.start + r) * D, row + (num_heads + num_kv_heads + g) * D,
+                    D * sizeof(c10::BFloat16));
       }
     }
   }
@@ -1090,11 +1090,15 @@ at::Tensor attention_batch(const at::Tensor& qkv, const at::Tensor& cos, const a
   constexpr int64_t kUnitRows = 8;
   std::vector<AttentionUnit> units;
   int64_t most_queries = 1, most_keys = 0, work = 0;
+  // one-row sequences of a batched decode step: one task per KV head (its keys and values read once for its query
+  // heads) where that still gives every thread two tasks; a lone decode row keeps one task per query head
+  int64_t single_rows = std::count_if(sizes.begin(), sizes.end(), [](int64_t m) { return m == 1; });
+  bool by_kv_head = fast && single_rows * num_kv_heads >= 2 * specdeploy::step_team::threads();
   for (size_t i = 0; i < seqs.size(); ++i) {
     int64_t m = seqs[i].m, start = seqs[i].start;
     most_keys = std::max(most_keys, start + m);
     work += m * num_heads * (start + m) * D;
-    if (fast && m > 1) {  // about three tasks per thread at k+1 = 4..8 rows
+    if (fast && (m > 1 || by_kv_head)) {  // about three tasks per thread at k+1 = 4..8 rows
       int64_t unit_rows = std::clamp<int64_t>(m / 2, 1, kUnitRows);
       most_queries = std::max(most_queries, unit_rows * groups);
       for (int64_t g = 0; g < num_kv_heads; ++g)
@@ -1115,8 +1119,8 @@ at::Tensor attention_batch(const at::Tensor& qkv, const at::Tensor& cos, const a
       const AttentionUnit& t = units[u];
       const AttentionSeq& a = seqs[t.seq];
       int64_t g = t.h0 / groups;
-      const float* key = a.keys + g * a.max_len * D;
-      const float* value = a.values + g * a.max_len * D;
+      const c10::BFloat16* key = a.keys + g * a.max_len * D;
+      const c10::BFloat16* value = a.values + g * a.max_len * D;
       switch (fast ? vectors : 0) {
         case 1: attend_queries<1>(a.q, num_heads, key, value, a.start, t.r0, t.r1, t.h0, t.h1, sc, p.data(), stride, acc.data(), a.out); break;
         case 2: attend_queries<2>(a.q, num_heads, key, value, a.start, t.r0, t.r1, t.h0, t.h1, sc, p.data(), stride, acc.data(), a.out); break;
@@ -1131,8 +1135,8 @@ at::Tensor attention_batch(const at::Tensor& qkv, const at::Tensor& cos, const a
           std::fill(acc.begin(), acc.begin() + D, 0.0f);
           for (int64_t j = 0; j < n; ++j) {
             float w = p[j] / sum;
-            const float* vj = value + j * D;
-            for (int64_t d = 0; d < D; ++d) acc[d] += w * vj[d];
+            const c10::BFloat16* vj = value + j * D;
+            for (int64_t d = 0; d < D; ++d) acc[d] += w * static_cast<float>(vj[d]);
           }
           for (int64_t d = 0; d < D; ++d) a.out[r * num_heads * D + h * D + d] = c10::BFloat16(acc[d]);
         }

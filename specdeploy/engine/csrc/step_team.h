@@ -95,6 +95,9 @@ struct Team {
 // The team of the step the calling thread runs, or nullptr outside Decoder::forward.
 inline thread_local Team* current = nullptr;
 
+// The threads a parallel_for here shares its work among: the step's team, else at::parallel_for's.
+inline int threads() { return current != nullptr ? current->threads : at::get_num_threads(); }
+
 // As at::parallel_for(begin, end, grain, f), on the step's team where there is one.
 template <class F>
 void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
@@ -174,18 +177,18 @@ class Standing {
     return true;
   }
 
+  // Does not wait for the helpers to leave: each finished the step's last loop before it returned (Team::run waits
+  // for them), and one that lost its core in its spin leaves when it gets the core back and sees `stop`. Waiting for
+  // that here put the whole wait on the step's critical path: with another process on the 2 cores, team_close took
+  // 3.5 ms a step (cProfile of BatchScheduler at concurrency 4 beside a test run, 2026-11-29). A helper still spinning
+  // when the next open() comes simply stays: it serves the new steps' loops (Team::helper's epoch check keeps it off
+  // a task it saw being published late).
   void close() {
     current = nullptr;
     omp_set_num_threads(saved_threads_);
     team_.stop.store(true);
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      running_ = false;
-    }
-    for (int64_t spins = 0; inside_.load() != 0;) {  // every helper back out of the team before it can open again
-      _mm_pause();
-      if (++spins > kYieldAfter) sched_yield();  // a helper that lost its core gets it back sooner
-    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    running_ = false;
   }
 
  private:
@@ -196,10 +199,8 @@ class Standing {
         std::unique_lock<std::mutex> lock(mutex_);
         wake_.wait(lock, [&] { return running_ && generation_ != seen; });
         seen = generation_;
-        inside_.fetch_add(1);  // under the lock: close() cannot miss a helper on its way in
       }
       if (!team_.stop.load()) team_.helper();
-      inside_.fetch_sub(1);
     }
   }
 
@@ -210,7 +211,6 @@ class Standing {
   bool running_ = false;
   int saved_threads_ = 1;  // the opening thread's OpenMP team size, restored by close()
   uint64_t generation_ = 0;
-  std::atomic<int> inside_{0};
 };
 
 }  // namespace specdeploy::step_team
