@@ -9,10 +9,12 @@ servers started side by side, with repositories generated under a scratch folder
   after   `triton.inflight_batching: true`, one instance (concurrent requests share engine steps)
 and at each concurrency level sends the same greedy requests to each of `--models` (`ensemble`: the control
 path; `tensorrt_llm_bls`: the speculative path, with the recipe's draft and policy) from that many client
-threads, alternating between the servers `--repeats` times (on a shared machine the load drifts: the
-median run of each is shown). The prompts go in the tokenizer's chat template (`--raw`: as plain text).
-`--in-process` also runs the same requests on the target engine in this process, one at a time: the served
-path's ms/token at the first level over that is what serving adds. Prints one table (output tokens/s,
+threads, `--repeats` times, every level and server once per repeat in turns (on a shared machine the speed
+drifts over minutes: the median run of each is shown, and each repeat's ratio to its own first level). The prompts go in the tokenizer's chat template (`--raw`: as plain text).
+`--in-process` also runs the same requests on the target engine in this process, through the BatchScheduler the
+served model uses (the recipe's `engine.max_batch_size`), at every level in turns with the servers (idle
+meanwhile): the served figures over those are what serving adds (at the first level, and at the others, where the
+server's other processes share the cores with the engine's step). Prints one table (output tokens/s,
 end-to-end p50/p90/p99 latency, the median request's latency per output token, the machine's
 load average, and the peak RSS of the `tensorrt_llm` stub so far: what concurrency adds to the target's memory)
 and writes it as JSON. Output tokens are counted by tokenizing each returned text with the model's
@@ -132,29 +134,44 @@ def _start_server(recipe, engines_dir: Path, work: Path, label: str):
     return srv
 
 
-def _in_process_ms_per_token(engine_dir: Path, tokenizer, prompts: list[str], max_tokens: int) -> float:
-    """The same greedy requests on the same target engine in this process, one at a time, run as the served
-    `tensorrt_llm` model runs them: an Executor loaded and stepped in a BatchScheduler's own thread (one standing
-    team per step). The median over requests of its time / its tokens, measured as the served column (prefill
-    included). What serving adds is the served figure over this one."""
-    from specdeploy.engine.batching import BatchScheduler
-    from specdeploy.engine.executor import Executor
-    from specdeploy.engine.model import CpuEngine
-    from specdeploy.engine.request import GenerationRequest
+class _InProcess:
+    """The same greedy requests on the same target engine in this process, run as the served `tensorrt_llm` model
+    runs them: an Executor loaded and stepped in a BatchScheduler's own thread (one standing team per step), at
+    `max_batch_size`, from as many client threads as a level. `level(c)`: output tokens/s and the median over
+    requests of its time / its tokens, measured as the served columns (prefill included, tokens counted on the
+    decoded text). What serving adds is the served figures over these; main() runs each level here in turn with
+    the servers' (idle meanwhile), so that the machine's drift does not enter the ratio."""
 
-    scheduler = BatchScheduler.loading(lambda: Executor(CpuEngine.load(engine_dir)), max_batch_size=1)
-    try:
-        per_token = []
-        for i, prompt in enumerate([prompts[0], *prompts]):  # the first is a warm-up
-            ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-            t0 = time.perf_counter()
-            request = GenerationRequest(input_ids=ids, max_new_tokens=max_tokens, end_id=tokenizer.eos_token_id)
-            tokens = sum(len(chunk.token_ids) for chunk in scheduler.generate(request))
-            if i and tokens:
-                per_token.append(1000 * (time.perf_counter() - t0) / tokens)
-    finally:
-        scheduler.close()
-    return round(statistics.median(per_token), 2)
+    def __init__(self, engine_dir: Path, tokenizer, prompts: list[str], max_tokens: int, max_batch_size: int, count):
+        from specdeploy.engine.batching import BatchScheduler
+        from specdeploy.engine.executor import Executor
+        from specdeploy.engine.model import CpuEngine
+
+        self.tokenizer, self.max_tokens, self.count = tokenizer, max_tokens, count
+        self.ids = [tokenizer(prompt, add_special_tokens=False)["input_ids"] for prompt in prompts]
+        self.scheduler = BatchScheduler.loading(lambda: Executor(CpuEngine.load(engine_dir)), max_batch_size=max_batch_size)
+        self._one(0)  # warm-up
+
+    def _one(self, i: int) -> tuple[list[int], float]:
+        from specdeploy.engine.request import GenerationRequest
+
+        t0 = time.perf_counter()
+        request = GenerationRequest(input_ids=self.ids[i], max_new_tokens=self.max_tokens, end_id=self.tokenizer.eos_token_id)
+        out = [t for chunk in self.scheduler.generate(request) for t in chunk.token_ids]
+        return out, time.perf_counter() - t0
+
+    def level(self, concurrency: int) -> dict:
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(concurrency) as pool:
+            runs = list(pool.map(self._one, range(len(self.ids))))
+        wall = time.perf_counter() - t0
+        # counted afterwards: the clients' tokenizer calls would hold the GIL the scheduler's thread needs
+        results = [(self.count(self.tokenizer.decode(out, skip_special_tokens=True)), t) for out, t in runs]
+        return {"out_tok_s": round(sum(n for n, _ in results) / wall, 2),
+                "ms_per_token": round(statistics.median(1000 * t / n for n, t in results if n), 2)}
+
+    def close(self) -> None:
+        self.scheduler.close()
 
 
 def _median_row(runs: list[dict]) -> dict:
@@ -217,6 +234,7 @@ def main(argv=None) -> int:
     print(f"{', '.join(models)}: {args.requests} requests x {args.max_tokens} max tokens per level, greedy; "
           f"before: instance_count {recipe.triton.instance_count}, one request at a time each; after: in-flight batching, 1 instance")
     rows = []
+    in_process, local = None, {c: [] for c in levels}
     with tempfile.TemporaryDirectory(prefix="specdeploy-batching-") as work:
         servers = {}
         try:  # the servers up at once (idle, one waits while the other is measured), runs interleaved
@@ -225,20 +243,33 @@ def main(argv=None) -> int:
                 for model in models:
                     for p in prompts[:2]:  # warm-up
                         _infer(servers[label].state.grpc_url, model, p, 8)
+            if args.in_process:
+                in_process = _InProcess(engines_dir / "target", tokenizer, prompts, args.max_tokens,
+                                        recipe.engine.max_batch_size, count)
             for model in models:
-                for c in levels:
-                    runs = {label: [] for label in variants}
-                    for _ in range(args.repeats):
+                # every level once per repeat, in turns: the machine's speed drifts over minutes (on a shared VM by
+                # 1.5x), and the ratios between levels are what is measured
+                runs = {(label, c): [] for label in variants for c in levels}
+                for _ in range(args.repeats):
+                    for c in levels:
                         for label, srv in servers.items():
                             run = _level(srv.state.grpc_url, model, prompts, c, args.max_tokens, count)
                             run["target_peak_rss_mb"] = _target_peak_rss_mb(srv.state.pid)
                             print(f"  {model} {label:6s} c={c}: {run['out_tok_s']:7.1f} out tok/s  p50 {run['p50_ms']:7.0f} ms  load {run['load1']}", flush=True)
-                            runs[label].append(run)
-                    for label in variants:
-                        rows.append({"model": model, "variant": label, **_median_row(runs[label])})
+                            runs[label, c].append(run)
+                        if in_process is not None and model == models[0]:
+                            local[c].append(in_process.level(c))
+                for (label, c), level_runs in runs.items():
+                    row = _median_row(level_runs)
+                    # each repeat's level over its own first level (measured minutes apart at most)
+                    row["vs_first_runs"] = [round(r["out_tok_s"] / first["out_tok_s"], 2)
+                                            for r, first in zip(level_runs, runs[label, levels[0]])]
+                    rows.append({"model": model, "variant": label, **row})
         finally:
             for srv in servers.values():
                 srv.stop()
+            if in_process is not None:
+                in_process.close()
     rows.sort(key=lambda r: (models.index(r["model"]), list(variants).index(r["variant"]), r["concurrency"]))
     reference = rows[0]["texts"]
     identical = all(texts == reference for r in rows for texts in r["all_texts"])
@@ -255,16 +286,26 @@ def main(argv=None) -> int:
               f"{r['p50_ms']:8.0f} {r['p90_ms']:8.0f} {r['p99_ms']:8.0f} {r['ms_per_token']:8.2f} {r['ms_per_token'] / c1['ms_per_token']:6.2f}x "
               f"{vs_before} {r['out_tok_s'] / control['out_tok_s']:12.2f}x {r['load1']:5.1f} "
               f"{r['target_peak_rss_mb'] or float('nan'):13.0f}")
+    for r in rows:
+        if r["concurrency"] != levels[0]:
+            print(f"{r['model']} {r['variant']} c={r['concurrency']} over c={levels[0]}, output tokens/s, each repeat: "
+                  f"{', '.join(f'{x:.2f}x' for x in r['vs_first_runs'])}")
     print(f"same text for every prompt on every path, in every server, at every concurrency: {'yes' if identical else 'NO'}")
-    in_process = None
-    if args.in_process:
-        in_process = _in_process_ms_per_token(engines_dir / "target", tokenizer, prompts, args.max_tokens)
-        served = row_at[models[0], list(variants)[-1], levels[0]]["ms_per_token"]
-        print(f"in-process, same engine and requests, one at a time: {in_process:.2f} ms/token; served "
-              f"{models[0]} at concurrency {levels[0]}: {served:.2f} ms/token ({served / in_process:.2f}x)")
+    local = {c: sorted(r, key=lambda x: x["out_tok_s"])[len(r) // 2] for c, r in local.items() if r}
+    if local:
+        print(f"in-process, same engine and requests through the scheduler (max_batch_size {recipe.engine.max_batch_size}), "
+              f"in turns with the servers, against served {models[0]} ({list(variants)[-1]}):")
+        first = local[levels[0]]
+        for c, row in local.items():
+            served = row_at[models[0], list(variants)[-1], c]
+            print(f"  concurrency {c}: {row['out_tok_s']:7.1f} out tok/s ({row['out_tok_s'] / first['out_tok_s']:.2f}x), "
+                  f"{row['ms_per_token']:.2f} ms/token ({row['ms_per_token'] / first['ms_per_token']:.2f}x); served "
+                  f"{served['out_tok_s']:.1f} tok/s, {served['ms_per_token']:.2f} ms/token "
+                  f"({served['ms_per_token'] / row['ms_per_token']:.2f}x in-process)")
     print(f"cores: {os.cpu_count()}, load average now: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
     out = {"recipe": args.recipe, "max_tokens": args.max_tokens, "identical_outputs": identical, "threads": args.threads,
-           "chat_template": not args.raw, "in_process_ms_per_token": in_process,
+           "chat_template": not args.raw,
+           "in_process": {str(c): row for c, row in local.items()} or None,
            "rows": [{k: v for k, v in r.items() if k not in ("texts", "all_texts")} for r in rows]}
     Path(args.out).write_text(json.dumps(out, indent=2))
     print(f"wrote {args.out}")

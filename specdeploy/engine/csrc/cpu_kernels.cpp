@@ -1040,8 +1040,9 @@ struct AttentionUnit {
 // 0..start+r, in f32; a row's bits are its own, whatever shares the pass. Returns [rows, H * D] bf16 (rows past the
 // sequences' are 0). Tasks: a row of several (verification, prefill) reads a KV head's keys once for up to
 // kUnitRows rows x that head's query heads (attend_queries); so does a one-row sequence (decode) of a batch with
-// enough of them to give each thread two such tasks (4 sequences' decode rows: 1.39 -> see docs/benchmarks.md), and
-// a lone decode row runs one task per query head, so that it still shares the loop over both threads.
+// enough of them to give each thread two such tasks (4 one-row sequences at 300 positions, in turns: 1.37-1.45
+// one-row steps against 1.46 with a task per query head, within this VM's noise), and a lone decode row runs one
+// task per query head, so that it still shares the loop over both threads.
 at::Tensor attention_batch(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                            const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
                            const std::vector<int64_t>& starts, const std::vector<int64_t>& sizes, int64_t num_heads,
