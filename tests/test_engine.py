@@ -462,6 +462,21 @@ def test_kv_cache_round_trip_is_scaled_quantization(algo):
     assert torch.equal(keys, expected.transpose(0, 1))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_an_unquantized_kv_cache_stores_the_compute_dtype_and_reads_it_as_f32_exactly(dtype):
+    """k and v reach the cache rounded to the compute dtype; the cache keeps that dtype (half of f32's bytes for bf16,
+    which every sequence of a batched decode step reads) and `read` gives f32 holding the same values."""
+    cache = KVCache(2, 2, 8, 16, dtype)
+    assert cache.keys.dtype == cache.values.dtype == dtype
+    assert cache.nbytes() == 2 * 2 * 2 * 16 * 8 * torch.finfo(dtype).bits // 8
+    k, v = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    cache.write(1, 0, k, v)
+    cache.length = 3
+    keys, values = cache.read(1, 3)
+    assert keys.dtype == values.dtype == torch.float32
+    assert torch.equal(keys, k.to(dtype).float().transpose(0, 1)) and torch.equal(values, v.to(dtype).float().transpose(0, 1))
+
+
 # ---------------------------------------------------------------- refusals
 
 
