@@ -291,12 +291,12 @@ def main(argv=None) -> int:
             print(f"{r['model']} {r['variant']} c={r['concurrency']} over c={levels[0]}, output tokens/s, each repeat: "
                   f"{', '.join(f'{x:.2f}x' for x in r['vs_first_runs'])}")
     print(f"same text for every prompt on every path, in every server, at every concurrency: {'yes' if identical else 'NO'}")
-    local = {c: sorted(r, key=lambda x: x["out_tok_s"])[len(r) // 2] for c, r in local.items() if r}
-    if local:
+    local_rows = {c: sorted(r, key=lambda x: x["out_tok_s"])[len(r) // 2] for c, r in local.items() if r}  # median runs
+    if local_rows:
         print(f"in-process, same engine and requests through the scheduler (max_batch_size {recipe.engine.max_batch_size}), "
               f"in turns with the servers, against served {models[0]} ({list(variants)[-1]}):")
-        first = local[levels[0]]
-        for c, row in local.items():
+        first = local_rows[levels[0]]
+        for c, row in local_rows.items():
             served = row_at[models[0], list(variants)[-1], c]
             print(f"  concurrency {c}: {row['out_tok_s']:7.1f} out tok/s ({row['out_tok_s'] / first['out_tok_s']:.2f}x), "
                   f"{row['ms_per_token']:.2f} ms/token ({row['ms_per_token'] / first['ms_per_token']:.2f}x); served "
@@ -305,7 +305,7 @@ def main(argv=None) -> int:
     print(f"cores: {os.cpu_count()}, load average now: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
     out = {"recipe": args.recipe, "max_tokens": args.max_tokens, "identical_outputs": identical, "threads": args.threads,
            "chat_template": not args.raw,
-           "in_process": {str(c): row for c, row in local.items()} or None,
+           "in_process": {str(c): row for c, row in local_rows.items()} or None,
            "rows": [{k: v for k, v in r.items() if k not in ("texts", "all_texts")} for r in rows]}
     Path(args.out).write_text(json.dumps(out, indent=2))
     print(f"wrote {args.out}")

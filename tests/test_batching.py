@@ -82,7 +82,7 @@ def test_forward_batch_logits_are_bit_identical_to_single_sequences(engine_name,
         for expected, got in zip(step_solo, step_batched):
             assert got.dtype == torch.float32 and torch.equal(got, expected)
     assert [c.length for c in caches] == [len(a) + len(b) for a, b in zip(first, second)]
-    # a decode step: one row each (attention reads each KV head's cache once for its query heads, csrc attention_batch)
+    # a decode step: one row each (every sequence's attention tasks in one loop, csrc attention_batch)
     decode = [_prompt(13 + i, 1) for i in range(4)]
     batched_decode = engine.forward_batch(caches, [torch.tensor(t) for t in decode])
     for solo_cache, tokens, got in zip(solo_caches, decode, batched_decode):

@@ -999,22 +999,26 @@ void attend_queries(const float* q, int64_t num_heads, const c10::BFloat16* keys
 
 // RoPE (rotate halves) in f32 on one head, rounded to bf16: x * cos + [x2, x1] * signed_sin, two products and a
 // sum each rounded to f32 (no FMA contraction here, as torch's unfused ops), kLanes at a time where half the head
-// is a whole number of vectors.
+// is a whole number of vectors. Out: float (a query, in f32) or c10::BFloat16 (a key, into the cache: the value is
+// a bf16 already, so storing it as one is exact).
+inline void store_rounded(float* p, Vec v) { vstore(p, round_bf16(v)); }
+inline void store_rounded(c10::BFloat16* p, Vec v) { store_bf16(p, v); }
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
-inline void rope(const c10::BFloat16* x, const float* cos, const float* sin, int64_t D, float* out) {
+template <class Out>
+inline void rope(const c10::BFloat16* x, const float* cos, const float* sin, int64_t D, Out* out) {
   int64_t half = D / 2;
   if (half % kLanes == 0) {
     for (int64_t d = 0; d < half; d += kLanes) {
       Vec x1 = load_bf16(x + d), x2 = load_bf16(x + half + d);
-      vstore(out + d, round_bf16(vadd(vmul(x1, vload(cos + d)), vmul(x2, vload(sin + d)))));
-      vstore(out + half + d, round_bf16(vadd(vmul(x2, vload(cos + half + d)), vmul(x1, vload(sin + half + d)))));
+      store_rounded(out + d, vadd(vmul(x1, vload(cos + d)), vmul(x2, vload(sin + d))));
+      store_rounded(out + half + d, vadd(vmul(x2, vload(cos + half + d)), vmul(x1, vload(sin + half + d))));
     }
     return;
   }
   for (int64_t d = 0; d < D; ++d) {
     float xd = static_cast<float>(x[d]), rotated = static_cast<float>(x[(d + half) % D]);
-    out[d] = round_bf16(xd * cos[d] + rotated * sin[d]);
+    out[d] = static_cast<Out>(round_bf16(xd * cos[d] + rotated * sin[d]));
   }
 }
 #pragma GCC pop_options
@@ -1039,10 +1043,10 @@ struct AttentionUnit {
 // [positions, D] f32 (sin with its first half negated). Row r of a sequence attends over exactly its positions
 // 0..start+r, in f32; a row's bits are its own, whatever shares the pass. Returns [rows, H * D] bf16 (rows past the
 // sequences' are 0). Tasks: a row of several (verification, prefill) reads a KV head's keys once for up to
-// kUnitRows rows x that head's query heads (attend_queries); so does a one-row sequence (decode) of a batch with
-// enough of them to give each thread two such tasks (4 one-row sequences at 300 positions, in turns: 1.37-1.45
-// one-row steps against 1.46 with a task per query head, within this VM's noise), and a lone decode row runs one
-// task per query head, so that it still shares the loop over both threads.
+// kUnitRows rows x that head's query heads (attend_queries); a one-row sequence (decode) runs one task per query
+// head, so the rows of a batched decode step share one loop over both threads (one task per KV head for the
+// one-row sequences of a batch measured 1.37-1.45 one-row steps for 4 sequences at 300 positions against 1.46, in
+// the VM's noise, 2026-11-29: not kept).
 at::Tensor attention_batch(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                            const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
                            const std::vector<int64_t>& starts, const std::vector<int64_t>& sizes, int64_t num_heads,
@@ -1070,16 +1074,13 @@ at::Tensor attention_batch(const at::Tensor& qkv, const at::Tensor& cos, const a
     offset += m;
   }
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  std::vector<float> rotated(D);  // a key after RoPE: rounded to bf16 already, so its bf16 copy in the cache is exact
   for (const AttentionSeq& a : seqs) {
     for (int64_t r = 0; r < a.m; ++r) {
       const c10::BFloat16* row = a.qkv + r * width;
       const float *c = cp + (a.start + r) * D, *s = sp + (a.start + r) * D;
       for (int64_t h = 0; h < num_heads; ++h) rope(row + h * D, c, s, D, a.q + (r * num_heads + h) * D);
       for (int64_t g = 0; g < num_kv_heads; ++g) {
-        rope(row + (num_heads + g) * D, c, s, D, rotated.data());
-        c10::BFloat16* key = a.keys + (g * a.max_len + a.start + r) * D;
-        for (int64_t d = 0; d < D; ++d) key[d] = c10::BFloat16(rotated[d]);
+        rope(row + (num_heads + g) * D, c, s, D, a.keys + (g * a.max_len + a.start + r) * D);
         std::memcpy(a.values + (g * a.max_len + a.start + r) * D, row + (num_heads + num_kv_heads + g) * D,
                     D * sizeof(c10::BFloat16));
       }
@@ -1091,15 +1092,11 @@ at::Tensor attention_batch(const at::Tensor& qkv, const at::Tensor& cos, const a
   constexpr int64_t kUnitRows = 8;
   std::vector<AttentionUnit> units;
   int64_t most_queries = 1, most_keys = 0, work = 0;
-  // one-row sequences of a batched decode step: one task per KV head (its keys and values read once for its query
-  // heads) where that still gives every thread two tasks; a lone decode row keeps one task per query head
-  int64_t single_rows = std::count_if(sizes.begin(), sizes.end(), [](int64_t m) { return m == 1; });
-  bool by_kv_head = fast && single_rows * num_kv_heads >= 2 * specdeploy::step_team::threads();
   for (size_t i = 0; i < seqs.size(); ++i) {
     int64_t m = seqs[i].m, start = seqs[i].start;
     most_keys = std::max(most_keys, start + m);
     work += m * num_heads * (start + m) * D;
-    if (fast && (m > 1 || by_kv_head)) {  // about three tasks per thread at k+1 = 4..8 rows
+    if (fast && m > 1) {  // about three tasks per thread at k+1 = 4..8 rows
       int64_t unit_rows = std::clamp<int64_t>(m / 2, 1, kUnitRows);
       most_queries = std::max(most_queries, unit_rows * groups);
       for (int64_t g = 0; g < num_kv_heads; ++g)

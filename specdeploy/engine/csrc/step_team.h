@@ -95,9 +95,6 @@ struct Team {
 // The team of the step the calling thread runs, or nullptr outside Decoder::forward.
 inline thread_local Team* current = nullptr;
 
-// The threads a parallel_for here shares its work among: the step's team, else at::parallel_for's.
-inline int threads() { return current != nullptr ? current->threads : at::get_num_threads(); }
-
 // As at::parallel_for(begin, end, grain, f), on the step's team where there is one.
 template <class F>
 void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
