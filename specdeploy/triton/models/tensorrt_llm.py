@@ -213,7 +213,11 @@ class TritonPythonModel:
             **({"num_draft_tokens": num_draft_tokens} if num_draft_tokens else {}),
             # logits are kept for return_generation_logits, and to derive log probs when the executor gives none
             return_logits=flags["return_logits"] or return_log_probs,
-            streaming=True,  # always one chunk per token here: cancellation and TTFT are checked per token
+            # one chunk per token where the request streams, or runs on the stub's thread (cancellation and the deadline
+            # are checked per chunk); a non-streaming request in the batcher gets one chunk at the end: the executor
+            # checks gen.is_cancelled (cancellation, deadline, `stop`) between steps and stamps the first token in its
+            # stats, and a chunk a step would wake the request's thread, and hand it the GIL, every step
+            streaming=streaming or self.batcher is None,
             **common.request_kwargs(self._GenerationRequest, values),
         )
         return gen, flags
