@@ -9,8 +9,8 @@ servers started side by side, with repositories generated under a scratch folder
   after   `triton.inflight_batching: true`, one instance (concurrent requests share engine steps)
 and at each concurrency level sends the same greedy requests to each of `--models` (`ensemble`: the control
 path; `tensorrt_llm_bls`: the speculative path, with the recipe's draft and policy) from that many client
-threads, `--repeats` times, every level and server once per repeat in turns (on a shared machine the speed
-drifts over minutes: the median run of each is shown, and each repeat's ratio to its own first level). The prompts go in the tokenizer's chat template (`--raw`: as plain text).
+threads, `--repeats` times, every level and server once per repeat in turns, every other repeat in reverse order (on a
+shared machine the speed drifts over minutes: the median run of each is shown, and each repeat's ratio to its own first level). The prompts go in the tokenizer's chat template (`--raw`: as plain text).
 `--in-process` also runs the same requests on the target engine in this process, through the BatchScheduler the
 served model uses (the recipe's `engine.max_batch_size`), at every level in turns with the servers (idle
 meanwhile): the served figures over those are what serving adds (at the first level, and at the others, where the
@@ -250,8 +250,9 @@ def main(argv=None) -> int:
                 # every level once per repeat, in turns: the machine's speed drifts over minutes (on a shared VM by
                 # 1.5x), and the ratios between levels are what is measured
                 runs = {(label, c): [] for label in variants for c in levels}
-                for _ in range(args.repeats):
-                    for c in levels:
+                for rep in range(args.repeats):
+                    # odd repeats run the levels in reverse (ABBA): a drift over the repeats falls on every level alike
+                    for c in levels if rep % 2 == 0 else levels[::-1]:
                         for label, srv in servers.items():
                             run = _level(srv.state.grpc_url, model, prompts, c, args.max_tokens, count)
                             run["target_peak_rss_mb"] = _target_peak_rss_mb(srv.state.pid)
