@@ -151,13 +151,12 @@ def chat_ids(hf_dir: Path) -> list[int]:
     return chat_prompts(AutoTokenizer.from_pretrained(str(hf_dir)), 1, 64)[0][1]
 
 
-def engine_numbers(engine_dir: str, repeats: int, prompt_ids: list[int] | None = None) -> dict:
+def engine_numbers(engine, repeats: int, prompt_ids: list[int] | None = None) -> dict:
+    """The engine section for a loaded CpuEngine (main keeps the target's for decode_turns: one load)."""
     import torch
 
-    from specdeploy.engine.model import CpuEngine
     from specdeploy.engine.native import standing_team
 
-    engine = CpuEngine.load(engine_dir)
     gen = torch.Generator().manual_seed(0)
     vocab = engine.spec.vocab_size
     context = torch.randint(0, vocab, (200,), generator=gen)
@@ -332,7 +331,7 @@ def memory_probe(threads: int):
     return run
 
 
-def decode_turns(engine_dir: str, q8_0: tuple[Path, Path] | None, threads: int, rounds: int, prompt_ids: list[int]) -> dict:
+def decode_turns(engine, q8_0: tuple[Path, Path] | None, threads: int, rounds: int, prompt_ids: list[int]) -> dict:
     """Decode as llama-bench's tg measures it (GEN tokens after a context of `depth` tokens, the context untimed,
     tokens/s over the GEN), the engine and llama.cpp Q8_0 one after the other in every round, with a memory-bandwidth
     probe, so that the VM's drift over minutes (its speed moves 20-30 %) falls on both sides alike. Three pairs:
@@ -348,11 +347,9 @@ def decode_turns(engine_dir: str, q8_0: tuple[Path, Path] | None, threads: int, 
     matrix is the tied token_embd, read once a token); tok/s x bytes over the probe's GB/s: how close to memory."""
     import torch
 
-    from specdeploy.engine.model import CpuEngine
     from specdeploy.engine.native import standing_team
     from specdeploy.speculative import greedy_token
 
-    engine = CpuEngine.load(engine_dir)
     gen = torch.Generator().manual_seed(1)
     chat = len(prompt_ids)
     first = int(torch.randint(0, engine.spec.vocab_size, (1,), generator=gen))  # the first token at depth 0
@@ -451,6 +448,7 @@ def main(argv=None) -> int:
     recipe = load_recipe(args.recipe)
     hf_dir = Path(resolve(recipe.target.model))
     from specdeploy.engine import native
+    from specdeploy.engine.model import CpuEngine
 
     log(f"{platform.node()}: {os.cpu_count()} cores, {args.threads} threads, CPU capability "
         f"{torch.backends.cpu.get_cpu_capability()}, native kernels {native.isa()} (bf16: {native.bf16_kernel()}, int8: "
@@ -461,7 +459,11 @@ def main(argv=None) -> int:
     results["engines"] = {}
     prompt_ids = chat_ids(hf_dir)
     for name, folder in engines.items():
-        results["engines"][name] = engine_numbers(folder, args.repeats, prompt_ids)
+        engine = CpuEngine.load(folder)
+        results["engines"][name] = engine_numbers(engine, args.repeats, prompt_ids)
+        if name == "target":
+            target_engine = engine  # for decode_turns below
+        del engine
     if args.skip_llama:
         results["llama.cpp"] = {"skipped": "--skip-llama"}
     else:
@@ -471,7 +473,7 @@ def main(argv=None) -> int:
             log(f"llama.cpp section skipped: {got}")
     if "target" in engines and args.turns > 0:
         q8_0 = (got[0], got[1]["q8_0"]) if "q8_0" in results["llama.cpp"] else None
-        results["decode_in_turns"] = decode_turns(engines["target"], q8_0, args.threads, args.turns, prompt_ids)
+        results["decode_in_turns"] = decode_turns(target_engine, q8_0, args.threads, args.turns, prompt_ids)
 
     print()
     kern = results["kernels"]
