@@ -43,23 +43,22 @@ test: setup
 	$(BIN)/python -u -m pytest -q
 
 # torchao (int8 draft for Hugging Face assisted generation) goes to a side folder: installed in the
-# venv, transformers would import it on every model load. The last line sets the fused EAGLE-3 loop beside
-# llama.cpp's draft-eagle3 (same head: the recipe's trained one, else the bundled one; skipped with one line
-# when there is none). kernels.py also measures the n-gram recipe's int8_sq (per token) target beside the default's
-# FP8 one, and batching.py serves each recipe's control path at concurrency 1/2/4/8 with the in-process baseline.
+# venv, transformers would import it on every model load. bench/engine.py measures the model-draft pair;
+# kernels.py the kernels, the default recipe's int8_sq target and llama.cpp beside it; eagle3_peer.py the fused EAGLE-3
+# loop beside llama.cpp's draft-eagle3 (same head: the recipe's trained one, else the bundled one; skipped with one
+# line when there is none); batching.py serves the control path at concurrency 1/2/4/8 with the in-process baseline,
+# levels in turns over 4 repeats (ABBA). The n-gram recipe's target is the default's (same quantization, engine and
+# triton sections), so it is not measured twice.
 bench: setup models
 	$(SD) quantize $(RECIPE)
 	$(SD) build $(RECIPE)
 	$(SD) quantize $(MODEL_DRAFT_RECIPE)
 	$(SD) build $(MODEL_DRAFT_RECIPE)
-	$(SD) quantize $(NGRAM_RECIPE)
-	$(SD) build $(NGRAM_RECIPE)
 	$(BIN)/python -m pip install --quiet --target $(VENV)/bench-site --no-deps torchao==0.18.0
 	$(BIN)/python bench/engine.py --recipe $(MODEL_DRAFT_RECIPE)
-	$(BIN)/python bench/kernels.py --recipe $(RECIPE) --threads 2 --engine engines/smollm2-135m-ngram/target
+	$(BIN)/python bench/kernels.py --recipe $(RECIPE) --threads 2 --repeats 9
 	$(BIN)/python bench/eagle3_peer.py --recipe $(RECIPE) --threads 2
-	$(BIN)/python bench/batching.py --recipe $(RECIPE) --levels 1,2,4,8 --models ensemble --variants after --repeats 2 --in-process --out engines/batching.json
-	$(BIN)/python bench/batching.py --recipe $(NGRAM_RECIPE) --levels 1,2,4,8 --models ensemble --variants after --repeats 2 --in-process --out engines/batching-ngram.json
+	$(BIN)/python bench/batching.py --recipe $(RECIPE) --levels 1,2,4,8 --models ensemble --variants after --repeats 4 --in-process --out engines/batching.json
 
 # Serves the recipe's repository and OpenAI front on free loopback ports, sends every seeded malformed case
 # (docs/reliability.md), stops both; exit 1 on a crash, a lost known-good request or an error without a message.

@@ -234,7 +234,7 @@ def main(argv=None) -> int:
     print(f"{', '.join(models)}: {args.requests} requests x {args.max_tokens} max tokens per level, greedy; "
           f"before: instance_count {recipe.triton.instance_count}, one request at a time each; after: in-flight batching, 1 instance")
     rows = []
-    in_process, local = None, {c: [] for c in levels}
+    in_process, local, paired = None, {c: [] for c in levels}, {c: [] for c in levels}
     with tempfile.TemporaryDirectory(prefix="specdeploy-batching-") as work:
         servers = {}
         try:  # the servers up at once (idle, one waits while the other is measured), runs interleaved
@@ -260,6 +260,7 @@ def main(argv=None) -> int:
                             runs[label, c].append(run)
                         if in_process is not None and model == models[0]:
                             local[c].append(in_process.level(c))
+                            paired[c].append(round(runs[list(variants)[-1], c][-1]["ms_per_token"] / local[c][-1]["ms_per_token"], 3))
                 for (label, c), level_runs in runs.items():
                     row = _median_row(level_runs)
                     # each repeat's level over its own first level (measured minutes apart at most)
@@ -290,7 +291,7 @@ def main(argv=None) -> int:
     for r in rows:
         if r["concurrency"] != levels[0]:
             print(f"{r['model']} {r['variant']} c={r['concurrency']} over c={levels[0]}, output tokens/s, each repeat: "
-                  f"{', '.join(f'{x:.2f}x' for x in r['vs_first_runs'])}")
+                  f"{', '.join(f'{x:.2f}x' for x in r['vs_first_runs'])} (median {statistics.median(r['vs_first_runs']):.2f}x)")
     print(f"same text for every prompt on every path, in every server, at every concurrency: {'yes' if identical else 'NO'}")
     local_rows = {c: sorted(r, key=lambda x: x["out_tok_s"])[len(r) // 2] for c, r in local.items() if r}  # median runs
     if local_rows:
@@ -303,10 +304,14 @@ def main(argv=None) -> int:
                   f"{row['ms_per_token']:.2f} ms/token ({row['ms_per_token'] / first['ms_per_token']:.2f}x); served "
                   f"{served['out_tok_s']:.1f} tok/s, {served['ms_per_token']:.2f} ms/token "
                   f"({served['ms_per_token'] / row['ms_per_token']:.2f}x in-process)")
+        for c, ratios in paired.items():  # each repeat's served run over the in-process run right after it
+            print(f"  served over in-process ms/token at concurrency {c}, each repeat: "
+                  f"{', '.join(f'{x:.2f}x' for x in ratios)} (median {statistics.median(ratios):.2f}x)")
     print(f"cores: {os.cpu_count()}, load average now: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
     out = {"recipe": args.recipe, "max_tokens": args.max_tokens, "identical_outputs": identical, "threads": args.threads,
            "chat_template": not args.raw,
            "in_process": {str(c): row for c, row in local_rows.items()} or None,
+           "served_over_in_process_runs": {str(c): r for c, r in paired.items() if r} or None,
            "rows": [{k: v for k, v in r.items() if k not in ("texts", "all_texts")} for r in rows]}
     Path(args.out).write_text(json.dumps(out, indent=2))
     print(f"wrote {args.out}")
