@@ -432,6 +432,7 @@ def test_plain_run_is_one_target_call_for_many_tokens():
     assert [c[2] for c in target.calls] == [4, None, None] and target.calls[0] == ([0], [], 4)
     assert policy.remaining == [7, 1] and policy.caps == [3, 2, 0]
     assert stats.k_per_round == [0, 2, 0] and stats.target_iterations == 3 and stats.plain_run_tokens == 4
+    assert stats.plain_runs == 1 and stats.target_passes == 6  # the run's 4 tokens are 4 passes; the round and the step 1 each
     run, spec_round, step = policy.outcomes
     assert (run.k, run.emitted, run.plain_run, run.is_run) == (0, 4, 4, True)
     assert (step.plain_run, step.is_run) == (1, False)
@@ -453,6 +454,7 @@ def test_an_empty_proposal_becomes_a_plain_run():
     assert tokens == [1, 2, 3, 4, 7, 7, 8, 9, 6, 5] and stats.finish_reason == "length"
     assert [(c[1], c[2]) for c in target.calls] == [([], 5), ([7, 8], None), ([], None), ([], None)]
     assert policy.remaining == [10, 2, 1] and stats.k_per_round == [0, 2, 1, 0] and stats.plain_run_tokens == 5
+    assert stats.plain_runs == 1 and stats.target_passes == 8
     run, spec_round, step, _ = policy.outcomes
     assert (run.k, run.drafted, run.emitted, run.plain_run, run.is_run) == (0, 0, 5, 5, True)
     assert (step.k, step.drafted, step.plain_run) == (1, 0, 1)
