@@ -231,6 +231,7 @@ def main(argv=None) -> int:
         "after": dataclasses.replace(recipe, triton=dataclasses.replace(recipe.triton, inflight_batching=True, instance_count=1)),
     }
     variants = {label: every[label] for label in args.variants.split(",")}
+    served_label = list(variants)[-1]  # the variant run last at each level: the one the in-process run follows
     print(f"{', '.join(models)}: {args.requests} requests x {args.max_tokens} max tokens per level, greedy; "
           f"before: instance_count {recipe.triton.instance_count}, one request at a time each; after: in-flight batching, 1 instance")
     rows = []
@@ -260,7 +261,7 @@ def main(argv=None) -> int:
                             runs[label, c].append(run)
                         if in_process is not None and model == models[0]:
                             local[c].append(in_process.level(c))
-                            paired[c].append(round(runs[list(variants)[-1], c][-1]["ms_per_token"] / local[c][-1]["ms_per_token"], 3))
+                            paired[c].append(round(runs[served_label, c][-1]["ms_per_token"] / local[c][-1]["ms_per_token"], 3))
                 for (label, c), level_runs in runs.items():
                     row = _median_row(level_runs)
                     # each repeat's level over its own first level (measured minutes apart at most)
@@ -296,10 +297,10 @@ def main(argv=None) -> int:
     local_rows = {c: sorted(r, key=lambda x: x["out_tok_s"])[len(r) // 2] for c, r in local.items() if r}  # median runs
     if local_rows:
         print(f"in-process, same engine and requests through the scheduler (max_batch_size {recipe.engine.max_batch_size}), "
-              f"in turns with the servers, against served {models[0]} ({list(variants)[-1]}):")
+              f"in turns with the servers, against served {models[0]} ({served_label}):")
         first = local_rows[levels[0]]
         for c, row in local_rows.items():
-            served = row_at[models[0], list(variants)[-1], c]
+            served = row_at[models[0], served_label, c]
             print(f"  concurrency {c}: {row['out_tok_s']:7.1f} out tok/s ({row['out_tok_s'] / first['out_tok_s']:.2f}x), "
                   f"{row['ms_per_token']:.2f} ms/token ({row['ms_per_token'] / first['ms_per_token']:.2f}x); served "
                   f"{served['out_tok_s']:.1f} tok/s, {served['ms_per_token']:.2f} ms/token "
