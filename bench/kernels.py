@@ -201,10 +201,46 @@ def engine_numbers(engine, repeats: int, prompt_ids: list[int] | None = None) ->
             "screen": None if screen is None else {"rows": screen.rows, "candidates_per_row": screen.candidates / max(1, screen.rows),
                                                    "fallbacks": screen.fallbacks, "mb": screen.nbytes() / 1e6,
                                                    "max_rows": screen.max_rows},
-            "prefill_tok_s": prefill, "native": engine.native is not None, "format": getattr(engine.spec, "quant_algo", None)}
+            "prefill_tok_s": prefill, "native": engine.native is not None, "format": getattr(engine.spec, "quant_algo", None),
+            "screen_kinds": screen_kinds(engine, prompt_ids, repeats) if prompt_ids else None,
+            "screen_kind": None if screen is None else screen.kind}
 
 
 CHAT_STEPS = 32
+SCREEN_ROWS = (1, 2, 4, 8)
+
+
+def screen_kinds(engine, prompt_ids: list[int], repeats: int) -> dict | None:
+    """The LM head of greedy rows, each screen kind (engine/lm_screen.py: int8 x int8 codes of a row and its residual,
+    or W8A16) and the whole bf16 head, on the final-norm rows of the chat prompt's greedy continuation (as peaked as
+    served), 1 / 2 / 4 / 8 rows a call, in turns: seconds a call, tokens recomputed a row, whole-head fallbacks."""
+    import torch
+
+    from specdeploy.engine.lm_screen import KINDS, ScreenedHead
+
+    if engine.screen is None:
+        return None
+    cache = engine.new_cache()
+    token = int(engine.forward(cache, torch.tensor(prompt_ids))[-1].argmax())
+    continuation = [token]
+    for _ in range(max(SCREEN_ROWS) - 1):
+        continuation.append(int(engine.forward(cache, torch.tensor([continuation[-1]]))[0].argmax()))
+    cache.truncate(len(prompt_ids))
+    with torch.inference_mode():
+        hidden = engine._native_batch(engine.embedding[torch.tensor(continuation)], [cache], [len(prompt_ids)], [len(continuation)],
+                                      None, [])  # fmt: skip
+        rows = engine._norm(hidden[: len(continuation)], engine.final_norm).contiguous()
+    screens = {kind: ScreenedHead(engine.native, engine.screen.weight, engine.screen.full, kind) for kind in KINDS}
+    fns = {(kind, m): (lambda sc=sc, x=rows[:m].contiguous(): sc.argmax_rows(x)) for kind, sc in screens.items() for m in SCREEN_ROWS}
+    fns.update({("bf16 head", m): (lambda x=rows[:m].contiguous(): engine.screen.full(x)) for m in SCREEN_ROWS})
+    from specdeploy.engine.native import standing_team
+
+    with standing_team(engine.native):
+        secs = best_of_each(fns, repeats)
+    out = {name: {"seconds": {m: secs[(name, m)] for m in SCREEN_ROWS}} for name in (*KINDS, "bf16 head")}
+    for kind, sc in screens.items():
+        out[kind].update(candidates_per_row=sc.candidates / max(1, sc.rows), fallbacks=sc.fallbacks, mb=sc.nbytes() / 1e6)
+    return out
 
 
 def _chat_decode(engine, prompt_ids: list[int]) -> dict:
@@ -505,6 +541,13 @@ def main(argv=None) -> int:
             print(f"engine {name}: greedy pass of k+1 rows / one greedy step, chat continuation (screened head up to "
                   f"{sc['max_rows']} rows, {sc['mb']:.0f} MB, {sc['candidates_per_row']:.1f} tokens recomputed a row, "
                   f"{sc['fallbacks']} whole-head fallbacks): " + " ".join(f"{m}:{eng['greedy_pass_ratio'][m]:.2f}" for m in ROWS))
+        if eng.get("screen_kinds"):
+            print(f"engine {name}: LM head of greedy chat rows, ms a call at " + " / ".join(map(str, SCREEN_ROWS))
+                  + f" rows (the engine's screen: {eng['screen_kind']})")
+            for kind, r in eng["screen_kinds"].items():
+                extra = (f"; {r['candidates_per_row']:.1f} tokens recomputed a row, {r['fallbacks']} fallbacks, {r['mb']:.0f} MB"
+                         if "mb" in r else "")
+                print(f"  {kind:<10} " + " / ".join(f"{r['seconds'][m] * 1e3:.2f}" for m in SCREEN_ROWS) + extra)
 
     turns = results.get("decode_in_turns")
     if turns:

@@ -38,6 +38,8 @@ at::Tensor int8_sq_linear(const at::Tensor& x, const at::Tensor& packed, int64_t
                           const std::optional<at::Tensor>& pre_quant_scale, double act_scale,
                           const std::optional<at::Tensor>& out_scale, const std::optional<at::Tensor>& bias,
                           const std::optional<at::Tensor>& residual);
+std::tuple<at::Tensor, at::Tensor> int8_quantize(const at::Tensor& x, const std::optional<at::Tensor>& pre_quant_scale,
+                                                 double act_scale);
 }  // namespace specdeploy
 
 namespace {
@@ -759,19 +761,21 @@ at::Tensor swiglu(const at::Tensor& gate_up) {
 }
 
 // The candidates of a screened LM head (engine/lm_screen.py, which derives the bound): token j is one where, for some
-// row i, screened[i, j] + b[i, j] >= max_t (screened[i, t] - b[i, t]) with b[i, j] = rounding * |screened[i, j]| +
-// norms[i] * slack[j]. Returns them sorted, each once; empty where a row holds a non-finite value or more than
-// max_candidates qualify (the caller then runs the whole head). Two passes over each row, vectorized by the
-// OpenMP simd reductions (torch's max, comparison and nonzero over 49,152 logits took ~0.3 ms a row here).
-at::Tensor screen_candidates(const at::Tensor& screened, const at::Tensor& norms, const at::Tensor& slack, double rounding,
-                             int64_t max_candidates) {
-  TORCH_CHECK(screened.dim() == 2 && screened.scalar_type() == at::kBFloat16 && screened.is_contiguous(),
-              "screened: expected contiguous bf16 [rows, vocab]");
-  int64_t rows = screened.size(0), V = screened.size(1);
-  TORCH_CHECK(norms.scalar_type() == at::kFloat && norms.is_contiguous() && norms.numel() == rows, "norms: expected f32 [rows]");
-  TORCH_CHECK(slack.scalar_type() == at::kFloat && slack.is_contiguous() && slack.numel() == V, "slack: expected f32 [vocab]");
+// row i, A[i, j] + b[i, j] >= max_t (A[i, t] - b[i, t]). The W8A16 screen: A = screened[i, j] (bf16) and
+// b = rounding * |A| + norms[i] * slack[j]. The int8 screen (Residual): screened holds two rows per row i, i and
+// rows + i, the int8 codes of x and of its rounding residual, A = screened[i, j] + screened[rows + i, j] (f32) and
+// b = rounding * (|A| + |screened[rows + i, j]|) + norms[i] * slack[j] + residuals[i] * slack_act[j]. Returns them
+// sorted, each once; empty where a row holds a non-finite value or more than max_candidates qualify (the caller then
+// runs the whole head). Two passes over each row, vectorized by the OpenMP simd reductions (torch's max, comparison
+// and nonzero over 49,152 logits took ~0.3 ms a row here).
+template <bool Residual>
+at::Tensor screen_candidates(const at::Tensor& screened, int64_t rows, const float* norms, const float* residuals,
+                             const float* s, const float* s_act, double rounding, int64_t max_candidates) {
+  TORCH_CHECK(screened.dim() == 2 && screened.scalar_type() == at::kBFloat16 && screened.is_contiguous() &&
+                  screened.size(0) == (Residual ? 2 : 1) * rows,
+              "screened: expected contiguous bf16 [rows, vocab] (twice the rows for the int8 screen)");
+  const int64_t V = screened.size(1);
   const uint16_t* a = reinterpret_cast<const uint16_t*>(screened.data_ptr<c10::BFloat16>());
-  const float* s = slack.data_ptr<float>();
   const float r = static_cast<float>(rounding);
   auto value = [](uint16_t bf16) {  // a bf16's f32 value, in a form the loops below vectorize
     uint32_t bits = static_cast<uint32_t>(bf16) << 16;
@@ -783,14 +787,20 @@ at::Tensor screen_candidates(const at::Tensor& screened, const at::Tensor& norms
   std::vector<int64_t> found;
   for (int64_t i = 0; i < rows; ++i) {
     const uint16_t* row = a + i * V;
-    const float n = norms.data_ptr<float>()[i];
+    const uint16_t* rest = Residual ? a + (rows + i) * V : row;  // the residual's row (unused by the W8A16 screen)
+    const float n = norms[i], e = Residual ? residuals[i] : 0.0f;
+    // (A, b) of token j, as the comment above defines them
+    auto center = [&](int64_t j) { return Residual ? value(row[j]) + value(rest[j]) : value(row[j]); };
+    auto radius = [&](int64_t j, float v) {
+      return Residual ? r * (std::fabs(v) + std::fabs(value(rest[j]))) + n * s[j] + e * s_act[j] : r * std::fabs(v) + n * s[j];
+    };
     float best = -INFINITY;
-    int bad = !std::isfinite(n);
+    int bad = !std::isfinite(n) || !std::isfinite(e);
 #pragma omp simd reduction(max : best) reduction(| : bad)
     for (int64_t j = 0; j < V; ++j) {
-      float v = value(row[j]);
-      best = std::max(best, v - (r * std::fabs(v) + n * s[j]));
-      bad |= (row[j] & 0x7f80) == 0x7f80;  // NaN or infinity
+      float v = center(j);
+      best = std::max(best, v - radius(j, v));
+      bad |= (row[j] & 0x7f80) == 0x7f80 || (rest[j] & 0x7f80) == 0x7f80;  // NaN or infinity
     }
     if (bad) return at::empty({0}, at::kLong);
     for (int64_t j0 = 0; j0 < V; j0 += kBlock) {  // a block is scanned token by token only where it holds one
@@ -798,13 +808,13 @@ at::Tensor screen_candidates(const at::Tensor& screened, const at::Tensor& norms
       int any = 0;
 #pragma omp simd reduction(| : any)
       for (int64_t j = j0; j < end; ++j) {
-        float v = value(row[j]);
-        any |= v + (r * std::fabs(v) + n * s[j]) >= best;
+        float v = center(j);
+        any |= v + radius(j, v) >= best;
       }
       if (!any) continue;
       for (int64_t j = j0; j < end; ++j) {
-        float v = value(row[j]);
-        if (v + (r * std::fabs(v) + n * s[j]) >= best) found.push_back(j);
+        float v = center(j);
+        if (v + radius(j, v) >= best) found.push_back(j);
       }
       if (static_cast<int64_t>(found.size()) > max_candidates * rows) return at::empty({0}, at::kLong);
     }
@@ -817,32 +827,19 @@ at::Tensor screen_candidates(const at::Tensor& screened, const at::Tensor& norms
   return out;
 }
 
-// The logits [rows, vocab] (f32) of a screened LM head's rows (engine/lm_screen.py): x [rows, K] bf16 the final norm's
-// rows, screened [rows, vocab] bf16 their int8 copy's logits, slack [vocab], head [vocab, K] bf16 the head's weight.
-// The candidates (screen_candidates, with ||x|| rounded up) get the bf16 head's own logits, computed by `linear` on
-// their rows packed as `pack` packs the head; every other token is -inf. Empty where screen_candidates is (the
-// caller then runs the whole head); with the number of candidates. One call for what took eight torch ops, ~0.5 ms a step after the layers had
-// streamed the caches out (measured on the 2-core Xeon: docs/benchmarks.md).
-std::tuple<at::Tensor, int64_t> screen_logits(const at::Tensor& x, const at::Tensor& screened, const at::Tensor& slack,
-                                              const at::Tensor& head, double rounding, int64_t max_candidates) {
+void check_screen_args(const at::Tensor& x, const at::Tensor& head, const at::Tensor& slack) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x: expected contiguous bf16 [rows, K]");
   TORCH_CHECK(head.dim() == 2 && head.scalar_type() == at::kBFloat16 && head.is_contiguous() && head.size(1) == x.size(1),
               "head: expected contiguous bf16 [vocab, K]");
-  TORCH_CHECK(screened.dim() == 2 && screened.size(0) == x.size(0) && screened.size(1) == head.size(0),
-              "screened: expected [rows, vocab]");
-  const int64_t rows = x.size(0), K = x.size(1), V = head.size(0);
-  at::Tensor norms = at::empty({rows}, at::kFloat);
-  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
-  for (int64_t i = 0; i < rows; ++i) {
-    double squares = 0;
-    for (int64_t k = 0; k < K; ++k) {
-      double v = static_cast<float>(xp[i * K + k]);
-      squares += v * v;
-    }
-    norms.data_ptr<float>()[i] = static_cast<float>(std::sqrt(squares) * (1 + 1e-6));  // ||x||, rounded up
-  }
-  at::Tensor candidates = screen_candidates(screened, norms, slack, rounding, max_candidates);
-  const int64_t n = candidates.numel();
+  TORCH_CHECK(slack.scalar_type() == at::kFloat && slack.is_contiguous() && slack.numel() == head.size(0),
+              "slack: expected f32 [vocab]");
+}
+
+// The screen's result: the candidates get the bf16 head's own logits, computed by `linear` on their rows packed as
+// `pack` packs the head (the kernel's bits do not depend on the block a channel sits in); every other token is -inf.
+// Empty where there are no candidates (the caller then runs the whole head); with the number of candidates.
+std::tuple<at::Tensor, int64_t> candidate_logits(const at::Tensor& x, const at::Tensor& head, const at::Tensor& candidates) {
+  const int64_t rows = x.size(0), K = x.size(1), V = head.size(0), n = candidates.numel();
   if (n == 0) return {at::empty({0, V}, at::kFloat), 0};
   const int64_t* ids = candidates.data_ptr<int64_t>();
   at::Tensor picked = at::empty({n, K}, head.options());
@@ -857,6 +854,77 @@ std::tuple<at::Tensor, int64_t> screen_logits(const at::Tensor& x, const at::Ten
   for (int64_t i = 0; i < rows; ++i)
     for (int64_t j = 0; j < n; ++j) op[i * V + ids[j]] = static_cast<float>(ep[i * n + j]);
   return {out, n};
+}
+
+// The logits [rows, vocab] (f32) of a screened LM head's rows (engine/lm_screen.py), the W8A16 screen: x [rows, K] bf16
+// the final norm's rows, screened [rows, vocab] bf16 their int8 copy's logits, slack [vocab], head [vocab, K] bf16 the
+// head's weight; the candidates (screen_candidates, with ||x|| rounded up) through candidate_logits. One call for what
+// took eight torch ops, ~0.5 ms a step after the layers had streamed the caches out (measured on the 2-core Xeon:
+// docs/benchmarks.md).
+std::tuple<at::Tensor, int64_t> screen_logits(const at::Tensor& x, const at::Tensor& screened, const at::Tensor& slack,
+                                              const at::Tensor& head, double rounding, int64_t max_candidates) {
+  check_screen_args(x, head, slack);
+  TORCH_CHECK(screened.size(1) == head.size(0), "screened: expected [rows, vocab]");
+  const int64_t rows = x.size(0), K = x.size(1);
+  std::vector<float> norms(rows);
+  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+  for (int64_t i = 0; i < rows; ++i) {
+    double squares = 0;
+    for (int64_t k = 0; k < K; ++k) {
+      double v = static_cast<float>(xp[i * K + k]);
+      squares += v * v;
+    }
+    norms[i] = static_cast<float>(std::sqrt(squares) * (1 + 1e-6));  // ||x||, rounded up
+  }
+  at::Tensor candidates = screen_candidates<false>(screened, rows, norms.data(), nullptr, slack.data_ptr<float>(), nullptr,
+                                                   rounding, max_candidates);
+  return candidate_logits(x, head, candidates);
+}
+
+// The int8 screen (engine/lm_screen.py): each row x [rows, K] and its rounding residual run through the int8
+// SmoothQuant kernel (int8_kernels.cpp, per token, no smoothing) against the head's int8 codes: packed (int8_pack of
+// the codes for `variant`), out_scale [vocab] their scales. x = s1 q1 + r, where s1 q1 are the kernel's own codes of x
+// (int8_quantize), r is exact in double; the second row is bf16(r), whose codes s2 q2 leave e = x - s1 q1 - s2 q2,
+// also exact in double. ||x|| and ||e|| (rounded up) bound the activations' part of the error (slack_act [vocab]:
+// ||s_j q_j|| of each token's codes), slack [vocab] the weights'; the candidates then through candidate_logits.
+std::tuple<at::Tensor, int64_t> screen_logits_int8(const at::Tensor& x, const at::Tensor& packed, int64_t variant,
+                                                   const at::Tensor& out_scale, const at::Tensor& slack,
+                                                   const at::Tensor& slack_act, const at::Tensor& head, double rounding,
+                                                   int64_t max_candidates) {
+  check_screen_args(x, head, slack);
+  TORCH_CHECK(slack_act.scalar_type() == at::kFloat && slack_act.is_contiguous() && slack_act.numel() == head.size(0),
+              "slack_act: expected f32 [vocab]");
+  const int64_t rows = x.size(0), K = x.size(1), V = head.size(0);
+  at::Tensor stacked = at::empty({2 * rows, K}, x.options());  // x's rows, then their residuals' (bf16)
+  std::memcpy(stacked.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(), rows * K * sizeof(c10::BFloat16));
+  auto [q1, s1] = specdeploy::int8_quantize(x, std::nullopt, 0.0);
+  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+  const int8_t* c1 = q1.data_ptr<int8_t>();
+  c10::BFloat16* rp = stacked.data_ptr<c10::BFloat16>() + rows * K;
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t k = 0; k < K; ++k)
+      rp[i * K + k] = c10::BFloat16(static_cast<float>(static_cast<float>(xp[i * K + k]) -
+                                                       static_cast<double>(s1.data_ptr<float>()[i]) * c1[i * K + k]));
+  auto [q2, s2] = specdeploy::int8_quantize(stacked.narrow(0, rows, rows), std::nullopt, 0.0);
+  const int8_t* c2 = q2.data_ptr<int8_t>();
+  std::vector<float> norms(rows), residuals(rows);
+  for (int64_t i = 0; i < rows; ++i) {
+    const double a = s1.data_ptr<float>()[i], b = s2.data_ptr<float>()[i];
+    double squares = 0, errors = 0;
+    for (int64_t k = 0; k < K; ++k) {
+      double v = static_cast<float>(xp[i * K + k]);
+      double e = v - a * c1[i * K + k] - b * c2[i * K + k];  // each product and both sums exact in double
+      squares += v * v;
+      errors += e * e;
+    }
+    norms[i] = static_cast<float>(std::sqrt(squares) * (1 + 1e-6));  // ||x||, rounded up
+    residuals[i] = static_cast<float>(std::sqrt(errors) * (1 + 1e-6));  // ||e||, rounded up
+  }
+  at::Tensor screened = specdeploy::int8_sq_linear(stacked, packed, V, variant, std::nullopt, 0.0, out_scale, std::nullopt,
+                                                   std::nullopt);  // [2 rows, vocab] bf16
+  at::Tensor candidates = screen_candidates<true>(screened, rows, norms.data(), residuals.data(), slack.data_ptr<float>(),
+                                                  slack_act.data_ptr<float>(), rounding, max_candidates);
+  return candidate_logits(x, head, candidates);
 }
 
 // a . b for a key of the cache (bf16, read as f32: exact)
@@ -1281,6 +1349,7 @@ TORCH_LIBRARY(specdeploy_cpu, ops) {
   ops.def("rms_norm", &rms_norm);
   ops.def("swiglu", &swiglu);
   ops.def("screen_logits", &screen_logits);
+  ops.def("screen_logits_int8", &screen_logits_int8);
   ops.def(
       "attention(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) keys, Tensor(b!) values, int start, int m, "
       "int num_heads, int num_kv_heads, float scale) -> Tensor",

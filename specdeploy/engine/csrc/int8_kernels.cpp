@@ -473,7 +473,12 @@ void check_x(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x: expected contiguous bf16 [M, K]");
 }
 
-// The prologue alone, for tests: (q [M, K] int8, token scales [M] f32; zeros with a per-tensor scale).
+}  // namespace
+
+namespace specdeploy {
+
+// The prologue alone: (q [M, K] int8, token scales [M] f32; zeros with a per-tensor scale). For tests, and for the
+// int8 LM screen (cpu_kernels.cpp screen_logits_int8), which needs the codes the kernel multiplies.
 std::tuple<at::Tensor, at::Tensor> int8_quantize(const at::Tensor& x, const std::optional<at::Tensor>& pre_quant_scale,
                                                  double act_scale) {
   check_x(x);
@@ -485,10 +490,6 @@ std::tuple<at::Tensor, at::Tensor> int8_quantize(const at::Tensor& x, const std:
                 static_cast<float>(act_scale), q.data_ptr<int8_t>(), scale.data_ptr<float>());
   return {q.narrow(1, 0, K).contiguous(), scale};
 }
-
-}  // namespace
-
-namespace specdeploy {
 
 // y [M, N] bf16 (see the file's comment). act_scale > 0: per-tensor static activation scale and out_scale =
 // act_scale * weight_scale; act_scale <= 0: per-token dynamic scales and out_scale = weight_scale.
@@ -534,6 +535,6 @@ at::Tensor int8_sq_linear(const at::Tensor& x, const at::Tensor& packed, int64_t
 TORCH_LIBRARY_FRAGMENT(specdeploy_cpu, ops) {
   ops.def("int8_pack", &int8_pack);
   ops.def("int8_variants", &int8_variants);
-  ops.def("int8_quantize", &int8_quantize);
+  ops.def("int8_quantize", &specdeploy::int8_quantize);
   ops.def("int8_linear", &specdeploy::int8_sq_linear);
 }
