@@ -43,6 +43,16 @@ def _toward(weight: torch.Tensor, tokens: list[int], gen: torch.Generator, scale
     return x.to(torch.bfloat16).reshape(1, HIDDEN)
 
 
+def _near_tie(weight: torch.Tensor, gen: torch.Generator, scale: float, noise: float, width: float) -> torch.Tensor:
+    """A row x [hidden] (f32) leaning toward two random tokens, moved along their weight rows' difference so that their
+    exact logits lie a uniform draw in [-width, width] apart."""
+    a, b = torch.randperm(weight.shape[0], generator=gen)[:2].tolist()
+    apart = (weight[a] - weight[b]).float()
+    x = _toward(weight, [a, b], gen, scale=scale, noise=noise).float()[0]
+    gap = float(torch.empty(()).uniform_(-width, width, generator=gen))  # logit a - logit b
+    return x + (gap - x @ apart) / (apart @ apart) * apart
+
+
 def _check(screen: ScreenedHead, x: torch.Tensor) -> torch.Tensor:
     """The screened rows against the full head: the same bits wherever a logit is kept, the same argmax."""
     full = screen.full(x).float()  # [rows, vocab]
@@ -74,11 +84,7 @@ def test_the_bound_catches_what_the_int8_copy_ranks_wrong(kind):
     screen = _screen(weight, kind)
     flipped = 0
     for _ in range(100):
-        a, b = torch.randperm(VOCAB, generator=gen)[:2].tolist()
-        apart = (weight[a] - weight[b]).float()
-        x = _toward(weight, [a, b], gen, scale=6.0, noise=0.05).float()[0]
-        gap = float(torch.empty(()).uniform_(-0.06, 0.06, generator=gen))  # logit a - logit b
-        x = x + (gap - x @ apart) / (apart @ apart) * apart
+        x = _near_tie(weight, gen, scale=6.0, noise=0.05, width=0.06)
         x[0] = 0.0
         x = x.to(torch.bfloat16).reshape(1, HIDDEN)
         flipped += int(screen.screened(x).argmax()) != int(screen.full(x).float().argmax())
@@ -147,16 +153,14 @@ def test_the_int8_screen_bounds_coarse_activation_steps():
     """Rows with one outlier activation (int8 steps of outlier/127 for every other channel of the row): the int8 copy's
     codes of x alone then often name the wrong one of two close tokens; the residual's codes and the bound keep the
     screened result exact, and the candidates few."""
-    screen, weight, gen = _head("int8", seed=4)
+    _, weight, gen = _head("int8", seed=4)
+    weight = weight.clone()
+    weight[:, 7] = 0.0  # the outlier's channel: it moves no logit, only the codes' steps
+    screen = _screen(weight, "int8")
     flipped = 0
     for i in range(100):
-        a, b = torch.randperm(VOCAB, generator=gen)[:2].tolist()
-        apart = (weight[a] - weight[b]).float()
-        x = _toward(weight, [a, b], gen, scale=6.0, noise=0.05).float()[0]
-        x[7] = 0.0
-        gap = float(torch.empty(()).uniform_(-0.06, 0.06, generator=gen))  # logit a - logit b
-        x = x + (gap - x @ apart) / (apart @ apart) * apart
-        x[7] = 60.0 if i % 2 else -60.0  # the outlier (its own logit part is a shift along weight[:, 7])
+        x = _near_tie(weight, gen, scale=6.0, noise=0.05, width=0.06)
+        x[7] = 60.0 if i % 2 else -60.0
         x = x.to(torch.bfloat16).reshape(1, HIDDEN)
         flipped += int(screen.screened(x).argmax()) != int(screen.full(x).float().argmax())
         _check(screen, x)
@@ -188,11 +192,7 @@ def test_the_int8_screen_bounds_what_the_residual_codes_leave():
     screen = _screen(weight, "int8")
     flipped = 0
     for i in range(100):
-        a, b = torch.randperm(VOCAB, generator=gen)[:2].tolist()
-        apart = (weight[a] - weight[b]).float()
-        x = _toward(weight, [a, b], gen, scale=0.1, noise=0.002).float()[0]
-        gap = float(torch.empty(()).uniform_(-0.003, 0.003, generator=gen))  # logit a - logit b
-        x = x + (gap - x @ apart) / (apart @ apart) * apart
+        x = _near_tie(weight, gen, scale=0.1, noise=0.002, width=0.003)
         x[0], x[7], x[9] = 0.0, 60.0, 0.23  # 60 / 127 = 0.47: x's codes are 0 but at 7, the residual's steps 0.23 / 127
         x = x.to(torch.bfloat16).reshape(1, HIDDEN)
         two_rows = screen.screened(torch.cat([x, (x.double() - _codes_of(x)).to(torch.bfloat16)]))
