@@ -88,6 +88,14 @@ def greedy_token(logits: torch.Tensor) -> int:
     return int(torch.argmax(logits))
 
 
+def greedy_tokens(rows: torch.Tensor) -> list[int]:
+    """greedy_token of each row of rows [n, vocab] (a verification pass: 0.36 ms a pass of ~3 rows through torch's
+    argmax in the fused loop's profile, 2-core Xeon, 2026-11-29)."""
+    if rows.dtype == torch.float32 and rows.dim() == 2 and rows.is_cpu:
+        return np.argmax(rows.numpy(), axis=-1).tolist()
+    return rows.argmax(-1).tolist()
+
+
 def sampling_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Probabilities [..., vocab] (fp32) that a token is drawn from: temperature, then top-k, then top-p.
 
@@ -150,7 +158,7 @@ def verify_greedy(draft_tokens: Sequence[int], target_logits: torch.Tensor) -> t
     """
     k = len(draft_tokens)
     assert target_logits.shape[0] == k + 1, (target_logits.shape, k)
-    target_tokens = target_logits.argmax(-1).tolist()  # [k + 1]
+    target_tokens = greedy_tokens(target_logits)  # [k + 1]
     num_accepted = 0
     while num_accepted < k and draft_tokens[num_accepted] == target_tokens[num_accepted]:
         num_accepted += 1

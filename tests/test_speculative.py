@@ -520,7 +520,7 @@ def test_greedy_token_is_torchs_argmax_ties_nans_and_infinities_included():
     """greedy_token takes a float32 row through numpy's argmax (SIMD; torch's CPU argmax was ~0.1 ms a token): the
     same index as torch's on ties (the lowest id), NaNs (the first wins), infinities, all -inf rows (the screened head's
     rows are -inf outside its candidates), rows of a 2-D tensor, inference tensors, and other dtypes (through torch)."""
-    from specdeploy.speculative import greedy_token
+    from specdeploy.speculative import greedy_token, greedy_tokens
 
     g = torch.Generator().manual_seed(0)
     nan, inf = float("nan"), float("inf")
@@ -534,4 +534,7 @@ def test_greedy_token_is_torchs_argmax_ties_nans_and_infinities_included():
     rows += [r.to(torch.bfloat16) for r in rows[:3]] + [rows[6].double()]
     for row in rows:
         assert greedy_token(row) == int(torch.argmax(row)), row
+        both = torch.stack([row, row.flip(0)])  # greedy_tokens: each row of a pass, also of a transposed (strided) one
+        for pair in (both, both.t().contiguous().t()):
+            assert greedy_tokens(pair) == pair.argmax(-1).tolist(), pair
     assert greedy_token(torch.tensor([1.0, 3.0, 3.0, 2.0])) == 1 and greedy_token(torch.tensor([1.0, nan, 5.0])) == 1
