@@ -46,12 +46,13 @@ def _server_line() -> str:
 
 
 def _native_line() -> str:
-    from specdeploy.engine import native
+    from specdeploy.engine import lm_screen, native
 
     if not native.cpu_supported():
         return _line(False, "native kernels", "this CPU has neither AVX-512 nor AVX2 + FMA: CPU engines run on torch ops")
     int8 = native.INT8_VARIANT_NAMES[native.int8_variant()]
-    return _line(True, "native kernels", f"{native.isa()}, bf16 {native.bf16_kernel()}, int8 {int8} (chosen from this CPU's flags; built on first use)")
+    return _line(True, "native kernels", f"{native.isa()}, bf16 {native.bf16_kernel()}, int8 {int8}, greedy LM screen "
+                 f"{lm_screen.default_kind()} (chosen from this CPU's flags; built on first use)")
 
 
 def _shm_line() -> str:

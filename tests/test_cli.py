@@ -1,4 +1,5 @@
 
+import pytest
 import yaml
 from click.testing import CliRunner
 
@@ -82,6 +83,18 @@ def test_doctor_prints_one_line_per_check():
     assert result.exit_code == 0
     for what in ("python", "torch", "GPU", "modelopt", "tritonserver", "shared memory", "free ports", "cache dir"):
         assert what in result.output
+
+
+def test_doctor_names_the_kernels_this_cpu_gets(monkeypatch):
+    from specdeploy.engine import lm_screen, native
+
+    if not native.cpu_supported():
+        pytest.skip("no native kernels on this CPU")
+    monkeypatch.delenv(lm_screen.KIND_ENV, raising=False)
+    for variant, kind in ((native.INT8_AVX2, "w8a16"), (native.INT8_AVX512_VNNI, "int8")):
+        monkeypatch.setattr(native, "int8_variant", lambda v=variant: v)
+        out = run("doctor").output
+        assert f"int8 {native.INT8_VARIANT_NAMES[variant]}, greedy LM screen {kind}" in out, out
 
 
 def test_models_list():
