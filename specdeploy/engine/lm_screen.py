@@ -13,8 +13,8 @@ Two screens, chosen by the CPU (`default_kind`):
     bf16(x - s1 q1) (s2 q2): two kernel rows per row, one stream of the codes, A_j = their two outputs summed. The
     residual's codes make the activations' error ~1/127 of a single code's, so the bound stays as tight as W8A16's
     (the same ~2-5 candidates a row on chat text; one code alone left 30-450). The integer sums are exact and cheap:
-    1.25 / 1.24 / 1.25 / 2.13 ms a call of 1 / 2 / 4 / 8 rows against W8A16's 1.38 / 1.39 / 1.71 / 3.35, whose f32
-    decode of every weight grows with the rows (bench/kernels.py, 2-core Xeon, docs/benchmarks.md).
+    1.37 / 1.40 / 1.46 / 2.28 ms a call of 1 / 2 / 4 / 8 rows against W8A16's 1.54 / 1.61 / 1.89 / 3.70, whose f32
+    decode of every weight grows with the rows (bench/kernels.py on the 2-core Xeon: docs/benchmarks.md).
   - "w8a16" (AVX2-only CPUs: their int8 kernel's cost grows with the rows about as fast, 1.53 / 2.23 one-row passes
     at 4 / 8 rows in bench/kernels.py, so two rows a row would gain nothing): the int8 weight-only kernel, f32
     activations, so no activation rounding to bound.
@@ -26,8 +26,8 @@ Why the argmax is the bf16 head's, bit for bit. Per row x and token j, with R_j 
     the copy is made;
   - int8: A_j = fl(o1_j + o2_j), o_t = bf16(fl(fl(f32(sum_k q_t,k q_jk) * s_t) * s_j)), the int32 sums exact; with
     e = x - s1 q1 - s2 q2 (exact in double, per row) and x . W_j - (s1 q1 + s2 q2) . s_j q_j = x . (W_j - s_j q_j)
-    + e . s_j q_j, the codes' part is within ||x|| ||W_j - s_j q_j|| + ||e|| ||s_j q_j||; each o_t is within 2^-8
-    of itself, so the roundings are bounded by 2^-8 (|A_j| + 2 |o2_j|) and the C side's;
+    + e . s_j q_j, the codes' part is within ||x|| ||W_j - s_j q_j|| + ||e|| ||s_j q_j||; each o_t lies within
+    2^-8 |o_t| (and a few u) of its exact value, so A_j's roundings stay within 2^-8 (|A_j| + 2 |o2_j|);
   - a sum of K products rounded in any order lies within gamma_K * sum_k |x_k w_k| <= gamma_K ||x|| ||w|| of the
     exact one (gamma_K = K u / (1 - K u), u = 2^-24; Higham, Accuracy and Stability of Numerical Algorithms,
     2nd ed., section 3.1), and each bf16 rounding moves a value by at most 2^-8 of it.
