@@ -210,6 +210,18 @@ CHAT_STEPS = 32
 SCREEN_ROWS = (1, 2, 4, 8)
 
 
+def greedy_continuation(engine, prompt_ids: list[int], steps: int):
+    """(a cache holding the prompt only, the prompt's greedy continuation: its first token and `steps` more)."""
+    import torch
+
+    cache = engine.new_cache()
+    continuation = [int(engine.forward(cache, torch.tensor(prompt_ids))[-1].argmax())]
+    for _ in range(steps):
+        continuation.append(int(engine.forward(cache, torch.tensor([continuation[-1]]))[0].argmax()))
+    cache.truncate(len(prompt_ids))
+    return cache, continuation
+
+
 def screen_kinds(engine, prompt_ids: list[int], repeats: int) -> dict | None:
     """The LM head of greedy rows, each screen kind (engine/lm_screen.py: int8 x int8 codes of a row and its residual,
     or W8A16) and the whole bf16 head, on the final-norm rows of the chat prompt's greedy continuation (as peaked as
@@ -220,12 +232,7 @@ def screen_kinds(engine, prompt_ids: list[int], repeats: int) -> dict | None:
 
     if engine.screen is None:
         return None
-    cache = engine.new_cache()
-    token = int(engine.forward(cache, torch.tensor(prompt_ids))[-1].argmax())
-    continuation = [token]
-    for _ in range(max(SCREEN_ROWS) - 1):
-        continuation.append(int(engine.forward(cache, torch.tensor([continuation[-1]]))[0].argmax()))
-    cache.truncate(len(prompt_ids))
+    cache, continuation = greedy_continuation(engine, prompt_ids, max(SCREEN_ROWS) - 1)
     with torch.inference_mode():
         hidden = engine._native_batch(engine.embedding[torch.tensor(continuation)], [cache], [len(prompt_ids)], [len(continuation)],
                                       None, [])  # fmt: skip
@@ -251,13 +258,8 @@ def _chat_decode(engine, prompt_ids: list[int]) -> dict:
     all right)."""
     import torch
 
-    cache = engine.new_cache()
-    token = int(engine.forward(cache, torch.tensor(prompt_ids))[-1].argmax())
+    cache, continuation = greedy_continuation(engine, prompt_ids, max(CHAT_STEPS, max(ROWS)))
     length = cache.length
-    continuation = [token]
-    for _ in range(max(CHAT_STEPS, max(ROWS))):
-        continuation.append(int(engine.forward(cache, torch.tensor([continuation[-1]]))[0].argmax()))
-    cache.truncate(length)
 
     def run_of(greedy: bool):
         def run():
