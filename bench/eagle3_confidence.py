@@ -94,11 +94,11 @@ def record_rounds(executor, head, prompts, max_tokens: int, k: int, end_id) -> l
 
     def new_drafter(*args, **kwargs):
         drafter = real_new(*args, **kwargs)
-        real_draft = drafter.draft
+        real_draft = drafter.draft_steps  # what the fused loop calls (a generator of the head passes it needs)
 
-        def draft(n, p_min=0.0, rule=None):
+        def draft_steps(n, p_min=0.0, rule=None):
             base, logits, prenorm, probabilities = drafter.cache.length, drafter.logits, drafter.prenorm, []
-            tokens = real_draft(n, p_min, rule)
+            tokens = yield from real_draft(n, p_min, rule)
             for i, token in enumerate(tokens):  # the same rows again, for their probabilities (draft() keeps none)
                 if i:
                     logits, prenorm = head.forward(drafter.cache, prenorm, torch.tensor([tokens[i - 1]]))
@@ -107,7 +107,7 @@ def record_rounds(executor, head, prompts, max_tokens: int, k: int, end_id) -> l
             seen.append((base, tokens, probabilities))
             return tokens
 
-        drafter.draft = draft
+        drafter.draft_steps = draft_steps
         return drafter
 
     head.new_drafter = new_drafter

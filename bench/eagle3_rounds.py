@@ -17,6 +17,10 @@ the whole set: tokens per second of each variant against the target alone.
 draft_p_min and --draft-len unless given; SA: draft.sa_config.threshold, the request's own text looked up before the head,
 0 off; default the recipe's), each on its own executor (the cost policy's measurements carry over its runs).
 
+--compare-head-batch (with --concurrency > 1) adds a run in each turn of the recipe's variant with the scheduler's head
+forwards one request at a time (as before the heads were batched: engine/batching.py), and prints each run's wall time in
+head forwards and how many requests shared one.
+
 --compare-team adds a third run in each turn: the k run without the standing team Executor.generate opens around
 each step (engine/native.standing_team; the head's work included), to see what one wake-up per step instead of one
 per parallel loop saves; run it with OMP_WAIT_POLICY=PASSIVE, as the served stubs run.
@@ -72,6 +76,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--compare-team", action="store_true", help="also run k without the standing team (see above)")
+    ap.add_argument("--compare-head-batch", action="store_true",
+                    help="also run k with the head forwards of the requests in flight one at a time (see above)")
     ap.add_argument("--concurrency", type=int, default=1, help="prompts in flight (see above)")
     ap.add_argument("--variants", default="", help="POLICY[:DRAFT_P_MIN[:K[:SA]]],... (see above); default: the recipe's")
     args = ap.parse_args(argv)
@@ -88,8 +94,9 @@ def main(argv=None) -> int:
     own = f"{recipe.speculative.policy}:{recipe.speculative.draft_p_min:g}"
     variants = [v if ":" in v else f"{v}:{recipe.speculative.draft_p_min:g}" for v in args.variants.split(",") if v] or [own]
     executors, draft_len = {"0": None}, {"0": 0}
-    for name in variants + (["no team"] if args.compare_team else []):
-        policy, p_min, *rest = (own if name == "no team" else name).split(":")
+    extra = (["no team"] if args.compare_team else []) + (["heads alone"] if args.compare_head_batch else [])
+    for name in variants + extra:
+        policy, p_min, *rest = (own if name in extra else name).split(":")
         sa = int(rest[1]) if len(rest) > 1 else recipe.draft.lookup_threshold
         executors[name] = Executor(engine, 2, head=head, draft_p_min=float(p_min), draft_policy=policy, lookup_threshold=sa)
         draft_len[name] = int(rest[0]) if rest else k
@@ -107,7 +114,7 @@ def main(argv=None) -> int:
             with _standing_team(name != "no team"):
                 if args.concurrency > 1:
                     tot, outputs[name] = run_batched(executors[name], prompts, draft_len[name], args.max_tokens,
-                                                     tokenizer.eos_token_id, args.concurrency)  # fmt: skip
+                                                     tokenizer.eos_token_id, args.concurrency, name != "heads alone")  # fmt: skip
                 else:
                     tot, outputs[name] = run_all(executors[name], prompts, draft_len[name], args.max_tokens, tokenizer.eos_token_id)
             runs[name].append(tot)
@@ -134,14 +141,27 @@ def main(argv=None) -> int:
     return 0 if same else 1
 
 
-def run_batched(executor, prompts, k: int, max_tokens: int, end_id, concurrency: int) -> tuple[dict, list[list[int]]]:
-    """The prompts `concurrency` at a time through one BatchScheduler: wall time of the set, tokens, drafts."""
+def run_batched(executor, prompts, k: int, max_tokens: int, end_id, concurrency: int, batch_heads: bool = True) -> tuple[dict, list[list[int]]]:
+    """The prompts `concurrency` at a time through one BatchScheduler: wall time of the set (and of its head forwards),
+    tokens, drafts. batch_heads False: the head forwards of the requests in flight run one request at a time."""
     import threading
 
     from specdeploy.engine.batching import BatchScheduler
     from specdeploy.engine.request import GenerationRequest
 
     executor.clear_cache()
+    head_s, heads = [0.0], [0, 0]  # time in head forwards; head passes, head steps
+    run_head_passes = type(executor).run_head_passes
+
+    def timed_heads(passes):
+        t = time.perf_counter()
+        for group in [passes] if batch_heads else [[p] for p in passes]:
+            run_head_passes(executor, group)
+        head_s[0] += time.perf_counter() - t
+        heads[0] += len(passes)
+        heads[1] += 1
+
+    executor.run_head_passes = timed_heads
     scheduler = BatchScheduler(executor, concurrency)
     outputs: list = [None] * len(prompts)
     stats: list = [None] * len(prompts)
@@ -170,8 +190,9 @@ def run_batched(executor, prompts, k: int, max_tokens: int, end_id, concurrency:
         t.join()
     wall = time.perf_counter() - t0
     scheduler.close()
+    del executor.run_head_passes
     tot = dict(t=wall, out=sum(len(o) for o in outputs), passes=sum(s.iterations for s in stats), drafted=sum(s.drafted for s in stats),
-               accepted=sum(s.accepted for s in stats))  # fmt: skip
+               accepted=sum(s.accepted for s in stats), head_s=head_s[0], head_passes=heads[0], head_steps=heads[1])  # fmt: skip
     return tot, outputs
 
 
@@ -183,7 +204,9 @@ def report_batched(runs: dict, outputs: dict, order: list, concurrency: int) -> 
         for t in runs[name]:
             rate = t["out"] / t["t"]
             print(f"{name}: {rate:.1f} tokens/s ({rate / (sum(plain) / len(plain)):.2f}x), drafted {t['drafted']} accepted "
-                  f"{t['accepted']}, {t['out'] / max(t['passes'], 1):.2f} tokens per request pass")  # fmt: skip
+                  f"{t['accepted']}, {t['out'] / max(t['passes'], 1):.2f} tokens per request pass; head forwards "
+                  f"{100 * t['head_s'] / t['t']:.1f} % of the wall time, {t['head_passes'] / max(t['head_steps'], 1):.2f} "
+                  f"requests a head step")  # fmt: skip
     same = all(outputs[kk] == outputs["0"] for kk in order)
     print("outputs equal to the target alone:", same)
     return 0 if same else 1

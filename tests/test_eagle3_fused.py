@@ -153,6 +153,55 @@ def test_draft_maps_draft_ids_through_d2t(four_layer_dir, tmp_path):
     assert draft[0] == 4 * int(drafter.logits.argmax()) and drafter.length == 9  # drafted rows rolled back
 
 
+def test_head_passes_of_several_sequences_run_together_as_each_alone(target, head_dir):
+    """Eagle3Head.run_passes over three sequences (catch-ups of 3 and 2 rows from the target's features at different
+    depths, and a draft step from the head's own state between them) gives each sequence the logits, prenorm rows and
+    cache of its own pass: on the bf16 target in one forward_batch (native kernels, row-invariant), on the f32 one pass
+    by pass."""
+    head = Eagle3Head.load(head_dir, target)
+    assert head.row_invariant == (target.dtype == torch.bfloat16)
+    ids = prompt_of(4, 14)
+    _, aux = target.forward(target.new_cache(64), torch.tensor(ids), aux_layers=AUX)  # [14, 3 * hidden]
+
+    def sequences():
+        """Three drafters at depths 0, 9 and 5 and the pass each asks for next."""
+        drafters = [head.new_drafter(64) for _ in range(3)]
+        drafters[1].catch_up(aux[:9], ids[1:10])
+        drafters[2].catch_up(aux[:5], ids[1:6])
+        steps = [drafters[0].catch_up_steps(aux[:3], ids[1:4]), drafters[1].draft_steps(3),
+                 drafters[2].catch_up_steps(aux[5:7], ids[6:8])]
+        return drafters, steps
+
+    drafters, steps = sequences()
+    alone = []
+    for drafter, step in zip(drafters, steps):
+        work = next(step)
+        head.run_passes([work])
+        alone.append((work.logits, work.prenorm, drafter.cache.length, drafter.cache.read(0, drafter.cache.length)))
+    drafters, steps = sequences()
+    together = [next(step) for step in steps]
+    assert [len(w.tokens) for w in together] == [3, 1, 2] and together[1].aux is None and together[1].features is not None
+    head.run_passes(together)
+    for work, drafter, (logits, prenorm, length, keys) in zip(together, drafters, alone):
+        assert torch.equal(work.logits, logits) and torch.equal(work.prenorm, prenorm)
+        assert drafter.cache.length == length and all(torch.equal(a, b) for a, b in zip(drafter.cache.read(0, length), keys))
+
+
+def test_a_request_closed_mid_draft_leaves_the_heads_cache_as_before(target, head_dir):
+    """draft_steps closed between two head passes (a request cancelled while the scheduler batches heads) rolls the
+    head's cache back to its caught-up rows, as a finished draft does."""
+    head = Eagle3Head.load(head_dir, target)
+    ids = prompt_of(5, 8)
+    _, aux = target.forward(target.new_cache(64), torch.tensor(ids), aux_layers=AUX)
+    drafter = head.new_drafter(64)
+    drafter.catch_up(aux, ids[1:] + [9])
+    steps = drafter.draft_steps(4)
+    head.run_passes([next(steps)])  # the second draft's row is in the cache now
+    assert drafter.length == 9
+    steps.close()
+    assert drafter.length == 8
+
+
 # ---------------------------------------------------------------- the fused loop: greedy parity
 
 
@@ -254,12 +303,13 @@ def test_fused_requests_in_flight_batching(target, head_dir, policy, lookup):
         requests = [GenerationRequest(prompt_of(10 + i, 4 + 3 * i) if i % 2 else _repeating_prompt(10 + i), 16, num_draft_tokens=1 + i % 4)
                     for i in range(5)]  # fmt: skip
         requests.append(GenerationRequest(prompt_of(20, 9), 12))  # a plain request in the same batches
-        results = [None] * len(requests)
+        results, stats = [None] * len(requests), [None] * len(requests)
 
         def consume(i):
             tokens = []
             for chunk in scheduler.generate(requests[i]):
                 tokens.extend(chunk.token_ids)
+                stats[i] = chunk.stats
             results[i] = tokens
 
         with scheduler.paused():
@@ -270,11 +320,59 @@ def test_fused_requests_in_flight_batching(target, head_dir, policy, lookup):
                 threading.Event().wait(0.01)
         for t in threads:
             t.join(600)
-        for request, tokens in zip(requests, results):
+        alone = Executor(target, max_cached_sequences=8, head=Eagle3Head.load(head_dir, target), lookup_threshold=lookup)
+        for request, tokens, batched in zip(requests, results, stats):
             assert tokens == run(plain, GenerationRequest(request.input_ids, request.max_new_tokens)).token_ids
+            if policy == "static" and request.num_draft_tokens:  # the head's batched forwards drafted what it drafts alone
+                own = run(alone, request).stats
+                assert (batched.drafted_per_round, batched.accepted_per_round) == (own.drafted_per_round, own.accepted_per_round)
         assert scheduler.max_active > 1
+        assert scheduler.max_head_batch > 1  # several requests' head forwards in one
         if policy == "cost":
             assert len(scheduler.executor.draft_cost.pass_s) > 2  # passes of several row counts timed
+    finally:
+        scheduler.close()
+
+
+def test_a_failed_head_step_fails_its_requests_and_the_others_go_on(target, head_dir):
+    """A head forward that raises fails the fused requests whose passes it held (their consumers get the error); a
+    plain request in flight finishes with the target's tokens, and the scheduler serves the next fused request."""
+    plain = Executor(target)
+    executor = Executor(target, max_cached_sequences=8, head=Eagle3Head.load(head_dir, target))
+    calls, run_head_passes = [], executor.run_head_passes
+
+    def failing_once(passes):
+        calls.append(len(passes))
+        if len(calls) == 3:
+            raise RuntimeError("head failure")
+        run_head_passes(passes)
+
+    executor.run_head_passes = failing_once
+    scheduler = BatchScheduler(executor, 4)
+    try:
+        requests = [GenerationRequest(prompt_of(30 + i, 6), 12, num_draft_tokens=3) for i in range(2)]
+        requests.append(GenerationRequest(prompt_of(40, 7), 12))  # plain: no head passes
+        results = [None] * len(requests)
+
+        def consume(i):
+            try:
+                results[i] = [t for chunk in scheduler.generate(requests[i]) for t in chunk.token_ids]
+            except RuntimeError as exc:
+                results[i] = exc
+
+        with scheduler.paused():
+            threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(requests))]
+            for t in threads:
+                t.start()
+            while scheduler.waiting() < len(requests):
+                threading.Event().wait(0.01)
+        for t in threads:
+            t.join(600)
+        assert calls[2] == 2  # the failed step held both fused requests' passes
+        assert all(isinstance(r, RuntimeError) and "head failure" in str(r) for r in results[:2]), results
+        assert results[2] == run(plain, GenerationRequest(requests[2].input_ids, 12)).token_ids
+        again = [t for chunk in scheduler.generate(requests[0]) for t in chunk.token_ids]
+        assert again == run(plain, GenerationRequest(requests[0].input_ids, 12)).token_ids
     finally:
         scheduler.close()
 
@@ -296,6 +394,15 @@ class OracleDrafter:
         assert aux.shape[0] == len(next_tokens)
         assert next_tokens == self.reference[self.length + 1 : self.length + 1 + len(next_tokens)]  # the target's tokens
         self.length += len(next_tokens)
+
+    # the fused loop's protocol: generators of the head passes they need (the oracle needs none)
+    def catch_up_steps(self, aux, next_tokens):
+        yield from ()
+        self.catch_up(aux, next_tokens)
+
+    def draft_steps(self, k, p_min=0.0, rule=None):
+        yield from ()
+        return self.draft(k, p_min, rule)
 
     def draft(self, k, p_min=0.0, rule=None):
         tokens = self.reference[self.length + 1 : self.length + 1 + k]
@@ -484,8 +591,13 @@ def _first_draft_probabilities(head, executor, prompt, n) -> list[float]:
 
     def new_drafter(*args, **kwargs):
         drafter = real_new(*args, **kwargs)
-        real_draft = drafter.draft
-        drafter.draft = lambda k, p_min=0.0, rule=None: seen.append(_first_draft_probability(drafter)) or real_draft(k, p_min, rule)
+        real_draft = drafter.draft_steps
+
+        def draft_steps(k, p_min=0.0, rule=None):
+            seen.append(_first_draft_probability(drafter))
+            return (yield from real_draft(k, p_min, rule))
+
+        drafter.draft_steps = draft_steps
         return drafter
 
     head.new_drafter = new_drafter

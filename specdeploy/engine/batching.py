@@ -9,6 +9,7 @@ import threading
 from collections import deque
 from typing import Callable, Iterator
 
+from specdeploy.engine.eagle3 import HeadPass
 from specdeploy.engine.executor import EnginePass, Executor
 from specdeploy.engine.native import standing_team
 from specdeploy.engine.request import GenerationChunk, GenerationRequest
@@ -37,6 +38,13 @@ class BatchScheduler:
     specdeploy.engine.model), so a request's tokens and logits do not depend on what it was batched
     with. The KV caches come from the executor's one pool (prefix reuse across requests and rounds).
 
+    Requests in the fused EAGLE-3 loop also ask for head forwards (`HeadPass`: catch-up on the target's features,
+    then one per draft token): before each engine step the scheduler runs those of all requests together, one
+    `Eagle3Head.forward_batch` (the head's linears once over every request's rows, attention per sequence), until
+    every request waits for its engine pass. A head forward over 2 rows costs ~1.1 one-row forwards on these CPUs
+    (docs/benchmarks.md "The heads of the requests in flight in one forward"), so two requests drafting side by side
+    pay about one head's time, not two.
+
     `generate(request)` is called from any thread and yields the request's chunks as `Executor.generate`
     does; closing it early (cancellation) drops the request at the next step and frees its cache."""
 
@@ -47,6 +55,8 @@ class BatchScheduler:
         self.max_batch_size = max_batch_size
         self.steps_run = 0  # batched engine steps so far
         self.max_active = 0  # the most requests that shared one step
+        self.head_steps_run = 0  # batched EAGLE-3 head forwards so far (the fused loop's catch-up and draft steps)
+        self.max_head_batch = 0  # the most requests that shared one head forward
         self._cond = threading.Condition()
         self._waiting: deque[_Job] = deque()
         self._stopped = False
@@ -135,30 +145,51 @@ class BatchScheduler:
             # one standing team for the step (the requests' own work between passes, the EAGLE-3 head's included, and
             # the pass): its helper threads are woken once, not once per parallel loop (engine/native.standing_team)
             with standing_team(getattr(self.executor.engine, "native", None)):
-                work = []  # (job, pass)
+                pending: dict[_Job, EnginePass | HeadPass] = {}
                 for job in list(active):
-                    step = self._advance(job)
-                    if step is None:
-                        active.remove(job)  # leave between steps
-                    else:
-                        work.append((job, step))
+                    self._step_to(job, pending, active)
+                # the EAGLE-3 head's forwards first (catch-up and draft steps of the fused loop), the requests' together,
+                # until every request waits for its engine pass
+                while heads := [(job, item) for job, item in pending.items() if isinstance(item, HeadPass)]:
+                    self.max_head_batch = max(self.max_head_batch, len(heads))
+                    if self._run(self.executor.run_head_passes, heads, pending, active):
+                        self.head_steps_run += 1
+                        for job, _ in heads:
+                            self._step_to(job, pending, active)
+                work = list(pending.items())  # (job, engine pass)
                 if not work:
                     continue
                 self.max_active = max(self.max_active, len(work))
-                try:
-                    self.executor.run_passes([step for _, step in work])
+                if self._run(self.executor.run_passes, work, pending, active):
                     self.steps_run += 1
-                except Exception as exc:  # an engine failure fails the requests of this step, the others go on
-                    for job, _ in work:
-                        job.out.put(exc)
-                        self._drop(job)
-                        active.remove(job)
         for job in active + list(self._waiting):
             job.out.put(ConfigError("the batch scheduler was closed", "the model is unloading; send the request again"))
             self._drop(job)
 
-    def _advance(self, job: _Job) -> "EnginePass | None":
-        """Run the job's steps up to its next engine pass (sending its chunks on the way); None when the
+    def _step_to(self, job: _Job, pending: dict, active: list[_Job]) -> None:
+        """Advance the job to its next pass (pending[job]), or take it out of `active` when it is done."""
+        step = self._advance(job)
+        if step is None:
+            pending.pop(job, None)
+            active.remove(job)  # leave between steps
+        else:
+            pending[job] = step
+
+    def _run(self, run, work: list, pending: dict, active: list[_Job]) -> bool:
+        """run([pass of each (job, pass) in work]); a failure fails the requests of this step (the others go on)."""
+        try:
+            run([item for _, item in work])
+            return True
+        except Exception as exc:  # noqa: BLE001 - handed to each request's consumer
+            for job, _ in work:
+                job.out.put(exc)
+                self._drop(job)
+                pending.pop(job, None)
+                active.remove(job)
+            return False
+
+    def _advance(self, job: _Job) -> "EnginePass | HeadPass | None":
+        """Run the job's steps up to its next engine or head pass (sending its chunks on the way); None when the
         job is done, failed or closed (its steps are then closed and its cache back in the pool)."""
         if job.closed:
             self._drop(job)
@@ -167,7 +198,7 @@ class BatchScheduler:
             if job.steps is None:
                 job.steps = self.executor.steps(job.request)
             item = next(job.steps)
-            while not isinstance(item, EnginePass):
+            while not isinstance(item, (EnginePass, HeadPass)):
                 job.out.put(item)
                 item = next(job.steps)
             return item

@@ -49,6 +49,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Generator
 
 import torch
 import torch.nn.functional as F
@@ -210,6 +211,8 @@ class Eagle3Head:
         self.cos, self.sin = emb.cos(), emb.sin() * sign  # as model.rope_tables
         self.scale = 1.0 / math.sqrt(d)
         self.max_len = len(positions)
+        linears = (self.fc, self.qkv, self.o, self.gate_up, self.down, self.lm_head)
+        self.row_invariant = all(getattr(lin, "row_invariant", False) for lin in linears)  # forward_batch's rows
 
     @classmethod
     def load(cls, head_dir: str | Path, target, weights: str = "bf16") -> "Eagle3Head":
@@ -247,24 +250,60 @@ class Eagle3Head:
         """Rows at positions cache.length..: features [n, hidden] (fc'd target features or the head's own
         prenorm states), token_ids [n] (the token after each row's position). Returns the draft-vocab
         logits of the last row [draft_vocab] (f32) and the prenorm states [n, hidden]; advances the cache."""
-        c, n, start = self.config, features.shape[0], cache.length
+        logits, prenorm = self.forward_batch([cache], features, torch.as_tensor(token_ids).reshape(-1), [features.shape[0]])
+        return logits[0], prenorm
+
+    @torch.inference_mode()
+    def forward_batch(self, caches: list[KVCache], features: torch.Tensor, token_ids: torch.Tensor,
+                      counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` for several sequences at once: counts[i] rows of caches[i], one after the other in features
+        [R, hidden] and token_ids [R]. The linear layers run once over all R rows, attention per sequence over its
+        own cache (as the target's Decoder.forward_batch). Returns the logits of each sequence's last row
+        [len(caches), draft_vocab] (f32) and the prenorm states [R, hidden]; advances every cache.
+
+        The native kernels compute each row alone (csrc/cpu_kernels.cpp, "Row invariance"), so a sequence's rows are
+        the bits its own `forward` gives, whatever it is batched with."""
         features = features.to(self.dtype)
-        embeds = self.embedding[torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)]  # [n, h]
-        x = torch.cat([self._norm(embeds, self.input_norm), self._norm(features, self.hidden_norm)], dim=-1)  # [n, 2h]
-        qkv = self.qkv(x)  # [n, (nq + 2 nkv) d]
-        h = self.o(self._attention(cache, qkv, start, n), residual=features)  # [n, h]
-        gate_up = self.gate_up(self._norm(h, self.post_norm))  # [n, 2I]
+        embeds = self.embedding[torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)]  # [R, h]
+        x = torch.cat([self._norm(embeds, self.input_norm), self._norm(features, self.hidden_norm)], dim=-1)  # [R, 2h]
+        qkv = self.qkv(x)  # [R, (nq + 2 nkv) d]
+        parts, row = [], 0
+        for cache, n in zip(caches, counts):
+            parts.append(self._attention(cache, qkv[row : row + n], cache.length, n))  # [n, nq * d]
+            cache.length += n
+            row += n
+        attended = parts[0] if len(parts) == 1 else torch.cat(parts)  # [R, nq * d]
+        h = self.o(attended, residual=features)  # [R, h]
+        gate_up = self.gate_up(self._norm(h, self.post_norm))  # [R, 2I]
         if self.native is not None:
             act = self.native.swiglu(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
-        prenorm = self.down(act, residual=h)  # [n, h]
-        cache.length = start + n
-        last = prenorm[-1:]
+        prenorm = self.down(act, residual=h)  # [R, h]
+        last = prenorm[torch.tensor(counts).cumsum(0) - 1]  # [S, h]: each sequence's last row
         if self.final_norm is not None:
             last = self._norm(last, self.final_norm)
-        return self.lm_head(last)[0].float(), prenorm
+        return self.lm_head(last).float(), prenorm
+
+    def run_passes(self, passes: list["HeadPass"]) -> None:
+        """Run the head forwards several sequences ask for (`HeadPass`, one per sequence) as one `forward_batch`
+        (the target features of the catch-up passes through fc together); sets each pass's logits and prenorm. A
+        head whose linears are not all row-invariant (torch's f32 GEMM: kernels.py) runs them one by one instead, as
+        an engine that pads its rows runs its sequences (model.py)."""
+        if len(passes) > 1 and not self.row_invariant:  # a sequence's drafts must not depend on its neighbours
+            for p in passes:
+                self.run_passes([p])
+            return
+        aux = [p.aux for p in passes if p.aux is not None]  # the catch-ups' target features, [n_i, L * hidden] each
+        projected = iter(self.project(torch.cat(aux)).split([a.shape[0] for a in aux]) if aux else ())  # [n_i, hidden] each
+        features = [p.features if p.aux is None else next(projected) for p in passes]
+        counts = [len(p.tokens) for p in passes]
+        tokens = torch.tensor([t for p in passes for t in p.tokens], dtype=torch.long)
+        logits, prenorm = self.forward_batch([p.drafter.cache for p in passes], torch.cat(features) if len(features) > 1 else features[0],
+                                             tokens, counts)
+        for p, row_logits, rows in zip(passes, logits, prenorm.split(counts)):
+            p.logits, p.prenorm = row_logits, rows
 
     def _attention(self, cache: KVCache, qkv: torch.Tensor, start: int, m: int) -> torch.Tensor:
         """Causal attention of rows start..start+m-1 over the head's cache (RoPE on q, k): [m, nq * d]."""
@@ -290,13 +329,47 @@ class Eagle3Head:
         return draft_id if self.draft_to_target is None else int(self.draft_to_target[draft_id])
 
 
+@dataclass
+class HeadPass:
+    """One head forward a sequence asks for (the head's counterpart of the executor's EnginePass): `tokens` rows
+    appended to `drafter`'s cache, from the target's aux features `aux` [n, L * hidden] (a catch-up: fc projects
+    them) or from head features `features` [n, hidden] (a draft step: the head's own prenorm state). The driver
+    (`Eagle3Head.run_passes`, several sequences' passes at once under in-flight batching) sets `logits`
+    ([draft_vocab] of the last row) and `prenorm` ([n, hidden])."""
+
+    drafter: "Eagle3Drafter"
+    tokens: list[int]
+    aux: torch.Tensor | None = None
+    features: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    prenorm: torch.Tensor | None = None
+
+
+HeadSteps = Generator[HeadPass, None, object]  # yields the head passes it needs, returns its result
+
+
+def run_alone(steps: HeadSteps):
+    """Drive a drafter's steps one pass at a time (no other sequence to batch with); returns their result."""
+    try:
+        work = next(steps)
+        while True:
+            work.drafter.head.run_passes([work])
+            work = steps.send(None)
+    except StopIteration as done:
+        return done.value
+
+
 class Eagle3Drafter:
     """One sequence's head state: its KV cache (rows 0..length-1 computed from the target's features) and
     the last row's logits and prenorm state, from which the next draft starts.
 
     Round protocol (the fused loop): `catch_up(aux, tokens)` after each target pass over the rows it
     accepted, then `draft(k)`. The drafted rows (from the head's own states) are rolled back after
-    drafting, since the next catch-up recomputes those positions from the target's features."""
+    drafting, since the next catch-up recomputes those positions from the target's features.
+
+    `catch_up_steps` and `draft_steps` are the same as generators that yield each head forward as a `HeadPass`
+    (the executor's fused loop: a BatchScheduler runs the passes of all requests in flight together);
+    `catch_up` and `draft` run them alone."""
 
     def __init__(self, head: Eagle3Head, max_len: int | None = None):
         self.head = head
@@ -313,13 +386,20 @@ class Eagle3Drafter:
         self.logits = self.prenorm = None
 
     def catch_up(self, aux: torch.Tensor, next_tokens: list[int]) -> None:
+        run_alone(self.catch_up_steps(aux, next_tokens))
+
+    def draft(self, k: int, p_min: float = 0.0, rule=None) -> list[int]:
+        return run_alone(self.draft_steps(k, p_min, rule))
+
+    def catch_up_steps(self, aux: torch.Tensor, next_tokens: list[int]) -> HeadSteps:
         """Rows at positions length.. from the target's aux features [n, L * hidden] of those positions and
         the tokens that follow them (next_tokens[i] is the token at position length + i + 1)."""
         assert aux.shape[0] == len(next_tokens) > 0, (aux.shape, len(next_tokens))
-        self.logits, prenorm = self.head.forward(self.cache, self.head.project(aux), torch.tensor(next_tokens))
-        self.prenorm = prenorm[-1:]
+        work = HeadPass(self, list(next_tokens), aux=aux)
+        yield work
+        self.logits, self.prenorm = work.logits, work.prenorm[-1:]
 
-    def draft(self, k: int, p_min: float = 0.0, rule=None) -> list[int]:
+    def draft_steps(self, k: int, p_min: float = 0.0, rule=None) -> HeadSteps:
         """Up to k draft tokens (target ids), greedy: the first from the last caught-up row, each later one from a
         row fed with the previous row's prenorm state and the token just drafted. Leaves the cache as it was.
 
@@ -337,16 +417,20 @@ class Eagle3Drafter:
         base = self.cache.length
         tokens: list[int] = []
         logits, prenorm = self.logits, self.prenorm
-        while len(tokens) < k:
-            if tokens:
-                if rule is not None and not rule.more():
-                    break
-                logits, prenorm = self.head.forward(self.cache, prenorm, torch.tensor([tokens[-1]]))
-            best = int(logits.argmax())
-            if p_min > 0 or rule is not None:
-                draft_prob = float(torch.softmax(logits.reshape(-1).float(), -1)[best])
-                if draft_prob < p_min or (rule is not None and not rule.verify(draft_prob)):
-                    break
-            tokens.append(self.head.to_target(best))
-        self.cache.truncate(base)  # the drafted rows are recomputed from the target's features next round
+        try:
+            while len(tokens) < k:
+                if tokens:
+                    if rule is not None and not rule.more():
+                        break
+                    work = HeadPass(self, [tokens[-1]], features=prenorm)
+                    yield work
+                    logits, prenorm = work.logits, work.prenorm
+                best = int(logits.argmax())
+                if p_min > 0 or rule is not None:
+                    draft_prob = float(torch.softmax(logits.reshape(-1).float(), -1)[best])
+                    if draft_prob < p_min or (rule is not None and not rule.verify(draft_prob)):
+                        break
+                tokens.append(self.head.to_target(best))
+        finally:  # also when the request is closed mid-draft: the cache keeps only rows from the target's features
+            self.cache.truncate(base)  # the drafted rows are recomputed from the target's features next round
         return tokens

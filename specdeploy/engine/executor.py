@@ -17,8 +17,9 @@ logits, cancellation and a deadline (checked between decode steps), the perf tim
 `kv_cache_*` block counts (`TOKENS_PER_BLOCK` tokens per block).
 
 A request runs as a generator of steps (`Executor.steps`) that yields an `EnginePass` whenever it needs the
-engine: `generate` runs each pass at once, `engine.batching.BatchScheduler` runs the passes of many requests in
-one batched forward.
+engine (and a `HeadPass` whenever the fused loop needs the EAGLE-3 head): `generate` runs each pass at once,
+`engine.batching.BatchScheduler` runs the passes of many requests in one batched forward (and their head passes in
+one batched head forward).
 
 The engine API used (CONTRACTS.md): `engine.spec` (vocab_size, max_seq_len, max_draft_len),
 `engine.new_cache(max_len)` -> cache with `.length` and `.truncate(n)`, and
@@ -36,6 +37,7 @@ import torch
 from specdeploy import speculative as spec
 from specdeploy.engine import logits as lp
 from specdeploy.engine.draft_cost import DraftCost
+from specdeploy.engine.eagle3 import HeadPass
 from specdeploy.engine.kv_pool import CachedSequence, KvPool
 from specdeploy.engine.logits import LogitsParams
 from specdeploy.engine.native import standing_team
@@ -274,6 +276,10 @@ class Executor:
             p.logits, p.aux, p.elapsed_s = out, aux, elapsed
             p.entry.tokens.extend(p.tokens)  # here, not in the request's steps: a request closed now keeps a consistent cache
 
+    def run_head_passes(self, passes: list[HeadPass]) -> None:
+        """Run the EAGLE-3 head forwards of several requests (one per request) in one batched head forward."""
+        self.head.run_passes(passes)
+
     # ------------------------------------------------------------ requests
 
     def generate(self, request: GenerationRequest) -> Iterator[GenerationChunk]:
@@ -289,11 +295,15 @@ class Executor:
         try:
             item = next(steps)
             while True:
-                if isinstance(item, EnginePass):
-                    # the pass and the request's work up to its next item on one standing team (native.standing_team)
+                if isinstance(item, (EnginePass, HeadPass)):
+                    # the passes and the request's work between them on one standing team (native.standing_team)
                     with standing_team(getattr(self.engine, "native", None)):
-                        self.run_passes([item])
-                        item = next(steps)
+                        while isinstance(item, (EnginePass, HeadPass)):
+                            if isinstance(item, EnginePass):
+                                self.run_passes([item])
+                            else:
+                                self.run_head_passes([item])
+                            item = next(steps)
                     continue
                 yield item
                 item = next(steps)
@@ -302,10 +312,11 @@ class Executor:
         finally:
             steps.close()  # a request closed early gives its KV cache back to the pool at once
 
-    def steps(self, request: GenerationRequest) -> Iterator["GenerationChunk | EnginePass"]:
+    def steps(self, request: GenerationRequest) -> Iterator["GenerationChunk | EnginePass | HeadPass"]:
         """The request as a sequence of steps: yields a `EnginePass` whenever it needs an engine pass (the
-        driver runs it, sets its logits, then resumes the generator) and a `GenerationChunk` whenever it
-        has output. Closing the generator releases the request's KV cache into the pool."""
+        driver runs it, sets its logits, then resumes the generator), a `HeadPass` whenever the fused loop needs a
+        forward of the EAGLE-3 head (`run_head_passes`), and a `GenerationChunk` whenever it has output. Closing
+        the generator releases the request's KV cache into the pool."""
         params = check_request(request, self.max_draft_len, self.max_seq_len, self.vocab_size)
         start = self._clock()
         stats = GenerationStats(input_tokens=len(request.input_ids), scheduled_time_ns=self._wall_ns())
@@ -515,8 +526,9 @@ class Executor:
             draft = []
         else:
             drafter.truncate(length - pending_aux.shape[0])  # pending_aux: the positions the head has not seen yet
-            drafter.catch_up(pending_aux, sequence[drafter.length + 1 : length + 1])
-            draft = drafter.draft(k, self.draft_p_min, rule)
+            # each head forward is a HeadPass for the driver (a BatchScheduler runs those of every request together)
+            yield from drafter.catch_up_steps(pending_aux, sequence[drafter.length + 1 : length + 1])
+            draft = yield from drafter.draft_steps(k, self.draft_p_min, rule)
         k = len(draft)  # fewer where the head was unsure (draft_p_min), a draft did not pay (cost) or the match ran out
         stats.draft_time_s += self._clock() - t0
         # one target pass: the last token + k drafts, k + 1 rows, with their aux features
