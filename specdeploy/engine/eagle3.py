@@ -267,12 +267,16 @@ class Eagle3Head:
         embeds = self.embedding[torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)]  # [R, h]
         x = torch.cat([self._norm(embeds, self.input_norm), self._norm(features, self.hidden_norm)], dim=-1)  # [R, 2h]
         qkv = self.qkv(x)  # [R, (nq + 2 nkv) d]
-        parts, row = [], 0
-        for cache, n in zip(caches, counts):
-            parts.append(self._attention(cache, qkv[row : row + n], cache.length, n))  # [n, nq * d]
-            cache.length += n
-            row += n
-        attended = parts[0] if len(parts) == 1 else torch.cat(parts)  # [R, nq * d]
+        if len(caches) == 1:  # one sequence (every step at one request in flight): no slicing, no copies
+            attended = self._attention(caches[0], qkv, caches[0].length, counts[0])  # [R, nq * d]
+            caches[0].length += counts[0]
+        else:
+            parts, row = [], 0
+            for cache, n in zip(caches, counts):
+                parts.append(self._attention(cache, qkv[row : row + n], cache.length, n))  # [n, nq * d]
+                cache.length += n
+                row += n
+            attended = torch.cat(parts)  # [R, nq * d]
         h = self.o(attended, residual=features)  # [R, h]
         gate_up = self.gate_up(self._norm(h, self.post_norm))  # [R, 2I]
         if self.native is not None:
@@ -281,7 +285,7 @@ class Eagle3Head:
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
         prenorm = self.down(act, residual=h)  # [R, h]
-        last = prenorm[torch.tensor(counts).cumsum(0) - 1]  # [S, h]: each sequence's last row
+        last = prenorm[-1:] if len(counts) == 1 else prenorm[torch.tensor(counts).cumsum(0) - 1]  # [S, h]: each sequence's last row
         if self.final_norm is not None:
             last = self._norm(last, self.final_norm)
         return self.lm_head(last).float(), prenorm
@@ -291,7 +295,13 @@ class Eagle3Head:
         (the target features of the catch-up passes through fc together); sets each pass's logits and prenorm. A
         head whose linears are not all row-invariant (torch's f32 GEMM: kernels.py) runs them one by one instead, as
         an engine that pads its rows runs its sequences (model.py)."""
-        if len(passes) > 1 and not self.row_invariant:  # a sequence's drafts must not depend on its neighbours
+        if len(passes) == 1:
+            p = passes[0]
+            logits, p.prenorm = self.forward_batch([p.drafter.cache], p.features if p.aux is None else self.project(p.aux),
+                                                   torch.tensor(p.tokens), [len(p.tokens)])
+            p.logits = logits[0]
+            return
+        if not self.row_invariant:  # a sequence's drafts must not depend on its neighbours
             for p in passes:
                 self.run_passes([p])
             return
