@@ -152,9 +152,9 @@ def _bls(client, prompt, **extra):
     return client.infer("tensorrt_llm_bls" if extra else "ensemble", _inputs(values), client_timeout=300)
 
 
-def _llm(client, ids, **extra):
+def _llm(client, ids, max_tokens=MAX_TOKENS, **extra):
     values = {"input_ids": np.array([ids], dtype=np.int32), "input_lengths": np.array([[len(ids)]], dtype=np.int32),
-              "request_output_len": np.array([[MAX_TOKENS]], dtype=np.int32), "exclude_input_in_output": np.array([[True]]),
+              "request_output_len": np.array([[max_tokens]], dtype=np.int32), "exclude_input_in_output": np.array([[True]]),
               **{k: np.array([[v]], dtype=np.int32) for k, v in extra.items()}}
     r = client.infer("tensorrt_llm", _inputs(values), client_timeout=300)
     n = int(r.as_numpy("sequence_length").reshape(-1)[0])
@@ -458,4 +458,55 @@ def test_llmapi_layout_runs_the_head_inside_the_speculative_model(built, tmp_pat
         assert rounds == window.sum(metrics.TARGET_PASSES.name, arm="speculative") > window.sum(metrics.DRAFTS.name, arm="speculative") > 0
         assert window.sum(metrics.ROUNDS.name, arm="speculative", reason=metrics.REASON_NO_PROPOSAL) == len(CHATS)  # the prefills
     finally:
+        srv.stop()
+
+
+def test_concurrent_fused_requests_in_a_bf16_server_draft_as_alone_and_answer_as_the_control(built, tmp_path):
+    """A bf16 engine (native kernels, row-invariant: the in-flight batcher runs the fused requests' head forwards as
+    one, engine/batching.py) in the real server: four fused requests of 200 tokens sent at once to tensorrt_llm each
+    return the control's tokens, and draft, round by round, what the same request drafts alone in the server."""
+    import threading
+
+    from specdeploy import backend_stages
+    from specdeploy.triton import server
+    from transformers import AutoTokenizer
+
+    import tritonclient.grpc as grpc
+
+    _, _, _, head = built
+    recipe, layout, recipe_path = _deployment(tmp_path / "bf16", Path(built[0].target.model), head, engine={"dtype": "bfloat16"},
+                                              speculative={"draft_p_min": 0.0})  # fmt: skip
+    repo, _ = backend_stages.of(recipe).write_repository(recipe, layout, recipe_path=str(recipe_path))
+    tok = AutoTokenizer.from_pretrained(str(Path(repo) / "preprocessing" / "tokenizer"))
+    prompts = [tok(chat_text(chat)).input_ids for chat in CHATS]
+    n = 200  # long enough for the four requests to be in flight together
+    srv = server.start(repo, server.Ports.pick(), Path(layout.server_state) / "tritonserver.log", exit_timeout_s=3)
+    clients = []
+    try:
+        server.wait_ready(srv, SERVER_READY_TIMEOUT_S)
+        clients = [grpc.InferenceServerClient(srv.state.grpc_url) for _ in prompts]  # one connection per request in flight
+        control = [_llm(clients[0], ids, n)[0] for ids in prompts]
+
+        def fused(i):
+            tokens, r = _llm(clients[i], prompts[i], n, num_draft_tokens=3)
+            return tokens, r.as_numpy("draft_tokens_per_round").reshape(-1).tolist()
+
+        alone = [fused(i) for i in range(len(prompts))]
+        together, start = [None] * len(prompts), threading.Barrier(len(prompts))
+
+        def send(i):
+            start.wait()
+            together[i] = fused(i)
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        for i in range(len(prompts)):
+            assert len(control[i]) > 100 and alone[i][0] == control[i] and together[i][0] == control[i], i
+            assert sum(alone[i][1]) > 0 and together[i][1] == alone[i][1], i  # the same drafts, round by round
+    finally:
+        for client in clients:
+            client.close()
         srv.stop()
