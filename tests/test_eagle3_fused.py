@@ -292,6 +292,18 @@ def test_a_drafter_with_the_targets_sampled_answer_gets_every_draft_accepted(tar
     assert partly.token_ids == expected and 0 < partly.stats.accepted < partly.stats.drafted
 
 
+def _consume_together(scheduler, consume, n: int) -> None:
+    """consume(0..n-1) on threads whose requests all join the scheduler's first step (queued while it is paused)."""
+    with scheduler.paused():
+        threads = [threading.Thread(target=consume, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        while scheduler.waiting() < n:
+            threading.Event().wait(0.01)
+    for t in threads:
+        t.join(600)
+
+
 @pytest.mark.parametrize("policy,lookup", [("static", 0), ("cost", 0), ("static", 2)])
 def test_fused_requests_in_flight_batching(target, head_dir, policy, lookup):
     """Several requests' verification rows in one forward_batch: each request's output is the target's own (the cost
@@ -312,14 +324,7 @@ def test_fused_requests_in_flight_batching(target, head_dir, policy, lookup):
                 stats[i] = chunk.stats
             results[i] = tokens
 
-        with scheduler.paused():
-            threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(requests))]
-            for t in threads:
-                t.start()
-            while scheduler.waiting() < len(requests):
-                threading.Event().wait(0.01)
-        for t in threads:
-            t.join(600)
+        _consume_together(scheduler, consume, len(requests))
         alone = Executor(target, max_cached_sequences=8, head=Eagle3Head.load(head_dir, target), lookup_threshold=lookup)
         for request, tokens, batched in zip(requests, results, stats):
             assert tokens == run(plain, GenerationRequest(request.input_ids, request.max_new_tokens)).token_ids
@@ -360,14 +365,7 @@ def test_a_failed_head_step_fails_its_requests_and_the_others_go_on(target, head
             except RuntimeError as exc:
                 results[i] = exc
 
-        with scheduler.paused():
-            threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(requests))]
-            for t in threads:
-                t.start()
-            while scheduler.waiting() < len(requests):
-                threading.Event().wait(0.01)
-        for t in threads:
-            t.join(600)
+        _consume_together(scheduler, consume, len(requests))
         assert calls[2] == 2  # the failed step held both fused requests' passes
         assert all(isinstance(r, RuntimeError) and "head failure" in str(r) for r in results[:2]), results
         assert results[2] == run(plain, GenerationRequest(requests[2].input_ids, 12)).token_ids
