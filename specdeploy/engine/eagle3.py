@@ -310,8 +310,7 @@ class Eagle3Head:
         features = [p.features if p.aux is None else next(projected) for p in passes]
         counts = [len(p.tokens) for p in passes]
         tokens = torch.tensor([t for p in passes for t in p.tokens], dtype=torch.long)
-        logits, prenorm = self.forward_batch([p.drafter.cache for p in passes], torch.cat(features) if len(features) > 1 else features[0],
-                                             tokens, counts)
+        logits, prenorm = self.forward_batch([p.drafter.cache for p in passes], torch.cat(features), tokens, counts)
         for p, row_logits, rows in zip(passes, logits, prenorm.split(counts)):
             p.logits, p.prenorm = row_logits, rows
 
