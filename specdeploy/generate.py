@@ -150,6 +150,8 @@ def fused_generate(
             stats.accepted_per_round = list(s.accepted_per_round)
             stats.k_per_round = list(s.drafted_per_round)
             stats.lookup_per_round = list(s.lookup_per_round)
+            stats.draft_s_per_round, stats.target_s_per_round = list(s.draft_s_per_round), list(s.forward_s_per_round)
+            stats.prefill_s = s.first_forward_time_s
             stats.finish_reason = chunk.finish_reason
     yield stats
 

@@ -111,11 +111,12 @@ class Recorder:
         self.sink.add(ROUNDS, self._labels(arm, speculation=SPEC_ON if on else SPEC_OFF, reason=REASON_NONE if on else (reason or REASON_LAST_TOKEN)), 1)
         self.sink.add(TARGET_PASSES, labels, 1)
         self.sink.add(TARGET_SECONDS, labels, target_s)
+        if draft_s:  # also a round whose draft work proposed nothing (no match, the head unsure): it cost time
+            self.sink.add(DRAFT_SECONDS, labels, draft_s)
         if on:
             self.sink.add(DRAFTS, labels, 1)
             self.sink.add(DRAFT_TOKENS, labels, drafted)
             self.sink.add(ACCEPTED_TOKENS, labels, accepted)
-            self.sink.add(DRAFT_SECONDS, labels, draft_s)
             if lookup:
                 self.sink.add(LOOKUP_DRAFTS, labels, 1)
                 self.sink.add(LOOKUP_DRAFT_TOKENS, labels, drafted)
@@ -199,6 +200,17 @@ class PlainVerifier:
         return self.inner.verify(sequence, [], None, sampling, output_len=max(remaining, 1))
 
 
+@dataclass
+class FusedRounds:
+    """A fused EAGLE-3 call's passes as rounds, the prefill pass first: k and accepted drafts of each, and its seconds
+    (the head's work before it, the engine pass; empty where the model did not return them)."""
+
+    k: list[int]
+    accepted: list[int]
+    draft_s: list[float]
+    target_s: list[float]
+
+
 def _fused_plain_reason(i: int, k: int, max_draft_len: int, max_tokens: int, emitted: list[int], drafted_rounds: list[int],
                         policy: str = "static") -> str:
     """Why pass i of a fused EAGLE-3 request (k > 0 chosen) drafted nothing. The prefill pass (i = 0): the head drafts
@@ -270,26 +282,30 @@ class BlsOps:
 
     def fused_rounds(self, timer: RequestTimer, k: int, max_draft_len: int, max_tokens: int, drafted_rounds: list[int],
                      accepted_rounds: list[int], n_tokens: int, call_s: float, plain_reason: str | None,
-                     policy: str = "static", lookup_rounds: list[int] | None = None) -> tuple[list[int], list[int]]:
+                     policy: str = "static", lookup_rounds: list[int] | None = None, pass_s: list[float] | None = None,
+                     draft_s: list[float] | None = None) -> FusedRounds:  # fmt: skip
         """One metrics round per target pass of a fused EAGLE-3 call (the head drafts inside the target's model): the
         prefill pass, then each verification pass with its drafted / accepted counts (`drafted_rounds`,
-        `accepted_rounds`: the executor's per-pass lists; empty: the request ran plain, one round). The call's time is
-        split evenly over its passes. `k`: the draft count the request asked for (0: plain, with `plain_reason`).
-        `policy`: speculative.policy (with cost, a verification pass without drafts is counted under reason policy).
-        `lookup_rounds`: beside drafted_rounds, 1 where the pass's drafts were the suffix lookup's (lookup series).
-        Returns (k per pass, accepted per pass), the prefill pass first."""
+        `accepted_rounds`: the executor's per-pass lists; empty: the request ran plain, one round). `k`: the draft
+        count the request asked for (0: plain, with `plain_reason`). `policy`: speculative.policy (with cost, a
+        verification pass without drafts is counted under reason policy). `lookup_rounds`: beside drafted_rounds, 1
+        where the pass's drafts were the suffix lookup's (lookup series). Seconds: `pass_s`, every engine pass, the
+        prefill first, and `draft_s`, the head's work before each verification pass, where the model returns them
+        (a call with verification passes); else the call's time (`call_s`) split evenly over its passes."""
         k_rounds = [0] + drafted_rounds if drafted_rounds else [0]
         a_rounds = [0] + accepted_rounds if drafted_rounds else [0]
         emitted = [a + 1 for a in a_rounds] if drafted_rounds else [n_tokens]
         if drafted_rounds:  # the last pass may have stopped early (end id, stop word, length): emitted sums to the output
             emitted[-1] = max(0, n_tokens - sum(emitted[:-1]))
-        per_pass_s = call_s / len(k_rounds)
+        timed = bool(drafted_rounds) and len(pass_s or ()) == len(k_rounds) and len(draft_s or ()) == len(drafted_rounds)
+        target_rounds = [float(t) for t in pass_s] if timed else [call_s / len(k_rounds)] * len(k_rounds)
+        draft_rounds = [0.0] + [float(t) for t in draft_s] if timed else [0.0] * len(k_rounds)
         looked = [0] + list(lookup_rounds or []) if drafted_rounds else [0]
         looked += [0] * (len(k_rounds) - len(looked))
         for i, (kr, ar, er) in enumerate(zip(k_rounds, a_rounds, emitted)):
             reason = None if kr else (plain_reason or _fused_plain_reason(i, k, max_draft_len, max_tokens, emitted, drafted_rounds, policy))
-            self.recorder.round(timer.arm, kr, ar, er, 0.0, per_pass_s, reason, lookup=bool(looked[i]))
-        return k_rounds, a_rounds
+            self.recorder.round(timer.arm, kr, ar, er, draft_rounds[i], target_rounds[i], reason, lookup=bool(looked[i]))
+        return FusedRounds(k_rounds, a_rounds, draft_rounds if timed else [], target_rounds if timed else [])
 
     def tokens(self, timer: RequestTimer | None, n: int) -> None:
         if timer is not None:

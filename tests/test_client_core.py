@@ -118,6 +118,36 @@ def test_speedup_table_spread_over_repeats():
     assert set(c for _, c in rows) == {"all", "chat", "code"}
 
 
+def test_round_profile_splits_the_decode_time_into_draft_pass_and_rest_in_control_steps():
+    """Known server timings: the control decodes 10 ms a token; a speculative request of 9 tokens ran a prefill round
+    and 4 passes (k 3, 3, 0, 2) of 9 ms each after 2 ms of draft work (1 before the k = 0 pass), in 60 ms from first to
+    last token: per pass 1.75 ms draft, 9 ms pass, 4.25 ms rest = 1.5 control steps for 2 tokens, 1.33x TPOT, which
+    is the control's TPOT over the speculative one. A level whose samples carry no round seconds is left out."""
+    from specdeploy.client.report_markdown import render_markdown
+
+    def spec(concurrency, timed=True, prompt="p0"):
+        s = _sample("speculative", 0.1, 0.02, 9, prompt=prompt, concurrency=concurrency, drafted=8, accepted=4, decode=0.060)
+        if timed:
+            s.k_rounds, s.draft_s_rounds, s.target_s_rounds = [0, 3, 3, 0, 2], [0.0, 0.002, 0.002, 0.001, 0.002], [0.02, 0.009, 0.009, 0.009, 0.009]
+        return s
+
+    control = [_sample("control", 0.1, 0.02, 9, prompt=p, concurrency=c, decode=0.080) for p in ("p0", "p1") for c in (1, 2)]
+    runs = [lat.LevelRun("control", c, 0, None, 1.0, [s for s in control if s.concurrency == c]) for c in (1, 2)]
+    runs += [lat.LevelRun("speculative", 1, 0, 4, 1.0, [spec(1), spec(1, prompt="p1")]), lat.LevelRun("speculative", 2, 0, 4, 1.0, [spec(2, timed=False)])]
+    (row,) = lat.round_profile(runs)
+    assert (row["concurrency"], row["requests"], row["passes"]) == (1, 2, 8)
+    assert row["tokens_per_pass"] == pytest.approx(2.0) and row["control_step_s"] == pytest.approx(0.010)
+    assert (row["draft_s_per_pass"], row["target_s_per_pass"], row["rest_s_per_pass"]) == pytest.approx((0.00175, 0.009, 0.00425))
+    assert (row["draft_steps"], row["target_steps"], row["rest_steps"], row["round_steps"]) == pytest.approx((0.175, 0.9, 0.425, 1.5))
+    tpot = lambda m, c: lat.level_stats([r for r in runs if r.mode == m and r.concurrency == c])["tpot_s_mean"]  # noqa: E731
+    assert row["tpot_speedup"] == pytest.approx(tpot("control", 1) / tpot("speculative", 1)) == pytest.approx(4 / 3)
+    assert [(b["k"], b["passes"]) for b in row["by_k"]] == [(0, 2), (2, 2), (3, 4)]
+    assert [b["draft_s"] for b in row["by_k"]] == pytest.approx([0.001, 0.002, 0.002])
+    assert all(b["target_steps"] == pytest.approx(0.9) for b in row["by_k"])
+    text = render_markdown({"latency": {"levels": lat.summarize_levels(runs), "speedups": lat.speedup_table(runs), "round_profile": [row]}})
+    assert "### Where a speculative round's time goes" in text and "| 1 | 8 | 2.00 | 10.0 | 1.8 (0.17) | 9.0 (0.90) | 4.2 (0.43) | 1.50 | 1.33x |" in text
+
+
 def test_expected_speedup_model_and_fit():
     assert lat.expected_tokens_per_round(0.0, 4) == 1.0
     assert lat.expected_tokens_per_round(1.0, 4) == 5.0

@@ -215,9 +215,22 @@ def test_fused_greedy_equals_the_target_alone(target, head_dir, k):
         assert got.token_ids == expected.token_ids
         assert got.stats.fused and got.stats.drafted > 0
         assert sum(got.stats.drafted_per_position) == got.stats.drafted
+        _assert_round_seconds(got.stats)
         assert torch.equal(got.logits, run(plain, GenerationRequest(prompt, 20, return_logits=True)).logits)
     again = run(fused, GenerationRequest(prompt, 20, num_draft_tokens=k))  # prefix reuse: the head's rows are pooled too
     assert again.token_ids == expected.token_ids and again.stats.reused_tokens > 0
+
+
+def _assert_round_seconds(s):
+    """The round profile's seconds (the served `draft_seconds_per_round` / `forward_seconds_per_pass`): one entry
+    a verification pass beside drafted_per_round, summing with the prefill's pass to the request's totals; the
+    head worked before every pass that holds its drafts."""
+    assert len(s.draft_s_per_round) == len(s.forward_s_per_round) == len(s.drafted_per_round) == s.iterations - 1
+    assert 0 < s.first_forward_time_s < s.forward_time_s
+    assert s.first_forward_time_s + sum(s.forward_s_per_round) == pytest.approx(s.forward_time_s, rel=1e-9)
+    assert sum(s.draft_s_per_round) == pytest.approx(s.draft_time_s, rel=1e-9)
+    assert all(t > 0 for t in s.forward_s_per_round)
+    assert all(d > 0 for d, k, looked in zip(s.draft_s_per_round, s.drafted_per_round, s.lookup_per_round) if k and not looked)
 
 
 def test_an_int8_head_holds_per_channel_int8_weights_and_stays_bit_exact(target, head_dir):
@@ -328,6 +341,8 @@ def test_fused_requests_in_flight_batching(target, head_dir, policy, lookup):
         alone = Executor(target, max_cached_sequences=8, head=Eagle3Head.load(head_dir, target), lookup_threshold=lookup)
         for request, tokens, batched in zip(requests, results, stats):
             assert tokens == run(plain, GenerationRequest(request.input_ids, request.max_new_tokens)).token_ids
+            if request.num_draft_tokens:  # a pass shared with other requests: timed whole for each of them
+                _assert_round_seconds(batched)
             if policy == "static" and request.num_draft_tokens:  # the head's batched forwards drafted what it drafts alone
                 own = run(alone, request).stats
                 assert (batched.drafted_per_round, batched.accepted_per_round) == (own.drafted_per_round, own.accepted_per_round)

@@ -187,6 +187,7 @@ def test_greedy_parity_and_draft_counters_match_metrics(built, served):
     tok = AutoTokenizer.from_pretrained(str(Path(layout.repo) / "preprocessing" / "tokenizer"))
     baseline = metrics.scrape(served.metrics_url)
     drafted = accepted = requests = 0
+    draft_s = target_s = 0.0
     for chat in CHATS:
         prompt = chat_text(chat)
         control = _bls(served, prompt).as_numpy("text_output").reshape(-1)[0].decode()
@@ -200,6 +201,12 @@ def test_greedy_parity_and_draft_counters_match_metrics(built, served):
             assert d > 0 and 0 <= a <= d, (prompt, k, d, a)
             assert float(r.as_numpy("acceptance_rate").reshape(-1)[0]) == pytest.approx(a / d, abs=1e-6)
             drafted, accepted, requests = drafted + d, accepted + a, requests + 1
+            # the round profile's seconds beside the k history: the head worked before the passes that hold its drafts
+            history = r.as_numpy("speculative_k_history").reshape(-1).tolist()
+            head, passes = (r.as_numpy(n).reshape(-1).tolist() for n in ("speculative_draft_seconds", "speculative_target_seconds"))
+            assert len(history) == len(head) == len(passes) >= 2 and history[0] == head[0] == 0 and sum(history) == d, (history, head)
+            assert all(t > 0 for t in passes) and all(h > 0 for h, n in zip(head, history) if n), (history, head, passes)
+            draft_s, target_s = draft_s + sum(head), target_s + sum(passes)
             spec_ids, direct = _llm(served, ids, num_draft_tokens=k)
             assert spec_ids == control_ids, (prompt, k)
             rounds = direct.as_numpy("draft_tokens_per_round").reshape(-1).tolist()
@@ -208,6 +215,9 @@ def test_greedy_parity_and_draft_counters_match_metrics(built, served):
     assert window.sum(metrics.DRAFT_TOKENS.name, arm="speculative") == drafted
     assert window.sum(metrics.ACCEPTED_TOKENS.name, arm="speculative") == accepted
     assert window.sum(metrics.REQUESTS.name, arm="speculative") == requests
+    # the metrics' seconds are the model's own per pass (not the call split evenly), as the responses carry them
+    assert window.sum(metrics.DRAFT_SECONDS.name, arm="speculative") == pytest.approx(draft_s, rel=1e-4)
+    assert window.sum(metrics.TARGET_SECONDS.name, arm="speculative") == pytest.approx(target_s, rel=1e-4)
     # one round per target pass: the prefill (no draft) and each verification pass
     assert window.sum(metrics.DRAFTS.name, arm="speculative") > 0
 

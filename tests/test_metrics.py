@@ -326,3 +326,26 @@ def test_triton_sink_releases_its_metrics_at_close_and_creates_none_after():
     count = len(created)
     ops.finish(ops.start(requested_k=False), prompt_tokens=3, ok=True)
     assert len(created) == count
+
+
+def test_fused_rounds_carry_the_models_seconds_of_each_pass_and_split_the_call_without_them():
+    """A fused EAGLE-3 call: with the seconds tensorrt_llm returns (every engine pass, the prefill first; the head's
+    work before each verification pass) each round's draft and target seconds are those, in the counters and in the
+    returned rounds; without them (an older model) or misaligned, the call's time is split evenly over its passes
+    and no draft time is invented; a plain call is one round of the whole call."""
+    def run(pass_s, draft_s, drafted=(3, 0, 2), accepted=(2, 0, 1), call_s=0.9):
+        sink = m.PrometheusClientSink()
+        ops = m.BlsOps(sink, "tensorrt_llm_bls", 4)
+        timer = ops.start(True)
+        rounds = ops.fused_rounds(timer, 3, 4, 64, list(drafted), list(accepted), 8, call_s, None, pass_s=pass_s, draft_s=draft_s)
+        return rounds, m.arm_stats(m.parse(sink.text()), "speculative")
+
+    rounds, a = run([0.3, 0.1, 0.05, 0.08], [0.02, 0.01, 0.03])
+    assert rounds.k == [0, 3, 0, 2] and rounds.accepted == [0, 2, 0, 1]
+    assert rounds.target_s == [0.3, 0.1, 0.05, 0.08] and rounds.draft_s == [0.0, 0.02, 0.01, 0.03]
+    assert a.target_s == pytest.approx(0.53) and a.draft_s == pytest.approx(0.06)  # the unsure head's 0.01 counts too
+    for pass_s, draft_s in ((None, None), ([0.3, 0.1, 0.05], [0.02, 0.01, 0.03]), ([0.3, 0.1, 0.05, 0.08], [0.02])):
+        rounds, a = run(pass_s, draft_s)
+        assert rounds.draft_s == rounds.target_s == [] and a.target_s == pytest.approx(0.9) and a.draft_s == 0.0
+    rounds, a = run([0.4], [], drafted=(), accepted=())  # plain: one round, the call's time
+    assert rounds.k == [0] and rounds.target_s == [] and a.target_s == pytest.approx(0.9)

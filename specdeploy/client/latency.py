@@ -52,6 +52,10 @@ class RequestSample:
     decode_s: float | None = None  # first token -> last token
     tokens_source: str = COUNT_RETOKENIZED
     same_text: bool | None = None  # the text equals the parity phase's for this prompt and path (None: no reference)
+    # per round, where the BLS returns them (speculative path): k, and seconds of the draft's work and the target call
+    k_rounds: list[int] | None = None
+    draft_s_rounds: list[float] | None = None
+    target_s_rounds: list[float] | None = None
 
     @property
     def tpot_s(self) -> float | None:
@@ -197,6 +201,60 @@ def summarize_levels(runs: Sequence[LevelRun]) -> list[dict]:
             if chosen:
                 rows.append({"mode": mode, "concurrency": level, **level_stats(chosen)})
     return rows
+
+
+def _timed_rounds(sample: RequestSample) -> bool:
+    """The sample carries every round's k and seconds and is long enough for a decode phase."""
+    k, d, t = sample.k_rounds, sample.draft_s_rounds, sample.target_s_rounds
+    return bool(k) and len(k) >= 2 and len(k) == len(d or ()) == len(t or ()) and sample.decode_s is not None and sample.output_tokens >= 2
+
+
+def round_profile(runs: Sequence[LevelRun]) -> list[dict]:
+    """Where the speculative path's decode time goes, per concurrency, from the server's own timings: each round's
+    draft work and target call (`speculative_draft_seconds` / `speculative_target_seconds`) and the rest of the
+    server's first-to-last-token time (the loop, scheduling, the Triton hop), against the control's time a token.
+
+    Decode phase only, as TPOT: the rounds after the first (which holds the prefill) and the output tokens after the
+    first. Then TPOT speedup = tokens a pass / (draft + pass + rest, in control steps), exactly, since the three
+    parts sum to the decode time. Rows by k (a pass of k + 1 rows): passes, the target call's and the draft work's
+    mean. At concurrency > 1 a pass shared with other requests counts whole for each. Levels whose speculative
+    samples carry no round seconds are left out."""
+    out = []
+    for level in sorted({r.concurrency for r in runs}):
+        spec = [s for r in runs if r.mode == SPECULATIVE and r.concurrency == level for s in r.samples if _timed_rounds(s)]
+        control = [s for r in runs if r.mode == CONTROL and r.concurrency == level for s in r.samples
+                   if s.decode_s is not None and s.output_tokens >= 2]  # fmt: skip
+        if not spec or not control:
+            continue
+        step_s = sum(s.decode_s for s in control) / sum(s.output_tokens - 1 for s in control)
+        passes = sum(len(s.k_rounds) - 1 for s in spec)
+        tokens = sum(s.output_tokens - 1 for s in spec)
+        draft_s = sum(sum(s.draft_s_rounds[1:]) for s in spec)
+        target_s = sum(sum(s.target_s_rounds[1:]) for s in spec)
+        rest_s = sum(s.decode_s for s in spec) - draft_s - target_s
+        by_k: dict[int, list[tuple[float, float]]] = {}
+        for s in spec:
+            for k, d, t in zip(s.k_rounds[1:], s.draft_s_rounds[1:], s.target_s_rounds[1:]):
+                by_k.setdefault(int(k), []).append((d, t))
+        steps = {name: value / passes / step_s for name, value in (("draft", draft_s), ("target", target_s), ("rest", rest_s))}
+        out.append({
+            "concurrency": level,
+            "requests": len(spec),
+            "passes": passes,
+            "tokens_per_pass": tokens / passes,
+            "control_step_s": step_s,
+            "draft_s_per_pass": draft_s / passes,
+            "target_s_per_pass": target_s / passes,
+            "rest_s_per_pass": rest_s / passes,
+            "draft_steps": steps["draft"],
+            "target_steps": steps["target"],
+            "rest_steps": steps["rest"],
+            "round_steps": sum(steps.values()),
+            "tpot_speedup": tokens / passes / sum(steps.values()),
+            "by_k": [{"k": k, "passes": len(v), "target_s": _mean(t for _, t in v), "draft_s": _mean(d for d, _ in v),
+                      "target_steps": _mean(t for _, t in v) / step_s} for k, v in sorted(by_k.items())],  # fmt: skip
+        })
+    return out
 
 
 # ---------------------------------------------------------------- the expected-speedup model
@@ -358,6 +416,9 @@ def run_level(
                 decode_s=result.decode_s,
                 tokens_source=tokens_source,
                 same_text=None if known is None else result.text == known[0],
+                k_rounds=result.k_history if mode == SPECULATIVE else None,
+                draft_s_rounds=result.draft_s_history if mode == SPECULATIVE else None,
+                target_s_rounds=result.target_s_history if mode == SPECULATIVE else None,
             )
             with lock:
                 run.samples.append(sample)

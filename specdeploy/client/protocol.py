@@ -80,6 +80,10 @@ class GenerateResult:
     perf: PerfMetrics = field(default_factory=PerfMetrics)
     token_ids: list[int] | None = None  # generated ids, when the model returns `output_ids`
     k_history: list[int] | None = None  # draft length per round (0: a plain step), when the BLS returns `speculative_k_history`
+    # beside k_history, seconds of each round's draft work and target call (`speculative_draft_seconds` /
+    # `speculative_target_seconds`), when the BLS returns them
+    draft_s_history: list[float] | None = None
+    target_s_history: list[float] | None = None
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,7 @@ def run_latency(report, endpoint, codec, options, prompts, decoupled, bar) -> No
             "runs": [r.to_dict() for r in runs],
             "levels": lat.summarize_levels(runs),
             "speedups": lat.speedup_table(runs),
+            "round_profile": lat.round_profile(runs),
         }
 
 

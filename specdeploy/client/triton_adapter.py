@@ -30,6 +30,8 @@ from specdeploy.errors import ClientError
 
 CONNECT_TIMEOUT_S = 5.0
 K_HISTORY_OUTPUT = "speculative_k_history"  # optional BLS output: INT32 [-1], draft length per round (0: plain step)
+# optional BLS outputs beside it: FP32 [-1], seconds of each round's draft work and target call
+ROUND_SECONDS_OUTPUTS = ("speculative_draft_seconds", "speculative_target_seconds")
 PERF_OUTPUTS = (
     "total_draft_tokens",
     "total_accepted_draft_tokens",
@@ -204,13 +206,18 @@ class TritonEndpoint:
         with_k = request.return_perf_metrics and self._has_output(model, K_HISTORY_OUTPUT)  # the policy's k per round
         if with_k:
             outputs.append(K_HISTORY_OUTPUT)
+        with_s = with_k and all(self._has_output(model, o) for o in ROUND_SECONDS_OUTPUTS)  # the round profile's seconds
+        if with_s:
+            outputs += ROUND_SECONDS_OUTPUTS
         responses, first_s, start, latency = self._exchange(model, self.is_decoupled(model), inputs, outputs, timeout_s, on_text)
         text = "".join(_text(r) for r in responses)
         perf = _perf(responses[-1]) if request.return_perf_metrics and responses else PerfMetrics()
         ids = [int(t) for r in responses for t in _ids(r)] if with_ids else None
         ttft, decode, source = timing(request.stream, start, first_s, start + latency, perf)
         k_history = [int(k) for r in responses for k in _array(r, K_HISTORY_OUTPUT)] if with_k else None
-        return GenerateResult(text, latency, ttft, source, decode, len(responses), perf, ids, k_history)
+        draft_s, target_s = ([[float(x) for r in responses for x in _array(r, o)] for o in ROUND_SECONDS_OUTPUTS] if with_s
+                             else (None, None))  # fmt: skip
+        return GenerateResult(text, latency, ttft, source, decode, len(responses), perf, ids, k_history, draft_s, target_s)
 
     def trace(self, prompt: str, max_tokens: int, timeout_s: float, with_logits: bool = True) -> TargetTrace:
         pre = self._run(

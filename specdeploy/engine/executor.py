@@ -461,6 +461,7 @@ class Executor:
             yield chunk_of(request, [], [], [], reason, stats, None)
             return
         stats.fused = True
+        stats.first_forward_time_s = stats.forward_time_s
         context_logits = logits[:n_in] if request.return_context_logits else None
         raw_rows = logits[-1:]  # [1, vocab]: the rows the tokens of this round were chosen from
         rows = lp.process_rows(raw_rows, input_ids, n_in, 0, params)
@@ -530,10 +531,13 @@ class Executor:
             yield from drafter.catch_up_steps(pending_aux, sequence[drafter.length + 1 : length + 1])
             draft = yield from drafter.draft_steps(k, self.draft_p_min, rule)
         k = len(draft)  # fewer where the head was unsure (draft_p_min), a draft did not pay (cost) or the match ran out
-        stats.draft_time_s += self._clock() - t0
+        draft_s = self._clock() - t0
+        stats.draft_time_s += draft_s
         # one target pass: the last token + k drafts, k + 1 rows, with their aux features
         aux_parts = []
+        forward_before = stats.forward_time_s
         raw_rows = yield from self._forward(entry, [sequence[-1]] + draft, stats, None, aux_parts, argmax_only(request, params))  # [k + 1, vocab]
+        forward_s = stats.forward_time_s - forward_before
         rows = lp.process_rows(raw_rows, sequence + draft, len(sequence), produced, params)  # [k + 1, vocab]
         if generator is None:
             accepted, next_token = spec.verify_greedy(draft, rows)
@@ -553,6 +557,8 @@ class Executor:
         stats.drafted_per_round.append(k)  # 0: a plain step (one token left, the head unsure, or the cost policy)
         stats.accepted_per_round.append(accepted)
         stats.lookup_per_round.append(1 if looked_up else 0)
+        stats.draft_s_per_round.append(draft_s)
+        stats.forward_s_per_round.append(forward_s)
         if k:
             _count(stats.drafted_per_position, k, k)
             _count(stats.accepted_per_position, accepted, k)

@@ -81,6 +81,10 @@ class GenerationStats:
     lookup_rounds: int = 0  # rounds whose drafts were the request's own text (Executor lookup_threshold), not the head's
     lookup_accepted: int = 0  # of `accepted`, those drafted by the lookup
     lookup_per_round: list[int] = field(default_factory=list)  # beside drafted_per_round: 1 where the lookup drafted
+    # beside drafted_per_round, seconds: the round's head work (catch-up and draft steps, with the wait for the other
+    # requests' head rows batched with it) and its verification pass (a pass shared with other requests: all of it)
+    draft_s_per_round: list[float] = field(default_factory=list)
+    forward_s_per_round: list[float] = field(default_factory=list)
 
 
 @dataclass

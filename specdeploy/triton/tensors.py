@@ -98,6 +98,10 @@ EAGLE3_LLM_OUTPUTS = _table([
     ("draft_tokens_per_round", "INT32", [-1], REQ),
     ("accepted_draft_tokens_per_round", "INT32", [-1], REQ),
     ("lookup_draft_rounds", "INT32", [-1], REQ),
+    # seconds, for the round profile: the head's work before each verification pass (beside draft_tokens_per_round),
+    # and every engine pass of the request, the prefill first
+    ("draft_seconds_per_round", "FP32", [-1], REQ),
+    ("forward_seconds_per_pass", "FP32", [-1], REQ),
 ])
 
 PREPROCESSING_INPUTS = _table([
@@ -212,5 +216,10 @@ POSTPROCESSING_INPUTS = _table([
 POSTPROCESSING_OUTPUTS = _table([("OUTPUT", "STRING", [-1], REQ)])
 
 # specdeploy's own BLS outputs, beyond NVIDIA's layout (sent only when a client asks for them by name):
-# speculative_k_history, the draft length of each round of the request (0: a plain step or run).
-BLS_EXTRA_OUTPUTS = _table([("speculative_k_history", "INT32", [-1], REQ)])
+# speculative_k_history, the draft length of each round of the request (0: a plain step or run); beside it the
+# seconds of each round's draft work and target call (fused EAGLE-3: the head's work and the engine pass).
+BLS_EXTRA_OUTPUTS = _table([
+    ("speculative_k_history", "INT32", [-1], REQ),
+    ("speculative_draft_seconds", "FP32", [-1], REQ),
+    ("speculative_target_seconds", "FP32", [-1], REQ),
+])

@@ -239,7 +239,7 @@ class TritonPythonModel:
         if stats is not None:
             self.ops.fused_rounds(timer, k, self.max_draft_len, job["max_tokens"], stats.k_per_round, stats.accepted_per_round,
                                   stats.output_tokens, time.perf_counter() - started, plain_reason, self.deployment.settings.policy,
-                                  stats.lookup_per_round)  # fmt: skip
+                                  stats.lookup_per_round, [stats.prefill_s] + stats.target_s_per_round, stats.draft_s_per_round)  # fmt: skip
 
     def _run(self, job, check, timer, arrival_ns, emit) -> bool:
         times = {"arrival": arrival_ns, "scheduled": time.time_ns(), "first": None}

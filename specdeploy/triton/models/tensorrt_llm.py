@@ -458,6 +458,11 @@ class TritonPythonModel:
             # 1 where that pass's drafts were the request's own text (draft.sa_config), not the head's
             lookup_round = list(getattr(stats, "lookup_per_round", [])) if final else []
             outputs["lookup_draft_rounds"] = np.array(lookup_round, dtype=np.int32).reshape(1, -1)
+            # seconds: the head's work before each of those passes, and every engine pass, the prefill first
+            draft_s = list(getattr(stats, "draft_s_per_round", [])) if final else []
+            pass_s = [stats.first_forward_time_s] + list(getattr(stats, "forward_s_per_round", [])) if final else []
+            outputs["draft_seconds_per_round"] = np.array(draft_s, dtype=np.float32).reshape(1, -1)
+            outputs["forward_seconds_per_pass"] = np.array(pass_s, dtype=np.float32).reshape(1, -1)
         return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in outputs.items()])
 
     def finalize(self):

@@ -15,7 +15,9 @@ Where a round costs:
   - draft.kind eagle3 (`draft_kind` eagle3): tensorrt_llm runs the EAGLE-3 head inside (the fused loop of
     engine/executor.py), so a request is ONE call to tensorrt_llm with `num_draft_tokens` = k (0: plain); its
     per-round counts (`draft_tokens_per_round`, `accepted_draft_tokens_per_round`) feed the metrics here.
-`speculative_k_history` (INT32 [-1], sent only when a client requests it by name): the k of each round.
+`speculative_k_history` (INT32 [-1], sent only when a client requests it by name): the k of each round;
+`speculative_draft_seconds` / `speculative_target_seconds` (FP32 [-1], likewise) beside it: each round's draft work
+and target call (fused: the head's work and the engine pass, as tensorrt_llm timed them), for validate's round profile.
 """
 
 import os
@@ -257,7 +259,8 @@ class TritonPythonModel:
             **request_tensors(job, 0),
         }
         wanted = ["output_log_probs", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks", "first_token_time_ns",
-                  "draft_tokens_per_round", "accepted_draft_tokens_per_round", "lookup_draft_rounds"] + (["context_logits"] if job["return_context_logits"] else [])
+                  "draft_tokens_per_round", "accepted_draft_tokens_per_round", "lookup_draft_rounds", "draft_seconds_per_round",
+                  "forward_seconds_per_pass"] + (["context_logits"] if job["return_context_logits"] else [])
         started = time.perf_counter()
         tokens, logits, outputs = self.target(
             job["prompt_ids"], job["max_tokens"], job["sampling"], extra, job["return_generation_logits"], wanted,
@@ -269,10 +272,11 @@ class TritonPythonModel:
             emit(_error(f"{self.name}: the request {what} after {len(tokens)} tokens"), True)
             return
         flat = lambda name: [int(x) for a in outputs.get(name, []) for x in a.reshape(-1)]  # noqa: E731
+        seconds = lambda name: [float(x) for a in outputs.get(name, []) for x in a.reshape(-1)]  # noqa: E731
         drafted_rounds, accepted_rounds = flat("draft_tokens_per_round"), flat("accepted_draft_tokens_per_round")
-        k_rounds, a_rounds = self.ops.fused_rounds(ops, k, self.max_draft_len, job["max_tokens"], drafted_rounds, accepted_rounds,
-                                                   len(tokens), call_s, plain_reason, self.deployment.settings.policy,
-                                                   flat("lookup_draft_rounds"))  # fmt: skip
+        rounds = self.ops.fused_rounds(ops, k, self.max_draft_len, job["max_tokens"], drafted_rounds, accepted_rounds, len(tokens),
+                                       call_s, plain_reason, self.deployment.settings.policy, flat("lookup_draft_rounds"),
+                                       seconds("forward_seconds_per_pass"), seconds("draft_seconds_per_round"))  # fmt: skip
         record = Record()
         log_probs = [float(x) for a in outputs.get("output_log_probs", []) for x in a.reshape(-1)] if job["return_log_probs"] else None
         if outputs.get("context_logits"):
@@ -284,7 +288,8 @@ class TritonPythonModel:
         times["first"] = last.get("first_token_time_ns", 0) or (time.time_ns() if tokens else None)
         self.ops.tokens(ops, len(tokens))
         stats = spec.SpecStats(drafted=sum(drafted_rounds), accepted=sum(accepted_rounds), output_tokens=len(tokens),
-                               k_per_round=k_rounds, accepted_per_round=a_rounds, target_iterations=len(k_rounds), policy="eagle3-fused")
+                               k_per_round=rounds.k, accepted_per_round=rounds.accepted, target_iterations=len(rounds.k),
+                               draft_s_per_round=rounds.draft_s, target_s_per_round=rounds.target_s, policy="eagle3-fused")
         extras = {"log_probs": log_probs or [], "logits": [logits[: len(tokens)]] if logits is not None else []}
         ids = tokens if job["exclude_input"] or job["stream"] else job["prompt_ids"] + tokens
         text = self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -325,6 +330,10 @@ class TritonPythonModel:
         }
         if "speculative_k_history" in job["wanted"]:
             values["speculative_k_history"] = np.array(stats.k_per_round, dtype=np.int32).reshape(1, -1)  # [1, rounds]
+        if "speculative_draft_seconds" in job["wanted"]:  # beside it (empty where the target did not time its passes)
+            values["speculative_draft_seconds"] = np.array(stats.draft_s_per_round, dtype=np.float32).reshape(1, -1)
+        if "speculative_target_seconds" in job["wanted"]:
+            values["speculative_target_seconds"] = np.array(stats.target_s_per_round, dtype=np.float32).reshape(1, -1)
         outputs += [pb_utils.Tensor(k, v) for k, v in values.items()]
         return pb_utils.InferenceResponse(output_tensors=outputs)
 
