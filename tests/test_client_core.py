@@ -135,13 +135,13 @@ def test_round_profile_splits_the_decode_time_into_draft_pass_and_rest_in_contro
     runs = [lat.LevelRun("control", c, 0, None, 1.0, [s for s in control if s.concurrency == c]) for c in (1, 2)]
     runs += [lat.LevelRun("speculative", 1, 0, 4, 1.0, [spec(1), spec(1, prompt="p1")]), lat.LevelRun("speculative", 2, 0, 4, 1.0, [spec(2, timed=False)])]
     (row,) = lat.round_profile(runs)
-    assert (row["concurrency"], row["requests"], row["passes"]) == (1, 2, 8)
-    assert row["tokens_per_pass"] == pytest.approx(2.0) and row["control_step_s"] == pytest.approx(0.010)
-    assert (row["draft_s_per_pass"], row["target_s_per_pass"], row["rest_s_per_pass"]) == pytest.approx((0.00175, 0.009, 0.00425))
+    assert (row["concurrency"], row["requests"], row["rounds"]) == (1, 2, 8)
+    assert row["tokens_per_round"] == pytest.approx(2.0) and row["control_step_s"] == pytest.approx(0.010)
+    assert (row["draft_s_per_round"], row["target_s_per_round"], row["rest_s_per_round"]) == pytest.approx((0.00175, 0.009, 0.00425))
     assert (row["draft_steps"], row["target_steps"], row["rest_steps"], row["round_steps"]) == pytest.approx((0.175, 0.9, 0.425, 1.5))
     tpot = lambda m, c: lat.level_stats([r for r in runs if r.mode == m and r.concurrency == c])["tpot_s_mean"]  # noqa: E731
     assert row["tpot_speedup"] == pytest.approx(tpot("control", 1) / tpot("speculative", 1)) == pytest.approx(4 / 3)
-    assert [(b["k"], b["passes"]) for b in row["by_k"]] == [(0, 2), (2, 2), (3, 4)]
+    assert [(b["k"], b["rounds"]) for b in row["by_k"]] == [(0, 2), (2, 2), (3, 4)]
     assert [b["draft_s"] for b in row["by_k"]] == pytest.approx([0.001, 0.002, 0.002])
     assert all(b["target_steps"] == pytest.approx(0.9) for b in row["by_k"])
     text = render_markdown({"latency": {"levels": lat.summarize_levels(runs), "speedups": lat.speedup_table(runs), "round_profile": [row]}})

@@ -167,12 +167,12 @@ def test_clean_deployment_passes_with_complete_report(deployment, tmp_path):
     for level, row in profile.items():
         timed = [s for s in spec_samples if s["concurrency"] == level and len(s["k_rounds"]) >= 2]
         assert all(len(s["k_rounds"]) == len(s["draft_s_rounds"]) == len(s["target_s_rounds"]) for s in timed) and timed
-        assert row["passes"] == sum(len(s["k_rounds"]) - 1 for s in timed) == sum(b["passes"] for b in row["by_k"])
-        assert row["draft_s_per_pass"] > 0 and row["target_s_per_pass"] > 0  # the draft model and the target both ran
+        assert row["rounds"] == sum(len(s["k_rounds"]) - 1 for s in timed) == sum(b["rounds"] for b in row["by_k"])
+        assert row["draft_s_per_round"] > 0 and row["target_s_per_round"] > 0  # the draft model and the target both ran
         assert row["round_steps"] == pytest.approx(row["draft_steps"] + row["target_steps"] + row["rest_steps"])
-        assert row["tpot_speedup"] == pytest.approx(row["tokens_per_pass"] / row["round_steps"])
+        assert row["tpot_speedup"] == pytest.approx(row["tokens_per_round"] / row["round_steps"])
         decode = sum(s["decode_s"] for s in timed)
-        assert row["rest_s_per_pass"] * row["passes"] == pytest.approx(decode - sum(sum(s["draft_s_rounds"][1:]) + sum(s["target_s_rounds"][1:]) for s in timed))
+        assert row["rest_s_per_round"] * row["rounds"] == pytest.approx(decode - sum(sum(s["draft_s_rounds"][1:]) + sum(s["target_s_rounds"][1:]) for s in timed))
     assert "### Where a speculative round's time goes" in paths["markdown"].read_text()
     assert set(paths) == {"json", "markdown", "latency", "categories", "sweep", "draft_length"}
     points = report["sweep"]["points"]

@@ -77,6 +77,8 @@ def test_inflight_batcher_llm_layout_by_url_and_tokenizer_only(inflight, model_d
     assert "--metrics-url" in missing["the metrics endpoint against validate's own counts"]
     assert "quantization quality" in missing and "cost per response and per 1k tokens" in missing
     assert not any("acceptance rate" in what for what in missing)  # returned, so checked
+    assert not any(what.startswith("where a speculative round's time goes") for what in missing)  # the BLS returns its seconds
+    assert [p["concurrency"] for p in report["latency"]["round_profile"]] == [1]  # RUN_SIZE: concurrency 1
     assert "Not checked" in (tmp_path / "report.md").read_text()
     assert "not checked: the metrics endpoint" in result.output
 
@@ -123,6 +125,8 @@ def test_openai_protocol_by_url_and_tokenizer_only(inflight, model_dir, prompts,
     assert _drafted(report) > 0  # specdeploy's front returns the draft counts in its extension field
     missing = _not_checked(report)
     assert "near-tie triage of divergences" in missing  # no target-only model behind an OpenAI API
+    assert "speculative_draft_seconds" in missing["where a speculative round's time goes (draft work, target call, the rest)"]
+    assert report["latency"]["round_profile"] == []
     assert any(what.startswith("the draft length the report names") for what in missing)  # the front fixes k
     assert "--metrics-url" in missing["the metrics endpoint against validate's own counts"]
 

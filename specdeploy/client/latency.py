@@ -214,11 +214,12 @@ def round_profile(runs: Sequence[LevelRun]) -> list[dict]:
     draft work and target call (`speculative_draft_seconds` / `speculative_target_seconds`) and the rest of the
     server's first-to-last-token time (the loop, scheduling, the Triton hop), against the control's time a token.
 
-    Decode phase only, as TPOT: the rounds after the first (which holds the prefill) and the output tokens after the
-    first. Then TPOT speedup = tokens a pass / (draft + pass + rest, in control steps), exactly, since the three
-    parts sum to the decode time. Rows by k (a pass of k + 1 rows): passes, the target call's and the draft work's
-    mean. At concurrency > 1 a pass shared with other requests counts whole for each. Levels whose speculative
-    samples carry no round seconds are left out."""
+    A round is one target call: with draft.kind eagle3 (fused) one engine pass of k + 1 rows; on the BLS's other
+    paths a Triton call, and a k = 0 round there may be a plain run of several tokens. Decode phase only, as TPOT:
+    the rounds after the first (which holds the prefill) and the output tokens after the first. Then TPOT speedup =
+    tokens a round / (draft + target call + rest, in control steps), exactly, since the three parts sum to the decode
+    time. Rows by k: rounds, the target call's and the draft work's mean. At concurrency > 1 a pass shared with other
+    requests counts whole for each. Levels whose speculative samples carry no round seconds are left out."""
     out = []
     for level in sorted({r.concurrency for r in runs}):
         spec = [s for r in runs if r.mode == SPECULATIVE and r.concurrency == level for s in r.samples if _timed_rounds(s)]
@@ -227,7 +228,7 @@ def round_profile(runs: Sequence[LevelRun]) -> list[dict]:
         if not spec or not control:
             continue
         step_s = sum(s.decode_s for s in control) / sum(s.output_tokens - 1 for s in control)
-        passes = sum(len(s.k_rounds) - 1 for s in spec)
+        rounds = sum(len(s.k_rounds) - 1 for s in spec)
         tokens = sum(s.output_tokens - 1 for s in spec)
         draft_s = sum(sum(s.draft_s_rounds[1:]) for s in spec)
         target_s = sum(sum(s.target_s_rounds[1:]) for s in spec)
@@ -236,22 +237,22 @@ def round_profile(runs: Sequence[LevelRun]) -> list[dict]:
         for s in spec:
             for k, d, t in zip(s.k_rounds[1:], s.draft_s_rounds[1:], s.target_s_rounds[1:]):
                 by_k.setdefault(int(k), []).append((d, t))
-        steps = {name: value / passes / step_s for name, value in (("draft", draft_s), ("target", target_s), ("rest", rest_s))}
+        steps = {name: value / rounds / step_s for name, value in (("draft", draft_s), ("target", target_s), ("rest", rest_s))}
         out.append({
             "concurrency": level,
             "requests": len(spec),
-            "passes": passes,
-            "tokens_per_pass": tokens / passes,
+            "rounds": rounds,
+            "tokens_per_round": tokens / rounds,
             "control_step_s": step_s,
-            "draft_s_per_pass": draft_s / passes,
-            "target_s_per_pass": target_s / passes,
-            "rest_s_per_pass": rest_s / passes,
+            "draft_s_per_round": draft_s / rounds,
+            "target_s_per_round": target_s / rounds,
+            "rest_s_per_round": rest_s / rounds,
             "draft_steps": steps["draft"],
             "target_steps": steps["target"],
             "rest_steps": steps["rest"],
             "round_steps": sum(steps.values()),
-            "tpot_speedup": tokens / passes / sum(steps.values()),
-            "by_k": [{"k": k, "passes": len(v), "target_s": _mean(t for _, t in v), "draft_s": _mean(d for d, _ in v),
+            "tpot_speedup": tokens / rounds / sum(steps.values()),
+            "by_k": [{"k": k, "rounds": len(v), "target_s": _mean(t for _, t in v), "draft_s": _mean(d for d, _ in v),
                       "target_steps": _mean(t for _, t in v) / step_s} for k, v in sorted(by_k.items())],  # fmt: skip
         })
     return out

@@ -203,26 +203,27 @@ def _round_profile_md(profile: list[dict]) -> list[str]:
     lines = [
         "### Where a speculative round's time goes (the server's clocks)",
         "",
-        "After the first token, per target pass of the speculative path: the draft's work before it (fused EAGLE-3: the "
-        "head's catch-up and draft steps), the target pass, and the rest of the server's first-to-last-token time (the "
-        "loop, scheduling, the Triton hop), as milliseconds and in control steps (the control's decode time a token at "
-        "the same concurrency). TPOT speedup = tokens a pass / a round in control steps. At concurrency above 1 a pass "
-        "shared with other requests counts whole for each. From the BLS's `speculative_draft_seconds` / "
-        "`speculative_target_seconds` beside `speculative_k_history`.",
+        "After the first token, per round of the speculative path (one target call: fused EAGLE-3, one engine pass of "
+        "k + 1 rows; the BLS's other paths, a Triton call, and a round of k = 0 there may be a plain run of several "
+        "tokens): the draft's work before it (fused: the head's catch-up and draft steps), the target call, and the rest "
+        "of the server's first-to-last-token time (the loop, scheduling, the Triton hop), in milliseconds and in "
+        "control steps (the control's decode time a token at the same concurrency). TPOT speedup = tokens a round / a "
+        "round in control steps. At concurrency above 1 a pass shared with other requests counts whole for each. From "
+        "the BLS's `speculative_draft_seconds` / `speculative_target_seconds` beside `speculative_k_history`.",
         "",
     ]
     rows = [
-        [p["concurrency"], p["passes"], _fmt(p["tokens_per_pass"], ".2f"), _ms(p["control_step_s"]),
-         f"{_ms(p['draft_s_per_pass'])} ({_fmt(p['draft_steps'], '.2f')})", f"{_ms(p['target_s_per_pass'])} ({_fmt(p['target_steps'], '.2f')})",
-         f"{_ms(p['rest_s_per_pass'])} ({_fmt(p['rest_steps'], '.2f')})", _fmt(p["round_steps"], ".2f"), _fmt(p["tpot_speedup"], ".2f", "x")]
+        [p["concurrency"], p["rounds"], _fmt(p["tokens_per_round"], ".2f"), _ms(p["control_step_s"]),
+         f"{_ms(p['draft_s_per_round'])} ({_fmt(p['draft_steps'], '.2f')})", f"{_ms(p['target_s_per_round'])} ({_fmt(p['target_steps'], '.2f')})",
+         f"{_ms(p['rest_s_per_round'])} ({_fmt(p['rest_steps'], '.2f')})", _fmt(p["round_steps"], ".2f"), _fmt(p["tpot_speedup"], ".2f", "x")]
         for p in profile
     ]  # fmt: skip
-    lines += _table(["conc.", "passes", "tokens a pass", "control step", "draft (steps)", "target pass (steps)", "rest (steps)",
+    lines += _table(["conc.", "rounds", "tokens a round", "control step", "draft (steps)", "target call (steps)", "rest (steps)",
                      "round in steps", "TPOT speedup"], rows)  # fmt: skip
-    lines += ["Target pass by draft tokens verified (k drafts: k + 1 rows):", ""]
-    rows = [[p["concurrency"], b["k"], b["k"] + 1, b["passes"], _ms(b["target_s"]), _fmt(b["target_steps"], ".2f"), _ms(b["draft_s"])]
+    lines += ["The target call by draft tokens verified (k drafts: k + 1 rows):", ""]
+    rows = [[p["concurrency"], b["k"], b["rounds"], _ms(b["target_s"]), _fmt(b["target_steps"], ".2f"), _ms(b["draft_s"])]
             for p in profile for b in p["by_k"]]  # fmt: skip
-    return lines + _table(["conc.", "k", "rows", "passes", "target pass", "in control steps", "draft work before it"], rows)
+    return lines + _table(["conc.", "k", "rounds", "target call", "in control steps", "draft work before it"], rows)
 
 
 REASONS = {

@@ -46,6 +46,9 @@ def not_checked(report: dict, deployment: Deployment, endpoint) -> list[dict]:
     if spec.get("source") is None:
         add("speculation rounds (with / without a draft) and the draft length per round",
             "the deployment returns no speculative_k_history and exports no specdeploy_spec_decode_rounds_total")
+    if levels and not (report.get("latency") or {}).get("round_profile"):
+        add("where a speculative round's time goes (draft work, target call, the rest)",
+            "the deployment returns no speculative_draft_seconds / speculative_target_seconds beside speculative_k_history")
     if not spec.get("policy"):
         add("the speculation policy", "the speculative model's config carries no policy parameters and no recipe describes it")
     check = report.get("metrics_check") or {}
@@ -89,6 +92,12 @@ def summary_lines(report: dict) -> list[str]:
         lines.append(
             f"concurrency {row['concurrency']}: speedup {row['median']:.2f}x (repeats {row['min']:.2f}..{row['max']:.2f})"
             + (f", acceptance rate {rate:.2f}, acceptance length {spec['acceptance_length']:.2f}" if rate is not None else "")
+        )
+    for p in (report.get("latency") or {}).get("round_profile") or []:
+        lines.append(
+            f"concurrency {p['concurrency']}: a round costs {p['round_steps']:.2f} control steps (draft {p['draft_steps']:.2f}, "
+            f"target call {p['target_steps']:.2f}, rest {p['rest_steps']:.2f}) for {p['tokens_per_round']:.2f} tokens: "
+            f"TPOT {p['tpot_speedup']:.2f}x"
         )
     sweep = report.get("sweep")
     if sweep and sweep["recommendation"].get("recommended_k") is not None:
