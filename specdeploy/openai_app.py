@@ -117,6 +117,9 @@ class Front:
             "server_decode_s": perf.server_decode_s if perf is not None else None,  # first -> last token on the server's clock
             "completion_tokens_exact": result is not None and result.token_ids is not None and not cut,
             "k_history": result.k_history if result is not None else None,  # draft length per round, where the BLS returns it
+            # beside it, seconds of each round's draft work and target call (validate's round profile)
+            "draft_s_history": result.draft_s_history if result is not None else None,
+            "target_s_history": result.target_s_history if result is not None else None,
         }
 
     def finish_reason(self, job: Job, usage: dict, cut: bool) -> str:

@@ -208,7 +208,8 @@ class OpenAIEndpoint:
         else:
             ttft, decode, source = None, None, None
         ids = ext.get("output_ids")
-        return GenerateResult(text, done - start, ttft, source, decode, max(1, len(pieces)), perf, ids, ext.get("k_history"))
+        return GenerateResult(text, done - start, ttft, source, decode, max(1, len(pieces)), perf, ids, ext.get("k_history"),
+                              ext.get("draft_s_history"), ext.get("target_s_history"))
 
     def trace(self, prompt: str, max_tokens: int, timeout_s: float, with_logits: bool = True) -> TargetTrace:
         if self.triton is None:
