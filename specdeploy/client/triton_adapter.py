@@ -361,7 +361,7 @@ def _ids(result) -> list[int]:
     return _array(result, "output_ids")
 
 
-def _array(result, name: str) -> list[int]:
+def _array(result, name: str) -> list:
     array = result.as_numpy(name)
     return [] if array is None else array.reshape(-1).tolist()
 
