@@ -209,6 +209,12 @@ def _timed_rounds(sample: RequestSample) -> bool:
     return bool(k) and len(k) >= 2 and len(k) == len(d or ()) == len(t or ()) and sample.decode_s is not None and sample.output_tokens >= 2
 
 
+def _by_k_row(k: int, rounds: list[tuple[float, float]], step_s: float) -> dict:
+    """The rounds of one k: (draft seconds, target seconds) each -> count and means, the target call in control steps."""
+    target_s = _mean(t for _, t in rounds)
+    return {"k": k, "rounds": len(rounds), "target_s": target_s, "draft_s": _mean(d for d, _ in rounds), "target_steps": target_s / step_s}
+
+
 def round_profile(runs: Sequence[LevelRun]) -> list[dict]:
     """Where the speculative path's decode time goes, per concurrency, from the server's own timings: each round's
     draft work and target call (`speculative_draft_seconds` / `speculative_target_seconds`) and the rest of the
@@ -252,8 +258,7 @@ def round_profile(runs: Sequence[LevelRun]) -> list[dict]:
             "rest_steps": steps["rest"],
             "round_steps": sum(steps.values()),
             "tpot_speedup": tokens / rounds / sum(steps.values()),
-            "by_k": [{"k": k, "rounds": len(v), "target_s": _mean(t for _, t in v), "draft_s": _mean(d for d, _ in v),
-                      "target_steps": _mean(t for _, t in v) / step_s} for k, v in sorted(by_k.items())],  # fmt: skip
+            "by_k": [_by_k_row(k, v, step_s) for k, v in sorted(by_k.items())],
         })
     return out
 

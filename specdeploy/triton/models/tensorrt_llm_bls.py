@@ -271,12 +271,11 @@ class TritonPythonModel:
             what = "ran past its server-side deadline" if job["stop_check"].reason == "timeout" else "was cancelled"
             emit(_error(f"{self.name}: the request {what} after {len(tokens)} tokens"), True)
             return
-        flat = lambda name: [int(x) for a in outputs.get(name, []) for x in a.reshape(-1)]  # noqa: E731
-        seconds = lambda name: [float(x) for a in outputs.get(name, []) for x in a.reshape(-1)]  # noqa: E731
+        flat = lambda name, kind=int: [kind(x) for a in outputs.get(name, []) for x in a.reshape(-1)]  # noqa: E731
         drafted_rounds, accepted_rounds = flat("draft_tokens_per_round"), flat("accepted_draft_tokens_per_round")
         rounds = self.ops.fused_rounds(ops, k, self.max_draft_len, job["max_tokens"], drafted_rounds, accepted_rounds, len(tokens),
                                        call_s, plain_reason, self.deployment.settings.policy, flat("lookup_draft_rounds"),
-                                       seconds("forward_seconds_per_pass"), seconds("draft_seconds_per_round"))  # fmt: skip
+                                       flat("forward_seconds_per_pass", float), flat("draft_seconds_per_round", float))  # fmt: skip
         record = Record()
         log_probs = [float(x) for a in outputs.get("output_log_probs", []) for x in a.reshape(-1)] if job["return_log_probs"] else None
         if outputs.get("context_logits"):
@@ -328,12 +327,12 @@ class TritonPythonModel:
             "total_accepted_draft_tokens": np.array([[stats.accepted]], dtype=np.int32),
             "total_draft_tokens": np.array([[stats.drafted]], dtype=np.int32),
         }
-        if "speculative_k_history" in job["wanted"]:
-            values["speculative_k_history"] = np.array(stats.k_per_round, dtype=np.int32).reshape(1, -1)  # [1, rounds]
-        if "speculative_draft_seconds" in job["wanted"]:  # beside it (empty where the target did not time its passes)
-            values["speculative_draft_seconds"] = np.array(stats.draft_s_per_round, dtype=np.float32).reshape(1, -1)
-        if "speculative_target_seconds" in job["wanted"]:
-            values["speculative_target_seconds"] = np.array(stats.target_s_per_round, dtype=np.float32).reshape(1, -1)
+        # per round, [1, rounds], only when asked for (the seconds are empty where the target did not time its passes)
+        for name, per_round, dtype in (("speculative_k_history", stats.k_per_round, np.int32),
+                                       ("speculative_draft_seconds", stats.draft_s_per_round, np.float32),
+                                       ("speculative_target_seconds", stats.target_s_per_round, np.float32)):  # fmt: skip
+            if name in job["wanted"]:
+                values[name] = np.array(per_round, dtype=dtype).reshape(1, -1)
         outputs += [pb_utils.Tensor(k, v) for k, v in values.items()]
         return pb_utils.InferenceResponse(output_tensors=outputs)
 
