@@ -111,6 +111,9 @@ ship-head:
 	cp $(HEAD_SRC)/eagle3-head/config.json $(HEAD_SRC)/eagle3-head/model.safetensors $(HEAD_SRC)/eagle3-head/manifest.json \
 	   $(HEAD_SRC)/eagle3-head/train_log.jsonl $(HEAD_DIR).tmp/
 	cp $(HEAD_DATA)/manifest.json $(HEAD_DIR).tmp/data-manifest.json
+	# the training answers' count of each draft token (draft.serve_vocab_size), which `draft train` writes beside the head
+	if [ -f $(HEAD_SRC)/eagle3-head/draft_vocab_counts.json ]; then cp $(HEAD_SRC)/eagle3-head/draft_vocab_counts.json $(HEAD_DIR).tmp/; \
+	   sed -i -e 's#"$(CURDIR)/#"#g' $(HEAD_DIR).tmp/draft_vocab_counts.json; fi
 	cp $(EAGLE3_RECIPE) $(HEAD_DIR).tmp/recipe.yaml
 	if [ -f $(HEAD_DIR)/README.md ]; then cp $(HEAD_DIR)/README.md $(HEAD_DIR).tmp/; fi
 	# the stages' output (progress, held-out acceptance): make head's log, every 20th progress line

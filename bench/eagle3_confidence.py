@@ -51,8 +51,8 @@ def heldout_prompts(data_dir: Path, count: int) -> list[tuple[str, list[int]]]:
 
 
 def load_pair(recipe_path: str, root: str):
-    """(recipe, layout, target engine, head loaded against it as the recipe holds it, tokenizer) of an eagle3 recipe
-    whose target engine is built under `root`."""
+    """(recipe, layout, target engine, head loaded against it as the recipe holds it (its weights and served
+    vocabulary), tokenizer) of an eagle3 recipe whose target engine is built under `root`."""
     from transformers import AutoTokenizer
 
     from specdeploy import models
@@ -64,7 +64,8 @@ def load_pair(recipe_path: str, root: str):
     recipe = load_recipe(recipe_path)
     layout = Layout.of(recipe, Path(root))
     engine = CpuEngine.load(layout.engine("target"))
-    head = Eagle3Head.load(layout.eagle3_head_source(recipe.draft.head), engine, recipe.draft.cpu_head_weights)
+    head = Eagle3Head.load(layout.eagle3_head_source(recipe.draft.head), engine, recipe.draft.cpu_head_weights,
+                           recipe.draft.serve_vocab_size)
     tokenizer = AutoTokenizer.from_pretrained(str(models.resolve(recipe.target.model)))
     return recipe, layout, engine, head, tokenizer
 

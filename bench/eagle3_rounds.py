@@ -3,9 +3,10 @@
 held-out prompts, never trained on, to choose settings on), with k = 0 (the target alone) and k = --draft-len (the fused
 loop with the recipe's `speculative.draft_p_min`) taking turns (ABAB), each prompt from an empty cache.
 
-Per run: ms per token after the first, target passes, forward time per pass (the head's time is inside it: the head
-runs within the engine step), the head's time per token, drafted / accepted drafts, and tokens per pass. A round's
-cost in target steps is the k run's forward time per pass over the k = 0 run's; the outputs of both must be equal.
+Per run: ms per token after the first, target passes, forward time per pass (the target's pass alone), the head's
+time before each pass, drafted / accepted drafts, and tokens per pass. A round in target steps (the k = 0 run's forward
+time per pass): the verification pass + the head's work + the rest of the round's wall time; the outputs of both must
+be equal.
 
     .venv/bin/python bench/eagle3_rounds.py [--recipe build/smollm2-135m.yaml] [--count 8] [--max-tokens 64]
         [--draft-len 3] [--repeats 2] [--compare-team] [--variants static,cost,cost:0]
@@ -13,9 +14,10 @@ cost in target steps is the k run's forward time per pass over the k = 0 run's; 
 --concurrency N runs the prompts N at a time through one BatchScheduler (in-flight batching, as served) and times
 the whole set: tokens per second of each variant against the target alone.
 
---variants runs the k run once per POLICY[:DRAFT_P_MIN[:K[:SA]]] (speculative.policy static or cost, the recipe's
-draft_p_min and --draft-len unless given; SA: draft.sa_config.threshold, the request's own text looked up before the head,
-0 off; default the recipe's), each on its own executor (the cost policy's measurements carry over its runs).
+--variants runs the k run once per POLICY[:DRAFT_P_MIN[:K[:SA[:VOCAB]]]] (speculative.policy static or cost, the
+recipe's draft_p_min and --draft-len unless given; SA: draft.sa_config.threshold, the request's own text looked up before
+the head, 0 off; VOCAB: draft.serve_vocab_size, the head's draft tokens scored, 0 all; default the recipe's), each on
+its own executor (the cost policy's measurements carry over its runs).
 
 --compare-head-batch (with --concurrency > 1) adds a run in each turn of the recipe's variant with the scheduler's head
 forwards one request at a time (as before the heads were batched: engine/batching.py), and prints each run's wall time in
@@ -79,12 +81,13 @@ def main(argv=None) -> int:
     ap.add_argument("--compare-head-batch", action="store_true",
                     help="also run k with the head forwards of the requests in flight one at a time (see above)")
     ap.add_argument("--concurrency", type=int, default=1, help="prompts in flight (see above)")
-    ap.add_argument("--variants", default="", help="POLICY[:DRAFT_P_MIN[:K[:SA]]],... (see above); default: the recipe's")
+    ap.add_argument("--variants", default="", help="POLICY[:DRAFT_P_MIN[:K[:SA[:VOCAB]]]],... (see above); default: the recipe's")
     args = ap.parse_args(argv)
 
     import torch
 
     from bench.eagle3_confidence import load_pair, prompts_of
+    from specdeploy.engine.eagle3 import Eagle3Head
     from specdeploy.engine.executor import Executor
 
     torch.set_num_threads(args.threads)
@@ -94,11 +97,15 @@ def main(argv=None) -> int:
     own = f"{recipe.speculative.policy}:{recipe.speculative.draft_p_min:g}"
     variants = [v if ":" in v else f"{v}:{recipe.speculative.draft_p_min:g}" for v in args.variants.split(",") if v] or [own]
     executors, draft_len = {"0": None}, {"0": 0}
+    heads = {recipe.draft.serve_vocab_size: head}  # draft.serve_vocab_size -> the head scoring that many draft tokens
     extra = (["no team"] if args.compare_team else []) + (["heads alone"] if args.compare_head_batch else [])
     for name in variants + extra:
         policy, p_min, *rest = (own if name in extra else name).split(":")
         sa = int(rest[1]) if len(rest) > 1 else recipe.draft.lookup_threshold
-        executors[name] = Executor(engine, 2, head=head, draft_p_min=float(p_min), draft_policy=policy, lookup_threshold=sa)
+        vocab = int(rest[2]) if len(rest) > 2 else recipe.draft.serve_vocab_size
+        if vocab not in heads:
+            heads[vocab] = Eagle3Head.load(layout.eagle3_head_source(recipe.draft.head), engine, recipe.draft.cpu_head_weights, vocab)
+        executors[name] = Executor(engine, 2, head=heads[vocab], draft_p_min=float(p_min), draft_policy=policy, lookup_threshold=sa)
         draft_len[name] = int(rest[0]) if rest else k
         run_all(executors[name], prompts[:1], draft_len[name], 8, tokenizer.eos_token_id)  # warm-up
     # the target alone runs on the first variant's executor, as target-alone and fused requests share one in a server
@@ -120,22 +127,23 @@ def main(argv=None) -> int:
             runs[name].append(tot)
     if args.concurrency > 1:
         return report_batched(runs, outputs, order, args.concurrency)
-    print(f"{len(prompts)} built-in chat prompts x {args.max_tokens} tokens, {args.threads} threads, k = {k} "
-          f"(variants POLICY:DRAFT_P_MIN[:K[:SA]]; 0: the target alone), target {layout.engine('target')}")
+    print(f"{len(prompts)} {args.prompts} chat prompts x {args.max_tokens} tokens, {args.threads} threads, k = {k} "
+          f"(variants POLICY:DRAFT_P_MIN[:K[:SA[:VOCAB]]]; 0: the target alone), target {layout.engine('target')}")
     for kk in order:
         for t in runs[kk]:
             n, passes = t["out"], max(t["passes"], 1)
             print(f"{kk}: {n} tokens after the first, {t['t'] * 1000 / n:.2f} ms/token; {passes} passes, forward "
-                  f"{t['fwd'] * 1000 / passes:.2f} ms/pass (head inside: {t['draft'] * 1000 / passes:.2f} ms/pass); drafted "
+                  f"{t['fwd'] * 1000 / passes:.2f} ms/pass (head before it: {t['draft'] * 1000 / passes:.2f} ms/pass); drafted "
                   f"{t['drafted']} accepted {t['accepted']}; {n / passes:.2f} tokens/pass"
                   + (f"; {t['lookup']} rounds drafted by lookup" if t["lookup"] else ""))
     step = min(t["fwd"] / max(t["passes"], 1) for t in runs["0"])
     plain = min(t["t"] / t["out"] for t in runs["0"])
     for kk in order[1:]:
         for t in runs[kk]:
-            per_pass = t["fwd"] / max(t["passes"], 1)
-            print(f"{kk} round: {per_pass / step:.2f} target steps (head {t['draft'] / max(t['passes'], 1) / step:.2f}), "
-                  f"{t['out'] / max(t['passes'], 1):.2f} tokens; {plain / (t['t'] / t['out']):.2f}x the target alone's ms/token")
+            passes = max(t["passes"], 1)
+            verify, head, wall = t["fwd"] / passes / step, t["draft"] / passes / step, t["t"] / passes / step
+            print(f"{kk} round: {wall:.2f} target steps (pass {verify:.2f}, head {head:.2f}, rest {wall - verify - head:.2f}), "
+                  f"{t['out'] / passes:.2f} tokens; {plain / (t['t'] / t['out']):.2f}x the target alone's ms/token")
     same = all(outputs[kk] == outputs["0"] for kk in order)
     print("outputs equal to the target alone:", same)
     return 0 if same else 1

@@ -56,6 +56,19 @@ def draft_train(ctx, recipe, force, no_progress, time_limit):
                            time_limit_s=None if time_limit is None else 60.0 * time_limit)
 
 
+@draft_group.command("vocab-counts")
+@click.argument("head_dir", type=click.Path(file_okay=False, path_type=str))
+@click.option("--data", "data_dir", required=True, type=click.Path(file_okay=False, path_type=str),
+              help="A `draft data` folder (its train.jsonl; the held-out prompts are not counted).")
+@handle_errors
+def draft_vocab_counts(head_dir, data_dir):
+    """Count how often the target wrote each of an exported head's draft tokens in DATA's answers, into the head's
+    draft_vocab_counts.json: draft.serve_vocab_size keeps the most counted (`draft train` writes it for its own)."""
+    from specdeploy import draft_train as train
+
+    click.echo(train.count_head_vocab(head_dir, data_dir))
+
+
 # ---- draft data
 
 

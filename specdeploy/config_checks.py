@@ -256,7 +256,7 @@ def _check_draft_kind(r: Recipe) -> None:
     d = r.draft
     _choice("draft.kind", d.kind, DRAFT_KINDS)
     if not d.is_eagle3:
-        defaults = {"head": "", "head_weights": "auto", "sa_config": None, "data": Eagle3DataConfig(), "train": Eagle3TrainConfig()}
+        defaults = {"head": "", "head_weights": "auto", "serve_vocab_size": 0, "sa_config": None, "data": Eagle3DataConfig(), "train": Eagle3TrainConfig()}
         for key, default in defaults.items():
             if getattr(d, key) != default:
                 raise ConfigError(f"key 'draft.{key}' applies to draft.kind eagle3 only", "remove it, or set draft.kind: eagle3")
@@ -334,6 +334,11 @@ def _check_eagle3(r: Recipe) -> None:
         raise ConfigError(f"key 'draft.head_weights' is int8 on backend {r.backend}, but only the CPU engine quantizes the "
                           "head: TensorRT-LLM loads the EAGLE-3 checkpoint as exported (Eagle3DecodingConfig's "
                           "speculative_model)", "remove draft.head_weights (auto), or set it to bf16")  # fmt: skip
+    _at_least("draft.serve_vocab_size", d.serve_vocab_size, 0)
+    if d.serve_vocab_size and backend.gpu:
+        raise ConfigError(f"key 'draft.serve_vocab_size' is {d.serve_vocab_size} on backend {r.backend}, but only the CPU "
+                          "engine cuts the head's draft vocabulary: TensorRT-LLM loads the EAGLE-3 checkpoint's own d2t "
+                          "(Eagle3DecodingConfig's speculative_model)", "remove draft.serve_vocab_size (0)")  # fmt: skip
     if not backend.eagle3_draft:
         able = " or ".join(b.name for b in _backends.ALL if b.eagle3_draft)
         raise ConfigError(f"draft.kind eagle3 is not wired for backend {r.backend}: {backend.no_eagle3_because}",

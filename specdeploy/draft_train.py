@@ -35,7 +35,8 @@ from specdeploy.draft_samples import read_draft_data
 from specdeploy.draft_train_loop import TrainResult, train_head
 from specdeploy.draft_train_plan import check_disk, check_plan, plan_training
 from specdeploy.errors import ConfigError
-from specdeploy.modelopt_eagle3 import aux_layer_ids, build_model, choose_draft_vocab, export_head, load_exported_head
+from specdeploy.modelopt_eagle3 import (aux_layer_ids, build_model, choose_draft_vocab, export_head, load_exported_head,
+                                        write_vocab_counts)
 
 STAGE = "eagle3-head"
 TRAIN_LOG = "train_log.jsonl"
@@ -117,6 +118,22 @@ def engine_features(recipe: Recipe, layout, aux_ids: list[int]):
     return EngineFeatures.load(engine_dir, aux_ids, manifest.fingerprint)
 
 
+def count_head_vocab(head_dir, data_dir) -> str:
+    """`specdeploy draft vocab-counts`: write an exported head's EAGLE3_VOCAB_COUNTS from the answers of a `draft data`
+    folder's training samples (the head's own data, or the target's answers to other prompts: never the validation
+    prompts, which the data stage refuses). Returns a line saying what it wrote."""
+    from specdeploy.engine.eagle3 import Eagle3HeadConfig
+
+    config = Eagle3HeadConfig.read(Path(head_dir))  # ModelError when it is not an exported head
+    if not (Path(head_dir) / "model.safetensors").is_file():
+        raise ConfigError(f"{head_dir} has no model.safetensors", "point at an exported EAGLE-3 head folder")
+    data = read_draft_data(Path(data_dir), config.vocab_size)
+    path = write_vocab_counts(Path(head_dir), data.train, str(data_dir))
+    body = json.loads(path.read_text())
+    return (f"{path}: {body['counted']:,} of {body['answer_tokens']:,} answer tokens of {len(data.train):,} samples "
+            f"in the head's {config.draft_vocab_size:,} draft tokens")
+
+
 def pad_id_of(target_config: dict) -> int:
     """The target's pad token where it names a valid one, else 0 (padding is masked out either way)."""
     pad_id = target_config.get("pad_token_id")
@@ -186,6 +203,7 @@ def train_recipe(recipe: Recipe, layout, force: bool = False, echo=print, progre
     head_params = sum(p.numel() for p in model.eagle_module.parameters())
     with atomic_output(dest) as tmp:
         export_head(model, tmp, aux_ids, t.export_dtype)
+        write_vocab_counts(tmp, data.train, str(data.folder))  # draft.serve_vocab_size ranks by them
         (tmp / TRAIN_LOG).write_text("".join(json.dumps(entry) + "\n" for entry in result.log))
         Manifest(
             stage=STAGE,

@@ -176,7 +176,8 @@ def load_engine(engine_dir: Path, role: str, recipe_path: str = "RECIPE"):
 
 def load_eagle3_head(recipe, layout, target_engine, recipe_path: str = "RECIPE"):
     """draft.kind eagle3: the head named by draft.head ('trained': the one `specdeploy draft train` exported),
-    checked against the target engine, its linears held as draft.head_weights says."""
+    checked against the target engine, its linears held as draft.head_weights says, scoring the draft tokens
+    draft.serve_vocab_size keeps."""
     from specdeploy.config import EAGLE3_HEAD_TRAINED
     from specdeploy.engine.eagle3 import Eagle3Head
 
@@ -185,7 +186,7 @@ def load_eagle3_head(recipe, layout, target_engine, recipe_path: str = "RECIPE")
     if not (head_dir / "config.json").is_file():
         fix = f"train it with: specdeploy draft train {recipe_path}" if trained else "set draft.head to an exported EAGLE-3 checkpoint folder"
         raise BuildError(f"no EAGLE-3 head at {head_dir}", fix)
-    return Eagle3Head.load(head_dir, target_engine, recipe.draft.cpu_head_weights)
+    return Eagle3Head.load(head_dir, target_engine, recipe.draft.cpu_head_weights, recipe.draft.serve_vocab_size)
 
 
 def load_tokenizer(engine_dir: Path, model: str):

@@ -12,7 +12,7 @@ import json
 import os
 from pathlib import Path
 
-from specdeploy.config import Eagle3TrainConfig, to_plain
+from specdeploy.config import EAGLE3_VOCAB_COUNTS, Eagle3TrainConfig, to_plain
 from specdeploy.errors import ConfigError, ModelError
 
 
@@ -49,6 +49,40 @@ def choose_draft_vocab(samples, vocab_size: int, draft_vocab_size: int) -> list[
             seen.add(token)
         token += 1
     return sorted(chosen)
+
+
+def head_draft_ids(head_dir: Path) -> tuple[int, list[int] | None]:
+    """An exported head's (vocab_size, the target id of each draft id), None for a head over the whole vocabulary."""
+    from safetensors import safe_open
+
+    config = json.loads((Path(head_dir) / "config.json").read_text())
+    with safe_open(str(Path(head_dir) / "model.safetensors"), "pt") as f:
+        if "d2t" not in f.keys():
+            return int(config["vocab_size"]), None
+        d2t = f.get_tensor("d2t").long()
+    import torch
+
+    return int(config["vocab_size"]), (torch.arange(len(d2t)) + d2t).tolist()
+
+
+def write_vocab_counts(head_dir: Path, samples, source: str) -> Path:
+    """Write EAGLE3_VOCAB_COUNTS into an exported head's folder: how often each of its draft ids is an answer token of
+    `samples` (the data of folder `source`), the counts draft.serve_vocab_size ranks by; through a temporary file, so
+    an earlier file survives a failure."""
+    from collections import Counter
+
+    vocab_size, draft_ids = head_draft_ids(head_dir)
+    answers = Counter()
+    for s in samples:
+        answers.update(s.input_ids[s.loss_start:])
+    counts = [answers.get(t, 0) for t in (range(vocab_size) if draft_ids is None else draft_ids)]
+    path = Path(head_dir) / EAGLE3_VOCAB_COUNTS
+    tmp = path.with_name(path.name + ".tmp")
+    body = {"what": "answer tokens of the training data per draft id (draft.serve_vocab_size keeps the most counted)",
+            "source": source, "answer_tokens": sum(answers.values()), "counted": sum(counts), "counts": counts}
+    tmp.write_text(json.dumps(body) + "\n")
+    tmp.replace(path)
+    return path
 
 
 def d2t_of(draft_ids: list[int]):

@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,7 +21,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("modelopt.torch.speculative")
 
 from specdeploy import artifacts, draft_samples, draft_train, draft_train_loop, draft_train_plan, modelopt_eagle3  # noqa: E402
-from specdeploy.config import Eagle3TrainConfig  # noqa: E402
+from specdeploy.config import EAGLE3_VOCAB_COUNTS, Eagle3TrainConfig  # noqa: E402
 from specdeploy.config_loader import parse_recipe  # noqa: E402
 from specdeploy.errors import ConfigError, SpecDeployError  # noqa: E402
 import bench_modules  # noqa: E402
@@ -143,13 +144,15 @@ def test_training_raises_heldout_acceptance_and_exports_a_head_that_drafts_the_s
     assert torch.equal(weights["layers.0.input_layernorm.weight"], torch.ones(64))
     assert not torch.equal(weights["layers.0.hidden_norm.weight"], torch.ones(64))
     # d2t: target_id = draft_id + d2t[draft_id], the most frequent answer tokens (computed here independently)
-    from collections import Counter
-
     counts = Counter(t for r in map(json.loads, (data / "train.jsonl").read_text().splitlines()) for t in r["input_ids"][r["loss_start"]:])
     draft_targets = (torch.arange(160) + weights["d2t"]).tolist()
     assert draft_targets == sorted(draft_targets) and len(set(draft_targets)) == 160
     top = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))][: min(160, len(counts))]
     assert set(top) <= set(draft_targets)
+    # beside it, how often the training answers used each draft token (draft.serve_vocab_size ranks by them)
+    written = json.loads((head / EAGLE3_VOCAB_COUNTS).read_text())
+    assert written["counts"] == [counts.get(t, 0) for t in draft_targets] and written["source"] == str(layout.draft_data)
+    assert written["answer_tokens"] == sum(counts.values()) >= written["counted"] == sum(written["counts"]) > 0
 
     # reloaded into a fresh model, the head drafts what the trained one drafted
     t = recipe.draft.train
@@ -173,6 +176,32 @@ def test_training_raises_heldout_acceptance_and_exports_a_head_that_drafts_the_s
 
 def _samples(path: Path):
     return draft_samples._read_samples(path, VOCAB, "x")
+
+
+def test_cli_vocab_counts_counts_a_heads_draft_tokens_in_the_training_answers_only(tiny, tmp_path):
+    """`specdeploy draft vocab-counts HEAD --data DIR`: per draft id (through the head's d2t), the answer tokens of the
+    folder's train.jsonl, never its held-out prompts'; an earlier file is replaced whole; a folder that is no head,
+    or data that is missing, is refused naming it."""
+    from click.testing import CliRunner
+
+    from eagle3_heads import make_eagle3_head
+    from specdeploy.cli import main
+
+    root, _, data = tiny
+    d2t = torch.arange(40) * 2  # draft id i -> target id 3 i
+    head = make_eagle3_head(tmp_path / "head", 64, VOCAB, (0, 1), draft_vocab_size=40, d2t=d2t)
+    (head / EAGLE3_VOCAB_COUNTS).write_text("{}")
+    result = CliRunner().invoke(main, ["draft", "vocab-counts", str(head), "--data", str(data)])
+    assert result.exit_code == 0, result.output
+    answers = Counter(t for s in _samples(data / "train.jsonl") for t in s.input_ids[s.loss_start:])
+    heldout = Counter(t for s in _samples(data / "heldout.jsonl") for t in s.input_ids[s.loss_start:])
+    written = json.loads((head / EAGLE3_VOCAB_COUNTS).read_text())
+    assert written["counts"] == [answers.get(3 * i, 0) for i in range(40)] and sum(written["counts"]) > 0
+    assert written["counts"] != [answers.get(3 * i, 0) + heldout.get(3 * i, 0) for i in range(40)]  # held-out not counted
+    assert f"{written['counted']:,} of {written['answer_tokens']:,} answer tokens" in result.output
+    for args, words in (([str(tmp_path)], "no config.json"), ([str(head), "--data", str(tmp_path / "none")], "no EAGLE-3 training data")):
+        result = CliRunner().invoke(main, ["draft", "vocab-counts", *args] + ([] if "--data" in args else ["--data", str(data)]))
+        assert result.exit_code != 0 and words in result.output, result.output
 
 
 def _drafts(model, data: Path):

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from eagle3_heads import make_eagle3_head
+from specdeploy.config import EAGLE3_VOCAB_COUNTS
 from specdeploy.engine.eagle3 import Eagle3Head, default_aux_layer_ids, quantize_int8_per_channel
 from specdeploy.engine.batching import BatchScheduler
 from specdeploy.engine.executor import Executor
@@ -644,6 +645,77 @@ def test_fused_with_draft_p_min_equals_the_target_alone_and_counts_the_rounds_it
             assert s.drafted == 0 and len(s.drafted_per_round) == len(expected) - 1
 
 
+# ---------------------------------------------------------------- draft.serve_vocab_size
+
+
+def _counted_head(path, counts, **kwargs):
+    """A random head with 64 draft tokens (draft id i -> target id 4 i) and `counts` as its draft_vocab_counts.json."""
+    head = make_eagle3_head(path, 64, 512, AUX, draft_vocab_size=64, d2t=torch.arange(64) * 3, **kwargs)
+    (head / EAGLE3_VOCAB_COUNTS).write_text(json.dumps({"counts": counts}))
+    return head
+
+
+def test_a_served_vocabulary_scores_the_most_counted_draft_tokens_and_stays_the_target(target, tmp_path):
+    """draft.serve_vocab_size n: the head keeps the n draft ids its counts rank first (ties: the lower id); its logits
+    are the whole head's at those ids, so it drafts the best of them, mapped through d2t; its probabilities are over
+    them alone; greedy output stays the target's."""
+    counts = [(i * 37) % 11 for i in range(64)]  # 0..10, with ties
+    head_dir = _counted_head(tmp_path / "h", counts)
+    full, cut = Eagle3Head.load(head_dir, target), Eagle3Head.load(head_dir, target, serve_vocab_size=16)
+    kept = sorted(sorted(range(64), key=lambda i: (-counts[i], i))[:16])
+    assert cut.served_vocab_size == 16 and full.served_vocab_size == 64
+    assert cut.draft_to_target.tolist() == [4 * i for i in kept]
+    assert Eagle3Head.load(head_dir, target, serve_vocab_size=64).draft_to_target.tolist() == [4 * i for i in range(64)]
+    ids = prompt_of(5, 12)
+    _, aux = target.forward(target.new_cache(64), torch.tensor(ids), aux_layers=AUX)
+    whole, _ = full.forward(full.new_cache(64), full.project(aux), torch.tensor(ids[1:] + [7]))
+    some, _ = cut.forward(cut.new_cache(64), cut.project(aux), torch.tensor(ids[1:] + [7]))
+    assert some.shape == (16,) and torch.allclose(some, whole[kept], rtol=1e-3, atol=1e-3)
+    drafter = cut.new_drafter(64)
+    drafter.catch_up(aux, ids[1:] + [7])
+    first = drafter.draft(1)[0]
+    assert first == 4 * kept[int(whole[kept].argmax())] and first in cut.draft_to_target.tolist()
+    plain, fused = Executor(target), Executor(target, head=cut)
+    for seed, n in ((0, 5), (2, 30)):
+        prompt = prompt_of(seed, n)
+        got = run(fused, GenerationRequest(prompt, 20, num_draft_tokens=3))
+        assert got.token_ids == run(plain, GenerationRequest(prompt, 20)).token_ids and got.stats.drafted > 0
+
+
+def test_a_vocabulary_of_one_drafts_with_certainty(target, tmp_path):
+    """Cut to one draft token the head gives it probability 1: a draft_p_min of 0.99, which the whole random head seldom
+    reaches, drafts in every round but the last (the served test uses this to see the cut inside tritonserver)."""
+    head_dir = _counted_head(tmp_path / "h", [1] * 10 + [5] + [1] * 53)
+    prompt = prompt_of(1, 9)
+    rounds = {}
+    for size in (0, 1):
+        head = Eagle3Head.load(head_dir, target, serve_vocab_size=size)
+        got = run(Executor(target, head=head, draft_p_min=0.99), GenerationRequest(prompt, 12, num_draft_tokens=3))
+        assert got.token_ids == run(Executor(target), GenerationRequest(prompt, 12)).token_ids
+        rounds[size] = got.stats.drafted_per_round
+    assert rounds[1].count(0) <= 1 and rounds[1][0] == 3, rounds  # only the last round has no room to draft
+    assert rounds[0].count(0) > len(rounds[0]) / 2, rounds
+
+
+@pytest.mark.parametrize(
+    "counts, size, words",
+    [
+        (None, 8, "needs draft_vocab_counts.json"),
+        ("not json", 8, "draft_vocab_counts.json is unreadable"),
+        ([1] * 63, 8, "holds 63 counts"),
+        ([1] * 63 + [-1], 8, "expected 64 non-negative"),
+        ([1] * 64, 65, "draft vocabulary has 64 tokens"),
+    ],
+)
+def test_a_served_vocabulary_without_fitting_counts_is_refused(target, tmp_path, counts, size, words):
+    head_dir = make_eagle3_head(tmp_path / "h", 64, 512, AUX, draft_vocab_size=64)
+    if counts is not None:
+        (head_dir / EAGLE3_VOCAB_COUNTS).write_text(counts if isinstance(counts, str) else json.dumps({"counts": counts}))
+    with pytest.raises(ModelError) as err:
+        Eagle3Head.load(head_dir, target, serve_vocab_size=size)
+    assert str(head_dir) in str(err.value) and words in str(err.value) and err.value.hint, str(err.value)
+
+
 # ---------------------------------------------------------------- heads that do not fit
 
 
@@ -703,12 +775,13 @@ def test_bundled_smollm2_with_a_random_head_stays_bit_exact(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("weights", ["bf16", "int8"])
-def test_the_shipped_head_on_smollm2_is_bit_exact_and_accepted(tmp_path, weights):
+@pytest.mark.parametrize("weights, vocab", [("bf16", 0), ("int8", 0), ("int8", 4096)])
+def test_the_shipped_head_on_smollm2_is_bit_exact_and_accepted(tmp_path, weights, vocab):
     """The head specdeploy ships for SmolLM2 (the default recipe's draft) on the bundled target, on chat-formatted
     prompts of the built-in validation set (never trained on): the fused output equals the target alone, and the
     head's drafts are accepted (a trained head, unlike a random one), its linears as exported or in int8 (the
-    default recipe's draft.head_weights)."""
+    default recipe's draft.head_weights), over all its draft tokens or the 4,096 its counts keep (the default
+    recipe's draft.serve_vocab_size)."""
     from transformers import AutoTokenizer
 
     from specdeploy.artifacts import BUNDLED_HEADS
@@ -717,7 +790,8 @@ def test_the_shipped_head_on_smollm2_is_bit_exact_and_accepted(tmp_path, weights
 
     model_dir = resolve("smollm2-135m-instruct")
     target = _engine(model_dir, tmp_path, "bfloat16", max_draft_len=4)
-    head = Eagle3Head.load(BUNDLED_HEADS / "smollm2-135m-instruct-eagle3", target, weights)
+    head = Eagle3Head.load(BUNDLED_HEADS / "smollm2-135m-instruct-eagle3", target, weights, vocab)
+    assert head.served_vocab_size == (vocab or 8192)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     plain, fused = Executor(target), Executor(target, head=head)
     drafted = accepted = 0

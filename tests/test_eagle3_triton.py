@@ -302,6 +302,73 @@ def test_config_head_weights_resolve_for_the_cpu_and_are_refused_where_they_cann
         parse_recipe({**raw, "draft": {"kind": "ngram", "head_weights": "bf16"}})
 
 
+def test_config_serve_vocab_size_is_the_cpu_engines_and_is_refused_where_it_cannot_apply(built):
+    from specdeploy.config import to_plain
+    from specdeploy.config_loader import parse_recipe
+    from specdeploy.errors import ConfigError
+
+    raw = to_plain(built[0])
+    draft = lambda **kw: {**raw["draft"], **kw}  # noqa: E731
+    assert parse_recipe(raw).draft.serve_vocab_size == 0
+    assert parse_recipe({**raw, "draft": draft(serve_vocab_size=4096)}).draft.serve_vocab_size == 4096
+    with pytest.raises(ConfigError, match="draft.serve_vocab_size' is -1, must be >= 0"):
+        parse_recipe({**raw, "draft": draft(serve_vocab_size=-1)})
+    gpu = {**raw, "backend": "trtllm-llmapi", "speculative": {**raw["speculative"], "draft_p_min": 0.0}}
+    with pytest.raises(ConfigError, match="only the CPU engine cuts the head's draft vocabulary") as err:
+        parse_recipe({**gpu, "draft": draft(serve_vocab_size=4096)})
+    assert "remove draft.serve_vocab_size" in err.value.hint
+    with pytest.raises(ConfigError, match="draft.serve_vocab_size' applies to draft.kind eagle3 only"):
+        parse_recipe({**raw, "draft": {"kind": "ngram", "serve_vocab_size": 4096}})
+
+
+@pytest.mark.parametrize("layout", ["inflight_batcher_llm", "llmapi"])
+def test_served_vocabulary_reaches_the_head_in_either_layout(built, tmp_path, layout):
+    """draft.serve_vocab_size travels to the served head with its counts: `specdeploy repo` copies
+    draft_vocab_counts.json beside the head (its hash in the repository's) and passes the size as a model parameter,
+    and refuses a head without counts naming the command that writes them. Cut to one draft token at a draft_p_min of
+    0.99 (which the whole random head seldom reaches: test_served_draft_cut_reaches_the_head_inside_tensorrt_llm), the
+    served model drafts in nearly every round, so the cut runs inside tritonserver; the answers are the control's."""
+    from specdeploy import backend_stages
+    from specdeploy.errors import BuildError
+    from specdeploy.triton import server
+
+    import tritonclient.grpc as grpc
+
+    recipe, _, _, head = built
+    counted = tmp_path / "head"
+    shutil.copytree(head, counted)
+    sections = dict(draft={"serve_vocab_size": 1}, speculative={"draft_p_min": 0.99},
+                    **({"triton": {"layout": "llmapi"}} if layout == "llmapi" else {}))
+    recipe, layout_, recipe_path = _deployment(tmp_path / "deploy", Path(recipe.target.model), counted, **sections)
+    with pytest.raises(BuildError, match="has no draft_vocab_counts.json") as err:
+        backend_stages.of(recipe).write_repository(recipe, layout_, recipe_path=str(recipe_path))
+    assert "specdeploy draft vocab-counts" in err.value.hint
+    (counted / "draft_vocab_counts.json").write_text(json.dumps({"counts": [0] * 300 + [9] + [0] * 211}))
+    repo, _ = backend_stages.of(recipe).write_repository(recipe, layout_, recipe_path=str(recipe_path))
+    staged = Path(repo) / "tensorrt_llm" / "eagle3_head"
+    assert (staged / "draft_vocab_counts.json").read_bytes() == (counted / "draft_vocab_counts.json").read_bytes()
+    assert re.search(r'key: "eagle3_serve_vocab_size"\s*value: \{\s*string_value: "1"', (Path(repo) / "tensorrt_llm" / "config.pbtxt").read_text())
+    srv = server.start(repo, server.Ports.pick(), Path(layout_.server_state) / "tritonserver.log", exit_timeout_s=3)
+    try:
+        server.wait_ready(srv, SERVER_READY_TIMEOUT_S)
+        client = grpc.InferenceServerClient(srv.state.grpc_url)
+        for chat in CHATS[:2]:
+            prompt = chat_text(chat)
+            if layout == "llmapi":
+                control, out = (_llmapi_infer(client, model, prompt) for model in ("tensorrt_llm_control", "tensorrt_llm"))
+                assert out["text_output"][0].decode() == control["text_output"][0].decode() and control["text_output"][0], prompt
+                rounds = int(out["total_draft_tokens"][0]) / 3  # at least, when each round drafts 3
+            else:
+                control = _bls(client, prompt).as_numpy("text_output").reshape(-1)[0].decode()
+                r = _bls(client, prompt, num_draft_tokens=3)
+                assert r.as_numpy("text_output").reshape(-1)[0].decode() == control, prompt
+                rounds = _count(r, "total_draft_tokens") / 3
+            assert rounds >= MAX_TOKENS / 4 - 1, (prompt, rounds)  # >= 4 rounds (3 drafts + 1 token a round at most)
+        client.close()
+    finally:
+        srv.stop()
+
+
 def test_config_bounds_draft_p_min_to_the_head_on_cpu(built):
     from specdeploy.config import to_plain
     from specdeploy.config_loader import parse_recipe

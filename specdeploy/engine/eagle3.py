@@ -40,6 +40,11 @@ before its pre-hook applies hidden_norm (transformers LlamaDecoderLayer.forward 
 modeling_eagle.py:117-126 normalises again); the runtimes above (and this one) normalise the feature by
 hidden_norm only. A head trained with that path is served as the runtimes serve it.
 
+Served vocabulary (draft.serve_vocab_size, the CPU engine only): the head's LM head and d2t cut to the draft tokens
+its VOCAB_COUNTS file counts most often, at load time. The head's argmax and its probability (speculative.draft_p_min)
+are then over those tokens only; the LM head, about half the head's bytes at an 8,192-token draft vocabulary, shrinks
+with them. Verification decides every draft either way, so the output is the target's.
+
 The KV cache is indexed by absolute position; rollback moves the pointer (STYLE.md rule 3).
 """
 
@@ -54,7 +59,7 @@ from typing import Generator
 import torch
 import torch.nn.functional as F
 
-from specdeploy.config import EAGLE3_HEAD_WEIGHTS
+from specdeploy.config import EAGLE3_HEAD_WEIGHTS, EAGLE3_VOCAB_COUNTS
 from specdeploy.engine.kernels import make_linear
 from specdeploy.engine.kv_cache import KVCache
 from specdeploy.engine.model import LazyTensors, rms_norm, rope_inv_freq
@@ -62,6 +67,7 @@ from specdeploy.errors import ModelError
 
 HEAD_CONFIG = "config.json"
 HEAD_WEIGHTS = "model.safetensors"
+VOCAB_COUNTS = EAGLE3_VOCAB_COUNTS
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # modelopt/torch/export/plugins/hf_spec_configs.py:19
 # how the CPU engine holds the head's linears: recipe draft.head_weights with "auto" resolved (DraftConfig.cpu_head_weights)
 HEAD_WEIGHTS_KINDS = tuple(w for w in EAGLE3_HEAD_WEIGHTS if w != "auto")
@@ -135,10 +141,37 @@ def _fail(path: Path, problem: str, fix: str = "use the head trained for this ta
     raise ModelError(f"EAGLE-3 head {path}: {problem}", fix)
 
 
+def served_draft_ids(head_dir: Path, draft_vocab_size: int, size: int) -> torch.Tensor | None:
+    """The draft ids draft.serve_vocab_size = `size` keeps ([size], ascending): the `size` ones VOCAB_COUNTS counts
+    most (ties: the lower id). None when size is 0 or the whole draft vocabulary."""
+    if not size or size == draft_vocab_size:
+        return None
+    path = Path(head_dir) / VOCAB_COUNTS
+    if not 0 < size < draft_vocab_size:
+        _fail(head_dir, f"draft.serve_vocab_size is {size}, but the head's draft vocabulary has {draft_vocab_size} tokens",
+              f"set draft.serve_vocab_size to 1..{draft_vocab_size}, or remove it (the whole draft vocabulary)")
+    fix = ("count them: specdeploy draft vocab-counts HEAD_DIR --data DRAFT_DATA_DIR (the head's training data), or "
+           "remove draft.serve_vocab_size")
+    if not path.is_file():
+        _fail(head_dir, f"draft.serve_vocab_size needs {VOCAB_COUNTS} (how often the target wrote each draft token)", fix)
+    try:
+        counts = torch.tensor([int(c) for c in json.loads(path.read_text())["counts"]], dtype=torch.int64)
+    except (ValueError, KeyError, TypeError) as exc:
+        _fail(head_dir, f"{VOCAB_COUNTS} is unreadable ({exc!r})", fix)
+    if counts.numel() != draft_vocab_size or int(counts.min()) < 0:
+        _fail(head_dir, f"{VOCAB_COUNTS} holds {counts.numel()} counts (min {int(counts.min()) if counts.numel() else '-'}), "
+                        f"expected {draft_vocab_size} non-negative ones, one per draft id", fix)
+    counted = counts.tolist()
+    order = sorted(range(draft_vocab_size), key=lambda i: (-counted[i], i))[:size]
+    return torch.tensor(sorted(order), dtype=torch.long)
+
+
 class Eagle3Head:
     """A loaded head, checked against the target engine it drafts for. `catch_up` and `draft` run it."""
 
-    def __init__(self, config: Eagle3HeadConfig, tensors, target, path: Path = Path("<head>"), weights: str = "bf16"):
+    def __init__(self, config: Eagle3HeadConfig, tensors, target, path: Path = Path("<head>"), weights: str = "bf16",
+                 served_ids: torch.Tensor | None = None):
+        """`served_ids`: the draft ids the head scores (`served_draft_ids`: draft.serve_vocab_size), all when None."""
         spec, c = target.spec, config
         if weights not in HEAD_WEIGHTS_KINDS:
             raise ValueError(f"head weights {weights!r}: expected one of {HEAD_WEIGHTS_KINDS}")
@@ -186,8 +219,12 @@ class Eagle3Head:
         self.hidden_norm = get(f"{p}hidden_norm.weight", (h,)).to(dtype)
         self.post_norm = get(f"{p}post_attention_layernorm.weight", (h,)).to(dtype)
         self.final_norm = get("norm.weight", (h,)).to(dtype) if "norm.weight" in tensors else None  # use_last_layernorm
+        keep = (lambda t: t) if served_ids is None else (lambda t: t[served_ids])  # [draft_vocab, ...] -> served rows
         if "lm_head.weight" in tensors:
-            self.lm_head = linear(get("lm_head.weight", (c.draft_vocab_size, h)))
+            self.lm_head = linear(keep(get("lm_head.weight", (c.draft_vocab_size, h))))
+        elif served_ids is not None:
+            _fail(path, "draft.serve_vocab_size cuts the head's lm_head, but model.safetensors has none (it uses the target's)",
+                  "remove draft.serve_vocab_size")
         elif c.draft_vocab_size == c.vocab_size:
             self.lm_head = target.lm_head  # hf_spec_export.py:175-176 fills it from the base model on export
         else:
@@ -198,9 +235,9 @@ class Eagle3Head:
             if int(mapped.min()) < 0 or int(mapped.max()) >= c.vocab_size:
                 _fail(path, f"d2t maps draft ids to target ids outside 0..{c.vocab_size - 1} "
                             f"(min {int(mapped.min())}, max {int(mapped.max())})", "re-export the head with the target's vocabulary")
-            self.draft_to_target = mapped  # [draft_vocab] target ids
+            self.draft_to_target = keep(mapped)  # [served draft vocab] target ids
         elif c.draft_vocab_size == c.vocab_size:
-            self.draft_to_target = None
+            self.draft_to_target = served_ids  # None: draft ids are target ids
         else:
             _fail(path, "draft_vocab_size < vocab_size but model.safetensors has no d2t", "re-export the head with its draft vocabulary")
         self.embedding = target.embedding  # [vocab, h], the target's table
@@ -211,20 +248,23 @@ class Eagle3Head:
         self.cos, self.sin = emb.cos(), emb.sin() * sign  # as model.rope_tables
         self.scale = 1.0 / math.sqrt(d)
         self.max_len = len(positions)
+        self.served_vocab_size = c.draft_vocab_size if served_ids is None else len(served_ids)
         linears = (self.fc, self.qkv, self.o, self.gate_up, self.down, self.lm_head)
         self.row_invariant = all(getattr(lin, "row_invariant", False) for lin in linears)  # forward_batch's rows
 
     @classmethod
-    def load(cls, head_dir: str | Path, target, weights: str = "bf16") -> "Eagle3Head":
+    def load(cls, head_dir: str | Path, target, weights: str = "bf16", serve_vocab_size: int = 0) -> "Eagle3Head":
         """Read an exported head and check it against `target` (a CpuEngine); `weights` (recipe draft.head_weights,
-        resolved): bf16 keeps its linear layers as exported, int8 quantizes them per output channel."""
+        resolved): bf16 keeps its linear layers as exported, int8 quantizes them per output channel;
+        `serve_vocab_size` (draft.serve_vocab_size; 0: all): the draft tokens it scores, the most counted."""
         head_dir = Path(head_dir)
         config = Eagle3HeadConfig.read(head_dir)
         path = head_dir / HEAD_WEIGHTS
         if not path.is_file():
             raise ModelError(f"EAGLE-3 head {head_dir} has no {HEAD_WEIGHTS}", "re-export the head (export_speculative_decoding)")
+        served = served_draft_ids(head_dir, config.draft_vocab_size, serve_vocab_size)
         with LazyTensors(path) as tensors:
-            return cls(config, tensors, target, head_dir, weights)
+            return cls(config, tensors, target, head_dir, weights, served)
 
     def new_drafter(self, max_len: int | None = None) -> "Eagle3Drafter":
         """One sequence's head state (the executor keeps one per pooled KV cache)."""

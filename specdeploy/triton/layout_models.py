@@ -236,6 +236,7 @@ def cpu_engine_models(inp: RepoInputs) -> list[ModelSpec]:
                     # relative to the model's folder, like tokenizer_dir (common.resolve_dir)
                     **({"eagle3_head": EAGLE3_HEAD_SUBDIR, "eagle3_draft_p_min": str(r.speculative.draft_p_min),
                         "eagle3_head_weights": r.draft.cpu_head_weights, "eagle3_policy": r.speculative.policy,
+                        "eagle3_serve_vocab_size": str(r.draft.serve_vocab_size),
                         "eagle3_sa_threshold": str(r.draft.lookup_threshold)} if eagle3 else {}),
                     **engine_model_parameters(inp, role),
                     "kv_cache_free_gpu_mem_fraction": str(r.engine.kv_cache_free_gpu_mem_fraction),

@@ -132,6 +132,7 @@ def model_spec(inp: RepoInputs, name: str) -> ModelSpec:
         if r.draft.is_eagle3 and name == SPECULATIVE_MODEL:  # the head's cut-off: specdeploy's own (TensorRT-LLM has none)
             parameters["eagle3_draft_p_min"] = str(r.speculative.draft_p_min)
             parameters["eagle3_head_weights"] = r.draft.cpu_head_weights  # draft.head_weights
+            parameters["eagle3_serve_vocab_size"] = str(r.draft.serve_vocab_size)  # draft.serve_vocab_size (0: all)
             parameters["eagle3_sa_threshold"] = str(r.draft.lookup_threshold)  # draft.sa_config (GPU: in model.yaml)
         if r.draft.is_ngram and name == SPECULATIVE_MODEL:  # specdeploy's own n-gram field (model.yaml has TensorRT-LLM's)
             from specdeploy import ngram

@@ -7,12 +7,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdeploy.artifacts import Manifest, fingerprint, require
-from specdeploy.config import Recipe
+from specdeploy.config import EAGLE3_VOCAB_COUNTS, Recipe
 from specdeploy.errors import RepoError
 
 CPU_EXECUTOR_FACTORY = "specdeploy.triton.models.common:load_cpu_executor"
 # draft.kind eagle3: the files of the head (copied into the repository, their hash in its fingerprint)
 EAGLE3_HEAD_FILES = ("config.json", "model.safetensors")
+
+
+def eagle3_head_files(recipe: Recipe) -> tuple[str, ...]:
+    """The head's files the repository holds: EAGLE3_HEAD_FILES, and its draft-token counts when the CPU engine cuts
+    its vocabulary to the most counted (draft.serve_vocab_size)."""
+    return EAGLE3_HEAD_FILES + ((EAGLE3_VOCAB_COUNTS,) if recipe.draft.serve_vocab_size else ())
 
 
 @dataclass(frozen=True)
@@ -24,7 +30,7 @@ class RepoInputs:
     engine_manifests: dict[str, Manifest]
     executor_factory: str  # "module:callable" that loads an Executor from an engine dir
     eagle3_head_dir: Path | None = None  # draft.kind eagle3: the head folder draft.head names (absolute)
-    eagle3_head_hash: str = ""  # the hash of its files (EAGLE3_HEAD_FILES)
+    eagle3_head_hash: str = ""  # the hash of its files (eagle3_head_files)
 
     def engine_setting(self, role: str, key: str, default):
         """A build setting from the engine's manifest (top level or its `engine` section), else `default`."""
@@ -122,15 +128,20 @@ def _eagle3_head(recipe: Recipe, layout, recipe_path: str) -> tuple[Path, str]:
     if missing:
         fix = f"train it with: specdeploy draft train {recipe_path}" if trained else "set draft.head to an exported EAGLE-3 checkpoint folder"
         raise BuildError(f"no EAGLE-3 head at {head_dir} (no {', '.join(missing)})", fix)
-    return head_dir, fingerprint(**{name: file_hash(head_dir / name) for name in EAGLE3_HEAD_FILES})
+    if recipe.draft.serve_vocab_size and not (head_dir / EAGLE3_VOCAB_COUNTS).is_file():
+        raise BuildError(f"draft.serve_vocab_size is {recipe.draft.serve_vocab_size}, but the EAGLE-3 head at {head_dir} has no "
+                         f"{EAGLE3_VOCAB_COUNTS} (how often the target wrote each draft token)",
+                         f"count them: specdeploy draft vocab-counts {head_dir} --data DRAFT_DATA_DIR, or remove "
+                         "draft.serve_vocab_size")  # fmt: skip
+    return head_dir, fingerprint(**{name: file_hash(head_dir / name) for name in eagle3_head_files(recipe)})
 
 
 def stage_eagle3_head(inp: RepoInputs, dest: Path) -> None:
-    """Copy the head's files (EAGLE3_HEAD_FILES) into `dest` (a model folder's head subfolder), made here."""
+    """Copy the head's files (eagle3_head_files) into `dest` (a model folder's head subfolder), made here."""
     import shutil
 
     dest.mkdir()
-    for name in EAGLE3_HEAD_FILES:
+    for name in eagle3_head_files(inp.recipe):
         shutil.copyfile(inp.eagle3_head_dir / name, dest / name)
 
 
@@ -140,7 +151,7 @@ def check_eagle3_head(inp: RepoInputs) -> None:
     from specdeploy.engine.eagle3 import Eagle3Head
     from specdeploy.engine.model import CpuEngine
 
-    Eagle3Head.load(inp.eagle3_head_dir, CpuEngine.load(str(inp.engine_dirs["target"])))
+    Eagle3Head.load(inp.eagle3_head_dir, CpuEngine.load(str(inp.engine_dirs["target"])), serve_vocab_size=inp.recipe.draft.serve_vocab_size)
 
 
 def _expected_engine_fingerprint(recipe: Recipe, layout, role: str) -> str | None:

@@ -120,9 +120,10 @@ def load_cpu_executor(engine_dir: str):
 
 
 def with_eagle3_head(executor, head_dir, draft_p_min: float = 0.0, head_weights: str = "bf16", policy: str = "static",
-                     lookup_threshold: int = 0):
+                     lookup_threshold: int = 0, serve_vocab_size: int = 0):
     """draft.kind eagle3: the executor with the EAGLE-3 head of `head_dir` loaded against its engine (the fused loop,
-    engine/executor.py), its linears held as `head_weights` (draft.head_weights: bf16 or int8), its draft cut-off
+    engine/executor.py), its linears held as `head_weights` (draft.head_weights: bf16 or int8), scoring
+    `serve_vocab_size` of its draft tokens (draft.serve_vocab_size; 0: all), its draft cut-off
     (speculative.draft_p_min), which drafts a round verifies (speculative.policy: static, or cost:
     engine/draft_cost.py) and the suffix lookup tried before the head (`lookup_threshold`: draft.sa_config.threshold,
     0 off); unchanged when head_dir is None. A head that does not fit the engine: ModelError naming the file."""
@@ -130,7 +131,7 @@ def with_eagle3_head(executor, head_dir, draft_p_min: float = 0.0, head_weights:
         return executor
     from specdeploy.engine.eagle3 import Eagle3Head
 
-    executor.head = Eagle3Head.load(head_dir, executor.engine, head_weights)
+    executor.head = Eagle3Head.load(head_dir, executor.engine, head_weights, serve_vocab_size)
     executor.draft_p_min = draft_p_min
     executor.draft_policy = policy
     executor.lookup_threshold = lookup_threshold

@@ -85,7 +85,8 @@ class TritonPythonModel:
                     raise pb_utils.TritonModelException(f"{self.name}: speculative_config names no EAGLE-3 head ({' or '.join(DRAFT_MODEL_KEYS)})")
                 self.target = common.with_eagle3_head(self.target, speculative[key], float(params.get("eagle3_draft_p_min") or 0.0),
                                                       params.get("eagle3_head_weights") or "bf16", params.get("speculation_policy") or "static",
-                                                      self._sa_threshold(params, speculative))
+                                                      self._sa_threshold(params, speculative),
+                                                      int(params.get("eagle3_serve_vocab_size") or 0))
                 self.eagle3 = True
             elif kind == "NGram":
                 # TensorRT-LLM's fields from speculative_config; specdeploy's own minimum from the model's parameters

@@ -75,8 +75,9 @@ class TritonPythonModel:
         head_weights = params.get("eagle3_head_weights") or "bf16"  # draft.head_weights
         policy = params.get("eagle3_policy") or "static"  # speculative.policy: cost decides draft by draft in the engine
         lookup = int(params.get("eagle3_sa_threshold") or 0)  # draft.sa_config.threshold (0: no suffix lookup)
+        vocab = int(params.get("eagle3_serve_vocab_size") or 0)  # draft.serve_vocab_size (0: the whole draft vocabulary)
         load = lambda: common.with_eagle3_head(factory(params["gpt_model_path"]), head_dir, draft_p_min, head_weights, policy,  # noqa: E731
-                                               lookup)
+                                               lookup, vocab)
         self.executor, self.batcher = self._load(args, params, load)
         self._stub_lock = common.StubLock()  # the batching path's request threads and scheduler share the stub
         self._running = common.RunningRequests()  # request id -> its stop check, for TensorRT-LLM's `stop` input
