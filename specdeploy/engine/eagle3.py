@@ -41,8 +41,8 @@ modeling_eagle.py:117-126 normalises again); the runtimes above (and this one) n
 hidden_norm only. A head trained with that path is served as the runtimes serve it.
 
 Served vocabulary (draft.serve_vocab_size, the CPU engine only): the head's LM head and d2t cut to the draft tokens
-its VOCAB_COUNTS file counts most often, at load time. The head's argmax and its probability (speculative.draft_p_min)
-are then over those tokens only; the LM head, about half the head's bytes at an 8,192-token draft vocabulary, shrinks
+its counts file (EAGLE3_VOCAB_COUNTS) counts most often, at load time. The head's argmax and its probability
+(speculative.draft_p_min) are then over those tokens only; the LM head, about half the head's bytes at an 8,192-token draft vocabulary, shrinks
 with them. Verification decides every draft either way, so the output is the target's.
 
 The KV cache is indexed by absolute position; rollback moves the pointer (STYLE.md rule 3).
@@ -67,7 +67,6 @@ from specdeploy.errors import ModelError
 
 HEAD_CONFIG = "config.json"
 HEAD_WEIGHTS = "model.safetensors"
-VOCAB_COUNTS = EAGLE3_VOCAB_COUNTS
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # modelopt/torch/export/plugins/hf_spec_configs.py:19
 # how the CPU engine holds the head's linears: recipe draft.head_weights with "auto" resolved (DraftConfig.cpu_head_weights)
 HEAD_WEIGHTS_KINDS = tuple(w for w in EAGLE3_HEAD_WEIGHTS if w != "auto")
@@ -142,24 +141,24 @@ def _fail(path: Path, problem: str, fix: str = "use the head trained for this ta
 
 
 def served_draft_ids(head_dir: Path, draft_vocab_size: int, size: int) -> torch.Tensor | None:
-    """The draft ids draft.serve_vocab_size = `size` keeps ([size], ascending): the `size` ones VOCAB_COUNTS counts
-    most (ties: the lower id). None when size is 0 or the whole draft vocabulary."""
+    """The draft ids draft.serve_vocab_size = `size` keeps ([size], ascending): the `size` ones the head's counts file
+    (EAGLE3_VOCAB_COUNTS) counts most (ties: the lower id). None when size is 0 or the whole draft vocabulary."""
     if not size or size == draft_vocab_size:
         return None
-    path = Path(head_dir) / VOCAB_COUNTS
+    path = Path(head_dir) / EAGLE3_VOCAB_COUNTS
     if not 0 < size < draft_vocab_size:
         _fail(head_dir, f"draft.serve_vocab_size is {size}, but the head's draft vocabulary has {draft_vocab_size} tokens",
               f"set draft.serve_vocab_size to 1..{draft_vocab_size}, or remove it (the whole draft vocabulary)")
     fix = ("count them: specdeploy draft vocab-counts HEAD_DIR --data DRAFT_DATA_DIR (the head's training data), or "
            "remove draft.serve_vocab_size")
     if not path.is_file():
-        _fail(head_dir, f"draft.serve_vocab_size needs {VOCAB_COUNTS} (how often the target wrote each draft token)", fix)
+        _fail(head_dir, f"draft.serve_vocab_size needs {EAGLE3_VOCAB_COUNTS} (how often the target wrote each draft token)", fix)
     try:
         counts = torch.tensor([int(c) for c in json.loads(path.read_text())["counts"]], dtype=torch.int64)
     except (ValueError, KeyError, TypeError) as exc:
-        _fail(head_dir, f"{VOCAB_COUNTS} is unreadable ({exc!r})", fix)
+        _fail(head_dir, f"{EAGLE3_VOCAB_COUNTS} is unreadable ({exc!r})", fix)
     if counts.numel() != draft_vocab_size or int(counts.min()) < 0:
-        _fail(head_dir, f"{VOCAB_COUNTS} holds {counts.numel()} counts (min {int(counts.min()) if counts.numel() else '-'}), "
+        _fail(head_dir, f"{EAGLE3_VOCAB_COUNTS} holds {counts.numel()} counts (min {int(counts.min()) if counts.numel() else '-'}), "
                         f"expected {draft_vocab_size} non-negative ones, one per draft id", fix)
     counted = counts.tolist()
     order = sorted(range(draft_vocab_size), key=lambda i: (-counted[i], i))[:size]
