@@ -387,7 +387,9 @@ def main(argv=None) -> int:
     end_id = tokenizer.eos_token_id
     prompts = chat_prompts(tokenizer, args.prompts, args.max_tokens)
     log(f"{platform.node()}: {os.cpu_count()} cores, {args.threads} threads, load average {os.getloadavg()[0]:.1f}; "
-        f"head {head_dir} (specdeploy holds its linears in {recipe.draft.cpu_head_weights}: draft.head_weights); "
+        f"head {head_dir} (specdeploy holds its linears in {recipe.draft.cpu_head_weights}: draft.head_weights; and scores all "
+        f"its draft tokens, as llama.cpp does, where the recipe serves {recipe.draft.serve_vocab_size or 'all'}: "
+        f"draft.serve_vocab_size); "
         f"{len(prompts)} prompts x {args.max_tokens} tokens, K = {draft_len}, greedy")
 
     sd = SpecdeploySide(engine_dir, head_dir, end_id, recipe.draft.cpu_head_weights)
