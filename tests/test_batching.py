@@ -221,16 +221,42 @@ def test_int8_sq_per_token_requests_alone_equal_the_same_requests_among_15_other
 
 
 def test_requests_join_and_leave_between_steps(bf16_engine):
-    """A request that arrives while others run joins at the next step; results do not change."""
+    """A request that arrives while others run joins at the next step; results do not change. The long request's
+    first decode step is held until the late ones are queued (not raced against the clock: on a busy or a fast
+    machine it could otherwise finish its 40 tokens before they arrive)."""
     requests = _requests()[:3]
     solo = [run(Executor(bf16_engine), r) for r in requests]
     scheduler = BatchScheduler(Executor(bf16_engine), 4)
+    queued, calls, inner = threading.Event(), [0], bf16_engine.forward_batch
+
+    def held(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 2:  # the long request's first decode step (its prefill gave the first token)
+            assert queued.wait(120), "the late requests were never queued"
+        return inner(*args, **kwargs)
+
+    bf16_engine.forward_batch = held
+    late: list = [None] * len(requests)
     try:
         first = scheduler.generate(GenerationRequest(_prompt(30, 4), 40, streaming=True))
         next(first)  # the long request is running
-        late = _concurrently(scheduler, requests)  # these join it
+
+        def consume(i):
+            late[i] = _drain(scheduler.generate(requests[i]))
+
+        threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(requests))]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 120
+        while scheduler.waiting() < len(requests) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        queued.set()  # these join it at the next step
+        for t in threads:
+            t.join(120)
         rest = _drain(first)
     finally:
+        queued.set()
+        del bf16_engine.forward_batch
         scheduler.close()
     for got, expected in zip(late, solo):
         _assert_same(got, expected)
