@@ -132,6 +132,14 @@ def test_repository_has_no_draft_model_and_carries_the_head(built, served):
     finally:
         (head / "config.json").write_text(json.dumps(changed, indent=2))
     repository.require_repository(recipe, layout, str(recipe_path))
+    # so does a draft key the repository carries as a model parameter
+    from specdeploy.config import to_plain
+    from specdeploy.config_loader import parse_recipe
+
+    raw = to_plain(recipe)
+    for key, value in (("head_weights", "bf16"), ("sa_config", {"threshold": 3})):
+        with pytest.raises(StaleArtifactError, match="stale"):
+            repository.require_repository(parse_recipe({**raw, "draft": {**raw["draft"], key: value}}), layout, str(recipe_path))
 
 
 def _inputs(values: dict):
@@ -347,6 +355,15 @@ def test_served_vocabulary_reaches_the_head_in_either_layout(built, tmp_path, la
     repo, _ = backend_stages.of(recipe).write_repository(recipe, layout_, recipe_path=str(recipe_path))
     staged = Path(repo) / "tensorrt_llm" / "eagle3_head"
     assert (staged / "draft_vocab_counts.json").read_bytes() == (counted / "draft_vocab_counts.json").read_bytes()
+    from specdeploy.config import to_plain
+    from specdeploy.config_loader import parse_recipe
+    from specdeploy.errors import StaleArtifactError
+    from specdeploy.triton import repository
+
+    repository.require_repository(recipe, layout_, str(recipe_path))
+    raw = to_plain(recipe)
+    with pytest.raises(StaleArtifactError, match="stale"):  # another size, the same counts: the parameter is stale
+        repository.require_repository(parse_recipe({**raw, "draft": {**raw["draft"], "serve_vocab_size": 2}}), layout_, str(recipe_path))
     assert re.search(r'key: "eagle3_serve_vocab_size"\s*value: \{\s*string_value: "1"', (Path(repo) / "tensorrt_llm" / "config.pbtxt").read_text())
     srv = server.start(repo, server.Ports.pick(), Path(layout_.server_state) / "tritonserver.log", exit_timeout_s=3)
     try:

@@ -69,6 +69,14 @@ def _sources_hash() -> str:
     return fingerprint(**{p.name: file_hash(p) for p in sorted(MODEL_SOURCES.glob("*.py"))})
 
 
+def _eagle3_served(r: Recipe) -> dict:
+    """The draft keys of an eagle3 recipe that the repository carries (model parameters, model.yaml): how the head's
+    linears are held, the draft tokens it scores, the suffix lookup. Its data and train keys reach it only through the
+    head's files (eagle3_head_hash)."""
+    return {"head_weights": r.draft.head_weights, "serve_vocab_size": r.draft.serve_vocab_size,
+            "sa_config": to_plain(r.draft.sa_config) if r.draft.sa_config is not None else None}
+
+
 def repo_fingerprint(inp: RepoInputs) -> str:
     r = inp.recipe
     return fingerprint(
@@ -77,7 +85,7 @@ def repo_fingerprint(inp: RepoInputs) -> str:
         backend=r.backend,
         speculative=to_plain(r.speculative),
         draft=to_plain(r.draft) if r.draft.is_ngram else None,
-        **({"eagle3_head": inp.eagle3_head_hash} if r.draft.is_eagle3 else {}),
+        **({"eagle3_head": inp.eagle3_head_hash, "eagle3_served": _eagle3_served(r)} if r.draft.is_eagle3 else {}),
         engine=to_plain(r.engine),
         triton={k: getattr(r.triton, k) for k in ("instance_count", "decoupled", "max_queue_delay_microseconds", "request_timeout_s",
                                                   "inflight_batching")} | {"bls_instance_count": r.bls_instance_count},
