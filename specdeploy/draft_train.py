@@ -128,8 +128,7 @@ def count_head_vocab(head_dir, data_dir) -> str:
     if not (Path(head_dir) / "model.safetensors").is_file():
         raise ConfigError(f"{head_dir} has no model.safetensors", "point at an exported EAGLE-3 head folder")
     data = read_draft_data(Path(data_dir), config.vocab_size)
-    path = write_vocab_counts(Path(head_dir), data.train, str(data_dir))
-    body = json.loads(path.read_text())
+    path, body = write_vocab_counts(Path(head_dir), data.train, str(data_dir))
     return (f"{path}: {body['counted']:,} of {body['answer_tokens']:,} answer tokens of {len(data.train):,} samples "
             f"in the head's {config.draft_vocab_size:,} draft tokens")
 

@@ -19,6 +19,16 @@ from specdeploy.errors import ConfigError, ModelError
 # ---------------------------------------------------------------- draft vocabulary
 
 
+def answer_counts(samples):
+    """How often each target id is an answer token (>= loss_start) of `samples`: a Counter."""
+    from collections import Counter
+
+    answers = Counter()
+    for s in samples:
+        answers.update(s.input_ids[s.loss_start:])
+    return answers
+
+
 def choose_draft_vocab(samples, vocab_size: int, draft_vocab_size: int) -> list[int] | None:
     """The head's vocabulary: the `draft_vocab_size` target ids most frequent in the answers (ties: lower id),
     filled up from the prompts and then the lowest ids; ascending. None when it would be the full vocabulary.
@@ -29,9 +39,8 @@ def choose_draft_vocab(samples, vocab_size: int, draft_vocab_size: int) -> list[
         return None
     from collections import Counter
 
-    answers, prompts = Counter(), Counter()
+    answers, prompts = answer_counts(samples), Counter()
     for s in samples:
-        answers.update(s.input_ids[s.loss_start:])
         prompts.update(s.input_ids[: s.loss_start])
     chosen: list[int] = []
     seen: set[int] = set()
@@ -65,16 +74,12 @@ def head_draft_ids(head_dir: Path) -> tuple[int, list[int] | None]:
     return int(config["vocab_size"]), (torch.arange(len(d2t)) + d2t).tolist()
 
 
-def write_vocab_counts(head_dir: Path, samples, source: str) -> Path:
+def write_vocab_counts(head_dir: Path, samples, source: str) -> tuple[Path, dict]:
     """Write EAGLE3_VOCAB_COUNTS into an exported head's folder: how often each of its draft ids is an answer token of
     `samples` (the data of folder `source`), the counts draft.serve_vocab_size ranks by; through a temporary file, so
-    an earlier file survives a failure."""
-    from collections import Counter
-
+    an earlier file survives a failure. Returns the file and what it holds."""
     vocab_size, draft_ids = head_draft_ids(head_dir)
-    answers = Counter()
-    for s in samples:
-        answers.update(s.input_ids[s.loss_start:])
+    answers = answer_counts(samples)
     counts = [answers.get(t, 0) for t in (range(vocab_size) if draft_ids is None else draft_ids)]
     path = Path(head_dir) / EAGLE3_VOCAB_COUNTS
     tmp = path.with_name(path.name + ".tmp")
@@ -82,7 +87,7 @@ def write_vocab_counts(head_dir: Path, samples, source: str) -> Path:
             "source": source, "answer_tokens": sum(answers.values()), "counted": sum(counts), "counts": counts}
     tmp.write_text(json.dumps(body) + "\n")
     tmp.replace(path)
-    return path
+    return path, body
 
 
 def d2t_of(draft_ids: list[int]):

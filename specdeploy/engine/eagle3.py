@@ -154,14 +154,13 @@ def served_draft_ids(head_dir: Path, draft_vocab_size: int, size: int) -> torch.
     if not path.is_file():
         _fail(head_dir, f"draft.serve_vocab_size needs {EAGLE3_VOCAB_COUNTS} (how often the target wrote each draft token)", fix)
     try:
-        counts = torch.tensor([int(c) for c in json.loads(path.read_text())["counts"]], dtype=torch.int64)
+        counts = [int(c) for c in json.loads(path.read_text())["counts"]]
     except (ValueError, KeyError, TypeError) as exc:
         _fail(head_dir, f"{EAGLE3_VOCAB_COUNTS} is unreadable ({exc!r})", fix)
-    if counts.numel() != draft_vocab_size or int(counts.min()) < 0:
-        _fail(head_dir, f"{EAGLE3_VOCAB_COUNTS} holds {counts.numel()} counts (min {int(counts.min()) if counts.numel() else '-'}), "
+    if len(counts) != draft_vocab_size or min(counts, default=0) < 0:
+        _fail(head_dir, f"{EAGLE3_VOCAB_COUNTS} holds {len(counts)} counts (min {min(counts, default='-')}), "
                         f"expected {draft_vocab_size} non-negative ones, one per draft id", fix)
-    counted = counts.tolist()
-    order = sorted(range(draft_vocab_size), key=lambda i: (-counted[i], i))[:size]
+    order = sorted(range(draft_vocab_size), key=lambda i: (-counts[i], i))[:size]
     return torch.tensor(sorted(order), dtype=torch.long)
 
 

@@ -214,6 +214,14 @@ def engine_model_parameters(inp: RepoInputs, role: str) -> dict[str, str]:
     }
 
 
+def eagle3_head_parameters(r) -> dict[str, str]:
+    """draft.kind eagle3 on cpu: how the CPU engine runs the head, as model parameters of either layout (specdeploy's
+    own; TensorRT-LLM has none of them): its cut-off (speculative.draft_p_min), its linears (draft.head_weights), the
+    draft tokens it scores (draft.serve_vocab_size, 0: all) and the suffix lookup (draft.sa_config, 0: off)."""
+    return {"eagle3_draft_p_min": str(r.speculative.draft_p_min), "eagle3_head_weights": r.draft.cpu_head_weights,
+            "eagle3_serve_vocab_size": str(r.draft.serve_vocab_size), "eagle3_sa_threshold": str(r.draft.lookup_threshold)}
+
+
 def cpu_engine_models(inp: RepoInputs) -> list[ModelSpec]:
     """tensorrt_llm and tensorrt_llm_draft as python models over specdeploy's CPU engine."""
     r = inp.recipe
@@ -234,10 +242,8 @@ def cpu_engine_models(inp: RepoInputs) -> list[ModelSpec]:
                 outputs=LLM_OUTPUTS + (EAGLE3_LLM_OUTPUTS if eagle3 else ()),
                 parameters={
                     # relative to the model's folder, like tokenizer_dir (common.resolve_dir)
-                    **({"eagle3_head": EAGLE3_HEAD_SUBDIR, "eagle3_draft_p_min": str(r.speculative.draft_p_min),
-                        "eagle3_head_weights": r.draft.cpu_head_weights, "eagle3_policy": r.speculative.policy,
-                        "eagle3_serve_vocab_size": str(r.draft.serve_vocab_size),
-                        "eagle3_sa_threshold": str(r.draft.lookup_threshold)} if eagle3 else {}),
+                    **({"eagle3_head": EAGLE3_HEAD_SUBDIR, "eagle3_policy": r.speculative.policy,
+                        **eagle3_head_parameters(r)} if eagle3 else {}),
                     **engine_model_parameters(inp, role),
                     "kv_cache_free_gpu_mem_fraction": str(r.engine.kv_cache_free_gpu_mem_fraction),
                     "executor_factory": inp.executor_factory,

@@ -25,7 +25,7 @@ import yaml
 
 from specdeploy.errors import RepoError
 from specdeploy.triton import repository
-from specdeploy.triton.layout_models import EAGLE3_HEAD_SUBDIR
+from specdeploy.triton.layout_models import EAGLE3_HEAD_SUBDIR, eagle3_head_parameters
 from specdeploy.triton.repo_inputs import check_eagle3_head, stage_eagle3_head
 from specdeploy.triton.repository import MODEL_SOURCES, ModelSpec, RepoInputs, _t, check_config, render
 
@@ -129,11 +129,8 @@ def model_spec(inp: RepoInputs, name: str) -> ModelSpec:
             "add_special_tokens": "true",
             **(PolicySettings.from_recipe(r.speculative).to_parameters() if name == SPECULATIVE_MODEL else {}),
         }
-        if r.draft.is_eagle3 and name == SPECULATIVE_MODEL:  # the head's cut-off: specdeploy's own (TensorRT-LLM has none)
-            parameters["eagle3_draft_p_min"] = str(r.speculative.draft_p_min)
-            parameters["eagle3_head_weights"] = r.draft.cpu_head_weights  # draft.head_weights
-            parameters["eagle3_serve_vocab_size"] = str(r.draft.serve_vocab_size)  # draft.serve_vocab_size (0: all)
-            parameters["eagle3_sa_threshold"] = str(r.draft.lookup_threshold)  # draft.sa_config (GPU: in model.yaml)
+        if r.draft.is_eagle3 and name == SPECULATIVE_MODEL:  # on the GPU the suffix lookup is in model.yaml instead
+            parameters.update(eagle3_head_parameters(r))
         if r.draft.is_ngram and name == SPECULATIVE_MODEL:  # specdeploy's own n-gram field (model.yaml has TensorRT-LLM's)
             from specdeploy import ngram
 
