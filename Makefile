@@ -107,13 +107,16 @@ head-tune: setup models
 
 HEAD_DATA ?= $(HEAD_SRC)/draft-data
 ship-head:
+	@# the training answers' count of each draft token, which the default recipe's draft.serve_vocab_size ranks by
+	@if [ ! -f $(HEAD_SRC)/eagle3-head/draft_vocab_counts.json ]; then \
+	   echo "ship-head: $(HEAD_SRC)/eagle3-head has no draft_vocab_counts.json (the default recipe cuts the head by it);" \
+	        "count them first: $(SD) draft vocab-counts $(HEAD_SRC)/eagle3-head --data $(HEAD_DATA)"; exit 1; fi
 	rm -rf $(HEAD_DIR).tmp && mkdir -p $(HEAD_DIR).tmp
 	cp $(HEAD_SRC)/eagle3-head/config.json $(HEAD_SRC)/eagle3-head/model.safetensors $(HEAD_SRC)/eagle3-head/manifest.json \
 	   $(HEAD_SRC)/eagle3-head/train_log.jsonl $(HEAD_DIR).tmp/
 	cp $(HEAD_DATA)/manifest.json $(HEAD_DIR).tmp/data-manifest.json
-	# the training answers' count of each draft token (draft.serve_vocab_size), which `draft train` writes beside the head
-	if [ -f $(HEAD_SRC)/eagle3-head/draft_vocab_counts.json ]; then cp $(HEAD_SRC)/eagle3-head/draft_vocab_counts.json $(HEAD_DIR).tmp/; \
-	   sed -i -e 's#"$(CURDIR)/#"#g' $(HEAD_DIR).tmp/draft_vocab_counts.json; fi
+	# the counts (`draft train` writes them beside the head; checked above)
+	cp $(HEAD_SRC)/eagle3-head/draft_vocab_counts.json $(HEAD_DIR).tmp/ && sed -i -e 's#"$(CURDIR)/#"#g' $(HEAD_DIR).tmp/draft_vocab_counts.json
 	cp $(EAGLE3_RECIPE) $(HEAD_DIR).tmp/recipe.yaml
 	if [ -f $(HEAD_DIR)/README.md ]; then cp $(HEAD_DIR)/README.md $(HEAD_DIR).tmp/; fi
 	# the stages' output (progress, held-out acceptance): make head's log, every 20th progress line

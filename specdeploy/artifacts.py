@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from specdeploy.config import EAGLE3_HEAD_TRAINED, Recipe, stable_hash
+from specdeploy.config import EAGLE3_HEAD_TRAINED, EAGLE3_VOCAB_COUNTS, Recipe, stable_hash
 from specdeploy.errors import StaleArtifactError
 
 SCHEMA_VERSION = 1
@@ -144,14 +144,22 @@ def file_hash(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def dir_hash(directory: Path, patterns=("*.json", "*.safetensors", "*.bin", "*.model", "*.txt")) -> str:
-    """Hash of the files in a model directory that define it (weights, configs, tokenizer)."""
+def dir_hash(directory: Path, patterns=("*.json", "*.safetensors", "*.bin", "*.model", "*.txt"), exclude=()) -> str:
+    """Hash of the files in a model directory that define it (weights, configs, tokenizer), less the names in `exclude`."""
     h = hashlib.sha256()
-    files = sorted({p for pat in patterns for p in Path(directory).glob(pat) if p.name != MANIFEST})
+    files = sorted({p for pat in patterns for p in Path(directory).glob(pat) if p.name != MANIFEST and p.name not in exclude})
     for path in files:
         h.update(path.name.encode())
         h.update(file_hash(path).encode())
     return h.hexdigest()[:16]
+
+
+def head_hash(directory: Path) -> str:
+    """dir_hash of an EAGLE-3 head folder as training (`draft.train.init_head`) and the GPU backends read it: without
+    its counts file (EAGLE3_VOCAB_COUNTS), which only the CPU engine's `draft.serve_vocab_size` reads (the CPU
+    repository hashes it on its own where it cuts), so that counting a head's answers does not make a head trained
+    from it, or a GPU engine built with it, stale."""
+    return dir_hash(directory, exclude=(EAGLE3_VOCAB_COUNTS,))
 
 
 def is_up_to_date(directory: Path, expected_fingerprint: str) -> bool:

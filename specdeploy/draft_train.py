@@ -34,7 +34,7 @@ from specdeploy.draft_decode_torch import device_name
 from specdeploy.draft_samples import read_draft_data
 from specdeploy.draft_train_loop import TrainResult, train_head
 from specdeploy.draft_train_plan import check_disk, check_plan, plan_training
-from specdeploy.errors import ConfigError
+from specdeploy.errors import ConfigError, ModelError
 from specdeploy.modelopt_eagle3 import (aux_layer_ids, build_model, choose_draft_vocab, export_head, load_exported_head,
                                         write_vocab_counts)
 
@@ -126,7 +126,7 @@ def count_head_vocab(head_dir, data_dir) -> str:
 
     config = Eagle3HeadConfig.read(Path(head_dir))  # ModelError when it is not an exported head
     if not (Path(head_dir) / "model.safetensors").is_file():
-        raise ConfigError(f"{head_dir} has no model.safetensors", "point at an exported EAGLE-3 head folder")
+        raise ModelError(f"{head_dir} has no model.safetensors", "point at an exported EAGLE-3 head folder")
     data = read_draft_data(Path(data_dir), config.vocab_size)
     path, body = write_vocab_counts(Path(head_dir), data.train, str(data_dir))
     return (f"{path}: {body['counted']:,} of {body['answer_tokens']:,} answer tokens of {len(data.train):,} samples "
@@ -151,7 +151,7 @@ def train_recipe(recipe: Recipe, layout, force: bool = False, echo=print, progre
     import shutil
 
     from specdeploy import models
-    from specdeploy.artifacts import Manifest, atomic_output, dir_hash, free_bytes, is_up_to_date, tool_versions, tree_bytes
+    from specdeploy.artifacts import Manifest, atomic_output, dir_hash, free_bytes, head_hash, is_up_to_date, tool_versions, tree_bytes
 
     if not recipe.draft.is_eagle3:
         raise ConfigError(f"draft.kind is {recipe.draft.kind}, not eagle3: there is no head to train",
@@ -167,7 +167,7 @@ def train_recipe(recipe: Recipe, layout, force: bool = False, echo=print, progre
     features = engine_features(recipe, layout, aux_ids) if t.features == "engine" else None
     inputs = {}
     if init is not None:
-        inputs["init_head"] = dir_hash(init)
+        inputs["init_head"] = head_hash(init)
     if features is not None:
         inputs["features_engine"] = features.identity
     fp = stage_fingerprint(recipe, target_hash, data.fingerprint, time_limit_s, inputs)

@@ -83,10 +83,14 @@ def write_vocab_counts(head_dir: Path, samples, source: str) -> tuple[Path, dict
     counts = [answers.get(t, 0) for t in (range(vocab_size) if draft_ids is None else draft_ids)]
     path = Path(head_dir) / EAGLE3_VOCAB_COUNTS
     tmp = path.with_name(path.name + ".tmp")
-    body = {"what": "answer tokens of the training data per draft id (draft.serve_vocab_size keeps the most counted)",
+    body = {"what": "answer tokens per draft id of the training samples of `source`, a draft data folder "
+                    "(draft.serve_vocab_size keeps the most counted)",
             "source": source, "answer_tokens": sum(answers.values()), "counted": sum(counts), "counts": counts}
-    tmp.write_text(json.dumps(body) + "\n")
-    tmp.replace(path)
+    try:
+        tmp.write_text(json.dumps(body) + "\n")
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)  # a failed write leaves no partial file beside the head
     return path, body
 
 

@@ -15,6 +15,10 @@ def run(recipe, layout, recipe_path: str, echo=print, progress=True, server_bina
     from specdeploy.quantize import quantize_recipe
 
     stages = backend_stages.of(recipe)
+    if not stages.backend.gpu:  # the GPU backends' build runs every pre-flight check; the cpu one, this one up front
+        from specdeploy import preflight
+
+        preflight.enforce(preflight.check_served_vocabulary(recipe, layout), echo)
     echo(f"== quantize ({stages.backend.name})")
     quantize_recipe(recipe, layout, echo=echo, progress=progress is True)
     echo("== build")

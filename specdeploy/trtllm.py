@@ -23,7 +23,7 @@ from pathlib import Path
 import yaml
 
 from specdeploy import gpu as gpu_probe
-from specdeploy.artifacts import MANIFEST, Layout, Manifest, atomic_output, dir_hash, fingerprint, is_up_to_date, require, tool_versions
+from specdeploy.artifacts import MANIFEST, Layout, Manifest, atomic_output, fingerprint, head_hash, is_up_to_date, require, tool_versions
 from specdeploy.config import EAGLE3_HEAD_TRAINED, Recipe
 from specdeploy.errors import BuildError, StaleArtifactError
 
@@ -137,7 +137,7 @@ def _llmapi_inputs(recipe: Recipe, layout: Layout) -> tuple[dict, Path | None]:
     if recipe.draft.is_eagle3:  # the head is an input of the deployment like a checkpoint
         head = eagle3_head_source(recipe, layout)
         check_eagle3_head_files(head, recipe)
-        checkpoint_fps["eagle3_head"] = dir_hash(head)
+        checkpoint_fps["eagle3_head"] = head_hash(head)
     return checkpoint_fps, head
 
 

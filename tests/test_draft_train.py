@@ -716,7 +716,12 @@ def test_a_head_trained_further_starts_where_the_exported_one_ended(tiny, tmp_pa
     assert second.acceptance.mean_accepted > first.acceptance.mean_accepted
     assert any(str(head) in line for line in lines)
     manifest = artifacts.Manifest.read(second_layout.eagle3_head)
-    assert manifest.inputs["init_head_hash"] == artifacts.dir_hash(head)
+    assert manifest.inputs["init_head_hash"] == artifacts.head_hash(head) != artifacts.dir_hash(head)  # the export wrote counts
+    # counting the start head's answers again (`draft vocab-counts`) leaves the head trained from it up to date
+    counts = json.loads((head / EAGLE3_VOCAB_COUNTS).read_text())
+    (head / EAGLE3_VOCAB_COUNTS).write_text(json.dumps({**counts, "counts": [c + 1 for c in counts["counts"]]}))
+    assert draft_train.train_recipe(second_recipe, second_layout, echo=(again := []).append, progress=False) is None
+    assert any("up to date" in line for line in again)
     from safetensors.torch import load_file
 
     assert torch.equal(load_file(str(head / "model.safetensors"))["d2t"], load_file(str(second_layout.eagle3_head / "model.safetensors"))["d2t"])

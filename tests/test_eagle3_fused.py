@@ -682,6 +682,25 @@ def test_a_served_vocabulary_scores_the_most_counted_draft_tokens_and_stays_the_
         assert got.token_ids == run(plain, GenerationRequest(prompt, 20)).token_ids and got.stats.drafted > 0
 
 
+def test_a_served_vocabulary_of_a_head_without_d2t_maps_back_to_the_target_ids(target, tmp_path):
+    """A head over the target's whole vocabulary (no d2t: draft id = target id) cut to n tokens: its kept rows are
+    the only map from a cut index back to a token id, so the draft is the kept id with the best logit."""
+    head_dir = make_eagle3_head(tmp_path / "h", 64, 512, AUX)  # draft_vocab_size = vocab_size, no d2t
+    counts = [(i * 53) % 17 for i in range(512)]
+    (head_dir / EAGLE3_VOCAB_COUNTS).write_text(json.dumps({"counts": counts}))
+    full, cut = Eagle3Head.load(head_dir, target), Eagle3Head.load(head_dir, target, serve_vocab_size=16)
+    kept = sorted(sorted(range(512), key=lambda i: (-counts[i], i))[:16])
+    assert full.draft_to_target is None and cut.draft_to_target.tolist() == kept
+    ids = prompt_of(3, 10)
+    _, aux = target.forward(target.new_cache(64), torch.tensor(ids), aux_layers=AUX)
+    whole, _ = full.forward(full.new_cache(64), full.project(aux), torch.tensor(ids[1:] + [7]))
+    drafter = cut.new_drafter(64)
+    drafter.catch_up(aux, ids[1:] + [7])
+    assert drafter.draft(1) == [kept[int(whole[kept].argmax())]]
+    got = run(Executor(target, head=cut), GenerationRequest(ids, 16, num_draft_tokens=3))
+    assert got.token_ids == run(Executor(target), GenerationRequest(ids, 16)).token_ids
+
+
 def test_a_vocabulary_of_one_drafts_with_certainty(target, tmp_path):
     """Cut to one draft token the head gives it probability 1: a draft_p_min of 0.99, which the whole random head seldom
     reaches, drafts in every round but the last (the served test uses this to see the cut inside tritonserver)."""

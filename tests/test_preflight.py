@@ -244,3 +244,52 @@ def test_eagle3_head_runs_in_every_backends_preflight_and_is_quiet_otherwise(eag
     found = preflight.run_all(eagle3_recipe(head), gpus=[H100], model_dirs={"target": target, "draft": None})
     assert "eagle3_head" in checks(found, "info") and checks(found, "error") == []
     assert preflight.check_eagle3_head(recipe(), target_dir=target) == []
+
+
+def test_a_served_vocabulary_is_checked_against_the_head_before_any_build(eagle3_dirs, tmp_path):
+    """draft.serve_vocab_size (backend cpu): past the head's draft vocabulary, or without the counts file beside the
+    head, is an error at preflight naming the head and the fix (before, only `specdeploy repo` found it)."""
+    from specdeploy.artifacts import Layout
+    from specdeploy.config import EAGLE3_VOCAB_COUNTS
+
+    target, head = eagle3_dirs
+
+    def served(size):
+        raw = {"name": "pf", "backend": "cpu", "target": {"model": "t"},
+               "draft": {"kind": "eagle3", "head": str(head), "serve_vocab_size": size},
+               "speculative": {"max_draft_len": 3, "num_draft_tokens": 3}}  # fmt: skip
+        return parse_recipe(raw)
+
+    too_many = [f for f in preflight.check_eagle3_head(served(40000), target_dir=target) if f.level == "error"]
+    assert len(too_many) == 1 and "has 32000 draft tokens" in too_many[0].message and "1..32000" in too_many[0].hint
+    missing = [f for f in preflight.check_eagle3_head(served(4096), target_dir=target) if f.level == "error"]
+    assert len(missing) == 1 and str(head) in missing[0].message and EAGLE3_VOCAB_COUNTS in missing[0].message
+    assert f"specdeploy draft vocab-counts {head} --data DRAFT_DATA_DIR" in missing[0].hint
+    recipe = served(4096)  # the recipe's own draft data, where it has some, is the folder the fix names
+    layout = Layout.of(recipe, tmp_path / "root")
+    layout.draft_data.mkdir(parents=True)
+    (layout.draft_data / "train.jsonl").write_text("{}\n")
+    hint = [f for f in preflight.check_eagle3_head(recipe, layout, target_dir=target) if f.level == "error"][0].hint
+    assert f"--data {layout.draft_data}," in hint
+    (head / EAGLE3_VOCAB_COUNTS).write_text(json.dumps({"counts": [1] * 32000}))
+    assert checks(preflight.check_eagle3_head(served(4096), target_dir=target), "error") == []
+    assert checks(preflight.check_eagle3_head(served(32000), target_dir=target), "error") == []  # the whole vocabulary
+
+
+def test_specdeploy_run_refuses_a_served_vocabulary_without_counts_before_quantizing(tmp_path):
+    """On the cpu backend `specdeploy run` checks draft.serve_vocab_size against the head before its first stage."""
+    from eagle3_heads import make_eagle3_head
+
+    from specdeploy import pipeline
+    from specdeploy.artifacts import Layout
+
+    head = make_eagle3_head(tmp_path / "head", 64, 512, draft_vocab_size=64)
+    recipe = parse_recipe({"name": "pf", "backend": "cpu", "target": {"model": str(tmp_path / "no-model")},
+                           "draft": {"kind": "eagle3", "head": str(head), "serve_vocab_size": 8},
+                           "speculative": {"max_draft_len": 3, "num_draft_tokens": 3}})  # fmt: skip
+    layout = Layout.of(recipe, tmp_path / "root")
+    lines = []
+    with pytest.raises(ConfigError, match="draft_vocab_counts.json") as err:
+        pipeline.run(recipe, layout, "pf.yaml", echo=lines.append, progress=False)
+    assert "specdeploy draft vocab-counts" in err.value.hint
+    assert not any(line.startswith("== quantize") for line in lines) and not layout.checkpoint("target").exists()

