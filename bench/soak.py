@@ -12,7 +12,7 @@ models over HTTP; a prompt of a few to a few hundred tokens; 1 to 64 new tokens;
 
 It reports: requests and errors (any error fails the run), p50/p99 latency per half of the run and the slope
 of p99 over it, the python stubs' RSS (children of tritonserver, read from /proc) over time and its slope in
-the last half, /dev/shm (the server's own regions) and /tmp growth, and whether every counter of the metrics
+the last half, in all and per process (each stub instance and the OpenAI front: which one grows), /dev/shm (the server's own regions) and /tmp growth, and whether every counter of the metrics
 port equals what the client counted (specdeploy's `specdeploy_*` counters of the speculative entry point,
 Triton's `nv_inference_request_*` of both entry points). After stopping the server it checks that none of its
 shared-memory regions is left. Exit status 1 on an error, a counter mismatch or a leftover region.
@@ -148,18 +148,22 @@ class Client:
 # ---------------------------------------------------------------- what the machine shows
 
 
-def stub_rss(server_pid: int) -> dict[int, int]:
-    """pid -> resident bytes of every python stub under the server (/proc/PID/status VmRSS)."""
+def stub_rss(server_pid: int) -> dict[str, tuple[int, int]]:
+    """instance name (`tensorrt_llm_0_0`) -> (pid, resident bytes) of every python stub under the server (VmRSS)."""
     from specdeploy.triton.server import python_stubs
 
-    return {pid: _vm_rss(pid) for pid in python_stubs(server_pid).values()}
+    return {name: (pid, _vm_rss(pid)) for name, pid in python_stubs(server_pid).items()}
 
 
 def _vm_rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as fh:
-        for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
+    """VmRSS in bytes; 0 for a process that is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except (FileNotFoundError, ProcessLookupError):
+        pass
     return 0
 
 
@@ -192,18 +196,23 @@ def quantile(values: list[float], q: float) -> float | None:
 
 
 class Watcher(threading.Thread):
-    """Samples stub RSS, the server's /dev/shm regions and /tmp every `every_s` until stopped."""
+    """Samples stub RSS (and the OpenAI front's, `front_pid`), the server's /dev/shm regions and /tmp every `every_s`
+    until stopped."""
 
-    def __init__(self, server_pid: int, prefixes, every_s: float, t0: float):
+    def __init__(self, server_pid: int, prefixes, every_s: float, t0: float, front_pid: int | None = None):
         super().__init__(name="soak-watcher", daemon=True)
-        self.server_pid, self.prefixes, self.every_s, self.t0 = server_pid, prefixes, every_s, t0
+        self.server_pid, self.prefixes, self.every_s, self.t0, self.front_pid = server_pid, prefixes, every_s, t0, front_pid
         self.samples: list[dict] = []
         self.done = threading.Event()
 
     def sample(self) -> None:
-        rss = stub_rss(self.server_pid)
-        self.samples.append({"t_s": round(time.monotonic() - self.t0, 2), "stubs": len(rss), "stub_rss_bytes": sum(rss.values()),
-                             "stub_rss_by_pid": rss, "shm_region_bytes": region_bytes(self.prefixes),
+        stubs = stub_rss(self.server_pid)
+        self.samples.append({"t_s": round(time.monotonic() - self.t0, 2), "stubs": len(stubs),
+                             "stub_rss_bytes": sum(rss for _, rss in stubs.values()),
+                             "stub_rss_by_instance": {name: rss for name, (_, rss) in stubs.items()},
+                             "stub_pids": {name: pid for name, (pid, _) in stubs.items()},
+                             "front_rss_bytes": None if self.front_pid is None else _vm_rss(self.front_pid),
+                             "shm_region_bytes": region_bytes(self.prefixes),
                              "dev_shm_used_bytes": used_bytes("/dev/shm"), "tmp_used_bytes": used_bytes("/tmp")})  # fmt: skip
 
     def run(self) -> None:
@@ -216,8 +225,9 @@ class Watcher(threading.Thread):
 
 def run_soak(grpc_url: str, openai_url: str, metrics_url: str, server_pid: int, recipe, codec, duration_s: float = 600.0,
              concurrency: int = 32, max_requests: int | None = None, seed: int = 0, timeout_s: float = 1800.0, sample_s: float = 10.0,
-             prefixes=(), max_new_tokens=MAX_NEW_TOKENS, echo=print) -> dict:  # fmt: skip
-    """Send the mixed load; return the report (see the module docstring). The server must be this run's only client."""
+             prefixes=(), max_new_tokens=MAX_NEW_TOKENS, front_pid: int | None = None, echo=print) -> dict:  # fmt: skip
+    """Send the mixed load; return the report (see the module docstring). The server must be this run's only client.
+    `front_pid`: the OpenAI front's process, whose RSS is sampled with the stubs'."""
     from specdeploy import metrics as m
     from specdeploy.client import metrics_check
 
@@ -227,7 +237,7 @@ def run_soak(grpc_url: str, openai_url: str, metrics_url: str, server_pid: int, 
     before = m.scrape(metrics_url)
     t0 = time.monotonic()
     deadline = t0 + duration_s
-    watcher = Watcher(server_pid, prefixes, sample_s, t0)
+    watcher = Watcher(server_pid, prefixes, sample_s, t0, front_pid)
     watcher.sample()
     watcher.start()
     samples: list[Sample] = []
@@ -304,12 +314,41 @@ def summarize(samples: list[Sample], watch: list[dict], elapsed_s: float) -> dic
         "stub_rss_bytes": {"start": first["stub_rss_bytes"], "end": last["stub_rss_bytes"],
                            "max": max(x["stub_rss_bytes"] for x in watch)},  # fmt: skip
         "stub_rss_slope_last_half_bytes_per_min": None if rss_slope is None else rss_slope * 60,
-        "stub_restarts": sorted(set().union(*(x["stub_rss_by_pid"] for x in watch)) - set(last["stub_rss_by_pid"])),
+        "stub_restarts": stub_restarts(watch),
+        "rss_by_process": rss_by_process(watch, half),
         "shm_region_growth_bytes": last["shm_region_bytes"] - first["shm_region_bytes"],
         "dev_shm_growth_bytes": last["dev_shm_used_bytes"] - first["dev_shm_used_bytes"],
         "tmp_growth_bytes": last["tmp_used_bytes"] - first["tmp_used_bytes"],
-        "rss_samples": [{k: v for k, v in x.items() if k != "stub_rss_by_pid"} for x in watch],
+        "rss_samples": [{k: v for k, v in x.items() if k not in ("stub_rss_by_instance", "stub_pids")} for x in watch],
     }
+
+
+def stub_restarts(watch: list[dict]) -> list[str]:
+    """The stub instances whose process changed or went away during the run (tritonserver 2.51 restarts none)."""
+    last = watch[-1]["stub_pids"]
+    seen: dict[str, set[int]] = {}
+    for x in watch:
+        for name, pid in x["stub_pids"].items():
+            seen.setdefault(name, set()).add(pid)
+    return sorted(name for name, pids in seen.items() if len(pids) > 1 or name not in last)
+
+
+def rss_by_process(watch: list[dict], half: float) -> dict:
+    """Each stub instance's RSS (and the OpenAI front's, `openai_front`) at the start, the end and its peak, and its
+    least-squares slope over the last half in bytes per minute (None with fewer than two samples there): which
+    process a growth of the total is in."""
+    series: dict[str, list[tuple[float, int]]] = {}
+    for x in watch:
+        for name, rss in x["stub_rss_by_instance"].items():
+            series.setdefault(name, []).append((x["t_s"], rss))
+        if x.get("front_rss_bytes"):
+            series.setdefault("openai_front", []).append((x["t_s"], x["front_rss_bytes"]))
+    out = {}
+    for name, points in sorted(series.items()):
+        late = slope([(t, rss) for t, rss in points if t >= half])
+        out[name] = {"start": points[0][1], "end": points[-1][1], "max": max(rss for _, rss in points),
+                     "slope_last_half_bytes_per_min": None if late is None else late * 60}
+    return out
 
 
 def compare_counters(window, counts: Counts) -> dict:
@@ -380,11 +419,12 @@ def serve_and_soak(recipe_path: str, root: str | None = None, echo=print, **kwar
         server.wait_ready(srv, recipe.triton.startup_timeout_s)
         port = server.free_port()
         # the front's deadline per Triton call: the soak's, not the recipe's validation.request_timeout_s
-        openai_api.start_detached(recipe_path, root, srv.state.grpc_url, port, state_dir, echo=echo, request_timeout_s=kwargs.get("timeout_s"))
+        front_pid = openai_api.start_detached(recipe_path, root, srv.state.grpc_url, port, state_dir, echo=echo,
+                                              request_timeout_s=kwargs.get("timeout_s"))
         try:
             codec = openai_api.Codec(tokenizer_dir(recipe, layout))
             report = run_soak(srv.state.grpc_url, f"http://127.0.0.1:{port}", srv.state.metrics_url, srv.process.pid, recipe, codec,
-                              prefixes=prefixes, echo=echo, **kwargs)  # fmt: skip
+                              prefixes=prefixes, front_pid=front_pid, echo=echo, **kwargs)  # fmt: skip
             report["server_live_at_end"] = server.is_ready(srv.state.http_port)
         finally:
             openai_api.stop_detached(state_dir)

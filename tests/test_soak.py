@@ -45,6 +45,10 @@ def test_short_soak_has_no_errors_and_counters_equal_client_counts(tmp_path_fact
     control_ok = next(r for r in rows if r["metric"].startswith('nv_inference_request_success{model="ensemble"'))
     assert spec_ok["client"] == 16 and control_ok["client"] == 16  # the counts compared are the load that was sent
     assert report["stubs"] >= 6 and not report["stub_restarts"]
+    processes = report["rss_by_process"]  # each stub instance by name, and the front
+    assert "openai_front" in processes and "tensorrt_llm_0_0" in processes and len(processes) == report["stubs"] + 1
+    assert all(0 < p["start"] <= p["max"] and p["end"] <= p["max"] for p in processes.values())
+    assert sum(p["end"] for name, p in processes.items() if name != "openai_front") == report["stub_rss_bytes"]["end"]
     assert report["stub_rss_bytes"]["end"] - report["stub_rss_bytes"]["start"] < RSS_GROWTH_BOUND
     assert report["shm_regions_left"] == [] and report["server_live_at_end"]
     assert soak.failed(report) == []
@@ -67,3 +71,22 @@ def test_counter_comparison_names_a_mismatch():
     wrong = {r["metric"] for r in result["mismatches"]}
     assert 'specdeploy_request_success_total{model="tensorrt_llm_bls",arm="speculative"}' in wrong
     assert 'specdeploy_spec_decode_num_draft_tokens_total{model="tensorrt_llm_bls",arm="speculative"}' not in wrong
+
+
+def test_rss_by_process_names_the_instance_that_grows_and_a_restart():
+    """Per process: start, end, peak and the last half's slope; an instance whose pid changed or vanished is a restart."""
+    soak = _soak_module()
+    mib = 2**20
+    watch = [{"t_s": t, "stub_rss_by_instance": {"a_0_0": 100 * mib, "b_0_0": (100 + t) * mib},
+              "stub_pids": {"a_0_0": 11, "b_0_0": 12 if t < 60 else 13}, "front_rss_bytes": 50 * mib} for t in (0, 30, 60, 90)]
+    watch[-1]["stub_rss_by_instance"]["a_0_0"] = 0
+    del watch[-1]["stub_pids"]["a_0_0"], watch[-1]["stub_rss_by_instance"]["a_0_0"]
+    rows = soak.rss_by_process(watch, half=45)
+    assert rows["b_0_0"] == {"start": 100 * mib, "end": 190 * mib, "max": 190 * mib, "slope_last_half_bytes_per_min": 60 * mib}
+    assert rows["a_0_0"]["slope_last_half_bytes_per_min"] is None  # one sample in the last half
+    assert rows["openai_front"]["slope_last_half_bytes_per_min"] == 0
+    assert soak.stub_restarts(watch) == ["a_0_0", "b_0_0"]  # a went away, b changed its pid
+    watch[-1]["stub_pids"]["a_0_0"] = 11
+    for x in watch:
+        x["stub_pids"]["b_0_0"] = 12
+    assert soak.stub_restarts(watch) == []
