@@ -37,7 +37,7 @@ def measure(recipe, layout, count: int, echo=print) -> dict:
     t = recipe.draft.train
     target_dir = models.resolve(recipe.target.model)
     target_config = json.loads((target_dir / "config.json").read_text())
-    data = read_draft_data(draft_train.data_folder(recipe, layout), target_config["vocab_size"])
+    data = read_draft_data(layout.train_data(recipe.draft.train.data_dir), target_config["vocab_size"])
     state_path = draft_train.resume_dir(layout.eagle3_head) / RESUME_STATE
     if not state_path.is_file():
         raise SystemExit(f"no checkpoint at {state_path}: start the run first (specdeploy draft train RECIPE)")

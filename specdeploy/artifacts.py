@@ -61,6 +61,10 @@ class Layout:
         """draft.kind eagle3: the head's training data (`specdeploy draft data`): train.jsonl, heldout.jsonl, manifest."""
         return self.engines / "draft-data"
 
+    def train_data(self, data_dir: str) -> Path:
+        """The folder a head trains on: draft.train.data_dir (another recipe's draft data), or this recipe's own."""
+        return Path(data_dir).expanduser() if data_dir else self.draft_data
+
     @property
     def eagle3_head(self) -> Path:
         """draft.kind eagle3: the head `specdeploy draft train` exports (EAGLE-3 checkpoint layout + manifest)."""

@@ -83,11 +83,6 @@ def stage_fingerprint(recipe: Recipe, target_hash: str, data_fingerprint: str, t
     return fingerprint(stage=STAGE, target=target_hash, data=data_fingerprint, train=train, **limit, **(inputs or {}))
 
 
-def data_folder(recipe: Recipe, layout) -> Path:
-    """draft.train.data_dir, or the recipe's own draft data."""
-    return Path(recipe.draft.train.data_dir).expanduser() if recipe.draft.train.data_dir else layout.draft_data
-
-
 def init_head_folder(recipe: Recipe, layout, aux_ids: list[int]) -> Path | None:
     """draft.train.init_head resolved (a folder or a bundled head's name), checked to feed from the same layers."""
     from specdeploy.engine.eagle3 import Eagle3HeadConfig
@@ -160,7 +155,7 @@ def train_recipe(recipe: Recipe, layout, force: bool = False, echo=print, progre
     target_dir = models.resolve(recipe.target.model)
     target_config = json.loads((target_dir / "config.json").read_text())
     vocab = target_config["vocab_size"]
-    data = read_draft_data(data_folder(recipe, layout), vocab)
+    data = read_draft_data(layout.train_data(recipe.draft.train.data_dir), vocab)
     target_hash = dir_hash(target_dir)
     aux_ids = aux_layer_ids(target_config, t)
     init = init_head_folder(recipe, layout, aux_ids)

@@ -319,9 +319,6 @@ def check_eagle3_head(recipe: Recipe, layout=None, target_dir: Path | None = Non
         config = trtllm.read_eagle3_head_config(head)
     except SpecDeployError as exc:
         return [Finding("error", "eagle3_head", exc.message, exc.hint)]
-    served = served_vocabulary_findings(recipe, head, config, layout)
-    if served:
-        return served
     target_config_path = Path(target_dir) / "config.json" if target_dir else None
     if target_config_path is None or not target_config_path.is_file():
         return [Finding("info", "eagle3_head", f"EAGLE-3 head {head} found; the target is not on this machine yet, so "
@@ -348,13 +345,21 @@ def check_eagle3_head(recipe: Recipe, layout=None, target_dir: Path | None = Non
                                                        f"{head_hidden}, vocabulary {config.get('vocab_size')})")]  # fmt: skip
 
 
-def served_vocabulary_findings(recipe: Recipe, head: Path, config: dict, layout=None) -> list[Finding]:
-    """draft.serve_vocab_size (the CPU engine cuts the head's draft vocabulary at load): at most the head's draft
-    vocabulary, and the counts file it ranks the tokens by beside the head; found before quantize and build, not at
-    `specdeploy repo` (which refuses the same)."""
+def check_served_vocabulary(recipe: Recipe, layout) -> list[Finding]:
+    """draft.serve_vocab_size (the CPU engine cuts the head's draft vocabulary at load) against the head draft.head
+    names, where it is on this machine: at most its draft vocabulary, and the counts file it ranks the tokens by
+    beside it. `specdeploy run` calls it before quantize on the cpu backend (whose stages have no pre-flight of their
+    own), so that neither is found only at `specdeploy repo`, which refuses the same."""
     size = recipe.draft.serve_vocab_size
+    if not recipe.draft.is_eagle3 or not size:
+        return []
+    head = layout.eagle3_head_source(recipe.draft.head)
+    try:
+        config = json.loads((head / "config.json").read_text())
+    except (OSError, ValueError):
+        return []  # no head (or no readable config) yet: `specdeploy repo` refuses it with its own message
     draft_vocab = int(config.get("draft_vocab_size") or config.get("vocab_size") or 0)
-    if not size or size == draft_vocab:
+    if size == draft_vocab:
         return []
     if draft_vocab and size > draft_vocab:
         return [Finding("error", "eagle3_head", f"draft.serve_vocab_size is {size}, but the EAGLE-3 head {head} has {draft_vocab} "
@@ -365,26 +370,11 @@ def served_vocabulary_findings(recipe: Recipe, head: Path, config: dict, layout=
     return []
 
 
-def check_served_vocabulary(recipe: Recipe, layout) -> list[Finding]:
-    """served_vocabulary_findings for the head draft.head names, where it is on this machine (its config.json read);
-    `specdeploy run` calls it before quantize on the cpu backend, whose pre-flight is otherwise its stages' own."""
-    if not recipe.draft.is_eagle3 or not recipe.draft.serve_vocab_size:
-        return []
-    head = layout.eagle3_head_source(recipe.draft.head)
-    try:
-        config = json.loads((head / "config.json").read_text())
-    except (OSError, ValueError):
-        return []  # no head (or no readable config) yet: `specdeploy repo` refuses it with its own message
-    return served_vocabulary_findings(recipe, head, config, layout)
-
-
-def vocab_counts_fix(recipe: Recipe, head: Path, layout=None) -> str:
-    """How to give a head its counts file: `draft vocab-counts` over this recipe's draft data where it has some."""
-    data = "DRAFT_DATA_DIR (a `specdeploy draft data` folder of this target's answers)"
-    if layout is not None and recipe.draft.is_eagle3:
-        own = Path(recipe.draft.train.data_dir).expanduser() if recipe.draft.train.data_dir else layout.draft_data
-        if (own / "train.jsonl").is_file():
-            data = str(own)
+def vocab_counts_fix(recipe: Recipe, head: Path, layout) -> str:
+    """How to give an eagle3 recipe's head its counts file: `draft vocab-counts` over the recipe's training data
+    folder (Layout.train_data) where it has one."""
+    own = layout.train_data(recipe.draft.train.data_dir)
+    data = str(own) if (own / "train.jsonl").is_file() else "DRAFT_DATA_DIR (a `specdeploy draft data` folder of this target's answers)"
     return f"count them: specdeploy draft vocab-counts {head} --data {data}, or remove draft.serve_vocab_size"
 
 

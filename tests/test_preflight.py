@@ -248,11 +248,12 @@ def test_eagle3_head_runs_in_every_backends_preflight_and_is_quiet_otherwise(eag
 
 def test_a_served_vocabulary_is_checked_against_the_head_before_any_build(eagle3_dirs, tmp_path):
     """draft.serve_vocab_size (backend cpu): past the head's draft vocabulary, or without the counts file beside the
-    head, is an error at preflight naming the head and the fix (before, only `specdeploy repo` found it)."""
+    head, is an error of `specdeploy run`'s check before quantize, naming the head and the fix (before, only
+    `specdeploy repo` found it)."""
     from specdeploy.artifacts import Layout
     from specdeploy.config import EAGLE3_VOCAB_COUNTS
 
-    target, head = eagle3_dirs
+    _, head = eagle3_dirs
 
     def served(size):
         raw = {"name": "pf", "backend": "cpu", "target": {"model": "t"},
@@ -260,20 +261,24 @@ def test_a_served_vocabulary_is_checked_against_the_head_before_any_build(eagle3
                "speculative": {"max_draft_len": 3, "num_draft_tokens": 3}}  # fmt: skip
         return parse_recipe(raw)
 
-    too_many = [f for f in preflight.check_eagle3_head(served(40000), target_dir=target) if f.level == "error"]
+    def errors(recipe, layout=None):
+        layout = layout or Layout.of(recipe, tmp_path / "elsewhere")
+        return [f for f in preflight.check_served_vocabulary(recipe, layout) if f.level == "error"]
+
+    too_many = errors(served(40000))
     assert len(too_many) == 1 and "has 32000 draft tokens" in too_many[0].message and "1..32000" in too_many[0].hint
-    missing = [f for f in preflight.check_eagle3_head(served(4096), target_dir=target) if f.level == "error"]
+    missing = errors(served(4096))
     assert len(missing) == 1 and str(head) in missing[0].message and EAGLE3_VOCAB_COUNTS in missing[0].message
     assert f"specdeploy draft vocab-counts {head} --data DRAFT_DATA_DIR" in missing[0].hint
     recipe = served(4096)  # the recipe's own draft data, where it has some, is the folder the fix names
     layout = Layout.of(recipe, tmp_path / "root")
     layout.draft_data.mkdir(parents=True)
     (layout.draft_data / "train.jsonl").write_text("{}\n")
-    hint = [f for f in preflight.check_eagle3_head(recipe, layout, target_dir=target) if f.level == "error"][0].hint
+    hint = errors(recipe, layout)[0].hint
     assert f"--data {layout.draft_data}," in hint
     (head / EAGLE3_VOCAB_COUNTS).write_text(json.dumps({"counts": [1] * 32000}))
-    assert checks(preflight.check_eagle3_head(served(4096), target_dir=target), "error") == []
-    assert checks(preflight.check_eagle3_head(served(32000), target_dir=target), "error") == []  # the whole vocabulary
+    assert errors(served(4096)) == []
+    assert errors(served(32000)) == []  # the whole vocabulary
 
 
 def test_specdeploy_run_refuses_a_served_vocabulary_without_counts_before_quantizing(tmp_path):
