@@ -15,8 +15,8 @@ Policies (recipe `speculative.policy`):
   - `static`: TensorRT-LLM's semantics and names (`tensorrt_llm/llmapi/llm_args.py`,
     `DecodingBaseConfig`): `draft_len_schedule` maps the number of active sequences to a draft
     length, keys are *upper bounds* (since TensorRT-LLM PR #10860: a key N covers every active count
-    above the previous key up to N; above the largest key speculation is off); `max_concurrency` is
-    the shorthand {max_concurrency: num_draft_tokens}. The acceptance gate
+    above the previous key up to N; above the largest key speculation is off); `max_concurrency` N
+    turns speculation off above N active and leaves a request's own k below it. The acceptance gate
     (`acceptance_rate_window_size`, `acceptance_rate_threshold`; `_torch/speculative/
     speculation_gate.py`) records each speculating round's acceptance rate (accepted / drafted) and,
     once a full rolling window has been seen, turns speculation off for good when the window's mean is
@@ -154,7 +154,7 @@ class Deployment:
     def __init__(self, settings: PolicySettings, active: Callable[[], int] = lambda: 1):
         self.settings = settings
         self.active = active  # how many sequences are being generated now (this one included)
-        self.schedule = schedule_from(settings.draft_len_schedule, settings.max_concurrency, settings.num_draft_tokens)
+        self.schedule = schedule_from(settings.draft_len_schedule, settings.max_concurrency)
         self.gate = AcceptanceGate(settings.acceptance_rate_window_size, settings.acceptance_rate_threshold, settings.acceptance_measure)
         self.costs = CostModel()
         self.acceptance = Acceptance(DEPLOYMENT_DECAY)
@@ -214,8 +214,10 @@ class Deployment:
     def describe(self) -> str:
         s = self.settings
         parts = [s.policy]
-        if self.schedule:
+        if s.draft_len_schedule:
             parts.append(f"draft_len_schedule {self.schedule}")
+        elif s.max_concurrency is not None:
+            parts.append(f"max_concurrency {s.max_concurrency}")
         if self.gate.enabled:
             state = f"off since mean {self.gate.tripped_mean:.2f}" if self.gate.disabled else "open"
             parts.append(f"gate {s.acceptance_rate_window_size}/{s.acceptance_rate_threshold:g} ({state})")

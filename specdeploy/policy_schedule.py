@@ -9,24 +9,34 @@ from bisect import bisect_left
 from typing import Mapping
 
 
-def scheduled_draft_len(schedule: Mapping[int, int] | None, active: int, default: int) -> int:
+def scheduled_draft_len(schedule: Mapping[int, int | None] | None, active: int, default: int) -> int:
     """Draft length for `active` sequences under TensorRT-LLM's `draft_len_schedule` (upper bounds).
 
-    {2: 4, 4: 2}: 1-2 active -> 4, 3-4 -> 2, 5 or more -> 0 (off). No schedule: `default`.
+    {2: 4, 4: 2}: 1-2 active -> 4, 3-4 -> 2, 5 or more -> 0 (off). No schedule, or a bound whose length is None
+    (max_concurrency's): `default`, the request's own.
     """
     if not schedule:
         return default
     keys = sorted(schedule)
     i = bisect_left(keys, max(1, active))  # the smallest key >= active
-    return schedule[keys[i]] if i < len(keys) else 0
+    if i == len(keys):
+        return 0
+    length = schedule[keys[i]]
+    return default if length is None else length
 
 
-def schedule_from(draft_len_schedule: Mapping[int, int] | None, max_concurrency: int | None, num_draft_tokens: int) -> dict[int, int] | None:
-    """The effective schedule: the explicit one, or max_concurrency's shorthand, or None."""
+def schedule_from(draft_len_schedule: Mapping[int, int] | None, max_concurrency: int | None) -> dict[int, int | None] | None:
+    """The effective schedule: the explicit one, or max_concurrency's, or None.
+
+    max_concurrency N is {N: None}: up to N active a request drafts its own k, above N none. TensorRT-LLM's
+    `max_concurrency` turns speculation off above N and shortens nothing below it ("speculation will be disabled at
+    batch sizes above this value", DecodingBaseConfig in llm_args.py; llmapi_versions.py), so a request that asks
+    for more than speculative.num_draft_tokens (up to the engine's max_draft_len: validate's draft-length sweep) gets it.
+    """
     if draft_len_schedule:
         return dict(draft_len_schedule)
     if max_concurrency is not None:
-        return {max_concurrency: num_draft_tokens}
+        return {max_concurrency: None}
     return None
 
 

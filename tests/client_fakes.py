@@ -54,6 +54,8 @@ class FakeEndpoint:
     fail_after: raise ClientError after that many generate calls (a server dying mid-run).
     decoupled: the models are decoupled; broken_stream: streamed text differs (U+FFFD for one char).
     sample_p: {model: [p(a), p(b)]} for seeded (sampled) requests; default [0.7, 0.3] on both.
+    k_cap: the speculative path returns `speculative_k_history` (a plain prefill round, then its rounds), each round's
+      k capped at k_cap, as a deployment whose schedule caps the request's k; None: no history.
     """
 
     url = "fake:0"
@@ -71,6 +73,7 @@ class FakeEndpoint:
         decoupled=False,
         broken_stream=False,
         sample_p=None,
+        k_cap=None,
     ):
         self.corrupt = corrupt or {}
         self.lengths = lengths or {}
@@ -83,6 +86,7 @@ class FakeEndpoint:
         self.decoupled = decoupled
         self.broken_stream = broken_stream
         self.sample_p = sample_p or {}
+        self.k_cap = k_cap
         self.calls = []
         self.traces = []  # (prompt, with_logits)
         self.lock = threading.Lock()
@@ -118,6 +122,7 @@ class FakeEndpoint:
         text = self._control_text(request.prompt, request.max_tokens)
         perf = PerfMetrics()
         latency = self._latency(model, request.prompt)
+        k_history = None
         if model == SPECULATIVE_MODEL:
             rule = self._match(self.corrupt, request.prompt)
             if rule is not None:
@@ -127,6 +132,8 @@ class FakeEndpoint:
             rounds = -(-len(text) // (k * self.accepted_share + 1))
             accepted = len(text) - int(rounds)
             perf = PerfMetrics(total_draft_tokens=int(rounds) * k, total_accepted_draft_tokens=accepted)
+            if self.k_cap is not None:
+                k_history = [0] + [min(k, self.k_cap)] * int(rounds)
         if request.sampling is not None and request.sampling.seed is not None:
             rng = np.random.default_rng(request.sampling.seed)
             p = self.sample_p.get(model, [0.7, 0.3])
@@ -144,6 +151,7 @@ class FakeEndpoint:
             decode_s=latency - self.ttft - 0.001,
             responses=responses,
             perf=perf,
+            k_history=k_history,
         )
 
     def trace(self, prompt, max_tokens, timeout_s, with_logits=True):

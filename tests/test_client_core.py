@@ -464,6 +464,24 @@ def test_clean_run_passes_and_writes_a_complete_report(tmp_path):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
 
 
+def test_the_sweep_names_a_k_the_deployment_capped(tmp_path):
+    """A sweep row is only what the server ran: where the server returns its rounds and none drafted k tokens, the row
+    says how many the most did and the report warns that it measured a smaller k (a schedule capped it)."""
+    report = validate(FakeEndpoint(k_cap=2), CharCodec(), _options(sweep_draft_tokens=(1, 2, 3), concurrency=(1,), repeats=1),
+                      "fake", progress=False)
+    assert [(p["k"], p["most_drafts"]) for p in report["sweep"]["points"]] == [(1, 1), (2, 2), (3, 2)]
+    capped = [w for w in report["warnings"] if w.startswith("draft-length sweep")]
+    assert len(capped) == 1 and "at k=3 no round drafted more than 2 tokens" in capped[0], report["warnings"]
+    report["gate"] = gate.evaluate(report, 1.0, 0.0).to_dict()
+    write_report(report, tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    assert "most drafts in a round" in md and "| 3 |" in md
+    # without the server's rounds nothing is claimed either way
+    plain = validate(FakeEndpoint(), CharCodec(), _options(sweep_draft_tokens=(1, 2), concurrency=(1,), repeats=1), "fake", progress=False)
+    assert [p["most_drafts"] for p in plain["sweep"]["points"]] == [None, None]
+    assert not [w for w in plain["warnings"] if w.startswith("draft-length sweep")]
+
+
 def test_raw_prompts_to_an_instruct_model_end_at_once_and_fail_the_gate():
     # Without the template the fake model answers 2 tokens (an instruct model's immediate end).
     endpoint = FakeEndpoint(lengths={"": 2})

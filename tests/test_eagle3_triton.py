@@ -83,7 +83,9 @@ def built(tmp_path_factory):
     root = tmp_path_factory.mktemp("eagle3-triton")
     model_dir = _model(root / "hf")
     head = make_eagle3_head(root / "head", 64, 512, AUX, dtype="float32")
-    recipe, layout, recipe_path = _deployment(root / "deploy", model_dir, head)
+    # max_concurrency as the default recipe has it: up to 2 in flight a request drafts the k it asks for, also above
+    # num_draft_tokens (test_greedy_parity_and_draft_counters_match_metrics asks for 4)
+    recipe, layout, recipe_path = _deployment(root / "deploy", model_dir, head, speculative={"dynamic": {"max_concurrency": 2}})
     return recipe, layout, recipe_path, head
 
 
@@ -213,6 +215,7 @@ def test_greedy_parity_and_draft_counters_match_metrics(built, served):
             history = r.as_numpy("speculative_k_history").reshape(-1).tolist()
             head, passes = (r.as_numpy(n).reshape(-1).tolist() for n in ("speculative_draft_seconds", "speculative_target_seconds"))
             assert len(history) == len(head) == len(passes) >= 2 and history[0] == head[0] == 0 and sum(history) == d, (history, head)
+            assert max(history) == k, (k, history)  # the k asked for, 4 too (above num_draft_tokens 3, max_concurrency 2)
             assert all(t > 0 for t in passes) and all(h > 0 for h, n in zip(head, history) if n), (history, head, passes)
             draft_s, target_s = draft_s + sum(head), target_s + sum(passes)
             spec_ids, direct = _llm(served, ids, num_draft_tokens=k)

@@ -18,8 +18,9 @@ def test_draft_len_schedule_uses_upper_bounds():
     got = [pol.scheduled_draft_len(schedule, active, 6) for active in range(1, 7)]
     assert got == [4, 4, 2, 2, 0, 0]  # 1-2 -> 4, 3-4 -> 2, above the last bound: off
     assert pol.scheduled_draft_len(None, 9, 5) == 5
-    assert pol.schedule_from(None, 3, 4) == {3: 4}  # max_concurrency shorthand
-    assert pol.schedule_from({1: 4, 8: 1}, 3, 4) == {1: 4, 8: 1}
+    assert pol.schedule_from(None, 3) == {3: None}  # max_concurrency: off above 3, the request's own k up to it
+    assert [pol.scheduled_draft_len({3: None}, active, 6) for active in (1, 3, 4)] == [6, 6, 0]
+    assert pol.schedule_from({1: 4, 8: 1}, 3) == {1: 4, 8: 1}
 
 
 def test_static_policy_follows_the_active_count():
@@ -35,6 +36,11 @@ def test_static_policy_follows_the_active_count():
     deployment = Deployment(PolicySettings("static", 4, max_concurrency=2), active=lambda: active[0])
     active[0] = 3
     assert deployment.request().choose(4) == 0
+    # up to max_concurrency a request drafts the k it asks for, also above num_draft_tokens (TensorRT-LLM's
+    # max_concurrency only turns speculation off above it): validate's draft-length sweep asks for 1..max_draft_len
+    active[0] = 2
+    assert [deployment.request().choose(k) for k in (1, 4, 6)] == [1, 4, 6]
+    assert "max_concurrency 2" in deployment.describe()
 
 
 def test_gate_trips_only_after_a_full_window():

@@ -340,7 +340,12 @@ def sweep_points(runs: Sequence[LevelRun]) -> list[dict]:
         spec_samples = [s for _, sp in pairs for s in sp.samples]
         rate, length = acceptance(spec_samples)
         speed = spread([speedup_of(c.samples, sp.samples) for c, sp in pairs])
-        points.append({"k": k, "acceptance_rate": rate, "acceptance_length": length, "speedup": speed["median"], "speedup_spread": speed})
+        # the most drafts any round held, where the server returns its rounds (speculative_k_history): below k, the
+        # deployment capped the request's k (a schedule, the engine's max_draft_len) or the draft never proposed more
+        histories = [s.k_rounds for s in spec_samples if s.k_rounds]
+        most = max(max(h) for h in histories) if histories else None
+        points.append({"k": k, "acceptance_rate": rate, "acceptance_length": length, "speedup": speed["median"], "speedup_spread": speed,
+                       "most_drafts": most})
     return points
 
 

@@ -320,10 +320,11 @@ def _sweep_md(report: dict) -> list[str]:
             _fmt(p["speedup"], ".2f", "x"),
             f"{_fmt(p['speedup_spread']['min'], '.2f')}..{_fmt(p['speedup_spread']['max'], '.2f')}",
             _fmt(rec.get("predicted", {}).get(p["k"], rec.get("predicted", {}).get(str(p["k"]))), ".2f", "x"),
+            _fmt(p.get("most_drafts"), "d"),
         ]
         for p in sweep["points"]
     ]
-    lines += _table(["k", "acceptance rate", "acceptance length", "speedup", "range", "model"], rows)
+    lines += _table(["k", "acceptance rate", "acceptance length", "speedup", "range", "model", "most drafts in a round"], rows)
     lines += [
         f"Fitted expected-speedup model (Leviathan et al. 2023): α = {_fmt(sweep['alpha'], '.3f')}, "
         f"c = draft/target cost = {_fmt(sweep['cost_ratio'], '.3f')}. "

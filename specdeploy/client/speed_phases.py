@@ -82,6 +82,13 @@ def run_sweep(report, endpoint, codec, options, prompts, decoupled, bar) -> None
             "cost_ratio": cost_ratio,
             "recommendation": lat.recommend_k(points, alpha, cost_ratio, options.max_draft_len),
         }
+        for p in points:
+            if p.get("most_drafts") is not None and p["most_drafts"] < p["k"]:
+                report["warnings"].append(
+                    f"draft-length sweep: at k={p['k']} no round drafted more than {p['most_drafts']} tokens, so that row measures "
+                    f"k <= {p['most_drafts']}: the deployment capped the request's num_draft_tokens (speculative.dynamic "
+                    "draft_len_schedule, the engine's max_draft_len) or the draft never proposed more"
+                )
 
 
 def speed_warnings(report: dict, options: Options) -> None:
