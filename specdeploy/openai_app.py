@@ -87,6 +87,9 @@ class Front:
             sampling=job.sampling,
             stream=job.stream and self.endpoint.is_decoupled(job.route.triton_model),
             return_perf_metrics=True,
+            # the server stops at a stop string's tokens too (NVIDIA's stop_words: the string tokenized alone), so a
+            # request does not run on to max_tokens after it; the text is still cut here, where the tokens differ
+            stop_words=tuple(job.stops),
         )
 
     def run(self, job: Job, on_text=None) -> GenerateResult:
@@ -95,9 +98,9 @@ class Front:
         except ClientError as exc:
             raise from_client_error(exc) from exc
 
-    def usage(self, job: Job, result: GenerateResult, text: str, cut: bool) -> dict:
+    def usage(self, job: Job, result: GenerateResult | None, text: str, cut: bool) -> dict:
         prompt_tokens = self.codec.count_prompt(job.prompt)
-        if result.token_ids is not None and not cut:
+        if result is not None and result.token_ids is not None and not cut:
             completion = len(result.token_ids)
         else:
             completion = self.codec.count_output(text)
@@ -239,17 +242,30 @@ async def _complete(front: Front, request: Request, chat: bool):
             "model": job.route.id, "choices": [choice], "usage": usage, "specdeploy": front.extension(job, result, cutter.stopped)}  # fmt: skip
 
 
+class _Abandoned(Exception):
+    """Raised in a stream's Triton callback once nobody reads it (a stop string ended it, or the client went away)."""
+
+
 async def _stream(front: Front, job: Job, ident: str, chat: bool):
     loop = asyncio.get_running_loop()
     pieces: asyncio.Queue = asyncio.Queue()
     cutter = StopCutter(list(job.stops))
     done = object()
     outcome: dict = {}
+    # set when the rest of the answer is not wanted: the stream's next response raises in the callback, and the
+    # endpoint's stream ends with cancel_requests=True (TritonEndpoint._stream), so the server frees the request's
+    # slot instead of generating to max_tokens for no one
+    abandoned = threading.Event()
+
+    def on_text(piece: str) -> None:
+        if abandoned.is_set():
+            raise _Abandoned()
+        loop.call_soon_threadsafe(pieces.put_nowait, piece)
 
     def work():
         try:
-            outcome["result"] = front.run(job, on_text=lambda piece: loop.call_soon_threadsafe(pieces.put_nowait, piece))
-        except BaseException as exc:  # reported to the client as an error event
+            outcome["result"] = front.run(job, on_text=on_text)
+        except BaseException as exc:  # reported to the client as an error event (unless abandoned)
             outcome["error"] = exc
         finally:
             loop.call_soon_threadsafe(pieces.put_nowait, done)
@@ -267,31 +283,37 @@ async def _stream(front: Front, job: Job, ident: str, chat: bool):
         return f"data: {json.dumps(data)}\n\n"
 
     threading.Thread(target=work, name="openai-stream", daemon=True).start()
-    if chat:
-        yield chunk(None, first=True)
-    text = ""
-    while True:
-        piece = await pieces.get()
-        if piece is done:
-            break
-        out = cutter.push(piece)
-        if out:
-            text += out
-            yield chunk(out)
-    if "error" in outcome:
-        exc = outcome["error"]
-        api = exc if isinstance(exc, ApiError) else ApiError(500, f"internal error: {exc}", "server_error")
-        yield f"data: {json.dumps(api.body())}\n\n"
+    try:  # the client may go away at any yield: the finally abandons the Triton request
+        if chat:
+            yield chunk(None, first=True)
+        text = ""
+        while True:
+            piece = await pieces.get()
+            if piece is done:
+                break
+            out = cutter.push(piece)
+            if out:
+                text += out
+                yield chunk(out)
+            if cutter.stopped:  # a stop string: the answer is complete, the rest of the generation is not wanted
+                abandoned.set()
+                break
+        if "error" in outcome and not cutter.stopped:  # once stopped, the abandoned request's end is no error
+            exc = outcome["error"]
+            api = exc if isinstance(exc, ApiError) else ApiError(500, f"internal error: {exc}", "server_error")
+            yield f"data: {json.dumps(api.body())}\n\n"
+            yield "data: [DONE]\n\n"
+            return
+        tail = cutter.flush()
+        if tail:
+            text += tail
+            yield chunk(tail)
+        result = outcome.get("result")  # None: stopped before the server finished (the usage is counted on the text)
+        usage = await asyncio.to_thread(front.usage, job, result, text, cutter.stopped)
+        yield chunk(None, front.finish_reason(job, usage, cutter.stopped), extra={"specdeploy": front.extension(job, result, cutter.stopped)})
+        if job.include_usage:
+            data = {"id": ident, "object": kind, "created": created, "model": job.route.id, "choices": [], "usage": usage}
+            yield f"data: {json.dumps(data)}\n\n"
         yield "data: [DONE]\n\n"
-        return
-    tail = cutter.flush()
-    if tail:
-        text += tail
-        yield chunk(tail)
-    result = outcome["result"]
-    usage = await asyncio.to_thread(front.usage, job, result, text, cutter.stopped)
-    yield chunk(None, front.finish_reason(job, usage, cutter.stopped), extra={"specdeploy": front.extension(job, result, cutter.stopped)})
-    if job.include_usage:
-        data = {"id": ident, "object": kind, "created": created, "model": job.route.id, "choices": [], "usage": usage}
-        yield f"data: {json.dumps(data)}\n\n"
-    yield "data: [DONE]\n\n"
+    finally:
+        abandoned.set()

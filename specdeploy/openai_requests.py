@@ -114,6 +114,25 @@ def _max_tokens(value: int, key: str, limit: int | None) -> int:
     return value
 
 
+def _content_text(message: dict, index: int) -> str:
+    """A chat message's text for the chat template: its string content, or its text parts joined (OpenAI's
+    [{"type": "text", "text": ...}] form, which the `openai` SDK sends as is); an assistant turn may have none."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if content is None and message.get("role") == "assistant":
+        return ""
+    if isinstance(content, list) and content and all(isinstance(p, dict) for p in content):
+        kinds = {p.get("type") for p in content}
+        if kinds == {"text"} and all(isinstance(p.get("text"), str) for p in content):
+            return "".join(p["text"] for p in content)
+        other = sorted(str(k) for k in kinds - {"text"})
+        if other:
+            raise ApiError(400, f"messages[{index}].content has parts of type {', '.join(other)}; this server takes text parts only",
+                           param="messages", code="unsupported_parameter")  # fmt: skip
+    raise ApiError(400, f"messages[{index}].content must be a string or a list of {{type: text, text}} parts", param="messages")
+
+
 def parse_job(body: Any, chat: bool, served: dict[str, Route], codec: Codec, default_max_tokens: int, max_tokens_limit: int | None = None) -> Job:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
@@ -132,7 +151,7 @@ def parse_job(body: Any, chat: bool, served: dict[str, Route], codec: Codec, def
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(x, dict) and "role" in x for x in messages):
             raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages")
-        prompt = codec.chat_prompt(messages)
+        prompt = codec.chat_prompt([{**m, "content": _content_text(m, i)} for i, m in enumerate(messages)])
         max_tokens = _number(body, "max_completion_tokens", int, None, 1)
         key = "max_completion_tokens"
         if max_tokens is None:
@@ -155,7 +174,8 @@ def parse_job(body: Any, chat: bool, served: dict[str, Route], codec: Codec, def
     temperature = _number(body, "temperature", float, 1.0, 0.0, 2.0)
     top_p = _number(body, "top_p", float, 1.0, 0.0, 1.0)
     seed = _number(body, "seed", int, None, 0, 2**64 - 1)  # Triton's seed is UINT64
-    sampling = None if temperature == 0.0 else Sampling(temperature, 0, top_p if top_p > 0 else 1.0, seed)
+    # top_p 0 is the narrowest nucleus, the most likely token alone: greedy, as temperature 0
+    sampling = None if temperature == 0.0 or top_p == 0.0 else Sampling(temperature, 0, top_p, seed)
     stop = body.get("stop")
     stops = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) else () if stop is None else (None,)
     if not all(isinstance(s, str) for s in stops) or len(stops) > 4:

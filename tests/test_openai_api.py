@@ -249,6 +249,12 @@ def test_parse_maps_openai_fields_to_the_triton_request():
     assert job.sampling is None and job.max_tokens == 3 and job.stream and job.include_usage
     assert job.prompt == ops_deploy.chat_text(MESSAGES) and job.route.send_num_draft_tokens
     assert _parse({"model": "r-control", "prompt": "a", "response_format": {"type": "text"}}).route.triton_model == CONTROL_MODEL
+    assert _parse({"model": "r", "prompt": "a", "temperature": 0.7, "top_p": 0}).sampling is None  # the top token alone: greedy
+    # content as a list of text parts (the SDK sends it as is) renders as the same text, an assistant turn may have none
+    parts = [{"role": "system", "content": [{"type": "text", "text": "You are "}, {"type": "text", "text": "brief."}]},
+             {"role": "assistant", "content": None}, MESSAGES[1]]
+    plain = [MESSAGES[0], {"role": "assistant", "content": ""}, MESSAGES[1]]
+    assert _parse({"model": "r", "messages": parts}, chat=True).prompt == _parse({"model": "r", "messages": plain}, chat=True).prompt
 
 
 @pytest.mark.parametrize(("body", "status", "param"), [
@@ -266,6 +272,15 @@ def test_parse_refuses_bad_requests_naming_the_field(body, status, param):
     with pytest.raises(openai_api.ApiError) as info:
         _parse(body)
     assert info.value.status == status and info.value.body()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("content", [[{"type": "image_url", "image_url": {"url": "x"}}], None, 3, []])
+def test_parse_refuses_chat_content_it_cannot_render(content):
+    message = {"role": "user"} if content is None else {"role": "user", "content": content}
+    with pytest.raises(openai_api.ApiError) as info:
+        _parse({"model": "r", "messages": [message]}, chat=True)
+    assert info.value.status == 400 and info.value.body()["error"]["param"] == "messages"
+    assert "messages[0].content" in info.value.body()["error"]["message"]
 
 
 def test_stop_cutter_holds_back_partial_matches():
@@ -325,3 +340,110 @@ def test_foreground_front_says_where_it_listens_once_it_does():
     assert not worker.is_alive()
     with socket.socket() as sock:
         assert sock.connect_ex(("127.0.0.1", port)) != 0
+
+
+class _Streaming:
+    """A decoupled deployment that streams the pieces `script` gives, then keeps sending one more every 10 ms until
+    the front stops reading (its callback raises) or 10 s pass: `abandoned` says whether the front let go."""
+
+    def __init__(self, script):
+        import threading
+
+        self.script, self.requests = script, []
+        self.abandoned, self.sent_after_script = threading.Event(), 0
+
+    def is_decoupled(self, model):
+        return True
+
+    def generate(self, model, request, timeout_s, on_text=None):
+        import time
+
+        from specdeploy.client.protocol import GenerateResult
+
+        self.requests.append(request)
+        if on_text is None:  # a whole answer
+            return GenerateResult("".join(self.script), 0.0)
+        try:
+            for piece in self.script:
+                on_text(piece)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:  # a long answer: the front must end it
+                time.sleep(0.01)
+                on_text("more ")
+                self.sent_after_script += 1
+        except Exception:
+            self.abandoned.set()
+            raise
+        return GenerateResult("".join(self.script), 0.0)
+
+
+class _WordCodec:
+    add_special_tokens = True
+
+    def chat_prompt(self, messages):
+        return "".join(m["content"] for m in messages)
+
+    def count_prompt(self, text):
+        return len(text.split())
+
+    def count_output(self, text):
+        return len(text.split())
+
+
+def _front_over(endpoint):
+    from specdeploy.openai_requests import Route
+    from specdeploy.triton.server import free_port
+
+    front = openai_api.Front(endpoint, _WordCodec(), {"r": Route("r", "speculative", SPECULATIVE_MODEL, True)}, 16, 3, 30.0)
+    return openai_api.ApiServer(openai_api.create_app(front), free_port())
+
+
+def test_a_stop_string_ends_the_stream_and_the_server_request_and_goes_to_triton_as_stop_words():
+    """The answer ends at the stop string at once (finish_reason stop, then [DONE]) and the Triton request is abandoned
+    (its stream cancelled) rather than run to max_tokens; the stop strings also travel as the `stop_words` input."""
+    endpoint = _Streaming(["one ", "two ", "END", " three "])
+    with _front_over(endpoint) as api:
+        client = openai.OpenAI(base_url=api.url, api_key="unused", max_retries=0, timeout=30)
+        chunks = list(client.completions.create(model="r", prompt="p", max_tokens=16, stop=["END"], stream=True))
+        assert "".join(c.choices[0].text for c in chunks) == "one two "
+        assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["stop"]
+        assert endpoint.abandoned.wait(10), "the front kept reading the Triton stream after the stop string"
+        assert endpoint.requests[0].stop_words == ("END",)
+        unary = client.completions.create(model="r", prompt="p", max_tokens=16, stop="two", stream=False)
+        assert unary.choices[0].text == "one " and endpoint.requests[1].stop_words == ("two",)
+
+
+def test_a_client_that_leaves_mid_stream_cancels_the_triton_request():
+    import json
+    import socket
+
+    endpoint = _Streaming(["one "])
+    with _front_over(endpoint) as api:
+        body = json.dumps({"model": "r", "prompt": "p", "max_tokens": 16, "stream": True}).encode()
+        with socket.create_connection(("127.0.0.1", api.port), timeout=10) as conn:
+            conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+            seen = b""
+            while b'"text": "one "' not in seen:  # the first piece reached the client; then it hangs up
+                seen += conn.recv(4096)
+        assert endpoint.abandoned.wait(10), "the Triton request ran on after the client left"
+
+
+@pytest.mark.server
+def test_the_deployment_stops_at_the_stop_words_the_front_sends(streaming_api, model_dir):
+    """The `stop_words` input the front fills from `stop` ends the generation on the server (NVIDIA's semantics: the
+    string's own tokens), for the speculative and the control path, so a request stops there, not at max_tokens."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    _, endpoint, _, _ = streaming_api
+    prompt = ops_deploy.chat_text(MESSAGES)
+    ids = list(endpoint.trace(prompt, MAX_TOKENS, 60, with_logits=False).output_ids)
+    # a token of the answer whose text tokenizes back to it alone, and not earlier in the answer
+    j = next(j for j in range(2, len(ids) - 2)
+             if ids[j] not in ids[:j] and tokenizer(tokenizer.decode([ids[j]]), add_special_tokens=False).input_ids == [ids[j]])
+    word = tokenizer.decode([ids[j]])
+    for model, k in ((SPECULATIVE_MODEL, 3), (CONTROL_MODEL, None)):
+        full = endpoint.generate(model, GenerateRequest(prompt, MAX_TOKENS, num_draft_tokens=k), 60).text
+        stopped = endpoint.generate(model, GenerateRequest(prompt, MAX_TOKENS, num_draft_tokens=k, stop_words=(word,)), 60).text
+        assert stopped == tokenizer.decode(ids[: j + 1]) and len(stopped) < len(full), (model, word, stopped, full)

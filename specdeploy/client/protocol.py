@@ -38,6 +38,7 @@ class GenerateRequest:
     sampling: Sampling | None = None  # None: greedy
     stream: bool = False  # decoupled deployments: stream for a client-side TTFT
     return_perf_metrics: bool = True
+    stop_words: tuple[str, ...] = ()  # the deployment's `stop_words` input, where it declares one (the OpenAI front's `stop`)
 
 
 @dataclass(frozen=True)

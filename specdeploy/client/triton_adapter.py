@@ -189,6 +189,8 @@ class TritonEndpoint:
             inputs["stream"] = np.array([[True]])
         if request.num_draft_tokens is not None:
             inputs["num_draft_tokens"] = np.array([[request.num_draft_tokens]], dtype=np.int32)
+        if request.stop_words:  # the ensemble's / BLS's STRING [-1]: the engine stops at them (token ids, tensors.py)
+            inputs["stop_words"] = np.array([[w.encode("utf-8") for w in request.stop_words]], dtype=object)
         for name, value in extra.items():
             inputs[name] = np.array([[bool(value)]])
         if request.sampling is not None:
