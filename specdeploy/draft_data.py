@@ -54,6 +54,7 @@ from specdeploy.draft_prompts import (
     CALIBRATION_FILE,
     NAMED_SOURCES,
     PromptCollector,
+    check_text_files,
     calibration_prompts,
     check_sources,
     derived_seed,
@@ -64,7 +65,7 @@ from specdeploy.draft_prompts import (
     validation_prompts,
 )
 from specdeploy.draft_samples import HELDOUT_FILE, TRAIN_FILE
-from specdeploy.errors import StaleArtifactError
+from specdeploy.errors import ConfigError, StaleArtifactError
 
 STAGE = "draft-data"
 RERUN = "specdeploy draft data {recipe}"
@@ -118,6 +119,7 @@ def make_draft_data(recipe: Recipe, layout, recipe_path: str = "RECIPE", force: 
     answerer = _TorchAnswerer(recipe) if data.backend == "torch" else _EngineAnswerer(recipe, layout, recipe_path)
     validation = validation_prompts(recipe)
     file_lists = {s: file_prompts(s, data.seed, validation) for s in data.sources if s not in NAMED_SOURCES}  # refuses early
+    check_text_files(data.text_files, validation)
     fp = data_fingerprint(recipe, answerer.identity, validation)
     dest = layout.draft_data
     if not force and artifacts.is_up_to_date(dest, fp):
@@ -144,6 +146,12 @@ def make_draft_data(recipe: Recipe, layout, recipe_path: str = "RECIPE", force: 
 
     records, held = _records(recipe, journal, plan, tokenizer, max_seq_len)
     stats = _stats(records, held, collector, too_long)
+    if not records:  # nothing to train on: say why here, not at `draft train` (whose hint points back to this stage)
+        raise ConfigError(
+            f"draft data: no sample to write: {len(collector.prompts)} prompts kept ({too_long} too long for engine.max_seq_len "
+            f"{max_seq_len}; dropped as validation prompts {dict(collector.dropped_validation)}, as duplicates "
+            f"{dict(collector.dropped_duplicate)}) and no draft.data.text_files",
+            "add prompts (draft.data.sources, num_prompts), or raise engine.max_seq_len / lower draft.data.max_new_tokens")
     elapsed = time.monotonic() - started
     _write_output(dest, recipe, records, held, fp, stats, answerer, max_seq_len, gen, elapsed)
     shutil.rmtree(work, ignore_errors=True)

@@ -143,6 +143,7 @@ class Generator:
         start = time.monotonic()
         tokens0 = self.live_tokens
         done = done_before + len(jobs) - len(todo)
+        resumed = done  # journaled by an earlier run: not this run's pace
         last_print = 0.0
         workers = self.scheduler.max_batch_size
         pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="draft-data")
@@ -160,7 +161,7 @@ class Generator:
                     last_print = now
                     elapsed = now - start
                     rate = (self.live_tokens - tokens0) / elapsed if elapsed else 0.0
-                    per_job = elapsed / (done - done_before)
+                    per_job = elapsed / (done - resumed)
                     eta = per_job * (total - done)
                     self.echo(f"{label}: {done}/{total}, {rate:.1f} tokens/s, ETA {duration_text(eta)}")
         except BaseException:

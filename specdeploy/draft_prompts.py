@@ -1,13 +1,17 @@
 """Where the prompts of an EAGLE-3 head's training data come from (draft.data.sources): the shipped calibration
 passages inside a few instruction templates, prompt files (.jsonl or .txt), and user turns the target writes itself
-(self_instruct). The validation prompt sets are never used: a prompt file holding one of their prompts is refused, a
-calibration or self-instruct prompt equal to one (normalized) is dropped (`PromptCollector` counts both)."""
+(self_instruct). The validation prompt sets are never used: a prompt file or text file holding one of their prompts is
+refused, a calibration or self-instruct prompt holding one is dropped (`PromptCollector` counts both). "Holding" is
+`ValidationScreen`'s rule: the validation prompt's text inside any message of the prompt, after Unicode (NFKC),
+invisible-character, case and whitespace folding, not only a prompt equal to it: a calibration passage held the whole
+of a built-in code prompt and its continuation, and was trained on while exact matching let it through."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import random
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -40,6 +44,32 @@ def normalize(text: str) -> str:
     """The form prompts are compared in (dedupe, validation exclusion): case and whitespace folded."""
     return " ".join(text.lower().split())
 
+# characters left out before looking for a validation prompt: zero-width spaces and joiners, word joiner, byte-order
+# mark, soft hyphen (a prompt with one inside reads the same)
+_INVISIBLE = dict.fromkeys(map(ord, "\u200b\u200c\u200d\u2060\ufeff\u00ad"), None)
+MIN_CONTAINED_CHARS = 24  # a validation prompt shorter than this (folded) is matched whole only, not inside a longer text
+
+
+def screen_text(text: str) -> str:
+    """The form validation prompts are looked for in: NFKC (full-width, ligatures, non-breaking spaces), invisible
+    characters dropped, then `normalize` (case and whitespace)."""
+    return normalize(unicodedata.normalize("NFKC", text).translate(_INVISIBLE))
+
+
+class ValidationScreen:
+    """Finds a validation prompt inside a training text (`find`: the validation file it comes from, or None)."""
+
+    def __init__(self, validation: dict[str, str]):
+        self.prompts = {screen_text(text): path for text, path in validation.items()}
+
+    def find(self, text: str) -> str | None:
+        folded = screen_text(text)
+        for prompt, path in self.prompts.items():
+            if prompt == folded or (len(prompt) >= MIN_CONTAINED_CHARS and prompt in folded):
+                return path
+        return None
+
+
 def derived_seed(*parts) -> int:
     """A seed of its own for one draw (a source's order, a generation), from the run's seed and what names the draw."""
     return int.from_bytes(hashlib.sha256(json.dumps(parts).encode()).digest()[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
@@ -65,6 +95,11 @@ class PromptSpec:
         return normalize(" ".join(content for role, content in self.messages if role == "user"))
 
     @property
+    def text(self) -> str:
+        """Every message's content (what is screened for validation prompts: a system message may hold one too)."""
+        return "\n".join(content for _, content in self.messages)
+
+    @property
     def group(self) -> str:
         """The normalized text the prompt is held out by (draft_data.is_heldout)."""
         return normalize(self.group_text) if self.group_text else self.key
@@ -77,8 +112,9 @@ def validation_prompts(recipe: Recipe) -> dict[str, str]:
         files.append(Path(recipe.validation.prompt_set))
     found: dict[str, str] = {}
     for path in files:
-        if not path.is_file():
-            continue  # validate refuses a missing prompt set itself
+        if not path.is_file():  # its prompts could not be kept out: refuse rather than train on them unknowingly
+            raise ConfigError(f"validation.prompt_set {path} not found (relative paths are from the current directory, {Path.cwd()})",
+                              "run from the folder validate runs from, or give validation.prompt_set as an absolute path")
         for _, messages in _read_prompt_file(path):
             found.setdefault(normalize(" ".join(c for r, c in messages if r == "user")), str(path))
     return found
@@ -89,7 +125,7 @@ def _read_prompt_file(path: Path) -> list[tuple[int, tuple[tuple[str, str], ...]
     if not path.is_file():
         raise ConfigError(f"prompt file {path} not found", "fix the path in draft.data.sources (relative paths are from the current directory)")
     out = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for lineno, line in enumerate(read_utf8(path, "prompt file").splitlines(), start=1):
         if not line.strip():
             continue
         if path.suffix != ".jsonl":
@@ -136,6 +172,23 @@ def check_sources(recipe: Recipe) -> None:
             raise ConfigError(f"text file {path} (draft.data.text_files) not found", "fix the path, or remove it")
 
 
+def check_text_files(paths: Sequence[str], validation: dict[str, str]) -> None:
+    """Refuse a text file (draft.data.text_files: scored from its first token) that holds a validation prompt."""
+    screen = ValidationScreen(validation)
+    for path in paths:
+        found = screen.find(read_utf8(Path(path), "text file"))
+        if found is not None:
+            raise ConfigError(f"text file {path} (draft.data.text_files) holds a validation prompt ({found})",
+                              "remove the validation prompts from the training texts: a draft trained on them makes validation measure memory")
+
+
+def read_utf8(path: Path, what: str) -> str:
+    try:
+        return path.read_text(encoding="utf-8-sig")  # a byte-order mark is no content
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{what} {path} is not UTF-8 text (byte {exc.start}: {exc.reason})", "save it as UTF-8") from None
+
+
 def source_quotas(sources: Sequence[str], total: int) -> dict[str, int]:
     base, extra = divmod(total, len(sources))
     return {s: base + (1 if i < extra else 0) for i, s in enumerate(sources)}
@@ -146,6 +199,7 @@ class PromptCollector:
 
     def __init__(self, validation: dict[str, str]):
         self.validation = validation
+        self.screen = ValidationScreen(validation)
         self.seen: set[str] = set()
         self.prompts: list[PromptSpec] = []
         self.dropped_validation: dict[str, int] = {}
@@ -153,7 +207,7 @@ class PromptCollector:
 
     def offer(self, prompt: PromptSpec) -> bool:
         key = prompt.key
-        if key in self.validation:
+        if self.screen.find(prompt.text) is not None:
             self.dropped_validation[prompt.source] = self.dropped_validation.get(prompt.source, 0) + 1
             return False
         if key in self.seen:
@@ -177,15 +231,20 @@ def calibration_prompts(seed: int) -> list[PromptSpec]:
 def file_prompts(path: str, seed: int, validation: dict[str, str]) -> list[PromptSpec]:
     """A prompt file's prompts in the seed's order; a validation prompt in it is refused."""
     prompts = []
+    screen = ValidationScreen(validation)
     for lineno, messages in _read_prompt_file(Path(path)):
         prompt = PromptSpec(f"file-{derived_seed(str(path))% 10**6}-{lineno}", "file", messages)
-        if prompt.key in validation:
+        found = screen.find(prompt.text)
+        if found is not None:
             user = next(c for r, c in reversed(messages) if r == "user")
             raise ConfigError(
-                f"prompt file {path} line {lineno} holds a validation prompt ({validation[prompt.key]}): {user[:80]!r}",
+                f"prompt file {path} line {lineno} holds a validation prompt ({found}): {user[:80]!r}",
                 "remove the validation prompts from the training prompts: a draft trained on them makes validation measure memory",
             )
         prompts.append(prompt)
+    if not prompts:
+        raise ConfigError(f"prompt file {path} (draft.data.sources) holds no prompts",
+                          'write one prompt a line (.txt) or one {"prompt": ...} object a line (.jsonl), or remove it from the sources')
     random.Random(derived_seed(seed, "file", str(path))).shuffle(prompts)
     return prompts
 

@@ -232,6 +232,83 @@ def test_calibration_prompts_equal_to_a_validation_prompt_are_dropped(tmp_path, 
     assert Manifest.read(dest).extra["dropped_validation_prompts"] == {"calibration": 1}
 
 
+def test_a_validation_prompt_is_found_inside_a_training_text_in_any_form():
+    """ValidationScreen: a validation prompt inside a longer request, in a system message, with full-width or
+    zero-width characters, other case or spacing, is found; a short one only as the whole text; a text file holding
+    one is refused, and so is a validation prompt set that cannot be read."""
+    val = {draft_prompts.normalize("What is the difference between a latte and a cappuccino?"): "chat.jsonl",
+           draft_prompts.normalize("Hi there"): "chat.jsonl"}
+    screen = draft_prompts.ValidationScreen(val)
+    found = [
+        "What is the difference between a latte and a cappuccino? Answer in French.",
+        "Continue:\n\nwhat is the   DIFFERENCE between a latte and a cappuccino?",
+        "ＷＨＡＴ is the difference between a latte and a cappu\u200bccino?",
+        "Hi there",
+    ]
+    assert [screen.find(t) for t in found] == ["chat.jsonl"] * 4
+    system = draft_prompts.PromptSpec("x", "file", (("system", "What is the difference between a latte and a cappuccino?"), ("user", "Go.")))
+    assert screen.find(system.text) == "chat.jsonl"
+    assert screen.find("Hi there, how are you?") is None  # 8 characters: whole only
+    assert screen.find("What is the difference between tea and coffee?") is None
+    collector = draft_prompts.PromptCollector(val)
+    assert not collector.offer(system) and collector.dropped_validation == {"file": 1}
+
+
+def test_no_shipped_training_source_holds_a_validation_prompt_or_shares_six_words_with_one(tmp_path):
+    """The built-in validation prompts against the shipped training sources (the calibration passages, in every
+    request template, and build/draft_prompts/tasks.jsonl): none holds one (the screen drops nothing), and no run of
+    six words of a validation prompt appears in them (a passage held the whole of a code prompt and its continuation,
+    three summarization prompts were other wordings of calibration passages, and a reasoning question was a task)."""
+    import unicodedata
+    from types import SimpleNamespace
+
+    root = Path(__file__).resolve().parents[1]
+    validation = draft_prompts.validation_prompts(SimpleNamespace(validation=SimpleNamespace(prompt_set="builtin")))
+    collector = draft_prompts.PromptCollector(validation)
+    for prompt in draft_prompts.calibration_prompts(0):
+        collector.offer(prompt)
+    assert collector.dropped_validation == {}
+    tasks = draft_prompts.file_prompts(str(root / "build" / "draft_prompts" / "tasks.jsonl"), 0, validation)  # refuses one
+    texts = [p.text for p in tasks] + [json.loads(line)["text"] for line in draft_prompts.CALIBRATION_FILE.read_text().splitlines()]
+
+    def runs(text, n=6):
+        words = unicodedata.normalize("NFKC", text).lower().split()
+        return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
+
+    shipped = set().union(*(runs(t) for t in texts))
+    shared = {path: " ".join(next(iter(runs(text) & shipped)))
+              for path in sorted((root / "specdeploy" / "data" / "prompts").glob("*.jsonl"))
+              for text in (json.loads(line)["prompt"] for line in path.read_text().splitlines()) if runs(text) & shipped}
+    assert shared == {}
+    # a text file holding a validation prompt is refused
+    text = tmp_path / "notes.txt"
+    text.write_text("Some notes.\n" + json.loads((draft_prompts.VALIDATION_DIR / "code.jsonl").read_text().splitlines()[6])["prompt"])
+    with pytest.raises(ConfigError, match="notes.txt .draft.data.text_files. holds a validation prompt .*code.jsonl"):
+        draft_prompts.check_text_files([str(text)], validation)
+    with pytest.raises(ConfigError, match="validation.prompt_set .*nowhere.jsonl not found"):
+        draft_prompts.validation_prompts(SimpleNamespace(validation=SimpleNamespace(prompt_set=str(tmp_path / "nowhere.jsonl"))))
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match="latin.txt is not UTF-8"):
+        draft_prompts.file_prompts(str(latin), 0, validation)
+
+
+def test_prompts_that_leave_no_sample_are_refused_before_anything_is_written(tmp_path, built, chat_model):
+    """An empty prompt file is refused at once; prompts all too long for the engine leave no sample, and the stage says
+    so (with the counts and the fix) instead of writing an empty training set that `draft train` would send back here."""
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    recipe, layout = _setup(tmp_path, built, chat_model, {"sources": [str(empty)]})
+    with pytest.raises(ConfigError, match="empty.txt .draft.data.sources. holds no prompts"):
+        _make(recipe, layout)
+    long = tmp_path / "long.txt"
+    long.write_text(" ".join(["words"] * 700) + "\n")  # longer than the engine's max_seq_len (512)
+    recipe, layout = _setup(tmp_path / "long", built, chat_model, {"sources": [str(long)], "num_prompts": 1, "samples_per_prompt": 1})
+    with pytest.raises(ConfigError, match="no sample to write: 1 prompts kept .1 too long") as info:
+        _make(recipe, layout)
+    assert "max_seq_len" in info.value.hint and not layout.draft_data.exists()
+
+
 def test_duplicate_prompts_are_dropped(tmp_path, built, chat_model):
     prompts = tmp_path / "mine.txt"
     prompts.write_text("Hello there, my friend.\nhello   there, MY friend.\nA different request entirely.\n")

@@ -729,6 +729,12 @@ def test_a_head_trained_further_starts_where_the_exported_one_ended(tiny, tmp_pa
     with pytest.raises(ConfigError, match="init_head") as err:
         draft_train.train_recipe(recipe_for(target, init_head=str(head), aux_layers=(1, 3)), second_layout, echo=lambda *_: None, progress=False)
     assert "aux_layers" in err.value.hint
+    # so is one of another draft vocabulary size (its d2t and LM head would not load), before any work
+    size = json.loads((head / "config.json").read_text())["draft_vocab_size"]
+    with pytest.raises(ConfigError, match=f"drafts over {size} tokens") as err:
+        draft_train.train_recipe(recipe_for(target, init_head=str(head), draft_vocab_size=size + 8), second_layout, echo=lambda *_: None,
+                                 progress=False)
+    assert f"draft_vocab_size: {size}" in err.value.hint
 
 
 def test_length_grouping_takes_every_sample_once_in_batches_of_like_lengths():
