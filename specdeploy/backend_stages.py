@@ -162,6 +162,8 @@ class GpuStages(BackendStages):
               print_k8s=False, image=None):  # fmt: skip
         from specdeploy import launch
 
+        if not (print_only or print_k8s):  # a real start serves the repository: it must be there and current
+            self.require_repository(recipe, layout, recipe_path)
         return launch.serve_gpu(recipe, layout, print_k8s=print_k8s, print_only=print_only, image=image,
                                 tritonserver=server_binary, detach=detach, recipe_path=recipe_path, echo=echo)  # fmt: skip
 

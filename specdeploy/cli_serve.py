@@ -63,6 +63,7 @@ def _serve_openai(ctx, r, layout, recipe, detach, server_binary, port, host, api
         raise ConfigError("--openai-port fronts the inflight_batcher_llm layout (ensemble and tensorrt_llm_bls); this recipe "
                           "serves the llmapi layout", "serve without --openai-port, or set triton.layout: inflight_batcher_llm")  # fmt: skip
     openai_api.check_bind(host, api_key)  # before starting anything
+    openai_api.check_port(host, port)
     with ctx.locked(r, recipe):
         state = backend_stages.of(r).serve(r, layout, detach=True, server_binary=server_binary, recipe_path=recipe, echo=click.echo)
     try:
@@ -97,9 +98,11 @@ def stop(ctx, recipe):
 @pass_ctx
 @handle_errors
 def status(ctx, recipe):
-    """Say whether the detached server of RECIPE is running and ready, and where."""
+    """Say whether the detached server of RECIPE is running and ready, and where. Exit code 0: running and ready, 1:
+    running but not ready or a python stub died, 3: not running (as LSB init scripts answer `status`)."""
     from specdeploy.triton import server
 
     r = ctx.recipe(recipe)
-    _, line = server.status(ctx.layout(r).server_state)
+    state, line = server.status(ctx.layout(r).server_state)
     click.echo(line)
+    raise SystemExit(server.status_code(state, line))

@@ -22,7 +22,11 @@ def load_recipe(path: str | Path) -> Recipe:
     if not path.is_file():
         raise ConfigError(f"recipe {path} not found", "pass a YAML file such as build/smollm2-135m.yaml")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"recipe {path} is not UTF-8 text (byte {exc.start}: {exc.reason})", "save it as UTF-8") from None
+    except OSError as exc:
+        raise ConfigError(f"recipe {path} cannot be read: {exc.strerror or exc}", "check the file's permissions") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"recipe {path} is not valid YAML: {exc}", "fix the YAML syntax") from exc
     recipe = parse_recipe(raw, source=str(path))
@@ -42,10 +46,11 @@ def _build(cls, raw, prefix: str):
         raise ConfigError(f"key '{prefix.rstrip('.')}' must be a mapping, got {raw!r}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - set(fields))
+    unknown = sorted(set(raw) - set(fields), key=str)  # YAML 1.1 reads some keys as booleans or numbers (on:, 1:)
     if unknown:
+        boolean = " (YAML 1.1 reads an unquoted on/off/yes/no key as true/false)" if isinstance(unknown[0], bool) else ""
         raise ConfigError(
-            f"unknown key '{prefix}{unknown[0]}'",
+            f"unknown key '{prefix}{unknown[0]}'{boolean}",
             f"valid keys here: {', '.join(fields)}",
         )
     kwargs = {}
@@ -76,5 +81,8 @@ def _convert(hint, value, key: str):
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if hint in (int, float, str, bool) and (type(value) is not hint):
-        raise ConfigError(f"key '{key}' must be {hint.__name__}, got {value!r} ({type(value).__name__})")
+        # an unquoted version (1.10) reaches here as the float 1.1: say what YAML did with it, and how to keep the text
+        quote = (f'; YAML read an unquoted number: quote the text you mean, e.g. {key.rsplit(".", 1)[-1]}: "{value}" '
+                 '(unquoted, 1.10 reads as 1.1)' if hint is str and isinstance(value, (int, float)) else "")
+        raise ConfigError(f"key '{key}' must be {hint.__name__}, got {value!r} ({type(value).__name__}){quote}")
     return value

@@ -17,7 +17,7 @@ import os
 import time
 from pathlib import Path
 
-from specdeploy.errors import BusyError
+from specdeploy.errors import BusyError, ConfigError
 
 LOCK_FILE = ".lock"
 LOCK_TIMEOUT_S = 3600.0  # how long a second run waits for the first (CLI --lock-timeout)
@@ -43,7 +43,11 @@ def recipe_lock(engines_dir: Path, recipe_name: str, command: str, timeout_s: fl
     raises BusyError naming that process and the fix. Nested use in one process is allowed.
     """
     path = Path(engines_dir) / LOCK_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # --root on a file, a read-only or a special file system
+        raise ConfigError(f"cannot create {path.parent}: {exc.strerror or exc}",
+                          "pass --root (or $SPECDEPLOY_ROOT) a folder you can write to") from None
     key = str(path.resolve())
     if key in _held:
         _held[key] += 1

@@ -86,6 +86,22 @@ def check_bind(host: str, api_key: str | None) -> None:
                           f"pass --api-key KEY (or set ${API_KEY_ENV}), or keep the default host {HOST}")  # fmt: skip
 
 
+def check_port(host: str, port: int) -> None:
+    """Refuse a port another process listens on, before anything starts: otherwise whatever answers there could pass
+    for the front's readiness check while the front itself fails to bind (SO_REUSEADDR, as uvicorn binds, so a port
+    in TIME_WAIT is free)."""
+    import socket
+
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise ConfigError(f"the OpenAI front cannot listen on {host}:{port}: {exc.strerror or exc} (another process holds it?)",
+                              "pick another --openai-port, or stop what listens there") from None
+
+
 def build_front(recipe, layout, grpc_url: str, timeout_s: float | None = None, api_key: str | None = None,
                 max_body_bytes: int = MAX_BODY_BYTES, max_tokens_limit: int | None = None) -> Front:  # fmt: skip
     """A Front over the deployment at grpc_url with the recipe's routes and its repository's tokenizer."""
@@ -171,6 +187,7 @@ def start_detached(recipe_path: str, root: str | None, grpc_url: str, port: int,
     from specdeploy.errors import ServerError
 
     check_bind(host, api_key)
+    check_port(host, port)
     state_dir = Path(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
     log = state_dir / LOG_FILE
@@ -184,7 +201,7 @@ def start_detached(recipe_path: str, root: str | None, grpc_url: str, port: int,
         env[API_KEY_ENV] = api_key
     with open(log, "w") as out:
         process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, env=env)
-    if not wait_listening(port, timeout_s, alive=lambda: process.poll() is None, host=host):
+    if not wait_listening(port, timeout_s, alive=lambda: process.poll() is None, host=host) or process.poll() is not None:
         process.kill()
         process.wait(timeout=5)
         tail = log.read_text()[-1500:] if log.is_file() else ""

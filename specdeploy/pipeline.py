@@ -19,6 +19,7 @@ def run(recipe, layout, recipe_path: str, echo=print, progress=True, server_bina
         from specdeploy import preflight
 
         preflight.enforce(preflight.check_served_vocabulary(recipe, layout), echo)
+    _check_before_work(recipe, layout, recipe_path, overrides)
     echo(f"== quantize ({stages.backend.name})")
     quantize_recipe(recipe, layout, echo=echo, progress=progress is True)
     echo("== build")
@@ -37,3 +38,25 @@ def run(recipe, layout, recipe_path: str, echo=print, progress=True, server_bina
         echo("== stop")
         running.stop()
         echo("stopped tritonserver")
+
+
+def _check_before_work(recipe, layout, recipe_path: str, overrides: dict) -> None:
+    """What the last stages would refuse, asked before the first: validate's options and prompt set, the EAGLE-3 head
+    the repository needs, and a detached server of the recipe (the pipeline's own would write over its log, and two
+    servers on one machine skew the speedup measured)."""
+    from specdeploy.client.prompts import load_prompt_set
+    from specdeploy.client.validate import Options, check_sweep
+    from specdeploy.errors import ConfigError
+    from specdeploy.triton import server
+
+    options = Options.from_recipe(recipe, **overrides)
+    check_sweep(options, recipe.layout == "inflight_batcher_llm", recipe.layout)
+    load_prompt_set(options.prompt_set, options.max_tokens, options.max_prompts)
+    if recipe.draft.is_eagle3:
+        from specdeploy.triton.repo_inputs import eagle3_head
+
+        eagle3_head(recipe, layout, recipe_path)
+    detached = server.ServerState.read(layout.server_state)
+    if detached is not None and detached.running():
+        raise ConfigError(f"a server of this recipe runs detached (pid {detached.pid}, grpc {detached.grpc_url}); `run` starts its own",
+                          f"stop it first (specdeploy stop {recipe_path}), or validate it as it is (specdeploy validate {recipe_path})")

@@ -139,6 +139,27 @@ def test_missing_file_and_bad_yaml(tmp_path):
     bad.write_text("name: [unclosed\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_recipe(bad)
+    bad.write_bytes(b"name: x\n\xff\xfe\n")
+    with pytest.raises(ConfigError, match="not UTF-8 text"):
+        load_recipe(bad)
+    # YAML 1.1 reads `on:` as a boolean key and an unquoted version as a number: named, not a traceback
+    bad.write_text("name: x\non: 1\nzzz: 2\ntarget: {model: m}\n")
+    with pytest.raises(ConfigError, match="unknown key 'True' .YAML 1.1"):
+        load_recipe(bad)
+    bad.write_text("name: x\ntarget: {model: m}\ndraft: {kind: ngram}\ntrtllm_version: 1.10\n")
+    with pytest.raises(ConfigError, match='got 1.1 .float.; YAML read an unquoted number: quote the text you mean'):
+        load_recipe(bad)
+
+
+def test_an_unusable_root_is_named_not_a_traceback(tmp_path):
+    from specdeploy.lock import recipe_lock
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ConfigError, match="cannot create .*file/engines/r: Not a directory") as info:
+        with recipe_lock(blocker / "engines" / "r", "r", "test"):
+            pass
+    assert "--root" in info.value.hint
 
 
 def test_int_accepted_for_float_and_section_hash_is_stable():

@@ -337,3 +337,19 @@ def test_engine_image_must_be_a_known_ngc_image_carrying_the_engines_release(tmp
     assert "25.03-trtllm-python-py3" in err.value.hint
     with pytest.raises(RepoError, match="not an NGC Triton TensorRT-LLM image"):
         packaging.write_context(r, layout, "example.com/mine:latest")
+
+
+def test_gpu_serve_refuses_a_repository_that_is_not_there(standin_server):
+    """`specdeploy serve` on a GPU backend checks the repository as the CPU backend and the pipeline's start do, before it
+    launches anything (it started tritonserver on a folder that did not exist); the print modes need none."""
+    from specdeploy import backend_stages
+    from specdeploy.errors import SpecDeployError
+    from specdeploy.triton import server
+
+    r, layout, exe = standin_server
+    with pytest.raises(SpecDeployError, match="specdeploy repo r.yaml"):
+        backend_stages.of(r).serve(r, layout, detach=True, server_binary=exe, recipe_path="r.yaml", echo=lambda *_: None)
+    assert server.ServerState.read(layout.server_state) is None  # nothing was started
+    lines = []
+    backend_stages.of(r).serve(r, layout, detach=False, server_binary=exe, recipe_path="r.yaml", echo=lines.append, print_only=True)
+    assert lines

@@ -209,6 +209,12 @@ def test_serve_detach_with_openai_port_and_stop(tmp_path_factory, model_dir):
     recipe, layout, recipe_path = ops_deploy.build(root, model_dir, "ops")
     port = free_port()
     runner = CliRunner()
+    with socket.socket() as holder:  # another process listens there: refused before tritonserver starts
+        holder.bind(("127.0.0.1", port))
+        holder.listen()
+        result = runner.invoke(main, ["--root", str(root), "serve", str(recipe_path), "--detach", "--openai-port", str(port)])
+    assert result.exit_code != 0 and f"cannot listen on 127.0.0.1:{port}" in result.output, result.output
+    assert runner.invoke(main, ["--root", str(root), "status", str(recipe_path)]).exit_code == 3  # nothing was started
     try:
         result = runner.invoke(main, ["--root", str(root), "serve", str(recipe_path), "--detach", "--openai-port", str(port)])
         assert result.exit_code == 0, result.output

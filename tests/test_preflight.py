@@ -281,6 +281,43 @@ def test_a_served_vocabulary_is_checked_against_the_head_before_any_build(eagle3
     assert errors(served(32000)) == []  # the whole vocabulary
 
 
+def test_specdeploy_run_refuses_what_its_last_stages_would_before_quantizing(tmp_path):
+    """A bad draft-length sweep, a missing prompt set, a missing EAGLE-3 head and a detached server of the same recipe
+    stop `specdeploy run` before its first stage (each was found only after quantize, build and serve)."""
+    import os
+
+    from eagle3_heads import make_eagle3_head
+
+    from specdeploy import pipeline
+    from specdeploy.artifacts import Layout, process_identity
+    from specdeploy.errors import SpecDeployError
+    from specdeploy.triton.server_state import ServerState
+
+    head = make_eagle3_head(tmp_path / "head", 64, 512, draft_vocab_size=64)
+
+    def attempt(draft=None, validation=None, **overrides):
+        recipe = parse_recipe({"name": "pf", "backend": "cpu", "target": {"model": str(tmp_path / "no-model")},
+                               "draft": draft or {"kind": "eagle3", "head": str(head)}, "validation": validation or {},
+                               "speculative": {"max_draft_len": 3, "num_draft_tokens": 3}})  # fmt: skip
+        layout = Layout.of(recipe, tmp_path / "root")
+        lines = []
+        with pytest.raises(SpecDeployError) as err:
+            pipeline.run(recipe, layout, "pf.yaml", echo=lines.append, progress=False, **overrides)
+        assert not any(line.startswith("== quantize") for line in lines) and not layout.checkpoint("target").exists()
+        return err.value, layout
+
+    assert "k=5, outside 1..3" in attempt(sweep_draft_tokens=(1, 5))[0].message
+    assert "nowhere.jsonl not found" in attempt(validation={"prompt_set": str(tmp_path / "nowhere.jsonl")})[0].message
+    assert "no EAGLE-3 head at" in attempt(draft={"kind": "eagle3", "head": str(tmp_path / "no-head")})[0].message
+    layout = Layout.of(parse_recipe({"name": "pf", "target": {"model": "m"}, "draft": {"kind": "ngram"}}), tmp_path / "root")
+    layout.server_state.mkdir(parents=True, exist_ok=True)
+    me = process_identity(os.getpid())  # this process stands in for the detached server: alive, and who it says it is
+    ServerState(pid=me.pid, grpc_port=1, http_port=2, metrics_port=3, log="x", repo="r", started=0.0, start_ticks=me.start_ticks,
+                cmdline=list(me.cmdline)).write(layout.server_state)
+    error, _ = attempt()
+    assert "runs detached (pid" in error.message and "specdeploy stop pf.yaml" in error.hint
+
+
 def test_specdeploy_run_refuses_a_served_vocabulary_without_counts_before_quantizing(tmp_path):
     """On the cpu backend `specdeploy run` checks draft.serve_vocab_size against the head before its first stage."""
     from eagle3_heads import make_eagle3_head

@@ -201,7 +201,8 @@ def test_cli_repo_serve_status_stop_without_a_server(setup, tmp_path):
     assert result.exit_code == 0 and "wrote" in result.output, result.output
     result = runner.invoke(main, [*root, "repo", str(recipe_file)])
     assert "up to date" in result.output
-    assert "not running" in runner.invoke(main, [*root, "status", str(recipe_file)]).output
+    result = runner.invoke(main, [*root, "status", str(recipe_file)])
+    assert "not running" in result.output and result.exit_code == 3  # LSB's "not running": scripts can tell
     assert "no server to stop" in runner.invoke(main, [*root, "stop", str(recipe_file)]).output
     (layout.engine("target") / "manifest.json").unlink()
     result = runner.invoke(main, [*root, "repo", str(recipe_file)])

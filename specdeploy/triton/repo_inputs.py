@@ -105,7 +105,7 @@ def repo_inputs(recipe: Recipe, layout, recipe_path: str = "RECIPE", executor_fa
                 f"run: specdeploy build {recipe_path}",
             )
         dirs[role] = engine_dir
-    head_dir, head_hash = _eagle3_head(recipe, layout, recipe_path) if recipe.draft.is_eagle3 else (None, "")
+    head_dir, head_hash = eagle3_head(recipe, layout, recipe_path) if recipe.draft.is_eagle3 else (None, "")
     inp = RepoInputs(recipe, dirs, manifests, executor_factory or CPU_EXECUTOR_FACTORY, head_dir, head_hash)
     if recipe.speculative.num_draft_tokens > inp.target_max_draft_len:
         raise RepoError(
@@ -116,8 +116,9 @@ def repo_inputs(recipe: Recipe, layout, recipe_path: str = "RECIPE", executor_fa
     return inp
 
 
-def _eagle3_head(recipe: Recipe, layout, recipe_path: str) -> tuple[Path, str]:
-    """draft.kind eagle3: (the head folder, the hash of its files). BuildError when there is none."""
+def eagle3_head(recipe: Recipe, layout, recipe_path: str) -> tuple[Path, str]:
+    """draft.kind eagle3: (the head folder, the hash of its files). BuildError when there is none (`specdeploy run` asks
+    before it quantizes, so a missing head is said before minutes of work)."""
     from specdeploy.artifacts import file_hash
     from specdeploy.config import EAGLE3_HEAD_TRAINED
     from specdeploy.errors import BuildError

@@ -30,7 +30,7 @@ from specdeploy.triton import shm
 from specdeploy.triton.install import find_binary, prepare, python_lib_dir, site_paths  # noqa: F401 (find_binary: importable from here)
 from specdeploy.triton.ports import HOST, Ports, free_port  # noqa: F401 (free_port: importable from here)
 from specdeploy.triton.server_state import STATE_FILE, ServerState, is_same_process
-from specdeploy.triton.stubs import STUB_BINARY, orphans_line, python_stubs, reap, stub_changes  # noqa: F401
+from specdeploy.triton.stubs import DEAD_STUB, STUB_BINARY, orphans_line, python_stubs, reap, stub_changes  # noqa: F401
 
 LOG_FILE = "tritonserver.log"
 STUB_SHM_BYTES = 64 * 2**20
@@ -321,6 +321,20 @@ def serve_in_foreground(process, log_path, stop, echo, result):
             signal.signal(sig, handler)
         if process.poll() is None:
             stop()
+
+
+# `specdeploy status`'s exit codes, as LSB init scripts give them: 0 running and ready with every python stub alive, 1
+# running but not ready or with a stub that died (requests to it fail), 3 not running (none recorded, or it exited)
+STATUS_READY, STATUS_DEGRADED, STATUS_NOT_RUNNING = 0, 1, 3
+
+
+def status_code(state: ServerState | None, line: str) -> int:
+    """The exit code of a `status` answer (above)."""
+    if state is None or not line.startswith("running"):
+        return STATUS_NOT_RUNNING
+    if not line.startswith("running, ready") or DEAD_STUB in line:
+        return STATUS_DEGRADED
+    return STATUS_READY
 
 
 def status(state_dir: Path) -> tuple[ServerState | None, str]:

@@ -32,6 +32,9 @@ def python_stubs(server_pid: int) -> dict[str, int]:
     return out
 
 
+DEAD_STUB = "has exited (killed or crashed)"  # how stub_changes says a stub died (server.status_code reads it)
+
+
 def stub_changes(state: ServerState) -> str:
     """What happened to the python stubs since the server was ready. tritonserver 2.51's python backend does not
     restart a stub that died: the server stays ready and each request to that instance fails with "Stub process
@@ -47,7 +50,7 @@ def stub_changes(state: ServerState) -> str:
     dead = [f"{name} (pid {state.stubs[name]})" for name in gone if name not in now]
     parts = []
     if dead:
-        parts.append(f"python stub {', '.join(dead)} has exited (killed or crashed); tritonserver does not restart it and "
+        parts.append(f"python stub {', '.join(dead)} {DEAD_STUB}; tritonserver does not restart it and "
                      "requests to that instance fail with 'Stub process ... is not healthy': restart the server "
                      "(specdeploy stop RECIPE, then specdeploy serve RECIPE --detach)")  # fmt: skip
     if restarted:
