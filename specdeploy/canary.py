@@ -93,16 +93,31 @@ def watch(url: str, config: CanaryConfig, window_s: float, model: str | None = N
     before = m.scrape(url)
     start = time.monotonic()
     echo(f"watching {m.metrics_url(url)} for {window_s:.0f} s ...")
+    latest = before
     while (left := window_s - (time.monotonic() - start)) > 0:
         sleep(min(tick_s, left))
-        now = m.scrape(url).minus(before)
+        scraped = m.scrape(url)
+        if scraped.resets(latest):
+            return _restarted(scraped.resets(latest), time.monotonic() - start)
+        latest = scraped
+        now = scraped.minus(before)
         elapsed = time.monotonic() - start
         spec_n, control_n = now.sum(m.REQUESTS.name, arm=m.SPECULATIVE_ARM), now.sum(m.REQUESTS.name, arm=m.CONTROL_ARM)
         echo(f"  {elapsed:5.0f} s: speculative {spec_n:.0f} requests, control {control_n:.0f}")
         if until_enough and min(spec_n, control_n) >= config.min_requests:
             break
     after = m.scrape(url)
+    if after.resets(latest):
+        return _restarted(after.resets(latest), time.monotonic() - start)
     return decide(after.minus(before), config, time.monotonic() - start, model)
+
+
+def _restarted(series: list[str], window_s: float) -> Verdict:
+    """The server restarted inside the window: its counters began again from 0, so the two arms cannot be compared over
+    it (a restart after the speculative arm crashed it must not read as a fast speculative arm)."""
+    empty = m.arm_stats(m.Snapshot({}), m.SPECULATIVE_ARM), m.arm_stats(m.Snapshot({}), m.CONTROL_ARM)
+    return Verdict(INCONCLUSIVE, (f"the server restarted during the window ({', '.join(series[:3])} went back)",
+                                  "look at why it restarted (specdeploy status RECIPE, its log), then watch a new window"), *empty, window_s)
 
 
 def lines(verdict: Verdict) -> list[str]:

@@ -67,15 +67,25 @@ class Snapshot:
         counts = self.by_label(name + "_bucket", "le", **match)
         return sorted((float(le), c) for le, c in counts.items())
 
+    def _cumulative(self, name: str) -> bool:
+        return name in self.counters or name.endswith(("_total", "_bucket", "_sum", "_count"))
+
     def minus(self, earlier: "Snapshot") -> "Snapshot":
-        """The window between two scrapes: counters and histogram series subtract; gauges keep the later value."""
+        """The window between two scrapes: counters and histogram series subtract; gauges keep the later value. A series
+        that went down was reset (the server restarted): its later value is the window's, as Prometheus's increase()
+        takes it; `resets` says whether that happened."""
         out = {}
         for key, value in self.samples.items():
-            name = key[0]
-            if name in self.counters or name.endswith(("_total", "_bucket", "_sum", "_count")):
-                value = value - earlier.samples.get(key, 0.0)
+            if self._cumulative(key[0]):
+                before = earlier.samples.get(key, 0.0)
+                value = value - before if value >= before else value
             out[key] = value
         return Snapshot(out, self.taken_s, self.counters)
+
+    def resets(self, earlier: "Snapshot") -> list[str]:
+        """The cumulative series lower now than in `earlier` (or gone): the server restarted between the two scrapes."""
+        return sorted({key[0] for key, before in earlier.samples.items()
+                       if self._cumulative(key[0]) and before > 0 and self.samples.get(key, 0.0) < before})
 
     def has(self, name: str) -> bool:
         return any(sample == name for sample, _ in self.samples)

@@ -15,6 +15,7 @@ import time
 from specdeploy import metrics as m
 from specdeploy.config import CostConfig
 from specdeploy.cost import cost_of, format_money
+from specdeploy.errors import ClientError
 
 TRITON_SUCCESS = "nv_inference_request_success"  # Triton's own counter, per model
 TRITON_PENDING = "nv_inference_pending_request_count"
@@ -76,9 +77,18 @@ def run(url: str, cost: CostConfig, interval_s: float = 2.0, once: bool = False,
     try:
         while True:
             sleep(interval_s)
-            current = m.scrape(url)
+            try:
+                current = m.scrape(url)
+            except ClientError as exc:  # a server restarting: say so and keep watching (Ctrl-C ends it)
+                if once:
+                    raise
+                echo(CLEAR + f"{exc.message}; retrying every {interval_s:g} s (Ctrl-C stops)")
+                continue
             window_s = max(current.taken_s - previous.taken_s, 1e-9)
-            text = "\n".join(frame(current, current.minus(previous), window_s, cost, title))
+            lines = frame(current, current.minus(previous), window_s, cost, title)
+            if current.resets(previous):  # the counters began again: the window holds what came after the restart
+                lines.append("the server restarted: counters began again (this frame counts from the restart)")
+            text = "\n".join(lines)
             echo(text if once else CLEAR + text)
             shown += 1
             if once or (frames is not None and shown >= frames):

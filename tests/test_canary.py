@@ -133,6 +133,14 @@ def test_canary_command_reads_a_window_from_the_endpoint(metrics_server, tmp_pat
     handler.texts = [sink.text()]  # nothing new during the window
     result = CliRunner().invoke(main, ["canary", str(recipe), "--url", url, "--window", "0.2"])
     assert result.exit_code == 1 and "INCONCLUSIVE" in result.output
+    # the server restarted inside the window (its counters began again): a fast-looking arm after the restart is
+    # no verdict, whatever the subtraction would say
+    restarted = m.PrometheusClientSink()
+    traffic(restarted, "speculative", 30, 0.5, 20, drafted=4, accepted=3)
+    traffic(restarted, "control", 12, 5.0, 20)
+    handler.texts = [sink.text(), restarted.text()]
+    result = CliRunner().invoke(main, ["canary", str(recipe), "--url", url, "--window", "0.2"])
+    assert result.exit_code == 1 and "INCONCLUSIVE: the server restarted during the window" in result.output, result.output
 
 
 def test_kubernetes_output_has_weighted_route_scrape_config_and_dashboard(tmp_path):

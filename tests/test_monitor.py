@@ -11,6 +11,7 @@ from click.testing import CliRunner
 from specdeploy import metrics as m
 from specdeploy import monitor as mon
 from specdeploy.config import CostConfig
+from specdeploy.errors import ClientError
 
 
 class Clock:
@@ -107,6 +108,39 @@ def test_monitor_once_prints_one_frame(endpoint, tmp_path):
     row = next(line for line in result.output.splitlines() if line.startswith("speculative"))
     assert row.split()[1:3] == ["3", "0"] and row.split()[4] == "1.000"
     assert "cost speculative" in result.output
+
+
+def test_monitor_counts_from_a_restart_and_waits_out_an_unreachable_server(endpoint, monkeypatch):
+    """Counters lower than the last scrape (a restarted server) give the traffic since the restart, said as such, not
+    negative rates; a scrape that fails mid-watch is said and retried (it ended the live view before)."""
+    from specdeploy import monitor as mon
+
+    sink = m.PrometheusClientSink()
+    _traffic(sink, "speculative", 9, 1.0, 8, drafted=4, accepted=4)
+    fresh = m.PrometheusClientSink()
+    _traffic(fresh, "speculative", 2, 1.0, 8, drafted=4, accepted=4)
+    before, after = m.parse(sink.text()), m.parse(fresh.text())
+    assert after.resets(before) and not before.resets(m.parse(m.PrometheusClientSink().text()))
+    window = after.minus(before)
+    assert window.sum(m.REQUESTS.name, arm="speculative") == 2  # Prometheus's increase(): the restarted count
+    _Handler.texts = [sink.text(), fresh.text()]
+    frames = []
+    mon.run(endpoint, CostConfig(), interval_s=0.0, echo=frames.append, sleep=lambda s: None, frames=1)
+    row = next(line for line in frames[-1].splitlines() if line.startswith("speculative"))
+    assert "the server restarted" in frames[-1] and row.split()[1] == "2"  # the 2 requests since the restart
+    # unreachable for one scrape: said, then the next frame comes
+    calls = []
+
+    def flaky(url, timeout_s=5.0):
+        calls.append(url)
+        if len(calls) == 2:
+            raise ClientError(f"cannot read metrics from {url}: refused", "start the server")
+        return m.parse(sink.text())
+
+    lines = []
+    monkeypatch.setattr(mon.m, "scrape", flaky)
+    mon.run(endpoint, CostConfig(), interval_s=0.0, echo=lines.append, sleep=lambda s: None, frames=1)
+    assert "refused; retrying" in lines[0] and len(calls) == 3 and "speculative" in lines[-1]
 
 
 def test_monitor_without_a_server_names_the_fix(tmp_path):
