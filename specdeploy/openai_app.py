@@ -11,6 +11,7 @@ import json
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import Request  # module level: FastAPI resolves the handlers' (string) annotations here
 
@@ -21,6 +22,7 @@ from specdeploy.openai_requests import ApiError, Codec, Job, Route, from_client_
 API_KEY_ENV = "SPECDEPLOY_API_KEY"
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: a prompt this front accepts (engine.max_input_len tokens) is far smaller
 OPEN_PATHS = ("/health",)  # reachable without the API key (load balancers, `wait_listening`)
+MAX_WAITING = 256  # whole answers waiting for Triton at once (beyond any engine's batch; Triton queues the rest)
 
 
 class StopCutter:
@@ -64,6 +66,10 @@ class Front:
         self.api_key = api_key or None  # an empty key (an empty env var) means none
         self.max_body_bytes, self.max_tokens_limit = max_body_bytes, max_tokens_limit
         self.created = int(time.time())
+        # whole answers wait for Triton in threads of their own: in asyncio's default pool (cores + 4 threads, 6 on a
+        # 2-core machine) they held every thread, capped the requests in flight below the server's batch and queued
+        # every other request's parsing behind them (a streamed answer has a thread of its own)
+        self.waiting = ThreadPoolExecutor(max_workers=MAX_WAITING, thread_name_prefix="openai-wait")
 
     def auth_error(self, authorization: str | None) -> ApiError | None:
         """None when the request may pass: no key configured, or `Authorization: Bearer <key>` matches."""
@@ -231,7 +237,7 @@ async def _complete(front: Front, request: Request, chat: bool):
     ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     if job.stream:
         return StreamingResponse(_stream(front, job, ident, chat), media_type="text/event-stream")
-    result = await asyncio.to_thread(front.run, job)
+    result = await asyncio.get_running_loop().run_in_executor(front.waiting, front.run, job)
     cutter = StopCutter(list(job.stops))
     text = cutter.push(result.text) + cutter.flush()
     usage = await asyncio.to_thread(front.usage, job, result, text, cutter.stopped)

@@ -51,9 +51,19 @@ def from_client_error(exc: ClientError) -> ApiError:
         return ApiError(504, text, "timeout", code="deadline_exceeded")
     if "unreachable" in text or "went away" in text:
         return ApiError(503, text, "server_error", code="triton_unavailable")
-    if "internal error" in text:
+    lowered = text.lower()
+    # the deployment cannot serve right now (a python stub died, a model not loaded): a server fault a client may retry
+    if any(s in lowered for s in SERVER_DOWN_MARKS):
+        return ApiError(503, text, "server_error", code="triton_unavailable")
+    if "internal error" in lowered or any(s in lowered for s in SERVER_FAULT_MARKS):
         return ApiError(500, text, "server_error")
     return ApiError(400, text, "invalid_request_error")  # the model refused the request (it says why)
+
+
+# Triton's and TensorRT-LLM's words for a server that cannot run a request (Triton core: "has no available versions",
+# "Request for unknown model"; the python backend: "Stub process '...' is not healthy"), and for a failure inside it
+SERVER_DOWN_MARKS = ("is not healthy", "has no available versions", "request for unknown model", "is not ready")
+SERVER_FAULT_MARKS = ("out of memory", "cuda error", "cuda runtime error", "[tensorrt-llm][error]", "segmentation fault")
 
 
 class Codec:

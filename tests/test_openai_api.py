@@ -289,6 +289,26 @@ def test_parse_refuses_chat_content_it_cannot_render(content):
     assert "messages[0].content" in info.value.body()["error"]["message"]
 
 
+@pytest.mark.parametrize(("message", "status"), [
+    ("generate failed on 127.0.0.1:1: Failed to process the request(s) for model 'tensorrt_llm_bls_0_0', message: Stub "
+     "process 'tensorrt_llm_bls_0_0' is not healthy.", 503),
+    ("generate failed on 127.0.0.1:1: Request for unknown model: 'tensorrt_llm_bls' has no available versions", 503),
+    ("generate failed on 127.0.0.1:1: [TensorRT-LLM][ERROR] CUDA runtime error in cudaMallocAsync: out of memory", 500),
+    ("generate failed on 127.0.0.1:1: the prompt has 900 tokens, more than max_input_len (256); shorten it", 400),
+    ("the server at 127.0.0.1:1 is unreachable or went away during generate", 503),
+    ("generate timed out after 60 s (server 127.0.0.1:1)", 504),
+])  # fmt: skip
+def test_server_faults_are_5xx_and_refusals_400(message, status):
+    """A deployment that cannot serve (a dead stub, a model not loaded) or fails inside is the server's fault (5xx: a
+    client such as the openai SDK retries those), a request the model refused is the client's (400)."""
+    from specdeploy.errors import ClientError
+
+    from specdeploy.openai_requests import from_client_error
+
+    error = from_client_error(ClientError(message, "hint"))
+    assert error.status == status and (error.type == "invalid_request_error") == (status == 400)
+
+
 def test_stop_cutter_holds_back_partial_matches():
     cut = openai_api.StopCutter(["END"])
     assert [cut.push(p) for p in ("abc E", "N", "Dxyz")] == ["abc", " ", ""]  # " E" held, "EN" held, then the stop
@@ -417,6 +437,41 @@ def test_a_stop_string_ends_the_stream_and_the_server_request_and_goes_to_triton
         assert endpoint.requests[0].stop_words == ("END",)
         unary = client.completions.create(model="r", prompt="p", max_tokens=16, stop="two", stream=False)
         assert unary.choices[0].text == "one " and endpoint.requests[1].stop_words == ("two",)
+
+
+def test_whole_answers_wait_for_triton_beyond_the_default_thread_pool():
+    """Non-streamed requests each wait in a thread of the front's own pool: 12 at once all reach the deployment together
+    (asyncio's default pool held 6 on this 2-core machine, the rest queued in the front, not in Triton)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    class Gate:
+        def __init__(self):
+            self.lock, self.waiting, self.release = threading.Lock(), 0, threading.Event()
+            self.all_in = threading.Event()
+
+        def is_decoupled(self, model):
+            return False
+
+        def generate(self, model, request, timeout_s, on_text=None):
+            from specdeploy.client.protocol import GenerateResult
+
+            with self.lock:
+                self.waiting += 1
+                if self.waiting == 12:
+                    self.all_in.set()
+            self.release.wait(30)
+            return GenerateResult("ok", 0.0)
+
+    gate = Gate()
+    with _front_over(gate) as api:
+        client = openai.OpenAI(base_url=api.url, api_key="unused", max_retries=0, timeout=60)
+        with ThreadPoolExecutor(12) as pool:
+            answers = [pool.submit(client.completions.create, model="r", prompt="p", max_tokens=4) for _ in range(12)]
+            reached = gate.all_in.wait(30)  # every request in the deployment at the same time
+            gate.release.set()
+            assert reached, f"only {gate.waiting} of 12 requests reached the deployment together"
+            assert [a.result().choices[0].text for a in answers] == ["ok"] * 12
 
 
 def test_a_client_that_leaves_mid_stream_cancels_the_triton_request():
