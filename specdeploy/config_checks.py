@@ -61,6 +61,13 @@ def _check(r: Recipe) -> None:
     _at_least("speculative.max_draft_len", s.max_draft_len, 1)
     _at_least("speculative.num_draft_tokens", s.num_draft_tokens, 1)
     _check_draft_p_min(r)
+    if s.policy != "static" and _backends.get(r.backend).gpu and r.layout == "llmapi":
+        # the llmapi layout on a GPU is TensorRT-LLM's own model (triton/llmapi.py writes no policy for it): no
+        # specdeploy code would read the policy, so the deployment would run TensorRT-LLM's static one unsaid
+        raise ConfigError(f"key 'speculative.policy' is {s.policy} on backend {r.backend} (llmapi layout), where TensorRT-LLM "
+                          "decides the draft length itself and no specdeploy model applies a policy",
+                          "use policy: static with speculative.dynamic (max_concurrency, draft_len_schedule, the acceptance gate), "
+                          "or triton.layout: inflight_batcher_llm")  # fmt: skip
     if s.num_draft_tokens > s.max_draft_len:
         raise ConfigError(
             f"key 'speculative.num_draft_tokens' is {s.num_draft_tokens}, larger than speculative.max_draft_len "

@@ -218,3 +218,15 @@ def test_smoothquant_alpha_is_an_int8_sq_setting_in_modelopts_range():
     raw["target"]["quantization"].update(qformat="fp8", smoothquant_alpha=0.8)
     with pytest.raises(ConfigError, match="smoothquant_alpha' is set with qformat 'fp8'"):
         parse_recipe(raw)
+
+
+def test_a_policy_is_refused_where_no_specdeploy_model_would_apply_it():
+    """On a GPU backend's llmapi layout TensorRT-LLM's own model decides the draft length: `policy: cost` would be read by
+    nothing, so it is refused with the fix; the same key stays valid where specdeploy's models serve (cpu, either
+    layout; the GPU inflight_batcher_llm layout's BLS)."""
+    base = {"name": "g", "target": {"model": "t"}, "draft": {"model": "d"}, "speculative": {"policy": "cost"}}
+    with pytest.raises(ConfigError, match="speculative.policy' is cost on backend trtllm-llmapi") as info:
+        parse_recipe({**base, "backend": "trtllm-llmapi"})
+    assert "policy: static" in info.value.hint
+    assert parse_recipe({**base, "backend": "cpu", "triton": {"layout": "llmapi"}}).speculative.policy == "cost"
+    assert parse_recipe({**base, "backend": "trtllm-engine"}).speculative.policy == "cost"
