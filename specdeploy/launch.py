@@ -68,16 +68,21 @@ def start(recipe: Recipe, layout: Layout, tritonserver: str | None = None, log_p
                                 preexec_fn=server._die_with_parent if die_with_parent else None)  # fmt: skip
     url = f"http://127.0.0.1:{_ports(recipe)['http']}/v2/health/ready"
     deadline = time.monotonic() + (timeout_s or recipe.triton.startup_timeout_s)
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            break
-        try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                if resp.status == 200:
-                    return proc
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.5)
+    try:  # Ctrl-C or SIGTERM while it starts: stop it (it is not recorded yet, so `stop` could not reach it)
+        with server.terminate_as_interrupt():
+            while time.monotonic() < deadline:
+                if proc.poll() is not None:
+                    break
+                try:
+                    with urllib.request.urlopen(url, timeout=2) as resp:
+                        if resp.status == 200:
+                            return proc
+                except (urllib.error.URLError, OSError):
+                    pass
+                time.sleep(0.5)
+    except BaseException:
+        server.stop_pid(proc.pid, process=proc)
+        raise
     if proc.poll() is None:
         server.stop_pid(proc.pid, process=proc)
     tail = log_path.read_text(errors="replace").splitlines()[-30:] if log_path.is_file() else []

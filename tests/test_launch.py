@@ -353,3 +353,49 @@ def test_gpu_serve_refuses_a_repository_that_is_not_there(standin_server):
     lines = []
     backend_stages.of(r).serve(r, layout, detach=False, server_binary=exe, recipe_path="r.yaml", echo=lines.append, print_only=True)
     assert lines
+
+
+def test_a_gpu_start_ended_by_sigterm_stops_its_server(standin_server, tmp_path):
+    """SIGTERM (a job's time limit) while a detached GPU server starts: the server goes down with the start, instead of
+    running on unrecorded where `status` and `stop` cannot see it. The stand-in here never becomes ready."""
+    import json
+    import os
+    import signal
+    import stat
+    import subprocess
+    import sys
+    import time
+
+    from specdeploy.config import to_plain
+    from specdeploy.triton import server
+
+    r, layout, _ = standin_server
+    pid_file = tmp_path / "server.pid"
+    slow = tmp_path / "bin" / "slow-tritonserver"
+    slow.write_text(f"#!{sys.executable}\nimport os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(600)\n")
+    slow.chmod(slow.stat().st_mode | stat.S_IEXEC)
+    program = (
+        "import json, sys\n"
+        "from specdeploy import launch\nfrom specdeploy.artifacts import Layout\nfrom specdeploy.config_loader import parse_recipe\n"
+        "r = parse_recipe(json.loads(sys.argv[1]))\n"
+        "launch.serve_gpu(r, Layout.of(r, sys.argv[2]), tritonserver=sys.argv[3], detach=True, echo=lambda s: None)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", program, json.dumps(to_plain(r)), str(layout.root), str(slow)])
+    try:
+        deadline = time.monotonic() + 60
+        while not (pid_file.is_file() and pid_file.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)  # waits for the stand-in to have started (a signal, not a race: the assert below says which)
+        started = int(pid_file.read_text())
+        child.send_signal(signal.SIGTERM)
+        assert child.wait(timeout=60) != 0
+        deadline = time.monotonic() + 10
+        while server.pid_alive(started) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        alive = server.pid_alive(started)
+        if alive:
+            os.kill(started, signal.SIGKILL)
+        assert not alive, "the server of an interrupted start ran on"
+        assert server.ServerState.read(layout.server_state) is None
+    finally:
+        if child.poll() is None:
+            child.kill()

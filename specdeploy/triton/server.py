@@ -15,10 +15,12 @@ importable from here.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -280,7 +282,8 @@ def serve(
     server = start(repo, ports, Path(state_dir) / LOG_FILE, binary=binary, extra_site=extra_site, extra_args=extra_args,
                    die_with_parent=not detach)
     try:
-        wait_ready(server, triton_cfg.startup_timeout_s)
+        with terminate_as_interrupt():  # a SIGTERM (a job's time limit) mid-start stops it too, not only Ctrl-C
+            wait_ready(server, triton_cfg.startup_timeout_s)
     except BaseException:
         server.stop()
         raise
@@ -297,6 +300,25 @@ def serve(
         return state
 
     return serve_in_foreground(server.process, state.log, server.stop, echo, state)
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt():
+    """SIGTERM raises KeyboardInterrupt inside the block (in the main thread), so the cleanup that Ctrl-C gets runs for it
+    too: a detached server is recorded only once it is ready, and one left by a start that SIGTERM ended (`timeout`, a
+    CI job's limit) ran on unrecorded, out of reach of `status` and `stop`."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _terminate(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def serve_in_foreground(process, log_path, stop, echo, result):
