@@ -218,12 +218,17 @@ def stop_detached(state_dir: Path) -> str | None:
     """Stop the front `start_detached` recorded in state_dir; None when there was none."""
     from specdeploy.artifacts import ProcessIdentity
     from specdeploy.triton.server import stop_pid
+    from specdeploy.triton.server_state import is_same_process
 
     path = Path(state_dir) / STATE_FILE
     if not path.is_file():
         return None
     state = json.loads(path.read_text())
-    stop_pid(state["pid"], timeout_s=10, expected=ProcessIdentity(state["pid"], state.get("start_ticks"), tuple(state.get("cmdline") or ())))
+    identity = ProcessIdentity(state["pid"], state.get("start_ticks"), tuple(state.get("cmdline") or ()))
+    if not is_same_process(state["pid"], identity):  # it died (or its port was taken from it): nothing to stop
+        path.unlink(missing_ok=True)
+        return f"the OpenAI front (pid {state['pid']}) had already exited (its log: {Path(state_dir) / LOG_FILE})"
+    stop_pid(state["pid"], timeout_s=10, expected=identity)
     path.unlink(missing_ok=True)
     return f"stopped the OpenAI front (pid {state['pid']})"
 

@@ -508,3 +508,16 @@ def test_the_deployment_stops_at_the_stop_words_the_front_sends(streaming_api, m
         full = endpoint.generate(model, GenerateRequest(prompt, MAX_TOKENS, num_draft_tokens=k), 60).text
         stopped = endpoint.generate(model, GenerateRequest(prompt, MAX_TOKENS, num_draft_tokens=k, stop_words=(word,)), 60).text
         assert stopped == tokenizer.decode(ids[: j + 1]) and len(stopped) < len(full), (model, word, stopped, full)
+
+
+def test_stop_says_a_front_that_died_had_exited(tmp_path):
+    """`specdeploy stop` on a recorded front whose process is gone says so (it printed "stopped" for a dead one)."""
+    import json
+    import subprocess
+    import sys
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    (tmp_path / openai_api.STATE_FILE).write_text(json.dumps({"pid": gone.pid, "start_ticks": 1, "cmdline": ["python"]}))
+    assert openai_api.stop_detached(tmp_path).startswith(f"the OpenAI front (pid {gone.pid}) had already exited")
+    assert not (tmp_path / openai_api.STATE_FILE).exists() and openai_api.stop_detached(tmp_path) is None
