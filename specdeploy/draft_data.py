@@ -43,7 +43,7 @@ import json
 import shutil
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable
 
@@ -130,7 +130,10 @@ def make_draft_data(recipe: Recipe, layout, recipe_path: str = "RECIPE", force: 
     # a full disk while journaling: the error names the folder, and what was journaled stays for the next run
     with artifacts.disk_full_as_error(work, "the answers' journal", "the answers journaled before it filled up stay there, "
                                       "and the next run resumes from them"):
-        journal = _open_journal(work, fp, force, echo)
+        # the journal is stamped without draft.data.batch_size (rows a pass: the answers do not depend on it), so a
+        # run stopped for memory resumes with a smaller batch instead of starting over
+        unbatched = replace(recipe, draft=replace(recipe.draft, data=replace(data, batch_size=0)))
+        journal = _open_journal(work, data_fingerprint(unbatched, answerer.identity, validation), force, echo)
         tokenizer = load_tokenizer(answerer.tokenizer_dir, recipe.target.model)
         chat = ChatFormat(tokenizer)
         started = time.monotonic()

@@ -269,7 +269,9 @@ def train_head(model, data: DraftData, t: Eagle3TrainConfig, work_dir: Path, *, 
         total_steps = state.get("total_steps", total_steps)
         initial = Acceptance(**state["initial_acceptance"])
         echo(f"resuming at step {step} of {total_steps} ({state_path})")
-        evaluate_s = 0.0
+        # what one held-out pass took when the run began: a resumed --time-limit fit leaves room for the passes still
+        # to come (with 0 here, a resumed run filled its limit with steps and ran the passes on top)
+        evaluate_s = state.get("evaluate_s", 0.0)
     else:
         initial = evaluate()
         evaluate_s = time.monotonic() - began
@@ -283,7 +285,8 @@ def train_head(model, data: DraftData, t: Eagle3TrainConfig, work_dir: Path, *, 
         try:
             with disk_full_as_error(work_dir, "the training checkpoint", kept):
                 torch.save({"fingerprint": fingerprint, "step": step, "total_steps": total_steps, "log": log, "head": model.eagle_module.state_dict(),
-                            "optimizer": optimizer.state_dict(), "initial_acceptance": asdict(initial)}, tmp)  # fmt: skip
+                            "optimizer": optimizer.state_dict(), "initial_acceptance": asdict(initial), "evaluate_s": evaluate_s},
+                           tmp)  # fmt: skip
         except BaseException:
             tmp.unlink(missing_ok=True)  # a half-written checkpoint is never left to be read back
             raise

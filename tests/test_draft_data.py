@@ -203,7 +203,9 @@ def test_resume_after_interruption_gives_the_uninterrupted_result(tmp_path, buil
         _make(recipe, layout, on_sample=_interrupt_after(3, seen))
     assert not layout.draft_data.exists()
     assert len((dd.work_dir(layout) / "journal.jsonl").read_text().splitlines()) == 3
-    dest = _resume_and_compare(recipe, layout, whole, seen, 8)
+    # resumed with fewer rows a pass (as after running out of memory): the answers are the same, the journal is kept
+    smaller = parse_recipe(_raw(chat_model, {**data, "batch_size": 1}))
+    dest = _resume_and_compare(smaller, Layout.of(smaller, tmp_path / "cut"), whole, seen, 8)
     # --force starts over: every sample generated again, same result (same seed and settings)
     again: list[str] = []
     dd.make_draft_data(recipe, layout, force=True, echo=lambda m: None, on_sample=again.append)
