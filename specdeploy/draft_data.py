@@ -215,7 +215,10 @@ class _TorchAnswerer:
 
         self.recipe = recipe
         self.target_dir = self.tokenizer_dir = models.resolve(recipe.target.model)
-        self.identity = artifacts.dir_hash(self.target_dir)
+        # engine.max_seq_len bounds the answers and drops the prompts too long for it here (the engine backend's own
+        # fingerprint holds it): part of what the data is
+        self.model_hash = artifacts.dir_hash(self.target_dir)
+        self.identity = f"{self.model_hash}:max_seq_len={recipe.engine.max_seq_len}"
         self.rows = recipe.draft.data.batch_size or recipe.engine.max_batch_size
         self.device = None
 
@@ -231,7 +234,7 @@ class _TorchAnswerer:
         pass
 
     def inputs(self) -> dict:
-        return {"target_model": str(self.target_dir), "target_model_hash": self.identity}
+        return {"target_model": str(self.target_dir), "target_model_hash": self.model_hash}
 
     def settings(self) -> dict:
         return {"batch_rows": self.rows, "device": self.device}

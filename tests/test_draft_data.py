@@ -482,6 +482,11 @@ def test_torch_backend_answers_are_the_targets_greedy_answers_and_need_no_engine
     assert not layout.engine("target").exists()
     # the backend is part of the data's identity: the engine's data is another artifact
     assert dd.data_fingerprint(recipe, "x", {}) != dd.data_fingerprint(parse_recipe(_raw(chat_model, {"num_prompts": 7, "max_new_tokens": 6, "batch_size": 4})), "x", {})
+    # so is engine.max_seq_len, which bounds the torch backend's answers and drops prompts too long for it (the engine
+    # backend's own fingerprint holds it): another value is other data, not "up to date"
+    longer = parse_recipe(_raw(chat_model, {"backend": "torch", "num_prompts": 7, "max_new_tokens": 6, "batch_size": 4},
+                                engine={"dtype": "float32", "max_batch_size": 3, "max_input_len": 384, "max_seq_len": 640}))
+    assert dd._TorchAnswerer(longer).identity != dd._TorchAnswerer(recipe).identity
 
 
 def test_torch_backend_sampled_answers_do_not_depend_on_the_batch(tmp_path, chat_model):
