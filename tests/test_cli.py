@@ -38,6 +38,20 @@ def test_check_prints_the_plan(tmp_path):
         assert word in result.output
 
 
+def test_check_names_what_the_stages_would_refuse_here(tmp_path):
+    """A bare model name that is neither bundled nor a folder is an error (quantize refuses it at once); missing input
+    files and an EAGLE-3 head are named in the plan, and the head's line says where it comes from."""
+    result = run("check", recipe_file(tmp_path, target__model="smollm2-135m-instruc"))
+    assert result.exit_code == 2 and "model 'smollm2-135m-instruc' is neither a bundled model" in result.output
+    assert "did you mean smollm2-135m-instruct?" in result.output
+    result = run("--root", str(tmp_path), "check", "build/smollm2-135m.yaml")
+    assert result.exit_code == 0 and "EAGLE-3 head: draft.head smollm2-135m-instruct-eagle3" in result.output and ": present" in result.output
+    assert "no draft model" in result.output
+    path = recipe_file(tmp_path, validation__prompt_set=str(tmp_path / "gone.jsonl"))
+    result = run("--root", str(tmp_path), "check", path)
+    assert result.exit_code == 0 and "gone.jsonl (NOT on this machine" in result.output
+
+
 def test_check_unknown_key_is_a_usage_error(tmp_path):
     result = run("check", recipe_file(tmp_path, colour="red"))
     assert result.exit_code == 2
