@@ -26,32 +26,50 @@ MAX_WAITING = 256  # whole answers waiting for Triton at once (beyond any engine
 
 
 class StopCutter:
-    """Cuts streamed text before the first stop string, holding back what could begin one."""
+    """Cuts streamed text before the first stop string, as the whole answer would be cut: at the stop that starts first.
+    Text that could still begin a stop is held back until it does or cannot; a stop that completed is the cut only
+    once no stop starting before it can still complete (with "\nObservation:" and "Observation" both stops, text
+    ending in "\nObservation" waits: the longer one starts first)."""
 
     def __init__(self, stops: list[str]):
         self.stops = [s for s in stops if s]
-        self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.text = ""
         self.sent = 0
         self.stopped = False
+
+    def _first_complete(self) -> int:
+        return min((i for i in (self.text.find(s) for s in self.stops) if i >= 0), default=-1)
+
+    def _first_partial(self) -> int:
+        """The earliest position from which the text up to its end begins a stop it has not completed (len: none)."""
+        n = len(self.text)
+        starts = [p for s in self.stops for p in range(max(self.sent, n - len(s) + 1), n) if s.startswith(self.text[p:])]
+        return min(starts, default=n)
+
+    def _cut(self, at: int) -> str:
+        self.stopped = True
+        out, self.sent = self.text[self.sent : at], at
+        self.text = self.text[:at]
+        return out
 
     def push(self, piece: str) -> str:
         if self.stopped:
             return ""
         self.text += piece
-        cut = min((i for i in (self.text.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            self.stopped = True
-            out, self.sent = self.text[self.sent : cut], cut
-            self.text = self.text[:cut]
-            return out
-        limit = max(self.sent, len(self.text) - self.hold) if self.stops else len(self.text)
-        out, self.sent = self.text[self.sent : limit], limit
+        cut, partial = self._first_complete(), self._first_partial()
+        if cut >= 0 and cut <= partial:
+            return self._cut(cut)
+        limit = partial if cut < 0 else min(cut, partial)
+        out, self.sent = self.text[self.sent : limit], max(self.sent, limit)
         return out
 
     def flush(self) -> str:
+        """The end of the answer: a stop that completed is the cut (the longer one that started before it never did)."""
         if self.stopped:
             return ""
+        cut = self._first_complete()
+        if cut >= 0:
+            return self._cut(cut)
         out, self.sent = self.text[self.sent :], len(self.text)
         return out
 

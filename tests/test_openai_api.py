@@ -311,12 +311,34 @@ def test_server_faults_are_5xx_and_refusals_400(message, status):
 
 def test_stop_cutter_holds_back_partial_matches():
     cut = openai_api.StopCutter(["END"])
-    assert [cut.push(p) for p in ("abc E", "N", "Dxyz")] == ["abc", " ", ""]  # " E" held, "EN" held, then the stop
+    assert [cut.push(p) for p in ("abc E", "N", "Dxyz")] == ["abc ", "", ""]  # "E" held, "EN" held, then the stop
     assert cut.stopped and cut.text == "abc " and cut.flush() == ""
     free = openai_api.StopCutter([])
     assert free.push("abc") == "abc" and free.flush() == ""
     tail = openai_api.StopCutter(["xyz"])
-    assert tail.push("hello x") == "hello" and tail.flush() == " x"
+    assert tail.push("hello x") == "hello " and tail.flush() == "x"
+    # two stops where the shorter completes first but the longer starts first: the longer one is the cut, as in the
+    # whole answer (it waits for the text that decides)
+    agent = openai_api.StopCutter(["\nObservation:", "Observation"])
+    assert [agent.push(p) for p in ("Thought: look it up\nObserv", "ation", ": 42")] == ["Thought: look it up", "", ""]
+    assert agent.stopped
+
+
+def test_a_streamed_answer_is_cut_where_the_whole_answer_is():
+    """Any answer, any stops, any split into pieces: the streamed text equals the whole text cut before the stop
+    that starts first (the non-streamed answer), seeded over 3,000 cases."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 16)))
+        stops = ["".join(rng.choice("abc") for _ in range(rng.randint(0, 4))) for _ in range(rng.randint(0, 4))]
+        bounds = sorted(rng.sample(range(len(text) + 1), k=min(len(text) + 1, rng.randint(0, 5)))) + [len(text)]
+        pieces = [text[a:b] for a, b in zip([0] + bounds, bounds)]
+        cutter = openai_api.StopCutter(stops)
+        streamed = "".join(cutter.push(p) for p in pieces) + cutter.flush()
+        found = [text.find(s) for s in stops if s and s in text]
+        assert streamed == (text[: min(found)] if found else text) and cutter.stopped == bool(found), (text, stops, pieces)
 
 
 def test_openai_endpoint_maps_paths_and_refuses_what_the_api_cannot_say():
