@@ -464,6 +464,42 @@ def test_clean_run_passes_and_writes_a_complete_report(tmp_path):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_speculative_path_that_never_drafts_or_is_the_control_does_not_pass():
+    """Draft counts returned and all zero: the speculative path ran as the target alone, so the gate fails (exit 4)
+    however equal and fast it was; a deployment whose two paths are one model is refused before any request."""
+    from dataclasses import replace as dc_replace
+
+    from specdeploy.client.deployment import Deployment
+
+    class NeverDrafts(FakeEndpoint):
+        def generate(self, model, request, timeout_s):
+            result = super().generate(model, request, timeout_s)
+            return dc_replace(result, perf=PerfMetrics(total_draft_tokens=0, total_accepted_draft_tokens=0))
+
+    options = _options(concurrency=(1,), repeats=1)
+    report = validate(NeverDrafts(latency=(0.010, 0.010)), CharCodec(), options, "fake", progress=False)
+    verdict = gate.evaluate(report, options.min_parity, 0.0)
+    assert verdict.exit_code == 4 and "proposed no draft token in 8 timed requests" in verdict.line, verdict.line
+    assert gate.evaluate(validate(FakeEndpoint(), CharCodec(), options, "fake", progress=False), options.min_parity, 0.0).exit_code == 0
+    with pytest.raises(ConfigError, match="the speculative and the control path are the same model .tensorrt_llm at 10.0.0.5:8001"):
+        Deployment("10.0.0.5:8001", "/models/t", layout="llmapi", control_url="10.0.0.5:8001")
+    with pytest.raises(ConfigError, match="same model .ensemble"):
+        Deployment("10.0.0.5:8001", "/models/t", speculative_model="ensemble", control_model="ensemble")
+    assert Deployment("10.0.0.5:8001", "/models/t", layout="llmapi", control_url="10.0.0.5:8002").names()  # its own server
+
+
+def test_a_level_above_the_timed_prompts_says_it_was_not_loaded_and_all_is_no_category(tmp_path):
+    """Concurrency 16 over 8 timed prompts has at most 8 in flight: the report says so; a prompt file whose category is
+    'all' (the report's name for every prompt) is refused, as its counts would be taken twice."""
+    report = validate(FakeEndpoint(), CharCodec(), _options(concurrency=(1, 16), repeats=1), "fake", progress=False)
+    assert any(w.startswith("concurrency 16 had at most 8 requests in flight") for w in report["warnings"]), report["warnings"]
+    assert not any(w.startswith("concurrency 1 had") for w in report["warnings"])
+    own = tmp_path / "mine.jsonl"
+    own.write_text('{"prompt": "a", "category": "all"}\n')
+    with pytest.raises(ConfigError, match="mine.jsonl:1: 'category' is 'all'"):
+        load_prompt_set(str(own), 16)
+
+
 def test_the_sweep_names_a_k_the_deployment_capped(tmp_path):
     """A sweep row is only what the server ran: where the server returns its rounds and none drafted k tokens, the row
     says how many the most did and the report warns that it measured a smaller k (a schedule capped it)."""
@@ -624,6 +660,8 @@ def test_sampling_comparison_accepts_equal_and_rejects_different_distributions()
     endpoint, report = _sampling_run({})
     tests = report["sampling"]["tests"]
     assert len(tests) == 2 and all(t["samples"] == 100 for t in tests)
+    # the sampled prompts come from different categories (round-robin), not the first category's alone
+    assert len({t["prompt_id"].rsplit("-", 1)[0] for t in tests}) == 2, [t["prompt_id"] for t in tests]
     # independent samples: no seed is used twice (the same seed on both sides would make them equal)
     seeds = [r.sampling.seed for _, r in endpoint.calls if r.sampling is not None]
     assert len(seeds) == 2 * 2 * 100 and len(set(seeds)) == len(seeds)

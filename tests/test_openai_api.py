@@ -543,3 +543,69 @@ def test_stop_says_a_front_that_died_had_exited(tmp_path):
     (tmp_path / openai_api.STATE_FILE).write_text(json.dumps({"pid": gone.pid, "start_ticks": 1, "cmdline": ["python"]}))
     assert openai_api.stop_detached(tmp_path).startswith(f"the OpenAI front (pid {gone.pid}) had already exited")
     assert not (tmp_path / openai_api.STATE_FILE).exists() and openai_api.stop_detached(tmp_path) is None
+
+
+def test_an_openai_server_that_breaks_mid_answer_is_a_client_error():
+    """validate's OpenAI client: a stream cut before `data: [DONE]` (its text is no answer), a body that is not OpenAI's
+    JSON, and a connection that drops mid-body are ClientErrors (validate then writes an incomplete report), not
+    tracebacks nor a cut answer taken for a whole one."""
+    import json
+    import socket
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from specdeploy.client.openai_adapter import OpenAIEndpoint
+    from specdeploy.errors import ClientError
+
+    mode = {"post": "cut"}
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            body = json.dumps({"data": [{"id": "m-speculative"}, {"id": "m-control"}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            if mode["post"] == "html":
+                body = b"<html>not an API</html>"
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                return
+            self.send_response(200)
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            chunk = b'data: {"choices": [{"text": "hello"}]}\n\n'
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            if mode["post"] == "cut":  # the stream ends cleanly, but before [DONE]
+                self.wfile.write(b"0\r\n\r\n")
+            else:  # the server goes away mid-body
+                self.wfile.flush()
+                self.connection.shutdown(socket.SHUT_RDWR)
+            self.close_connection = True
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        endpoint = OpenAIEndpoint(f"http://127.0.0.1:{server.server_address[1]}", recipe_name="m")
+        streamed = GenerateRequest("hi", 8, num_draft_tokens=4, stream=True)
+        with pytest.raises(ClientError, match=r"ended a stream without 'data: \[DONE\]' after 1 chunks"):
+            endpoint.generate(SPECULATIVE_MODEL, streamed, 10)
+        mode["post"] = "drop"
+        with pytest.raises(ClientError, match="went away while answering /completions|ended a stream without"):
+            endpoint.generate(SPECULATIVE_MODEL, streamed, 10)
+        mode["post"] = "html"
+        with pytest.raises(ClientError, match="did not answer as an OpenAI API does"):
+            endpoint.generate(SPECULATIVE_MODEL, GenerateRequest("hi", 8, num_draft_tokens=4), 10)
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -76,6 +76,13 @@ class Deployment:
                               "drop it, or validate an inflight_batcher_llm deployment over Triton")  # fmt: skip
         if self.control_loading == "load_unload" and self.control_url:
             raise ConfigError("--control-loading load_unload and --control-url both say where the control is", "give one of them")
+        if self.protocol == "triton" and self.control_loading != "load_unload":  # (load_unload swaps one name's model)
+            names = self.names()
+            speculative = (self.url, names[SPECULATIVE_MODEL])
+            control = (self.control_url or self.url, names[CONTROL_MODEL])
+            if speculative == control:  # parity and speedup would compare a path with itself, and pass
+                raise ConfigError(f"the speculative and the control path are the same model ({speculative[1]} at {speculative[0]})",
+                                  "point --control-model or --control-url at the target alone (for llmapi: the control's own server)")
 
     @property
     def title(self) -> str:

@@ -83,6 +83,9 @@ def evaluate(report: dict, min_parity: float, min_speedup: float, min_compared_s
 
     if min_speedup > 0:
         verdict.checks.append(_speed_check(report, min_speedup))
+    drafts = _drafts_check(report)  # also where the speedup is reported, not gated: speculation must have happened
+    if drafts is not None:
+        verdict.checks.append(drafts)
     check = report.get("metrics_check") or {}
     if check.get("checked"):
         verdict.checks.append(_metrics_check(check))
@@ -137,6 +140,17 @@ def _parity_checks(report: dict, parity: dict, s: dict, min_parity: float, min_c
             )
         )
     return checks
+
+
+def _drafts_check(report: dict) -> Check | None:
+    """Fails where the speculative path returned its draft counts and proposed none in any request: it ran as the
+    target alone, so parity and speedup say nothing of speculation. None where no counts came back (not_checked)."""
+    levels = [r for r in (report.get("latency") or {}).get("levels") or [] if r["mode"] == "speculative" and r.get("drafted") is not None]
+    if not levels or any(r["drafted"] for r in levels):
+        return None
+    requests = sum(r["requests"] for r in levels)
+    return Check("drafts", False, f"the speculative path proposed no draft token in {requests} timed requests: it ran as the target "
+                                  "alone (a policy, a gate or a schedule that turned speculation off, or the control's model)", EXIT_SPEED)
 
 
 def _speed_check(report: dict, min_speedup: float) -> Check:

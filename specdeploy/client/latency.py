@@ -127,6 +127,8 @@ def level_stats(runs: Sequence[LevelRun]) -> dict:
     out["requests_per_s"] = _mean(req_rates)
     out["output_tokens"] = sum(s.output_tokens for s in samples)
     out["acceptance_rate"], out["acceptance_length"] = acceptance(samples)
+    with_perf = [s for s in samples if s.drafted is not None]
+    out["drafted"] = sum(s.drafted for s in with_perf) if with_perf else None  # None: the path returns no draft counts
     out["ttft_source"] = next((s.ttft_source for s in samples if s.ttft_source), None)
     out["tokens_source"] = sorted({s.tokens_source for s in samples})
     out["same_text"] = sum(s.same_text is True for s in samples)

@@ -13,8 +13,11 @@ the front: pass its gRPC endpoint as `triton` (None: parity falls back to the te
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import json
 import os
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -48,6 +51,25 @@ API_KEY_ENVS = ("SPECDEPLOY_API_KEY", "OPENAI_API_KEY")
 
 def api_key() -> str | None:
     return next((os.environ[name] for name in API_KEY_ENVS if os.environ.get(name)), None)
+
+
+@contextlib.contextmanager
+def _answer_errors(base: str, path: str, timeout_s: float):
+    """Reading and parsing an answer: a connection that drops or stalls mid-body, or a body that is not OpenAI's JSON,
+    is a ClientError (validate records it as a fault and writes its report), not an exception that escapes."""
+    try:
+        yield
+    except ClientError:
+        raise
+    except (TimeoutError, socket.timeout) as exc:
+        raise ClientError(f"a request to the OpenAI API at {base} timed out after {timeout_s:.0f} s while its answer came ({exc})",
+                          "raise validation.request_timeout_s or check the server log") from None
+    except (OSError, http.client.HTTPException) as exc:
+        raise ClientError(f"the OpenAI API at {base} went away while answering {path}: {type(exc).__name__}: {exc}",
+                          "check the front's and the server's logs") from None
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
+        raise ClientError(f"{base}{path} did not answer as an OpenAI API does ({type(exc).__name__}: {exc})",
+                          "check --url / --openai-url: it must be an OpenAI-compatible base URL such as http://HOST:8000/v1") from None
 
 
 class OpenAIEndpoint:
@@ -97,7 +119,7 @@ class OpenAIEndpoint:
     # ------------------------------------------------------------ Endpoint
 
     def served_models(self, base: str) -> list[str]:
-        with self._http("GET", "/models", None, 10, base) as response:
+        with self._http("GET", "/models", None, 10, base) as response, _answer_errors(base, "/models", 10):
             return [m["id"] for m in json.loads(response.read().decode()).get("data", [])]
 
     def check_ready(self, models: Sequence[str]) -> None:
@@ -172,18 +194,21 @@ class OpenAIEndpoint:
         body = self.body(model, request)
         start = time.perf_counter()
         pieces, first_s, ext = [], None, {}
-        with self._http("POST", "/completions", body, timeout_s, self.urls[model]) as response:
+        with self._http("POST", "/completions", body, timeout_s, self.urls[model]) as response, \
+                _answer_errors(self.urls[model], "/completions", timeout_s):
             if not request.stream:
                 data = json.loads(response.read().decode())
                 pieces.append(data["choices"][0]["text"])
                 ext = data.get("specdeploy") or {}
             else:
+                ended = False
                 for raw in response:
                     line = raw.decode().strip()
                     if not line.startswith("data:"):
                         continue
                     payload = line[5:].strip()
                     if payload == "[DONE]":
+                        ended = True
                         break
                     data = json.loads(payload)
                     if "error" in data:
@@ -195,6 +220,9 @@ class OpenAIEndpoint:
                                 on_text(choice["text"])
                             first_s = first_s or time.perf_counter()
                     ext = data.get("specdeploy") or ext
+                if not ended:  # the stream stopped before its end: what came is not an answer
+                    raise ClientError(f"the OpenAI API at {self.urls[model]} ended a stream without 'data: [DONE]' after "
+                                      f"{len(pieces)} chunks", "see the front's and the server's logs")  # fmt: skip
         done = time.perf_counter()
         text = "".join(pieces)
         if on_text is not None and not request.stream:

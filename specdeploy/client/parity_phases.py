@@ -9,7 +9,7 @@ import dataclasses
 
 from specdeploy.client import parity as par
 from specdeploy.client.options import Options
-from specdeploy.client.prompts import Prompt
+from specdeploy.client.prompts import Prompt, spread_over_categories
 from specdeploy.client.protocol import CONTROL_MODEL, GenerateRequest
 from specdeploy.client.speed_phases import one_model_at_a_time
 
@@ -98,10 +98,7 @@ def run_sampling(report, endpoint, options, prompts, bar) -> None:
         "tests": [],
         "combined_p_value": None,
     }
-    by_category: dict[str, list[Prompt]] = {}
-    for p in prompts:
-        by_category.setdefault(p.category, []).append(p)
-    chosen = [p for group in by_category.values() for p in group][: options.sample_prompts]
+    chosen = spread_over_categories(prompts, options.sample_prompts)  # round-robin: not the first category's alone
     try:
         for i, prompt in enumerate(chosen):
             test = par.check_prompt_sampling(

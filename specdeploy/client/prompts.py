@@ -142,6 +142,8 @@ def _read_jsonl(path: Path, default_max_tokens: int) -> list[Prompt]:
         category = obj.get("category", DEFAULT_CATEGORY)
         if not isinstance(category, str) or not category:
             raise ConfigError(f"{where}: 'category' must be a non-empty string")
+        if category == "all":  # the report's name for every prompt together: its counts would take these twice
+            raise ConfigError(f"{where}: 'category' is 'all', the report's name for all prompts together", "name the category otherwise")
         max_tokens = obj.get("max_tokens", default_max_tokens)
         if type(max_tokens) is not int or max_tokens < 1:
             raise ConfigError(f"{where}: 'max_tokens' must be a positive integer, got {max_tokens!r}")

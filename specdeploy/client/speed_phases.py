@@ -92,6 +92,12 @@ def run_sweep(report, endpoint, codec, options, prompts, decoupled, bar) -> None
 
 
 def speed_warnings(report: dict, options: Options) -> None:
+    timed = len((report.get("settings") or {}).get("latency_prompt_ids") or [])
+    for level in sorted(c for c in options.concurrency if timed and c > timed):
+        report["warnings"].append(
+            f"concurrency {level} had at most {timed} requests in flight: only {timed} prompts are timed (a level runs each "
+            f"prompt once a repeat); raise validation.latency_prompts or --max-prompts to load it fully"
+        )
     for level in (report["latency"] or {}).get("levels", []):
         ttft, e2e = level.get("ttft_s_p50"), level.get("e2e_s_p50")
         if level.get("ttft_source") == "server" and ttft is not None and e2e and ttft > 0.9 * e2e:
