@@ -60,6 +60,8 @@ def test_every_config_parses_with_tritons_schema(setup):
     bls = _parse(path / "tensorrt_llm_bls" / "config.pbtxt")
     assert {"num_draft_tokens", "use_draft_logits", "text_input", "max_tokens"} <= {i.name for i in bls.input}
     assert {"acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens"} <= {o.name for o in bls.output}
+    # the BLS streams each response's new text: NVIDIA's BLS calls that accumulate_tokens false (true: all text so far)
+    assert bls.parameters["accumulate_tokens"].string_value == "false"
     manifest = json.loads((path / "manifest.json").read_text())
     assert manifest["stage"] == "repo" and manifest["inputs"] == {"target_engine": "test-target", "draft_engine": "test-draft"}
 

@@ -325,8 +325,6 @@ BAD_INPUTS = [
     ("tensorrt_llm_bls", dict(text_input="fox " * 100, max_tokens=8), "max_input_len"),
     ("ensemble", dict(text_input="hello", max_tokens=0), "max_tokens"),
     ("tensorrt_llm_bls", dict(text_input="hello", max_tokens=-3), "max_tokens"),
-    ("ensemble", dict(text_input="hello", max_tokens=500), "max_seq_len"),
-    ("tensorrt_llm_bls", dict(text_input="hello", max_tokens=500), "max_seq_len"),
     ("tensorrt_llm_bls", dict(text_input="hello", max_tokens=8, num_draft_tokens=9), "max_draft_len"),
     ("ensemble", dict(text_input=b"caf\xc3(", max_tokens=8), "UTF-8"),
     ("tensorrt_llm_bls", dict(text_input=b"\xff\xfe", max_tokens=8), "UTF-8"),
@@ -342,6 +340,18 @@ def test_bad_input_gets_an_error_and_the_server_keeps_serving(plain, model, valu
         infer(plain, model, **values)
     assert needle.lower() in err.value.message().lower(), err.value.message()
     assert text(infer(plain, model, text_input=PROMPTS[0], max_tokens=4))
+
+
+def test_more_tokens_than_max_seq_len_leaves_room_for_are_as_many_as_fit(plain, tokenizer):
+    """A request whose prompt plus max_tokens passes max_seq_len (128 here) gets the tokens that fit, as TensorRT-LLM
+    lowers mMaxNewTokens with a warning (LlmRequest::validate) rather than failing it; a prompt that fills it is refused."""
+    ids = tokenizer("hello there").input_ids
+    out, _ = _llm(plain, "tensorrt_llm", ids, 500, end_id=np.array([[-1]], dtype=np.int32))
+    assert len(out) == 128 - len(ids)
+    for model in ("ensemble", "tensorrt_llm_bls"):
+        assert text(infer(plain, model, text_input="hello", max_tokens=500))  # served, not refused
+    with pytest.raises(InferenceServerException, match="max_seq_len"):
+        _llm(plain, "tensorrt_llm", list(range(5, 133)), 4)
 
 
 def test_engine_level_errors(plain):

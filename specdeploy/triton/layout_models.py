@@ -179,7 +179,10 @@ def bls_spec(inp: RepoInputs) -> ModelSpec:
             "skip_special_tokens": "true",
             "tensorrt_llm_model_name": TARGET_MODEL,
             "tensorrt_llm_draft_model_name": DRAFT_MODEL,
-            "accumulate_tokens": "true",
+            # NVIDIA's BLS with accumulate_tokens true streams the text of every token so far in each response
+            # (tensorrtllm_backend c2e65b8, all_models/inflight_batcher_llm/tensorrt_llm_bls/1/model.py:57-60,
+            # lib/decode.py:416-447); this BLS streams each response's new text only, which is "false" there
+            "accumulate_tokens": "false",
             "num_draft_tokens": str(r.speculative.num_draft_tokens),
             "max_draft_len": str(inp.target_max_draft_len),
             "use_draft_logits": str(r.speculative.use_draft_logits).lower(),

@@ -171,7 +171,8 @@ class TritonPythonModel:
         text = common.decode_utf8(text_input.reshape(-1)[0], "text_input")
         prompt_ids = common.encode_prompt(self.tokenizer, text, self.add_special_tokens, self.max_input_len)
         max_tokens = common.scalar(get("sampling_param_max_tokens"), "sampling_param_max_tokens", int, DEFAULT_MAX_TOKENS)
-        common.check_output_len(len(prompt_ids), max_tokens, self.max_seq_len, "sampling_param_max_tokens")
+        # refused, not shortened: the LLM API's own handling of a request past max_seq_len is not read here
+        common.check_output_len(len(prompt_ids), max_tokens, self.max_seq_len, "sampling_param_max_tokens", clamp=False)
         streaming = common.scalar(get("streaming"), "streaming", bool, False)
         if streaming and not self.decoupled:
             raise RequestError("Streaming is only supported in decoupled mode (recipe triton.decoupled: true)")

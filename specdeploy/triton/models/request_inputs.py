@@ -127,17 +127,22 @@ def from_words_list(array: np.ndarray | None, name: str) -> list[list[int]]:
     return words
 
 
-def check_output_len(prompt_len: int, max_tokens: int, max_seq_len: int, name: str = "max_tokens") -> None:
-    """At least one token asked for, and the prompt plus the tokens asked for fit in max_seq_len."""
+def check_output_len(prompt_len: int, max_tokens: int, max_seq_len: int, name: str = "max_tokens", clamp: bool = True) -> int:
+    """The tokens to generate: at least one asked for; where the prompt plus them pass max_seq_len, as many as fit
+    (`clamp`: TensorRT-LLM's LlmRequest::validate lowers mMaxNewTokens to maxSequenceLen - promptLen with a warning
+    instead of refusing, cpp/tensorrt_llm/batch_manager/llmRequest.cpp), refused only when none fits."""
     if max_tokens is None:  # a decoupled model's request may arrive without it
         raise RequestError(f"input {name} is required")
     if max_tokens <= 0:
         raise RequestError(f"{name} is {max_tokens}; ask for at least 1 token")
     if prompt_len + max_tokens > max_seq_len:
+        if clamp and prompt_len < max_seq_len:
+            return max_seq_len - prompt_len
         raise RequestError(
             f"prompt ({prompt_len} tokens) + {name} ({max_tokens}) = {prompt_len + max_tokens} exceeds max_seq_len "
             f"({max_seq_len}); ask for at most {max(max_seq_len - prompt_len, 0)} tokens"
         )
+    return max_tokens
 
 
 def check_token_ids(ids: Sequence[int], vocab_size: int | None, name: str) -> None:

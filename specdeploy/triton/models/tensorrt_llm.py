@@ -238,7 +238,7 @@ class TritonPythonModel:
             raise RequestError("input_ids is empty; send a non-empty prompt")
         common.check_token_ids(ids, self.vocab_size, "input_ids")
         out_len = common.scalar(get("request_output_len"), "request_output_len", int)
-        common.check_output_len(len(ids), out_len, self.max_seq_len, "request_output_len (max_tokens)")
+        out_len = common.check_output_len(len(ids), out_len, self.max_seq_len, "request_output_len (max_tokens)")
         return ids, out_len
 
     def _drafts(self, get):

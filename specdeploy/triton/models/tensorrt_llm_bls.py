@@ -136,7 +136,7 @@ class TritonPythonModel:
         text = common.decode_utf8(text_input.reshape(-1)[0], "text_input")
         prompt_ids = common.encode_prompt(self.tokenizer, text, self.add_special_tokens, self.max_input_len)
         max_tokens = common.scalar(get("max_tokens"), "max_tokens", int)
-        common.check_output_len(len(prompt_ids), max_tokens, self.max_seq_len)
+        max_tokens = common.check_output_len(len(prompt_ids), max_tokens, self.max_seq_len)
         num_draft_tokens = common.scalar(get("num_draft_tokens"), "num_draft_tokens", int, self.default_num_draft_tokens)
         if num_draft_tokens < 0:
             raise RequestError(f"num_draft_tokens is {num_draft_tokens}, must be >= 0")
