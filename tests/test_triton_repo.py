@@ -274,6 +274,19 @@ def test_refused_inputs_name_the_tensor_and_accept_neutral_values():
             common.refuse_unsupported({name: value}.get, (name,))
 
 
+def test_an_empty_prompt_is_what_the_tokenizer_makes_of_it():
+    """As NVIDIA's preprocessing: "" through a tokenizer that adds BOS is the prompt [BOS] (unconditional generation);
+    through one that adds nothing it has no token, refused."""
+    from types import SimpleNamespace
+
+    def tokenizer(bos):
+        return lambda text, add_special_tokens=True: SimpleNamespace(input_ids=([1] if bos and add_special_tokens else []) + [ord(c) for c in text])
+
+    assert common.encode_prompt(tokenizer(True), "", True, 16) == [1]
+    with pytest.raises(common.RequestError, match="empty or tokenizes to no tokens"):
+        common.encode_prompt(tokenizer(False), "", True, 16)
+
+
 def test_embedding_bias_from_words(tiny_tokenizer_dir):
     from transformers import AutoTokenizer
 
@@ -287,6 +300,12 @@ def test_embedding_bias_from_words(tiny_tokenizer_dir):
     assert common.embedding_bias_from_words(tok, [], None, 512) is None
     with pytest.raises(common.RequestError, match="one weight per word"):
         common.embedding_bias_from_words(tok, ["fox"], np.array([1.0, 2.0], np.float32), 512)
+    # as NVIDIA's preprocessing: a batch item padded with "" and 0.0 (the shorter list of a batch) is its words alone,
+    # and words without weights (or weights without words) are no bias (preprocessing/1/model.py:691-712 at c2e65b8)
+    padded = common.embedding_bias_from_words(tok, np.array([b"fox", b"fox", b""], object), np.array([1.5, -0.5, 0.0], np.float32), 512)
+    assert np.array_equal(padded, expected)
+    assert common.embedding_bias_from_words(tok, ["fox"], None, 512) is None
+    assert common.embedding_bias_from_words(tok, None, np.array([1.0], np.float32), 512) is None
 
 
 def test_cancel_check_polls_the_server_at_most_every_interval_and_honours_the_deadline():

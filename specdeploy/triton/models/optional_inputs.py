@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from specdeploy.triton.models.request_inputs import RequestError, scalar
+from specdeploy.triton.models.request_inputs import RequestError, decode_utf8, scalar
 
 
 # ---------------------------------------------------------------- NVIDIA's optional inputs: honoured or refused
@@ -99,11 +99,17 @@ def refuse_unsupported(get, names) -> None:
             )
 
 
-def embedding_bias_from_words(tokenizer, words: list[str], weights, vocab_size: int) -> np.ndarray | None:
-    """NVIDIA's preprocessing rule: every token of each word gets its weight added ([vocab] fp32), or None."""
-    weights = [] if weights is None else [float(w) for w in np.asarray(weights).reshape(-1).tolist()]
-    if not words and not weights:
+def embedding_bias_from_words(tokenizer, words, weights, vocab_size: int) -> np.ndarray | None:
+    """NVIDIA's preprocessing rule (tensorrtllm_backend c2e65b8, preprocessing/1/model.py:686-715): no bias unless both
+    embedding_bias_words and embedding_bias_weights are sent; one weight per word, the lists as sent (a batch pads the
+    shorter one with "" and 0.0); every token of each word gets its weight added ([vocab] fp32); a word that encodes to
+    nothing ("") adds nothing. `words`, `weights`: one batch item's tensors, or None."""
+    if words is None or weights is None:
         return None
+    words = [decode_utf8(w, "embedding_bias_words") for w in np.asarray(words).reshape(-1)]
+    if not any(words):  # only empty words (an input's neutral value): no bias, whatever the weights' shape
+        return None
+    weights = [float(w) for w in np.asarray(weights).reshape(-1).tolist()]
     if len(words) != len(weights):
         raise RequestError(
             f"embedding_bias_words has {len(words)} words but embedding_bias_weights {len(weights)} weights; send one weight per word"

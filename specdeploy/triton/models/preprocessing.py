@@ -66,7 +66,7 @@ class TritonPythonModel:
             biases.append(
                 common.embedding_bias_from_words(
                     self.tokenizer,
-                    common.strings(None if bias_words is None else bias_words[i], "embedding_bias_words"),
+                    None if bias_words is None else bias_words[i],
                     None if bias_weights is None else bias_weights[i],
                     len(self.tokenizer),
                 )

@@ -80,12 +80,12 @@ def strings(array: np.ndarray | None, name: str) -> list[str]:
 
 
 def encode_prompt(tokenizer, text: str, add_special_tokens: bool, max_input_len: int) -> list[int]:
-    """Token ids of a prompt, checked: not empty, at most max_input_len tokens."""
-    if not text:
-        raise RequestError("text_input is empty; send a non-empty prompt")
+    """Token ids of a prompt, checked: at least one token, at most max_input_len. An empty text is tokenized as NVIDIA's
+    preprocessing does (preprocessing/1/model.py:557-562 at c2e65b8): a tokenizer that adds BOS makes it [BOS], a prompt
+    for unconditional generation; one that adds nothing leaves no token, refused."""
     ids = list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
     if not ids:
-        raise RequestError("text_input tokenizes to no tokens; send a non-empty prompt")
+        raise RequestError("text_input is empty or tokenizes to no tokens; send a non-empty prompt")
     if len(ids) > max_input_len:
         raise RequestError(f"the prompt has {len(ids)} tokens, more than max_input_len ({max_input_len}); shorten it")
     return ids

@@ -155,8 +155,8 @@ class TritonPythonModel:
             raise RequestError(f"input 'num_return_sequences' is {n_seq}; tensorrt_llm_bls returns one sequence (send 1, or use ensemble)")
         stop_words = common.encode_words(self.tokenizer, common.strings(get("stop_words"), "stop_words"))
         bad_words = common.encode_words(self.tokenizer, common.strings(get("bad_words"), "bad_words"))
-        bias_words = common.strings(get("embedding_bias_words"), "embedding_bias_words")
-        bias = common.embedding_bias_from_words(self.tokenizer, bias_words, get("embedding_bias_weights"), len(self.tokenizer))
+        bias = common.embedding_bias_from_words(self.tokenizer, get("embedding_bias_words"), get("embedding_bias_weights"),
+                                                len(self.tokenizer))
         return {
             "prompt_ids": prompt_ids,
             "max_tokens": max_tokens,
