@@ -500,6 +500,33 @@ def test_a_level_above_the_timed_prompts_says_it_was_not_loaded_and_all_is_no_ca
         load_prompt_set(str(own), 16)
 
 
+def test_a_target_trace_of_other_text_neither_fails_equal_outputs_nor_triages_a_divergence(tmp_path):
+    """The control's ids come from the target alone when the control returns none; where the target alone wrote other
+    text (batch-dependent GPU kernels), equal control and speculative outputs are a match on the control's own text,
+    and a real divergence is not weighed with logits of the other context (it stays a mismatch)."""
+    from dataclasses import replace as dc_replace
+
+    class TraceFlips(FakeEndpoint):
+        def trace(self, prompt, max_tokens, timeout_s, with_logits=True):
+            t = super().trace(prompt, max_tokens, timeout_s, with_logits)
+            ids = list(t.output_ids)
+            ids[3] = ord("!")  # the target alone writes another token early on
+            return dc_replace(t, output_ids=ids)
+
+    options = _options(concurrency=(1,), repeats=1, exact_verification=False)
+    report = validate(TraceFlips(), CharCodec(), options, "fake", progress=False)
+    items = report["parity"]["items"]
+    assert all(i["verdict"] == "match" for i in items), [(i["verdict"], i["note"]) for i in items]
+    assert all(i["token_source"] == "retokenized" and "re-tokenizing the control's text" in i["note"] for i in items)
+    # a divergence at 10 (after the trace's flip at 3): no margin from the trace, so untriaged (a failure), not a near-tie
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "alpha"}\n')
+    flipped = TraceFlips(corrupt={"<user>alpha": (10, "Z", 0.01)})
+    one = _options(prompt_set=str(prompts), max_prompts=0, concurrency=(1,), repeats=1, exact_verification=False)
+    item = next(i for i in validate(flipped, CharCodec(), one, progress=False)["parity"]["items"] if i["verdict"] != "match")
+    assert item["verdict"] == "untriaged" and item["token_margin"] is None and "other tokens before the divergence" in item["note"], item
+
+
 def test_the_sweep_names_a_k_the_deployment_capped(tmp_path):
     """A sweep row is only what the server ran: where the server returns its rounds and none drafted k tokens, the row
     says how many the most did and the report warns that it measured a smaller k (a schedule capped it)."""

@@ -266,10 +266,15 @@ def compare_greedy(
     if spec_token is not None and spec_token == control_token:
         spec_token = None  # both "ended" (a divergence inside undecodable bytes): no competing token to weigh
     top1_top2 = token_margin = None
-    if trace is not None and trace.logits is not None and index < len(trace.logits):
+    # the target's logits at `index` weigh this divergence only where the target alone wrote the control's tokens before
+    # it (a row's logits follow the tokens before it; where they differ, the row is another context's)
+    same_context = trace is not None and list(trace.output_ids[:index]) == list(control[:index])
+    if trace is not None and trace.logits is not None and index < len(trace.logits) and same_context:
         top1_top2, token_margin = margins(trace.logits[index], control_token, spec_token)
         if token_margin is None:
             notes.append("one competing token is unknown (no end_id from the server): no margin")
+    elif not policy.exact and trace is not None and trace.logits is not None and not same_context:
+        notes.append("the target alone wrote other tokens before the divergence: its logits there cannot triage it")
     elif not policy.exact:
         notes.append(
             "the target returned no generation logits at the divergence to triage with"
@@ -304,9 +309,13 @@ def _control_ids(control_text: str, codec: TokenCodec, trace: TargetTrace | None
     if control_ids is not None:
         return list(control_ids), IDS_FROM_MODEL
     if trace is not None:
-        if codec.decode(list(trace.output_ids)) != control_text:
-            notes.append("the target alone (tensorrt_llm) and the ensemble returned different text; divergence located in the target's tokens")
-        return list(trace.output_ids), IDS_FROM_TARGET
+        if codec.decode(list(trace.output_ids)) == control_text:
+            return list(trace.output_ids), IDS_FROM_TARGET
+        # the target alone answered other text than the control: its ids are not the control's, and comparing the
+        # speculative text against them would call equal outputs a mismatch; the control's own text, re-tokenized, is
+        notes.append("the target alone (tensorrt_llm) and the control returned different text: control tokens counted by "
+                     "re-tokenizing the control's text")
+        return codec.encode(control_text), IDS_RETOKENIZED
     notes.append("no token ids from the server: control tokens counted by re-tokenizing its text")
     return codec.encode(control_text), IDS_RETOKENIZED
 
