@@ -164,10 +164,13 @@ def test_validate_and_canary_drive_the_openai_front(tmp_path_factory, model_dir,
     from specdeploy.triton.server import free_port
 
     root = tmp_path_factory.mktemp("openai-validate")
-    recipe, layout, recipe_path = ops_deploy.build(root, model_dir, "ops", canary={"control_percent": 50})
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p, "category": c}) + "\n" for p, c in
                                [("The quick brown fox", "chat"), ("def add(a, b):", "code"), ("Triton serves models", "summarization")]))  # fmt: skip
+    # the canary drives the recipe's validation prompts: these short ones (the built-in summaries are longer than this
+    # tiny engine's max_input_len, so how many requests failed depended on how far the driver got before the verdict)
+    recipe, layout, recipe_path = ops_deploy.build(root, model_dir, "ops", canary={"control_percent": 50},
+                                                   validation={"prompt_set": str(prompts)})
     with ops_deploy.running(layout) as srv:
         front = openai_api.build_front(recipe, layout, srv.state.grpc_url, timeout_s=300)  # a loaded CI machine: a slow request is not a failed one
         with openai_api.ApiServer(openai_api.create_app(front), free_port()) as api:
