@@ -291,6 +291,26 @@ def test_stop_words_bad_words_and_end_id_agree(plain, tokenizer):
     assert ended == tokenizer.decode(greedy[:i], skip_special_tokens=True)
 
 
+def test_the_bls_cuts_its_answer_after_a_stop_word_written_inside_other_tokens(plain, tokenizer):
+    """NVIDIA's BLS also cuts text_output after the first stop word in the generated text (tensorrt_llm_bls/1/model.py
+    at c2e65b8), which catches a stop word the model wrote inside tokens of its own, where the engine's token match
+    cannot: the answer ends with the stop word's first occurrence."""
+    prompt = PROMPTS[0]
+    full = text(infer(plain, "tensorrt_llm_bls", text_input=prompt, max_tokens=MAX_TOKENS, exclude_input_in_output=True))
+    ids = _llm(plain, "tensorrt_llm", _ids(plain, prompt), MAX_TOKENS)[0]
+    # two characters that start inside a token of the answer (the second character of a token of two or more)
+    starts, at = [], 0
+    for t in ids:
+        piece = tokenizer.decode([t])
+        if len(piece) >= 2 and piece.isprintable():
+            starts.append(at + 1)
+        at += len(piece)
+    start = next(i for i in starts if i + 2 <= len(full) and full[i : i + 2].strip() == full[i : i + 2])
+    stop = full[start : start + 2]
+    cut = text(infer(plain, "tensorrt_llm_bls", text_input=prompt, max_tokens=MAX_TOKENS, exclude_input_in_output=True, stop_words=[stop]))
+    assert cut == full[: full.find(stop) + len(stop)] and len(cut) < len(full), (stop, cut, full)
+
+
 def test_sampling_is_reproducible_with_a_seed(plain):
     args = dict(text_input=PROMPTS[1], max_tokens=MAX_TOKENS, top_k=20, temperature=0.9, seed=1234, exclude_input_in_output=True)
     for model, extra in (("ensemble", {}), ("tensorrt_llm_bls", {"use_draft_logits": True, "return_perf_metrics": True})):

@@ -48,6 +48,7 @@ from specdeploy.triton.models.request_inputs import (  # noqa: F401
     batch_size,
     check_output_len,
     check_token_ids,
+    cut_at_stop_text,
     decode_utf8,
     encode_prompt,
     encode_words,

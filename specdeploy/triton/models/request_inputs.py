@@ -168,3 +168,12 @@ def sampling_fields(get, top_k_name: str, top_p_name: str) -> dict:
         "top_p": scalar(get(top_p_name), top_p_name, float, 0.0),
         "seed": seed,
     }
+
+
+def cut_at_stop_text(text: str, stops: Sequence[str], start: int = 0) -> str:
+    """`text` up to and with the first of `stops` (in their order) found at or after `start`; `text` when none is."""
+    for stop in stops:
+        index = text.find(stop, start) if stop else -1
+        if index != -1:
+            return text[: index + len(stop)]
+    return text

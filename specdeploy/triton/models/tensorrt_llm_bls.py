@@ -153,7 +153,8 @@ class TritonPythonModel:
         n_seq = common.scalar(get("num_return_sequences"), "num_return_sequences", int, 1)
         if n_seq != 1:
             raise RequestError(f"input 'num_return_sequences' is {n_seq}; tensorrt_llm_bls returns one sequence (send 1, or use ensemble)")
-        stop_words = common.encode_words(self.tokenizer, common.strings(get("stop_words"), "stop_words"))
+        stop_texts = common.strings(get("stop_words"), "stop_words")
+        stop_words = common.encode_words(self.tokenizer, stop_texts)
         bad_words = common.encode_words(self.tokenizer, common.strings(get("bad_words"), "bad_words"))
         bias = common.embedding_bias_from_words(self.tokenizer, get("embedding_bias_words"), get("embedding_bias_weights"),
                                                 len(self.tokenizer))
@@ -164,6 +165,7 @@ class TritonPythonModel:
             "sampling": sampling,
             "end_id": end_id if end_id is not None and end_id >= 0 else None,
             "stop_words": stop_words,
+            "stop_texts": stop_texts,
             "bad_words_list": common.to_words_list(bad_words),
             "stop_words_list": common.to_words_list(stop_words),
             "use_draft_logits": common.scalar(get("use_draft_logits"), "use_draft_logits", bool, self.default_use_draft_logits),
@@ -235,7 +237,7 @@ class TritonPythonModel:
             text = stream.flush()
         else:
             ids = output if job["exclude_input"] else job["prompt_ids"] + output
-            text = self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+            text = self._cut_at_stop_text(self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens), job)
         emit(self._response(text, job, stats, times, record, extras, len(output)), True)
         return True
 
@@ -295,8 +297,18 @@ class TritonPythonModel:
         if job["stream"]:
             emit(self._response(text, job, None, times, record, None), False)
             text = ""
+        else:
+            text = self._cut_at_stop_text(text, job)
         emit(self._response(text, job, stats, times, record, extras, len(tokens)), True)
         return True
+
+    def _cut_at_stop_text(self, text: str, job) -> str:
+        """A whole answer ends after its first stop word found in the generated text, as NVIDIA's BLS cuts text_output
+        (tensorrtllm_backend c2e65b8, tensorrt_llm_bls/1/model.py:146-167: the stop words in their order, from the
+        generation's start), also where the model wrote the word inside other tokens than its own (the engine stops
+        only where the tokens match)."""
+        start = 0 if job["exclude_input"] else len(self.tokenizer.decode(job["prompt_ids"], skip_special_tokens=self.skip_special_tokens))
+        return common.cut_at_stop_text(text, job["stop_texts"], start)
 
     def _response(self, text, job, stats, times, record, extras, n_output=0):
         # [1], flat as NVIDIA's BLS sends it (its clients read text_output[0] as bytes)
