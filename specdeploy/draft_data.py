@@ -153,7 +153,7 @@ def make_draft_data(recipe: Recipe, layout, recipe_path: str = "RECIPE", force: 
         raise ConfigError(
             f"draft data: no sample to write: {len(collector.prompts)} prompts kept ({too_long} too long for engine.max_seq_len "
             f"{max_seq_len}; dropped as validation prompts {dict(collector.dropped_validation)}, as duplicates "
-            f"{dict(collector.dropped_duplicate)}) and no draft.data.text_files",
+            f"{dict(collector.dropped_duplicate)}), and no text file chunk",
             "add prompts (draft.data.sources, num_prompts), or raise engine.max_seq_len / lower draft.data.max_new_tokens")
     elapsed = time.monotonic() - started
     _write_output(dest, recipe, records, held, fp, stats, answerer, max_seq_len, gen, elapsed)

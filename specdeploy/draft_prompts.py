@@ -62,12 +62,20 @@ class ValidationScreen:
     def __init__(self, validation: dict[str, str]):
         self.prompts = {screen_text(text): path for text, path in validation.items()}
 
-    def find(self, text: str) -> str | None:
+    def find(self, text: str, *whole: str) -> str | None:
+        """The validation file of a prompt inside `text` (or equal to it), or equal to one of `whole` (a request's
+        user turns joined, each message alone: a short validation prompt is matched whole, and a request holds it
+        whole in one of those); None."""
         folded = screen_text(text)
+        wholes = {folded, *(screen_text(w) for w in whole)}
         for prompt, path in self.prompts.items():
-            if prompt == folded or (len(prompt) >= MIN_CONTAINED_CHARS and prompt in folded):
+            if prompt in wholes or (len(prompt) >= MIN_CONTAINED_CHARS and prompt in folded):
                 return path
         return None
+
+    def find_in(self, prompt: "PromptSpec") -> str | None:
+        """`find` over a training request: all its messages, its user turns joined, each message alone."""
+        return self.find(prompt.text, " ".join(c for r, c in prompt.messages if r == "user"), *(c for _, c in prompt.messages))
 
 
 def derived_seed(*parts) -> int:
@@ -207,7 +215,7 @@ class PromptCollector:
 
     def offer(self, prompt: PromptSpec) -> bool:
         key = prompt.key
-        if self.screen.find(prompt.text) is not None:
+        if self.screen.find_in(prompt) is not None:
             self.dropped_validation[prompt.source] = self.dropped_validation.get(prompt.source, 0) + 1
             return False
         if key in self.seen:
@@ -234,7 +242,7 @@ def file_prompts(path: str, seed: int, validation: dict[str, str]) -> list[Promp
     screen = ValidationScreen(validation)
     for lineno, messages in _read_prompt_file(Path(path)):
         prompt = PromptSpec(f"file-{derived_seed(str(path))% 10**6}-{lineno}", "file", messages)
-        found = screen.find(prompt.text)
+        found = screen.find_in(prompt)
         if found is not None:
             user = next(c for r, c in reversed(messages) if r == "user")
             raise ConfigError(

@@ -99,7 +99,9 @@ def init_head_folder(recipe: Recipe, layout, aux_ids: list[int]) -> Path | None:
         raise ConfigError(f"draft.train.init_head: {folder} reads target layers {ids}, this recipe trains on {aux_ids}",
                           f"set draft.train.aux_layers: {list(ids)}, or start from a fresh head (remove init_head)")  # fmt: skip
     config = Eagle3HeadConfig.read(folder)  # a readable head config, else its own error
-    if config.draft_vocab_size != recipe.draft.train.draft_vocab_size:  # its d2t and LM head would not load (a size mismatch)
+    # its d2t and LM head would not load (a size mismatch); a draft vocabulary at least the target's is the whole of it
+    wanted = min(recipe.draft.train.draft_vocab_size, config.vocab_size)
+    if config.draft_vocab_size != wanted:
         raise ConfigError(f"draft.train.init_head: {folder} drafts over {config.draft_vocab_size} tokens, this recipe's "
                           f"draft.train.draft_vocab_size is {recipe.draft.train.draft_vocab_size}",
                           f"set draft.train.draft_vocab_size: {config.draft_vocab_size}, or start from a fresh head (remove init_head)")

@@ -45,6 +45,7 @@ class Snapshot:
     samples: Mapping[tuple[str, tuple[tuple[str, str], ...]], float]
     taken_s: float = 0.0
     counters: frozenset = frozenset()  # families the exposition declared `# TYPE name counter` (Triton's nv_* lack _total)
+    gauges: frozenset = frozenset()  # families it declared gauges: never cumulative, whatever their suffix (*_count)
 
     def sum(self, name: str, **match: str) -> float:
         """Sum of the samples named `name` whose labels include `match`."""
@@ -68,7 +69,9 @@ class Snapshot:
         return sorted((float(le), c) for le, c in counts.items())
 
     def _cumulative(self, name: str) -> bool:
-        return name in self.counters or name.endswith(("_total", "_bucket", "_sum", "_count"))
+        """A counter or a histogram's series (declared, else by its suffix); a declared gauge never is (Triton's
+        nv_inference_pending_request_count ends in _count and goes down whenever the queue does)."""
+        return name in self.counters or (name not in self.gauges and name.endswith(("_total", "_bucket", "_sum", "_count")))
 
     def minus(self, earlier: "Snapshot") -> "Snapshot":
         """The window between two scrapes: counters and histogram series subtract; gauges keep the later value. A series
@@ -80,7 +83,7 @@ class Snapshot:
                 before = earlier.samples.get(key, 0.0)
                 value = value - before if value >= before else value
             out[key] = value
-        return Snapshot(out, self.taken_s, self.counters)
+        return Snapshot(out, self.taken_s, self.counters, self.gauges)
 
     def resets(self, earlier: "Snapshot") -> list[str]:
         """The cumulative series lower now than in `earlier` (or gone): the server restarted between the two scrapes."""
@@ -108,13 +111,15 @@ def parse(text: str, taken_s: float | None = None) -> Snapshot:
     `nv_inference_request_success` into a name Triton never exports; hence this small reader.)
     """
     samples: dict = {}
-    counters = set()
+    counters, gauges = set(), set()
     for number, line in enumerate(text.splitlines(), 1):
         line = line.strip()
         if line.startswith("# TYPE "):
             parts = line.split()
             if len(parts) >= 4 and parts[3] == "counter":
                 counters.add(parts[2])
+            elif len(parts) >= 4 and parts[3] == "gauge":
+                gauges.add(parts[2])
         if not line or line.startswith("#"):
             continue
         match = _SAMPLE.match(line)
@@ -140,7 +145,7 @@ def parse(text: str, taken_s: float | None = None) -> Snapshot:
             continue
         key = (name, tuple(sorted(labels)))
         samples[key] = samples.get(key, 0.0) + value
-    return Snapshot(samples, time.time() if taken_s is None else taken_s, frozenset(counters))
+    return Snapshot(samples, time.time() if taken_s is None else taken_s, frozenset(counters), frozenset(gauges))
 
 
 def metrics_url(url: str) -> str:

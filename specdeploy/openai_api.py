@@ -114,7 +114,7 @@ def build_front(recipe, layout, grpc_url: str, timeout_s: float | None = None, a
     codec = Codec(tokenizer_dir(recipe, layout))
     return Front(endpoint, codec, routes(recipe), recipe.validation.max_tokens, recipe.speculative.num_draft_tokens,
                  timeout_s or recipe.validation.request_timeout_s, api_key=api_key, max_body_bytes=max_body_bytes,
-                 max_tokens_limit=deployment_max_tokens(recipe, max_tokens_limit))  # fmt: skip
+                 max_tokens_limit=deployment_max_tokens(recipe, max_tokens_limit), max_seq_len=recipe.engine.max_seq_len)  # fmt: skip
 
 
 def _dial_host(host: str) -> str:

@@ -78,8 +78,10 @@ class Front:
     """What the routes need: the Triton endpoint, the codec, the routes, the defaults."""
 
     def __init__(self, endpoint, codec: Codec, served: dict[str, Route], default_max_tokens: int, num_draft_tokens: int, timeout_s: float,
-                 api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES, max_tokens_limit: int | None = None):  # fmt: skip
+                 api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES, max_tokens_limit: int | None = None,
+                 max_seq_len: int | None = None):  # fmt: skip
         self.endpoint, self.codec, self.served = endpoint, codec, served
+        self.max_seq_len = max_seq_len  # the engine's: an answer that fills it was cut there ("length")
         self.default_max_tokens, self.num_draft_tokens, self.timeout_s = default_max_tokens, num_draft_tokens, timeout_s
         self.api_key = api_key or None  # an empty key (an empty env var) means none
         self.max_body_bytes, self.max_tokens_limit = max_body_bytes, max_tokens_limit
@@ -150,7 +152,12 @@ class Front:
         }
 
     def finish_reason(self, job: Job, usage: dict, cut: bool) -> str:
-        return "stop" if cut or usage["completion_tokens"] < job.max_tokens else "length"
+        """"stop" where a stop string or the end token ended it; "length" where max_tokens did, or max_seq_len (the
+        deployment gives a request whose prompt and max_tokens pass it the tokens that fit, as TensorRT-LLM does)."""
+        if cut:
+            return "stop"
+        full = self.max_seq_len is not None and usage["total_tokens"] >= self.max_seq_len
+        return "length" if full or usage["completion_tokens"] >= job.max_tokens else "stop"
 
 
 def create_app(front: Front):

@@ -44,12 +44,15 @@ def _check_before_work(recipe, layout, recipe_path: str, overrides: dict) -> Non
     """What the last stages would refuse, asked before the first: validate's options and prompt set, the EAGLE-3 head
     the repository needs, and a detached server of the recipe (the pipeline's own would write over its log, and two
     servers on one machine skew the speedup measured)."""
+    import dataclasses
+
     from specdeploy.client.prompts import load_prompt_set
     from specdeploy.client.validate import Options, check_sweep
     from specdeploy.errors import ConfigError
     from specdeploy.triton import server
 
-    options = Options.from_recipe(recipe, **overrides)
+    fields = {f.name for f in dataclasses.fields(Options)}  # the overrides also carry validate's own (report_dir)
+    options = Options.from_recipe(recipe, **{k: v for k, v in overrides.items() if k in fields})
     check_sweep(options, recipe.layout == "inflight_batcher_llm", recipe.layout)
     load_prompt_set(options.prompt_set, options.max_tokens, options.max_prompts)
     if recipe.draft.is_eagle3:

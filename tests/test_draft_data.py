@@ -251,6 +251,9 @@ def test_a_validation_prompt_is_found_inside_a_training_text_in_any_form():
     system = draft_prompts.PromptSpec("x", "file", (("system", "What is the difference between a latte and a cappuccino?"), ("user", "Go.")))
     assert screen.find(system.text) == "chat.jsonl"
     assert screen.find("Hi there, how are you?") is None  # 8 characters: whole only
+    # a short one whole in one message of a longer request (a system message beside it) is still found
+    short = draft_prompts.PromptSpec("y", "file", (("system", "Be kind."), ("user", "hi   THERE")))
+    assert screen.find_in(short) == "chat.jsonl"
     assert screen.find("What is the difference between tea and coffee?") is None
     collector = draft_prompts.PromptCollector(val)
     assert not collector.offer(system) and collector.dropped_validation == {"file": 1}

@@ -121,6 +121,10 @@ def test_monitor_counts_from_a_restart_and_waits_out_an_unreachable_server(endpo
     _traffic(fresh, "speculative", 2, 1.0, 8, drafted=4, accepted=4)
     before, after = m.parse(sink.text()), m.parse(fresh.text())
     assert after.resets(before) and not before.resets(m.parse(m.PrometheusClientSink().text()))
+    # a declared gauge that goes down (Triton's queue: nv_inference_pending_request_count) is no restart
+    queue = "# TYPE nv_inference_pending_request_count gauge\nnv_inference_pending_request_count{model=\"a\"} {n}\n"
+    assert not m.parse(queue.replace("{n}", "0")).resets(m.parse(queue.replace("{n}", "3")))
+    assert m.parse(queue.replace("{n}", "0")).minus(m.parse(queue.replace("{n}", "3"))).sum("nv_inference_pending_request_count") == 0
     window = after.minus(before)
     assert window.sum(m.REQUESTS.name, arm="speculative") == 2  # Prometheus's increase(): the restarted count
     _Handler.texts = [sink.text(), fresh.text()]

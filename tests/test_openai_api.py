@@ -535,6 +535,19 @@ def test_the_deployment_stops_at_the_stop_words_the_front_sends(streaming_api, m
         assert stopped == tokenizer.decode(ids[: j + 1]) and len(stopped) < len(full), (model, word, stopped, full)
 
 
+def test_an_answer_that_filled_max_seq_len_says_length():
+    """The deployment gives a request whose prompt and max_tokens pass max_seq_len the tokens that fit: such an answer
+    was cut by the engine's length, so finish_reason is "length", not "stop" (which a client reads as complete)."""
+    from specdeploy.openai_requests import Job, Route
+
+    front = openai_api.Front(None, None, {}, 16, 3, 5.0, max_seq_len=100)
+    job = Job(Route("r", "speculative", SPECULATIVE_MODEL, True), "p", 90, None, (), False, False)
+    assert front.finish_reason(job, {"prompt_tokens": 40, "completion_tokens": 60, "total_tokens": 100}, False) == "length"
+    assert front.finish_reason(job, {"prompt_tokens": 40, "completion_tokens": 20, "total_tokens": 60}, False) == "stop"
+    assert front.finish_reason(job, {"prompt_tokens": 4, "completion_tokens": 90, "total_tokens": 94}, False) == "length"
+    assert front.finish_reason(job, {"prompt_tokens": 40, "completion_tokens": 60, "total_tokens": 100}, True) == "stop"
+
+
 def test_stop_says_a_front_that_died_had_exited(tmp_path):
     """`specdeploy stop` on a recorded front whose process is gone says so (it printed "stopped" for a dead one)."""
     import json

@@ -306,7 +306,7 @@ def test_specdeploy_run_refuses_what_its_last_stages_would_before_quantizing(tmp
         assert not any(line.startswith("== quantize") for line in lines) and not layout.checkpoint("target").exists()
         return err.value, layout
 
-    assert "k=5, outside 1..3" in attempt(sweep_draft_tokens=(1, 5))[0].message
+    assert "k=5, outside 1..3" in attempt(sweep_draft_tokens=(1, 5), report_dir=str(tmp_path / "report"))[0].message  # validate's own key too
     assert "nowhere.jsonl not found" in attempt(validation={"prompt_set": str(tmp_path / "nowhere.jsonl")})[0].message
     assert "no EAGLE-3 head at" in attempt(draft={"kind": "eagle3", "head": str(tmp_path / "no-head")})[0].message
     layout = Layout.of(parse_recipe({"name": "pf", "target": {"model": "m"}, "draft": {"kind": "ngram"}}), tmp_path / "root")

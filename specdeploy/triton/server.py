@@ -317,8 +317,8 @@ def terminate_as_interrupt():
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    finally:  # None: a handler set outside Python, which cannot be put back; the default then
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 def serve_in_foreground(process, log_path, stop, echo, result):
