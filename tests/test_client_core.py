@@ -295,6 +295,7 @@ def _prompt(text="hello", n=20):
 
 GPU = par.GreedyPolicy(exact=False, near_tie_margin=0.05, min_compared_tokens=16)
 CPU = par.GreedyPolicy(exact=True, near_tie_margin=0.05, min_compared_tokens=16)
+GPU_ANY = par.GreedyPolicy(exact=False, near_tie_margin=0.05, min_compared_tokens=1)  # a tie anywhere is weighed
 
 
 def _trace(control: str, n_rows=None, end=False):
@@ -321,9 +322,11 @@ def test_near_tie_triage_on_a_gpu_backend_and_strict_failure_on_cpu():
     spec = control[:3] + "Z" + control[4:]
     trace = _trace(control)
     trace.logits[3, ord("Z")] = 4.99  # the two competing tokens 0.01 apart: a near-tie
-    item = par.compare_greedy(_prompt(), control, spec, codec, trace, GPU)
+    item = par.compare_greedy(_prompt(), control, spec, codec, trace, GPU_ANY)
     assert (item.verdict, item.divergence_index, item.matched_tokens, item.control_tokens) == ("near_tie", 3, 3, 20)
     assert item.token_margin == pytest.approx(0.01, abs=1e-5) and item.passes
+    # the same tie with min_compared_tokens 16: 3 tokens compared are too few to count as evidence
+    assert par.compare_greedy(_prompt(), control, spec, codec, trace, GPU).verdict == "too_short"
     strict = par.compare_greedy(_prompt(), control, spec, codec, trace, CPU)
     assert strict.verdict == "mismatch" and not strict.passes  # the same flip on the exact backend fails
     assert strict.token_margin == pytest.approx(0.01, abs=1e-5)  # still reported
@@ -349,7 +352,7 @@ def test_margin_where_the_speculative_output_ended_is_against_end_id():
     assert item.token_margin == pytest.approx(3.0)
     assert item.verdict == "mismatch"  # the old top-1/top-2 rule called this a near-tie
     trace.logits[9, END_ID] = 4.98
-    assert par.compare_greedy(_prompt(), control, spec, codec, trace, GPU).verdict == "near_tie"
+    assert par.compare_greedy(_prompt(), control, spec, codec, trace, GPU_ANY).verdict == "near_tie"
 
 
 def test_margin_where_the_control_ended_is_end_id_against_the_speculative_token():
@@ -597,11 +600,18 @@ def test_corrupted_token_fails_the_gate_with_its_index(tmp_path):
 def test_near_tie_passes_on_gpu_and_fails_on_cpu(tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "alpha"}\n')
-    endpoint = FakeEndpoint(corrupt={"<user>alpha": (2, "Z", 0.01)})
+    endpoint = FakeEndpoint(corrupt={"<user>alpha": (17, "Z", 0.01)})  # after min_compared_tokens (16) equal tokens
     common = dict(prompt_set=str(prompts), max_prompts=0, concurrency=(1,), repeats=1)
     gpu = validate(endpoint, CharCodec(), _options(exact_verification=False, **common), progress=False)
     assert gpu["parity"]["summary"]["all"]["near_ties"] == 1
     assert gate.evaluate(gpu, 1.0, 0.0).exit_code == 0
+    # a tie that parts the outputs before min_compared_tokens is too short to count as evidence, not a passing prompt
+    early = validate(FakeEndpoint(corrupt={"<user>alpha": (2, "Z", 0.01)}), CharCodec(), _options(exact_verification=False, **common),
+                     progress=False)  # fmt: skip
+    summary = early["parity"]["summary"]["all"]
+    assert (summary["near_ties"], summary["too_short"], summary["compared"]) == (0, 1, 0)
+    assert "a near-tie after 2 tokens < 16" in early["parity"]["items"][0]["note"]
+    assert gate.evaluate(early, 1.0, 0.0).exit_code == gate.EXIT_PARITY
     cpu = validate(endpoint, CharCodec(), _options(exact_verification=True, **common), progress=False)
     assert cpu["parity"]["summary"]["all"]["mismatches"] == 1
     verdict = gate.evaluate(cpu, 1.0, 0.0)

@@ -282,10 +282,16 @@ def compare_greedy(
         )
     if policy.exact:
         notes.append("the backend verifies bit-exactly: any divergence is a failure")
+    verdict = classify(token_margin, policy)
+    if verdict == NEAR_TIE and index < policy.min_compared_tokens:
+        # a tie that parted the outputs before min_compared_tokens leaves fewer tokens compared than a prompt needs to
+        # count as evidence: too short, as a short answer is (it counted as a passing prompt however early it parted)
+        verdict = TOO_SHORT
+        notes.append(f"too short to compare: a near-tie after {index} tokens < {policy.min_compared_tokens}")
     return PromptParity(
         prompt.id,
         prompt.category,
-        classify(token_margin, policy),
+        verdict,
         control_text,
         speculative_text,
         control_tokens=len(control),
