@@ -97,8 +97,8 @@ def watch(url: str, config: CanaryConfig, window_s: float, model: str | None = N
     while (left := window_s - (time.monotonic() - start)) > 0:
         sleep(min(tick_s, left))
         scraped = m.scrape(url)
-        if scraped.resets(latest):
-            return _restarted(scraped.resets(latest), time.monotonic() - start)
+        if reset := scraped.resets(latest):
+            return _restarted(reset, time.monotonic() - start)
         latest = scraped
         now = scraped.minus(before)
         elapsed = time.monotonic() - start
@@ -107,8 +107,8 @@ def watch(url: str, config: CanaryConfig, window_s: float, model: str | None = N
         if until_enough and min(spec_n, control_n) >= config.min_requests:
             break
     after = m.scrape(url)
-    if after.resets(latest):
-        return _restarted(after.resets(latest), time.monotonic() - start)
+    if reset := after.resets(latest):
+        return _restarted(reset, time.monotonic() - start)
     return decide(after.minus(before), config, time.monotonic() - start, model)
 
 

@@ -8,8 +8,9 @@ plan with its pre-flight checks), and that server is always stopped, also on fai
 from __future__ import annotations
 
 
-def run(recipe, layout, recipe_path: str, echo=print, progress=True, server_binary: str | None = None, **overrides):
-    """Every stage in order; returns validate_recipe's (report, paths, verdict). `overrides` go to validate."""
+def run(recipe, layout, recipe_path: str, echo=print, progress=True, server_binary: str | None = None, report_dir=None, **overrides):
+    """Every stage in order; returns validate_recipe's (report, paths, verdict). `overrides` replace validate's Options
+    fields."""
     from specdeploy import backend_stages
     from specdeploy.recipe_deployment import validate_recipe
     from specdeploy.quantize import quantize_recipe
@@ -33,7 +34,7 @@ def run(recipe, layout, recipe_path: str, echo=print, progress=True, server_bina
         echo(f"ready: {running.description}")
         echo("== validate")
         return validate_recipe(recipe, layout, url=running.grpc_url, progress=progress, metrics_url=running.metrics_url,
-                               **overrides)  # fmt: skip
+                               report_dir=report_dir, **overrides)  # fmt: skip
     finally:
         echo("== stop")
         running.stop()
@@ -44,16 +45,12 @@ def _check_before_work(recipe, layout, recipe_path: str, overrides: dict) -> Non
     """What the last stages would refuse, asked before the first: validate's options and prompt set, the EAGLE-3 head
     the repository needs, and a detached server of the recipe (the pipeline's own would write over its log, and two
     servers on one machine skew the speedup measured)."""
-    import dataclasses
-
     from specdeploy.client.prompts import load_prompt_set
-    from specdeploy.client.validate import Options, check_sweep
     from specdeploy.errors import ConfigError
+    from specdeploy.recipe_deployment import recipe_options
     from specdeploy.triton import server
 
-    fields = {f.name for f in dataclasses.fields(Options)}  # the overrides also carry validate's own (report_dir)
-    options = Options.from_recipe(recipe, **{k: v for k, v in overrides.items() if k in fields})
-    check_sweep(options, recipe.layout == "inflight_batcher_llm", recipe.layout)
+    options = recipe_options(recipe, **overrides)
     load_prompt_set(options.prompt_set, options.max_tokens, options.max_prompts)
     if recipe.draft.is_eagle3:
         from specdeploy.triton.repo_inputs import eagle3_head

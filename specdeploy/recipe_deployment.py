@@ -102,6 +102,16 @@ def deployment_of(recipe, layout, url: str | None = None, protocol: str = "trito
     return Deployment(url or server_url(layout), layout=recipe.layout, control_loading=control_loading, **common)
 
 
+def recipe_options(recipe, protocol: str = "triton", **overrides):
+    """validate's Options for `recipe` (`overrides` replace Options fields), its draft-length sweep checked against the
+    layout `protocol` reaches (`specdeploy run` asks this before its first stage)."""
+    from specdeploy.client.validate import Options, check_sweep
+
+    options = Options.from_recipe(recipe, **overrides)
+    check_sweep(options, recipe.layout == "inflight_batcher_llm" and protocol == "triton", recipe.layout if protocol == "triton" else "OpenAI")
+    return options
+
+
 def validate_recipe(recipe, layout, url: str | None = None, baseline_url: str | None = None, report_dir: str | Path | None = None,
                     progress=True, protocol: str = "triton", openai_url: str | None = None, metrics_url: str | None = None,
                     **overrides):  # fmt: skip
@@ -110,9 +120,8 @@ def validate_recipe(recipe, layout, url: str | None = None, baseline_url: str | 
     Server faults do not raise: the verdict then fails with exit code 1 and the report is marked
     incomplete. `overrides` replace Options fields (min_parity, min_speedup, max_prompts, ...).
     """
-    from specdeploy.client.validate import Options, check_sweep, validate_deployment
+    from specdeploy.client.validate import validate_deployment
 
-    options = Options.from_recipe(recipe, **overrides)
-    check_sweep(options, recipe.layout == "inflight_batcher_llm" and protocol == "triton", recipe.layout if protocol == "triton" else "OpenAI")
+    options = recipe_options(recipe, protocol, **overrides)
     deployment = deployment_of(recipe, layout, url, protocol, openai_url, metrics_url)
     return validate_deployment(deployment, options, report_dir or layout.report, progress, baseline_url)

@@ -303,10 +303,10 @@ def serve(
 
 
 @contextlib.contextmanager
-def terminate_as_interrupt():
-    """SIGTERM raises KeyboardInterrupt inside the block (in the main thread), so the cleanup that Ctrl-C gets runs for it
-    too: a detached server is recorded only once it is ready, and one left by a start that SIGTERM ended (`timeout`, a
-    CI job's limit) ran on unrecorded, out of reach of `status` and `stop`."""
+def terminate_as_interrupt(signals=(signal.SIGTERM,)):
+    """`signals` raise KeyboardInterrupt inside the block (in the main thread), so the cleanup that Ctrl-C gets runs for
+    SIGTERM too: a detached server is recorded only once it is ready, and one left by a start that SIGTERM ended
+    (`timeout`, a CI job's limit) ran on unrecorded, out of reach of `status` and `stop`."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -314,24 +314,21 @@ def terminate_as_interrupt():
     def _terminate(signum, frame):
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, _terminate)
+    previous = {sig: signal.signal(sig, _terminate) for sig in signals}
     try:
         yield
     finally:  # None: a handler set outside Python, which cannot be put back; the default then
-        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 def serve_in_foreground(process, log_path, stop, echo, result):
     """Wait on a started tritonserver until Ctrl-C or SIGTERM (also when SIGINT was ignored at start-up), then
     `stop()` it and return `result`; ServerError with the relevant log lines when it exits by itself."""
-
-    def _terminate(signum, frame):
-        raise KeyboardInterrupt
-
-    previous = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        echo("serving; press Ctrl-C to stop")
-        code = process.wait()
+        with terminate_as_interrupt((signal.SIGINT, signal.SIGTERM)):
+            echo("serving; press Ctrl-C to stop")
+            code = process.wait()
         raise ServerError(f"tritonserver exited with code {code}\n{relevant_log(log_path)}", f"full log: {log_path}")
     except KeyboardInterrupt:
         echo("stopping tritonserver ...")
@@ -339,8 +336,6 @@ def serve_in_foreground(process, log_path, stop, echo, result):
         echo("stopped")
         return result
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
         if process.poll() is None:
             stop()
 
