@@ -488,11 +488,19 @@ def test_served_engine_model_runs_concurrent_requests_together(batching_server):
 
     url, client = batching_server
     prompts = [_prompt(70 + i, 5 + 7 * i) for i in range(4)]
-    values = [{"input_ids": p, "input_lengths": len(p), "request_output_len": 24, "return_perf_metrics": True} for p in prompts]
+    values = [{"input_ids": p, "input_lengths": len(p), "request_output_len": 96, "return_perf_metrics": True} for p in prompts]
     solo = [client.infer("tensorrt_llm", _grpc_inputs(v), client_timeout=240).as_numpy("output_ids").reshape(-1).tolist() for v in values]
-    results = _in_parallel(url, [("tensorrt_llm", v) for v in values])
-    assert [r.as_numpy("output_ids").reshape(-1).tolist() for r in results] == solo
-    spans = [(int(np.asarray(r.as_numpy("first_token_time_ns")).reshape(-1)[0]),
-              int(np.asarray(r.as_numpy("last_token_time_ns")).reshape(-1)[0])) for r in results]
-    overlapping = sum(1 for i, a in enumerate(spans) for b in spans[i + 1 :] if a[0] < b[1] and b[0] < a[1])
-    assert overlapping >= 1, spans
+    # Requests served one after another never overlap on the server's clock, whatever the client does; requests that
+    # do run together overlap once they arrive together, which a loaded machine's thread start-up can delay past a
+    # short answer (a CI run beside `make demo` saw four disjoint spans of ~1.6 ms): up to 5 tries for that arrival.
+    attempts = []
+    for _ in range(5):
+        results = _in_parallel(url, [("tensorrt_llm", v) for v in values])
+        assert [r.as_numpy("output_ids").reshape(-1).tolist() for r in results] == solo  # each request's own tokens
+        spans = [(int(np.asarray(r.as_numpy("first_token_time_ns")).reshape(-1)[0]),
+                  int(np.asarray(r.as_numpy("last_token_time_ns")).reshape(-1)[0])) for r in results]
+        attempts.append(spans)
+        if any(a[0] < b[1] and b[0] < a[1] for i, a in enumerate(spans) for b in spans[i + 1 :]):
+            break
+    else:
+        raise AssertionError(f"no two of 4 concurrent requests ever ran together in 5 tries: {attempts}")
