@@ -607,3 +607,81 @@ def test_concurrent_fused_requests_in_a_bf16_server_draft_as_alone_and_answer_as
         for client in clients:
             client.close()
         srv.stop()
+
+
+def test_a_decoupled_deployment_streams_the_fused_path_round_by_round(built, tmp_path):
+    """triton.decoupled: a streamed BLS request of the fused path (stream=true, k = 3) arrives as one text response per
+    round the head and target wrote, not as the whole answer at the end; the pieces join into the text of the same
+    request unstreamed, which is the control's, and the final response carries the drafted counts and the round
+    history. A streamed request of tensorrt_llm with num_draft_tokens streams its rounds as well."""
+    from specdeploy import backend_stages
+    from specdeploy.client.protocol import GenerateRequest
+    from specdeploy.client.triton_adapter import TritonEndpoint
+    from specdeploy.triton import server
+    from transformers import AutoTokenizer
+
+    import tritonclient.grpc as grpc
+
+    _, _, _, head = built
+    recipe, layout, recipe_path = _deployment(tmp_path / "decoupled", Path(built[0].target.model), head, triton={"decoupled": True},
+                                              speculative={"draft_p_min": 0.0})  # fmt: skip
+    repo, _ = backend_stages.of(recipe).write_repository(recipe, layout, recipe_path=str(recipe_path))
+    tok = AutoTokenizer.from_pretrained(str(Path(repo) / "preprocessing" / "tokenizer"))
+    srv = server.start(repo, server.Ports.pick(), Path(layout.server_state) / "tritonserver.log", exit_timeout_s=3)
+    endpoint = TritonEndpoint(srv.state.grpc_url)
+    try:
+        server.wait_ready(srv, SERVER_READY_TIMEOUT_S)
+        streamed_rounds = 0
+        for chat in CHATS:
+            prompt = chat_text(chat)
+            control = endpoint.generate("ensemble", GenerateRequest(prompt, MAX_TOKENS), 300).text
+            whole = endpoint.generate("tensorrt_llm_bls", GenerateRequest(prompt, MAX_TOKENS, num_draft_tokens=3), 300)
+            pieces = []
+            streamed = endpoint.generate("tensorrt_llm_bls", GenerateRequest(prompt, MAX_TOKENS, num_draft_tokens=3, stream=True), 300,
+                                         on_text=pieces.append)  # fmt: skip
+            assert whole.text == control and streamed.text == control and "".join(pieces) == control, prompt
+            texts = [p for p in pieces if p]
+            history = streamed.k_history
+            assert streamed.perf.total_draft_tokens and sum(history) == streamed.perf.total_draft_tokens, (prompt, history)
+            # a text response per pass that completed text: more than one whenever the answer took more than one pass
+            assert len(history) >= 2 and len(texts) >= 2, (prompt, pieces, history)
+            assert len(texts) <= len(history), (prompt, pieces, history)
+            streamed_rounds += len(texts)
+        assert streamed_rounds > len(CHATS)
+        # tensorrt_llm itself, streaming with the head: each response holds a round's tokens, together the control's
+        client = grpc.InferenceServerClient(srv.state.grpc_url)
+        try:
+            ids = tok(chat_text(CHATS[0])).input_ids
+            values = {"input_ids": np.array([ids], dtype=np.int32), "input_lengths": np.array([[len(ids)]], dtype=np.int32),
+                      "request_output_len": np.array([[MAX_TOKENS]], dtype=np.int32), "exclude_input_in_output": np.array([[True]]),
+                      "streaming": np.array([[True]])}  # fmt: skip
+
+            def run(extra):
+                import queue
+
+                got: queue.Queue = queue.Queue()
+                client.start_stream(callback=lambda result, error: got.put((result, error)), stream_timeout=300)
+                try:
+                    client.async_stream_infer("tensorrt_llm", _inputs({**values, **extra}), enable_empty_final_response=True)
+                    chunks = []
+                    while True:
+                        result, error = got.get(timeout=300)
+                        assert error is None, error
+                        response = result.get_response()
+                        if response.outputs:
+                            n = int(result.as_numpy("sequence_length").reshape(-1)[0])
+                            chunks.append(result.as_numpy("output_ids").reshape(-1)[:n].tolist())
+                        if response.parameters.get("triton_final_response").bool_param:
+                            return [c for c in chunks if c]
+                finally:
+                    client.stop_stream()
+
+            plain = run({})
+            fused = run({"num_draft_tokens": np.array([[3]], dtype=np.int32)})
+            assert sum(plain, []) == sum(fused, []) and len(sum(plain, [])) > 0
+            assert 2 <= len(fused) and any(len(c) > 1 for c in fused), fused  # rounds, some of more than one token
+        finally:
+            client.close()
+    finally:
+        endpoint.close()
+        srv.stop()

@@ -42,13 +42,16 @@ class LlmCall:
         # NVIDIA's c2e65b8 name -> the release's name, or None where the release has no such tensor
         self.names = names or {}
 
-    def __call__(self, sequence, output_len, sampling, extra, return_logits, more_outputs=(), stop_check=None, slice_s=None):
+    def __call__(self, sequence, output_len, sampling, extra, return_logits, more_outputs=(), stop_check=None, slice_s=None,
+                 on_tokens=None):
+        """`on_tokens(ids)`: called with each response's new token ids as it arrives (decoupled calls only; a call that
+        sends `streaming` gets one response per run of tokens, so the caller can pass them on before the call ends)."""
         if self.decoupled:
             self.held.release(stop_check)
             # Not sliced: a decoupled BLS call abandoned at its timeout while the model still sends responses
             # corrupted the stub's heap (tritonserver 2.51: "malloc_consolidate(): unaligned fastbin chunk
             # detected", then "Stub process is not healthy"), so there the BLS checks between rounds only.
-            return self._call(sequence, output_len, sampling, extra, return_logits, more_outputs, 0)
+            return self._call(sequence, output_len, sampling, extra, return_logits, more_outputs, 0, on_tokens)
         if not self.slice_s or stop_check is None:
             return self._call(sequence, output_len, sampling, extra, return_logits, more_outputs, 0)
         attempt = lambda s: self._call(sequence, output_len, sampling, extra, return_logits, more_outputs, int(s * 1e6))  # noqa: E731
@@ -57,7 +60,7 @@ class LlmCall:
         except common.ParentStopped as exc:
             raise BlsModelError(f"{self.model_name}: {exc}") from None
 
-    def _call(self, sequence, output_len, sampling, extra, return_logits, more_outputs, timeout_us):
+    def _call(self, sequence, output_len, sampling, extra, return_logits, more_outputs, timeout_us, on_tokens=None):
         tensors = {
             "input_ids": np.array([sequence], dtype=np.int32),
             "input_lengths": np.array([[len(sequence)]], dtype=np.int32),
@@ -92,7 +95,10 @@ class LlmCall:
             if out is None:  # the empty final response of a decoupled model
                 continue
             n = int(pb_utils.get_output_tensor_by_name(response, "sequence_length").as_numpy().reshape(-1)[0])
-            tokens.extend(int(t) for t in out.as_numpy().reshape(-1)[:n])
+            new = [int(t) for t in out.as_numpy().reshape(-1)[:n]]
+            tokens.extend(new)
+            if on_tokens is not None and new:
+                on_tokens(new)
             if return_logits:
                 rows = pb_utils.get_output_tensor_by_name(response, "generation_logits").as_numpy()
                 logits.append(torch.from_numpy(rows.reshape(-1, rows.shape[-1]).copy()))  # [n, vocab]

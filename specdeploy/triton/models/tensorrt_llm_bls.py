@@ -90,6 +90,10 @@ class TritonPythonModel:
         self.ngram = ngram.from_parameters(params) if params.get("draft_kind") == "ngram" else None
         self.ngram_pool = ngram.NGramPool(self.ngram) if self.ngram is not None and self.ngram.is_public_pool else None
         self.eagle3 = params.get("draft_kind") == "eagle3"
+        # A streamed fused request asks tensorrt_llm to stream too (one response per round) and sends each round's
+        # text as it comes. tensorrt_llm refuses `streaming` for a tokenizer whose chunks do not decode alone (its
+        # stream_problem, the same tokenizer as ours); with such a tokenizer the text goes when the call returns.
+        self.fused_streams = self.decoupled and common.chunk_decoding_problem(self.tokenizer) is None
         # Speculation policy (specdeploy.policy): the instances of this repository share the active count, and those
         # of this server (its tritonserver is our parent) the measured costs, acceptance and gate
         pol.remove_abandoned(tempfile.gettempdir())
@@ -245,7 +249,11 @@ class TritonPythonModel:
         """draft.kind eagle3: one tensorrt_llm call that drafts with the head inside, k = the request's num_draft_tokens
         (the canary's control arm, and requests that want logits: 0), capped by the static policy (schedule, gate).
         The metrics get one round per target pass: the prefill (no draft: the head has no features yet), then each
-        verification pass with its drafted / accepted counts. `stream`: the text is sent when the call returns."""
+        verification pass with its drafted / accepted counts. `stream`: the call asks tensorrt_llm for `streaming` (a
+        response per round, as TensorRT-LLM's one-model speculative modes stream from the tensorrt_llm model:
+        tensorrtllm_backend c2e65b8 docs/model_config.md:314) and each round's new text is sent as it comes, holding
+        back an incomplete UTF-8 character; the counts go in the final response (see fused_streams for the exception).
+        NVIDIA's own BLS refuses `stream` with drafts (its two-model loop, tensorrt_llm_bls/1/lib/decode.py:116-119)."""
         ops = job["ops"]
         times = {"arrival": arrival_ns, "scheduled": time.time_ns(), "first": None}
         wants_logits = job["return_context_logits"] or job["return_generation_logits"]
@@ -263,10 +271,22 @@ class TritonPythonModel:
         wanted = ["output_log_probs", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks", "first_token_time_ns",
                   "draft_tokens_per_round", "accepted_draft_tokens_per_round", "lookup_draft_rounds", "draft_seconds_per_round",
                   "forward_seconds_per_pass"] + (["context_logits"] if job["return_context_logits"] else [])
+        stream, on_tokens = None, None
+        if job["stream"]:
+            stream = common.TextStream(self.tokenizer, self.skip_special_tokens)
+            if self.fused_streams:
+                extra["streaming"] = np.array([[True]])
+
+                def on_tokens(ids):
+                    delta = stream.push(ids)
+                    if delta:
+                        emit(self._response(delta, job, None, times, None, None), False)
+
         started = time.perf_counter()
         tokens, logits, outputs = self.target(
             job["prompt_ids"], job["max_tokens"], job["sampling"], extra, job["return_generation_logits"], wanted,
             stop_check=job["stop_check"], slice_s=common.run_slice_s(job["max_tokens"], RUN_TOKEN_GUESS_S, self.active()),
+            on_tokens=on_tokens,
         )
         call_s = time.perf_counter() - started
         if job["stop_check"].reason is not None:
@@ -292,13 +312,13 @@ class TritonPythonModel:
                                k_per_round=rounds.k, accepted_per_round=rounds.accepted, target_iterations=len(rounds.k),
                                draft_s_per_round=rounds.draft_s, target_s_per_round=rounds.target_s, policy="eagle3-fused")
         extras = {"log_probs": log_probs or [], "logits": [logits[: len(tokens)]] if logits is not None else []}
-        ids = tokens if job["exclude_input"] or job["stream"] else job["prompt_ids"] + tokens
-        text = self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
-        if job["stream"]:
-            emit(self._response(text, job, None, times, record, None), False)
-            text = ""
+        if stream is not None:
+            if on_tokens is None:  # not streamed by tensorrt_llm: the whole text now
+                stream.push(tokens)
+            text = stream.flush()
         else:
-            text = self._cut_at_stop_text(text, job)
+            ids = tokens if job["exclude_input"] else job["prompt_ids"] + tokens
+            text = self._cut_at_stop_text(self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens), job)
         emit(self._response(text, job, stats, times, record, extras, len(tokens)), True)
         return True
 
