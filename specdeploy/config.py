@@ -322,7 +322,7 @@ class ValidationConfig:
     max_prompts: int = 0  # 0: all prompts of the set
     max_tokens: int = 64
     concurrency: tuple[int, ...] = (1, 2, 4)
-    repeats: int = 3
+    repeats: int = 4  # even: each side runs first in half of them (ABBA, client.latency.paired_order)
     min_parity: float = 1.0
     min_speedup: float = 1.0
     near_tie_margin: float = 0.05  # GPU backends only: the cpu backend is exact (backends.Backend.exact_verification)

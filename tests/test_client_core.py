@@ -653,6 +653,11 @@ def test_latency_sides_take_turns_running_first():
     assert order == [(rep, level, mode) for rep, pair in enumerate([(control, spec), (spec, control), (control, spec)])
                      for level in (1, 2) for mode in pair]  # fmt: skip
     assert len(report["latency"]["speedups"]) and all(row["per_repeat"] for row in report["latency"]["speedups"])
+    # three repeats put the control first twice: the report says so; the default (even) balances the order
+    assert any("3 repeats (odd): the control ran first in 2 and the speculative path in 1" in w for w in report["warnings"])
+    balanced = validate(FakeEndpoint(), CharCodec(), _options(concurrency=(1,), repeats=Options().repeats), progress=False)
+    firsts = [r["mode"] for r in balanced["latency"]["runs"]][::2]
+    assert firsts.count(control) == firsts.count(spec) > 0 and not any("(odd)" in w for w in balanced["warnings"])
 
 
 def test_slow_speculation_fails_speed_gate_and_warns():

@@ -93,6 +93,13 @@ def run_sweep(report, endpoint, codec, options, prompts, decoupled, bar) -> None
 
 def speed_warnings(report: dict, options: Options) -> None:
     timed = len((report.get("settings") or {}).get("latency_prompt_ids") or [])
+    if report.get("latency") and options.repeats > 1 and options.repeats % 2:
+        first = {mode: sum(lat.paired_order(r)[0] == mode for r in range(options.repeats)) for mode in (lat.CONTROL, lat.SPECULATIVE)}
+        report["warnings"].append(
+            f"{options.repeats} repeats (odd): the control ran first in {first[lat.CONTROL]} and the speculative path in "
+            f"{first[lat.SPECULATIVE]}, so the median speedup leans on one order; an even --repeats (validation.repeats) "
+            "gives each side the first run equally often"
+        )
     for level in sorted(c for c in options.concurrency if timed and c > timed):
         report["warnings"].append(
             f"concurrency {level} had at most {timed} requests in flight: only {timed} prompts are timed (a level runs each "
