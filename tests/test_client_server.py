@@ -288,6 +288,30 @@ def test_decoupled_deployment_streams_for_client_side_ttft(decoupled_deployment,
     assert verdict.exit_code == 0, verdict.line
 
 
+def test_a_decoupled_bls_streams_plain_runs_as_they_are_made(decoupled_deployment):
+    """stream=true through the BLS: a request without drafts (num_draft_tokens 0: the whole answer is one plain run of
+    tensorrt_llm) arrives in many text responses, not in one at the end, and joins into the control's text; with drafts
+    the rounds stream and join alike."""
+    from specdeploy.client.protocol import GenerateRequest
+
+    _, _, server = decoupled_deployment
+    endpoint = TritonEndpoint(server.state.grpc_url)
+    try:
+        for prompt, _ in CLEAN_PROMPTS:
+            control = endpoint.generate("ensemble", GenerateRequest(prompt, MAX_TOKENS), 120).text
+            for k in (0, 2):
+                pieces = []
+                result = endpoint.generate("tensorrt_llm_bls", GenerateRequest(prompt, MAX_TOKENS, num_draft_tokens=k, stream=True), 120,
+                                           on_text=pieces.append)  # fmt: skip
+                assert result.text == "".join(pieces) == control, (prompt, k)
+                texts = [p for p in pieces if p]
+                assert len(texts) >= min(4, len(control.split())), (prompt, k, pieces)
+                if k == 0:
+                    assert result.k_history == [0] and len(texts) > 1, (prompt, result.k_history, pieces)  # one call, streamed
+    finally:
+        endpoint.close()
+
+
 def test_sampled_outputs_compared_statistically(deployment, tmp_path):
     """top_k=3 over 2 tokens: at most 9 outcomes, so 120 seeded samples per side give a real chi-square test."""
     from specdeploy.client.protocol import Sampling

@@ -281,3 +281,23 @@ def test_the_ngram_draft_proposes_nothing_past_the_end_id(pb_utils, monkeypatch,
     without = proposal()
     assert END in without  # the lookup does propose the end id here
     assert proposal(end_id=np.array([[END]], np.int32)) == without[: without.index(END)]
+
+
+def test_a_streamed_plain_run_sends_only_what_the_loop_keeps(bls):
+    """PlainRunStream passes a plain run's tokens on as they arrive and stops where speculative_generate cuts the run:
+    at a stop word, also one that began before the run (the engine saw that part as prompt), or at the end id."""
+    sent = []
+    stream = bls.PlainRunStream([1, 7], END, [[7, 8]], lambda ids: sent.append(list(ids)))
+    stream([8, 9])  # 7 (before the run) 8: the stop word ends at the run's first token
+    stream([4])
+    assert sent == [[8]]
+    sent.clear()
+    stream = bls.PlainRunStream([1], END, [[7, 6]], lambda ids: sent.append(list(ids)))
+    for chunk in ([2], [3, 7], [6, 4], [9]):
+        stream(chunk)
+    assert sent == [[2], [3, 7], [6]]  # the stop word stays, nothing after it
+    sent.clear()
+    stream = bls.PlainRunStream([1], END, [], lambda ids: sent.append(list(ids)))
+    for chunk in ([2], [], [3, END, 4]):
+        stream(chunk)
+    assert sent == [[2], [3, END]]  # an empty response sends nothing; the end id ends it, as the loop's cut does

@@ -167,11 +167,17 @@ class TritonVerifier:
         wanted = ["output_log_probs", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks", "first_token_time_ns"]
         if context_logits:
             wanted.append("context_logits")
+        # A plain run of a streamed request streams too (job["stream_sink"], set by the BLS where tensorrt_llm streams):
+        # its tokens reach the client as they come, not when the run returns
+        on_tokens = None
+        if job.get("stream_sink") is not None and output_len and output_len > 1 and not draft_tokens:
+            extra["streaming"] = np.array([[True]])
+            on_tokens = PlainRunStream(sequence, job["end_id"], job["stop_words"], job["stream_sink"])
         # output_len: a plain run of the policy, or the canary's plain path (the whole answer in one call,
         # specdeploy.metrics.PlainVerifier)
         tokens, logits, outputs = self.call(
             sequence, output_len or len(draft_tokens) + 1, sampling, extra, job["return_generation_logits"] and not draft_tokens, wanted,
-            stop_check=job.get("stop_check"), slice_s=self._run_slice_s(output_len),
+            stop_check=job.get("stop_check"), slice_s=self._run_slice_s(output_len), on_tokens=on_tokens,
         )
         log_probs = [float(x) for a in outputs.get("output_log_probs", []) for x in a.reshape(-1)] if job["return_log_probs"] else None
         self.record.rounds.append((log_probs, logits))
@@ -195,6 +201,29 @@ class TritonVerifier:
         costs = self.costs
         per_token = (costs.plain_token_s or costs.verify_s.get(1)) if costs is not None else None
         return common.run_slice_s(output_len, per_token or RUN_TOKEN_GUESS_S, self.active())
+
+
+class PlainRunStream:
+    """Passes a streamed plain run's tokens to `sink` as they arrive, up to where the speculative loop will cut the run
+    (`spec.find_stop` over the whole sequence, as `speculative_generate` checks a round: a stop word may begin before
+    the run, where the engine, which sees it as prompt, does not look), so what was sent is always the start of what the
+    loop yields; nothing after the cut is sent."""
+
+    def __init__(self, sequence, end_id, stop_words, sink):
+        self.sequence, self.end_id, self.stop_words, self.sink = list(sequence), end_id, stop_words, sink
+        self.cut = False
+
+    def __call__(self, ids):
+        if self.cut:
+            return
+        start = len(self.sequence)
+        self.sequence.extend(ids)
+        cut = spec.find_stop(self.sequence, start, self.end_id, self.stop_words)
+        if cut is not None:
+            self.cut = True
+            del self.sequence[cut:]
+        if len(self.sequence) > start:
+            self.sink(self.sequence[start:])
 
 
 def ended_at_end_id(sequence, draft_tokens, returned, requested, end_id, stop_words) -> bool:

@@ -3,7 +3,8 @@
 The loop is `specdeploy.speculative.speculative_generate` (no Triton import there); `bls_calls` maps its
 `Proposer` / `Verifier` protocols to BLS requests with the tensor names of NVIDIA's layout; this file
 tokenizes the prompt, detokenizes the output, and checks the request. With `stream` (decoupled
-mode) each round's new text is sent as it comes, holding back an incomplete UTF-8 character.
+mode) each round's new text is sent as it comes, holding back an incomplete UTF-8 character; a call that makes several
+tokens (a plain run, a fused request) is streamed from tensorrt_llm, so its text comes as it is made too.
 
 Where a round costs:
   - k = 0 (the policy fell back, the gate tripped, the request asked for no draft tokens): one target
@@ -90,10 +91,11 @@ class TritonPythonModel:
         self.ngram = ngram.from_parameters(params) if params.get("draft_kind") == "ngram" else None
         self.ngram_pool = ngram.NGramPool(self.ngram) if self.ngram is not None and self.ngram.is_public_pool else None
         self.eagle3 = params.get("draft_kind") == "eagle3"
-        # A streamed fused request asks tensorrt_llm to stream too (one response per round) and sends each round's
-        # text as it comes. tensorrt_llm refuses `streaming` for a tokenizer whose chunks do not decode alone (its
-        # stream_problem, the same tokenizer as ours); with such a tokenizer the text goes when the call returns.
-        self.fused_streams = self.decoupled and common.chunk_decoding_problem(self.tokenizer) is None
+        # A streamed request asks tensorrt_llm to stream too where one call makes several tokens (a fused request: a
+        # response per round; a plain run: a response per token) and sends the text as it comes. tensorrt_llm refuses
+        # `streaming` for a tokenizer whose chunks do not decode alone (its stream_problem, the same tokenizer as ours);
+        # with such a tokenizer the text of such a call goes when the call returns.
+        self.engine_streams = self.decoupled and common.chunk_decoding_problem(self.tokenizer) is None
         # Speculation policy (specdeploy.policy): the instances of this repository share the active count, and those
         # of this server (its tritonserver is our parent) the measured costs, acceptance and gate
         pol.remove_abandoned(tempfile.gettempdir())
@@ -187,9 +189,20 @@ class TritonPythonModel:
         if self.eagle3:
             return self._run_fused(job, arrival_ns, emit)
         record = Record()
+        times = {"arrival": arrival_ns, "scheduled": time.time_ns(), "first": None}
+        stream = common.TextStream(self.tokenizer, self.skip_special_tokens) if job["stream"] else None
+        streamed = [0]  # output tokens already pushed into `stream`
+
+        def send(ids):
+            streamed[0] += len(ids)
+            delta = stream.push(ids)
+            if delta:
+                emit(self._response(delta, job, None, times, record, None), False)
+
+        if stream is not None and self.engine_streams:
+            job["stream_sink"] = send  # a plain run's tokens as they come (bls_calls.PlainRunStream)
         proposer = ngram.NGramProposer(self.ngram, self.ngram_pool) if self.ngram is not None else TritonProposer(self.draft, job)
         verifier = TritonVerifier(self.target, job, record, self.deployment.costs, self.active)
-        times = {"arrival": arrival_ns, "scheduled": time.time_ns(), "first": None}
         ops = job["ops"]  # the canary arm and the metrics of this request
         rounds = spec.speculative_generate(
             proposer,
@@ -206,7 +219,6 @@ class TritonPythonModel:
             should_stop=job["stop_check"],
             policy=self.ops.policy(ops, self.deployment.request(), self.deployment),
         )
-        stream = common.TextStream(self.tokenizer, self.skip_special_tokens) if job["stream"] else None
         output, stats = [], spec.SpecStats()
         extras = {"log_probs": [], "logits": []}
         for item in rounds:
@@ -229,10 +241,8 @@ class TritonPythonModel:
                 extras["log_probs"].extend(round_log_probs[: len(item)])
             if round_logits is not None:
                 extras["logits"].append(round_logits[: len(item)])
-            if stream is not None:
-                delta = stream.push(item)
-                if delta:
-                    emit(self._response(delta, job, None, times, record, None), False)
+            if stream is not None and len(output) > streamed[0]:  # what a streamed plain run did not send already
+                send(output[streamed[0] :])
         if job["stop_check"].reason is not None:
             what = "ran past its server-side deadline" if job["stop_check"].reason == "timeout" else "was cancelled"
             emit(_error(f"{self.name}: the request {what} after {len(output)} tokens"), True)
@@ -252,7 +262,7 @@ class TritonPythonModel:
         verification pass with its drafted / accepted counts. `stream`: the call asks tensorrt_llm for `streaming` (a
         response per round, as TensorRT-LLM's one-model speculative modes stream from the tensorrt_llm model:
         tensorrtllm_backend c2e65b8 docs/model_config.md:314) and each round's new text is sent as it comes, holding
-        back an incomplete UTF-8 character; the counts go in the final response (see fused_streams for the exception).
+        back an incomplete UTF-8 character; the counts go in the final response (see engine_streams for the exception).
         NVIDIA's own BLS refuses `stream` with drafts (its two-model loop, tensorrt_llm_bls/1/lib/decode.py:116-119)."""
         ops = job["ops"]
         times = {"arrival": arrival_ns, "scheduled": time.time_ns(), "first": None}
@@ -274,7 +284,7 @@ class TritonPythonModel:
         stream, on_tokens = None, None
         if job["stream"]:
             stream = common.TextStream(self.tokenizer, self.skip_special_tokens)
-            if self.fused_streams:
+            if self.engine_streams:
                 extra["streaming"] = np.array([[True]])
 
                 def on_tokens(ids):
