@@ -222,6 +222,70 @@ def test_fused_greedy_equals_the_target_alone(target, head_dir, k):
     assert again.token_ids == expected.token_ids and again.stats.reused_tokens > 0
 
 
+def test_a_fused_request_reuses_the_prefix_a_plain_request_left_and_drafts_as_from_scratch(target, head_dir):
+    """Plain and fused requests share the executor's KV pool (the control and the speculative path of one tensorrt_llm
+    model): a plain request keeps the head's aux features beside its KV, so a fused request on the same prompt reuses
+    all of it but its last token (it recomputed the whole prompt before) and drafts, round by round, what it drafts from
+    an empty cache; its answer is the target's."""
+    fused = Executor(target, head=Eagle3Head.load(head_dir, target))
+    prompt = prompt_of(7, 40)
+    fused.clear_cache()
+    cold = run(fused, GenerationRequest(prompt, 24, num_draft_tokens=3))
+    fused.clear_cache()
+    plain = run(fused, GenerationRequest(prompt, 24))
+    assert plain.token_ids == cold.token_ids
+    warm = run(fused, GenerationRequest(prompt, 24, num_draft_tokens=3))
+    assert warm.stats.reused_tokens == len(prompt) - 1 and cold.stats.reused_tokens == 0
+    assert warm.token_ids == cold.token_ids and warm.stats.drafted > 0
+    assert warm.stats.drafted_per_round == cold.stats.drafted_per_round
+    assert warm.stats.accepted_per_round == cold.stats.accepted_per_round
+    # a longer conversation on top of the plain answer: the prompt and the answer reused, the rest drafted as cold
+    follow = prompt + plain.token_ids + prompt_of(8, 6)
+    fused.clear_cache()
+    cold_follow = run(fused, GenerationRequest(follow, 16, num_draft_tokens=3))
+    fused.clear_cache()
+    run(fused, GenerationRequest(prompt, 24))
+    warm_follow = run(fused, GenerationRequest(follow, 16, num_draft_tokens=3))
+    assert warm_follow.stats.reused_tokens >= len(prompt) + len(plain.token_ids) - 1
+    assert warm_follow.token_ids == cold_follow.token_ids
+    assert warm_follow.stats.drafted_per_round == cold_follow.stats.drafted_per_round
+    # and on top of a fused answer (its rejected drafts' rows rolled back, its head some positions behind)
+    after_fused = prompt + cold.token_ids + prompt_of(8, 6)
+    fused.clear_cache()
+    cold_after = run(fused, GenerationRequest(after_fused, 16, num_draft_tokens=3))
+    fused.clear_cache()
+    run(fused, GenerationRequest(prompt, 24, num_draft_tokens=3))
+    warm_after = run(fused, GenerationRequest(after_fused, 16, num_draft_tokens=3))
+    assert warm_after.stats.reused_tokens >= len(prompt) + len(cold.token_ids) - 1
+    assert warm_after.token_ids == cold_after.token_ids
+    assert warm_after.stats.drafted_per_round == cold_after.stats.drafted_per_round
+
+
+def test_a_pool_entry_keeps_aux_features_only_where_they_follow_its_tokens():
+    """CachedSequence.store_aux keeps the rows of a pass that extends the kept ones; rolling back (rejected drafts) or
+    truncating (a shorter reused prefix) forgets the rows past the new length, so later rows are kept again."""
+    from specdeploy.engine.kv_pool import CachedSequence
+
+    class Cache:
+        def truncate(self, length):
+            self.length = length
+
+    entry = CachedSequence(Cache(), capacity=8)
+    rows = torch.arange(8 * 3, dtype=torch.float32).reshape(8, 3)
+    entry.store_aux(0, rows[:4])
+    entry.tokens = [1, 2, 3, 4]
+    assert entry.aux_length == 4 and torch.equal(entry.aux[:4], rows[:4])
+    entry.roll_back(2)  # two rejected drafts
+    assert entry.aux_length == 2 and entry.tokens == [1, 2]
+    entry.store_aux(2, -rows[2:5])  # the next pass's rows replace them
+    assert entry.aux_length == 5 and torch.equal(entry.aux[2:5], -rows[2:5])
+    entry.store_aux(6, rows[6:7])  # a gap: not kept
+    entry.store_aux(5, torch.zeros(4, 3))  # past the capacity: not kept
+    assert entry.aux_length == 5
+    entry.truncate(3)
+    assert entry.aux_length == 3 and entry.nbytes() == 8 * 3 * 4
+
+
 def _assert_round_seconds(s):
     """The round profile's seconds (the served `draft_seconds_per_round` / `forward_seconds_per_pass`): one entry
     a verification pass beside drafted_per_round, summing with the prefill's pass to the request's totals; the

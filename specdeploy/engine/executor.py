@@ -8,7 +8,9 @@ a request with `num_draft_tokens` runs the fused loop (the head drafts inside th
 
 Prefix KV reuse across calls (TensorRT-LLM's `enable_kv_cache_reuse`) is `engine.kv_pool`: a request takes the
 pooled cache sharing its longest prefix and computes only the suffix; memory is bounded by
-`max_cached_sequences` caches of at most `cache_len` positions each.
+`max_cached_sequences` caches of at most `cache_len` positions each. With a head, every pass (plain ones too) keeps
+its rows' aux features beside the KV, so a fused request reuses a prefix that plain requests wrote (the head catches
+up from them) as it reuses one of its own.
 
 Per request it honours TensorRT-LLM's logits processing (embedding bias, temperature, repetition /
 presence / frequency penalties over prompt + output, min_tokens, bad words: `specdeploy.engine.logits`,
@@ -246,7 +248,8 @@ class Executor:
         `forward_batch` and there is more than one, else one by one; sets each pass's logits and time."""
         t0 = self._clock()
         batch = getattr(self.engine, "forward_batch", None)
-        capture = [p.capture for p in passes]
+        # with a head every pass captures, a plain one too: its entry keeps the features (CachedSequence.store_aux)
+        capture = [p.capture or self.head is not None for p in passes]
         layers = self.head.aux_layer_ids if any(capture) else None
         auxs = [None] * len(passes)
         # an engine with a screened LM head (CpuEngine.screen) is told which passes need only their rows' argmax
@@ -264,7 +267,7 @@ class Executor:
             for i, p in enumerate(passes):
                 ids = torch.tensor(p.tokens, dtype=torch.long)
                 extra = {"greedy": p.argmax_only} if screens else {}
-                if p.capture:
+                if capture[i]:
                     out, auxs[i] = self.engine.forward(p.entry.cache, ids, aux_layers=layers, **extra)
                 else:
                     out = self.engine.forward(p.entry.cache, ids, **extra)  # [n, vocab]
@@ -273,7 +276,9 @@ class Executor:
         if self.draft_cost is not None:
             self.draft_cost.observe_pass(sum(len(p.tokens) for p in passes), elapsed, len(passes))
         for p, out, aux in zip(passes, outs, auxs):
-            p.logits, p.aux, p.elapsed_s = out, aux, elapsed
+            p.logits, p.aux, p.elapsed_s = out, aux if p.capture else None, elapsed
+            if aux is not None:
+                p.entry.store_aux(len(p.entry.tokens), aux)
             p.entry.tokens.extend(p.tokens)  # here, not in the request's steps: a request closed now keeps a consistent cache
 
     def run_head_passes(self, passes: list[HeadPass]) -> None:
@@ -336,11 +341,11 @@ class Executor:
         if fused:  # the head needs the aux features of every position it has not caught up on
             if entry.drafter is None:
                 entry.drafter = self.head.new_drafter(entry.capacity + self.max_draft_len + 2)
-            # Entry.truncate left the head at most one row short of the reused prefix; the target steps back to
-            # the head's length (rows < it read tokens of the reused prefix only), and recomputes the rest
-            reused = min(reused, entry.drafter.length)
-            entry.cache.truncate(reused)
-            del entry.tokens[reused:]
+            # Entry.truncate left the head at most one row short of the reused prefix (rows < it read tokens of the
+            # reused prefix only); the head catches up from the kept aux features where the prefix has them (a plain
+            # request wrote it), else the target steps back to the head's length and recomputes the rest
+            reused = min(reused, max(entry.drafter.length, entry.aux_length))
+            entry.truncate(reused)
         stats.reused_tokens = reused
         try:
             if draft:
@@ -468,6 +473,8 @@ class Executor:
         generator = None if spec.is_greedy(request.sampling) else spec.make_generator(request.sampling.seed)
         sampler = lp.sampler_params(request.sampling)
         new = [spec.choose_token(rows[0], sampler, generator)]
+        if entry.drafter.length < stats.reused_tokens:  # the reused positions the head has not seen: their kept features
+            aux_parts.insert(0, entry.aux[entry.drafter.length : stats.reused_tokens])
         pending_aux = torch.cat(aux_parts) if len(aux_parts) > 1 else aux_parts[0]  # rows drafter.length..L-1
         sequence = list(input_ids)
         output: list[int] = []
@@ -547,8 +554,7 @@ class Executor:
             rule.outcome(accepted, self._clock() - t0)  # the round's wall time: the head's work and the pass it shared
         elif plain:
             self.draft_cost.observe_plain_round(self._clock() - t0)
-        entry.cache.truncate(length + 1 + accepted)  # the rejected drafts' KV: the pointer moves back
-        del entry.tokens[length + 1 + accepted :]
+        entry.roll_back(length + 1 + accepted)  # the rejected drafts' KV (and kept features): the pointer moves back
         kept = aux_parts[0][: accepted + 1]  # [a + 1, L * hidden] positions length..length+a
         pending_aux = torch.cat([pending_aux, kept]) if idle else kept  # the head has not seen these positions yet
         stats.drafted += k

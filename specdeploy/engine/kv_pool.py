@@ -22,13 +22,42 @@ class CachedSequence:
     capacity: int
     tokens: list[int] = field(default_factory=list)
     drafter: object = None  # an eagle3.Eagle3Drafter: the head's rows 0..drafter.length-1 follow `tokens`
+    # the EAGLE-3 head's aux features (the target's outputs at its aux layers) of positions 0..aux_length-1, kept by
+    # every pass of an executor with a head, plain ones too: a fused request that reuses a prefix a plain request
+    # wrote catches its head up from them instead of computing the prefix again
+    aux: object = None  # torch.Tensor [capacity, len(aux layers) * hidden], allocated at the first store
+    aux_length: int = 0
 
     def truncate(self, length: int) -> None:
         """Forget positions >= length; the head's row p reads the token at p + 1, so it keeps rows < length - 1."""
-        self.cache.truncate(length)
-        del self.tokens[length:]
+        self.roll_back(length)
         if self.drafter is not None and self.drafter.length > max(0, length - 1):
             self.drafter.truncate(max(0, length - 1))
+
+    def roll_back(self, length: int) -> None:
+        """Forget the target's positions >= length (KV, tokens, kept aux features); the head's rows stay as they are
+        (the fused loop's own to manage within a request)."""
+        self.cache.truncate(length)
+        del self.tokens[length:]
+        self.aux_length = min(self.aux_length, length)
+
+    def store_aux(self, start: int, rows) -> None:
+        """Keep the aux features `rows` [n, width] of positions start..start+n-1, where they extend the kept ones (a
+        pass right after them) and fit the capacity; else leave the kept ones as they are."""
+        import torch
+
+        n = int(rows.shape[0])
+        if start != self.aux_length or start + n > self.capacity:
+            return
+        if self.aux is None or self.aux.shape[1] != rows.shape[1] or self.aux.dtype != rows.dtype:
+            self.aux = torch.empty(self.capacity, rows.shape[1], dtype=rows.dtype)
+        self.aux[start : start + n] = rows
+        self.aux_length = start + n
+
+    def nbytes(self) -> int:
+        """The KV cache's bytes (where it reports them) and the kept aux features'."""
+        kv = int(self.cache.nbytes()) if hasattr(self.cache, "nbytes") else 0
+        return kv + (self.aux.numel() * self.aux.element_size() if self.aux is not None else 0)
 
 
 def reusable_prefix_len(cached_tokens: Sequence[int], input_ids: Sequence[int]) -> int:
@@ -72,8 +101,8 @@ class KvPool:
         return [list(e.tokens) for e in self._pool.values()]
 
     def nbytes(self) -> int:
-        """Bytes held by the pooled KV caches (caches that report `nbytes()`)."""
-        return sum(int(e.cache.nbytes()) for e in self._pool.values() if hasattr(e.cache, "nbytes"))
+        """Bytes held by the pooled KV caches (caches that report `nbytes()`) and their kept aux features."""
+        return sum(e.nbytes() for e in self._pool.values())
 
     def clear(self) -> None:
         with self._lock:
