@@ -140,8 +140,9 @@ class TritonProposer:
 class TritonVerifier:
     """specdeploy.speculative.Verifier over tensorrt_llm with draft_input_ids (request_output_len = k + 1)."""
 
-    def __init__(self, call: LlmCall, job, record: Record, costs=None, active=lambda: 1):
+    def __init__(self, call: LlmCall, job, record: Record, costs=None, active=lambda: 1, stream_sink=None):
         self.call, self.job, self.record = call, job, record
+        self.stream_sink = stream_sink  # a streamed request's sink for a plain run's tokens as they come (PlainRunStream)
         self.costs = costs  # the deployment's measured costs (specdeploy.policy.CostModel), to size a plain run's time slice
         self.active = active  # requests the BLS instances are serving now (policy.ActiveCount)
 
@@ -167,12 +168,12 @@ class TritonVerifier:
         wanted = ["output_log_probs", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks", "first_token_time_ns"]
         if context_logits:
             wanted.append("context_logits")
-        # A plain run of a streamed request streams too (job["stream_sink"], set by the BLS where tensorrt_llm streams):
-        # its tokens reach the client as they come, not when the run returns
+        # A plain run of a streamed request streams too (stream_sink, given by the BLS where tensorrt_llm streams): its
+        # tokens reach the client as they come, not when the run returns
         on_tokens = None
-        if job.get("stream_sink") is not None and output_len and output_len > 1 and not draft_tokens:
+        if self.stream_sink is not None and output_len and output_len > 1 and not draft_tokens:
             extra["streaming"] = np.array([[True]])
-            on_tokens = PlainRunStream(sequence, job["end_id"], job["stop_words"], job["stream_sink"])
+            on_tokens = PlainRunStream(sequence, job["end_id"], job["stop_words"], self.stream_sink)
         # output_len: a plain run of the policy, or the canary's plain path (the whole answer in one call,
         # specdeploy.metrics.PlainVerifier)
         tokens, logits, outputs = self.call(

@@ -199,10 +199,12 @@ class TritonPythonModel:
             if delta:
                 emit(self._response(delta, job, None, times, record, None), False)
 
-        if stream is not None and self.engine_streams:
-            job["stream_sink"] = send  # a plain run's tokens as they come (bls_calls.PlainRunStream)
         proposer = ngram.NGramProposer(self.ngram, self.ngram_pool) if self.ngram is not None else TritonProposer(self.draft, job)
-        verifier = TritonVerifier(self.target, job, record, self.deployment.costs, self.active)
+        # a plain run's tokens as they come (bls_calls.PlainRunStream). Not kept in `job`: `send` holds the job and the
+        # response sender, and a cycle through them left the sender to the garbage collector, which freed it at the
+        # stub's teardown after its shared memory was gone (SIGSEGV, "Garbage-collecting", tests/test_triton_server.py)
+        verifier = TritonVerifier(self.target, job, record, self.deployment.costs, self.active,
+                                  stream_sink=send if stream is not None and self.engine_streams else None)
         ops = job["ops"]  # the canary arm and the metrics of this request
         rounds = spec.speculative_generate(
             proposer,
