@@ -8,9 +8,9 @@ a request with `num_draft_tokens` runs the fused loop (the head drafts inside th
 
 Prefix KV reuse across calls (TensorRT-LLM's `enable_kv_cache_reuse`) is `engine.kv_pool`: a request takes the
 pooled cache sharing its longest prefix and computes only the suffix; memory is bounded by
-`max_cached_sequences` caches of at most `cache_len` positions each. With a head, every pass (plain ones too) keeps
-its rows' aux features beside the KV, so a fused request reuses a prefix that plain requests wrote (the head catches
-up from them) as it reuses one of its own.
+`max_cached_sequences` caches of at most `cache_len` positions each. With a head, fused passes and plain prefills keep
+their rows' aux features beside the KV, so a fused request reuses a prompt that a plain request computed (the head
+catches up from them) as it reuses one of its own.
 
 Per request it honours TensorRT-LLM's logits processing (embedding bias, temperature, repetition /
 presence / frequency penalties over prompt + output, min_tokens, bad words: `specdeploy.engine.logits`,
@@ -248,8 +248,12 @@ class Executor:
         `forward_batch` and there is more than one, else one by one; sets each pass's logits and time."""
         t0 = self._clock()
         batch = getattr(self.engine, "forward_batch", None)
-        # with a head every pass captures, a plain one too: its entry keeps the features (CachedSequence.store_aux)
-        capture = [p.capture or self.head is not None for p in passes]
+        # With a head a plain pass captures too where it costs nothing that counts: a prefill (many rows; the entry keeps
+        # the features for a fused request that reuses the prompt, CachedSequence.store_aux) or a pass in a batch that
+        # captures anyway. Not a plain one-row step alone: capturing runs the native decoder in segments, ~3 % of a
+        # bundled-model step (a plain answer's positions are then recomputed by a fused request that reuses them).
+        batch_captures = any(p.capture for p in passes)
+        capture = [p.capture or (self.head is not None and (batch_captures or len(p.tokens) > 1)) for p in passes]
         layers = self.head.aux_layer_ids if any(capture) else None
         auxs = [None] * len(passes)
         # an engine with a screened LM head (CpuEngine.screen) is told which passes need only their rows' argmax

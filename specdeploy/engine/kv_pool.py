@@ -23,8 +23,8 @@ class CachedSequence:
     tokens: list[int] = field(default_factory=list)
     drafter: object = None  # an eagle3.Eagle3Drafter: the head's rows 0..drafter.length-1 follow `tokens`
     # the EAGLE-3 head's aux features (the target's outputs at its aux layers) of positions 0..aux_length-1, kept by
-    # every pass of an executor with a head, plain ones too: a fused request that reuses a prefix a plain request
-    # wrote catches its head up from them instead of computing the prefix again
+    # an executor with a head from its fused passes and plain prefills (Executor.run_passes): a fused request that
+    # reuses a prompt a plain request computed catches its head up from them instead of computing the prompt again
     aux: object = None  # torch.Tensor [capacity, len(aux layers) * hidden], allocated at the first store
     aux_length: int = 0
 
