@@ -45,7 +45,10 @@ class LlmCall:
     def __call__(self, sequence, output_len, sampling, extra, return_logits, more_outputs=(), stop_check=None, slice_s=None,
                  on_tokens=None):
         """`on_tokens(ids)`: called with each response's new token ids as it arrives (decoupled calls only; a call that
-        sends `streaming` gets one response per run of tokens, so the caller can pass them on before the call ends)."""
+        sends `streaming` gets one response per run of tokens, so the caller can pass them on before the call ends).
+        A streamed response holds only its new tokens, on the CPU models as from NVIDIA's tensorrt_llm, whose streamed
+        output_ids NVIDIA's BLS concatenates (`new_tokens`, tensorrtllm_backend c2e65b8
+        tensorrt_llm_bls/1/lib/decode.py:416-417)."""
         if self.decoupled:
             self.held.release(stop_check)
             # Not sliced: a decoupled BLS call abandoned at its timeout while the model still sends responses
