@@ -620,8 +620,6 @@ def test_a_decoupled_deployment_streams_the_fused_path_round_by_round(built, tmp
     from specdeploy.triton import server
     from transformers import AutoTokenizer
 
-    import tritonclient.grpc as grpc
-
     _, _, _, head = built
     recipe, layout, recipe_path = _deployment(tmp_path / "decoupled", Path(built[0].target.model), head, triton={"decoupled": True},
                                               speculative={"draft_p_min": 0.0})  # fmt: skip
@@ -649,39 +647,20 @@ def test_a_decoupled_deployment_streams_the_fused_path_round_by_round(built, tmp
             streamed_rounds += len(texts)
         assert streamed_rounds > len(CHATS)
         # tensorrt_llm itself, streaming with the head: each response holds a round's tokens, together the control's
-        client = grpc.InferenceServerClient(srv.state.grpc_url)
-        try:
-            ids = tok(chat_text(CHATS[0])).input_ids
-            values = {"input_ids": np.array([ids], dtype=np.int32), "input_lengths": np.array([[len(ids)]], dtype=np.int32),
-                      "request_output_len": np.array([[MAX_TOKENS]], dtype=np.int32), "exclude_input_in_output": np.array([[True]]),
-                      "streaming": np.array([[True]])}  # fmt: skip
+        ids = tok(chat_text(CHATS[0])).input_ids
+        values = {"input_ids": np.array([ids], dtype=np.int32), "input_lengths": np.array([[len(ids)]], dtype=np.int32),
+                  "request_output_len": np.array([[MAX_TOKENS]], dtype=np.int32), "exclude_input_in_output": np.array([[True]]),
+                  "streaming": np.array([[True]])}  # fmt: skip
 
-            def run(extra):
-                import queue
+        def run(extra):  # the responses of one request on the gRPC stream (tensorrt_llm is decoupled here)
+            responses = endpoint._run("tensorrt_llm", {**values, **extra}, ["output_ids", "sequence_length"], 300)
+            chunks = [r.as_numpy("output_ids").reshape(-1)[: int(r.as_numpy("sequence_length").reshape(-1)[0])].tolist() for r in responses]
+            return [c for c in chunks if c]
 
-                got: queue.Queue = queue.Queue()
-                client.start_stream(callback=lambda result, error: got.put((result, error)), stream_timeout=300)
-                try:
-                    client.async_stream_infer("tensorrt_llm", _inputs({**values, **extra}), enable_empty_final_response=True)
-                    chunks = []
-                    while True:
-                        result, error = got.get(timeout=300)
-                        assert error is None, error
-                        response = result.get_response()
-                        if response.outputs:
-                            n = int(result.as_numpy("sequence_length").reshape(-1)[0])
-                            chunks.append(result.as_numpy("output_ids").reshape(-1)[:n].tolist())
-                        if response.parameters.get("triton_final_response").bool_param:
-                            return [c for c in chunks if c]
-                finally:
-                    client.stop_stream()
-
-            plain = run({})
-            fused = run({"num_draft_tokens": np.array([[3]], dtype=np.int32)})
-            assert sum(plain, []) == sum(fused, []) and len(sum(plain, [])) > 0
-            assert 2 <= len(fused) and any(len(c) > 1 for c in fused), fused  # rounds, some of more than one token
-        finally:
-            client.close()
+        plain = run({})
+        fused = run({"num_draft_tokens": np.array([[3]], dtype=np.int32)})
+        assert sum(plain, []) == sum(fused, []) and len(sum(plain, [])) > 0
+        assert 2 <= len(fused) and any(len(c) > 1 for c in fused), fused  # rounds, some of more than one token
     finally:
         endpoint.close()
         srv.stop()

@@ -44,13 +44,11 @@ class CachedSequence:
     def store_aux(self, start: int, rows) -> None:
         """Keep the aux features `rows` [n, width] of positions start..start+n-1, where they extend the kept ones (a
         pass right after them) and fit the capacity; else leave the kept ones as they are."""
-        import torch
-
         n = int(rows.shape[0])
         if start != self.aux_length or start + n > self.capacity:
             return
         if self.aux is None or self.aux.shape[1] != rows.shape[1] or self.aux.dtype != rows.dtype:
-            self.aux = torch.empty(self.capacity, rows.shape[1], dtype=rows.dtype)
+            self.aux = rows.new_empty(self.capacity, rows.shape[1])
         self.aux[start : start + n] = rows
         self.aux_length = start + n
 
