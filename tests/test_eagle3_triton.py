@@ -10,6 +10,7 @@ responses' draft counters are > 0 and agree with the metrics endpoint; a head th
 from __future__ import annotations
 
 import json
+import queue
 import re
 import shutil
 import sys
@@ -38,7 +39,7 @@ CHATS = [
 ]
 
 
-def _model(root: Path) -> Path:
+def _model(root: Path, **overrides) -> Path:
     from transformers import AutoTokenizer
 
     tok_dir, model_dir = root / "tokenizer", root / "model"
@@ -46,7 +47,7 @@ def _model(root: Path) -> Path:
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(str(tok_dir))
-    make_tiny_model(model_dir, tok_dir, seed=0, num_hidden_layers=4)
+    make_tiny_model(model_dir, tok_dir, seed=0, num_hidden_layers=4, **overrides)
     return model_dir
 
 
@@ -661,6 +662,71 @@ def test_a_decoupled_deployment_streams_the_fused_path_round_by_round(built, tmp
         fused = run({"num_draft_tokens": np.array([[3]], dtype=np.int32)})
         assert sum(plain, []) == sum(fused, []) and len(sum(plain, [])) > 0
         assert 2 <= len(fused) and any(len(c) > 1 for c in fused), fused  # rounds, some of more than one token
+    finally:
+        endpoint.close()
+        srv.stop()
+
+
+def test_a_cancelled_request_of_a_decoupled_deployment_stops_its_fused_call(tmp_path):
+    """triton.decoupled: the fused path is one tensorrt_llm call for the whole answer, which the BLS's own request's
+    cancellation cannot reach from outside (a decoupled call is not sliced). A streamed request's call streams, and
+    once the client has cancelled, the BLS sends TensorRT-LLM's `stop` for the call's request id: tensorrt_llm reports
+    it stopped a running request and the BLS request ends failed, not answered; with drafts (k = 3) and as a plain run
+    (k = 0). Each request is cancelled after its first text and asks for every token the engine allows (end_id -1:
+    ~4,000), so the cancel finds nearly all of its work still to do. Then the instance answers the next request as
+    the control."""
+    from specdeploy import backend_stages, metrics
+    from specdeploy.client.protocol import GenerateRequest
+    from specdeploy.client.triton_adapter import TritonEndpoint
+    from specdeploy.triton import server
+    from transformers import AutoTokenizer
+
+    import tritonclient.grpc as grpc
+
+    model_dir = _model(tmp_path / "hf", max_position_embeddings=4096)
+    head = make_eagle3_head(tmp_path / "head", 64, 512, AUX, dtype="float32")
+    recipe, layout, recipe_path = _deployment(tmp_path / "decoupled", model_dir, head, triton={"decoupled": True},
+                                              speculative={"draft_p_min": 0.0}, engine={"max_seq_len": 4096})  # fmt: skip
+    repo, _ = backend_stages.of(recipe).write_repository(recipe, layout, recipe_path=str(recipe_path))
+    tok = AutoTokenizer.from_pretrained(str(Path(repo) / "preprocessing" / "tokenizer"))
+    log = Path(layout.server_state) / "tritonserver.log"
+    srv = server.start(repo, server.Ports.pick(), log, exit_timeout_s=3)
+    endpoint = TritonEndpoint(srv.state.grpc_url)
+    stopped = re.compile(r"tensorrt_llm: stop for request id '([0-9a-f]{32})': ([0-9]+) running request")
+    try:
+        server.wait_ready(srv, SERVER_READY_TIMEOUT_S)
+        prompt = chat_text(CHATS[0])
+        max_tokens = 4096 - len(tok(prompt).input_ids)
+        # one baseline: the BLS counts a request after its answer went out, so a window begun after the previous turn's
+        # answer may still see it; the BLS serves its requests one after another, so a turn's error comes after it
+        before = metrics.scrape(srv.state.metrics_url)
+        for turn, k in enumerate((3, 0)):
+            values = {"text_input": np.array([[prompt.encode()]], dtype=object), "max_tokens": np.array([[max_tokens]], dtype=np.int32),
+                      "end_id": np.array([[-1]], dtype=np.int32), "num_draft_tokens": np.array([[k]], dtype=np.int32),
+                      "stream": np.array([[True]])}  # fmt: skip
+            inputs = []
+            for name, array in values.items():
+                tensor = grpc.InferInput(name, list(array.shape), "BYTES" if array.dtype == object else
+                                         {"int32": "INT32", "bool": "BOOL"}[array.dtype.name])  # fmt: skip
+                tensor.set_data_from_numpy(array)
+                inputs.append(tensor)
+            client = grpc.InferenceServerClient(srv.state.grpc_url)
+            texts: queue.Queue = queue.Queue()
+            client.start_stream(callback=lambda result, error: texts.put((result, error)))
+            client.async_stream_infer("tensorrt_llm_bls", inputs, request_id=f"cancelled-{k}")
+            result, error = texts.get(timeout=300)  # its first text has come
+            assert error is None and result.as_numpy("text_output").reshape(-1)[0], error
+            client.stop_stream(cancel_requests=True)
+            client.close()
+            ended = (metrics.REQUEST_ERRORS.name, metrics.REQUESTS.name)
+            window = _scrape_until(srv.state.metrics_url, before,
+                                   lambda w: sum(w.sum(n, model="tensorrt_llm_bls") for n in ended) >= 2 * turn + 1)  # fmt: skip
+            assert window.sum(metrics.REQUESTS.name, model="tensorrt_llm_bls") == turn, k  # it was not answered (the turns' last requests were)
+            assert window.sum(metrics.REQUEST_ERRORS.name, model="tensorrt_llm_bls") == turn + 1, k
+            found = stopped.findall(log.read_text(errors="replace"))
+            assert [n for _, n in found] == ["1"] * (turn + 1), (k, found)  # the stop ended the running call
+            control = endpoint.generate("ensemble", GenerateRequest(prompt, MAX_TOKENS), 300).text
+            assert endpoint.generate("tensorrt_llm_bls", GenerateRequest(prompt, MAX_TOKENS, num_draft_tokens=3), 300).text == control
     finally:
         endpoint.close()
         srv.stop()

@@ -626,12 +626,62 @@ def test_decoupled_bls_calls_keep_their_iterators_until_the_stubs_queue_is_past_
     assert alive() == [False, False, False, True] and len(call.held) == 1
 
 
+def test_a_streamed_decoupled_call_gets_tensorrt_llms_stop_once_its_request_ends(monkeypatch, request):
+    """A decoupled BLS call is not sliced, so a plain run (or a fused request) that streams is ended from the BLS with
+    TensorRT-LLM's `stop`: once the BLS request's check fires between two responses, a request with stop=true and the
+    call's own request id follows (as NVIDIA's BLS sends it, triton_decoder.py:194-216 @c2e65b8), once; the call takes
+    the responses that still come. A call that does not stream carries no id and gets no stop."""
+    import types
+
+    sent = []
+
+    class InferenceRequest:
+        def __init__(self, model_name, requested_output_names, inputs, request_id="", timeout=0):
+            self.inputs, self.request_id = {name: value for name, value in inputs}, request_id
+            sent.append(self)
+
+        def exec(self, decoupled=False):
+            assert decoupled
+            if "stop" in self.inputs:
+                return [types.SimpleNamespace(has_error=lambda: False, outputs={})]
+            piece = lambda t: types.SimpleNamespace(has_error=lambda: False, outputs={"output_ids": np.array([[t]]), "sequence_length": np.array([1])})  # noqa: E731
+            return [piece(t) for t in (5, 6, 7)] + [types.SimpleNamespace(has_error=lambda: False, outputs={})]
+
+    output = lambda response, name: types.SimpleNamespace(as_numpy=lambda: response.outputs[name]) if name in response.outputs else None  # noqa: E731
+    bls = _bls_module(monkeypatch, request, InferenceRequest=InferenceRequest, Tensor=lambda name, value: (name, value), get_output_tensor_by_name=output)
+    call = bls.LlmCall("tensorrt_llm", decoupled=True, slice_s=0.0, held=common.HeldResponses())
+    job = {"bad_words_list": np.zeros((2, 0), np.int32), "stop_words_list": np.zeros((2, 0), np.int32),
+           "return_log_probs": False, "return_context_logits": False, "return_generation_logits": False,
+           "penalties": dict(common.PENALTY_NEUTRAL), "prompt_ids": [1, 2], "embedding_bias": None, "end_id": None,
+           "stop_words": []}  # fmt: skip
+    sampling = types.SimpleNamespace(temperature=1.0, top_k=0, top_p=0.0, seed=None)
+    polls = []
+
+    def cancelled_after_first():  # the client cancels once the first response has come
+        polls.append(len(polls))
+        return len(polls) > 1
+
+    for sink in (lambda ids: None, None):  # a streamed request's plain run streams; an unstreamed one does not
+        sent.clear()
+        job["stop_check"] = common.CancelCheck(cancelled_after_first, deadline_s=None, interval_s=0.0)
+        polls.clear()
+        tokens = bls.TritonVerifier(call, job, bls.Record(), stream_sink=sink).verify([1, 2], [], None, sampling, output_len=8)
+        assert tokens == [5, 6, 7]  # the responses that came after the stop are kept
+        if sink is None:
+            assert len(sent) == 1 and not sent[0].request_id and "streaming" not in sent[0].inputs
+            continue
+        run, stop = sent
+        assert run.inputs["streaming"].tolist() == [[True]] and len(run.request_id) == 32
+        assert stop.request_id == run.request_id and stop.inputs["stop"].tolist() == [[True]]
+        assert stop.inputs["request_output_len"].tolist() == [[0]]
+
+
 def _recording_bls(monkeypatch, request, sent):
     """The BLS module with a stand-in pb_utils whose requests record (input names, requested outputs)."""
     import types
 
     class InferenceRequest:
-        def __init__(self, model_name, requested_output_names, inputs, timeout=0):
+        def __init__(self, model_name, requested_output_names, inputs, timeout=0, request_id=""):
             sent.append(({name: value for name, value in inputs}, list(requested_output_names)))
 
         def exec(self, decoupled=False):

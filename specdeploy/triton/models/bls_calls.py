@@ -6,6 +6,8 @@
 `ended_at_end_id` (reading an end from a short answer). The BLS model (tensorrt_llm_bls.py) runs the loop over them.
 """
 
+import uuid
+
 import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
@@ -53,8 +55,13 @@ class LlmCall:
             self.held.release(stop_check)
             # Not sliced: a decoupled BLS call abandoned at its timeout while the model still sends responses
             # corrupted the stub's heap (tritonserver 2.51: "malloc_consolidate(): unaligned fastbin chunk
-            # detected", then "Stub process is not healthy"), so there the BLS checks between rounds only.
-            return self._call(sequence, output_len, sampling, extra, return_logits, more_outputs, 0, on_tokens)
+            # detected", then "Stub process is not healthy"), so there the BLS checks between rounds, and a call that
+            # streams (a streamed request's fused call or plain run) is stopped with TensorRT-LLM's `stop` once the
+            # BLS's own request ends (_call). A call that does not stream runs to its end: streaming it only to check
+            # cost a non-streamed fused request 7-8 % (docs/triton-stub-workarounds.md).
+            streams = stop_check is not None and "streaming" in extra
+            return self._call(sequence, output_len, sampling, extra, return_logits, more_outputs, 0, on_tokens,
+                              stop_check if streams else None)  # fmt: skip
         if not self.slice_s or stop_check is None:
             return self._call(sequence, output_len, sampling, extra, return_logits, more_outputs, 0)
         attempt = lambda s: self._call(sequence, output_len, sampling, extra, return_logits, more_outputs, int(s * 1e6))  # noqa: E731
@@ -63,7 +70,10 @@ class LlmCall:
         except common.ParentStopped as exc:
             raise BlsModelError(f"{self.model_name}: {exc}") from None
 
-    def _call(self, sequence, output_len, sampling, extra, return_logits, more_outputs, timeout_us, on_tokens=None):
+    def _call(self, sequence, output_len, sampling, extra, return_logits, more_outputs, timeout_us, on_tokens=None,
+              stop_check=None):
+        """`stop_check` (a streamed decoupled call): asked as each response arrives; once it fires, the call's request id
+        gets TensorRT-LLM's `stop` (_send_stop) and the call ends with the tokens it has."""
         tensors = {
             "input_ids": np.array([sequence], dtype=np.int32),
             "input_lengths": np.array([[len(sequence)]], dtype=np.int32),
@@ -80,15 +90,22 @@ class LlmCall:
             tensors["seed"] = np.array([[sampling.seed]], dtype=np.uint64)
         wanted = ["output_ids", "sequence_length"] + (["generation_logits"] if return_logits else []) + list(more_outputs)
         named = {self.names.get(k, k): v for k, v in tensors.items() if self.names.get(k, k) is not None}
+        # an id of its own, as NVIDIA's BLS gives each request it sends (str(uuid.uuid4()), tensorrtllm_backend c2e65b8
+        # all_models/inflight_batcher_llm/tensorrt_llm_bls/1/model.py:195), which `stop` names
+        stop_id = uuid.uuid4().hex if stop_check is not None and self.names.get("stop", "stop") is not None else ""
         request = pb_utils.InferenceRequest(
             model_name=self.model_name,
             requested_output_names=[n for n in wanted if self.names.get(n, n) is not None],
             inputs=[pb_utils.Tensor(k, v) for k, v in named.items()],
+            request_id=stop_id,
             timeout=timeout_us,  # microseconds; the engine model stops at it (between prefill chunks and tokens)
         )
         responses = self.held.hold(request.exec(decoupled=True)) if self.decoupled else [request.exec()]
         tokens, logits, outputs = [], [], {}
         for response in responses:
+            if stop_id and stop_check():  # the BLS's own request was cancelled or ran past its deadline
+                self._send_stop(stop_id)
+                stop_id = ""  # the rest of the responses come as they were, ending soon
             if response.has_error():
                 message = response.error().message()
                 if timeout_us and common.is_slice_expiry(message):
@@ -110,6 +127,23 @@ class LlmCall:
                 if tensor is not None:
                     outputs.setdefault(name, []).append(tensor.as_numpy())
         return tokens, (torch.cat(logits) if logits else None), outputs
+
+    def _send_stop(self, request_id: str) -> None:
+        """TensorRT-LLM's `stop` for the running call `request_id`: a request of that id with stop=true and no tokens,
+        as NVIDIA's BLS sends it (tensorrtllm_backend c2e65b8 all_models/inflight_batcher_llm/tensorrt_llm_bls/1/lib/
+        triton_decoder.py:194-216; the input: all_models/inflight_batcher_llm/tensorrt_llm/config.pbtxt:293-298). Its
+        C++ backend cancels the executor's requests of that id (inflight_batcher_llm/src/model_instance_state.cc:871-905),
+        its Python model alike (all_models/inflight_batcher_llm/tensorrt_llm/1/model.py:1336-1352), and specdeploy's
+        CPU model ends them with the tokens they have (tensorrt_llm.py `_serve`). A stop that fails is reported in the
+        log and the call runs on to its end, as before."""
+        tensors = {"input_ids": np.zeros([1, 1], dtype=np.int32), "input_lengths": np.zeros([1, 1], dtype=np.int32),
+                   "request_output_len": np.zeros([1, 1], dtype=np.int32), "stop": np.array([[True]])}  # fmt: skip
+        named = {self.names.get(k, k): v for k, v in tensors.items()}
+        request = pb_utils.InferenceRequest(model_name=self.model_name, requested_output_names=[], request_id=request_id,
+                                            inputs=[pb_utils.Tensor(k, v) for k, v in named.items()])  # fmt: skip
+        for response in self.held.hold(request.exec(decoupled=True)):
+            if response.has_error():
+                print(f"{self.model_name}: the stop for request id {request_id!r} failed: {response.error().message()}", flush=True)
 
 
 def request_tensors(job, produced: int) -> dict:
