@@ -626,6 +626,21 @@ def test_decoupled_bls_calls_keep_their_iterators_until_the_stubs_queue_is_past_
     assert alive() == [False, False, False, True] and len(call.held) == 1
 
 
+def _verifier_job(logits: bool) -> dict:
+    """A BLS request's job as TritonVerifier reads it: prompt [1, 2], no stop words, penalties neutral; `logits`: the
+    client asked for context and generation logits."""
+    return {"bad_words_list": np.zeros((2, 0), np.int32), "stop_words_list": np.zeros((2, 0), np.int32),
+            "return_log_probs": False, "return_context_logits": logits, "return_generation_logits": logits,
+            "penalties": dict(common.PENALTY_NEUTRAL), "prompt_ids": [1, 2], "embedding_bias": None, "end_id": None,
+            "stop_words": []}  # fmt: skip
+
+
+def _greedy():
+    import types
+
+    return types.SimpleNamespace(temperature=1.0, top_k=0, top_p=0.0, seed=None)
+
+
 def test_a_streamed_decoupled_call_gets_tensorrt_llms_stop_once_its_request_ends(monkeypatch, request):
     """A decoupled BLS call is not sliced, so a plain run (or a fused request) that streams is ended from the BLS with
     TensorRT-LLM's `stop`: once the BLS request's check fires between two responses, a request with stop=true and the
@@ -650,11 +665,7 @@ def test_a_streamed_decoupled_call_gets_tensorrt_llms_stop_once_its_request_ends
     output = lambda response, name: types.SimpleNamespace(as_numpy=lambda: response.outputs[name]) if name in response.outputs else None  # noqa: E731
     bls = _bls_module(monkeypatch, request, InferenceRequest=InferenceRequest, Tensor=lambda name, value: (name, value), get_output_tensor_by_name=output)
     call = bls.LlmCall("tensorrt_llm", decoupled=True, slice_s=0.0, held=common.HeldResponses())
-    job = {"bad_words_list": np.zeros((2, 0), np.int32), "stop_words_list": np.zeros((2, 0), np.int32),
-           "return_log_probs": False, "return_context_logits": False, "return_generation_logits": False,
-           "penalties": dict(common.PENALTY_NEUTRAL), "prompt_ids": [1, 2], "embedding_bias": None, "end_id": None,
-           "stop_words": []}  # fmt: skip
-    sampling = types.SimpleNamespace(temperature=1.0, top_k=0, top_p=0.0, seed=None)
+    job, sampling = _verifier_job(logits=False), _greedy()
     polls = []
 
     def cancelled_after_first():  # the client cancels once the first response has come
@@ -718,16 +729,10 @@ def test_bls_target_calls_with_drafts_ask_for_no_logits(monkeypatch, request):
     """NVIDIA's BLS asks for context/generation logits only on calls without a draft (tensorrtllm_backend@c2e65b8
     tensorrt_llm_bls/1/lib/triton_decoder.py:495-508): the verifier's call with draft_input_ids sets neither flag,
     even when the client asked for logits; a call without drafts still passes the client's request on."""
-    import types
-
     sent = []
     bls = _recording_bls(monkeypatch, request, sent)
     call = bls.LlmCall("tensorrt_llm", decoupled=False, slice_s=0.0, held=common.HeldResponses())
-    job = {"bad_words_list": np.zeros((2, 0), np.int32), "stop_words_list": np.zeros((2, 0), np.int32),
-           "return_log_probs": False, "return_context_logits": True, "return_generation_logits": True,
-           "penalties": dict(common.PENALTY_NEUTRAL), "prompt_ids": [1, 2], "embedding_bias": None, "end_id": None,
-           "stop_words": []}  # fmt: skip
-    sampling = types.SimpleNamespace(temperature=1.0, top_k=0, top_p=0.0, seed=None)
+    job, sampling = _verifier_job(logits=True), _greedy()
     bls.TritonVerifier(call, job, bls.Record()).verify([1, 2, 3], [5], None, sampling)
     inputs, outputs = sent[-1]
     assert "draft_input_ids" in inputs
