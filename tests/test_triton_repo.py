@@ -668,7 +668,8 @@ def test_a_streamed_decoupled_call_gets_tensorrt_llms_stop_once_its_request_ends
     job, sampling = _verifier_job(logits=False), _greedy()
     polls = []
 
-    def cancelled_after_first():  # the client cancels once the first response has come
+    def cancelled_after_first():  # False to the barrier before the call (HeldResponses.release), then cancelled:
+        # the check fires as the first response arrives
         polls.append(len(polls))
         return len(polls) > 1
 
