@@ -815,3 +815,61 @@ def test_data_dir_trains_on_another_recipes_data_and_its_absence_names_the_folde
     assert artifacts.Manifest.read(layout.eagle3_head).inputs["data_dir"] == str(data)
     with pytest.raises(SpecDeployError, match=str(tmp_path / "missing")):
         draft_train.train_recipe(recipe_for(target, data_dir=str(tmp_path / "missing")), layout, echo=lambda *_: None, progress=False)
+
+
+def test_data_curve_trains_nested_parts_of_one_folder_and_measures_each_on_the_same_heldout(tiny, tmp_path, capsys):
+    """bench/eagle3_data_curve.py on the tiny target: the parts are prefixes of one order of the training samples up to
+    a share of the answer tokens (a source variant takes that budget from one source), every head is measured on the
+    same held-out samples, the full part's head beats its untrained start, and a rerun finds every head up to date."""
+    import yaml
+
+    curve = bench_modules.load("eagle3_data_curve")
+    _, target, data = tiny
+    records = [json.loads(line) for line in (data / "train.jsonl").read_text().splitlines()]
+    for i, record in enumerate(records):
+        record["source"] = "odd" if i % 2 else "even"
+    heldout = [json.loads(line) for line in (data / "heldout.jsonl").read_text().splitlines()]
+    source = tmp_path / "data"
+    write_data(source, records, heldout, fingerprint="data-curve")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({"name": "tiny-eagle3", "target": {"model": str(target)},
+                                      "draft": {"kind": "eagle3", "head": "trained", "train": TRAIN},
+                                      "speculative": {"max_draft_len": 4, "num_draft_tokens": 3}}))  # fmt: skip
+    work, out = tmp_path / "work", tmp_path / "curve.json"
+    args = ["--recipe", str(recipe), "--root", str(tmp_path), "--data", str(source), "--fractions", "0.25,1",
+            "--variant", "odd:source=odd", "--variant", "slow:learning_rate=0.001", "--variant-fraction", "0.5",
+            "--heldout", "6", "--work", str(work), "--out", str(out)]  # fmt: skip
+    assert curve.main(args) == 0
+    result = json.loads(out.read_text())
+    rows = {r["name"]: r for r in result["rows"]}
+    assert list(rows) == ["f0.25", "f1", "odd", "slow"]
+
+    def ids(part: str) -> list[str]:
+        return [json.loads(line)["id"] for line in (work / "data" / part / "train.jsonl").read_text().splitlines()]
+
+    # every answer is ANSWER_LEN tokens: a quarter of 16 answers' tokens is 4 samples, the first 4 of the full part's order
+    assert rows["f1"]["answer_tokens"] == 16 * ANSWER_LEN and rows["f1"]["train_samples"] == 16
+    assert rows["f0.25"]["answer_tokens"] == 4 * ANSWER_LEN and ids("0.25") == ids("1")[:4]
+    assert sorted(ids("1")) == sorted(r["id"] for r in records)
+    # half the tokens from one source: all 8 of its samples, none of the other's
+    assert sorted(ids("odd-0.5")) == sorted(r["id"] for r in records if r["source"] == "odd")
+    assert rows["slow"]["train"]["learning_rate"] == 0.001 and rows["slow"]["answer_tokens"] == 8 * ANSWER_LEN
+    slow_manifest = artifacts.Manifest.read(Path(rows["slow"]["head"]))
+    assert slow_manifest.settings["train"]["learning_rate"] == 0.001
+    assert slow_manifest.inputs["data_dir"] == str(work / "data" / "0.5")
+    # the same held-out positions for every head: the first 6 held-out samples, never trained on
+    positions = {r["heldout"]["positions"] for r in rows.values()}
+    assert len(positions) == 1 and positions.pop() > 0
+    assert (work / "data" / "1" / "heldout.jsonl").read_text().splitlines() == (data / "heldout.jsonl").read_text().splitlines()[:6]
+    part = artifacts.Manifest.read(work / "data" / "0.25")
+    assert part.inputs["part_of_fingerprint"] == "data-curve" and part.extra["part"]["train_samples"] == 4
+    assert part.fingerprint != artifacts.Manifest.read(work / "data" / "1").fingerprint
+    full = rows["f1"]
+    assert sum(full["heldout"]["accepted_at_least"]) > sum(full["untrained"]["accepted_at_least"])
+    assert isinstance(result["slope_per_doubling"], float)
+    capsys.readouterr()
+    # nothing changed: every part and head up to date; a head made elsewhere (here the full part's) is measured alike
+    assert curve.main(args + ["--reference", f"same={full['head']}"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("eagle3 head: up to date") == 4 and "untrained head" not in printed
+    assert json.loads(out.read_text())["references"] == [{"name": "same", "head": full["head"], "heldout": full["heldout"]}]
