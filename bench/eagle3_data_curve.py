@@ -183,13 +183,15 @@ def train_point(point: Point, raw: dict, common: dict, part_dir: Path, work: Pat
     if recipe.draft.train.features == "engine":
         link_engine(source_layout, layout)
     wall, cpu = time.monotonic(), time.process_time()
-    draft_train.train_recipe(recipe, layout, echo=echo)
+    trained = draft_train.train_recipe(recipe, layout, echo=echo) is not None  # None: up to date, nothing trained now
     manifest = Manifest.read(layout.eagle3_head)
     log = [json.loads(line) for line in (layout.eagle3_head / draft_train.TRAIN_LOG).read_text().splitlines() if line.strip()]
     extra = manifest.extra
     return {"name": point.name, "fraction": point.fraction, "source": point.source, "train": {**common, **point.train},
             "head": str(layout.eagle3_head), "steps": extra["steps"],
-            "train_wall_s": round(time.monotonic() - wall, 1), "train_cpu_s": round(time.process_time() - cpu, 1),
+            # this run's seconds only where it trained; a cached head has the seconds its manifest recorded
+            "train_wall_s": round(time.monotonic() - wall, 1) if trained else None,
+            "train_cpu_s": round(time.process_time() - cpu, 1) if trained else None,
             "recorded_train_s": extra["train_seconds"], "heldout": extra["heldout_acceptance"],
             "untrained": extra["untrained_acceptance"],
             "epochs": [{"epoch": e["epoch"], "mean_accepted": _mean(e["heldout"]),
@@ -227,8 +229,10 @@ def measure_head(name: str, head_dir: Path, raw: dict, common: dict, part_dir: P
 
 
 def _mean(acceptance: dict) -> float:
-    """Accepted drafts a round at k = ttt_steps: the sum of the shares accepting drafts 1..j (Acceptance.mean_accepted)."""
-    return float(sum(acceptance["accepted_at_least"]))
+    """Accepted drafts a round at k = ttt_steps, of an Acceptance as the manifests store it."""
+    from specdeploy.draft_train_loop import Acceptance
+
+    return Acceptance(**acceptance).mean_accepted
 
 
 def slope_per_doubling(rows: list[dict]) -> float | None:
@@ -364,8 +368,10 @@ def main(argv=None) -> int:
         per = " / ".join(f"{x:.3f}" for x in r["heldout"]["per_position"])
         write = f"{r['write_s']:7.0f}" if r["write_s"] is not None else "      -"
         val = f"  {r['validation']['all']['accepted_per_round']:.2f}" if "validation" in r else ""
-        print(f"  {r['name']:12s} {r['train_samples']:7d}  {r['answer_tokens']:13,d}  {write}  {r['train_wall_s']:7.0f} "
-              f"({r['train_cpu_s']:6.0f})  {r['steps']:5d}  {per:21s}  {_mean(r['heldout']):.3f}{val}")  # fmt: skip
+        cpu = f"{r['train_cpu_s']:6.0f}" if r["train_cpu_s"] is not None else "     -"  # a cached head: not this run's
+        wall = r["train_wall_s"] if r["train_wall_s"] is not None else r["recorded_train_s"]
+        print(f"  {r['name']:12s} {r['train_samples']:7d}  {r['answer_tokens']:13,d}  {write}  {wall:7.0f} "
+              f"({cpu})  {r['steps']:5d}  {per:21s}  {_mean(r['heldout']):.3f}{val}")  # fmt: skip
     for r in references:
         per = " / ".join(f"{x:.3f}" for x in r["heldout"]["per_position"])
         val = f"  {r['validation']['all']['accepted_per_round']:.2f}" if "validation" in r else ""
