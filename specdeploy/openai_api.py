@@ -19,11 +19,14 @@ Semantics:
   `stop` (the server may generate a few tokens past it). `n` > 1, `logprobs`, `echo`, `best_of`,
   `suffix` and `tools` are refused with a 400 in OpenAI's error format.
 - `usage.prompt_tokens` tokenizes the prompt (template applied) with the server's tokenizer and
-  settings (`add_special_tokens`): the count preprocessing makes. `usage.completion_tokens` counts the
-  output ids when the model returns `output_ids`; NVIDIA's `ensemble` / `tensorrt_llm_bls` interface
-  returns only text, so there it re-tokenizes the output text, which can differ from the generated
-  ids where the model emitted a split a tokenizer would merge (`specdeploy.completion_tokens_exact`
-  says which).
+  settings (`add_special_tokens`): the count preprocessing makes. `usage.completion_tokens` is the
+  server's count of the output tokens (the end token not counted, as TensorRT-LLM counts): the
+  `output_ids` where the model returns them, else specdeploy's `sequence_length` output of `ensemble`
+  and `tensorrt_llm_bls` (NVIDIA's text-level interface returns only text). Only where neither comes
+  back (another deployment; a text cut at a stop string) does it re-tokenize the output text, which can
+  count fewer tokens where the model wrote apart what the tokenizer would merge
+  (`specdeploy.completion_tokens_exact` says which). `finish_reason` is `length` where that count
+  reached `max_tokens`.
 - Streaming (`stream: true`, server-sent events, `stream_options.include_usage`): on a decoupled
   deployment (`triton.decoupled: true`) each Triton response becomes a chunk as it arrives; on a
   unary deployment the whole answer comes as one content chunk (then the final chunk), so SSE

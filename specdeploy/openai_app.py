@@ -126,8 +126,8 @@ class Front:
 
     def usage(self, job: Job, result: GenerateResult | None, text: str, cut: bool) -> dict:
         prompt_tokens = self.codec.count_prompt(job.prompt)
-        if result is not None and result.token_ids is not None and not cut:
-            completion = len(result.token_ids)
+        if result is not None and result.output_tokens is not None and not cut:  # the server's own count
+            completion = result.output_tokens
         else:
             completion = self.codec.count_output(text)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
@@ -144,7 +144,7 @@ class Front:
             "acceptance_rate": perf.acceptance_rate if speculative else None,
             "server_ttft_s": perf.server_ttft_s if perf is not None else None,
             "server_decode_s": perf.server_decode_s if perf is not None else None,  # first -> last token on the server's clock
-            "completion_tokens_exact": result is not None and result.token_ids is not None and not cut,
+            "completion_tokens_exact": result is not None and result.output_tokens is not None and not cut,
             "k_history": result.k_history if result is not None else None,  # draft length per round, where the BLS returns it
             # beside it, seconds of each round's draft work and target call (validate's round profile)
             "draft_s_history": result.draft_s_history if result is not None else None,

@@ -73,10 +73,14 @@ def test_chat_greedy_equals_triton_path_streamed_and_not(streaming_api, model_di
                                            "REQUEST_OUTPUT_LEN": np.array([[MAX_TOKENS]], dtype=np.int32)},
                         ["REQUEST_INPUT_LEN"], 60)[-1]  # fmt: skip
     assert full.usage.prompt_tokens == int(pre.as_numpy("REQUEST_INPUT_LEN").reshape(-1)[0])
-    # no output_ids on NVIDIA's text interface: the count re-tokenizes the text (and says so)
-    assert ext["completion_tokens_exact"] is False
-    assert full.usage.completion_tokens == len(tokenizer(expected_spec, add_special_tokens=False)["input_ids"])
+    # NVIDIA's text interface returns no output_ids: the count is the server's (specdeploy's sequence_length output),
+    # the tokens tensorrt_llm generated, which the target alone returns as ids; not the re-tokenized text's
+    exact = len(endpoint.trace(prompt, MAX_TOKENS, 60, with_logits=False).output_ids)
+    assert ext["completion_tokens_exact"] is True
+    assert full.usage.completion_tokens == exact
     assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+    assert full.choices[0].finish_reason == ("length" if exact == MAX_TOKENS else "stop")
+    retokenized = len(tokenizer(expected_spec, add_special_tokens=False)["input_ids"])
 
     stream = client.chat.completions.create(
         model=f"{recipe.name}-control", messages=MESSAGES, temperature=0, max_tokens=MAX_TOKENS, stream=True,
@@ -87,8 +91,10 @@ def test_chat_greedy_equals_triton_path_streamed_and_not(streaming_api, model_di
     assert "".join(pieces) == expected_ctrl
     assert len(pieces) > 1  # decoupled: the answer arrives in several chunks
     finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
-    assert finals in (["length"], ["stop"])
+    assert finals == [full.choices[0].finish_reason]
     assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    assert chunks[-1].usage.completion_tokens == exact  # the streamed responses' counts, summed
+    print(f"completion tokens {exact}, re-tokenized text {retokenized}")
 
     spec_stream = client.chat.completions.create(model=f"{recipe.name}-speculative", messages=MESSAGES, temperature=0,
                                                  max_tokens=MAX_TOKENS, stream=True)  # fmt: skip

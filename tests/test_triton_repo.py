@@ -225,12 +225,18 @@ def test_tokenizer_found_through_the_engine_manifest(tmp_path, tiny_llama_dir):
 REFERENCE = Path(__file__).parent / "data" / "trtllm_backend_c2e65b8_tensors.json"
 
 
-def _declared(config, kind):
+# specdeploy's additions beyond NVIDIA's layout, per model (sent only on request)
+EXTENSIONS = {"outputs": {"tensorrt_llm_bls": {t.name for t in repository.OUTPUT_COUNT + repository.BLS_EXTRA_OUTPUTS},
+                          "ensemble": {t.name for t in repository.OUTPUT_COUNT}}}
+
+
+def _declared(config, kind, extensions: bool = False):
+    """NVIDIA's tensors of a model's config (with `extensions`: only specdeploy's additions)."""
     items = config.input if kind == "inputs" else config.output
-    ours = {t.name for t in repository.BLS_EXTRA_OUTPUTS}  # specdeploy's additions, sent only on request
+    ours = EXTENSIONS.get(kind, {}).get(config.name, set())
     return {
         t.name: (model_config_pb2.DataType.Name(t.data_type).removeprefix("TYPE_"), list(t.dims), bool(getattr(t, "optional", False)))
-        for t in items if t.name not in ours
+        for t in items if (t.name in ours) == extensions
     }
 
 
@@ -259,6 +265,13 @@ def test_every_tensor_is_declared_as_nvidia_declares_it(setup, backend):
                 expected = {t["name"]: (t["dtype"], t["dims"], t["optional"]) for t in reference[model][kind]}
                 assert _declared(configs[name], kind) == expected, (name, kind)
         counts[model] = len(_declared(configs[model], "inputs").keys() | _declared(configs[model], "outputs").keys())
+    # the additions: the output count on the text-level models (as tensorrt_llm declares it), the rounds on the BLS
+    count = {"sequence_length": ("INT32", [-1], False)}
+    assert _declared(configs["tensorrt_llm_bls"], "outputs", extensions=True) == {
+        **count, "speculative_k_history": ("INT32", [-1], False), "speculative_draft_seconds": ("FP32", [-1], False),
+        "speculative_target_seconds": ("FP32", [-1], False)}  # fmt: skip
+    if backend == "cpu":
+        assert _declared(configs["ensemble"], "outputs", extensions=True) == count
     # the counts the issue names: 51 on ensemble, 78 on tensorrt_llm, 57 on tensorrt_llm_bls
     if backend == "cpu":
         assert (counts["ensemble"], counts["tensorrt_llm"], counts["tensorrt_llm_bls"]) == (51, 78, 57)

@@ -85,6 +85,13 @@ class GenerateResult:
     # `speculative_target_seconds`), when the BLS returns them
     draft_s_history: list[float] | None = None
     target_s_history: list[float] | None = None
+    # the output tokens as the server counted them, where it returns `sequence_length` but no ids (specdeploy's
+    # ensemble and tensorrt_llm_bls); with token_ids, their count
+    output_tokens: int | None = None
+
+    def __post_init__(self):
+        if self.output_tokens is None and self.token_ids is not None:
+            object.__setattr__(self, "output_tokens", len(self.token_ids))
 
 
 @dataclass(frozen=True)

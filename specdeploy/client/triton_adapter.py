@@ -205,6 +205,9 @@ class TritonEndpoint:
         with_ids = self._has_output(model, "output_ids")  # exact tokens, where the deployment offers them
         if with_ids:
             outputs.append("output_ids")
+        with_count = not with_ids and self._has_output(model, "sequence_length")  # else their number (specdeploy's models)
+        if with_count:
+            outputs.append("sequence_length")
         with_k = request.return_perf_metrics and self._has_output(model, K_HISTORY_OUTPUT)  # the policy's k per round
         if with_k:
             outputs.append(K_HISTORY_OUTPUT)
@@ -219,7 +222,8 @@ class TritonEndpoint:
         k_history = [int(k) for r in responses for k in _array(r, K_HISTORY_OUTPUT)] if with_k else None
         draft_s, target_s = ([[float(x) for r in responses for x in _array(r, o)] for o in ROUND_SECONDS_OUTPUTS] if with_s
                              else (None, None))  # fmt: skip
-        return GenerateResult(text, latency, ttft, source, decode, len(responses), perf, ids, k_history, draft_s, target_s)
+        count = sum(int(n) for r in responses for n in _array(r, "sequence_length")) if with_count else None
+        return GenerateResult(text, latency, ttft, source, decode, len(responses), perf, ids, k_history, draft_s, target_s, count)
 
     def trace(self, prompt: str, max_tokens: int, timeout_s: float, with_logits: bool = True) -> TargetTrace:
         pre = self._run(

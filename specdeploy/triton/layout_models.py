@@ -19,6 +19,7 @@ from specdeploy.triton.tensors import (
     ENSEMBLE,
     LLM_INPUTS,
     LLM_OUTPUTS,
+    OUTPUT_COUNT,
     POSTPROCESSING,
     POSTPROCESSING_INPUTS,
     POSTPROCESSING_OUTPUTS,
@@ -140,11 +141,12 @@ def ensemble_spec(inp: RepoInputs) -> ModelSpec:
     llm = EnsembleStep(
         TARGET_MODEL,
         input_map=ENSEMBLE_LLM_INPUTS,
-        output_map=(("output_ids", "_TOKENS_BATCH"), ("sequence_length", "_SEQUENCE_LENGTH")) + tuple((t.name, t.name) for t in RESULT_OUTPUTS),
+        # sequence_length under its own name: the postprocessing's input and the ensemble's output (OUTPUT_COUNT)
+        output_map=(("output_ids", "_TOKENS_BATCH"), ("sequence_length", "sequence_length")) + tuple((t.name, t.name) for t in RESULT_OUTPUTS),
     )
     post = EnsembleStep(
         POSTPROCESSING,
-        input_map=(("TOKENS_BATCH", "_TOKENS_BATCH"), ("SEQUENCE_LENGTH", "_SEQUENCE_LENGTH")),
+        input_map=(("TOKENS_BATCH", "_TOKENS_BATCH"), ("SEQUENCE_LENGTH", "sequence_length")),
         output_map=(("OUTPUT", "text_output"),),
     )
     return ModelSpec(
@@ -153,7 +155,7 @@ def ensemble_spec(inp: RepoInputs) -> ModelSpec:
         backend=None,
         max_batch_size=inp.recipe.engine.max_batch_size,
         inputs=TEXT_INPUTS,
-        outputs=TEXT_OUTPUTS + RESULT_OUTPUTS,
+        outputs=TEXT_OUTPUTS + RESULT_OUTPUTS + OUTPUT_COUNT,
         steps=(pre, llm, post),
     )
 
@@ -168,7 +170,7 @@ def bls_spec(inp: RepoInputs) -> ModelSpec:
         name=BLS,
         max_batch_size=r.engine.max_batch_size,
         inputs=TEXT_INPUTS + BLS_ONLY_INPUTS,
-        outputs=TEXT_OUTPUTS + RESULT_OUTPUTS + BLS_EXTRA_OUTPUTS,
+        outputs=TEXT_OUTPUTS + RESULT_OUTPUTS + OUTPUT_COUNT + BLS_EXTRA_OUTPUTS,
         parameters={
             # draft.kind ngram: the BLS proposes by prompt lookup itself (no call to tensorrt_llm_draft)
             **({"draft_kind": "ngram", **ngram.to_parameters(ngram.settings_from_recipe(r))} if r.draft.is_ngram else {}),

@@ -36,6 +36,7 @@ from specdeploy.triton.tensors import (  # noqa: F401
     ENSEMBLE,
     LLM_INPUTS,
     LLM_OUTPUTS,
+    OUTPUT_COUNT,
     POSTPROCESSING_INPUTS,
     POSTPROCESSING_OUTPUTS,
     PREPROCESSING,

@@ -215,6 +215,13 @@ POSTPROCESSING_INPUTS = _table([
 ])
 POSTPROCESSING_OUTPUTS = _table([("OUTPUT", "STRING", [-1], REQ)])
 
+# specdeploy's own output of `ensemble` and `tensorrt_llm_bls`, beyond NVIDIA's layout (whose text-level models return
+# text only): `sequence_length`, the output tokens of a response, as tensorrt_llm counts them (the end id never
+# counted, tensorrt_llm.py _drop_end), so that a client knows how many tokens it got and whether max_tokens ended
+# the answer without tokenizing the text again (which can merge tokens the model wrote apart). Summed over a
+# request's responses: the ensemble passes each tensorrt_llm response's count; the BLS sends the whole answer's with
+# its last response (its streamed text chunks carry none). Sent only when a client asks for it by name.
+OUTPUT_COUNT = _table([("sequence_length", "INT32", [-1], REQ)])
 # specdeploy's own BLS outputs, beyond NVIDIA's layout (sent only when a client asks for them by name):
 # speculative_k_history, the draft length of each round of the request (0: a plain step or run); beside it the
 # seconds of each round's draft work and target call (fused EAGLE-3: the head's work and the engine pass).

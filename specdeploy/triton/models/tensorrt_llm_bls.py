@@ -16,7 +16,8 @@ Where a round costs:
   - draft.kind eagle3 (`draft_kind` eagle3): tensorrt_llm runs the EAGLE-3 head inside (the fused loop of
     engine/executor.py), so a request is ONE call to tensorrt_llm with `num_draft_tokens` = k (0: plain); its
     per-round counts (`draft_tokens_per_round`, `accepted_draft_tokens_per_round`) feed the metrics here.
-`speculative_k_history` (INT32 [-1], sent only when a client requests it by name): the k of each round;
+`sequence_length` (INT32 [-1], sent only when a client requests it by name): the answer's output tokens, with the last
+response; `speculative_k_history` (likewise): the k of each round;
 `speculative_draft_seconds` / `speculative_target_seconds` (FP32 [-1], likewise) beside it: each round's draft work
 and target call (fused: the head's work and the engine pass, as tensorrt_llm timed them), for validate's round profile.
 """
@@ -371,6 +372,8 @@ class TritonPythonModel:
             "total_accepted_draft_tokens": np.array([[stats.accepted]], dtype=np.int32),
             "total_draft_tokens": np.array([[stats.drafted]], dtype=np.int32),
         }
+        if "sequence_length" in job["wanted"]:  # the answer's output tokens, [batch, beam] as tensorrt_llm's (OUTPUT_COUNT)
+            values["sequence_length"] = np.array([[n_output]], dtype=np.int32)
         # per round, [1, rounds], only when asked for (the seconds are empty where the target did not time its passes)
         for name, per_round, dtype in (("speculative_k_history", stats.k_per_round, np.int32),
                                        ("speculative_draft_seconds", stats.draft_s_per_round, np.float32),
