@@ -54,7 +54,12 @@ def decide(window: m.Snapshot, config: CanaryConfig, window_s: float, model: str
     few = [a for a in (spec, ctrl) if a.requests + a.errors < config.min_requests]
     if few:
         reasons = tuple(f"{a.arm} arm had {a.requests + a.errors:.0f} requests in {window_s:.0f} s, fewer than {config.min_requests}" for a in few)
-        return Verdict(INCONCLUSIVE, reasons + ("wait longer (--window) or send more traffic",), spec, ctrl, window_s)
+        if ctrl in few and config.control_percent <= 0:  # no traffic reaches the control arm however long one waits
+            fix = ("the BLS sends no requests down the control arm: set canary.control_percent (e.g. 10) in the recipe, "
+                   "then `specdeploy repo` and `specdeploy serve` it again")  # fmt: skip
+        else:
+            fix = "wait longer (--window) or send more traffic"
+        return Verdict(INCONCLUSIVE, reasons + (fix,), spec, ctrl, window_s)
     spt_spec, spt_ctrl = arm_spt(spec), arm_spt(ctrl)
     speedup = spt_ctrl / spt_spec if spt_spec and spt_ctrl else None
     p99_ratio = spec.e2e_p99_s / ctrl.e2e_p99_s if spec.e2e_p99_s and ctrl.e2e_p99_s else None

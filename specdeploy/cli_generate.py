@@ -9,7 +9,7 @@ from specdeploy.cli_common import RECIPE, handle_errors, pass_ctx
 
 @click.command("generate")
 @RECIPE
-@click.option("--prompt", required=True, help="Text to continue (sent as is, like the Triton preprocessing model).")
+@click.option("--prompt", required=True, help="The user turn (with --raw: the text to continue, as is).")
 @click.option("--no-spec", is_flag=True, help="Run the target alone (the unaccelerated control).")
 @click.option("--num-draft-tokens", type=int, default=None, help="Draft tokens per round [recipe speculative.num_draft_tokens].")
 @click.option("--max-tokens", type=int, default=None, help="Tokens to generate [recipe validation.max_tokens].")

@@ -63,6 +63,7 @@ def _serve_openai(ctx, r, layout, recipe, detach, server_binary, port, host, api
         raise ConfigError("--openai-port fronts the inflight_batcher_llm layout (ensemble and tensorrt_llm_bls); this recipe "
                           "serves the llmapi layout", "serve without --openai-port, or set triton.layout: inflight_batcher_llm")  # fmt: skip
     openai_api.check_bind(host, api_key)  # before starting anything
+    server.refuse_running(layout.server_state, recipe)  # served already: say so, not that its front holds the port
     openai_api.check_port(host, port)
     with ctx.locked(r, recipe):
         state = backend_stages.of(r).serve(r, layout, detach=True, server_binary=server_binary, recipe_path=recipe, echo=click.echo)

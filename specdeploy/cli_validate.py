@@ -53,7 +53,7 @@ FOREIGN_OPTIONS = ("tokenizer", "layout", "speculative_model", "control_model", 
 @click.option("--temperature", type=float, default=1.0, show_default=True, help="Temperature of the sampling comparison.")
 @click.option("--samples", type=int, default=200, show_default=True, help="Seeded samples per side and prompt in the sampling comparison.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-@click.option("--protocol", type=click.Choice(_dep.PROTOCOLS), default=_dep.Deployment.protocol, show_default=True, help="Send the requests over Triton gRPC or through an OpenAI-compatible API.")
+@click.option("--protocol", type=click.Choice(_dep.PROTOCOLS), default=_dep.Deployment.protocol, show_default=True, help="Send the requests over Triton gRPC or through an OpenAI-compatible API (an API key: $SPECDEPLOY_API_KEY or $OPENAI_API_KEY).")
 @click.option("--openai-url", default=None, help="The OpenAI API, http://127.0.0.1:PORT (specdeploy's front: serve --openai-port PORT), for --protocol openai; with it, --url is the Triton under it.")
 @click.option("--metrics-url", default=None, help="Triton's metrics endpoint HOST:PORT, checked against validate's counts [the detached server's; none with --url].")
 @pass_ctx

@@ -137,10 +137,7 @@ def serve_gpu(
         echo(line)
     if print_only:
         return None
-    existing = server.ServerState.read(layout.server_state)
-    if existing is not None and existing.running():
-        raise ServerError(f"a server for this recipe is already running (pid {existing.pid}, grpc {existing.grpc_url})",
-                          f"stop it first: specdeploy stop {recipe_path}")  # fmt: skip
+    server.refuse_running(layout.server_state, recipe_path)
     from specdeploy import preflight
 
     preflight.enforce(preflight.run_all(recipe, layout), echo)

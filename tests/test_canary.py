@@ -84,7 +84,10 @@ def test_tail_latency_regression_rolls_back():
 def test_too_little_traffic_is_inconclusive():
     v = can.decide(_window(0.5, 1.0, ctrl_n=3), CONFIG, 10.0)
     assert v.decision == can.INCONCLUSIVE and v.exit_code == 1
-    assert "control arm had 3 requests" in v.line
+    assert "control arm had 3 requests" in v.line and "wait longer" in v.line
+    # a recipe that sends the control arm nothing: waiting cannot help, the fix is the recipe's share
+    v = can.decide(_window(0.5, 1.0, ctrl_n=0), dataclasses.replace(CONFIG, control_percent=0.0), 10.0)
+    assert v.decision == can.INCONCLUSIVE and "set canary.control_percent" in v.line and "wait longer" not in v.line
 
 
 class _MetricsHandler(http.server.BaseHTTPRequestHandler):

@@ -855,3 +855,14 @@ def test_the_report_and_monitor_split_drafting_rounds_between_the_suffix_lookup_
     snapshot = m.parse(text)
     lines = frame(snapshot, snapshot, 1.0, CostConfig(machine_price_per_hour=0.0))
     assert any("suffix lookup drafted 4 of 10 drafting rounds, 7 of its 12 drafts accepted" in line for line in lines), lines
+
+
+def test_summary_names_the_policy_only_where_the_deployment_said_which():
+    from specdeploy import metrics as m
+    from specdeploy.client import metrics_check as mc
+
+    text = _exposition(2, 30, 12, 50, 0, rounds={("on", "none"): 3, ("off", "draft_p_min"): 1})
+    said = mc.summary_lines({"speculation": mc.speculation_section(m.parse(text), mc.PathCounts(), {"speculation_policy": "cost"})})
+    assert said[0] == "speculation: policy cost, 75% of 4 rounds speculated; off: draft_p_min 1"
+    unsaid = mc.summary_lines({"speculation": mc.speculation_section(m.parse(text), mc.PathCounts(), {})})  # a foreign deployment
+    assert unsaid[0] == "speculation: 75% of 4 rounds speculated; off: draft_p_min 1"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.client
 import json
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
@@ -179,6 +180,42 @@ def test_cli_refuses_a_wide_bind_without_a_key_before_starting_anything(tmp_path
     assert not (tmp_path / "engines").exists()  # nothing started, nothing written
 
 
+def test_cli_serve_with_a_front_names_the_running_server_not_the_port_its_front_holds(tmp_path):
+    """`serve --openai-port P` while the recipe is served (its front on P): the error is the running server's, with
+    the fix (stop it), not "cannot listen on P"; nothing else starts."""
+    import socket
+    import subprocess
+    import sys
+
+    import yaml
+    from click.testing import CliRunner
+
+    from specdeploy.artifacts import Layout, process_identity
+    from specdeploy.cli import main
+    from specdeploy.config_loader import load_recipe
+    from specdeploy.triton.server_state import ServerState
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({"name": "r", "target": {"model": "x"}, "draft": {"model": "x"}}))
+    layout = Layout.of(load_recipe(str(recipe)), tmp_path)
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # stands in for the recorded server
+    try:
+        identity = process_identity(live.pid)
+        ServerState(live.pid, 1, 2, 3, "log", "repo", 0.0, identity.start_ticks, list(identity.cmdline)).write(Path(layout.server_state))
+        with socket.socket() as held:  # the running deployment's front
+            held.bind(("127.0.0.1", 0))
+            held.listen()
+            port = held.getsockname()[1]
+            result = CliRunner().invoke(main, ["--root", str(tmp_path), "serve", str(recipe), "--openai-port", str(port)])
+        assert result.exit_code != 0, result.output
+        assert f"already running (pid {live.pid}" in result.output and f"specdeploy stop {recipe}" in result.output, result.output
+        assert "cannot listen" not in result.output
+        assert ServerState.read(layout.server_state).pid == live.pid  # the record is left as it was
+    finally:
+        live.kill()
+        live.wait()
+
+
 def test_detached_front_gets_the_key_in_its_environment_not_its_command_line(tmp_path, monkeypatch):
     import subprocess
 
@@ -233,8 +270,13 @@ def test_validates_own_openai_client_sends_the_key_from_the_environment(ops_deco
         endpoint = OpenAIEndpoint(api.url, recipe.name)
         for name in ("SPECDEPLOY_API_KEY", "OPENAI_API_KEY"):
             monkeypatch.delenv(name, raising=False)
-        with pytest.raises(SpecDeployError, match="401"):
+        with pytest.raises(SpecDeployError, match="401") as refused:
             endpoint.served_models(endpoint.url)
+        assert refused.value.hint == "set SPECDEPLOY_API_KEY or OPENAI_API_KEY to the key the front was started with"
+        monkeypatch.setenv("OPENAI_API_KEY", "sk-other-key")
+        with pytest.raises(SpecDeployError, match="401") as refused:
+            endpoint.served_models(endpoint.url)
+        assert refused.value.hint == "the key in $OPENAI_API_KEY is not the front's"
         for name in ("SPECDEPLOY_API_KEY", "OPENAI_API_KEY"):
             monkeypatch.setenv(name, "sk-ascii-key")
             assert f"{recipe.name}-speculative" in endpoint.served_models(endpoint.url)

@@ -128,7 +128,10 @@ def test_openai_protocol_by_url_and_tokenizer_only(inflight, model_dir, prompts,
     # the front passes the BLS's round seconds on in its extension field: the round profile as over gRPC
     assert not any(what.startswith("where a speculative round's time goes") for what in missing)
     assert [p["concurrency"] for p in report["latency"]["round_profile"]] == [1]
-    assert any(what.startswith("the draft length the report names") for what in missing)  # the front fixes k
+    assert any(what.startswith("the draft length the options name") for what in missing)  # the front fixes k
+    # and the report's header does not claim the k validate would have sent
+    header = (tmp_path / "report.md").read_text().split("## ")[0]
+    assert "the deployment's own draft length (num_draft_tokens not sent" in header and "num_draft_tokens=" not in header
     assert "--metrics-url" in missing["the metrics endpoint against validate's own counts"]
 
 
@@ -146,7 +149,7 @@ def test_llmapi_layout_by_url_and_tokenizer(tmp_path_factory, model_dir, prompts
     assert _drafted(report) > 0
     missing = _not_checked(report)
     assert "exact token ids of the outputs" in missing  # the llmapi model returns text only
-    assert any(what.startswith("the draft length the report names") for what in missing)
+    assert any(what.startswith("the draft length the options name") for what in missing)
 
 
 # ---------------------------------------------------------------- bad input

@@ -335,7 +335,8 @@ def summary_lines(report: dict) -> list[str]:
     total = (spec.get("rounds_on") or 0) + (spec.get("rounds_off") or 0)
     if total:
         reasons = ", ".join(f"{r} {n:g}" for r, n in (spec.get("off_reasons") or {}).items())
-        lines.append(f"speculation: policy {(spec.get('policy') or {}).get('speculation_policy', '?')}, {spec['speculated_share']:.0%} of "
+        policy = (spec.get("policy") or {}).get("speculation_policy")  # a deployment without a recipe may not say
+        lines.append("speculation: " + (f"policy {policy}, " if policy else "") + f"{spec['speculated_share']:.0%} of "
                      f"{total:g} rounds speculated" + (f"; off: {reasons}" if reasons else ""))  # fmt: skip
     check = report.get("metrics_check") or {}
     if check.get("checked"):

@@ -107,7 +107,13 @@ class OpenAIEndpoint:
                 message = json.loads(exc.read().decode())["error"]["message"]
             except Exception:  # not OpenAI's error format
                 message = str(exc)
-            hint = "raise validation.request_timeout_s or check the server log" if exc.code == 504 else "see the front's and the server's logs"
+            if exc.code == 504:
+                hint = "raise validation.request_timeout_s or check the server log"
+            elif exc.code == 401:  # the key comes from the environment, as OpenAI's clients take it
+                hint = (f"set {' or '.join(API_KEY_ENVS)} to the key the front was started with" if api_key() is None
+                        else f"the key in ${next(n for n in API_KEY_ENVS if os.environ.get(n))} is not the front's")  # fmt: skip
+            else:
+                hint = "see the front's and the server's logs"
             raise ClientError(f"the OpenAI API at {base} answered {exc.code} on {path}: {message[:400]}", hint) from None
         except (urllib.error.URLError, OSError) as exc:
             if "timed out" in str(exc):

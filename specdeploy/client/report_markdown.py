@@ -4,6 +4,7 @@ what was not checked, sweep, quantization quality, cost), rendered from the repo
 
 from __future__ import annotations
 
+from specdeploy.client.summary import DRAFT_LENGTH_NOT_SENT
 from specdeploy.cost import cost_markdown
 
 def _fmt(value, spec: str = ".3f", unit: str = "") -> str:
@@ -27,6 +28,9 @@ def render_markdown(report: dict) -> str:
     deployment = report.get("deployment") or {}
     names = deployment.get("served_names") or {}
     lines = [f"# Validation report: {report.get('recipe') or 'deployment'}", ""]
+    k_not_sent = any(i["what"].startswith(DRAFT_LENGTH_NOT_SENT) for i in report.get("not_checked") or [])
+    draft_length = ("with the deployment's own draft length (num_draft_tokens not sent: see Not checked)" if k_not_sent else
+                    f"with num_draft_tokens={settings.get('num_draft_tokens')} (max_draft_len {settings.get('max_draft_len')})")  # fmt: skip
     gate = report.get("gate")
     if gate:
         lines += [f"**{gate['line']}**", ""]
@@ -37,7 +41,7 @@ def render_markdown(report: dict) -> str:
         f"- server: `{report.get('url')}`" + (f", baseline: `{report['baseline_url']}`" if report.get("baseline_url") else ""),
         f"- created {report.get('created')}, took {_fmt(report.get('duration_s'), '.1f', ' s')}",
         f"- control: `{names.get('ensemble', 'ensemble')}` (target alone); speculative: `{names.get('tensorrt_llm_bls', 'tensorrt_llm_bls')}` "
-        f"with num_draft_tokens={settings.get('num_draft_tokens')} (max_draft_len {settings.get('max_draft_len')})"
+        + draft_length
         + (f"; {deployment['protocol']} protocol" + (f", {deployment['layout']} layout" if deployment["protocol"] == "triton" else "")
            + (f", control at `{deployment['control_url']}`" if deployment.get("control_url") else "")
            + (" (a deployment described by its address and tokenizer, no recipe)" if deployment.get("foreign") else "") if deployment else ""),

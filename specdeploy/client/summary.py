@@ -10,6 +10,9 @@ from specdeploy.client.deployment import Deployment
 from specdeploy.client.protocol import SPECULATIVE_MODEL
 
 
+DRAFT_LENGTH_NOT_SENT = "the draft length the options name"  # a Not checked item's `what`; the report's header reads it
+
+
 def not_checked(report: dict, deployment: Deployment, endpoint) -> list[dict]:
     """What this run could not check on this deployment, each with the reason: [{"what", "because"}]."""
     out: list[dict] = []
@@ -36,7 +39,7 @@ def not_checked(report: dict, deployment: Deployment, endpoint) -> list[dict]:
     dropped = getattr(endpoint, "dropped_inputs", {}) or {}
     spec_name = deployment.names().get(SPECULATIVE_MODEL, SPECULATIVE_MODEL)
     if "num_draft_tokens" in dropped.get(spec_name, set()) or (deployment.foreign and not deployment.per_request_draft_tokens):
-        add(f"the draft length the report names (num_draft_tokens={report['settings'].get('num_draft_tokens')})",
+        add(f"{DRAFT_LENGTH_NOT_SENT} (num_draft_tokens={report['settings'].get('num_draft_tokens')})",
             "the speculative path takes no per-request num_draft_tokens: it ran with the deployment's own draft length")
     for model, names in sorted(dropped.items()):
         rest = sorted(n for n in names if n != "num_draft_tokens")

@@ -252,6 +252,15 @@ def stop_pid(
 # ---------------------------------------------------------------- serve / status / stop for the CLI
 
 
+def refuse_running(state_dir, recipe_path: str = "RECIPE") -> "ServerState | None":
+    """The recorded server of `state_dir` if it has exited (None if there is none); a ServerError if it still runs."""
+    existing = ServerState.read(state_dir)
+    if existing is not None and existing.running():
+        raise ServerError(f"a server for this recipe is already running (pid {existing.pid}, grpc {existing.grpc_url})",
+                          f"stop it first: specdeploy stop {recipe_path}")  # fmt: skip
+    return existing
+
+
 def serve(
     repo: Path,
     state_dir: Path,
@@ -268,12 +277,7 @@ def serve(
     detach=True: leave it running and record it in state_dir for `status`/`stop`. Otherwise block
     until Ctrl-C (SIGINT) or SIGTERM, then stop it cleanly.
     """
-    existing = ServerState.read(state_dir)
-    if existing is not None and existing.running():
-        raise ServerError(
-            f"a server for this recipe is already running (pid {existing.pid}, grpc {existing.grpc_url})",
-            f"stop it first: specdeploy stop {recipe_path}",
-        )
+    existing = refuse_running(state_dir, recipe_path)
     if existing is not None:  # a server that died (killed, crashed): its stubs and regions go before a new one starts
         said = reap(existing)
         if said:
