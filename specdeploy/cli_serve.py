@@ -99,11 +99,19 @@ def stop(ctx, recipe):
 @pass_ctx
 @handle_errors
 def status(ctx, recipe):
-    """Say whether the detached server of RECIPE is running and ready, and where. Exit code 0: running and ready, 1:
-    running but not ready or a python stub died, 3: not running (as LSB init scripts answer `status`)."""
+    """Say whether the detached server of RECIPE (and its OpenAI front, if started with one) is running and ready, and
+    where. Exit code 0: running and ready, 1: running but not ready, a python stub died or the front exited, 3: not
+    running (as LSB init scripts answer `status`)."""
+    from specdeploy import openai_api
     from specdeploy.triton import server
 
     r = ctx.recipe(recipe)
     state, line = server.status(ctx.layout(r).server_state)
     click.echo(line)
-    raise SystemExit(server.status_code(state, line))
+    code = server.status_code(state, line)
+    front = openai_api.detached_status(ctx.layout(r).server_state) if state is not None else None
+    if front is not None:
+        click.echo(front[1])
+        if not front[0] and code == 0:  # the server is fine, the front it was started with is gone
+            code = 1
+    raise SystemExit(code)

@@ -210,11 +210,28 @@ def start_detached(recipe_path: str, root: str | None, grpc_url: str, port: int,
         tail = log.read_text()[-1500:] if log.is_file() else ""
         raise ServerError(f"the OpenAI front did not start on {host}:{port}:\n{tail}", f"full log: {log}")
     ident = process_identity(process.pid)
-    (state_dir / STATE_FILE).write_text(json.dumps({"pid": process.pid, "port": port, "log": str(log),
+    (state_dir / STATE_FILE).write_text(json.dumps({"pid": process.pid, "port": port, "host": host, "log": str(log),
                                                      "start_ticks": ident.start_ticks if ident else None,
                                                      "cmdline": list(ident.cmdline) if ident else cmd}))  # fmt: skip
     echo(f"  openai:  http://{_dial_host(host)}:{port}/v1 (pid {process.pid}, log {log})")
     return process.pid
+
+
+def detached_status(state_dir: Path) -> tuple[bool, str] | None:
+    """(alive, a line for `status`) of the front `start_detached` recorded in state_dir; None when there is none."""
+    from specdeploy.artifacts import ProcessIdentity
+    from specdeploy.triton.server_state import is_same_process
+
+    path = Path(state_dir) / STATE_FILE
+    if not path.is_file():
+        return None
+    state = json.loads(path.read_text())
+    identity = ProcessIdentity(state["pid"], state.get("start_ticks"), tuple(state.get("cmdline") or ()))
+    if not is_same_process(state["pid"], identity):
+        return False, (f"the OpenAI front (pid {state['pid']}) has exited: see its log {state.get('log') or Path(state_dir) / LOG_FILE}; "
+                       "stop and serve again to restart it")  # fmt: skip
+    host = state.get("host") or HOST
+    return True, f"openai front: http://{_dial_host(host)}:{state['port']}/v1 (pid {state['pid']}, bound to {host})"
 
 
 def stop_detached(state_dir: Path) -> str | None:

@@ -6,6 +6,11 @@ the speculative and the control model, streamed and not.
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import time
+
 import numpy as np
 import pytest
 
@@ -232,11 +237,32 @@ def test_serve_detach_with_openai_port_and_stop(tmp_path_factory, model_dir):
         assert recipe.name in {m.id for m in client.models.list().data}
         out = client.completions.create(model=f"{recipe.name}-control", prompt="The quick brown fox", max_tokens=4, temperature=0)
         assert out.choices[0].text and out.model_extra["specdeploy"]["path"] == "control"
+        result = runner.invoke(main, ["--root", str(root), "status", str(recipe_path)])
+        assert result.exit_code == 0 and f"openai front: http://127.0.0.1:{port}/v1" in result.output, result.output
+        # the front dies while the server runs: status says so, with exit code 1 (running but not all well)
+        front_pid = json.loads((layout.server_state / openai_api.STATE_FILE).read_text())["pid"]
+        os.kill(front_pid, signal.SIGKILL)
+        assert _gone(front_pid)
+        result = runner.invoke(main, ["--root", str(root), "status", str(recipe_path)])
+        assert result.exit_code == 1 and f"the OpenAI front (pid {front_pid}) has exited" in result.output, result.output
+        assert "running, ready" in result.output  # the server itself is fine
     finally:
         result = runner.invoke(main, ["--root", str(root), "stop", str(recipe_path)])
-    assert result.exit_code == 0 and "stopped the OpenAI front" in result.output and "stopped tritonserver" in result.output
+    assert result.exit_code == 0 and "OpenAI front" in result.output and "stopped tritonserver" in result.output
     with socket.socket() as sock:
         assert sock.connect_ex(("127.0.0.1", port)) != 0  # nothing listens any more
+
+
+def _gone(pid: int, timeout_s: float = 30) -> bool:
+    """Waits for the process to be gone (reaped by its parent, or a zombie of a parent that is gone)."""
+    from specdeploy.artifacts import pid_alive
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not pid_alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
 
 
 # ---------------------------------------------------------------- request parsing (no server)
