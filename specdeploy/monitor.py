@@ -30,7 +30,7 @@ def frame(total: m.Snapshot, window: m.Snapshot, window_s: float, cost: CostConf
     """The lines of one frame: `total` is the latest scrape, `window` its difference from the previous one."""
     lines = [f"specdeploy monitor {title}".rstrip() + f"  (interval {window_s:.1f} s)"]
     arms = [a for a in m.ARMS if a == m.SPECULATIVE_ARM or total.sum(m.REQUESTS.name, arm=a) or total.sum(m.RUNNING.name, arm=a)]
-    header = f"{'arm':<12} {'requests':>8} {'running':>7} {'tok/s':>8} {'accept':>7} {'tok/round':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'spec on/off':>12}"
+    header = f"{'arm':<12} {'requests':>8} {'running':>7} {'tok/s':>8} {'acc.rate':>8} {'tok/round':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'spec on/off':>12}"
     lines.append(header)
     cost_lines = []
     for arm in arms:
@@ -41,7 +41,7 @@ def frame(total: m.Snapshot, window: m.Snapshot, window_s: float, cost: CostConf
         onoff = f"{all_time.rounds_on:.0f}/{all_time.rounds_off:.0f}"
         lines.append(
             f"{arm:<12} {all_time.requests:>8.0f} {all_time.running:>7.0f} {_f(recent.tokens_per_s(window_s), 1):>8} "
-            f"{_f(shown.acceptance_rate):>7} {_f(shown.tokens_per_round, 2):>9} {_f(shown.tpot_p50_s, 1, 1000, 'ms'):>9} "
+            f"{_f(shown.acceptance_rate):>8} {_f(shown.tokens_per_round, 2):>9} {_f(shown.tpot_p50_s, 1, 1000, 'ms'):>9} "
             f"{_f(shown.tpot_p99_s, 1, 1000, 'ms'):>9} {onoff:>12}"
         )
         if all_time.lookup_rounds:
