@@ -65,8 +65,12 @@ def _serve_openai(ctx, r, layout, recipe, detach, server_binary, port, host, api
     openai_api.check_bind(host, api_key)  # before starting anything
     server.refuse_running(layout.server_state, recipe)  # served already: say so, not that its front holds the port
     openai_api.check_port(host, port)
+    def echo(line):  # in the foreground the server is recorded as detached (status, stop), but Ctrl-C here ends it
+        click.echo(line if detach or not line.startswith(server.DETACHED_LINE) else
+                   f"recorded for `specdeploy status {recipe}`; Ctrl-C here stops it and the front")
+
     with ctx.locked(r, recipe):
-        state = backend_stages.of(r).serve(r, layout, detach=True, server_binary=server_binary, recipe_path=recipe, echo=click.echo)
+        state = backend_stages.of(r).serve(r, layout, detach=True, server_binary=server_binary, recipe_path=recipe, echo=echo)
     try:
         if detach:
             openai_api.start_detached(recipe, ctx.root, state.grpc_url, port, layout.server_state, echo=click.echo, host=host, api_key=api_key)

@@ -90,7 +90,7 @@ def validate(ctx, recipe, url, baseline_url, report_dir, min_parity, min_speedup
         defaults = {"layout": _dep.Deployment.layout, "control_loading": _dep.Deployment.control_loading}
         given = [f"--{k.replace('_', '-')}" for k in FOREIGN_OPTIONS if foreign.get(k) is not None and foreign.get(k) != defaults.get(k)]
         if given:
-            raise ConfigError(f"{', '.join(given)} describe a deployment without a recipe; {recipe} already describes its own",
+            raise ConfigError(f"{', '.join(given)} {'describes' if len(given) == 1 else 'describe'} a deployment without a recipe; {recipe} already describes its own",
                               f"drop {', '.join(given)}, or drop RECIPE to validate the deployment at --url")  # fmt: skip
         r = ctx.recipe(recipe)
         with ctx.locked(r, recipe):

@@ -42,7 +42,7 @@ def format_money(value: float | None, currency: str) -> str:
     return f"{value:.{digits}f} {currency}"
 
 
-def cost_section(levels: list[dict], price_per_hour: float, currency: str = "USD") -> dict | None:
+def cost_section(levels: list[dict], price_per_hour: float, currency: str = "USD", source: str = "recipe `cost.machine_price_per_hour`") -> dict | None:
     """Cost per response and per 1k output tokens for every (path, concurrency) of a latency summary
     (`client.latency.summarize_levels`), for the report; None when no price is set."""
     if price_per_hour <= 0:
@@ -51,7 +51,7 @@ def cost_section(levels: list[dict], price_per_hour: float, currency: str = "USD
     for level in levels:
         c = level_cost(level, price_per_hour, currency)
         rows.append({"mode": level.get("mode"), "concurrency": level.get("concurrency"), **c.to_dict()})
-    return {"machine_price_per_hour": price_per_hour, "currency": currency, "levels": rows}
+    return {"machine_price_per_hour": price_per_hour, "currency": currency, "price_source": source, "levels": rows}
 
 
 def cost_markdown(section: dict | None) -> list[str]:
@@ -59,7 +59,7 @@ def cost_markdown(section: dict | None) -> list[str]:
         return []
     cur = section["currency"]
     lines = ["## Cost", "",
-             f"At {section['machine_price_per_hour']:g} {cur} per machine-hour (recipe `cost.machine_price_per_hour`), "
+             f"At {section['machine_price_per_hour']:g} {cur} per machine-hour ({section.get('price_source') or 'recipe `cost.machine_price_per_hour`'}), "
              "at the rate each level sustained: per response = price / 3600 / requests per second; "
              "per 1,000 output tokens = 1000 x price / 3600 / output tokens per second.", "",
              "| conc. | path | per response | per 1k output tokens |", "|---|---|---|---|"]  # fmt: skip

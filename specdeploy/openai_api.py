@@ -54,6 +54,7 @@ import argparse
 import ipaddress
 import json
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -284,10 +285,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens-limit", type=int, default=None)
     parser.add_argument("--request-timeout", type=float, default=None, help="deadline of each Triton call, s [recipe validation.request_timeout_s]")
     args = parser.parse_args(argv)
-    check_bind(args.host, args.api_key)
-    recipe = load_recipe(args.recipe)
-    front = build_front(recipe, Layout.of(recipe, args.root), args.grpc_url, timeout_s=args.request_timeout, api_key=args.api_key,
-                        max_body_bytes=args.max_body_bytes, max_tokens_limit=args.max_tokens_limit)  # fmt: skip
+    from specdeploy.errors import SpecDeployError
+
+    try:
+        check_bind(args.host, args.api_key)
+        recipe = load_recipe(args.recipe)
+        front = build_front(recipe, Layout.of(recipe, args.root), args.grpc_url, timeout_s=args.request_timeout, api_key=args.api_key,
+                            max_body_bytes=args.max_body_bytes, max_tokens_limit=args.max_tokens_limit)  # fmt: skip
+    except SpecDeployError as exc:  # the message and its fix, as the CLI prints them, not a traceback
+        hint = re.sub(r"(?<![\w-])--url\b", "--grpc-url", exc.hint)  # the client's hint names validate's option; this is ours
+        raise SystemExit(f"error: {exc.message}" + (f"\nhint: {hint}" if hint else "")) from None
     import uvicorn
 
     uvicorn.run(create_app(front), host=args.host, port=args.port, log_level="warning")

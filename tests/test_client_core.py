@@ -166,6 +166,11 @@ def test_expected_speedup_model_and_fit():
     rec = lat.recommend_k(points, fitted_alpha, fitted_c, max_k=6)
     best = max(range(1, 7), key=lambda k: lat.expected_speedup(alpha, k, c))
     assert rec["recommended_k"] == best
+    # a sweep in which no round of any k drafted (a policy kept them plain) fits nothing and recommends nothing
+    plain = [{**p, "acceptance_rate": 0.0, "speedup": 1.0, "most_drafts": 0} for p in points]
+    rec = lat.recommend_k(plain, 0.0, 0.1, max_k=6)
+    assert rec["recommended_k"] is None and "no round of any k drafted" in rec["no_recommendation"]
+    assert lat.recommend_k([{**p, "most_drafts": 1} for p in points], fitted_alpha, fitted_c, max_k=6)["recommended_k"] == best
 
 
 # ---------------------------------------------------------------- TTFT and TPOT sources
@@ -866,3 +871,21 @@ def test_summary_names_the_policy_only_where_the_deployment_said_which():
     assert said[0] == "speculation: policy cost, 75% of 4 rounds speculated; off: draft_p_min 1"
     unsaid = mc.summary_lines({"speculation": mc.speculation_section(m.parse(text), mc.PathCounts(), {})})  # a foreign deployment
     assert unsaid[0] == "speculation: 75% of 4 rounds speculated; off: draft_p_min 1"
+
+
+def test_not_checked_says_why_there_is_no_round_profile():
+    """A run whose speculative path never drafted has no round to profile: Not checked says so, and does not blame
+    the deployment's outputs; a run whose requests carried no round seconds names those outputs."""
+    from types import SimpleNamespace
+
+    from specdeploy.client.deployment import Deployment
+    from specdeploy.client.summary import not_checked
+
+    what = "where a speculative round's time goes (draft work, target call, the rest)"
+    latency = {"levels": [{"concurrency": 1}], "round_profile": []}
+    plain = {"latency": latency, "speculation": {"source": "k_history", "rounds_on": 0, "rounds_off": 22, "off_reasons": {"policy": 22}}}
+    why = {i["what"]: i["because"] for i in not_checked(plain, Deployment(url="127.0.0.1:1", tokenizer="t"), SimpleNamespace())}[what]
+    assert why.startswith("no round of the speculative path drafted (off: policy)")
+    drafted = {"latency": latency, "speculation": {"source": "k_history", "rounds_on": 5, "rounds_off": 1}}
+    why = {i["what"]: i["because"] for i in not_checked(drafted, Deployment(url="127.0.0.1:1", tokenizer="t"), SimpleNamespace())}[what]
+    assert "speculative_draft_seconds" in why

@@ -281,3 +281,52 @@ def test_validates_own_openai_client_sends_the_key_from_the_environment(ops_deco
             monkeypatch.setenv(name, "sk-ascii-key")
             assert f"{recipe.name}-speculative" in endpoint.served_models(endpoint.url)
             monkeypatch.delenv(name)
+
+
+def test_foreground_serve_with_a_front_does_not_say_detached(tmp_path, monkeypatch):
+    """`serve RECIPE --openai-port P` without --detach: the server is recorded for status/stop, but the command
+    waits and Ctrl-C ends both, so it does not print the detached start's "stop it with" line."""
+    import yaml
+    from click.testing import CliRunner
+
+    from specdeploy import backend_stages
+    from specdeploy.cli import main
+    from specdeploy.config_loader import load_recipe
+    from specdeploy.triton import server
+    from specdeploy.triton.server import free_port
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({"name": "r", "target": {"model": "x"}, "draft": {"model": "x"}}))
+    stages = type(backend_stages.of(load_recipe(str(recipe))))
+
+    def fake_serve(self, r, layout, *, detach, recipe_path, echo=print, **_):
+        assert detach  # recorded, so that `status` and `stop` find it
+        echo("tritonserver ready (pid 1)")
+        echo(f"{server.DETACHED_LINE} {recipe_path}")
+        return server.ServerState(1, 1, 2, 3, "log", "repo", 0.0)
+
+    monkeypatch.setattr(stages, "serve", fake_serve)
+    monkeypatch.setattr(openai_api, "build_front", lambda *a, **k: None)
+    monkeypatch.setattr(openai_api, "serve_foreground", lambda front, port, echo=print, host="": echo("  openai:  front"))
+    monkeypatch.setattr(server, "stop", lambda state_dir: "stopped tritonserver (pid 1)")
+    for detach, said in ((False, "Ctrl-C here stops it and the front"), (True, f"{server.DETACHED_LINE} {recipe}")):
+        monkeypatch.setattr(openai_api, "start_detached", lambda *a, **k: 1)
+        result = CliRunner().invoke(main, ["--root", str(tmp_path), "serve", str(recipe), "--openai-port", str(free_port())]
+                                    + (["--detach"] if detach else []))  # fmt: skip
+        assert result.exit_code == 0, result.output
+        assert said in result.output and (detach or "detached" not in result.output), result.output
+
+
+def test_standalone_front_names_an_unreachable_server_and_its_own_option(tmp_path):
+    """`python -m specdeploy.openai_api RECIPE --grpc-url H:P`: a Triton that does not answer is one error line and
+    a hint naming --grpc-url, not a traceback."""
+    import yaml
+
+    from specdeploy.triton.server import free_port
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({"name": "r", "target": {"model": "x"}, "draft": {"model": "x"}}))
+    with pytest.raises(SystemExit) as stopped:
+        openai_api.main([str(recipe), "--grpc-url", f"127.0.0.1:{free_port()}", "--port", str(free_port()), "--root", str(tmp_path)])
+    said = str(stopped.value.code)
+    assert said.startswith("error: ") and "unreachable" in said and "--grpc-url" in said and "Traceback" not in said, said

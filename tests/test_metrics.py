@@ -276,6 +276,9 @@ def test_cost_section_for_the_report():
     assert section["levels"][1]["per_1k_output_tokens"] is None
     text = "\n".join(cost_markdown(section))
     assert "| 1 | control | 0.000500 EUR | 0.0100 EUR |" in text and "| 1 | speculative | 0.0010 EUR | – |" in text
+    assert "per machine-hour (recipe `cost.machine_price_per_hour`)" in text
+    # a deployment without a recipe: the price came from the command line, and the report says so
+    assert "per machine-hour (`--price-per-hour`)" in "\n".join(cost_markdown(cost_section(levels, 3.6, "EUR", "`--price-per-hour`")))
 
 
 def test_report_markdown_has_the_cost_table_when_a_price_is_set():

@@ -325,7 +325,10 @@ def recommend_k(points: Sequence[dict], alpha: float | None, cost_ratio: float |
         "best_measured_k": best_measured["k"] if best_measured else None,
         "best_measured_speedup": best_measured["speedup"] if best_measured else None,
     }
-    if alpha is not None and cost_ratio is not None:
+    if points and all(p.get("most_drafts") == 0 for p in points):  # the rounds say no k was drafted: nothing to fit
+        out.update(recommended_k=None, predicted_speedup=None, predicted={},
+                   no_recommendation="no round of any k drafted (the deployment's policy or schedule kept them plain)")
+    elif alpha is not None and cost_ratio is not None:
         predicted = {k: expected_speedup(alpha, k, cost_ratio) for k in range(1, max_k + 1)}
         k = max(predicted, key=predicted.get)
         out.update(recommended_k=k, predicted_speedup=predicted[k], predicted=predicted)

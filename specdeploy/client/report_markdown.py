@@ -329,11 +329,12 @@ def _sweep_md(report: dict) -> list[str]:
         for p in sweep["points"]
     ]
     lines += _table(["k", "acceptance rate", "acceptance length", "speedup", "range", "model", "most drafts in a round"], rows)
+    verdict = (f"**No num_draft_tokens recommended: {rec['no_recommendation']}** " if rec.get("no_recommendation")
+               else f"**Recommended num_draft_tokens: {rec.get('recommended_k')}** ")  # fmt: skip
     lines += [
         f"Fitted expected-speedup model (Leviathan et al. 2023): α = {_fmt(sweep['alpha'], '.3f')}, "
-        f"c = draft/target cost = {_fmt(sweep['cost_ratio'], '.3f')}. "
-        f"**Recommended num_draft_tokens: {rec.get('recommended_k')}** "
-        f"(model {_fmt(rec.get('predicted_speedup'), '.2f', 'x')}; best measured {_fmt(rec.get('best_measured_speedup'), '.2f', 'x')} "
+        f"c = draft/target cost = {_fmt(sweep['cost_ratio'], '.3f')}. " + verdict
+        + f"(model {_fmt(rec.get('predicted_speedup'), '.2f', 'x')}; best measured {_fmt(rec.get('best_measured_speedup'), '.2f', 'x')} "
         f"at k={rec.get('best_measured_k')}).",
         "",
     ]

@@ -50,8 +50,12 @@ def not_checked(report: dict, deployment: Deployment, endpoint) -> list[dict]:
         add("speculation rounds (with / without a draft) and the draft length per round",
             "the deployment returns no speculative_k_history and exports no specdeploy_spec_decode_rounds_total")
     if levels and not (report.get("latency") or {}).get("round_profile"):
-        add("where a speculative round's time goes (draft work, target call, the rest)",
-            "the deployment returns no speculative_draft_seconds / speculative_target_seconds beside speculative_k_history")
+        if spec.get("source") is not None and not spec.get("rounds_on"):  # rounds were counted, none drafted
+            why = "no round of the speculative path drafted (off: " + (", ".join(spec.get("off_reasons") or {}) or "-") + "): there is no speculative round to profile"
+        else:
+            why = ("no speculative request returned the seconds of two or more rounds (speculative_draft_seconds / "
+                   "speculative_target_seconds beside speculative_k_history)")  # fmt: skip
+        add("where a speculative round's time goes (draft work, target call, the rest)", why)
     if not spec.get("policy"):
         add("the speculation policy", "the speculative model's config carries no policy parameters and no recipe describes it")
     check = report.get("metrics_check") or {}
@@ -103,7 +107,9 @@ def summary_lines(report: dict) -> list[str]:
             f"TPOT {p['tpot_speedup']:.2f}x"
         )
     sweep = report.get("sweep")
-    if sweep and sweep["recommendation"].get("recommended_k") is not None:
+    if sweep and sweep["recommendation"].get("no_recommendation"):
+        lines.append(f"sweep: no num_draft_tokens recommended: {sweep['recommendation']['no_recommendation']}")
+    elif sweep and sweep["recommendation"].get("recommended_k") is not None:
         rec = sweep["recommendation"]
         lines.append(
             f"sweep: alpha {sweep['alpha']:.3f}, c {sweep['cost_ratio'] or 0:.3f}; recommended num_draft_tokens {rec['recommended_k']}"

@@ -210,6 +210,7 @@ def validate_deployment(deployment: Deployment, options: Options, report_dir: st
             baseline.close()
     verdict = gate.evaluate(report, options.min_parity, options.min_speedup, options.min_compared_share)
     report["gate"] = verdict.to_dict()
-    report["cost"] = cost_section((report.get("latency") or {}).get("levels", []), deployment.price_per_hour, deployment.currency)
+    report["cost"] = cost_section((report.get("latency") or {}).get("levels", []), deployment.price_per_hour, deployment.currency,
+                                  "`--price-per-hour`" if deployment.foreign else "recipe `cost.machine_price_per_hour`")  # fmt: skip
     paths = write_report(report, Path(report_dir))
     return report, paths, verdict

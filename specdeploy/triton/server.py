@@ -252,6 +252,9 @@ def stop_pid(
 # ---------------------------------------------------------------- serve / status / stop for the CLI
 
 
+DETACHED_LINE = "detached; stop it with: specdeploy stop"  # + the recipe: what `serve --detach` says last
+
+
 def refuse_running(state_dir, recipe_path: str = "RECIPE") -> "ServerState | None":
     """The recorded server of `state_dir` if it has exited (None if there is none); a ServerError if it still runs."""
     existing = ServerState.read(state_dir)
@@ -300,7 +303,7 @@ def serve(
     echo(f"  log:     {state.log}")
     if detach:
         state.write(Path(state_dir))
-        echo(f"detached; stop it with: specdeploy stop {recipe_path}")
+        echo(f"{DETACHED_LINE} {recipe_path}")
         return state
 
     return serve_in_foreground(server.process, state.log, server.stop, echo, state)
