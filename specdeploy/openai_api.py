@@ -26,7 +26,7 @@ Semantics:
   back (another deployment; a text cut at a stop string) does it re-tokenize the output text, which can
   count fewer tokens where the model wrote apart what the tokenizer would merge
   (`specdeploy.completion_tokens_exact` says which). `finish_reason` is `length` where that count
-  reached `max_tokens`.
+  reached `max_tokens`, or the prompt and the answer the engine's `max_seq_len`.
 - Streaming (`stream: true`, server-sent events, `stream_options.include_usage`): on a decoupled
   deployment (`triton.decoupled: true`) each Triton response becomes a chunk as it arrives; on a
   unary deployment the whole answer comes as one content chunk (then the final chunk), so SSE
@@ -218,8 +218,9 @@ def start_detached(recipe_path: str, root: str | None, grpc_url: str, port: int,
     return process.pid
 
 
-def detached_status(state_dir: Path) -> tuple[bool, str] | None:
-    """(alive, a line for `status`) of the front `start_detached` recorded in state_dir; None when there is none."""
+def _recorded(state_dir: Path):
+    """(record, its ProcessIdentity, whether that process still runs) of the front `start_detached` recorded in
+    state_dir; None when there is none."""
     from specdeploy.artifacts import ProcessIdentity
     from specdeploy.triton.server_state import is_same_process
 
@@ -228,7 +229,16 @@ def detached_status(state_dir: Path) -> tuple[bool, str] | None:
         return None
     state = json.loads(path.read_text())
     identity = ProcessIdentity(state["pid"], state.get("start_ticks"), tuple(state.get("cmdline") or ()))
-    if not is_same_process(state["pid"], identity):
+    return state, identity, is_same_process(state["pid"], identity)
+
+
+def detached_status(state_dir: Path) -> tuple[bool, str] | None:
+    """(alive, a line for `status`) of the front `start_detached` recorded in state_dir; None when there is none."""
+    recorded = _recorded(state_dir)
+    if recorded is None:
+        return None
+    state, _, alive = recorded
+    if not alive:
         return False, (f"the OpenAI front (pid {state['pid']}) has exited: see its log {state.get('log') or Path(state_dir) / LOG_FILE}; "
                        "stop and serve again to restart it")  # fmt: skip
     host = state.get("host") or HOST
@@ -237,16 +247,14 @@ def detached_status(state_dir: Path) -> tuple[bool, str] | None:
 
 def stop_detached(state_dir: Path) -> str | None:
     """Stop the front `start_detached` recorded in state_dir; None when there was none."""
-    from specdeploy.artifacts import ProcessIdentity
     from specdeploy.triton.server import stop_pid
-    from specdeploy.triton.server_state import is_same_process
 
-    path = Path(state_dir) / STATE_FILE
-    if not path.is_file():
+    recorded = _recorded(state_dir)
+    if recorded is None:
         return None
-    state = json.loads(path.read_text())
-    identity = ProcessIdentity(state["pid"], state.get("start_ticks"), tuple(state.get("cmdline") or ()))
-    if not is_same_process(state["pid"], identity):  # it died (or its port was taken from it): nothing to stop
+    state, identity, alive = recorded
+    path = Path(state_dir) / STATE_FILE
+    if not alive:  # it died (or its port was taken from it): nothing to stop
         path.unlink(missing_ok=True)
         return f"the OpenAI front (pid {state['pid']}) had already exited (its log: {Path(state_dir) / LOG_FILE})"
     stop_pid(state["pid"], timeout_s=10, expected=identity)
