@@ -11,7 +11,7 @@ Greedy, the same prompts and thread count for every system:
 Each system runs in its own process, so its peak resident memory is its own. Also measured: copy
 bandwidth and the memory-bandwidth floor of the target (weight bytes / copy bandwidth), the draft
 engine alone (for the cost ratio c), and the speedup predicted by Leviathan et al.'s model
-(DESIGN.md) from the measured acceptance rate and c.
+(Leviathan et al. 2023) from the measured acceptance rate and c.
 
     .venv/bin/python bench/engine.py [--recipe build/smollm2-135m-int8-draft.yaml] [--prompts 4] [--max-tokens 64]
 

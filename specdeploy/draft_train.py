@@ -18,7 +18,7 @@ NVIDIA ModelOpt (`modelopt.torch.speculative`) and exports the standard EAGLE-3 
   7. `modelopt_eagle3.export_head`: ModelOpt's exporter, then config.json made to state what was trained.
   8. `train_recipe` (here): the stage (cached by fingerprint, written with atomic_output and a manifest).
 
-ModelOpt 0.47 on CPU has four traps (DESIGN.md "EAGLE-3 drafts"); each workaround says which (`modelopt_eagle3`,
+ModelOpt 0.47 on CPU has four traps (docs/eagle3-train.md); each workaround says which (`modelopt_eagle3`,
 `draft_train_loop`).
 """
 

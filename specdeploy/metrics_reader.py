@@ -225,7 +225,7 @@ class ArmStats:
 
     @property
     def tokens_per_round(self) -> float | None:
-        """Output tokens per target pass (DESIGN.md's acceptance length)."""
+        """Output tokens per target pass (the acceptance length)."""
         return self.output_tokens / self.target_passes if self.target_passes else None
 
     def tokens_per_s(self, window_s: float) -> float | None:

@@ -2,7 +2,7 @@
 ModelOpt's d2t map), its config sized like the target (`eagle_config`), the target converted with a fresh head
 (`build_model`), and the standard EAGLE-3 checkpoint out (`export_head`) and back in (`load_exported_head`).
 
-ModelOpt 0.47 on CPU has traps (DESIGN.md "EAGLE-3 drafts"); each workaround below says which.
+ModelOpt 0.47 on CPU has traps (docs/eagle3-train.md); each workaround below says which.
 """
 
 from __future__ import annotations

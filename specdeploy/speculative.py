@@ -11,7 +11,7 @@ Algorithm 2) keeps the target's distribution exactly.
 Names say which model: `draft_probs` / `target_probs`, never p and q (the two papers swap them).
 Randomness is always passed in as a `torch.Generator`.
 
-The loop (`speculative_generate`) is the BLS round of DESIGN.md and knows nothing of transport: it
+The loop (`speculative_generate`) is one BLS round at a time and knows nothing of transport: it
 talks to a `Proposer` (the draft) and a `Verifier` (the target). Local adapters over
 `specdeploy.engine.executor.Executor` live in `specdeploy.generate`; the Triton BLS model adapts
 the same two protocols to BLS calls of the `tensorrt_llm_draft` and `tensorrt_llm` models.
@@ -264,7 +264,7 @@ class Verifier(Protocol):
 
 @dataclass
 class SpecStats:
-    """Counts and timings of one speculative generation (metrics as in DESIGN.md)."""
+    """Counts and timings of one speculative generation (the metrics of docs/operations.md)."""
 
     drafted: int = 0
     accepted: int = 0
@@ -354,7 +354,7 @@ def speculative_generate(
     policy: RequestPolicy | None = None,
     should_stop: Callable[[], bool] | None = None,
 ) -> Iterator[list[int] | SpecStats]:
-    """Draft-target speculative decoding, one BLS round at a time (DESIGN.md "The BLS round").
+    """Draft-target speculative decoding, one BLS round at a time (the BLS round of NVIDIA's tensorrt_llm_bls).
 
     Each round: cap = min(num_draft_tokens, remaining - 1) and k = cap, or what `policy` chooses in
     0..cap (specdeploy.policy; k = 0 is a plain target step). A k = 0 round is one target call for
@@ -475,7 +475,7 @@ def collect(run: Iterator[list[int] | SpecStats]) -> tuple[list[int], SpecStats]
 
 
 def predicted_speedup(acceptance_rate: float, num_draft_tokens: int, cost_ratio: float, verify_cost: float = 1.0) -> float:
-    """Leviathan et al. 2023 (DESIGN.md): tokens per round (1 - a^(g+1)) / (1 - a) over cost g*c + 1.
+    """Leviathan et al. 2023 (arXiv:2211.17192): tokens per round (1 - a^(g+1)) / (1 - a) over cost g*c + 1.
 
     `verify_cost` is the target's (g+1)-row verification pass in target steps; the paper's model takes it
     as 1 (a GPU scores g+1 rows in about the time of one), a CPU pays more rows with more compute."""

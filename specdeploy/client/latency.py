@@ -1,6 +1,6 @@
 """Latency of control vs speculative per concurrency level, and the draft-length sweep.
 
-Definitions (../shared/DESIGN.md, as trtllm-bench and vLLM use them):
+Definitions (as trtllm-bench and vLLM use them):
 - TTFT and TPOT = (last token time - first token time) / (output tokens - 1), from one clock per
   request: the client's when streamed (decoupled deployments), else the model's perf outputs
   (arrival_time_ns, first_token_time_ns, last_token_time_ns). Each sample records its source.

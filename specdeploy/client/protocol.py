@@ -11,7 +11,7 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-# Model names of the inflight_batcher_llm layout (../shared/DESIGN.md).
+# Model names of the inflight_batcher_llm layout (tensorrtllm_backend's all_models/inflight_batcher_llm).
 CONTROL_MODEL = "ensemble"  # preprocessing -> tensorrt_llm -> postprocessing: no speculation
 SPECULATIVE_MODEL = "tensorrt_llm_bls"  # draft + target rounds
 TARGET_MODEL = "tensorrt_llm"

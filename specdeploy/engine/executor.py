@@ -23,7 +23,7 @@ engine (and a `HeadPass` whenever the fused loop needs the EAGLE-3 head): `gener
 `engine.batching.BatchScheduler` runs the passes of many requests in one batched forward (and their head passes in
 one batched head forward).
 
-The engine API used (CONTRACTS.md): `engine.spec` (vocab_size, max_seq_len, max_draft_len),
+The engine API used: `engine.spec` (vocab_size, max_seq_len, max_draft_len),
 `engine.new_cache(max_len)` -> cache with `.length` and `.truncate(n)`, and
 `engine.forward(cache, LongTensor[n]) -> FloatTensor[n, vocab]` (appends n positions).
 """

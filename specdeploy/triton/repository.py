@@ -1,6 +1,6 @@
 """The Triton model repository: typed model configs -> checked `config.pbtxt` files -> `triton_repo/<recipe>/`.
 
-Layout and tensor names are those of NVIDIA's `inflight_batcher_llm` (../shared/DESIGN.md) so that
+Layout and tensor names are those of NVIDIA's `inflight_batcher_llm` (tensorrtllm_backend's all_models/inflight_batcher_llm) so that
 clients written for a TensorRT-LLM deployment work unchanged:
 
     preprocessing ─▶ tensorrt_llm ─▶ postprocessing      = ensemble (the unaccelerated control)

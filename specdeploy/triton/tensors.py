@@ -1,4 +1,4 @@
-"""The model names and tensors of NVIDIA's `inflight_batcher_llm` layout (../shared/DESIGN.md), written once, and
+"""The model names and tensors of NVIDIA's `inflight_batcher_llm` layout (tensorrtllm_backend's all_models/inflight_batcher_llm), written once, and
 specdeploy's own additions to it (EAGLE-3's per-round counts, the BLS's `speculative_k_history`)."""
 
 from __future__ import annotations
