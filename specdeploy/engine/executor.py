@@ -250,8 +250,8 @@ class Executor:
         batch = getattr(self.engine, "forward_batch", None)
         # With a head a plain pass captures too where it costs nothing that counts: a prefill (many rows; the entry keeps
         # the features for a fused request that reuses the prompt, CachedSequence.store_aux) or a pass in a batch that
-        # captures anyway. Not a plain one-row step alone: capturing cost it ~4 % on the bundled model (9.58 against
-        # 9.17 ms, docs/eagle3-serving.md); a fused request that reuses a plain answer computes its positions again.
+        # captures anyway. Not a plain one-row step alone, where capturing costs (docs/eagle3-serving.md); a fused
+        # request that reuses a plain answer computes its positions again.
         batch_captures = any(p.capture for p in passes)
         capture = [p.capture or (self.head is not None and (batch_captures or len(p.tokens) > 1)) for p in passes]
         layers = self.head.aux_layer_ids if any(capture) else None

@@ -2,13 +2,12 @@
 
 `ops()` builds the extension on first use into $SPECDEPLOY_HOME/native/<key> (about a minute; later
 processes load it in milliseconds) and returns `torch.ops.specdeploy_cpu`, or None where it cannot be
-used: set SPECDEPLOY_NATIVE=0, a CPU with neither AVX-512 nor AVX2 + FMA, or no C++ compiler. The engine then runs the same
-model on torch ops: slower, with the same parity guarantee (both paths are row-invariant).
+used: set SPECDEPLOY_NATIVE=0, a CPU with neither AVX-512 nor AVX2 + FMA, or no C++ compiler. The engine then
+runs the same model on torch ops: slower, with the same parity guarantee (both paths are row-invariant).
 
-Measured on the 2-core dev machine (SmolLM2-135M, 30 layers of 4 GEMVs + LM head, one row): torch's
-prepacked oneDNN bf16 GEMM streamed the weights at 14 GB/s, its int8/int4 weight-only kernels at
-~11 GB/s, while a plain read reaches ~28 GB/s; and a layer took ~60 torch ops. The native linear fuses
-each format's input quantization, the GEMV and the output scaling, bias and residual into one call.
+The native linear fuses each format's input quantization, the GEMV and the output scaling, bias and residual into one
+call, because torch's weight-only kernels stream the weights well below a plain read's bandwidth (docs/stages.md
+"Why native kernels").
 """
 
 from __future__ import annotations
@@ -42,10 +41,7 @@ VNNI_ENV = "SPECDEPLOY_NATIVE_VNNI"
 # bf16 weights on AVX-512: "pairs" splits each bf16 pair into two f32 vectors (two integer instructions per 32
 # weights) and multiplies with FMA; "dpbf16" uses VDPBF16PS where the CPU has AVX512-BF16. Both give the same bits
 # (each lane adds its odd, then its even product, exact in f32: tested). "auto" (the default) takes the one measured
-# faster on the CPU's maker: pairs on Intel (the AVX512-BF16 Xeon issued VDPBF16PS at a quarter of its FMA rate:
-# csrc), VDPBF16PS elsewhere (the 2-core AMD EPYC with AVX512-BF16, 2026-11-27: the int8_sq engine's pass of 4 / 8 /
-# 16 rows 8.4 / 12.1 / 21.7 ms against 9.1-9.9 / 15.2-15.9 / 28.3-28.8 with pairs, one row alike; its LM head alone
-# 2.0 against 3.7-4.6 ms at 8 rows: docs/benchmarks.md).
+# faster on the CPU's maker: pairs on Intel, VDPBF16PS elsewhere (docs/stages.md "Why native kernels").
 BF16_ENV = "SPECDEPLOY_NATIVE_BF16"
 
 # Weight kinds of the native linear (csrc: WeightKind).

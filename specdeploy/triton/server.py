@@ -38,10 +38,8 @@ LOG_FILE = "tritonserver.log"
 STUB_SHM_BYTES = 64 * 2**20
 # The python stubs of one server (preprocessing, BLS, tensorrt_llm, draft, postprocessing) share the machine's
 # cores, each with its own OpenMP pool. libgomp's default waits for work by spinning, so a pool whose threads lost
-# their core to another stub spins at every barrier: measured on a 2-core VM at load average ~5, one SmolLM2 decode
-# step with 2 threads took 1,202 ms (519 ms of CPU) spinning, 44 ms with OMP_WAIT_POLICY=PASSIVE, 42 ms on one
-# thread (/tmp probe: CpuEngine.forward of one token after 64, 30 steps). Passive waiting sleeps instead; a user's
-# own OMP_WAIT_POLICY wins. The CPU engine runs each step's parallel loops on one team that spins only within the
+# their core to another stub spins at every barrier (docs/stages.md "Why native kernels" has the figures). Passive
+# waiting sleeps instead; a user's own OMP_WAIT_POLICY wins. The CPU engine runs each step's parallel loops on one team that spins only within the
 # step (engine/csrc/step_team.h), so sleeping costs a wake-up per step, not per loop.
 OMP_WAIT_POLICY = "PASSIVE"
 EXIT_TIMEOUT_S = 10
