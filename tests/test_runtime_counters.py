@@ -80,7 +80,8 @@ def test_llama_cpp_unary_and_streamed_answers_carry_their_draft_counts_and_usage
         got = endpoint.generate(SPECULATIVE_MODEL, GenerateRequest("p", 24), 10)
         streamed = endpoint.generate(SPECULATIVE_MODEL, GenerateRequest("p", 24, stream=True), 10)
     timings = unary["timings"]
-    assert (got.perf.total_draft_tokens, got.perf.total_accepted_draft_tokens) == (timings["draft_n"], timings["draft_n_accepted"])
+    counts = (got.perf.total_draft_tokens, got.perf.total_accepted_draft_tokens)
+    assert counts == (timings["draft_n"], timings["draft_n_accepted"])
     assert got.perf.source == runtime_counters.LLAMA_SOURCE and got.usage_tokens == unary["usage"]["completion_tokens"]
     assert got.text == unary["choices"][0]["text"]
     # the stream: its pieces joined are the same answer, its last chunks carry the counts and usage
@@ -137,7 +138,8 @@ def test_counters_read_around_each_speculative_run_give_the_level_its_acceptance
     proms = [_recorded("vllm_before.prom"), _recorded("vllm_after.prom")]
     with Replay({"/metrics": [("text/plain", p) for p in proms * 4]}) as server:
         counters = runtime_counters.RuntimeCounters(server.url)
-        report = val.validate(FakeEndpoint(draft_counts=False), CharCodec(), _options(), "fake", progress=False, counters=counters)
+        endpoint = FakeEndpoint(draft_counts=False)
+        report = val.validate(endpoint, CharCodec(), _options(), "fake", progress=False, counters=counters)
     assert report["complete"], report["errors"]
     spec = [r for r in report["latency"]["levels"] if r["mode"] == "speculative"]
     assert len(counters.windows) == 2 and not counters.errors  # one window per speculative run (2 repeats)
@@ -157,8 +159,8 @@ def _options(**kw):
 
 def test_a_recipe_less_run_is_the_default_recipe_s_size():
     v = yaml.safe_load((ROOT / "build" / "smollm2-135m.yaml").read_text())["validation"]
-    want = {"max_prompts": v["max_prompts"], "latency_prompts": v["latency_prompts"], "concurrency": tuple(v["concurrency"]),
-            "repeats": v["repeats"]}  # fmt: skip
+    want = {"max_prompts": v["max_prompts"], "latency_prompts": v["latency_prompts"],
+            "concurrency": tuple(v["concurrency"]), "repeats": v["repeats"]}
     assert val.FOREIGN_SIZE == want
     # what the user sets wins over the preset
     assert val.sized({"repeats": 2, "concurrency": None}, val.QUICK_SIZE)["repeats"] == 2
@@ -186,7 +188,8 @@ def test_acceptance_counts_every_prompt_once_from_the_parity_phase_with_an_inter
     items = report["parity"]["items"]
     assert acc["all"]["prompts"] == len(items) == 8 and acc["phases"] == ["parity"]  # not only the 8 timed ones
     assert acc["all"]["drafted"] == sum(i["drafted"] for i in items)
-    tokens, accepted = sum(i["speculative_tokens"] or i["control_tokens"] for i in items), sum(i["accepted"] for i in items)
+    tokens = sum(i["speculative_tokens"] or i["control_tokens"] for i in items)
+    accepted = sum(i["accepted"] for i in items)
     assert acc["all"]["acceptance_length"] == pytest.approx(tokens / (tokens - accepted))
     lo, hi = acc["all"]["acceptance_length_ci95"]
     assert lo <= acc["all"]["acceptance_length"] <= hi
@@ -198,7 +201,7 @@ def test_acceptance_is_split_by_source_where_the_deployment_says():
     from specdeploy.client import acceptance
 
     report = val.validate(FakeEndpoint(), CharCodec(), _options(), "fake", progress=False)
-    report["speculation"] = {"lookup": {"rounds": 10, "drafted": 30, "accepted": 20, "head_rounds": 40, "head_drafted": 120,
-                                        "head_accepted": 30}}  # fmt: skip
+    lookup = {"rounds": 10, "drafted": 30, "accepted": 20, "head_rounds": 40, "head_drafted": 120, "head_accepted": 30}
+    report["speculation"] = {"lookup": lookup}
     split = acceptance.section(report)["by_source"]
     assert split["lookup"]["accepted_per_round"] == 2.0 and split["head"]["accepted_per_round"] == 0.75

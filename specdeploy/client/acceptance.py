@@ -23,14 +23,18 @@ def per_prompt(report: dict) -> list[dict]:
         if tokens is None and item["speculative_text"] == item["control_text"]:
             tokens = item["control_tokens"]
         if item.get("drafted") is not None and item.get("accepted") is not None and tokens:
-            rows[item["prompt_id"]] = {"prompt_id": item["prompt_id"], "category": item["category"], "drafted": item["drafted"],
-                                       "accepted": item["accepted"], "tokens": tokens, "phase": "parity"}  # fmt: skip
+            rows[item["prompt_id"]] = _row(item, tokens, "parity")
     for run in (report.get("latency") or {}).get("runs") or []:
         for s in run["samples"] if run["mode"] == "speculative" else ():
-            if s["prompt_id"] not in rows and s.get("drafted") is not None and s.get("accepted") is not None and s["output_tokens"]:
-                rows[s["prompt_id"]] = {"prompt_id": s["prompt_id"], "category": s["category"], "drafted": s["drafted"],
-                                        "accepted": s["accepted"], "tokens": s["output_tokens"], "phase": "latency"}  # fmt: skip
+            counted = s.get("drafted") is not None and s.get("accepted") is not None and s["output_tokens"]
+            if s["prompt_id"] not in rows and counted:
+                rows[s["prompt_id"]] = _row(s, s["output_tokens"], "latency")
     return list(rows.values())
+
+
+def _row(answer: dict, tokens: int, phase: str) -> dict:
+    return {"prompt_id": answer["prompt_id"], "category": answer["category"], "drafted": answer["drafted"],
+            "accepted": answer["accepted"], "tokens": tokens, "phase": phase}
 
 
 def _figures(drafted: np.ndarray, accepted: np.ndarray, tokens: np.ndarray) -> tuple[float, float]:
@@ -47,8 +51,12 @@ def summarize(rows: list[dict]) -> dict | None:
     picks = np.random.default_rng(SEED).integers(0, len(rows), size=(RESAMPLES, len(rows)))
     rates, lengths = _figures(d[picks], a[picks], t[picks])
     return {"prompts": len(rows), "drafted": int(d.sum()), "accepted": int(a.sum()), "tokens": int(t.sum()),
-            "acceptance_rate": float(rate), "acceptance_rate_ci95": [float(x) for x in np.percentile(rates, (2.5, 97.5))],
-            "acceptance_length": float(length), "acceptance_length_ci95": [float(x) for x in np.percentile(lengths, (2.5, 97.5))]}  # fmt: skip
+            "acceptance_rate": float(rate), "acceptance_rate_ci95": _interval(rates),
+            "acceptance_length": float(length), "acceptance_length_ci95": _interval(lengths)}
+
+
+def _interval(values: np.ndarray) -> list[float]:
+    return [float(x) for x in np.percentile(values, (2.5, 97.5))]
 
 
 def section(report: dict) -> dict | None:
@@ -57,15 +65,17 @@ def section(report: dict) -> dict | None:
     overall = summarize(rows)
     if overall is None:
         return None
-    by_category = {c: summarize([r for r in rows if r["category"] == c]) for c in sorted({r["category"] for r in rows})}
+    categories = sorted({r["category"] for r in rows})
+    by_category = {c: summarize([r for r in rows if r["category"] == c]) for c in categories}
     out = {"all": overall, "by_category": by_category, "phases": sorted({r["phase"] for r in rows}), "by_source": None}
     lookup = (report.get("speculation") or {}).get("lookup")
     if lookup:  # the deployment's own split of its drafting rounds (whole run, from its metrics endpoint)
         out["by_source"] = {
-            name: {"rounds": rounds, "drafted": drafted, "accepted": accepted, "accepted_per_round": accepted / rounds if rounds else None}
+            name: {"rounds": rounds, "drafted": drafted, "accepted": accepted,
+                   "accepted_per_round": accepted / rounds if rounds else None}
             for name, rounds, drafted, accepted in (
                 ("head", lookup["head_rounds"], lookup["head_drafted"], lookup["head_accepted"]),
                 ("lookup", lookup["rounds"], lookup["drafted"], lookup["accepted"]),
             )
-        }  # fmt: skip
+        }
     return out

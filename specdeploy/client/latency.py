@@ -30,7 +30,8 @@ from specdeploy.client.protocol import CONTROL_MODEL, SPECULATIVE_MODEL, Endpoin
 from specdeploy.errors import ClientError
 
 CONTROL, SPECULATIVE = "control", "speculative"
-COUNT_IDS, COUNT_USAGE, COUNT_PARITY, COUNT_RETOKENIZED = "output_ids", "usage", "parity", "retokenized"  # RequestSample.tokens_source
+# RequestSample.tokens_source
+COUNT_IDS, COUNT_USAGE, COUNT_PARITY, COUNT_RETOKENIZED = "output_ids", "usage", "parity", "retokenized"
 MODEL_OF_MODE = {CONTROL: CONTROL_MODEL, SPECULATIVE: SPECULATIVE_MODEL}
 PERCENTILES = (50, 90, 99)
 

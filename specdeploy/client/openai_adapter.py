@@ -79,8 +79,8 @@ SPECDEPLOY_SOURCE = "specdeploy front's specdeploy.draft_tokens / accepted_draft
 def _perf(ext: dict, timings: dict | None) -> PerfMetrics:
     """The answer's draft counts: specdeploy's extension field, else llama.cpp's timings, else none."""
     if ext.get("draft_tokens") is not None:
-        return PerfMetrics(total_draft_tokens=ext.get("draft_tokens"), total_accepted_draft_tokens=ext.get("accepted_draft_tokens"),
-                           acceptance_rate=ext.get("acceptance_rate"), source=SPECDEPLOY_SOURCE)  # fmt: skip
+        return PerfMetrics(total_draft_tokens=ext["draft_tokens"], total_accepted_draft_tokens=ext.get("accepted_draft_tokens"),
+                           acceptance_rate=ext.get("acceptance_rate"), source=SPECDEPLOY_SOURCE)
     counts = runtime_counters.from_llama_timings(timings)
     if counts is None:
         return PerfMetrics(acceptance_rate=ext.get("acceptance_rate"))
@@ -266,9 +266,9 @@ class OpenAIEndpoint:
             ttft, decode, source = None, None, None
         ids = ext.get("output_ids")
         completion = (usage or {}).get("completion_tokens")
+        completion = int(completion) if isinstance(completion, (int, float)) else None
         return GenerateResult(text, done - start, ttft, source, decode, max(1, len(pieces)), perf, ids, ext.get("k_history"),
-                              ext.get("draft_s_history"), ext.get("target_s_history"),
-                              usage_tokens=int(completion) if isinstance(completion, (int, float)) else None)  # fmt: skip
+                              ext.get("draft_s_history"), ext.get("target_s_history"), usage_tokens=completion)
 
     def trace(self, prompt: str, max_tokens: int, timeout_s: float, with_logits: bool = True) -> TargetTrace:
         if self.triton is None:

@@ -375,7 +375,8 @@ def check_prompt(
         trace = endpoint.trace(prompt.text, prompt.max_tokens, timeout_s, with_logits=differ)
     item = compare_greedy(prompt, control.text, speculative.text, codec, trace, policy, speculative.token_ids, control.token_ids)
     item.drafted, item.accepted = speculative.perf.total_draft_tokens, speculative.perf.total_accepted_draft_tokens
-    item.speculative_tokens = speculative.output_tokens if speculative.output_tokens is not None else speculative.usage_tokens
+    tokens = speculative.output_tokens
+    item.speculative_tokens = tokens if tokens is not None else speculative.usage_tokens
     if check_streams:
         notes = []
         for model, request, unary in (

@@ -71,9 +71,11 @@ def _paths_line(deployment: dict, names: dict) -> str:
     """The two paths as the run reached them: over OpenAI, each one's model id and base URL; over Triton, the models."""
     ends = deployment.get("endpoints")
     if ends:
-        return (f"- control: model `{ends['control']['model']}` at `{ends['control']['url']}` (target alone); speculative: "
-                f"model `{ends['speculative']['model']}` at `{ends['speculative']['url']}` ")
-    return f"- control: `{names.get('ensemble', 'ensemble')}` (target alone); speculative: `{names.get('tensorrt_llm_bls', 'tensorrt_llm_bls')}` "
+        control, spec = ends["control"], ends["speculative"]
+        return (f"- control: model `{control['model']}` at `{control['url']}` (target alone); speculative: "
+                f"model `{spec['model']}` at `{spec['url']}` ")
+    control, spec = names.get("ensemble", "ensemble"), names.get("tensorrt_llm_bls", "tensorrt_llm_bls")
+    return f"- control: `{control}` (target alone); speculative: `{spec}` "
 
 
 def _parity_md(report: dict) -> list[str]:
@@ -204,7 +206,8 @@ def _latency_md(report: dict) -> list[str]:
         for r in latency["levels"]
     ]
     lines += _table(
-        ["conc.", "path", "requests", "TTFT p50", "p90", "p99", "TPOT p50", "p90", "p99", "timing from", "e2e p50", "e2e p90", "e2e p99", "out tok/s", "req/s", "accept rate", "accept len"],
+        ["conc.", "path", "requests", "TTFT p50", "p90", "p99", "TPOT p50", "p90", "p99", "timing from", "e2e p50", "e2e p90",
+         "e2e p99", "out tok/s", "req/s", "accept rate", "accept len"],
         rows,
     )
     lines += ["### Speedup (control latency / speculative latency; median and range over repeats) and acceptance by category", ""]

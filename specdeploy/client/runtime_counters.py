@@ -87,7 +87,7 @@ def read(url: str, timeout_s: float = 5.0) -> Reading:
             text = response.read().decode("utf-8", errors="replace")
     except (urllib.error.URLError, OSError) as exc:
         raise ClientError(f"cannot read the runtime's metrics at {full}: {exc}",
-                          "pass the serving runtime's metrics endpoint as --metrics-url http://HOST:PORT/metrics") from None
+                          "pass the runtime's metrics endpoint: --metrics-url http://HOST:PORT/metrics") from None
     return parse(text)
 
 
@@ -133,7 +133,8 @@ def _trtllm(iterations: list[dict]) -> CounterWindow | None:
     return CounterWindow(
         "trtllm-serve /metrics iteration stats specDecodingStats.numDraftTokens / numAcceptedTokens / "
         "numRequestsWithDraftTokens (emptied on each read)",
-        drafted=sum(s.get("numDraftTokens", 0) for s in spec), accepted=sum(s.get("numAcceptedTokens", 0) for s in spec),
+        drafted=sum(s.get("numDraftTokens", 0) for s in spec),
+        accepted=sum(s.get("numAcceptedTokens", 0) for s in spec),
         drafts=sum(s.get("numRequestsWithDraftTokens", 0) for s in spec),
         note="trtllm-serve keeps only the last iter_stats_max_iterations iterations between reads",
     )  # fmt: skip

@@ -56,8 +56,8 @@ def run_latency(report, endpoint, codec, options, prompts, decoupled, bar, count
             _run_levels(report, section, endpoint, codec, options, prompts, decoupled, bar, plan, counters)
         for mode in (lat.CONTROL, lat.SPECULATIVE) if one_model_at_a_time(endpoint) else ():  # a model swap between them
             lat.warm_up(endpoint, prompts, options.num_draft_tokens, options.request_timeout_s, options.warmup_requests, (mode,))
-            _run_levels(report, section, endpoint, codec, options, prompts, decoupled, bar, [p for p in plan if p[0] == mode],
-                        counters)
+            mine = [p for p in plan if p[0] == mode]
+            _run_levels(report, section, endpoint, codec, options, prompts, decoupled, bar, mine, counters)
     finally:
         runs = section["runs"]
         report["latency"] = {

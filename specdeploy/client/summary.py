@@ -114,8 +114,8 @@ def summary_lines(report: dict) -> list[str]:
     acc = (report.get("acceptance") or {}).get("all")
     if acc:
         lo, hi = acc["acceptance_length_ci95"]
-        lines.append(f"acceptance over {acc['prompts']} prompts served speculatively: length {acc['acceptance_length']:.2f} "
-                     f"(95 % interval {lo:.2f}-{hi:.2f}), rate {acc['acceptance_rate']:.2f}")
+        lines.append(f"acceptance over {acc['prompts']} prompts served speculatively: length "
+                     f"{acc['acceptance_length']:.2f} (95 % interval {lo:.2f}-{hi:.2f}), rate {acc['acceptance_rate']:.2f}")
     for p in (report.get("latency") or {}).get("round_profile") or []:
         lines.append(
             f"concurrency {p['concurrency']}: a round costs {p['round_steps']:.2f} control steps (draft {p['draft_steps']:.2f}, "

@@ -23,7 +23,14 @@ from specdeploy.client import latency as lat
 from specdeploy.client import metrics_check
 from specdeploy.client.deployment import Deployment
 from specdeploy.client.hf_codec import HFCodec
-from specdeploy.client.options import FOREIGN_SIZE, QUICK_SIZE, Options, check_sweep, parse_range, sized  # noqa: F401 (the CLI's)
+from specdeploy.client.options import (  # noqa: F401 (FOREIGN_SIZE, QUICK_SIZE, parse_range, sized: public here for the CLI)
+    FOREIGN_SIZE,
+    QUICK_SIZE,
+    Options,
+    check_sweep,
+    parse_range,
+    sized,
+)
 from specdeploy.client.parity_phases import run_baseline_parity, run_parity, run_sampling
 from specdeploy.client.prompts import Prompt, load_prompt_set, render_prompts, spread_over_categories
 from specdeploy.client.protocol import CONTROL_MODEL, REQUIRED_MODELS, TRIAGE_MODELS, Endpoint, TokenCodec
@@ -115,8 +122,8 @@ def _run_phases(report, endpoint, codec, options, prompts, baseline, bar, counte
         baseline.check_ready((CONTROL_MODEL,))
     decoupled = options.stream or endpoint.is_decoupled(CONTROL_MODEL)
     report["settings"]["stream"] = decoupled
-    plan = report["plan"] = planned_requests(options, len(prompts), len(latency_subset(options, prompts)), baseline is not None,
-                                             decoupled)  # fmt: skip
+    timed = latency_subset(options, prompts)
+    plan = report["plan"] = planned_requests(options, len(prompts), len(timed), baseline is not None, decoupled)
     bar.note(plan_line(plan))
 
     bar.phase("parity")
@@ -133,15 +140,14 @@ def _run_phases(report, endpoint, codec, options, prompts, baseline, bar, counte
         bar.phase("sampling")
         run_sampling(report, endpoint, options, prompts, bar)
 
-    timed = latency_subset(options, prompts)
     report["settings"]["latency_prompt_ids"] = [p.id for p in timed]
     if not one_model_at_a_time(endpoint):  # else each mode warms up after its model is loaded (_latency)
         bar.phase("warm-up")
         lat.warm_up(endpoint, timed, options.num_draft_tokens, options.request_timeout_s, options.warmup_requests)
-    before_speed = plan["parity"] + plan["baseline"] + plan["sampling"] + plan["warm_up"]
-    plan["eta_s_after_warm_up"] = (time.perf_counter() - started) / max(before_speed, 1) * (plan["latency"] + plan["sweep"])
-    bar.note(f"warm-up done after {time.perf_counter() - started:.0f} s; about {plan['eta_s_after_warm_up'] / 60:.1f} min left "
-             f"({plan['latency'] + plan['sweep']} requests at the mean time of those so far)")
+    elapsed, left = time.perf_counter() - started, plan["latency"] + plan["sweep"]
+    plan["eta_s_after_warm_up"] = elapsed / max(plan["parity"] + plan["baseline"] + plan["sampling"] + plan["warm_up"], 1) * left
+    bar.note(f"warm-up done after {elapsed:.0f} s; about {plan['eta_s_after_warm_up'] / 60:.1f} min left "
+             f"({left} requests at the mean time of those so far)")
     bar.phase("latency")
     run_latency(report, endpoint, codec, options, timed, decoupled, bar, counters)
     if options.sweep_draft_tokens:
@@ -173,8 +179,8 @@ def planned_requests(options: Options, prompts: int, timed: int, with_baseline: 
 
 
 def plan_line(plan: dict) -> str:
-    parts = ", ".join(f"{name.replace('_', '-')} {plan[name]}" for name in ("parity", "baseline", "sampling", "warm_up", "latency", "sweep")
-                      if plan[name])  # fmt: skip
+    phases = ("parity", "baseline", "sampling", "warm_up", "latency", "sweep")
+    parts = ", ".join(f"{name.replace('_', '-')} {plan[name]}" for name in phases if plan[name])
     return (f"plan: {plan['total']} requests ({parts}) over {plan['prompts']} prompts, {plan['timed_prompts']} of them timed; "
             "--quick or --max-prompts / --concurrency / --repeats change it")
 
