@@ -205,3 +205,31 @@ def test_acceptance_is_split_by_source_where_the_deployment_says():
     report["speculation"] = {"lookup": lookup}
     split = acceptance.section(report)["by_source"]
     assert split["lookup"]["accepted_per_round"] == 2.0 and split["head"]["accepted_per_round"] == 0.75
+
+
+class _Captured(Exception):
+    pass
+
+
+@pytest.mark.parametrize("args, stream, size", [
+    ([], True, val.FOREIGN_SIZE),
+    (["--no-stream", "--quick"], False, val.QUICK_SIZE),
+    (["--quick", "--repeats", "6"], True, {**val.QUICK_SIZE, "repeats": 6}),
+])  # fmt: skip
+def test_a_recipe_less_openai_run_streams_unless_told_and_is_sized_by_the_presets(monkeypatch, tmp_path, args, stream, size):
+    from click.testing import CliRunner
+
+    from specdeploy.cli import main
+
+    def capture(deployment, options, *rest, **kw):
+        raise _Captured(options)
+
+    monkeypatch.setattr(val, "validate_deployment", capture)
+    tokenizer = tmp_path / "tok"
+    tokenizer.mkdir()
+    result = CliRunner().invoke(main, ["validate", "--protocol", "openai", "--url", "http://127.0.0.1:9", "--tokenizer",
+                                       str(tokenizer), *args])  # fmt: skip
+    assert isinstance(result.exception, _Captured), result.output
+    options = result.exception.args[0]
+    assert options.stream is stream
+    assert {k: getattr(options, k) for k in size} == size
