@@ -216,7 +216,7 @@ class _Captured(Exception):
     (["--no-stream", "--quick"], False, val.QUICK_SIZE),
     (["--quick", "--repeats", "6"], True, {**val.QUICK_SIZE, "repeats": 6}),
 ])  # fmt: skip
-def test_a_recipe_less_openai_run_streams_unless_told_and_is_sized_by_presets(monkeypatch, tmp_path, args, stream, size):
+def test_a_recipe_less_openai_run_streams_unless_told_and_is_sized_by_preset(monkeypatch, tmp_path, args, stream, size):
     from click.testing import CliRunner
 
     from specdeploy.cli import main
