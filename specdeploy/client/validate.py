@@ -57,9 +57,11 @@ class _Progress:
             self.bar.set_description(name)
 
     def note(self, line: str) -> None:
-        """A line for the user above the bar (the plan, the ETA); nothing without a bar."""
+        """A line for the user (the plan, the ETA): above the bar, or on stderr without one (a log)."""
         if self.bar is not None:
             self.bar.write(line, file=sys.stderr)
+        else:
+            print(line, file=sys.stderr, flush=True)
 
     def __call__(self, n: int = 1) -> None:
         if self.bar is not None:
