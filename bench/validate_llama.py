@@ -57,6 +57,7 @@ def main(argv=None) -> int:
     ap.add_argument("--format", default="q8_0", help="the target's GGUF type")
     ap.add_argument("--quick", action="store_true", help="validate --quick (a small plan) instead of the default run")
     ap.add_argument("--report-dir", default=str(ROOT / "engines" / "llama-validate"))
+    ap.add_argument("--cache-prompt", action="store_true", help="serve with llama-server's default prompt cache")
     args = ap.parse_args(argv)
 
     from specdeploy.artifacts import Layout
@@ -78,7 +79,9 @@ def main(argv=None) -> int:
         binary = llama_cpp.binary("llama-server", args.threads)
         head_gguf = llama_cpp.convert_head(head_dir, hf_dir)
         model = llama_cpp.convert_model(hf_dir, args.format)
-        extra: list[str] = []
+        # a request reusing the previous one's cached prompt prefills in another batch shape, whose logits llama.cpp does not
+        # promise bit-equal (b11434 tools/server/README.md, `cache_prompt`): greedy answers then change between requests
+        extra: list[str] = [] if args.cache_prompt else ["--no-cache-prompt"]
         for head in (None, head_gguf):
             log_path = out / f"llama-{'spec' if head else 'plain'}.log"
             servers.append(eagle3_peer.start_server(binary, model, args.threads, CTX, log_path, head, k, extra=extra))
