@@ -7,8 +7,8 @@ where the canary share applies), `ensemble` -> `<recipe>-control`; for any other
 (`ids`), the control possibly on a server of its own (`control_url`). Prompts go to `/v1/completions` as
 text, exactly as the Triton path sends `text_input`, with `temperature: 0` for greedy. specdeploy's front
 returns server-side figures in its `specdeploy` extension field (draft tokens, accepted, server TTFT and
-decode time, k per round); another server returns text only, and the report says what that leaves
-unchecked. The control's exact tokens (`trace`) and the served configs need the Triton deployment under
+decode time, k per round); llama.cpp its draft counts in `timings` (`client/runtime_counters.py`); every server its
+`usage`. What a server does not return the report lists as not checked. The control's exact tokens (`trace`) and the served configs need the Triton deployment under
 the front: pass its gRPC endpoint as `triton` (None: parity falls back to the text). Standard library HTTP only."""
 
 from __future__ import annotations
