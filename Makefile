@@ -47,7 +47,8 @@ test: setup
 # kernels.py the kernels, the default recipe's int8_sq target and llama.cpp beside it; eagle3_peer.py the fused EAGLE-3
 # loop beside llama.cpp's draft-eagle3 (same head: the recipe's trained one, else the bundled one; skipped with one
 # line when there is none); batching.py serves the control path at concurrency 1/2/4/8 with the in-process baseline,
-# levels in turns over 4 repeats (ABBA). The n-gram recipe's target is the default's (same quantization, engine and
+# levels in turns over 4 repeats (ABBA); validate_llama.py validates llama.cpp plain against llama.cpp with the same
+# head over its OpenAI API (`specdeploy validate --protocol openai`, a deployment specdeploy did not make). The n-gram recipe's target is the default's (same quantization, engine and
 # triton sections), so it is not measured twice.
 bench: setup models
 	$(SD) quantize $(RECIPE)
@@ -59,6 +60,7 @@ bench: setup models
 	$(BIN)/python bench/kernels.py --recipe $(RECIPE) --threads 2 --repeats 9
 	$(BIN)/python bench/eagle3_peer.py --recipe $(RECIPE) --threads 2
 	$(BIN)/python bench/batching.py --recipe $(RECIPE) --levels 1,2,4,8 --models ensemble --variants after --repeats 4 --in-process --out engines/batching.json
+	$(BIN)/python bench/validate_llama.py --recipe $(RECIPE) --threads 2
 
 # Serves the recipe's repository and OpenAI front on free loopback ports, sends every seeded malformed case
 # (docs/reliability.md), stops both; exit 1 on a crash, a lost known-good request or an error without a message.

@@ -305,10 +305,11 @@ def start_server(*args, extra: list[str], **kwargs) -> LlamaServer:
     try:
         return LlamaServer(*args, extra=tuple(extra), **kwargs)
     except ServerExited as exc:
-        if exc.returncode != -signal.SIGILL or "--no-repack" in extra:
+        # the same AMX path has also died with SIGSEGV at load here: --no-repack cures both
+        if exc.returncode not in (-signal.SIGILL, -signal.SIGSEGV) or "--no-repack" in extra:
             raise
-        log("llama-server: illegal instruction (ggml's AMX kernels; this CPU lists AMX, the VM does not enable it): "
-            "again with --no-repack")
+        log(f"llama-server: {signal.Signals(-exc.returncode).name} (ggml's AMX kernels; this CPU lists AMX, the VM does not "
+            "enable it): again with --no-repack")
         extra.append("--no-repack")
         return LlamaServer(*args, extra=tuple(extra), **kwargs)
 

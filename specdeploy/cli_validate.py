@@ -53,14 +53,23 @@ FOREIGN_OPTIONS = ("tokenizer", "layout", "speculative_model", "control_model", 
 @click.option("--temperature", type=float, default=1.0, show_default=True, help="Temperature of the sampling comparison.")
 @click.option("--samples", type=int, default=200, show_default=True, help="Seeded samples per side and prompt in the sampling comparison.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
+@click.option("--stream/--no-stream", "stream", default=None,
+              help="Stream every timed request (TTFT, TPOT) and check each stream's text against the non-streamed one "
+                   "[an OpenAI server without RECIPE: stream; else the recipe's triton.decoupled].")
+@click.option("--quick", is_flag=True,
+              help="A small stated plan: 8 prompts for parity, 4 of them timed at concurrency 1 over 2 repeats "
+                   "(size options given beside it win).")
 @click.option("--protocol", type=click.Choice(_dep.PROTOCOLS), default=_dep.Deployment.protocol, show_default=True, help="Send the requests over Triton gRPC or through an OpenAI-compatible API (an API key: $SPECDEPLOY_API_KEY or $OPENAI_API_KEY).")
 @click.option("--openai-url", default=None, help="The OpenAI API, http://127.0.0.1:PORT (specdeploy's front: serve --openai-port PORT), for --protocol openai; with it, --url is the Triton under it.")
-@click.option("--metrics-url", default=None, help="Triton's metrics endpoint HOST:PORT, checked against validate's counts [the detached server's; none with --url].")
+@click.option("--metrics-url", default=None,
+              help="Triton's metrics endpoint HOST:PORT, checked against validate's counts [the detached server's; none "
+                   "with --url]; an OpenAI server without RECIPE: its runtime's metrics (vLLM, SGLang, trtllm-serve), "
+                   "read for acceptance.")
 @pass_ctx
 @handle_errors
 def validate(ctx, recipe, url, baseline_url, report_dir, min_parity, min_speedup, sweep_draft_tokens, max_prompts, prompt_set, top_k, top_p,
              temperature, samples, no_progress, protocol, openai_url, metrics_url, max_tokens, min_compared_tokens, chat, concurrency, repeats,
-             **foreign):  # fmt: skip
+             stream, quick, **foreign):  # fmt: skip
     """Check greedy parity and measure the speedup of a deployment against its unaccelerated control.
 
     With RECIPE: the recipe's deployment. Without: any deployment at --url (NVIDIA's inflight_batcher_llm or llmapi
@@ -80,7 +89,10 @@ def validate(ctx, recipe, url, baseline_url, report_dir, min_parity, min_speedup
         concurrency=_levels(concurrency) if concurrency else None,
         sweep_draft_tokens=val.parse_range(sweep_draft_tokens) if sweep_draft_tokens else None,
         sampling=Sampling(temperature, top_k or 0, top_p or 0.0, seed=0) if (top_k or top_p) else None, samples_per_prompt=samples,
+        stream=stream,
     )  # fmt: skip
+    if quick:
+        overrides = val.sized(overrides, val.QUICK_SIZE)
     if recipe is None:
         report, paths, verdict = _validate_foreign(url, protocol, openai_url, metrics_url, baseline_url, report_dir, not no_progress,
                                                    overrides, foreign)  # fmt: skip
@@ -132,6 +144,9 @@ def _validate_foreign(url, protocol, openai_url, metrics_url, baseline_url, repo
         triton_url=triton_url, metrics_url=metrics_url, price_per_hour=foreign["price_per_hour"] or 0.0,
         use_draft_logits=foreign["use_draft_logits"],
     )  # fmt: skip
+    overrides = val.sized(overrides, val.FOREIGN_SIZE)  # no recipe: the default recipe's run size
+    if protocol == "openai" and overrides.get("stream") is None:
+        overrides = {**overrides, "stream": True}  # every OpenAI-compatible server streams (SSE): TTFT and TPOT need it
     knobs = {k: foreign[k] for k in ("num_draft_tokens", "max_draft_len")}
     if knobs["max_draft_len"] is None and knobs["num_draft_tokens"] is not None:
         knobs["max_draft_len"] = max(knobs["num_draft_tokens"], val.Options.max_draft_len)

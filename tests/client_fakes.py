@@ -56,6 +56,7 @@ class FakeEndpoint:
     sample_p: {model: [p(a), p(b)]} for seeded (sampled) requests; default [0.7, 0.3] on both.
     k_cap: the speculative path returns `speculative_k_history` (a plain prefill round, then its rounds), each round's
       k capped at k_cap, as a deployment whose schedule caps the request's k; None: no history.
+    draft_counts: False: the speculative path returns no draft counts (a runtime that only exports them on /metrics).
     """
 
     url = "fake:0"
@@ -74,6 +75,7 @@ class FakeEndpoint:
         broken_stream=False,
         sample_p=None,
         k_cap=None,
+        draft_counts=True,
     ):
         self.corrupt = corrupt or {}
         self.lengths = lengths or {}
@@ -87,6 +89,7 @@ class FakeEndpoint:
         self.broken_stream = broken_stream
         self.sample_p = sample_p or {}
         self.k_cap = k_cap
+        self.draft_counts = draft_counts
         self.calls = []
         self.traces = []  # (prompt, with_logits)
         self.lock = threading.Lock()
@@ -131,7 +134,8 @@ class FakeEndpoint:
             k = request.num_draft_tokens or self.k
             rounds = -(-len(text) // (k * self.accepted_share + 1))
             accepted = len(text) - int(rounds)
-            perf = PerfMetrics(total_draft_tokens=int(rounds) * k, total_accepted_draft_tokens=accepted)
+            if self.draft_counts:
+                perf = PerfMetrics(total_draft_tokens=int(rounds) * k, total_accepted_draft_tokens=accepted)
             if self.k_cap is not None:
                 k_history = [0] + [min(k, self.k_cap)] * int(rounds)
         if request.sampling is not None and request.sampling.seed is not None:

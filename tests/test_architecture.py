@@ -141,6 +141,8 @@ LAYER_OF = {
     "client.validate": "client",
     "client.triton_adapter": "client",
     "client.openai_adapter": "client",
+    "client.runtime_counters": "client",
+    "client.acceptance": "client",  # acceptance over every prompt served speculatively, with its interval  # acceptance from a serving runtime's own counters (llama.cpp, vLLM, SGLang, trtllm-serve)
     "client.llmapi_adapter": "client",
     "client.deployment": "client",
     # the stages composed per backend

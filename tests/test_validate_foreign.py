@@ -15,6 +15,7 @@ from click.testing import CliRunner
 
 import ops_deploy
 from specdeploy.cli import main
+from specdeploy.client import openai_adapter
 
 PROMPTS = [("The quick brown fox", "chat"), ("def add(a, b):", "code"), ("Triton serves models", "summarization")]
 RUN_SIZE = ["--max-tokens", "12", "--min-compared-tokens", "4", "--concurrency", "1", "--repeats", "1", "--min-speedup", "0", "--no-progress"]
@@ -133,6 +134,21 @@ def test_openai_protocol_by_url_and_tokenizer_only(inflight, model_dir, prompts,
     header = (tmp_path / "report.md").read_text().split("## ")[0]
     assert "the deployment's own draft length (num_draft_tokens not sent" in header and "num_draft_tokens=" not in header
     assert "--metrics-url" in missing["the metrics endpoint against validate's own counts"]
+    # over OpenAI it streams by default: every stream equals its unary text, TTFT/TPOT from the stream, tokens from usage
+    assert report["settings"]["stream"] and report["parity"]["streams_checked"]
+    assert all(i["stream_equal"] is True for i in report["parity"]["items"])
+    levels = report["latency"]["levels"]
+    assert {r["ttft_source"] for r in levels} == {"stream"} and all(r["tpot_s_p99"] is not None for r in levels)
+    assert {t for r in levels for t in r["tokens_source"]} == {"usage"}
+    assert "TTFT and TPOT" not in missing
+    assert {r["acceptance_source"] for r in levels if r["mode"] == "speculative"} == {openai_adapter.SPECDEPLOY_SOURCE}
+    # the header names the model ids and the URL it talked to, not the Triton names
+    ends = report["deployment"]["endpoints"]
+    assert ends["speculative"]["model"] == "foreign-speculative" and ends["control"]["model"] == "foreign-control"
+    assert f"model `foreign-speculative` at `{report['url']}`" in header
+    plan = report["plan"]  # chosen before the first request: 3 prompts x 2 sides x (unary + stream), 3 timed x 2 sides
+    assert (plan["parity"], plan["latency"], plan["total"]) == (12, 6, 12 + 4 + 6)
+    assert plan["eta_s_after_warm_up"] > 0
 
 
 @pytest.mark.server

@@ -24,12 +24,14 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from specdeploy.client import runtime_counters
 from specdeploy.client.prompts import Prompt
 from specdeploy.client.protocol import CONTROL_MODEL, SPECULATIVE_MODEL, Endpoint, GenerateRequest, GenerateResult, TokenCodec
 from specdeploy.errors import ClientError
 
 CONTROL, SPECULATIVE = "control", "speculative"
-COUNT_IDS, COUNT_PARITY, COUNT_RETOKENIZED = "output_ids", "parity", "retokenized"  # RequestSample.tokens_source
+# RequestSample.tokens_source
+COUNT_IDS, COUNT_USAGE, COUNT_PARITY, COUNT_RETOKENIZED = "output_ids", "usage", "parity", "retokenized"
 MODEL_OF_MODE = {CONTROL: CONTROL_MODEL, SPECULATIVE: SPECULATIVE_MODEL}
 PERCENTILES = (50, 90, 99)
 
@@ -56,6 +58,7 @@ class RequestSample:
     k_rounds: list[int] | None = None
     draft_s_rounds: list[float] | None = None
     target_s_rounds: list[float] | None = None
+    acceptance_source: str | None = None  # which counters `drafted` / `accepted` come from
 
     @property
     def tpot_s(self) -> float | None:
@@ -75,6 +78,7 @@ class LevelRun:
     wall_s: float = 0.0
     samples: list[RequestSample] = field(default_factory=list)
     error: str | None = None  # set when the run stopped early; samples holds what finished
+    counters: dict | None = None  # the runtime's metrics endpoint over this run (runtime_counters.CounterWindow)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -129,6 +133,12 @@ def level_stats(runs: Sequence[LevelRun]) -> dict:
     out["acceptance_rate"], out["acceptance_length"] = acceptance(samples)
     with_perf = [s for s in samples if s.drafted is not None]
     out["drafted"] = sum(s.drafted for s in with_perf) if with_perf else None  # None: the path returns no draft counts
+    out["acceptance_source"] = next((s.acceptance_source for s in with_perf if s.acceptance_source), None)
+    window = runtime_counters.merge([runtime_counters.CounterWindow(**r.counters) for r in runs if r.counters])
+    if not with_perf and window is not None:  # no counts per response: the runtime's metrics endpoint over these runs
+        out["acceptance_rate"], out["acceptance_length"] = window.acceptance_rate, window.acceptance_length
+        out["drafted"], out["acceptance_source"] = window.drafted, window.source
+        out["accepted_per_position"] = [n / window.drafts for n in window.accepted_per_pos] if window.drafts else None
     out["ttft_source"] = next((s.ttft_source for s in samples if s.ttft_source), None)
     out["tokens_source"] = sorted({s.tokens_source for s in samples})
     out["same_text"] = sum(s.same_text is True for s in samples)
@@ -364,10 +374,12 @@ Reference = dict  # prompt id -> (text, generated tokens or None): the parity ph
 
 
 def count_tokens(result: GenerateResult, codec: TokenCodec, reference: tuple[str, int | None] | None) -> tuple[int, str]:
-    """(output tokens, where the count comes from): the returned ids, else the parity phase's exact
-    count for the same text, else the re-tokenized text."""
+    """(output tokens, where the count comes from): the returned ids, else the server's own count (an OpenAI
+    server's `usage`), else the parity phase's exact count for the same text, else the re-tokenized text."""
     if result.token_ids is not None:
         return len(result.token_ids), COUNT_IDS
+    if result.usage_tokens is not None:
+        return result.usage_tokens, COUNT_USAGE
     if reference is not None and reference[1] is not None and result.text == reference[0]:
         return reference[1], COUNT_PARITY
     return len(codec.encode(result.text)), COUNT_RETOKENIZED
@@ -435,6 +447,7 @@ def run_level(
                 k_rounds=result.k_history if mode == SPECULATIVE else None,
                 draft_s_rounds=result.draft_s_history if mode == SPECULATIVE else None,
                 target_s_rounds=result.target_s_history if mode == SPECULATIVE else None,
+                acceptance_source=result.perf.source if mode == SPECULATIVE else None,
             )
             with lock:
                 run.samples.append(sample)

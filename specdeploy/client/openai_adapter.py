@@ -7,8 +7,8 @@ where the canary share applies), `ensemble` -> `<recipe>-control`; for any other
 (`ids`), the control possibly on a server of its own (`control_url`). Prompts go to `/v1/completions` as
 text, exactly as the Triton path sends `text_input`, with `temperature: 0` for greedy. specdeploy's front
 returns server-side figures in its `specdeploy` extension field (draft tokens, accepted, server TTFT and
-decode time, k per round); another server returns text only, and the report says what that leaves
-unchecked. The control's exact tokens (`trace`) and the served configs need the Triton deployment under
+decode time, k per round); llama.cpp its draft counts in `timings` (`client/runtime_counters.py`); every server its
+`usage`. What a server does not return the report lists as not checked. The control's exact tokens (`trace`) and the served configs need the Triton deployment under
 the front: pass its gRPC endpoint as `triton` (None: parity falls back to the text). Standard library HTTP only."""
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import urllib.error
 import urllib.request
 from typing import Sequence
 
+from specdeploy.client import runtime_counters
 from specdeploy.client.protocol import (
     CONTROL_MODEL,
     SPECULATIVE_MODEL,
@@ -70,6 +71,22 @@ def _answer_errors(base: str, path: str, timeout_s: float):
     except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
         raise ClientError(f"{base}{path} did not answer as an OpenAI API does ({type(exc).__name__}: {exc})",
                           "check --url / --openai-url: it must be an OpenAI-compatible base URL such as http://HOST:8000/v1") from None
+
+
+SPECDEPLOY_SOURCE = "specdeploy front's specdeploy.draft_tokens / accepted_draft_tokens (per response)"
+
+
+def _perf(ext: dict, timings: dict | None) -> PerfMetrics:
+    """The answer's draft counts: specdeploy's extension field, else llama.cpp's timings, else none."""
+    if ext.get("draft_tokens") is not None:
+        return PerfMetrics(total_draft_tokens=ext["draft_tokens"], total_accepted_draft_tokens=ext.get("accepted_draft_tokens"),
+                           acceptance_rate=ext.get("acceptance_rate"), source=SPECDEPLOY_SOURCE)
+    counts = runtime_counters.from_llama_timings(timings)
+    if counts is None:
+        return PerfMetrics(acceptance_rate=ext.get("acceptance_rate"))
+    drafted, accepted = counts
+    return PerfMetrics(total_draft_tokens=drafted, total_accepted_draft_tokens=accepted,
+                       acceptance_rate=accepted / drafted if drafted else None, source=runtime_counters.LLAMA_SOURCE)
 
 
 class OpenAIEndpoint:
@@ -163,6 +180,11 @@ class OpenAIEndpoint:
                               f"It serves: {', '.join(sorted(served)) or 'nothing'}",
                               f"pass {option} ID" + ("" if model == SPECULATIVE_MODEL else " (the target alone), or --control-url for a server of its own"))  # fmt: skip
 
+    def describe(self) -> dict:
+        """What the run talked to, per path: the base URL and the model id (after `check_ready` resolved it)."""
+        return {path: {"url": self.urls[model], "model": self.ids.get(model)}
+                for path, model in (("speculative", SPECULATIVE_MODEL), ("control", CONTROL_MODEL))}
+
     def is_decoupled(self, model: str) -> bool:
         return self.triton.is_decoupled(model) if self.triton is not None else False
 
@@ -199,13 +221,13 @@ class OpenAIEndpoint:
                               "sweep draft lengths over the Triton protocol (--protocol triton)")  # fmt: skip
         body = self.body(model, request)
         start = time.perf_counter()
-        pieces, first_s, ext = [], None, {}
+        pieces, first_s, ext, timings, usage = [], None, {}, None, None
         with self._http("POST", "/completions", body, timeout_s, self.urls[model]) as response, \
                 _answer_errors(self.urls[model], "/completions", timeout_s):
             if not request.stream:
                 data = json.loads(response.read().decode())
                 pieces.append(data["choices"][0]["text"])
-                ext = data.get("specdeploy") or {}
+                ext, timings, usage = data.get("specdeploy") or {}, data.get("timings"), data.get("usage")
             else:
                 ended = False
                 for raw in response:
@@ -226,6 +248,8 @@ class OpenAIEndpoint:
                                 on_text(choice["text"])
                             first_s = first_s or time.perf_counter()
                     ext = data.get("specdeploy") or ext
+                    timings = data.get("timings") or timings  # llama.cpp: on the last chunks
+                    usage = data.get("usage") or usage  # the final chunk (stream_options.include_usage)
                 if not ended:  # the stream stopped before its end: what came is not an answer
                     raise ClientError(f"the OpenAI API at {self.urls[model]} ended a stream without 'data: [DONE]' after "
                                       f"{len(pieces)} chunks", "see the front's and the server's logs")  # fmt: skip
@@ -233,8 +257,7 @@ class OpenAIEndpoint:
         text = "".join(pieces)
         if on_text is not None and not request.stream:
             on_text(text)
-        perf = PerfMetrics(total_draft_tokens=ext.get("draft_tokens"), total_accepted_draft_tokens=ext.get("accepted_draft_tokens"),
-                           acceptance_rate=ext.get("acceptance_rate"))  # fmt: skip
+        perf = _perf(ext, timings)
         if request.stream and first_s is not None:
             ttft, decode, source = first_s - start, done - first_s, TIMING_STREAM
         elif ext.get("server_ttft_s") is not None:
@@ -242,8 +265,10 @@ class OpenAIEndpoint:
         else:
             ttft, decode, source = None, None, None
         ids = ext.get("output_ids")
+        completion = (usage or {}).get("completion_tokens")
+        completion = int(completion) if isinstance(completion, (int, float)) else None
         return GenerateResult(text, done - start, ttft, source, decode, max(1, len(pieces)), perf, ids, ext.get("k_history"),
-                              ext.get("draft_s_history"), ext.get("target_s_history"))
+                              ext.get("draft_s_history"), ext.get("target_s_history"), usage_tokens=completion)
 
     def trace(self, prompt: str, max_tokens: int, timeout_s: float, with_logits: bool = True) -> TargetTrace:
         if self.triton is None:

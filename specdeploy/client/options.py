@@ -82,6 +82,18 @@ class Options:
         return options
 
 
+# The run's size where no recipe sets it: the default recipe's (build/smollm2-135m.yaml validation; a test holds them
+# equal), about 260 requests, ~5 minutes against a 135M model on 2 cores.
+FOREIGN_SIZE = {"max_prompts": 32, "latency_prompts": 8, "concurrency": (1, 2), "repeats": 4}
+# --quick: parity on 8 prompts (2 a category), 4 of them timed at concurrency 1 over 2 repeats: ~50 requests.
+QUICK_SIZE = {"max_prompts": 8, "latency_prompts": 4, "concurrency": (1,), "repeats": 2}
+
+
+def sized(overrides: dict, size: dict) -> dict:
+    """`overrides` with `size` filling the run-size fields the user left unset (None)."""
+    return {**overrides, **{k: v for k, v in size.items() if overrides.get(k) is None}}
+
+
 def parse_range(text: str) -> tuple[int, ...]:
     """'1..6' -> (1, ..., 6); '1,2,4' -> (1, 2, 4)."""
     try:

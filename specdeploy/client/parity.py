@@ -74,6 +74,10 @@ class PromptParity:
     token_margin: float | None = None  # logit(control token) - logit(speculative token), the triage margin
     stream_equal: bool | None = None  # decoupled: both streams, concatenated, equal the non-streamed texts
     note: str = ""
+    # the speculative answer's draft counts and output tokens as the server gave them (None: not returned)
+    drafted: int | None = None
+    accepted: int | None = None
+    speculative_tokens: int | None = None
 
     @property
     def compared(self) -> bool:
@@ -370,6 +374,9 @@ def check_prompt(
     if triage and (differ or control.token_ids is None):
         trace = endpoint.trace(prompt.text, prompt.max_tokens, timeout_s, with_logits=differ)
     item = compare_greedy(prompt, control.text, speculative.text, codec, trace, policy, speculative.token_ids, control.token_ids)
+    item.drafted, item.accepted = speculative.perf.total_draft_tokens, speculative.perf.total_accepted_draft_tokens
+    tokens = speculative.output_tokens
+    item.speculative_tokens = tokens if tokens is not None else speculative.usage_tokens
     if check_streams:
         notes = []
         for model, request, unary in (

@@ -51,6 +51,7 @@ class PerfMetrics:
     arrival_time_ns: int | None = None
     first_token_time_ns: int | None = None
     last_token_time_ns: int | None = None
+    source: str | None = None  # which counters the draft counts come from (the report names it)
 
     @property
     def server_ttft_s(self) -> float | None:
@@ -88,6 +89,7 @@ class GenerateResult:
     # the output tokens as the server counted them, where it returns `sequence_length` but no ids (specdeploy's
     # ensemble and tensorrt_llm_bls); with token_ids, their count
     output_tokens: int | None = None
+    usage_tokens: int | None = None  # an OpenAI server's `usage.completion_tokens` for this answer
 
     def __post_init__(self):
         if self.output_tokens is None and self.token_ids is not None:

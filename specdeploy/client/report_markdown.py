@@ -40,8 +40,7 @@ def render_markdown(report: dict) -> str:
     lines += [
         f"- server: `{report.get('url')}`" + (f", baseline: `{report['baseline_url']}`" if report.get("baseline_url") else ""),
         f"- created {report.get('created')}, took {_fmt(report.get('duration_s'), '.1f', ' s')}",
-        f"- control: `{names.get('ensemble', 'ensemble')}` (target alone); speculative: `{names.get('tensorrt_llm_bls', 'tensorrt_llm_bls')}` "
-        + draft_length
+        _paths_line(deployment, names) + draft_length
         + (f"; {deployment['protocol']} protocol" + (f", {deployment['layout']} layout" if deployment["protocol"] == "triton" else "")
            + (f", control at `{deployment['control_url']}`" if deployment.get("control_url") else "")
            + (" (a deployment described by its address and tokenizer, no recipe)" if deployment.get("foreign") else "") if deployment else ""),
@@ -54,6 +53,7 @@ def render_markdown(report: dict) -> str:
     lines += _parity_md(report)
     lines += _sampling_md(report)
     lines += _latency_md(report)
+    lines += _acceptance_md(report)
     lines += cost_markdown(report.get("cost"))
     lines += _speculation_md(report)
     lines += _metrics_check_md(report)
@@ -65,6 +65,17 @@ def render_markdown(report: dict) -> str:
         if name in (report.get("plots") or {}):
             lines += [f"![{title}]({report['plots'][name]})", ""]
     return "\n".join(lines)
+
+
+def _paths_line(deployment: dict, names: dict) -> str:
+    """The two paths as the run reached them: over OpenAI, each one's model id and base URL; over Triton, the models."""
+    ends = deployment.get("endpoints")
+    if ends:
+        control, spec = ends["control"], ends["speculative"]
+        return (f"- control: model `{control['model']}` at `{control['url']}` (target alone); speculative: "
+                f"model `{spec['model']}` at `{spec['url']}` ")
+    control, spec = names.get("ensemble", "ensemble"), names.get("tensorrt_llm_bls", "tensorrt_llm_bls")
+    return f"- control: `{control}` (target alone); speculative: `{spec}` "
 
 
 def _parity_md(report: dict) -> list[str]:
@@ -156,6 +167,7 @@ def _latency_md(report: dict) -> list[str]:
         "server": "server (the model's perf outputs: arrival_time_ns → first_token_time_ns → last_token_time_ns)",
     }
     counted = sorted({t for r in latency["levels"] for t in r.get("tokens_source") or []})
+    accepted_from = sorted({r["acceptance_source"] for r in latency["levels"] if r.get("acceptance_source")})
     settings = report.get("settings") or {}
     timed = settings.get("latency_prompt_ids")
     lines = [
@@ -163,9 +175,11 @@ def _latency_md(report: dict) -> list[str]:
         "",
         f"Milliseconds. TTFT and TPOT = (last token − first token) / (output tokens − 1) from: "
         f"{'; '.join(explain.get(s, s) for s in sources) or 'n/a'}. Output tokens counted from: {', '.join(counted) or '–'} "
-        "(output_ids: returned by the model; parity: the parity phase's exact ids for the same text; retokenized: the text "
-        "re-tokenized). Acceptance rate = accepted / drafted draft tokens (server counts); acceptance length = output "
-        "tokens / target iterations, with iterations = output tokens − accepted tokens."
+        "(output_ids: returned by the model; usage: the server's usage.completion_tokens; parity: the parity phase's exact "
+        "ids for the same text; retokenized: the text re-tokenized). Acceptance rate = accepted / drafted draft tokens "
+        "(server counts); acceptance length = output tokens / target iterations, with iterations = output tokens − "
+        "accepted tokens (from a runtime's metrics endpoint: 1 + accepted / verification passes that held drafts)."
+        + (f" Acceptance counted from: {'; '.join(accepted_from)}." if accepted_from else "")
         + (f" Each run sends {len(timed)} of the {len(report.get('prompts') or [])} prompts ({', '.join(timed)})." if timed and len(timed) < len(report.get("prompts") or []) else ""),
         "",
     ]
@@ -175,7 +189,11 @@ def _latency_md(report: dict) -> list[str]:
             r["mode"],
             r["requests"],
             _ms(r["ttft_s_p50"]),
+            _ms(r["ttft_s_p90"]),
+            _ms(r["ttft_s_p99"]),
             _ms(r["tpot_s_p50"]),
+            _ms(r["tpot_s_p90"]),
+            _ms(r["tpot_s_p99"]),
             r.get("ttft_source") or "–",
             _ms(r["e2e_s_p50"]),
             _ms(r["e2e_s_p90"]),
@@ -188,7 +206,8 @@ def _latency_md(report: dict) -> list[str]:
         for r in latency["levels"]
     ]
     lines += _table(
-        ["conc.", "path", "requests", "TTFT p50", "TPOT p50", "timing from", "e2e p50", "e2e p90", "e2e p99", "out tok/s", "req/s", "accept rate", "accept len"],
+        ["conc.", "path", "requests", "TTFT p50", "p90", "p99", "TPOT p50", "p90", "p99", "timing from", "e2e p50", "e2e p90",
+         "e2e p99", "out tok/s", "req/s", "accept rate", "accept len"],
         rows,
     )
     lines += ["### Speedup (control latency / speculative latency; median and range over repeats) and acceptance by category", ""]
@@ -240,6 +259,30 @@ REASONS = {
     "control_arm": "the canary sent the request down the plain path",
     "num_draft_tokens_0": "the request asked for no draft tokens",
 }
+
+
+def _acceptance_md(report: dict) -> list[str]:
+    acc = report.get("acceptance")
+    if not acc:
+        return []
+
+    def row(name, f):
+        lo, hi = f["acceptance_length_ci95"]
+        rlo, rhi = f["acceptance_rate_ci95"]
+        return [name, f["prompts"], f["drafted"], f["accepted"], f"{f['acceptance_length']:.2f}", f"{lo:.2f} – {hi:.2f}",
+                f"{f['acceptance_rate']:.2f}", f"{rlo:.2f} – {rhi:.2f}"]  # fmt: skip
+
+    lines = ["## Acceptance over every prompt served speculatively", "",
+             f"Each prompt once (greedy answers repeat), from the {' and '.join(acc['phases'])} phase; 95 % interval: "
+             "percentile bootstrap over prompts. Length = output tokens / target passes.", ""]  # fmt: skip
+    lines += _table(["category", "prompts", "drafted", "accepted", "acc. length", "95 % interval", "acc. rate", "95 % interval"],
+                    [row("all", acc["all"])] + [row(c, f) for c, f in acc["by_category"].items()])  # fmt: skip
+    if acc.get("by_source"):
+        lines += ["By draft source (the deployment's metrics endpoint, whole run):", ""]
+        lines += _table(["source", "drafting rounds", "drafted", "accepted", "accepted / round"],
+                        [[k, f"{v['rounds']:g}", f"{v['drafted']:g}", f"{v['accepted']:g}", _fmt(v["accepted_per_round"], ".2f")]
+                         for k, v in acc["by_source"].items()])  # fmt: skip
+    return lines
 
 
 def _speculation_md(report: dict) -> list[str]:

@@ -26,20 +26,24 @@ def _references(report) -> dict[str, dict]:
     return out
 
 
-def _run_levels(report, report_section, endpoint, codec, options, prompts, decoupled, bar, plan) -> None:
-    """Run (mode, concurrency, repeat, k) in order; stop at the first failed run (its samples are kept)."""
+def _run_levels(report, report_section, endpoint, codec, options, prompts, decoupled, bar, plan, counters=None) -> None:
+    """Run (mode, concurrency, repeat, k) in order; stop at the first failed run (its samples are kept). `counters`
+    (runtime_counters.RuntimeCounters): the runtime's metrics endpoint, read before and after each speculative run."""
     references = _references(report)
     for mode, level, repeat, k in plan:
+        before = counters.before() if counters is not None and mode == lat.SPECULATIVE else None
         run = lat.run_level(
             endpoint, codec, prompts, mode, level, repeat, options.request_timeout_s, k, decoupled, progress=bar,
             reference=references[mode],  # greedy: the same text for every k
         )
+        window = counters.after(before) if before is not None else None
+        run.counters = window.to_dict() if window is not None else None
         report_section["runs"].append(run)
         if run.error is not None:
             raise ClientError(f"{mode} run at concurrency {level} stopped: {run.error}")
 
 
-def run_latency(report, endpoint, codec, options, prompts, decoupled, bar) -> None:
+def run_latency(report, endpoint, codec, options, prompts, decoupled, bar, counters=None) -> None:
     section = {"runs": []}
     plan = [
         (mode, level, repeat, options.num_draft_tokens)
@@ -49,10 +53,11 @@ def run_latency(report, endpoint, codec, options, prompts, decoupled, bar) -> No
     ]
     try:
         if not one_model_at_a_time(endpoint):
-            _run_levels(report, section, endpoint, codec, options, prompts, decoupled, bar, plan)
+            _run_levels(report, section, endpoint, codec, options, prompts, decoupled, bar, plan, counters)
         for mode in (lat.CONTROL, lat.SPECULATIVE) if one_model_at_a_time(endpoint) else ():  # a model swap between them
             lat.warm_up(endpoint, prompts, options.num_draft_tokens, options.request_timeout_s, options.warmup_requests, (mode,))
-            _run_levels(report, section, endpoint, codec, options, prompts, decoupled, bar, [p for p in plan if p[0] == mode])
+            mine = [p for p in plan if p[0] == mode]
+            _run_levels(report, section, endpoint, codec, options, prompts, decoupled, bar, mine, counters)
     finally:
         runs = section["runs"]
         report["latency"] = {

@@ -29,10 +29,17 @@ def not_checked(report: dict, deployment: Deployment, endpoint) -> list[dict]:
         add("near-tie triage of divergences",
             "the deployment has no target-only model returning generation logits: a divergence counts as a mismatch")
     counts = getattr(endpoint, "counts", {}).get(SPECULATIVE_MODEL)
-    if counts is not None and counts.requests and counts.perf_missing == counts.requests:
-        add("acceptance rate and acceptance length (draft tokens proposed / accepted)",
-            "the speculative model returned no total_draft_tokens / total_accepted_draft_tokens with its responses")
     levels = (report.get("latency") or {}).get("levels") or []
+    counted = any(level.get("acceptance_source") for level in levels)
+    if counts is not None and counts.requests and counts.perf_missing == counts.requests and not counted:
+        runtime = report.get("runtime_counters")
+        add("acceptance rate and acceptance length (draft tokens proposed / accepted)",
+            "the speculative path returned no draft counts with its responses (no total_draft_tokens / "
+            "total_accepted_draft_tokens, no llama.cpp timings.draft_n) and "
+            + ("its metrics endpoint (" + runtime["url"] + ") exported no speculation counters this run reads (vLLM "
+               "vllm:spec_decode_*, SGLang sglang:spec_accept_*, trtllm-serve specDecodingStats)"
+               + (": " + "; ".join(runtime["errors"][:1]) if runtime["errors"] else "")
+               if runtime else "no runtime metrics endpoint was given (--metrics-url)"))
     if levels and not any(level.get("ttft_source") for level in levels):
         add("TTFT and TPOT", "the deployment neither streams (not decoupled) nor returns arrival/first/last_token_time_ns: "
             "only end-to-end latency and throughput were measured")
@@ -59,7 +66,10 @@ def not_checked(report: dict, deployment: Deployment, endpoint) -> list[dict]:
     if not spec.get("policy"):
         add("the speculation policy", "the speculative model's config carries no policy parameters and no recipe describes it")
     check = report.get("metrics_check") or {}
-    if not check.get("checked"):
+    if report.get("runtime_counters"):
+        add("the metrics endpoint against validate's own counts",
+            "--metrics-url is the serving runtime's, read for acceptance only: its counters are not specdeploy's")
+    elif not check.get("checked"):
         add("the metrics endpoint against validate's own counts", "; ".join(check.get("notes") or ["not read"]))
     else:
         for note in check.get("notes") or []:
@@ -99,7 +109,13 @@ def summary_lines(report: dict) -> list[str]:
         lines.append(
             f"concurrency {row['concurrency']}: speedup {row['median']:.2f}x (repeats {row['min']:.2f}..{row['max']:.2f})"
             + (f", acceptance rate {rate:.2f}, acceptance length {spec['acceptance_length']:.2f}" if rate is not None else "")
+            + (f" (from {spec['acceptance_source']})" if rate is not None and spec.get("acceptance_source") else "")
         )
+    acc = (report.get("acceptance") or {}).get("all")
+    if acc:
+        lo, hi = acc["acceptance_length_ci95"]
+        lines.append(f"acceptance over {acc['prompts']} prompts served speculatively: length "
+                     f"{acc['acceptance_length']:.2f} (95 % interval {lo:.2f}-{hi:.2f}), rate {acc['acceptance_rate']:.2f}")
     for p in (report.get("latency") or {}).get("round_profile") or []:
         lines.append(
             f"concurrency {p['concurrency']}: a round costs {p['round_steps']:.2f} control steps (draft {p['draft_steps']:.2f}, "

@@ -14,14 +14,23 @@ what a finished report says in a few words in `summary`.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from pathlib import Path
 
+from specdeploy.client import acceptance
 from specdeploy.client import latency as lat
 from specdeploy.client import metrics_check
 from specdeploy.client.deployment import Deployment
 from specdeploy.client.hf_codec import HFCodec
-from specdeploy.client.options import Options, check_sweep, parse_range  # noqa: F401 (parse_range: public here for the CLI)
+from specdeploy.client.options import (  # noqa: F401 (FOREIGN_SIZE, QUICK_SIZE, parse_range, sized: public here for the CLI)
+    FOREIGN_SIZE,
+    QUICK_SIZE,
+    Options,
+    check_sweep,
+    parse_range,
+    sized,
+)
 from specdeploy.client.parity_phases import run_baseline_parity, run_parity, run_sampling
 from specdeploy.client.prompts import Prompt, load_prompt_set, render_prompts, spread_over_categories
 from specdeploy.client.protocol import CONTROL_MODEL, REQUIRED_MODELS, TRIAGE_MODELS, Endpoint, TokenCodec
@@ -47,6 +56,13 @@ class _Progress:
         if self.bar is not None:
             self.bar.set_description(name)
 
+    def note(self, line: str) -> None:
+        """A line for the user (the plan, the ETA): above the bar, or on stderr without one (a log)."""
+        if self.bar is not None:
+            self.bar.write(line, file=sys.stderr)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
     def __call__(self, n: int = 1) -> None:
         if self.bar is not None:
             self.bar.update(n)
@@ -66,15 +82,17 @@ def validate(
     baseline: Endpoint | None = None,
     quality: dict | None = None,
     progress=True,
+    counters=None,
 ) -> dict:
-    """Run every phase against `endpoint` and return the report dict (never raises on a server fault)."""
+    """Run every phase against `endpoint` and return the report dict (never raises on a server fault). `counters`
+    (runtime_counters.RuntimeCounters): the runtime's metrics endpoint, read around each speculative latency run."""
     prompts, template = prepare_prompts(options, codec)
     report = _new_report(recipe_name, endpoint, baseline, options, prompts, quality)
     report["settings"]["chat_template_used"] = template
     bar = _Progress(_total_steps(options, prompts, baseline is not None), progress)
     started = time.perf_counter()
     try:
-        _run_phases(report, endpoint, codec, options, prompts, baseline, bar)
+        _run_phases(report, endpoint, codec, options, prompts, baseline, bar, counters, started)
     except ClientError as exc:
         _fail(report, f"{exc.message} (hint: {exc.hint})" if exc.hint else exc.message)
     except KeyboardInterrupt:
@@ -82,6 +100,7 @@ def validate(
     finally:
         bar.close()
         report["duration_s"] = time.perf_counter() - started
+        report["acceptance"] = acceptance.section(report)
     return report
 
 
@@ -98,13 +117,16 @@ def latency_subset(options: Options, prompts: list[Prompt]) -> list[Prompt]:
     return spread_over_categories(prompts, options.latency_prompts) if options.latency_prompts > 0 else list(prompts)
 
 
-def _run_phases(report, endpoint, codec, options, prompts, baseline, bar) -> None:
+def _run_phases(report, endpoint, codec, options, prompts, baseline, bar, counters, started) -> None:
     bar.phase("connect")
     endpoint.check_ready(REQUIRED_MODELS)
     if baseline is not None:
         baseline.check_ready((CONTROL_MODEL,))
     decoupled = options.stream or endpoint.is_decoupled(CONTROL_MODEL)
     report["settings"]["stream"] = decoupled
+    timed = latency_subset(options, prompts)
+    plan = report["plan"] = planned_requests(options, len(prompts), len(timed), baseline is not None, decoupled)
+    bar.note(plan_line(plan))
 
     bar.phase("parity")
     try:
@@ -120,13 +142,16 @@ def _run_phases(report, endpoint, codec, options, prompts, baseline, bar) -> Non
         bar.phase("sampling")
         run_sampling(report, endpoint, options, prompts, bar)
 
-    timed = latency_subset(options, prompts)
     report["settings"]["latency_prompt_ids"] = [p.id for p in timed]
     if not one_model_at_a_time(endpoint):  # else each mode warms up after its model is loaded (_latency)
         bar.phase("warm-up")
         lat.warm_up(endpoint, timed, options.num_draft_tokens, options.request_timeout_s, options.warmup_requests)
+    elapsed, left = time.perf_counter() - started, plan["latency"] + plan["sweep"]
+    plan["eta_s_after_warm_up"] = elapsed / max(plan["parity"] + plan["baseline"] + plan["sampling"] + plan["warm_up"], 1) * left
+    bar.note(f"warm-up done after {elapsed:.0f} s; about {plan['eta_s_after_warm_up'] / 60:.1f} min left "
+             f"({left} requests at the mean time of those so far)")
     bar.phase("latency")
-    run_latency(report, endpoint, codec, options, timed, decoupled, bar)
+    run_latency(report, endpoint, codec, options, timed, decoupled, bar, counters)
     if options.sweep_draft_tokens:
         bar.phase("sweep")
         run_sweep(report, endpoint, codec, options, timed, decoupled, bar)
@@ -138,6 +163,28 @@ def _run_phases(report, endpoint, codec, options, prompts, baseline, bar) -> Non
             "note": "one model loaded at a time: the control and the speculative path were measured one after the "
                     "other (not interleaved), each after its own warm-up",
         }  # fmt: skip
+
+
+def planned_requests(options: Options, prompts: int, timed: int, with_baseline: bool, streams: bool) -> dict:
+    """Requests each phase will send, known before the first one (parity: each side once, and once more streamed
+    where the run streams; the triage calls on a divergence are not counted)."""
+    sides = 2 * (2 if streams else 1)
+    plan = {
+        "parity": prompts * sides,
+        "baseline": prompts if with_baseline else 0,
+        "sampling": 2 * options.sample_prompts * options.samples_per_prompt if options.sampling is not None else 0,
+        "warm_up": 2 * min(options.warmup_requests, timed),
+        "latency": 2 * timed * len(options.concurrency) * options.repeats,
+        "sweep": timed * (1 + len(options.sweep_draft_tokens)) * options.repeats if options.sweep_draft_tokens else 0,
+    }
+    return {**plan, "total": sum(plan.values()), "prompts": prompts, "timed_prompts": timed}
+
+
+def plan_line(plan: dict) -> str:
+    phases = ("parity", "baseline", "sampling", "warm_up", "latency", "sweep")
+    parts = ", ".join(f"{name.replace('_', '-')} {plan[name]}" for name in phases if plan[name])
+    return (f"plan: {plan['total']} requests ({parts}) over {plan['prompts']} prompts, {plan['timed_prompts']} of them timed; "
+            "--quick or --max-prompts / --concurrency / --repeats change it")
 
 
 def _new_report(recipe_name, endpoint, baseline, options, prompts, quality) -> dict:
@@ -159,6 +206,7 @@ def _new_report(recipe_name, endpoint, baseline, options, prompts, quality) -> d
         "latency": None,
         "sweep": None,
         "quality": quality or {},
+        "plan": None,
     }
 
 
@@ -190,19 +238,30 @@ def validate_deployment(deployment: Deployment, options: Options, report_dir: st
     """
     from specdeploy.client import gate
     from specdeploy.client.deployment import open_endpoint
+    from specdeploy.client.openai_adapter import OpenAIEndpoint
     from specdeploy.client.report import write_report
+    from specdeploy.client.runtime_counters import RuntimeCounters
     from specdeploy.client.triton_adapter import TritonEndpoint
     from specdeploy.cost import cost_section  # cost per response / per 1k tokens at the machine's price
 
     check_sweep(options, deployment.per_request_draft_tokens, deployment.layout if deployment.protocol == "triton" else "OpenAI")
     codec = HFCodec(deployment.tokenizer)
-    check = metrics_check.MetricsCheck(open_endpoint(deployment), deployment.metrics_url, control_here=deployment.control_url is None)
+    # an OpenAI server specdeploy did not make: --metrics-url is its runtime's endpoint, read for acceptance
+    runtime = deployment.foreign and deployment.protocol == "openai" and deployment.metrics_url is not None
+    counters = RuntimeCounters(deployment.metrics_url) if runtime else None
+    check = metrics_check.MetricsCheck(open_endpoint(deployment), None if runtime else deployment.metrics_url,
+                                       control_here=deployment.control_url is None)  # fmt: skip
     endpoint = check.endpoint
     baseline = TritonEndpoint(baseline_url) if baseline_url else None
     try:
-        report = validate(endpoint, codec, options, deployment.title, baseline, deployment.quality, progress)
+        report = validate(endpoint, codec, options, deployment.title, baseline, deployment.quality, progress, counters)
         report["deployment"] = deployment.describe()
+        report["deployment"]["endpoints"] = endpoint.describe() if isinstance(endpoint.inner, OpenAIEndpoint) else None
+        if counters is not None:
+            report["runtime_counters"] = {"url": deployment.metrics_url, "errors": counters.errors,
+                                          "read": [w.to_dict() for w in counters.windows]}  # fmt: skip
         check.finish(report, metrics_check.served_policy(endpoint, deployment.policy))
+        report["acceptance"] = acceptance.section(report)  # again: the speculation section may split it by source
         report["not_checked"] = not_checked(report, deployment, endpoint)
     finally:
         endpoint.close()
