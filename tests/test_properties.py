@@ -235,26 +235,34 @@ def test_recipe_loader_refuses_any_yaml_text_with_a_config_error(tmp_path_factor
 
 # ---------------------------------------------------------------- the prompt-file and draft-data loaders
 
+PROMPT_TEXTS = TEXTS | st.text(st.characters(exclude_categories=()), min_size=1, max_size=12)
 PROMPT_LINES = st.one_of(
+    st.builds(lambda text, extra: json.dumps({"prompt": text, **extra}), PROMPT_TEXTS,
+              st.dictionaries(st.sampled_from(["category", "max_tokens"]), st.integers(-1, 9) | PROMPT_TEXTS, max_size=2)),
+    st.builds(lambda msgs: json.dumps({"messages": [{"role": r, "content": c} for r, c in msgs]}),
+              st.lists(st.tuples(st.sampled_from(["system", "user", "assistant"]), PROMPT_TEXTS), min_size=1, max_size=3)),
     st.builds(json.dumps, st.dictionaries(st.sampled_from(["prompt", "messages", "category", "max_tokens", "x"]), JSON_VALUES, max_size=3)),
     st.builds(json.dumps, JSON_VALUES),
-    st.text(max_size=20),
+    st.text(st.characters(exclude_categories=()), max_size=20),
+    st.sampled_from(['{"prompt": "a\\ud800"}', '{"prompt": "a\\u0000"}', '{"messages": [{"role": "user", "content": "\\udfff"}]}']),
 )
 
 
 @BOUNDED
 @given(lines=st.lists(PROMPT_LINES, min_size=1, max_size=4))
 def test_prompt_file_gives_prompts_or_a_config_error_naming_the_line(tmp_path_factory, lines):
+    """Any lines: prompts that can be sent, or a ConfigError naming the file (and line)."""
     from specdeploy.client.prompts import load_prompt_set
 
     file = tmp_path_factory.mktemp("prompts") / "p.jsonl"
-    file.write_text("\n".join(lines), encoding="utf-8", errors="surrogatepass")
+    file.write_bytes("\n".join(lines).encode("utf-8", "surrogatepass"))  # a lone surrogate's bytes: not UTF-8
     try:
         prompts = load_prompt_set(str(file), 8)
     except ConfigError as exc:
         assert str(file) in str(exc), str(exc)
-    else:
-        assert prompts and all(p.max_tokens >= 1 and (p.prompt or p.messages) for p in prompts)
+    else:  # what validate sends encodes as UTF-8 and holds no NUL
+        texts = [t for p in prompts for t in (p.text, p.category, *(x for m in p.messages for x in m))]
+        assert prompts and all(p.max_tokens >= 1 for p in prompts) and all("\x00" not in t.encode("utf-8").decode() for t in texts)
 
 
 SAMPLE_LINES = st.one_of(
