@@ -46,7 +46,6 @@ from specdeploy.text_rules import MAX_DEPTH, MAX_STRINGS, limit_of  # noqa: E402
 
 GOOD_PROMPT = "The quick brown fox"
 GOOD_TOKENS = 6
-BIG_STRING = b"fox " * (1 << 18)  # 1 MiB
 HUGE_ELEMENTS = 1 << 20
 DEFAULT_COUNT = 1000
 # a Python exception surfacing as the error text (a model's or the front's): refused, but not in words a user can act on

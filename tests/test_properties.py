@@ -248,8 +248,12 @@ PROMPT_LINES = st.one_of(
 )
 
 
+WELL_FORMED_PROMPTS = st.builds(lambda text, n, category: json.dumps({"prompt": text, "max_tokens": n, "category": category}),
+                                PROMPT_TEXTS, st.integers(-1, 9) | PROMPT_TEXTS | st.floats(), st.sampled_from(["chat", "code", ""]))  # fmt: skip
+
+
 @BOUNDED
-@given(lines=st.lists(PROMPT_LINES, min_size=1, max_size=4))
+@given(lines=st.lists(WELL_FORMED_PROMPTS, min_size=1, max_size=3) | st.lists(PROMPT_LINES, min_size=1, max_size=4))
 def test_prompt_file_gives_prompts_or_a_config_error_naming_the_line(tmp_path_factory, lines):
     """Any lines: prompts that can be sent, or a ConfigError naming the file (and line)."""
     from specdeploy.client.prompts import load_prompt_set
@@ -273,8 +277,12 @@ SAMPLE_LINES = st.one_of(
 )
 
 
+WELL_FORMED_SAMPLES = st.builds(lambda ids, start: json.dumps({"id": "s", "input_ids": ids, "loss_start": start}),
+                                st.lists(st.integers(-3, 300), min_size=3, max_size=6), st.integers(-1, 6))  # fmt: skip
+
+
 @BOUNDED
-@given(lines=st.lists(SAMPLE_LINES, min_size=1, max_size=4))
+@given(lines=st.lists(WELL_FORMED_SAMPLES, min_size=1, max_size=3) | st.lists(SAMPLE_LINES, min_size=1, max_size=4))
 def test_draft_data_gives_samples_or_an_error_naming_the_line(tmp_path_factory, lines):
     from specdeploy.artifacts import Manifest
     from specdeploy.draft_samples import HELDOUT_FILE, TRAIN_FILE, read_draft_data
