@@ -234,3 +234,18 @@ def test_a_bad_text_gets_the_same_rule_over_grpc_and_over_the_front(ops_decouple
             words = np.array([[text.encode("utf-8", "surrogatepass")]], dtype=object)
             outcome, message = triton.send(bls, {**fuzz._base(bls), "stop_words": words})
             assert outcome == "named" and f"input 'stop_words' " in message and f"(rule {rule})" in message, message
+
+
+@pytest.mark.server
+def test_preprocessing_without_a_required_input_is_refused_naming_it(ops_decoupled):
+    """QUERY or REQUEST_OUTPUT_LEN missing, an optional input sent in its place, reached the model (Triton let it
+    through): an AttributeError / TypeError traceback as the error text; the 10,000-case run found both."""
+    fuzz = _fuzz_module()
+    _, _, srv = ops_decoupled
+    triton = fuzz.Triton(srv.state.grpc_url, 60)
+    model = next(m for m in fuzz.discover(triton.client) if m.name == "preprocessing")
+    for missing, words in (("QUERY", "input 'QUERY' is required"), ("REQUEST_OUTPUT_LEN", "input 'REQUEST_OUTPUT_LEN' (max_tokens) is required")):
+        inputs = {**fuzz._base(model), "VIDEO_BYTES": np.array([[b""]], dtype=object)}
+        del inputs[missing]
+        outcome, message = triton.send(model, inputs)
+        assert outcome == "named" and words in message, (outcome, message)

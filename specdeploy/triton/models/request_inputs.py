@@ -45,7 +45,9 @@ def scalar(array: np.ndarray | None, name: str, kind, default=None):
     return kind(value.item() if hasattr(value, "item") else value)
 
 
-def batch_size(array: np.ndarray, name: str) -> int:
+def batch_size(array: np.ndarray | None, name: str) -> int:
+    if array is None:  # Triton passed a request without it (bench/fuzz.py: an optional input sent in its place)
+        raise RequestError(f"input '{name}' is required")
     if array.ndim == 0:
         raise RequestError(f"input '{name}' has no batch dimension")
     return int(array.shape[0])
