@@ -245,7 +245,7 @@ def test_preprocessing_without_a_required_input_is_refused_naming_it(ops_decoupl
     triton = fuzz.Triton(srv.state.grpc_url, 60)
     model = next(m for m in fuzz.discover(triton.client) if m.name == "preprocessing")
     for missing, words in (("QUERY", "input 'QUERY' is required"), ("REQUEST_OUTPUT_LEN", "input 'REQUEST_OUTPUT_LEN' (max_tokens) is required")):
-        inputs = {**fuzz._base(model), "VIDEO_BYTES": np.array([[b""]], dtype=object)}
+        inputs = {**fuzz._base(model), "END_ID": np.array([[2]], dtype=np.int32)}
         del inputs[missing]
         outcome, message = triton.send(model, inputs)
         assert outcome == "named" and words in message, (outcome, message)
