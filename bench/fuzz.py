@@ -1,6 +1,6 @@
 """Seeded malformed requests against a served repository and its OpenAI front; the server must answer, not die.
 
-    .venv/bin/python bench/fuzz.py --recipe build/smollm2-135m.yaml [--root .] [--count 1000] [--seed 0] [--out fuzz.json]
+    .venv/bin/python bench/fuzz.py --recipe build/smollm2-135m.yaml [--root .] [--count 1000] [--seed 0] [--out F]
     .venv/bin/python bench/fuzz.py --grpc-url 127.0.0.1:PORT [--openai-url http://127.0.0.1:PORT] [--api-key KEY] ...
 
 With --recipe it serves the built repository (`specdeploy repo RECIPE` first) and the OpenAI front on free
@@ -49,15 +49,43 @@ GOOD_TOKENS = 6
 HUGE_ELEMENTS = 1 << 20
 DEFAULT_COUNT = 1000
 # a Python exception surfacing as the error text (a model's or the front's): refused, but not in words a user can act on
-PYTHON_FAULT = re.compile(r"Traceback|\b(%s)\b" % "|".join(n for n in dir(builtins) if n.endswith(("Error", "Exception")) and n != "Exception"))
-CRASH = re.compile(r"[Ss]tub process .*(not healthy|unhealthy|crash)|Failed to (initialize|connect to) stub|Socket closed|connection refused", re.I)
-NUMPY = {"BOOL": np.bool_, "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64, "UINT8": np.uint8,
-         "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64, "FP16": np.float16, "FP32": np.float32,
-         "FP64": np.float64, "STRING": np.object_}  # fmt: skip
+PYTHON_FAULT = re.compile(
+    r"Traceback|\b(%s)\b"
+    % "|".join(n for n in dir(builtins) if n.endswith(("Error", "Exception")) and n != "Exception")
+)
+CRASH = re.compile(
+    r"[Ss]tub process .*(not healthy|unhealthy|crash)|Failed to (initialize|connect to) stub"
+    r"|Socket closed|connection refused",
+    re.I,
+)
+NUMPY = {
+    "BOOL": np.bool_,
+    "INT8": np.int8,
+    "INT16": np.int16,
+    "INT32": np.int32,
+    "INT64": np.int64,
+    "UINT8": np.uint8,
+    "UINT16": np.uint16,
+    "UINT32": np.uint32,
+    "UINT64": np.uint64,
+    "FP16": np.float16,
+    "FP32": np.float32,
+    "FP64": np.float64,
+    "STRING": np.object_,
+}
 # a valid value per known input name (the rest get 1 / 1.0 / False / b"a"): a base the mutations change one input of
-GOOD_VALUES = {"text_input": b"The quick brown fox", "QUERY": b"The quick brown fox", "max_tokens": 3, "REQUEST_OUTPUT_LEN": 3,
-               "request_output_len": 3, "input_ids": [5, 6, 7], "input_lengths": 3, "TOKENS_BATCH": [[5, 6, 7]],
-               "SEQUENCE_LENGTH": [3], "num_draft_tokens": 2}  # fmt: skip
+GOOD_VALUES = {
+    "text_input": b"The quick brown fox",
+    "QUERY": b"The quick brown fox",
+    "max_tokens": 3,
+    "REQUEST_OUTPUT_LEN": 3,
+    "request_output_len": 3,
+    "input_ids": [5, 6, 7],
+    "input_lengths": 3,
+    "TOKENS_BATCH": [[5, 6, 7]],
+    "SEQUENCE_LENGTH": [3],
+    "num_draft_tokens": 2,
+}
 
 
 @dataclass
@@ -73,7 +101,9 @@ class Tally:
     good_lost: int = 0
     by_case: dict = field(default_factory=dict)
     refusals: dict = field(default_factory=dict)  # case -> the message it was refused with (what a user reads)
-    findings: list = field(default_factory=list)  # (case, outcome, message) of every fault, timeout, crash, unnamed, loss
+    findings: list = field(
+        default_factory=list
+    )  # (case, outcome, message) of every fault, timeout, crash, unnamed, loss
 
     echo: object = None  # where findings are said as they happen
 
@@ -119,8 +149,15 @@ def discover(client) -> list[Model]:
         if entry.get("state") != "READY":
             continue
         config = client.get_model_config(entry["name"], as_json=True)["config"]
-        inputs = tuple(Declared(i["name"], i["data_type"].removeprefix("TYPE_"), tuple(int(d) for d in i.get("dims", [])), bool(i.get("optional")))
-                       for i in config.get("input", []))  # fmt: skip
+        inputs = tuple(
+            Declared(
+                i["name"],
+                i["data_type"].removeprefix("TYPE_"),
+                tuple(int(d) for d in i.get("dims", [])),
+                bool(i.get("optional")),
+            )
+            for i in config.get("input", [])
+        )
         decoupled = bool(config.get("model_transaction_policy", {}).get("decoupled"))
         models.append(Model(entry["name"], inputs, int(config.get("max_batch_size", 0)) > 0, decoupled))
     return sorted(models, key=lambda m: m.name)
@@ -152,19 +189,36 @@ def _base(model: Model) -> dict[str, np.ndarray]:
 # its index without the rest of the run; a live server is the thing under test, so there is no shrinking to gain and
 # 10,000 cases cost no example database. The suite's property tests (tests/test_properties.py) use Hypothesis.
 
-OUTPUT_LENGTHS = {"max_tokens", "request_output_len", "REQUEST_OUTPUT_LEN"}  # a large value here generates up to max_seq_len
+OUTPUT_LENGTHS = {
+    "max_tokens",
+    "request_output_len",
+    "REQUEST_OUTPUT_LEN",
+}  # a large value here generates up to max_seq_len
 
 
 def _text_bytes(name: str, rng: random.Random) -> bytes:
     """A malformed, odd or valid text for a STRING input, by the rules of text_rules and around them."""
     limit = limit_of(name)
-    return rng.choice([
-        b"\xff\xfe\xc3(", b"\xed\xa0\x80", b"a\xed\xb0\x80b", b"\xc0\xaf", b"\xf4\x90\x80\x80", b"fox\xc3",  # not UTF-8
-        b"a\x00b", b"\x00", b"", b" ", b"x" * (limit + 1), b"x" * limit,  # NUL, empty, one past and at the size limit
-        "h\u00e9llo \U0001f98a \u0645\u0631\u062d\u0628\u0627 e\u0301 \u202e\u2028".encode(),  # valid: astral, RTL, combining
-        bytes(rng.randrange(256) for _ in range(rng.randrange(1, 48))),  # random bytes
-        GOOD_PROMPT.encode() * rng.randrange(1, 40),
-    ])  # fmt: skip
+    return rng.choice(
+        [
+            b"\xff\xfe\xc3(",
+            b"\xed\xa0\x80",
+            b"a\xed\xb0\x80b",
+            b"\xc0\xaf",
+            b"\xf4\x90\x80\x80",
+            b"fox\xc3",  # not UTF-8
+            b"a\x00b",
+            b"\x00",
+            b"",
+            b" ",
+            b"x" * (limit + 1),
+            b"x" * limit,  # NUL, empty, one past and at the size limit
+            # valid: astral, RTL, combining
+            "h\u00e9llo \U0001f98a \u0645\u0631\u062d\u0628\u0627 e\u0301 \u202e\u2028".encode(),
+            bytes(rng.randrange(256) for _ in range(rng.randrange(1, 48))),  # random bytes
+            GOOD_PROMPT.encode() * rng.randrange(1, 40),
+        ]
+    )
 
 
 def _int_value(d: Declared, rng: random.Random) -> int:
@@ -173,7 +227,9 @@ def _int_value(d: Declared, rng: random.Random) -> int:
     if d.name in OUTPUT_LENGTHS and rng.random() > 0.05:  # long generations only now and then: 10,000 cases in hours
         value = rng.choice(small + [rng.randrange(-100, 9)])
     else:
-        value = rng.choice(small + [int(info.min), int(info.max), int(info.max) - 1, 2**31, 10_000, rng.randrange(-1000, 1000)])
+        value = rng.choice(
+            small + [int(info.min), int(info.max), int(info.max) - 1, 2**31, 10_000, rng.randrange(-1000, 1000)]
+        )
     return max(int(info.min), min(int(info.max), value))  # in Python ints: np.clip goes through float64
 
 
@@ -211,8 +267,11 @@ def _mutate_input(model: Model, d: Declared, inputs: dict, rng: random.Random) -
     """Change one declared input of `inputs` in place; the kind of change made."""
     good = _good_array(d, model.batched)
     dtype = NUMPY[d.dtype]
-    kind = rng.choice(["dtype", "shape", "value", "value", "value", "missing" if d.name in inputs else "present", "huge"]
-                      if rng.random() > 0.02 else ["huge"])  # fmt: skip
+    kind = rng.choice(
+        ["dtype", "shape", "value", "value", "value", "missing" if d.name in inputs else "present", "huge"]
+        if rng.random() > 0.02
+        else ["huge"]
+    )
     if kind == "huge" and rng.random() > 0.1:  # a 1 Mi-element tensor costs seconds to send: one try in ten
         kind = "value"
     if kind == "dtype":
@@ -220,7 +279,9 @@ def _mutate_input(model: Model, d: Declared, inputs: dict, rng: random.Random) -
         inputs[d.name] = np.full(good.shape, b"1" if other == "STRING" else 1, dtype=NUMPY[other])
     elif kind == "shape":
         shape = _shape(good, rng)
-        inputs[d.name] = np.full(shape, good.reshape(-1)[0] if good.size else (b"a" if d.dtype == "STRING" else 0), dtype=dtype)
+        inputs[d.name] = np.full(
+            shape, good.reshape(-1)[0] if good.size else (b"a" if d.dtype == "STRING" else 0), dtype=dtype
+        )
     elif kind == "value":
         inputs[d.name] = _filled(good.shape, _value(d, rng), dtype)
     elif kind == "missing":
@@ -229,14 +290,24 @@ def _mutate_input(model: Model, d: Declared, inputs: dict, rng: random.Random) -
         inputs[d.name] = _filled(good.shape, _value(d, rng), dtype) if rng.random() < 0.7 else good
     else:
         lead = [1] if model.batched else []
-        inputs[d.name] = np.full(lead + [HUGE_ELEMENTS] + [max(x, 1) for x in d.dims[1:]], good.reshape(-1)[0], dtype=dtype)
+        inputs[d.name] = np.full(
+            lead + [HUGE_ELEMENTS] + [max(x, 1) for x in d.dims[1:]], good.reshape(-1)[0], dtype=dtype
+        )
     return kind
 
 
 def _conflicts(model: Model) -> list[str]:
     names = {d.name for d in model.inputs}
-    return ([k for k, needs in (("draft_conflict", "num_draft_tokens"), ("draft_ids_conflict", "draft_input_ids"), ("beam", "beam_width"),
-                                ("stop_unknown", "stop")) if needs in names] + ["unknown_input", "duplicate_id"])  # fmt: skip
+    return [
+        k
+        for k, needs in (
+            ("draft_conflict", "num_draft_tokens"),
+            ("draft_ids_conflict", "draft_input_ids"),
+            ("beam", "beam_width"),
+            ("stop_unknown", "stop"),
+        )
+        if needs in names
+    ] + ["unknown_input", "duplicate_id"]
 
 
 def triton_case(models: list[Model], rng: random.Random) -> tuple:
@@ -273,7 +344,9 @@ class Triton:
         requested = [self.grpc.InferRequestedOutput(n) for n in outputs] if outputs else None
         try:
             if not model.decoupled:
-                result = self.client.infer(model.name, tensors, outputs=requested, request_id=request_id, client_timeout=self.timeout_s)
+                result = self.client.infer(
+                    model.name, tensors, outputs=requested, request_id=request_id, client_timeout=self.timeout_s
+                )
                 return "served", [result]
             return self._stream(model, tensors, requested, request_id)
         except InferenceServerException as exc:
@@ -283,10 +356,14 @@ class Triton:
         import queue
 
         results: queue.Queue = queue.Queue()
-        client = self.grpc.InferenceServerClient(self.url)  # one stream per request: a broken stream breaks nothing else
+        client = self.grpc.InferenceServerClient(
+            self.url
+        )  # one stream per request: a broken stream breaks nothing else
         client.start_stream(callback=lambda result, error: results.put((result, error)), stream_timeout=self.timeout_s)
         try:
-            client.async_stream_infer(model.name, tensors, outputs=requested, request_id=request_id, enable_empty_final_response=True)
+            client.async_stream_infer(
+                model.name, tensors, outputs=requested, request_id=request_id, enable_empty_final_response=True
+            )
             got, deadline = [], time.monotonic() + self.timeout_s
             while True:
                 try:
@@ -327,7 +404,10 @@ class Triton:
         return None
 
     def text(self, model: Model, prompt: str, max_tokens: int, why: list | None = None) -> str | None:
-        inputs = {"text_input": np.array([[prompt.encode()]], dtype=object), "max_tokens": np.array([[max_tokens]], dtype=np.int32)}
+        inputs = {
+            "text_input": np.array([[prompt.encode()]], dtype=object),
+            "max_tokens": np.array([[max_tokens]], dtype=np.int32),
+        }
         if model.name == "tensorrt_llm_bls":
             inputs["num_draft_tokens"] = np.array([[2]], dtype=np.int32)
         outcome, got = self.send(model, inputs, outputs=["text_output"])
@@ -388,11 +468,15 @@ class Front:
         self.address, self.timeout_s = parts.netloc, timeout_s
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
-    def request(self, method: str, path: str, body: bytes | None = None, hang_up_after_first: bool = False, headers=None):
+    def request(
+        self, method: str, path: str, body: bytes | None = None, hang_up_after_first: bool = False, headers=None
+    ):
         """(status, parsed body or None); status 0 with the error when the connection failed."""
         conn = http.client.HTTPConnection(self.address, timeout=self.timeout_s)
         try:
-            conn.request(method, path, body=body, headers={"Content-Type": "application/json", **self.headers, **(headers or {})})
+            conn.request(
+                method, path, body=body, headers={"Content-Type": "application/json", **self.headers, **(headers or {})}
+            )
             response = conn.getresponse()
             if hang_up_after_first:
                 response.fp.readline()  # the first SSE line, then the client goes away mid-stream
@@ -420,16 +504,31 @@ class Front:
 def _front_text(field: str, rng: random.Random):
     """A malformed, odd or valid JSON string for a text field, by the rules of text_rules and around them."""
     limit = limit_of(field)
-    return rng.choice([
-        "\ud800", "a \udc00 b", "\ud83e", "a\x00b", "\x00", "", " ", "x" * (limit + 1), "\u00e9" * (limit // 2 + 1),
-        "h\u00e9llo \U0001f98a \u0645\u0631\u062d\u0628\u0627 e\u0301 \u202e\u2028\ufeff", GOOD_PROMPT,
-        "".join(chr(rng.choice([rng.randrange(32, 127), rng.randrange(0x80, 0x3000), rng.randrange(0x10000, 0x10FFFF)]))
-                for _ in range(rng.randrange(1, 40))),
-    ])  # fmt: skip
+    return rng.choice(
+        [
+            "\ud800",
+            "a \udc00 b",
+            "\ud83e",
+            "a\x00b",
+            "\x00",
+            "",
+            " ",
+            "x" * (limit + 1),
+            "\u00e9" * (limit // 2 + 1),
+            "h\u00e9llo \U0001f98a \u0645\u0631\u062d\u0628\u0627 e\u0301 \u202e\u2028\ufeff",
+            GOOD_PROMPT,
+            "".join(
+                chr(rng.choice([rng.randrange(32, 127), rng.randrange(0x80, 0x3000), rng.randrange(0x10000, 0x10FFFF)]))
+                for _ in range(rng.randrange(1, 40))
+            ),
+        ]
+    )
 
 
 def _other_type(rng: random.Random):
-    return rng.choice([None, True, 0, -1, 1.5, "8", [], {}, [1, 2], {"a": 1}, "x" * 10, 2**63, -(2**63), 2**70, math.nan, math.inf])
+    return rng.choice(
+        [None, True, 0, -1, 1.5, "8", [], {}, [1, 2], {"a": 1}, "x" * 10, 2**63, -(2**63), 2**70, math.nan, math.inf]
+    )
 
 
 def _deep(value, rng: random.Random):
@@ -447,43 +546,94 @@ def _field_value(key: str, spec, good, rng: random.Random):
         return _deep(good if good is not None else 1, rng)
     if spec.kind in ("int", "number"):
         low = spec.low if spec.low is not None else 0
-        edges = [low, low - 1, (spec.high if spec.high is not None else 10**9), (spec.high + 1 if spec.high is not None else 2**63)]
+        edges = [
+            low,
+            low - 1,
+            (spec.high if spec.high is not None else 10**9),
+            (spec.high + 1 if spec.high is not None else 2**63),
+        ]
         if spec.kind == "number":
             edges += [math.nan, math.inf, -math.inf, low - 1e-9, 1e308, -0.0]
         value = rng.choice(edges + [0, 1, 2, 3, 1.5, True])
-        if key in ("max_tokens", "max_completion_tokens") and isinstance(value, (int, float)) and value > 8 and rng.random() > 0.05:
+        if (
+            key in ("max_tokens", "max_completion_tokens")
+            and isinstance(value, (int, float))
+            and value > 8
+            and rng.random() > 0.05
+        ):
             value = rng.randrange(-2, 9)  # long generations only now and then (the front's limit refuses the largest)
         return value
     if spec.kind == "bool":
         return rng.choice([True, False, "true", 1, 0, None])
     if spec.kind == "object":
-        return rng.choice([{"include_usage": True}, {"include_usage": "maybe"}, {"include_usage": _front_text(key, rng)}, "x", [1]])
+        return rng.choice(
+            [{"include_usage": True}, {"include_usage": "maybe"}, {"include_usage": _front_text(key, rng)}, "x", [1]]
+        )
     if spec.kind == "unsupported":
         return rng.choice([1, True, "x", [1], {"type": "text"}, {"type": "json_object"}, None, 0, ""])
     if spec.kind == "stop":
-        return rng.choice([_front_text(key, rng), [_front_text(key, rng) for _ in range(rng.randrange(0, 6))],
-                           [_front_text(key, rng)] * (MAX_STRINGS + 1), [1], 5])  # fmt: skip
+        return rng.choice(
+            [
+                _front_text(key, rng),
+                [_front_text(key, rng) for _ in range(rng.randrange(0, 6))],
+                [_front_text(key, rng)] * (MAX_STRINGS + 1),
+                [1],
+                5,
+            ]
+        )
     if spec.kind == "messages":
         text = _front_text("messages", rng)
-        return rng.choice([
-            [{"role": "user", "content": text}], [{"role": _front_text("role", rng), "content": GOOD_PROMPT}],
-            [{"role": "user", "content": [{"type": "text", "text": text}]}], [{"role": "user", "content": [{"type": "image_url"}]}],
-            [{"role": "system", "content": text}, {"role": "user", "content": GOOD_PROMPT}], [{"content": GOOD_PROMPT}], [], "x", [1],
-            [{"role": "assistant", "content": None}], [{"role": "user", "content": GOOD_PROMPT, text[:20] or "k": text}],
-        ])  # fmt: skip
-    return rng.choice([_front_text(key, rng), [_front_text(key, rng)], [GOOD_PROMPT, GOOD_PROMPT]]) if spec.kind == "prompt" else _front_text(key, rng)
+        return rng.choice(
+            [
+                [{"role": "user", "content": text}],
+                [{"role": _front_text("role", rng), "content": GOOD_PROMPT}],
+                [{"role": "user", "content": [{"type": "text", "text": text}]}],
+                [{"role": "user", "content": [{"type": "image_url"}]}],
+                [{"role": "system", "content": text}, {"role": "user", "content": GOOD_PROMPT}],
+                [{"content": GOOD_PROMPT}],
+                [],
+                "x",
+                [1],
+                [{"role": "assistant", "content": None}],
+                [{"role": "user", "content": GOOD_PROMPT, text[:20] or "k": text}],
+            ]
+        )
+    return (
+        rng.choice([_front_text(key, rng), [_front_text(key, rng)], [GOOD_PROMPT, GOOD_PROMPT]])
+        if spec.kind == "prompt"
+        else _front_text(key, rng)
+    )
 
 
 def _raw_body(body: dict, rng: random.Random) -> bytes:
     """The body's bytes broken the way a client or a proxy breaks them."""
     raw = json.dumps(body).encode()
     at = rng.randrange(len(raw))
-    return rng.choice([raw[:at], raw[:at] + b"\xff" + raw[at:], raw[:at] + b"\x00" + raw[at:], b"\xef\xbb\xbf" + raw,
-                       raw.replace(b'"', b"'", 1), b"[" * 100_000 + b"]" * 100_000, b"", b"null", b"[1, 2]", b"\xff\xfe{}",
-                       raw[:-1] + b', "model": ' + raw[:-1] + b"}}", raw + b"garbage"])  # fmt: skip
+    return rng.choice(
+        [
+            raw[:at],
+            raw[:at] + b"\xff" + raw[at:],
+            raw[:at] + b"\x00" + raw[at:],
+            b"\xef\xbb\xbf" + raw,
+            raw.replace(b'"', b"'", 1),
+            b"[" * 100_000 + b"]" * 100_000,
+            b"",
+            b"null",
+            b"[1, 2]",
+            b"\xff\xfe{}",
+            raw[:-1] + b', "model": ' + raw[:-1] + b"}}",
+            raw + b"garbage",
+        ]
+    )
 
 
-FIELD_WEIGHTS = {"unsupported": 0.3, "text": 2.0, "prompt": 4.0, "messages": 4.0, "stop": 3.0}  # the texts: where faults hid
+FIELD_WEIGHTS = {
+    "unsupported": 0.3,
+    "text": 2.0,
+    "prompt": 4.0,
+    "messages": 4.0,
+    "stop": 3.0,
+}  # the texts: where faults hid
 
 
 def front_case(model_id: str, rng: random.Random) -> tuple:
@@ -495,11 +645,25 @@ def front_case(model_id: str, rng: random.Random) -> tuple:
     body.update({"messages": [{"role": "user", "content": GOOD_PROMPT}]} if chat else {"prompt": GOOD_PROMPT})
     roll = rng.random()
     if roll < 0.03:
-        method, where = rng.choice([("GET", path), ("POST", "/v1/models"), ("GET", "/v1/nope"), ("DELETE", path),
-                                    ("GET", "/v1/models/" + "x" * rng.choice([10, 5000])), ("GET", "/v1/models/%ED%A0%80")])  # fmt: skip
+        method, where = rng.choice(
+            [
+                ("GET", path),
+                ("POST", "/v1/models"),
+                ("GET", "/v1/nope"),
+                ("DELETE", path),
+                ("GET", "/v1/models/" + "x" * rng.choice([10, 5000])),
+                ("GET", "/v1/models/%ED%A0%80"),
+            ]
+        )
         return f"route:{method} {where[:30]}", method, where, None, False
     if roll < 0.05:
-        return f"stream_hang_up:{path}", "POST", path, json.dumps({**body, "stream": True, "max_tokens": 12}).encode(), True
+        return (
+            f"stream_hang_up:{path}",
+            "POST",
+            path,
+            json.dumps({**body, "stream": True, "max_tokens": 12}).encode(),
+            True,
+        )
     if roll < 0.15:
         return f"raw_body:{path}", "POST", path, _raw_body(body, rng), False
     keys = [k for k, spec in FIELDS.items() if route in spec.routes]
@@ -529,7 +693,11 @@ def run_front_case(front: Front, case, tally: Tally) -> None:
     elif status >= 500:
         tally.add(name, "faults", json.dumps(data)[:400] if isinstance(data, dict) else str(data)[:400])
     else:
-        message = data.get("error", {}).get("message", "") if isinstance(data, dict) and isinstance(data.get("error"), dict) else ""
+        message = (
+            data.get("error", {}).get("message", "")
+            if isinstance(data, dict) and isinstance(data.get("error"), dict)
+            else ""
+        )
         outcome = "faults" if PYTHON_FAULT.search(message) else "named" if message.strip() else "unnamed"
         tally.add(name, outcome, message or str(data)[:200])
 
@@ -548,9 +716,19 @@ def cases(models: list[Model], model_id: str | None, seed: int, count: int):
             yield "openai", front_case(model_id, rng)
 
 
-def run_fuzz(grpc_url: str, openai_url: str | None = None, api_key: str | None = None, seed: int = 0, count: int = DEFAULT_COUNT,
-             batch: int = 25, timeout_s: float = 60.0, model_id: str | None = None, echo=print, progress: bool = False,
-             out: Path | None = None) -> dict:  # fmt: skip
+def run_fuzz(
+    grpc_url: str,
+    openai_url: str | None = None,
+    api_key: str | None = None,
+    seed: int = 0,
+    count: int = DEFAULT_COUNT,
+    batch: int = 25,
+    timeout_s: float = 60.0,
+    model_id: str | None = None,
+    echo=print,
+    progress: bool = False,
+    out: Path | None = None,
+) -> dict:
     """Send `count` generated cases in batches; check the known-good requests after each batch. With `out`, the report
     so far is written there after every batch ("done" counts the cases sent), so a stopped run keeps its figures."""
     from tqdm import tqdm
@@ -591,23 +769,44 @@ def run_fuzz(grpc_url: str, openai_url: str | None = None, api_key: str | None =
         bar.update()
         if i % batch == 0 or i == count:
             check_good()
-            bar.set_postfix(sent=tally.sent, faults=tally.faults, crashes=tally.crashes, timeouts=tally.timeouts, lost=tally.good_lost)
+            bar.set_postfix(
+                sent=tally.sent,
+                faults=tally.faults,
+                crashes=tally.crashes,
+                timeouts=tally.timeouts,
+                lost=tally.good_lost,
+            )
             if out is not None:
-                Path(out).write_text(json.dumps({**tally.to_dict(), "seed": seed, "cases": count, "done": i}, indent=1) + "\n")
+                Path(out).write_text(
+                    json.dumps({**tally.to_dict(), "seed": seed, "cases": count, "done": i}, indent=1) + "\n"
+                )
             if not progress:
-                echo(f"  {i}/{count} cases: {tally.sent} requests, {tally.served} served, {tally.named} refused with a message, "
-                     f"{tally.faults} faults, {tally.crashes} crashes, {tally.good_lost} good lost")  # fmt: skip
+                echo(
+                    f"  {i}/{count} cases: {tally.sent} requests, {tally.served} served, {tally.named} refused with a "
+                    f"message, {tally.faults} faults, {tally.crashes} crashes, {tally.good_lost} good lost"
+                )
     bar.close()
     report = tally.to_dict()
-    report.update(seed=seed, cases=count, done=count, models=[m.name for m in models], seconds=round(time.monotonic() - start, 1),
-                  server_live=triton.healthy() is None, front_live=front.live() if front is not None else None)  # fmt: skip
+    report.update(
+        seed=seed,
+        cases=count,
+        done=count,
+        models=[m.name for m in models],
+        seconds=round(time.monotonic() - start, 1),
+        server_live=triton.healthy() is None,
+        front_live=front.live() if front is not None else None,
+    )
     return report
 
 
 def failed(report: dict) -> list[str]:
     """What makes the run fail: any fault, timeout, crash, lost good request or empty message, or a part not live."""
     wrong = [f"{report[k]} {k}" for k in ("faults", "timeouts", "crashes", "good_lost", "unnamed") if report[k]]
-    wrong += [f"{part} not live at the end" for part, key in (("server", "server_live"), ("front", "front_live")) if report[key] is False]
+    wrong += [
+        f"{part} not live at the end"
+        for part, key in (("server", "server_live"), ("front", "front_live"))
+        if report[key] is False
+    ]
     return wrong
 
 
@@ -619,7 +818,9 @@ def main(argv=None) -> int:
     parser.add_argument("--openai-url", help="its OpenAI front, http://127.0.0.1:PORT")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--count", type=int, default=DEFAULT_COUNT, help="generated cases to send (default: %(default)s)")
+    parser.add_argument(
+        "--count", type=int, default=DEFAULT_COUNT, help="generated cases to send (default: %(default)s)"
+    )
     parser.add_argument("--batch", type=int, default=25)
     parser.add_argument("--timeout", type=float, default=120.0)
     parser.add_argument("--out", default=None, help="write the report as JSON here")
@@ -627,7 +828,17 @@ def main(argv=None) -> int:
     if args.recipe:
         report = _serve_and_fuzz(args)
     elif args.grpc_url:
-        report = run_fuzz(args.grpc_url, args.openai_url, args.api_key, args.seed, args.count, args.batch, args.timeout, progress=True, out=args.out)
+        report = run_fuzz(
+            args.grpc_url,
+            args.openai_url,
+            args.api_key,
+            args.seed,
+            args.count,
+            args.batch,
+            args.timeout,
+            progress=True,
+            out=args.out,
+        )
     else:
         parser.error("give --recipe, or --grpc-url (and --openai-url)")
     report.update(commit=_commit(), cpu=_cpu())
@@ -637,7 +848,11 @@ def main(argv=None) -> int:
     for finding in report["findings"][:30]:
         print(f"  {finding['outcome']:9} {finding['case']}: {finding['message'][:200]}")
     wrong = failed(report)
-    print(f"fuzz: FAILED: {', '.join(wrong)}" if wrong else f"fuzz: passed: {report['sent']} requests, none refused wrongly")
+    print(
+        f"fuzz: FAILED: {', '.join(wrong)}"
+        if wrong
+        else f"fuzz: passed: {report['sent']} requests, none refused wrongly"
+    )
     return 1 if wrong else 0
 
 
@@ -652,7 +867,9 @@ def _cpu() -> str:
     import platform
 
     lines = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []
-    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), platform.processor())
+    return next(
+        (line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), platform.processor()
+    )
 
 
 def _serve_and_fuzz(args) -> dict:
@@ -670,7 +887,17 @@ def _serve_and_fuzz(args) -> dict:
         server.wait_ready(srv, 600)
         front = openai_api.build_front(recipe, layout, srv.state.grpc_url, timeout_s=args.timeout)
         with openai_api.ApiServer(openai_api.create_app(front), server.free_port()) as api:
-            return run_fuzz(srv.state.grpc_url, api.url[: -len("/v1")], None, args.seed, args.count, args.batch, args.timeout, progress=True, out=args.out)
+            return run_fuzz(
+                srv.state.grpc_url,
+                api.url[: -len("/v1")],
+                None,
+                args.seed,
+                args.count,
+                args.batch,
+                args.timeout,
+                progress=True,
+                out=args.out,
+            )
     finally:
         srv.stop()
 

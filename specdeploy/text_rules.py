@@ -43,12 +43,12 @@ def limit_of(field: str) -> int:
 
 
 def check_text(text: str, field: str, limit: int | None = None) -> str:
-    """`text` (a JSON string) when it has a UTF-8 form, no NUL and at most `limit` bytes (limit_of(field) by default)."""
+    """`text` (a JSON string) when it has a UTF-8 form, no NUL and at most `limit` bytes (default: limit_of(field))."""
     try:
         size = len(text.encode("utf-8"))
     except UnicodeEncodeError as exc:  # only a lone surrogate ("\ud800" in JSON) has no UTF-8 form
-        raise TextError(field, INVALID_TEXT, f"is not valid Unicode text (a lone surrogate U+{ord(text[exc.start]):04X} at character "
-                                             f"{exc.start}); send UTF-8 text") from None  # fmt: skip
+        detail = f"is not valid Unicode text (a lone surrogate U+{ord(text[exc.start]):04X} at character {exc.start})"
+        raise TextError(field, INVALID_TEXT, f"{detail}; send UTF-8 text") from None
     _check_size(size, field, limit)
     if "\x00" in text:
         raise TextError(field, NUL, f"holds a NUL character (U+0000) at character {text.index(chr(0))}; remove it")
@@ -61,7 +61,11 @@ def decode_text(raw: bytes, field: str, limit: int | None = None) -> str:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:  # also the surrogates' own bytes (b"\xed\xa0\x80"): UTF-8 has no form for them
-        raise TextError(field, INVALID_TEXT, f"is not valid UTF-8 (byte 0x{raw[exc.start]:02x} at offset {exc.start}); send UTF-8 text") from None
+        raise TextError(
+            field,
+            INVALID_TEXT,
+            f"is not valid UTF-8 (byte 0x{raw[exc.start]:02x} at offset {exc.start}); send UTF-8 text",
+        ) from None
     return check_text(text, field, limit)
 
 
@@ -96,4 +100,6 @@ def _printable(key: str) -> str:
 def _check_size(size: int, field: str, limit: int | None) -> None:
     limit = limit_of(field) if limit is None else limit
     if size > limit:
-        raise TextError(field, OVERSIZE, f"is {size} bytes, above the limit of {limit} bytes for this field; shorten it")
+        raise TextError(
+            field, OVERSIZE, f"is {size} bytes, above the limit of {limit} bytes for this field; shorten it"
+        )

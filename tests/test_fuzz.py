@@ -48,8 +48,10 @@ def test_short_seeded_fuzz_keeps_server_and_front_whole(ops_decoupled):
 def _toy_models(fuzz):
     declared = (fuzz.Declared("text_input", "STRING", (1,), False), fuzz.Declared("max_tokens", "INT32", (1,), False),
                 fuzz.Declared("temperature", "FP32", (1,), True), fuzz.Declared("num_draft_tokens", "INT32", (1,), True),
-                fuzz.Declared("beam_width", "INT32", (1,), True), fuzz.Declared("stop_words", "STRING", (-1,), True))  # fmt: skip
-    return [fuzz.Model("tensorrt_llm_bls", declared, True, True), fuzz.Model("postprocessing", declared[:2], True, False)]
+                fuzz.Declared("beam_width", "INT32", (1,), True),
+                fuzz.Declared("stop_words", "STRING", (-1,), True))  # fmt: skip
+    bls = fuzz.Model("tensorrt_llm_bls", declared, True, True)
+    return [bls, fuzz.Model("postprocessing", declared[:2], True, False)]
 
 
 def test_generated_cases_are_seeded_and_reach_every_declared_input_and_field():
@@ -58,7 +60,8 @@ def test_generated_cases_are_seeded_and_reach_every_declared_input_and_field():
     fuzz = _fuzz_module()
     models = _toy_models(fuzz)
     run = list(fuzz.cases(models, "r", seed=3, count=3000))
-    assert [c[1][0] for c in run[:200]] == [c[1][0] for c in fuzz.cases(models, "r", seed=3, count=200)]  # case i from (seed, i)
+    again = fuzz.cases(models, "r", seed=3, count=200)
+    assert [c[1][0] for c in run[:200]] == [c[1][0] for c in again]  # case i from (seed, i) alone
     assert [c[1][0] for c in run[:50]] != [c[1][0] for c in fuzz.cases(models, "r", seed=4, count=50)]
     names = " ".join(c[1][0] for c in run)
     for m in models:
@@ -78,7 +81,8 @@ def test_generated_cases_are_seeded_and_reach_every_declared_input_and_field():
 
 def test_a_fault_or_a_dead_part_fails_the_run():
     fuzz = _fuzz_module()
-    clean = {"faults": 0, "timeouts": 0, "crashes": 0, "good_lost": 0, "unnamed": 0, "server_live": True, "front_live": True}
+    clean = {"faults": 0, "timeouts": 0, "crashes": 0, "good_lost": 0, "unnamed": 0}
+    clean.update(server_live=True, front_live=True)
     assert fuzz.failed(clean) == []
     assert fuzz.failed({**clean, "faults": 1}) == ["1 faults"]
     assert fuzz.failed({**clean, "front_live": False}) == ["front not live at the end"]
@@ -233,7 +237,7 @@ def test_a_bad_text_gets_the_same_rule_over_grpc_and_over_the_front(ops_decouple
             assert "'stop[0]'" in data["error"]["message"]
             words = np.array([[text.encode("utf-8", "surrogatepass")]], dtype=object)
             outcome, message = triton.send(bls, {**fuzz._base(bls), "stop_words": words})
-            assert outcome == "named" and f"input 'stop_words' " in message and f"(rule {rule})" in message, message
+            assert outcome == "named" and "input 'stop_words' " in message and f"(rule {rule})" in message, message
 
 
 @pytest.mark.server
@@ -244,7 +248,8 @@ def test_preprocessing_without_a_required_input_is_refused_naming_it(ops_decoupl
     _, _, srv = ops_decoupled
     triton = fuzz.Triton(srv.state.grpc_url, 60)
     model = next(m for m in fuzz.discover(triton.client) if m.name == "preprocessing")
-    for missing, words in (("QUERY", "input 'QUERY' is required"), ("REQUEST_OUTPUT_LEN", "input 'REQUEST_OUTPUT_LEN' (max_tokens) is required")):
+    for missing, words in (("QUERY", "input 'QUERY' is required"),
+                           ("REQUEST_OUTPUT_LEN", "input 'REQUEST_OUTPUT_LEN' (max_tokens) is required")):
         inputs = {**fuzz._base(model), "END_ID": np.array([[2]], dtype=np.int32)}
         del inputs[missing]
         outcome, message = triton.send(model, inputs)

@@ -134,7 +134,8 @@ def _read_jsonl(path: Path, default_max_tokens: int) -> list[Prompt]:
             obj = json.loads(decode_text(raw, "line", limit=len(raw)))
             check_json(obj)
         except TextError as exc:
-            raise ConfigError(f"{where}: {exc}", "save the file as UTF-8 text, without NUL characters or lone surrogates") from None
+            hint = "save the file as UTF-8 text, without NUL characters or lone surrogates"
+            raise ConfigError(f"{where}: {exc}", hint) from None
         except ValueError as exc:
             raise ConfigError(f"{where} is not valid JSON: {exc}", "one JSON object per line") from exc
         if not isinstance(obj, dict):
