@@ -828,17 +828,7 @@ def main(argv=None) -> int:
     if args.recipe:
         report = _serve_and_fuzz(args)
     elif args.grpc_url:
-        report = run_fuzz(
-            args.grpc_url,
-            args.openai_url,
-            args.api_key,
-            args.seed,
-            args.count,
-            args.batch,
-            args.timeout,
-            progress=True,
-            out=args.out,
-        )
+        report = _fuzz(args, args.grpc_url, args.openai_url, args.api_key)
     else:
         parser.error("give --recipe, or --grpc-url (and --openai-url)")
     report.update(commit=_commit(), cpu=_cpu())
@@ -854,6 +844,11 @@ def main(argv=None) -> int:
         else f"fuzz: passed: {report['sent']} requests, none refused wrongly"
     )
     return 1 if wrong else 0
+
+
+def _fuzz(args, grpc_url: str, openai_url: str | None, api_key: str | None) -> dict:
+    opts = dict(seed=args.seed, count=args.count, batch=args.batch, timeout_s=args.timeout, progress=True, out=args.out)
+    return run_fuzz(grpc_url, openai_url, api_key, **opts)
 
 
 def _commit() -> str:
@@ -887,17 +882,7 @@ def _serve_and_fuzz(args) -> dict:
         server.wait_ready(srv, 600)
         front = openai_api.build_front(recipe, layout, srv.state.grpc_url, timeout_s=args.timeout)
         with openai_api.ApiServer(openai_api.create_app(front), server.free_port()) as api:
-            return run_fuzz(
-                srv.state.grpc_url,
-                api.url[: -len("/v1")],
-                None,
-                args.seed,
-                args.count,
-                args.batch,
-                args.timeout,
-                progress=True,
-                out=args.out,
-            )
+            return _fuzz(args, srv.state.grpc_url, api.url[: -len("/v1")], None)
     finally:
         srv.stop()
 
