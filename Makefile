@@ -62,11 +62,14 @@ bench: setup models
 	$(BIN)/python bench/batching.py --recipe $(RECIPE) --levels 1,2,4,8 --models ensemble --variants after --repeats 4 --in-process --out engines/batching.json
 	$(BIN)/python bench/validate_llama.py --recipe $(RECIPE) --threads 2
 
-# Serves the recipe's repository and OpenAI front on free loopback ports, sends every seeded malformed case
-# (docs/reliability.md), stops both; exit 1 on a crash, a lost known-good request or an error without a message.
+# Serves the recipe's repository and OpenAI front on free loopback ports, sends FUZZ_COUNT generated malformed cases
+# (seed FUZZ_SEED; docs/reliability.md), stops both; exit 1 on a fault (a 5xx, a Python exception as the error), a
+# timeout, a crash, a lost known-good request or an error without a message.
+FUZZ_COUNT ?= 1000
+FUZZ_SEED  ?= 0
 fuzz: setup models
 	$(SD) repo $(RECIPE)
-	$(BIN)/python -u bench/fuzz.py --recipe $(RECIPE) --out engines/fuzz.json
+	$(BIN)/python -u bench/fuzz.py --recipe $(RECIPE) --count $(FUZZ_COUNT) --seed $(FUZZ_SEED) --out engines/fuzz.json
 
 # The EAGLE-3 head of a draft.kind eagle3 recipe (docs/eagle3-train.md): the target writes its training set, then
 # ModelOpt trains the head on CPU (resumable: rerun after an interruption) and exports it to engines/<recipe>/eagle3-head.

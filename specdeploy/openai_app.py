@@ -17,7 +17,8 @@ from fastapi import Request  # module level: FastAPI resolves the handlers' (str
 
 from specdeploy.client.protocol import GenerateRequest, GenerateResult
 from specdeploy.errors import ClientError
-from specdeploy.openai_requests import ApiError, Codec, Job, Route, from_client_error, parse_job
+from specdeploy.openai_requests import ApiError, Codec, Job, Route, from_client_error, parse_job, text_refusal
+from specdeploy.text_rules import TOO_DEEP, TextError, decode_text
 
 API_KEY_ENV = "SPECDEPLOY_API_KEY"
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: a prompt this front accepts (engine.max_input_len tokens) is far smaller
@@ -247,10 +248,14 @@ async def _read_body(front: Front, request: Request):
         if len(raw) > front.max_body_bytes:
             raise _too_large(front, None)
     try:
-        return json.loads(bytes(raw))
+        text = decode_text(bytes(raw), "body", front.max_body_bytes)  # JSON is UTF-8 (RFC 8259 section 8.1)
+    except TextError as exc:
+        raise text_refusal(exc) from None
+    try:
+        return json.loads(text)
     except RecursionError:
-        raise ApiError(400, "the request body nests JSON too deeply") from None
-    except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+        raise ApiError(400, "the request body nests JSON too deeply", code=TOO_DEEP) from None
+    except ValueError:
         raise ApiError(400, "the request body is not valid JSON") from None
 
 

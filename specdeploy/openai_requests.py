@@ -13,8 +13,39 @@ from typing import Any
 
 from specdeploy.client.protocol import CONTROL_MODEL, SPECULATIVE_MODEL, Sampling
 from specdeploy.errors import ClientError
+from specdeploy.text_rules import TextError, check_json
 
 UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "best_of", "suffix", "tools", "functions", "logit_bias", "response_format")
+
+
+@dataclass(frozen=True)
+class Field:
+    """What one request field takes: `kind` (text, prompt, messages, stop, int, number, bool, object, unsupported),
+    the bounds of a number, and the routes that read it."""
+
+    kind: str
+    low: float | None = None
+    high: float | None = None
+    routes: tuple[str, ...] = ("completions", "chat")
+
+
+# The request schema parse_job reads (OpenAI's fields this front knows); bench/fuzz.py generates its cases from it.
+FIELDS = {
+    "model": Field("text"),
+    "prompt": Field("prompt", routes=("completions",)),
+    "messages": Field("messages", routes=("chat",)),
+    "max_tokens": Field("int", 1),
+    "max_completion_tokens": Field("int", 1, routes=("chat",)),
+    "temperature": Field("number", 0.0, 2.0),
+    "top_p": Field("number", 0.0, 1.0),
+    "seed": Field("int", 0, 2**64 - 1),  # Triton's seed is UINT64
+    "n": Field("int", 1),  # and 1 only: parse_job says so in its own words
+    "stop": Field("stop"),
+    "stream": Field("bool"),
+    "stream_options": Field("object"),
+    "user": Field("text"),  # OpenAI's end-user tag: read by no one here, checked as every text is
+    **{key: Field("unsupported") for key in UNSUPPORTED},
+}
 
 
 @dataclass(frozen=True)
@@ -43,6 +74,11 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def text_refusal(exc: TextError) -> ApiError:
+    """A text refused at the boundary (text_rules): 400, `param` its top-level field, `code` the rule."""
+    return ApiError(400, f"'{exc.field}' {exc.detail}", param=exc.root, code=exc.rule)
 
 
 def from_client_error(exc: ClientError) -> ApiError:
@@ -93,7 +129,8 @@ class Codec:
 # ---------------------------------------------------------------- request parsing
 
 
-def _number(body: dict, key: str, kind, default, low=None, high=None):
+def _number(body: dict, key: str, kind, default):
+    low, high = FIELDS[key].low, FIELDS[key].high
     value = body.get(key, default)
     if value is None:
         return default
@@ -146,6 +183,10 @@ def _content_text(message: dict, index: int) -> str:
 def parse_job(body: Any, chat: bool, served: dict[str, Route], codec: Codec, default_max_tokens: int, max_tokens_limit: int | None = None) -> Job:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    try:
+        check_json(body)  # every text of the body, before any field is read
+    except TextError as exc:
+        raise text_refusal(exc) from None
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise ApiError(400, "'model' is required", param="model")
@@ -155,17 +196,17 @@ def parse_job(body: Any, chat: bool, served: dict[str, Route], codec: Codec, def
         value = body.get(key)
         if value and not (key == "response_format" and isinstance(value, dict) and value.get("type") == "text"):
             raise ApiError(400, f"'{key}' is not supported by this server", param=key, code="unsupported_parameter")
-    if _number(body, "n", int, 1, 1) != 1:
+    if _number(body, "n", int, 1) != 1:
         raise ApiError(400, "'n' must be 1 here (one completion per request)", param="n", code="unsupported_parameter")
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(x, dict) and "role" in x for x in messages):
             raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages")
         prompt = codec.chat_prompt([{**m, "content": _content_text(m, i)} for i, m in enumerate(messages)])
-        max_tokens = _number(body, "max_completion_tokens", int, None, 1)
+        max_tokens = _number(body, "max_completion_tokens", int, None)
         key = "max_completion_tokens"
         if max_tokens is None:
-            max_tokens, key = _number(body, "max_tokens", int, default_max_tokens, 1), "max_tokens"
+            max_tokens, key = _number(body, "max_tokens", int, default_max_tokens), "max_tokens"
         max_tokens = _max_tokens(max_tokens, key, max_tokens_limit)
     else:
         prompt = body.get("prompt")
@@ -173,17 +214,12 @@ def parse_job(body: Any, chat: bool, served: dict[str, Route], codec: Codec, def
             prompt = prompt[0]
         if not isinstance(prompt, str):
             raise ApiError(400, "'prompt' must be a string (one prompt per request)", param="prompt")
-        max_tokens = _max_tokens(_number(body, "max_tokens", int, default_max_tokens, 1), "max_tokens", max_tokens_limit)
+        max_tokens = _max_tokens(_number(body, "max_tokens", int, default_max_tokens), "max_tokens", max_tokens_limit)
     if not prompt:
         raise ApiError(400, "the prompt is empty", param="messages" if chat else "prompt")
-    try:
-        prompt.encode("utf-8")
-    except UnicodeEncodeError as exc:  # a lone surrogate (JSON "\ud800") has no UTF-8 form to send
-        raise ApiError(400, f"the prompt is not valid Unicode text ({exc.reason} at character {exc.start})",
-                       param="messages" if chat else "prompt") from None  # fmt: skip
-    temperature = _number(body, "temperature", float, 1.0, 0.0, 2.0)
-    top_p = _number(body, "top_p", float, 1.0, 0.0, 1.0)
-    seed = _number(body, "seed", int, None, 0, 2**64 - 1)  # Triton's seed is UINT64
+    temperature = _number(body, "temperature", float, 1.0)
+    top_p = _number(body, "top_p", float, 1.0)
+    seed = _number(body, "seed", int, None)
     # top_p 0 is the narrowest nucleus, the most likely token alone: greedy, as temperature 0
     sampling = None if temperature == 0.0 or top_p == 0.0 else Sampling(temperature, 0, top_p, seed)
     stop = body.get("stop")

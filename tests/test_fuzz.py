@@ -34,6 +34,7 @@ def test_short_seeded_fuzz_keeps_server_and_front_whole(ops_decoupled):
     with openai_api.ApiServer(openai_api.create_app(front), free_port()) as api:
         report = fuzz.run_fuzz(srv.state.grpc_url, api.url[: -len("/v1")], seed=7, count=150, batch=50, timeout_s=60, echo=lines.append)
     assert report["cases"] == 150 and report["sent"] >= 140  # a few cases the client library refuses to serialize
+    assert fuzz.failed(report) == [], report["findings"]
     assert set(report["models"]) >= {"ensemble", "tensorrt_llm_bls", "tensorrt_llm", "tensorrt_llm_draft", "preprocessing", "postprocessing"}
     assert report["crashes"] == 0 and report["good_lost"] == 0, report["findings"]
     assert report["good_checks"] == 3 * 3  # ensemble, BLS and the front after each of the 3 batches
@@ -44,24 +45,50 @@ def test_short_seeded_fuzz_keeps_server_and_front_whole(ops_decoupled):
     assert report["sent"] == sum(report[k] for k in ("served", "named", "unnamed", "faults", "timeouts", "crashes"))
 
 
-def test_fuzz_cases_cover_every_declared_input_and_the_conflicts():
-    fuzz = _fuzz_module()
+def _toy_models(fuzz):
     declared = (fuzz.Declared("text_input", "STRING", (1,), False), fuzz.Declared("max_tokens", "INT32", (1,), False),
                 fuzz.Declared("temperature", "FP32", (1,), True), fuzz.Declared("num_draft_tokens", "INT32", (1,), True),
-                fuzz.Declared("beam_width", "INT32", (1,), True))  # fmt: skip
-    model = fuzz.Model("tensorrt_llm_bls", declared, True, True)
-    names = [c[0] for c in fuzz.triton_cases([model])]
-    for d in declared:
-        assert {f"{k}:tensorrt_llm_bls.{d.name}" for k in ("wrong_dtype", "wrong_shape", "empty", "huge")} <= set(names)
-    assert {"nan:tensorrt_llm_bls.temperature", "bad_utf8:tensorrt_llm_bls.text_input", "big_string:tensorrt_llm_bls.text_input",
-            "int_max:tensorrt_llm_bls.max_tokens", "missing:tensorrt_llm_bls.max_tokens", "num_draft_tokens_past_max:tensorrt_llm_bls",
-            "beam_width_2:tensorrt_llm_bls", "duplicate_request_id:tensorrt_llm_bls"} <= set(names)  # fmt: skip
-    base = fuzz._base(model)
-    assert base["text_input"].shape == (1, 1) and base["num_draft_tokens"].dtype == np.int32
-    huge = fuzz._mutate(model, declared[0], "big_string")["text_input"]
-    assert len(huge.reshape(-1)[0]) == 1 << 20
-    assert fuzz._mutate(model, declared[2], "nan")["temperature"].dtype == np.float32
-    assert "max_tokens" not in fuzz._mutate(model, declared[1], "missing")
+                fuzz.Declared("beam_width", "INT32", (1,), True),
+                fuzz.Declared("stop_words", "STRING", (-1,), True))  # fmt: skip
+    bls = fuzz.Model("tensorrt_llm_bls", declared, True, True)
+    return [bls, fuzz.Model("postprocessing", declared[:2], True, False)]
+
+
+def test_generated_cases_are_seeded_and_reach_every_declared_input_and_field():
+    from specdeploy.openai_requests import FIELDS
+
+    fuzz = _fuzz_module()
+    models = _toy_models(fuzz)
+    run = list(fuzz.cases(models, "r", seed=3, count=3000))
+    again = fuzz.cases(models, "r", seed=3, count=200)
+    assert [c[1][0] for c in run[:200]] == [c[1][0] for c in again]  # case i from (seed, i) alone
+    assert [c[1][0] for c in run[:50]] != [c[1][0] for c in fuzz.cases(models, "r", seed=4, count=50)]
+    names = " ".join(c[1][0] for c in run)
+    for m in models:
+        for d in m.inputs:
+            for kind in ("dtype", "shape", "value"):
+                assert f"{kind}:{m.name}.{d.name}" in names, (kind, m.name, d.name)
+    assert all(f"{k}:tensorrt_llm_bls" in names for k in ("draft_conflict", "beam", "duplicate_id", "unknown_input"))
+    assert "+" in names  # several inputs or fields changed at once
+    for key, spec in FIELDS.items():
+        assert f"field_{key}" in names, key
+    bodies = b" ".join(c[1][3] or b"" for c in run if c[0] == "openai")
+    for marker in (b"\\ud800", b"\\u0000", b"x" * 4097, b"[" * 17):  # a lone surrogate, NUL, one past a limit, too deep
+        assert marker in bodies, marker
+    tensors = [v for c in run if c[0] == "triton" for v in c[1][2].values() if v.dtype == object]
+    assert any(b"\xed\xa0\x80" in bytes(x) for t in tensors for x in t.reshape(-1)[:1])  # a surrogate's bytes over gRPC
+
+
+def test_a_fault_or_a_dead_part_fails_the_run():
+    fuzz = _fuzz_module()
+    clean = {"faults": 0, "timeouts": 0, "crashes": 0, "good_lost": 0, "unnamed": 0}
+    clean.update(server_live=True, front_live=True)
+    assert fuzz.failed(clean) == []
+    assert fuzz.failed({**clean, "faults": 1}) == ["1 faults"]
+    assert fuzz.failed({**clean, "front_live": False}) == ["front not live at the end"]
+    assert fuzz.failed({**clean, "front_live": None}) == []  # no front in the run
+    assert fuzz.PYTHON_FAULT.search("internal error: UnicodeEncodeError: 'utf-8' codec can't encode")
+    assert not fuzz.PYTHON_FAULT.search("'stop' is not valid Unicode text (a lone surrogate U+D800 at character 0)")
 
 
 # ---------------------------------------------------------------- what the fuzz found, each pinned without the fuzz
@@ -187,3 +214,43 @@ def test_target_without_request_output_len_is_answered_not_left_waiting(ops_deco
     del inputs["request_output_len"]
     outcome, message = triton.send(model, inputs)
     assert outcome == "named" and "input request_output_len (max_tokens) is required" in message, (outcome, message)
+
+
+@pytest.mark.server
+def test_a_bad_text_gets_the_same_rule_over_grpc_and_over_the_front(ops_decoupled):
+    """text_rules is the one boundary: a lone surrogate (its bytes over gRPC, where only bytes travel), a NUL and an
+    oversize text are refused by the same rule on both sides, the field or input named; never a 500."""
+    from specdeploy.text_rules import MAX_SHORT_BYTES
+    from specdeploy.triton.server import free_port
+
+    fuzz = _fuzz_module()
+    recipe, layout, srv = ops_decoupled
+    triton = fuzz.Triton(srv.state.grpc_url, 60)
+    bls = next(m for m in fuzz.discover(triton.client) if m.name == "tensorrt_llm_bls")
+    front = openai_api.build_front(recipe, layout, srv.state.grpc_url, timeout_s=60)
+    with openai_api.ApiServer(openai_api.create_app(front), free_port()) as api:
+        http = fuzz.Front(api.url[: -len("/v1")], None, 60)
+        for text, rule in (("\ud800", "invalid_text"), ("a\x00b", "nul"), ("x" * (MAX_SHORT_BYTES + 1), "oversize")):
+            body = {"model": recipe.name, "prompt": "hi", "max_tokens": 2, "stop": [text]}
+            status, data = http.request("POST", "/v1/completions", json.dumps(body).encode())
+            assert status == 400 and data["error"]["code"] == rule and data["error"]["param"] == "stop", data
+            assert "'stop[0]'" in data["error"]["message"]
+            words = np.array([[text.encode("utf-8", "surrogatepass")]], dtype=object)
+            outcome, message = triton.send(bls, {**fuzz._base(bls), "stop_words": words})
+            assert outcome == "named" and "input 'stop_words' " in message and f"(rule {rule})" in message, message
+
+
+@pytest.mark.server
+def test_preprocessing_without_a_required_input_is_refused_naming_it(ops_decoupled):
+    """QUERY or REQUEST_OUTPUT_LEN missing, an optional input sent in its place, reached the model (Triton let it
+    through): an AttributeError / TypeError traceback as the error text; the 10,000-case run found both."""
+    fuzz = _fuzz_module()
+    _, _, srv = ops_decoupled
+    triton = fuzz.Triton(srv.state.grpc_url, 60)
+    model = next(m for m in fuzz.discover(triton.client) if m.name == "preprocessing")
+    for missing, words in (("QUERY", "input 'QUERY' is required"),
+                           ("REQUEST_OUTPUT_LEN", "input 'REQUEST_OUTPUT_LEN' (max_tokens) is required")):
+        inputs = {**fuzz._base(model), "END_ID": np.array([[2]], dtype=np.int32)}
+        del inputs[missing]
+        outcome, message = triton.send(model, inputs)
+        assert outcome == "named" and words in message, (outcome, message)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from specdeploy.errors import ConfigError
+from specdeploy.text_rules import TextError, check_json, decode_text
 
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "data" / "prompts"
 BUILTIN_CATEGORIES = ("chat", "code", "summarization", "reasoning")
@@ -125,12 +126,16 @@ def _read_jsonl(path: Path, default_max_tokens: int) -> list[Prompt]:
         raise ConfigError(f"prompt file {path} not found", "set validation.prompt_set to 'builtin' or a .jsonl path")
     prompts: list[Prompt] = []
     counters: dict[str, int] = {}
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
+    for lineno, raw in enumerate(path.read_bytes().splitlines(), start=1):
+        if not raw.strip():
             continue
         where = f"{path}:{lineno}"
-        try:
-            obj = json.loads(line)
+        try:  # the texts validate sends, by the rules a request's texts are held to (text_rules)
+            obj = json.loads(decode_text(raw, "line", limit=len(raw)))
+            check_json(obj)
+        except TextError as exc:
+            hint = "save the file as UTF-8 text, without NUL characters or lone surrogates"
+            raise ConfigError(f"{where}: {exc}", hint) from None
         except ValueError as exc:
             raise ConfigError(f"{where} is not valid JSON: {exc}", "one JSON object per line") from exc
         if not isinstance(obj, dict):

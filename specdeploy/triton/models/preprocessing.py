@@ -43,6 +43,8 @@ class TritonPythonModel:
         query = get("QUERY")
         out_len = get("REQUEST_OUTPUT_LEN")
         batch = common.batch_size(query, "QUERY")
+        if out_len is None:  # required, yet Triton let it through with an optional input in its place (bench/fuzz.py)
+            raise RequestError("input 'REQUEST_OUTPUT_LEN' (max_tokens) is required")
         bad = get("BAD_WORDS_DICT")
         stop = get("STOP_WORDS_DICT")
         end_in = get("END_ID")

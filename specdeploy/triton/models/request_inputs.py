@@ -11,6 +11,8 @@ from typing import Sequence
 
 import numpy as np
 
+from specdeploy.text_rules import TextError, check_count, check_text, decode_text
+
 
 class RequestError(Exception):
     """Something wrong with one request: answered with a Triton error, the server keeps serving."""
@@ -43,7 +45,9 @@ def scalar(array: np.ndarray | None, name: str, kind, default=None):
     return kind(value.item() if hasattr(value, "item") else value)
 
 
-def batch_size(array: np.ndarray, name: str) -> int:
+def batch_size(array: np.ndarray | None, name: str) -> int:
+    if array is None:  # Triton passed a request without it (bench/fuzz.py: an optional input sent in its place)
+        raise RequestError(f"input '{name}' is required")
     if array.ndim == 0:
         raise RequestError(f"input '{name}' has no batch dimension")
     return int(array.shape[0])
@@ -58,22 +62,27 @@ def require_single(array: np.ndarray, name: str) -> None:
 
 
 def decode_utf8(value, name: str) -> str:
-    if isinstance(value, str):
-        return value
-    raw = bytes(value)
+    """One element of a STRING tensor as text, by the boundary's rules (text_rules: UTF-8, no NUL, a size limit)."""
     try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise RequestError(
-            f"input '{name}' is not valid UTF-8 (byte 0x{raw[exc.start]:02x} at offset {exc.start}); send UTF-8 text"
-        ) from None
+        return check_text(value, name) if isinstance(value, str) else decode_text(bytes(value), name)
+    except TextError as exc:
+        raise _text_refusal(exc) from None
+
+
+def _text_refusal(exc: TextError) -> RequestError:
+    return RequestError(f"input '{exc.field}' {exc.detail} (rule {exc.rule})")
 
 
 def strings(array: np.ndarray | None, name: str) -> list[str]:
     """A STRING tensor of one batch item as a list of non-empty strings ([] when absent)."""
     if array is None:
         return []
-    return [s for s in (decode_utf8(v, name) for v in np.asarray(array).reshape(-1)) if s]
+    values = np.asarray(array).reshape(-1)
+    try:
+        check_count(values.size, name)
+    except TextError as exc:
+        raise _text_refusal(exc) from None
+    return [s for s in (decode_utf8(v, name) for v in values) if s]
 
 
 # ---------------------------------------------------------------- tokens
@@ -113,6 +122,8 @@ def from_words_list(array: np.ndarray | None, name: str) -> list[list[int]]:
         return []
     arr = np.asarray(array)
     if arr.ndim == 3:
+        if arr.shape[0] != 1:  # an empty batch indexed [0] was an IndexError (tests/test_properties.py found it)
+            raise RequestError(f"input '{name}' has batch size {arr.shape[0]}; send one word list per request")
         arr = arr[0]
     if arr.ndim != 2 or arr.shape[0] != 2:
         raise RequestError(f"input '{name}' must have shape [2, L] per request (ids, end offsets), got {list(np.shape(array))}")
