@@ -52,8 +52,9 @@ def scored_samples(tokenizer, count: int, seq_len: int, seed: int):
             continue
         messages = [{"role": "user", "content": turns[0][1]}]
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-        whole = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": turns[1][1]}], tokenize=True,
-                                              return_dict=False)  # fmt: skip
+        whole = tokenizer.apply_chat_template(
+            messages + [{"role": "assistant", "content": turns[1][1]}], tokenize=True, return_dict=False
+        )
         if whole[: len(prompt)] != prompt or len(prompt) + 32 > seq_len:
             continue
         samples.append(Sample(f"sharegpt-{c.id}", tuple(whole[:seq_len]), len(prompt)))
@@ -73,12 +74,24 @@ def one_turn(args) -> dict:
     from specdeploy.draft_train import init_head_folder, pad_id_of, train_precision
     from specdeploy.draft_train_loop import train_head
     from specdeploy.generate import load_tokenizer
-    from specdeploy.modelopt_eagle3 import (accept_draft_space_logits, aux_layer_ids, build_model, draft_target_ids,
-                                            head_draft_ids, load_exported_head)
+    from specdeploy.modelopt_eagle3 import (
+        accept_draft_space_logits,
+        aux_layer_ids,
+        build_model,
+        draft_target_ids,
+        head_draft_ids,
+        load_exported_head,
+    )
 
     recipe = load_recipe(args.recipe)
-    t = replace(recipe.draft.train, batch_size=args.batch_size or recipe.draft.train.batch_size, length_grouping=False,
-                label_top_k=args.top_k if args.arm == "B" else 0, epochs=1.0, lr_schedule="constant")
+    t = replace(
+        recipe.draft.train,
+        batch_size=args.batch_size or recipe.draft.train.batch_size,
+        length_grouping=False,
+        label_top_k=args.top_k if args.arm == "B" else 0,
+        epochs=1.0,
+        lr_schedule="constant",
+    )
     layout = artifacts.Layout.of(recipe, ROOT)
     target_dir = models.resolve(recipe.target.model)
     target_config = json.loads((target_dir / "config.json").read_text())
@@ -101,16 +114,33 @@ def one_turn(args) -> dict:
     if args.profile:
         profile_step(model, samples[: t.batch_size], t, step_features or features, precision, pad_id_of(target_config))
     with tempfile.TemporaryDirectory() as work:
-        result = train_head(model, data, t, Path(work), progress=False, echo=lambda *_: None, precision=precision,
-                            pad_id=pad_id_of(target_config), features=features, step_features=step_features)  # fmt: skip
-    return {"arm": args.arm, "tokens": result.tokens, "step_seconds": result.step_seconds, "steps": result.steps,
-            "tokens_per_s": result.tokens_per_s, "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-            "precision": precision, "label_top_k": t.label_top_k, "batch_size": t.batch_size}  # fmt: skip
+        result = train_head(
+            model,
+            data,
+            t,
+            Path(work),
+            progress=False,
+            echo=lambda *_: None,
+            precision=precision,
+            pad_id=pad_id_of(target_config),
+            features=features,
+            step_features=step_features,
+        )
+    return {
+        "arm": args.arm,
+        "tokens": result.tokens,
+        "step_seconds": result.step_seconds,
+        "steps": result.steps,
+        "tokens_per_s": result.tokens_per_s,
+        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "precision": precision,
+        "label_top_k": t.label_top_k,
+        "batch_size": t.batch_size,
+    }
 
 
 def profile_step(model, chunk, t, features, precision: str, pad_id: int) -> None:
     """One forward + backward under torch.profiler, the feature call included; the top ops by self CPU time."""
-    import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from specdeploy.draft_train_loop import _MaskCache, autocast, make_batch
@@ -135,7 +165,9 @@ def main() -> None:
     parser.add_argument("--recipe", default="build/smollm2-135m-eagle3-tune.yaml")
     parser.add_argument("--top-k", type=int, default=64)
     parser.add_argument("--steps", type=int, default=3, help="training steps a turn")
-    parser.add_argument("--batch-size", type=int, default=0, help="samples a step [the recipe's draft.train.batch_size]")
+    parser.add_argument(
+        "--batch-size", type=int, default=0, help="samples a step [the recipe's draft.train.batch_size]"
+    )
     parser.add_argument("--order", default="ABBA", help="the arms' turns, e.g. ABBAABBA")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", action="store_true")
@@ -147,27 +179,49 @@ def main() -> None:
         return
     turns = []
     for i, arm in enumerate(args.order):
-        cmd = [sys.executable, __file__, "--recipe", args.recipe, "--top-k", str(args.top_k), "--steps", str(args.steps),
-               "--batch-size", str(args.batch_size), "--seed", str(args.seed), "--arm", arm]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--recipe",
+            args.recipe,
+            "--top-k",
+            str(args.top_k),
+            "--steps",
+            str(args.steps),
+            "--batch-size",
+            str(args.batch_size),
+            "--seed",
+            str(args.seed),
+            "--arm",
+            arm,
+        ]
         if args.profile and i < 2:
             cmd.append("--profile")
         began = time.monotonic()
         out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout.strip().splitlines()[-1]
         turns.append(json.loads(out))
-        print(f"turn {i + 1} ({arm}): {turns[-1]['tokens_per_s']:.0f} tokens/s, peak {turns[-1]['peak_rss_gb']:.1f} GB "
-              f"({time.monotonic() - began:.0f} s with set-up)", flush=True)
+        print(
+            f"turn {i + 1} ({arm}): {turns[-1]['tokens_per_s']:.0f} tokens/s, peak {turns[-1]['peak_rss_gb']:.1f} GB "
+            f"({time.monotonic() - began:.0f} s with set-up)",
+            flush=True,
+        )
     summary = {}
     for arm in "AB":
         mine = [x for x in turns if x["arm"] == arm]
-        summary[arm] = {"tokens_per_s_median": statistics.median(x["tokens_per_s"] for x in mine),
-                        "tokens_per_s": [round(x["tokens_per_s"], 1) for x in mine],
-                        "peak_rss_gb": round(max(x["peak_rss_gb"] for x in mine), 2)}  # fmt: skip
+        summary[arm] = {
+            "tokens_per_s_median": statistics.median(x["tokens_per_s"] for x in mine),
+            "tokens_per_s": [round(x["tokens_per_s"], 1) for x in mine],
+            "peak_rss_gb": round(max(x["peak_rss_gb"] for x in mine), 2),
+        }
     ratio = summary["B"]["tokens_per_s_median"] / summary["A"]["tokens_per_s_median"]
-    print(f"A (whole distribution): {summary['A']['tokens_per_s_median']:.0f} tokens/s, peak {summary['A']['peak_rss_gb']} GB; "
-          f"B (top {args.top_k}): {summary['B']['tokens_per_s_median']:.0f} tokens/s, peak {summary['B']['peak_rss_gb']} GB; "
+    a, b = summary["A"], summary["B"]
+    print(f"A (whole distribution): {a['tokens_per_s_median']:.0f} tokens/s, peak {a['peak_rss_gb']} GB; "
+          f"B (top {args.top_k}): {b['tokens_per_s_median']:.0f} tokens/s, peak {b['peak_rss_gb']} GB; "
           f"B/A {ratio:.2f}x")
     if args.out:
-        Path(args.out).write_text(json.dumps({"turns": turns, "summary": summary, "ratio": ratio, "args": vars(args)}, indent=1))
+        Path(args.out).write_text(
+            json.dumps({"turns": turns, "summary": summary, "ratio": ratio, "args": vars(args)}, indent=1)
+        )
 
 
 if __name__ == "__main__":

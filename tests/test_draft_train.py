@@ -728,7 +728,8 @@ def test_top_k_labels_give_the_full_distributions_loss_within_the_tail_they_drop
 
     whole = loss(full)
     top = full.top_k(32, draft_ids)
-    assert top(samples, ids.shape[1])["base_model_outputs"]["base_model_logits"].shape == (6, ids.shape[1], len(draft_ids))
+    labels = top(samples, ids.shape[1])["base_model_outputs"]["base_model_logits"]
+    assert labels.shape == (6, ids.shape[1], len(draft_ids))
     assert abs(loss(top) - whole) <= 1e-3 * abs(whole), (loss(top), whole)
     assert abs(loss(full.top_k(32, list(range(len(draft_ids))))) - whole) > 5e-3 * abs(whole)
 
@@ -736,8 +737,8 @@ def test_top_k_labels_give_the_full_distributions_loss_within_the_tail_they_drop
 def test_training_on_top_k_labels_raises_heldout_acceptance(tiny, tiny_engine, tmp_path):
     layout = artifacts.Layout(tmp_path, "tiny-eagle3-topk")  # its own head folder: the engine and data copied
     shutil.copytree(tiny_engine.engines, layout.engines, ignore=shutil.ignore_patterns("eagle3-head*"))
-    result = draft_train.train_recipe(engine_recipe(tiny[1], features="engine", label_top_k=8), layout, echo=lambda *_: None,
-                                      progress=False)  # fmt: skip
+    recipe = engine_recipe(tiny[1], features="engine", label_top_k=8)
+    result = draft_train.train_recipe(recipe, layout, echo=lambda *_: None, progress=False)
     before, after = result.initial_acceptance, result.acceptance
     assert before.positions == after.positions > 50
     assert after.per_position[0] > before.per_position[0] + 0.2, (before, after)

