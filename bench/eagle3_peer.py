@@ -326,12 +326,12 @@ def resolve_head(recipe, layout, given: str | None) -> Path | None:
     return next((c for c in candidates if (c / "config.json").is_file()), None)
 
 
-def chat_prompts(tokenizer, n: int, max_tokens: int) -> list[tuple[str, list[int]]]:
-    """(id, token ids) of the first n built-in validation prompts (round-robin over categories), chat-rendered
+def chat_prompts(tokenizer, n: int, max_tokens: int, prompt_set: str = "builtin") -> list[tuple[str, list[int]]]:
+    """(id, token ids) of the first n validation prompts of `prompt_set` (round-robin over categories), chat-rendered
     as validation renders them and tokenized as the server's preprocessing does (add_special_tokens)."""
     from specdeploy.client.prompts import HFChatTemplate, load_prompt_set, render_prompts
 
-    prompts = load_prompt_set("builtin", max_tokens, n)
+    prompts = load_prompt_set(prompt_set, max_tokens, n)
     renderer = HFChatTemplate(tokenizer) if HFChatTemplate.available(tokenizer) else None
     return [(p.id, list(tokenizer(p.text, add_special_tokens=True)["input_ids"])) for p in render_prompts(prompts, renderer)]
 

@@ -44,7 +44,9 @@ FOREIGN_OPTIONS = ("tokenizer", "layout", "speculative_model", "control_model", 
 @click.option("--max-prompts", type=int, default=None, help="Use at most N prompts, spread over the categories [recipe validation.max_prompts].")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=None, help="Tokens to generate per prompt [recipe validation.max_tokens].")
 @click.option("--min-compared-tokens", type=click.IntRange(min=1), default=None, help="A control output shorter than this is too short to compare [recipe validation.min_compared_tokens].")
-@click.option("--prompt-set", "--prompts", "prompt_set", default=None, help="'builtin' or a .jsonl file (prompt or messages, category, max_tokens) [recipe validation.prompt_set].")
+@click.option("--prompt-set", "--prompts", "prompt_set", default=None,
+              help="'builtin', 'sharegpt[:SEED]' (the ShareGPT validation half, drawn with SEED) or a .jsonl file "
+                   "(prompt or messages, category, max_tokens) [recipe validation.prompt_set].")
 @click.option("--chat/--raw", "chat", default=None, help="Render prompts with the tokenizer's chat template when it has one, or send them as raw text [recipe validation.chat_template; auto].")
 @click.option("--concurrency", default=None, metavar="1,2,4", help="Concurrency levels of the latency phase [recipe validation.concurrency].")
 @click.option("--repeats", type=click.IntRange(min=1), default=None, help="Repeats of every latency run [recipe validation.repeats].")
@@ -167,20 +169,28 @@ def _validate_foreign(url, protocol, openai_url, metrics_url, baseline_url, repo
     default=None,
     help="A tritonserver binary (default: $SPECDEPLOY_TRITONSERVER, else the one in the nvidia-pytriton wheel).",
 )
+@click.option("--also-prompt-set", "also", multiple=True, metavar="SET[=N]",
+              help="Also validate on this prompt set (e.g. sharegpt=16: 16 prompts of it; N defaults to "
+                   "--max-prompts), on the same server; its report in a folder named after it beside the first. "
+                   "Repeatable.")
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
 @pass_ctx
 @handle_errors
-def run_all(ctx, recipe, report_dir, min_parity, min_speedup, sweep_draft_tokens, max_prompts, server_binary, no_progress):
+def run_all(ctx, recipe, report_dir, min_parity, min_speedup, sweep_draft_tokens, max_prompts, also, server_binary,
+            no_progress):
     """Every stage in one go: quantize -> build -> repo -> serve -> validate -> stop; ends with the verdict.
 
-    Exit code as `validate`: 0 when every threshold holds; 1 incomplete, 3 parity, 4 speedup, 5 metrics disagree.
+    Exit code as `validate`: 0 when every threshold holds; 1 incomplete, 3 parity, 4 speedup, 5 metrics disagree
+    (with --also-prompt-set: the first failing set's).
     """
     from specdeploy import pipeline
     from specdeploy.client import validate as val
 
     r = ctx.recipe(recipe)
+    default_count = max_prompts if max_prompts is not None else r.validation.max_prompts
+    extra = tuple(_also_prompt_set(spec, default_count) for spec in also)
     with ctx.locked(r, recipe):
-        report, paths, verdict = pipeline.run(
+        results = pipeline.run(
             r,
             ctx.layout(r),
             recipe,
@@ -192,6 +202,16 @@ def run_all(ctx, recipe, report_dir, min_parity, min_speedup, sweep_draft_tokens
             min_speedup=min_speedup,
             max_prompts=max_prompts,
             sweep_draft_tokens=val.parse_range(sweep_draft_tokens) if sweep_draft_tokens else None,
+            also=extra,
         )
-    _print_validation(report, paths, verdict)
-    sys.exit(verdict.exit_code)
+    for report, paths, verdict in results:
+        _print_validation(report, paths, verdict)
+    sys.exit(next((v.exit_code for _, _, v in results if v.exit_code), 0))
+
+
+def _also_prompt_set(spec: str, default_max_prompts: int) -> tuple[str, int]:
+    prompt_set, equals, count = spec.partition("=")
+    if equals and not count.isdigit():
+        raise click.BadParameter(f"{spec!r}: the count after '=' must be a non-negative integer",
+                                 param_hint="--also-prompt-set")
+    return prompt_set, int(count) if equals else default_max_prompts

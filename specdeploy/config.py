@@ -162,6 +162,10 @@ class Eagle3TrainConfig:
     length_grouping: bool = False
     # the training data's folder; empty: the recipe's own (`specdeploy draft data RECIPE` writes it)
     data_dir: str = ""
+    # features engine: the training steps' labels are the target's top N tokens of the draft vocabulary (its
+    # distribution renormalized over them) instead of all of it; 0: all. The held-out passes keep the whole
+    # distribution (specdeploy.draft_features.TopKFeatures)
+    label_top_k: int = 0
 
 
 @dataclass(frozen=True)

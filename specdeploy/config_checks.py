@@ -363,6 +363,12 @@ def _check_eagle3(r: Recipe) -> None:
     if t.init_head == EAGLE3_HEAD_TRAINED:
         raise ConfigError("key 'draft.train.init_head' is 'trained': the head this recipe trains cannot be its own start",
                           "name another head's folder or a bundled head (specdeploy/data/heads), or remove init_head")  # fmt: skip
+    if t.label_top_k < 0:
+        raise ConfigError(f"key 'draft.train.label_top_k' is {t.label_top_k}",
+                          "0 (the whole distribution) or the number of tokens kept, e.g. 64")
+    if t.label_top_k and t.features != "engine":
+        raise ConfigError("key 'draft.train.label_top_k' needs draft.train.features: engine (the labels come from "
+                          "the CPU engine)", "set features: engine, or remove label_top_k")
     if t.features == "engine" and backend.gpu:
         raise ConfigError(f"key 'draft.train.features' is engine on backend {r.backend}, but only the CPU engine returns "
                           "the target's features", "remove it (target: ModelOpt runs the target's weights), or use backend cpu")  # fmt: skip

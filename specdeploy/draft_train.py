@@ -35,8 +35,8 @@ from specdeploy.draft_samples import read_draft_data
 from specdeploy.draft_train_loop import TrainResult, train_head
 from specdeploy.draft_train_plan import check_disk, check_plan, plan_training
 from specdeploy.errors import ConfigError, ModelError
-from specdeploy.modelopt_eagle3 import (aux_layer_ids, build_model, choose_draft_vocab, export_head, load_exported_head,
-                                        write_vocab_counts)
+from specdeploy.modelopt_eagle3 import (accept_draft_space_logits, aux_layer_ids, build_model, choose_draft_vocab,
+                                        draft_target_ids, export_head, load_exported_head, write_vocab_counts)
 
 STAGE = "eagle3-head"
 TRAIN_LOG = "train_log.jsonl"
@@ -69,7 +69,7 @@ def _available_memory(device: str) -> int | None:
 
 # draft.train keys added after heads were shipped: at their defaults they stay out of the fingerprint, so those
 # heads stay up to date
-_LATER_KEYS = {"features": "target", "init_head": "", "length_grouping": False, "data_dir": ""}
+_LATER_KEYS = {"features": "target", "init_head": "", "length_grouping": False, "data_dir": "", "label_top_k": 0}
 
 
 def stage_fingerprint(recipe: Recipe, target_hash: str, data_fingerprint: str, time_limit_s: float | None = None,
@@ -196,10 +196,17 @@ def train_recipe(recipe: Recipe, layout, force: bool = False, echo=print, progre
         echo(f"  starting from the head in {init}")
     if features is not None:
         echo(f"  the target's features and distribution from the CPU engine {layout.engine('target')} (ModelOpt's offline mode)")
+    step_features = features
+    if features is not None and t.label_top_k:
+        # the head's d2t (a fresh vocabulary's or init_head's): the draft ids whose labels are kept
+        head_ids = draft_target_ids(model).tolist()
+        step_features = features.top_k(t.label_top_k, head_ids)
+        accept_draft_space_logits(model)
+        echo(f"  labels: the target's top {t.label_top_k} draft tokens (draft.train.label_top_k)")
     pad_id = pad_id_of(target_config)
     echo(f"  forward passes in {precision} (draft.train.precision {t.precision})")
     result = train_head(model, data, t, work, fingerprint=fp, progress=progress, echo=echo, device=device, pad_id=pad_id,
-                        precision=precision, time_limit_s=time_limit_s, features=features)
+                        precision=precision, time_limit_s=time_limit_s, features=features, step_features=step_features)
     head_params = sum(p.numel() for p in model.eagle_module.parameters())
     with atomic_output(dest) as tmp:
         export_head(model, tmp, aux_ids, t.export_dtype)

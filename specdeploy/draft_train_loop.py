@@ -233,19 +233,21 @@ def epoch_batches(lengths: list[int], t: Eagle3TrainConfig, epoch: int) -> list[
 
 def train_head(model, data: DraftData, t: Eagle3TrainConfig, work_dir: Path, *, fingerprint: str = "", progress: bool = True,
                echo=print, device: str = "cpu", pad_id: int = 0, checkpoint_every_s: float = CHECKPOINT_EVERY_S,
-               precision: str = "float32", time_limit_s: float | None = None, features=None,
+               precision: str = "float32", time_limit_s: float | None = None, features=None, step_features=None,
                _stop_after_step: int | None = None) -> TrainResult:  # fmt: skip
     """Train the head of `model` on `data`; checkpoints model + optimizer + position into `work_dir` (a rerun
     with the same `fingerprint` continues from there). Returns the held-out acceptance before and after.
 
     `time_limit_s`: the run (held-out passes included) ends within about that many seconds: once FIT_AFTER_STEPS
     steps are done, the planned steps are cut to what fits at the pace of those after WARM_UP_STEPS (the learning-rate schedule follows the new total), so a
-    lent GPU's minutes still end in an exported head. `features`: as in heldout_acceptance."""
+    lent GPU's minutes still end in an exported head. `features`: as in heldout_acceptance; `step_features`: the
+    training steps' own (draft_features.TopKFeatures), else `features`."""
     import torch
     from tqdm.auto import tqdm
 
     work_dir = Path(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
+    step_features = step_features or features
     params = head_parameters(model)
     optimizer = torch.optim.AdamW(params, lr=t.learning_rate)
     steps_per_epoch = math.ceil(len(data.train) / t.batch_size)
@@ -308,7 +310,7 @@ def train_head(model, data: DraftData, t: Eagle3TrainConfig, work_dir: Path, *, 
             chunk = [data.train[i] for i in batches[epoch][k]]
             started = time.monotonic()  # the engine's features count as the step's (the target's part of it)
             ids, loss_mask, rows = make_batch(chunk, t.seq_len, pad_id, device)
-            extra = features(chunk, ids.shape[1]) if features else {}
+            extra = step_features(chunk, ids.shape[1]) if step_features else {}
             masks.use(ids.shape[1])
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate_at(t, step, total_steps)

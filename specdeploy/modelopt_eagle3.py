@@ -200,6 +200,31 @@ def build_model(target_dir: Path, t: Eagle3TrainConfig, draft_ids: list[int] | N
     return model
 
 
+def draft_target_ids(model):
+    """The target id of each draft id of a converted model's head (target id = draft id + d2t); every id in order
+    where the head drafts over the whole vocabulary (no d2t)."""
+    import torch
+
+    d2t = getattr(model.eagle_module, "d2t", None)
+    return torch.arange(model.eagle_config.vocab_size) if d2t is None else torch.arange(len(d2t)) + d2t.cpu()
+
+
+def accept_draft_space_logits(model) -> None:
+    """Let ModelOpt take base_model_logits already over the draft vocabulary (draft_features.TopKFeatures).
+
+    ModelOpt maps the target's logits into the draft vocabulary itself (plugins/hf_eagle.py `_prepare_eagle_inputs`
+    calls `_map_logits_to_draft_vocab(full_logits)` = `full_logits[:, :, arange + d2t]` whenever draft_vocab_size !=
+    vocab_size); logits whose last dimension is already the draft vocabulary's pass through unchanged. Logits over
+    the whole vocabulary (the held-out passes) are still mapped by ModelOpt's own method."""
+    original = model._map_logits_to_draft_vocab
+    draft_vocab_size = model.eagle_config.draft_vocab_size
+
+    def mapped(logits):
+        return logits if logits.shape[-1] == draft_vocab_size else original(logits)
+
+    model._map_logits_to_draft_vocab = mapped
+
+
 def init_head_from_target(model, draft_ids: list[int] | None, src) -> None:
     """Start the head's decoder layer from the target's last layer `src` and its LM head from the target's rows.
 

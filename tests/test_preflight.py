@@ -308,6 +308,9 @@ def test_specdeploy_run_refuses_what_its_last_stages_would_before_quantizing(tmp
 
     assert "k=5, outside 1..3" in attempt(sweep_draft_tokens=(1, 5), report_dir=str(tmp_path / "report"))[0].message  # validate's own key too
     assert "nowhere.jsonl not found" in attempt(validation={"prompt_set": str(tmp_path / "nowhere.jsonl")})[0].message
+    # a second prompt set (run --also-prompt-set) is checked as well, before the first stage
+    assert "gone.jsonl not found" in attempt(also=((str(tmp_path / "gone.jsonl"), 4),))[0].message
+    assert "must be a non-negative integer" in attempt(also=(("sharegpt:x", 4),))[0].message
     assert "no EAGLE-3 head at" in attempt(draft={"kind": "eagle3", "head": str(tmp_path / "no-head")})[0].message
     layout = Layout.of(parse_recipe({"name": "pf", "target": {"model": "m"}, "draft": {"kind": "ngram"}}), tmp_path / "root")
     layout.server_state.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,7 @@
-"""Prompt sets for validation: the built-in sets (chat, code, summarization, reasoning) or a user .jsonl,
-rendered with the target's chat template.
+"""Prompt sets for validation: the built-in sets (chat, code, summarization, reasoning), real requests from the
+ShareGPT validation half (`sharegpt` or `sharegpt:SEED`: specdeploy.sharegpt, one user turn per conversation with
+its earlier turns, categories "first-turn" and "multi-turn") or a user .jsonl, rendered with the target's chat
+template.
 
 A .jsonl file has one object per line: either `prompt` (a user message) or `messages` (OpenAI-style
 `[{"role": ..., "content": ...}, ...]`), optional `category` (default "custom") and `max_tokens`
@@ -20,12 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from specdeploy import sharegpt
 from specdeploy.errors import ConfigError
 from specdeploy.text_rules import TextError, check_json, decode_text
 
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "data" / "prompts"
 BUILTIN_CATEGORIES = ("chat", "code", "summarization", "reasoning")
 DEFAULT_CATEGORY = "custom"
+SHAREGPT_PROMPTS = 64  # drawn when max_prompts is 0 (all): the validation half holds ~1,100 conversations
 ROLES = ("system", "user", "assistant")
 
 Message = tuple[str, str]  # (role, content)
@@ -42,11 +46,15 @@ class Prompt:
 
 
 def load_prompt_set(prompt_set: str, default_max_tokens: int, max_prompts: int = 0) -> list[Prompt]:
-    """The prompts of `prompt_set` ("builtin" or a .jsonl path), at most `max_prompts` (0: all), not yet rendered.
+    """The prompts of `prompt_set` ("builtin", "sharegpt[:SEED]" or a .jsonl path), at most `max_prompts` (0: all),
+    not yet rendered.
 
     When limited, prompts are taken round-robin over the categories so that every category stays
     represented.
     """
+    seed = sharegpt.prompt_set_seed(prompt_set)
+    if seed is not None:
+        return _sharegpt_prompts(seed, default_max_tokens, max_prompts)
     if prompt_set == "builtin":
         prompts = [p for c in BUILTIN_CATEGORIES for p in _read_jsonl(BUILTIN_DIR / f"{c}.jsonl", default_max_tokens)]
     else:
@@ -54,6 +62,18 @@ def load_prompt_set(prompt_set: str, default_max_tokens: int, max_prompts: int =
     if not prompts:
         raise ConfigError(f"prompt set {prompt_set} holds no prompts", "add lines like {\"prompt\": \"...\"}")
     return spread_over_categories(prompts, max_prompts) if max_prompts > 0 else prompts
+
+
+def _sharegpt_prompts(seed: int, max_tokens: int, max_prompts: int) -> list[Prompt]:
+    """Drawn per category (half first turns, half later turns with their context) from the validation half."""
+    count = max_prompts or SHAREGPT_PROMPTS
+    drawn = sharegpt.validation_prompts(4 * count, seed)  # more than needed: the categories are cut to their share
+    by_category: dict[str, list[Prompt]] = {"first-turn": [], "multi-turn": []}
+    for conversation_turn, messages in drawn:
+        category = "first-turn" if len(messages) == 1 else "multi-turn"
+        group = by_category[category]
+        group.append(Prompt(f"{category}-{len(group)}", "", category, max_tokens, messages))
+    return spread_over_categories([p for group in by_category.values() for p in group], count)
 
 
 def render_prompts(prompts: Sequence[Prompt], renderer: ChatRenderer | None) -> list[Prompt]:
