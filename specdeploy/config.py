@@ -342,6 +342,9 @@ class Recipe:
     # The TensorRT-LLM release the GPU backends target (trtllm.LLMAPI_VERSIONS): the LLM-API option names and
     # meanings follow it, and the packaging checks the image carries it.
     trtllm_version: str = "1.2"
+    # GPU backends: the image the deployment runs in. auto: the newest NGC Triton image carrying trtllm_version
+    # (trtllm-llmapi) or the backend's default (trtllm-engine); a named NGC image must carry it (trtllm_images).
+    image: str = "auto"
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     triton: TritonConfig = field(default_factory=TritonConfig)

@@ -97,6 +97,8 @@ def _check(r: Recipe) -> None:
     _at_least("triton.bls_instance_count", t.bls_instance_count, 0)
     _at_least("triton.request_timeout_s", t.request_timeout_s, 0)
     _check_layout(r)
+    _check_image(r)
+    _check_draft_mapping(r)
     v = r.validation
     _at_least("validation.max_tokens", v.max_tokens, 1)
     if v.max_tokens >= e.max_seq_len:
@@ -188,6 +190,37 @@ def _check_layout(r: Recipe) -> None:
             "canary.control_percent is set, but the canary's control arm lives in tensorrt_llm_bls, which the llmapi layout does not have",
             "set canary.control_percent: 0, or use triton.layout: inflight_batcher_llm",
         )
+
+
+def _check_image(r: Recipe) -> None:
+    """The image a GPU recipe runs in carries its TensorRT-LLM (trtllm_images); the cpu backend runs in none."""
+    from specdeploy import trtllm_images
+
+    backend = _backends.get(r.backend)
+    if not backend.gpu:
+        if r.image != "auto":
+            raise ConfigError(f"key 'image' is {r.image!r}, but backend {r.backend} runs no container image",
+                              "remove it (auto), or use a GPU backend")  # fmt: skip
+        return
+    if backend.tensorrt_engines:  # the engines' release is known once built: packaging checks it against the image
+        if r.image != "auto":
+            trtllm_images.image_trtllm(r.image)
+        return
+    trtllm_images.recipe_image(r)
+
+
+def _check_draft_mapping(r: Recipe) -> None:
+    """trtllm-llmapi: the draft runs in the LLM's own mapping (no speculative config of any release has a tp/pp field,
+    docs/gpu.md "What is settled"), so a draft tp_size / pp_size of its own is refused rather than dropped."""
+    backend = _backends.get(r.backend)
+    d, t = r.draft, r.target
+    if not backend.gpu or backend.tensorrt_engines or not d.has_weights_of_its_own:
+        return
+    if (d.tp_size, d.pp_size) not in ((1, 1), (t.tp_size, t.pp_size)):
+        raise ConfigError(f"keys 'draft.tp_size' / 'draft.pp_size' are {d.tp_size} / {d.pp_size}, but on backend "
+                          f"{r.backend} the draft runs in the target's mapping ({t.tp_size} / {t.pp_size}): "
+                          "TensorRT-LLM's speculative_config has no mapping of its own",
+                          "remove draft.tp_size and draft.pp_size, or use backend trtllm-engine")  # fmt: skip
 
 
 def _check_operations(r: Recipe) -> None:
@@ -351,10 +384,8 @@ def _check_eagle3(r: Recipe) -> None:
         raise ConfigError(f"draft.kind eagle3 is not wired for backend {r.backend}: {backend.no_eagle3_because}",
                           f"use backend {able} (trtllm-llmapi: decoding_type Eagle3 with the same head folder), "
                           "or draft.kind model on this backend")  # fmt: skip
-    if r.speculative.use_draft_logits and backend.gpu:
-        raise ConfigError(f"key 'speculative.use_draft_logits' is true, but TensorRT-LLM's EAGLE-3 on backend {r.backend} "
-                          "has no rejection sampling on the head's logits",
-                          "set use_draft_logits: false (greedy requests are verified token by token)")  # fmt: skip
+    # speculative.use_draft_logits on a GPU: use_rejection_sampling where the recipe's TensorRT-LLM release has it
+    # (llmapi_options refuses it elsewhere, naming the releases that have it)
     t = d.train
     _choice("draft.train.export_dtype", t.export_dtype, EAGLE3_EXPORT_DTYPES)
     _choice("draft.train.precision", t.precision, EAGLE3_TRAIN_PRECISIONS)

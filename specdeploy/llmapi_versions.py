@@ -54,6 +54,11 @@ from specdeploy.errors import ConfigError
 #   eagle3_layers_to_capture means "Target model layer indices to capture hidden states from ... Defaults to {1,
 #   num_layers//2-1, num_layers-4}" in every one of them: the convention of ModelOpt's exported
 #   `eagle_aux_hidden_state_layer_ids`, written through unchanged when the head's config.json names them.
+# - use_rejection_sampling (speculative.use_draft_logits): a DecodingBaseConfig field, `use_rejection_sampling: bool =
+#   False`, on the 1.3.0rc27, 1.4.0rc1 and 1.4.0rc4 API pages (llm-api/reference/Eagle3DecodingConfig.html and every
+#   other *DecodingConfig page). PR #12588 (merged 2026-05-15) added it for EAGLE-3 one-model, PR #15775 (2026-07)
+#   extended it to one-model MTP / DRAFT_TARGET / PARD / DFLASH. 1.1.0's and 1.2.0's DecodingBaseConfig (read as
+#   above) have no such field, and a StrictBaseModel rejects the key. n-gram drafts have no distribution to sample.
 # Release lines from PyPI upload dates: 1.1.0 2025-12-19, 1.2.0 2026-03-12 (branch: rc6 2025-12-23),
 # 1.3.0rc0 2026-01-22 ... rc22 2026-07-22, 1.4.0rc0 2026-10-13. The 1.3.0 release candidates before rc22 straddle
 # PRs #10860 and #12905, so specdeploy names no options for them rather than guess.
@@ -73,6 +78,9 @@ class LlmApiVersion:
     evidence: str
     eagle3_fields: tuple[str, ...] = ()  # EAGLE-3 fields verified in this release's llm_args.py (beyond max_draft_len)
     eagle3_evidence: str = ""
+    # decoding types (keys of decoding_types) whose config takes use_rejection_sampling in this release
+    rejection_sampling: tuple[str, ...] = ()
+    rejection_sampling_evidence: str = "no use_rejection_sampling in this release's DecodingBaseConfig"
 
 
 LLMAPI_VERSIONS = {
@@ -114,6 +122,9 @@ LLMAPI_VERSIONS = {
         eagle3_fields=("eagle3_layers_to_capture", "sa_config"),
         eagle3_evidence="1.3.0rc27 API page Eagle3DecodingConfig: Literal['Eagle3'], speculative_model, "
                         "eagle3_layers_to_capture, sa_config (no eagle3_one_model listed)",
+        rejection_sampling=("eagle3", "draft_target"),
+        rejection_sampling_evidence="1.3.0rc27 API pages: DecodingBaseConfig.use_rejection_sampling; PR #12588 "
+                                    "(EAGLE-3 one-model), PR #15775 (DRAFT_TARGET one-model)",
     ),
     "1.4": LlmApiVersion(
         name="1.4", releases="1.4.x",
@@ -125,6 +136,9 @@ LLMAPI_VERSIONS = {
         eagle3_fields=("eagle3_layers_to_capture", "sa_config"),
         eagle3_evidence="1.4.0rc1 API page Eagle3DecodingConfig: Literal['Eagle3'], speculative_model, "
                         "eagle3_layers_to_capture, sa_config (no eagle3_one_model listed)",
+        rejection_sampling=("eagle3", "draft_target"),
+        rejection_sampling_evidence="1.4.0rc1 and 1.4.0rc4 API pages: DecodingBaseConfig.use_rejection_sampling; "
+                                    "PR #12588 (EAGLE-3 one-model), PR #15775 (DRAFT_TARGET one-model)",
     ),
 }  # fmt: skip
 
