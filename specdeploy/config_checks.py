@@ -296,7 +296,8 @@ def _check_draft_kind(r: Recipe) -> None:
     d = r.draft
     _choice("draft.kind", d.kind, DRAFT_KINDS)
     if not d.is_eagle3:
-        defaults = {"head": "", "head_weights": "auto", "serve_vocab_size": 0, "sa_config": None, "data": Eagle3DataConfig(), "train": Eagle3TrainConfig()}
+        defaults = {"head": "", "head_weights": "auto", "serve_vocab_size": 0, "sa_config": None, "tree": None,
+                    "data": Eagle3DataConfig(), "train": Eagle3TrainConfig()}  # fmt: skip
         for key, default in defaults.items():
             if getattr(d, key) != default:
                 raise ConfigError(f"key 'draft.{key}' applies to draft.kind eagle3 only", "remove it, or set draft.kind: eagle3")
@@ -370,6 +371,8 @@ def _check_eagle3(r: Recipe) -> None:
         if d.sa_config.enable_global_pool and not backend.gpu:
             raise ConfigError("key 'draft.sa_config.enable_global_pool' is true, but the CPU engine looks up each "
                               "request's own tokens only", "remove it (false), or use backend trtllm-llmapi")  # fmt: skip
+    if d.tree is not None:
+        _check_tree(r, backend)
     if d.head_weights == "int8" and backend.gpu:
         raise ConfigError(f"key 'draft.head_weights' is int8 on backend {r.backend}, but only the CPU engine quantizes the "
                           "head: TensorRT-LLM loads the EAGLE-3 checkpoint as exported (Eagle3DecodingConfig's "
@@ -403,6 +406,28 @@ def _check_eagle3(r: Recipe) -> None:
     _at_least("draft.train.ttt_steps", t.ttt_steps, 1)
     _at_least("draft.data.num_prompts", d.data.num_prompts, 1)
     _at_least("draft.data.samples_per_prompt", d.data.samples_per_prompt, 1)
+
+
+def _check_tree(r: Recipe, backend) -> None:
+    """draft.tree: TensorRT-LLM's EAGLE-3 dynamic tree. Its nodes start at one per layer (model_drafter.py asserts
+    max_draft_len <= max_total_draft_tokens) and keep at most max_topk per layer; the suffix automaton builds no state
+    for a tree (llmapi_versions.py); the CPU engine verifies chains only."""
+    tree, d = r.draft.tree, r.draft
+    depth = d.max_draft_len if d.max_draft_len is not None else r.speculative.num_draft_tokens
+    if not backend.gpu:
+        raise ConfigError(
+            f"key 'draft.tree' is set on backend {r.backend}: a tree pass over several draft rows costs more than the "
+            "tokens it adds on a CPU (the shipped head's 5-8 node trees measured 0.77-1.02x the chain's speed, "
+            "docs/gpu.md)", "remove draft.tree (a chain), or use backend trtllm-llmapi")
+    _at_least("draft.tree.max_topk", tree.max_topk, 1)
+    if not depth <= tree.max_total_draft_tokens <= tree.max_topk * depth:
+        raise ConfigError(f"key 'draft.tree.max_total_draft_tokens' is {tree.max_total_draft_tokens}, outside "
+                          f"[{depth}, {tree.max_topk * depth}]: a tree of {depth} layers (the draft length) has at "
+                          f"least one node a layer and at most max_topk ({tree.max_topk})",
+                          f"set it between {depth} and {tree.max_topk * depth}")  # fmt: skip
+    if d.sa_config is not None:
+        raise ConfigError("keys 'draft.tree' and 'draft.sa_config' are both set, but TensorRT-LLM builds no suffix "
+                          "automaton for a dynamic tree", "remove one of them")  # fmt: skip
 
 
 def _check_draft_p_min(r: Recipe) -> None:

@@ -95,6 +95,12 @@ def _eagle3_options(recipe: Recipe, version: LlmApiVersion, head_dir: Path, head
             raise ConfigError(f"key 'draft.sa_config' is set, but Eagle3DecodingConfig.sa_config is not verified for "
                               f"TensorRT-LLM {version.name}", "use trtllm_version 1.3 or later, or remove draft.sa_config")  # fmt: skip
         spec["sa_config"] = {"threshold": sa.threshold, "enable_global_pool": sa.enable_global_pool}
+    if d.tree is not None:
+        if "use_dynamic_tree" not in version.eagle3_fields:
+            raise ConfigError(f"key 'draft.tree' is set, but use_dynamic_tree is not verified for TensorRT-LLM "
+                              f"{version.name}", "use trtllm_version 1.3 or later, or remove draft.tree")  # fmt: skip
+        spec.update(use_dynamic_tree=True, dynamic_tree_max_topK=d.tree.max_topk,
+                    max_total_draft_tokens=d.tree.max_total_draft_tokens)
     return spec
 
 

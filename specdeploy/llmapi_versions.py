@@ -51,6 +51,9 @@ from specdeploy.errors import ConfigError
 #     get_spec_resource_manager; two-model and dynamic-tree EAGLE-3 build no SA state). Before (PR #11878, merged
 #     2026-03, "Integrate SA with EAGLE3 and PARD") main spelled it `use_sa_spec` / `sa_spec_threshold`; no release
 #     page seen lists those, so specdeploy writes sa_config and only where a release page shows it.
+#   use_dynamic_tree (draft.tree): the 1.3.0rc27, 1.4.0rc1 and 1.4.0rc4 Eagle3DecodingConfig pages list
+#     `use_dynamic_tree: bool | None = False`, `dynamic_tree_max_topK: int | None`, and DecodingBaseConfig's
+#     `max_total_draft_tokens: int | None`; 1.1.0's and 1.2.0's fields were not read for them, so they are refused.
 #   eagle3_layers_to_capture means "Target model layer indices to capture hidden states from ... Defaults to {1,
 #   num_layers//2-1, num_layers-4}" in every one of them: the convention of ModelOpt's exported
 #   `eagle_aux_hidden_state_layer_ids`, written through unchanged when the head's config.json names them.
@@ -119,7 +122,7 @@ LLMAPI_VERSIONS = {
         draft_len_schedule="upper",
         acceptance_keys=("acceptance_rate_window_size", "acceptance_rate_threshold"), acceptance_measure="rate",
         evidence="decoding_type Literal['Draft_Target']; PR #10099, #10860 and #12905 merged",
-        eagle3_fields=("eagle3_layers_to_capture", "sa_config"),
+        eagle3_fields=("eagle3_layers_to_capture", "sa_config", "use_dynamic_tree"),
         eagle3_evidence="1.3.0rc27 API page Eagle3DecodingConfig: Literal['Eagle3'], speculative_model, "
                         "eagle3_layers_to_capture, sa_config (no eagle3_one_model listed)",
         rejection_sampling=("eagle3", "draft_target"),
@@ -133,7 +136,7 @@ LLMAPI_VERSIONS = {
         draft_len_schedule="upper",
         acceptance_keys=("acceptance_rate_window_size", "acceptance_rate_threshold"), acceptance_measure="rate",
         evidence="as 1.3 (main after PR #12905)",
-        eagle3_fields=("eagle3_layers_to_capture", "sa_config"),
+        eagle3_fields=("eagle3_layers_to_capture", "sa_config", "use_dynamic_tree"),
         eagle3_evidence="1.4.0rc1 API page Eagle3DecodingConfig: Literal['Eagle3'], speculative_model, "
                         "eagle3_layers_to_capture, sa_config (no eagle3_one_model listed)",
         rejection_sampling=("eagle3", "draft_target"),

@@ -26,6 +26,7 @@ from specdeploy.triton import llmapi, llmapi_upstream
 
 BUILD = Path(__file__).resolve().parents[1] / "build"
 LLMAPI_RECIPES = ("llama3-70b-fp8.yaml", "llama3.1-8b-eagle3.yaml")
+TREE_RECIPE = "llama3.1-8b-eagle3-tree.yaml"
 RELEASES = ("1.1", "1.2", "1.3", "1.4")
 
 # ---------------------------------------------------------------- NVIDIA's rules, transcribed
@@ -102,6 +103,11 @@ def rule_ranges(spec: dict, release: str) -> list[str]:
             out.append(f"{key} {spec[key]} out of range")
     if "sa_config" in spec and not spec["sa_config"]["threshold"] > 0:
         out.append("sa_config.threshold must be a positive int")
+    if spec.get("use_dynamic_tree"):  # model_drafter.py@0859050: `assert max_draft_len <= max_total_draft_tokens`
+        if not spec.get("dynamic_tree_max_topK", 0) >= 1:
+            out.append("dynamic_tree_max_topK must be >= 1")
+        if not spec["max_draft_len"] <= spec.get("max_total_draft_tokens", -1):
+            out.append("max_total_draft_tokens must be >= max_draft_len")
     schedule = spec.get("draft_len_schedule")
     if schedule and release in ("1.3", "1.4") and spec["max_draft_len"] != schedule[min(schedule)]:
         out.append("draft_len_schedule's smallest key must draft max_draft_len (PR #10860)")
@@ -195,6 +201,11 @@ BROKEN_SPECS = [  # (rule, release, a broken speculative_config)
     (rule_ranges, "1.4", {"decoding_type": "Eagle3", "max_draft_len": 4, "sa_config": {"threshold": 0}}),
     (rule_ranges, "1.4", {"decoding_type": "NGram", "max_draft_len": 4, "max_matching_ngram_size": 0}),
     (rule_ranges, "1.4", {"decoding_type": "Draft_Target", "max_draft_len": 4, "draft_len_schedule": {4: 2, 8: 1}}),
+    (rule_ranges, "1.4", {"decoding_type": "Eagle3", "max_draft_len": 4, "use_dynamic_tree": True,
+                          "dynamic_tree_max_topK": 4, "max_total_draft_tokens": 3}),
+    (rule_ranges, "1.4", {"decoding_type": "Eagle3", "max_draft_len": 4, "use_dynamic_tree": True,
+                          "dynamic_tree_max_topK": 0, "max_total_draft_tokens": 8}),
+    (rule_extra_keys, "1.2", {"decoding_type": "Eagle", "max_draft_len": 4, "use_dynamic_tree": True}),
 ]
 
 
@@ -373,3 +384,53 @@ def test_the_overlap_scheduler_stays_on_for_eagle3_only(tmp_path):
     assert trtllm.llmapi_options(eagle3, Layout.of(eagle3, tmp_path))["disable_overlap_scheduler"] is False
     pair = gpu_recipe("llama3-70b-fp8.yaml", "1.2")
     assert trtllm.llmapi_options(pair, Layout.of(pair, tmp_path))["disable_overlap_scheduler"] is True
+
+
+# ---------------------------------------------------------------- EAGLE-3 dynamic trees (draft.tree)
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_the_tree_recipe_writes_a_dynamic_tree_where_the_release_has_one(release, tmp_path):
+    """draft.tree -> use_dynamic_tree, dynamic_tree_max_topK, max_total_draft_tokens (1.3.0rc27 / 1.4.0rc1 pages);
+    1.1 and 1.2 were not read for them: refused, never dropped."""
+    recipe = gpu_recipe(TREE_RECIPE, release)
+    if release in ("1.1", "1.2"):
+        with pytest.raises(ConfigError, match=f"use_dynamic_tree is not verified for TensorRT-LLM {release}"):
+            spec_of(recipe, tmp_path)
+        return
+    spec = spec_of(recipe, tmp_path)
+    assert {k: spec[k] for k in ("use_dynamic_tree", "dynamic_tree_max_topK", "max_total_draft_tokens",
+                                 "max_draft_len")} == {"use_dynamic_tree": True, "dynamic_tree_max_topK": 4,
+                                                       "max_total_draft_tokens": 8, "max_draft_len": 3}  # fmt: skip
+    assert [v for rule in SPEC_RULES for v in rule(spec, release)] == []
+    dockerfile = packaging.dockerfile(recipe, packaging.base_image(recipe), Layout.of(recipe, tmp_path))
+    assert f"FROM {recipe.image}\n" in dockerfile and rule_image(dockerfile, release) == []
+    assert yaml.safe_load((BUILD / TREE_RECIPE).read_text())["image"] == "registry.example.com/tritonserver-trtllm:1.4.0"
+
+
+def _tree(**tree):
+    return {"kind": "eagle3", "head": "/models/head", "max_draft_len": 3, "tree": tree}
+
+
+@pytest.mark.parametrize(("tree", "message"), [
+    ({"max_topk": 4, "max_total_draft_tokens": 2}, r"max_total_draft_tokens' is 2, outside \[3, 12\]"),
+    ({"max_topk": 2, "max_total_draft_tokens": 7}, r"max_total_draft_tokens' is 7, outside \[3, 6\]"),
+    ({"max_topk": 0, "max_total_draft_tokens": 3}, "max_topk' is 0, must be >= 1"),
+])
+def test_a_tree_outside_its_bounds_is_refused(tree, message):
+    with pytest.raises(ConfigError, match=message):
+        gpu_recipe(TREE_RECIPE, "1.4", draft=_tree(**tree))
+    gpu_recipe(TREE_RECIPE, "1.4", draft=_tree(max_topk=2, max_total_draft_tokens=6))  # the bounds themselves pass
+    gpu_recipe(TREE_RECIPE, "1.4", draft=_tree(max_topk=2, max_total_draft_tokens=3))
+
+
+def test_a_tree_with_the_suffix_automaton_or_on_the_cpu_is_refused():
+    with pytest.raises(ConfigError, match="'draft.tree' and 'draft.sa_config' are both set"):
+        gpu_recipe(TREE_RECIPE, "1.4", draft={**_tree(max_topk=4, max_total_draft_tokens=8), "sa_config": {}})
+    raw = yaml.safe_load((BUILD / "smollm2-135m-eagle3.yaml").read_text())
+    raw["draft"]["tree"] = {"max_topk": 2, "max_total_draft_tokens": 6}
+    with pytest.raises(ConfigError, match="0.77-1.02x the chain's speed") as err:
+        parse_recipe(raw)
+    assert "backend trtllm-llmapi" in err.value.hint
+    with pytest.raises(ConfigError, match="'draft.tree' applies to draft.kind eagle3 only"):
+        gpu_recipe("llama3-70b-fp8.yaml", "1.4", draft={"model": "d", "tree": {"max_topk": 2}})
