@@ -60,13 +60,19 @@ class BackendStages:
         return specs
 
     def write_repository(self, recipe, layout, recipe_path: str = "RECIPE", force: bool = False,
-                         executor_factory: str | None = None) -> tuple[Path, bool]:  # fmt: skip
+                         executor_factory: str | None = None,
+                         trtllm_src: Path | None = None) -> tuple[Path, bool]:  # fmt: skip
         """`specdeploy repo`: the recipe's layout, inflight_batcher_llm (the shared models around `engine_models`)
-        or llmapi; returns (path, written). An up-to-date repository is kept."""
+        or llmapi; returns (path, written). An up-to-date repository is kept. trtllm_src: a TensorRT-LLM checkout
+        the GPU llmapi models take model.py and helpers.py from."""
         from specdeploy.triton import llmapi, repository
 
+        if trtllm_src is not None and not (self.backend.gpu and recipe.layout == backends.LLMAPI_LAYOUT):
+            raise ConfigError(f"--trtllm-src is for TensorRT-LLM's llmapi model on a GPU backend; recipe "
+                              f"{recipe.name} uses backend {recipe.backend}, layout {recipe.layout}",
+                              "drop --trtllm-src")  # fmt: skip
         if recipe.layout == backends.LLMAPI_LAYOUT:
-            return llmapi.generate_repository(recipe, layout, recipe_path, force, executor_factory)
+            return llmapi.generate_repository(recipe, layout, recipe_path, force, executor_factory, trtllm_src)
         return repository.generate_layout_repository(recipe, layout, self.engine_models, recipe_path, force,
                                                      executor_factory, finish_models=self.finish_models)  # fmt: skip
 

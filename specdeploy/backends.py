@@ -51,7 +51,9 @@ class Backend:
     external_build: bool  # `build --dry-run` prints the external commands it would run
     tensorrt_engines: bool  # engines come from trtllm-build and load only in the release that built them
     always_batches_in_flight: bool  # its engine models batch in flight whatever triton.inflight_batching says
-    default_image: str | None  # NGC base image the generated Dockerfile installs specdeploy into
+    # NGC base image the generated Dockerfile installs specdeploy into when the recipe names none; None on
+    # trtllm-llmapi, whose recipe's trtllm_version picks it (trtllm_images.image_for), and on cpu (no image)
+    default_image: str | None
     bls_limits: BlsLimits | None  # None: the speculative BLS is not part of this backend's repository
     layouts: tuple[str, ...]  # repository layouts it serves (LAYOUTS), the default first
     preflight_checks: tuple[str, ...]  # names in specdeploy.preflight.CHECKS, run in this order
@@ -110,8 +112,7 @@ CPU = Backend(
     preflight_checks=_COMMON_CHECKS,
 )
 # NGC Triton + TensorRT-LLM images (nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3). 25.03 ships TensorRT-LLM
-# 0.18 with trtllm-build (examples/draft_target_model/README.md); the LLM-API path takes the newest monthly release
-# (Triton release notes 26.10). Which TensorRT-LLM a tag carries is checked when the image is built (packaging.py).
+# 0.18 with trtllm-build (examples/draft_target_model/README.md); which release each tag carries: trtllm_images.
 TRTLLM_ENGINE = Backend(
     name="trtllm-engine",
     summary="TensorRT engines from trtllm-build (TensorRT-LLM <= 1.1) behind Triton's tensorrtllm backend + specdeploy's BLS",
@@ -161,7 +162,7 @@ TRTLLM_LLMAPI = Backend(
     external_build=True,
     tensorrt_engines=False,
     always_batches_in_flight=True,  # the LLM API's scheduler
-    default_image="nvcr.io/nvidia/tritonserver:26.10-trtllm-python-py3",
+    default_image=None,  # the recipe's trtllm_version picks it (trtllm_images.recipe_image)
     bls_limits=None,
     layouts=(LLMAPI_LAYOUT,),
     preflight_checks=(*_COMMON_CHECKS, "fp8", "kv_cache", "memory", "llmapi"),

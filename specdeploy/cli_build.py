@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import click
 
@@ -110,13 +111,17 @@ def build(ctx, recipe, force, dry_run):
 @click.command("repo")
 @RECIPE
 @click.option("--force", is_flag=True, help="Regenerate even when the repository is up to date.")
+@click.option("--trtllm-src", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="trtllm-llmapi: a TensorRT-LLM checkout of the image's release to copy the llmapi model's model.py "
+                   "and helpers.py from (without it the container copies the image's own when it starts).")
 @pass_ctx
 @handle_errors
-def repo(ctx, recipe, force):
+def repo(ctx, recipe, force, trtllm_src):
     """Generate the Triton model repository (triton_repo/<recipe>/) wiring the draft and target engines."""
     from specdeploy import backend_stages
 
     r = ctx.recipe(recipe)
     with ctx.locked(r, recipe):
-        path, written = backend_stages.of(r).write_repository(r, ctx.layout(r), recipe_path=recipe, force=force)
+        path, written = backend_stages.of(r).write_repository(r, ctx.layout(r), recipe_path=recipe, force=force,
+                                                              trtllm_src=trtllm_src)  # fmt: skip
     click.echo(f"{'wrote' if written else 'up to date:'} {path}")

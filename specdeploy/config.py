@@ -179,6 +179,16 @@ class SAConfig:
 
 
 @dataclass(frozen=True)
+class TreeConfig:
+    """draft.tree (kind eagle3): a dynamic draft tree, TensorRT-LLM's Eagle3DecodingConfig use_dynamic_tree with
+    dynamic_tree_max_topK (children kept per node) and max_total_draft_tokens (nodes verified a round); GPU only
+    (the cpu backend refuses it: docs/gpu.md)."""
+
+    max_topk: int = 0
+    max_total_draft_tokens: int = 0
+
+
+@dataclass(frozen=True)
 class DraftConfig(ModelConfig):
     """The draft: a model (quantized and built like the target) or `ngram` (prompt lookup over the request's own
     tokens, no weights). The n-gram keys are TensorRT-LLM's NGramDecodingConfig fields; null means its default
@@ -208,6 +218,8 @@ class DraftConfig(ModelConfig):
     # Eagle3DecodingConfig.sa_config): where the longest suffix of the sequence that occurred earlier is at least
     # sa_config.threshold tokens long, what followed it is the round's draft. null: off.
     sa_config: SAConfig | None = None
+    # kind eagle3, GPU backends: verify a dynamic tree of drafts a round instead of one chain. null: a chain.
+    tree: TreeConfig | None = None
     data: Eagle3DataConfig = field(default_factory=Eagle3DataConfig)
     train: Eagle3TrainConfig = field(default_factory=Eagle3TrainConfig)
 
@@ -346,6 +358,9 @@ class Recipe:
     # The TensorRT-LLM release the GPU backends target (trtllm.LLMAPI_VERSIONS): the LLM-API option names and
     # meanings follow it, and the packaging checks the image carries it.
     trtllm_version: str = "1.2"
+    # GPU backends: the image the deployment runs in. auto: the newest NGC Triton image carrying trtllm_version
+    # (trtllm-llmapi) or the backend's default (trtllm-engine); a named NGC image must carry it (trtllm_images).
+    image: str = "auto"
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     triton: TritonConfig = field(default_factory=TritonConfig)

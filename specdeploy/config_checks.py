@@ -97,6 +97,8 @@ def _check(r: Recipe) -> None:
     _at_least("triton.bls_instance_count", t.bls_instance_count, 0)
     _at_least("triton.request_timeout_s", t.request_timeout_s, 0)
     _check_layout(r)
+    _check_image(r)
+    _check_draft_mapping(r)
     v = r.validation
     _at_least("validation.max_tokens", v.max_tokens, 1)
     if v.max_tokens >= e.max_seq_len:
@@ -190,6 +192,37 @@ def _check_layout(r: Recipe) -> None:
         )
 
 
+def _check_image(r: Recipe) -> None:
+    """The image a GPU recipe runs in carries its TensorRT-LLM (trtllm_images); the cpu backend runs in none."""
+    from specdeploy import trtllm_images
+
+    backend = _backends.get(r.backend)
+    if not backend.gpu:
+        if r.image != "auto":
+            raise ConfigError(f"key 'image' is {r.image!r}, but backend {r.backend} runs no container image",
+                              "remove it (auto), or use a GPU backend")  # fmt: skip
+        return
+    if backend.tensorrt_engines:  # the engines' release is known once built: packaging checks it against the image
+        if r.image != "auto":
+            trtllm_images.image_trtllm(r.image)
+        return
+    trtllm_images.recipe_image(r)
+
+
+def _check_draft_mapping(r: Recipe) -> None:
+    """trtllm-llmapi: the draft runs in the LLM's own mapping (no speculative config of any release has a tp/pp field,
+    docs/gpu.md "What is settled"), so a draft tp_size / pp_size of its own is refused rather than dropped."""
+    backend = _backends.get(r.backend)
+    d, t = r.draft, r.target
+    if not backend.gpu or backend.tensorrt_engines or not d.has_weights_of_its_own:
+        return
+    if (d.tp_size, d.pp_size) not in ((1, 1), (t.tp_size, t.pp_size)):
+        raise ConfigError(f"keys 'draft.tp_size' / 'draft.pp_size' are {d.tp_size} / {d.pp_size}, but on backend "
+                          f"{r.backend} the draft runs in the target's mapping ({t.tp_size} / {t.pp_size}): "
+                          "TensorRT-LLM's speculative_config has no mapping of its own",
+                          "remove draft.tp_size and draft.pp_size, or use backend trtllm-engine")  # fmt: skip
+
+
 def _check_operations(r: Recipe) -> None:
     if r.cost.machine_price_per_hour < 0:
         raise ConfigError(f"key 'cost.machine_price_per_hour' is {r.cost.machine_price_per_hour}, must be >= 0", "0 leaves cost out of the report")
@@ -263,7 +296,8 @@ def _check_draft_kind(r: Recipe) -> None:
     d = r.draft
     _choice("draft.kind", d.kind, DRAFT_KINDS)
     if not d.is_eagle3:
-        defaults = {"head": "", "head_weights": "auto", "serve_vocab_size": 0, "sa_config": None, "data": Eagle3DataConfig(), "train": Eagle3TrainConfig()}
+        defaults = {"head": "", "head_weights": "auto", "serve_vocab_size": 0, "sa_config": None, "tree": None,
+                    "data": Eagle3DataConfig(), "train": Eagle3TrainConfig()}  # fmt: skip
         for key, default in defaults.items():
             if getattr(d, key) != default:
                 raise ConfigError(f"key 'draft.{key}' applies to draft.kind eagle3 only", "remove it, or set draft.kind: eagle3")
@@ -337,6 +371,8 @@ def _check_eagle3(r: Recipe) -> None:
         if d.sa_config.enable_global_pool and not backend.gpu:
             raise ConfigError("key 'draft.sa_config.enable_global_pool' is true, but the CPU engine looks up each "
                               "request's own tokens only", "remove it (false), or use backend trtllm-llmapi")  # fmt: skip
+    if d.tree is not None:
+        _check_tree(r, backend)
     if d.head_weights == "int8" and backend.gpu:
         raise ConfigError(f"key 'draft.head_weights' is int8 on backend {r.backend}, but only the CPU engine quantizes the "
                           "head: TensorRT-LLM loads the EAGLE-3 checkpoint as exported (Eagle3DecodingConfig's "
@@ -351,10 +387,8 @@ def _check_eagle3(r: Recipe) -> None:
         raise ConfigError(f"draft.kind eagle3 is not wired for backend {r.backend}: {backend.no_eagle3_because}",
                           f"use backend {able} (trtllm-llmapi: decoding_type Eagle3 with the same head folder), "
                           "or draft.kind model on this backend")  # fmt: skip
-    if r.speculative.use_draft_logits and backend.gpu:
-        raise ConfigError(f"key 'speculative.use_draft_logits' is true, but TensorRT-LLM's EAGLE-3 on backend {r.backend} "
-                          "has no rejection sampling on the head's logits",
-                          "set use_draft_logits: false (greedy requests are verified token by token)")  # fmt: skip
+    # speculative.use_draft_logits on a GPU: use_rejection_sampling where the recipe's TensorRT-LLM release has it
+    # (llmapi_options refuses it elsewhere, naming the releases that have it)
     t = d.train
     _choice("draft.train.export_dtype", t.export_dtype, EAGLE3_EXPORT_DTYPES)
     _choice("draft.train.precision", t.precision, EAGLE3_TRAIN_PRECISIONS)
@@ -378,6 +412,28 @@ def _check_eagle3(r: Recipe) -> None:
     _at_least("draft.train.ttt_steps", t.ttt_steps, 1)
     _at_least("draft.data.num_prompts", d.data.num_prompts, 1)
     _at_least("draft.data.samples_per_prompt", d.data.samples_per_prompt, 1)
+
+
+def _check_tree(r: Recipe, backend) -> None:
+    """draft.tree: TensorRT-LLM's EAGLE-3 dynamic tree. Its nodes start at one per layer (model_drafter.py asserts
+    max_draft_len <= max_total_draft_tokens) and keep at most max_topk per layer; the suffix automaton builds no state
+    for a tree (llmapi_versions.py); the CPU engine verifies chains only."""
+    tree, d = r.draft.tree, r.draft
+    depth = d.max_draft_len if d.max_draft_len is not None else r.speculative.num_draft_tokens
+    if not backend.gpu:
+        raise ConfigError(
+            f"key 'draft.tree' is set on backend {r.backend}: a tree pass over several draft rows costs more than the "
+            "tokens it adds on a CPU (the shipped head's 5-8 node trees measured 0.77-1.02x the chain's speed, "
+            "docs/gpu.md)", "remove draft.tree (a chain), or use backend trtllm-llmapi")
+    _at_least("draft.tree.max_topk", tree.max_topk, 1)
+    if not depth <= tree.max_total_draft_tokens <= tree.max_topk * depth:
+        raise ConfigError(f"key 'draft.tree.max_total_draft_tokens' is {tree.max_total_draft_tokens}, outside "
+                          f"[{depth}, {tree.max_topk * depth}]: a tree of {depth} layers (the draft length) has at "
+                          f"least one node a layer and at most max_topk ({tree.max_topk})",
+                          f"set it between {depth} and {tree.max_topk * depth}")  # fmt: skip
+    if d.sa_config is not None:
+        raise ConfigError("keys 'draft.tree' and 'draft.sa_config' are both set, but TensorRT-LLM builds no suffix "
+                          "automaton for a dynamic tree", "remove one of them")  # fmt: skip
 
 
 def _check_draft_p_min(r: Recipe) -> None:

@@ -16,7 +16,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from specdeploy import backends, packaging
+from specdeploy import packaging
 from specdeploy.artifacts import Layout
 from specdeploy.config import Recipe
 from specdeploy.errors import ServerError
@@ -27,12 +27,13 @@ def print_lines(recipe: Recipe, layout: Layout, image: str | None = None, triton
     plan = launch_plan(recipe, layout, tritonserver)
     lines = [f"# launch ({plan.mode}, {plan.gpus} GPU(s)):", plan.command_line,
              f"# the same in a container: build the image ({packaging.image_context(layout)}/Dockerfile installs "
-             f"specdeploy into {backends.of(recipe).default_image}), then run it:",
+             f"specdeploy into {packaging.base_image(recipe, image)}), then run it:",
              shlex.join(packaging.build_command(recipe, layout)),
              shlex.join(docker_command(plan, recipe, layout))]  # fmt: skip
     if plan.mode == "llmapi":
-        lines.append("# the llmapi models need model.py and helpers.py from TensorRT-LLM triton_backend/all_models/llmapi/"
-                     "tensorrt_llm/1/ in triton_repo/<recipe>/tensorrt_llm{,_control}/1/")  # fmt: skip
+        lines.append("# the container copies the image's TensorRT-LLM llmapi model.py and helpers.py into the "
+                     "repository as it starts; the launch outside it needs them there: specdeploy repo RECIPE "
+                     "--trtllm-src <TensorRT-LLM checkout>")  # fmt: skip
     return lines
 
 
@@ -56,6 +57,7 @@ def start(recipe: Recipe, layout: Layout, tritonserver: str | None = None, log_p
             "run inside the image (see the docker commands from specdeploy serve --print-only), or pass --server-binary",
         )
     plan = launch_plan(recipe, layout, exe)
+    _require_llmapi_files(plan, layout)
     if plan.command[0] == "mpirun" and shutil.which("mpirun") is None:
         raise ServerError("mpirun is not on PATH but the orchestrator launch (TP/PP > 1) runs under it", "install OpenMPI or use the NGC image")
     log_path = Path(log_path or Path(layout.server_state) / server.LOG_FILE)
@@ -87,6 +89,19 @@ def start(recipe: Recipe, layout: Layout, tritonserver: str | None = None, log_p
         server.stop_pid(proc.pid, process=proc)
     tail = log_path.read_text(errors="replace").splitlines()[-30:] if log_path.is_file() else []
     raise ServerError("tritonserver did not become ready; last log lines:\n" + "\n".join(tail), f"full log: {log_path}")
+
+
+def _require_llmapi_files(plan, layout: Layout) -> None:
+    """TensorRT-LLM's llmapi models load only with its model.py and helpers.py, which a start outside the image's
+    container (launch_command.container_command copies them there) must find in the repository."""
+    from specdeploy.triton import llmapi, llmapi_upstream
+
+    missing = llmapi_upstream.repository_missing(Path(layout.repo), llmapi.MODELS) if plan.mode == "llmapi" else []
+    if missing:
+        raise ServerError(f"the repository {layout.repo} lacks TensorRT-LLM's llmapi model files: {', '.join(missing)}",
+                          "copy them from a TensorRT-LLM checkout of this machine's release: specdeploy repo RECIPE "
+                          "--trtllm-src <checkout>; or start in the image (specdeploy serve --print-only prints the "
+                          "docker run that copies the image's own)")  # fmt: skip
 
 
 def server_state(recipe: Recipe, layout: Layout, proc: subprocess.Popen, log_path: Path):

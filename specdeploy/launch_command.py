@@ -11,7 +11,8 @@ The launch follows tensorrtllm_backend's `scripts/launch_triton_server.py`:
   :158-164 mpirun -n 1 per rank, :217-221 the environment and "World size must be 1 when using multi-model").
   Its "leader mode" (every rank loads every model) serves one TensorRT-LLM model per deployment, not a
   draft/target pair, so it is not used here.
-- `trtllm-llmapi`: one tritonserver; LLM(...) inside the llmapi model starts its own TP/PP workers.
+- `trtllm-llmapi`: one tritonserver (under `mpirun -n 1` when TP x PP > 1, as NVIDIA's launcher); LLM(...) inside
+  the llmapi model starts its own TP/PP workers.
 
 Nothing here needs a GPU to produce commands.
 """
@@ -98,7 +99,14 @@ def _launch_plan(recipe: Recipe, layout: Layout, tritonserver: str, mode: str) -
         from specdeploy.triton import llmapi
 
         args = [*_server_args(repo, ports, 0, auto_complete=True), *llmapi.server_args(recipe)]
-        return LaunchPlan("llmapi", [tritonserver, *args], gpus=target_ranks)
+        # NVIDIA's llmapi launch (tensorrtllm_backend@0b9d7d5 docs/llmapi.md: launch_triton_server.py with its default
+        # --world_size 1) runs one tritonserver under `mpirun -n 1` unless --no-mpi, which it allows at world size 1
+        # only (NVIDIA/TensorRT-LLM@0a2e2c1 triton_backend/scripts/launch_triton_server.py get_cmd); model.py
+        # (@044a90d) hands LLM(...) the MPI world only when it is larger than 1. So: mpirun -n 1 when TP x PP > 1.
+        command = [tritonserver, *args]
+        if target_ranks > 1:
+            command = ["mpirun", "--allow-run-as-root", "-n", "1", *command]
+        return LaunchPlan("llmapi", command, gpus=target_ranks)
     if mode == "auto":
         mode = "single" if gpus == 1 else "orchestrator"
     if mode == "single":
@@ -118,6 +126,19 @@ def container_env(plan: LaunchPlan) -> dict[str, str]:
     return {k: v for k, v in plan.env.items() if k != "SPECDEPLOY_SITE"}
 
 
+def container_command(plan: LaunchPlan, layout: Layout) -> list[str]:
+    """The launch inside the image. The llmapi models first get the image's own TensorRT-LLM model.py and helpers.py
+    (staged at its build, triton.llmapi_upstream), so the repository runs the Python of the release it is served by."""
+    if plan.mode != "llmapi":
+        return plan.command
+    from specdeploy.triton import llmapi, llmapi_upstream
+
+    staged = [f"{llmapi_upstream.STAGED_DIR}/{f}" for f in llmapi_upstream.UPSTREAM_FILES]
+    repo = Path(layout.repo).resolve()
+    copies = " && ".join(shlex.join(["cp", *staged, f"{repo / model / '1'}/"]) for model in llmapi.MODELS)
+    return ["sh", "-c", f'{copies} && exec "$@"', "specdeploy-llmapi", *plan.command]
+
+
 def docker_command(plan: LaunchPlan, recipe: Recipe, layout: Layout, image: str | None = None) -> list[str]:
     """The same launch inside the image `docker build` makes from packaging.write_context (the NGC TensorRT-LLM
     Triton image with specdeploy installed); the project root is mounted at its own path so the engine paths
@@ -131,4 +152,4 @@ def docker_command(plan: LaunchPlan, recipe: Recipe, layout: Layout, image: str 
     cmd += ["-v", f"{root}:{root}", "-w", root]
     for key, value in container_env(plan).items():
         cmd += ["-e", f"{key}={value}"]
-    return cmd + [image or packaging.image_tag(recipe, layout), *plan.command]
+    return cmd + [image or packaging.image_tag(recipe, layout), *container_command(plan, layout)]

@@ -13,7 +13,7 @@ import yaml
 from specdeploy import backends, packaging
 from specdeploy.artifacts import Layout
 from specdeploy.config import Recipe
-from specdeploy.launch_command import TRITONSERVER, LaunchPlan, _ports, container_env, launch_plan
+from specdeploy.launch_command import TRITONSERVER, LaunchPlan, _ports, container_command, container_env, launch_plan
 
 # Triton's Prometheus counter of cumulative queue time; an adapter rule turns it into a per-second rate.
 HPA_METRIC = "nv_inference_queue_duration_us"
@@ -65,7 +65,7 @@ def _k8s_container(recipe: Recipe, layout: Layout, plan: LaunchPlan, ports: dict
     return {
         "name": "tritonserver",
         "image": image or packaging.image_tag(recipe, layout),  # pushed to a registry the cluster pulls from
-        "command": plan.command,
+        "command": container_command(plan, layout),
         "env": [{"name": k, "value": v} for k, v in container_env(plan).items()],
         "ports": [{"name": n, "containerPort": p} for n, p in ports.items()],
         "resources": {

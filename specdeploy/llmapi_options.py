@@ -11,7 +11,7 @@ from specdeploy import backends
 from specdeploy.artifacts import Layout
 from specdeploy.config import Recipe
 from specdeploy.errors import ConfigError
-from specdeploy.llmapi_versions import LlmApiVersion, llmapi_version
+from specdeploy.llmapi_versions import LLMAPI_VERSIONS, LlmApiVersion, llmapi_version
 from specdeploy.trtllm_engine import engine_max_input_len
 
 def _draft_len_schedule(schedule: tuple, form: str) -> dict[int, int]:
@@ -95,6 +95,12 @@ def _eagle3_options(recipe: Recipe, version: LlmApiVersion, head_dir: Path, head
             raise ConfigError(f"key 'draft.sa_config' is set, but Eagle3DecodingConfig.sa_config is not verified for "
                               f"TensorRT-LLM {version.name}", "use trtllm_version 1.3 or later, or remove draft.sa_config")  # fmt: skip
         spec["sa_config"] = {"threshold": sa.threshold, "enable_global_pool": sa.enable_global_pool}
+    if d.tree is not None:
+        if "use_dynamic_tree" not in version.eagle3_fields:
+            raise ConfigError(f"key 'draft.tree' is set, but use_dynamic_tree is not verified for TensorRT-LLM "
+                              f"{version.name}", "use trtllm_version 1.3 or later, or remove draft.tree")  # fmt: skip
+        spec.update(use_dynamic_tree=True, dynamic_tree_max_topK=d.tree.max_topk,
+                    max_total_draft_tokens=d.tree.max_total_draft_tokens)
     return spec
 
 
@@ -105,17 +111,12 @@ def speculative_options(recipe: Recipe, version: LlmApiVersion, draft_dir: Path,
     - speculative.num_draft_tokens -> max_draft_len: the LLM API drafts max_draft_len tokens every iteration (it
       has no separate per-request count), so the tokens drafted per round set it; speculative.max_draft_len only
       bounds num_draft_tokens (there is no engine to build it into).
-    - speculative.use_draft_logits -> refused: DraftTarget verifies greedy requests token by token and has no
-      switch for rejection sampling on the draft's logits.
+    - speculative.use_draft_logits -> use_rejection_sampling where the release's decoding type takes it
+      (LlmApiVersion.rejection_sampling), refused where it does not.
     """
     s = recipe.speculative
     if s.use_draft_logits:
-        raise ConfigError(
-            f"speculative.use_draft_logits is true, but TensorRT-LLM {version.name}'s LLM API (decoding_type "
-            f"{version.decoding_types[kind]}) has no option for rejection sampling on the draft's logits",
-            "set use_draft_logits: false for backend trtllm-llmapi, or use backend trtllm-engine (its BLS passes "
-            "draft_logits)",
-        )
+        _check_rejection_sampling(recipe, version, kind)
     spec = {
         "decoding_type": version.decoding_types[kind],
         "max_draft_len": s.num_draft_tokens,
@@ -128,9 +129,29 @@ def speculative_options(recipe: Recipe, version: LlmApiVersion, draft_dir: Path,
 
         settings = settings_from_recipe(recipe)
         spec = {"decoding_type": version.decoding_types[kind], **{f: getattr(settings, f) for f in TRTLLM_FIELDS}}
+    if s.use_draft_logits:
+        spec["use_rejection_sampling"] = True
     if s.dynamic is None:
         return spec
     return _with_dynamic(spec, s.dynamic, version)
+
+
+def _check_rejection_sampling(recipe: Recipe, version: LlmApiVersion, kind: str) -> None:
+    """speculative.use_draft_logits: refused where the release's decoding type has no use_rejection_sampling, and
+    beside draft.sa_config, whose suffix-automaton drafts carry no draft distribution to sample against."""
+    decoding_type = version.decoding_types[kind]
+    if kind not in version.rejection_sampling:
+        able = [v.name for v in LLMAPI_VERSIONS.values() if kind in v.rejection_sampling]
+        raise ConfigError(
+            f"speculative.use_draft_logits is true, but TensorRT-LLM {version.name}'s {decoding_type} config has no "
+            f"use_rejection_sampling ({version.rejection_sampling_evidence})",
+            (f"set trtllm_version to {' or '.join(able)} (their {decoding_type} takes use_rejection_sampling), or "
+             if able else "") + "set use_draft_logits: false (greedy requests are verified token by token)",
+        )
+    if recipe.draft.sa_config is not None:
+        raise ConfigError("speculative.use_draft_logits and draft.sa_config are both set: tokens the suffix automaton "
+                          "drafts have no draft probability for rejection sampling",
+                          "remove one of them")  # fmt: skip
 
 
 def _with_dynamic(spec: dict, d, version: LlmApiVersion) -> dict:
@@ -170,8 +191,8 @@ def llmapi_options(recipe: Recipe, layout: Layout, version: LlmApiVersion | None
 
     Names follow the recipe's trtllm_version (LLMAPI_VERSIONS). Top-level keys, stable across the supported
     releases (llm_args.py): `kv_cache_config.{free_gpu_memory_fraction, enable_block_reuse, dtype}`,
-    `max_batch_size`, `max_input_len`, `max_seq_len`, `tensor_parallel_size`, `pipeline_parallel_size`. The
-    quick start runs Draft/Target with `disable_overlap_scheduler=True`. `draft_dir`: the draft model (default: the
+    `max_batch_size`, `max_input_len`, `max_seq_len`, `tensor_parallel_size`,
+    `pipeline_parallel_size`. `draft_dir`: the draft model (default: the
     draft checkpoint; the cpu backend's llmapi layout names the draft engine).
     """
     version = version or llmapi_version(recipe.trtllm_version)
@@ -183,7 +204,10 @@ def llmapi_options(recipe: Recipe, layout: Layout, version: LlmApiVersion | None
         "max_batch_size": e.max_batch_size,
         "max_input_len": engine_max_input_len(recipe),  # the speculative flow resends prompt + output
         "max_seq_len": e.max_seq_len,
-        "disable_overlap_scheduler": True,
+        # NVIDIA's quick start runs Draft/Target and NGram without the overlap scheduler; EAGLE-3 one-model keeps it
+        # (NVIDIA/TensorRT-LLM@b35ac1b tensorrt_llm/_torch/speculative/interface.py support_overlap_scheduler:
+        # eagle3_one_model in every version of it read, draft models only in the newest)
+        "disable_overlap_scheduler": not recipe.draft.is_eagle3,
         "kv_cache_config": {
             "free_gpu_memory_fraction": e.kv_cache_free_gpu_mem_fraction,
             # NVIDIA's own DraftTarget tests run with block reuse off, before and after the speculative_model

@@ -51,9 +51,17 @@ from specdeploy.errors import ConfigError
 #     get_spec_resource_manager; two-model and dynamic-tree EAGLE-3 build no SA state). Before (PR #11878, merged
 #     2026-03, "Integrate SA with EAGLE3 and PARD") main spelled it `use_sa_spec` / `sa_spec_threshold`; no release
 #     page seen lists those, so specdeploy writes sa_config and only where a release page shows it.
+#   use_dynamic_tree (draft.tree): the 1.3.0rc27, 1.4.0rc1 and 1.4.0rc4 Eagle3DecodingConfig pages list
+#     `use_dynamic_tree: bool | None = False`, `dynamic_tree_max_topK: int | None`, and DecodingBaseConfig's
+#     `max_total_draft_tokens: int | None`; 1.1.0's and 1.2.0's fields were not read for them, so they are refused.
 #   eagle3_layers_to_capture means "Target model layer indices to capture hidden states from ... Defaults to {1,
 #   num_layers//2-1, num_layers-4}" in every one of them: the convention of ModelOpt's exported
 #   `eagle_aux_hidden_state_layer_ids`, written through unchanged when the head's config.json names them.
+# - use_rejection_sampling (speculative.use_draft_logits): a DecodingBaseConfig field, `use_rejection_sampling: bool =
+#   False`, on the 1.3.0rc27, 1.4.0rc1 and 1.4.0rc4 API pages (llm-api/reference/Eagle3DecodingConfig.html and every
+#   other *DecodingConfig page). PR #12588 (merged 2026-05-15) added it for EAGLE-3 one-model, PR #15775 (2026-07)
+#   extended it to one-model MTP / DRAFT_TARGET / PARD / DFLASH. 1.1.0's and 1.2.0's DecodingBaseConfig (read as
+#   above) have no such field, and a StrictBaseModel rejects the key. n-gram drafts have no distribution to sample.
 # Release lines from PyPI upload dates: 1.1.0 2025-12-19, 1.2.0 2026-03-12 (branch: rc6 2025-12-23),
 # 1.3.0rc0 2026-01-22 ... rc22 2026-07-22, 1.4.0rc0 2026-10-13. The 1.3.0 release candidates before rc22 straddle
 # PRs #10860 and #12905, so specdeploy names no options for them rather than guess.
@@ -73,6 +81,9 @@ class LlmApiVersion:
     evidence: str
     eagle3_fields: tuple[str, ...] = ()  # EAGLE-3 fields verified in this release's llm_args.py (beyond max_draft_len)
     eagle3_evidence: str = ""
+    # decoding types (keys of decoding_types) whose config takes use_rejection_sampling in this release
+    rejection_sampling: tuple[str, ...] = ()
+    rejection_sampling_evidence: str = "no use_rejection_sampling in this release's DecodingBaseConfig"
 
 
 LLMAPI_VERSIONS = {
@@ -111,9 +122,12 @@ LLMAPI_VERSIONS = {
         draft_len_schedule="upper",
         acceptance_keys=("acceptance_rate_window_size", "acceptance_rate_threshold"), acceptance_measure="rate",
         evidence="decoding_type Literal['Draft_Target']; PR #10099, #10860 and #12905 merged",
-        eagle3_fields=("eagle3_layers_to_capture", "sa_config"),
+        eagle3_fields=("eagle3_layers_to_capture", "sa_config", "use_dynamic_tree"),
         eagle3_evidence="1.3.0rc27 API page Eagle3DecodingConfig: Literal['Eagle3'], speculative_model, "
                         "eagle3_layers_to_capture, sa_config (no eagle3_one_model listed)",
+        rejection_sampling=("eagle3", "draft_target"),
+        rejection_sampling_evidence="1.3.0rc27 API pages: DecodingBaseConfig.use_rejection_sampling; PR #12588 "
+                                    "(EAGLE-3 one-model), PR #15775 (DRAFT_TARGET one-model)",
     ),
     "1.4": LlmApiVersion(
         name="1.4", releases="1.4.x",
@@ -122,9 +136,12 @@ LLMAPI_VERSIONS = {
         draft_len_schedule="upper",
         acceptance_keys=("acceptance_rate_window_size", "acceptance_rate_threshold"), acceptance_measure="rate",
         evidence="as 1.3 (main after PR #12905)",
-        eagle3_fields=("eagle3_layers_to_capture", "sa_config"),
+        eagle3_fields=("eagle3_layers_to_capture", "sa_config", "use_dynamic_tree"),
         eagle3_evidence="1.4.0rc1 API page Eagle3DecodingConfig: Literal['Eagle3'], speculative_model, "
                         "eagle3_layers_to_capture, sa_config (no eagle3_one_model listed)",
+        rejection_sampling=("eagle3", "draft_target"),
+        rejection_sampling_evidence="1.4.0rc1 and 1.4.0rc4 API pages: DecodingBaseConfig.use_rejection_sampling; "
+                                    "PR #12588 (EAGLE-3 one-model), PR #15775 (DRAFT_TARGET one-model)",
     ),
 }  # fmt: skip
 

@@ -33,6 +33,7 @@ LAYER_OF = {
     "config": "core",  # the recipe's sections as frozen dataclasses, every default and choice
     "config_checks": "core",  # the checks across a recipe's keys
     "config_loader": "core",  # YAML -> Recipe: unknown keys, types, then config_checks
+    "trtllm_images": "core",  # which TensorRT-LLM each NGC Triton image carries; the image a GPU recipe runs in
     "artifacts": "core",
     "cost": "core",
     "durations": "core",  # how long something takes, for a person
@@ -104,6 +105,7 @@ LAYER_OF = {
     "triton.layout_models": "stages",  # the layout's models as ModelSpecs
     "triton.repository": "stages",
     "triton.gpu_models": "stages",
+    "triton.llmapi_upstream": "stages",  # TensorRT-LLM's llmapi model.py/helpers.py: from the image or a checkout
     "triton.llmapi": "stages",
     "triton.shm": "stages",
     "triton.install": "stages",

@@ -84,7 +84,8 @@ def test_every_backend_answers_every_question():
         assert set(b.qformats) <= set(config.QFORMATS) and "full_prec" in b.qformats
         assert set(b.preflight_checks) <= set(preflight.CHECKS), b.name
         assert b.checkpoint_format in ("trtllm", "hf")
-        assert b.gpu == (b.default_image is not None)
+        # the engine backend's default image; trtllm-llmapi's follows the recipe's trtllm_version (trtllm_images)
+        assert (b.default_image is not None) == b.tensorrt_engines
     # every check is used by some backend, and the GPU-only checks by GPU backends only
     assert set(preflight.CHECKS) == {c for b in backends.ALL for c in b.preflight_checks}
     assert not {"fp8", "memory", "llmapi", "bls"} & set(backends.CPU.preflight_checks)

@@ -70,6 +70,10 @@ def test_llmapi_keeps_auto_complete(tmp_path):
     plan = launch.launch_plan(r, Layout.of(r, tmp_path))
     assert plan.mode == "llmapi" and plan.gpus == 2 and plan.env == {}  # no specdeploy models inside
     assert "--disable-auto-complete-config" not in plan.command
+    # TP > 1: one tritonserver under `mpirun -n 1`, as NVIDIA's launch_triton_server.py (world size 1, MPI on)
+    assert plan.command[:5] == ["mpirun", "--allow-run-as-root", "-n", "1", NGC_TRITONSERVER]
+    single = recipe(backend="trtllm-llmapi")
+    assert launch.launch_plan(single, Layout.of(single, tmp_path)).command[0] == NGC_TRITONSERVER  # its --no-mpi
 
 
 def test_cpu_backend_has_no_gpu_plan(tmp_path):
@@ -167,11 +171,12 @@ def test_cli_serve_print_k8s_for_gpu_recipe(tmp_path):
 
 def test_dockerfile_installs_specdeploy_into_the_ngc_image_without_its_deps(tmp_path):
     r = parse_recipe({"name": "pkg", "backend": "trtllm-llmapi", "trtllm_version": "1.3.0rc24",
+                      "image": "registry.example.com/triton-trtllm:1.3.0rc24",  # no NGC image carries 1.3
                       "target": {"model": "t"}, "draft": {"model": "d"}})  # fmt: skip
     layout = Layout.of(r, tmp_path)
-    context = packaging.write_context(r, layout, "nvcr.io/nvidia/tritonserver:26.10-trtllm-python-py3")
+    context = packaging.write_context(r, layout)
     text = (context / "Dockerfile").read_text()
-    assert "\nFROM nvcr.io/nvidia/tritonserver:26.10-trtllm-python-py3\n" in text
+    assert "\nFROM registry.example.com/triton-trtllm:1.3.0rc24\n" in text
     assert "pip install --no-cache-dir --no-deps /opt/specdeploy/src" in text
     assert '"pyyaml==6.0.3"' in text and "torch" not in text.split("--no-deps /opt/specdeploy/src")[1].split("\n")[1]
     src = context / packaging.SOURCE_DIR
@@ -214,7 +219,7 @@ def test_image_build_refuses_another_tensorrt_llm(tmp_path, installed, ok):
 def test_image_build_gate_for_a_release_line_starts_at_its_first_verified_candidate(tmp_path, installed, ok):
     """trtllm_version 1.3 names the options of 1.3.0rc22 and later (trtllm.llmapi_version refuses rc5); the image
     gate must refuse the same candidates, not take any 1.3.0rcN."""
-    r = parse_recipe({"name": "pkg", "backend": "trtllm-llmapi", "trtllm_version": "1.3",
+    r = parse_recipe({"name": "pkg", "backend": "trtllm-llmapi", "trtllm_version": "1.3", "image": "built:1.3",
                       "target": {"model": "t"}, "draft": {"model": "d"}})  # fmt: skip
     done = _run_version_gate(r, installed, tmp_path)
     assert (done.returncode == 0) is ok, done.stderr
@@ -321,7 +326,7 @@ def test_gpu_serve_in_the_foreground_stops_its_server_on_sigterm(standin_server,
 
 def test_engine_image_must_be_a_known_ngc_image_carrying_the_engines_release(tmp_path):
     """The repository names the tensorrt_llm tensors for the release that built the engines; the image written into
-    the Dockerfile must carry that release (gpu_models.IMAGE_TRTLLM), else the build context is refused."""
+    the Dockerfile must carry that release (trtllm_images.IMAGE_TRTLLM), else the build context is refused."""
     from specdeploy.artifacts import Manifest
     from specdeploy.errors import RepoError
 
@@ -334,8 +339,8 @@ def test_engine_image_must_be_a_known_ngc_image_carrying_the_engines_release(tmp
     assert "FROM nvcr.io/nvidia/tritonserver:25.03-trtllm-python-py3" in (context / "Dockerfile").read_text()
     with pytest.raises(RepoError, match="carries TensorRT-LLM 0.17.0, the engines were built with 0.18.0") as err:
         packaging.write_context(r, layout, "nvcr.io/nvidia/tritonserver:25.01-trtllm-python-py3")
-    assert "25.03-trtllm-python-py3" in err.value.hint
-    with pytest.raises(RepoError, match="not an NGC Triton TensorRT-LLM image"):
+    assert "25.04-trtllm-python-py3" in err.value.hint  # the newest image of the 0.18 line
+    with pytest.raises(ConfigError, match="not an NGC Triton TensorRT-LLM image"):
         packaging.write_context(r, layout, "example.com/mine:latest")
 
 

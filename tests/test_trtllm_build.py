@@ -230,14 +230,16 @@ def test_gpu_recipe_file_loads_and_dry_runs(tmp_path, monkeypatch):
 def test_the_default_gpu_example_is_the_llm_api_on_a_current_image(tmp_path, monkeypatch):
     """TensorRT-LLM removed the TensorRT engine path on main (docs/source/legacy/tensorrt-backend-removal.md): the
     GPU example without a qualifier is the LLM-API recipe; the engine recipe says so in its name."""
-    from specdeploy import backends
     from specdeploy.config_loader import load_recipe
 
     monkeypatch.setattr(trtllm.gpu_probe, "probe", lambda timeout_s=10.0: [])
     build = Path(__file__).parent.parent / "build"
     default, engine = load_recipe(build / "llama3-70b-fp8.yaml"), load_recipe(build / "llama3-70b-fp8-engine.yaml")
     assert default.backend == "trtllm-llmapi" and engine.backend == "trtllm-engine" and engine.name.endswith("-engine")
-    assert backends.of(default).default_image == backends.TRTLLM_LLMAPI.default_image
+    from specdeploy import packaging
+
+    # the recipe's release (1.2) picks the newest NGC image carrying it (trtllm_images)
+    assert packaging.base_image(default) == "nvcr.io/nvidia/tritonserver:26.07-trtllm-python-py3"
     lines = []
     trtllm.build_llmapi_recipe(default, Layout.of(default, tmp_path), dry_run=True, echo=lines.append)
     text = "\n".join(lines)
@@ -249,7 +251,7 @@ def test_gpu_backends_build_with_trtllm():
 
     gpu = [b for b in backends.ALL if b.gpu]
     assert {b.name for b in gpu} == {"trtllm-engine", "trtllm-llmapi"}
-    assert all(b.external_build and b.default_image for b in gpu)
+    assert all(b.external_build for b in gpu)
 
 
 def test_cli_build_dry_run(tmp_path, monkeypatch):

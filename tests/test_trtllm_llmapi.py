@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 from pathlib import Path
 
@@ -116,9 +118,14 @@ GOLDEN_DYNAMIC = {
 }  # fmt: skip
 
 
+def built_image(version: str) -> str:
+    """An image built with TensorRT-LLM `version` (no NGC image carries 1.3 or 1.4: trtllm_images)."""
+    return f"registry.example.com/tritonserver-trtllm:{version}"
+
+
 def golden_recipe(version, dynamic=None, **speculative):
     return parse_recipe({
-        "name": "golden", "backend": "trtllm-llmapi", "trtllm_version": version,
+        "name": "golden", "backend": "trtllm-llmapi", "trtllm_version": version, "image": built_image(version),
         "target": {"model": "t", "tp_size": 2, "quantization": {"qformat": "fp8", "kv_cache_dtype": "fp8"}},
         "draft": {"model": "d", "quantization": {"qformat": "fp8"}},
         "speculative": {"max_draft_len": 6, "num_draft_tokens": 4, "dynamic": dynamic, **speculative},
@@ -157,10 +164,33 @@ def test_lower_bound_schedule_is_the_upper_bound_one_shifted():
     assert trtllm._draft_len_schedule(((4, 4), (8, 2), (32, 1)), "lower") == {1: 4, 5: 2, 9: 1, 33: 0}
 
 
-def test_draft_logits_are_refused_not_dropped():
-    recipe = golden_recipe("1.4", use_draft_logits=True)
-    with pytest.raises(ConfigError, match="use_draft_logits"):
-        trtllm.llmapi_options(recipe, Layout.of(recipe, "/project"))
+@pytest.mark.parametrize("version", sorted(GOLDEN_DYNAMIC))
+def test_draft_logits_are_rejection_sampling_where_the_release_has_it_and_refused_where_not(version, tmp_path):
+    """speculative.use_draft_logits: DecodingBaseConfig.use_rejection_sampling on the 1.3.0rc27 / 1.4.0rc1 / 1.4.0rc4
+    API pages (Draft_Target and Eagle3 one-model: PR #15775, #12588); 1.1 and 1.2 have no such key (refused, naming
+    the releases that do); never dropped."""
+    for recipe, kind in ((golden_recipe(version, use_draft_logits=True), "draft_target"),
+                         (example_eagle3(version, speculative={"max_draft_len": 3, "num_draft_tokens": 3,
+                                                               "use_draft_logits": True}), "eagle3")):  # fmt: skip
+        layout = Layout.of(recipe, tmp_path)
+        if version in ("1.1", "1.2"):
+            with pytest.raises(ConfigError, match=f"use_draft_logits is true, but TensorRT-LLM {version}.*no "
+                                                  "use_rejection_sampling") as err:
+                trtllm.llmapi_options(recipe, layout)
+            assert "trtllm_version to 1.3 or 1.4" in err.value.hint
+            continue
+        assert kind in trtllm.LLMAPI_VERSIONS[version].rejection_sampling
+        assert trtllm.llmapi_options(recipe, layout)["speculative_config"]["use_rejection_sampling"] is True
+        plain = dataclasses.replace(recipe, speculative=dataclasses.replace(recipe.speculative, use_draft_logits=False))
+        assert "use_rejection_sampling" not in trtllm.llmapi_options(plain, layout)["speculative_config"]
+
+
+def test_draft_logits_beside_sa_config_are_refused(tmp_path):
+    raw = yaml.safe_load(EXAMPLE_EAGLE3.read_text())
+    recipe = example_eagle3("1.4", draft={**raw["draft"], "sa_config": {"threshold": 3}},
+                            speculative={"max_draft_len": 3, "num_draft_tokens": 3, "use_draft_logits": True})
+    with pytest.raises(ConfigError, match="use_draft_logits and draft.sa_config"):
+        trtllm.llmapi_options(recipe, Layout.of(recipe, tmp_path))
 
 
 @pytest.mark.parametrize(("version", "measure", "named"), [("1.4", "length", "acceptance_rate_threshold"),
@@ -251,7 +281,7 @@ def write_eagle3_head(directory: Path, hidden=64, vocab=512, aux_layers=None, ne
 
 def example_eagle3(version: str, head: Path | str | None = None, **changes):
     raw = yaml.safe_load(EXAMPLE_EAGLE3.read_text())
-    raw["trtllm_version"] = version
+    raw["trtllm_version"], raw["image"] = version, built_image(version)
     if head is not None:
         raw["draft"]["head"] = str(head)
     for key, value in changes.items():
@@ -338,8 +368,6 @@ def test_trtllm_engine_refuses_eagle3_with_the_reason_and_the_alternative():
     with pytest.raises(ConfigError, match="EAGLE-1/2") as exc:
         example_eagle3("1.2", backend="trtllm-engine")
     assert "trtllm-llmapi" in exc.value.hint and "Eagle3" in exc.value.hint
-    with pytest.raises(ConfigError, match="use_draft_logits"):
-        example_eagle3("1.2", speculative={"max_draft_len": 3, "num_draft_tokens": 3, "use_draft_logits": True})
 
 
 def test_a_draft_len_other_than_the_schedule_is_refused(tmp_path):
@@ -355,6 +383,7 @@ def eagle3_env(tmp_path, monkeypatch, tiny_llama_dir):
     head = write_eagle3_head(tmp_path / "downloads" / "head", aux_layers=[0, 1], nested=True)
     raw = yaml.safe_load(EXAMPLE_EAGLE3.read_text())
     raw["target"]["model"], raw["draft"]["head"], raw["trtllm_version"] = str(tiny_llama_dir), str(head), "1.3"
+    raw["image"] = built_image("1.3")
     recipe = parse_recipe(raw)
     layout = Layout.of(recipe, tmp_path / "project")
     write_hf_checkpoint(layout.checkpoint("target"), recipe.name, tiny_llama_dir, quantized=False)
@@ -417,5 +446,5 @@ def test_the_dockerfile_says_where_the_head_comes_from(tmp_path):
 
     recipe = example_eagle3("1.4")
     layout = Layout.of(recipe, tmp_path)
-    text = packaging.dockerfile(recipe, "nvcr.io/nvidia/tritonserver:26.10-trtllm-python-py3", layout)
+    text = packaging.dockerfile(recipe, built_image("1.4"), layout)
     assert f"stages it in {layout.engine('draft')}" in text and text.index("EAGLE-3 head") < text.index("FROM ")

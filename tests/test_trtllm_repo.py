@@ -11,7 +11,8 @@ from _trtllm_standin import install_standin, write_hf_checkpoint, write_trtllm_c
 from specdeploy import backend_stages, trtllm
 from specdeploy.artifacts import Layout
 from specdeploy.config_loader import parse_recipe
-from specdeploy.triton import gpu_models, llmapi, repository
+from specdeploy.errors import RepoError
+from specdeploy.triton import gpu_models, llmapi, llmapi_upstream, repository
 
 
 def make_recipe(target, draft, backend="trtllm-engine", tp=2, decoupled=False):
@@ -127,11 +128,14 @@ def test_llmapi_models_config_and_model_yaml(tmp_path, built_llmapi):
     inp = repository.repo_inputs(recipe, layout)
     dest = tmp_path / "repo"
     upstream = tmp_path / "TensorRT-LLM"
-    (upstream / llmapi.UPSTREAM_DIR).mkdir(parents=True)
-    (upstream / llmapi.UPSTREAM_DIR / "model.py").write_text("# upstream model.py\n")
-    missing = llmapi.write_models(inp, layout, dest, upstream)
-    assert missing == [f"{name}/1/helpers.py (copy from TensorRT-LLM triton_backend/all_models/llmapi/tensorrt_llm/1/helpers.py)"
-                       for name in ("tensorrt_llm", "tensorrt_llm_control")]  # fmt: skip
+    (upstream / llmapi_upstream.UPSTREAM_DIR).mkdir(parents=True)
+    (upstream / llmapi_upstream.UPSTREAM_DIR / "model.py").write_text("# upstream model.py\n")
+    with pytest.raises(RepoError, match=f"--trtllm-src {upstream} has no .*helpers.py"):  # a checkout lacking one
+        llmapi.write_models(inp, layout, dest, upstream)
+    (upstream / llmapi_upstream.UPSTREAM_DIR / "helpers.py").write_text("# upstream helpers.py\n")
+    assert llmapi.write_models(inp, layout, dest, upstream) == []
+    assert llmapi.write_models(inp, layout, tmp_path / "from-image") == [  # the container's start copies them in
+        f"{name}/1/{file}" for name in llmapi.MODELS for file in ("model.py", "helpers.py")]
     for name in llmapi.MODELS:
         config = repository.check_config((dest / name / "config.pbtxt").read_text(), name)
         assert config.backend == "python" and config.max_batch_size == 0 and not config.parameters
@@ -170,7 +174,9 @@ def test_generate_llmapi_repository_is_atomic_and_up_to_date(built_llmapi):
     warnings = []
     path, written = llmapi.generate_repository(recipe, layout, echo=warnings.append)
     assert written and sorted(p.name for p in path.iterdir()) == ["manifest.json", "tensorrt_llm", "tensorrt_llm_control"]
-    assert len(warnings) == 4  # model.py and helpers.py (twice) must come from TensorRT-LLM: said, not faked
+    # model.py and helpers.py (twice) come from the image at the container's start: said, not faked
+    assert len(warnings) == 1 and "tensorrt_llm_control/1/helpers.py come from the image" in warnings[0]
+    assert "--trtllm-src" in warnings[0]
     repository.require_repository(recipe, layout)  # the serve stage accepts it
     assert llmapi.generate_repository(recipe, layout)[1] is False
     assert backend_stages.of(recipe).write_repository(recipe, layout) == (path, False)  # `specdeploy repo` dispatches here
@@ -228,8 +234,6 @@ def test_engine_models_declare_the_tensor_names_of_the_release_that_built_the_en
 
 
 def test_engines_of_an_unverified_backend_release_are_refused(built_engines):
-    from specdeploy.errors import RepoError
-
     recipe, layout = built_engines
     _set_built_version(layout, "1.1.0")
     with pytest.raises(RepoError, match="1.1.0.*not verified") as err:
@@ -243,10 +247,10 @@ def test_image_table_names_the_release_an_ngc_image_carries(image, version):
     assert gpu_models.image_trtllm(image) == version
 
 
-@pytest.mark.parametrize("image", ["nvcr.io/nvidia/tritonserver:25.04-trtllm-python-py3", "myregistry/triton:latest"])
+@pytest.mark.parametrize("image", ["nvcr.io/nvidia/tritonserver:24.11-trtllm-python-py3", "myregistry/triton:latest"])
 def test_an_image_the_table_does_not_know_is_refused_with_the_fix(image):
-    from specdeploy.errors import RepoError
+    from specdeploy.errors import ConfigError
 
-    with pytest.raises(RepoError, match="not an NGC Triton TensorRT-LLM image") as err:
+    with pytest.raises(ConfigError, match="not an NGC Triton TensorRT-LLM image") as err:
         gpu_models.image_trtllm(image)
     assert "25.03 (0.18.0)" in err.value.hint

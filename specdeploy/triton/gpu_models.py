@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from specdeploy.errors import RepoError
+from specdeploy.trtllm_images import IMAGE_TRTLLM, image_trtllm
 from specdeploy.triton.repository import (
     DRAFT_MODEL,
     ENGINE_MODEL_NAMES,
@@ -110,25 +111,6 @@ def _kv_per_token(inp: RepoInputs) -> dict[str, int | None]:
 
 # ---------------------------------------------------------------- tensor names per backend release
 
-# Which TensorRT-LLM (and so which tensorrtllm_backend, released with the same number) each NGC image carries.
-# Source: Triton's Release Compatibility Matrix, container trtllm-python-py3
-# (docs.nvidia.com/deeplearning/triton-inference-server/user-guide/docs/introduction/compatibility.html, and its
-# 2.54.0 archive for 24.12 and 25.01); 25.03 -> 0.18.0: NVIDIA/TensorRT-LLM@11925f6
-# examples/draft_target_model/README.md, Triton workflow: "based on TensorRT-LLM-0.18.0 and TRTLLM-backend-0.18.0
-# with docker image nvcr.io/nvidia/tritonserver:25.03-trtllm-python-py3". The image's version gate
-# (packaging.dockerfile) still refuses to build on an image that carries another release.
-IMAGE_TRTLLM = {
-    "24.12": "0.16.0",
-    "25.01": "0.17.0",
-    "25.03": "0.18.0",
-    "25.06": "0.20.0",
-    "25.07": "0.20.0",
-    "25.08": "0.21.0",
-    "25.09": "1.0.0",
-    "25.10": "1.0.0",
-    "25.12": "1.1.0",
-}
-
 
 @dataclass(frozen=True)
 class BackendNames:
@@ -171,23 +153,8 @@ BACKEND_TENSOR_NAMES = {
 # From 0.20 the backend is in NVIDIA/TensorRT-LLM (triton_backend/); its per-release names are not verified here.
 
 
-def image_trtllm(image: str) -> str:
-    """The TensorRT-LLM release an NGC Triton image carries; RepoError for an image IMAGE_TRTLLM does not list."""
-    import re
-
-    m = re.fullmatch(r"(?:nvcr\.io/)?nvidia/tritonserver:(\d\d\.\d\d)-trtllm-python-py3", image.strip())
-    if m is None or m.group(1) not in IMAGE_TRTLLM:
-        known = ", ".join(f"{tag} ({v})" for tag, v in IMAGE_TRTLLM.items())
-        raise RepoError(
-            f"image {image!r} is not an NGC Triton TensorRT-LLM image specdeploy knows the TensorRT-LLM release of",
-            f"pass --image nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3 with one of {known}, or add the tag "
-            "to specdeploy.triton.gpu_models.IMAGE_TRTLLM after checking Triton's compatibility matrix",
-        )
-    return IMAGE_TRTLLM[m.group(1)]
-
-
 def check_engine_image(image: str, engines_trtllm: str) -> BackendNames:
-    """The tensor names the engine deployment gets on `image`: the image must be one IMAGE_TRTLLM knows, carry the
+    """The tensor names the engine deployment gets on `image`: the image must be one trtllm_images knows, carry the
     release line that built the engines (TensorRT engines load only there) and a backend whose names are known."""
     carried = image_trtllm(image)
     if carried.split(".")[:2] != str(engines_trtllm).split(".")[:2]:

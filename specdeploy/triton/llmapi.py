@@ -5,8 +5,9 @@
 
 Each model folder holds config.pbtxt (the upstream tensors, LLMAPI_INPUTS/LLMAPI_OUTPUTS) and `1/model.yaml` (LLM-API
 options in the recipe's TensorRT-LLM release, trtllm.llmapi_options). What runs them:
-- backend `trtllm-llmapi`: TensorRT-LLM's own model.py + helpers.py (copied from a TensorRT-LLM checkout when one is
-  given; otherwise listed as missing), LLM(...) on the GPU; model.yaml `model` is the target's HF checkpoint.
+- backend `trtllm-llmapi`: TensorRT-LLM's own model.py + helpers.py of the image's release, copied in at the
+  container's start (or from a TensorRT-LLM checkout `repo --trtllm-src` names: llmapi_upstream), LLM(...) on the
+  GPU; model.yaml `model` is the target's HF checkpoint.
 - backend `cpu`: specdeploy's python model (models/llmapi.py) with the same interface over the CPU engines;
   model.yaml `model` is the target engine and the draft key names the draft engine, or for draft.kind eagle3 the
   head, copied into the speculative model's folder (`tensorrt_llm/eagle3_head`, as the inflight_batcher_llm
@@ -24,7 +25,7 @@ from pathlib import Path
 import yaml
 
 from specdeploy.errors import RepoError
-from specdeploy.triton import repository
+from specdeploy.triton import llmapi_upstream, repository
 from specdeploy.triton.layout_models import EAGLE3_HEAD_SUBDIR, eagle3_head_parameters
 from specdeploy.triton.repo_inputs import check_eagle3_head, stage_eagle3_head
 from specdeploy.triton.repository import MODEL_SOURCES, ModelSpec, RepoInputs, _t, check_config, render
@@ -32,8 +33,6 @@ from specdeploy.triton.repository import MODEL_SOURCES, ModelSpec, RepoInputs, _
 SPECULATIVE_MODEL = "tensorrt_llm"  # the upstream model's name: NVIDIA's llmapi clients reach the speculative path
 CONTROL_MODEL = "tensorrt_llm_control"
 MODELS = (SPECULATIVE_MODEL, CONTROL_MODEL)
-UPSTREAM_DIR = "triton_backend/all_models/llmapi/tensorrt_llm/1"  # in a TensorRT-LLM checkout
-UPSTREAM_FILES = ("model.py", "helpers.py")
 CPU_SOURCE = "llmapi.py"  # in specdeploy/triton/models/
 
 # The llmapi model's tensors, as TensorRT-LLM's triton_backend/all_models/llmapi/tensorrt_llm/config.pbtxt declares
@@ -140,7 +139,8 @@ def model_spec(inp: RepoInputs, name: str) -> ModelSpec:
 
 
 def write_models(inp: RepoInputs, layout, dest: Path, upstream_src: Path | None = None, tokenizer_dir: Path | None = None) -> list[str]:
-    """Write both models into `dest`; returns the upstream files still missing (GPU, without a TensorRT-LLM checkout)."""
+    """Write both models into `dest`; returns the upstream files the container's start copies in (GPU, without a
+    TensorRT-LLM checkout `upstream_src`)."""
     from specdeploy import backends
 
     gpu = backends.of(inp.recipe).gpu
@@ -159,19 +159,23 @@ def write_models(inp: RepoInputs, layout, dest: Path, upstream_src: Path | None 
             if inp.eagle3_head_dir is not None and name == SPECULATIVE_MODEL:
                 stage_eagle3_head(inp, model_dir / EAGLE3_HEAD_SUBDIR)
             continue
-        for file in UPSTREAM_FILES:
-            src = Path(upstream_src) / UPSTREAM_DIR / file if upstream_src else None
-            if src is not None and src.is_file():
-                shutil.copyfile(src, model_dir / "1" / file)
-            elif not (model_dir / "1" / file).is_file():
-                missing.append(f"{name}/1/{file} (copy from TensorRT-LLM {UPSTREAM_DIR}/{file})")
+        if upstream_src is None:
+            missing += llmapi_upstream.repository_missing(Path(dest), (name,))
+            continue
+        try:
+            llmapi_upstream.copy_from_checkout(Path(upstream_src), model_dir / "1")
+        except FileNotFoundError as exc:
+            raise RepoError(f"--trtllm-src {upstream_src} has no {exc.args[0]}",
+                            f"name a TensorRT-LLM checkout of the image's release (it holds "
+                            f"{llmapi_upstream.UPSTREAM_DIR}/model.py and helpers.py)") from exc  # fmt: skip
     return missing
 
 
 def generate_repository(recipe, layout, recipe_path: str = "RECIPE", force: bool = False, executor_factory: str | None = None,
                         upstream_src: Path | None = None, echo=print) -> tuple[Path, bool]:  # fmt: skip
     """`specdeploy repo` for the llmapi layout: `layout.repo` with both models, atomically, with the manifest (stage
-    "repo", repository.repo_fingerprint) the shared generator writes; (path, False) when up to date."""
+    "repo", repository.repo_fingerprint) the shared generator writes; (path, False) when up to date. `upstream_src`
+    (a TensorRT-LLM checkout) always rewrites it, with that checkout's model.py and helpers.py."""
     from specdeploy import backends
     from specdeploy.artifacts import Manifest, atomic_output, tool_versions
 
@@ -179,7 +183,8 @@ def generate_repository(recipe, layout, recipe_path: str = "RECIPE", force: bool
     fp = repository.repo_fingerprint(inp)
     dest = Path(layout.repo)
     current = Manifest.read(dest)
-    if not force and current is not None and current.stage == repository.STAGE and current.fingerprint == fp:
+    if not force and upstream_src is None and current is not None and current.stage == repository.STAGE \
+            and current.fingerprint == fp:
         return dest, False
     tokenizer = None
     if not backends.of(recipe).gpu:
@@ -199,8 +204,10 @@ def generate_repository(recipe, layout, recipe_path: str = "RECIPE", force: bool
             tool_versions=tool_versions("tritonclient"),
             extra={"missing_upstream_files": missing, **({"tokenizer_source": str(tokenizer)} if tokenizer else {})},
         ).write(tmp)
-    for item in missing:
-        echo(f"warning: {item}")
+    if missing:
+        echo(f"note: {', '.join(missing)} come from the image when its container starts (specdeploy serve "
+             "--print-only prints it); to start tritonserver outside it, run: specdeploy repo RECIPE --trtllm-src "
+             "<TensorRT-LLM checkout>")
     return dest, True
 
 
