@@ -132,9 +132,9 @@ ship-head:
 	# the stages' output (progress, held-out acceptance): make head's log, every 20th progress line
 	if [ -f engines/draft-head.log ]; then tr '\r' '\n' < engines/draft-head.log | grep -v '^ *$$' | awk '!/ETA|it\/s|s\/step/ || ++n % 20 == 0' > $(HEAD_DIR).tmp/run.log; fi
 	# the manifests say where things were on the training machine: project paths relative, the cache as $$SPECDEPLOY_HOME
-	sed -i -e 's#"$(CURDIR)/#"#g' -e "s#\"$$($(BIN)/python -c 'from specdeploy.artifacts import home; print(home())')/#\"\$$SPECDEPLOY_HOME/#g" \
+	sed -i -e 's#"$(CURDIR)/#"#g' -e "s#\"$$($(BIN)/python -c 'from specdeploy.core.artifacts import home; print(home())')/#\"\$$SPECDEPLOY_HOME/#g" \
 	   $(HEAD_DIR).tmp/manifest.json $(HEAD_DIR).tmp/data-manifest.json
-	if [ -f $(HEAD_DIR).tmp/run.log ]; then sed -i -e 's#$(CURDIR)/##g' -e "s#$$($(BIN)/python -c 'from specdeploy.artifacts import home; print(home())')/#\$$SPECDEPLOY_HOME/#g" $(HEAD_DIR).tmp/run.log; fi
+	if [ -f $(HEAD_DIR).tmp/run.log ]; then sed -i -e 's#$(CURDIR)/##g' -e "s#$$($(BIN)/python -c 'from specdeploy.core.artifacts import home; print(home())')/#\$$SPECDEPLOY_HOME/#g" $(HEAD_DIR).tmp/run.log; fi
 	rm -rf $(HEAD_DIR) && mv $(HEAD_DIR).tmp $(HEAD_DIR)
 	@echo "ship-head: $(HEAD_DIR) (update its README.md with the figures of this run)"
 

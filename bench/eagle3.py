@@ -50,9 +50,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=30)
-    ap.add_argument("--cpu-time", action="store_true",
-                    help="time with the process's CPU time (time.process_time) instead of wall time: on a shared, "
-                         "loaded machine, with --threads 1, what the work costs rather than how long it waited")
+    ap.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help=(
+            "time with the process's CPU time (time.process_time) instead of wall time: on a shared, "
+            "loaded machine, with --threads 1, what the work costs rather than how long it waited"
+        ),
+    )
     ap.add_argument("--workdir", default=None, help="keep the compiled engine here and reuse it on later runs")
     args = ap.parse_args()
     global CLOCK
@@ -62,17 +67,20 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     from eagle3_heads import make_eagle3_head
-    from specdeploy.config import EngineConfig, QuantConfig
-    from specdeploy.engine.compile import compile_checkpoint
+
+    from specdeploy.core.model_store import resolve
+    from specdeploy.deploy.cpu_compile import compile_checkpoint
     from specdeploy.engine.eagle3 import Eagle3Head, default_aux_layer_ids
     from specdeploy.engine.model import CpuEngine
-    from specdeploy.models import resolve
-    from specdeploy.quantize import quantize_model
+    from specdeploy.quantize.modelopt import quantize_model
+    from specdeploy.recipe.config import EngineConfig, QuantConfig
 
     tmp = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="eagle3-bench-"))
     if not (tmp / "engine" / "config.json").is_file():
         quantize_model(resolve("smollm2-135m-instruct"), QuantConfig(), tmp / "ckpt", progress=False)
-        compile_checkpoint(tmp / "ckpt", tmp / "engine", EngineConfig(dtype="bfloat16", max_input_len=512, max_seq_len=1024), 4)
+        compile_checkpoint(
+            tmp / "ckpt", tmp / "engine", EngineConfig(dtype="bfloat16", max_input_len=512, max_seq_len=1024), 4
+        )
     target = CpuEngine.load(tmp / "engine")
     s = target.spec
     layers = default_aux_layer_ids(s.num_layers)
@@ -91,6 +99,7 @@ def main() -> None:
             else:
                 target.forward(cache, ids)
             cache.truncate(n)
+
         return fn
 
     ms["target step"] = timed(target_rows(1, False), args.repeat)
@@ -99,9 +108,17 @@ def main() -> None:
         ms[f"verify k={k} ({k + 1} rows, aux)"] = timed(target_rows(k + 1, True), args.repeat)
     for draft_vocab in (s.vocab_size, 8192):
         d2t = None if draft_vocab == s.vocab_size else torch.arange(draft_vocab) * 5
-        path = make_eagle3_head(tmp / f"head-{draft_vocab}", s.hidden_size, s.vocab_size, layers, num_heads=s.num_heads,
-                                num_kv_heads=s.num_kv_heads, intermediate_size=s.intermediate_size,
-                                draft_vocab_size=draft_vocab, d2t=d2t)
+        path = make_eagle3_head(
+            tmp / f"head-{draft_vocab}",
+            s.hidden_size,
+            s.vocab_size,
+            layers,
+            num_heads=s.num_heads,
+            num_kv_heads=s.num_kv_heads,
+            intermediate_size=s.intermediate_size,
+            draft_vocab_size=draft_vocab,
+            d2t=d2t,
+        )
         head = Eagle3Head.load(path, target)
         head_cache = head.new_cache()
         head.forward(head_cache, head.project(aux), context[1:].tolist() + [11])
@@ -116,6 +133,7 @@ def main() -> None:
             def fn():
                 head.forward(head_cache, head.project(aux[:rows]), context[:rows])
                 head_cache.truncate(m)
+
             return fn
 
         ms[f"head step (draft vocab {draft_vocab})"] = timed(head_step, args.repeat)
@@ -123,14 +141,28 @@ def main() -> None:
             ms[f"head catch-up {rows} rows (draft vocab {draft_vocab})"] = timed(catch_up(rows), args.repeat)
     step = ms["target step"]
     clock = "process CPU time" if args.cpu_time else "wall time"
-    print(f"SmolLM2-135M bf16 engine, native={target.decoder is not None}, {args.threads} threads, context {args.context}, {clock}")
+    print(
+        f"SmolLM2-135M bf16 engine, native={target.decoder is not None}, {args.threads} threads, context"
+        f" {args.context}, {clock}"
+    )
     print(f"{'what':52s} {'ms':>8s} {'/ target step':>14s}")
     for name, t in ms.items():
         print(f"{name:52s} {1000 * t:8.3f} {t / step:14.3f}")
     out = ROOT / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"eagle3-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps({"threads": args.threads, "context": args.context, "clock": clock, "load_average": os.getloadavg(), "ms": {k: 1000 * v for k, v in ms.items()}}, indent=2))
+    path.write_text(
+        json.dumps(
+            {
+                "threads": args.threads,
+                "context": args.context,
+                "clock": clock,
+                "load_average": os.getloadavg(),
+                "ms": {k: 1000 * v for k, v in ms.items()},
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {path}")
 
 

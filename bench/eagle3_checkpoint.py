@@ -29,10 +29,11 @@ def measure(recipe, layout, count: int, echo=print) -> dict:
     """{"start": ..., "checkpoint": ...} acceptance rows (start only with draft.train.init_head) and the step."""
     import torch
 
-    from specdeploy import draft_train, models
-    from specdeploy.draft_samples import read_draft_data
-    from specdeploy.draft_train_loop import RESUME_STATE, heldout_acceptance
-    from specdeploy.modelopt_eagle3 import aux_layer_ids, build_model, choose_draft_vocab, load_exported_head
+    from specdeploy.core import model_store as models
+    from specdeploy.eagle3 import train as draft_train
+    from specdeploy.eagle3.modelopt import aux_layer_ids, build_model, choose_draft_vocab, load_exported_head
+    from specdeploy.eagle3.samples import read_draft_data
+    from specdeploy.eagle3.train_loop import RESUME_STATE, heldout_acceptance
 
     t = recipe.draft.train
     target_dir = models.resolve(recipe.target.model)
@@ -44,8 +45,13 @@ def measure(recipe, layout, count: int, echo=print) -> dict:
     state = torch.load(state_path, map_location="cpu", weights_only=False)
     aux = aux_layer_ids(target_config, t)
     features = draft_train.engine_features(recipe, layout, aux) if t.features == "engine" else None
-    model = build_model(target_dir, t, choose_draft_vocab(data.train, target_config["vocab_size"], t.draft_vocab_size), aux,
-                        offline=features is not None)  # fmt: skip
+    model = build_model(
+        target_dir,
+        t,
+        choose_draft_vocab(data.train, target_config["vocab_size"], t.draft_vocab_size),
+        aux,
+        offline=features is not None,
+    )
     pad = draft_train.pad_id_of(target_config)
     samples = list(data.heldout)[:count]
     rows = {}
@@ -57,8 +63,16 @@ def measure(recipe, layout, count: int, echo=print) -> dict:
     model.eagle_module.load_state_dict(state["head"])
     rows["checkpoint"] = heldout_acceptance(model, samples, t.ttt_steps, t.seq_len, t.batch_size, pad, "cpu", features)
     echo(f"checkpoint (step {state['step']} of {state['total_steps']}): {rows['checkpoint'].line()}")
-    return {"recipe": recipe.name, "samples": len(samples), "step": state["step"], "total_steps": state["total_steps"],
-            **{k: {"per_position": v.per_position, "mean_accepted": v.mean_accepted, "positions": v.positions} for k, v in rows.items()}}  # fmt: skip
+    return {
+        "recipe": recipe.name,
+        "samples": len(samples),
+        "step": state["step"],
+        "total_steps": state["total_steps"],
+        **{
+            k: {"per_position": v.per_position, "mean_accepted": v.mean_accepted, "positions": v.positions}
+            for k, v in rows.items()
+        },
+    }
 
 
 def main() -> None:
@@ -68,8 +82,8 @@ def main() -> None:
     p.add_argument("--root", default=None, help="specdeploy --root of the run (default: the project)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
-    from specdeploy.artifacts import Layout
-    from specdeploy.config_loader import load_recipe
+    from specdeploy.core.artifacts import Layout
+    from specdeploy.recipe.load import load_recipe
 
     recipe = load_recipe(a.recipe)
     result = measure(recipe, Layout.of(recipe, a.root), a.count)

@@ -56,17 +56,21 @@ def load_pair(recipe_path: str, root: str):
     vocabulary), tokenizer) of an eagle3 recipe whose target engine is built under `root`."""
     from transformers import AutoTokenizer
 
-    from specdeploy import models
-    from specdeploy.artifacts import Layout
-    from specdeploy.config_loader import load_recipe
+    from specdeploy.core import model_store as models
+    from specdeploy.core.artifacts import Layout
     from specdeploy.engine.eagle3 import Eagle3Head
     from specdeploy.engine.model import CpuEngine
+    from specdeploy.recipe.load import load_recipe
 
     recipe = load_recipe(recipe_path)
     layout = Layout.of(recipe, Path(root))
     engine = CpuEngine.load(layout.engine("target"))
-    head = Eagle3Head.load(layout.eagle3_head_source(recipe.draft.head), engine, recipe.draft.cpu_head_weights,
-                           recipe.draft.serve_vocab_size)
+    head = Eagle3Head.load(
+        layout.eagle3_head_source(recipe.draft.head),
+        engine,
+        recipe.draft.cpu_head_weights,
+        recipe.draft.serve_vocab_size,
+    )
     tokenizer = AutoTokenizer.from_pretrained(str(models.resolve(recipe.target.model)))
     return recipe, layout, engine, head, tokenizer
 
@@ -82,15 +86,17 @@ def prompts_of(kind: str, data_dir: str, count: int, tokenizer, max_tokens: int)
 
 
 def prompt_bigrams(ids) -> set[tuple[int, int]]:
-    """The prompt's pairs of adjacent tokens: an answer position quotes the prompt where it and the token before it are one."""
+    """The prompt's pairs of adjacent tokens: an answer position quotes the prompt where it and the token before it are
+    one."""
     return set(zip(ids, ids[1:]))
 
 
 def record_rounds(executor, head, prompts, max_tokens: int, k: int, end_id) -> list[dict]:
-    """Every round of the fused loop over `prompts`: the head's probability of each draft and whether it was accepted."""
+    """Every round of the fused loop over `prompts`: the head's probability of each draft and whether it was
+    accepted."""
     import torch
 
-    from specdeploy.engine.request import GenerationRequest, run
+    from specdeploy.engine.request import EngineRequest, run
 
     rounds, seen = [], []
     real_new = head.new_drafter
@@ -117,19 +123,34 @@ def record_rounds(executor, head, prompts, max_tokens: int, k: int, end_id) -> l
     try:
         for prompt_id, ids in prompts:
             seen.clear()
-            out = run(executor, GenerationRequest(input_ids=list(ids), max_new_tokens=max_tokens, end_id=end_id, num_draft_tokens=k))
+            out = run(
+                executor,
+                EngineRequest(input_ids=list(ids), max_new_tokens=max_tokens, end_id=end_id, num_draft_tokens=k),
+            )
             sequence = list(ids) + list(out.token_ids)
             bigrams = prompt_bigrams(ids)
             for base, tokens, probabilities in seen:
                 if len(tokens) < k:
                     continue  # the last rounds, cut by max_tokens
                 accepted = 0  # draft i is for position base + 1 + i (the head's row base - 1 predicts base + 1)
-                while accepted < len(tokens) and base + 1 + accepted < len(sequence) and sequence[base + 1 + accepted] == tokens[accepted]:
+                while (
+                    accepted < len(tokens)
+                    and base + 1 + accepted < len(sequence)
+                    and sequence[base + 1 + accepted] == tokens[accepted]
+                ):
                     accepted += 1
-                # does the target's token at the first draft's position repeat, with the token before it, two tokens of the prompt?
+                # does the target's token at the first draft's position repeat, with the token before it, two tokens of
+                # the prompt?
                 repeats = base + 1 < len(sequence) and (sequence[base], sequence[base + 1]) in bigrams
-                rounds.append({"prompt": prompt_id, "probabilities": probabilities, "accepted": accepted, "repeats_prompt": repeats,
-                               "position": base + 1})
+                rounds.append(
+                    {
+                        "prompt": prompt_id,
+                        "probabilities": probabilities,
+                        "accepted": accepted,
+                        "repeats_prompt": repeats,
+                        "position": base + 1,
+                    }
+                )
             print(f"  {prompt_id}: {len(seen)} rounds, {out.stats.accepted}/{out.stats.drafted} accepted", flush=True)
     finally:
         head.new_drafter = real_new
@@ -153,7 +174,9 @@ def by_group(rounds: list[dict], k: int) -> list[tuple[str, int, float, list[flo
     for r in rounds:
         groups.setdefault(str(r["prompt"]).split("-", 1)[0], []).append(r["accepted"])
     groups["all"] = [r["accepted"] for r in rounds]
-    return [(g, len(a), sum(a) / len(a), [sum(x > i for x in a) / len(a) for i in range(k)]) for g, a in groups.items() if a]
+    return [
+        (g, len(a), sum(a) / len(a), [sum(x > i for x in a) / len(a) for i in range(k)]) for g, a in groups.items() if a
+    ]
 
 
 def by_repeat(rounds: list[dict]) -> list[tuple[str, int, float, float]]:
@@ -164,8 +187,14 @@ def by_repeat(rounds: list[dict]) -> list[tuple[str, int, float, float]]:
     for name, flag in (("repeats the prompt", True), ("other", False)):
         subset = [r for r in rounds if r.get("repeats_prompt") is flag]
         if subset:
-            out.append((name, len(subset), sum(r["accepted"] > 0 for r in subset) / len(subset),
-                        sum(r["accepted"] for r in subset) / len(subset)))
+            out.append(
+                (
+                    name,
+                    len(subset),
+                    sum(r["accepted"] > 0 for r in subset) / len(subset),
+                    sum(r["accepted"] for r in subset) / len(subset),
+                )
+            )
     return out
 
 
@@ -180,10 +209,18 @@ def sweep(rounds: list[dict], rows=ROWS, head=HEAD) -> list[dict]:
             while k < len(r["probabilities"]) and r["probabilities"][k] >= cut:
                 k += 1
             drafted, accepted = drafted + k, accepted + min(k, r["accepted"])
-            cost += rows[min(k, len(rows) - 1)] + head * max(1, k)  # the head's catch-up and first draft every round, then each later draft
+            cost += rows[min(k, len(rows) - 1)] + head * max(
+                1, k
+            )  # the head's catch-up and first draft every round, then each later draft
         n = len(rounds)
-        out.append({"draft_p_min": cut, "drafted_per_round": drafted / n, "accepted_per_round": accepted / n,
-                    "estimated_speedup": (n + accepted) / cost if cost else 0.0})  # plain decoding: one step per token
+        out.append(
+            {
+                "draft_p_min": cut,
+                "k_per_round": drafted / n,
+                "accepted_per_round": accepted / n,
+                "estimated_speedup": (n + accepted) / cost if cost else 0.0,
+            }
+        )  # plain decoding: one step per token
     return out
 
 
@@ -208,13 +245,21 @@ def main(argv=None) -> int:
     recipe, layout, engine, head, tokenizer = load_pair(args.recipe, args.root)
     head_dir = layout.eagle3_head_source(recipe.draft.head)
     prompts = prompts_of(args.prompts, args.data, args.count, tokenizer, args.max_tokens)
-    print(f"head {head_dir}, target {layout.engine('target')}, {len(prompts)} {args.prompts} prompts x {args.max_tokens} "
-          f"tokens, k = {args.draft_len}, no cut-off", flush=True)
-    rounds = record_rounds(Executor(engine, 2, head=head), head, prompts, args.max_tokens, args.draft_len, tokenizer.eos_token_id)
+    print(
+        f"head {head_dir}, target {layout.engine('target')}, {len(prompts)} {args.prompts} prompts x {args.max_tokens} "
+        f"tokens, k = {args.draft_len}, no cut-off",
+        flush=True,
+    )
+    rounds = record_rounds(
+        Executor(engine, 2, head=head), head, prompts, args.max_tokens, args.draft_len, tokenizer.eos_token_id
+    )
     print(f"\nfirst draft accepted, by the head's probability of it ({len(rounds)} rounds of {args.draft_len} drafts):")
     for start, n, share in by_probability(rounds):
         print(f"  {start:.1f}-{start + 0.1:.1f}  {n:5d} rounds  {share:.2f}")
-    print(f"\naccepted drafts per round (no cut-off) and the share of rounds accepting draft 1..{args.draft_len}, by group:")
+    print(
+        f"\naccepted drafts per round (no cut-off) and the share of rounds accepting draft 1..{args.draft_len}, by"
+        " group:"
+    )
     groups = by_group(rounds, args.draft_len)
     for name, n, mean, shares in groups:
         print(f"  {name:15s} {n:5d} rounds  {mean:.2f}  " + " / ".join(f"{x:.2f}" for x in shares))
@@ -225,10 +270,17 @@ def main(argv=None) -> int:
     table = sweep(rounds)
     print("\ndraft_p_min  drafts/round  accepted/round  estimated speedup (cost model: bench/eagle3_confidence.py)")
     for row in table:
-        print(f"  {row['draft_p_min']:.1f}        {row['drafted_per_round']:.2f}          {row['accepted_per_round']:.2f}"
-              f"            {row['estimated_speedup']:.2f}x")
+        print(
+            f"  {row['draft_p_min']:.1f}        {row['k_per_round']:.2f}          {row['accepted_per_round']:.2f}"
+            f"            {row['estimated_speedup']:.2f}x"
+        )
     if args.out:
-        Path(args.out).write_text(json.dumps({"prompts": args.prompts, "rounds": rounds, "groups": groups, "repeats": repeat, "sweep": table}, indent=1))
+        Path(args.out).write_text(
+            json.dumps(
+                {"prompts": args.prompts, "rounds": rounds, "groups": groups, "repeats": repeat, "sweep": table},
+                indent=1,
+            )
+        )
     return 0
 
 

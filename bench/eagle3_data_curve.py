@@ -116,18 +116,26 @@ def take_part(records: list[dict], order: list[int], fraction: float, source: st
     return part
 
 
-def write_part(source_dir: Path, dest: Path, records: list[dict], heldout: list[str], fraction: float, order_seed: int,
-               source: str) -> dict:  # fmt: skip
+def write_part(
+    source_dir: Path, dest: Path, records: list[dict], heldout: list[str], fraction: float, order_seed: int, source: str
+) -> dict:
     """A draft-data folder for one point: its training part, the shared held-out lines, a manifest naming both."""
-    from specdeploy.artifacts import Manifest, fingerprint
+    from specdeploy.core.artifacts import Manifest, fingerprint
 
     manifest = Manifest.read(source_dir)
     if manifest is None:
         raise SystemExit(f"{source_dir} has no manifest.json: write it with `specdeploy draft data RECIPE`")
-    part = {"source_folder": str(source_dir), "source_fingerprint": manifest.fingerprint, "fraction": fraction,
-            "order_seed": order_seed, "source": source, "heldout_samples": len(heldout),
-            "train_samples": len(records), "answer_tokens": sum(answer_tokens(r) for r in records),
-            "tokens": sum(len(r["input_ids"]) for r in records)}  # fmt: skip
+    part = {
+        "source_folder": str(source_dir),
+        "source_fingerprint": manifest.fingerprint,
+        "fraction": fraction,
+        "order_seed": order_seed,
+        "source": source,
+        "heldout_samples": len(heldout),
+        "train_samples": len(records),
+        "answer_tokens": sum(answer_tokens(r) for r in records),
+        "tokens": sum(len(r["input_ids"]) for r in records),
+    }
     fp = fingerprint(stage="draft-data-part", **{k: v for k, v in part.items() if k != "source_folder"})
     current = Manifest.read(dest) if dest.is_dir() else None
     if current is not None and current.fingerprint == fp:
@@ -137,9 +145,15 @@ def write_part(source_dir: Path, dest: Path, records: list[dict], heldout: list[
     tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
     os.replace(tmp, dest / "train.jsonl")
     (dest / "heldout.jsonl").write_text("".join(line + "\n" for line in heldout))
-    Manifest(stage=manifest.stage, recipe_name=manifest.recipe_name, fingerprint=fp, settings=manifest.settings,
-             inputs={"part_of": str(source_dir), "part_of_fingerprint": manifest.fingerprint},
-             tool_versions=manifest.tool_versions, extra={"part": part}).write(dest)  # fmt: skip
+    Manifest(
+        stage=manifest.stage,
+        recipe_name=manifest.recipe_name,
+        fingerprint=fp,
+        settings=manifest.settings,
+        inputs={"part_of": str(source_dir), "part_of_fingerprint": manifest.fingerprint},
+        tool_versions=manifest.tool_versions,
+        extra={"part": part},
+    ).write(dest)
     return part
 
 
@@ -147,7 +161,7 @@ def point_recipe(raw: dict, point: Point, common: dict, data_dir: Path):
     """The recipe of one point: the source recipe with its own name, the part as draft.train.data_dir, the overrides."""
     import copy
 
-    from specdeploy.config_loader import parse_recipe
+    from specdeploy.recipe.load import parse_recipe
 
     body = copy.deepcopy(raw)
     body["name"] = f"{raw['name']}-curve-{point.name}"
@@ -175,8 +189,8 @@ def write_seconds(source_manifest, part: dict) -> float | None:
 
 def train_point(point: Point, raw: dict, common: dict, part_dir: Path, work: Path, source_layout, echo=print) -> dict:
     """Train (or find up to date) one point's head; returns its row."""
-    from specdeploy import draft_train
-    from specdeploy.artifacts import Layout, Manifest
+    from specdeploy.core.artifacts import Layout, Manifest
+    from specdeploy.eagle3 import train as draft_train
 
     recipe = point_recipe(raw, point, common, part_dir)
     layout = Layout(work, recipe.name)
@@ -185,17 +199,31 @@ def train_point(point: Point, raw: dict, common: dict, part_dir: Path, work: Pat
     wall, cpu = time.monotonic(), time.process_time()
     trained = draft_train.train_recipe(recipe, layout, echo=echo) is not None  # None: up to date, nothing trained now
     manifest = Manifest.read(layout.eagle3_head)
-    log = [json.loads(line) for line in (layout.eagle3_head / draft_train.TRAIN_LOG).read_text().splitlines() if line.strip()]
+    log = [
+        json.loads(line)
+        for line in (layout.eagle3_head / draft_train.TRAIN_LOG).read_text().splitlines()
+        if line.strip()
+    ]
     extra = manifest.extra
-    return {"name": point.name, "fraction": point.fraction, "source": point.source, "train": {**common, **point.train},
-            "head": str(layout.eagle3_head), "steps": extra["steps"],
-            # this run's seconds only where it trained; a cached head has the seconds its manifest recorded
-            "train_wall_s": round(time.monotonic() - wall, 1) if trained else None,
-            "train_cpu_s": round(time.process_time() - cpu, 1) if trained else None,
-            "recorded_train_s": extra["train_seconds"], "heldout": extra["heldout_acceptance"],
-            "untrained": extra["untrained_acceptance"],
-            "epochs": [{"epoch": e["epoch"], "mean_accepted": _mean(e["heldout"]),
-                        "per_position": e["heldout"]["per_position"]} for e in log if e["epoch"]]}  # fmt: skip
+    return {
+        "name": point.name,
+        "fraction": point.fraction,
+        "source": point.source,
+        "train": {**common, **point.train},
+        "head": str(layout.eagle3_head),
+        "steps": extra["steps"],
+        # this run's seconds only where it trained; a cached head has the seconds its manifest recorded
+        "train_wall_s": round(time.monotonic() - wall, 1) if trained else None,
+        "train_cpu_s": round(time.process_time() - cpu, 1) if trained else None,
+        "recorded_train_s": extra["train_seconds"],
+        "heldout": extra["heldout_acceptance"],
+        "untrained": extra["untrained_acceptance"],
+        "epochs": [
+            {"epoch": e["epoch"], "mean_accepted": _mean(e["heldout"]), "per_position": e["heldout"]["per_position"]}
+            for e in log
+            if e["epoch"]
+        ],
+    }
 
 
 def measure_head(name: str, head_dir: Path, raw: dict, common: dict, part_dir: Path, source_layout, echo=print) -> dict:
@@ -206,10 +234,11 @@ def measure_head(name: str, head_dir: Path, raw: dict, common: dict, part_dir: P
     import torch
     from safetensors.torch import load_file
 
-    from specdeploy import draft_train, models
-    from specdeploy.draft_samples import read_draft_data
-    from specdeploy.draft_train_loop import heldout_acceptance
-    from specdeploy.modelopt_eagle3 import aux_layer_ids, build_model, load_exported_head
+    from specdeploy.core import model_store as models
+    from specdeploy.eagle3 import train as draft_train
+    from specdeploy.eagle3.modelopt import aux_layer_ids, build_model, load_exported_head
+    from specdeploy.eagle3.samples import read_draft_data
+    from specdeploy.eagle3.train_loop import heldout_acceptance
 
     recipe = point_recipe(raw, Point(name, 1.0), common, part_dir)
     t = recipe.draft.train
@@ -222,15 +251,23 @@ def measure_head(name: str, head_dir: Path, raw: dict, common: dict, part_dir: P
     draft_ids = None if d2t is None else (torch.arange(len(d2t)) + d2t).tolist()
     model = build_model(target_dir, t, draft_ids, aux, offline=features is not None)
     load_exported_head(model, Path(head_dir))
-    acceptance = heldout_acceptance(model, list(data.heldout), t.ttt_steps, t.seq_len, t.batch_size,
-                                    draft_train.pad_id_of(target_config), "cpu", features)  # fmt: skip
+    acceptance = heldout_acceptance(
+        model,
+        list(data.heldout),
+        t.ttt_steps,
+        t.seq_len,
+        t.batch_size,
+        draft_train.pad_id_of(target_config),
+        "cpu",
+        features,
+    )
     echo(f"  {name} ({head_dir}): {acceptance.line()}")
     return {"name": name, "head": str(head_dir), "heldout": asdict(acceptance)}
 
 
 def _mean(acceptance: dict) -> float:
     """Accepted drafts a round at k = ttt_steps, of an Acceptance as the manifests store it."""
-    from specdeploy.draft_train_loop import Acceptance
+    from specdeploy.eagle3.train_loop import Acceptance
 
     return Acceptance(**acceptance).mean_accepted
 
@@ -252,12 +289,12 @@ def validate_head(head_dir: Path, served_recipe_path: str, count: int, k: int, m
     from transformers import AutoTokenizer
 
     from bench.eagle3_confidence import by_group, prompts_of, record_rounds
-    from specdeploy import models
-    from specdeploy.artifacts import Layout
-    from specdeploy.config_loader import load_recipe
+    from specdeploy.core import model_store as models
+    from specdeploy.core.artifacts import Layout
     from specdeploy.engine.eagle3 import Eagle3Head
     from specdeploy.engine.executor import Executor
     from specdeploy.engine.model import CpuEngine
+    from specdeploy.recipe.load import load_recipe
 
     recipe = load_recipe(served_recipe_path)
     engine = CpuEngine.load(Layout.of(recipe, ROOT).engine("target"))
@@ -266,18 +303,22 @@ def validate_head(head_dir: Path, served_recipe_path: str, count: int, k: int, m
     prompts = prompts_of("builtin", "", count, tokenizer, max_tokens)
     rounds = record_rounds(Executor(engine, 2, head=head), head, prompts, max_tokens, k, tokenizer.eos_token_id)
     groups = {name: {"rounds": n, "accepted_per_round": round(mean, 3)} for name, n, mean, _ in by_group(rounds, k)}
-    echo(f"  validation ({count} built-in prompts, k = {k}): {groups['all']['accepted_per_round']:.2f} accepted a round")
+    echo(
+        f"  validation ({count} built-in prompts, k = {k}): {groups['all']['accepted_per_round']:.2f} accepted a round"
+    )
     return groups
 
 
 def validated(head_dir: Path, served_recipe_path: str, count: int, k: int, max_tokens: int, cache_dir: Path) -> dict:
     """validate_head, kept in `cache_dir` per head and setting (a rerun of the curve measures only what changed):
     keyed by the head's files and the served recipe's engine."""
-    from specdeploy.artifacts import Layout, Manifest, fingerprint, head_hash
-    from specdeploy.config_loader import load_recipe
+    from specdeploy.core.artifacts import Layout, Manifest, fingerprint, head_hash
+    from specdeploy.recipe.load import load_recipe
 
     engine = Manifest.read(Layout.of(load_recipe(served_recipe_path), ROOT).engine("target"))
-    key = fingerprint(head=head_hash(head_dir), engine=engine.fingerprint if engine else "", count=count, k=k, tokens=max_tokens)
+    key = fingerprint(
+        head=head_hash(head_dir), engine=engine.fingerprint if engine else "", count=count, k=k, tokens=max_tokens
+    )
     cache = cache_dir / f"{key[:24]}.json"
     if cache.is_file():
         return json.loads(cache.read_text())
@@ -293,13 +334,17 @@ def main(argv=None) -> int:
     ap.add_argument("--root", default=str(ROOT), help="where the recipe's engines/ are (its data and target engine)")
     ap.add_argument("--data", default="", help="the draft-data folder (default: the recipe's own)")
     ap.add_argument("--fractions", default="0.0625,0.125,0.25,0.5")
-    ap.add_argument("--variant", action="append", default=[], help="NAME:KEY=VALUE[,KEY=VALUE] (source=NAME: one source)")
+    ap.add_argument(
+        "--variant", action="append", default=[], help="NAME:KEY=VALUE[,KEY=VALUE] (source=NAME: one source)"
+    )
     ap.add_argument("--variant-fraction", type=float, default=0.125)
     ap.add_argument("--set", action="append", default=[], help="KEY=VALUE: a draft.train setting for every point")
     ap.add_argument("--heldout", type=int, default=64, help="held-out samples measured (the folder's first ones)")
     ap.add_argument("--order-seed", type=int, default=0)
     ap.add_argument("--work", default=str(ROOT / "engines" / "eagle3-curve"))
-    ap.add_argument("--reference", action="append", default=[], help="NAME=HEAD_DIR: a head made elsewhere, measured alike")
+    ap.add_argument(
+        "--reference", action="append", default=[], help="NAME=HEAD_DIR: a head made elsewhere, measured alike"
+    )
     ap.add_argument("--validate", default="", help="a served eagle3 recipe whose fused loop drafts with each head")
     ap.add_argument("--validate-count", type=int, default=32)
     ap.add_argument("--validate-tokens", type=int, default=64)
@@ -310,8 +355,8 @@ def main(argv=None) -> int:
     import torch
     import yaml
 
-    from specdeploy.artifacts import Layout, Manifest
-    from specdeploy.config_loader import parse_recipe
+    from specdeploy.core.artifacts import Layout, Manifest
+    from specdeploy.recipe.load import parse_recipe
 
     torch.set_num_threads(args.threads)
     raw = yaml.safe_load(Path(args.recipe).read_text())
@@ -327,8 +372,11 @@ def main(argv=None) -> int:
     points += [parse_variant(v, args.variant_fraction) for v in args.variant]
     order = sample_order(records, args.order_seed)
     work = Path(args.work)
-    print(f"{len(records)} training samples ({sum(answer_tokens(r) for r in records):,} answer tokens) and {len(heldout)} "
-          f"held-out samples of {source_dir}; {len(points)} heads into {work}", flush=True)  # fmt: skip
+    print(
+        f"{len(records)} training samples ({sum(answer_tokens(r) for r in records):,} answer tokens) and {len(heldout)}"
+        f" held-out samples of {source_dir}; {len(points)} heads into {work}",
+        flush=True,
+    )
     rows = []
     for point in points:
         part_records = take_part(records, order, point.fraction, point.source)
@@ -336,15 +384,23 @@ def main(argv=None) -> int:
             raise SystemExit(f"{point.name}: no training samples (source {point.source!r} not in {source_dir}?)")
         part_dir = work / "data" / (f"{point.source}-{point.fraction:g}" if point.source else f"{point.fraction:g}")
         part = write_part(source_dir, part_dir, part_records, heldout, point.fraction, args.order_seed, point.source)
-        print(f"\n== {point.name}: {part['train_samples']} samples, {part['answer_tokens']:,} answer tokens, "
-              f"overrides {dict(common, **point.train)}", flush=True)  # fmt: skip
+        print(
+            f"\n== {point.name}: {part['train_samples']} samples, {part['answer_tokens']:,} answer tokens, "
+            f"overrides {dict(common, **point.train)}",
+            flush=True,
+        )
         row = train_point(point, raw, common, part_dir, work, source_layout)
-        row.update(train_samples=part["train_samples"], answer_tokens=part["answer_tokens"], tokens=part["tokens"],
-                   write_s=write_seconds(source_manifest, part) if source_manifest else None)  # fmt: skip
+        row.update(
+            train_samples=part["train_samples"],
+            answer_tokens=part["answer_tokens"],
+            tokens=part["tokens"],
+            write_s=write_seconds(source_manifest, part) if source_manifest else None,
+        )
         if args.validate:
             k = int(row["train"].get("ttt_steps", raw["draft"]["train"].get("ttt_steps", 3)))
-            row["validation"] = validated(Path(row["head"]), args.validate, args.validate_count, k, args.validate_tokens,
-                                          work / "validation")  # fmt: skip
+            row["validation"] = validated(
+                Path(row["head"]), args.validate, args.validate_count, k, args.validate_tokens, work / "validation"
+            )
         rows.append(row)
         if args.out:  # after every point: a stopped run keeps what it measured
             Path(args.out).write_text(json.dumps({"source": str(source_dir), "rows": rows}, indent=1))
@@ -356,31 +412,48 @@ def main(argv=None) -> int:
         head_dir = str(Path(head_dir)) if "/" in head_dir else str(ROOT / "specdeploy" / "data" / "heads" / head_dir)
         ref = measure_head(name, Path(head_dir), raw, common, part_dir, source_layout)
         if args.validate:
-            ref["validation"] = validated(Path(head_dir), args.validate, args.validate_count, len(ref["heldout"]["per_position"]),
-                                          args.validate_tokens, work / "validation")  # fmt: skip
+            ref["validation"] = validated(
+                Path(head_dir),
+                args.validate,
+                args.validate_count,
+                len(ref["heldout"]["per_position"]),
+                args.validate_tokens,
+                work / "validation",
+            )
         references.append(ref)
     curve = [r for r in rows if not r["source"] and not r["train"].keys() - common.keys()]
     slope = slope_per_doubling(curve)
     print(f"\nheld-out acceptance ({len(heldout)} samples of {source_dir}, never trained on) by training data:")
-    print("  point        samples  answer tokens  write s  train s (CPU s)  steps  per position           accepted a round"
-          + ("  validation" if args.validate else ""))
+    print(
+        "  point        samples  answer tokens  write s  train s (CPU s)  steps  per position           accepted a"
+        " round" + ("  validation" if args.validate else "")
+    )
     for r in rows:
         per = " / ".join(f"{x:.3f}" for x in r["heldout"]["per_position"])
         write = f"{r['write_s']:7.0f}" if r["write_s"] is not None else "      -"
         val = f"  {r['validation']['all']['accepted_per_round']:.2f}" if "validation" in r else ""
         cpu = f"{r['train_cpu_s']:6.0f}" if r["train_cpu_s"] is not None else "     -"  # a cached head: not this run's
         wall = r["train_wall_s"] if r["train_wall_s"] is not None else r["recorded_train_s"]
-        print(f"  {r['name']:12s} {r['train_samples']:7d}  {r['answer_tokens']:13,d}  {write}  {wall:7.0f} "
-              f"({cpu})  {r['steps']:5d}  {per:21s}  {_mean(r['heldout']):.3f}{val}")  # fmt: skip
+        print(
+            f"  {r['name']:12s} {r['train_samples']:7d}  {r['answer_tokens']:13,d}  {write}  {wall:7.0f} "
+            f"({cpu})  {r['steps']:5d}  {per:21s}  {_mean(r['heldout']):.3f}{val}"
+        )
     for r in references:
         per = " / ".join(f"{x:.3f}" for x in r["heldout"]["per_position"])
         val = f"  {r['validation']['all']['accepted_per_round']:.2f}" if "validation" in r else ""
         print(f"  {r['name']:12s} (made elsewhere: {r['head']}){'':5s}{per:21s}  {_mean(r['heldout']):.3f}{val}")
     if slope is not None:
-        print(f"\nper doubling of the answer tokens: {slope:+.3f} accepted drafts a round (least squares over {len(curve)} points)")
+        print(
+            f"\nper doubling of the answer tokens: {slope:+.3f} accepted drafts a round (least squares over"
+            f" {len(curve)} points)"
+        )
     if args.out:
-        Path(args.out).write_text(json.dumps({"source": str(source_dir), "rows": rows, "references": references,
-                                                  "slope_per_doubling": slope}, indent=1))  # fmt: skip
+        Path(args.out).write_text(
+            json.dumps(
+                {"source": str(source_dir), "rows": rows, "references": references, "slope_per_doubling": slope},
+                indent=1,
+            )
+        )
     return 0
 
 

@@ -40,8 +40,9 @@ def main(argv=None) -> int:
     import torch
     from transformers import AutoConfig, LlamaForCausalLM
 
-    from specdeploy import artifacts, draft_train
-    from specdeploy.config_loader import parse_recipe
+    from specdeploy.core import artifacts
+    from specdeploy.eagle3 import train as draft_train
+    from specdeploy.recipe.load import parse_recipe
 
     work = Path(tempfile.mkdtemp(prefix="eagle3-scale-"))
     model_dir = work / "target"
@@ -63,21 +64,44 @@ def main(argv=None) -> int:
             sync()
             dt = time.perf_counter() - t0
         res[f"generate_batch{batch}_tokens_per_s"] = round(batch * args.new_tokens / dt)
-        print(f"generate: batch {batch} x {args.new_tokens} new tokens in {dt:.1f} s, {batch * args.new_tokens / dt:,.0f} tokens/s", flush=True)
+        print(
+            f"generate: batch {batch} x {args.new_tokens} new tokens in {dt:.1f} s, {batch * args.new_tokens / dt:,.0f}"
+            " tokens/s",
+            flush=True,
+        )
     del model
     if dev == "cuda":
         torch.cuda.empty_cache()
 
     rng = random.Random(0)
-    sample = lambda i: {"id": f"s{i}", "source": "synthetic", "input_ids": [rng.randrange(100, 40000) for _ in range(320)],  # noqa: E731
-                        "loss_start": 64, "sampled": False}
-    recipe = parse_recipe({
-        "name": "scale", "target": {"model": str(model_dir)},
-        "draft": {"kind": "eagle3", "head": "trained", "train": {
-            "draft_vocab_size": 8192, "ttt_steps": 3, "epochs": 1.0, "learning_rate": 1e-3, "seq_len": 512,
-            "batch_size": args.batch_size, "seed": 0, "precision": "auto"}},
-        "speculative": {"max_draft_len": 4, "num_draft_tokens": 3},
-    })  # fmt: skip
+    sample = lambda i: {
+        "id": f"s{i}",
+        "source": "synthetic",
+        "input_ids": [rng.randrange(100, 40000) for _ in range(320)],  # noqa: E731
+        "loss_start": 64,
+        "sampled": False,
+    }
+    recipe = parse_recipe(
+        {
+            "name": "scale",
+            "target": {"model": str(model_dir)},
+            "draft": {
+                "kind": "eagle3",
+                "head": "trained",
+                "train": {
+                    "draft_vocab_size": 8192,
+                    "ttt_steps": 3,
+                    "epochs": 1.0,
+                    "learning_rate": 1e-3,
+                    "seq_len": 512,
+                    "batch_size": args.batch_size,
+                    "seed": 0,
+                    "precision": "auto",
+                },
+            },
+            "speculative": {"max_draft_len": 4, "num_draft_tokens": 3},
+        }
+    )
     layout = artifacts.Layout(work / "run", recipe.name)
     data = layout.draft_data
     data.mkdir(parents=True)
@@ -87,9 +111,17 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     draft_train.train_recipe(recipe, layout, echo=print, progress=False)
     manifest = artifacts.Manifest.read(layout.eagle3_head)
-    res.update({"train_wall_s": round(time.perf_counter() - t0, 1), "train_device": manifest.settings.get("device"),
-                "train_precision": manifest.settings.get("precision"),
-                **{f"train_{k.removeprefix('train_')}": manifest.extra.get(k) for k in ("train_tokens_per_s", "train_seconds", "steps", "seconds_per_step")}})
+    res.update(
+        {
+            "train_wall_s": round(time.perf_counter() - t0, 1),
+            "train_device": manifest.settings.get("device"),
+            "train_precision": manifest.settings.get("precision"),
+            **{
+                f"train_{k.removeprefix('train_')}": manifest.extra.get(k)
+                for k in ("train_tokens_per_s", "train_seconds", "steps", "seconds_per_step")
+            },
+        }
+    )
     if dev == "cuda":
         res["max_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
     print(json.dumps(res, indent=1))

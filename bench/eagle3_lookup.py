@@ -30,17 +30,19 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the served stubs (trit
 
 def measure(executor, prompts, k: int, max_tokens: int, end_id) -> tuple[dict, list[list[int]]]:
     """Totals over the prompts (each from an empty cache) and the outputs."""
-    from specdeploy.engine.request import GenerationRequest, run
+    from specdeploy.engine.request import EngineRequest, run
 
     tot = dict(tokens=0, passes=0, rounds=0, drafted=0, accepted=0, lookup_rounds=0, lookup_accepted=0)
     outputs = []
     for _, ids in prompts:
         executor.clear_cache()
-        out = run(executor, GenerationRequest(input_ids=list(ids), max_new_tokens=max_tokens, end_id=end_id, num_draft_tokens=k))
+        out = run(
+            executor, EngineRequest(input_ids=list(ids), max_new_tokens=max_tokens, end_id=end_id, num_draft_tokens=k)
+        )
         s = out.stats
         tot["tokens"] += len(out.token_ids) - 1  # after the prefill's token
         tot["passes"] += s.iterations - 1
-        tot["rounds"] += sum(1 for d in s.drafted_per_round if d)  # rounds that drafted (by the head or the lookup)
+        tot["rounds"] += sum(1 for d in s.k_per_round if d)  # rounds that drafted (by the head or the lookup)
         for key in ("drafted", "accepted", "lookup_rounds", "lookup_accepted"):
             tot[key] += getattr(s, key)
         outputs.append(list(out.token_ids))
@@ -55,7 +57,9 @@ def main(argv=None) -> int:
     ap.add_argument("--data", default=str(ROOT / "engines" / "smollm2-135m-eagle3-gpu" / "draft-data"))
     ap.add_argument("--count", type=int, default=48)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--draft-len", type=int, default=None, help="k (default: the recipe's speculative.num_draft_tokens)")
+    ap.add_argument(
+        "--draft-len", type=int, default=None, help="k (default: the recipe's speculative.num_draft_tokens)"
+    )
     ap.add_argument("--thresholds", default="0,2,3,4,5", help="draft.sa_config.threshold values; 0: no lookup")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None)
@@ -71,31 +75,44 @@ def main(argv=None) -> int:
     prompts = prompts_of(args.prompts, args.data, args.count, tokenizer, args.max_tokens)
     k = args.draft_len or recipe.speculative.num_draft_tokens
     thresholds = [int(t) for t in args.thresholds.split(",")]
-    print(f"{len(prompts)} {args.prompts} prompts x {args.max_tokens} tokens, k = {k}, draft_p_min "
-          f"{recipe.speculative.draft_p_min:g}, head {layout.eagle3_head_source(recipe.draft.head)}", flush=True)
+    print(
+        f"{len(prompts)} {args.prompts} prompts x {args.max_tokens} tokens, k = {k}, draft_p_min "
+        f"{recipe.speculative.draft_p_min:g}, head {layout.eagle3_head_source(recipe.draft.head)}",
+        flush=True,
+    )
     rows, reference = [], None
     for threshold in thresholds:
-        executor = Executor(engine, 2, head=head, draft_p_min=recipe.speculative.draft_p_min, lookup_threshold=threshold)
+        executor = Executor(
+            engine, 2, head=head, draft_p_min=recipe.speculative.draft_p_min, lookup_threshold=threshold
+        )
         tot, outputs = measure(executor, prompts, k, args.max_tokens, tokenizer.eos_token_id)
         reference = reference if reference is not None else outputs
         if outputs != reference:
             print(f"threshold {threshold}: outputs differ from the first run's: a bug", flush=True)
             return 1
         head_rounds = tot["rounds"] - tot["lookup_rounds"]
-        row = {"threshold": threshold, **tot,
-               "tokens_per_pass": tot["tokens"] / max(1, tot["passes"]),
-               "lookup_share": tot["lookup_rounds"] / max(1, tot["passes"]),
-               "accepted_per_pass": tot["accepted"] / max(1, tot["passes"]),
-               "accepted_per_lookup_round": tot["lookup_accepted"] / max(1, tot["lookup_rounds"]),
-               "accepted_per_head_round": (tot["accepted"] - tot["lookup_accepted"]) / max(1, head_rounds)}  # fmt: skip
+        row = {
+            "threshold": threshold,
+            **tot,
+            "tokens_per_pass": tot["tokens"] / max(1, tot["passes"]),
+            "lookup_share": tot["lookup_rounds"] / max(1, tot["passes"]),
+            "accepted_per_pass": tot["accepted"] / max(1, tot["passes"]),
+            "accepted_per_lookup_round": tot["lookup_accepted"] / max(1, tot["lookup_rounds"]),
+            "accepted_per_head_round": (tot["accepted"] - tot["lookup_accepted"]) / max(1, head_rounds),
+        }
         rows.append(row)
-        print(f"threshold {threshold}: {row['tokens_per_pass']:.3f} tokens a pass ({tot['passes']} passes), "
-              f"{row['accepted_per_pass']:.3f} accepted drafts a pass; lookup drafted {row['lookup_share']:.1%} of passes, "
-              f"{row['accepted_per_lookup_round']:.2f} accepted there; the head's drafting rounds "
-              f"{row['accepted_per_head_round']:.2f}", flush=True)  # fmt: skip
+        print(
+            f"threshold {threshold}: {row['tokens_per_pass']:.3f} tokens a pass ({tot['passes']} passes),"
+            f" {row['accepted_per_pass']:.3f} accepted drafts a pass; lookup drafted {row['lookup_share']:.1%} of"
+            f" passes, {row['accepted_per_lookup_round']:.2f} accepted there; the head's drafting rounds"
+            f" {row['accepted_per_head_round']:.2f}",
+            flush=True,
+        )
     print("outputs equal across thresholds: True")
     if args.out:
-        Path(args.out).write_text(json.dumps({"prompts": args.prompts, "count": len(prompts), "k": k, "rows": rows}, indent=1))
+        Path(args.out).write_text(
+            json.dumps({"prompts": args.prompts, "count": len(prompts), "k": k, "rows": rows}, indent=1)
+        )
     return 0
 
 

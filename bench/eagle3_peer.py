@@ -114,14 +114,21 @@ class Acceptance:
         return [n / self.passes for n in self.accepted_at] if self.passes else []
 
     def to_json(self) -> dict:
-        return {"passes": self.passes, "drafted": self.drafted, "accepted": self.accepted, "length": self.length,
-                "rate": self.rate, "per_position": self.per_position}
+        return {
+            "passes": self.passes,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "length": self.length,
+            "rate": self.rate,
+            "per_position": self.per_position,
+        }
 
 
 # llama-server (tools/server/server-context.cpp) with LLAMA_TRACE > 0, one line per verification pass:
 #   0.02.691.228 I slot   operator(): id  0 | task 7 | accepted  2/ 4 draft tokens
 # and when a request ends (print_timings):
-#   0.03.087.096 I slot print_timing: id  0 | task 7 | draft acceptance = 0.50000 (    8 accepted /    16 generated), mean len =  3.00
+#   0.03.087.096 I slot print_timing: id  0 | task 7 | draft acceptance = 0.50000 (    8 accepted /    16 generated),
+# mean len =  3.00
 _PASS = re.compile(r"\| task (\d+) \| accepted\s+(\d+)/\s*(\d+) draft tokens(?! \(restore)")
 _RESTORE = re.compile(r"\| task (\d+) \| accepted\s+\d+/\s*\d+ draft tokens \(restore checkpoint\)")
 _SUMMARY = re.compile(r"\| task (\d+) \| draft acceptance = [\d.]+ \(\s*(\d+) accepted /\s*(\d+) generated\)")
@@ -191,14 +198,18 @@ class SpecdeploySide:
         self.end_id = end_id
 
     def generate(self, ids: list[int], max_tokens: int, draft_len: int) -> Run:
-        from specdeploy.engine.request import GenerationRequest, run
+        from specdeploy.engine.request import EngineRequest, run
 
-        request = GenerationRequest(input_ids=list(ids), max_new_tokens=max_tokens, end_id=self.end_id, num_draft_tokens=draft_len)
+        request = EngineRequest(
+            input_ids=list(ids), max_new_tokens=max_tokens, end_id=self.end_id, num_draft_tokens=draft_len
+        )
         out = run(self.fused if draft_len else self.plain, request)
         s = out.stats
         assert not draft_len or s.fused, "a greedy request with draft tokens runs the fused loop"
-        acceptance = Acceptance.of_rounds(list(zip(s.accepted_per_round, s.drafted_per_round))) if draft_len else None
-        return Run(_strip_end(out.token_ids, {self.end_id}), s.output_tokens, s.total_time_s - s.first_token_time_s, acceptance)
+        acceptance = Acceptance.of_rounds(list(zip(s.accepted_per_round, s.k_per_round))) if draft_len else None
+        return Run(
+            _strip_end(out.token_ids, {self.end_id}), s.output_tokens, s.total_time_s - s.first_token_time_s, acceptance
+        )
 
 
 def _free_port() -> int:
@@ -216,16 +227,54 @@ class ServerExited(llama_cpp.Unavailable):
 class LlamaServer:
     """One llama-server on a free loopback port; its log (stdout and stderr) in a file the requests read back."""
 
-    def __init__(self, binary: Path, model: Path, threads: int, ctx: int, log_path: Path, head: Path | None = None,
-                 draft_len: int = 0, extra: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        binary: Path,
+        model: Path,
+        threads: int,
+        ctx: int,
+        log_path: Path,
+        head: Path | None = None,
+        draft_len: int = 0,
+        extra: tuple[str, ...] = (),
+    ):
         self.port = _free_port()
         self.log_path = log_path
         self.spec = head is not None
-        args = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port), "-t", str(threads),
-                "-tb", str(threads), "-c", str(ctx), "-np", "1", "--no-webui", *extra]
+        args = [
+            str(binary),
+            "-m",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "-t",
+            str(threads),
+            "-tb",
+            str(threads),
+            "-c",
+            str(ctx),
+            "-np",
+            "1",
+            "--no-webui",
+            *extra,
+        ]
         if head is not None:
-            args += ["-md", str(head), "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(draft_len),
-                     "--spec-draft-p-min", "0", "-td", str(threads), "-tbd", str(threads)]
+            args += [
+                "-md",
+                str(head),
+                "--spec-type",
+                "draft-eagle3",
+                "--spec-draft-n-max",
+                str(draft_len),
+                "--spec-draft-p-min",
+                "0",
+                "-td",
+                str(threads),
+                "-tbd",
+                str(threads),
+            ]
         self.args = args
         env = llama_cpp.peer_env(LLAMA_TRACE="1")
         self._log = open(log_path, "wb")
@@ -234,7 +283,9 @@ class LlamaServer:
         while True:
             if self.proc.poll() is not None:
                 self._log.close()
-                raise ServerExited(f"llama-server exited ({self.proc.returncode}): {self._log_tail()}", self.proc.returncode)
+                raise ServerExited(
+                    f"llama-server exited ({self.proc.returncode}): {self._log_tail()}", self.proc.returncode
+                )
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as r:
                     if r.status == 200:
@@ -243,7 +294,9 @@ class LlamaServer:
                 pass
             if time.monotonic() > deadline:
                 self.close()
-                raise llama_cpp.Unavailable(f"llama-server did not answer /health in {SERVER_START_S:.0f} s: {self._log_tail()}")
+                raise llama_cpp.Unavailable(
+                    f"llama-server did not answer /health in {SERVER_START_S:.0f} s: {self._log_tail()}"
+                )
             time.sleep(0.2)
 
     def _log_tail(self) -> str:
@@ -252,10 +305,19 @@ class LlamaServer:
 
     def generate(self, ids: list[int], max_tokens: int, end_ids: set[int]) -> Run:
         offset = self.log_path.stat().st_size
-        body = {"prompt": list(ids), "n_predict": max_tokens, "temperature": 0.0, "top_k": 1, "seed": 0,
-                "cache_prompt": False, "return_tokens": True, "stream": False}
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
+        body = {
+            "prompt": list(ids),
+            "n_predict": max_tokens,
+            "temperature": 0.0,
+            "top_k": 1,
+            "seed": 0,
+            "cache_prompt": False,
+            "return_tokens": True,
+            "stream": False,
+        }
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/completion", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
             reply = json.loads(r.read())
         t = reply["timings"]
@@ -279,8 +341,10 @@ class LlamaServer:
         rounds = [r for t in tasks.values() for r in t.rounds]
         acc = Acceptance.of_rounds(rounds)
         if (acc.drafted, acc.accepted) != (drafted, int(timings.get("draft_n_accepted", 0))):
-            log(f"warning: llama-server's log counts {acc.accepted}/{acc.drafted} accepted/drafted, its reply "
-                f"{timings.get('draft_n_accepted', 0)}/{drafted}")
+            log(
+                f"warning: llama-server's log counts {acc.accepted}/{acc.drafted} accepted/drafted, its reply "
+                f"{timings.get('draft_n_accepted', 0)}/{drafted}"
+            )
         if any(t.restores for t in tasks.values()):
             log("warning: llama-server restored checkpoints (partial acceptance re-verified): counts may differ")
         return acc
@@ -308,8 +372,10 @@ def start_server(*args, extra: list[str], **kwargs) -> LlamaServer:
         # the same AMX path has also died with SIGSEGV at load here: --no-repack cures both
         if exc.returncode not in (-signal.SIGILL, -signal.SIGSEGV) or "--no-repack" in extra:
             raise
-        log(f"llama-server: {signal.Signals(-exc.returncode).name} (ggml's AMX kernels; this CPU lists AMX, the VM does not "
-            "enable it): again with --no-repack")
+        log(
+            f"llama-server: {signal.Signals(-exc.returncode).name} (ggml's AMX kernels; this CPU lists AMX, the VM does"
+            " not enable it): again with --no-repack"
+        )
         extra.append("--no-repack")
         return LlamaServer(*args, extra=tuple(extra), **kwargs)
 
@@ -320,9 +386,13 @@ def start_server(*args, extra: list[str], **kwargs) -> LlamaServer:
 def resolve_head(recipe, layout, given: str | None) -> Path | None:
     """--head, else the recipe's head (draft.head: 'trained' is `specdeploy draft train`'s output), else the head
     bundled for the recipe's target (specdeploy/data/heads/<target>-eagle3)."""
-    from specdeploy.artifacts import BUNDLED_HEADS
+    from specdeploy.core.artifacts import BUNDLED_HEADS
 
-    candidates = [Path(given)] if given else [layout.eagle3_head_source(recipe.draft.head), BUNDLED_HEADS / f"{recipe.target.model}-eagle3"]
+    candidates = (
+        [Path(given)]
+        if given
+        else [layout.eagle3_head_source(recipe.draft.head), BUNDLED_HEADS / f"{recipe.target.model}-eagle3"]
+    )
     return next((c for c in candidates if (c / "config.json").is_file()), None)
 
 
@@ -333,7 +403,9 @@ def chat_prompts(tokenizer, n: int, max_tokens: int, prompt_set: str = "builtin"
 
     prompts = load_prompt_set(prompt_set, max_tokens, n)
     renderer = HFChatTemplate(tokenizer) if HFChatTemplate.available(tokenizer) else None
-    return [(p.id, list(tokenizer(p.text, add_special_tokens=True)["input_ids"])) for p in render_prompts(prompts, renderer)]
+    return [
+        (p.id, list(tokenizer(p.text, add_special_tokens=True)["input_ids"])) for p in render_prompts(prompts, renderer)
+    ]
 
 
 def summarize(runs: dict[str, list[Run]], plain_key: str, spec_key: str) -> dict:
@@ -342,44 +414,61 @@ def summarize(runs: dict[str, list[Run]], plain_key: str, spec_key: str) -> dict
     for r in spec:
         acc.merge(r.acceptance)
     plain_rate, spec_rate = decode_rate(plain), decode_rate(spec)
-    return {"plain_tok_s": plain_rate, "spec_tok_s": spec_rate, "speedup": spec_rate / plain_rate if plain_rate else 0.0,
-            "acceptance": acc.to_json(), "spec_equals_plain": sum(a.tokens == b.tokens for a, b in zip(plain, spec)),
-            "prompts": len(plain)}
+    return {
+        "plain_tok_s": plain_rate,
+        "spec_tok_s": spec_rate,
+        "speedup": spec_rate / plain_rate if plain_rate else 0.0,
+        "acceptance": acc.to_json(),
+        "spec_equals_plain": sum(a.tokens == b.tokens for a, b in zip(plain, spec)),
+        "prompts": len(plain),
+    }
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", default=str(ROOT / "build" / "smollm2-135m.yaml"))
-    ap.add_argument("--root", default=None, help="project root holding engines/ (default: $SPECDEPLOY_ROOT or the repo)")
-    ap.add_argument("--head", default=None, help="exported EAGLE-3 head folder (default: the recipe's, else the bundled one)")
-    ap.add_argument("--engine", default=None, help="specdeploy target engine folder (default: the recipe's, built if missing)")
+    ap.add_argument(
+        "--root", default=None, help="project root holding engines/ (default: $SPECDEPLOY_ROOT or the repo)"
+    )
+    ap.add_argument(
+        "--head", default=None, help="exported EAGLE-3 head folder (default: the recipe's, else the bundled one)"
+    )
+    ap.add_argument(
+        "--engine", default=None, help="specdeploy target engine folder (default: the recipe's, built if missing)"
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--draft-len", type=int, default=None, help="K drafts per round (default: the recipe's num_draft_tokens)")
+    ap.add_argument(
+        "--draft-len", type=int, default=None, help="K drafts per round (default: the recipe's num_draft_tokens)"
+    )
     ap.add_argument("--formats", default=",".join(FORMATS), help="llama.cpp target GGUF types, comma-separated")
     ap.add_argument("--skip-llama", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read when torch loads OpenMP (below); not llama-server's (peer_env)
+    os.environ.setdefault(
+        "OMP_WAIT_POLICY", "PASSIVE"
+    )  # read when torch loads OpenMP (below); not llama-server's (peer_env)
 
-    from specdeploy.artifacts import Layout
-    from specdeploy.config_loader import load_recipe
+    from specdeploy.core.artifacts import Layout
+    from specdeploy.recipe.load import load_recipe
 
     recipe = load_recipe(args.recipe)
     layout = Layout.of(recipe, args.root or os.environ.get("SPECDEPLOY_ROOT") or ROOT)
     head_dir = resolve_head(recipe, layout, args.head)
     if head_dir is None:
-        print(f"eagle3-peer: skipped: no EAGLE-3 head for {recipe.name} (make draft-head EAGLE3_RECIPE={args.recipe}, "
-              f"or a bundled specdeploy/data/heads/{recipe.target.model}-eagle3, or --head DIR)")
+        print(
+            f"eagle3-peer: skipped: no EAGLE-3 head for {recipe.name} (make draft-head EAGLE3_RECIPE={args.recipe}, "
+            f"or a bundled specdeploy/data/heads/{recipe.target.model}-eagle3, or --head DIR)"
+        )
         return 0
     draft_len = args.draft_len or recipe.speculative.num_draft_tokens
 
     import torch
 
     from bench.kernels import ensure_engine
-    from specdeploy.generate import load_tokenizer
-    from specdeploy.models import resolve
+    from specdeploy.core.model_store import resolve
+    from specdeploy.engine.generate import load_tokenizer
 
     torch.set_num_threads(args.threads)
     hf_dir = Path(resolve(recipe.target.model))
@@ -387,11 +476,13 @@ def main(argv=None) -> int:
     tokenizer = load_tokenizer(Path(engine_dir), recipe.target.model)
     end_id = tokenizer.eos_token_id
     prompts = chat_prompts(tokenizer, args.prompts, args.max_tokens)
-    log(f"{platform.node()}: {os.cpu_count()} cores, {args.threads} threads, load average {os.getloadavg()[0]:.1f}; "
-        f"head {head_dir} (specdeploy holds its linears in {recipe.draft.cpu_head_weights}: draft.head_weights; and scores all "
-        f"its draft tokens, as llama.cpp does, where the recipe serves {recipe.draft.serve_vocab_size or 'all'}: "
-        f"draft.serve_vocab_size); "
-        f"{len(prompts)} prompts x {args.max_tokens} tokens, K = {draft_len}, greedy")
+    log(
+        f"{platform.node()}: {os.cpu_count()} cores, {args.threads} threads, load average {os.getloadavg()[0]:.1f};"
+        f" head {head_dir} (specdeploy holds its linears in {recipe.draft.cpu_head_weights}: draft.head_weights; and"
+        " scores all its draft tokens, as llama.cpp does, where the recipe serves"
+        f" {recipe.draft.serve_vocab_size or 'all'}: draft.serve_vocab_size); {len(prompts)} prompts x"
+        f" {args.max_tokens} tokens, K = {draft_len}, greedy"
+    )
 
     sd = SpecdeploySide(engine_dir, head_dir, end_id, recipe.draft.cpu_head_weights)
     if draft_len > sd.fused.max_draft_len:
@@ -400,7 +491,11 @@ def main(argv=None) -> int:
     servers: list[LlamaServer] = []
     llama_skipped = "--skip-llama" if args.skip_llama else None
     formats = [f for f in args.formats.split(",") if f]
-    out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"eagle3-peer-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out = (
+        Path(args.out)
+        if args.out
+        else ROOT / "bench" / "results" / f"eagle3-peer-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
         if not llama_skipped:
@@ -412,8 +507,16 @@ def main(argv=None) -> int:
                 for fmt in formats:
                     model = llama_cpp.convert_model(hf_dir, fmt)
                     for name, head in ((f"llama.cpp {fmt} plain", None), (f"llama.cpp {fmt} eagle3", head_gguf)):
-                        server = start_server(server_bin, model, args.threads, ctx, out.with_name(out.stem + f"-{fmt}-{'spec' if head else 'plain'}.log"),
-                                              head, draft_len, extra=extra)
+                        server = start_server(
+                            server_bin,
+                            model,
+                            args.threads,
+                            ctx,
+                            out.with_name(out.stem + f"-{fmt}-{'spec' if head else 'plain'}.log"),
+                            head,
+                            draft_len,
+                            extra=extra,
+                        )
                         servers.append(server)
                         sides[name] = (server, None)
                         log(f"{name}: llama-server on 127.0.0.1:{server.port} " + " ".join(server.args[1:]))
@@ -439,15 +542,20 @@ def main(argv=None) -> int:
         for i, (pid, ids) in enumerate(prompts):
             for name in sides:
                 runs[name].append(one(name, ids, args.max_tokens))
-            line = "  ".join(f"{name.replace('specdeploy', 'sd').replace('llama.cpp', 'lc')} {len(runs[name][-1].tokens)}t "
-                             f"{runs[name][-1].decode_tokens / max(runs[name][-1].decode_s, 1e-9):.0f}/s" for name in sides)
+            line = "  ".join(
+                f"{name.replace('specdeploy', 'sd').replace('llama.cpp', 'lc')} {len(runs[name][-1].tokens)}t "
+                f"{runs[name][-1].decode_tokens / max(runs[name][-1].decode_s, 1e-9):.0f}/s"
+                for name in sides
+            )
             log(f"prompt {i + 1}/{len(prompts)} {pid} ({len(ids)} ids): {line}")
     finally:
         for server in servers:
             server.close()
 
     results = {"specdeploy": summarize(runs, "specdeploy plain", "specdeploy eagle3")}
-    results["specdeploy"]["target_format"] = f"{getattr(sd.spec, 'quant_algo', None) or 'bf16'} specdeploy engine ({engine_dir})"
+    results["specdeploy"]["target_format"] = (
+        f"{getattr(sd.spec, 'quant_algo', None) or 'bf16'} specdeploy engine ({engine_dir})"
+    )
     for fmt in formats if not llama_skipped else []:
         r = summarize(runs, f"llama.cpp {fmt} plain", f"llama.cpp {fmt} eagle3")
         r["target_format"] = f"{fmt} GGUF"
@@ -461,31 +569,62 @@ def main(argv=None) -> int:
         results["llama.cpp"] = {"skipped": llama_skipped}
 
     print()
-    print(f"EAGLE-3 head {head_dir}, {len(prompts)} chat prompts x {args.max_tokens} tokens, K = {draft_len}, "
-          f"{args.threads} threads, greedy")
-    print(f"{'side (target format)':<34} {'plain tok/s':>11} {'eagle3 tok/s':>12} {'speedup':>7} {'acc.len':>7} {'rate':>5} "
-          f"{'spec==plain':>11}  accepted per position")
+    print(
+        f"EAGLE-3 head {head_dir}, {len(prompts)} chat prompts x {args.max_tokens} tokens, K = {draft_len}, "
+        f"{args.threads} threads, greedy"
+    )
+    print(
+        f"{'side (target format)':<34} {'plain tok/s':>11} {'eagle3 tok/s':>12} {'speedup':>7} {'acc.len':>7}"
+        f" {'rate':>5} {'spec==plain':>11}  accepted per position"
+    )
     for name, r in results.items():
         if "skipped" in r:
             print(f"{name:<34} skipped: {r['skipped']}")
             continue
         a = r["acceptance"]
         label = f"{name} ({r['target_format'].split(' ')[0]})"
-        print(f"{label:<34} {r['plain_tok_s']:11.1f} {r['spec_tok_s']:12.1f} {r['speedup']:6.2f}x {a['length']:7.2f} "
-              f"{a['rate']:5.0%} {r['spec_equals_plain']:>5}/{r['prompts']:<5}  " + " ".join(f"{p:.2f}" for p in a["per_position"]))
+        print(
+            f"{label:<34} {r['plain_tok_s']:11.1f} {r['spec_tok_s']:12.1f} {r['speedup']:6.2f}x {a['length']:7.2f} "
+            f"{a['rate']:5.0%} {r['spec_equals_plain']:>5}/{r['prompts']:<5}  "
+            + " ".join(f"{p:.2f}" for p in a["per_position"])
+        )
     for fmt in formats if not llama_skipped else []:
         r = results[f"llama.cpp {fmt}"]
-        print(f"llama.cpp {fmt} plain output == specdeploy plain output: {r['plain_equals_specdeploy_plain']}/{r['prompts']} "
-              f"(mean common prefix {r['mean_common_prefix_with_specdeploy_plain']:.1f} tokens; targets: llama.cpp {fmt}, "
-              f"specdeploy {results['specdeploy']['target_format'].split(' ')[0]})")
+        print(
+            f"llama.cpp {fmt} plain output == specdeploy plain output:"
+            f" {r['plain_equals_specdeploy_plain']}/{r['prompts']} (mean common prefix"
+            f" {r['mean_common_prefix_with_specdeploy_plain']:.1f} tokens; targets: llama.cpp {fmt}, specdeploy"
+            f" {results['specdeploy']['target_format'].split(' ')[0]})"
+        )
 
-    meta = {"host": platform.node(), "threads": args.threads, "load_average": os.getloadavg(), "recipe": args.recipe,
-            "head": str(head_dir), "head_weights": recipe.draft.cpu_head_weights, "engine": engine_dir, "draft_len": draft_len, "max_tokens": args.max_tokens,
-            "prompts": [pid for pid, _ in prompts], "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-            "llama_server_args": {s.log_path.stem: s.args for s in servers}, "llama_sdist": llama_cpp.SDIST,
-            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
-    detail = {name: [{"tokens": r.tokens, "decode_tokens": r.decode_tokens, "decode_s": r.decode_s,
-                      "acceptance": r.acceptance.to_json() if r.acceptance else None} for r in rs] for name, rs in runs.items()}
+    meta = {
+        "host": platform.node(),
+        "threads": args.threads,
+        "load_average": os.getloadavg(),
+        "recipe": args.recipe,
+        "head": str(head_dir),
+        "head_weights": recipe.draft.cpu_head_weights,
+        "engine": engine_dir,
+        "draft_len": draft_len,
+        "max_tokens": args.max_tokens,
+        "prompts": [pid for pid, _ in prompts],
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "llama_server_args": {s.log_path.stem: s.args for s in servers},
+        "llama_sdist": llama_cpp.SDIST,
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    detail = {
+        name: [
+            {
+                "tokens": r.tokens,
+                "decode_tokens": r.decode_tokens,
+                "decode_s": r.decode_s,
+                "acceptance": r.acceptance.to_json() if r.acceptance else None,
+            }
+            for r in rs
+        ]
+        for name, rs in runs.items()
+    }
     out.write_text(json.dumps({"meta": meta, "results": results, "runs": detail}, indent=2, default=str) + "\n")
     log(f"wrote {out}")
     return 0

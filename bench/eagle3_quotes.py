@@ -6,8 +6,9 @@ Each prompt's greedy answer comes from the recipe's target engine (no drafting);
 the aux features, and the head catches up row by row as the fused loop feeds it, so the first draft at every answer
 position is the one the loop would make there after a fully accepted history.
 
-    .venv/bin/python bench/eagle3_quotes.py [--head DIR] --prompts builtin[:CATEGORY] | heldout:DATA_DIR[:SOURCE] [--count 32]
-    .venv/bin/python bench/eagle3_quotes.py --write-passages FILE.jsonl   # prose paragraphs of the docs installed here
+    .venv/bin/python bench/eagle3_quotes.py [--head DIR] --prompts builtin[:CATEGORY] | heldout:DATA_DIR[:SOURCE]
+    [--count 32] .venv/bin/python bench/eagle3_quotes.py --write-passages FILE.jsonl   # prose paragraphs of the docs
+    installed here
 
 --write-passages: paragraphs of 40-160 words of prose (no markup lines, letters and spaces >= 90 %, no URLs, code
 or identifiers) from the .rst/.md files and METADATA of the virtual environment's packages, /usr/share/doc READMEs
@@ -91,7 +92,9 @@ def paragraphs(text: str) -> list[str]:
     out = []
     for block in re.split(r"\n\s*\n", text):
         lines = [line.strip() for line in block.splitlines() if line.strip()]
-        if not lines or any(line.startswith(("#", "=", "-", "*", ">", "|", "..", ":", "`", "[", "<", "!", "+")) for line in lines):
+        if not lines or any(
+            line.startswith(("#", "=", "-", "*", ">", "|", "..", ":", "`", "[", "<", "!", "+")) for line in lines
+        ):
             continue
         paragraph = " ".join(lines)
         if is_prose(paragraph):
@@ -100,8 +103,14 @@ def paragraphs(text: str) -> list[str]:
 
 
 def machine_texts(site_packages: Path, stdlib: Path):
-    files = sorted({*glob.glob(f"{site_packages}/**/*.rst", recursive=True), *glob.glob(f"{site_packages}/**/*.md", recursive=True),
-                    *glob.glob(f"{site_packages}/*.dist-info/METADATA"), *glob.glob("/usr/share/doc/**/README*", recursive=True)})
+    files = sorted(
+        {
+            *glob.glob(f"{site_packages}/**/*.rst", recursive=True),
+            *glob.glob(f"{site_packages}/**/*.md", recursive=True),
+            *glob.glob(f"{site_packages}/*.dist-info/METADATA"),
+            *glob.glob("/usr/share/doc/**/README*", recursive=True),
+        }
+    )
     for path in files:
         if path.endswith(".gz"):
             continue
@@ -117,14 +126,16 @@ def machine_texts(site_packages: Path, stdlib: Path):
         except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
             continue
         for node in ast.walk(tree):
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and ast.get_docstring(node):
+            if isinstance(
+                node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+            ) and ast.get_docstring(node):
                 yield ast.get_docstring(node)
 
 
 def passage_prompts(texts, seed: int = 1) -> list[str]:
     """Each distinct prose paragraph of `texts` once, inside a calibration request drawn with `seed` (order shuffled
     with seed 0)."""
-    from specdeploy.draft_prompts import CALIBRATION_TEMPLATES, normalize
+    from specdeploy.eagle3.prompts import CALIBRATION_TEMPLATES, normalize
 
     seen, found = set(), []
     for text in texts:
@@ -153,7 +164,9 @@ def main(argv=None) -> int:
 
         site = Path(sysconfig.get_paths()["purelib"])
         prompts = passage_prompts(machine_texts(site, Path(sysconfig.get_paths()["stdlib"])))
-        Path(args.write_passages).write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts), encoding="utf-8")
+        Path(args.write_passages).write_text(
+            "".join(json.dumps({"prompt": p}) + "\n" for p in prompts), encoding="utf-8"
+        )
         print(f"{len(prompts)} prompts -> {args.write_passages}")
         return 0
 
@@ -161,7 +174,7 @@ def main(argv=None) -> int:
     from bench.eagle3_peer import chat_prompts
     from specdeploy.engine.eagle3 import Eagle3Head
     from specdeploy.engine.executor import Executor
-    from specdeploy.engine.request import GenerationRequest, run
+    from specdeploy.engine.request import EngineRequest, run
 
     recipe, layout, engine, head, tokenizer = load_pair(args.recipe, args.root)
     if args.head:
@@ -171,16 +184,22 @@ def main(argv=None) -> int:
         prompts = [p for p in chat_prompts(tokenizer, 10**4, args.max_tokens) if p[0].startswith(rest)][: args.count]
     else:
         folder, _, source = rest.partition(":")
-        sources = {json.loads(line)["id"]: json.loads(line)["source"] for line in (Path(folder) / "heldout.jsonl").open()}
-        prompts = [p for p in heldout_prompts(Path(folder), 10**6) if not source or sources[p[0]] == source][: args.count]
+        sources = {
+            json.loads(line)["id"]: json.loads(line)["source"] for line in (Path(folder) / "heldout.jsonl").open()
+        }
+        prompts = [p for p in heldout_prompts(Path(folder), 10**6) if not source or sources[p[0]] == source][
+            : args.count
+        ]
     executor = Executor(engine)
     hits = []
     for _, ids in prompts:
-        answer = run(executor, GenerationRequest(list(ids), args.max_tokens, end_id=tokenizer.eos_token_id)).token_ids
+        answer = run(executor, EngineRequest(list(ids), args.max_tokens, end_id=tokenizer.eos_token_id)).token_ids
         hits += first_draft_hits(engine, head, list(ids), answer)
     result = summarize(hits)
-    print(f"{len(prompts)} {args.prompts} prompts, first draft = the target's greedy token: "
-          + ", ".join(f"{name} {share:.3f} ({n} positions)" for name, (n, share) in result.items()))
+    print(
+        f"{len(prompts)} {args.prompts} prompts, first draft = the target's greedy token: "
+        + ", ".join(f"{name} {share:.3f} ({n} positions)" for name, (n, share) in result.items())
+    )
     return 0
 
 

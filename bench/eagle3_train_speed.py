@@ -40,8 +40,8 @@ def scored_samples(tokenizer, count: int, seq_len: int, seed: int):
     """`count` samples of ShareGPT's train split: a first user turn and its answer, the loss on the answer."""
     import random
 
-    from specdeploy import sharegpt
-    from specdeploy.draft_samples import Sample
+    from specdeploy.core import sharegpt
+    from specdeploy.eagle3.samples import Sample
 
     conversations = [c for c in sharegpt.load().conversations if not sharegpt.is_heldout(c.id) and sharegpt.english(c)]
     random.Random(seed).shuffle(conversations)
@@ -67,14 +67,10 @@ def one_turn(args) -> dict:
     """One arm's turn in this process: --steps training steps with the recipe's settings."""
     import torch
 
-    from specdeploy import artifacts, models
-    from specdeploy.config_loader import load_recipe
-    from specdeploy.draft_features import EngineFeatures
-    from specdeploy.draft_samples import DraftData
-    from specdeploy.draft_train import init_head_folder, pad_id_of, train_precision
-    from specdeploy.draft_train_loop import train_head
-    from specdeploy.generate import load_tokenizer
-    from specdeploy.modelopt_eagle3 import (
+    from specdeploy.core import artifacts
+    from specdeploy.core import model_store as models
+    from specdeploy.eagle3.features import EngineFeatures
+    from specdeploy.eagle3.modelopt import (
         accept_draft_space_logits,
         aux_layer_ids,
         build_model,
@@ -82,6 +78,11 @@ def one_turn(args) -> dict:
         head_draft_ids,
         load_exported_head,
     )
+    from specdeploy.eagle3.samples import DraftData
+    from specdeploy.eagle3.train import init_head_folder, pad_id_of, train_precision
+    from specdeploy.eagle3.train_loop import train_head
+    from specdeploy.engine.generate import load_tokenizer
+    from specdeploy.recipe.load import load_recipe
 
     recipe = load_recipe(args.recipe)
     t = replace(
@@ -143,7 +144,7 @@ def profile_step(model, chunk, t, features, precision: str, pad_id: int) -> None
     """One forward + backward under torch.profiler, the feature call included; the top ops by self CPU time."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from specdeploy.draft_train_loop import _MaskCache, autocast, make_batch
+    from specdeploy.eagle3.train_loop import _MaskCache, autocast, make_batch
 
     model.train()
     model._mask_cache = _MaskCache(model)
@@ -215,9 +216,11 @@ def main() -> None:
         }
     ratio = summary["B"]["tokens_per_s_median"] / summary["A"]["tokens_per_s_median"]
     a, b = summary["A"], summary["B"]
-    print(f"A (whole distribution): {a['tokens_per_s_median']:.0f} tokens/s, peak {a['peak_rss_gb']} GB; "
-          f"B (top {args.top_k}): {b['tokens_per_s_median']:.0f} tokens/s, peak {b['peak_rss_gb']} GB; "
-          f"B/A {ratio:.2f}x")
+    print(
+        f"A (whole distribution): {a['tokens_per_s_median']:.0f} tokens/s, peak {a['peak_rss_gb']} GB; "
+        f"B (top {args.top_k}): {b['tokens_per_s_median']:.0f} tokens/s, peak {b['peak_rss_gb']} GB; "
+        f"B/A {ratio:.2f}x"
+    )
     if args.out:
         Path(args.out).write_text(
             json.dumps({"turns": turns, "summary": summary, "ratio": ratio, "args": vars(args)}, indent=1)

@@ -113,7 +113,9 @@ def _import_torchao():
     except ImportError:
         site = os.environ.get("SPECDEPLOY_BENCH_SITE", str(ROOT / ".venv" / "bench-site"))
         if not Path(site).is_dir():
-            raise SystemExit(f"hf-assisted needs torchao: pip install --target {site} --no-deps torchao==0.18.0 (or --skip-hf)")
+            raise SystemExit(
+                f"hf-assisted needs torchao: pip install --target {site} --no-deps torchao==0.18.0 (or --skip-hf)"
+            )
         sys.path.append(site)
 
 
@@ -130,13 +132,13 @@ def _bytes_of(engine, what: str = "weight_bytes") -> int:
 def run_engine(job: dict) -> dict:
     """The CPU engine: target only, draft only (role='draft'), or speculative with a k sweep."""
     _setup(job["threads"])
-    from specdeploy import speculative as spec
     from specdeploy.engine.executor import Executor
-    from specdeploy.generate import ExecutorProposer, ExecutorVerifier, target_only_generate
+    from specdeploy.engine.generate import ExecutorProposer, ExecutorVerifier, target_only_generate
+    from specdeploy.speculation import loop as spec
 
     base_rss = rss_mb()
-    from specdeploy import policy as pol
-    from specdeploy.ngram import NGramProposer, NGramSettings
+    from specdeploy.speculation import policy as pol
+    from specdeploy.speculation.ngram import NGramProposer, NGramSettings
 
     mode = job["mode"]  # target | draft | spec (a k sweep) | spec-cost (policy cost) | ngram (prompt lookup, k fixed)
     roles = {"spec": ("target", "draft"), "spec-cost": ("target", "draft"), "ngram": ("target",)}.get(mode, (mode,))
@@ -144,14 +146,18 @@ def run_engine(job: dict) -> dict:
     cache_len = job["cache_len"]
     executors = {r: Executor(e, max_cached_sequences=1, cache_len=cache_len) for r, e in engines.items()}
     prompts, max_tokens = job["prompts_ids"], job["max_tokens"]
-    deployment = pol.Deployment(pol.PolicySettings("cost", job["num_draft_tokens"]))  # spec-cost: learns across prompts
+    deployment = pol.SharedPolicy(
+        pol.PolicySettings("cost", job["num_draft_tokens"])
+    )  # spec-cost: learns across prompts
 
     def start(prompt, k, n):
         verifier = ExecutorVerifier(executors["target"]) if "target" in executors else None
         if mode == "spec":
             return spec.speculative_generate(ExecutorProposer(executors["draft"]), verifier, prompt, n, k)
         if mode == "spec-cost":
-            return spec.speculative_generate(ExecutorProposer(executors["draft"]), verifier, prompt, n, k, policy=deployment.request())
+            return spec.speculative_generate(
+                ExecutorProposer(executors["draft"]), verifier, prompt, n, k, policy=deployment.request()
+            )
         if mode == "ngram":
             return spec.speculative_generate(NGramProposer(NGramSettings(k, job["ngram_size"])), verifier, prompt, n, k)
         return target_only_generate(executors[mode], prompt, n)
@@ -182,7 +188,9 @@ def run_engine(job: dict) -> dict:
             log(f"  sweep k={k}: {sweep[k]['tokens_per_s']:.1f} tok/s, acceptance {st.acceptance_rate:.0%}")
         best_k = max(sweep, key=lambda k: sweep[k]["tokens_per_s"])
     elif mode in ("spec-cost", "ngram"):
-        best_k = job["num_draft_tokens"]  # an upper bound: the policy (spec-cost) or the matches (ngram) decide per round
+        best_k = job[
+            "num_draft_tokens"
+        ]  # an upper bound: the policy (spec-cost) or the matches (ngram) decide per round
     outputs, tokens, wall, first_s, decode_tokens = [], 0, 0.0, 0.0, 0
     agg = spec.SpecStats()
     for prompt in prompts:
@@ -195,8 +203,16 @@ def run_engine(job: dict) -> dict:
         decode_tokens += len(toks) - first_tokens
         tokens += len(toks)
         outputs.append(toks)
-        for f in ("drafted", "accepted", "target_iterations", "draft_time_s", "target_time_s", "output_tokens", "plain_runs",
-                  "plain_run_tokens"):
+        for f in (
+            "drafted",
+            "accepted",
+            "target_iterations",
+            "draft_time_s",
+            "target_time_s",
+            "output_tokens",
+            "plain_runs",
+            "plain_run_tokens",
+        ):
             setattr(agg, f, getattr(agg, f) + getattr(st, f))
         agg.k_per_round += st.k_per_round
     kv_bytes = sum(ex.kv_cache_bytes() for ex in executors.values())
@@ -273,8 +289,8 @@ def ensure_engines(recipe, layout, recipe_path: str) -> dict:
     missing = [r for r in ("target", "draft") if not (layout.engine(r) / "config.json").is_file()]
     if missing:
         log(f"engines missing ({', '.join(missing)}): quantizing and building {recipe.name} (one-time, minutes)")
-        from specdeploy.engine.build import build_recipe
-        from specdeploy.quantize import quantize_recipe
+        from specdeploy.deploy.cpu_build import build_recipe
+        from specdeploy.quantize.stage import quantize_recipe
 
         quantize_recipe(recipe, layout, False)
         build_recipe(recipe, layout, False)
@@ -284,23 +300,33 @@ def ensure_engines(recipe, layout, recipe_path: str) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", default=str(ROOT / "build" / "smollm2-135m-int8-draft.yaml"))
-    ap.add_argument("--root", default=None, help="project root holding engines/ (default: $SPECDEPLOY_ROOT or the repo)")
+    ap.add_argument(
+        "--root", default=None, help="project root holding engines/ (default: $SPECDEPLOY_ROOT or the repo)"
+    )
     ap.add_argument("--prompts", type=int, default=4, help="bundled prompts, one per category")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--sweep-tokens", type=int, default=48, help="tokens per k in the k sweep (first prompt)")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--hf-dtype", default="float32", choices=("float32", "bfloat16"), help="HF models' dtype (fp32 is HF's faster CPU path here)")
+    ap.add_argument(
+        "--hf-dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="HF models' dtype (fp32 is HF's faster CPU path here)",
+    )
     ap.add_argument("--skip-hf", action="store_true", help="skip the two Hugging Face systems")
-    ap.add_argument("--ngram-size", type=int, default=3, help="engine-ngram: max_matching_ngram_size (k = num_draft_tokens)")
+    ap.add_argument(
+        "--ngram-size", type=int, default=3, help="engine-ngram: max_matching_ngram_size (k = num_draft_tokens)"
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
-    from specdeploy.artifacts import Layout
-    from specdeploy.client.prompts import load_prompt_set
-    from specdeploy.config_loader import load_recipe
-    from specdeploy.models import resolve
-    from specdeploy.speculative import predicted_speedup
     from transformers import AutoTokenizer
+
+    from specdeploy.client.prompts import load_prompt_set
+    from specdeploy.core.artifacts import Layout
+    from specdeploy.core.model_store import resolve
+    from specdeploy.recipe.load import load_recipe
+    from specdeploy.speculation.loop import predicted_speedup
 
     recipe = load_recipe(args.recipe)
     layout = Layout.of(recipe, args.root or os.environ.get("SPECDEPLOY_ROOT") or ROOT)
@@ -309,22 +335,39 @@ def main(argv=None) -> int:
     tok = AutoTokenizer.from_pretrained(target_model)
     prompts_ids = [tok(p)["input_ids"] for p in prompts]
     ks = list(range(1, recipe.speculative.max_draft_len + 1))
-    log(f"{platform.node()}: {os.cpu_count()} cores, {args.threads} threads, load average {os.getloadavg()[0]:.1f}; "
-        f"{len(prompts)} prompts x {args.max_tokens} tokens, greedy")
+    log(
+        f"{platform.node()}: {os.cpu_count()} cores, {args.threads} threads, load average {os.getloadavg()[0]:.1f}; "
+        f"{len(prompts)} prompts x {args.max_tokens} tokens, greedy"
+    )
 
     engines = ensure_engines(recipe, layout, args.recipe)
     cache_len = max(len(p) for p in prompts_ids) + args.max_tokens + recipe.speculative.max_draft_len + 2
-    job = dict(threads=args.threads, prompts=prompts, prompts_ids=prompts_ids, max_tokens=args.max_tokens,
-               target_model=target_model, draft_model=draft_model, hf_dtype=args.hf_dtype, engines=engines,
-               cache_len=cache_len, ks=ks, sweep_tokens=args.sweep_tokens,
-               num_draft_tokens=recipe.speculative.num_draft_tokens, ngram_size=args.ngram_size)
+    job = dict(
+        threads=args.threads,
+        prompts=prompts,
+        prompts_ids=prompts_ids,
+        max_tokens=args.max_tokens,
+        target_model=target_model,
+        draft_model=draft_model,
+        hf_dtype=args.hf_dtype,
+        engines=engines,
+        cache_len=cache_len,
+        ks=ks,
+        sweep_tokens=args.sweep_tokens,
+        num_draft_tokens=recipe.speculative.num_draft_tokens,
+        ngram_size=args.ngram_size,
+    )
 
     log("copy bandwidth ...")
     bandwidth = in_child(copy_bandwidth, args.threads)  # in a child: its 1 GiB of buffers stays out of this process
     results = {}
-    plan = [("engine", run_engine, {"mode": "target"}), ("engine-draft", run_engine, {"mode": "draft"}),
-            ("engine-spec", run_engine, {"mode": "spec"}), ("engine-cost", run_engine, {"mode": "spec-cost"}),
-            ("engine-ngram", run_engine, {"mode": "ngram"})]
+    plan = [
+        ("engine", run_engine, {"mode": "target"}),
+        ("engine-draft", run_engine, {"mode": "draft"}),
+        ("engine-spec", run_engine, {"mode": "spec"}),
+        ("engine-cost", run_engine, {"mode": "spec-cost"}),
+        ("engine-ngram", run_engine, {"mode": "ngram"}),
+    ]
     if not args.skip_hf:
         plan = [("hf-generate", run_hf, {})] + plan + [("hf-assisted", run_hf, {"assistant": True})]
     for name, fn, extra in plan:
@@ -334,8 +377,10 @@ def main(argv=None) -> int:
         r["tokens_per_s"] = r["tokens"] / r["wall_s"]
         r["ms_per_token"] = 1000.0 * r["wall_s"] / r["tokens"]
         results[name] = r
-        log(f"{name}: {r['tokens_per_s']:.1f} tok/s ({r['ms_per_token']:.1f} ms/token), peak RSS {r['peak_rss_mb']:.0f} MB "
-            f"[{time.perf_counter() - t0:.0f} s]")
+        log(
+            f"{name}: {r['tokens_per_s']:.1f} tok/s ({r['ms_per_token']:.1f} ms/token), peak RSS {r['peak_rss_mb']:.0f}"
+            f" MB [{time.perf_counter() - t0:.0f} s]"
+        )
 
     # ---- derived numbers
     eng, spec_r, draft_r = results["engine"], results["engine-spec"], results["engine-draft"]
@@ -369,7 +414,9 @@ def main(argv=None) -> int:
         "spec_base_rss_mb": spec_r["base_rss_mb"],
         "spec_weights_plus_kv_mb": both_bytes / 2**20,
         "spec_rss_over_weights_kv": spec_r["peak_rss_mb"] / (both_bytes / 2**20),
-        "spec_rss_minus_runtime_over_weights_kv": (spec_r["peak_rss_mb"] - spec_r["base_rss_mb"]) / (both_bytes / 2**20),
+        "spec_rss_minus_runtime_over_weights_kv": (
+            (spec_r["peak_rss_mb"] - spec_r["base_rss_mb"]) / (both_bytes / 2**20)
+        ),
     }
     for name in ("engine-cost", "engine-ngram"):
         r = results[name]
@@ -388,36 +435,64 @@ def main(argv=None) -> int:
     for name, r in results.items():
         acc = f"{r['accepted'] / r['drafted']:.0%}" if r.get("drafted") else "-"
         alen = f"{r['tokens'] / r['target_passes']:.2f}" if r.get("drafted") else "-"
-        print(f"{name:<14}{r['tokens_per_s']:>8.1f}{r['ms_per_token']:>8.1f}{acc:>8}{alen:>8}"
-              f"{r['tokens_per_s'] / base:>6.2f}x{r['tokens_per_s'] / eng['tokens_per_s']:>6.2f}x{r['peak_rss_mb']:>8.0f}")
+        print(
+            f"{name:<14}{r['tokens_per_s']:>8.1f}{r['ms_per_token']:>8.1f}{acc:>8}{alen:>8}"
+            f"{r['tokens_per_s'] / base:>6.2f}x{r['tokens_per_s'] / eng['tokens_per_s']:>6.2f}x{r['peak_rss_mb']:>8.0f}"
+        )
     print()
-    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read+write); target weights read per token {target_bytes / 1e6:.0f} MB "
-          f"-> floor {floor_ms:.1f} ms/token; engine decodes at {eng['decode_ms_per_token']:.1f} ms/token "
-          f"({summary['engine_vs_floor']:.2f}x the floor; ms/tok above includes each prompt's prefill)")
-    print(f"speculative: best k={spec_r['best_k']}, acceptance {acceptance:.1%}, c={cost_ratio:.2f}, "
-          f"predicted {predicted:.2f}x, measured {measured:.2f}x ({summary['measured_vs_predicted']:.0%} of predicted); "
-          f"greedy output {'identical' if parity else 'DIFFERS'} to target-only")
-    print(f"verification pass ({spec_r['best_k'] + 1} rows) = {spec_r['verify_cost']:.2f} target steps; with it the model "
-          f"predicts {predicted_v:.2f}x and the loop reaches {summary['measured_vs_predicted_with_verify_cost']:.0%} of that")
+    print(
+        f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read+write); target weights read per token"
+        f" {target_bytes / 1e6:.0f} MB -> floor {floor_ms:.1f} ms/token; engine decodes at"
+        f" {eng['decode_ms_per_token']:.1f} ms/token ({summary['engine_vs_floor']:.2f}x the floor; ms/tok above"
+        " includes each prompt's prefill)"
+    )
+    print(
+        f"speculative: best k={spec_r['best_k']}, acceptance {acceptance:.1%}, c={cost_ratio:.2f}, "
+        f"predicted {predicted:.2f}x, measured {measured:.2f}x ({summary['measured_vs_predicted']:.0%} of predicted); "
+        f"greedy output {'identical' if parity else 'DIFFERS'} to target-only"
+    )
+    print(
+        f"verification pass ({spec_r['best_k'] + 1} rows) = {spec_r['verify_cost']:.2f} target steps; with it the model"
+        f" predicts {predicted_v:.2f}x and the loop reaches {summary['measured_vs_predicted_with_verify_cost']:.0%} of"
+        " that"
+    )
     gap = abs(summary["measured_vs_predicted_with_verify_cost"] - 1.0)
     summary["loop_within_10pct_of_model"] = gap <= 0.10
-    print(f"loop vs the (acceptance {acceptance:.2f}, draft cost {cost_ratio:.2f}, verification cost {spec_r['verify_cost']:.2f}) "
-          f"model: {gap:.0%} off its prediction -> {'within' if gap <= 0.10 else 'NOT within'} 10 % (issue 14's target)")
+    print(
+        f"loop vs the (acceptance {acceptance:.2f}, draft cost {cost_ratio:.2f}, verification cost"
+        f" {spec_r['verify_cost']:.2f}) model: {gap:.0%} off its prediction ->"
+        f" {'within' if gap <= 0.10 else 'NOT within'} 10 % (issue 14's target)"
+    )
     for name in ("engine-cost", "engine-ngram"):
-        print(f"{name}: {summary[name + '_speedup']:.2f}x the engine, {summary[name + '_tokens_per_target_pass']:.2f} tokens per "
-              f"target pass, speculated in {summary[name + '_speculated_share']:.0%} of rounds, greedy output "
-              f"{'identical' if summary[name + '_greedy_parity'] else 'DIFFERS'}")
-    print(f"peak RSS (spec process) {spec_r['peak_rss_mb']:.0f} MB, of which {spec_r['base_rss_mb']:.0f} MB python+torch; "
-          f"weights+KV {summary['spec_weights_plus_kv_mb']:.0f} MB")
+        print(
+            f"{name}: {summary[name + '_speedup']:.2f}x the engine, {summary[name + '_tokens_per_target_pass']:.2f}"
+            f" tokens per target pass, speculated in {summary[name + '_speculated_share']:.0%} of rounds, greedy output"
+            f" {'identical' if summary[name + '_greedy_parity'] else 'DIFFERS'}"
+        )
+    print(
+        f"peak RSS (spec process) {spec_r['peak_rss_mb']:.0f} MB, of which {spec_r['base_rss_mb']:.0f} MB python+torch;"
+        f" weights+KV {summary['spec_weights_plus_kv_mb']:.0f} MB"
+    )
     if "hf-generate" in results:
-        print(f"engine vs HF generate {summary['engine_vs_hf_generate']:.2f}x; spec vs HF assisted {summary['spec_vs_hf_assisted']:.2f}x")
+        print(
+            f"engine vs HF generate {summary['engine_vs_hf_generate']:.2f}x; spec vs HF assisted"
+            f" {summary['spec_vs_hf_assisted']:.2f}x"
+        )
 
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"engine-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     for r in results.values():
         r.pop("outputs", None)
-    meta = {"recipe": recipe.name, "prompts": len(prompts), "max_tokens": args.max_tokens, "threads": args.threads,
-            "hf_dtype": args.hf_dtype, "host": platform.node(), "cpu_count": os.cpu_count(), "load_average": os.getloadavg()}
+    meta = {
+        "recipe": recipe.name,
+        "prompts": len(prompts),
+        "max_tokens": args.max_tokens,
+        "threads": args.threads,
+        "hf_dtype": args.hf_dtype,
+        "host": platform.node(),
+        "cpu_count": os.cpu_count(),
+        "load_average": os.getloadavg(),
+    }
     out.write_text(json.dumps({"meta": meta, "summary": summary, "systems": results}, indent=2, default=str) + "\n")
     log(f"wrote {out}")
     return 0

@@ -3,7 +3,7 @@
 `specdeploy quantize` prints a quality table for ModelOpt's fake-quantized model. This measures what is served
 instead: each engine folder given (its real kernels, weights and activation quantization, e.g. an int8_sq engine
 built with `quantization.per_token`, which ModelOpt's simulation does not have) against the Hugging Face source in
-fp32, with the same metrics on the same rows (specdeploy.calibration_text.heldout_rows: the shipped held-out
+fp32, with the same metrics on the same rows (specdeploy.quantize.calibration_text.heldout_rows: the shipped held-out
 passages, never calibration text nor validation prompts; or `--text FILE`, e.g. a text no setting was chosen on):
 perplexity, top-1 agreement, mean KL(source || engine).
 
@@ -50,8 +50,13 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="smollm2-135m-instruct", help="the engines' source: bundled name or HF folder")
     ap.add_argument("--engine", action="append", required=True, help="an engine folder (repeatable)")
     ap.add_argument("--row-len", type=int, default=256, help="tokens per row (the recipes' calib_max_seq_length)")
-    ap.add_argument("--text", default=None,
-                    help="measure on this text file instead (cut into rows of --row-len tokens), e.g. text no setting was chosen on")
+    ap.add_argument(
+        "--text",
+        default=None,
+        help=(
+            "measure on this text file instead (cut into rows of --row-len tokens), e.g. text no setting was chosen on"
+        ),
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -59,10 +64,10 @@ def main(argv=None) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from specdeploy.calibration_text import heldout_rows
-    from specdeploy.config import QuantConfig
-    from specdeploy.models import resolve
-    from specdeploy.quant_quality import evaluate_quality
+    from specdeploy.core.model_store import resolve
+    from specdeploy.quantize.calibration_text import heldout_rows
+    from specdeploy.quantize.quality import evaluate_quality
+    from specdeploy.recipe.config import QuantConfig
 
     torch.set_num_threads(args.threads)
     source_dir = resolve(args.model)
@@ -81,18 +86,44 @@ def main(argv=None) -> int:
         engine, call = engine_model(folder)
         started = time.monotonic()
         report = evaluate_quality(source, call, rows, QuantConfig(), progress=True, num_passages=passages)
-        results.append({"engine": folder, "label": label_of(engine, folder), "quant_algo": engine.spec.quant_algo,
-                        "dtype": engine.spec.dtype, **report.as_dict(), "seconds": round(time.monotonic() - started, 1)})
+        results.append(
+            {
+                "engine": folder,
+                "label": label_of(engine, folder),
+                "quant_algo": engine.spec.quant_algo,
+                "dtype": engine.spec.dtype,
+                **report.as_dict(),
+                "seconds": round(time.monotonic() - started, 1),
+            }
+        )
         print(f"  {results[-1]['label']}: done in {results[-1]['seconds']} s", file=sys.stderr)
 
     print(f"\n{'engine':<58} {'perplexity':>10} {'source':>8} {'top-1':>7} {'KL nats':>8}")
     for r in results:
-        print(f"{r['label']:<58} {r['quantized_perplexity']:10.3f} {r['source_perplexity']:8.3f} "
-              f"{100 * r['top1_agreement']:6.2f}% {r['mean_kl']:8.4f}")
-    out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"engine-quality-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        print(
+            f"{r['label']:<58} {r['quantized_perplexity']:10.3f} {r['source_perplexity']:8.3f} "
+            f"{100 * r['top1_agreement']:6.2f}% {r['mean_kl']:8.4f}"
+        )
+    out = (
+        Path(args.out)
+        if args.out
+        else ROOT / "bench" / "results" / f"engine-quality-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"model": args.model, "text": args.text or "heldout", "row_len": args.row_len, "rows": len(rows), "passages": passages,
-                               "results": results}, indent=2) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "model": args.model,
+                "text": args.text or "heldout",
+                "row_len": args.row_len,
+                "rows": len(rows),
+                "passages": passages,
+                "results": results,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"wrote {out}", file=sys.stderr)
     return 0
 

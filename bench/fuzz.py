@@ -41,8 +41,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from specdeploy.openai_requests import FIELDS  # noqa: E402 (after the path: bench/ runs from a checkout)
-from specdeploy.text_rules import MAX_DEPTH, MAX_STRINGS, limit_of  # noqa: E402
+from specdeploy.core.text_rules import MAX_DEPTH, MAX_STRINGS, limit_of  # noqa: E402
+from specdeploy.ops.openai.requests import FIELDS  # noqa: E402 (after the path: bench/ runs from a checkout)
 
 GOOD_PROMPT = "The quick brown fox"
 GOOD_TOKENS = 6
@@ -868,20 +868,21 @@ def _cpu() -> str:
 
 
 def _serve_and_fuzz(args) -> dict:
-    from specdeploy import openai_api
-    from specdeploy.artifacts import Layout
-    from specdeploy.config_loader import load_recipe
-    from specdeploy.triton import server
+    from specdeploy.core.artifacts import Layout
+    from specdeploy.ops.openai import api as openai_api
+    from specdeploy.ops.openai import app
+    from specdeploy.recipe.load import load_recipe
+    from specdeploy.triton import ports, server
 
     recipe = load_recipe(args.recipe)
     layout = Layout.of(recipe, args.root)
     if not (layout.repo / "ensemble" / "config.pbtxt").is_file():
         raise SystemExit(f"no model repository at {layout.repo}: run `specdeploy repo {args.recipe}` first")
-    srv = server.start(layout.repo, server.Ports.pick(), Path(layout.server_state) / "tritonserver-fuzz.log")
+    srv = server.start(layout.repo, ports.Ports.pick(), Path(layout.server_state) / "tritonserver-fuzz.log")
     try:
         server.wait_ready(srv, 600)
         front = openai_api.build_front(recipe, layout, srv.state.grpc_url, timeout_s=args.timeout)
-        with openai_api.ApiServer(openai_api.create_app(front), server.free_port()) as api:
+        with openai_api.ApiServer(app.create_app(front), ports.free_port()) as api:
             return _fuzz(args, srv.state.grpc_url, api.url[: -len("/v1")], None)
     finally:
         srv.stop()

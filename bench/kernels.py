@@ -87,17 +87,27 @@ def _layer_tensors(fmt: str, n: int, k: int, gen):
     if fmt == "bf16":
         return {"weight": w.to(torch.bfloat16)}, None
     if fmt == "fp8":
-        return {"weight": (w * 20).to(torch.float8_e4m3fn), "weight_scale": torch.tensor(0.05),
-                "act_scale": torch.tensor(0.02)}, "FP8"
+        return {
+            "weight": (w * 20).to(torch.float8_e4m3fn),
+            "weight_scale": torch.tensor(0.05),
+            "act_scale": torch.tensor(0.02),
+        }, "FP8"
     q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
     if fmt == "int8_wo":
         return {"weight": q, "weight_scale": torch.rand(n, generator=gen) * 0.01}, "W8A16"
     if fmt == "smoothquant":
-        return {"weight": q, "weight_scale": torch.rand(n, generator=gen) * 0.01, "act_scale": torch.tensor(0.05),
-                "pre_quant_scale": torch.rand(k, generator=gen) + 0.5}, "W8A8_SQ_PER_CHANNEL"
+        return {
+            "weight": q,
+            "weight_scale": torch.rand(n, generator=gen) * 0.01,
+            "act_scale": torch.tensor(0.05),
+            "pre_quant_scale": torch.rand(k, generator=gen) + 0.5,
+        }, "W8A8_SQ_PER_CHANNEL"
     unsigned = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
-    return {"weight": pack_int4(unsigned), "weight_scale": torch.rand(n, k // 64, generator=gen) * 0.01,
-            "pre_quant_scale": torch.rand(k, generator=gen) + 0.5}, "W4A16_AWQ"
+    return {
+        "weight": pack_int4(unsigned),
+        "weight_scale": torch.rand(n, k // 64, generator=gen) * 0.01,
+        "pre_quant_scale": torch.rand(k, generator=gen) + 0.5,
+    }, "W4A16_AWQ"
 
 
 def kernel_curves(shape: dict, repeats: int) -> dict:
@@ -124,17 +134,26 @@ def kernel_curves(shape: dict, repeats: int) -> dict:
             for n, k in dims:
                 t, algo = _layer_tensors(fmt.split("@")[0], n, k, gen)
                 variant = variants[fmt.split("@")[1]] if "@" in fmt else None
-                lin = NativeLinear(ops, t, algo, torch.bfloat16, 64, int8_variant=variant)  # AWQ groups of 64: K = 576 holds no 128
+                lin = NativeLinear(
+                    ops, t, algo, torch.bfloat16, 64, int8_variant=variant
+                )  # AWQ groups of 64: K = 576 holds no 128
                 lins.append((lin, k))
         xs = {k: torch.randn(max(ROWS), k, generator=gen).to(torch.bfloat16) for _, k in dims}
         inputs = {m: {k: x[:m].contiguous() for k, x in xs.items()} for m in ROWS}
         with native.standing_team(ops):  # as the served engine runs its passes (engine/batching.py)
-            secs = best_of_each({m: lambda m=m: [lin(inputs[m][k]) for lin, k in lins] for m in ROWS}, repeats)
+            calls = {m: lambda m=m, lins=lins: [lin(inputs[m][k]) for lin, k in lins] for m in ROWS}
+            secs = best_of_each(calls, repeats)
         nbytes = sum(lin.nbytes() for lin, _ in lins)
-        out[fmt] = {"seconds": secs, "ratio": {m: secs[m] / secs[1] for m in ROWS}, "weight_mb": nbytes / 1e6,
-                    "gb_per_s_1row": nbytes / secs[1] / 1e9}
-        log(f"kernels {fmt}: 1 row {secs[1] * 1e3:.2f} ms ({nbytes / secs[1] / 1e9:.1f} GB/s), "
-            + " ".join(f"{m}:{secs[m] / secs[1]:.2f}" for m in (2, 4, 8, 16)))
+        out[fmt] = {
+            "seconds": secs,
+            "ratio": {m: secs[m] / secs[1] for m in ROWS},
+            "weight_mb": nbytes / 1e6,
+            "gb_per_s_1row": nbytes / secs[1] / 1e9,
+        }
+        log(
+            f"kernels {fmt}: 1 row {secs[1] * 1e3:.2f} ms ({nbytes / secs[1] / 1e9:.1f} GB/s), "
+            + " ".join(f"{m}:{secs[m] / secs[1]:.2f}" for m in (2, 4, 8, 16))
+        )
         del lins
     return out
 
@@ -187,23 +206,43 @@ def engine_numbers(engine, repeats: int, prompt_ids: list[int] | None = None) ->
             ids = torch.randint(0, vocab, (n,), generator=gen)
             # as served (Executor.run_passes) and as llama-bench's pp: the logits of the prompt's last position only
             # (engine.forward returns every row's: 512 rows of LM head and a 100 MB logits copy that no request needs)
-            prefill[n] = n / best_of(lambda: engine.forward_batch([engine.new_cache(n + 1)], [ids], [1]), max(1, repeats // 3))
+            prefill[n] = n / best_of(
+                lambda: engine.forward_batch([engine.new_cache(n + 1)], [ids], [1]), max(1, repeats // 3)
+            )
     decode_ms = secs[1] * 1e3
     chat_tok_s = {key: CHAT_STEPS / secs[key] for key in chat if isinstance(key, str)}
     greedy = {m: secs[("greedy", m)] for m in ROWS if ("greedy", m) in secs}
-    log(f"engine: decode {decode_ms:.2f} ms/token ({1e3 / decode_ms:.1f} tok/s), prefill 64: {prefill[64]:.0f} tok/s, "
-        f"512: {prefill[512]:.0f} tok/s; passes " + " ".join(f"{m}:{secs[m] / secs[1]:.2f}" for m in (2, 4, 5, 8, 16))
-        + "".join(f"; {key} {v:.1f} tok/s" for key, v in chat_tok_s.items()))
-    return {"decode_ms": decode_ms, "decode_tok_s": 1e3 / decode_ms, "chat_decode_tok_s": chat_tok_s,
-            "pass_seconds": {m: secs[m] for m in ROWS}, "greedy_pass_seconds": greedy,
-            "pass_ratio": {m: secs[m] / secs[1] for m in ROWS},
-            "greedy_pass_ratio": {m: greedy[m] / greedy[1] for m in greedy} or None,
-            "screen": None if screen is None else {"rows": screen.rows, "candidates_per_row": screen.candidates / max(1, screen.rows),
-                                                   "fallbacks": screen.fallbacks, "mb": screen.nbytes() / 1e6,
-                                                   "max_rows": screen.max_rows},
-            "prefill_tok_s": prefill, "native": engine.native is not None, "format": getattr(engine.spec, "quant_algo", None),
-            "screen_kinds": screen_kinds(engine, prompt_ids, repeats) if prompt_ids else None,
-            "screen_kind": None if screen is None else screen.kind}
+    log(
+        f"engine: decode {decode_ms:.2f} ms/token ({1e3 / decode_ms:.1f} tok/s), prefill 64: {prefill[64]:.0f} tok/s, "
+        f"512: {prefill[512]:.0f} tok/s; passes "
+        + " ".join(f"{m}:{secs[m] / secs[1]:.2f}" for m in (2, 4, 5, 8, 16))
+        + "".join(f"; {key} {v:.1f} tok/s" for key, v in chat_tok_s.items())
+    )
+    return {
+        "decode_ms": decode_ms,
+        "decode_tok_s": 1e3 / decode_ms,
+        "chat_decode_tok_s": chat_tok_s,
+        "pass_seconds": {m: secs[m] for m in ROWS},
+        "greedy_pass_seconds": greedy,
+        "pass_ratio": {m: secs[m] / secs[1] for m in ROWS},
+        "greedy_pass_ratio": {m: greedy[m] / greedy[1] for m in greedy} or None,
+        "screen": (
+            None
+            if screen is None
+            else {
+                "rows": screen.rows,
+                "candidates_per_row": screen.candidates / max(1, screen.rows),
+                "fallbacks": screen.fallbacks,
+                "mb": screen.nbytes() / 1e6,
+                "max_rows": screen.max_rows,
+            }
+        ),
+        "prefill_tok_s": prefill,
+        "native": engine.native is not None,
+        "format": getattr(engine.spec, "quant_algo", None),
+        "screen_kinds": screen_kinds(engine, prompt_ids, repeats) if prompt_ids else None,
+        "screen_kind": None if screen is None else screen.kind,
+    }
 
 
 CHAT_STEPS = 32
@@ -234,19 +273,26 @@ def screen_kinds(engine, prompt_ids: list[int], repeats: int) -> dict | None:
         return None
     cache, continuation = greedy_continuation(engine, prompt_ids, max(SCREEN_ROWS) - 1)
     with torch.inference_mode():
-        hidden = engine._native_batch(engine.embedding[torch.tensor(continuation)], [cache], [len(prompt_ids)], [len(continuation)],
-                                      None, [])  # fmt: skip
+        hidden = engine._native_batch(
+            engine.embedding[torch.tensor(continuation)], [cache], [len(prompt_ids)], [len(continuation)], None, []
+        )
         rows = engine._norm(hidden[: len(continuation)], engine.final_norm).contiguous()
     screens = {kind: ScreenedHead(engine.native, engine.screen.weight, engine.screen.full, kind) for kind in KINDS}
-    fns = {(kind, m): (lambda sc=sc, x=rows[:m].contiguous(): sc.argmax_rows(x)) for kind, sc in screens.items() for m in SCREEN_ROWS}
-    fns.update({("bf16 head", m): (lambda x=rows[:m].contiguous(): engine.screen.full(x)) for m in SCREEN_ROWS})
+    fns = {
+        (kind, m): lambda sc=sc, x=rows[:m].contiguous(): sc.argmax_rows(x)
+        for kind, sc in screens.items()
+        for m in SCREEN_ROWS
+    }
+    fns.update({("bf16 head", m): lambda x=rows[:m].contiguous(): engine.screen.full(x) for m in SCREEN_ROWS})
     from specdeploy.engine.native import standing_team
 
     with standing_team(engine.native):
         secs = best_of_each(fns, repeats)
     out = {name: {"seconds": {m: secs[(name, m)] for m in SCREEN_ROWS}} for name in (*KINDS, "bf16 head")}
     for kind, sc in screens.items():
-        out[kind].update(candidates_per_row=sc.candidates / max(1, sc.rows), fallbacks=sc.fallbacks, mb=sc.nbytes() / 1e6)
+        out[kind].update(
+            candidates_per_row=sc.candidates / max(1, sc.rows), fallbacks=sc.fallbacks, mb=sc.nbytes() / 1e6
+        )
     return out
 
 
@@ -289,15 +335,15 @@ def _chat_decode(engine, prompt_ids: list[int]) -> dict:
 
 
 def ensure_engine(recipe_path: str, root: str | None) -> str:
-    from specdeploy.artifacts import Layout
-    from specdeploy.config_loader import load_recipe
+    from specdeploy.core.artifacts import Layout
+    from specdeploy.recipe.load import load_recipe
 
     recipe = load_recipe(recipe_path)
     layout = Layout.of(recipe, root or os.environ.get("SPECDEPLOY_ROOT") or ROOT)
     if not (layout.engine("target") / "config.json").is_file():
         log(f"target engine missing: quantizing and building {recipe.name} (one-time, minutes)")
-        from specdeploy.engine.build import build_recipe
-        from specdeploy.quantize import quantize_recipe
+        from specdeploy.deploy.cpu_build import build_recipe
+        from specdeploy.quantize.stage import quantize_recipe
 
         quantize_recipe(recipe, layout, False)
         build_recipe(recipe, layout, False)
@@ -310,7 +356,9 @@ def ensure_engine(recipe_path: str, root: str | None) -> str:
 def ensure_llama(hf_dir: Path) -> tuple[Path, dict] | str:
     """(llama-bench, {"bf16": gguf, "q8_0": gguf}) built and converted once, or the reason it cannot be."""
     try:
-        return llama_cpp.binary("llama-bench"), {kind: llama_cpp.convert_model(hf_dir, kind) for kind in ("bf16", "q8_0")}
+        return llama_cpp.binary("llama-bench"), {
+            kind: llama_cpp.convert_model(hf_dir, kind) for kind in ("bf16", "q8_0")
+        }
     except (llama_cpp.Unavailable, OSError, StopIteration) as exc:
         return f"{type(exc).__name__}: {exc}"
 
@@ -343,7 +391,10 @@ def llama_numbers(bench: Path, ggufs: dict, threads: int) -> dict:
                 entry[key] = float(r["avg_ts"])
                 entry["build"][key] = binary.parent.parent.name
         out[kind] = entry
-        log(f"llama.cpp {kind}: " + ", ".join(f"{k} {v:.0f} tok/s ({entry['build'][k]})" for k, v in entry.items() if k != "build"))
+        log(
+            f"llama.cpp {kind}: "
+            + ", ".join(f"{k} {v:.0f} tok/s ({entry['build'][k]})" for k, v in entry.items() if k != "build")
+        )
     return out
 
 
@@ -386,7 +437,7 @@ def decode_turns(engine, q8_0: tuple[Path, Path] | None, threads: int, rounds: i
     import torch
 
     from specdeploy.engine.native import standing_team
-    from specdeploy.speculative import greedy_token
+    from specdeploy.speculation.verify import greedy_token
 
     gen = torch.Generator().manual_seed(1)
     chat = len(prompt_ids)
@@ -398,15 +449,22 @@ def decode_turns(engine, q8_0: tuple[Path, Path] | None, threads: int, rounds: i
             token = greedy_token(engine.forward(cache, context)[-1]) if len(context) else first
             t0 = time.perf_counter()
             for _ in range(GEN):
-                with standing_team(engine.native):  # one team a step, as the served scheduler steps (engine/batching.py)
+                with standing_team(
+                    engine.native
+                ):  # one team a step, as the served scheduler steps (engine/batching.py)
                     logits = engine.forward(cache, torch.tensor([token]), greedy=greedy)
                 token = greedy_token(logits[0])
             return GEN / (time.perf_counter() - t0)
 
         return run
 
-    pairs = {"every logit @0": (run_of(torch.empty(0, dtype=torch.long), False), 0),
-             f"every logit @{DEPTH}": (run_of(torch.randint(0, engine.spec.vocab_size, (DEPTH,), generator=gen), False), DEPTH)}
+    pairs = {
+        "every logit @0": (run_of(torch.empty(0, dtype=torch.long), False), 0),
+        f"every logit @{DEPTH}": (
+            run_of(torch.randint(0, engine.spec.vocab_size, (DEPTH,), generator=gen), False),
+            DEPTH,
+        ),
+    }
     mb = {"every logit @0": engine.bytes_per_token() / 1e6, f"every logit @{DEPTH}": engine.bytes_per_token() / 1e6}
     if engine.screen is not None:
         pairs[f"greedy @{chat}"] = (run_of(torch.tensor(prompt_ids), True), chat)
@@ -418,7 +476,22 @@ def decode_turns(engine, q8_0: tuple[Path, Path] | None, threads: int, rounds: i
         def llama(depth: int):
             def run() -> float:
                 nonlocal bench
-                args = ["-m", str(gguf), "-t", str(threads), "-p", "0", "-n", str(GEN), "-d", str(depth), "-ub", "1", "-r", "1"]
+                args = [
+                    "-m",
+                    str(gguf),
+                    "-t",
+                    str(threads),
+                    "-p",
+                    "0",
+                    "-n",
+                    str(GEN),
+                    "-d",
+                    str(depth),
+                    "-ub",
+                    "1",
+                    "-r",
+                    "1",
+                ]
                 rows, bench = run_llama_bench(bench, args, f"q8_0 tg{GEN} at depth {depth}")
                 return float(rows[0]["avg_ts"])
 
@@ -435,12 +508,21 @@ def decode_turns(engine, q8_0: tuple[Path, Path] | None, threads: int, rounds: i
         log(f"decode in turns, round {r + 1}/{rounds}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in runs.items()))
     best = {key: max(v) for key, v in runs.items()}
     bandwidth = best.pop("memory GB/s")
-    out = {"rounds": runs, "best_tok_s": best, "mb_per_token": mb, "probe_gb_s": bandwidth, "gen": GEN,
-           "of_memory_bound": {k: best[k] * mb[k] / 1e3 / bandwidth for k in best}}
+    out = {
+        "rounds": runs,
+        "best_tok_s": best,
+        "mb_per_token": mb,
+        "probe_gb_s": bandwidth,
+        "gen": GEN,
+        "of_memory_bound": {k: best[k] * mb[k] / 1e3 / bandwidth for k in best},
+    }
     if q8_0 is not None:
-        # per round, each engine side over the Q8_0 run at its depth in the same round (sorted; the median is the middle)
-        out["vs_q8_0_per_round"] = {key: sorted(a / b for a, b in zip(runs[key], runs[f"llama.cpp q8_0 @{depth}"]))
-                                    for key, (_, depth) in pairs.items()}
+        # per round, each engine side over the Q8_0 run at its depth in the same round (sorted; the median is the
+        # middle)
+        out["vs_q8_0_per_round"] = {
+            key: sorted(a / b for a, b in zip(runs[key], runs[f"llama.cpp q8_0 @{depth}"]))
+            for key, (_, depth) in pairs.items()
+        }
     return out
 
 
@@ -450,25 +532,41 @@ def decode_turns(engine, q8_0: tuple[Path, Path] | None, threads: int, rounds: i
 def model_shape(hf_dir: Path) -> dict:
     cfg = json.loads((hf_dir / "config.json").read_text())
     heads = cfg["num_attention_heads"]
-    return {"hidden": cfg["hidden_size"], "intermediate": cfg["intermediate_size"], "layers": cfg["num_hidden_layers"],
-            "heads": heads, "kv_heads": cfg.get("num_key_value_heads", heads),
-            "head": cfg.get("head_dim") or cfg["hidden_size"] // heads}
+    return {
+        "hidden": cfg["hidden_size"],
+        "intermediate": cfg["intermediate_size"],
+        "layers": cfg["num_hidden_layers"],
+        "heads": heads,
+        "kv_heads": cfg.get("num_key_value_heads", heads),
+        "head": cfg.get("head_dim") or cfg["hidden_size"] // heads,
+    }
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", default=str(ROOT / "build" / "smollm2-135m.yaml"))
-    ap.add_argument("--root", default=None, help="project root holding engines/ (default: $SPECDEPLOY_ROOT or the repo)")
+    ap.add_argument(
+        "--root", default=None, help="project root holding engines/ (default: $SPECDEPLOY_ROOT or the repo)"
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--skip-engine", action="store_true", help="no target engine section (no quantize/build)")
     ap.add_argument("--engine", action="append", default=[], help="also measure this engine folder (repeatable)")
     ap.add_argument("--skip-llama", action="store_true")
-    ap.add_argument("--turns", type=int, default=5,
-                    help=f"rounds of decode in turns with llama.cpp Q8_0 (tg{GEN} at depths 0, {DEPTH} and the chat prompt's) and a "
-                         "memory-bandwidth probe; 0: none")
-    ap.add_argument("--cpu-time", action="store_true",
-                    help="time with the process's CPU time (needs --threads 1): steadier on a busy machine")
+    ap.add_argument(
+        "--turns",
+        type=int,
+        default=5,
+        help=(
+            f"rounds of decode in turns with llama.cpp Q8_0 (tg{GEN} at depths 0, {DEPTH} and the chat prompt's) and a "
+            "memory-bandwidth probe; 0: none"
+        ),
+    )
+    ap.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time with the process's CPU time (needs --threads 1): steadier on a busy machine",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.cpu_time:
@@ -479,8 +577,8 @@ def main(argv=None) -> int:
 
     import torch
 
-    from specdeploy.config_loader import load_recipe
-    from specdeploy.models import resolve
+    from specdeploy.core.model_store import resolve
+    from specdeploy.recipe.load import load_recipe
 
     torch.set_num_threads(args.threads)
     recipe = load_recipe(args.recipe)
@@ -488,9 +586,11 @@ def main(argv=None) -> int:
     from specdeploy.engine import native
     from specdeploy.engine.model import CpuEngine
 
-    log(f"{platform.node()}: {os.cpu_count()} cores, {args.threads} threads, CPU capability "
-        f"{torch.backends.cpu.get_cpu_capability()}, native kernels {native.isa()} (bf16: {native.bf16_kernel()}, int8: "
-        f"{native.INT8_VARIANT_NAMES[native.int8_variant()]}), load average {os.getloadavg()[0]:.1f}")
+    log(
+        f"{platform.node()}: {os.cpu_count()} cores, {args.threads} threads, CPU capability"
+        f" {torch.backends.cpu.get_cpu_capability()}, native kernels {native.isa()} (bf16: {native.bf16_kernel()},"
+        f" int8: {native.INT8_VARIANT_NAMES[native.int8_variant()]}), load average {os.getloadavg()[0]:.1f}"
+    )
     results = {"kernels": kernel_curves(model_shape(hf_dir), args.repeats)}
     engines = {} if args.skip_engine else {"target": ensure_engine(args.recipe, args.root)}
     engines.update({Path(e).name if Path(e).name != "target" else Path(e).parent.name: e for e in args.engine})
@@ -519,14 +619,19 @@ def main(argv=None) -> int:
         print("pass of M rows / one row (all linears of the target's shape, random weights)")
         print("format                   1-row ms   GB/s  " + " ".join(f"{m:>5}" for m in ROWS))
         for fmt, r in kern.items():
-            print(f"{fmt:<24} {r['seconds'][1] * 1e3:8.2f} {r['gb_per_s_1row']:6.1f}  "
-                  + " ".join(f"{r['ratio'][m]:5.2f}" for m in ROWS))
+            print(
+                f"{fmt:<24} {r['seconds'][1] * 1e3:8.2f} {r['gb_per_s_1row']:6.1f}  "
+                + " ".join(f"{r['ratio'][m]:5.2f}" for m in ROWS)
+            )
     llama = results["llama.cpp"]
     print()
     print("system                      decode tok/s   pp64 tok/s   pp512 tok/s")
     for name, eng in results["engines"].items():
         label = f"engine {name} ({eng['format'] or 'bf16'})"
-        print(f"{label:<27} {eng['decode_tok_s']:12.1f} {eng['prefill_tok_s'][64]:12.0f} {eng['prefill_tok_s'][512]:13.0f}")
+        print(
+            f"{label:<27} {eng['decode_tok_s']:12.1f} {eng['prefill_tok_s'][64]:12.0f}"
+            f" {eng['prefill_tok_s'][512]:13.0f}"
+        )
         for key, rate in eng["chat_decode_tok_s"].items():
             print(f"{'  ' + key:<27} {rate:12.1f}")
     if "skipped" in llama:
@@ -534,39 +639,71 @@ def main(argv=None) -> int:
     else:
         for kind, r in llama.items():
             builds = sorted(set(r["build"].values()))
-            print(f"llama.cpp {kind:<17} {r.get('tg64', 0):12.1f} {r.get('pp64', 0):12.0f} {r.get('pp512', 0):13.0f}"
-                  + (f"   (builds: " + ", ".join(f"{k} {b}" for k, b in r["build"].items()) + ")" if len(builds) > 1 else ""))
+            print(
+                f"llama.cpp {kind:<17} {r.get('tg64', 0):12.1f} {r.get('pp64', 0):12.0f} {r.get('pp512', 0):13.0f}"
+                + (
+                    "   (builds: " + ", ".join(f"{k} {b}" for k, b in r["build"].items()) + ")"
+                    if len(builds) > 1
+                    else ""
+                )
+            )
     for name, eng in results["engines"].items():
-        print(f"engine {name}: pass of k+1 rows / one step: " + " ".join(f"{m}:{eng['pass_ratio'][m]:.2f}" for m in ROWS))
+        print(
+            f"engine {name}: pass of k+1 rows / one step: " + " ".join(f"{m}:{eng['pass_ratio'][m]:.2f}" for m in ROWS)
+        )
         if eng["greedy_pass_ratio"] is not None:
             sc = eng["screen"]
-            print(f"engine {name}: greedy pass of k+1 rows / one greedy step, chat continuation (screened head up to "
-                  f"{sc['max_rows']} rows, {sc['mb']:.0f} MB, {sc['candidates_per_row']:.1f} tokens recomputed a row, "
-                  f"{sc['fallbacks']} whole-head fallbacks): " + " ".join(f"{m}:{eng['greedy_pass_ratio'][m]:.2f}" for m in ROWS))
+            print(
+                f"engine {name}: greedy pass of k+1 rows / one greedy step, chat continuation (screened head up to "
+                f"{sc['max_rows']} rows, {sc['mb']:.0f} MB, {sc['candidates_per_row']:.1f} tokens recomputed a row, "
+                f"{sc['fallbacks']} whole-head fallbacks): "
+                + " ".join(f"{m}:{eng['greedy_pass_ratio'][m]:.2f}" for m in ROWS)
+            )
         if eng.get("screen_kinds"):
-            print(f"engine {name}: LM head of greedy chat rows, ms a call at " + " / ".join(map(str, SCREEN_ROWS))
-                  + f" rows (the engine's screen: {eng['screen_kind']})")
+            print(
+                f"engine {name}: LM head of greedy chat rows, ms a call at "
+                + " / ".join(map(str, SCREEN_ROWS))
+                + f" rows (the engine's screen: {eng['screen_kind']})"
+            )
             for kind, r in eng["screen_kinds"].items():
-                extra = (f"; {r['candidates_per_row']:.1f} tokens recomputed a row, {r['fallbacks']} fallbacks, {r['mb']:.0f} MB"
-                         if "mb" in r else "")
+                extra = (
+                    f"; {r['candidates_per_row']:.1f} tokens recomputed a row, {r['fallbacks']} fallbacks,"
+                    f" {r['mb']:.0f} MB"
+                    if "mb" in r
+                    else ""
+                )
                 print(f"  {kind:<10} " + " / ".join(f"{r['seconds'][m] * 1e3:.2f}" for m in SCREEN_ROWS) + extra)
 
     turns = results.get("decode_in_turns")
     if turns:
         print()
-        print(f"decode in turns: {GEN} tokens after @N tokens of context ({len(turns['rounds']['memory GB/s'])} rounds, best of "
-              f"each; memory probe {turns['probe_gb_s']:.1f} GB/s)")
-        print("side                       tok/s   MB/token   of memory bound   over Q8_0 at its depth (median of rounds)")
+        print(
+            f"decode in turns: {GEN} tokens after @N tokens of context ({len(turns['rounds']['memory GB/s'])} rounds,"
+            f" best of each; memory probe {turns['probe_gb_s']:.1f} GB/s)"
+        )
+        print(
+            "side                       tok/s   MB/token   of memory bound   over Q8_0 at its depth (median of rounds)"
+        )
         for key, rate in turns["best_tok_s"].items():
             ratios = turns.get("vs_q8_0_per_round", {}).get(key)
-            print(f"{key:<23} {rate:8.1f} {turns['mb_per_token'][key]:10.1f} {turns['of_memory_bound'][key]:17.2f}   "
-                  + (f"{ratios[len(ratios) // 2]:.2f} ({ratios[0]:.2f}..{ratios[-1]:.2f})" if ratios else ""))
+            print(
+                f"{key:<23} {rate:8.1f} {turns['mb_per_token'][key]:10.1f} {turns['of_memory_bound'][key]:17.2f}   "
+                + (f"{ratios[len(ratios) // 2]:.2f} ({ratios[0]:.2f}..{ratios[-1]:.2f})" if ratios else "")
+            )
 
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"kernels-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"host": platform.node(), "threads": args.threads, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "native_isa": native.isa(), "bf16_kernel": native.bf16_kernel(), "int8_variant": native.INT8_VARIANT_NAMES[native.int8_variant()],
-            "load_average": os.getloadavg(), "recipe": args.recipe, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    meta = {
+        "host": platform.node(),
+        "threads": args.threads,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "native_isa": native.isa(),
+        "bf16_kernel": native.bf16_kernel(),
+        "int8_variant": native.INT8_VARIANT_NAMES[native.int8_variant()],
+        "load_average": os.getloadavg(),
+        "recipe": args.recipe,
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
     out.write_text(json.dumps({"meta": meta, **results}, indent=2, default=str) + "\n")
     log(f"wrote {out}")
     return 0

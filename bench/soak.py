@@ -4,7 +4,7 @@
                                    [--max-requests N] [--seed 0] [--out soak.json]
 
 It serves the built repository (`specdeploy repo RECIPE` first) on free loopback ports, starts the OpenAI front
-the way `specdeploy serve --detach --openai-port` does (its own process, `python -m specdeploy.openai_api`), and
+the way `specdeploy serve --detach --openai-port` does (its own process, `python -m specdeploy.ops.openai.api`), and
 sends `--concurrency` requests at a time until `--duration` seconds have passed or `--max-requests` were sent,
 whichever comes first. Each request picks one of four entry points: the speculative one (`tensorrt_llm_bls`)
 and the control (`ensemble`) over Triton gRPC, and the front's `<recipe>` (speculative) and `<recipe>-control`
@@ -12,10 +12,11 @@ models over HTTP; a prompt of a few to a few hundred tokens; 1 to 64 new tokens;
 
 It reports: requests and errors (any error fails the run), p50/p99 latency per half of the run and the slope
 of p99 over it, the python stubs' RSS (children of tritonserver, read from /proc) over time and its slope in
-the last half, in all and per process (each stub instance and the OpenAI front: which one grows), /dev/shm (the server's own regions) and /tmp growth, and whether every counter of the metrics
-port equals what the client counted (specdeploy's `specdeploy_*` counters of the speculative entry point,
-Triton's `nv_inference_request_*` of both entry points). After stopping the server it checks that none of its
-shared-memory regions is left. Exit status 1 on an error, a counter mismatch or a leftover region.
+the last half, in all and per process (each stub instance and the OpenAI front: which one grows), /dev/shm (the server's
+own regions) and /tmp growth, and whether every counter of the metrics port equals what the client counted (specdeploy's
+`specdeploy_*` counters of the speculative entry point, Triton's `nv_inference_request_*` of both entry points). After
+stopping the server it checks that none of its shared-memory regions is left. Exit status 1 on an error, a counter
+mismatch or a leftover region.
 """
 
 from __future__ import annotations
@@ -37,7 +38,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 PATHS = ("triton_speculative", "triton_control", "openai_speculative", "openai_control")
-WORDS = ("the river", "a quiet harbour", "seven lanterns", "under the bridge", "morning trains", "copper kettles", "old maps")
+WORDS = (
+    "the river",
+    "a quiet harbour",
+    "seven lanterns",
+    "under the bridge",
+    "morning trains",
+    "copper kettles",
+    "old maps",
+)
 MAX_NEW_TOKENS = (1, 4, 8, 16, 32, 64)
 PROMPT_TOKENS = (4, 24, 96, 240)  # prompt lengths in the server's tokens (capped by the engine's limits)
 
@@ -95,24 +104,37 @@ class Client:
 
     def send(self, path: str, prompt: str, max_tokens: int, sampled: bool, k: int, seed: int) -> None:
         """One request; raises with the error's text when it fails."""
-        from specdeploy.client.protocol import CONTROL_MODEL, SPECULATIVE_MODEL, GenerateRequest, Sampling
+        from specdeploy.client.protocol import CONTROL_MODEL, SPECULATIVE_MODEL, GenerateRequest
+        from specdeploy.speculation.sampling import SamplingParams
 
         model = SPECULATIVE_MODEL if path.endswith("speculative") else CONTROL_MODEL
         try:
             if path.startswith("triton"):
-                sampling = Sampling(0.8, 0, 0.9, seed=seed) if sampled else None
+                sampling = SamplingParams(0.8, 0, 0.9, seed=seed) if sampled else None
                 request = GenerateRequest(prompt, max_tokens, k if model == SPECULATIVE_MODEL else None, sampling)
                 result = self.endpoint.generate(model, request, self.timeout_s)
                 ids = result.token_ids
                 drafted, accepted = result.perf.total_draft_tokens, result.perf.total_accepted_draft_tokens
-                rounds, prompt_tokens = result.k_history, self.codec.count_prompt(prompt) if model == SPECULATIVE_MODEL else 0
+                rounds, prompt_tokens = (
+                    result.k_history,
+                    self.codec.count_prompt(prompt) if model == SPECULATIVE_MODEL else 0,
+                )
                 output_tokens = None if ids is None else len(ids)
             else:
-                body = {"model": self.name if model == SPECULATIVE_MODEL else f"{self.name}-control", "prompt": prompt,
-                        "max_tokens": max_tokens, "temperature": 0.8 if sampled else 0, "seed": seed}  # fmt: skip
+                body = {
+                    "model": self.name if model == SPECULATIVE_MODEL else f"{self.name}-control",
+                    "prompt": prompt,
+                    "max_tokens": max_tokens,
+                    "temperature": 0.8 if sampled else 0,
+                    "seed": seed,
+                }
                 data = self._post(body)
                 ext = data.get("specdeploy") or {}
-                drafted, accepted, rounds = ext.get("draft_tokens"), ext.get("accepted_draft_tokens"), ext.get("k_history")
+                drafted, accepted, rounds = (
+                    ext.get("draft_tokens"),
+                    ext.get("accepted_draft_tokens"),
+                    ext.get("k_history"),
+                )
                 prompt_tokens = data["usage"]["prompt_tokens"]
                 output_tokens = data["usage"]["completion_tokens"] if ext.get("completion_tokens_exact") else None
         except Exception:
@@ -150,7 +172,7 @@ class Client:
 
 def stub_rss(server_pid: int) -> dict[str, tuple[int, int]]:
     """instance name (`tensorrt_llm_0_0`) -> (pid, resident bytes) of every python stub under the server (VmRSS)."""
-    from specdeploy.triton.server import python_stubs
+    from specdeploy.triton.stubs import python_stubs
 
     return {name: (pid, _vm_rss(pid)) for name, pid in python_stubs(server_pid).items()}
 
@@ -201,19 +223,31 @@ class Watcher(threading.Thread):
 
     def __init__(self, server_pid: int, prefixes, every_s: float, t0: float, front_pid: int | None = None):
         super().__init__(name="soak-watcher", daemon=True)
-        self.server_pid, self.prefixes, self.every_s, self.t0, self.front_pid = server_pid, prefixes, every_s, t0, front_pid
+        self.server_pid, self.prefixes, self.every_s, self.t0, self.front_pid = (
+            server_pid,
+            prefixes,
+            every_s,
+            t0,
+            front_pid,
+        )
         self.samples: list[dict] = []
         self.done = threading.Event()
 
     def sample(self) -> None:
         stubs = stub_rss(self.server_pid)
-        self.samples.append({"t_s": round(time.monotonic() - self.t0, 2), "stubs": len(stubs),
-                             "stub_rss_bytes": sum(rss for _, rss in stubs.values()),
-                             "stub_rss_by_instance": {name: rss for name, (_, rss) in stubs.items()},
-                             "stub_pids": {name: pid for name, (pid, _) in stubs.items()},
-                             "front_rss_bytes": None if self.front_pid is None else _vm_rss(self.front_pid),
-                             "shm_region_bytes": region_bytes(self.prefixes),
-                             "dev_shm_used_bytes": used_bytes("/dev/shm"), "tmp_used_bytes": used_bytes("/tmp")})  # fmt: skip
+        self.samples.append(
+            {
+                "t_s": round(time.monotonic() - self.t0, 2),
+                "stubs": len(stubs),
+                "stub_rss_bytes": sum(rss for _, rss in stubs.values()),
+                "stub_rss_by_instance": {name: rss for name, (_, rss) in stubs.items()},
+                "stub_pids": {name: pid for name, (pid, _) in stubs.items()},
+                "front_rss_bytes": None if self.front_pid is None else _vm_rss(self.front_pid),
+                "shm_region_bytes": region_bytes(self.prefixes),
+                "dev_shm_used_bytes": used_bytes("/dev/shm"),
+                "tmp_used_bytes": used_bytes("/tmp"),
+            }
+        )
 
     def run(self) -> None:
         while not self.done.wait(self.every_s):
@@ -223,18 +257,35 @@ class Watcher(threading.Thread):
 # ---------------------------------------------------------------- the run
 
 
-def run_soak(grpc_url: str, openai_url: str, metrics_url: str, server_pid: int, recipe, codec, duration_s: float = 600.0,
-             concurrency: int = 32, max_requests: int | None = None, seed: int = 0, timeout_s: float = 1800.0, sample_s: float = 10.0,
-             prefixes=(), max_new_tokens=MAX_NEW_TOKENS, front_pid: int | None = None, echo=print) -> dict:  # fmt: skip
+def run_soak(
+    grpc_url: str,
+    openai_url: str,
+    metrics_url: str,
+    server_pid: int,
+    recipe,
+    codec,
+    duration_s: float = 600.0,
+    concurrency: int = 32,
+    max_requests: int | None = None,
+    seed: int = 0,
+    timeout_s: float = 1800.0,
+    sample_s: float = 10.0,
+    prefixes=(),
+    max_new_tokens=MAX_NEW_TOKENS,
+    front_pid: int | None = None,
+    echo=print,
+) -> dict:
     """Send the mixed load; return the report (see the module docstring). The server must be this run's only client.
     `front_pid`: the OpenAI front's process, whose RSS is sampled with the stubs'."""
-    from specdeploy import metrics as m
     from specdeploy.client import metrics_check
+    from specdeploy.core.metrics import names, reader
 
     client = Client(grpc_url, openai_url, recipe, codec, timeout_s)
     max_new = [n for n in max_new_tokens if n < recipe.engine.max_seq_len // 2] or [1]
-    prompts = prompt_pool(codec, random.Random(seed), min(recipe.engine.max_input_len, recipe.engine.max_seq_len - max(max_new)) - 1)
-    before = m.scrape(metrics_url)
+    prompts = prompt_pool(
+        codec, random.Random(seed), min(recipe.engine.max_input_len, recipe.engine.max_seq_len - max(max_new)) - 1
+    )
+    before = reader.scrape(metrics_url)
     t0 = time.monotonic()
     deadline = t0 + duration_s
     watcher = Watcher(server_pid, prefixes, sample_s, t0, front_pid)
@@ -277,10 +328,14 @@ def run_soak(grpc_url: str, openai_url: str, metrics_url: str, server_pid: int, 
     watcher.done.set()
     watcher.join()
     watcher.sample()
-    after = metrics_check.settled(metrics_url, before, (m.REQUESTS.name, metrics_check.TRITON_SUCCESS), metrics_check.SETTLE_S)
+    after = metrics_check.settled(
+        metrics_url, before, (names.REQUESTS.name, metrics_check.TRITON_SUCCESS), metrics_check.SETTLE_S
+    )
     report = summarize(samples, watcher.samples, elapsed)
     report["counters"] = compare_counters(after.minus(before), client.counts)
-    report.update(duration_s=duration_s, concurrency=concurrency, max_requests=max_requests, seed=seed, recipe=recipe.name)
+    report.update(
+        duration_s=duration_s, concurrency=concurrency, max_requests=max_requests, seed=seed, recipe=recipe.name
+    )
     return report
 
 
@@ -288,8 +343,15 @@ def summarize(samples: list[Sample], watch: list[dict], elapsed_s: float) -> dic
     half = elapsed_s / 2
     ok = [s for s in samples if s.ok]
     halves = {}
-    for name, part in (("first_half", [s for s in ok if s.start_s < half]), ("second_half", [s for s in ok if s.start_s >= half])):
-        halves[name] = {"requests": len(part), "p50_s": quantile([s.latency_s for s in part], 0.5), "p99_s": quantile([s.latency_s for s in part], 0.99)}
+    for name, part in (
+        ("first_half", [s for s in ok if s.start_s < half]),
+        ("second_half", [s for s in ok if s.start_s >= half]),
+    ):
+        halves[name] = {
+            "requests": len(part),
+            "p50_s": quantile([s.latency_s for s in part], 0.5),
+            "p99_s": quantile([s.latency_s for s in part], 0.99),
+        }
     windows = 10  # p99 of each tenth of the run, then its least-squares slope
     p99s = []
     for w in range(windows):
@@ -306,13 +368,19 @@ def summarize(samples: list[Sample], watch: list[dict], elapsed_s: float) -> dic
         "error_samples": [{"path": s.path, "error": s.error} for s in samples if not s.ok][:20],
         "by_path": dict(Counter(s.path for s in samples)),
         "latency": halves,
-        "latency_by_path": {path: {"requests": len(lat), "p50_s": quantile(lat, 0.5), "p99_s": quantile(lat, 0.99)}
-                            for path in PATHS if (lat := [s.latency_s for s in ok if s.path == path])},  # fmt: skip
+        "latency_by_path": {
+            path: {"requests": len(lat), "p50_s": quantile(lat, 0.5), "p99_s": quantile(lat, 0.99)}
+            for path in PATHS
+            if (lat := [s.latency_s for s in ok if s.path == path])
+        },
         "p99_by_window": [{"t_s": round(t, 1), "p99_s": p} for t, p in p99s],
         "p99_slope_s_per_min": None if slope(p99s) is None else slope(p99s) * 60,
         "stubs": last["stubs"],
-        "stub_rss_bytes": {"start": first["stub_rss_bytes"], "end": last["stub_rss_bytes"],
-                           "max": max(x["stub_rss_bytes"] for x in watch)},  # fmt: skip
+        "stub_rss_bytes": {
+            "start": first["stub_rss_bytes"],
+            "end": last["stub_rss_bytes"],
+            "max": max(x["stub_rss_bytes"] for x in watch),
+        },
         "stub_rss_slope_last_half_bytes_per_min": None if rss_slope is None else rss_slope * 60,
         "stub_restarts": stub_restarts(watch),
         "rss_by_process": rss_by_process(watch, half),
@@ -346,53 +414,75 @@ def rss_by_process(watch: list[dict], half: float) -> dict:
     out = {}
     for name, points in sorted(series.items()):
         late = slope([(t, rss) for t, rss in points if t >= half])
-        out[name] = {"start": points[0][1], "end": points[-1][1], "max": max(rss for _, rss in points),
-                     "slope_last_half_bytes_per_min": None if late is None else late * 60}
+        out[name] = {
+            "start": points[0][1],
+            "end": points[-1][1],
+            "max": max(rss for _, rss in points),
+            "slope_last_half_bytes_per_min": None if late is None else late * 60,
+        }
     return out
 
 
 def compare_counters(window, counts: Counts) -> dict:
     """Every counter of the metrics port against the client's count over the run: rows and the mismatches."""
-    from specdeploy import metrics as m
     from specdeploy.client.protocol import CONTROL_MODEL, SPECULATIVE_MODEL
+    from specdeploy.core.metrics import names
 
-    spec = {"model": SPECULATIVE_MODEL, "arm": m.SPECULATIVE_ARM}
+    spec = {"model": SPECULATIVE_MODEL, "arm": names.SPECULATIVE_ARM}
     rounds = counts.rounds
     expected = [
-        (m.REQUESTS.name, spec, counts.ok[SPECULATIVE_MODEL]),
-        (m.REQUEST_ERRORS.name, {"model": SPECULATIVE_MODEL}, counts.errors[SPECULATIVE_MODEL]),
-        (m.REQUESTS.name, {"model": SPECULATIVE_MODEL, "arm": m.CONTROL_ARM}, 0),  # no canary share: every request stays speculative
-        (m.E2E.name + "_count", spec, counts.ok[SPECULATIVE_MODEL]),
-        (m.PROMPT_TOKENS.name, spec, counts.prompt_tokens),
-        (m.DRAFT_TOKENS.name, spec, counts.drafted),
-        (m.ACCEPTED_TOKENS.name, spec, counts.accepted),
-        (m.DRAFTS.name, spec, sum(1 for k in rounds if k > 0)),
-        (m.TARGET_PASSES.name, spec, len(rounds)),
-        (m.ROUNDS.name, {**spec, "speculation": m.SPEC_ON}, sum(1 for k in rounds if k > 0)),
-        (m.ROUNDS.name, {**spec, "speculation": m.SPEC_OFF}, sum(1 for k in rounds if k == 0)),
-        (m.RUNNING.name, {"model": SPECULATIVE_MODEL}, 0),  # a gauge: nothing in flight at the end
+        (names.REQUESTS.name, spec, counts.ok[SPECULATIVE_MODEL]),
+        (names.REQUEST_ERRORS.name, {"model": SPECULATIVE_MODEL}, counts.errors[SPECULATIVE_MODEL]),
+        (
+            names.REQUESTS.name,
+            {"model": SPECULATIVE_MODEL, "arm": names.CONTROL_ARM},
+            0,
+        ),  # no canary share: every request stays speculative
+        (names.E2E.name + "_count", spec, counts.ok[SPECULATIVE_MODEL]),
+        (names.PROMPT_TOKENS.name, spec, counts.prompt_tokens),
+        (names.DRAFT_TOKENS.name, spec, counts.drafted),
+        (names.ACCEPTED_TOKENS.name, spec, counts.accepted),
+        (names.DRAFTS.name, spec, sum(1 for k in rounds if k > 0)),
+        (names.TARGET_PASSES.name, spec, len(rounds)),
+        (names.ROUNDS.name, {**spec, "speculation": names.SPEC_ON}, sum(1 for k in rounds if k > 0)),
+        (names.ROUNDS.name, {**spec, "speculation": names.SPEC_OFF}, sum(1 for k in rounds if k == 0)),
+        (names.RUNNING.name, {"model": SPECULATIVE_MODEL}, 0),  # a gauge: nothing in flight at the end
         ("nv_inference_request_success", {"model": SPECULATIVE_MODEL}, counts.ok[SPECULATIVE_MODEL]),
         ("nv_inference_request_success", {"model": CONTROL_MODEL}, counts.ok[CONTROL_MODEL]),
         ("nv_inference_request_failure", {"model": SPECULATIVE_MODEL}, counts.errors[SPECULATIVE_MODEL]),
         ("nv_inference_request_failure", {"model": CONTROL_MODEL}, counts.errors[CONTROL_MODEL]),
     ]
-    notes = ["time counters (draft/target seconds) and histogram buckets have no client-side count; not compared",
-             "draft tokens per position: a round's k (speculative_k_history) is what the policy chose, the draft may propose "
-             "fewer near max_tokens; not compared (their sum, draft tokens, is)"]  # fmt: skip
+    notes = [
+        "time counters (draft/target seconds) and histogram buckets have no client-side count; not compared",
+        (
+            "draft tokens per position: a round's k (speculative_k_history) is what the policy chose, the draft may"
+            " propose fewer near max_tokens; not compared (their sum, draft tokens, is)"
+        ),
+    ]
     client_failed = sum(counts.errors.values())
     if client_failed:
-        notes.append(f"{client_failed} requests failed on the client side (a client deadline, say): the server may have finished them, "
-                     "so the request and token counters can differ by what those requests did")  # fmt: skip
+        notes.append(
+            f"{client_failed} requests failed on the client side (a client deadline, say): the server may have finished"
+            " them, so the request and token counters can differ by what those requests did"
+        )
     if counts.output_unknown:
-        notes.append(f"{counts.output_unknown} answers had no exact token count (the speculative entry point returns text, not ids, "
-                     f"as NVIDIA's BLS does): {m.GENERATION_TOKENS.name} not compared")  # fmt: skip
+        notes.append(
+            f"{counts.output_unknown} answers had no exact token count (the speculative entry point returns text, not"
+            f" ids, as NVIDIA's BLS does): {names.GENERATION_TOKENS.name} not compared"
+        )
     else:
-        expected.append((m.GENERATION_TOKENS.name, spec, counts.output_tokens))
+        expected.append((names.GENERATION_TOKENS.name, spec, counts.output_tokens))
     rows = []
     for name, labels, want in expected:
         got = window.sum(name, **labels)
-        rows.append({"metric": name + "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}", "metrics": got, "client": want,
-                     "agree": abs(got - want) < 1e-6})  # fmt: skip
+        rows.append(
+            {
+                "metric": name + "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}",
+                "metrics": got,
+                "client": want,
+                "agree": abs(got - want) < 1e-6,
+            }
+        )
     return {"rows": rows, "mismatches": [r for r in rows if not r["agree"]], "notes": notes}
 
 
@@ -402,29 +492,41 @@ def compare_counters(window, counts: Counts) -> dict:
 def serve_and_soak(recipe_path: str, root: str | None = None, echo=print, **kwargs) -> dict:
     """Serve the built repository of `recipe_path` and its OpenAI front (as `serve --detach --openai-port` does) on free
     loopback ports, soak them, stop both; then check that no shared-memory region of the server is left."""
-    from specdeploy import openai_api
-    from specdeploy.artifacts import Layout
-    from specdeploy.config_loader import load_recipe
-    from specdeploy.recipe_deployment import tokenizer_dir
-    from specdeploy.triton import server, shm
+    from specdeploy.core.artifacts import Layout
+    from specdeploy.deploy.recipe_deployment import tokenizer_dir
+    from specdeploy.ops.openai import api as openai_api
+    from specdeploy.ops.openai import requests
+    from specdeploy.recipe.load import load_recipe
+    from specdeploy.triton import ports, server, shm
 
     recipe = load_recipe(recipe_path)
     layout = Layout.of(recipe, root)
     if not (layout.repo / "ensemble" / "config.pbtxt").is_file():
         raise SystemExit(f"no model repository at {layout.repo}: run `specdeploy repo {recipe_path}` first")
     state_dir = Path(layout.server_state) / "soak"
-    srv = server.start(layout.repo, server.Ports.pick(), state_dir / "tritonserver.log")
+    srv = server.start(layout.repo, ports.Ports.pick(), state_dir / "tritonserver.log")
     prefixes = shm.prefixes_in(srv.process.args)
     try:
         server.wait_ready(srv, recipe.triton.startup_timeout_s)
-        port = server.free_port()
+        port = ports.free_port()
         # the front's deadline per Triton call: the soak's, not the recipe's validation.request_timeout_s
-        front_pid = openai_api.start_detached(recipe_path, root, srv.state.grpc_url, port, state_dir, echo=echo,
-                                              request_timeout_s=kwargs.get("timeout_s"))
+        front_pid = openai_api.start_detached(
+            recipe_path, root, srv.state.grpc_url, port, state_dir, echo=echo, request_timeout_s=kwargs.get("timeout_s")
+        )
         try:
-            codec = openai_api.Codec(tokenizer_dir(recipe, layout))
-            report = run_soak(srv.state.grpc_url, f"http://127.0.0.1:{port}", srv.state.metrics_url, srv.process.pid, recipe, codec,
-                              prefixes=prefixes, front_pid=front_pid, echo=echo, **kwargs)  # fmt: skip
+            codec = requests.Codec(tokenizer_dir(recipe, layout))
+            report = run_soak(
+                srv.state.grpc_url,
+                f"http://127.0.0.1:{port}",
+                srv.state.metrics_url,
+                srv.process.pid,
+                recipe,
+                codec,
+                prefixes=prefixes,
+                front_pid=front_pid,
+                echo=echo,
+                **kwargs,
+            )
             report["server_live_at_end"] = server.is_ready(srv.state.http_port)
         finally:
             openai_api.stop_detached(state_dir)
@@ -453,15 +555,30 @@ def main(argv=None) -> int:
     parser.add_argument("--root", default=None)
     parser.add_argument("--duration", type=float, default=600.0, help="seconds of load (default 600)")
     parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--max-requests", type=int, default=None, help="stop after this many requests (default: only the duration)")
+    parser.add_argument(
+        "--max-requests", type=int, default=None, help="stop after this many requests (default: only the duration)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sample-every", type=float, default=10.0, help="seconds between RSS / shm / tmp samples")
-    parser.add_argument("--timeout", type=float, default=1800.0, help="per-request deadline, s (also the front's deadline per Triton call)")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=1800.0,
+        help="per-request deadline, s (also the front's deadline per Triton call)",
+    )
     parser.add_argument("--out", default=None, help="write the report as JSON here")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    report = serve_and_soak(args.recipe, args.root, duration_s=args.duration, concurrency=args.concurrency, max_requests=args.max_requests,
-                            seed=args.seed, sample_s=args.sample_every, timeout_s=args.timeout)  # fmt: skip
+    report = serve_and_soak(
+        args.recipe,
+        args.root,
+        duration_s=args.duration,
+        concurrency=args.concurrency,
+        max_requests=args.max_requests,
+        seed=args.seed,
+        sample_s=args.sample_every,
+        timeout_s=args.timeout,
+    )
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     brief = {k: v for k, v in report.items() if k not in ("rss_samples", "p99_by_window", "counters")}

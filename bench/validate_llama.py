@@ -60,10 +60,10 @@ def main(argv=None) -> int:
     ap.add_argument("--cache-prompt", action="store_true", help="serve with llama-server's default prompt cache")
     args = ap.parse_args(argv)
 
-    from specdeploy.artifacts import Layout
-    from specdeploy.config_loader import load_recipe
-    from specdeploy.generate import load_tokenizer
-    from specdeploy.models import resolve
+    from specdeploy.core.artifacts import Layout
+    from specdeploy.core.model_store import resolve
+    from specdeploy.engine.generate import load_tokenizer
+    from specdeploy.recipe.load import load_recipe
 
     recipe = load_recipe(args.recipe)
     head_dir = eagle3_peer.resolve_head(recipe, Layout.of(recipe, os.environ.get("SPECDEPLOY_ROOT") or ROOT), args.head)
@@ -79,8 +79,9 @@ def main(argv=None) -> int:
         binary = llama_cpp.binary("llama-server", args.threads)
         head_gguf = llama_cpp.convert_head(head_dir, hf_dir)
         model = llama_cpp.convert_model(hf_dir, args.format)
-        # a request reusing the previous one's cached prompt prefills in another batch shape, whose logits llama.cpp does not
-        # promise bit-equal (b11434 tools/server/README.md, `cache_prompt`): greedy answers then change between requests
+        # a request reusing the previous one's cached prompt prefills in another batch shape, whose logits llama.cpp
+        # does not promise bit-equal (b11434 tools/server/README.md, `cache_prompt`): greedy answers then change between
+        # requests
         extra: list[str] = [] if args.cache_prompt else ["--no-cache-prompt"]
         for head in (None, head_gguf):
             log_path = out / f"llama-{'spec' if head else 'plain'}.log"
@@ -92,12 +93,28 @@ def main(argv=None) -> int:
         return 0
     plain, spec = servers
     try:
-        log(f"llama.cpp {args.format}: plain on 127.0.0.1:{plain.port}, draft-eagle3 (head {head_dir}, K = {k}) on "
-            f"127.0.0.1:{spec.port}")
-        command = [str(Path(sys.executable).with_name("specdeploy")), "validate", "--protocol", "openai",
-                   "--url", f"http://127.0.0.1:{spec.port}", "--control-url", f"http://127.0.0.1:{plain.port}",
-                   "--tokenizer", str(hf_dir), "--min-speedup", "0", "--report-dir", str(out), "--no-progress",
-                   *(["--quick"] if args.quick else [])]  # fmt: skip
+        log(
+            f"llama.cpp {args.format}: plain on 127.0.0.1:{plain.port}, draft-eagle3 (head {head_dir}, K = {k}) on "
+            f"127.0.0.1:{spec.port}"
+        )
+        command = [
+            str(Path(sys.executable).with_name("specdeploy")),
+            "validate",
+            "--protocol",
+            "openai",
+            "--url",
+            f"http://127.0.0.1:{spec.port}",
+            "--control-url",
+            f"http://127.0.0.1:{plain.port}",
+            "--tokenizer",
+            str(hf_dir),
+            "--min-speedup",
+            "0",
+            "--report-dir",
+            str(out),
+            "--no-progress",
+            *(["--quick"] if args.quick else []),
+        ]
         log(" ".join(command))
         code = subprocess.run(command).returncode
         report = json.loads((out / "report.json").read_text())
@@ -107,15 +124,20 @@ def main(argv=None) -> int:
             server.close()
     acc = report.get("acceptance") or {}
     mine = acc.get("all") or {}
-    log(f"acceptance from llama.cpp's timings (validate, parity phase): {mine.get('accepted')}/{mine.get('drafted')} "
+    log(
+        f"acceptance from llama.cpp's timings (validate, parity phase): {mine.get('accepted')}/{mine.get('drafted')} "
         f"drafts accepted over {mine.get('prompts')} prompts; eagle3_peer's count, same prompts as token ids: "
         f"{peer.accepted}/{peer.drafted} over {peer.passes} passes (length {peer.length:.2f}, per position "
-        + " ".join(f"{p:.2f}" for p in peer.per_position) + ")")
+        + " ".join(f"{p:.2f}" for p in peer.per_position)
+        + ")"
+    )
     both = {"validate": mine, "eagle3_peer": peer.to_json()}
     (out / "peer_acceptance.json").write_text(json.dumps(both, indent=2) + "\n")
     if (mine.get("drafted"), mine.get("accepted")) != (peer.drafted, peer.accepted):
-        log("the two counts differ: validate's came from the text prompts llama-server tokenized itself, eagle3_peer's "
-            "from token ids; see the report's prompts")
+        log(
+            "the two counts differ: validate's came from the text prompts llama-server tokenized itself, eagle3_peer's "
+            "from token ids; see the report's prompts"
+        )
         return code or 1
     return code
 

@@ -14,9 +14,9 @@ import stat
 import sys
 from pathlib import Path
 
-from specdeploy.artifacts import Manifest
+from specdeploy.core.artifacts import Manifest
 
-STANDIN = r'''#!{python}
+STANDIN = r"""#!{python}
 import json, os, sys
 from pathlib import Path
 argv = sys.argv[1:]
@@ -40,7 +40,7 @@ for rank in range(world):
 build_config = {{"max_draft_len": int(arg("--max_draft_len")) if "--max_draft_len" in argv else 0}}
 (out / "config.json").write_text(json.dumps({{"build_config": build_config, "pretrained_config": ckpt}}))
 print("[TRT-LLM] [I] Total time of building all engines: 00:00:00", flush=True)
-'''
+"""
 
 
 def install_standin(bin_dir: Path, monkeypatch, record: Path) -> Path:
@@ -60,13 +60,27 @@ def recorded(record: Path) -> list[list[str]]:
     return [json.loads(line) for line in record.read_text().splitlines()]
 
 
-def write_trtllm_checkpoint(directory: Path, recipe_name: str, source_dir: Path, tp: int = 1, pp: int = 1,
-                            quant_algo: str | None = "FP8", fingerprint: str = "ckpt-fp", layers: int = 2) -> None:
+def write_trtllm_checkpoint(
+    directory: Path,
+    recipe_name: str,
+    source_dir: Path,
+    tp: int = 1,
+    pp: int = 1,
+    quant_algo: str | None = "FP8",
+    fingerprint: str = "ckpt-fp",
+    layers: int = 2,
+) -> None:
     """A quantize-stage output as far as the build reads it: config.json (mapping) + manifest."""
     directory.mkdir(parents=True, exist_ok=True)
     config = {
-        "architecture": "LlamaForCausalLM", "dtype": "bfloat16", "vocab_size": 512, "hidden_size": 64,
-        "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2, "head_size": 16,
+        "architecture": "LlamaForCausalLM",
+        "dtype": "bfloat16",
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_size": 16,
         "intermediate_size": 128,
         "mapping": {"world_size": tp * pp, "tp_size": tp, "pp_size": pp},
         "quantization": {"quant_algo": quant_algo, "kv_cache_quant_algo": None},
@@ -74,8 +88,9 @@ def write_trtllm_checkpoint(directory: Path, recipe_name: str, source_dir: Path,
     (directory / "config.json").write_text(json.dumps(config))
     for rank in range(tp * pp):
         (directory / f"rank{rank}.safetensors").write_bytes(b"")
-    Manifest(stage="quantize", recipe_name=recipe_name, fingerprint=fingerprint,
-             inputs={"source_dir": str(source_dir)}).write(directory)
+    Manifest(
+        stage="quantize", recipe_name=recipe_name, fingerprint=fingerprint, inputs={"source_dir": str(source_dir)}
+    ).write(directory)
 
 
 def write_hf_checkpoint(directory: Path, recipe_name: str, source_dir: Path, quantized: bool = True) -> None:
@@ -87,8 +102,9 @@ def write_hf_checkpoint(directory: Path, recipe_name: str, source_dir: Path, qua
         (directory / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "FP8"}}))
     else:
         (directory / "hf_quant_config.json").unlink(missing_ok=True)
-    Manifest(stage="quantize", recipe_name=recipe_name, fingerprint="hf-fp",
-             inputs={"source_dir": str(source_dir)}).write(directory)
+    Manifest(
+        stage="quantize", recipe_name=recipe_name, fingerprint="hf-fp", inputs={"source_dir": str(source_dir)}
+    ).write(directory)
 
 
 # A stand-in for tritonserver (the NGC image's, or the embedded one): prints and, with $STANDIN_RECORD set,

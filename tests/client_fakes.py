@@ -6,13 +6,8 @@ import threading
 
 import numpy as np
 
-from specdeploy.client.protocol import (
-    SPECULATIVE_MODEL,
-    GenerateResult,
-    PerfMetrics,
-    TargetTrace,
-)
-from specdeploy.errors import ClientError
+from specdeploy.client.protocol import SPECULATIVE_MODEL, GenerateResult, PerfMetrics, TargetTrace
+from specdeploy.core.errors import ClientError
 
 VOCAB = 256
 END_ID = 3  # a "special" token: the codec's decode skips it, as the server's skip_special_tokens does
@@ -175,4 +170,3 @@ class FakeEndpoint:
 
     def close(self):
         pass
-

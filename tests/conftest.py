@@ -9,9 +9,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest
 import torch
-
 from tiny_models import make_tiny_model, make_tokenizer
-
 
 _running = {"test": None}
 
@@ -35,8 +33,10 @@ def pytest_sessionstart(session):
         capman = session.config.pluginmanager.getplugin("capturemanager")
         if capman is not None:
             capman.suspend_global_capture(in_=True)
-        sys.stderr.write(f"\nthe test suite outlived SPECDEPLOY_TEST_BUDGET_S={budget:g} s during {_running['test']}; "
-                         "every thread's stack:\n")
+        sys.stderr.write(
+            f"\nthe test suite outlived SPECDEPLOY_TEST_BUDGET_S={budget:g} s during {_running['test']}; "
+            "every thread's stack:\n"
+        )
         sys.stderr.flush()
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stderr.flush()
@@ -76,7 +76,6 @@ def _deterministic():
     torch.manual_seed(0)
 
 
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """A failed test during which a tritonserver wrote its log gets the tail of that log (stub crashes,
@@ -97,10 +96,10 @@ ROOM_LEFT = 64 * 1024  # what a full disk still has free: a stage writes a littl
 
 @pytest.fixture
 def full_disk(tmp_path):
-    """full_disk(folder, keep=(), room=ROOM_LEFT) makes `folder` a small filesystem (a tmpfs; root only, else the test is skipped)
-    holding copies of the entries named in `keep` (a stage's inputs, e.g. the checkpoints a build reads) and a filler
-    file, so that only `room` bytes are free. Returns the names in the folder then; unmounted at the end (what was
-    there before shows again)."""
+    """full_disk(folder, keep=(), room=ROOM_LEFT) makes `folder` a small filesystem (a tmpfs; root only, else the test
+    is skipped) holding copies of the entries named in `keep` (a stage's inputs, e.g. the checkpoints a build reads) and
+    a filler file, so that only `room` bytes are free. Returns the names in the folder then; unmounted at the end (what
+    was there before shows again)."""
     import shutil
     import subprocess
     from pathlib import Path
@@ -114,7 +113,9 @@ def full_disk(tmp_path):
             shutil.copytree(folder / name, held / name, symlinks=True)
         kept = sum(p.stat().st_size for p in held.rglob("*") if p.is_file()) if held.exists() else 0
         size = kept + 8 * ROOM_LEFT + 64 * 4096  # page rounding and inodes: the filler takes the slack
-        got = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True, text=True)
+        got = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True, text=True
+        )
         if got.returncode != 0:
             pytest.skip(f"cannot mount a small tmpfs here ({got.stderr.strip()}); needs root")
         mounted.append(folder)

@@ -77,8 +77,11 @@ def make_eagle3_head(
         "vocab_size": vocab_size,
         "draft_vocab_size": draft_vocab,
         "torch_dtype": dtype,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": None if top_level_ids else list(aux_layer_ids),
-                         "use_aux_hidden_state": True, "use_last_layernorm": with_norm},
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": None if top_level_ids else list(aux_layer_ids),
+            "use_aux_hidden_state": True,
+            "use_last_layernorm": with_norm,
+        },
     }
     if top_level_ids:
         config["eagle_aux_hidden_state_layer_ids"] = list(aux_layer_ids)

@@ -11,7 +11,6 @@ import contextlib
 from pathlib import Path
 
 import yaml
-
 from tiny_models import SERVER_READY_TIMEOUT_S
 
 CHAT_TEMPLATE = (
@@ -22,7 +21,9 @@ CHAT_TEMPLATE = (
 
 def chat_text(messages, generation_prompt: bool = True) -> str:
     """CHAT_TEMPLATE applied by hand (independent of transformers' renderer)."""
-    return "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages) + ("<|assistant|>" if generation_prompt else "")
+    return "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages) + (
+        "<|assistant|>" if generation_prompt else ""
+    )
 
 
 _MODEL: list[Path] = []  # made once per test process
@@ -58,11 +59,11 @@ def build(root: Path, model_dir: Path, name: str, **sections):
     """
     import shutil
 
-    from specdeploy import backend_stages
-    from specdeploy.artifacts import Layout
-    from specdeploy.config_loader import parse_recipe
-    from specdeploy.engine.build import build_recipe
-    from specdeploy.quantize import quantize_recipe
+    from specdeploy.core.artifacts import Layout
+    from specdeploy.deploy import backend_stages
+    from specdeploy.deploy.cpu_build import build_recipe
+    from specdeploy.quantize.stage import quantize_recipe
+    from specdeploy.recipe.load import parse_recipe
 
     raw = {
         "name": name,
@@ -83,7 +84,12 @@ def build(root: Path, model_dir: Path, name: str, **sections):
     done = _BUILT.get((str(model_dir), name))
     if done is not None and done != root:
         source = Layout.of(recipe, done)
-        for part in (source.checkpoint("target"), source.checkpoint("draft"), source.engine("target"), source.engine("draft")):
+        for part in (
+            source.checkpoint("target"),
+            source.checkpoint("draft"),
+            source.engine("target"),
+            source.engine("draft"),
+        ):
             shutil.copytree(part, layout.engines / part.relative_to(source.engines))
     _BUILT.setdefault((str(model_dir), name), root)
     quiet = lambda *a, **k: None  # noqa: E731
@@ -96,9 +102,9 @@ def build(root: Path, model_dir: Path, name: str, **sections):
 @contextlib.contextmanager
 def running(layout, startup_s: float = SERVER_READY_TIMEOUT_S):
     """A tritonserver on the layout's repository (free loopback ports); stopped on exit, also on failure."""
-    from specdeploy.triton import server
+    from specdeploy.triton import ports, server
 
-    srv = server.start(layout.repo, server.Ports.pick(), Path(layout.server_state) / "tritonserver.log")
+    srv = server.start(layout.repo, ports.Ports.pick(), Path(layout.server_state) / "tritonserver.log")
     try:
         server.wait_ready(srv, startup_s)
         yield srv

@@ -18,7 +18,7 @@ import os
 import sys
 import threading
 
-from specdeploy import artifacts
+from specdeploy.core import artifacts
 
 point = sys.argv.pop(1)
 
@@ -58,12 +58,14 @@ elif point in ("swap", "checkpoint"):
     if point == "swap":  # after setting the previous artifact aside (the first rename of the swap)
         artifacts.os = pausing_os("rename", lambda src, dst: ".old-" in os.path.basename(str(dst)))
     else:  # once draft train's resume checkpoint is in place
-        from specdeploy import draft_train_loop  # where train_head saves the checkpoint
+        from specdeploy.eagle3 import train_loop as draft_train_loop  # where train_head saves the checkpoint
 
-        draft_train_loop.os = pausing_os("replace", lambda src, dst: os.path.basename(str(dst)) == draft_train_loop.RESUME_STATE)
+        draft_train_loop.os = pausing_os(
+            "replace", lambda src, dst: os.path.basename(str(dst)) == draft_train_loop.RESUME_STATE
+        )
 elif point != "none":
     raise SystemExit(f"unknown pause point {point!r}")
 
-from specdeploy.cli import main  # noqa: E402
+from specdeploy.cli.main import main  # noqa: E402
 
 main(prog_name="specdeploy")

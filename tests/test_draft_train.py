@@ -20,19 +20,43 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("modelopt.torch.speculative")
 
-from specdeploy import artifacts, draft_samples, draft_train, draft_train_loop, draft_train_plan, modelopt_eagle3  # noqa: E402
-from specdeploy.config import EAGLE3_VOCAB_COUNTS, Eagle3TrainConfig  # noqa: E402
-from specdeploy.config_loader import parse_recipe  # noqa: E402
-from specdeploy.errors import ConfigError, SpecDeployError  # noqa: E402
 import bench_modules  # noqa: E402
 from tiny_models import make_tiny_model, make_tokenizer  # noqa: E402
+
+from specdeploy.core import artifacts
+from specdeploy.core.errors import ConfigError, SpecDeployError  # noqa: E402
+from specdeploy.eagle3 import (
+    modelopt as modelopt_eagle3,
+)
+from specdeploy.eagle3 import (
+    samples as draft_samples,
+)
+from specdeploy.eagle3 import (
+    train as draft_train,
+)
+from specdeploy.eagle3 import (
+    train_loop as draft_train_loop,
+)
+from specdeploy.eagle3 import (
+    train_plan as draft_train_plan,
+)
+from specdeploy.recipe.config import EAGLE3_VOCAB_COUNTS, Eagle3TrainConfig  # noqa: E402
+from specdeploy.recipe.load import parse_recipe  # noqa: E402
 
 VOCAB = 512
 POOL = 48  # the tokens prompts and answers use: the target maps each to a successor inside the pool
 PROMPT_LEN, ANSWER_LEN = 6, 18
 # precision float32: the same numbers on every CPU (auto picks bfloat16 where the CPU multiplies it natively)
-TRAIN = dict(draft_vocab_size=160, ttt_steps=3, epochs=8.0, learning_rate=1e-2, seq_len=32, batch_size=8, seed=0,
-             precision="float32")
+TRAIN = dict(
+    draft_vocab_size=160,
+    ttt_steps=3,
+    epochs=8.0,
+    learning_rate=1e-2,
+    seq_len=32,
+    batch_size=8,
+    seed=0,
+    precision="float32",
+)
 
 
 def make_bigram_target(path: Path, tokenizer_dir: Path) -> None:
@@ -65,8 +89,10 @@ def greedy_answers(model_dir: Path, n: int, seed: int) -> list[dict]:
     with torch.no_grad():
         for _ in range(ANSWER_LEN):  # greedy, by hand: no generation-config defaults in the way
             ids = torch.cat([ids, model(ids).logits[:, -1:].argmax(-1)], dim=1)
-    return [{"id": f"s{seed}-{i}", "source": "test", "input_ids": row.tolist(), "loss_start": PROMPT_LEN, "sampled": False}
-            for i, row in enumerate(ids)]  # fmt: skip
+    return [
+        {"id": f"s{seed}-{i}", "source": "test", "input_ids": row.tolist(), "loss_start": PROMPT_LEN, "sampled": False}
+        for i, row in enumerate(ids)
+    ]
 
 
 def write_data(folder: Path, train: list[dict], heldout: list[dict], fingerprint: str = "data-1") -> None:
@@ -89,12 +115,14 @@ def tiny(tmp_path_factory):
 
 
 def recipe_for(target: Path, **train):
-    return parse_recipe({
-        "name": "tiny-eagle3",
-        "target": {"model": str(target)},
-        "draft": {"kind": "eagle3", "head": "trained", "train": {**TRAIN, **train}},
-        "speculative": {"max_draft_len": 4, "num_draft_tokens": 3},
-    })  # fmt: skip
+    return parse_recipe(
+        {
+            "name": "tiny-eagle3",
+            "target": {"model": str(target)},
+            "draft": {"kind": "eagle3", "head": "trained", "train": {**TRAIN, **train}},
+            "speculative": {"max_draft_len": 4, "num_draft_tokens": 3},
+        }
+    )
 
 
 def layout_with_data(root: Path, data: Path, recipe, name: str) -> artifacts.Layout:
@@ -144,14 +172,20 @@ def test_training_raises_heldout_acceptance_and_exports_a_head_that_drafts_the_s
     assert torch.equal(weights["layers.0.input_layernorm.weight"], torch.ones(64))
     assert not torch.equal(weights["layers.0.hidden_norm.weight"], torch.ones(64))
     # d2t: target_id = draft_id + d2t[draft_id], the most frequent answer tokens (computed here independently)
-    counts = Counter(t for r in map(json.loads, (data / "train.jsonl").read_text().splitlines()) for t in r["input_ids"][r["loss_start"]:])
+    counts = Counter(
+        t
+        for r in map(json.loads, (data / "train.jsonl").read_text().splitlines())
+        for t in r["input_ids"][r["loss_start"] :]
+    )
     draft_targets = (torch.arange(160) + weights["d2t"]).tolist()
     assert draft_targets == sorted(draft_targets) and len(set(draft_targets)) == 160
     top = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))][: min(160, len(counts))]
     assert set(top) <= set(draft_targets)
     # beside it, how often the training answers used each draft token (draft.serve_vocab_size ranks by them)
     written = json.loads((head / EAGLE3_VOCAB_COUNTS).read_text())
-    assert written["counts"] == [counts.get(t, 0) for t in draft_targets] and written["source"] == str(layout.draft_data)
+    assert written["counts"] == [counts.get(t, 0) for t in draft_targets] and written["source"] == str(
+        layout.draft_data
+    )
     assert written["answer_tokens"] == sum(counts.values()) >= written["counted"] == sum(written["counts"]) > 0
 
     # reloaded into a fresh model, the head drafts what the trained one drafted
@@ -183,9 +217,9 @@ def test_cli_vocab_counts_counts_a_heads_draft_tokens_in_the_training_answers_on
     folder's train.jsonl, never its held-out prompts'; an earlier file is replaced whole; a folder that is no head,
     or data that is missing, is refused naming it."""
     from click.testing import CliRunner
-
     from eagle3_heads import make_eagle3_head
-    from specdeploy.cli import main
+
+    from specdeploy.cli.main import main
 
     root, _, data = tiny
     d2t = torch.arange(40) * 2  # draft id i -> target id 3 i
@@ -193,14 +227,21 @@ def test_cli_vocab_counts_counts_a_heads_draft_tokens_in_the_training_answers_on
     (head / EAGLE3_VOCAB_COUNTS).write_text("{}")
     result = CliRunner().invoke(main, ["draft", "vocab-counts", str(head), "--data", str(data)])
     assert result.exit_code == 0, result.output
-    answers = Counter(t for s in _samples(data / "train.jsonl") for t in s.input_ids[s.loss_start:])
-    heldout = Counter(t for s in _samples(data / "heldout.jsonl") for t in s.input_ids[s.loss_start:])
+    answers = Counter(t for s in _samples(data / "train.jsonl") for t in s.input_ids[s.loss_start :])
+    heldout = Counter(t for s in _samples(data / "heldout.jsonl") for t in s.input_ids[s.loss_start :])
     written = json.loads((head / EAGLE3_VOCAB_COUNTS).read_text())
     assert written["counts"] == [answers.get(3 * i, 0) for i in range(40)] and sum(written["counts"]) > 0
-    assert written["counts"] != [answers.get(3 * i, 0) + heldout.get(3 * i, 0) for i in range(40)]  # held-out not counted
+    assert written["counts"] != [
+        answers.get(3 * i, 0) + heldout.get(3 * i, 0) for i in range(40)
+    ]  # held-out not counted
     assert f"{written['counted']:,} of {written['answer_tokens']:,} answer tokens" in result.output
-    for args, words in (([str(tmp_path)], "no config.json"), ([str(head), "--data", str(tmp_path / "none")], "no EAGLE-3 training data")):
-        result = CliRunner().invoke(main, ["draft", "vocab-counts", *args] + ([] if "--data" in args else ["--data", str(data)]))
+    for args, words in (
+        ([str(tmp_path)], "no config.json"),
+        ([str(head), "--data", str(tmp_path / "none")], "no EAGLE-3 training data"),
+    ):
+        result = CliRunner().invoke(
+            main, ["draft", "vocab-counts", *args] + ([] if "--data" in args else ["--data", str(data)])
+        )
         assert result.exit_code != 0 and words in result.output, result.output
 
 
@@ -220,8 +261,17 @@ def test_resume_after_interruption_gives_the_same_weights(tiny):
 
     def run(work: Path, stop=None):
         model = modelopt_eagle3.build_model(target, t, draft_ids, [0, 1])
-        draft_train_loop.train_head(model, d, t, work, fingerprint="fp", progress=False, echo=lambda m: None,
-                               checkpoint_every_s=0.0, _stop_after_step=stop)  # fmt: skip
+        draft_train_loop.train_head(
+            model,
+            d,
+            t,
+            work,
+            fingerprint="fp",
+            progress=False,
+            echo=lambda m: None,
+            checkpoint_every_s=0.0,
+            _stop_after_step=stop,
+        )
         return model.eagle_module.state_dict()
 
     straight = run(root / "straight")
@@ -238,7 +288,9 @@ def test_resume_after_interruption_gives_the_same_weights(tiny):
     # a checkpoint of other inputs is not resumed from
     other = modelopt_eagle3.build_model(target, t, draft_ids, [0, 1])
     lines = []
-    draft_train_loop.train_head(other, d, replace(t, epochs=0.2), root / "interrupted", fingerprint="other", progress=False, echo=lines.append)
+    draft_train_loop.train_head(
+        other, d, replace(t, epochs=0.2), root / "interrupted", fingerprint="other", progress=False, echo=lines.append
+    )
     assert not any("resuming" in line for line in lines)
 
 
@@ -276,8 +328,14 @@ def test_a_run_estimated_over_max_train_hours_is_refused_with_the_estimate(tiny,
 
 
 def test_a_run_that_needs_more_memory_than_there_is_is_refused():
-    cfg = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
-           "num_hidden_layers": 32, "vocab_size": 128256}  # fmt: skip
+    cfg = {
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "vocab_size": 128256,
+    }
     d = draft_samples.DraftData(Path("."), (draft_samples.Sample("a", (1, 2, 3), 1),), (), "x")
     t = Eagle3TrainConfig()
     plan = draft_train_plan.plan_training(cfg, d, t, "cpu", 8 * 2**30, t.draft_vocab_size, 3)
@@ -287,8 +345,9 @@ def test_a_run_that_needs_more_memory_than_there_is_is_refused():
 
 # ---------------------------------------------------------------- an independent reader: llama.cpp's converter
 
+
 def test_llama_cpp_converts_the_exported_head_of_the_bundled_model(tmp_path):
-    from specdeploy import models
+    from specdeploy.core import model_store as models
 
     if not models.is_fetched("smollm2-135m-instruct"):
         pytest.skip("the bundled model is not fetched (make models)")
@@ -307,8 +366,23 @@ def test_llama_cpp_converts_the_exported_head_of_the_bundled_model(tmp_path):
     head = tmp_path / "head"
     modelopt_eagle3.export_head(model, head, aux)
     out = tmp_path / "head.gguf"
-    got = subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(head), "--outfile", str(out), "--outtype", "f32",
-                          "--target-model-dir", str(target)], capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    got = subprocess.run(
+        [
+            sys.executable,
+            str(src / "convert_hf_to_gguf.py"),
+            str(head),
+            "--outfile",
+            str(out),
+            "--outtype",
+            "f32",
+            "--target-model-dir",
+            str(target),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert got.returncode == 0, got.stderr[-3000:]
     assert "Detected EAGLE-3 draft model" in got.stderr
 
@@ -342,15 +416,37 @@ def test_sigkill_mid_training_keeps_the_previous_head_and_the_rerun_resumes(tiny
 
     def recipe_file(name: str, **train) -> Path:
         path = tmp_path / name
-        path.write_text(yaml.safe_dump({"name": "tiny-eagle3", "target": {"model": str(target)},
-                                        "draft": {"kind": "eagle3", "head": "trained", "train": {**TRAIN, **train}},
-                                        "speculative": {"max_draft_len": 4, "num_draft_tokens": 3}}))  # fmt: skip
+        path.write_text(
+            yaml.safe_dump(
+                {
+                    "name": "tiny-eagle3",
+                    "target": {"model": str(target)},
+                    "draft": {"kind": "eagle3", "head": "trained", "train": {**TRAIN, **train}},
+                    "speculative": {"max_draft_len": 4, "num_draft_tokens": 3},
+                }
+            )
+        )
         return path
 
     def cli(root: Path, recipe: Path, point: str = "none") -> subprocess.Popen:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(tests.parent)}
-        return subprocess.Popen([sys.executable, str(tests / "stage_pause.py"), point, "--root", str(root), "draft", "train",
-                                 str(recipe), "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
+        return subprocess.Popen(
+            [
+                sys.executable,
+                str(tests / "stage_pause.py"),
+                point,
+                "--root",
+                str(root),
+                "draft",
+                "train",
+                str(recipe),
+                "--no-progress",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
 
     def finished(root: Path, recipe: Path) -> str:
         proc = cli(root, recipe)
@@ -383,13 +479,18 @@ def test_sigkill_mid_training_keeps_the_previous_head_and_the_rerun_resumes(tiny
     previous = artifacts.Manifest.read(head)
     assert previous.settings["train"]["epochs"] == 1.0
     d2t = load_file(str(head / "model.safetensors"))["d2t"]
-    model = modelopt_eagle3.build_model(target, recipe_for(target).draft.train, (torch.arange(len(d2t)) + d2t).tolist(), [0, 1])
+    model = modelopt_eagle3.build_model(
+        target, recipe_for(target).draft.train, (torch.arange(len(d2t)) + d2t).tolist(), [0, 1]
+    )
     modelopt_eagle3.load_exported_head(model, head)  # loadable
 
     out = finished(layout.root, full)
     assert "resuming at step" in out, out
     assert not partial.exists()
-    resumed, straight = load_file(str(head / "model.safetensors")), load_file(str(reference.eagle3_head / "model.safetensors"))
+    resumed, straight = (
+        load_file(str(head / "model.safetensors")),
+        load_file(str(reference.eagle3_head / "model.safetensors")),
+    )
     assert resumed.keys() == straight.keys()
     for key in straight:
         assert torch.equal(resumed[key], straight[key]), key
@@ -399,13 +500,20 @@ def test_cli_draft_train_without_data_names_the_data_command(tiny, tmp_path):
     import yaml
     from click.testing import CliRunner
 
-    from specdeploy.cli import main
+    from specdeploy.cli.main import main
 
     _, target, _ = tiny
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(yaml.safe_dump({"name": "tiny-eagle3", "target": {"model": str(target)},
-                                      "draft": {"kind": "eagle3", "head": "trained"},
-                                      "speculative": {"max_draft_len": 4, "num_draft_tokens": 3}}))  # fmt: skip
+    recipe.write_text(
+        yaml.safe_dump(
+            {
+                "name": "tiny-eagle3",
+                "target": {"model": str(target)},
+                "draft": {"kind": "eagle3", "head": "trained"},
+                "speculative": {"max_draft_len": 4, "num_draft_tokens": 3},
+            }
+        )
+    )
     result = CliRunner().invoke(main, ["--root", str(tmp_path), "draft", "train", str(recipe), "--no-progress"])
     assert result.exit_code != 0
     assert "no EAGLE-3 training data" in result.output and "run: specdeploy draft data RECIPE" in result.output
@@ -433,7 +541,6 @@ def reference_acceptance(model, samples, k: int) -> tuple[int, list[int]]:
     return starts, hits
 
 
-
 def test_export_dtype_bfloat16_halves_the_weights_and_keeps_d2t_integer(tmp_path):
     from safetensors.torch import load_file, save_file
 
@@ -448,11 +555,14 @@ def test_export_dtype_bfloat16_halves_the_weights_and_keeps_d2t_integer(tmp_path
 
 
 def test_an_unknown_export_dtype_is_refused_naming_the_choices():
-    from specdeploy.config_loader import parse_recipe
-    from specdeploy.errors import ConfigError
+    from specdeploy.core.errors import ConfigError
+    from specdeploy.recipe.load import parse_recipe
 
-    raw = {"name": "x", "target": {"model": "smollm2-135m-instruct"},
-           "draft": {"kind": "eagle3", "head": "trained", "train": {"export_dtype": "int8"}}}  # fmt: skip
+    raw = {
+        "name": "x",
+        "target": {"model": "smollm2-135m-instruct"},
+        "draft": {"kind": "eagle3", "head": "trained", "train": {"export_dtype": "int8"}},
+    }
     with pytest.raises(ConfigError, match="export_dtype") as caught:
         parse_recipe(raw)
     assert "float32, bfloat16, float16" in str(caught.value)
@@ -491,8 +601,11 @@ def test_precision_auto_is_bfloat16_only_where_the_cpu_multiplies_bf16(monkeypat
 
 
 def test_an_unknown_precision_is_refused_naming_the_choices():
-    raw = {"name": "x", "target": {"model": "smollm2-135m-instruct"},
-           "draft": {"kind": "eagle3", "head": "trained", "train": {"precision": "fp8"}}}  # fmt: skip
+    raw = {
+        "name": "x",
+        "target": {"model": "smollm2-135m-instruct"},
+        "draft": {"kind": "eagle3", "head": "trained", "train": {"precision": "fp8"}},
+    }
     with pytest.raises(ConfigError, match="precision") as caught:
         parse_recipe(raw)
     assert "auto, float32, bfloat16" in str(caught.value)
@@ -506,30 +619,46 @@ def test_cosine_schedule_runs_from_the_learning_rate_to_a_tenth_and_depends_on_t
     constant = replace(t, lr_schedule="constant")
     assert {draft_train_loop.learning_rate_at(constant, step, 11) for step in range(11)} == {1e-3}
     with pytest.raises(ConfigError, match="lr_schedule"):
-        parse_recipe({"name": "x", "target": {"model": "smollm2-135m-instruct"},
-                      "draft": {"kind": "eagle3", "head": "trained", "train": {"lr_schedule": "linear"}}})  # fmt: skip
+        parse_recipe(
+            {
+                "name": "x",
+                "target": {"model": "smollm2-135m-instruct"},
+                "draft": {"kind": "eagle3", "head": "trained", "train": {"lr_schedule": "linear"}},
+            }
+        )
 
 
 @pytest.mark.parametrize("when", ["before training", "at the first checkpoint"])
-def test_a_full_disk_is_refused_or_reported_naming_the_folder_and_the_previous_head_stays(tiny, tmp_path, full_disk, monkeypatch, when):
-    """draft train on a full disk (a tmpfs holding the recipe's data and an exported head, 64 KiB free; tests/conftest.py
-    full_disk). `before training`: the run is refused up front with the space its checkpoints and export need.
+def test_a_full_disk_is_refused_or_reported_naming_the_folder_and_the_previous_head_stays(
+    tiny, tmp_path, full_disk, monkeypatch, when
+):
+    """draft train on a full disk (a tmpfs holding the recipe's data and an exported head, 64 KiB free;
+    tests/conftest.py full_disk). `before training`: the run is refused up front with the space its checkpoints and
+    export need.
     `at the first checkpoint` (that check switched off): the checkpoint cannot be written, and the run stops with
     the folder and the space named. Either way no traceback, nothing half-written, and the head exported before
     stays byte for byte."""
+    import yaml
     from click.testing import CliRunner
 
-    import yaml
-
-    from specdeploy.cli import main
+    from specdeploy.cli.main import main
 
     _, target, data = tiny
     layout = layout_with_data(tmp_path, data, recipe_for(target), "p")
     path = tmp_path / "r.yaml"
-    path.write_text(yaml.safe_dump({"name": "tiny-eagle3", "target": {"model": str(target)},
-                                    "draft": {"kind": "eagle3", "head": "trained", "train": {**TRAIN, "epochs": 1.0}},
-                                    "speculative": {"max_draft_len": 4, "num_draft_tokens": 3}}))  # fmt: skip
-    run = lambda *extra: CliRunner().invoke(main, ["--root", str(layout.root), "draft", "train", str(path), "--no-progress", *extra])  # noqa: E731
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "name": "tiny-eagle3",
+                "target": {"model": str(target)},
+                "draft": {"kind": "eagle3", "head": "trained", "train": {**TRAIN, "epochs": 1.0}},
+                "speculative": {"max_draft_len": 4, "num_draft_tokens": 3},
+            }
+        )
+    )
+    run = lambda *extra: CliRunner().invoke(
+        main, ["--root", str(layout.root), "draft", "train", str(path), "--no-progress", *extra]
+    )  # noqa: E731
     first = run()
     assert first.exit_code == 0, first.output
     previous = {p.name: p.read_bytes() for p in layout.eagle3_head.iterdir()}
@@ -538,12 +667,22 @@ def test_a_full_disk_is_refused_or_reported_naming_the_folder_and_the_previous_h
         monkeypatch.setattr(draft_train, "check_disk", lambda *args: None)
     got = run("--force")
     print(got.output)
-    assert got.exit_code == 1 and isinstance(got.exception, SystemExit) and "Traceback" not in got.output, (got.output, got.exception)
+    assert got.exit_code == 1 and isinstance(got.exception, SystemExit) and "Traceback" not in got.output, (
+        got.output,
+        got.exception,
+    )
     if when == "before training":
-        assert f"error: not enough disk space to train the EAGLE-3 head in {layout.engines}: about " in got.output, got.output
-        assert "MiB needed (resume checkpoints and the exported head)" in got.output and "untrained head" not in got.output
+        assert f"error: not enough disk space to train the EAGLE-3 head in {layout.engines}: about " in got.output, (
+            got.output
+        )
+        assert (
+            "MiB needed (resume checkpoints and the exported head)" in got.output and "untrained head" not in got.output
+        )
     else:
-        assert f"error: no space left writing the training checkpoint in {draft_train.resume_dir(layout.eagle3_head)} (" in got.output
+        assert (
+            f"error: no space left writing the training checkpoint in {draft_train.resume_dir(layout.eagle3_head)} ("
+            in got.output
+        )
         assert "nothing was kept" in got.output, got.output
     assert "hint:" in got.output and "point --root at a larger" in got.output, got.output
     left = sorted(set(os.listdir(layout.engines)) - {".lock", draft_train.resume_dir(layout.eagle3_head).name})
@@ -560,7 +699,9 @@ def test_chain_hits_counts_as_the_position_by_position_definition():
         rows, width, k = 3, 24, 1 + trial % 4
         ids = torch.randint(0, 3, (rows, width), generator=g)
         target_next = torch.randint(0, 3, (rows, width), generator=g)
-        target_next[:, :-1] = torch.where(torch.rand(rows, width - 1, generator=g) < 0.7, ids[:, 1:], target_next[:, :-1])
+        target_next[:, :-1] = torch.where(
+            torch.rand(rows, width - 1, generator=g) < 0.7, ids[:, 1:], target_next[:, :-1]
+        )
         drafts = [torch.randint(0, 3, (rows, width), generator=g) for _ in range(k)]
         lengths = torch.randint(k + 1, width + 1, (rows,), generator=g).tolist()
         begin = torch.randint(0, 6, (rows,), generator=g)
@@ -593,7 +734,7 @@ def test_a_time_limit_cuts_the_steps_and_still_exports_the_head(tiny, tmp_path):
     is exported with the planned and done steps in its manifest; a generous limit trains the whole plan."""
     from click.testing import CliRunner
 
-    from specdeploy.cli import main
+    from specdeploy.cli.main import main
 
     root, target, data = tiny
     recipe = recipe_for(target, epochs=4.0)
@@ -611,38 +752,55 @@ def test_a_time_limit_cuts_the_steps_and_still_exports_the_head(tiny, tmp_path):
     assert (layout.eagle3_head / "model.safetensors").is_file()
     # the CLI passes minutes; a limit changes the head's identity, so the run without one trains again
     path = tmp_path / "recipe.json"
-    raw = {"name": "tiny-eagle3", "target": {"model": str(target)},
-           "draft": {"kind": "eagle3", "head": "trained", "train": {**TRAIN, "epochs": 16.0, "batch_size": 4}},
-           "speculative": {"max_draft_len": 4, "num_draft_tokens": 3}}  # fmt: skip
+    raw = {
+        "name": "tiny-eagle3",
+        "target": {"model": str(target)},
+        "draft": {"kind": "eagle3", "head": "trained", "train": {**TRAIN, "epochs": 16.0, "batch_size": 4}},
+        "speculative": {"max_draft_len": 4, "num_draft_tokens": 3},
+    }
     path.write_text(json.dumps(raw))
     cli_layout = layout_with_data(tmp_path / "cli", data, recipe, "")
-    out = CliRunner().invoke(main, ["--root", str(cli_layout.root), "draft", "train", str(path), "--no-progress", "--time-limit", "600"])
+    out = CliRunner().invoke(
+        main, ["--root", str(cli_layout.root), "draft", "train", str(path), "--no-progress", "--time-limit", "600"]
+    )
     assert out.exit_code == 0, out.output
     manifest = artifacts.Manifest.read(cli_layout.eagle3_head)
-    assert manifest.settings["time_limit_s"] == 36000.0 and manifest.extra["steps"] == 64 == manifest.extra["planned_steps"]
-    out = CliRunner().invoke(main, ["--root", str(cli_layout.root), "draft", "train", str(path), "--no-progress", "--time-limit", "0"])
+    assert (
+        manifest.settings["time_limit_s"] == 36000.0
+        and manifest.extra["steps"] == 64 == manifest.extra["planned_steps"]
+    )
+    out = CliRunner().invoke(
+        main, ["--root", str(cli_layout.root), "draft", "train", str(path), "--no-progress", "--time-limit", "0"]
+    )
     assert out.exit_code != 0 and "--time-limit" in out.output
 
 
-# ---------------------------------------------------------------- the target's side from the CPU engine, a head trained further
+# ---------------------------------------------------------------- the target's side from the CPU engine, a head trained
+# further
 
 
 def engine_recipe(target: Path, name: str = "tiny-eagle3-engine", **train):
     """recipe_for with a built CPU engine behind it (full precision, float32: the engine's numbers close to torch's)."""
-    return parse_recipe({
-        "name": name, "backend": "cpu",
-        "target": {"model": str(target), "quantization": {"qformat": "full_prec", "calib_size": 4, "calib_max_seq_length": 32}},
-        "draft": {"kind": "eagle3", "head": "trained", "train": {**TRAIN, **train}},
-        "speculative": {"max_draft_len": 4, "num_draft_tokens": 3},
-        "engine": {"dtype": "float32", "max_batch_size": 2, "max_input_len": 64, "max_seq_len": 96},
-    })  # fmt: skip
+    return parse_recipe(
+        {
+            "name": name,
+            "backend": "cpu",
+            "target": {
+                "model": str(target),
+                "quantization": {"qformat": "full_prec", "calib_size": 4, "calib_max_seq_length": 32},
+            },
+            "draft": {"kind": "eagle3", "head": "trained", "train": {**TRAIN, **train}},
+            "speculative": {"max_draft_len": 4, "num_draft_tokens": 3},
+            "engine": {"dtype": "float32", "max_batch_size": 2, "max_input_len": 64, "max_seq_len": 96},
+        }
+    )
 
 
 @pytest.fixture(scope="module")
 def tiny_engine(tiny):
     """The tiny target quantized (full_prec) and built as a CPU engine, with the draft data beside it."""
-    from specdeploy.engine.build import build_recipe
-    from specdeploy.quantize import quantize_recipe
+    from specdeploy.deploy.cpu_build import build_recipe
+    from specdeploy.quantize.stage import quantize_recipe
 
     root, target, data = tiny
     recipe = engine_recipe(target, features="engine")
@@ -655,7 +813,7 @@ def tiny_engine(tiny):
 def test_engine_features_are_what_modelopt_captures_from_the_targets_weights(tiny, tiny_engine):
     """The engine's aux features and logits, fed to ModelOpt's offline mode, are the outputs its online mode hooks
     from the same layers of the target's weights (ModelOpt's ids: layer outputs), and its loss is the same."""
-    from specdeploy.draft_features import EngineFeatures
+    from specdeploy.eagle3.features import EngineFeatures
 
     root, target, data = tiny
     t = Eagle3TrainConfig(**TRAIN)
@@ -692,7 +850,9 @@ def test_engine_features_are_what_modelopt_captures_from_the_targets_weights(tin
 
 
 def test_training_on_engine_features_raises_heldout_acceptance_and_names_the_engine(tiny, tiny_engine):
-    result = draft_train.train_recipe(engine_recipe(tiny[1], features="engine"), tiny_engine, echo=lambda *_: None, progress=False)
+    result = draft_train.train_recipe(
+        engine_recipe(tiny[1], features="engine"), tiny_engine, echo=lambda *_: None, progress=False
+    )
     before, after = result.initial_acceptance, result.acceptance
     assert before.positions == after.positions > 50
     assert after.per_position[0] > before.per_position[0] + 0.2, (before, after)
@@ -706,7 +866,7 @@ def test_top_k_labels_give_the_full_distributions_loss_within_the_tail_they_drop
     """draft.train.label_top_k: the loss on the target's top-k draft tokens (renormalized) is the loss on its whole
     draft-vocabulary distribution within 0.1 % here (k = 32 of 160: the tiny target puts nearly all of its mass on
     its first few tokens); labels read from the wrong columns move it by 1.5 % (the check tells them apart)."""
-    from specdeploy.draft_features import EngineFeatures
+    from specdeploy.eagle3.features import EngineFeatures
 
     root, target, data = tiny
     t = Eagle3TrainConfig(**TRAIN)
@@ -761,7 +921,9 @@ def test_a_head_trained_further_starts_where_the_exported_one_ended(tiny, tmp_pa
     assert second.acceptance.mean_accepted > first.acceptance.mean_accepted
     assert any(str(head) in line for line in lines)
     manifest = artifacts.Manifest.read(second_layout.eagle3_head)
-    assert manifest.inputs["init_head_hash"] == artifacts.head_hash(head) != artifacts.dir_hash(head)  # the export wrote counts
+    assert (
+        manifest.inputs["init_head_hash"] == artifacts.head_hash(head) != artifacts.dir_hash(head)
+    )  # the export wrote counts
     # counting the start head's answers again (`draft vocab-counts`) leaves the head trained from it up to date
     counts = json.loads((head / EAGLE3_VOCAB_COUNTS).read_text())
     (head / EAGLE3_VOCAB_COUNTS).write_text(json.dumps({**counts, "counts": [c + 1 for c in counts["counts"]]}))
@@ -769,16 +931,28 @@ def test_a_head_trained_further_starts_where_the_exported_one_ended(tiny, tmp_pa
     assert any("up to date" in line for line in again)
     from safetensors.torch import load_file
 
-    assert torch.equal(load_file(str(head / "model.safetensors"))["d2t"], load_file(str(second_layout.eagle3_head / "model.safetensors"))["d2t"])
+    assert torch.equal(
+        load_file(str(head / "model.safetensors"))["d2t"],
+        load_file(str(second_layout.eagle3_head / "model.safetensors"))["d2t"],
+    )
     # a head that reads other layers is refused, naming the setting
     with pytest.raises(ConfigError, match="init_head") as err:
-        draft_train.train_recipe(recipe_for(target, init_head=str(head), aux_layers=(1, 3)), second_layout, echo=lambda *_: None, progress=False)
+        draft_train.train_recipe(
+            recipe_for(target, init_head=str(head), aux_layers=(1, 3)),
+            second_layout,
+            echo=lambda *_: None,
+            progress=False,
+        )
     assert "aux_layers" in err.value.hint
     # so is one of another draft vocabulary size (its d2t and LM head would not load), before any work
     size = json.loads((head / "config.json").read_text())["draft_vocab_size"]
     with pytest.raises(ConfigError, match=f"drafts over {size} tokens") as err:
-        draft_train.train_recipe(recipe_for(target, init_head=str(head), draft_vocab_size=size + 8), second_layout, echo=lambda *_: None,
-                                 progress=False)
+        draft_train.train_recipe(
+            recipe_for(target, init_head=str(head), draft_vocab_size=size + 8),
+            second_layout,
+            echo=lambda *_: None,
+            progress=False,
+        )
     assert f"draft_vocab_size: {size}" in err.value.hint
 
 
@@ -802,14 +976,21 @@ def test_length_grouping_takes_every_sample_once_in_batches_of_like_lengths():
 
 
 def test_new_train_keys_at_their_defaults_keep_a_heads_fingerprint_and_bad_ones_are_refused():
-    from specdeploy.artifacts import fingerprint
-    from specdeploy.config import to_plain
+    from specdeploy.core.artifacts import fingerprint
+    from specdeploy.recipe.config import to_plain
 
     recipe = recipe_for(Path("/nonexistent"))
-    old = {k: v for k, v in to_plain(recipe.draft.train).items()
-           if k not in ("features", "init_head", "length_grouping", "data_dir", "label_top_k")}
-    assert draft_train.stage_fingerprint(recipe, "t", "d") == fingerprint(stage=draft_train.STAGE, target="t", data="d", train=old)
-    assert draft_train.stage_fingerprint(recipe_for(Path("/nonexistent"), length_grouping=True), "t", "d") != draft_train.stage_fingerprint(recipe, "t", "d")
+    old = {
+        k: v
+        for k, v in to_plain(recipe.draft.train).items()
+        if k not in ("features", "init_head", "length_grouping", "data_dir", "label_top_k")
+    }
+    assert draft_train.stage_fingerprint(recipe, "t", "d") == fingerprint(
+        stage=draft_train.STAGE, target="t", data="d", train=old
+    )
+    assert draft_train.stage_fingerprint(
+        recipe_for(Path("/nonexistent"), length_grouping=True), "t", "d"
+    ) != draft_train.stage_fingerprint(recipe, "t", "d")
     with pytest.raises(ConfigError, match="draft.train.features"):
         recipe_for(Path("/x"), features="gpu")
     with pytest.raises(ConfigError, match="init_head"):
@@ -819,9 +1000,15 @@ def test_new_train_keys_at_their_defaults_keep_a_heads_fingerprint_and_bad_ones_
     with pytest.raises(ConfigError, match="label_top_k' is -1"):
         recipe_for(Path("/x"), features="engine", label_top_k=-1)
     with pytest.raises(ConfigError, match="draft.train.features' is engine on backend trtllm-llmapi") as err:
-        parse_recipe({"name": "x", "backend": "trtllm-llmapi", "target": {"model": "/x"},
-                      "draft": {"kind": "eagle3", "head": "trained", "train": {"features": "engine"}},
-                      "speculative": {"max_draft_len": 4, "num_draft_tokens": 3}})  # fmt: skip
+        parse_recipe(
+            {
+                "name": "x",
+                "backend": "trtllm-llmapi",
+                "target": {"model": "/x"},
+                "draft": {"kind": "eagle3", "head": "trained", "train": {"features": "engine"}},
+                "speculative": {"max_draft_len": 4, "num_draft_tokens": 3},
+            }
+        )
     assert "backend cpu" in err.value.hint
 
 
@@ -831,7 +1018,9 @@ def test_checkpoint_bench_measures_the_runs_head_and_its_start_with_the_runs_own
     bench = bench_modules.load("eagle3_checkpoint")
     head = tiny_engine.eagle3_head
     if not (head / "model.safetensors").is_file():  # the engine-features run above (module order), else its own
-        draft_train.train_recipe(engine_recipe(tiny[1], features="engine"), tiny_engine, echo=lambda *_: None, progress=False)
+        draft_train.train_recipe(
+            engine_recipe(tiny[1], features="engine"), tiny_engine, echo=lambda *_: None, progress=False
+        )
     trained = artifacts.Manifest.read(head).extra["heldout_acceptance"]
     recipe = engine_recipe(tiny[1], name="tiny-eagle3-engine", features="engine", init_head=str(head))
     t = recipe.draft.train
@@ -839,18 +1028,25 @@ def test_checkpoint_bench_measures_the_runs_head_and_its_start_with_the_runs_own
 
     d2t = load_file(str(head / "model.safetensors"))["d2t"]
     # the checkpoint holds the untrained head (the training run's seed), the start row the trained one
-    model = modelopt_eagle3.build_model(tiny[1], replace(t, init_head=""), (torch.arange(len(d2t)) + d2t).tolist(), [0, 1], offline=True)
+    model = modelopt_eagle3.build_model(
+        tiny[1], replace(t, init_head=""), (torch.arange(len(d2t)) + d2t).tolist(), [0, 1], offline=True
+    )
     untrained = artifacts.Manifest.read(head).extra["untrained_acceptance"]
     partial = draft_train.resume_dir(tiny_engine.eagle3_head)
     partial.mkdir(exist_ok=True)
-    torch.save({"head": model.eagle_module.state_dict(), "step": 3, "total_steps": 9}, partial / draft_train_loop.RESUME_STATE)
+    torch.save(
+        {"head": model.eagle_module.state_dict(), "step": 3, "total_steps": 9}, partial / draft_train_loop.RESUME_STATE
+    )
     try:
         lines = []
         result = bench.measure(recipe, tiny_engine, 1000, echo=lines.append)
     finally:
         shutil.rmtree(partial)
     assert result["step"] == 3 and result["samples"] == 8
-    assert result["start"]["per_position"] == trained["per_position"] and result["start"]["positions"] == trained["positions"] > 50
+    assert (
+        result["start"]["per_position"] == trained["per_position"]
+        and result["start"]["positions"] == trained["positions"] > 50
+    )
     assert result["checkpoint"]["per_position"] == untrained["per_position"] != trained["per_position"]
     assert any("step 3 of 9" in line for line in lines)
 
@@ -862,7 +1058,9 @@ def test_data_dir_trains_on_another_recipes_data_and_its_absence_names_the_folde
     draft_train.train_recipe(recipe, layout, echo=lambda *_: None, progress=False)
     assert artifacts.Manifest.read(layout.eagle3_head).inputs["data_dir"] == str(data)
     with pytest.raises(SpecDeployError, match=str(tmp_path / "missing")):
-        draft_train.train_recipe(recipe_for(target, data_dir=str(tmp_path / "missing")), layout, echo=lambda *_: None, progress=False)
+        draft_train.train_recipe(
+            recipe_for(target, data_dir=str(tmp_path / "missing")), layout, echo=lambda *_: None, progress=False
+        )
 
 
 def test_data_curve_trains_nested_parts_of_one_folder_and_measures_each_on_the_same_heldout(tiny, tmp_path, capsys):
@@ -880,13 +1078,39 @@ def test_data_curve_trains_nested_parts_of_one_folder_and_measures_each_on_the_s
     source = tmp_path / "data"
     write_data(source, records, heldout, fingerprint="data-curve")
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(yaml.safe_dump({"name": "tiny-eagle3", "target": {"model": str(target)},
-                                      "draft": {"kind": "eagle3", "head": "trained", "train": TRAIN},
-                                      "speculative": {"max_draft_len": 4, "num_draft_tokens": 3}}))  # fmt: skip
+    recipe.write_text(
+        yaml.safe_dump(
+            {
+                "name": "tiny-eagle3",
+                "target": {"model": str(target)},
+                "draft": {"kind": "eagle3", "head": "trained", "train": TRAIN},
+                "speculative": {"max_draft_len": 4, "num_draft_tokens": 3},
+            }
+        )
+    )
     work, out = tmp_path / "work", tmp_path / "curve.json"
-    args = ["--recipe", str(recipe), "--root", str(tmp_path), "--data", str(source), "--fractions", "0.25,1",
-            "--variant", "odd:source=odd", "--variant", "slow:learning_rate=0.001", "--variant-fraction", "0.5",
-            "--heldout", "6", "--work", str(work), "--out", str(out)]  # fmt: skip
+    args = [
+        "--recipe",
+        str(recipe),
+        "--root",
+        str(tmp_path),
+        "--data",
+        str(source),
+        "--fractions",
+        "0.25,1",
+        "--variant",
+        "odd:source=odd",
+        "--variant",
+        "slow:learning_rate=0.001",
+        "--variant-fraction",
+        "0.5",
+        "--heldout",
+        "6",
+        "--work",
+        str(work),
+        "--out",
+        str(out),
+    ]
     assert curve.main(args) == 0
     result = json.loads(out.read_text())
     rows = {r["name"]: r for r in result["rows"]}
@@ -895,7 +1119,8 @@ def test_data_curve_trains_nested_parts_of_one_folder_and_measures_each_on_the_s
     def ids(part: str) -> list[str]:
         return [json.loads(line)["id"] for line in (work / "data" / part / "train.jsonl").read_text().splitlines()]
 
-    # every answer is ANSWER_LEN tokens: a quarter of 16 answers' tokens is 4 samples, the first 4 of the full part's order
+    # every answer is ANSWER_LEN tokens: a quarter of 16 answers' tokens is 4 samples, the first 4 of the full part's
+    # order
     assert rows["f1"]["answer_tokens"] == 16 * ANSWER_LEN and rows["f1"]["train_samples"] == 16
     assert rows["f0.25"]["answer_tokens"] == 4 * ANSWER_LEN and ids("0.25") == ids("1")[:4]
     assert sorted(ids("1")) == sorted(r["id"] for r in records)
@@ -908,7 +1133,9 @@ def test_data_curve_trains_nested_parts_of_one_folder_and_measures_each_on_the_s
     # the same held-out positions for every head: the first 6 held-out samples, never trained on
     positions = {r["heldout"]["positions"] for r in rows.values()}
     assert len(positions) == 1 and positions.pop() > 0
-    assert (work / "data" / "1" / "heldout.jsonl").read_text().splitlines() == (data / "heldout.jsonl").read_text().splitlines()[:6]
+    assert (work / "data" / "1" / "heldout.jsonl").read_text().splitlines() == (
+        data / "heldout.jsonl"
+    ).read_text().splitlines()[:6]
     part = artifacts.Manifest.read(work / "data" / "0.25")
     assert part.inputs["part_of_fingerprint"] == "data-curve" and part.extra["part"]["train_samples"] == 4
     assert part.fingerprint != artifacts.Manifest.read(work / "data" / "1").fingerprint
@@ -920,4 +1147,6 @@ def test_data_curve_trains_nested_parts_of_one_folder_and_measures_each_on_the_s
     assert curve.main(args + ["--reference", f"same={full['head']}"]) == 0
     printed = capsys.readouterr().out
     assert printed.count("eagle3 head: up to date") == 4 and "untrained head" not in printed
-    assert json.loads(out.read_text())["references"] == [{"name": "same", "head": full["head"], "heldout": full["heldout"]}]
+    assert json.loads(out.read_text())["references"] == [
+        {"name": "same", "head": full["head"], "heldout": full["heldout"]}
+    ]

@@ -3,9 +3,8 @@ whose numbers are worked out by hand."""
 
 from __future__ import annotations
 
-import pytest
-
 import bench_modules
+import pytest
 
 ROUNDS = [  # k = 3: the head's probability of each draft, and how many of the round's drafts the target accepted
     {"probabilities": [0.95, 0.9, 0.8], "accepted": 3},
@@ -25,13 +24,13 @@ def test_sweep_cuts_each_round_at_its_first_draft_below_the_cut_and_costs_it():
     rows, head = (1.0, 1.1, 1.2, 1.3, 1.4), 0.1
     table = {row["draft_p_min"]: row for row in conf.sweep(ROUNDS, rows, head)}
     # no cut-off: 3 drafts every round, 6 accepted; each round costs 1.3 + 3 * 0.1
-    assert table[0.0]["drafted_per_round"] == 3 and table[0.0]["accepted_per_round"] == 6 / 4
+    assert table[0.0]["k_per_round"] == 3 and table[0.0]["accepted_per_round"] == 6 / 4
     assert table[0.0]["estimated_speedup"] == pytest.approx((4 + 6) / (4 * 1.6))
     # 0.2: rounds draft 3, 1 (0.15 < 0.2 stops the second), 0, 0; accepted 3 + min(1, 2) = 4
-    assert table[0.2]["drafted_per_round"] == 4 / 4 and table[0.2]["accepted_per_round"] == 4 / 4
+    assert table[0.2]["k_per_round"] == 4 / 4 and table[0.2]["accepted_per_round"] == 4 / 4
     assert table[0.2]["estimated_speedup"] == pytest.approx((4 + 4) / ((1.3 + 0.3) + (1.1 + 0.1) + 2 * (1.0 + 0.1)))
     # 0.7 keeps only the sure round
-    assert table[0.7]["drafted_per_round"] == 3 / 4 and table[0.7]["accepted_per_round"] == 3 / 4
+    assert table[0.7]["k_per_round"] == 3 / 4 and table[0.7]["accepted_per_round"] == 3 / 4
 
 
 def test_acceptance_by_group_is_per_category_or_source_and_per_draft_position():
@@ -55,18 +54,21 @@ def test_record_rounds_and_the_lookup_bench_drive_the_real_fused_loop(tmp_path, 
     (its rounds' probabilities and acceptance recorded, the output the target's), and eagle3_lookup.measure counts
     the lookup's rounds within the passes; both broke silently before when the drafter's signature changed."""
     from eagle3_heads import make_eagle3_head
-    from specdeploy.config import EngineConfig, QuantConfig
-    from specdeploy.engine.compile import compile_checkpoint
+    from tiny_models import make_tiny_model
+
+    from specdeploy.deploy.cpu_compile import compile_checkpoint
     from specdeploy.engine.eagle3 import Eagle3Head
     from specdeploy.engine.executor import Executor
     from specdeploy.engine.model import CpuEngine
-    from specdeploy.engine.request import GenerationRequest, run
-    from specdeploy.quantize import quantize_model
-    from tiny_models import make_tiny_model
+    from specdeploy.engine.request import EngineRequest, run
+    from specdeploy.quantize.modelopt import quantize_model
+    from specdeploy.recipe.config import EngineConfig, QuantConfig
 
     make_tiny_model(tmp_path / "model", tiny_tokenizer_dir, seed=0, num_hidden_layers=4)
     quantize_model(tmp_path / "model", QuantConfig(), tmp_path / "ckpt", progress=False)
-    compile_checkpoint(tmp_path / "ckpt", tmp_path / "engine", EngineConfig(dtype="float32", max_input_len=128, max_seq_len=256), 8)
+    compile_checkpoint(
+        tmp_path / "ckpt", tmp_path / "engine", EngineConfig(dtype="float32", max_input_len=128, max_seq_len=256), 8
+    )
     engine = CpuEngine.load(tmp_path / "engine")
     head = Eagle3Head.load(make_eagle3_head(tmp_path / "head", 64, 512, (0, 1, 2)), engine)
     prompts = [("a", [5, 6, 7, 8, 9, 5, 6, 7]), ("b", [40, 41, 42, 43])]
@@ -77,14 +79,16 @@ def test_record_rounds_and_the_lookup_bench_drive_the_real_fused_loop(tmp_path, 
     # prompt "a" repeats itself (5 6 7 twice): a round is flagged exactly when its first drafted token and the one
     # before it are a bigram of the prompt
     for prompt_id, ids in prompts:
-        sequence = list(ids) + run(Executor(engine), GenerationRequest(list(ids), 12)).token_ids
+        sequence = list(ids) + run(Executor(engine), EngineRequest(list(ids), 12)).token_ids
         bigrams = {tuple(ids[i : i + 2]) for i in range(len(ids) - 1)}
         mine = [r for r in rounds if r["prompt"] == prompt_id]
-        assert mine and all(r["repeats_prompt"] == (tuple(sequence[r["position"] - 1 : r["position"] + 1]) in bigrams) for r in mine)
+        assert mine and all(
+            r["repeats_prompt"] == (tuple(sequence[r["position"] - 1 : r["position"] + 1]) in bigrams) for r in mine
+        )
     lookup = bench_modules.load("eagle3_lookup")
     plain, outputs = lookup.measure(Executor(engine, 2, head=head), prompts, 3, 24, None)
     looked, same = lookup.measure(Executor(engine, 2, head=head, lookup_threshold=1), prompts, 3, 24, None)
-    assert same == outputs == [run(Executor(engine), GenerationRequest(list(ids), 24)).token_ids for _, ids in prompts]
+    assert same == outputs == [run(Executor(engine), EngineRequest(list(ids), 24)).token_ids for _, ids in prompts]
     assert plain["lookup_rounds"] == 0 and 0 < looked["lookup_rounds"] <= looked["rounds"] <= looked["passes"]
 
 
@@ -93,9 +97,16 @@ def test_quotes_bench_pure_parts():
     prompt = [1, 2, 3, 4]
     sequence = prompt + [9, 2, 3, 7]
     assert [quotes.quotes_prompt(prompt, sequence, i) for i in (5, 6, 7)] == [False, True, False]
-    assert quotes.summarize([(True, True), (True, False), (False, True)]) == {"quotes": (2, 0.5), "other": (1, 1.0), "all": (3, 2 / 3)}
+    assert quotes.summarize([(True, True), (True, False), (False, True)]) == {
+        "quotes": (2, 0.5),
+        "other": (1, 1.0),
+        "all": (3, 2 / 3),
+    }
     prose = "The harbor woke slowly while the ferry left the pier. " * 5
-    text = f"# Title\n\n{prose.strip()}\n\n.. note:: skipped\n\nToo short.\n\n{prose.strip()} See https://x.org.\n\n{prose.strip()}\n"
+    text = (
+        f"# Title\n\n{prose.strip()}\n\n.. note:: skipped\n\nToo short.\n\n{prose.strip()} See"
+        f" https://x.org.\n\n{prose.strip()}\n"
+    )
     assert quotes.paragraphs(text) == [prose.strip(), prose.strip()]
     prompts = quotes.passage_prompts([text, prose.strip().upper()])
     assert len(prompts) == 1 and prompts[0].endswith(prose.strip())  # deduplicated across texts (case folded)
@@ -107,16 +118,19 @@ def test_quotes_bench_first_drafts_are_the_fused_loops(tmp_path, tiny_tokenizer_
     a drafter caught up on the whole history at once makes."""
     import torch
     from eagle3_heads import make_eagle3_head
-    from specdeploy.config import EngineConfig, QuantConfig
-    from specdeploy.engine.compile import compile_checkpoint
+    from tiny_models import make_tiny_model
+
+    from specdeploy.deploy.cpu_compile import compile_checkpoint
     from specdeploy.engine.eagle3 import Eagle3Head
     from specdeploy.engine.model import CpuEngine
-    from specdeploy.quantize import quantize_model
-    from tiny_models import make_tiny_model
+    from specdeploy.quantize.modelopt import quantize_model
+    from specdeploy.recipe.config import EngineConfig, QuantConfig
 
     make_tiny_model(tmp_path / "model", tiny_tokenizer_dir, seed=0, num_hidden_layers=4)
     quantize_model(tmp_path / "model", QuantConfig(), tmp_path / "ckpt", progress=False)
-    compile_checkpoint(tmp_path / "ckpt", tmp_path / "engine", EngineConfig(dtype="float32", max_input_len=128, max_seq_len=256), 8)
+    compile_checkpoint(
+        tmp_path / "ckpt", tmp_path / "engine", EngineConfig(dtype="float32", max_input_len=128, max_seq_len=256), 8
+    )
     engine = CpuEngine.load(tmp_path / "engine")
     head = Eagle3Head.load(make_eagle3_head(tmp_path / "head", 64, 512, (0, 1, 2)), engine)
     quotes = bench_modules.load("eagle3_quotes")

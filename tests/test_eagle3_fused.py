@@ -1,9 +1,9 @@
 """The fused EAGLE-3 loop: the CPU engine runs the target and an EAGLE-3 head as one model.
 
 Tiers (STYLE.md rule 11): greedy output equals the target alone token for token (random heads, k = 1..4,
-one request and in-flight batches), and so does seeded sampled output (token-match verification); a drafter that proposes the target's own continuation gets every draft
-accepted; the head's forward equals an independent plain-torch implementation of the exported format's math;
-heads that do not fit the target are refused naming the file.
+one request and in-flight batches), and so does seeded sampled output (token-match verification); a drafter that
+proposes the target's own continuation gets every draft accepted; the head's forward equals an independent plain-torch
+implementation of the exported format's math; heads that do not fit the target are refused naming the file.
 """
 
 from __future__ import annotations
@@ -14,30 +14,32 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
-
 from eagle3_heads import make_eagle3_head
-from specdeploy.config import EAGLE3_VOCAB_COUNTS
-from specdeploy.engine.eagle3 import Eagle3Head, default_aux_layer_ids, quantize_int8_per_channel
-from specdeploy.engine.batching import BatchScheduler
-from specdeploy.engine.executor import Executor
-from specdeploy.engine.request import GenerationRequest, run
-from specdeploy.errors import ModelError
-from specdeploy.speculative import SamplingParams
 from tiny_models import make_tiny_model
+
+from specdeploy.core.errors import ModelError
+from specdeploy.engine.batching import BatchScheduler
+from specdeploy.engine.eagle3 import Eagle3Head, default_aux_layer_ids, quantize_int8_per_channel
+from specdeploy.engine.executor import Executor
+from specdeploy.engine.request import EngineRequest, run
+from specdeploy.recipe.config import EAGLE3_VOCAB_COUNTS
+from specdeploy.speculation.sampling import SamplingParams
 
 AUX = (0, 1, 2)
 
 
 def _engine(model_dir, out_dir, dtype, max_draft_len=8):
-    from specdeploy.config import EngineConfig, QuantConfig
-    from specdeploy.engine.compile import compile_checkpoint
+    from specdeploy.deploy.cpu_compile import compile_checkpoint
     from specdeploy.engine.model import CpuEngine
-    from specdeploy.quantize import quantize_model
+    from specdeploy.quantize.modelopt import quantize_model
+    from specdeploy.recipe.config import EngineConfig, QuantConfig
 
     ckpt = out_dir / "ckpt"
     if not ckpt.exists():
         quantize_model(model_dir, QuantConfig(), ckpt, progress=False)
-    compile_checkpoint(ckpt, out_dir / dtype, EngineConfig(dtype=dtype, max_input_len=128, max_seq_len=256), max_draft_len)
+    compile_checkpoint(
+        ckpt, out_dir / dtype, EngineConfig(dtype=dtype, max_input_len=128, max_seq_len=256), max_draft_len
+    )
     return CpuEngine.load(out_dir / dtype)
 
 
@@ -74,8 +76,13 @@ def test_capture_leaves_logits_unchanged(target):
     assert torch.equal(plain, logits)
     assert aux.shape == (21, 3 * 64) and aux.dtype == target.dtype
     # the features are the layers' outputs: the last captured layer of a 3-layer prefix equals ...
-    outs, auxs = target.forward_batch([target.new_cache(64), target.new_cache(64)], [ids, ids[:7]], [1, None],
-                                      aux_layers=(1, 3), capture=[True, False])
+    outs, auxs = target.forward_batch(
+        [target.new_cache(64), target.new_cache(64)],
+        [ids, ids[:7]],
+        [1, None],
+        aux_layers=(1, 3),
+        capture=[True, False],
+    )
     assert torch.equal(outs[0], plain[-1:]) and torch.equal(outs[1], target.forward(target.new_cache(64), ids[:7]))
     assert torch.equal(auxs[0][:, :64], aux[:, 64:128]) and auxs[1] is None
     # ... and the last layer's output, normed and through the LM head, gives the logits
@@ -93,15 +100,26 @@ def reference_head_logits(head_dir, embedding, aux, next_tokens):
 
     w = {k: v.float() for k, v in load_file(str(head_dir / "model.safetensors")).items()}
     c = json.loads((head_dir / "config.json").read_text())
-    h, nq, nkv, d, eps = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"], c["rms_norm_eps"]
+    h, nq, nkv, d, eps = (
+        c["hidden_size"],
+        c["num_attention_heads"],
+        c["num_key_value_heads"],
+        c["head_dim"],
+        c["rms_norm_eps"],
+    )
 
     def norm(x, name):
         return F.rms_norm(x, (h,), w[name], eps)
 
     n = aux.shape[0]
     feature = aux.float() @ w["fc.weight"].T
-    x = torch.cat([norm(embedding[next_tokens].float(), "layers.0.input_layernorm.weight"),
-                   norm(feature, "layers.0.hidden_norm.weight")], dim=-1)
+    x = torch.cat(
+        [
+            norm(embedding[next_tokens].float(), "layers.0.input_layernorm.weight"),
+            norm(feature, "layers.0.hidden_norm.weight"),
+        ],
+        dim=-1,
+    )
     q = (x @ w["layers.0.self_attn.q_proj.weight"].T).view(n, nq, d)
     k = (x @ w["layers.0.self_attn.k_proj.weight"].T).view(n, nkv, d)
     v = (x @ w["layers.0.self_attn.v_proj.weight"].T).view(n, nkv, d)
@@ -118,7 +136,9 @@ def reference_head_logits(head_dir, embedding, aux, next_tokens):
     att = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
     hs = feature + att.transpose(0, 1).reshape(n, nq * d) @ w["layers.0.self_attn.o_proj.weight"].T
     m = norm(hs, "layers.0.post_attention_layernorm.weight")
-    mlp = (F.silu(m @ w["layers.0.mlp.gate_proj.weight"].T) * (m @ w["layers.0.mlp.up_proj.weight"].T)) @ w["layers.0.mlp.down_proj.weight"].T
+    mlp = (F.silu(m @ w["layers.0.mlp.gate_proj.weight"].T) * (m @ w["layers.0.mlp.up_proj.weight"].T)) @ w[
+        "layers.0.mlp.down_proj.weight"
+    ].T
     prenorm = hs + mlp
     return norm(prenorm, "norm.weight") @ w["lm_head.weight"].T  # [n, draft_vocab]
 
@@ -169,8 +189,11 @@ def test_head_passes_of_several_sequences_run_together_as_each_alone(target, hea
         drafters = [head.new_drafter(64) for _ in range(3)]
         drafters[1].catch_up(aux[:9], ids[1:10])
         drafters[2].catch_up(aux[:5], ids[1:6])
-        steps = [drafters[0].catch_up_steps(aux[:3], ids[1:4]), drafters[1].draft_steps(3),
-                 drafters[2].catch_up_steps(aux[5:7], ids[6:8])]
+        steps = [
+            drafters[0].catch_up_steps(aux[:3], ids[1:4]),
+            drafters[1].draft_steps(3),
+            drafters[2].catch_up_steps(aux[5:7], ids[6:8]),
+        ]
         return drafters, steps
 
     drafters, steps = sequences()
@@ -181,11 +204,15 @@ def test_head_passes_of_several_sequences_run_together_as_each_alone(target, hea
         alone.append((work.logits, work.prenorm, drafter.cache.length, drafter.cache.read(0, drafter.cache.length)))
     drafters, steps = sequences()
     together = [next(step) for step in steps]
-    assert [len(w.tokens) for w in together] == [3, 1, 2] and together[1].aux is None and together[1].features is not None
+    assert (
+        [len(w.tokens) for w in together] == [3, 1, 2] and together[1].aux is None and together[1].features is not None
+    )
     head.run_passes(together)
     for work, drafter, (logits, prenorm, length, keys) in zip(together, drafters, alone):
         assert torch.equal(work.logits, logits) and torch.equal(work.prenorm, prenorm)
-        assert drafter.cache.length == length and all(torch.equal(a, b) for a, b in zip(drafter.cache.read(0, length), keys))
+        assert drafter.cache.length == length and all(
+            torch.equal(a, b) for a, b in zip(drafter.cache.read(0, length), keys)
+        )
 
 
 def test_a_request_closed_mid_draft_leaves_the_heads_cache_as_before(target, head_dir):
@@ -211,14 +238,14 @@ def test_fused_greedy_equals_the_target_alone(target, head_dir, k):
     plain, fused = Executor(target), Executor(target, head=Eagle3Head.load(head_dir, target))
     for seed, n in ((0, 5), (1, 11), (2, 30)):
         prompt = prompt_of(seed, n)
-        expected = run(plain, GenerationRequest(prompt, 20))
-        got = run(fused, GenerationRequest(prompt, 20, num_draft_tokens=k, return_logits=True))
+        expected = run(plain, EngineRequest(prompt, 20))
+        got = run(fused, EngineRequest(prompt, 20, num_draft_tokens=k, return_logits=True))
         assert got.token_ids == expected.token_ids
         assert got.stats.fused and got.stats.drafted > 0
         assert sum(got.stats.drafted_per_position) == got.stats.drafted
         _assert_round_seconds(got.stats)
-        assert torch.equal(got.logits, run(plain, GenerationRequest(prompt, 20, return_logits=True)).logits)
-    again = run(fused, GenerationRequest(prompt, 20, num_draft_tokens=k))  # prefix reuse: the head's rows are pooled too
+        assert torch.equal(got.logits, run(plain, EngineRequest(prompt, 20, return_logits=True)).logits)
+    again = run(fused, EngineRequest(prompt, 20, num_draft_tokens=k))  # prefix reuse: the head's rows are pooled too
     assert again.token_ids == expected.token_ids and again.stats.reused_tokens > 0
 
 
@@ -231,36 +258,36 @@ def test_a_fused_request_reuses_the_prefix_a_plain_request_left_and_drafts_as_fr
     fused = Executor(target, head=Eagle3Head.load(head_dir, target))
     prompt = prompt_of(7, 40)
     fused.clear_cache()
-    cold = run(fused, GenerationRequest(prompt, 24, num_draft_tokens=3))
+    cold = run(fused, EngineRequest(prompt, 24, num_draft_tokens=3))
     fused.clear_cache()
-    plain = run(fused, GenerationRequest(prompt, 24))
+    plain = run(fused, EngineRequest(prompt, 24))
     assert plain.token_ids == cold.token_ids
-    warm = run(fused, GenerationRequest(prompt, 24, num_draft_tokens=3))
+    warm = run(fused, EngineRequest(prompt, 24, num_draft_tokens=3))
     assert warm.stats.reused_tokens == len(prompt) - 1 and cold.stats.reused_tokens == 0
     assert warm.token_ids == cold.token_ids and warm.stats.drafted > 0
-    assert warm.stats.drafted_per_round == cold.stats.drafted_per_round
+    assert warm.stats.k_per_round == cold.stats.k_per_round
     assert warm.stats.accepted_per_round == cold.stats.accepted_per_round
     # a longer conversation on top of the plain answer: the prompt reused (a plain one-row step keeps no features, so
     # the answer's positions are computed again), the rest drafted as cold
     follow = prompt + plain.token_ids + prompt_of(8, 6)
     fused.clear_cache()
-    cold_follow = run(fused, GenerationRequest(follow, 16, num_draft_tokens=3))
+    cold_follow = run(fused, EngineRequest(follow, 16, num_draft_tokens=3))
     fused.clear_cache()
-    run(fused, GenerationRequest(prompt, 24))
-    warm_follow = run(fused, GenerationRequest(follow, 16, num_draft_tokens=3))
+    run(fused, EngineRequest(prompt, 24))
+    warm_follow = run(fused, EngineRequest(follow, 16, num_draft_tokens=3))
     assert warm_follow.stats.reused_tokens == len(prompt)
     assert warm_follow.token_ids == cold_follow.token_ids
-    assert warm_follow.stats.drafted_per_round == cold_follow.stats.drafted_per_round
+    assert warm_follow.stats.k_per_round == cold_follow.stats.k_per_round
     # and on top of a fused answer (its rejected drafts' rows rolled back, its head some positions behind)
     after_fused = prompt + cold.token_ids + prompt_of(8, 6)
     fused.clear_cache()
-    cold_after = run(fused, GenerationRequest(after_fused, 16, num_draft_tokens=3))
+    cold_after = run(fused, EngineRequest(after_fused, 16, num_draft_tokens=3))
     fused.clear_cache()
-    run(fused, GenerationRequest(prompt, 24, num_draft_tokens=3))
-    warm_after = run(fused, GenerationRequest(after_fused, 16, num_draft_tokens=3))
+    run(fused, EngineRequest(prompt, 24, num_draft_tokens=3))
+    warm_after = run(fused, EngineRequest(after_fused, 16, num_draft_tokens=3))
     assert warm_after.stats.reused_tokens >= len(prompt) + len(cold.token_ids) - 1
     assert warm_after.token_ids == cold_after.token_ids
-    assert warm_after.stats.drafted_per_round == cold_after.stats.drafted_per_round
+    assert warm_after.stats.k_per_round == cold_after.stats.k_per_round
 
 
 def test_a_pool_entry_keeps_aux_features_only_where_they_follow_its_tokens():
@@ -290,14 +317,16 @@ def test_a_pool_entry_keeps_aux_features_only_where_they_follow_its_tokens():
 
 def _assert_round_seconds(s):
     """The round profile's seconds (the served `draft_seconds_per_round` / `forward_seconds_per_pass`): one entry
-    a verification pass beside drafted_per_round, summing with the prefill's pass to the request's totals; the
+    a verification pass beside k_per_round, summing with the prefill's pass to the request's totals; the
     head worked before every pass that holds its drafts."""
-    assert len(s.draft_s_per_round) == len(s.forward_s_per_round) == len(s.drafted_per_round) == s.iterations - 1
+    assert len(s.draft_s_per_round) == len(s.target_s_per_round) == len(s.k_per_round) == s.iterations - 1
     assert 0 < s.first_forward_time_s < s.forward_time_s
-    assert s.first_forward_time_s + sum(s.forward_s_per_round) == pytest.approx(s.forward_time_s, rel=1e-9)
+    assert s.first_forward_time_s + sum(s.target_s_per_round) == pytest.approx(s.forward_time_s, rel=1e-9)
     assert sum(s.draft_s_per_round) == pytest.approx(s.draft_time_s, rel=1e-9)
-    assert all(t > 0 for t in s.forward_s_per_round)
-    assert all(d > 0 for d, k, looked in zip(s.draft_s_per_round, s.drafted_per_round, s.lookup_per_round) if k and not looked)
+    assert all(t > 0 for t in s.target_s_per_round)
+    assert all(
+        d > 0 for d, k, looked in zip(s.draft_s_per_round, s.k_per_round, s.lookup_per_round) if k and not looked
+    )
 
 
 def test_an_int8_head_holds_per_channel_int8_weights_and_stays_bit_exact(target, head_dir):
@@ -325,8 +354,8 @@ def test_an_int8_head_holds_per_channel_int8_weights_and_stays_bit_exact(target,
     plain, fused = Executor(target), Executor(target, head=int8)
     for seed, n in ((0, 5), (2, 30)):
         prompt = prompt_of(seed, n)
-        got = run(fused, GenerationRequest(prompt, 20, num_draft_tokens=3))
-        assert got.token_ids == run(plain, GenerationRequest(prompt, 20)).token_ids and got.stats.drafted > 0
+        got = run(fused, EngineRequest(prompt, 20, num_draft_tokens=3))
+        assert got.token_ids == run(plain, EngineRequest(prompt, 20)).token_ids and got.stats.drafted > 0
     with pytest.raises(ValueError, match="head weights 'int4'"):
         Eagle3Head.load(head_dir, target, "int4")
 
@@ -334,17 +363,20 @@ def test_an_int8_head_holds_per_channel_int8_weights_and_stays_bit_exact(target,
 def test_fused_stops_and_streams_as_the_target(target, head_dir):
     plain, fused = Executor(target), Executor(target, head=Eagle3Head.load(head_dir, target))
     prompt = prompt_of(4, 8)
-    ref = run(plain, GenerationRequest(prompt, 20)).token_ids
+    ref = run(plain, EngineRequest(prompt, 20)).token_ids
     stop = ref[5:7]
-    expected = run(plain, GenerationRequest(prompt, 20, stop_words=[stop], end_id=ref[12]))
-    got = run(fused, GenerationRequest(prompt, 20, stop_words=[stop], end_id=ref[12], num_draft_tokens=3))
+    expected = run(plain, EngineRequest(prompt, 20, stop_words=[stop], end_id=ref[12]))
+    got = run(fused, EngineRequest(prompt, 20, stop_words=[stop], end_id=ref[12], num_draft_tokens=3))
     assert (got.token_ids, got.finish_reason) == (expected.token_ids, expected.finish_reason)
-    chunks = list(fused.generate(GenerationRequest(prompt, 20, num_draft_tokens=3, streaming=True)))
+    chunks = list(fused.generate(EngineRequest(prompt, 20, num_draft_tokens=3, streaming=True)))
     assert [t for c in chunks for t in c.token_ids] == ref and chunks[-1].finished
 
 
-SAMPLINGS = [SamplingParams(temperature=0.8, top_k=20, seed=5), SamplingParams(temperature=1.0, top_p=0.9, seed=11),
-             SamplingParams(temperature=0.6, top_k=50, top_p=0.95, seed=2)]
+SAMPLINGS = [
+    SamplingParams(temperature=0.8, top_k=20, seed=5),
+    SamplingParams(temperature=1.0, top_p=0.9, seed=11),
+    SamplingParams(temperature=0.6, top_k=50, top_p=0.95, seed=2),
+]
 
 
 @pytest.mark.parametrize("sampling", SAMPLINGS, ids=["top_k", "top_p", "both"])
@@ -354,21 +386,27 @@ def test_sampled_requests_run_fused_and_return_the_targets_own_draws(target, hea
     fused = Executor(target, head=Eagle3Head.load(head_dir, target))
     for i, k in enumerate((1, 3, 4)):
         prompt = prompt_of(5 + i, 6 + i)
-        got = run(fused, GenerationRequest(prompt, 24, sampling=sampling, num_draft_tokens=k))
-        expected = run(Executor(target), GenerationRequest(prompt, 24, sampling=sampling))
+        got = run(fused, EngineRequest(prompt, 24, sampling=sampling, num_draft_tokens=k))
+        expected = run(Executor(target), EngineRequest(prompt, 24, sampling=sampling))
         assert got.token_ids == expected.token_ids and len(expected.token_ids) == 24
-        assert got.stats.fused and got.stats.drafted > 0 and got.stats.iterations == len(got.stats.drafted_per_round) + 1
+        assert got.stats.fused and got.stats.drafted > 0 and got.stats.iterations == len(got.stats.k_per_round) + 1
 
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_a_drafter_with_the_targets_sampled_answer_gets_every_draft_accepted(target, k):
     """The draws decide: drafts equal to the target's seeded sample are all kept, a wrong one ends its round there."""
     sampling, prompt = SAMPLINGS[1], prompt_of(8, 7)
-    expected = run(Executor(target), GenerationRequest(prompt, 21, sampling=sampling)).token_ids
-    got = run(Executor(target, head=OracleHead(prompt + expected)), GenerationRequest(prompt, 21, sampling=sampling, num_draft_tokens=k))
+    expected = run(Executor(target), EngineRequest(prompt, 21, sampling=sampling)).token_ids
+    got = run(
+        Executor(target, head=OracleHead(prompt + expected)),
+        EngineRequest(prompt, 21, sampling=sampling, num_draft_tokens=k),
+    )
     assert got.token_ids == expected and got.stats.accepted == got.stats.drafted > 0
     assert got.stats.iterations == 1 + -(-20 // (k + 1))
-    partly = run(Executor(target, head=OracleHead(prompt + expected, 2)), GenerationRequest(prompt, 21, sampling=sampling, num_draft_tokens=k))
+    partly = run(
+        Executor(target, head=OracleHead(prompt + expected, 2)),
+        EngineRequest(prompt, 21, sampling=sampling, num_draft_tokens=k),
+    )
     assert partly.token_ids == expected and 0 < partly.stats.accepted < partly.stats.drafted
 
 
@@ -389,12 +427,22 @@ def test_fused_requests_in_flight_batching(target, head_dir, policy, lookup):
     """Several requests' verification rows in one forward_batch: each request's output is the target's own (the cost
     policy measures passes of several requests; with the suffix lookup, some requests' rounds are the lookup's)."""
     plain = Executor(target)
-    executor = Executor(target, max_cached_sequences=8, head=Eagle3Head.load(head_dir, target), draft_policy=policy, lookup_threshold=lookup)
+    executor = Executor(
+        target,
+        max_cached_sequences=8,
+        head=Eagle3Head.load(head_dir, target),
+        draft_policy=policy,
+        lookup_threshold=lookup,
+    )
     scheduler = BatchScheduler(executor, 4)
     try:
-        requests = [GenerationRequest(prompt_of(10 + i, 4 + 3 * i) if i % 2 else _repeating_prompt(10 + i), 16, num_draft_tokens=1 + i % 4)
-                    for i in range(5)]  # fmt: skip
-        requests.append(GenerationRequest(prompt_of(20, 9), 12))  # a plain request in the same batches
+        requests = [
+            EngineRequest(
+                prompt_of(10 + i, 4 + 3 * i) if i % 2 else _repeating_prompt(10 + i), 16, num_draft_tokens=1 + i % 4
+            )
+            for i in range(5)
+        ]
+        requests.append(EngineRequest(prompt_of(20, 9), 12))  # a plain request in the same batches
         results, stats = [None] * len(requests), [None] * len(requests)
 
         def consume(i):
@@ -405,14 +453,18 @@ def test_fused_requests_in_flight_batching(target, head_dir, policy, lookup):
             results[i] = tokens
 
         _consume_together(scheduler, consume, len(requests))
-        alone = Executor(target, max_cached_sequences=8, head=Eagle3Head.load(head_dir, target), lookup_threshold=lookup)
+        alone = Executor(
+            target, max_cached_sequences=8, head=Eagle3Head.load(head_dir, target), lookup_threshold=lookup
+        )
         for request, tokens, batched in zip(requests, results, stats):
-            assert tokens == run(plain, GenerationRequest(request.input_ids, request.max_new_tokens)).token_ids
+            assert tokens == run(plain, EngineRequest(request.input_ids, request.max_new_tokens)).token_ids
             if request.num_draft_tokens:  # a pass shared with other requests: timed whole for each of them
                 _assert_round_seconds(batched)
-            if policy == "static" and request.num_draft_tokens:  # the head's batched forwards drafted what it drafts alone
+            if (
+                policy == "static" and request.num_draft_tokens
+            ):  # the head's batched forwards drafted what it drafts alone
                 own = run(alone, request).stats
-                assert (batched.drafted_per_round, batched.accepted_per_round) == (own.drafted_per_round, own.accepted_per_round)
+                assert (batched.k_per_round, batched.accepted_per_round) == (own.k_per_round, own.accepted_per_round)
         assert scheduler.max_active > 1
         assert scheduler.max_head_batch > 1  # several requests' head forwards in one
         if policy == "cost":
@@ -437,8 +489,8 @@ def test_a_failed_head_step_fails_its_requests_and_the_others_go_on(target, head
     executor.run_head_passes = failing_once
     scheduler = BatchScheduler(executor, 4)
     try:
-        requests = [GenerationRequest(prompt_of(30 + i, 6), 12, num_draft_tokens=3) for i in range(2)]
-        requests.append(GenerationRequest(prompt_of(40, 7), 12))  # plain: no head passes
+        requests = [EngineRequest(prompt_of(30 + i, 6), 12, num_draft_tokens=3) for i in range(2)]
+        requests.append(EngineRequest(prompt_of(40, 7), 12))  # plain: no head passes
         results = [None] * len(requests)
 
         def consume(i):
@@ -450,9 +502,9 @@ def test_a_failed_head_step_fails_its_requests_and_the_others_go_on(target, head
         _consume_together(scheduler, consume, len(requests))
         assert calls[2] == 2  # the failed step held both fused requests' passes
         assert all(isinstance(r, RuntimeError) and "head failure" in str(r) for r in results[:2]), results
-        assert results[2] == run(plain, GenerationRequest(requests[2].input_ids, 12)).token_ids
+        assert results[2] == run(plain, EngineRequest(requests[2].input_ids, 12)).token_ids
         again = [t for chunk in scheduler.generate(requests[0]) for t in chunk.token_ids]
-        assert again == run(plain, GenerationRequest(requests[0].input_ids, 12)).token_ids
+        assert again == run(plain, EngineRequest(requests[0].input_ids, 12)).token_ids
     finally:
         scheduler.close()
 
@@ -472,7 +524,9 @@ class OracleDrafter:
 
     def catch_up(self, aux, next_tokens):
         assert aux.shape[0] == len(next_tokens)
-        assert next_tokens == self.reference[self.length + 1 : self.length + 1 + len(next_tokens)]  # the target's tokens
+        assert (
+            next_tokens == self.reference[self.length + 1 : self.length + 1 + len(next_tokens)]
+        )  # the target's tokens
         self.length += len(next_tokens)
 
     # the fused loop's protocol: generators of the head passes they need (the oracle needs none)
@@ -515,14 +569,14 @@ class OracleHead:
 @pytest.mark.parametrize("k", [1, 3, 4])
 def test_a_drafter_with_the_targets_answer_gets_every_draft_accepted(target, k):
     prompt = prompt_of(6, 7)
-    expected = run(Executor(target), GenerationRequest(prompt, 21)).token_ids
-    got = run(Executor(target, head=OracleHead(prompt + expected)), GenerationRequest(prompt, 21, num_draft_tokens=k))
+    expected = run(Executor(target), EngineRequest(prompt, 21)).token_ids
+    got = run(Executor(target, head=OracleHead(prompt + expected)), EngineRequest(prompt, 21, num_draft_tokens=k))
     s = got.stats
     assert got.token_ids == expected
     assert s.accepted == s.drafted > 0 and s.accepted_per_position == s.drafted_per_position
-    assert s.accepted_per_round == s.drafted_per_round
+    assert s.accepted_per_round == s.k_per_round
     assert s.iterations == 1 + -(-20 // (k + 1))  # prefill, then k + 1 tokens per pass
-    partly = run(Executor(target, head=OracleHead(prompt + expected, 2)), GenerationRequest(prompt, 21, num_draft_tokens=k))
+    partly = run(Executor(target, head=OracleHead(prompt + expected, 2)), EngineRequest(prompt, 21, num_draft_tokens=k))
     assert partly.token_ids == expected and 0 < partly.stats.accepted < partly.stats.drafted
 
 
@@ -532,11 +586,11 @@ def test_policy_cost_verifies_the_drafts_that_pay_and_stays_the_target(target):
     verifies the sure ones only: every draft it verifies is accepted, in fewer passes than plain steps. Both give
     the target's own tokens; the cost model measured the passes and calibrated the head's probabilities."""
     prompt = prompt_of(6, 7)
-    expected = run(Executor(target), GenerationRequest(prompt, 21)).token_ids
-    static = run(Executor(target, head=OracleHead(prompt + expected, 2)), GenerationRequest(prompt, 21, num_draft_tokens=3))
+    expected = run(Executor(target), EngineRequest(prompt, 21)).token_ids
+    static = run(Executor(target, head=OracleHead(prompt + expected, 2)), EngineRequest(prompt, 21, num_draft_tokens=3))
     assert static.token_ids == expected and 0 < static.stats.accepted < static.stats.drafted
     executor = Executor(target, head=OracleHead(prompt + expected, 2), draft_policy="cost")
-    got = run(executor, GenerationRequest(prompt, 21, num_draft_tokens=3))
+    got = run(executor, EngineRequest(prompt, 21, num_draft_tokens=3))
     s = got.stats
     assert got.token_ids == expected
     assert s.accepted == s.drafted > 0 and s.iterations < len(expected)
@@ -554,16 +608,16 @@ def test_a_random_head_under_either_policy_is_the_target(target, head_dir, polic
     plain = Executor(target)
     for seed in (0, 1):
         prompt = prompt_of(seed, 11)
-        expected = run(plain, GenerationRequest(prompt, 24)).token_ids
+        expected = run(plain, EngineRequest(prompt, 24)).token_ids
         executor = Executor(target, head=Eagle3Head.load(head_dir, target), draft_policy=policy)
-        got = run(executor, GenerationRequest(prompt, 24, num_draft_tokens=3))
+        got = run(executor, EngineRequest(prompt, 24, num_draft_tokens=3))
         s = got.stats
         assert got.token_ids == expected
-        assert sum(s.drafted_per_round) == s.drafted and s.accepted <= s.drafted
+        assert sum(s.k_per_round) == s.drafted and s.accepted <= s.drafted
         if policy == "static":  # k = 3 every round but the last ones, where fewer tokens are left than k + 1
-            assert len(s.drafted_per_round) > 3 and set(s.drafted_per_round[:-3]) == {3}, s.drafted_per_round
+            assert len(s.k_per_round) > 3 and set(s.k_per_round[:-3]) == {3}, s.k_per_round
         else:
-            assert s.drafted < 3 * len(s.drafted_per_round) and executor.draft_cost.pass_s
+            assert s.drafted < 3 * len(s.k_per_round) and executor.draft_cost.pass_s
 
 
 # ---------------------------------------------------------------- the request's own text first (draft.sa_config)
@@ -579,11 +633,11 @@ def _replayed_lookup_rounds(prompt, output, stats, k, threshold, max_new) -> int
     r the sequence is the prompt and the tokens emitted so far (the prefill's one, then accepted + 1 a round); a
     lookup round drafted exactly what SuffixLookup proposes there, so its count of drafts must be that length, and
     the stats' lookup_accepted must be what those rounds accepted."""
-    from specdeploy.ngram import SuffixLookup
+    from specdeploy.speculation.ngram import SuffixLookup
 
     produced, found, kept, proposed = 1, 0, 0, 0
-    assert len(stats.lookup_per_round) == len(stats.drafted_per_round)
-    for drafted, accepted, looked in zip(stats.drafted_per_round, stats.accepted_per_round, stats.lookup_per_round):
+    assert len(stats.lookup_per_round) == len(stats.k_per_round)
+    for drafted, accepted, looked in zip(stats.k_per_round, stats.accepted_per_round, stats.lookup_per_round):
         asked = min(k, max_new - produced - 1)
         proposal = SuffixLookup(threshold, prompt + output[:produced]).draft(asked)
         assert looked == (1 if proposal else 0), (produced, proposal, looked)  # the per-round flag the metrics read
@@ -604,15 +658,18 @@ def test_lookup_rounds_rest_the_head_which_catches_up_on_the_right_tokens(target
     looked_up = 0
     for seed in (7, 8, 9):
         prompt = _repeating_prompt(seed)
-        expected = run(Executor(target), GenerationRequest(prompt, 21)).token_ids
-        got = run(Executor(target, head=OracleHead(prompt + expected), lookup_threshold=1), GenerationRequest(prompt, 21, num_draft_tokens=k))
+        expected = run(Executor(target), EngineRequest(prompt, 21)).token_ids
+        got = run(
+            Executor(target, head=OracleHead(prompt + expected), lookup_threshold=1),
+            EngineRequest(prompt, 21, num_draft_tokens=k),
+        )
         s = got.stats
         assert got.token_ids == expected
         rounds, lookup_drafted = _replayed_lookup_rounds(prompt, expected, s, k, 1, 21)
-        assert s.lookup_rounds == rounds < len(s.drafted_per_round)
+        assert s.lookup_rounds == rounds < len(s.k_per_round)
         assert s.accepted - s.lookup_accepted == s.drafted - lookup_drafted  # the oracle head's drafts: all accepted
         looked_up += s.lookup_rounds
-        off = run(Executor(target, head=OracleHead(prompt + expected)), GenerationRequest(prompt, 21, num_draft_tokens=k))
+        off = run(Executor(target, head=OracleHead(prompt + expected)), EngineRequest(prompt, 21, num_draft_tokens=k))
         assert off.token_ids == expected and off.stats.lookup_rounds == 0 and off.stats.accepted == off.stats.drafted
     assert looked_up > 0
 
@@ -620,18 +677,21 @@ def test_lookup_rounds_rest_the_head_which_catches_up_on_the_right_tokens(target
 @pytest.mark.parametrize("policy", ["static", "cost"])
 def test_lookup_with_a_random_head_greedy_and_sampled_is_the_target(target, head_dir, policy):
     """With a random head, greedy and seeded sampled requests (token match) under either policy: the target's own
-    tokens, with the rounds the replay finds drafted by the lookup; a threshold longer than any repeat looks nothing up."""
+    tokens, with the rounds the replay finds drafted by the lookup; a threshold longer than any repeat looks nothing up.
+    """
     plain, looked_up = Executor(target), 0
     for seed, sampling in ((0, SamplingParams()), (1, SAMPLINGS[0]), (2, SamplingParams())):
         prompt = _repeating_prompt(seed)
-        expected = run(plain, GenerationRequest(prompt, 24, sampling=sampling)).token_ids
+        expected = run(plain, EngineRequest(prompt, 24, sampling=sampling)).token_ids
         executor = Executor(target, head=Eagle3Head.load(head_dir, target), draft_policy=policy, lookup_threshold=1)
-        got = run(executor, GenerationRequest(prompt, 24, sampling=sampling, num_draft_tokens=3))
+        got = run(executor, EngineRequest(prompt, 24, sampling=sampling, num_draft_tokens=3))
         assert got.token_ids == expected
         assert got.stats.lookup_rounds == _replayed_lookup_rounds(prompt, expected, got.stats, 3, 1, 24)[0]
         looked_up += got.stats.lookup_rounds
-        never = Executor(target, head=Eagle3Head.load(head_dir, target), draft_policy=policy, lookup_threshold=len(prompt) + 24)
-        got = run(never, GenerationRequest(prompt, 24, sampling=sampling, num_draft_tokens=3))
+        never = Executor(
+            target, head=Eagle3Head.load(head_dir, target), draft_policy=policy, lookup_threshold=len(prompt) + 24
+        )
+        got = run(never, EngineRequest(prompt, 24, sampling=sampling, num_draft_tokens=3))
         assert got.token_ids == expected and got.stats.lookup_rounds == 0
     assert looked_up > 0
 
@@ -652,7 +712,7 @@ def test_draft_p_min_stops_at_the_first_draft_below_it(target, head_dir):
     drafters = []
     real_new = head.new_drafter
     head.new_drafter = lambda *a, **kw: drafters.append(real_new(*a, **kw)) or drafters[-1]
-    run(fused, GenerationRequest(prompt, 4, num_draft_tokens=3))  # a caught-up drafter to probe
+    run(fused, EngineRequest(prompt, 4, num_draft_tokens=3))  # a caught-up drafter to probe
     drafter = drafters[-1]
     full = drafter.draft(4)
     p0 = _first_draft_probability(drafter)
@@ -682,7 +742,7 @@ def _first_draft_probabilities(head, executor, prompt, n) -> list[float]:
 
     head.new_drafter = new_drafter
     try:
-        run(executor, GenerationRequest(prompt, n, num_draft_tokens=3))
+        run(executor, EngineRequest(prompt, n, num_draft_tokens=3))
     finally:
         head.new_drafter = real_new
     return seen
@@ -696,19 +756,19 @@ def test_fused_with_draft_p_min_equals_the_target_alone_and_counts_the_rounds_it
     plain = Executor(target)
     for seed in (0, 1, 2):
         prompt = prompt_of(seed, 11)
-        expected = run(plain, GenerationRequest(prompt, 24)).token_ids
+        expected = run(plain, EngineRequest(prompt, 24)).token_ids
         head = Eagle3Head.load(head_dir, target)
         probabilities = sorted(_first_draft_probabilities(head, Executor(target, head=head), prompt, 24))
         p_min = probabilities[len(probabilities) // 2] if cut == "median" else 0.99
-        got = run(Executor(target, head=head, draft_p_min=p_min), GenerationRequest(prompt, 24, num_draft_tokens=3))
+        got = run(Executor(target, head=head, draft_p_min=p_min), EngineRequest(prompt, 24, num_draft_tokens=3))
         s = got.stats
         assert got.token_ids == expected
-        assert sum(s.drafted_per_round) == s.drafted and max(s.drafted_per_round) <= 3 and s.accepted <= s.drafted
+        assert sum(s.k_per_round) == s.drafted and max(s.k_per_round) <= 3 and s.accepted <= s.drafted
         if cut == "median":  # the rounds the head is unsure of are one-row passes; the others draft
-            assert 0 < s.drafted_per_round.count(0) < len(s.drafted_per_round), s.drafted_per_round
+            assert 0 < s.k_per_round.count(0) < len(s.k_per_round), s.k_per_round
             assert s.drafted > 0
         else:
-            assert s.drafted == 0 and len(s.drafted_per_round) == len(expected) - 1
+            assert s.drafted == 0 and len(s.k_per_round) == len(expected) - 1
 
 
 # ---------------------------------------------------------------- draft.serve_vocab_size
@@ -744,8 +804,8 @@ def test_a_served_vocabulary_scores_the_most_counted_draft_tokens_and_stays_the_
     plain, fused = Executor(target), Executor(target, head=cut)
     for seed, n in ((0, 5), (2, 30)):
         prompt = prompt_of(seed, n)
-        got = run(fused, GenerationRequest(prompt, 20, num_draft_tokens=3))
-        assert got.token_ids == run(plain, GenerationRequest(prompt, 20)).token_ids and got.stats.drafted > 0
+        got = run(fused, EngineRequest(prompt, 20, num_draft_tokens=3))
+        assert got.token_ids == run(plain, EngineRequest(prompt, 20)).token_ids and got.stats.drafted > 0
 
 
 def test_a_served_vocabulary_of_a_head_without_d2t_maps_back_to_the_target_ids(target, tmp_path):
@@ -763,8 +823,8 @@ def test_a_served_vocabulary_of_a_head_without_d2t_maps_back_to_the_target_ids(t
     drafter = cut.new_drafter(64)
     drafter.catch_up(aux, ids[1:] + [7])
     assert drafter.draft(1) == [kept[int(whole[kept].argmax())]]
-    got = run(Executor(target, head=cut), GenerationRequest(ids, 16, num_draft_tokens=3))
-    assert got.token_ids == run(Executor(target), GenerationRequest(ids, 16)).token_ids
+    got = run(Executor(target, head=cut), EngineRequest(ids, 16, num_draft_tokens=3))
+    assert got.token_ids == run(Executor(target), EngineRequest(ids, 16)).token_ids
 
 
 def test_a_vocabulary_of_one_drafts_with_certainty(target, tmp_path):
@@ -775,9 +835,9 @@ def test_a_vocabulary_of_one_drafts_with_certainty(target, tmp_path):
     rounds = {}
     for size in (0, 1):
         head = Eagle3Head.load(head_dir, target, serve_vocab_size=size)
-        got = run(Executor(target, head=head, draft_p_min=0.99), GenerationRequest(prompt, 12, num_draft_tokens=3))
-        assert got.token_ids == run(Executor(target), GenerationRequest(prompt, 12)).token_ids
-        rounds[size] = got.stats.drafted_per_round
+        got = run(Executor(target, head=head, draft_p_min=0.99), EngineRequest(prompt, 12, num_draft_tokens=3))
+        assert got.token_ids == run(Executor(target), EngineRequest(prompt, 12)).token_ids
+        rounds[size] = got.stats.k_per_round
     assert rounds[1].count(0) <= 1 and rounds[1][0] == 3, rounds  # only the last round has no room to draft
     assert rounds[0].count(0) > len(rounds[0]) / 2, rounds
 
@@ -795,7 +855,9 @@ def test_a_vocabulary_of_one_drafts_with_certainty(target, tmp_path):
 def test_a_served_vocabulary_without_fitting_counts_is_refused(target, tmp_path, counts, size, words):
     head_dir = make_eagle3_head(tmp_path / "h", 64, 512, AUX, draft_vocab_size=64)
     if counts is not None:
-        (head_dir / EAGLE3_VOCAB_COUNTS).write_text(counts if isinstance(counts, str) else json.dumps({"counts": counts}))
+        (head_dir / EAGLE3_VOCAB_COUNTS).write_text(
+            counts if isinstance(counts, str) else json.dumps({"counts": counts})
+        )
     with pytest.raises(ModelError) as err:
         Eagle3Head.load(head_dir, target, serve_vocab_size=size)
     assert str(head_dir) in str(err.value) and words in str(err.value) and err.value.hint, str(err.value)
@@ -843,19 +905,30 @@ def test_default_layer_ids_and_top_level_ids(target, tmp_path):
 
 @pytest.mark.slow
 def test_bundled_smollm2_with_a_random_head_stays_bit_exact(tmp_path):
-    from specdeploy.models import resolve
+    from specdeploy.core.model_store import resolve
 
     target = _engine(resolve("smollm2-135m-instruct"), tmp_path, "bfloat16", max_draft_len=4)
     s = target.spec
     d2t = torch.arange(4096) * 11  # draft id i -> target id 12 i (< 49152)
-    head = Eagle3Head.load(make_eagle3_head(tmp_path / "head", s.hidden_size, s.vocab_size, default_aux_layer_ids(s.num_layers),
-                                            num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, intermediate_size=1536,
-                                            draft_vocab_size=4096, d2t=d2t), target)
+    head = Eagle3Head.load(
+        make_eagle3_head(
+            tmp_path / "head",
+            s.hidden_size,
+            s.vocab_size,
+            default_aux_layer_ids(s.num_layers),
+            num_heads=s.num_heads,
+            num_kv_heads=s.num_kv_heads,
+            intermediate_size=1536,
+            draft_vocab_size=4096,
+            d2t=d2t,
+        ),
+        target,
+    )
     plain, fused = Executor(target), Executor(target, head=head)
     for seed in (0, 1):
         prompt = prompt_of(seed, 12)
-        expected = run(plain, GenerationRequest(prompt, 24)).token_ids
-        got = run(fused, GenerationRequest(prompt, 24, num_draft_tokens=3))
+        expected = run(plain, EngineRequest(prompt, 24)).token_ids
+        got = run(fused, EngineRequest(prompt, 24, num_draft_tokens=3))
         assert got.token_ids == expected and got.stats.drafted > 0
 
 
@@ -869,9 +942,9 @@ def test_the_shipped_head_on_smollm2_is_bit_exact_and_accepted(tmp_path, weights
     recipe's draft.serve_vocab_size)."""
     from transformers import AutoTokenizer
 
-    from specdeploy.artifacts import BUNDLED_HEADS
     from specdeploy.client.prompts import load_prompt_set
-    from specdeploy.models import resolve
+    from specdeploy.core.artifacts import BUNDLED_HEADS
+    from specdeploy.core.model_store import resolve
 
     model_dir = resolve("smollm2-135m-instruct")
     target = _engine(model_dir, tmp_path, "bfloat16", max_draft_len=4)
@@ -881,11 +954,13 @@ def test_the_shipped_head_on_smollm2_is_bit_exact_and_accepted(tmp_path, weights
     plain, fused = Executor(target), Executor(target, head=head)
     drafted = accepted = 0
     for prompt in load_prompt_set("builtin", 48)[:3]:
-        messages = [{"role": role, "content": content} for role, content in prompt.messages] or [{"role": "user", "content": prompt.text}]
+        messages = [{"role": role, "content": content} for role, content in prompt.messages] or [
+            {"role": "user", "content": prompt.text}
+        ]
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        expected = run(plain, GenerationRequest(ids, 48)).token_ids
-        got = run(fused, GenerationRequest(ids, 48, num_draft_tokens=3))
+        expected = run(plain, EngineRequest(ids, 48)).token_ids
+        got = run(fused, EngineRequest(ids, 48, num_draft_tokens=3))
         assert got.token_ids == expected
         drafted, accepted = drafted + got.stats.drafted, accepted + got.stats.accepted
     assert drafted > 0 and accepted / drafted > 0.1, (accepted, drafted)
@@ -897,14 +972,16 @@ def test_the_shipped_head_on_smollm2_is_bit_exact_and_accepted(tmp_path, weights
 def test_generate_session_runs_the_fused_loop(target, head_dir, tmp_path):
     from types import SimpleNamespace
 
-    from specdeploy import generate as gen
-    from specdeploy.artifacts import Layout
-    from specdeploy.speculative import collect
+    from specdeploy.core.artifacts import Layout
+    from specdeploy.engine import generate as gen
+    from specdeploy.speculation.loop import collect
 
-    session = gen.Session(SimpleNamespace(eos_token_id=None), Executor(target, head=Eagle3Head.load(head_dir, target)), eagle3=True)
+    session = gen.Session(
+        SimpleNamespace(eos_token_id=None), Executor(target, head=Eagle3Head.load(head_dir, target)), eagle3=True
+    )
     prompt = prompt_of(7, 9)
     tokens, stats = collect(session.stream(prompt, 16, num_draft_tokens=3))
-    assert tokens == run(Executor(target), GenerationRequest(prompt, 16)).token_ids
+    assert tokens == run(Executor(target), EngineRequest(prompt, 16)).token_ids
     assert stats.policy == "eagle3-fused" and stats.drafted == sum(stats.k_per_round) > 0
     assert stats.target_iterations == 1 + len(stats.k_per_round)
     recipe = SimpleNamespace(draft=SimpleNamespace(head="trained"))

@@ -17,9 +17,9 @@ import types
 import numpy as np
 import pytest
 import torch
+from standin_engines import TableEngine
 
 from specdeploy.engine.executor import Executor
-from standin_engines import TableEngine
 
 VOCAB = 16
 END = 5  # the chain from 1 reaches the end id after 2, 3, 4
@@ -36,7 +36,9 @@ def chain_table() -> torch.Tensor:
 
 def load_chain_executor(_engine_dir: str):
     # normalize_log_probs false: greedy tokens get the log-softmax of their row (normalized, they would all be 0)
-    return Executor(TableEngine(chain_table(), max_seq_len=64, max_draft_len=8), max_cached_sequences=2, normalize_log_probs=False)
+    return Executor(
+        TableEngine(chain_table(), max_seq_len=64, max_draft_len=8), max_cached_sequences=2, normalize_log_probs=False
+    )
 
 
 class _Tensor:
@@ -76,7 +78,10 @@ class _Request:
 @pytest.fixture
 def pb_utils(monkeypatch):
     stand_in = types.SimpleNamespace(
-        TRITONSERVER_RESPONSE_COMPLETE_FINAL=1, Tensor=_Tensor, InferenceResponse=_Response, TritonError=lambda message: message
+        TRITONSERVER_RESPONSE_COMPLETE_FINAL=1,
+        Tensor=_Tensor,
+        InferenceResponse=_Response,
+        TritonError=lambda message: message,
     )
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", stand_in)
     return stand_in
@@ -94,9 +99,11 @@ def model(pb_utils, monkeypatch, request):
     module = _load("tensorrt_llm", monkeypatch, request)
     instance = module.TritonPythonModel()
     params = {
-        "executor_factory": f"{__name__}:load_chain_executor", "gpt_model_path": "unused", "max_seq_len": "64",
+        "executor_factory": f"{__name__}:load_chain_executor",
+        "gpt_model_path": "unused",
+        "max_seq_len": "64",
         "max_draft_len": "8",
-    }  # fmt: skip
+    }
     config = {"parameters": {k: {"string_value": v} for k, v in params.items()}, "max_batch_size": 1}
     instance.initialize({"model_name": "tensorrt_llm", "model_config": json.dumps(config)})
     yield instance
@@ -133,7 +140,9 @@ def test_an_answer_that_ends_at_end_id_leaves_the_end_token_out(model):
     generated, out = call(model, [1], 10)
     assert generated == [2, 3, 4]
     log_probs = out["output_log_probs"].reshape(-1).tolist()
-    assert log_probs == pytest.approx([log_prob(1, 2), log_prob(2, 3), log_prob(3, 4)], abs=1e-5)  # none for the end token
+    assert log_probs == pytest.approx(
+        [log_prob(1, 2), log_prob(2, 3), log_prob(3, 4)], abs=1e-5
+    )  # none for the end token
     # cum_log_probs still adds the end token's (TensorRT-LLM adds it before it checks for the end id)
     expected_cum = sum(log_probs) + log_prob(4, END)
     assert float(out["cum_log_probs"].reshape(-1)[0]) == pytest.approx(expected_cum, abs=1e-4)
@@ -168,7 +177,9 @@ def test_a_stop_word_stays_in_the_output(model):
     stop_words = np.array([[[3, 4], [2, -1]]], np.int32)  # [batch, 2, len]: the ids, then the offsets
     generated, _ = call(model, [1], 10, stop_words_list=stop_words)
     assert generated == [2, 3, 4]
-    generated, _ = call(model, [1], 6, stop_words_list=stop_words, draft_input_ids=np.array([[2, 3, 4, END, 6]], np.int32))
+    generated, _ = call(
+        model, [1], 6, stop_words_list=stop_words, draft_input_ids=np.array([[2, 3, 4, END, 6]], np.int32)
+    )
     assert generated == [2, 3, 4]
     generated, _ = call(model, [7], 10, stop_words_list=np.array([[[9], [1]]], np.int32))
     assert generated == [8, 9]
@@ -197,7 +208,10 @@ def test_the_final_chunk_loses_only_a_final_end_token(pb_utils, monkeypatch, req
     final = GenerationChunk(token_ids=[3, END], finished=True, finish_reason="end_id")
     kept, dropped = module._without_end_token(final, END, [-0.25, -0.75])
     assert kept.token_ids == [3] and kept.log_probs == [-0.25] and dropped == -0.75
-    for chunk in (GenerationChunk(token_ids=[END]), GenerationChunk(token_ids=[3, END], finished=True, finish_reason="length")):
+    for chunk in (
+        GenerationChunk(token_ids=[END]),
+        GenerationChunk(token_ids=[3, END], finished=True, finish_reason="length"),
+    ):
         kept, dropped = module._without_end_token(chunk, END, None)
         assert kept.token_ids == chunk.token_ids and dropped == 0.0
 
@@ -239,8 +253,13 @@ def test_a_draft_that_ended_gives_logits_only_for_its_tokens(bls):
         def __call__(self, *args, **kwargs):
             return [2, 3], torch.zeros(3, VOCAB), {}  # 2 tokens, 3 rows (the end id's step)
 
-    job = {"bad_words_list": np.zeros((2, 1), np.int32), "penalties": {"repetition_penalty": 1.0, "presence_penalty": 0.0,
-           "frequency_penalty": 0.0, "min_tokens": 0}, "embedding_bias": None, "end_id": END, "prompt_ids": [1]}  # fmt: skip
+    job = {
+        "bad_words_list": np.zeros((2, 1), np.int32),
+        "penalties": {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_tokens": 0},
+        "embedding_bias": None,
+        "end_id": END,
+        "prompt_ids": [1],
+    }
     proposal = bls.TritonProposer(Call(), job).propose([1], 4, None, True)
     assert proposal.tokens == [2, 3] and tuple(proposal.logits.shape) == (2, VOCAB)
 
@@ -266,15 +285,31 @@ def test_the_ngram_draft_proposes_nothing_past_the_end_id(pb_utils, monkeypatch,
     """The prompt holds `7 8 END 9 ... 7 8`: prompt lookup proposes END 9 after 7 8; a tensorrt_llm_draft's output
     stops before the end id, so with end_id sent the proposal is what came before it (nothing)."""
     module = _load("ngram_draft", monkeypatch, request)
-    params = {"max_draft_len": "4", "max_matching_ngram_size": "2", "is_keep_all": "true", "is_use_oldest": "true",
-              "is_public_pool": "false", "min_matching_ngram_size": "2", "max_input_len": "64"}  # fmt: skip
+    params = {
+        "max_draft_len": "4",
+        "max_matching_ngram_size": "2",
+        "is_keep_all": "true",
+        "is_use_oldest": "true",
+        "is_public_pool": "false",
+        "min_matching_ngram_size": "2",
+        "max_input_len": "64",
+    }
     draft = module.TritonPythonModel()
-    draft.initialize({"model_name": "tensorrt_llm_draft", "model_config": json.dumps({"parameters": {k: {"string_value": v} for k, v in params.items()}})})
+    draft.initialize(
+        {
+            "model_name": "tensorrt_llm_draft",
+            "model_config": json.dumps({"parameters": {k: {"string_value": v} for k, v in params.items()}}),
+        }
+    )
     prompt = [1, 7, 8, END, 9, 4, 7, 8]
 
     def proposal(**extra):
-        inputs = {"input_ids": np.array([prompt], np.int32), "input_lengths": np.array([[len(prompt)]], np.int32),
-                  "request_output_len": np.array([[2]], np.int32), **extra}  # fmt: skip
+        inputs = {
+            "input_ids": np.array([prompt], np.int32),
+            "input_lengths": np.array([[len(prompt)]], np.int32),
+            "request_output_len": np.array([[2]], np.int32),
+            **extra,
+        }
         (response,) = draft.execute([_Request(**inputs)])
         return response.tensors["output_ids"].reshape(-1).tolist()[len(prompt) :]
 

@@ -4,9 +4,9 @@ Checkpoints are exported here with ModelOpt itself (as `specdeploy quantize` doe
 Tolerances (max |logit difference|, random tiny models whose logits are O(1)):
   fp32 engine vs HF fp32 with the checkpoint's weight rounding: 2e-5; bf16 engine vs HF fp32: 5e-2 and the same
   argmax on >= 90% of positions; quantized fp32 engine vs an HF model holding the checkpoint's dequantized
-  weights and quantizing each linear's input as the quant algo says: 1e-5 (int8_sq: 1e-2, see the test); vs ModelOpt's own fake-quantized model
-  (fp32 weights, not the checkpoint's bf16 ones, so activation roundings flip): 1e-2 (weight-only), 3e-2 (int8_sq),
-  6e-2 (fp8: 3 mantissa bits).
+  weights and quantizing each linear's input as the quant algo says: 1e-5 (int8_sq: 1e-2, see the test); vs ModelOpt's
+  own fake-quantized model (fp32 weights, not the checkpoint's bf16 ones, so activation roundings flip): 1e-2
+  (weight-only), 3e-2 (int8_sq), 6e-2 (fp8: 3 mantissa bits).
 """
 
 from __future__ import annotations
@@ -17,17 +17,22 @@ import json
 
 import pytest
 import torch
-
-from specdeploy.config import EngineConfig
-from specdeploy.engine import native
-from specdeploy.engine.compile import compile_checkpoint
-from specdeploy.engine.model import CpuEngine
-from specdeploy.engine.kv_cache import KVCache
-from specdeploy.errors import BuildError
 from tiny_models import make_tiny_model, tiny_llama_config
 
+from specdeploy.core.errors import BuildError
+from specdeploy.deploy.cpu_compile import compile_checkpoint
+from specdeploy.engine import native
+from specdeploy.engine.kv_cache import KVCache
+from specdeploy.engine.model import CpuEngine
+from specdeploy.recipe.config import EngineConfig
+
 ENGINE = EngineConfig(dtype="float32", max_batch_size=1, max_input_len=64, max_seq_len=128)
-QFORMATS = {"fp8": "FP8_DEFAULT_CFG", "int8_wo": "INT8_WEIGHT_ONLY_CFG", "int8_sq": "INT8_SMOOTHQUANT_CFG", "int4_awq": "INT4_AWQ_CFG"}
+QFORMATS = {
+    "fp8": "FP8_DEFAULT_CFG",
+    "int8_wo": "INT8_WEIGHT_ONLY_CFG",
+    "int8_sq": "INT8_SMOOTHQUANT_CFG",
+    "int4_awq": "INT4_AWQ_CFG",
+}
 QUANT_TOL = {"fp8": 6e-2, "int8_wo": 1e-2, "int4_awq": 1e-2, "int8_sq": 3e-2}
 # hidden 128 so that INT4 AWQ's 128-wide groups fit; GQA (4 heads, 2 KV heads).
 QUANT_MODEL = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
@@ -59,7 +64,9 @@ def export_checkpoint(hf_dir, out_dir, qformat=None, kv_cache_dtype=None, dtype=
         mtq.quantize(model, cfg, forward_loop)
     decoder = "qwen" if model.config.model_type == "qwen2" else "llama"
     with torch.inference_mode():
-        export_tensorrt_llm_checkpoint(model, decoder_type=decoder, dtype=dtype, export_dir=str(out_dir), inference_tensor_parallel=1)
+        export_tensorrt_llm_checkpoint(
+            model, decoder_type=decoder, dtype=dtype, export_dir=str(out_dir), inference_tensor_parallel=1
+        )
     # What `specdeploy quantize` adds: ModelOpt misses transformers-5 RoPE settings.
     path = out_dir / "config.json"
     config = json.loads(path.read_text())
@@ -77,14 +84,16 @@ def dequantized_reference(hf_dir, ckpt_dir, per_token=False):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from specdeploy.engine.compile import repack_modelopt_int4
+    from specdeploy.deploy.cpu_compile import repack_modelopt_int4
     from specdeploy.engine.kernels import dequantize
 
     config = json.loads((ckpt_dir / "config.json").read_text())
     algo = config["quantization"]["quant_algo"]
     group = config["quantization"].get("group_size")
-    t = {k: v.float() if not k.endswith(".weight") or v.is_floating_point() and v.dtype != torch.float8_e4m3fn else v
-         for k, v in load_file(str(ckpt_dir / "rank0.safetensors")).items()}
+    t = {
+        k: v.float() if not k.endswith(".weight") or v.is_floating_point() and v.dtype != torch.float8_e4m3fn else v
+        for k, v in load_file(str(ckpt_dir / "rank0.safetensors")).items()
+    }
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
     hf = model.model
     n_q = hf.config.num_attention_heads * (hf.config.hidden_size // hf.config.num_attention_heads)
@@ -127,7 +136,9 @@ def dequantized_reference(hf_dir, ckpt_dir, per_token=False):
             attn, mlp = layer.self_attn, layer.mlp
             qkv = load_linear(attn.q_proj, p + "attention.qkv")  # one hook on q_proj quantizes the shared input
             for module in (attn.k_proj, attn.v_proj):
-                module.register_forward_pre_hook(attn.q_proj._forward_pre_hooks[next(iter(attn.q_proj._forward_pre_hooks))])
+                module.register_forward_pre_hook(
+                    attn.q_proj._forward_pre_hooks[next(iter(attn.q_proj._forward_pre_hooks))]
+                )
             n_kv = (qkv.shape[0] - n_q) // 2
             attn.q_proj.weight.copy_(qkv[:n_q])
             attn.k_proj.weight.copy_(qkv[n_q : n_q + n_kv])
@@ -161,8 +172,13 @@ ARCHES = {
     "llama3-rope-tied": lambda: tiny_llama_config(
         tie_word_embeddings=True,
         rope_theta=500000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 32},
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
     ),
     "qwen2-bias-tied": lambda: _qwen2_config(),
 }
@@ -171,9 +187,19 @@ ARCHES = {
 def _qwen2_config():
     from transformers import Qwen2Config
 
-    return Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True, rope_theta=1e6,
-                       bos_token_id=1, eos_token_id=2)
+    return Qwen2Config(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
 
 
 @pytest.fixture(scope="module", params=sorted(ARCHES))
@@ -198,7 +224,9 @@ def quant_checkpoints(tmp_path_factory, quant_hf_dir):
     class Lazy(dict):  # exported on first use, so a -k selection only pays for what it needs
         def __missing__(self, qformat):
             ckpt = tmp_path_factory.mktemp(f"ckpt-{qformat}")
-            model = export_checkpoint(quant_hf_dir, ckpt, None if qformat == "full_prec" else qformat, dtype=torch.bfloat16)
+            model = export_checkpoint(
+                quant_hf_dir, ckpt, None if qformat == "full_prec" else qformat, dtype=torch.bfloat16
+            )
             self[qformat] = (model, ckpt)
             return self[qformat]
 
@@ -297,7 +325,6 @@ def test_weights_are_stored_quantized(quant_checkpoints, tmp_path):
         assert ("layers.0.gate_up.weight" in tensors) or ("layers.0.gate.weight" in tensors)
 
 
-
 def test_per_token_build_of_an_int8_sq_checkpoint(quant_hf_dir, quant_checkpoints, tmp_path):
     """quantization.per_token: the same ModelOpt int8_sq checkpoint compiled into an engine whose linears quantize
     activations per token (SQ_PER_TOKEN, no act_scale kept); its logits follow an independent per-token reading of
@@ -364,7 +391,9 @@ def test_greedy_rows_screen_the_lm_head_and_keep_its_argmax(quant_checkpoints, t
     assert engine.screen is not None
     exact, greedy = engine.new_cache(), engine.new_cache()
     start = prompt(9, seed=1)
-    assert torch.equal(engine.forward(exact, start), engine.forward(greedy, start, greedy=True))  # 9 rows: the whole head
+    assert torch.equal(
+        engine.forward(exact, start), engine.forward(greedy, start, greedy=True)
+    )  # 9 rows: the whole head
     steps = prompt(20, seed=3)
     narrowed = False
     for i in range(0, 20, 2):  # two one-row calls (decode steps), or one two-row call (a verification pass)
@@ -394,10 +423,10 @@ def test_executor_screens_greedy_requests_only(quant_checkpoints, tmp_path, monk
     """A greedy request's tokens are the same with the screen as without it, and it consults the screen; a request
     that returns its logits gets every logit (none -inf) and does not."""
     from specdeploy.engine.executor import Executor
-    from specdeploy.engine.request import GenerationRequest, run
+    from specdeploy.engine.request import EngineRequest, run
 
     engine = build(tmp_path, quant_checkpoints["int8_sq"][1], "bfloat16", max_draft_len=6)
-    request = GenerationRequest(input_ids=prompt(10, seed=7).tolist(), max_new_tokens=12)
+    request = EngineRequest(input_ids=prompt(10, seed=7).tolist(), max_new_tokens=12)
     screened = run(Executor(engine), request)
     assert engine.screen.rows == 12  # the prompt's last row (the only one kept), then 11 decode steps
     with_logits = run(Executor(engine), dataclasses.replace(request, return_logits=True))
@@ -474,7 +503,9 @@ def test_an_unquantized_kv_cache_stores_the_compute_dtype_and_reads_it_as_f32_ex
     cache.length = 3
     keys, values = cache.read(1, 3)
     assert keys.dtype == values.dtype == torch.float32
-    assert torch.equal(keys, k.to(dtype).float().transpose(0, 1)) and torch.equal(values, v.to(dtype).float().transpose(0, 1))
+    assert torch.equal(keys, k.to(dtype).float().transpose(0, 1)) and torch.equal(
+        values, v.to(dtype).float().transpose(0, 1)
+    )
 
 
 # ---------------------------------------------------------------- refusals
@@ -526,7 +557,7 @@ def test_compile_refuses_unknown_tensors(quant_checkpoints, tmp_path):
 
 
 def test_cache_bounds_are_errors(quant_checkpoints, tmp_path):
-    from specdeploy.errors import ConfigError
+    from specdeploy.core.errors import ConfigError
 
     engine = build(tmp_path, quant_checkpoints["full_prec"][1], "bfloat16")
     with pytest.raises(ConfigError):
@@ -544,25 +575,31 @@ def test_cache_bounds_are_errors(quant_checkpoints, tmp_path):
 def _recipe_and_checkpoints(tmp_path, quant_checkpoints, quant_hf_dir, draft_quantization=None):
     import shutil
 
-    from specdeploy.artifacts import Layout, Manifest
-    from specdeploy.config import ROLES, to_plain
-    from specdeploy.config_loader import parse_recipe
+    from specdeploy.core.artifacts import Layout, Manifest
+    from specdeploy.recipe.config import ROLES, to_plain
+    from specdeploy.recipe.load import parse_recipe
 
-    recipe = parse_recipe({
-        "name": "tiny",
-        "target": {"model": str(quant_hf_dir), "quantization": {"qformat": "fp8"}},
-        "draft": {"model": str(quant_hf_dir), "quantization": draft_quantization or {"qformat": "int8_wo"}},
-        "speculative": {"max_draft_len": 3, "num_draft_tokens": 3},
-        "engine": {"max_input_len": 32, "max_seq_len": 64},
-        "validation": {"max_tokens": 16},
-    })
+    recipe = parse_recipe(
+        {
+            "name": "tiny",
+            "target": {"model": str(quant_hf_dir), "quantization": {"qformat": "fp8"}},
+            "draft": {"model": str(quant_hf_dir), "quantization": draft_quantization or {"qformat": "int8_wo"}},
+            "speculative": {"max_draft_len": 3, "num_draft_tokens": 3},
+            "engine": {"max_input_len": 32, "max_seq_len": 64},
+            "validation": {"max_tokens": 16},
+        }
+    )
     layout = Layout.of(recipe, tmp_path)
     for role in ROLES:
         m = recipe.model(role)
         dest = layout.checkpoint(role)
         shutil.copytree(quant_checkpoints[m.quantization.qformat][1], dest)
-        Manifest(stage="quantize", recipe_name=recipe.name, fingerprint=f"fp-{role}",
-                 settings={**to_plain(m), "dtype": "bfloat16", "role": role}).write(dest)
+        Manifest(
+            stage="quantize",
+            recipe_name=recipe.name,
+            fingerprint=f"fp-{role}",
+            settings={**to_plain(m), "dtype": "bfloat16", "role": role},
+        ).write(dest)
     return recipe, layout
 
 
@@ -570,8 +607,9 @@ def test_build_recipe_builds_both_engines_once(quant_checkpoints, quant_hf_dir, 
     import os
     import shutil
 
-    from specdeploy import backend_stages
-    from specdeploy.artifacts import Manifest
+    from specdeploy.core.artifacts import Manifest
+    from specdeploy.deploy import backend_stages
+
     recipe, layout = _recipe_and_checkpoints(tmp_path, quant_checkpoints, quant_hf_dir)
     build = backend_stages.of(recipe).build  # what `specdeploy build` runs for a cpu recipe
     built = build(recipe, layout, echo=lambda *_: None)
@@ -583,8 +621,9 @@ def test_build_recipe_builds_both_engines_once(quant_checkpoints, quant_hf_dir, 
     assert engine.spec.max_seq_len == 64 and engine.forward(engine.new_cache(), prompt(4)).shape == (4, 512)
     lines = []
     assert build(recipe, layout, echo=lines.append) == {"target": None, "draft": None}
-    assert [line for line in lines if "up to date" in line] == [f"{role}: up to date ({layout.engine(role)})"
-                                                                 for role in ("target", "draft")]
+    assert [line for line in lines if "up to date" in line] == [
+        f"{role}: up to date ({layout.engine(role)})" for role in ("target", "draft")
+    ]
     # bf16 engines: the kernels are compiled at build time, not at first use. Whether they can be is decided
     # here from the machine itself (not from specdeploy.engine.native): AVX2 and FMA (every variant needs
     # them; AVX-512 machines have both), a C++ compiler, and SPECDEPLOY_NATIVE not set to 0.
@@ -599,8 +638,8 @@ def test_per_token_is_a_build_setting_of_the_same_checkpoint(quant_checkpoints, 
     checkpoint is the same), leaves the other engine up to date, and switching back rebuilds the static engine."""
     import dataclasses as dc
 
-    from specdeploy.artifacts import Manifest
-    from specdeploy.engine.build import build_recipe
+    from specdeploy.core.artifacts import Manifest
+    from specdeploy.deploy.cpu_build import build_recipe
     from specdeploy.engine.spec import SQ_PER_TOKEN
 
     recipe, layout = _recipe_and_checkpoints(tmp_path, quant_checkpoints, quant_hf_dir, {"qformat": "int8_sq"})
@@ -619,9 +658,9 @@ def test_per_token_is_a_build_setting_of_the_same_checkpoint(quant_checkpoints, 
 def test_build_refuses_missing_or_stale_checkpoints(quant_checkpoints, quant_hf_dir, tmp_path):
     import shutil
 
-    from specdeploy.artifacts import Manifest
-    from specdeploy.engine.build import build_recipe
-    from specdeploy.errors import StaleArtifactError
+    from specdeploy.core.artifacts import Manifest
+    from specdeploy.core.errors import StaleArtifactError
+    from specdeploy.deploy.cpu_build import build_recipe
 
     recipe, layout = _recipe_and_checkpoints(tmp_path, quant_checkpoints, quant_hf_dir)
     manifest = Manifest.read(layout.checkpoint("draft"))
@@ -640,8 +679,8 @@ def test_cli_build(quant_checkpoints, quant_hf_dir, tmp_path):
     import yaml
     from click.testing import CliRunner
 
-    from specdeploy.cli import main
-    from specdeploy.config import to_plain
+    from specdeploy.cli.main import main
+    from specdeploy.recipe.config import to_plain
 
     recipe, layout = _recipe_and_checkpoints(tmp_path, quant_checkpoints, quant_hf_dir)
     path = tmp_path / "tiny.yaml"

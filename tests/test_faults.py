@@ -1,4 +1,5 @@
-"""Faults, each performed for real on the tiny CPU deployment (tests/ops_deploy.py), and what specdeploy does about them.
+"""Faults, each performed for real on the tiny CPU deployment (tests/ops_deploy.py), and what specdeploy does about
+them.
 
 (a) a python stub SIGKILLed mid-request; (b) tritonserver SIGKILLed mid-request; (c) SIGKILL during quantize, build
 and repo generation (the CLI run as a subprocess, killed when it says it reached the point: tests/stage_pause.py);
@@ -20,9 +21,8 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
-
 import ops_deploy
+import pytest
 
 TESTS = Path(__file__).resolve().parent
 NAME = "faults"
@@ -43,12 +43,18 @@ def project(tmp_path, model_dir):
 def specdeploy(layout, *args, point: str = "none") -> subprocess.Popen:
     """The real CLI as a subprocess (with a pause point, tests/stage_pause.py); stdout and stderr as lines."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(TESTS.parent)}
-    return subprocess.Popen([sys.executable, str(TESTS / "stage_pause.py"), point, "--root", str(layout.root), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, str(TESTS / "stage_pause.py"), point, "--root", str(layout.root), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
 
 
 class Lines:
-    """A process's output lines, read in a thread; `wait_for` blocks until a line holds the text (a signal, not a sleep)."""
+    """A process's output lines, read in a thread; `wait_for` blocks until a line holds the text (a signal, not a
+    sleep)."""
 
     def __init__(self, proc: subprocess.Popen):
         self.proc, self.seen, self.queue = proc, [], queue.Queue()
@@ -93,15 +99,18 @@ def tree_hash(path: Path) -> str:
 
 
 def outputs(layout) -> dict[str, list[Path]]:
-    return {"quantize": [layout.checkpoint("target"), layout.checkpoint("draft")],
-            "build": [layout.engine("target"), layout.engine("draft")], "repo": [layout.repo]}  # fmt: skip
+    return {
+        "quantize": [layout.checkpoint("target"), layout.checkpoint("draft")],
+        "build": [layout.engine("target"), layout.engine("draft")],
+        "repo": [layout.repo],
+    }
 
 
 def next_run(recipe, layout, recipe_path) -> tuple[list[str], bool]:
     """The three stages again, in-process, as `specdeploy run` chains them: (what they said, whether repo wrote)."""
-    from specdeploy import backend_stages
-    from specdeploy.engine.build import build_recipe
-    from specdeploy.quantize import quantize_recipe
+    from specdeploy.deploy import backend_stages
+    from specdeploy.deploy.cpu_build import build_recipe
+    from specdeploy.quantize.stage import quantize_recipe
 
     said: list[str] = []
     quantize_recipe(recipe, layout, echo=said.append, progress=False)
@@ -123,11 +132,15 @@ def test_sigkill_mid_stage_leaves_nothing_half_written_and_the_next_run_redoes_o
     shutil.rmtree(victim)
 
     proc = specdeploy(layout, stage, str(recipe_path), point="write")
-    Lines(proc).wait_for(f"PAUSED write {victim.parent}/.{victim.name}.tmp-")  # its files are written, the manifest is next
+    Lines(proc).wait_for(
+        f"PAUSED write {victim.parent}/.{victim.name}.tmp-"
+    )  # its files are written, the manifest is next
     proc.send_signal(signal.SIGKILL)
     assert proc.wait(timeout=60) == -signal.SIGKILL
     assert not victim.exists()  # nothing half-written in place
-    assert list(victim.parent.glob(f".{victim.name}.tmp-*")), "the kill must have come mid-write (the dead writer's folder)"
+    assert list(victim.parent.glob(f".{victim.name}.tmp-*")), (
+        "the kill must have come mid-write (the dead writer's folder)"
+    )
     for path in every:
         if path != victim:
             assert tree_hash(path) == before[path], f"{path} changed"
@@ -148,7 +161,7 @@ def test_sigkill_mid_stage_leaves_nothing_half_written_and_the_next_run_redoes_o
 def test_sigkill_mid_swap_keeps_the_previous_artifact_loadable(project, stage):
     """Killed between the two renames of atomic_output (`--force`: the previous output set aside, the new one not yet
     in place): the next reader puts the previous one back, byte for byte, and it still loads."""
-    from specdeploy import artifacts
+    from specdeploy.core import artifacts
     from specdeploy.triton.repository import require_repository
 
     recipe, layout, recipe_path = project
@@ -180,7 +193,10 @@ def test_a_second_run_on_the_same_recipe_fails_or_waits_and_goes_on_when_the_fir
     code, out = run_cli(layout, "--lock-timeout", "0", "build", str(recipe_path))
     print("second run, --lock-timeout 0:", out)
     assert code == 1
-    assert f"another specdeploy run on {NAME} holds {layout.engines / '.lock'} (pid {first.pid}: specdeploy quantize {recipe_path})" in out, out
+    assert (
+        f"another specdeploy run on {NAME} holds {layout.engines / '.lock'} (pid {first.pid}: specdeploy quantize"
+        f" {recipe_path})" in out
+    ), out
     assert "hint:" in out and "kill PID" in out
 
     waiter = specdeploy(layout, "build", str(recipe_path))
@@ -217,7 +233,9 @@ def test_disk_full_during_a_stage_names_the_path_and_space_and_leaves_nothing(pr
         assert f"error: no space left writing {victim} (No space left on device): it ran out after writing " in out, out
         assert f"free on the filesystem of {victim.parent}; nothing was left half-written" in out, out
         assert "hint: make more than" in out and "free there, or point --root at a larger disk" in out, out
-    left = sorted(set(os.listdir(victim.parent)) - {".lock"})  # the recipe's lock file (specdeploy/lock.py) stays, empty
+    left = sorted(
+        set(os.listdir(victim.parent)) - {".lock"}
+    )  # the recipe's lock file (specdeploy/core/lock.py) stays, empty
     assert left == there, "nothing half-written may be left"
     for path, digest in others.items():
         assert tree_hash(path) == digest
@@ -230,14 +248,16 @@ def _stream_one(grpc_url: str, prompt: str = "seven lanterns under the bridge", 
     """Start a streamed speculative request in a thread: (first response arrived, done, outcome holder)."""
     from specdeploy.client.protocol import SPECULATIVE_MODEL, GenerateRequest
     from specdeploy.client.triton_adapter import TritonEndpoint
-    from specdeploy.errors import ClientError
+    from specdeploy.core.errors import ClientError
 
     first, done, outcome = threading.Event(), threading.Event(), {}
 
     def go():
         try:
             request = GenerateRequest(prompt, max_tokens, 3, stream=True)
-            outcome["result"] = TritonEndpoint(grpc_url).generate(SPECULATIVE_MODEL, request, 120, on_text=lambda piece: first.set())
+            outcome["result"] = TritonEndpoint(grpc_url).generate(
+                SPECULATIVE_MODEL, request, 120, on_text=lambda piece: first.set()
+            )
         except ClientError as exc:
             outcome["error"] = exc
         finally:
@@ -275,7 +295,7 @@ def _regions(state: dict) -> list[str]:
 
 
 def _gone(pids, timeout_s: float = 60) -> bool:
-    from specdeploy.artifacts import pid_alive
+    from specdeploy.core.artifacts import pid_alive
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -360,7 +380,9 @@ def test_a_python_stub_killed_mid_request(project):
             print(f"next: refused after {time.monotonic() - started:.2f} s: {nxt['error'].message}")
         code, out = run_cli(layout, "status", str(recipe_path))
         print("status:", out)
-        assert code == 1 and f"python stub tensorrt_llm_0_0 (pid {target[0]}) has exited (killed or crashed)" in out, out  # degraded
+        assert code == 1 and f"python stub tensorrt_llm_0_0 (pid {target[0]}) has exited (killed or crashed)" in out, (
+            out
+        )  # degraded
         assert "restart the server" in out
         assert len(_stubs(state["pid"])) == len(stubs) - 1  # nothing restarted it
     finally:

@@ -13,8 +13,9 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from specdeploy import openai_api
-from specdeploy.errors import ConfigError
+from specdeploy.core.errors import ConfigError
+from specdeploy.ops.openai import api as openai_api
+from specdeploy.ops.openai import app
 
 KEY = "sk-test-é-not-ascii-safe?"  # non-ASCII on purpose: compare_digest must get bytes, not str
 
@@ -22,11 +23,13 @@ KEY = "sk-test-é-not-ascii-safe?"  # non-ASCII on purpose: compare_digest must 
 @pytest.fixture(scope="module")
 def keyed(ops_decoupled):
     """(base url without /v1, recipe, front) of a front started with an API key; stopped after the module."""
-    from specdeploy.triton.server import free_port
+    from specdeploy.triton.ports import free_port
 
     recipe, layout, srv = ops_decoupled
-    front = openai_api.build_front(recipe, layout, srv.state.grpc_url, timeout_s=60, api_key=KEY, max_body_bytes=64 * 1024)
-    with openai_api.ApiServer(openai_api.create_app(front), free_port()) as api:
+    front = openai_api.build_front(
+        recipe, layout, srv.state.grpc_url, timeout_s=60, api_key=KEY, max_body_bytes=64 * 1024
+    )
+    with openai_api.ApiServer(app.create_app(front), free_port()) as api:
         yield api.url[: -len("/v1")], recipe, front, api
 
 
@@ -40,7 +43,9 @@ class Http:
     def __init__(self, base: str, headers: dict | None = None):
         self.address, self.headers = urlsplit(base).netloc, headers or {}
 
-    def request(self, method: str, path: str, json_body=None, headers: dict | None = None, content=None, chunked: bool = False):
+    def request(
+        self, method: str, path: str, json_body=None, headers: dict | None = None, content=None, chunked: bool = False
+    ):
         conn = http.client.HTTPConnection(self.address, timeout=60)
         try:
             head = {**self.headers, **(headers or {})}
@@ -68,10 +73,21 @@ def test_api_key_guards_every_route_but_health(keyed):
     base, recipe, _, _ = keyed
     body = {"model": f"{recipe.name}-control", "prompt": "The quick brown fox", "max_tokens": 3, "temperature": 0}
     http_ = Http(base)
-    for method, path in (("GET", "/v1/models"), ("GET", f"/v1/models/{recipe.name}"), ("POST", "/v1/completions"),
-                         ("POST", "/v1/chat/completions"), ("GET", "/openapi.json"), ("GET", "/nowhere")):  # fmt: skip
-        for headers, code in (({}, "missing_api_key"), (_auth("sk-wrong"), "invalid_api_key"), ({"Authorization": "Basic " + "x"}, "missing_api_key"),
-                              (_auth(KEY[:-1]), "invalid_api_key"), (_auth(KEY + "x"), "invalid_api_key")):  # fmt: skip
+    for method, path in (
+        ("GET", "/v1/models"),
+        ("GET", f"/v1/models/{recipe.name}"),
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions"),
+        ("GET", "/openapi.json"),
+        ("GET", "/nowhere"),
+    ):
+        for headers, code in (
+            ({}, "missing_api_key"),
+            (_auth("sk-wrong"), "invalid_api_key"),
+            ({"Authorization": "Basic " + "x"}, "missing_api_key"),
+            (_auth(KEY[:-1]), "invalid_api_key"),
+            (_auth(KEY + "x"), "invalid_api_key"),
+        ):
             status, head, data = http_.request(method, path, body if method == "POST" else None, headers=headers)
             assert status == 401, (method, path, headers, data)
             error = data["error"]  # OpenAI's error format
@@ -108,7 +124,9 @@ def test_body_size_is_bounded_with_413(keyed):
         for _ in range(front.max_body_bytes // 1024 + 2):
             yield b" " * 1024
 
-    status, _, data = http_.request("POST", "/v1/completions", content=chunks(), chunked=True, headers={"Content-Type": "application/json"})
+    status, _, data = http_.request(
+        "POST", "/v1/completions", content=chunks(), chunked=True, headers={"Content-Type": "application/json"}
+    )
     assert status == 413, data
     assert str(front.max_body_bytes) in data["error"]["message"]
     # without the key the body is never read: 401 first
@@ -122,9 +140,11 @@ def test_max_tokens_is_bounded_by_the_deployment(keyed):
     limit = recipe.engine.max_seq_len - 1  # prompt plus output fit in max_seq_len; a prompt has at least one token
     assert front.max_tokens_limit == limit
     http_ = Http(base, _auth(KEY))
-    for path, key, body in (("/v1/completions", "max_tokens", {"prompt": "a"}),
-                            ("/v1/chat/completions", "max_tokens", {"messages": [{"role": "user", "content": "a"}]}),
-                            ("/v1/chat/completions", "max_completion_tokens", {"messages": [{"role": "user", "content": "a"}]})):  # fmt: skip
+    for path, key, body in (
+        ("/v1/completions", "max_tokens", {"prompt": "a"}),
+        ("/v1/chat/completions", "max_tokens", {"messages": [{"role": "user", "content": "a"}]}),
+        ("/v1/chat/completions", "max_completion_tokens", {"messages": [{"role": "user", "content": "a"}]}),
+    ):
         status, _, data = http_.post(path, {"model": recipe.name, key: limit + 1, **body})
         assert status == 400, data
         error = data["error"]
@@ -133,9 +153,16 @@ def test_max_tokens_is_bounded_by_the_deployment(keyed):
 
 
 def test_max_tokens_option_may_lower_the_limit_but_not_raise_it():
-    from specdeploy.config_loader import parse_recipe
+    from specdeploy.recipe.load import parse_recipe
 
-    recipe = parse_recipe({"name": "r", "target": {"model": "x"}, "draft": {"model": "x"}, "engine": {"max_input_len": 64, "max_seq_len": 100}})
+    recipe = parse_recipe(
+        {
+            "name": "r",
+            "target": {"model": "x"},
+            "draft": {"model": "x"},
+            "engine": {"max_input_len": 64, "max_seq_len": 100},
+        }
+    )
     assert openai_api.deployment_max_tokens(recipe) == 99
     assert openai_api.deployment_max_tokens(recipe, 20) == 20
     with pytest.raises(ConfigError, match=r"--max-tokens-limit is 100, must be in \[1, 99\]"):
@@ -145,16 +172,16 @@ def test_max_tokens_option_may_lower_the_limit_but_not_raise_it():
 def test_default_bind_is_loopback_and_wider_binds_need_a_key():
     import inspect
 
-    from specdeploy.cli_serve import serve
-    from specdeploy.triton.server import free_port
+    from specdeploy.cli.serve import serve
+    from specdeploy.triton.ports import free_port
 
     assert openai_api.HOST == "127.0.0.1"
     for fn in (openai_api.ApiServer.__init__, openai_api.serve_foreground, openai_api.start_detached):
         assert inspect.signature(fn).parameters["host"].default == "127.0.0.1"
     assert {p.name: p.default for p in serve.params}["openai_host"] == "127.0.0.1"
     # the socket uvicorn opens by default is on 127.0.0.1
-    front = openai_api.Front(None, None, {}, 16, 3, 5.0)
-    with openai_api.ApiServer(openai_api.create_app(front), free_port()) as api:
+    front = app.Front(None, None, {}, 16, 3, 5.0)
+    with openai_api.ApiServer(app.create_app(front), free_port()) as api:
         assert {s.getsockname()[0] for srv in api.server.servers for s in srv.sockets} == {"127.0.0.1"}
         assert api.url.startswith("http://127.0.0.1:")
 
@@ -170,12 +197,15 @@ def test_cli_refuses_a_wide_bind_without_a_key_before_starting_anything(tmp_path
     import yaml
     from click.testing import CliRunner
 
-    from specdeploy.cli import main
+    from specdeploy.cli.main import main
 
     recipe = tmp_path / "r.yaml"
     recipe.write_text(yaml.safe_dump({"name": "r", "target": {"model": "x"}, "draft": {"model": "x"}}))
-    result = CliRunner().invoke(main, ["--root", str(tmp_path), "serve", str(recipe), "--openai-port", "9", "--openai-host", "0.0.0.0"],
-                                env={"SPECDEPLOY_API_KEY": ""})  # fmt: skip
+    result = CliRunner().invoke(
+        main,
+        ["--root", str(tmp_path), "serve", str(recipe), "--openai-port", "9", "--openai-host", "0.0.0.0"],
+        env={"SPECDEPLOY_API_KEY": ""},
+    )
     assert result.exit_code != 0 and "without an API key" in result.output, result.output
     assert not (tmp_path / "engines").exists()  # nothing started, nothing written
 
@@ -190,9 +220,9 @@ def test_cli_serve_with_a_front_names_the_running_server_not_the_port_its_front_
     import yaml
     from click.testing import CliRunner
 
-    from specdeploy.artifacts import Layout, process_identity
-    from specdeploy.cli import main
-    from specdeploy.config_loader import load_recipe
+    from specdeploy.cli.main import main
+    from specdeploy.core.artifacts import Layout, process_identity
+    from specdeploy.recipe.load import load_recipe
     from specdeploy.triton.server_state import ServerState
 
     recipe = tmp_path / "r.yaml"
@@ -201,14 +231,20 @@ def test_cli_serve_with_a_front_names_the_running_server_not_the_port_its_front_
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # stands in for the recorded server
     try:
         identity = process_identity(live.pid)
-        ServerState(live.pid, 1, 2, 3, "log", "repo", 0.0, identity.start_ticks, list(identity.cmdline)).write(Path(layout.server_state))
+        ServerState(live.pid, 1, 2, 3, "log", "repo", 0.0, identity.start_ticks, list(identity.cmdline)).write(
+            Path(layout.server_state)
+        )
         with socket.socket() as held:  # the running deployment's front
             held.bind(("127.0.0.1", 0))
             held.listen()
             port = held.getsockname()[1]
-            result = CliRunner().invoke(main, ["--root", str(tmp_path), "serve", str(recipe), "--openai-port", str(port)])
+            result = CliRunner().invoke(
+                main, ["--root", str(tmp_path), "serve", str(recipe), "--openai-port", str(port)]
+            )
         assert result.exit_code != 0, result.output
-        assert f"already running (pid {live.pid}" in result.output and f"specdeploy stop {recipe}" in result.output, result.output
+        assert f"already running (pid {live.pid}" in result.output and f"specdeploy stop {recipe}" in result.output, (
+            result.output
+        )
         assert "cannot listen" not in result.output
         assert ServerState.read(layout.server_state).pid == live.pid  # the record is left as it was
     finally:
@@ -219,7 +255,7 @@ def test_cli_serve_with_a_front_names_the_running_server_not_the_port_its_front_
 def test_detached_front_gets_the_key_in_its_environment_not_its_command_line(tmp_path, monkeypatch):
     import subprocess
 
-    import specdeploy.artifacts
+    import specdeploy.core.artifacts
 
     seen = {}
 
@@ -234,21 +270,21 @@ def test_detached_front_gets_the_key_in_its_environment_not_its_command_line(tmp
 
     monkeypatch.setattr(subprocess, "Popen", FakeProcess)
     monkeypatch.setattr(openai_api, "wait_listening", lambda *a, **k: True)
-    monkeypatch.setattr(specdeploy.artifacts, "process_identity", lambda pid: None)
-    monkeypatch.setenv(openai_api.API_KEY_ENV, "from-the-parent")
+    monkeypatch.setattr(specdeploy.core.artifacts, "process_identity", lambda pid: None)
+    monkeypatch.setenv(app.API_KEY_ENV, "from-the-parent")
     openai_api.start_detached("r.yaml", None, "127.0.0.1:1", 9, tmp_path, echo=lambda *_: None, api_key="sk-secret")
-    assert seen["env"][openai_api.API_KEY_ENV] == "sk-secret"
+    assert seen["env"][app.API_KEY_ENV] == "sk-secret"
     assert not any("sk-secret" in part for part in seen["cmd"])
     assert seen["cmd"][seen["cmd"].index("--host") + 1] == "127.0.0.1"
     assert "sk-secret" not in (tmp_path / openai_api.STATE_FILE).read_text()
     openai_api.start_detached("r.yaml", None, "127.0.0.1:1", 9, tmp_path, echo=lambda *_: None)
-    assert openai_api.API_KEY_ENV not in seen["env"]  # no key given: the parent's is not passed on by accident
+    assert app.API_KEY_ENV not in seen["env"]  # no key given: the parent's is not passed on by accident
     # what it writes stays in the state folder it was given
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([openai_api.LOG_FILE, openai_api.STATE_FILE])
 
 
 def test_recipe_names_that_are_not_folders_are_refused():
-    from specdeploy.config_loader import parse_recipe
+    from specdeploy.recipe.load import parse_recipe
 
     for name in (".", "..", "a/b", "", "x y"):
         with pytest.raises(ConfigError, match="key 'name'"):
@@ -261,12 +297,12 @@ def test_validates_own_openai_client_sends_the_key_from_the_environment(ops_deco
     """`validate --protocol openai` / `canary --drive openai` reach a front that wants a key: the client sends
     SPECDEPLOY_API_KEY (or OpenAI's own OPENAI_API_KEY) as a Bearer token, and is refused without it."""
     from specdeploy.client.openai_adapter import OpenAIEndpoint
-    from specdeploy.errors import SpecDeployError
-    from specdeploy.triton.server import free_port
+    from specdeploy.core.errors import SpecDeployError
+    from specdeploy.triton.ports import free_port
 
     recipe, layout, srv = ops_decoupled
     front = openai_api.build_front(recipe, layout, srv.state.grpc_url, timeout_s=60, api_key="sk-ascii-key")
-    with openai_api.ApiServer(openai_api.create_app(front), free_port()) as api:
+    with openai_api.ApiServer(app.create_app(front), free_port()) as api:
         endpoint = OpenAIEndpoint(api.url, recipe.name)
         for name in ("SPECDEPLOY_API_KEY", "OPENAI_API_KEY"):
             monkeypatch.delenv(name, raising=False)
@@ -289,11 +325,11 @@ def test_foreground_serve_with_a_front_does_not_say_detached(tmp_path, monkeypat
     import yaml
     from click.testing import CliRunner
 
-    from specdeploy import backend_stages
-    from specdeploy.cli import main
-    from specdeploy.config_loader import load_recipe
-    from specdeploy.triton import server
-    from specdeploy.triton.server import free_port
+    from specdeploy.cli.main import main
+    from specdeploy.deploy import backend_stages
+    from specdeploy.recipe.load import load_recipe
+    from specdeploy.triton import server, server_state
+    from specdeploy.triton.ports import free_port
 
     recipe = tmp_path / "r.yaml"
     recipe.write_text(yaml.safe_dump({"name": "r", "target": {"model": "x"}, "draft": {"model": "x"}}))
@@ -303,30 +339,39 @@ def test_foreground_serve_with_a_front_does_not_say_detached(tmp_path, monkeypat
         assert detach  # recorded, so that `status` and `stop` find it
         echo("tritonserver ready (pid 1)")
         echo(f"{server.DETACHED_LINE} {recipe_path}")
-        return server.ServerState(1, 1, 2, 3, "log", "repo", 0.0)
+        return server_state.ServerState(1, 1, 2, 3, "log", "repo", 0.0)
 
     monkeypatch.setattr(stages, "serve", fake_serve)
     monkeypatch.setattr(openai_api, "build_front", lambda *a, **k: None)
-    monkeypatch.setattr(openai_api, "serve_foreground", lambda front, port, echo=print, host="": echo("  openai:  front"))
+    monkeypatch.setattr(
+        openai_api, "serve_foreground", lambda front, port, echo=print, host="": echo("  openai:  front")
+    )
     monkeypatch.setattr(server, "stop", lambda state_dir: "stopped tritonserver (pid 1)")
     for detach, said in ((False, "Ctrl-C here stops it and the front"), (True, f"{server.DETACHED_LINE} {recipe}")):
         monkeypatch.setattr(openai_api, "start_detached", lambda *a, **k: 1)
-        result = CliRunner().invoke(main, ["--root", str(tmp_path), "serve", str(recipe), "--openai-port", str(free_port())]
-                                    + (["--detach"] if detach else []))  # fmt: skip
+        result = CliRunner().invoke(
+            main,
+            ["--root", str(tmp_path), "serve", str(recipe), "--openai-port", str(free_port())]
+            + (["--detach"] if detach else []),
+        )
         assert result.exit_code == 0, result.output
         assert said in result.output and (detach or "detached" not in result.output), result.output
 
 
 def test_standalone_front_names_an_unreachable_server_and_its_own_option(tmp_path):
-    """`python -m specdeploy.openai_api RECIPE --grpc-url H:P`: a Triton that does not answer is one error line and
+    """`python -m specdeploy.ops.openai.api RECIPE --grpc-url H:P`: a Triton that does not answer is one error line and
     a hint naming --grpc-url, not a traceback."""
     import yaml
 
-    from specdeploy.triton.server import free_port
+    from specdeploy.triton.ports import free_port
 
     recipe = tmp_path / "r.yaml"
     recipe.write_text(yaml.safe_dump({"name": "r", "target": {"model": "x"}, "draft": {"model": "x"}}))
     with pytest.raises(SystemExit) as stopped:
-        openai_api.main([str(recipe), "--grpc-url", f"127.0.0.1:{free_port()}", "--port", str(free_port()), "--root", str(tmp_path)])
+        openai_api.main(
+            [str(recipe), "--grpc-url", f"127.0.0.1:{free_port()}", "--port", str(free_port()), "--root", str(tmp_path)]
+        )
     said = str(stopped.value.code)
-    assert said.startswith("error: ") and "unreachable" in said and "--grpc-url" in said and "Traceback" not in said, said
+    assert said.startswith("error: ") and "unreachable" in said and "--grpc-url" in said and "Traceback" not in said, (
+        said
+    )

@@ -11,12 +11,13 @@ import http.client
 import json
 import math
 
+import bench_modules
 import numpy as np
 import pytest
 
-import bench_modules
-from specdeploy import openai_api
-from specdeploy.errors import ConfigError
+from specdeploy.core.errors import ConfigError
+from specdeploy.ops.openai import api as openai_api
+from specdeploy.ops.openai import app, requests
 
 
 def _fuzz_module():
@@ -25,17 +26,26 @@ def _fuzz_module():
 
 @pytest.mark.server
 def test_short_seeded_fuzz_keeps_server_and_front_whole(ops_decoupled):
-    from specdeploy.triton.server import free_port
+    from specdeploy.triton.ports import free_port
 
     fuzz = _fuzz_module()
     recipe, layout, srv = ops_decoupled
     front = openai_api.build_front(recipe, layout, srv.state.grpc_url, timeout_s=60)
     lines = []
-    with openai_api.ApiServer(openai_api.create_app(front), free_port()) as api:
-        report = fuzz.run_fuzz(srv.state.grpc_url, api.url[: -len("/v1")], seed=7, count=150, batch=50, timeout_s=60, echo=lines.append)
+    with openai_api.ApiServer(app.create_app(front), free_port()) as api:
+        report = fuzz.run_fuzz(
+            srv.state.grpc_url, api.url[: -len("/v1")], seed=7, count=150, batch=50, timeout_s=60, echo=lines.append
+        )
     assert report["cases"] == 150 and report["sent"] >= 140  # a few cases the client library refuses to serialize
     assert fuzz.failed(report) == [], report["findings"]
-    assert set(report["models"]) >= {"ensemble", "tensorrt_llm_bls", "tensorrt_llm", "tensorrt_llm_draft", "preprocessing", "postprocessing"}
+    assert set(report["models"]) >= {
+        "ensemble",
+        "tensorrt_llm_bls",
+        "tensorrt_llm",
+        "tensorrt_llm_draft",
+        "preprocessing",
+        "postprocessing",
+    }
     assert report["crashes"] == 0 and report["good_lost"] == 0, report["findings"]
     assert report["good_checks"] == 3 * 3  # ensemble, BLS and the front after each of the 3 batches
     assert report["server_live"] and report["front_live"]
@@ -46,16 +56,20 @@ def test_short_seeded_fuzz_keeps_server_and_front_whole(ops_decoupled):
 
 
 def _toy_models(fuzz):
-    declared = (fuzz.Declared("text_input", "STRING", (1,), False), fuzz.Declared("max_tokens", "INT32", (1,), False),
-                fuzz.Declared("temperature", "FP32", (1,), True), fuzz.Declared("num_draft_tokens", "INT32", (1,), True),
-                fuzz.Declared("beam_width", "INT32", (1,), True),
-                fuzz.Declared("stop_words", "STRING", (-1,), True))  # fmt: skip
+    declared = (
+        fuzz.Declared("text_input", "STRING", (1,), False),
+        fuzz.Declared("max_tokens", "INT32", (1,), False),
+        fuzz.Declared("temperature", "FP32", (1,), True),
+        fuzz.Declared("num_draft_tokens", "INT32", (1,), True),
+        fuzz.Declared("beam_width", "INT32", (1,), True),
+        fuzz.Declared("stop_words", "STRING", (-1,), True),
+    )
     bls = fuzz.Model("tensorrt_llm_bls", declared, True, True)
     return [bls, fuzz.Model("postprocessing", declared[:2], True, False)]
 
 
 def test_generated_cases_are_seeded_and_reach_every_declared_input_and_field():
-    from specdeploy.openai_requests import FIELDS
+    from specdeploy.ops.openai.requests import FIELDS
 
     fuzz = _fuzz_module()
     models = _toy_models(fuzz)
@@ -96,7 +110,7 @@ def test_a_fault_or_a_dead_part_fails_the_run():
 
 def test_nan_or_infinite_temperature_is_refused_before_sampling():
     """A NaN temperature reached torch.multinomial in the engine ("probability tensor contains inf, nan")."""
-    from specdeploy.speculative import SamplingParams
+    from specdeploy.speculation.sampling import SamplingParams
 
     for bad in (math.nan, math.inf, -1.0):
         with pytest.raises(ConfigError, match="temperature is"):
@@ -105,36 +119,44 @@ def test_nan_or_infinite_temperature_is_refused_before_sampling():
 
 
 def _parse(body):
-    from specdeploy.config_loader import parse_recipe
+    from specdeploy.recipe.load import parse_recipe
 
     recipe = parse_recipe({"name": "r", "target": {"model": "x"}, "draft": {"model": "x"}})
-    return openai_api.parse_job(body, False, openai_api.routes(recipe), None, 16, 319)
+    return requests.parse_job(body, False, requests.routes(recipe), None, 16, 319)
 
 
-@pytest.mark.parametrize(("field", "value", "words"), [
-    ("temperature", math.nan, "finite"),
-    ("top_p", math.nan, "finite"),
-    ("temperature", math.inf, "finite"),
-    ("seed", 2**70, "must be in"),
-    ("prompt", "a \ud800 b", "not valid Unicode"),
-    ("stop", 5, "'stop' must be a string or a list"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("field", "value", "words"),
+    [
+        ("temperature", math.nan, "finite"),
+        ("top_p", math.nan, "finite"),
+        ("temperature", math.inf, "finite"),
+        ("seed", 2**70, "must be in"),
+        ("prompt", "a \ud800 b", "not valid Unicode"),
+        ("stop", 5, "'stop' must be a string or a list"),
+    ],
+)
 def test_front_refuses_values_that_failed_deeper_down(field, value, words):
     """Each was a 500 (NaN sampling, OverflowError packing a UINT64 seed, UnicodeEncodeError sending the prompt,
     TypeError iterating a number as the stop list)."""
-    with pytest.raises(openai_api.ApiError) as info:
+    with pytest.raises(requests.ApiError) as info:
         _parse({"model": "r", "prompt": "hi", field: value})
     assert info.value.status == 400 and info.value.param == field and words in info.value.message
 
 
 def test_front_refuses_json_nested_too_deeply_with_400():
     """json.loads raises RecursionError (not a ValueError) on deep nesting: it was a 500."""
-    from specdeploy.triton.server import free_port
+    from specdeploy.triton.ports import free_port
 
-    front = openai_api.Front(None, None, {}, 16, 3, 5.0)  # the body is refused before any model is asked
-    with openai_api.ApiServer(openai_api.create_app(front), free_port()) as api:
+    front = app.Front(None, None, {}, 16, 3, 5.0)  # the body is refused before any model is asked
+    with openai_api.ApiServer(app.create_app(front), free_port()) as api:
         conn = http.client.HTTPConnection(f"127.0.0.1:{api.port}", timeout=30)
-        conn.request("POST", "/v1/completions", body=b"[" * 200_000 + b"]" * 200_000, headers={"Content-Type": "application/json"})
+        conn.request(
+            "POST",
+            "/v1/completions",
+            body=b"[" * 200_000 + b"]" * 200_000,
+            headers={"Content-Type": "application/json"},
+        )
         response = conn.getresponse()
         data = json.loads(response.read())
         conn.close()
@@ -143,11 +165,15 @@ def test_front_refuses_json_nested_too_deeply_with_400():
 
 def test_unknown_paths_and_methods_answer_in_openai_error_format():
     """FastAPI's own 404/405 bodies were {"detail": ...}: OpenAI clients found no error message in them."""
-    from specdeploy.triton.server import free_port
+    from specdeploy.triton.ports import free_port
 
-    front = openai_api.Front(None, None, {}, 16, 3, 5.0)
-    with openai_api.ApiServer(openai_api.create_app(front), free_port()) as api:
-        for method, path, status in (("GET", "/v1/nope", 404), ("POST", "/v1/models", 405), ("GET", "/v1/completions", 405)):
+    front = app.Front(None, None, {}, 16, 3, 5.0)
+    with openai_api.ApiServer(app.create_app(front), free_port()) as api:
+        for method, path, status in (
+            ("GET", "/v1/nope", 404),
+            ("POST", "/v1/models", 405),
+            ("GET", "/v1/completions", 405),
+        ):
             conn = http.client.HTTPConnection(f"127.0.0.1:{api.port}", timeout=30)
             conn.request(method, path)
             response = conn.getresponse()
@@ -168,16 +194,21 @@ def test_postprocessing_refuses_ids_and_lengths_it_cannot_decode(ops_decoupled):
 
     def send(tokens, lengths):
         inputs = []
-        for name, array in (("TOKENS_BATCH", np.array(tokens, dtype=np.int32)), ("SEQUENCE_LENGTH", np.array(lengths, dtype=np.int32))):
+        for name, array in (
+            ("TOKENS_BATCH", np.array(tokens, dtype=np.int32)),
+            ("SEQUENCE_LENGTH", np.array(lengths, dtype=np.int32)),
+        ):
             t = grpcclient.InferInput(name, list(array.shape), "INT32")
             t.set_data_from_numpy(array)
             inputs.append(t)
         return client.infer("postprocessing", inputs, client_timeout=60)
 
-    for tokens, lengths, words in (([[[5, -1, 7]]], [[3]], "token id -1; token ids are >= 0"),
-                                   ([[[5, -(2**31)]]], [[2]], f"token id {-(2**31)}; token ids are >= 0"),
-                                   ([[[5, 6, 7]]], [[4]], "SEQUENCE_LENGTH 4 is outside [0, 3]"),
-                                   ([[[5, 6, 7]]], [[3, 3]], "SEQUENCE_LENGTH has 2 values")):  # fmt: skip
+    for tokens, lengths, words in (
+        ([[[5, -1, 7]]], [[3]], "token id -1; token ids are >= 0"),
+        ([[[5, -(2**31)]]], [[2]], f"token id {-(2**31)}; token ids are >= 0"),
+        ([[[5, 6, 7]]], [[4]], "SEQUENCE_LENGTH 4 is outside [0, 3]"),
+        ([[[5, 6, 7]]], [[3, 3]], "SEQUENCE_LENGTH has 2 values"),
+    ):
         with pytest.raises(InferenceServerException) as info:
             send(tokens, lengths)
         assert words in info.value.message() and "Traceback" not in info.value.message()
@@ -197,7 +228,9 @@ def test_num_return_sequences_is_bounded_by_max_batch_size(ops_decoupled):
         inputs = {**fuzz._base(model), "num_return_sequences": np.array([[n]], dtype=np.int32)}
         outcome, message = triton.send(model, inputs)
         assert outcome == "named", (outcome, message)
-        assert f"num_return_sequences is {n}, above this model's max_batch_size {recipe.engine.max_batch_size}" in message
+        assert (
+            f"num_return_sequences is {n}, above this model's max_batch_size {recipe.engine.max_batch_size}" in message
+        )
     inputs = {**fuzz._base(model), "num_return_sequences": np.array([[2]], dtype=np.int32)}
     outcome, got = triton.send(model, inputs, outputs=["text_output"])
     assert outcome == "served" and got  # within the bound it is served
@@ -220,15 +253,15 @@ def test_target_without_request_output_len_is_answered_not_left_waiting(ops_deco
 def test_a_bad_text_gets_the_same_rule_over_grpc_and_over_the_front(ops_decoupled):
     """text_rules is the one boundary: a lone surrogate (its bytes over gRPC, where only bytes travel), a NUL and an
     oversize text are refused by the same rule on both sides, the field or input named; never a 500."""
-    from specdeploy.text_rules import MAX_SHORT_BYTES
-    from specdeploy.triton.server import free_port
+    from specdeploy.core.text_rules import MAX_SHORT_BYTES
+    from specdeploy.triton.ports import free_port
 
     fuzz = _fuzz_module()
     recipe, layout, srv = ops_decoupled
     triton = fuzz.Triton(srv.state.grpc_url, 60)
     bls = next(m for m in fuzz.discover(triton.client) if m.name == "tensorrt_llm_bls")
     front = openai_api.build_front(recipe, layout, srv.state.grpc_url, timeout_s=60)
-    with openai_api.ApiServer(openai_api.create_app(front), free_port()) as api:
+    with openai_api.ApiServer(app.create_app(front), free_port()) as api:
         http = fuzz.Front(api.url[: -len("/v1")], None, 60)
         for text, rule in (("\ud800", "invalid_text"), ("a\x00b", "nul"), ("x" * (MAX_SHORT_BYTES + 1), "oversize")):
             body = {"model": recipe.name, "prompt": "hi", "max_tokens": 2, "stop": [text]}
@@ -248,8 +281,10 @@ def test_preprocessing_without_a_required_input_is_refused_naming_it(ops_decoupl
     _, _, srv = ops_decoupled
     triton = fuzz.Triton(srv.state.grpc_url, 60)
     model = next(m for m in fuzz.discover(triton.client) if m.name == "preprocessing")
-    for missing, words in (("QUERY", "input 'QUERY' is required"),
-                           ("REQUEST_OUTPUT_LEN", "input 'REQUEST_OUTPUT_LEN' (max_tokens) is required")):
+    for missing, words in (
+        ("QUERY", "input 'QUERY' is required"),
+        ("REQUEST_OUTPUT_LEN", "input 'REQUEST_OUTPUT_LEN' (max_tokens) is required"),
+    ):
         inputs = {**fuzz._base(model), "END_ID": np.array([[2]], dtype=np.int32)}
         del inputs[missing]
         outcome, message = triton.send(model, inputs)

@@ -17,12 +17,14 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from specdeploy import launch, packaging, trtllm
-from specdeploy.artifacts import Layout
-from specdeploy.cli import main
-from specdeploy.config_loader import parse_recipe
-from specdeploy.errors import ConfigError, ServerError
-from specdeploy.triton import llmapi, llmapi_upstream
+from specdeploy.cli.main import main
+from specdeploy.core.artifacts import Layout
+from specdeploy.core.errors import ConfigError, ServerError
+from specdeploy.gpu import image as packaging
+from specdeploy.gpu import k8s as gpu_k8s
+from specdeploy.gpu import launch, launch_command, llmapi_options, llmapi_upstream
+from specdeploy.gpu import llmapi_repository as llmapi
+from specdeploy.recipe.load import parse_recipe
 
 BUILD = Path(__file__).resolve().parents[1] / "build"
 LLMAPI_RECIPES = ("llama3-70b-fp8.yaml", "llama3.1-8b-eagle3.yaml")
@@ -33,35 +35,75 @@ RELEASES = ("1.1", "1.2", "1.3", "1.4")
 
 # Triton's Release Compatibility Matrix, trtllm-python-py3 (triton-inference-server/server@6fa22ae
 # docs/introduction/compatibility.md), the rows of the images the recipes can name: tag -> TensorRT-LLM.
-MATRIX = {"25.03": "0.18.0", "25.12": "1.1.0", "26.01": "1.1.0", "26.02": "1.1.0", "26.03": "1.2.0", "26.04": "1.2.1",
-          "26.07": "1.2.1"}  # fmt: skip
+MATRIX = {
+    "25.03": "0.18.0",
+    "25.12": "1.1.0",
+    "26.01": "1.1.0",
+    "26.02": "1.1.0",
+    "26.03": "1.2.0",
+    "26.04": "1.2.1",
+    "26.07": "1.2.1",
+}
 
 # The fields of each release's speculative configs. DecodingBaseConfig and its subclasses are StrictBaseModel
 # (llm_args.py@0004396: `from .utils import (StrictBaseModel, ...)`; every *DecodingConfig(DecodingBaseConfig)),
 # which forbids other keys.
-_BASE_13 = {"max_draft_len", "max_total_draft_tokens", "speculative_model", "max_concurrency", "draft_len_schedule",
-            "load_format", "acceptance_rate_window_size", "acceptance_rate_threshold", "use_rejection_sampling",
-            "allow_advanced_sampling", "advanced_sampling_mode", "enable_penalty", "decoding_type"}  # fmt: skip
+_BASE_13 = {
+    "max_draft_len",
+    "max_total_draft_tokens",
+    "speculative_model",
+    "max_concurrency",
+    "draft_len_schedule",
+    "load_format",
+    "acceptance_rate_window_size",
+    "acceptance_rate_threshold",
+    "use_rejection_sampling",
+    "allow_advanced_sampling",
+    "advanced_sampling_mode",
+    "enable_penalty",
+    "decoding_type",
+}
 _NGRAM = {"max_matching_ngram_size", "is_keep_all", "is_use_oldest", "is_public_pool"}  # 1.4.0rc4 NGramDecodingConfig
-_EAGLE3_13 = {"eagle_choices", "use_dynamic_tree", "dynamic_tree_max_topK", "num_eagle_layers",
-              "max_non_leaves_per_layer", "eagle3_layers_to_capture", "eagle3_model_arch", "sa_config"}  # fmt: skip
+_EAGLE3_13 = {
+    "eagle_choices",
+    "use_dynamic_tree",
+    "dynamic_tree_max_topK",
+    "num_eagle_layers",
+    "max_non_leaves_per_layer",
+    "eagle3_layers_to_capture",
+    "eagle3_model_arch",
+    "sa_config",
+}
 FIELDS = {
     # 1.1.0 / 1.2.0 llm_args.py (gh-pages 1.1.0 @8660c11, 1.2.0 @7e873e5 _modules/tensorrt_llm/llmapi/llm_args.html):
     # DecodingBaseConfig max_draft_len, speculative_model_dir, max_concurrency, load_format; 1.2 adds
     # draft_len_schedule and acceptance_window / acceptance_length_threshold; EagleDecodingConfig eagle3_one_model,
     # eagle3_layers_to_capture (only the fields read there are listed: a key outside them is unverified)
-    "1.1": {"DraftTarget": {"decoding_type", "max_draft_len", "speculative_model_dir", "max_concurrency",
-                            "load_format"}},
-    "1.2": {"DraftTarget": {"decoding_type", "max_draft_len", "speculative_model_dir", "speculative_model",
-                            "max_concurrency", "load_format", "draft_len_schedule", "acceptance_window",
-                            "acceptance_length_threshold"}},
+    "1.1": {
+        "DraftTarget": {"decoding_type", "max_draft_len", "speculative_model_dir", "max_concurrency", "load_format"}
+    },
+    "1.2": {
+        "DraftTarget": {
+            "decoding_type",
+            "max_draft_len",
+            "speculative_model_dir",
+            "speculative_model",
+            "max_concurrency",
+            "load_format",
+            "draft_len_schedule",
+            "acceptance_window",
+            "acceptance_length_threshold",
+        }
+    },
     # 1.3.0rc27 API pages llm-api/reference/Eagle3DecodingConfig.html and DFlashDecodingConfig.html (the base
     # fields every config shares, then the Eagle3 ones)
     "1.3": {"Draft_Target": _BASE_13, "NGram": _BASE_13 | _NGRAM, "Eagle3": _BASE_13 | _EAGLE3_13},
     # 1.4.0rc1 Eagle3DecodingConfig.html: the 1.3 fields plus moe_backend and spec_dec_variant
-    "1.4": {"Draft_Target": _BASE_13 | {"moe_backend", "spec_dec_variant"},
-            "NGram": _BASE_13 | _NGRAM | {"moe_backend", "spec_dec_variant"},
-            "Eagle3": _BASE_13 | _EAGLE3_13 | {"moe_backend", "spec_dec_variant"}},
+    "1.4": {
+        "Draft_Target": _BASE_13 | {"moe_backend", "spec_dec_variant"},
+        "NGram": _BASE_13 | _NGRAM | {"moe_backend", "spec_dec_variant"},
+        "Eagle3": _BASE_13 | _EAGLE3_13 | {"moe_backend", "spec_dec_variant"},
+    },
 }
 for _release in ("1.1", "1.2"):
     _base = FIELDS[_release]["DraftTarget"]
@@ -95,9 +137,13 @@ def rule_ranges(spec: dict, release: str) -> list[str]:
     acceptance_rate_window_size Ge(0), acceptance_rate_threshold Ge(0) Le(1); SAEnhancerConfig.threshold PositiveInt
     (llm_args.py@0004396 as llmapi_versions cites it); NGram max_matching_ngram_size Gt(0) (1.4.0rc4 page)."""
     out = []
-    checks = {"max_draft_len": lambda v: v >= 0, "max_concurrency": lambda v: v > 0,
-              "acceptance_rate_window_size": lambda v: v >= 0, "acceptance_rate_threshold": lambda v: 0 <= v <= 1,
-              "max_matching_ngram_size": lambda v: v > 0}  # fmt: skip
+    checks = {
+        "max_draft_len": lambda v: v >= 0,
+        "max_concurrency": lambda v: v > 0,
+        "acceptance_rate_window_size": lambda v: v >= 0,
+        "acceptance_rate_threshold": lambda v: 0 <= v <= 1,
+        "max_matching_ngram_size": lambda v: v > 0,
+    }
     for key, ok in checks.items():
         if key in spec and not ok(spec[key]):
             out.append(f"{key} {spec[key]} out of range")
@@ -152,7 +198,7 @@ VARIANTS = [(name, release) for name in LLMAPI_RECIPES for release in RELEASES]
 
 
 def spec_of(recipe, tmp_path) -> dict:
-    return trtllm.llmapi_options(recipe, Layout.of(recipe, tmp_path))["speculative_config"]
+    return llmapi_options.llmapi_options(recipe, Layout.of(recipe, tmp_path))["speculative_config"]
 
 
 @pytest.mark.parametrize(("name", "release"), VARIANTS)
@@ -163,9 +209,20 @@ def test_each_gpu_recipes_options_pass_nvidias_rules(name, release, tmp_path):
     ngram = gpu_recipe(name, release, draft={"kind": "ngram"}, speculative={"max_draft_len": 4, "num_draft_tokens": 4})
     assert [v for rule in SPEC_RULES for v in rule(spec_of(ngram, tmp_path), release)] == []
     if release in ("1.3", "1.4"):  # with what the release adds: the schedule, the gate, rejection sampling
-        rich = gpu_recipe(name, release, speculative={
-            "max_draft_len": 3, "num_draft_tokens": 3, "use_draft_logits": True,
-            "dynamic": {"draft_len_schedule": [[4, 3], [8, 1]], "acceptance_window": 16, "acceptance_threshold": 0.3}})
+        rich = gpu_recipe(
+            name,
+            release,
+            speculative={
+                "max_draft_len": 3,
+                "num_draft_tokens": 3,
+                "use_draft_logits": True,
+                "dynamic": {
+                    "draft_len_schedule": [[4, 3], [8, 1]],
+                    "acceptance_window": 16,
+                    "acceptance_threshold": 0.3,
+                },
+            },
+        )
         rich_spec = spec_of(rich, tmp_path)
         assert rich_spec["use_rejection_sampling"] is True
         assert [v for rule in SPEC_RULES for v in rule(rich_spec, release)] == []
@@ -180,20 +237,37 @@ def test_each_gpu_recipes_image_carries_its_release(name, release, tmp_path):
     if release in ("1.1", "1.2"):  # an NGC image, the newest carrying it
         tag = {"1.1": "26.02", "1.2": "26.07"}[release]
         assert f"FROM nvcr.io/nvidia/tritonserver:{tag}-trtllm-python-py3" in text
-    assert f"RUN python3 -m specdeploy.triton.llmapi_upstream {llmapi_upstream.STAGED_DIR}" in text
+    assert f"RUN python3 -m specdeploy.gpu.llmapi_upstream {llmapi_upstream.STAGED_DIR}" in text
 
 
 BROKEN_SPECS = [  # (rule, release, a broken speculative_config)
-    (rule_extra_keys, "1.2", {"decoding_type": "DraftTarget", "max_draft_len": 3, "speculative_model_dir": "d",
-                              "use_rejection_sampling": True}),  # 1.2 has no such key
-    (rule_extra_keys, "1.4", {"decoding_type": "Eagle3", "max_draft_len": 3, "speculative_model": "h",
-                              "eagle3_one_model": True}),  # not on the 1.4.0rc1 page
+    (
+        rule_extra_keys,
+        "1.2",
+        {
+            "decoding_type": "DraftTarget",
+            "max_draft_len": 3,
+            "speculative_model_dir": "d",
+            "use_rejection_sampling": True,
+        },
+    ),  # 1.2 has no such key
+    (
+        rule_extra_keys,
+        "1.4",
+        {"decoding_type": "Eagle3", "max_draft_len": 3, "speculative_model": "h", "eagle3_one_model": True},
+    ),  # not on the 1.4.0rc1 page
     (rule_extra_keys, "1.3", {"decoding_type": "Eagle", "max_draft_len": 3}),  # 1.3 spells it Eagle3
-    (rule_exclusive, "1.4", {"decoding_type": "Draft_Target", "max_draft_len": 4, "max_concurrency": 2,
-                             "draft_len_schedule": {4: 4}}),
+    (
+        rule_exclusive,
+        "1.4",
+        {"decoding_type": "Draft_Target", "max_draft_len": 4, "max_concurrency": 2, "draft_len_schedule": {4: 4}},
+    ),
     (rule_exclusive, "1.4", {"decoding_type": "Draft_Target", "max_draft_len": 4, "sa_config": {"threshold": 4}}),
-    (rule_exclusive, "1.4", {"decoding_type": "Eagle3", "max_draft_len": 4, "use_rejection_sampling": True,
-                             "sa_config": {"threshold": 4}}),
+    (
+        rule_exclusive,
+        "1.4",
+        {"decoding_type": "Eagle3", "max_draft_len": 4, "use_rejection_sampling": True, "sa_config": {"threshold": 4}},
+    ),
     (rule_ranges, "1.4", {"decoding_type": "Draft_Target", "max_draft_len": -1}),
     (rule_ranges, "1.4", {"decoding_type": "Draft_Target", "max_draft_len": 4, "max_concurrency": 0}),
     (rule_ranges, "1.3", {"decoding_type": "Draft_Target", "max_draft_len": 4, "acceptance_rate_threshold": 1.5}),
@@ -201,10 +275,28 @@ BROKEN_SPECS = [  # (rule, release, a broken speculative_config)
     (rule_ranges, "1.4", {"decoding_type": "Eagle3", "max_draft_len": 4, "sa_config": {"threshold": 0}}),
     (rule_ranges, "1.4", {"decoding_type": "NGram", "max_draft_len": 4, "max_matching_ngram_size": 0}),
     (rule_ranges, "1.4", {"decoding_type": "Draft_Target", "max_draft_len": 4, "draft_len_schedule": {4: 2, 8: 1}}),
-    (rule_ranges, "1.4", {"decoding_type": "Eagle3", "max_draft_len": 4, "use_dynamic_tree": True,
-                          "dynamic_tree_max_topK": 4, "max_total_draft_tokens": 3}),
-    (rule_ranges, "1.4", {"decoding_type": "Eagle3", "max_draft_len": 4, "use_dynamic_tree": True,
-                          "dynamic_tree_max_topK": 0, "max_total_draft_tokens": 8}),
+    (
+        rule_ranges,
+        "1.4",
+        {
+            "decoding_type": "Eagle3",
+            "max_draft_len": 4,
+            "use_dynamic_tree": True,
+            "dynamic_tree_max_topK": 4,
+            "max_total_draft_tokens": 3,
+        },
+    ),
+    (
+        rule_ranges,
+        "1.4",
+        {
+            "decoding_type": "Eagle3",
+            "max_draft_len": 4,
+            "use_dynamic_tree": True,
+            "dynamic_tree_max_topK": 0,
+            "max_total_draft_tokens": 8,
+        },
+    ),
     (rule_extra_keys, "1.2", {"decoding_type": "Eagle", "max_draft_len": 4, "use_dynamic_tree": True}),
 ]
 
@@ -218,7 +310,8 @@ def test_the_image_rule_fails_on_a_broken_dockerfile(tmp_path):
     recipe = gpu_recipe("llama3-70b-fp8.yaml", "1.2")
     text = packaging.dockerfile(recipe, packaging.base_image(recipe), Layout.of(recipe, tmp_path))
     assert rule_image(text.replace(":26.07-", ":25.12-"), "1.2") == [
-        "nvcr.io/nvidia/tritonserver:25.12-trtllm-python-py3 carries TensorRT-LLM 1.1.0, not 1.2"]
+        "nvcr.io/nvidia/tritonserver:25.12-trtllm-python-py3 carries TensorRT-LLM 1.1.0, not 1.2"
+    ]
     custom = text.replace("nvcr.io/nvidia/tritonserver:26.07-trtllm-python-py3", "mine:1")
     assert rule_image(custom, "1.2") == []  # its version gate checks it at docker build
     assert rule_image(re.sub(r"RUN python3 -c \"import importlib.*?\n\n", "", custom, flags=re.S), "1.2")
@@ -253,7 +346,7 @@ def test_serve_print_only_refuses_a_mismatched_image_on_every_path(name, tmp_pat
 
 
 def test_the_image_table_is_the_matrix():
-    from specdeploy import trtllm_images
+    from specdeploy.core import trtllm_images
 
     assert {tag: trtllm_images.IMAGE_TRTLLM[tag] for tag in MATRIX} == MATRIX
     assert trtllm_images.image_for("1.2") == "nvcr.io/nvidia/tritonserver:26.07-trtllm-python-py3"
@@ -275,23 +368,24 @@ def test_the_container_start_gives_the_repository_the_images_model_files(tmp_pat
     layout = Layout.of(recipe, tmp_path / "project")
     for model in llmapi.MODELS:  # what `specdeploy repo` writes on a GPU backend (tests/test_trtllm_repo.py)
         (Path(layout.repo) / model / "1").mkdir(parents=True)
-        (Path(layout.repo) / model / "config.pbtxt").write_text("backend: \"python\"\n")
+        (Path(layout.repo) / model / "config.pbtxt").write_text('backend: "python"\n')
         (Path(layout.repo) / model / "1" / "model.yaml").write_text("model: t\n")
-    assert rule_repository(Path(layout.repo)) == [f"{m}/1/{f} missing" for m in llmapi.MODELS
-                                                  for f in ("model.py", "helpers.py")]  # fmt: skip
+    assert rule_repository(Path(layout.repo)) == [
+        f"{m}/1/{f} missing" for m in llmapi.MODELS for f in ("model.py", "helpers.py")
+    ]
     staged = tmp_path / "image" / "opt-specdeploy-llmapi"
     image_copy = _image_copy(tmp_path)
     assert llmapi_upstream.stage(staged, "1.2.1", image_copy=image_copy) == str(image_copy)  # no download
     monkeypatch.setattr(llmapi_upstream, "STAGED_DIR", str(staged))
-    plan = launch.launch_plan(recipe, layout)
-    command = launch.docker_command(plan, recipe, layout)
-    start = command[command.index(packaging.image_tag(recipe)) + 1:]
+    plan = launch_command.launch_plan(recipe, layout)
+    command = launch_command.docker_command(plan, recipe, layout)
+    start = command[command.index(packaging.image_tag(recipe)) + 1 :]
     assert start[:2] == ["sh", "-c"] and start[4:] == plan.command
     done = subprocess.run([*start[:4], "true"], capture_output=True, text=True, timeout=60)  # the copy, then exec
     assert done.returncode == 0, done.stderr
     assert rule_repository(Path(layout.repo)) == []
     assert (Path(layout.repo) / "tensorrt_llm_control" / "1" / "helpers.py").read_text() == "# image helpers.py\n"
-    k8s = [d for d in yaml.safe_load_all(launch.k8s_yaml(recipe, layout)) if d][0]
+    k8s = [d for d in yaml.safe_load_all(gpu_k8s.k8s_yaml(recipe, layout)) if d][0]
     assert k8s["spec"]["template"]["spec"]["containers"][0]["command"] == start
 
 
@@ -334,9 +428,11 @@ def test_staging_fetches_the_release_tag_when_the_image_has_no_copy(tmp_path):
         server.server_close()
     assert asked == [f"/v1.2.1/{llmapi_upstream.UPSTREAM_DIR}/{f}" for f in llmapi_upstream.UPSTREAM_FILES]
     assert (tmp_path / "staged" / "helpers.py").read_text() == "# helpers.py at v1.2.1\n"
-    assert llmapi_upstream.RELEASE_URL.format(version="1.2.1", file="model.py") == (
-        "https://raw.githubusercontent.com/NVIDIA/TensorRT-LLM/v1.2.1/triton_backend/all_models/llmapi/tensorrt_llm/1/"
-        "model.py")
+    assert (
+        llmapi_upstream.RELEASE_URL.format(version="1.2.1", file="model.py")
+        == "https://raw.githubusercontent.com/NVIDIA/TensorRT-LLM/v1.2.1/triton_backend/all_models/llmapi/tensorrt_llm/1/"
+        "model.py"
+    )
 
 
 def test_a_start_outside_the_image_refuses_a_repository_without_the_model_files(tmp_path):
@@ -354,7 +450,7 @@ def test_a_start_outside_the_image_refuses_a_repository_without_the_model_files(
 
 
 def test_repo_trtllm_src_is_for_the_gpu_llmapi_model_only(tmp_path):
-    from specdeploy import backend_stages
+    from specdeploy.deploy import backend_stages
 
     cpu = parse_recipe({"name": "c", "target": {"model": "t"}, "draft": {"kind": "ngram"}})
     with pytest.raises(ConfigError, match="--trtllm-src is for TensorRT-LLM's llmapi model"):
@@ -370,8 +466,13 @@ def test_broken_spec_copies_are_independent():
 
 def test_a_draft_mapping_of_its_own_is_refused_on_the_llm_api(tmp_path):
     """No speculative config of any release has a tp/pp field (FIELDS): the draft runs in the LLM's mapping."""
-    assert not {k for fields in FIELDS.values() for keys in fields.values() for k in keys if "parallel" in k or
-                k in ("tp_size", "pp_size")}  # fmt: skip
+    assert not {
+        k
+        for fields in FIELDS.values()
+        for keys in fields.values()
+        for k in keys
+        if "parallel" in k or k in ("tp_size", "pp_size")
+    }
     with pytest.raises(ConfigError, match="draft runs in the target's mapping") as err:
         gpu_recipe("llama3-70b-fp8.yaml", "1.2", draft={"model": "d", "tp_size": 2})
     assert "remove draft.tp_size" in err.value.hint
@@ -381,9 +482,9 @@ def test_a_draft_mapping_of_its_own_is_refused_on_the_llm_api(tmp_path):
 
 def test_the_overlap_scheduler_stays_on_for_eagle3_only(tmp_path):
     eagle3 = gpu_recipe("llama3.1-8b-eagle3.yaml", "1.2")
-    assert trtllm.llmapi_options(eagle3, Layout.of(eagle3, tmp_path))["disable_overlap_scheduler"] is False
+    assert llmapi_options.llmapi_options(eagle3, Layout.of(eagle3, tmp_path))["disable_overlap_scheduler"] is False
     pair = gpu_recipe("llama3-70b-fp8.yaml", "1.2")
-    assert trtllm.llmapi_options(pair, Layout.of(pair, tmp_path))["disable_overlap_scheduler"] is True
+    assert llmapi_options.llmapi_options(pair, Layout.of(pair, tmp_path))["disable_overlap_scheduler"] is True
 
 
 # ---------------------------------------------------------------- EAGLE-3 dynamic trees (draft.tree)
@@ -399,24 +500,29 @@ def test_the_tree_recipe_writes_a_dynamic_tree_where_the_release_has_one(release
             spec_of(recipe, tmp_path)
         return
     spec = spec_of(recipe, tmp_path)
-    assert {k: spec[k] for k in ("use_dynamic_tree", "dynamic_tree_max_topK", "max_total_draft_tokens",
-                                 "max_draft_len")} == {"use_dynamic_tree": True, "dynamic_tree_max_topK": 4,
-                                                       "max_total_draft_tokens": 8, "max_draft_len": 3}  # fmt: skip
+    assert {
+        k: spec[k] for k in ("use_dynamic_tree", "dynamic_tree_max_topK", "max_total_draft_tokens", "max_draft_len")
+    } == {"use_dynamic_tree": True, "dynamic_tree_max_topK": 4, "max_total_draft_tokens": 8, "max_draft_len": 3}
     assert [v for rule in SPEC_RULES for v in rule(spec, release)] == []
     dockerfile = packaging.dockerfile(recipe, packaging.base_image(recipe), Layout.of(recipe, tmp_path))
     assert f"FROM {recipe.image}\n" in dockerfile and rule_image(dockerfile, release) == []
-    assert yaml.safe_load((BUILD / TREE_RECIPE).read_text())["image"] == "registry.example.com/tritonserver-trtllm:1.4.0"
+    assert (
+        yaml.safe_load((BUILD / TREE_RECIPE).read_text())["image"] == "registry.example.com/tritonserver-trtllm:1.4.0"
+    )
 
 
 def _tree(**tree):
     return {"kind": "eagle3", "head": "/models/head", "max_draft_len": 3, "tree": tree}
 
 
-@pytest.mark.parametrize(("tree", "message"), [
-    ({"max_topk": 4, "max_total_draft_tokens": 2}, r"max_total_draft_tokens' is 2, outside \[3, 12\]"),
-    ({"max_topk": 2, "max_total_draft_tokens": 7}, r"max_total_draft_tokens' is 7, outside \[3, 6\]"),
-    ({"max_topk": 0, "max_total_draft_tokens": 3}, "max_topk' is 0, must be >= 1"),
-])
+@pytest.mark.parametrize(
+    ("tree", "message"),
+    [
+        ({"max_topk": 4, "max_total_draft_tokens": 2}, r"max_total_draft_tokens' is 2, outside \[3, 12\]"),
+        ({"max_topk": 2, "max_total_draft_tokens": 7}, r"max_total_draft_tokens' is 7, outside \[3, 6\]"),
+        ({"max_topk": 0, "max_total_draft_tokens": 3}, "max_topk' is 0, must be >= 1"),
+    ],
+)
 def test_a_tree_outside_its_bounds_is_refused(tree, message):
     with pytest.raises(ConfigError, match=message):
         gpu_recipe(TREE_RECIPE, "1.4", draft=_tree(**tree))

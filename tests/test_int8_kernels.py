@@ -13,7 +13,9 @@ from specdeploy.engine import native
 from specdeploy.engine.kernels import NativeLinear
 
 if not native.cpu_supported():
-    pytest.skip("the native kernels need AVX-512 or AVX2 + FMA; the engine uses torch ops here", allow_module_level=True)
+    pytest.skip(
+        "the native kernels need AVX-512 or AVX2 + FMA; the engine uses torch ops here", allow_module_level=True
+    )
 if os.environ.get(native.DISABLE_ENV) == "0":
     pytest.skip(f"{native.DISABLE_ENV}=0 switches the native kernels off", allow_module_level=True)
 
@@ -96,13 +98,20 @@ def test_the_kernels_load_and_this_cpu_runs_the_variant_its_flags_name():
     assert (native.INT8_AVX_VNNI in VARIANTS) == ("avx_vnni" in flags)
 
 
-@pytest.mark.parametrize(("flags", "env", "expected"), [
-    ({"avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni"}, {}, native.INT8_AVX512_VNNI),
-    ({"avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni"}, {native.AVX512_ENV: "0"}, native.INT8_AVX_VNNI),
-    ({"avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni"}, {native.VNNI_ENV: "0"}, native.INT8_AVX2),
-    ({"avx2", "fma", "avx_vnni"}, {}, native.INT8_AVX_VNNI),
-    ({"avx2", "fma"}, {}, native.INT8_AVX2),
-])
+@pytest.mark.parametrize(
+    ("flags", "env", "expected"),
+    [
+        ({"avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni"}, {}, native.INT8_AVX512_VNNI),
+        (
+            {"avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni"},
+            {native.AVX512_ENV: "0"},
+            native.INT8_AVX_VNNI,
+        ),
+        ({"avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni"}, {native.VNNI_ENV: "0"}, native.INT8_AVX2),
+        ({"avx2", "fma", "avx_vnni"}, {}, native.INT8_AVX_VNNI),
+        ({"avx2", "fma"}, {}, native.INT8_AVX2),
+    ],
+)
 def test_the_variant_follows_the_cpus_flags_and_the_overrides(monkeypatch, flags, env, expected):
     monkeypatch.setattr(native, "_cpu_flag_set", lambda: flags)
     for name in (native.AVX512_ENV, native.VNNI_ENV):
@@ -155,8 +164,12 @@ def test_variants_and_row_counts_give_the_same_bits():
     packed = _packs(w)
     x = _x(16, k, 21)
     for act_scale in (0.05, 0.0):
-        alone = torch.cat([_run(native.INT8_AVX2, packed, x[i : i + 1].contiguous(), n, weight_scale, s, act_scale)
-                           for i in range(16)])
+        alone = torch.cat(
+            [
+                _run(native.INT8_AVX2, packed, x[i : i + 1].contiguous(), n, weight_scale, s, act_scale)
+                for i in range(16)
+            ]
+        )
         assert alone.abs().sum() > 0
         for variant in VARIANTS:
             for rows in range(1, 17):
@@ -182,8 +195,13 @@ def test_the_engine_linear_runs_the_integer_kernel():
     through `linear` (as the Decoder calls it), with the definition's bits."""
     n, k = 10, 150
     w, weight_scale, s, b, r = _case(n, k, 6, bias=True, residual_rows=5)
-    t = {"weight": w, "weight_scale": weight_scale, "act_scale": torch.tensor(0.04),
-         "pre_quant_scale": s.to(torch.bfloat16), "bias": b.to(torch.bfloat16)}
+    t = {
+        "weight": w,
+        "weight_scale": weight_scale,
+        "act_scale": torch.tensor(0.04),
+        "pre_quant_scale": s.to(torch.bfloat16),
+        "bias": b.to(torch.bfloat16),
+    }
     assert NativeLinear.supports(OPS, t, "W8A8_SQ_PER_CHANNEL", None)
     lin = NativeLinear(OPS, t, "W8A8_SQ_PER_CHANNEL", torch.bfloat16, None)
     assert lin.kind == native.INT8_SQ and lin.group_size == native.int8_variant()
@@ -202,7 +220,12 @@ def test_per_token_engine_linears_native_and_torch_give_the_definitions_bits():
 
     n, k = 12, 200
     w, weight_scale, s, b, r = _case(n, k, 11, bias=True, residual_rows=6)
-    t = {"weight": w, "weight_scale": weight_scale, "pre_quant_scale": s.to(torch.bfloat16), "bias": b.to(torch.bfloat16)}
+    t = {
+        "weight": w,
+        "weight_scale": weight_scale,
+        "pre_quant_scale": s.to(torch.bfloat16),
+        "bias": b.to(torch.bfloat16),
+    }
     x = _x(6, k, 12)
     x[2] *= 40  # rows of very different ranges: one static scale would saturate this row and flatten the others
     x[4] *= 0.01
@@ -264,7 +287,7 @@ def test_bad_arguments_are_errors_not_crashes():
 
 
 def test_doctor_names_the_int8_variant():
-    from specdeploy import doctor
+    from specdeploy.ops import doctor
 
     line = next(x for x in doctor.report_lines() if "native kernels" in x)
     assert f"int8 {native.INT8_VARIANT_NAMES[native.int8_variant()]}" in line

@@ -7,8 +7,26 @@ import bench_modules
 
 llama_cpp = bench_modules.load("llama_cpp")
 
-XEON = {"sse4_2", "f16c", "fma", "bmi2", "avx", "avx2", "avx_vnni", "avx512f", "avx512cd", "avx512vl", "avx512dq",
-        "avx512bw", "avx512vbmi", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16"}
+XEON = {
+    "sse4_2",
+    "f16c",
+    "fma",
+    "bmi2",
+    "avx",
+    "avx2",
+    "avx_vnni",
+    "avx512f",
+    "avx512cd",
+    "avx512vl",
+    "avx512dq",
+    "avx512bw",
+    "avx512vbmi",
+    "avx512_vnni",
+    "avx512_bf16",
+    "amx_tile",
+    "amx_int8",
+    "amx_bf16",
+}
 EPYC = {"sse4_2", "f16c", "fma", "bmi2", "avx", "avx2"}
 
 
@@ -18,8 +36,19 @@ def test_native_unless_amx_is_ruled_out_on_a_cpu_that_lists_it():
     folder, options = llama_cpp.cmake_options(XEON, amx=False)
     assert folder == "build-noamx" and "-DGGML_NATIVE=OFF" in options and "-DGGML_NATIVE=ON" not in options
     on = {o.split("=")[0][2:] for o in options if o.endswith("=ON") and o.startswith("-DGGML_")}
-    assert on == {"GGML_SSE42", "GGML_F16C", "GGML_FMA", "GGML_BMI2", "GGML_AVX", "GGML_AVX2", "GGML_AVX_VNNI",
-                  "GGML_AVX512", "GGML_AVX512_VBMI", "GGML_AVX512_VNNI", "GGML_AVX512_BF16"}
+    assert on == {
+        "GGML_SSE42",
+        "GGML_F16C",
+        "GGML_FMA",
+        "GGML_BMI2",
+        "GGML_AVX",
+        "GGML_AVX2",
+        "GGML_AVX_VNNI",
+        "GGML_AVX512",
+        "GGML_AVX512_VBMI",
+        "GGML_AVX512_VNNI",
+        "GGML_AVX512_BF16",
+    }
     assert not any("AMX" in o for o in options)
     assert "-DLLAMA_CURL=OFF" in options and "-DCMAKE_BUILD_TYPE=Release" in options
 
@@ -33,8 +62,10 @@ def test_llama_bench_runs_without_the_passive_openmp_wait_set_for_specdeploys_si
     """bench/kernels.py sets OMP_WAIT_POLICY=PASSIVE for the engine (as served); llama-bench, passive, decoded at a
     third of its speed. A stand-in llama-bench reports, as its tokens/s, whether it saw the variable."""
     fake = tmp_path / "llama-bench"
-    fake.write_text('#!/bin/sh\nif [ -n "$OMP_WAIT_POLICY" ]; then ts=1; else ts=2; fi\n'
-                    'echo "[{\\"n_prompt\\": 64, \\"n_gen\\": 0, \\"avg_ts\\": $ts}]"\n')
+    fake.write_text(
+        '#!/bin/sh\nif [ -n "$OMP_WAIT_POLICY" ]; then ts=1; else ts=2; fi\n'
+        'echo "[{\\"n_prompt\\": 64, \\"n_gen\\": 0, \\"avg_ts\\": $ts}]"\n'
+    )
     fake.chmod(0o755)
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     monkeypatch.setenv("SPECDEPLOY_PEER_PROBE", "kept")
@@ -51,7 +82,9 @@ def test_a_llama_bench_run_that_dies_with_sigill_reruns_on_the_build_without_amx
     native = tmp_path / "native-llama-bench"
     native.write_text("#!/bin/sh\nkill -ILL $$\n")
     noamx = tmp_path / "noamx-llama-bench"
-    noamx.write_text('#!/bin/sh\necho "[{\\"n_prompt\\": 0, \\"n_gen\\": 64, \\"n_depth\\": 200, \\"avg_ts\\": 3.5}]"\n')
+    noamx.write_text(
+        '#!/bin/sh\necho "[{\\"n_prompt\\": 0, \\"n_gen\\": 64, \\"n_depth\\": 200, \\"avg_ts\\": 3.5}]"\n'
+    )
     for f in (native, noamx):
         f.chmod(0o755)
     kernels = bench_modules.load("kernels")

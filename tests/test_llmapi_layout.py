@@ -10,26 +10,36 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from tiny_models import SERVER_READY_TIMEOUT_S, TINY_QUANT, build_quietly, make_tiny_pair, tiny_pair_recipe
 
-from tiny_models import SERVER_READY_TIMEOUT_S
-from specdeploy import backend_stages
-from specdeploy.artifacts import Layout
-from specdeploy.config_loader import parse_recipe
-from specdeploy.errors import ConfigError
-from specdeploy.triton import llmapi, repository, server
-from tiny_models import TINY_QUANT, build_quietly, make_tiny_pair, tiny_pair_recipe
+from specdeploy.core.artifacts import Layout
+from specdeploy.core.errors import ConfigError
+from specdeploy.deploy import backend_stages
+from specdeploy.gpu import llmapi_repository as llmapi
+from specdeploy.recipe.load import parse_recipe
+from specdeploy.triton import model_config, ports, repository, server
 
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Once upon a time", "Q: What is the capital of France? A:"]
 
 
 def _recipe(target_dir, draft_dir, name="llm", **sections) -> dict:
     base = tiny_pair_recipe(
-        name, target_dir, draft_dir,
+        name,
+        target_dir,
+        draft_dir,
         engine={"dtype": "bfloat16", "max_batch_size": 2, "max_input_len": 500, "max_seq_len": 700},
         triton={"layout": "llmapi"},
-        validation={"max_prompts": 4, "max_tokens": 16, "min_compared_tokens": 4, "concurrency": [1, 2], "repeats": 1,
-                    "min_speedup": 0.0, "latency_prompts": 2, "chat_template": "none"},
-    )  # fmt: skip
+        validation={
+            "max_prompts": 4,
+            "max_tokens": 16,
+            "min_compared_tokens": 4,
+            "concurrency": [1, 2],
+            "repeats": 1,
+            "min_speedup": 0.0,
+            "latency_prompts": 2,
+            "chat_template": "none",
+        },
+    )
     for key, value in sections.items():
         base[key] = {**base.get(key, {}), **value}
     return base
@@ -103,25 +113,38 @@ def _deploy(built, name: str, **triton):
 
 def test_repository_holds_the_speculative_model_and_its_control(built):
     recipe, layout, repo = _deploy(built, "repo-files")
-    assert sorted(p.name for p in repo.iterdir() if (p / "config.pbtxt").is_file()) == ["tensorrt_llm", "tensorrt_llm_control"]
+    assert sorted(p.name for p in repo.iterdir() if (p / "config.pbtxt").is_file()) == [
+        "tensorrt_llm",
+        "tensorrt_llm_control",
+    ]
     spec_yaml = yaml.safe_load((repo / "tensorrt_llm" / "1" / "model.yaml").read_text())
     control_yaml = yaml.safe_load((repo / "tensorrt_llm_control" / "1" / "model.yaml").read_text())
     assert spec_yaml["model"] == control_yaml["model"] == str(layout.engine("target"))
-    # the recipe's TensorRT-LLM release names the draft (1.2: DraftTarget + speculative_model_dir), here the draft engine
-    assert spec_yaml["speculative_config"] == {"decoding_type": "DraftTarget", "max_draft_len": 3,
-                                               "speculative_model_dir": str(layout.engine("draft"))}  # fmt: skip
+    # the recipe's TensorRT-LLM release names the draft (1.2: DraftTarget + speculative_model_dir), here the draft
+    # engine
+    assert spec_yaml["speculative_config"] == {
+        "decoding_type": "DraftTarget",
+        "max_draft_len": 3,
+        "speculative_model_dir": str(layout.engine("draft")),
+    }
     assert "speculative_config" not in control_yaml
     assert {k: v for k, v in spec_yaml.items() if k != "speculative_config"} == control_yaml
     for name in llmapi.MODELS:
-        config = repository.check_config((repo / name / "config.pbtxt").read_text(), name)
-        assert config.max_batch_size == 0 and {i.name for i in config.input} >= {"text_input", "sampling_param_max_tokens", "stop"}
+        config = model_config.check_config((repo / name / "config.pbtxt").read_text(), name)
+        assert config.max_batch_size == 0 and {i.name for i in config.input} >= {
+            "text_input",
+            "sampling_param_max_tokens",
+            "stop",
+        }
         assert (repo / name / "1" / "model.py").read_text() == (repository.MODEL_SOURCES / "llmapi.py").read_text()
-    params = repository.check_config((repo / "tensorrt_llm" / "config.pbtxt").read_text()).parameters
+    params = model_config.check_config((repo / "tensorrt_llm" / "config.pbtxt").read_text()).parameters
     assert params["speculation_policy"].string_value == recipe.speculative.policy
 
 
 def _serve(recipe, repo, root: Path, name: str):
-    srv = server.start(repo, server.Ports.pick(), root / f"{name}.log", exit_timeout_s=3, extra_args=llmapi.server_args(recipe))
+    srv = server.start(
+        repo, ports.Ports.pick(), root / f"{name}.log", exit_timeout_s=3, extra_args=llmapi.server_args(recipe)
+    )
     server.wait_ready(srv, SERVER_READY_TIMEOUT_S)  # stops the server itself when it does not come up
     return srv
 
@@ -167,15 +190,23 @@ def side_by_side(built):
 @pytest.mark.server
 def test_speculative_and_control_answer_the_target_alone_token_for_token(side_by_side):
     """Greedy text of tensorrt_llm (draft + target) == tensorrt_llm_control == the target engine run in-process."""
-    from specdeploy.generate import Session, target_only_generate
-    from specdeploy.speculative import collect
+    from specdeploy.engine.generate import Session, target_only_generate
+    from specdeploy.speculation.loop import collect
 
     recipe, layout, client, _ = side_by_side
     session = Session.from_recipe(recipe, layout, speculative=False)
     compared = 0
     for prompt in PROMPTS:
-        ask = dict(text_input=prompt, sampling_param_max_tokens=16, sampling_param_top_k=1, sampling_param_exclude_input_from_output=True)
-        spec, control = _text(_infer(client, "tensorrt_llm", **ask)), _text(_infer(client, "tensorrt_llm_control", **ask))
+        ask = dict(
+            text_input=prompt,
+            sampling_param_max_tokens=16,
+            sampling_param_top_k=1,
+            sampling_param_exclude_input_from_output=True,
+        )
+        spec, control = (
+            _text(_infer(client, "tensorrt_llm", **ask)),
+            _text(_infer(client, "tensorrt_llm_control", **ask)),
+        )
         ids, _ = collect(target_only_generate(session.target, session.encode(prompt), 16, end_id=session.end_id))
         expected = session.tokenizer.decode(ids, skip_special_tokens=True)
         assert spec == control == expected, (prompt, spec, control, expected)
@@ -186,26 +217,55 @@ def test_speculative_and_control_answer_the_target_alone_token_for_token(side_by
 @pytest.mark.server
 def test_perf_outputs_finish_reason_and_the_prompt_in_the_output(side_by_side):
     _, _, client, _ = side_by_side
-    out = _infer(client, "tensorrt_llm", text_input=PROMPTS[0], sampling_param_max_tokens=12, sampling_param_top_k=1,
-                 sampling_param_return_perf_metrics=True, return_finish_reason=True, sampling_param_exclude_input_from_output=True)  # fmt: skip
+    out = _infer(
+        client,
+        "tensorrt_llm",
+        text_input=PROMPTS[0],
+        sampling_param_max_tokens=12,
+        sampling_param_top_k=1,
+        sampling_param_return_perf_metrics=True,
+        return_finish_reason=True,
+        sampling_param_exclude_input_from_output=True,
+    )
     assert out["finish_reason"][0] == b"length"
-    assert int(out["total_draft_tokens"][0]) > 0 and 0 <= int(out["total_accepted_draft_tokens"][0]) <= int(out["total_draft_tokens"][0])
+    assert int(out["total_draft_tokens"][0]) > 0 and 0 <= int(out["total_accepted_draft_tokens"][0]) <= int(
+        out["total_draft_tokens"][0]
+    )
     assert out["arrival_time_ns"][0] <= out["first_token_time_ns"][0] <= out["last_token_time_ns"][0]
-    control = _infer(client, "tensorrt_llm_control", text_input=PROMPTS[0], sampling_param_max_tokens=12, sampling_param_top_k=1,
-                     sampling_param_return_perf_metrics=True)  # fmt: skip
+    control = _infer(
+        client,
+        "tensorrt_llm_control",
+        text_input=PROMPTS[0],
+        sampling_param_max_tokens=12,
+        sampling_param_top_k=1,
+        sampling_param_return_perf_metrics=True,
+    )
     assert int(control["total_draft_tokens"][0]) == 0
-    assert _text(control) == PROMPTS[0] + _text(out)  # exclude_input_from_output false (the llmapi default): prompt included
+    assert _text(control) == PROMPTS[0] + _text(
+        out
+    )  # exclude_input_from_output false (the llmapi default): prompt included
 
 
 @pytest.mark.server
 def test_stop_strings_end_the_output_on_both_models(side_by_side):
     _, _, client, _ = side_by_side
-    ask = dict(text_input=PROMPTS[1], sampling_param_max_tokens=16, sampling_param_top_k=1, sampling_param_exclude_input_from_output=True)
+    ask = dict(
+        text_input=PROMPTS[1],
+        sampling_param_max_tokens=16,
+        sampling_param_top_k=1,
+        sampling_param_exclude_input_from_output=True,
+    )
     full = _text(_infer(client, "tensorrt_llm_control", **ask))
     word = full.split()[2] if len(full.split()) > 2 else full.split()[-1]
     for model in llmapi.MODELS:
-        out = _infer(client, model, **ask, sampling_param_stop=[word], return_finish_reason=True, return_stop_reason=True)
-        assert word not in _text(out) and full.startswith(_text(out)) and len(_text(out)) < len(full), (model, full, _text(out))
+        out = _infer(
+            client, model, **ask, sampling_param_stop=[word], return_finish_reason=True, return_stop_reason=True
+        )
+        assert word not in _text(out) and full.startswith(_text(out)) and len(_text(out)) < len(full), (
+            model,
+            full,
+            _text(out),
+        )
         assert out["finish_reason"][0] == b"stop" and out["stop_reason"][0] == word.encode()
 
 
@@ -231,11 +291,12 @@ def test_what_the_model_cannot_do_is_refused_by_name_then_it_serves(side_by_side
 
 @pytest.mark.server
 def test_validate_side_by_side_compares_real_outputs_and_checks_the_metrics(side_by_side, tmp_path):
-    from specdeploy.recipe_deployment import validate_recipe
+    from specdeploy.deploy.recipe_deployment import validate_recipe
 
     recipe, layout, _, srv = side_by_side
-    report, _, verdict = validate_recipe(recipe, layout, url=srv.state.grpc_url, metrics_url=srv.state.metrics_url,
-                                         report_dir=tmp_path, progress=False)  # fmt: skip
+    report, _, verdict = validate_recipe(
+        recipe, layout, url=srv.state.grpc_url, metrics_url=srv.state.metrics_url, report_dir=tmp_path, progress=False
+    )
     summary = report["parity"]["summary"]["all"]
     assert summary["compared"] == summary["prompts"] == 4 and summary["exact"] == 4 and summary["tokens"] >= 40, summary
     assert verdict.passed, report["gate"]
@@ -243,7 +304,10 @@ def test_validate_side_by_side_compares_real_outputs_and_checks_the_metrics(side
     check = report["metrics_check"]
     assert check["checked"] and not check["mismatches"], check
     rows = {(r["path"], r["metric"].split("{")[0]) for r in check["rows"]}
-    assert ("control", "nv_inference_request_success") in rows and ("speculative", "specdeploy_spec_decode_num_draft_tokens_total") in rows, rows
+    assert ("control", "nv_inference_request_success") in rows and (
+        "speculative",
+        "specdeploy_spec_decode_num_draft_tokens_total",
+    ) in rows, rows
     levels = {(r["mode"], r["concurrency"]) for r in report["latency"]["levels"]}
     assert levels == {("control", 1), ("control", 2), ("speculative", 1), ("speculative", 2)}
 
@@ -262,10 +326,13 @@ def test_decoupled_streams_the_whole_text_so_far(built):
         results = queue.Queue()
         client.start_stream(callback=lambda result, error: results.put((result, error)))
         inputs = []
-        for key, array in {"text_input": np.array([PROMPTS[2].encode()], dtype=object), "streaming": np.array([True]),
-                           "sampling_param_max_tokens": np.array([16], dtype=np.int32),
-                           "sampling_param_top_k": np.array([1], dtype=np.int32),
-                           "sampling_param_exclude_input_from_output": np.array([True])}.items():  # fmt: skip
+        for key, array in {
+            "text_input": np.array([PROMPTS[2].encode()], dtype=object),
+            "streaming": np.array([True]),
+            "sampling_param_max_tokens": np.array([16], dtype=np.int32),
+            "sampling_param_top_k": np.array([1], dtype=np.int32),
+            "sampling_param_exclude_input_from_output": np.array([True]),
+        }.items():
             tensor = grpcclient.InferInput(key, list(array.shape), np_to_triton_dtype(array.dtype))
             tensor.set_data_from_numpy(array)
             inputs.append(tensor)
@@ -297,24 +364,39 @@ def test_ngram_draft_on_the_llmapi_layout_keeps_greedy_parity(built):
 
     root, target_dir, draft_dir = built
     data = _recipe(target_dir, draft_dir)
-    data["draft"] = {"kind": "ngram", "max_matching_ngram_size": 3, "min_matching_ngram_size": 2, "is_public_pool": False}
+    data["draft"] = {
+        "kind": "ngram",
+        "max_matching_ngram_size": 3,
+        "min_matching_ngram_size": 2,
+        "is_public_pool": False,
+    }
     data["speculative"] = {**data.get("speculative", {}), "policy": "static"}
     recipe = parse_recipe(data)
     layout = _RepoAt(root, recipe.name, root / "ngram")
     repo, _ = backend_stages.of(recipe).write_repository(recipe, layout)
     spec_yaml = yaml.safe_load((repo / "tensorrt_llm" / "1" / "model.yaml").read_text())
-    assert spec_yaml["speculative_config"] == {"decoding_type": "NGram", "max_draft_len": recipe.speculative.num_draft_tokens,
-                                               "max_matching_ngram_size": 3, "is_keep_all": True, "is_use_oldest": True,
-                                               "is_public_pool": False}  # fmt: skip
-    params = repository.check_config((repo / "tensorrt_llm" / "config.pbtxt").read_text()).parameters
+    assert spec_yaml["speculative_config"] == {
+        "decoding_type": "NGram",
+        "max_draft_len": recipe.speculative.num_draft_tokens,
+        "max_matching_ngram_size": 3,
+        "is_keep_all": True,
+        "is_use_oldest": True,
+        "is_public_pool": False,
+    }
+    params = model_config.check_config((repo / "tensorrt_llm" / "config.pbtxt").read_text()).parameters
     assert params["min_matching_ngram_size"].string_value == "2"
     srv = _serve(recipe, repo, root, "ngram")
     client = grpcclient.InferenceServerClient(srv.state.grpc_url)
     drafted = 0
     try:
         for prompt in ("one two three one two three one two", "a b c a b c a b c a b", PROMPTS[1]):
-            ask = dict(text_input=prompt, sampling_param_max_tokens=24, sampling_param_top_k=1,
-                       sampling_param_exclude_input_from_output=True, sampling_param_return_perf_metrics=True)  # fmt: skip
+            ask = dict(
+                text_input=prompt,
+                sampling_param_max_tokens=24,
+                sampling_param_top_k=1,
+                sampling_param_exclude_input_from_output=True,
+                sampling_param_return_perf_metrics=True,
+            )
             spec, control = _infer(client, "tensorrt_llm", **ask), _infer(client, "tensorrt_llm_control", **ask)
             assert _text(spec) == _text(control) and _text(control), prompt
             drafted += int(spec["total_draft_tokens"][0])
@@ -346,7 +428,7 @@ def test_run_an_llmapi_recipe_to_a_verdict(tmp_path, tiny_tokenizer_dir, control
     starts with the speculative model only, validate loads the control, measures it and swaps back."""
     from click.testing import CliRunner
 
-    from specdeploy.cli import main
+    from specdeploy.cli.main import main
 
     target_dir, draft_dir = make_tiny_pair(tmp_path, tiny_tokenizer_dir)
     recipe_path = tmp_path / "llmapi.yaml"
@@ -363,7 +445,12 @@ def test_run_an_llmapi_recipe_to_a_verdict(tmp_path, tiny_tokenizer_dir, control
     if control == "load_unload":
         assert "--model-control-mode=explicit" in log and "--load-model=tensorrt_llm" in log
         swaps = report["settings"]["control_loading"]["swaps"]
-        assert [s["loaded"] for s in swaps] == ["tensorrt_llm_control", "tensorrt_llm", "tensorrt_llm_control", "tensorrt_llm"], swaps
+        assert [s["loaded"] for s in swaps] == [
+            "tensorrt_llm_control",
+            "tensorrt_llm",
+            "tensorrt_llm_control",
+            "tensorrt_llm",
+        ], swaps
         assert "successfully unloaded 'tensorrt_llm_control'" in log
         assert not report["metrics_check"]["checked"] and "load_unload" in report["metrics_check"]["notes"][0]
     else:
@@ -374,9 +461,11 @@ def test_run_an_llmapi_recipe_to_a_verdict(tmp_path, tiny_tokenizer_dir, control
 def test_the_openai_front_is_refused_on_the_llmapi_layout(tmp_path):
     from click.testing import CliRunner
 
-    from specdeploy.cli import main
+    from specdeploy.cli.main import main
 
     recipe_path = tmp_path / "r.yaml"
     recipe_path.write_text(json.dumps(_recipe(tmp_path / "t", tmp_path / "d")))
     result = CliRunner().invoke(main, ["--root", str(tmp_path), "serve", str(recipe_path), "--openai-port", "18123"])
-    assert result.exit_code != 0 and "llmapi layout" in result.output and not (tmp_path / "engines").exists(), result.output
+    assert result.exit_code != 0 and "llmapi layout" in result.output and not (tmp_path / "engines").exists(), (
+        result.output
+    )

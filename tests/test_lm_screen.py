@@ -7,15 +7,16 @@ import pytest
 import torch
 
 from specdeploy.engine import native
-from specdeploy.engine.executor import Executor, argmax_only
+from specdeploy.engine.executor import argmax_only
 from specdeploy.engine.kernels import NativeLinear
 from specdeploy.engine.lm_screen import KINDS, ScreenedHead
 from specdeploy.engine.logits import LogitsParams
-from specdeploy.engine.model import CpuEngine
-from specdeploy.engine.request import GenerationRequest
-from specdeploy.speculative import SamplingParams
+from specdeploy.engine.request import EngineRequest
+from specdeploy.speculation.sampling import SamplingParams
 
-pytestmark = pytest.mark.skipif(native.ops() is None, reason="the screen runs on the native kernels (no C++ compiler here)")
+pytestmark = pytest.mark.skipif(
+    native.ops() is None, reason="the screen runs on the native kernels (no C++ compiler here)"
+)
 
 VOCAB, HIDDEN = 4096, 576  # the bundled model's hidden size, a vocabulary an eighth of its
 
@@ -27,7 +28,9 @@ def kind(request):
 
 
 def _screen(weight: torch.Tensor, kind: str) -> ScreenedHead:
-    return ScreenedHead(native.ops(), weight, NativeLinear(native.ops(), {"weight": weight}, None, torch.bfloat16, None), kind)
+    return ScreenedHead(
+        native.ops(), weight, NativeLinear(native.ops(), {"weight": weight}, None, torch.bfloat16, None), kind
+    )
 
 
 def _head(kind: str, seed: int = 0, vocab: int = VOCAB):
@@ -137,16 +140,22 @@ def test_the_screen_can_be_switched_off(monkeypatch):
     ],
 )
 def test_which_requests_take_only_the_argmax(change, screened):
-    request = GenerationRequest(input_ids=[1, 2, 3], max_new_tokens=4, **change)
+    request = EngineRequest(input_ids=[1, 2, 3], max_new_tokens=4, **change)
     assert argmax_only(request, LogitsParams()) is screened
 
 
 @pytest.mark.parametrize(
-    "params", [LogitsParams(repetition_penalty=1.2), LogitsParams(presence_penalty=0.5), LogitsParams(min_tokens=2, end_id=0),
-               LogitsParams(bad_words=((5,),)), LogitsParams(embedding_bias=torch.zeros(8))],
+    "params",
+    [
+        LogitsParams(repetition_penalty=1.2),
+        LogitsParams(presence_penalty=0.5),
+        LogitsParams(min_tokens=2, end_id=0),
+        LogitsParams(bad_words=((5,),)),
+        LogitsParams(embedding_bias=torch.zeros(8)),
+    ],
 )
 def test_logits_processing_that_reorders_tokens_reads_the_whole_head(params):
-    assert not argmax_only(GenerationRequest(input_ids=[1, 2, 3], max_new_tokens=4), params)
+    assert not argmax_only(EngineRequest(input_ids=[1, 2, 3], max_new_tokens=4), params)
 
 
 def test_the_int8_screen_bounds_coarse_activation_steps():
@@ -168,7 +177,9 @@ def test_the_int8_screen_bounds_coarse_activation_steps():
     assert screen.fallbacks == 0 and screen.candidates / screen.rows < 16
 
 
-@pytest.mark.parametrize("variant, kind", [(native.INT8_AVX2, "w8a16"), (native.INT8_AVX512_VNNI, "int8"), (native.INT8_AVX_VNNI, "int8")])
+@pytest.mark.parametrize(
+    "variant, kind", [(native.INT8_AVX2, "w8a16"), (native.INT8_AVX512_VNNI, "int8"), (native.INT8_AVX_VNNI, "int8")]
+)
 def test_the_screen_kind_follows_the_int8_kernel_variant(monkeypatch, variant, kind):
     from specdeploy.engine import lm_screen
 

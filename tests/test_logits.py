@@ -9,10 +9,10 @@ import math
 import pytest
 import torch
 
+from specdeploy.core.errors import ConfigError
 from specdeploy.engine import logits as lp
 from specdeploy.engine.logits import LogitsParams
-from specdeploy.errors import ConfigError
-from specdeploy.speculative import SamplingParams
+from specdeploy.speculation.sampling import SamplingParams
 
 ROW = torch.tensor([2.0, -1.0, 0.5, 3.0])
 

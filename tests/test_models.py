@@ -1,10 +1,10 @@
 import shutil
 
 import pytest
-
-from specdeploy import models
-from specdeploy.errors import ConfigError, ModelError
 from tiny_models import make_tiny_model, make_tokenizer
+
+from specdeploy.core import model_store as models
+from specdeploy.core.errors import ConfigError, ModelError
 
 
 def test_same_tokenizer_passes(tiny_llama_dir, tiny_llama_draft_dir):
@@ -65,8 +65,10 @@ def test_fetch_converts_smollm2_and_generates_sensible_text():
     tok = AutoTokenizer.from_pretrained(str(path))
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
+        "input_ids"
+    ]
     out = model.generate(ids, max_new_tokens=12, do_sample=False)
-    text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    text = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
     assert "Paris" in text
     assert any("smollm2-135m-instruct" in line and "fetched" in line for line in models.list_lines())

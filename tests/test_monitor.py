@@ -1,4 +1,4 @@
-"""specdeploy.monitor: one frame from two scrapes, and `specdeploy monitor --once` against an endpoint."""
+"""specdeploy.ops.monitor: one frame from two scrapes, and `specdeploy monitor --once` against an endpoint."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import threading
 import pytest
 from click.testing import CliRunner
 
-from specdeploy import metrics as m
-from specdeploy import monitor as mon
-from specdeploy.config import CostConfig
-from specdeploy.errors import ClientError
+from specdeploy.core.errors import ClientError
+from specdeploy.core.metrics import names, reader, recorder, sinks
+from specdeploy.ops import monitor as mon
+from specdeploy.recipe.config import CostConfig
 
 
 class Clock:
@@ -24,14 +24,14 @@ class Clock:
 def _traffic(sink, arm, requests, latency_s, tokens, drafted, accepted):
     """Each request: one round (drafted/accepted), then the rest of its tokens one per pass."""
     clock = Clock()
-    rec = m.Recorder(sink, "tensorrt_llm_bls", 4, clock=clock)
+    rec = recorder.Recorder(sink, "tensorrt_llm_bls", 4, clock=clock)
     for _ in range(requests):
         timer = rec.request_started(arm)
         clock.now += 0.1
         if drafted:
             rec.round(arm, drafted, accepted, accepted + 1, 0.01, 0.02)
         else:
-            rec.round(arm, 0, 0, 1, 0.0, 0.02, reason=m.REASON_CONTROL_ARM)
+            rec.round(arm, 0, 0, 1, 0.0, 0.02, reason=names.REASON_CONTROL_ARM)
         timer.tokens(1, clock.now)
         clock.now += latency_s - 0.1
         timer.tokens(tokens - 1, clock.now)
@@ -39,12 +39,12 @@ def _traffic(sink, arm, requests, latency_s, tokens, drafted, accepted):
 
 
 def test_frame_shows_acceptance_tpot_onoff_inflight_and_cost():
-    sink = m.PrometheusClientSink()
-    start = m.parse(sink.text(), taken_s=0.0)
+    sink = sinks.PrometheusClientSink()
+    start = reader.parse(sink.text(), taken_s=0.0)
     _traffic(sink, "speculative", 4, 1.0, 10, drafted=4, accepted=2)
     _traffic(sink, "control", 2, 2.0, 10, drafted=0, accepted=0)
-    m.Recorder(sink, "tensorrt_llm_bls", 4).request_started("speculative")  # one still in flight
-    now = m.parse(sink.text(), taken_s=2.0)
+    recorder.Recorder(sink, "tensorrt_llm_bls", 4).request_started("speculative")  # one still in flight
+    now = reader.parse(sink.text(), taken_s=2.0)
     lines = mon.frame(now, now.minus(start), 2.0, CostConfig(machine_price_per_hour=36.0), "tiny")
     text = "\n".join(lines)
     spec_row = next(line for line in lines if line.startswith("speculative"))
@@ -63,7 +63,7 @@ def test_frame_shows_acceptance_tpot_onoff_inflight_and_cost():
 
 
 def test_frame_without_specdeploy_metrics_says_so():
-    snap = m.parse('nv_inference_request_success{model="ensemble",version="1"} 3\n')
+    snap = reader.parse('nv_inference_request_success{model="ensemble",version="1"} 3\n')
     text = "\n".join(mon.frame(snap, snap, 1.0, CostConfig()))
     assert "triton requests: ensemble 3" in text and "no specdeploy metrics yet" in text
     assert "cost" not in text  # no machine price set
@@ -94,9 +94,9 @@ def endpoint():
 
 
 def test_monitor_once_prints_one_frame(endpoint, tmp_path):
-    from specdeploy.cli import main
+    from specdeploy.cli.main import main
 
-    sink = m.PrometheusClientSink()
+    sink = sinks.PrometheusClientSink()
     before = sink.text()
     _traffic(sink, "speculative", 3, 1.0, 8, drafted=4, accepted=4)
     _Handler.texts = [before, sink.text()]
@@ -113,20 +113,25 @@ def test_monitor_once_prints_one_frame(endpoint, tmp_path):
 def test_monitor_counts_from_a_restart_and_waits_out_an_unreachable_server(endpoint, monkeypatch):
     """Counters lower than the last scrape (a restarted server) give the traffic since the restart, said as such, not
     negative rates; a scrape that fails mid-watch is said and retried (it ended the live view before)."""
-    from specdeploy import monitor as mon
+    from specdeploy.ops import monitor as mon
 
-    sink = m.PrometheusClientSink()
+    sink = sinks.PrometheusClientSink()
     _traffic(sink, "speculative", 9, 1.0, 8, drafted=4, accepted=4)
-    fresh = m.PrometheusClientSink()
+    fresh = sinks.PrometheusClientSink()
     _traffic(fresh, "speculative", 2, 1.0, 8, drafted=4, accepted=4)
-    before, after = m.parse(sink.text()), m.parse(fresh.text())
-    assert after.resets(before) and not before.resets(m.parse(m.PrometheusClientSink().text()))
+    before, after = reader.parse(sink.text()), reader.parse(fresh.text())
+    assert after.resets(before) and not before.resets(reader.parse(sinks.PrometheusClientSink().text()))
     # a declared gauge that goes down (Triton's queue: nv_inference_pending_request_count) is no restart
-    queue = "# TYPE nv_inference_pending_request_count gauge\nnv_inference_pending_request_count{model=\"a\"} {n}\n"
-    assert not m.parse(queue.replace("{n}", "0")).resets(m.parse(queue.replace("{n}", "3")))
-    assert m.parse(queue.replace("{n}", "0")).minus(m.parse(queue.replace("{n}", "3"))).sum("nv_inference_pending_request_count") == 0
+    queue = '# TYPE nv_inference_pending_request_count gauge\nnv_inference_pending_request_count{model="a"} {n}\n'
+    assert not reader.parse(queue.replace("{n}", "0")).resets(reader.parse(queue.replace("{n}", "3")))
+    assert (
+        reader.parse(queue.replace("{n}", "0"))
+        .minus(reader.parse(queue.replace("{n}", "3")))
+        .sum("nv_inference_pending_request_count")
+        == 0
+    )
     window = after.minus(before)
-    assert window.sum(m.REQUESTS.name, arm="speculative") == 2  # Prometheus's increase(): the restarted count
+    assert window.sum(names.REQUESTS.name, arm="speculative") == 2  # Prometheus's increase(): the restarted count
     _Handler.texts = [sink.text(), fresh.text()]
     frames = []
     mon.run(endpoint, CostConfig(), interval_s=0.0, echo=frames.append, sleep=lambda s: None, frames=1)
@@ -139,16 +144,16 @@ def test_monitor_counts_from_a_restart_and_waits_out_an_unreachable_server(endpo
         calls.append(url)
         if len(calls) == 2:
             raise ClientError(f"cannot read metrics from {url}: refused", "start the server")
-        return m.parse(sink.text())
+        return reader.parse(sink.text())
 
     lines = []
-    monkeypatch.setattr(mon.m, "scrape", flaky)
+    monkeypatch.setattr(mon.reader, "scrape", flaky)
     mon.run(endpoint, CostConfig(), interval_s=0.0, echo=lines.append, sleep=lambda s: None, frames=1)
     assert "refused; retrying" in lines[0] and len(calls) == 3 and "speculative" in lines[-1]
 
 
 def test_monitor_without_a_server_names_the_fix(tmp_path):
-    from specdeploy.cli import main
+    from specdeploy.cli.main import main
 
     recipe = tmp_path / "r.yaml"
     recipe.write_text("name: r\ntarget: {model: x}\ndraft: {model: x}\n")

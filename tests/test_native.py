@@ -17,7 +17,9 @@ from specdeploy.engine.kernels import FP8_MAX, pack_int4
 from specdeploy.engine.model import CpuEngine
 
 if not native.cpu_supported():
-    pytest.skip("the native kernels need AVX-512 or AVX2 + FMA; the engine uses torch ops here", allow_module_level=True)
+    pytest.skip(
+        "the native kernels need AVX-512 or AVX2 + FMA; the engine uses torch ops here", allow_module_level=True
+    )
 if os.environ.get(native.DISABLE_ENV) == "0":
     pytest.skip(f"{native.DISABLE_ENV}=0 switches the native kernels off", allow_module_level=True)
 
@@ -51,18 +53,40 @@ def _formats():
 
     return {
         "bf16": (native.BF16, bf16, {}, lambda x: x.float() @ bf16.float().t()),
-        "fp8": (native.FP8, fp8.view(torch.uint8), dict(act_scale=act, out_scale=scale),
-                lambda x: (fp8_act(x) @ fp8.float().t()) * scale),
+        "fp8": (
+            native.FP8,
+            fp8.view(torch.uint8),
+            dict(act_scale=act, out_scale=scale),
+            lambda x: (fp8_act(x) @ fp8.float().t()) * scale,
+        ),
         "int8": (native.INT8, int8, dict(out_scale=scale), lambda x: (x.float() @ int8.float().t()) * scale),
-        "int4": (native.INT4, pack_int4(unsigned), dict(group_scale=group_scale, group_size=32, pre_quant_scale=pqs),
-                 lambda x: (x * pqs.to(torch.bfloat16)).float()
-                 @ ((unsigned.float() - 8) * group_scale.repeat_interleave(32, dim=1)).t()),
+        "int4": (
+            native.INT4,
+            pack_int4(unsigned),
+            dict(group_scale=group_scale, group_size=32, pre_quant_scale=pqs),
+            lambda x: (
+                (x * pqs.to(torch.bfloat16)).float()
+                @ ((unsigned.float() - 8) * group_scale.repeat_interleave(32, dim=1)).t()
+            ),
+        ),
     }
 
 
-def _linear(kind, packed, x, group_scale=None, group_size=0, pre_quant_scale=None, act_scale=0.0, out_scale=None,
-            bias=None, residual=None):
-    return OPS.linear(x, packed, kind, N, group_scale, group_size, pre_quant_scale, act_scale, out_scale, bias, residual)
+def _linear(
+    kind,
+    packed,
+    x,
+    group_scale=None,
+    group_size=0,
+    pre_quant_scale=None,
+    act_scale=0.0,
+    out_scale=None,
+    bias=None,
+    residual=None,
+):
+    return OPS.linear(
+        x, packed, kind, N, group_scale, group_size, pre_quant_scale, act_scale, out_scale, bias, residual
+    )
 
 
 @pytest.mark.parametrize("name", ["bf16", "fp8", "int8", "int4"])
@@ -131,8 +155,9 @@ def test_bad_arguments_are_errors_not_crashes():
 @pytest.fixture(scope="module")
 def bf16_engines(tmp_path_factory, tiny_tokenizer_dir):
     """The tiny test model's FP8 target as a bf16 engine (loaded with native kernels or with torch ops)."""
-    from specdeploy.engine.compile import compile_checkpoint
     from tiny_models import make_tiny_model
+
+    from specdeploy.deploy.cpu_compile import compile_checkpoint
     from tests.test_engine import ENGINE, QUANT_MODEL, export_checkpoint
 
     root = tmp_path_factory.mktemp("native")
@@ -160,9 +185,10 @@ def int8_sq_engines(tmp_path_factory, tiny_tokenizer_dir):
     happen to be equal, so compile's fuse is turned off here)."""
     from unittest import mock
 
-    from specdeploy.engine import compile as compile_module
-    from specdeploy.engine.compile import compile_checkpoint
     from tiny_models import make_tiny_model
+
+    from specdeploy.deploy import cpu_compile as compile_module
+    from specdeploy.deploy.cpu_compile import compile_checkpoint
     from tests.test_engine import ENGINE, QUANT_MODEL, export_checkpoint
 
     root = tmp_path_factory.mktemp("native_sq")
@@ -186,7 +212,9 @@ def test_decoder_call_equals_the_per_op_native_loop(kind, bf16_engines, int8_sq_
     torch.set_num_threads(max(2, threads))  # the one-call step runs its loops on its own team (csrc/step_team.h)
     try:
         one_call = engine.forward(engine.new_cache(), ids)
-        steps = [engine.forward(cache := engine.new_cache(), ids[:8])] + [engine.forward(cache, ids[i : i + 1]) for i in range(8, 12)]
+        steps = [engine.forward(cache := engine.new_cache(), ids[:8])] + [
+            engine.forward(cache, ids[i : i + 1]) for i in range(8, 12)
+        ]
         engine.decoder = None  # the same native kernels, called layer by layer from Python (at::parallel_for)
         assert torch.equal(one_call, engine.forward(engine.new_cache(), ids))
         assert torch.equal(torch.cat(steps), one_call)  # a prefill then decode steps: the rows' bits again
@@ -259,12 +287,15 @@ def test_disabled_by_environment(monkeypatch):
     assert native.ops() is not None
 
 
-@pytest.mark.parametrize("flags, env, expected", [
-    ("flags : fpu avx avx2 fma", None, "avx2"),
-    ("flags : fpu avx avx2 fma avx512f avx512bw", None, "avx512"),
-    ("flags : fpu avx avx2 fma avx512f avx512bw avx512_bf16", None, "avx512-bf16"),
-    ("flags : fpu avx avx2 fma avx512f avx512bw avx512_bf16", "0", "avx2"),
-])
+@pytest.mark.parametrize(
+    "flags, env, expected",
+    [
+        ("flags : fpu avx avx2 fma", None, "avx2"),
+        ("flags : fpu avx avx2 fma avx512f avx512bw", None, "avx512"),
+        ("flags : fpu avx avx2 fma avx512f avx512bw avx512_bf16", None, "avx512-bf16"),
+        ("flags : fpu avx avx2 fma avx512f avx512bw avx512_bf16", "0", "avx2"),
+    ],
+)
 def test_the_isa_and_the_build_follow_the_cpus_own_flags(monkeypatch, flags, env, expected):
     """The variant is chosen from the CPU that loads the kernels, and the build folder is keyed by its flags, so a
     home folder shared with another CPU never hands this one a binary with instructions it lacks."""
@@ -283,17 +314,25 @@ def test_the_isa_and_the_build_follow_the_cpus_own_flags(monkeypatch, flags, env
 BF16_CPU = "flags : fpu avx avx2 fma avx512f avx512bw avx512_bf16"
 
 
-@pytest.mark.parametrize("flags, vendor, env, kernel", [
-    ("flags : fpu avx avx2 fma", "AuthenticAMD", "dpbf16", "f32"),
-    ("flags : fpu avx avx2 fma avx512f avx512bw", "AuthenticAMD", None, "pairs"),
-    ("flags : fpu avx avx2 fma avx512f avx512bw", "GenuineIntel", "dpbf16", "pairs"),  # no AVX512-BF16: nothing else
-    (BF16_CPU, "GenuineIntel", None, "pairs"),  # Intel's VDPBF16PS issued at a quarter of the FMA rate
-    (BF16_CPU, "GenuineIntel", "auto", "pairs"),
-    (BF16_CPU, "GenuineIntel", "dpbf16", "dpbf16"),
-    (BF16_CPU, "AuthenticAMD", None, "dpbf16"),  # the EPYC's multi-row passes: ~2x faster with it
-    (BF16_CPU, "AuthenticAMD", "pairs", "pairs"),
-    (BF16_CPU, "", None, "dpbf16"),
-])
+@pytest.mark.parametrize(
+    "flags, vendor, env, kernel",
+    [
+        ("flags : fpu avx avx2 fma", "AuthenticAMD", "dpbf16", "f32"),
+        ("flags : fpu avx avx2 fma avx512f avx512bw", "AuthenticAMD", None, "pairs"),
+        (
+            "flags : fpu avx avx2 fma avx512f avx512bw",
+            "GenuineIntel",
+            "dpbf16",
+            "pairs",
+        ),  # no AVX512-BF16: nothing else
+        (BF16_CPU, "GenuineIntel", None, "pairs"),  # Intel's VDPBF16PS issued at a quarter of the FMA rate
+        (BF16_CPU, "GenuineIntel", "auto", "pairs"),
+        (BF16_CPU, "GenuineIntel", "dpbf16", "dpbf16"),
+        (BF16_CPU, "AuthenticAMD", None, "dpbf16"),  # the EPYC's multi-row passes: ~2x faster with it
+        (BF16_CPU, "AuthenticAMD", "pairs", "pairs"),
+        (BF16_CPU, "", None, "dpbf16"),
+    ],
+)
 def test_the_bf16_kernel_and_its_build_follow_the_cpu_and_the_environment(monkeypatch, flags, vendor, env, kernel):
     monkeypatch.setattr(native, "_cpu_flags", lambda: flags)
     monkeypatch.setattr(native, "_cpu_vendor", lambda: vendor)
@@ -321,11 +360,15 @@ def test_the_vdpbf16ps_build_agrees_with_the_pairs_kernel(tmp_path):
     other = "pairs" if native.bf16_kernel() == "dpbf16" else "dpbf16"
     x = _x()
     torch.save({"weight": weight, "x": x}, tmp_path / "in.pt")
-    code = (f"import torch; from specdeploy.engine import native; d = torch.load({str(tmp_path / 'in.pt')!r}); ops = native.ops(); "
-            f"assert native.bf16_kernel() == {other!r}; p = ops.pack(d['weight'].contiguous(), native.BF16, {K}); "
-            f"f = lambda x: ops.linear(x, p, native.BF16, {N}, None, 0, None, 0.0, None, None, None); "
-            f"torch.save([f(d['x'])] + [f(d['x'][:r].contiguous()) for r in range(1, 10)], {str(tmp_path / 'out.pt')!r})")
-    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, native.BF16_ENV: other}, capture_output=True, text=True)
+    code = (
+        f"import torch; from specdeploy.engine import native; d = torch.load({str(tmp_path / 'in.pt')!r}); ops ="
+        f" native.ops(); assert native.bf16_kernel() == {other!r}; p = ops.pack(d['weight'].contiguous(), native.BF16,"
+        f" {K}); f = lambda x: ops.linear(x, p, native.BF16, {N}, None, 0, None, 0.0, None, None, None);"
+        f" torch.save([f(d['x'])] + [f(d['x'][:r].contiguous()) for r in range(1, 10)], {str(tmp_path / 'out.pt')!r})"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, native.BF16_ENV: other}, capture_output=True, text=True
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     y, *parts = torch.load(tmp_path / "out.pt")
     for rows, part in enumerate(parts, 1):
@@ -334,7 +377,7 @@ def test_the_vdpbf16ps_build_agrees_with_the_pairs_kernel(tmp_path):
 
 
 def test_the_loaded_build_is_the_isa_doctor_names():
-    from specdeploy import doctor
+    from specdeploy.ops import doctor
 
     line = next(x for x in doctor.report_lines() if "native kernels" in x)
     assert native.isa() in line
@@ -397,13 +440,35 @@ def test_prefill_sized_calls_cross_row_chunks_with_the_same_bits(name):
         wf, quant = (unsigned.float() - 8) * gs.repeat_interleave(32, dim=1), lambda x: x.float()  # noqa: E731
     packed = OPS.pack(weight.contiguous(), kind, k)
     x = _x(rows, k, seed=13)
-    y = OPS.linear(x, packed, kind, n, kwargs.get("group_scale"), kwargs.get("group_size", 0), None,
-                   kwargs.get("act_scale", 0.0), None, None, None)
+    y = OPS.linear(
+        x,
+        packed,
+        kind,
+        n,
+        kwargs.get("group_scale"),
+        kwargs.get("group_size", 0),
+        None,
+        kwargs.get("act_scale", 0.0),
+        None,
+        None,
+        None,
+    )
     ref = quant(x) @ wf.t()
     assert ((y.float() - ref).abs() <= 0.01 * ref.abs() + 0.02 * ref.abs().mean()).all()
     for r in (0, 47, 48, 95, 96, 150, 199):
-        one = OPS.linear(x[r : r + 1].contiguous(), packed, kind, n, kwargs.get("group_scale"),
-                         kwargs.get("group_size", 0), None, kwargs.get("act_scale", 0.0), None, None, None)
+        one = OPS.linear(
+            x[r : r + 1].contiguous(),
+            packed,
+            kind,
+            n,
+            kwargs.get("group_scale"),
+            kwargs.get("group_size", 0),
+            None,
+            kwargs.get("act_scale", 0.0),
+            None,
+            None,
+            None,
+        )
         assert torch.equal(one[0], y[r]), r
 
 
@@ -457,8 +522,12 @@ def test_a_baton_left_by_a_killed_build_does_not_hang_the_next_load(tmp_path):
     baton = native.build_dir() / native.TORCH_BATON
     baton.write_text("")  # what a build killed between FileBaton.try_acquire and release leaves
     try:
-        got = subprocess.run([sys.executable, "-c", "from specdeploy.engine import native; assert native.ops() is not None"],
-                             capture_output=True, text=True, timeout=300)  # fmt: skip
+        got = subprocess.run(
+            [sys.executable, "-c", "from specdeploy.engine import native; assert native.ops() is not None"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     finally:
         left = baton.exists()
         baton.unlink(missing_ok=True)
@@ -470,7 +539,7 @@ def _rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     """The kernel's RoPE on [rows, heads, D] bf16 with [rows, D] tables (sin's first half negated by the caller):
     x * cos + [x2, x1] * sin in f32, rounded to bf16."""
     x = x.float()
-    rotated = torch.cat([x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]], dim=-1)
+    rotated = torch.cat([x[..., x.shape[-1] // 2 :], x[..., : x.shape[-1] // 2]], dim=-1)
     return (x * cos[:, None] + rotated * sin[:, None]).to(torch.bfloat16).double()
 
 
@@ -491,7 +560,7 @@ def test_attention_follows_a_reference_and_each_rows_bits_are_its_own(head_size,
     keys0 = torch.randn(kv_heads, max_len, head_size, generator=g).to(torch.bfloat16)  # the cache holds bf16
     values0 = torch.randn(kv_heads, max_len, head_size, generator=g).to(torch.bfloat16)
     qkv = torch.randn(rows, width, generator=g).to(torch.bfloat16)
-    scale = head_size ** -0.5
+    scale = head_size**-0.5
     keys, values = keys0.clone(), values0.clone()
     out = OPS.attention(qkv, cos, sin, keys, values, start, rows, heads, kv_heads, scale)
     for r in sorted({0, 1, min(7, rows - 1), rows - 1}):  # row by row, each on the cache as the pass before it left it
@@ -500,13 +569,20 @@ def test_attention_follows_a_reference_and_each_rows_bits_are_its_own(head_size,
             OPS.attention(qkv[:r].contiguous(), cos, sin, k1, v1, start, r, heads, kv_heads, scale)
         one = OPS.attention(qkv[r : r + 1].contiguous(), cos, sin, k1, v1, start + r, 1, heads, kv_heads, scale)
         assert torch.equal(one[0], out[r]), r
-    q = _rope_ref(qkv[:, : heads * head_size].view(rows, heads, head_size), cos[start : start + rows], sin[start : start + rows])
-    k_new = _rope_ref(qkv[:, heads * head_size : (heads + kv_heads) * head_size].view(rows, kv_heads, head_size),
-                      cos[start : start + rows], sin[start : start + rows])
+    q = _rope_ref(
+        qkv[:, : heads * head_size].view(rows, heads, head_size), cos[start : start + rows], sin[start : start + rows]
+    )
+    k_new = _rope_ref(
+        qkv[:, heads * head_size : (heads + kv_heads) * head_size].view(rows, kv_heads, head_size),
+        cos[start : start + rows],
+        sin[start : start + rows],
+    )
     v_new = qkv[:, (heads + kv_heads) * head_size :].view(rows, kv_heads, head_size).double()
     all_k = torch.cat([keys0[:, :start].double(), k_new.transpose(0, 1)], dim=1)  # [kv, start + rows, D]
     all_v = torch.cat([values0[:, :start].double(), v_new.transpose(0, 1)], dim=1)
-    assert torch.equal(keys[:, : start + rows].double(), all_k) and torch.equal(values[:, : start + rows].double(), all_v)
+    assert torch.equal(keys[:, : start + rows].double(), all_k) and torch.equal(
+        values[:, : start + rows].double(), all_v
+    )
     group = heads // kv_heads
     for r in range(rows):
         n = start + r + 1

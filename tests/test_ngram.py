@@ -11,15 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 import tritonclient.grpc as tritonclient_grpc
-
-from tiny_models import SERVER_READY_TIMEOUT_S
-from specdeploy import ngram
-from specdeploy import policy as pol
-from specdeploy import speculative as spec
-from specdeploy.engine.executor import Executor
-from specdeploy.generate import ExecutorVerifier, target_only_generate
-from specdeploy.ngram import NGramDrafts, NGramPool, NGramProposer, NGramSettings, SuffixLookup
 from standin_engines import TableEngine
+from tiny_models import SERVER_READY_TIMEOUT_S
+
+from specdeploy.engine.executor import Executor
+from specdeploy.engine.generate import ExecutorVerifier, target_only_generate
+from specdeploy.speculation import loop as spec
+from specdeploy.speculation import ngram, sharing
+from specdeploy.speculation import policy as pol
+from specdeploy.speculation.ngram import NGramDrafts, NGramPool, NGramProposer, NGramSettings, SuffixLookup
 
 
 def test_longest_pattern_wins_and_match_follows_it():
@@ -120,12 +120,18 @@ def test_is_public_pool_shares_patterns_between_requests():
 
 
 def test_settings_from_recipe_and_parameters_round_trip():
-    from specdeploy.config_loader import parse_recipe
+    from specdeploy.recipe.load import parse_recipe
 
-    raw = {"name": "x", "target": {"model": "m"}, "draft": {"kind": "ngram", "max_matching_ngram_size": 3, "is_public_pool": False},
-           "speculative": {"max_draft_len": 6, "num_draft_tokens": 5}}  # fmt: skip
+    raw = {
+        "name": "x",
+        "target": {"model": "m"},
+        "draft": {"kind": "ngram", "max_matching_ngram_size": 3, "is_public_pool": False},
+        "speculative": {"max_draft_len": 6, "num_draft_tokens": 5},
+    }
     settings = ngram.settings_from_recipe(parse_recipe(raw))
-    assert settings == NGramSettings(max_draft_len=5, max_matching_ngram_size=3, is_keep_all=True, is_use_oldest=True, is_public_pool=False)
+    assert settings == NGramSettings(
+        max_draft_len=5, max_matching_ngram_size=3, is_keep_all=True, is_use_oldest=True, is_public_pool=False
+    )
     assert ngram.from_parameters(ngram.to_parameters(settings)) == settings
     raw["draft"]["min_matching_ngram_size"] = 2
     settings = ngram.settings_from_recipe(parse_recipe(raw))
@@ -135,17 +141,29 @@ def test_settings_from_recipe_and_parameters_round_trip():
     assert ngram.from_parameters(old).min_matching_ngram_size == 1
 
 
-@pytest.mark.parametrize("draft,backend,words", [
-    ({"kind": "ngram", "max_matching_ngram_size": 2, "min_matching_ngram_size": 3}, "cpu", "larger than draft.max_matching_ngram_size"),
-    ({"kind": "ngram", "min_matching_ngram_size": 0}, "cpu", "min_matching_ngram_size"),
-    ({"kind": "ngram", "min_matching_ngram_size": 2}, "trtllm-llmapi", "no minimum pattern size"),
-    ({"model": "d", "min_matching_ngram_size": 2}, "cpu", "applies to draft.kind ngram only"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "draft,backend,words",
+    [
+        (
+            {"kind": "ngram", "max_matching_ngram_size": 2, "min_matching_ngram_size": 3},
+            "cpu",
+            "larger than draft.max_matching_ngram_size",
+        ),
+        ({"kind": "ngram", "min_matching_ngram_size": 0}, "cpu", "min_matching_ngram_size"),
+        ({"kind": "ngram", "min_matching_ngram_size": 2}, "trtllm-llmapi", "no minimum pattern size"),
+        ({"model": "d", "min_matching_ngram_size": 2}, "cpu", "applies to draft.kind ngram only"),
+    ],
+)
 def test_min_matching_ngram_size_is_checked(draft, backend, words):
-    from specdeploy.config_loader import parse_recipe
-    from specdeploy.errors import ConfigError
+    from specdeploy.core.errors import ConfigError
+    from specdeploy.recipe.load import parse_recipe
 
-    raw = {"name": "x", "backend": backend, "target": {"model": "m", "quantization": {"qformat": "fp8"}}, "draft": draft}
+    raw = {
+        "name": "x",
+        "backend": backend,
+        "target": {"model": "m", "quantization": {"qformat": "fp8"}},
+        "draft": draft,
+    }
     with pytest.raises(ConfigError, match=words):
         parse_recipe(raw)
 
@@ -159,8 +177,14 @@ def test_greedy_parity_with_ngram_draft_on_bigram_engines():
         expected = spec.collect(target_only_generate(Executor(target_engine), prompt, 40))[0]
         for settings in (NGramSettings(4, 2), NGramSettings(3, 1, is_use_oldest=False, is_keep_all=False)):
             for name in ("fixed k", "cost policy"):
-                policy = pol.Deployment(pol.PolicySettings("cost", 4, probe_interval=2)).request() if name == "cost policy" else None
-                run = spec.speculative_generate(NGramProposer(settings), ExecutorVerifier(Executor(target_engine, 2)), prompt, 40, 4, policy=policy)
+                policy = (
+                    pol.SharedPolicy(pol.PolicySettings("cost", 4, probe_interval=2)).request()
+                    if name == "cost policy"
+                    else None
+                )
+                run = spec.speculative_generate(
+                    NGramProposer(settings), ExecutorVerifier(Executor(target_engine, 2)), prompt, 40, 4, policy=policy
+                )
                 tokens, stats = spec.collect(run)
                 assert tokens == expected
                 total = totals.setdefault((settings, name), [0, 0])
@@ -174,19 +198,33 @@ def test_llmapi_options_write_decoding_type_ngram_for_every_version():
     import dataclasses
     from pathlib import Path
 
-    from specdeploy import trtllm
-    from specdeploy.config_loader import parse_recipe
+    from specdeploy.gpu import llmapi_options, llmapi_versions
+    from specdeploy.recipe.load import parse_recipe
 
-    raw = {"name": "x", "backend": "trtllm-llmapi", "target": {"model": "m", "quantization": {"qformat": "fp8"}},
-           "draft": {"kind": "ngram", "max_draft_len": 3, "is_use_oldest": False}, "speculative": {"num_draft_tokens": 4}}  # fmt: skip
+    raw = {
+        "name": "x",
+        "backend": "trtllm-llmapi",
+        "target": {"model": "m", "quantization": {"qformat": "fp8"}},
+        "draft": {"kind": "ngram", "max_draft_len": 3, "is_use_oldest": False},
+        "speculative": {"num_draft_tokens": 4},
+    }
     recipe = parse_recipe(raw)
-    expected = {"decoding_type": "NGram", "max_draft_len": 3, "max_matching_ngram_size": 2,
-                "is_keep_all": True, "is_use_oldest": False, "is_public_pool": True}  # fmt: skip
-    for name, version in trtllm.LLMAPI_VERSIONS.items():
-        assert trtllm.speculative_options(recipe, version, Path("/unused"), "ngram") == expected, name
+    expected = {
+        "decoding_type": "NGram",
+        "max_draft_len": 3,
+        "max_matching_ngram_size": 2,
+        "is_keep_all": True,
+        "is_use_oldest": False,
+        "is_public_pool": True,
+    }
+    for name, version in llmapi_versions.LLMAPI_VERSIONS.items():
+        assert llmapi_options.speculative_options(recipe, version, Path("/unused"), "ngram") == expected, name
     layout = dataclasses.make_dataclass("L", [])()
     layout.checkpoint = lambda role: Path("/ckpt") / role
-    assert trtllm.llmapi_options(recipe, layout, trtllm.LLMAPI_VERSIONS["1.4"])["speculative_config"] == expected
+    assert (
+        llmapi_options.llmapi_options(recipe, layout, llmapi_versions.LLMAPI_VERSIONS["1.4"])["speculative_config"]
+        == expected
+    )
 
 
 # ---------------------------------------------------------------- served: real tritonserver, real CPU engine
@@ -198,63 +236,71 @@ def test_served_ngram_draft_keeps_greedy_parity(tmp_path_factory, tiny_llama_dir
     """A tiny random target through the real quantize + build (only the target: the n-gram draft has
     nothing to build), its repository with ngram_draft.py as tensorrt_llm_draft, in tritonserver: the
     speculative path's greedy text equals the ensemble's, and the draft both hits and misses."""
-    from specdeploy.artifacts import Layout
-    from specdeploy import backend_stages
     from specdeploy.client.protocol import GenerateRequest
     from specdeploy.client.triton_adapter import TritonEndpoint
-    from specdeploy.config_loader import parse_recipe
-    from specdeploy.engine.build import build_recipe
-    from specdeploy.quantize import quantize_recipe
-    from specdeploy.triton import repository
+    from specdeploy.core.artifacts import Layout
+    from specdeploy.deploy import backend_stages
+    from specdeploy.deploy.cpu_build import build_recipe
+    from specdeploy.quantize.stage import quantize_recipe
+    from specdeploy.recipe.load import parse_recipe
+    from specdeploy.triton import model_config, ports, tensors
     from specdeploy.triton import server as server_mod
 
     root = tmp_path_factory.mktemp(f"ngram-served-{policy}")
     raw = {
-        "name": f"ngramtest-{policy}", "backend": "cpu",
-        "target": {"model": str(tiny_llama_dir), "quantization": {"qformat": "full_prec", "calib_size": 4, "calib_max_seq_length": 32}},
+        "name": f"ngramtest-{policy}",
+        "backend": "cpu",
+        "target": {
+            "model": str(tiny_llama_dir),
+            "quantization": {"qformat": "full_prec", "calib_size": 4, "calib_max_seq_length": 32},
+        },
         "draft": {"kind": "ngram", "max_matching_ngram_size": 2, "is_public_pool": False},
         "speculative": {"max_draft_len": 4, "num_draft_tokens": 4, "policy": policy, "probe_interval": 2},
         "engine": {"dtype": "bfloat16", "max_batch_size": 2, "max_input_len": 256, "max_seq_len": 384},
         "validation": {"max_tokens": 48, "min_compared_tokens": 8, "chat_template": "none"},
-    }  # fmt: skip
+    }
     recipe = parse_recipe(raw)
     layout = Layout.of(recipe, root)
     quantize_recipe(recipe, layout, echo=lambda *_: None, progress=False)
     build_recipe(recipe, layout, echo=lambda *_: None)
     assert not (layout.engine("draft") / "config.json").exists()  # nothing built for the draft
     backend_stages.of(recipe).write_repository(recipe, layout)
-    draft_config = repository.check_config((layout.repo / repository.DRAFT_MODEL / "config.pbtxt").read_text())
+    draft_config = model_config.check_config((layout.repo / tensors.DRAFT_MODEL / "config.pbtxt").read_text())
     assert draft_config.parameters["max_matching_ngram_size"].string_value == "2"
-    bls_config = repository.check_config((layout.repo / repository.BLS / "config.pbtxt").read_text())
+    bls_config = model_config.check_config((layout.repo / tensors.BLS / "config.pbtxt").read_text())
     assert bls_config.parameters["speculation_policy"].string_value == policy
     assert bls_config.parameters["draft_kind"].string_value == "ngram"
-    abandoned = Path(tempfile.gettempdir()) / f"{pol.INSTANCES_PREFIX}gone-{policy}"  # a killed server's folder
+    abandoned = Path(tempfile.gettempdir()) / f"{sharing.INSTANCES_PREFIX}gone-{policy}"  # a killed server's folder
     abandoned.mkdir(exist_ok=True)
     (abandoned / "999999999").write_text("1")
     os.utime(abandoned, (0, 0))
-    server = server_mod.start(layout.repo, server_mod.Ports.pick(), layout.server_state / "tritonserver.log")
+    server = server_mod.start(layout.repo, ports.Ports.pick(), layout.server_state / "tritonserver.log")
     drafted = accepted = 0
     try:
         server_mod.wait_ready(server, SERVER_READY_TIMEOUT_S)
         assert not abandoned.exists()  # swept by the BLS instances as they started
         endpoint = TritonEndpoint(server.state.grpc_url)
-        prompts = ["one two three one two three one two", "def f(x): return x + 1\ndef g(x): return f(x)", "a b a b a b a b a"]
+        prompts = [
+            "one two three one two three one two",
+            "def f(x): return x + 1\ndef g(x): return f(x)",
+            "a b a b a b a b a",
+        ]
         stats = tritonclient_grpc.InferenceServerClient(server.state.grpc_url)
         for prompt in prompts:
-            control = endpoint.generate(repository.ENSEMBLE, GenerateRequest(prompt, 48), 60)
-            speculative = endpoint.generate(repository.BLS, GenerateRequest(prompt, 48), 60)
+            control = endpoint.generate(tensors.ENSEMBLE, GenerateRequest(prompt, 48), 60)
+            speculative = endpoint.generate(tensors.BLS, GenerateRequest(prompt, 48), 60)
             assert speculative.text == control.text and control.text
             drafted += speculative.perf.total_draft_tokens or 0
             accepted += speculative.perf.total_accepted_draft_tokens or 0
         # the BLS proposed by itself: not one call went to the tensorrt_llm_draft model
-        assert _inference_count(stats, repository.DRAFT_MODEL) == 0
+        assert _inference_count(stats, tensors.DRAFT_MODEL) == 0
         # num_draft_tokens 0 (speculation off for the request): one target call, the target's own text;
         # speculative_k_history only when asked for, one entry per round
         prompt = prompts[1]
-        control = endpoint.generate(repository.ENSEMBLE, GenerateRequest(prompt, 48), 60)
-        target_calls = _inference_count(stats, repository.TARGET_MODEL)
+        control = endpoint.generate(tensors.ENSEMBLE, GenerateRequest(prompt, 48), 60)
+        target_calls = _inference_count(stats, tensors.TARGET_MODEL)
         result = _bls(stats, prompt, 48, num_draft_tokens=0, outputs=("text_output", "speculative_k_history"))
-        assert _inference_count(stats, repository.TARGET_MODEL) - target_calls == 1
+        assert _inference_count(stats, tensors.TARGET_MODEL) - target_calls == 1
         assert result.as_numpy("text_output").reshape(-1)[0].decode() == control.text
         assert result.as_numpy("speculative_k_history").reshape(-1).tolist() == [0]
         result = _bls(stats, prompt, 48, outputs=("text_output", "speculative_k_history", "total_draft_tokens"))
@@ -284,14 +330,20 @@ def _inference_count(client, model: str) -> int:
 def _bls(client, prompt: str, max_tokens: int, outputs=("text_output",), **scalars):
     import numpy as np
 
-    from specdeploy.triton import repository
+    from specdeploy.triton import tensors
 
-    inputs = [tritonclient_grpc.InferInput("text_input", [1, 1], "BYTES"), tritonclient_grpc.InferInput("max_tokens", [1, 1], "INT32")]
+    inputs = [
+        tritonclient_grpc.InferInput("text_input", [1, 1], "BYTES"),
+        tritonclient_grpc.InferInput("max_tokens", [1, 1], "INT32"),
+    ]
     inputs[0].set_data_from_numpy(np.array([[prompt.encode()]], dtype=object))
     inputs[1].set_data_from_numpy(np.array([[max_tokens]], dtype=np.int32))
-    for name, value in {"exclude_input_in_output": True, **scalars}.items():  # the text after the prompt, as the endpoint asks
+    for name, value in {
+        "exclude_input_in_output": True,
+        **scalars,
+    }.items():  # the text after the prompt, as the endpoint asks
         tensor = tritonclient_grpc.InferInput(name, [1, 1], "BOOL" if isinstance(value, bool) else "INT32")
         tensor.set_data_from_numpy(np.array([[value]], dtype=bool if isinstance(value, bool) else np.int32))
         inputs.append(tensor)
     requested = [tritonclient_grpc.InferRequestedOutput(name) for name in outputs]
-    return client.infer(repository.BLS, inputs, outputs=requested, client_timeout=60)
+    return client.infer(tensors.BLS, inputs, outputs=requested, client_timeout=60)

@@ -21,18 +21,22 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 import tritonclient.grpc as grpcclient
-
 from tiny_models import SERVER_READY_TIMEOUT_S
-from specdeploy import backend_stages
-from specdeploy.triton import server
+
+from specdeploy.deploy import backend_stages
+from specdeploy.triton import ports, server
 
 pytestmark = pytest.mark.server
 
 MAX_TOKENS = 40
 NUM_DRAFT_TOKENS = 4
-QUESTIONS = ["Tell me a fun fact about octopuses.", "Why is the sky blue?", "Write a short thank-you note.", "What is 2 + 2?"]
+QUESTIONS = [
+    "Tell me a fun fact about octopuses.",
+    "Why is the sky blue?",
+    "Write a short thank-you note.",
+    "What is 2 + 2?",
+]
 
 
 def chat(question: str) -> str:
@@ -45,23 +49,30 @@ def chat(question: str) -> str:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, tiny_tokenizer_dir):
-    from specdeploy.config_loader import parse_recipe
     from tiny_models import TINY_QUANT, build_quietly, make_tiny_model
+
+    from specdeploy.recipe.load import parse_recipe
 
     root = tmp_path_factory.mktemp("nvidia-loop")
     model_dir = root / "target-hf"
     make_tiny_model(model_dir, tiny_tokenizer_dir, seed=0)
-    recipe = parse_recipe({
-        "name": "nvidia-loop",
-        "target": {"model": str(model_dir), "quantization": {**TINY_QUANT, "qformat": "fp8"}},
-        "draft": {"model": str(model_dir), "quantization": {**TINY_QUANT, "qformat": "int8_wo"}},
-        "speculative": {"max_draft_len": NUM_DRAFT_TOKENS, "num_draft_tokens": NUM_DRAFT_TOKENS, "policy": "static"},
-        "engine": {"dtype": "bfloat16", "max_batch_size": 2, "max_input_len": 256, "max_seq_len": 320},
-        "triton": {"instance_count": 1},
-    })  # fmt: skip
+    recipe = parse_recipe(
+        {
+            "name": "nvidia-loop",
+            "target": {"model": str(model_dir), "quantization": {**TINY_QUANT, "qformat": "fp8"}},
+            "draft": {"model": str(model_dir), "quantization": {**TINY_QUANT, "qformat": "int8_wo"}},
+            "speculative": {
+                "max_draft_len": NUM_DRAFT_TOKENS,
+                "num_draft_tokens": NUM_DRAFT_TOKENS,
+                "policy": "static",
+            },
+            "engine": {"dtype": "bfloat16", "max_batch_size": 2, "max_input_len": 256, "max_seq_len": 320},
+            "triton": {"instance_count": 1},
+        }
+    )
     layout = build_quietly(recipe, root)
     repo, _ = backend_stages.of(recipe).write_repository(recipe, layout)
-    srv = server.start(repo, server.Ports.pick(), root / "tritonserver.log", exit_timeout_s=3)
+    srv = server.start(repo, ports.Ports.pick(), root / "tritonserver.log", exit_timeout_s=3)
     try:
         server.wait_ready(srv, SERVER_READY_TIMEOUT_S)
         client = grpcclient.InferenceServerClient(srv.state.grpc_url)
@@ -76,7 +87,9 @@ def served(tmp_path_factory, tiny_tokenizer_dir):
 
 
 def _tensor(name, array):
-    t = grpcclient.InferInput(name, list(array.shape), {np.int32: "INT32", np.object_: "BYTES", np.bool_: "BOOL"}[array.dtype.type])
+    t = grpcclient.InferInput(
+        name, list(array.shape), {np.int32: "INT32", np.object_: "BYTES", np.bool_: "BOOL"}[array.dtype.type]
+    )
     t.set_data_from_numpy(array)
     return t
 
@@ -90,14 +103,23 @@ def _scalar(value):
 
 
 def preprocess(client, prompt, end_id):
-    r = _infer(client, "preprocessing", QUERY=np.array([[prompt.encode()]], dtype=object), REQUEST_OUTPUT_LEN=_scalar(MAX_TOKENS), END_ID=_scalar(end_id))
+    r = _infer(
+        client,
+        "preprocessing",
+        QUERY=np.array([[prompt.encode()]], dtype=object),
+        REQUEST_OUTPUT_LEN=_scalar(MAX_TOKENS),
+        END_ID=_scalar(end_id),
+    )
     return r.as_numpy("INPUT_ID").reshape(-1).tolist()
 
 
 def llm(client, model, ids, output_len, end_id, draft=None):
     """`model`'s output_ids[:sequence_length] (input echoed: exclude_input_in_output false, the client's default)."""
     arrays = dict(
-        input_ids=np.array([ids], np.int32), input_lengths=_scalar(len(ids)), request_output_len=_scalar(output_len), end_id=_scalar(end_id)
+        input_ids=np.array([ids], np.int32),
+        input_lengths=_scalar(len(ids)),
+        request_output_len=_scalar(output_len),
+        end_id=_scalar(end_id),
     )
     if draft is not None:
         arrays["draft_input_ids"] = np.array([draft], np.int32)
@@ -107,7 +129,12 @@ def llm(client, model, ids, output_len, end_id, draft=None):
 
 
 def postprocess(client, ids):
-    r = _infer(client, "postprocessing", TOKENS_BATCH=np.array([[ids]], np.int32), SEQUENCE_LENGTH=np.array([[len(ids)]], np.int32))
+    r = _infer(
+        client,
+        "postprocessing",
+        TOKENS_BATCH=np.array([[ids]], np.int32),
+        SEQUENCE_LENGTH=np.array([[len(ids)]], np.int32),
+    )
     return r.as_numpy("OUTPUT").reshape(-1)[0].decode()
 
 
@@ -138,11 +165,18 @@ def client_speculative(client, prompt, end_id, k=NUM_DRAFT_TOKENS):
 def control(client, prompt, end_id):
     """The target alone: (text through the ensemble, the target's generated ids)."""
     r = _infer(
-        client, "ensemble", text_input=np.array([[prompt.encode()]], dtype=object), max_tokens=_scalar(MAX_TOKENS), end_id=_scalar(end_id),
+        client,
+        "ensemble",
+        text_input=np.array([[prompt.encode()]], dtype=object),
+        max_tokens=_scalar(MAX_TOKENS),
+        end_id=_scalar(end_id),
         exclude_input_in_output=np.array([[False]]),
-    )  # fmt: skip
+    )
     prompt_ids = preprocess(client, prompt, end_id)
-    return r.as_numpy("text_output").reshape(-1)[0].decode(), llm(client, "tensorrt_llm", prompt_ids, MAX_TOKENS, end_id)[len(prompt_ids) :]
+    return (
+        r.as_numpy("text_output").reshape(-1)[0].decode(),
+        llm(client, "tensorrt_llm", prompt_ids, MAX_TOKENS, end_id)[len(prompt_ids) :],
+    )
 
 
 def ending_token(client, prompt) -> int:
@@ -176,9 +210,14 @@ def test_the_bls_loop_equals_the_control_on_answers_that_end(served):
         end_id = ending_token(served, prompt)
         control_text, _ = control(served, prompt, end_id)
         r = _infer(
-            served, "tensorrt_llm_bls", text_input=np.array([[prompt.encode()]], dtype=object), max_tokens=_scalar(MAX_TOKENS),
-            end_id=_scalar(end_id), num_draft_tokens=_scalar(NUM_DRAFT_TOKENS), return_perf_metrics=np.array([[True]]),
+            served,
+            "tensorrt_llm_bls",
+            text_input=np.array([[prompt.encode()]], dtype=object),
+            max_tokens=_scalar(MAX_TOKENS),
+            end_id=_scalar(end_id),
+            num_draft_tokens=_scalar(NUM_DRAFT_TOKENS),
+            return_perf_metrics=np.array([[True]]),
             exclude_input_in_output=np.array([[False]]),
-        )  # fmt: skip
+        )
         assert r.as_numpy("text_output").reshape(-1)[0].decode() == control_text, question
         assert int(r.as_numpy("total_draft_tokens").reshape(-1)[0]) > 0

@@ -12,12 +12,13 @@ import signal
 import time
 
 import numpy as np
+import ops_deploy
 import pytest
 
-import ops_deploy
-from specdeploy import openai_api
 from specdeploy.client.protocol import CONTROL_MODEL, SPECULATIVE_MODEL, GenerateRequest
 from specdeploy.client.triton_adapter import TritonEndpoint
+from specdeploy.ops.openai import api as openai_api
+from specdeploy.ops.openai import app, requests
 
 openai = pytest.importorskip("openai", reason="the openai SDK is a test dependency (pip install -e '.[test]')")
 
@@ -35,9 +36,9 @@ def streaming_api(ops_decoupled):
     """(openai client, triton endpoint, recipe) over the session's decoupled deployment; the front always stopped."""
     recipe, layout, srv = ops_decoupled
     front = openai_api.build_front(recipe, layout, srv.state.grpc_url, timeout_s=60)
-    from specdeploy.triton.server import free_port
+    from specdeploy.triton.ports import free_port
 
-    with openai_api.ApiServer(openai_api.create_app(front), free_port()) as api:
+    with openai_api.ApiServer(app.create_app(front), free_port()) as api:
         client = openai.OpenAI(base_url=api.url, api_key="unused", max_retries=0, timeout=60)
         yield client, TritonEndpoint(srv.state.grpc_url), recipe, api
 
@@ -74,9 +75,15 @@ def test_chat_greedy_equals_triton_path_streamed_and_not(streaming_api, model_di
     assert ext["acceptance_rate"] == pytest.approx(1.0)
 
     # the server's own prompt length (preprocessing's REQUEST_INPUT_LEN) is what usage reports
-    pre = endpoint._run("preprocessing", {"QUERY": np.array([[prompt.encode()]], dtype=object),
-                                           "REQUEST_OUTPUT_LEN": np.array([[MAX_TOKENS]], dtype=np.int32)},
-                        ["REQUEST_INPUT_LEN"], 60)[-1]  # fmt: skip
+    pre = endpoint._run(
+        "preprocessing",
+        {
+            "QUERY": np.array([[prompt.encode()]], dtype=object),
+            "REQUEST_OUTPUT_LEN": np.array([[MAX_TOKENS]], dtype=np.int32),
+        },
+        ["REQUEST_INPUT_LEN"],
+        60,
+    )[-1]
     assert full.usage.prompt_tokens == int(pre.as_numpy("REQUEST_INPUT_LEN").reshape(-1)[0])
     # NVIDIA's text interface returns no output_ids: the count is the server's (specdeploy's sequence_length output),
     # the tokens tensorrt_llm generated, which the target alone returns as ids; not the re-tokenized text's
@@ -88,7 +95,11 @@ def test_chat_greedy_equals_triton_path_streamed_and_not(streaming_api, model_di
     retokenized = len(tokenizer(expected_spec, add_special_tokens=False)["input_ids"])
 
     stream = client.chat.completions.create(
-        model=f"{recipe.name}-control", messages=MESSAGES, temperature=0, max_tokens=MAX_TOKENS, stream=True,
+        model=f"{recipe.name}-control",
+        messages=MESSAGES,
+        temperature=0,
+        max_tokens=MAX_TOKENS,
+        stream=True,
         stream_options={"include_usage": True},
     )
     chunks = list(stream)
@@ -101,8 +112,9 @@ def test_chat_greedy_equals_triton_path_streamed_and_not(streaming_api, model_di
     assert chunks[-1].usage.completion_tokens == exact  # the streamed responses' counts, summed
     print(f"completion tokens {exact}, re-tokenized text {retokenized}")
 
-    spec_stream = client.chat.completions.create(model=f"{recipe.name}-speculative", messages=MESSAGES, temperature=0,
-                                                 max_tokens=MAX_TOKENS, stream=True)  # fmt: skip
+    spec_stream = client.chat.completions.create(
+        model=f"{recipe.name}-speculative", messages=MESSAGES, temperature=0, max_tokens=MAX_TOKENS, stream=True
+    )
     assert "".join(c.choices[0].delta.content or "" for c in spec_stream if c.choices) == expected_spec
 
 
@@ -113,15 +125,23 @@ def test_completions_and_stop_strings(streaming_api):
     expected = _triton_text(endpoint, SPECULATIVE_MODEL, prompt)
     out = client.completions.create(model=recipe.name, prompt=prompt, temperature=0, max_tokens=MAX_TOKENS)
     assert out.choices[0].text == expected
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model=recipe.name, prompt=prompt, temperature=0, max_tokens=MAX_TOKENS, stream=True))  # fmt: skip
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=recipe.name, prompt=prompt, temperature=0, max_tokens=MAX_TOKENS, stream=True
+        )
+    )
     assert streamed == expected
     stop = expected[len(expected) // 2 : len(expected) // 2 + 2]  # a string that occurs in the greedy answer
     cut = expected[: expected.index(stop)]
     out = client.completions.create(model=recipe.name, prompt=prompt, temperature=0, max_tokens=MAX_TOKENS, stop=[stop])
     assert out.choices[0].text == cut and out.choices[0].finish_reason == "stop"
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model=recipe.name, prompt=prompt, temperature=0, max_tokens=MAX_TOKENS, stop=stop, stream=True))  # fmt: skip
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=recipe.name, prompt=prompt, temperature=0, max_tokens=MAX_TOKENS, stop=stop, stream=True
+        )
+    )
     assert streamed == cut
 
 
@@ -141,7 +161,9 @@ def test_errors_use_openai_format(streaming_api):
         client.completions.create(model=recipe.name, prompt="fox " * 400, max_tokens=4, temperature=0)
     assert info.value.body["type"] == "invalid_request_error" and "max_input_len" in info.value.body["message"]
     # the front and the server keep serving after errors
-    assert client.completions.create(model=recipe.name, prompt="x", max_tokens=2, temperature=0).choices[0].finish_reason
+    assert (
+        client.completions.create(model=recipe.name, prompt="x", max_tokens=2, temperature=0).choices[0].finish_reason
+    )
 
 
 @pytest.mark.server
@@ -150,13 +172,18 @@ def test_unary_deployment_streams_one_chunk(tmp_path_factory, model_dir):
     recipe, layout, _ = ops_deploy.build(root, model_dir, "ops")
     with ops_deploy.running(layout) as srv:
         front = openai_api.build_front(recipe, layout, srv.state.grpc_url, timeout_s=60)
-        from specdeploy.triton.server import free_port
+        from specdeploy.triton.ports import free_port
 
-        with openai_api.ApiServer(openai_api.create_app(front), free_port()) as api:
+        with openai_api.ApiServer(app.create_app(front), free_port()) as api:
             client = openai.OpenAI(base_url=api.url, api_key="unused", max_retries=0, timeout=60)
-            expected = _triton_text(TritonEndpoint(srv.state.grpc_url), SPECULATIVE_MODEL, ops_deploy.chat_text(MESSAGES))
-            chunks = list(client.chat.completions.create(model=recipe.name, messages=MESSAGES, temperature=0,
-                                                         max_tokens=MAX_TOKENS, stream=True))  # fmt: skip
+            expected = _triton_text(
+                TritonEndpoint(srv.state.grpc_url), SPECULATIVE_MODEL, ops_deploy.chat_text(MESSAGES)
+            )
+            chunks = list(
+                client.chat.completions.create(
+                    model=recipe.name, messages=MESSAGES, temperature=0, max_tokens=MAX_TOKENS, stream=True
+                )
+            )
             pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
             assert pieces == [expected]
 
@@ -169,43 +196,90 @@ def test_validate_and_canary_drive_the_openai_front(tmp_path_factory, model_dir,
 
     from click.testing import CliRunner
 
-    from specdeploy.cli import main
+    from specdeploy.cli.main import main
     from specdeploy.client import gate
-    from specdeploy.recipe_deployment import validate_recipe
-    from specdeploy.triton.server import free_port
+    from specdeploy.deploy.recipe_deployment import validate_recipe
+    from specdeploy.triton.ports import free_port
 
     root = tmp_path_factory.mktemp("openai-validate")
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p, "category": c}) + "\n" for p, c in
-                               [("The quick brown fox", "chat"), ("def add(a, b):", "code"), ("Triton serves models", "summarization")]))  # fmt: skip
+    prompts.write_text(
+        "".join(
+            json.dumps({"prompt": p, "category": c}) + "\n"
+            for p, c in [
+                ("The quick brown fox", "chat"),
+                ("def add(a, b):", "code"),
+                ("Triton serves models", "summarization"),
+            ]
+        )
+    )
     # the canary drives the recipe's validation prompts: these short ones (the built-in summaries are longer than this
     # tiny engine's max_input_len, so how many requests failed depended on how far the driver got before the verdict)
-    recipe, layout, recipe_path = ops_deploy.build(root, model_dir, "ops", canary={"control_percent": 50},
-                                                   validation={"prompt_set": str(prompts)})
+    recipe, layout, recipe_path = ops_deploy.build(
+        root, model_dir, "ops", canary={"control_percent": 50}, validation={"prompt_set": str(prompts)}
+    )
     with ops_deploy.running(layout) as srv:
-        front = openai_api.build_front(recipe, layout, srv.state.grpc_url, timeout_s=300)  # a loaded CI machine: a slow request is not a failed one
-        with openai_api.ApiServer(openai_api.create_app(front), free_port()) as api:
+        front = openai_api.build_front(
+            recipe, layout, srv.state.grpc_url, timeout_s=300
+        )  # a loaded CI machine: a slow request is not a failed one
+        with openai_api.ApiServer(app.create_app(front), free_port()) as api:
             report, _, verdict = validate_recipe(
-                recipe, layout, url=srv.state.grpc_url, protocol="openai", openai_url=api.url, metrics_url=srv.state.metrics_url,
-                report_dir=tmp_path / "report", progress=False, prompt_set=str(prompts), concurrency=(1,), repeats=1,
-                min_compared_tokens=4, chat_template="none", min_speedup=0.0,
+                recipe,
+                layout,
+                url=srv.state.grpc_url,
+                protocol="openai",
+                openai_url=api.url,
+                metrics_url=srv.state.metrics_url,
+                report_dir=tmp_path / "report",
+                progress=False,
+                prompt_set=str(prompts),
+                concurrency=(1,),
+                repeats=1,
+                min_compared_tokens=4,
+                chat_template="none",
+                min_speedup=0.0,
             )
             assert report["complete"], report["errors"]
             assert report["url"] == api.url  # the requests went through the front
             assert report["parity"]["summary"]["all"]["exact"] == 3, report["parity"]["summary"]
             samples = [s for r in report["latency"]["runs"] for s in r["samples"]]
-            assert samples and all(s["ttft_source"] == "server" and s["ttft_s"] > 0 for s in samples)  # from the extension field
+            assert samples and all(
+                s["ttft_source"] == "server" and s["ttft_s"] > 0 for s in samples
+            )  # from the extension field
             check = report["metrics_check"]
             assert check["checked"] and not check["mismatches"] and len(check["rows"]) >= 4, check
             assert verdict.exit_code == 0 and "metrics endpoint agrees" in verdict.line, verdict.line
             assert gate.EXIT_METRICS not in [c["exit_code"] for c in verdict.to_dict()["checks"] if not c["ok"]]
 
-            result = CliRunner().invoke(main, ["--root", str(root), "canary", str(recipe_path), "--url", srv.state.metrics_url,
-                                               "--window", "240", "--until-enough", "--min-requests", "2", "--drive", "openai",
-                                               "--openai-url", api.url, "--concurrency", "2"])  # fmt: skip
+            result = CliRunner().invoke(
+                main,
+                [
+                    "--root",
+                    str(root),
+                    "canary",
+                    str(recipe_path),
+                    "--url",
+                    srv.state.metrics_url,
+                    "--window",
+                    "240",
+                    "--until-enough",
+                    "--min-requests",
+                    "2",
+                    "--drive",
+                    "openai",
+                    "--openai-url",
+                    api.url,
+                    "--concurrency",
+                    "2",
+                ],
+            )
     assert result.exit_code in (0, 3), result.output  # a verdict from the traffic it drove, not "inconclusive"
     assert "over openai (0 failed)" in result.output, result.output  # the whole output: a failure names its first error
-    rows = {line.split()[0]: line.split() for line in result.output.splitlines() if line.startswith(("speculative", "control"))}
+    rows = {
+        line.split()[0]: line.split()
+        for line in result.output.splitlines()
+        if line.startswith(("speculative", "control"))
+    }
     assert int(rows["speculative"][1]) >= 2 and int(rows["control"][1]) >= 2
 
 
@@ -216,8 +290,8 @@ def test_serve_detach_with_openai_port_and_stop(tmp_path_factory, model_dir):
 
     from click.testing import CliRunner
 
-    from specdeploy.cli import main
-    from specdeploy.triton.server import free_port
+    from specdeploy.cli.main import main
+    from specdeploy.triton.ports import free_port
 
     root = tmp_path_factory.mktemp("openai-cli")
     recipe, layout, recipe_path = ops_deploy.build(root, model_dir, "ops")
@@ -226,16 +300,22 @@ def test_serve_detach_with_openai_port_and_stop(tmp_path_factory, model_dir):
     with socket.socket() as holder:  # another process listens there: refused before tritonserver starts
         holder.bind(("127.0.0.1", port))
         holder.listen()
-        result = runner.invoke(main, ["--root", str(root), "serve", str(recipe_path), "--detach", "--openai-port", str(port)])
+        result = runner.invoke(
+            main, ["--root", str(root), "serve", str(recipe_path), "--detach", "--openai-port", str(port)]
+        )
     assert result.exit_code != 0 and f"cannot listen on 127.0.0.1:{port}" in result.output, result.output
     assert runner.invoke(main, ["--root", str(root), "status", str(recipe_path)]).exit_code == 3  # nothing was started
     try:
-        result = runner.invoke(main, ["--root", str(root), "serve", str(recipe_path), "--detach", "--openai-port", str(port)])
+        result = runner.invoke(
+            main, ["--root", str(root), "serve", str(recipe_path), "--detach", "--openai-port", str(port)]
+        )
         assert result.exit_code == 0, result.output
         assert f"http://127.0.0.1:{port}/v1" in result.output
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
         assert recipe.name in {m.id for m in client.models.list().data}
-        out = client.completions.create(model=f"{recipe.name}-control", prompt="The quick brown fox", max_tokens=4, temperature=0)
+        out = client.completions.create(
+            model=f"{recipe.name}-control", prompt="The quick brown fox", max_tokens=4, temperature=0
+        )
         assert out.choices[0].text and out.model_extra["specdeploy"]["path"] == "control"
         result = runner.invoke(main, ["--root", str(root), "status", str(recipe_path)])
         assert result.exit_code == 0 and f"openai front: http://127.0.0.1:{port}/v1" in result.output, result.output
@@ -244,7 +324,9 @@ def test_serve_detach_with_openai_port_and_stop(tmp_path_factory, model_dir):
         os.kill(front_pid, signal.SIGKILL)
         assert _gone(front_pid)
         result = runner.invoke(main, ["--root", str(root), "status", str(recipe_path)])
-        assert result.exit_code == 1 and f"the OpenAI front (pid {front_pid}) has exited" in result.output, result.output
+        assert result.exit_code == 1 and f"the OpenAI front (pid {front_pid}) has exited" in result.output, (
+            result.output
+        )
         assert "running, ready" in result.output  # the server itself is fine
     finally:
         result = runner.invoke(main, ["--root", str(root), "stop", str(recipe_path)])
@@ -255,7 +337,7 @@ def test_serve_detach_with_openai_port_and_stop(tmp_path_factory, model_dir):
 
 def _gone(pid: int, timeout_s: float = 30) -> bool:
     """Waits for the process to be gone (reaped by its parent, or a zombie of a parent that is gone)."""
-    from specdeploy.artifacts import pid_alive
+    from specdeploy.core.artifacts import pid_alive
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -274,43 +356,77 @@ class _Codec:
 
 
 def _parse(body, chat=False):
-    from specdeploy.config_loader import parse_recipe
+    from specdeploy.recipe.load import parse_recipe
 
-    recipe = parse_recipe({"name": "r", "target": {"model": "x"}, "draft": {"model": "x"}, "canary": {"control_percent": 10}})
-    return openai_api.parse_job(body, chat, openai_api.routes(recipe), _Codec(), 16)
+    recipe = parse_recipe(
+        {"name": "r", "target": {"model": "x"}, "draft": {"model": "x"}, "canary": {"control_percent": 10}}
+    )
+    return requests.parse_job(body, chat, requests.routes(recipe), _Codec(), 16)
 
 
 def test_parse_maps_openai_fields_to_the_triton_request():
     job = _parse({"model": "r-canary", "prompt": ["hi"], "temperature": 0.7, "top_p": 0.9, "seed": 5, "stop": "x"})
-    assert (job.route.path, job.route.triton_model, job.route.send_num_draft_tokens) == ("canary", SPECULATIVE_MODEL, False)
+    assert (job.route.path, job.route.triton_model, job.route.send_num_draft_tokens) == (
+        "canary",
+        SPECULATIVE_MODEL,
+        False,
+    )
     assert (job.prompt, job.max_tokens, job.stops) == ("hi", 16, ("x",))
-    assert (job.sampling.temperature, job.sampling.top_k, job.sampling.top_p, job.sampling.seed) == (pytest.approx(0.7), 0, pytest.approx(0.9), 5)
-    job = _parse({"model": "r", "messages": MESSAGES, "temperature": 0, "max_completion_tokens": 3, "stream": True,
-                  "stream_options": {"include_usage": True}}, chat=True)  # fmt: skip
+    assert (job.sampling.temperature, job.sampling.top_k, job.sampling.top_p, job.sampling.seed) == (
+        pytest.approx(0.7),
+        0,
+        pytest.approx(0.9),
+        5,
+    )
+    job = _parse(
+        {
+            "model": "r",
+            "messages": MESSAGES,
+            "temperature": 0,
+            "max_completion_tokens": 3,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+        chat=True,
+    )
     assert job.sampling is None and job.max_tokens == 3 and job.stream and job.include_usage
     assert job.prompt == ops_deploy.chat_text(MESSAGES) and job.route.send_num_draft_tokens
-    assert _parse({"model": "r-control", "prompt": "a", "response_format": {"type": "text"}}).route.triton_model == CONTROL_MODEL
-    assert _parse({"model": "r", "prompt": "a", "temperature": 0.7, "top_p": 0}).sampling is None  # the top token alone: greedy
+    assert (
+        _parse({"model": "r-control", "prompt": "a", "response_format": {"type": "text"}}).route.triton_model
+        == CONTROL_MODEL
+    )
+    assert (
+        _parse({"model": "r", "prompt": "a", "temperature": 0.7, "top_p": 0}).sampling is None
+    )  # the top token alone: greedy
     # content as a list of text parts (the SDK sends it as is) renders as the same text, an assistant turn may have none
-    parts = [{"role": "system", "content": [{"type": "text", "text": "You are "}, {"type": "text", "text": "brief."}]},
-             {"role": "assistant", "content": None}, MESSAGES[1]]
+    parts = [
+        {"role": "system", "content": [{"type": "text", "text": "You are "}, {"type": "text", "text": "brief."}]},
+        {"role": "assistant", "content": None},
+        MESSAGES[1],
+    ]
     plain = [MESSAGES[0], {"role": "assistant", "content": ""}, MESSAGES[1]]
-    assert _parse({"model": "r", "messages": parts}, chat=True).prompt == _parse({"model": "r", "messages": plain}, chat=True).prompt
+    assert (
+        _parse({"model": "r", "messages": parts}, chat=True).prompt
+        == _parse({"model": "r", "messages": plain}, chat=True).prompt
+    )
 
 
-@pytest.mark.parametrize(("body", "status", "param"), [
-    ({"prompt": "a"}, 400, "model"),
-    ({"model": "nope", "prompt": "a"}, 404, "model"),
-    ({"model": "r", "prompt": 3}, 400, "prompt"),
-    ({"model": "r", "prompt": ""}, 400, "prompt"),
-    ({"model": "r", "prompt": "a", "temperature": 3}, 400, "temperature"),
-    ({"model": "r", "prompt": "a", "max_tokens": 1.5}, 400, "max_tokens"),
-    ({"model": "r", "prompt": "a", "logprobs": 2}, 400, "logprobs"),
-    ({"model": "r", "prompt": "a", "stop": ["a", 1]}, 400, "stop"),
-    ({"model": "r", "prompt": "a", "stream": "yes"}, 400, "stream"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"prompt": "a"}, 400, "model"),
+        ({"model": "nope", "prompt": "a"}, 404, "model"),
+        ({"model": "r", "prompt": 3}, 400, "prompt"),
+        ({"model": "r", "prompt": ""}, 400, "prompt"),
+        ({"model": "r", "prompt": "a", "temperature": 3}, 400, "temperature"),
+        ({"model": "r", "prompt": "a", "max_tokens": 1.5}, 400, "max_tokens"),
+        ({"model": "r", "prompt": "a", "logprobs": 2}, 400, "logprobs"),
+        ({"model": "r", "prompt": "a", "stop": ["a", 1]}, 400, "stop"),
+        ({"model": "r", "prompt": "a", "stream": "yes"}, 400, "stream"),
+    ],
+)
 def test_parse_refuses_bad_requests_naming_the_field(body, status, param):
-    with pytest.raises(openai_api.ApiError) as info:
+    with pytest.raises(requests.ApiError) as info:
         _parse(body)
     assert info.value.status == status and info.value.body()["error"]["param"] == param
 
@@ -318,43 +434,59 @@ def test_parse_refuses_bad_requests_naming_the_field(body, status, param):
 @pytest.mark.parametrize("content", [[{"type": "image_url", "image_url": {"url": "x"}}], None, 3, []])
 def test_parse_refuses_chat_content_it_cannot_render(content):
     message = {"role": "user"} if content is None else {"role": "user", "content": content}
-    with pytest.raises(openai_api.ApiError) as info:
+    with pytest.raises(requests.ApiError) as info:
         _parse({"model": "r", "messages": [message]}, chat=True)
     assert info.value.status == 400 and info.value.body()["error"]["param"] == "messages"
     assert "messages[0].content" in info.value.body()["error"]["message"]
 
 
-@pytest.mark.parametrize(("message", "status"), [
-    ("generate failed on 127.0.0.1:1: Failed to process the request(s) for model 'tensorrt_llm_bls_0_0', message: Stub "
-     "process 'tensorrt_llm_bls_0_0' is not healthy.", 503),
-    ("generate failed on 127.0.0.1:1: Request for unknown model: 'tensorrt_llm_bls' has no available versions", 503),
-    ("generate failed on 127.0.0.1:1: [TensorRT-LLM][ERROR] CUDA runtime error in cudaMallocAsync: out of memory", 500),
-    ("generate failed on 127.0.0.1:1: the prompt has 900 tokens, more than max_input_len (256); shorten it", 400),
-    ("the server at 127.0.0.1:1 is unreachable or went away during generate", 503),
-    ("generate timed out after 60 s (server 127.0.0.1:1)", 504),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("message", "status"),
+    [
+        (
+            (
+                "generate failed on 127.0.0.1:1: Failed to process the request(s) for model 'tensorrt_llm_bls_0_0',"
+                " message: Stub process 'tensorrt_llm_bls_0_0' is not healthy."
+            ),
+            503,
+        ),
+        (
+            "generate failed on 127.0.0.1:1: Request for unknown model: 'tensorrt_llm_bls' has no available versions",
+            503,
+        ),
+        (
+            (
+                "generate failed on 127.0.0.1:1: [TensorRT-LLM][ERROR] CUDA runtime error in cudaMallocAsync: out of"
+                " memory"
+            ),
+            500,
+        ),
+        ("generate failed on 127.0.0.1:1: the prompt has 900 tokens, more than max_input_len (256); shorten it", 400),
+        ("the server at 127.0.0.1:1 is unreachable or went away during generate", 503),
+        ("generate timed out after 60 s (server 127.0.0.1:1)", 504),
+    ],
+)
 def test_server_faults_are_5xx_and_refusals_400(message, status):
     """A deployment that cannot serve (a dead stub, a model not loaded) or fails inside is the server's fault (5xx: a
     client such as the openai SDK retries those), a request the model refused is the client's (400)."""
-    from specdeploy.errors import ClientError
-
-    from specdeploy.openai_requests import from_client_error
+    from specdeploy.core.errors import ClientError
+    from specdeploy.ops.openai.requests import from_client_error
 
     error = from_client_error(ClientError(message, "hint"))
     assert error.status == status and (error.type == "invalid_request_error") == (status == 400)
 
 
 def test_stop_cutter_holds_back_partial_matches():
-    cut = openai_api.StopCutter(["END"])
+    cut = app.StopCutter(["END"])
     assert [cut.push(p) for p in ("abc E", "N", "Dxyz")] == ["abc ", "", ""]  # "E" held, "EN" held, then the stop
     assert cut.stopped and cut.text == "abc " and cut.flush() == ""
-    free = openai_api.StopCutter([])
+    free = app.StopCutter([])
     assert free.push("abc") == "abc" and free.flush() == ""
-    tail = openai_api.StopCutter(["xyz"])
+    tail = app.StopCutter(["xyz"])
     assert tail.push("hello x") == "hello " and tail.flush() == "x"
     # two stops where the shorter completes first but the longer starts first: the longer one is the cut, as in the
     # whole answer (it waits for the text that decides)
-    agent = openai_api.StopCutter(["\nObservation:", "Observation"])
+    agent = app.StopCutter(["\nObservation:", "Observation"])
     assert [agent.push(p) for p in ("Thought: look it up\nObserv", "ation", ": 42")] == ["Thought: look it up", "", ""]
     assert agent.stopped
 
@@ -370,27 +502,43 @@ def test_a_streamed_answer_is_cut_where_the_whole_answer_is():
         stops = ["".join(rng.choice("abc") for _ in range(rng.randint(0, 4))) for _ in range(rng.randint(0, 4))]
         bounds = sorted(rng.sample(range(len(text) + 1), k=min(len(text) + 1, rng.randint(0, 5)))) + [len(text)]
         pieces = [text[a:b] for a, b in zip([0] + bounds, bounds)]
-        cutter = openai_api.StopCutter(stops)
+        cutter = app.StopCutter(stops)
         streamed = "".join(cutter.push(p) for p in pieces) + cutter.flush()
         found = [text.find(s) for s in stops if s and s in text]
-        assert streamed == (text[: min(found)] if found else text) and cutter.stopped == bool(found), (text, stops, pieces)
+        assert streamed == (text[: min(found)] if found else text) and cutter.stopped == bool(found), (
+            text,
+            stops,
+            pieces,
+        )
 
 
 def test_openai_endpoint_maps_paths_and_refuses_what_the_api_cannot_say():
     from specdeploy.client.openai_adapter import OpenAIEndpoint, base_url
-    from specdeploy.client.protocol import Sampling
-    from specdeploy.errors import ClientError
+    from specdeploy.core.errors import ClientError
+    from specdeploy.speculation.sampling import SamplingParams
 
-    assert base_url("127.0.0.1:8000") == base_url("http://127.0.0.1:8000/") == base_url("http://127.0.0.1:8000/v1") == "http://127.0.0.1:8000/v1"
+    assert (
+        base_url("127.0.0.1:8000")
+        == base_url("http://127.0.0.1:8000/")
+        == base_url("http://127.0.0.1:8000/v1")
+        == "http://127.0.0.1:8000/v1"
+    )
     ep = OpenAIEndpoint("127.0.0.1:1", "ops", num_draft_tokens=3)
     assert ep.body(SPECULATIVE_MODEL, GenerateRequest("p", 5, num_draft_tokens=3)) == {
-        "model": "ops-speculative", "prompt": "p", "max_tokens": 5, "stream": False, "temperature": 0}
-    assert ep.body(SPECULATIVE_MODEL, GenerateRequest("p", 5))["model"] == "ops-canary"  # no k: the canary share applies
+        "model": "ops-speculative",
+        "prompt": "p",
+        "max_tokens": 5,
+        "stream": False,
+        "temperature": 0,
+    }
+    assert (
+        ep.body(SPECULATIVE_MODEL, GenerateRequest("p", 5))["model"] == "ops-canary"
+    )  # no k: the canary share applies
     assert ep.body(CONTROL_MODEL, GenerateRequest("p", 5))["model"] == "ops-control"
-    sampled = ep.body(CONTROL_MODEL, GenerateRequest("p", 5, sampling=Sampling(0.7, 0, 0.9, 4)))
+    sampled = ep.body(CONTROL_MODEL, GenerateRequest("p", 5, sampling=SamplingParams(0.7, 0, 0.9, 4)))
     assert (sampled["temperature"], sampled["top_p"], sampled["seed"]) == (0.7, 0.9, 4)
     with pytest.raises(ClientError, match="no top_k"):
-        ep.body(CONTROL_MODEL, GenerateRequest("p", 5, sampling=Sampling(1.0, 3)))
+        ep.body(CONTROL_MODEL, GenerateRequest("p", 5, sampling=SamplingParams(1.0, 3)))
     with pytest.raises(ClientError, match="always sends num_draft_tokens=3"):
         ep.generate(SPECULATIVE_MODEL, GenerateRequest("p", 5, num_draft_tokens=2), 1)
     with pytest.raises(ClientError, match="unreachable"):  # nothing listens on port 1
@@ -403,11 +551,13 @@ def test_foreground_front_says_where_it_listens_once_it_does():
     import socket
     import threading
 
-    from specdeploy.triton.server import free_port
+    from specdeploy.triton.ports import free_port
 
     port, lines, stop = free_port(), [], threading.Event()
-    front = openai_api.Front(None, None, {}, 16, 3, 5.0)  # /health needs no deployment
-    worker = threading.Thread(target=openai_api.serve_foreground, args=(front, port), kwargs={"echo": lines.append, "stop": stop}, daemon=True)
+    front = app.Front(None, None, {}, 16, 3, 5.0)  # /health needs no deployment
+    worker = threading.Thread(
+        target=openai_api.serve_foreground, args=(front, port), kwargs={"echo": lines.append, "stop": stop}, daemon=True
+    )
     worker.start()
     try:
         for _ in range(200):
@@ -474,11 +624,11 @@ class _WordCodec:
 
 
 def _front_over(endpoint):
-    from specdeploy.openai_requests import Route
-    from specdeploy.triton.server import free_port
+    from specdeploy.ops.openai.requests import Route
+    from specdeploy.triton.ports import free_port
 
-    front = openai_api.Front(endpoint, _WordCodec(), {"r": Route("r", "speculative", SPECULATIVE_MODEL, True)}, 16, 3, 30.0)
-    return openai_api.ApiServer(openai_api.create_app(front), free_port())
+    front = app.Front(endpoint, _WordCodec(), {"r": Route("r", "speculative", SPECULATIVE_MODEL, True)}, 16, 3, 30.0)
+    return openai_api.ApiServer(app.create_app(front), free_port())
 
 
 def test_a_stop_string_ends_the_stream_and_the_server_request_and_goes_to_triton_as_stop_words():
@@ -539,8 +689,10 @@ def test_a_client_that_leaves_mid_stream_cancels_the_triton_request():
     with _front_over(endpoint) as api:
         body = json.dumps({"model": "r", "prompt": "p", "max_tokens": 16, "stream": True}).encode()
         with socket.create_connection(("127.0.0.1", api.port), timeout=10) as conn:
-            conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+            conn.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+            )
             seen = b""
             while b'"text": "one "' not in seen:  # the first piece reached the client; then it hangs up
                 seen += conn.recv(4096)
@@ -558,25 +710,35 @@ def test_the_deployment_stops_at_the_stop_words_the_front_sends(streaming_api, m
     prompt = ops_deploy.chat_text(MESSAGES)
     ids = list(endpoint.trace(prompt, MAX_TOKENS, 60, with_logits=False).output_ids)
     # a token of the answer whose text tokenizes back to it alone, and not earlier in the answer
-    j = next(j for j in range(2, len(ids) - 2)
-             if ids[j] not in ids[:j] and tokenizer(tokenizer.decode([ids[j]]), add_special_tokens=False).input_ids == [ids[j]])
+    j = next(
+        j
+        for j in range(2, len(ids) - 2)
+        if ids[j] not in ids[:j]
+        and tokenizer(tokenizer.decode([ids[j]]), add_special_tokens=False).input_ids == [ids[j]]
+    )
     word = tokenizer.decode([ids[j]])
     for model, k in ((SPECULATIVE_MODEL, 3), (CONTROL_MODEL, None)):
         full = endpoint.generate(model, GenerateRequest(prompt, MAX_TOKENS, num_draft_tokens=k), 60).text
-        stopped = endpoint.generate(model, GenerateRequest(prompt, MAX_TOKENS, num_draft_tokens=k, stop_words=(word,)), 60).text
+        stopped = endpoint.generate(
+            model, GenerateRequest(prompt, MAX_TOKENS, num_draft_tokens=k, stop_words=(word,)), 60
+        ).text
         assert stopped == tokenizer.decode(ids[: j + 1]) and len(stopped) < len(full), (model, word, stopped, full)
 
 
 def test_an_answer_that_filled_max_seq_len_says_length():
     """The deployment gives a request whose prompt and max_tokens pass max_seq_len the tokens that fit: such an answer
     was cut by the engine's length, so finish_reason is "length", not "stop" (which a client reads as complete)."""
-    from specdeploy.openai_requests import Job, Route
+    from specdeploy.ops.openai.requests import Job, Route
 
-    front = openai_api.Front(None, None, {}, 16, 3, 5.0, max_seq_len=100)
+    front = app.Front(None, None, {}, 16, 3, 5.0, max_seq_len=100)
     job = Job(Route("r", "speculative", SPECULATIVE_MODEL, True), "p", 90, None, (), False, False)
-    assert front.finish_reason(job, {"prompt_tokens": 40, "completion_tokens": 60, "total_tokens": 100}, False) == "length"
+    assert (
+        front.finish_reason(job, {"prompt_tokens": 40, "completion_tokens": 60, "total_tokens": 100}, False) == "length"
+    )
     assert front.finish_reason(job, {"prompt_tokens": 40, "completion_tokens": 20, "total_tokens": 60}, False) == "stop"
-    assert front.finish_reason(job, {"prompt_tokens": 4, "completion_tokens": 90, "total_tokens": 94}, False) == "length"
+    assert (
+        front.finish_reason(job, {"prompt_tokens": 4, "completion_tokens": 90, "total_tokens": 94}, False) == "length"
+    )
     assert front.finish_reason(job, {"prompt_tokens": 40, "completion_tokens": 60, "total_tokens": 100}, True) == "stop"
 
 
@@ -588,7 +750,9 @@ def test_stop_says_a_front_that_died_had_exited(tmp_path):
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    (tmp_path / openai_api.STATE_FILE).write_text(json.dumps({"pid": gone.pid, "start_ticks": 1, "cmdline": ["python"]}))
+    (tmp_path / openai_api.STATE_FILE).write_text(
+        json.dumps({"pid": gone.pid, "start_ticks": 1, "cmdline": ["python"]})
+    )
     assert openai_api.stop_detached(tmp_path).startswith(f"the OpenAI front (pid {gone.pid}) had already exited")
     assert not (tmp_path / openai_api.STATE_FILE).exists() and openai_api.stop_detached(tmp_path) is None
 
@@ -603,7 +767,7 @@ def test_an_openai_server_that_breaks_mid_answer_is_a_client_error():
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     from specdeploy.client.openai_adapter import OpenAIEndpoint
-    from specdeploy.errors import ClientError
+    from specdeploy.core.errors import ClientError
 
     mode = {"post": "cut"}
 

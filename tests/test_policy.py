@@ -7,25 +7,31 @@ import os
 
 import pytest
 
-from specdeploy import policy as pol
-from specdeploy.config_loader import parse_recipe
-from specdeploy.errors import ConfigError
-from specdeploy.policy import AcceptanceGate, Deployment, PolicySettings, RoundOutcome
+from specdeploy.core.errors import ConfigError
+from specdeploy.recipe.load import parse_recipe
+from specdeploy.speculation import costs, sharing
+from specdeploy.speculation import policy as pol
+from specdeploy.speculation import schedule as speculation_schedule
+from specdeploy.speculation.costs import RoundOutcome
+from specdeploy.speculation.policy import PolicySettings, SharedPolicy
+from specdeploy.speculation.schedule import AcceptanceGate
 
 
 def test_draft_len_schedule_uses_upper_bounds():
     schedule = {2: 4, 4: 2}
-    got = [pol.scheduled_draft_len(schedule, active, 6) for active in range(1, 7)]
+    got = [speculation_schedule.scheduled_draft_len(schedule, active, 6) for active in range(1, 7)]
     assert got == [4, 4, 2, 2, 0, 0]  # 1-2 -> 4, 3-4 -> 2, above the last bound: off
-    assert pol.scheduled_draft_len(None, 9, 5) == 5
-    assert pol.schedule_from(None, 3) == {3: None}  # max_concurrency: off above 3, the request's own k up to it
-    assert [pol.scheduled_draft_len({3: None}, active, 6) for active in (1, 3, 4)] == [6, 6, 0]
-    assert pol.schedule_from({1: 4, 8: 1}, 3) == {1: 4, 8: 1}
+    assert speculation_schedule.scheduled_draft_len(None, 9, 5) == 5
+    assert speculation_schedule.schedule_from(None, 3) == {
+        3: None
+    }  # max_concurrency: off above 3, the request's own k up to it
+    assert [speculation_schedule.scheduled_draft_len({3: None}, active, 6) for active in (1, 3, 4)] == [6, 6, 0]
+    assert speculation_schedule.schedule_from({1: 4, 8: 1}, 3) == {1: 4, 8: 1}
 
 
 def test_static_policy_follows_the_active_count():
     active = [1]
-    deployment = Deployment(PolicySettings("static", 4, draft_len_schedule={1: 4, 3: 2}), active=lambda: active[0])
+    deployment = SharedPolicy(PolicySettings("static", 4, draft_len_schedule={1: 4, 3: 2}), active=lambda: active[0])
     request = deployment.request()
     seen = []
     for n in (1, 2, 3, 4, 1):
@@ -33,7 +39,7 @@ def test_static_policy_follows_the_active_count():
         seen.append(request.choose(4))
     assert seen == [4, 2, 2, 0, 4]
     assert request.choose(1) == 1  # the request's own k (cap) still bounds it
-    deployment = Deployment(PolicySettings("static", 4, max_concurrency=2), active=lambda: active[0])
+    deployment = SharedPolicy(PolicySettings("static", 4, max_concurrency=2), active=lambda: active[0])
     active[0] = 3
     assert deployment.request().choose(4) == 0
     # up to max_concurrency a request drafts the k it asks for, also above num_draft_tokens (TensorRT-LLM's
@@ -56,7 +62,7 @@ def test_gate_trips_only_after_a_full_window():
 
 
 def test_gate_turns_the_deployment_off_for_every_request():
-    deployment = Deployment(PolicySettings("static", 4, acceptance_rate_window_size=3, acceptance_rate_threshold=0.6))
+    deployment = SharedPolicy(PolicySettings("static", 4, acceptance_rate_window_size=3, acceptance_rate_threshold=0.6))
     first = deployment.request()
     for _ in range(3):
         assert first.choose(4) == 4
@@ -70,7 +76,7 @@ class Trace:
     costs `draft_ms` per token; acceptance of each round comes from `accept(round, k)`."""
 
     def __init__(self, settings, draft_ms, slope=0.1):
-        self.deployment = Deployment(settings)
+        self.deployment = SharedPolicy(settings)
         self.draft_ms, self.slope = draft_ms, slope
         self.ks = []
 
@@ -79,8 +85,18 @@ class Trace:
         for i in range(rounds):
             k = request.choose(4)
             accepted = accept(i, k) if k else 0
-            request.record(RoundOutcome(k, k, accepted, accepted + 1, self.draft_ms * k / 1000, 0.010 * (1 + self.slope * k),
-                                        draft_fresh=last_k not in (None, 0), first_round=i == 0))  # fmt: skip
+            request.record(
+                RoundOutcome(
+                    k,
+                    k,
+                    accepted,
+                    accepted + 1,
+                    self.draft_ms * k / 1000,
+                    0.010 * (1 + self.slope * k),
+                    draft_fresh=last_k not in (None, 0),
+                    first_round=i == 0,
+                )
+            )
             self.ks.append(k)
             last_k = k
         return self.ks[-rounds:]
@@ -119,17 +135,17 @@ def test_cost_policy_falls_back_at_once_and_comes_back():
 
 def test_cost_policy_respects_the_gate_and_the_schedule():
     active = [5]
-    deployment = Deployment(PolicySettings("cost", 4, draft_len_schedule={4: 4}), active=lambda: active[0])
+    deployment = SharedPolicy(PolicySettings("cost", 4, draft_len_schedule={4: 4}), active=lambda: active[0])
     assert deployment.request().choose(4) == 0  # 5 active > the last bound
     active[0] = 1
     assert deployment.request().choose(4) == 4
 
 
 def test_expected_tokens_and_cost_model_estimates():
-    assert pol.expected_tokens(0.0, 4) == pytest.approx(1.0)
-    assert pol.expected_tokens(1.0, 4) == pytest.approx(5.0)
-    assert pol.expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
-    model = pol.CostModel()
+    assert costs.expected_tokens(0.0, 4) == pytest.approx(1.0)
+    assert costs.expected_tokens(1.0, 4) == pytest.approx(5.0)
+    assert costs.expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    model = costs.CostModel()
     for rows, seconds in ((1, 0.010), (3, 0.014)):
         for _ in range(3):
             model.observe(RoundOutcome(rows - 1, rows - 1, 0, 1, 0.004 * (rows - 1), seconds))
@@ -141,9 +157,17 @@ def test_expected_tokens_and_cost_model_estimates():
 
 
 def test_settings_from_recipe_and_bls_parameters():
-    raw = {"name": "x", "target": {"model": "m"}, "draft": {"model": "m"},
-           "speculative": {"num_draft_tokens": 3, "policy": "cost", "probe_interval": 5,
-                           "dynamic": {"draft_len_schedule": [[2, 3], [4, 1]], "acceptance_window": 8, "acceptance_threshold": 0.3}}}  # fmt: skip
+    raw = {
+        "name": "x",
+        "target": {"model": "m"},
+        "draft": {"model": "m"},
+        "speculative": {
+            "num_draft_tokens": 3,
+            "policy": "cost",
+            "probe_interval": 5,
+            "dynamic": {"draft_len_schedule": [[2, 3], [4, 1]], "acceptance_window": 8, "acceptance_threshold": 0.3},
+        },
+    }
     settings = PolicySettings.from_recipe(parse_recipe(raw).speculative)
     assert settings == PolicySettings("cost", 3, {2: 3, 4: 1}, None, 8, 0.3, "rate", 5)
     assert PolicySettings.from_parameters(settings.to_parameters(), 3) == settings
@@ -173,13 +197,16 @@ def test_recipe_keys_are_checked_at_the_edge(speculative, draft, message):
 def test_ngram_recipe_has_only_the_target_to_build():
     recipe = parse_recipe({"name": "x", "target": {"model": "m"}, "draft": {"kind": "ngram"}})
     assert recipe.model_roles == ("target",)
-    assert parse_recipe({"name": "x", "target": {"model": "m"}, "draft": {"model": "m"}}).model_roles == ("target", "draft")
+    assert parse_recipe({"name": "x", "target": {"model": "m"}, "draft": {"model": "m"}}).model_roles == (
+        "target",
+        "draft",
+    )
 
 
 def test_active_count_counts_busy_living_instances(tmp_path):
     import os
 
-    count = pol.ActiveCount(tmp_path / "active")
+    count = sharing.ActiveCount(tmp_path / "active")
     assert count() == 1  # no one busy: at least the asking request
     count.set_busy(True)
     (tmp_path / "active" / str(os.getppid())).write_text("1")  # another living instance, busy
@@ -191,7 +218,7 @@ def test_active_count_counts_busy_living_instances(tmp_path):
     assert not (tmp_path / "active" / str(os.getpid())).exists()
 
 
-def _exploring_rounds(deployment: Deployment) -> int:
+def _exploring_rounds(deployment: SharedPolicy) -> int:
     """Rounds a fresh request of `deployment` spends until the cost model is calibrated (c = 1.2, never right)."""
     request, rounds = deployment.request(), 0
     while not (deployment.costs.calibrated() and not deployment.costs.unmeasured(1)):
@@ -205,8 +232,8 @@ def test_instances_of_one_server_share_what_they_measured(tmp_path):
     """Two BLS instances (two Deployments in two processes, here two objects) of one server: what the first
     measured is the second's from its next request, so it does not explore again; a server restart starts afresh."""
     settings = PolicySettings("cost", 4, acceptance_rate_window_size=2, acceptance_rate_threshold=0.5)
-    a, b = Deployment(settings), Deployment(settings)
-    shared_a, shared_b = pol.SharedState(tmp_path, a, 4242), pol.SharedState(tmp_path, b, 4242)
+    a, b = SharedPolicy(settings), SharedPolicy(settings)
+    shared_a, shared_b = sharing.SharedState(tmp_path, a, 4242), sharing.SharedState(tmp_path, b, 4242)
     shared_a.pull()
     assert _exploring_rounds(a) >= 4
     shared_a.push()
@@ -214,16 +241,16 @@ def test_instances_of_one_server_share_what_they_measured(tmp_path):
     assert b.costs == a.costs and b.costs.calibrated() and b.acceptance == a.acceptance
     assert b.gate.disabled and b.request().choose(4) == 0  # the gate tripped on a's rounds: off for the deployment
     assert _exploring_rounds(b) == 0
-    fresh = Deployment(settings)
-    pol.SharedState(tmp_path, fresh, 4343).pull()  # another server (pid) of the same repository
+    fresh = SharedPolicy(settings)
+    sharing.SharedState(tmp_path, fresh, 4343).pull()  # another server (pid) of the same repository
     assert not fresh.costs.calibrated() and not fresh.gate.disabled
 
 
 def test_concurrent_requests_of_two_instances_both_count(tmp_path):
     """Both instances pulled the same state and measured one round each: after both pushes the shared state holds
     both rounds (the second push replays its rounds onto the first's result, not onto what it had pulled)."""
-    a, b = Deployment(PolicySettings("cost", 4)), Deployment(PolicySettings("cost", 4))
-    shared_a, shared_b = pol.SharedState(tmp_path, a, 7), pol.SharedState(tmp_path, b, 7)
+    a, b = SharedPolicy(PolicySettings("cost", 4)), SharedPolicy(PolicySettings("cost", 4))
+    shared_a, shared_b = sharing.SharedState(tmp_path, a, 7), sharing.SharedState(tmp_path, b, 7)
     shared_a.pull(), shared_b.pull()
     a.request().record(RoundOutcome(0, 0, 0, 1, 0.0, 0.010))
     b.request().record(RoundOutcome(2, 2, 2, 3, 0.02, 0.012))
@@ -237,8 +264,8 @@ def test_concurrent_requests_of_two_instances_both_count(tmp_path):
 def test_sharing_that_fails_never_stops_the_instance(tmp_path, capsys):
     """An unreadable state starts afresh; a folder that cannot be written leaves the instance its own measurements,
     said on stderr (the server log), and the request is not failed by it."""
-    d = Deployment(PolicySettings("cost", 4))
-    shared = pol.SharedState(tmp_path, d, 5)
+    d = SharedPolicy(PolicySettings("cost", 4))
+    shared = sharing.SharedState(tmp_path, d, 5)
     shared.files[0].write_text("{not json")
     shared.pull()  # nothing usable: keeps what it has
     d.request().record(RoundOutcome(0, 0, 0, 1, 0.0, 0.010))
@@ -261,18 +288,18 @@ def test_sharing_that_fails_never_stops_the_instance(tmp_path, capsys):
 def test_shared_state_files_go_with_their_server(tmp_path):
     (tmp_path / "policy-999999999.json").write_text("{}")  # a server that is gone
     (tmp_path / "policy-999999999.lock").write_text("")
-    d = Deployment(PolicySettings("cost", 4))
-    shared = pol.SharedState(tmp_path, d, 11)
+    d = SharedPolicy(PolicySettings("cost", 4))
+    shared = sharing.SharedState(tmp_path, d, 11)
     assert not list(tmp_path.glob("policy-999999999*"))
     d.request().record(RoundOutcome(0, 0, 0, 1, 0.0, 0.010))
     shared.push()
     assert (tmp_path / "policy-11.json").exists()
-    mine, other = pol.ActiveCount(tmp_path), tmp_path / str(os.getppid())
+    mine, other = sharing.ActiveCount(tmp_path), tmp_path / str(os.getppid())
     other.write_text("0")  # another live instance of the server
     mine.close(when_last=shared.files)  # it still serves: the state stays
     assert (tmp_path / "policy-11.json").exists() and not mine.mine.exists()
     other.unlink()
-    pol.ActiveCount(tmp_path).close(when_last=shared.files)  # the last instance leaves: state and folder go
+    sharing.ActiveCount(tmp_path).close(when_last=shared.files)  # the last instance leaves: state and folder go
     assert not tmp_path.exists()
 
 
@@ -287,12 +314,12 @@ def test_folders_of_servers_that_are_gone_are_swept(tmp_path):
         os.utime(path, (time.time() - age_s, time.time() - age_s))
         return path
 
-    gone = folder(pol.INSTANCES_PREFIX + "a", "999999999", "policy-999999998.json", "policy-999999998.lock")
-    live = folder(pol.INSTANCES_PREFIX + "b", "999999999", str(os.getpid()))  # one instance still runs
-    live_server = folder(pol.INSTANCES_PREFIX + "c", "policy-%d.json" % os.getpid())
-    starting = folder(pol.INSTANCES_PREFIX + "d", "999999999", age_s=5)  # changed just now: a server starting
+    gone = folder(sharing.INSTANCES_PREFIX + "a", "999999999", "policy-999999998.json", "policy-999999998.lock")
+    live = folder(sharing.INSTANCES_PREFIX + "b", "999999999", str(os.getpid()))  # one instance still runs
+    live_server = folder(sharing.INSTANCES_PREFIX + "c", "policy-%d.json" % os.getpid())
+    starting = folder(sharing.INSTANCES_PREFIX + "d", "999999999", age_s=5)  # changed just now: a server starting
     other = folder("somebody-else", "999999999")
-    assert pol.remove_abandoned(tmp_path) == 1
+    assert sharing.remove_abandoned(tmp_path) == 1
     assert not gone.exists() and live.exists() and live_server.exists() and starting.exists() and other.exists()
 
 
@@ -301,7 +328,7 @@ def test_folders_of_servers_that_are_gone_are_swept(tmp_path):
 
 def test_plain_run_lengths_follow_why_speculation_is_off():
     # the gate tripped: the rest of the request in one call
-    gated = Deployment(PolicySettings("static", 4, acceptance_rate_window_size=2, acceptance_rate_threshold=0.5))
+    gated = SharedPolicy(PolicySettings("static", 4, acceptance_rate_window_size=2, acceptance_rate_threshold=0.5))
     request = gated.request()
     for _ in range(2):
         request.choose(4)
@@ -309,11 +336,13 @@ def test_plain_run_lengths_follow_why_speculation_is_off():
     assert gated.gate.disabled and request.choose(4) == 0 and request.plain_tokens(37) == 37
     # the request asked for no draft tokens (cap 0): all that remain, whatever the policy
     for name in pol.POLICIES:
-        request = Deployment(PolicySettings(name, 4)).request()
+        request = SharedPolicy(PolicySettings(name, 4)).request()
         assert request.choose(0) == 0 and request.plain_tokens(20) == 20
     # the schedule holds speculation off (too many active): a bounded run, the active count may fall
     active = [9]
-    busy = Deployment(PolicySettings("cost", 4, draft_len_schedule={4: 4}, probe_interval=6), active=lambda: active[0])
+    busy = SharedPolicy(
+        PolicySettings("cost", 4, draft_len_schedule={4: 4}, probe_interval=6), active=lambda: active[0]
+    )
     request = busy.request()
     assert request.choose(4) == 0 and request.plain_tokens(50) == 6 and request.plain_tokens(3) == 3
 
@@ -341,7 +370,7 @@ def test_cost_policy_runs_plain_tokens_until_the_next_probe():
 
 
 def test_plain_runs_are_costed_per_token_apart_from_one_row_steps():
-    model = pol.CostModel()
+    model = costs.CostModel()
     for _ in range(2):
         model.observe(RoundOutcome(0, 0, 0, 1, 0.0, 0.012))  # one-row steps, each with its round trip
         model.observe(RoundOutcome(2, 2, 1, 2, 0.004, 0.016))
@@ -369,7 +398,7 @@ def test_a_draft_that_cannot_pay_even_when_always_right_is_probed_rarely():
 
 def test_speculation_must_beat_plain_steps_by_the_margin():
     """A k predicted at break-even (or a hair above) stays plain; one clearly ahead is chosen."""
-    model = pol.CostModel()
+    model = costs.CostModel()
     for _ in range(2):
         model.observe(RoundOutcome(0, 0, 0, 1, 0.0, 0.010))
         model.observe(RoundOutcome(1, 1, 1, 2, 0.009, 0.010))  # k = 1: 2 tokens in 19 ms vs 20 ms plain: +5.3 %

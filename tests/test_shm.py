@@ -10,11 +10,11 @@ import time
 from pathlib import Path
 
 import pytest
-
 from tiny_models import SERVER_READY_TIMEOUT_S
-from specdeploy.triton import server, shm
 
-ECHO_MODEL = '''
+from specdeploy.triton import ports, server, shm
+
+ECHO_MODEL = """
 import os, sys
 sys.path[:0] = [p for p in os.environ.get("SPECDEPLOY_SITE", "").split(os.pathsep) if p]
 import triton_python_backend_utils as pb_utils
@@ -23,14 +23,14 @@ class TritonPythonModel:
     def execute(self, requests):
         return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", pb_utils.get_input_tensor_by_name(r, "IN").as_numpy())])
                 for r in requests]
-'''
-ECHO_CONFIG = '''
+"""
+ECHO_CONFIG = """
 backend: "python"
 max_batch_size: 0
 input [{ name: "IN", data_type: TYPE_INT32, dims: [-1] }]
 output [{ name: "OUT", data_type: TYPE_INT32, dims: [-1] }]
 instance_group [{ count: 2, kind: KIND_CPU }]
-'''
+"""
 
 
 def echo_repo(root: Path) -> Path:
@@ -48,7 +48,7 @@ def regions(prefix: str) -> list[Path]:
 @pytest.mark.parametrize("how", ["stop", "sigkill"])
 def test_a_servers_regions_are_removed_when_it_stops(tmp_path, how):
     """Stopped cleanly, or killed with its stubs (the case that leaked them before): nothing stays in /dev/shm."""
-    running = server.start(echo_repo(tmp_path), server.Ports.pick(), tmp_path / "tritonserver.log")
+    running = server.start(echo_repo(tmp_path), ports.Ports.pick(), tmp_path / "tritonserver.log")
     with running:
         server.wait_ready(running, SERVER_READY_TIMEOUT_S)
         [prefix] = shm.prefixes_in(running.process.args)
@@ -74,7 +74,9 @@ def test_orphaned_regions_are_removed_and_live_ones_kept(tmp_path):
             (tmp_path / f"{prefix}0123-abcd").write_bytes(b"x")
         (tmp_path / "triton_python_backend_shm_region_0123").write_bytes(b"x")  # another Triton's: not ours to judge
         assert shm.remove_orphaned(tmp_path) == 1
-        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"{live}0123-abcd", "triton_python_backend_shm_region_0123"])
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+            [f"{live}0123-abcd", "triton_python_backend_shm_region_0123"]
+        )
     finally:
         holder.kill()
         holder.wait()
@@ -96,7 +98,7 @@ def test_doctor_reports_unused_regions_and_cleans_them(tmp_path, monkeypatch):
 
     from click.testing import CliRunner
 
-    from specdeploy.cli import main
+    from specdeploy.cli.main import main
 
     monkeypatch.setattr(shm, "SHM_DIR", tmp_path)
     unused, young = tmp_path / f"{shm.TRITON_DEFAULT}dead", tmp_path / f"{shm.TRITON_DEFAULT}young"

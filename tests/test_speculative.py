@@ -9,13 +9,16 @@ import numpy as np
 import pytest
 import torch
 from scipy import stats as scipy_stats
-
-from specdeploy import speculative as spec
-from specdeploy.engine.executor import Executor
-from specdeploy.errors import ConfigError
-from specdeploy.generate import ExecutorProposer, ExecutorVerifier, target_only_generate
-from specdeploy.speculative import SamplingParams, SpecStats
 from standin_engines import TableEngine
+
+from specdeploy.core.errors import ConfigError
+from specdeploy.engine.executor import Executor
+from specdeploy.engine.generate import ExecutorProposer, ExecutorVerifier, target_only_generate
+from specdeploy.speculation import loop as spec
+from specdeploy.speculation import sampling as speculation_sampling
+from specdeploy.speculation import verify
+from specdeploy.speculation.loop import SpecStats
+from specdeploy.speculation.sampling import SamplingParams
 
 P_MIN = 1e-3  # the statistical tests fail at this p-value; every test is seeded, so they are deterministic
 
@@ -59,7 +62,7 @@ def chi_square_p(observed_counts: np.ndarray, expected_probs: np.ndarray) -> flo
     ],
 )
 def test_is_greedy_follows_tensorrt_llm(params, greedy):
-    assert spec.is_greedy(params) is greedy
+    assert speculation_sampling.is_greedy(params) is greedy
 
 
 def test_sampling_params_reject_bad_values():
@@ -70,20 +73,22 @@ def test_sampling_params_reject_bad_values():
 
 def test_sampling_distribution_topk_topp_temperature():
     logits = torch.log(torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]))
-    probs = spec.sampling_distribution(logits, SamplingParams(top_k=2))
+    probs = verify.sampling_distribution(logits, SamplingParams(top_k=2))
     assert torch.allclose(probs, torch.tensor([0.5, 0.2, 0, 0, 0]) / 0.7)
-    probs = spec.sampling_distribution(logits, SamplingParams(top_p=0.6))  # 0.5 < 0.6 <= 0.7
+    probs = verify.sampling_distribution(logits, SamplingParams(top_p=0.6))  # 0.5 < 0.6 <= 0.7
     assert torch.allclose(probs, torch.tensor([0.5, 0.2, 0, 0, 0]) / 0.7)
-    probs = spec.sampling_distribution(logits, SamplingParams(top_p=0.5))  # the first token alone reaches 0.5
+    probs = verify.sampling_distribution(logits, SamplingParams(top_p=0.5))  # the first token alone reaches 0.5
     assert torch.allclose(probs, torch.tensor([1.0, 0, 0, 0, 0]))
-    probs = spec.sampling_distribution(logits, SamplingParams(top_k=3, top_p=0.75))  # top-p over the top-3 renormalized
+    probs = verify.sampling_distribution(
+        logits, SamplingParams(top_k=3, top_p=0.75)
+    )  # top-p over the top-3 renormalized
     assert torch.allclose(probs, torch.tensor([0.5, 0.2, 0, 0, 0]) / 0.7)
-    hot = spec.sampling_distribution(logits, SamplingParams(temperature=0.5, top_k=5))
+    hot = verify.sampling_distribution(logits, SamplingParams(temperature=0.5, top_k=5))
     expected = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]) ** 2
     assert torch.allclose(hot, expected / expected.sum(), atol=1e-6)
-    greedy = spec.sampling_distribution(logits, SamplingParams())
+    greedy = verify.sampling_distribution(logits, SamplingParams())
     assert greedy.tolist() == [1.0, 0, 0, 0, 0]
-    batched = spec.sampling_distribution(torch.stack([logits, logits.flip(0)]), SamplingParams(top_k=2))  # [2, vocab]
+    batched = verify.sampling_distribution(torch.stack([logits, logits.flip(0)]), SamplingParams(top_k=2))  # [2, vocab]
     assert torch.allclose(batched[1], torch.tensor([0, 0, 0, 0.2, 0.5]) / 0.7)
 
 
@@ -91,29 +96,29 @@ def test_sampling_distribution_topk_topp_temperature():
 
 
 def test_verify_greedy_cases():
-    assert spec.verify_greedy([1, 2, 3], onehot_logits([1, 2, 3, 4])) == (3, 4)  # all accepted + bonus
-    assert spec.verify_greedy([1, 2, 3], onehot_logits([1, 5, 3, 4])) == (1, 5)  # first mismatch replaced
-    assert spec.verify_greedy([1, 2, 3], onehot_logits([6, 2, 3, 4])) == (0, 6)
-    assert spec.verify_greedy([], onehot_logits([7])) == (0, 7)  # no draft: one token of the target's own
+    assert verify.verify_greedy([1, 2, 3], onehot_logits([1, 2, 3, 4])) == (3, 4)  # all accepted + bonus
+    assert verify.verify_greedy([1, 2, 3], onehot_logits([1, 5, 3, 4])) == (1, 5)  # first mismatch replaced
+    assert verify.verify_greedy([1, 2, 3], onehot_logits([6, 2, 3, 4])) == (0, 6)
+    assert verify.verify_greedy([], onehot_logits([7])) == (0, 7)  # no draft: one token of the target's own
 
 
 def test_residual_distribution():
     target = torch.tensor([0.5, 0.3, 0.2, 0.0])
     draft = torch.tensor([0.2, 0.5, 0.2, 0.1])
-    assert torch.allclose(spec.residual_distribution(target, draft), torch.tensor([1.0, 0, 0, 0]))
+    assert torch.allclose(verify.residual_distribution(target, draft), torch.tensor([1.0, 0, 0, 0]))
     target = torch.tensor([0.4, 0.4, 0.2])
     draft = torch.tensor([0.1, 0.2, 0.7])
-    assert torch.allclose(spec.residual_distribution(target, draft), torch.tensor([0.6, 0.4, 0.0]))
+    assert torch.allclose(verify.residual_distribution(target, draft), torch.tensor([0.6, 0.4, 0.0]))
     same = torch.tensor([0.3, 0.7])
-    assert torch.allclose(spec.residual_distribution(same, same), same)  # no residual mass: stays a distribution
+    assert torch.allclose(verify.residual_distribution(same, same), same)  # no residual mass: stays a distribution
 
 
 def test_verify_rejection_draft_equals_target_accepts_all():
     g = torch.Generator().manual_seed(0)
     for _ in range(200):
         probs = torch.softmax(torch.randn(5, 16, generator=g), -1)  # [k + 1, vocab]
-        draft_tokens = [spec.sample_token(probs[i], g) for i in range(4)]
-        n, _ = spec.verify_rejection(draft_tokens, probs[:4], probs, g)
+        draft_tokens = [verify.sample_token(probs[i], g) for i in range(4)]
+        n, _ = verify.verify_rejection(draft_tokens, probs[:4], probs, g)
         assert n == 4
 
 
@@ -122,8 +127,8 @@ def test_verify_rejection_rejects_tokens_the_target_never_emits():
     draft_probs = torch.tensor([[0.5, 0.5, 0.0]])
     target_probs = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 1.0]])
     for _ in range(50):
-        assert spec.verify_rejection([1], draft_probs, target_probs, g) == (0, 0)
-        assert spec.verify_rejection([0], draft_probs, target_probs, g) == (1, 2)
+        assert verify.verify_rejection([1], draft_probs, target_probs, g) == (0, 0)
+        assert verify.verify_rejection([0], draft_probs, target_probs, g) == (1, 2)
 
 
 def test_verify_rejection_first_token_follows_target_distribution():
@@ -135,8 +140,8 @@ def test_verify_rejection_first_token_follows_target_distribution():
     counts = np.zeros(vocab)
     accepted = 0
     for _ in range(n):
-        x = spec.sample_token(draft_probs[0], g)
-        num, nxt = spec.verify_rejection([x], draft_probs, target_probs, g)
+        x = verify.sample_token(draft_probs[0], g)
+        num, nxt = verify.verify_rejection([x], draft_probs, target_probs, g)
         counts[x if num == 1 else nxt] += 1
         accepted += num
     assert chi_square_p(counts, target_probs[0].numpy()) > P_MIN
@@ -149,7 +154,7 @@ def test_verify_token_match_follows_target_distribution():
     target_probs = torch.tensor([[0.5, 0.25, 0.25], [0.1, 0.1, 0.8]])
     counts = np.zeros(3)
     for _ in range(6000):
-        num, nxt = spec.verify_token_match([1], target_probs, g)
+        num, nxt = verify.verify_token_match([1], target_probs, g)
         counts[1 if num == 1 else nxt] += 1
     assert chi_square_p(counts, target_probs[0].numpy()) > P_MIN
 
@@ -196,7 +201,9 @@ def test_loop_stops_on_end_id_stop_words_and_no_progress():
     tokens, stats = spec.collect(run)
     assert tokens == [5, 2] and stats.finish_reason == "end_id"
     # a stop word spanning two rounds
-    run = spec.speculative_generate(ScriptedDraft([[5, 6], [7, 8]]), ScriptedTarget([[5, 6, 3], [7, 8, 9]]), [1], 10, 2, stop_words=[[3, 7]])
+    run = spec.speculative_generate(
+        ScriptedDraft([[5, 6], [7, 8]]), ScriptedTarget([[5, 6, 3], [7, 8, 9]]), [1], 10, 2, stop_words=[[3, 7]]
+    )
     tokens, stats = spec.collect(run)
     assert tokens == [5, 6, 3, 7] and stats.finish_reason == "stop_words"
     run = spec.speculative_generate(ScriptedDraft([[5]]), ScriptedTarget([[]]), [1], 10, 1)
@@ -235,12 +242,14 @@ def test_predicted_speedup_model():
 def loop_on(draft_engine, target_engine, prompt, max_new, k, sampling, use_draft_logits=False):
     draft = ExecutorProposer(Executor(draft_engine, 2))
     target = ExecutorVerifier(Executor(target_engine, 2))
-    return spec.collect(spec.speculative_generate(draft, target, prompt, max_new, k, sampling, use_draft_logits=use_draft_logits))
+    return spec.collect(
+        spec.speculative_generate(draft, target, prompt, max_new, k, sampling, use_draft_logits=use_draft_logits)
+    )
 
 
 def exact_sequence_probs(engine: TableEngine, first: int, length: int, params: SamplingParams) -> dict[tuple, float]:
     """The target's exact distribution over its next `length` tokens after `first`."""
-    rows = spec.sampling_distribution(engine.table, params)  # [vocab, vocab]: P(next | last)
+    rows = verify.sampling_distribution(engine.table, params)  # [vocab, vocab]: P(next | last)
     vocab = rows.shape[0]
     out = {}
     for seq in itertools.product(range(vocab), repeat=length):
@@ -275,7 +284,15 @@ def test_speculative_sampling_matches_target_distribution(params, use_draft_logi
         expected[index[seq]] = p
     drafted = accepted = 0
     for seed in range(runs):
-        tokens, stats = loop_on(draft_engine, target_engine, [0], length, k, SamplingParams(**{**params.__dict__, "seed": seed}), use_draft_logits)
+        tokens, stats = loop_on(
+            draft_engine,
+            target_engine,
+            [0],
+            length,
+            k,
+            SamplingParams(**{**params.__dict__, "seed": seed}),
+            use_draft_logits,
+        )
         counts[index[tuple(tokens)]] += 1
         drafted += stats.drafted
         accepted += stats.accepted
@@ -328,7 +345,9 @@ def test_stop_word_spanning_prompt_and_output_ends_like_the_control():
         tokens, stats = spec.collect(spec.speculative_generate(draft, target, prompt, 6, k, stop_words=[[3, 7]]))
         assert tokens == [7] and stats.finish_reason == "stop_words"
     # With scripted models that do not stop on their own, the loop itself cuts at the boundary word.
-    run = spec.speculative_generate(ScriptedDraft([[7, 9]]), ScriptedTarget([[7, 9, 4]]), [1, 3], 10, 2, stop_words=[[3, 7]])
+    run = spec.speculative_generate(
+        ScriptedDraft([[7, 9]]), ScriptedTarget([[7, 9, 4]]), [1, 3], 10, 2, stop_words=[[3, 7]]
+    )
     tokens, stats = spec.collect(run)
     assert tokens == [7] and stats.finish_reason == "stop_words"
     # A stop word wholly inside the prompt does not stop anything.
@@ -348,7 +367,9 @@ def test_should_stop_cancels_between_rounds():
     tokens, stats = spec.collect(spec.speculative_generate(draft, target, [0], 20, 2, should_stop=should_stop))
     assert tokens == [5, 6, 1, 7, 8, 2] and stats.finish_reason == "cancelled"
     assert len(target.calls) == 2 and len(polls) == 3
-    tokens, stats = spec.collect(spec.speculative_generate(ScriptedDraft([]), ScriptedTarget([]), [0], 5, 2, should_stop=lambda: True))
+    tokens, stats = spec.collect(
+        spec.speculative_generate(ScriptedDraft([]), ScriptedTarget([]), [0], 5, 2, should_stop=lambda: True)
+    )
     assert tokens == [] and stats.finish_reason == "cancelled" and stats.target_iterations == 0
 
 
@@ -364,6 +385,12 @@ class ScriptedPolicy:
 
     def record(self, outcome):
         self.outcomes.append(outcome)
+
+    def plain_tokens(self, remaining):
+        return 1
+
+    def empty_run(self, remaining):
+        return 1
 
 
 def test_loop_asks_the_policy_for_k_and_reports_outcomes():
@@ -386,22 +413,28 @@ def test_loop_asks_the_policy_for_k_and_reports_outcomes():
 
 
 def test_greedy_parity_with_adaptive_k_on_bigram_engines():
-    from specdeploy import policy as pol
+    from specdeploy.speculation import policy as pol
 
     target_engine = TableEngine.random(32, seed=20)
     draft_engine = TableEngine.random(32, seed=21, scale=0.5)
     for seed in range(6):
         prompt = torch.randint(0, 32, (3,), generator=torch.Generator().manual_seed(seed)).tolist()
         expected = spec.collect(target_only_generate(Executor(target_engine), prompt, 30))[0]
-        for settings in (pol.PolicySettings("cost", 4, probe_interval=2), pol.PolicySettings("static", 4, acceptance_rate_window_size=2, acceptance_rate_threshold=0.9)):
-            deployment = pol.Deployment(settings)
+        for settings in (
+            pol.PolicySettings("cost", 4, probe_interval=2),
+            pol.PolicySettings("static", 4, acceptance_rate_window_size=2, acceptance_rate_threshold=0.9),
+        ):
+            deployment = pol.SharedPolicy(settings)
             draft, target = ExecutorProposer(Executor(draft_engine, 2)), ExecutorVerifier(Executor(target_engine, 2))
-            tokens, stats = spec.collect(spec.speculative_generate(draft, target, prompt, 30, 4, policy=deployment.request()))
+            tokens, stats = spec.collect(
+                spec.speculative_generate(draft, target, prompt, 30, 4, policy=deployment.request())
+            )
             assert tokens == expected
             assert len(set(stats.k_per_round)) > 1 or settings.policy == "static"  # the cost policy varied k
 
 
-# ---------------------------------------------------------------- plain runs: k = 0 rounds of several tokens in one call
+# ---------------------------------------------------------------- plain runs: k = 0 rounds of several tokens in one
+# call
 
 
 class RunPolicy(ScriptedPolicy):
@@ -432,7 +465,9 @@ def test_plain_run_is_one_target_call_for_many_tokens():
     assert [c[2] for c in target.calls] == [4, None, None] and target.calls[0] == ([0], [], 4)
     assert policy.remaining == [7, 1] and policy.caps == [3, 2, 0]
     assert stats.k_per_round == [0, 2, 0] and stats.target_iterations == 3 and stats.plain_run_tokens == 4
-    assert stats.plain_runs == 1 and stats.target_passes == 6  # the run's 4 tokens are 4 passes; the round and the step 1 each
+    assert (
+        stats.plain_runs == 1 and stats.target_passes == 6
+    )  # the run's 4 tokens are 4 passes; the round and the step 1 each
     run, spec_round, step = policy.outcomes
     assert (run.k, run.emitted, run.plain_run, run.is_run) == (0, 4, 4, True)
     assert (step.plain_run, step.is_run) == (1, False)
@@ -461,10 +496,10 @@ def test_an_empty_proposal_becomes_a_plain_run():
 
 
 def test_policies_size_the_run_after_an_empty_proposal():
-    from specdeploy import policy as pol
+    from specdeploy.speculation import policy as pol
 
     for name in pol.POLICIES:
-        request = pol.Deployment(pol.PolicySettings(name, 4, probe_interval=6)).request()
+        request = pol.SharedPolicy(pol.PolicySettings(name, 4, probe_interval=6)).request()
         assert request.choose(4) == 4 and request.empty_run(50) == 6 and request.empty_run(2) == 2
 
 
@@ -484,9 +519,9 @@ class CountingVerifier(ExecutorVerifier):
         return super().verify(*args, **kwargs)
 
 
-@pytest.mark.parametrize("sampling", [spec.GREEDY, SamplingParams(temperature=0.0, top_k=5)])
+@pytest.mark.parametrize("sampling", [speculation_sampling.GREEDY, SamplingParams(temperature=0.0, top_k=5)])
 def test_fallback_runs_equal_the_target_alone_with_fewer_target_calls(sampling):
-    from specdeploy import policy as pol
+    from specdeploy.speculation import policy as pol
 
     target_engine = TableEngine.random(32, seed=20)
     draft_engine = TableEngine.random(32, seed=21, scale=0.5)
@@ -496,10 +531,18 @@ def test_fallback_runs_equal_the_target_alone_with_fewer_target_calls(sampling):
         expected = spec.collect(target_only_generate(Executor(target_engine), prompt, 40, end_id=31))[0]
         # the gate trips after two bad rounds (threshold 1.0 cannot be met by this draft): the rest is plain
         settings = pol.PolicySettings("static", 3, acceptance_rate_window_size=2, acceptance_rate_threshold=1.0)
-        deployment = pol.Deployment(settings)
+        deployment = pol.SharedPolicy(settings)
         target = CountingVerifier(Executor(target_engine, 2), end_id=31)
-        run = spec.speculative_generate(ExecutorProposer(Executor(draft_engine, 2), end_id=31), target, prompt, 40, 3,
-                                        sampling=sampling, end_id=31, policy=deployment.request())  # fmt: skip
+        run = spec.speculative_generate(
+            ExecutorProposer(Executor(draft_engine, 2), end_id=31),
+            target,
+            prompt,
+            40,
+            3,
+            sampling=sampling,
+            end_id=31,
+            policy=deployment.request(),
+        )
         tokens, stats = spec.collect(run)
         assert tokens == expected
         if len(expected) > 8 and deployment.gate.disabled:
@@ -508,9 +551,17 @@ def test_fallback_runs_equal_the_target_alone_with_fewer_target_calls(sampling):
             gated_runs += 1
         # a request that asks for no draft tokens: one target call, the target's own output
         target = CountingVerifier(Executor(target_engine, 2), end_id=31)
-        policy = pol.Deployment(pol.PolicySettings("cost", 3)).request()
-        run = spec.speculative_generate(ExecutorProposer(Executor(draft_engine, 2)), target, prompt, 40, 0, sampling=sampling,
-                                        end_id=31, policy=policy)  # fmt: skip
+        policy = pol.SharedPolicy(pol.PolicySettings("cost", 3)).request()
+        run = spec.speculative_generate(
+            ExecutorProposer(Executor(draft_engine, 2)),
+            target,
+            prompt,
+            40,
+            0,
+            sampling=sampling,
+            end_id=31,
+            policy=policy,
+        )
         tokens, stats = spec.collect(run)
         assert tokens == expected and target.calls == 1 and stats.k_per_round == [0]
     assert gated_runs >= 2  # the gate tripped and the rest ran plain on most prompts
@@ -520,14 +571,20 @@ def test_greedy_token_is_torchs_argmax_ties_nans_and_infinities_included():
     """greedy_token takes a float32 row through numpy's argmax (SIMD; torch's CPU argmax was ~0.1 ms a token): the
     same index as torch's on ties (the lowest id), NaNs (the first wins), infinities, all -inf rows (the screened head's
     rows are -inf outside its candidates), rows of a 2-D tensor, inference tensors, and other dtypes (through torch)."""
-    from specdeploy.speculative import greedy_token, greedy_tokens
+    from specdeploy.speculation.verify import greedy_token, greedy_tokens
 
     g = torch.Generator().manual_seed(0)
     nan, inf = float("nan"), float("inf")
     rows = [
-        torch.tensor([1.0, 3.0, 3.0, 2.0]), torch.tensor([1.0, nan, 5.0, nan]), torch.tensor([-inf] * 5),
-        torch.tensor([1.0, inf, inf]), torch.tensor([-0.0, 0.0]), torch.tensor([-inf, 2.0, -inf, 2.0]),
-        torch.randn(49152, generator=g), torch.randn(3, 4096, generator=g)[1], torch.randn(4096, 3, generator=g)[:, 2],
+        torch.tensor([1.0, 3.0, 3.0, 2.0]),
+        torch.tensor([1.0, nan, 5.0, nan]),
+        torch.tensor([-inf] * 5),
+        torch.tensor([1.0, inf, inf]),
+        torch.tensor([-0.0, 0.0]),
+        torch.tensor([-inf, 2.0, -inf, 2.0]),
+        torch.randn(49152, generator=g),
+        torch.randn(3, 4096, generator=g)[1],
+        torch.randn(4096, 3, generator=g)[:, 2],
     ]
     with torch.inference_mode():
         rows.append(torch.randn(49152, generator=g))

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from specdeploy import lock
-from specdeploy.artifacts import process_identity
-from specdeploy.errors import BusyError
-from specdeploy.triton import server
+from specdeploy.core import artifacts, lock
+from specdeploy.core.artifacts import process_identity
+from specdeploy.core.errors import BusyError
+from specdeploy.triton import ports, server, server_state
 
 # ---------------------------------------------------------------- stop and PID reuse
 
@@ -30,7 +30,8 @@ def _deaf():
 
 
 def signals_sent_to(pid: int) -> int:
-    """The pending signals of `pid` (process- and thread-directed): a signal sent to it shows here once kill() returned."""
+    """The pending signals of `pid` (process- and thread-directed): a signal sent to it shows here once kill()
+    returned."""
     fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
     return int(fields["ShdPnd"], 16) | int(fields["SigPnd"], 16)
 
@@ -61,8 +62,8 @@ def deaf_bystander():
     proc.wait()
 
 
-def state_for(pid: int, start_ticks, cmdline) -> server.ServerState:
-    return server.ServerState(pid, 1, 2, 3, "tritonserver.log", "repo", 0.0, start_ticks, cmdline)
+def state_for(pid: int, start_ticks, cmdline) -> server_state.ServerState:
+    return server_state.ServerState(pid, 1, 2, 3, "tritonserver.log", "repo", 0.0, start_ticks, cmdline)
 
 
 TRITON_CMDLINE = ["/opt/tritonserver/bin/tritonserver", "--model-repository=/models"]
@@ -82,37 +83,39 @@ def test_stop_leaves_a_process_that_reused_the_pid_alone(tmp_path, deaf_bystande
         "state without identity": state_for(bystander.pid, None, None),  # written by an older specdeploy
     }[recorded]
     state.write(tmp_path)
-    assert not server.ServerState.read(tmp_path).running()
+    assert not server_state.ServerState.read(tmp_path).running()
     assert "not running" in server.status(tmp_path)[1] and "another process" in server.status(tmp_path)[1]
     message = server.stop(tmp_path)
     assert "had already exited" in message and "another process, left alone" in message
     assert signals_sent_to(bystander.pid) == 0, "stop signalled a process that is not the server it started"
-    assert not (tmp_path / server.STATE_FILE).exists(), "the stale state is cleaned up"
-    server.stop_pid(bystander.pid, timeout_s=1, expected=state.identity() or server.ProcessIdentity(bystander.pid, 1, ()))
+    assert not (tmp_path / server_state.STATE_FILE).exists(), "the stale state is cleaned up"
+    server.stop_pid(
+        bystander.pid, timeout_s=1, expected=state.identity() or artifacts.ProcessIdentity(bystander.pid, 1, ())
+    )
     assert signals_sent_to(bystander.pid) == 0 and bystander.poll() is None
 
 
 def test_stop_signals_the_process_it_recorded(tmp_path, bystander):
     me = process_identity(bystander.pid)
     state_for(bystander.pid, me.start_ticks, list(me.cmdline)).write(tmp_path)
-    assert server.ServerState.read(tmp_path).running()
+    assert server_state.ServerState.read(tmp_path).running()
     assert server.stop(tmp_path) == f"stopped tritonserver (pid {bystander.pid})"
     assert bystander.wait(timeout=10) == -signal.SIGTERM
-    assert not (tmp_path / server.STATE_FILE).exists()
+    assert not (tmp_path / server_state.STATE_FILE).exists()
 
 
 @pytest.mark.server
 def test_a_started_server_records_who_it_is(tmp_path):
     """The identity comes from the real tritonserver process (its command line, its start time)."""
     (tmp_path / "repo").mkdir()
-    running = server.start(tmp_path / "repo", server.Ports.pick(), tmp_path / "tritonserver.log")
+    running = server.start(tmp_path / "repo", ports.Ports.pick(), tmp_path / "tritonserver.log")
     with running:
         state = running.state
         assert Path(state.cmdline[0]).name == "tritonserver" and f"--grpc-port={state.grpc_port}" in state.cmdline
         assert state.start_ticks == process_identity(state.pid).start_ticks
         state.write(tmp_path / "state")
-        assert server.ServerState.read(tmp_path / "state").running()
-    assert not server.ServerState.read(tmp_path / "state").running()
+        assert server_state.ServerState.read(tmp_path / "state").running()
+    assert not server_state.ServerState.read(tmp_path / "state").running()
 
 
 # ---------------------------------------------------------------- one run per recipe
@@ -121,7 +124,7 @@ def test_a_started_server_records_who_it_is(tmp_path):
 HOLDER = r"""
 import sys, time
 from pathlib import Path
-from specdeploy import lock
+from specdeploy.core import lock
 engines, release = Path(sys.argv[1]), Path(sys.argv[2])
 with lock.recipe_lock(engines, "smollm2-135m", "specdeploy build recipe.yaml"):
     (engines / "held").write_text("")
@@ -155,9 +158,13 @@ def holder(project):
 
 
 def cli(root, *args) -> subprocess.Popen:
-    code = "from specdeploy.cli import main; main(prog_name='specdeploy')"
-    return subprocess.Popen([sys.executable, "-c", code, "--root", str(root), *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    code = "from specdeploy.cli.main import main; main(prog_name='specdeploy')"
+    return subprocess.Popen(
+        [sys.executable, "-c", code, "--root", str(root), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def lines_of(proc) -> queue.Queue:
@@ -183,7 +190,9 @@ def test_a_second_run_waits_for_the_first(project, holder):
     first, release = holder
     second = cli(root, "repo", str(recipe))  # `repo` takes the lock before it looks at its inputs
     lines = lines_of(second)
-    wait_for_line(lines, f"waiting for another specdeploy run on smollm2-135m (pid {first.pid}: specdeploy build recipe.yaml)")
+    wait_for_line(
+        lines, f"waiting for another specdeploy run on smollm2-135m (pid {first.pid}: specdeploy build recipe.yaml)"
+    )
     assert second.poll() is None, "the second run must wait while the first holds the recipe"
     release.touch()
     assert first.wait(timeout=30) == 0
@@ -200,7 +209,10 @@ def test_a_second_run_gives_up_after_the_timeout_naming_the_holder(project, hold
     second = cli(root, "--lock-timeout", "0.5", "build", str(recipe))
     out, _ = second.communicate(timeout=60)
     assert second.returncode == 1, out
-    assert f"another specdeploy run on smollm2-135m holds {engines / '.lock'} (pid {first.pid}: specdeploy build recipe.yaml)" in out
+    assert (
+        f"another specdeploy run on smollm2-135m holds {engines / '.lock'} (pid {first.pid}: specdeploy build"
+        " recipe.yaml)" in out
+    )
     assert "kill PID" in out and "--lock-timeout" in out
     assert first.poll() is None
 
@@ -225,14 +237,17 @@ def test_the_lock_dies_with_its_holder(project, holder):
 def test_every_command_that_writes_a_recipes_outputs_takes_its_lock(project, holder):
     from click.testing import CliRunner
 
-    from specdeploy.cli import main
+    from specdeploy.cli.main import main
 
     root, recipe, _ = project
     first, _ = holder
     writers = [["quantize"], ["build"], ["repo"], ["serve", "--detach"], ["validate"], ["run"]]
     for command in writers:
         result = CliRunner().invoke(main, ["--root", str(root), "--lock-timeout", "0", *command, str(recipe)])
-        assert result.exit_code == 1 and f"(pid {first.pid}: specdeploy build recipe.yaml)" in result.output, (command, result.output)
+        assert result.exit_code == 1 and f"(pid {first.pid}: specdeploy build recipe.yaml)" in result.output, (
+            command,
+            result.output,
+        )
     for command in (["build", "--dry-run"], ["status"], ["stop"], ["check"]):  # these write no recipe output
         result = CliRunner().invoke(main, ["--root", str(root), "--lock-timeout", "0", *command, str(recipe)])
         assert "holds" not in result.output, (command, result.output)

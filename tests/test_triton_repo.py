@@ -16,10 +16,27 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from triton_hf_engine import make_engines, write_engine  # noqa: E402
 
-from specdeploy import backend_stages  # noqa: E402
-from specdeploy.errors import RepoError, ServerError, StaleArtifactError  # noqa: E402
-from specdeploy.triton import repository, server  # noqa: E402
-from specdeploy.triton.models import common  # noqa: E402
+from specdeploy.core.errors import RepoError, ServerError, StaleArtifactError  # noqa: E402
+from specdeploy.deploy import backend_stages  # noqa: E402
+from specdeploy.triton import (  # noqa: E402
+    install,
+    layout_models,
+    model_config,
+    repo_inputs,
+    repository,
+    server,
+    server_state,
+    tensors,
+)
+from specdeploy.triton import ports as triton_ports
+from specdeploy.triton.models import (
+    cancellation,
+    common,  # noqa: E402
+    optional_inputs,
+    request_inputs,
+    stub_safety,
+    text_stream,
+)
 
 FACTORY = "triton_hf_engine:load_executor"
 MODELS = ("preprocessing", "tensorrt_llm", "tensorrt_llm_draft", "postprocessing", "ensemble", "tensorrt_llm_bls")
@@ -63,11 +80,16 @@ def test_every_config_parses_with_tritons_schema(setup):
     # the BLS streams each response's new text: NVIDIA's BLS calls that accumulate_tokens false (true: all text so far)
     assert bls.parameters["accumulate_tokens"].string_value == "false"
     manifest = json.loads((path / "manifest.json").read_text())
-    assert manifest["stage"] == "repo" and manifest["inputs"] == {"target_engine": "test-target", "draft_engine": "test-draft"}
+    assert manifest["stage"] == "repo" and manifest["inputs"] == {
+        "target_engine": "test-target",
+        "draft_engine": "test-draft",
+    }
 
 
 def test_decoupled_and_instances_follow_the_recipe(tmp_path, tiny_llama_dir, tiny_llama_draft_dir):
-    recipe, layout = make_engines(tmp_path, tiny_llama_dir, tiny_llama_draft_dir, triton={"decoupled": True, "instance_count": 3})
+    recipe, layout = make_engines(
+        tmp_path, tiny_llama_dir, tiny_llama_draft_dir, triton={"decoupled": True, "instance_count": 3}
+    )
     path, _ = backend_stages.of(recipe).write_repository(recipe, layout, executor_factory=FACTORY)
     for name in ("tensorrt_llm", "tensorrt_llm_draft", "tensorrt_llm_bls"):
         config = _parse(path / name / "config.pbtxt")
@@ -110,31 +132,34 @@ def test_target_without_enough_max_draft_len_is_refused(tmp_path, tiny_llama_dir
 
 def test_cpu_backend_writes_the_shared_layout(setup):
     recipe, layout = setup
-    inp = repository.repo_inputs(recipe, layout, executor_factory=FACTORY)
+    inp = repo_inputs.repo_inputs(recipe, layout, executor_factory=FACTORY)
     stages = backend_stages.of(recipe)
-    specs = repository.model_specs(repository.RepoInputs(recipe, inp.engine_dirs, inp.engine_manifests, FACTORY),
-                                   stages.engine_models)  # fmt: skip
+    specs = layout_models.model_specs(
+        repo_inputs.RepoInputs(recipe, inp.engine_dirs, inp.engine_manifests, FACTORY), stages.engine_models
+    )
     assert [s.name for s in specs] == list(MODELS)
     assert [s.name for s in stages.engine_models(inp)] == ["tensorrt_llm", "tensorrt_llm_draft"]
 
 
 def test_render_refuses_a_parameter_without_value():
-    spec = repository.ModelSpec("m", 1, repository.POSTPROCESSING_INPUTS, repository.POSTPROCESSING_OUTPUTS, parameters={"x": None})
+    spec = model_config.ModelSpec(
+        "m", 1, tensors.POSTPROCESSING_INPUTS, tensors.POSTPROCESSING_OUTPUTS, parameters={"x": None}
+    )
     with pytest.raises(RepoError, match="'x' has no value"):
-        repository.render(spec)
+        model_config.render(spec)
 
 
 def test_check_config_reports_a_broken_config():
     with pytest.raises(RepoError, match="ModelConfig"):
-        repository.check_config('name: "x"\nmax_batch_size: "many"\n', "x")
+        model_config.check_config('name: "x"\nmax_batch_size: "many"\n', "x")
 
 
 def test_words_list_round_trip():
     words = [[5, 6], [7], [8, 9, 10]]
-    arr = common.to_words_list(words)
+    arr = request_inputs.to_words_list(words)
     assert arr.shape == (2, 6) and arr[1].tolist() == [2, 3, 6, -1, -1, -1]
-    assert common.from_words_list(arr[None], "x") == words
-    assert common.from_words_list(common.to_words_list([]), "x") == []
+    assert request_inputs.from_words_list(arr[None], "x") == words
+    assert request_inputs.from_words_list(request_inputs.to_words_list([]), "x") == []
 
 
 def test_text_stream_holds_back_partial_characters(tiny_tokenizer_dir):
@@ -142,17 +167,17 @@ def test_text_stream_holds_back_partial_characters(tiny_tokenizer_dir):
 
     tok = AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir))
     ids = tok("héllo wörld, ünïcode", add_special_tokens=False).input_ids
-    stream = common.TextStream(tok, True)
+    stream = text_stream.TextStream(tok, True)
     text = "".join(stream.push([t]) for t in ids) + stream.flush()
     assert text == tok.decode(ids, skip_special_tokens=True) == "héllo wörld, ünïcode"
 
 
 def test_ports_and_state(tmp_path):
-    ports = server.Ports.pick()
+    ports = triton_ports.Ports.pick()
     assert len({ports.grpc, ports.http, ports.metrics}) == 3
-    state = server.ServerState(os.getpid(), 1, 2, 3, "log", "repo", 0.0)
+    state = server_state.ServerState(os.getpid(), 1, 2, 3, "log", "repo", 0.0)
     state.write(tmp_path)
-    assert server.ServerState.read(tmp_path) == state
+    assert server_state.ServerState.read(tmp_path) == state
     assert server.status(tmp_path / "none")[0] is None
     import socket
 
@@ -160,12 +185,12 @@ def test_ports_and_state(tmp_path):
         s.bind(("127.0.0.1", 0))
         s.listen()
         with pytest.raises(ServerError, match="already in use"):
-            server.Ports.pick(grpc=s.getsockname()[1])
+            triton_ports.Ports.pick(grpc=s.getsockname()[1])
 
 
 def test_explicit_binary_must_exist(tmp_path):
     with pytest.raises(ServerError, match="not an executable"):
-        server.find_binary(tmp_path / "nope")
+        install.find_binary(tmp_path / "nope")
 
 
 def test_relevant_log_picks_errors(tmp_path):
@@ -176,23 +201,23 @@ def test_relevant_log_picks_errors(tmp_path):
 
 
 def test_scalar_and_utf8_checks():
-    assert common.scalar(np.array([[3]]), "x", int) == 3
-    assert common.scalar(None, "x", int, 7) == 7
-    with pytest.raises(common.RequestError, match="one value"):
-        common.scalar(np.array([[1, 2]]), "x", int)
-    with pytest.raises(common.RequestError, match="not valid UTF-8"):
-        common.decode_utf8(b"ok \xff\xfe", "text_input")
+    assert request_inputs.scalar(np.array([[3]]), "x", int) == 3
+    assert request_inputs.scalar(None, "x", int, 7) == 7
+    with pytest.raises(request_inputs.RequestError, match="one value"):
+        request_inputs.scalar(np.array([[1, 2]]), "x", int)
+    with pytest.raises(request_inputs.RequestError, match="not valid UTF-8"):
+        request_inputs.decode_utf8(b"ok \xff\xfe", "text_input")
 
 
 def test_cli_repo_serve_status_stop_without_a_server(setup, tmp_path):
     import yaml
     from click.testing import CliRunner
 
-    from specdeploy.cli import main
+    from specdeploy.cli.main import main
 
     recipe, layout = setup
     recipe_file = tmp_path / "tiny.yaml"
-    from specdeploy.config import to_plain
+    from specdeploy.recipe.config import to_plain
 
     recipe_file.write_text(yaml.safe_dump(to_plain(recipe)))
     runner = CliRunner()
@@ -212,22 +237,26 @@ def test_cli_repo_serve_status_stop_without_a_server(setup, tmp_path):
 
 
 def test_tokenizer_found_through_the_engine_manifest(tmp_path, tiny_llama_dir):
-    from specdeploy.artifacts import Manifest
+    from specdeploy.core.artifacts import Manifest
 
     engine = tmp_path / "engine"
     engine.mkdir()
     manifest = Manifest(stage="build", recipe_name="x", fingerprint="f", extra={"model": str(tiny_llama_dir)})
-    assert repository.find_tokenizer(engine, manifest) == Path(tiny_llama_dir)
+    assert repo_inputs.find_tokenizer(engine, manifest) == Path(tiny_llama_dir)
     with pytest.raises(RepoError, match="no tokenizer"):
-        repository.find_tokenizer(engine, Manifest(stage="build", recipe_name="x", fingerprint="f"))
+        repo_inputs.find_tokenizer(engine, Manifest(stage="build", recipe_name="x", fingerprint="f"))
 
 
 REFERENCE = Path(__file__).parent / "data" / "trtllm_backend_c2e65b8_tensors.json"
 
 
 # specdeploy's additions beyond NVIDIA's layout, per model (sent only on request)
-EXTENSIONS = {"outputs": {"tensorrt_llm_bls": {t.name for t in repository.OUTPUT_COUNT + repository.BLS_EXTRA_OUTPUTS},
-                          "ensemble": {t.name for t in repository.OUTPUT_COUNT}}}
+EXTENSIONS = {
+    "outputs": {
+        "tensorrt_llm_bls": {t.name for t in tensors.OUTPUT_COUNT + tensors.BLS_EXTRA_OUTPUTS},
+        "ensemble": {t.name for t in tensors.OUTPUT_COUNT},
+    }
+}
 
 
 def _declared(config, kind, extensions: bool = False):
@@ -235,8 +264,13 @@ def _declared(config, kind, extensions: bool = False):
     items = config.input if kind == "inputs" else config.output
     ours = EXTENSIONS.get(kind, {}).get(config.name, set())
     return {
-        t.name: (model_config_pb2.DataType.Name(t.data_type).removeprefix("TYPE_"), list(t.dims), bool(getattr(t, "optional", False)))
-        for t in items if (t.name in ours) == extensions
+        t.name: (
+            model_config_pb2.DataType.Name(t.data_type).removeprefix("TYPE_"),
+            list(t.dims),
+            bool(getattr(t, "optional", False)),
+        )
+        for t in items
+        if (t.name in ours) == extensions
     }
 
 
@@ -249,10 +283,13 @@ def test_every_tensor_is_declared_as_nvidia_declares_it(setup, backend):
     from dataclasses import replace
 
     recipe, layout = setup
-    inp = repository.repo_inputs(recipe, layout, executor_factory=FACTORY)
+    inp = repo_inputs.repo_inputs(recipe, layout, executor_factory=FACTORY)
     if backend != "cpu":
-        inp = repository.RepoInputs(replace(recipe, backend=backend), inp.engine_dirs, inp.engine_manifests, FACTORY)
-    configs = {s.name: repository.check_config(repository.render(s), s.name) for s in repository.model_specs(inp, backend_stages.of(inp.recipe).engine_models)}
+        inp = repo_inputs.RepoInputs(replace(recipe, backend=backend), inp.engine_dirs, inp.engine_manifests, FACTORY)
+    configs = {
+        s.name: model_config.check_config(model_config.render(s), s.name)
+        for s in layout_models.model_specs(inp, backend_stages.of(inp.recipe).engine_models)
+    }
     reference = json.loads(REFERENCE.read_text())
     counts = {}
     models = ("preprocessing", "tensorrt_llm", "tensorrt_llm_bls", "postprocessing", "ensemble")
@@ -268,8 +305,11 @@ def test_every_tensor_is_declared_as_nvidia_declares_it(setup, backend):
     # the additions: the output count on the text-level models (as tensorrt_llm declares it), the rounds on the BLS
     count = {"sequence_length": ("INT32", [-1], False)}
     assert _declared(configs["tensorrt_llm_bls"], "outputs", extensions=True) == {
-        **count, "speculative_k_history": ("INT32", [-1], False), "speculative_draft_seconds": ("FP32", [-1], False),
-        "speculative_target_seconds": ("FP32", [-1], False)}  # fmt: skip
+        **count,
+        "speculative_k_history": ("INT32", [-1], False),
+        "speculative_draft_seconds": ("FP32", [-1], False),
+        "speculative_target_seconds": ("FP32", [-1], False),
+    }
     if backend == "cpu":
         assert _declared(configs["ensemble"], "outputs", extensions=True) == count
     # the counts the issue names: 51 on ensemble, 78 on tensorrt_llm, 57 on tensorrt_llm_bls
@@ -280,11 +320,14 @@ def test_every_tensor_is_declared_as_nvidia_declares_it(setup, backend):
 
 def test_refused_inputs_name_the_tensor_and_accept_neutral_values():
     get = {"beam_width": np.array([[1]], np.int32), "lora_weights": np.zeros((1, 0, 0), np.float16)}.get
-    common.refuse_unsupported(get, ("beam_width", "lora_weights", "lookahead_window_size"))
-    for name, value in (("beam_width", np.array([[2]], np.int32)), ("lora_task_id", np.array([[7]], np.uint64)),
-                        ("guided_decoding_guide", np.array([[b"{}"]], object))):
-        with pytest.raises(common.RequestError, match=f"'{name}'"):
-            common.refuse_unsupported({name: value}.get, (name,))
+    optional_inputs.refuse_unsupported(get, ("beam_width", "lora_weights", "lookahead_window_size"))
+    for name, value in (
+        ("beam_width", np.array([[2]], np.int32)),
+        ("lora_task_id", np.array([[7]], np.uint64)),
+        ("guided_decoding_guide", np.array([[b"{}"]], object)),
+    ):
+        with pytest.raises(request_inputs.RequestError, match=f"'{name}'"):
+            optional_inputs.refuse_unsupported({name: value}.get, (name,))
 
 
 def test_an_empty_prompt_is_what_the_tokenizer_makes_of_it():
@@ -293,11 +336,13 @@ def test_an_empty_prompt_is_what_the_tokenizer_makes_of_it():
     from types import SimpleNamespace
 
     def tokenizer(bos):
-        return lambda text, add_special_tokens=True: SimpleNamespace(input_ids=([1] if bos and add_special_tokens else []) + [ord(c) for c in text])
+        return lambda text, add_special_tokens=True: SimpleNamespace(
+            input_ids=([1] if bos and add_special_tokens else []) + [ord(c) for c in text]
+        )
 
-    assert common.encode_prompt(tokenizer(True), "", True, 16) == [1]
-    with pytest.raises(common.RequestError, match="empty or tokenizes to no tokens"):
-        common.encode_prompt(tokenizer(False), "", True, 16)
+    assert request_inputs.encode_prompt(tokenizer(True), "", True, 16) == [1]
+    with pytest.raises(request_inputs.RequestError, match="empty or tokenizes to no tokens"):
+        request_inputs.encode_prompt(tokenizer(False), "", True, 16)
 
 
 def test_embedding_bias_from_words(tiny_tokenizer_dir):
@@ -305,20 +350,22 @@ def test_embedding_bias_from_words(tiny_tokenizer_dir):
 
     tok = AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir))
     ids = tok("fox", add_special_tokens=False).input_ids
-    bias = common.embedding_bias_from_words(tok, ["fox", "fox"], np.array([1.5, -0.5], np.float32), 512)
+    bias = optional_inputs.embedding_bias_from_words(tok, ["fox", "fox"], np.array([1.5, -0.5], np.float32), 512)
     expected = np.zeros(512, np.float32)
     for t in ids:
         expected[t] += 1.0
     assert np.array_equal(bias, expected)
-    assert common.embedding_bias_from_words(tok, [], None, 512) is None
-    with pytest.raises(common.RequestError, match="one weight per word"):
-        common.embedding_bias_from_words(tok, ["fox"], np.array([1.0, 2.0], np.float32), 512)
+    assert optional_inputs.embedding_bias_from_words(tok, [], None, 512) is None
+    with pytest.raises(request_inputs.RequestError, match="one weight per word"):
+        optional_inputs.embedding_bias_from_words(tok, ["fox"], np.array([1.0, 2.0], np.float32), 512)
     # as NVIDIA's preprocessing: a batch item padded with "" and 0.0 (the shorter list of a batch) is its words alone,
     # and words without weights (or weights without words) are no bias (preprocessing/1/model.py:691-712 at c2e65b8)
-    padded = common.embedding_bias_from_words(tok, np.array([b"fox", b"fox", b""], object), np.array([1.5, -0.5, 0.0], np.float32), 512)
+    padded = optional_inputs.embedding_bias_from_words(
+        tok, np.array([b"fox", b"fox", b""], object), np.array([1.5, -0.5, 0.0], np.float32), 512
+    )
     assert np.array_equal(padded, expected)
-    assert common.embedding_bias_from_words(tok, ["fox"], None, 512) is None
-    assert common.embedding_bias_from_words(tok, None, np.array([1.0], np.float32), 512) is None
+    assert optional_inputs.embedding_bias_from_words(tok, ["fox"], None, 512) is None
+    assert optional_inputs.embedding_bias_from_words(tok, None, np.array([1.0], np.float32), 512) is None
 
 
 def test_cancel_check_polls_the_server_at_most_every_interval_and_honours_the_deadline():
@@ -329,7 +376,7 @@ def test_cancel_check_polls_the_server_at_most_every_interval_and_honours_the_de
         calls.append(now[0])
         return now[0] >= 0.375
 
-    check = common.CancelCheck(is_cancelled, deadline_s=None, interval_s=0.125, clock=lambda: now[0])
+    check = cancellation.CancelCheck(is_cancelled, deadline_s=None, interval_s=0.125, clock=lambda: now[0])
     for step in range(1, 40):
         now[0] = step / 32  # binary fractions: exact sums
         if check():
@@ -337,12 +384,16 @@ def test_cancel_check_polls_the_server_at_most_every_interval_and_honours_the_de
     assert check.reason == "cancelled" and now[0] == 0.375
     assert calls == [0.125, 0.25, 0.375]  # not once per step
     now[0] = 0.0
-    timed = common.CancelCheck(lambda: False, deadline_s=0.5, interval_s=0.1, clock=lambda: now[0])
+    timed = cancellation.CancelCheck(lambda: False, deadline_s=0.5, interval_s=0.1, clock=lambda: now[0])
     now[0] = 0.49
     assert not timed()
     now[0] = 0.51
     assert timed() and timed.reason == "timeout"
-    assert common.deadline_s(250_000, 9.0) == 0.25 and common.deadline_s(0, 9.0) == 9.0 and common.deadline_s(0, 0.0) is None
+    assert (
+        cancellation.deadline_s(250_000, 9.0) == 0.25
+        and cancellation.deadline_s(0, 9.0) == 9.0
+        and cancellation.deadline_s(0, 0.0) is None
+    )
 
 
 # ---------------------------------------------------------------- streaming whole characters (no server)
@@ -367,7 +418,7 @@ def test_hold_back_releases_tokens_only_when_they_complete_text(tiny_tokenizer_d
     ids = tok(MULTI_BYTE, add_special_tokens=False).input_ids
     assert len(ids) > len(MULTI_BYTE) - 2  # byte-level BPE trained on ASCII: multi-byte characters are several tokens
     for step in (1, 2, 5):  # tokens arrive one, two or five at a time
-        hold = common.HoldBack(tok.backend_tokenizer, True)
+        hold = text_stream.HoldBack(tok.backend_tokenizer, True)
         chunks = [hold.push(ids[i : i + step]) for i in range(0, len(ids), step)] + [hold.flush()]
         chunks = [c for c in chunks if c]
         assert [t for c in chunks for t in c] == ids  # nothing lost, nothing reordered
@@ -376,7 +427,7 @@ def test_hold_back_releases_tokens_only_when_they_complete_text(tiny_tokenizer_d
         assert not any("\ufffd" in t for t in texts)
         if step == 1:  # released exactly at the whole-character boundaries of the plain decode
             assert chunks == _whole_char_groups(tok, ids)
-    hold = common.HoldBack(tok.backend_tokenizer, True)
+    hold = text_stream.HoldBack(tok.backend_tokenizer, True)
     emoji = tok("😀", add_special_tokens=False).input_ids
     assert len(emoji) == 4 and hold.push(emoji[:3]) == [] and hold.pending == 3
     assert hold.push(emoji[3:]) == emoji and hold.pending == 0
@@ -387,7 +438,7 @@ def test_per_chunk_decoding_is_exact_only_for_byte_level_tokenizers(tiny_tokeniz
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    assert common.chunk_decoding_problem(AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir))) is None
+    assert text_stream.chunk_decoding_problem(AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir))) is None
     # a SentencePiece-style tokenizer: a chunk decoded alone loses its leading space
     vocab = {"<unk>": 0, "▁Hello": 1, "▁world": 2}
     sp = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -395,43 +446,57 @@ def test_per_chunk_decoding_is_exact_only_for_byte_level_tokenizers(tiny_tokeniz
     sp.decoder = decoders.Metaspace()
     fast = PreTrainedTokenizerFast(tokenizer_object=sp, unk_token="<unk>")
     assert fast.decode([1, 2]) != fast.decode([1]) + fast.decode([2])  # the problem is real
-    assert "Metaspace" in common.chunk_decoding_problem(fast)
+    assert "Metaspace" in text_stream.chunk_decoding_problem(fast)
     fast.clean_up_tokenization_spaces = True
-    assert "clean_up_tokenization_spaces" in common.chunk_decoding_problem(fast)
+    assert "clean_up_tokenization_spaces" in text_stream.chunk_decoding_problem(fast)
 
 
 def test_a_plain_runs_first_slice_covers_the_requests_in_flight():
     """An expired slice loses the run's tokens, so the first slice allows for the requests sharing the target
     (a token at concurrency 2 cost ~1.7x what one request measured) and for the prefill."""
-    alone = common.run_slice_s(64, 0.012, 1)
+    alone = cancellation.run_slice_s(64, 0.012, 1)
     assert alone == pytest.approx(2 * 64 * 0.012 + 1.0)
-    shared = common.run_slice_s(64, 0.012, 2)
+    shared = cancellation.run_slice_s(64, 0.012, 2)
     assert shared >= 1.7 * 64 * 0.012 * 2 and shared > alone  # twice the run at concurrency 2's per-token cost
-    assert common.run_slice_s(64, 0.012, 0) == alone  # the count is at least this request
-    assert common.run_slice_s(1, 0.012, 8) > 1.0  # a prefill's second, whatever the run
+    assert cancellation.run_slice_s(64, 0.012, 0) == alone  # the count is at least this request
+    assert cancellation.run_slice_s(1, 0.012, 8) > 1.0  # a prefill's second, whatever the run
 
 
 def test_bls_calls_run_in_slices_until_done_or_the_parent_stops():
     now, cancelled = [0.0], [False]
-    check = common.CancelCheck(lambda: cancelled[0], deadline_s=None, interval_s=0.0, clock=lambda: now[0])
+    check = cancellation.CancelCheck(lambda: cancelled[0], deadline_s=None, interval_s=0.0, clock=lambda: now[0])
     slices = []
 
     def attempt(slice_s, finish_at=3, tokens_before_expiry=0):
         slices.append(slice_s)
         now[0] += slice_s
         if len(slices) < finish_at:
-            raise common.SliceExpired(f"tensorrt_llm: the request ran past its server-side deadline of {slice_s} s after {tokens_before_expiry} tokens")
+            raise cancellation.SliceExpired(
+                f"tensorrt_llm: the request ran past its server-side deadline of {slice_s} s after"
+                f" {tokens_before_expiry} tokens"
+            )
         return "done"
 
-    assert common.call_in_slices(attempt, check, 0.5) == "done" and slices == [0.5, 0.5, 0.5]  # prefill progress is kept: same slice
+    assert cancellation.call_in_slices(attempt, check, 0.5) == "done" and slices == [
+        0.5,
+        0.5,
+        0.5,
+    ]  # prefill progress is kept: same slice
     slices.clear()
-    assert common.call_in_slices(lambda s: attempt(s, 4, 2), check, 0.5) == "done" and slices == [0.5, 1.0, 2.0, 4.0]  # lost tokens: doubled
+    assert cancellation.call_in_slices(lambda s: attempt(s, 4, 2), check, 0.5) == "done" and slices == [
+        0.5,
+        1.0,
+        2.0,
+        4.0,
+    ]  # lost tokens: doubled
     slices.clear()
     cancelled[0] = True
-    with pytest.raises(common.ParentStopped, match="cancelled"):
-        common.call_in_slices(attempt, check, 0.5)
+    with pytest.raises(cancellation.ParentStopped, match="cancelled"):
+        cancellation.call_in_slices(attempt, check, 0.5)
     assert slices == [0.5]  # stopped after the first expired slice
-    assert common.is_slice_expiry("Request timeout expired") and not common.is_slice_expiry("input_ids is empty")
+    assert cancellation.is_slice_expiry("Request timeout expired") and not cancellation.is_slice_expiry(
+        "input_ids is empty"
+    )
 
 
 class _Tensor:  # a pb_utils.Tensor stand-in that can be weakly referenced
@@ -481,7 +546,7 @@ def test_send_leaves_the_stub_no_tensor_to_free():
     import gc
     import weakref
 
-    from specdeploy.triton.models import common
+    from specdeploy.triton.models import stub_safety
 
     freed_inside = []
 
@@ -500,15 +565,15 @@ def test_send_leaves_the_stub_no_tensor_to_free():
     response = _Response("output_ids", "generation_logits", "context_logits")
     refs = {t.name: weakref.ref(t) for t in response.tensors}
     sender = PruningSender({"output_ids"})
-    common.send(sender, response, 1)
+    stub_safety.send(sender, response, 1)
     assert freed_inside == [False, False]  # the sender dropped two and freed neither
     gc.collect()
     assert [refs[n]() is None for n in ("generation_logits", "context_logits")] == [True, True]  # freed after send
     assert refs["output_ids"]() is not None  # the response still holds what it sends
     # a bare final flag and an error response go to the sender as they are
-    common.send(sender, None, 1)
+    stub_safety.send(sender, None, 1)
     error = type("E", (), {"has_error": lambda self: True, "output_tensors": lambda self: 1 / 0})()
-    common.send(sender, error, 1)
+    stub_safety.send(sender, error, 1)
     assert sender.sent[-2:] == [(None, 1), (error, 1)]
     # without the hold, the same sender frees them inside send: the stand-in shows the hazard it guards against
     freed_inside.clear()
@@ -521,8 +586,13 @@ def test_no_model_calls_a_response_sender_directly():
     import re
 
     models = Path(common.__file__).parent
-    direct = [f"{p.name}:{i}" for p in sorted(models.glob("*.py")) if p.name != "stub_safety.py"
-              for i, line in enumerate(p.read_text().splitlines(), 1) if re.search(r"(?<!common)\.send\(", line)]
+    direct = [
+        f"{p.name}:{i}"
+        for p in sorted(models.glob("*.py"))
+        if p.name != "stub_safety.py"
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if re.search(r"(?<!stub_safety)\.send\(", line)
+    ]
     assert direct == []
 
 
@@ -532,7 +602,7 @@ def test_stub_lock_is_held_except_while_waiting_for_the_engine():
     import queue
     import threading
 
-    lock = common.StubLock()
+    lock = stub_safety.StubLock()
     chunks: queue.Queue = queue.Queue()
     seen = []
 
@@ -549,7 +619,7 @@ def test_stub_lock_is_held_except_while_waiting_for_the_engine():
     t.start()
     # while the request thread waits for its first chunk, another thread gets the lock (the scheduler's poll)
     request = type("R", (), {"is_cancelled": lambda self: lock._lock._is_owned(), "timeout": lambda self: 0})()
-    check = common.request_cancel_check(request, 0.0, lock)
+    check = cancellation.request_cancel_check(request, 0.0, lock)
     polled = []
     poller = threading.Thread(target=lambda: polled.append(check._is_cancelled()))
     poller.start()
@@ -563,7 +633,8 @@ def test_stub_lock_is_held_except_while_waiting_for_the_engine():
 
 
 def _bls_module(monkeypatch, request, **pb_utils):
-    """The BLS calls' module (bls_calls.py) bound to a stand-in for triton_python_backend_utils (imported outside a stub)."""
+    """The BLS calls' module (bls_calls.py) bound to a stand-in for triton_python_backend_utils (imported outside a
+    stub)."""
     import importlib
     import types
 
@@ -578,14 +649,14 @@ def _bls_module(monkeypatch, request, **pb_utils):
 def test_the_bls_sizes_a_plain_runs_slice_with_the_requests_in_flight(monkeypatch, request):
     """The BLS's verifier passes the measured per-token cost and the live active count to run_slice_s."""
     bls = _bls_module(monkeypatch, request)
-    from specdeploy import policy as pol
+    from specdeploy.speculation import costs as speculation_costs
 
-    costs = pol.CostModel(plain_token_s=0.012)
+    costs = speculation_costs.CostModel(plain_token_s=0.012)
     active = [2]
     verifier = bls.TritonVerifier(None, {}, None, costs, lambda: active[0])
-    assert verifier._run_slice_s(64) == pytest.approx(common.run_slice_s(64, 0.012, 2))
+    assert verifier._run_slice_s(64) == pytest.approx(cancellation.run_slice_s(64, 0.012, 2))
     active[0] = 4
-    assert verifier._run_slice_s(64) == pytest.approx(common.run_slice_s(64, 0.012, 4))
+    assert verifier._run_slice_s(64) == pytest.approx(cancellation.run_slice_s(64, 0.012, 4))
     assert verifier._run_slice_s(1) is None  # a one-token call keeps the cancel interval
 
 
@@ -609,20 +680,30 @@ def test_decoupled_bls_calls_keep_their_iterators_until_the_stubs_queue_is_past_
         def exec(self, decoupled=False):
             assert decoupled
             log.append("exec")
-            response = types.SimpleNamespace(has_error=lambda: False, outputs={"output_ids": np.array([[5, 6]]), "sequence_length": np.array([2])})
+            response = types.SimpleNamespace(
+                has_error=lambda: False, outputs={"output_ids": np.array([[5, 6]]), "sequence_length": np.array([2])}
+            )
             final = types.SimpleNamespace(has_error=lambda: False, outputs={})  # the empty final response
             iterator = Iterator([response, final])
             iterators.append(weakref.ref(iterator))
             return iterator
 
-    output = lambda response, name: types.SimpleNamespace(as_numpy=lambda: response.outputs[name]) if name in response.outputs else None  # noqa: E731
-    bls = _bls_module(monkeypatch, request, InferenceRequest=InferenceRequest, Tensor=lambda name, value: (name, value), get_output_tensor_by_name=output)
-    call = bls.LlmCall("tensorrt_llm", decoupled=True, slice_s=0.0, held=common.HeldResponses())
+    output = lambda response, name: (
+        types.SimpleNamespace(as_numpy=lambda: response.outputs[name]) if name in response.outputs else None
+    )  # noqa: E731
+    bls = _bls_module(
+        monkeypatch,
+        request,
+        InferenceRequest=InferenceRequest,
+        Tensor=lambda name, value: (name, value),
+        get_output_tensor_by_name=output,
+    )
+    call = bls.LlmCall("tensorrt_llm", decoupled=True, slice_s=0.0, held=stub_safety.HeldResponses())
     sampling = types.SimpleNamespace(temperature=1.0, top_k=0, top_p=0.0, seed=None)
 
     def check(*answers):  # its own polls never come due: every question here is a barrier's
         pending = list(answers)
-        return common.CancelCheck(lambda: log.append("asked") or pending.pop(0), deadline_s=None, interval_s=1e9)
+        return cancellation.CancelCheck(lambda: log.append("asked") or pending.pop(0), deadline_s=None, interval_s=1e9)
 
     def alive():
         gc.collect()
@@ -642,10 +723,18 @@ def test_decoupled_bls_calls_keep_their_iterators_until_the_stubs_queue_is_past_
 def _verifier_job(logits: bool) -> dict:
     """A BLS request's job as TritonVerifier reads it: prompt [1, 2], no stop words, penalties neutral; `logits`: the
     client asked for context and generation logits."""
-    return {"bad_words_list": np.zeros((2, 0), np.int32), "stop_words_list": np.zeros((2, 0), np.int32),
-            "return_log_probs": False, "return_context_logits": logits, "return_generation_logits": logits,
-            "penalties": dict(common.PENALTY_NEUTRAL), "prompt_ids": [1, 2], "embedding_bias": None, "end_id": None,
-            "stop_words": []}  # fmt: skip
+    return {
+        "bad_words_list": np.zeros((2, 0), np.int32),
+        "stop_words_list": np.zeros((2, 0), np.int32),
+        "return_log_probs": False,
+        "return_context_logits": logits,
+        "return_generation_logits": logits,
+        "penalties": dict(optional_inputs.PENALTY_NEUTRAL),
+        "prompt_ids": [1, 2],
+        "embedding_bias": None,
+        "end_id": None,
+        "stop_words": [],
+    }
 
 
 def _greedy():
@@ -672,12 +761,22 @@ def test_a_streamed_decoupled_call_gets_tensorrt_llms_stop_once_its_request_ends
             assert decoupled
             if "stop" in self.inputs:
                 return [types.SimpleNamespace(has_error=lambda: False, outputs={})]
-            piece = lambda t: types.SimpleNamespace(has_error=lambda: False, outputs={"output_ids": np.array([[t]]), "sequence_length": np.array([1])})  # noqa: E731
+            piece = lambda t: types.SimpleNamespace(
+                has_error=lambda: False, outputs={"output_ids": np.array([[t]]), "sequence_length": np.array([1])}
+            )  # noqa: E731
             return [piece(t) for t in (5, 6, 7)] + [types.SimpleNamespace(has_error=lambda: False, outputs={})]
 
-    output = lambda response, name: types.SimpleNamespace(as_numpy=lambda: response.outputs[name]) if name in response.outputs else None  # noqa: E731
-    bls = _bls_module(monkeypatch, request, InferenceRequest=InferenceRequest, Tensor=lambda name, value: (name, value), get_output_tensor_by_name=output)
-    call = bls.LlmCall("tensorrt_llm", decoupled=True, slice_s=0.0, held=common.HeldResponses())
+    output = lambda response, name: (
+        types.SimpleNamespace(as_numpy=lambda: response.outputs[name]) if name in response.outputs else None
+    )  # noqa: E731
+    bls = _bls_module(
+        monkeypatch,
+        request,
+        InferenceRequest=InferenceRequest,
+        Tensor=lambda name, value: (name, value),
+        get_output_tensor_by_name=output,
+    )
+    call = bls.LlmCall("tensorrt_llm", decoupled=True, slice_s=0.0, held=stub_safety.HeldResponses())
     job, sampling = _verifier_job(logits=False), _greedy()
     polls = []
 
@@ -688,9 +787,11 @@ def test_a_streamed_decoupled_call_gets_tensorrt_llms_stop_once_its_request_ends
 
     for sink in (lambda ids: None, None):  # a streamed request's plain run streams; an unstreamed one does not
         sent.clear()
-        job["stop_check"] = common.CancelCheck(cancelled_after_first, deadline_s=None, interval_s=0.0)
+        job["stop_check"] = cancellation.CancelCheck(cancelled_after_first, deadline_s=None, interval_s=0.0)
         polls.clear()
-        tokens = bls.TritonVerifier(call, job, bls.Record(), stream_sink=sink).verify([1, 2], [], None, sampling, output_len=8)
+        tokens = bls.TritonVerifier(call, job, bls.Record(), stream_sink=sink).verify(
+            [1, 2], [], None, sampling, output_len=8
+        )
         assert tokens == [5, 6, 7]  # the responses that came after the stop are kept
         if sink is None:
             assert len(sent) == 1 and not sent[0].request_id and "streaming" not in sent[0].inputs
@@ -710,12 +811,26 @@ def _recording_bls(monkeypatch, request, sent):
             sent.append(({name: value for name, value in inputs}, list(requested_output_names)))
 
         def exec(self, decoupled=False):
-            return types.SimpleNamespace(has_error=lambda: False, outputs={
-                "output_ids": np.array([[5, 6]]), "sequence_length": np.array([2]),
-                "generation_logits": np.zeros((1, 1, 2, 4), np.float32), "context_logits": np.zeros((1, 3, 4), np.float32)})
+            return types.SimpleNamespace(
+                has_error=lambda: False,
+                outputs={
+                    "output_ids": np.array([[5, 6]]),
+                    "sequence_length": np.array([2]),
+                    "generation_logits": np.zeros((1, 1, 2, 4), np.float32),
+                    "context_logits": np.zeros((1, 3, 4), np.float32),
+                },
+            )
 
-    output = lambda response, name: types.SimpleNamespace(as_numpy=lambda: response.outputs[name]) if name in response.outputs else None  # noqa: E731
-    return _bls_module(monkeypatch, request, InferenceRequest=InferenceRequest, Tensor=lambda name, value: (name, value), get_output_tensor_by_name=output)
+    output = lambda response, name: (
+        types.SimpleNamespace(as_numpy=lambda: response.outputs[name]) if name in response.outputs else None
+    )  # noqa: E731
+    return _bls_module(
+        monkeypatch,
+        request,
+        InferenceRequest=InferenceRequest,
+        Tensor=lambda name, value: (name, value),
+        get_output_tensor_by_name=output,
+    )
 
 
 def test_bls_sends_the_tensor_names_of_the_engine_backend_release(monkeypatch, request):
@@ -726,14 +841,26 @@ def test_bls_sends_the_tensor_names_of_the_engine_backend_release(monkeypatch, r
 
     sent = []
     bls = _recording_bls(monkeypatch, request, sent)
-    names = {"min_tokens": "min_length", "seed": "random_seed", "return_perf_metrics": None, "first_token_time_ns": None}
+    names = {
+        "min_tokens": "min_length",
+        "seed": "random_seed",
+        "return_perf_metrics": None,
+        "first_token_time_ns": None,
+    }
     sampling = types.SimpleNamespace(temperature=1.0, top_k=0, top_p=0.0, seed=7)
     extra = {"min_tokens": np.array([[3]], np.int32)}
     for call_names in (names, None):
-        call = bls.LlmCall("tensorrt_llm", decoupled=False, slice_s=0.0, held=common.HeldResponses(), names=call_names)
-        assert call([1, 2, 3], 2, sampling, extra, False, ["first_token_time_ns", "kv_cache_reused_blocks"])[0] == [5, 6]
+        call = bls.LlmCall(
+            "tensorrt_llm", decoupled=False, slice_s=0.0, held=stub_safety.HeldResponses(), names=call_names
+        )
+        assert call([1, 2, 3], 2, sampling, extra, False, ["first_token_time_ns", "kv_cache_reused_blocks"])[0] == [
+            5,
+            6,
+        ]
     (old_inputs, old_outputs), (new_inputs, new_outputs) = sent
-    assert {"min_length", "random_seed"} <= set(old_inputs) and not {"min_tokens", "seed", "return_perf_metrics"} & set(old_inputs)
+    assert {"min_length", "random_seed"} <= set(old_inputs) and not {"min_tokens", "seed", "return_perf_metrics"} & set(
+        old_inputs
+    )
     assert old_inputs["min_length"].tolist() == [[3]] and old_inputs["random_seed"].tolist() == [[7]]
     assert "first_token_time_ns" not in old_outputs and "kv_cache_reused_blocks" in old_outputs
     assert {"min_tokens", "seed", "return_perf_metrics"} <= set(new_inputs) and "first_token_time_ns" in new_outputs
@@ -745,7 +872,7 @@ def test_bls_target_calls_with_drafts_ask_for_no_logits(monkeypatch, request):
     even when the client asked for logits; a call without drafts still passes the client's request on."""
     sent = []
     bls = _recording_bls(monkeypatch, request, sent)
-    call = bls.LlmCall("tensorrt_llm", decoupled=False, slice_s=0.0, held=common.HeldResponses())
+    call = bls.LlmCall("tensorrt_llm", decoupled=False, slice_s=0.0, held=stub_safety.HeldResponses())
     job, sampling = _verifier_job(logits=True), _greedy()
     bls.TritonVerifier(call, job, bls.Record()).verify([1, 2, 3], [5], None, sampling)
     inputs, outputs = sent[-1]
@@ -754,5 +881,9 @@ def test_bls_target_calls_with_drafts_ask_for_no_logits(monkeypatch, request):
     assert "context_logits" not in outputs and "generation_logits" not in outputs
     bls.TritonVerifier(call, job, bls.Record()).verify([1, 2, 3], [], None, sampling, output_len=4)
     inputs, outputs = sent[-1]
-    assert "draft_input_ids" not in inputs and inputs["return_context_logits"].all() and inputs["return_generation_logits"].all()
+    assert (
+        "draft_input_ids" not in inputs
+        and inputs["return_context_logits"].all()
+        and inputs["return_generation_logits"].all()
+    )
     assert "context_logits" in outputs and "generation_logits" in outputs

@@ -18,14 +18,15 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from triton_hf_engine import make_engines  # noqa: E402
-
-from tiny_models import SERVER_READY_TIMEOUT_S  # noqa: E402
-from specdeploy import backend_stages, metrics  # noqa: E402
-from specdeploy.triton import repository, server  # noqa: E402
-
 import tritonclient.grpc as tritonclient_grpc  # noqa: E402
+from tiny_models import SERVER_READY_TIMEOUT_S  # noqa: E402
+from triton_hf_engine import make_engines  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
+
+from specdeploy.core.metrics import names as core_metrics_names
+from specdeploy.core.metrics import reader
+from specdeploy.deploy import backend_stages
+from specdeploy.triton import ports, repository, server, tensors  # noqa: E402
 
 TESTS_DIR = str(Path(__file__).parent)
 PROMPTS = [
@@ -43,8 +44,10 @@ MAX_TOKENS = 16
 def _start(tmp_path_factory, target_dir, draft_dir, name, **overrides):
     root = tmp_path_factory.mktemp(name)
     recipe, layout = make_engines(root, target_dir, draft_dir, **overrides)
-    repo, _ = backend_stages.of(recipe).write_repository(recipe, layout, executor_factory="triton_hf_engine:load_executor")
-    srv = server.start(repo, server.Ports.pick(), root / "tritonserver.log", extra_site=(TESTS_DIR,), exit_timeout_s=3)
+    repo, _ = backend_stages.of(recipe).write_repository(
+        recipe, layout, executor_factory="triton_hf_engine:load_executor"
+    )
+    srv = server.start(repo, ports.Ports.pick(), root / "tritonserver.log", extra_site=(TESTS_DIR,), exit_timeout_s=3)
     try:
         server.wait_ready(srv, SERVER_READY_TIMEOUT_S)
     except BaseException:
@@ -83,11 +86,15 @@ def streaming(tmp_path_factory, tiny_llama_dir):
     """Started the way `specdeploy serve --detach` does it; stopped the way `specdeploy stop` does."""
     root = tmp_path_factory.mktemp("streaming")
     recipe, layout = make_engines(root, tiny_llama_dir, tiny_llama_dir, triton={"decoupled": True})
-    repo, _ = backend_stages.of(recipe).write_repository(recipe, layout, executor_factory="triton_hf_engine:load_executor")
+    repo, _ = backend_stages.of(recipe).write_repository(
+        recipe, layout, executor_factory="triton_hf_engine:load_executor"
+    )
     repository.require_repository(recipe, layout)
     lines = []
     try:
-        state = server.serve(repo, layout.server_state, recipe.triton, detach=True, echo=lines.append, extra_site=(TESTS_DIR,))
+        state = server.serve(
+            repo, layout.server_state, recipe.triton, detach=True, echo=lines.append, extra_site=(TESTS_DIR,)
+        )
         assert any(state.grpc_url in line for line in lines)
         client = tritonclient_grpc.InferenceServerClient(state.grpc_url)
         client.url = state.grpc_url
@@ -109,7 +116,14 @@ def tokenizer(tiny_tokenizer_dir):
 
 # ---------------------------------------------------------------- client helpers
 
-DTYPES = {np.int32: "INT32", np.float32: "FP32", np.uint64: "UINT64", np.bool_: "BOOL", np.object_: "BYTES", np.int64: "INT64"}
+DTYPES = {
+    np.int32: "INT32",
+    np.float32: "FP32",
+    np.uint64: "UINT64",
+    np.bool_: "BOOL",
+    np.object_: "BYTES",
+    np.int64: "INT64",
+}
 
 
 def _inputs(values: dict) -> list:
@@ -175,7 +189,14 @@ def stream_text(client, model, **values) -> str:
 
 def test_all_models_ready_with_the_generated_configs(plain):
     assert plain.is_server_ready()
-    for name in ("preprocessing", "tensorrt_llm", "tensorrt_llm_draft", "postprocessing", "ensemble", "tensorrt_llm_bls"):
+    for name in (
+        "preprocessing",
+        "tensorrt_llm",
+        "tensorrt_llm_draft",
+        "postprocessing",
+        "ensemble",
+        "tensorrt_llm_bls",
+    ):
         assert plain.is_model_ready(name), name
     config = plain.get_model_config("tensorrt_llm_bls").config
     assert {i.name for i in config.input} >= {"text_input", "max_tokens", "num_draft_tokens", "use_draft_logits"}
@@ -185,7 +206,9 @@ def test_all_models_ready_with_the_generated_configs(plain):
 def test_bls_equals_ensemble_token_for_token(plain, num_draft_tokens):
     for i, prompt in enumerate(PROMPTS):
         exclude = bool(i % 2)
-        control = text(infer(plain, "ensemble", text_input=prompt, max_tokens=MAX_TOKENS, exclude_input_in_output=exclude))
+        control = text(
+            infer(plain, "ensemble", text_input=prompt, max_tokens=MAX_TOKENS, exclude_input_in_output=exclude)
+        )
         spec = text(
             infer(
                 plain,
@@ -232,7 +255,9 @@ def test_client_driven_pipeline_matches_bls(plain, tokenizer):
             draft, _ = _llm(plain, "tensorrt_llm_draft", sequence, max(min(k, remaining - 1), 1))
             draft = draft[: min(k, remaining - 1)]
             extra = {"draft_input_ids": np.array([draft], dtype=np.int32)} if draft else {}
-            new, result = _llm(plain, "tensorrt_llm", sequence, len(draft) + 1, return_perf_metrics=np.array([[True]]), **extra)
+            new, result = _llm(
+                plain, "tensorrt_llm", sequence, len(draft) + 1, return_perf_metrics=np.array([[True]]), **extra
+            )
             assert 1 <= len(new) <= len(draft) + 1
             assert new[:-1] == draft[: len(new) - 1]
             drafted += int(result.as_numpy("total_draft_tokens").reshape(-1)[0])
@@ -249,20 +274,36 @@ def test_client_driven_pipeline_matches_bls(plain, tokenizer):
             ),
         )
         by_hand = post.as_numpy("OUTPUT").reshape(-1)[0].decode()
-        bls = infer(plain, "tensorrt_llm_bls", text_input=prompt, max_tokens=MAX_TOKENS, num_draft_tokens=k, exclude_input_in_output=True)
+        bls = infer(
+            plain,
+            "tensorrt_llm_bls",
+            text_input=prompt,
+            max_tokens=MAX_TOKENS,
+            num_draft_tokens=k,
+            exclude_input_in_output=True,
+        )
         assert by_hand == text(bls) == tokenizer.decode(output, skip_special_tokens=True)
         assert accepted <= drafted
 
 
 def test_perf_metrics_are_consistent(plain):
     for prompt in PROMPTS[:4]:
-        r = infer(plain, "tensorrt_llm_bls", text_input=prompt, max_tokens=MAX_TOKENS, num_draft_tokens=3, return_perf_metrics=True)
+        r = infer(
+            plain,
+            "tensorrt_llm_bls",
+            text_input=prompt,
+            max_tokens=MAX_TOKENS,
+            num_draft_tokens=3,
+            return_perf_metrics=True,
+        )
         drafted = int(r.as_numpy("total_draft_tokens").reshape(-1)[0])
         accepted = int(r.as_numpy("total_accepted_draft_tokens").reshape(-1)[0])
         rate = float(r.as_numpy("acceptance_rate").reshape(-1)[0])
         assert 0 < drafted and 0 <= accepted <= drafted
         assert rate == pytest.approx(accepted / drafted, abs=1e-6)
-        arrival, first, last = (int(r.as_numpy(n).reshape(-1)[0]) for n in ("arrival_time_ns", "first_token_time_ns", "last_token_time_ns"))
+        arrival, first, last = (
+            int(r.as_numpy(n).reshape(-1)[0]) for n in ("arrival_time_ns", "first_token_time_ns", "last_token_time_ns")
+        )
         assert 0 < arrival <= first <= last
 
 
@@ -271,7 +312,11 @@ def test_stop_words_bad_words_and_end_id_agree(plain, tokenizer):
     greedy, _ = _llm(plain, "tensorrt_llm", _ids(plain, prompt), MAX_TOKENS)
     # a generated token whose text encodes back to itself, first seen after a few tokens
     round_trips = [
-        i for i, t in enumerate(greedy) if i >= 2 and t not in greedy[:i] and tokenizer(tokenizer.decode([t]), add_special_tokens=False).input_ids == [t]
+        i
+        for i, t in enumerate(greedy)
+        if i >= 2
+        and t not in greedy[:i]
+        and tokenizer(tokenizer.decode([t]), add_special_tokens=False).input_ids == [t]
     ]
     assert round_trips, greedy
     i = round_trips[0]
@@ -279,15 +324,27 @@ def test_stop_words_bad_words_and_end_id_agree(plain, tokenizer):
     cases = [{"stop_words": [word]}, {"bad_words": [word]}, {"end_id": int(greedy[i])}]
     outputs = []
     for case in cases:
-        control = text(infer(plain, "ensemble", text_input=prompt, max_tokens=MAX_TOKENS, exclude_input_in_output=True, **case))
-        spec = text(infer(plain, "tensorrt_llm_bls", text_input=prompt, max_tokens=MAX_TOKENS, exclude_input_in_output=True, **case))
+        control = text(
+            infer(plain, "ensemble", text_input=prompt, max_tokens=MAX_TOKENS, exclude_input_in_output=True, **case)
+        )
+        spec = text(
+            infer(
+                plain,
+                "tensorrt_llm_bls",
+                text_input=prompt,
+                max_tokens=MAX_TOKENS,
+                exclude_input_in_output=True,
+                **case,
+            )
+        )
         assert spec == control, case
         outputs.append(spec)
     stopped, banned, ended = outputs
     assert stopped == tokenizer.decode(greedy[: i + 1], skip_special_tokens=True)
     assert banned != tokenizer.decode(greedy, skip_special_tokens=True)
     assert banned.startswith(tokenizer.decode(greedy[:i], skip_special_tokens=True).rstrip("\ufffd"))
-    # a stop word stays in the output, the end token does not (TensorRT-LLM's output_ids; tensorrt_llm.py _without_end_token)
+    # a stop word stays in the output, the end token does not (TensorRT-LLM's output_ids; tensorrt_llm.py
+    # _without_end_token)
     assert ended == tokenizer.decode(greedy[:i], skip_special_tokens=True)
 
 
@@ -296,7 +353,9 @@ def test_the_bls_cuts_its_answer_after_a_stop_word_written_inside_other_tokens(p
     at c2e65b8), which catches a stop word the model wrote inside tokens of its own, where the engine's token match
     cannot: the answer ends with the stop word's first occurrence."""
     prompt = PROMPTS[0]
-    full = text(infer(plain, "tensorrt_llm_bls", text_input=prompt, max_tokens=MAX_TOKENS, exclude_input_in_output=True))
+    full = text(
+        infer(plain, "tensorrt_llm_bls", text_input=prompt, max_tokens=MAX_TOKENS, exclude_input_in_output=True)
+    )
     ids = _llm(plain, "tensorrt_llm", _ids(plain, prompt), MAX_TOKENS)[0]
     # two characters that start inside a token of the answer (the second character of a token of two or more)
     starts, at = [], 0
@@ -307,13 +366,27 @@ def test_the_bls_cuts_its_answer_after_a_stop_word_written_inside_other_tokens(p
         at += len(piece)
     start = next(i for i in starts if i + 2 <= len(full) and full[i : i + 2].strip() == full[i : i + 2])
     stop = full[start : start + 2]
-    cut = text(infer(plain, "tensorrt_llm_bls", text_input=prompt, max_tokens=MAX_TOKENS, exclude_input_in_output=True, stop_words=[stop]))
+    cut = text(
+        infer(
+            plain,
+            "tensorrt_llm_bls",
+            text_input=prompt,
+            max_tokens=MAX_TOKENS,
+            exclude_input_in_output=True,
+            stop_words=[stop],
+        )
+    )
     assert cut == full[: full.find(stop) + len(stop)] and len(cut) < len(full), (stop, cut, full)
 
 
 def test_sampling_is_reproducible_with_a_seed(plain):
-    args = dict(text_input=PROMPTS[1], max_tokens=MAX_TOKENS, top_k=20, temperature=0.9, seed=1234, exclude_input_in_output=True)
-    for model, extra in (("ensemble", {}), ("tensorrt_llm_bls", {"use_draft_logits": True, "return_perf_metrics": True})):
+    args = dict(
+        text_input=PROMPTS[1], max_tokens=MAX_TOKENS, top_k=20, temperature=0.9, seed=1234, exclude_input_in_output=True
+    )
+    for model, extra in (
+        ("ensemble", {}),
+        ("tensorrt_llm_bls", {"use_draft_logits": True, "return_perf_metrics": True}),
+    ):
         first = infer(plain, model, **args, **extra)
         assert text(first) == text(infer(plain, model, **args, **extra))
         if model == "tensorrt_llm_bls":
@@ -364,7 +437,9 @@ def test_bad_input_gets_an_error_and_the_server_keeps_serving(plain, model, valu
 
 def test_more_tokens_than_max_seq_len_leaves_room_for_are_as_many_as_fit(plain, tokenizer):
     """A request whose prompt plus max_tokens passes max_seq_len (128 here) gets the tokens that fit, as TensorRT-LLM
-    lowers mMaxNewTokens with a warning (LlmRequest::validate) rather than failing it; a prompt that fills it is refused."""
+    lowers mMaxNewTokens with a warning (LlmRequest::validate) rather than failing it; a prompt that fills it is
+    refused.
+    """
     ids = tokenizer("hello there").input_ids
     out, _ = _llm(plain, "tensorrt_llm", ids, 500, end_id=np.array([[-1]], dtype=np.int32))
     assert len(out) == 128 - len(ids)
@@ -413,7 +488,9 @@ def test_streaming_ensemble_sends_every_token(streaming, tokenizer):
     assert "".join(text(p) for p in parts) == tokenizer.decode(ids, skip_special_tokens=True)
 
 
-MULTI_BYTE_BIAS = dict(embedding_bias_words=["é", "日", "😀"], embedding_bias_weights=np.array([[30.0, 30.0, 30.0]], np.float32))
+MULTI_BYTE_BIAS = dict(
+    embedding_bias_words=["é", "日", "😀"], embedding_bias_weights=np.array([[30.0, 30.0, 30.0]], np.float32)
+)
 
 
 @pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
@@ -446,7 +523,14 @@ def _stream_ids(client, prompt):
 
 def test_draft_equal_to_target_accepts_everything(streaming):
     for prompt in PROMPTS[:3]:
-        (r,) = stream(streaming, "tensorrt_llm_bls", text_input=prompt, max_tokens=MAX_TOKENS, num_draft_tokens=4, return_perf_metrics=True)
+        (r,) = stream(
+            streaming,
+            "tensorrt_llm_bls",
+            text_input=prompt,
+            max_tokens=MAX_TOKENS,
+            num_draft_tokens=4,
+            return_perf_metrics=True,
+        )
         drafted = int(r.as_numpy("total_draft_tokens").reshape(-1)[0])
         assert drafted > 0
         assert int(r.as_numpy("total_accepted_draft_tokens").reshape(-1)[0]) == drafted
@@ -460,7 +544,11 @@ def test_streamed_bad_input_errors_then_serves(streaming):
 
 
 def test_concurrent_streams_all_correct(streaming):
-    expected = {p: stream_text(streaming, "tensorrt_llm_bls", text_input=p, max_tokens=12, exclude_input_in_output=True) for p in PROMPTS[:6]}
+    expected = {
+        p: stream_text(streaming, "tensorrt_llm_bls", text_input=p, max_tokens=12, exclude_input_in_output=True)
+        for p in PROMPTS[:6]
+    }
+
     def run(prompt):
         client = tritonclient_grpc.InferenceServerClient(streaming.url)
         try:
@@ -488,19 +576,23 @@ LONG_PROMPT_TOKENS, LONG_OUTPUT, REAL_MAX_SEQ_LEN = 1000, 200, 1400
 
 @pytest.fixture(scope="module")
 def real(tmp_path_factory, tiny_tokenizer_dir):
-    from specdeploy.config_loader import parse_recipe
     from tiny_models import build_quietly, make_tiny_pair, tiny_pair_recipe
 
+    from specdeploy.recipe.load import parse_recipe
+
     root = tmp_path_factory.mktemp("real")
-    recipe = parse_recipe(tiny_pair_recipe(
-        "real", *make_tiny_pair(root, tiny_tokenizer_dir, max_position_embeddings=2048),
-        engine={"dtype": "bfloat16", "max_batch_size": 4, "max_input_len": 1100, "max_seq_len": REAL_MAX_SEQ_LEN},
-        triton={"instance_count": 1, "inflight_batching": True},  # the stop test needs requests to meet
-        validation={"max_tokens": 16},
-    ))  # fmt: skip
+    recipe = parse_recipe(
+        tiny_pair_recipe(
+            "real",
+            *make_tiny_pair(root, tiny_tokenizer_dir, max_position_embeddings=2048),
+            engine={"dtype": "bfloat16", "max_batch_size": 4, "max_input_len": 1100, "max_seq_len": REAL_MAX_SEQ_LEN},
+            triton={"instance_count": 1, "inflight_batching": True},  # the stop test needs requests to meet
+            validation={"max_tokens": 16},
+        )
+    )
     layout = build_quietly(recipe, root)
     repo, _ = backend_stages.of(recipe).write_repository(recipe, layout)
-    srv = server.start(repo, server.Ports.pick(), root / "tritonserver.log", exit_timeout_s=3)
+    srv = server.start(repo, ports.Ports.pick(), root / "tritonserver.log", exit_timeout_s=3)
     try:
         server.wait_ready(srv, SERVER_READY_TIMEOUT_S)
         client = tritonclient_grpc.InferenceServerClient(srv.state.grpc_url)
@@ -516,26 +608,53 @@ def real(tmp_path_factory, tiny_tokenizer_dir):
 def _neutral_text_inputs(model: str) -> dict:
     """Every optional input of NVIDIA's ensemble / tensorrt_llm_bls at its neutral value."""
     values = dict(
-        decoder_text_input="", num_return_sequences=1, bad_words=[""], stop_words=[""], exclude_input_in_output=True,
-        end_id=2, pad_id=3, top_k=0, top_p=0.0, temperature=1.0, length_penalty=1.0, repetition_penalty=1.0,
-        min_tokens=0, presence_penalty=0.0, frequency_penalty=0.0, seed=7, return_log_probs=True,
-        return_context_logits=True, return_generation_logits=True, return_perf_metrics=True, beam_width=1, stream=False,
-        prompt_embedding_table=np.zeros((1, 0, 0), np.float16), prompt_table_extra_id=np.array([[0]], np.uint64),
-        prompt_vocab_size=0, embedding_bias_words=[""], embedding_bias_weights=np.zeros((1, 0), np.float32),
-        lora_task_id=np.array([[0]], np.uint64), lora_weights=np.zeros((1, 0, 0), np.float16),
-        lora_config=np.zeros((1, 0, 3), np.int32), guided_decoding_guide_type="", guided_decoding_guide="",
+        decoder_text_input="",
+        num_return_sequences=1,
+        bad_words=[""],
+        stop_words=[""],
+        exclude_input_in_output=True,
+        end_id=2,
+        pad_id=3,
+        top_k=0,
+        top_p=0.0,
+        temperature=1.0,
+        length_penalty=1.0,
+        repetition_penalty=1.0,
+        min_tokens=0,
+        presence_penalty=0.0,
+        frequency_penalty=0.0,
+        seed=7,
+        return_log_probs=True,
+        return_context_logits=True,
+        return_generation_logits=True,
+        return_perf_metrics=True,
+        beam_width=1,
+        stream=False,
+        prompt_embedding_table=np.zeros((1, 0, 0), np.float16),
+        prompt_table_extra_id=np.array([[0]], np.uint64),
+        prompt_vocab_size=0,
+        embedding_bias_words=[""],
+        embedding_bias_weights=np.zeros((1, 0), np.float32),
+        lora_task_id=np.array([[0]], np.uint64),
+        lora_weights=np.zeros((1, 0, 0), np.float16),
+        lora_config=np.zeros((1, 0, 3), np.int32),
+        guided_decoding_guide_type="",
+        guided_decoding_guide="",
     )
     if model == "tensorrt_llm_bls":
         values.update(
-            image_input=np.zeros((1, 0, 3, 0, 0), np.float16), image_bytes_input=np.zeros((1, 0, 0, 0, 0), np.uint8),
-            image_url_input="", video_bytes_input=np.zeros((1, 0, 0, 0, 0), np.uint8), num_draft_tokens=3,
+            image_input=np.zeros((1, 0, 3, 0, 0), np.float16),
+            image_bytes_input=np.zeros((1, 0, 0, 0, 0), np.uint8),
+            image_url_input="",
+            video_bytes_input=np.zeros((1, 0, 0, 0, 0), np.uint8),
+            num_draft_tokens=3,
             use_draft_logits=False,
         )
     return values
 
 
 DTYPES.update({np.float16: "FP16", np.uint8: "UINT8"})
-RESULT_NAMES = [t.name for t in repository.RESULT_OUTPUTS]
+RESULT_NAMES = [t.name for t in tensors.RESULT_OUTPUTS]
 
 
 def _infer_all_outputs(client, model, values, names):
@@ -548,7 +667,12 @@ def test_real_every_optional_input_neutral_and_every_output(real, tokenizer):
     plain = {}
     for model in ("ensemble", "tensorrt_llm_bls"):
         plain[model] = text(infer(real, model, text_input=prompt, max_tokens=n, exclude_input_in_output=True))
-        r = _infer_all_outputs(real, model, dict(text_input=prompt, max_tokens=n, **_neutral_text_inputs(model)), ["text_output"] + RESULT_NAMES)
+        r = _infer_all_outputs(
+            real,
+            model,
+            dict(text_input=prompt, max_tokens=n, **_neutral_text_inputs(model)),
+            ["text_output"] + RESULT_NAMES,
+        )
         assert text(r) == plain[model], model  # neutral values change nothing
         for name in RESULT_NAMES:
             assert r.as_numpy(name) is not None, (model, name)
@@ -558,8 +682,10 @@ def test_real_every_optional_input_neutral_and_every_output(real, tokenizer):
         assert r.as_numpy("cum_log_probs").reshape(-1)[0] == pytest.approx(float(log_probs.sum()), rel=1e-5)
         assert r.as_numpy("generation_logits").shape[-2:] == (len(log_probs), 512), model
         assert r.as_numpy("context_logits").shape[-1] == 512, model
-        arrival, scheduled, first, last = (int(r.as_numpy(x).reshape(-1)[0]) for x in
-                                           ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns"))
+        arrival, scheduled, first, last = (
+            int(r.as_numpy(x).reshape(-1)[0])
+            for x in ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns")
+        )
         assert 0 < arrival <= scheduled <= first <= last, model
         assert int(r.as_numpy("kv_cache_alloc_total_blocks").reshape(-1)[0]) >= 1
         del ids
@@ -567,21 +693,37 @@ def test_real_every_optional_input_neutral_and_every_output(real, tokenizer):
     # tensorrt_llm itself, with every optional input at its neutral value
     ids = _ids(real, prompt)
     values = {
-        "input_ids": np.array([ids], np.int32), "input_lengths": np.array([[len(ids)]], np.int32),
-        "request_output_len": np.array([[n]], np.int32), "exclude_input_in_output": np.array([[True]]),
-        "num_return_sequences": np.array([[1]], np.int32), "beam_width": np.array([[1]], np.int32),
-        "decoder_input_ids": np.array([[3]], np.int32), "decoder_input_lengths": np.array([[1]], np.int32),
-        "embedding_bias": np.zeros((1, 0), np.float32), "runtime_top_p_decay": np.array([[1.0]], np.float32),
-        "runtime_top_p_min": np.array([[1e-6]], np.float32), "runtime_top_p_reset_ids": np.array([[-1]], np.int32),
-        "len_penalty": np.array([[1.0]], np.float32), "early_stopping": np.array([[False]]),
-        "beam_search_diversity_rate": np.array([[0.0]], np.float32), "repetition_penalty": np.array([[1.0]], np.float32),
-        "presence_penalty": np.array([[0.0]], np.float32), "frequency_penalty": np.array([[0.0]], np.float32),
-        "min_tokens": np.array([[0]], np.int32), "stop": np.array([[False]]), "streaming": np.array([[False]]),
-        "return_log_probs": np.array([[True]]), "return_context_logits": np.array([[True]]),
-        "return_generation_logits": np.array([[True]]), "return_perf_metrics": np.array([[True]]),
-        "lora_task_id": np.array([[0]], np.uint64), "prompt_vocab_size": np.array([[0]], np.int32),
-        "lookahead_window_size": np.array([[0]], np.int32), "guided_decoding_guide": np.array([[b""]], object),
-        "skip_cross_attn_blocks": np.array([[False]]), "retention_decode_priority": np.array([[50]], np.int32),
+        "input_ids": np.array([ids], np.int32),
+        "input_lengths": np.array([[len(ids)]], np.int32),
+        "request_output_len": np.array([[n]], np.int32),
+        "exclude_input_in_output": np.array([[True]]),
+        "num_return_sequences": np.array([[1]], np.int32),
+        "beam_width": np.array([[1]], np.int32),
+        "decoder_input_ids": np.array([[3]], np.int32),
+        "decoder_input_lengths": np.array([[1]], np.int32),
+        "embedding_bias": np.zeros((1, 0), np.float32),
+        "runtime_top_p_decay": np.array([[1.0]], np.float32),
+        "runtime_top_p_min": np.array([[1e-6]], np.float32),
+        "runtime_top_p_reset_ids": np.array([[-1]], np.int32),
+        "len_penalty": np.array([[1.0]], np.float32),
+        "early_stopping": np.array([[False]]),
+        "beam_search_diversity_rate": np.array([[0.0]], np.float32),
+        "repetition_penalty": np.array([[1.0]], np.float32),
+        "presence_penalty": np.array([[0.0]], np.float32),
+        "frequency_penalty": np.array([[0.0]], np.float32),
+        "min_tokens": np.array([[0]], np.int32),
+        "stop": np.array([[False]]),
+        "streaming": np.array([[False]]),
+        "return_log_probs": np.array([[True]]),
+        "return_context_logits": np.array([[True]]),
+        "return_generation_logits": np.array([[True]]),
+        "return_perf_metrics": np.array([[True]]),
+        "lora_task_id": np.array([[0]], np.uint64),
+        "prompt_vocab_size": np.array([[0]], np.int32),
+        "lookahead_window_size": np.array([[0]], np.int32),
+        "guided_decoding_guide": np.array([[b""]], object),
+        "skip_cross_attn_blocks": np.array([[False]]),
+        "retention_decode_priority": np.array([[50]], np.int32),
     }
     r = _infer_all_outputs(real, "tensorrt_llm", values, ["output_ids", "sequence_length"] + RESULT_NAMES)
     got = r.as_numpy("output_ids").reshape(-1)[: int(r.as_numpy("sequence_length").reshape(-1)[0])].tolist()
@@ -631,7 +773,9 @@ def test_real_long_prompt_same_text_on_both_paths(real, tokenizer):
     ids = tokenizer(words, add_special_tokens=True).input_ids[:LONG_PROMPT_TOKENS]
     prompt = tokenizer.decode(ids, skip_special_tokens=True)
     assert 900 <= len(tokenizer(prompt).input_ids) <= 1100
-    args = dict(text_input=prompt, max_tokens=LONG_OUTPUT, exclude_input_in_output=True, end_id=-1, return_perf_metrics=True)
+    args = dict(
+        text_input=prompt, max_tokens=LONG_OUTPUT, exclude_input_in_output=True, end_id=-1, return_perf_metrics=True
+    )
     control = real.infer("ensemble", _inputs(args), client_timeout=900)
     spec = real.infer("tensorrt_llm_bls", _inputs(args), client_timeout=900)
     assert text(spec) == text(control)
@@ -643,7 +787,7 @@ def _scrape_until(client, baseline, done, what: str):
     (the overall bound only keeps a broken server from hanging the suite)."""
     deadline = time.monotonic() + 600
     while True:
-        window = metrics.scrape(client.metrics_url).minus(baseline)
+        window = reader.scrape(client.metrics_url).minus(baseline)
         if done(window):
             return window
         assert time.monotonic() < deadline, f"the server never showed {what}"
@@ -666,19 +810,25 @@ def test_real_cancelled_long_request_frees_the_instance(real, tokenizer):
     words = " ".join(["Once upon a time there was a little robot."] * 90)
     max_tokens, k = _longest_output(tokenizer, words), 3
     long_request = _inputs(dict(text_input=words, max_tokens=max_tokens, end_id=-1, num_draft_tokens=k))
-    before = metrics.scrape(real.metrics_url)
+    before = reader.scrape(real.metrics_url)
     done: queue.Queue = queue.Queue()
     call = real.async_infer(model, long_request, callback=lambda result, error: done.put(error), client_timeout=900)
-    _scrape_until(real, before, lambda w: w.sum(metrics.RUNNING.name, model=model) >= 1, "the long request running")
+    _scrape_until(
+        real, before, lambda w: w.sum(core_metrics_names.RUNNING.name, model=model) >= 1, "the long request running"
+    )
     call.cancel()
     assert isinstance(done.get(timeout=60), InferenceServerException)
-    ended = (metrics.REQUEST_ERRORS.name, metrics.REQUESTS.name)
-    window = _scrape_until(real, before, lambda w: sum(w.sum(n, model=model) for n in ended) >= 1, "the cancelled request ending")
-    assert window.sum(metrics.REQUESTS.name, model=model) == 0  # it did not run to its end
-    assert window.sum(metrics.REQUEST_ERRORS.name, model=model) == 1
-    assert window.sum(metrics.RUNNING.name, model=model) == 0
+    ended = (core_metrics_names.REQUEST_ERRORS.name, core_metrics_names.REQUESTS.name)
+    window = _scrape_until(
+        real, before, lambda w: sum(w.sum(n, model=model) for n in ended) >= 1, "the cancelled request ending"
+    )
+    assert window.sum(core_metrics_names.REQUESTS.name, model=model) == 0  # it did not run to its end
+    assert window.sum(core_metrics_names.REQUEST_ERRORS.name, model=model) == 1
+    assert window.sum(core_metrics_names.RUNNING.name, model=model) == 0
     # each pass emits at most k + 1 tokens: the whole output needs at least max_tokens / (k + 1) passes
-    assert window.sum(metrics.TARGET_PASSES.name, model=model) < max_tokens / (k + 1), window.sum(metrics.TARGET_PASSES.name, model=model)
+    assert window.sum(core_metrics_names.TARGET_PASSES.name, model=model) < max_tokens / (k + 1), window.sum(
+        core_metrics_names.TARGET_PASSES.name, model=model
+    )
     assert text(infer(real, model, text_input=PROMPTS[0], max_tokens=2))
 
 
@@ -687,7 +837,10 @@ STOP = dict(input_ids=np.zeros((1, 1), np.int32), input_lengths=0, request_outpu
 
 def _stopped_in_log(client, request_id: str) -> list[int]:
     """How many running requests each `stop` for `request_id` ended, from the tensorrt_llm model's log lines."""
-    found = re.findall(rf"stop for request id '{re.escape(request_id)}': ([0-9]+) running request", Path(client.log).read_text(errors="replace"))
+    found = re.findall(
+        rf"stop for request id '{re.escape(request_id)}': ([0-9]+) running request",
+        Path(client.log).read_text(errors="replace"),
+    )
     return [int(n) for n in found]
 
 
@@ -700,18 +853,33 @@ def test_real_cancelled_long_ensemble_request_frees_the_instance(real, tokenizer
     src/ensemble_scheduler/ensemble_scheduler.cc:977) and ends. It asks for every token the engine allows."""
     prompt, request_id = "x", "cancelled-ensemble"
     long_request = _inputs(dict(text_input=prompt, max_tokens=_longest_output(tokenizer, prompt), end_id=-1))
-    before = metrics.scrape(real.metrics_url)
+    before = reader.scrape(real.metrics_url)
     done: queue.Queue = queue.Queue()
-    call = real.async_infer("ensemble", long_request, request_id=request_id, callback=lambda result, error: done.put(error),
-                            client_timeout=900)  # fmt: skip
-    _scrape_until(real, before, lambda w: w.sum("nv_inference_exec_count", model="tensorrt_llm") >= 1, "its tensorrt_llm step running")
+    call = real.async_infer(
+        "ensemble",
+        long_request,
+        request_id=request_id,
+        callback=lambda result, error: done.put(error),
+        client_timeout=900,
+    )
+    _scrape_until(
+        real,
+        before,
+        lambda w: w.sum("nv_inference_exec_count", model="tensorrt_llm") >= 1,
+        "its tensorrt_llm step running",
+    )
     call.cancel()
     assert isinstance(done.get(timeout=60), InferenceServerException)
     assert text(infer(real, "ensemble", text_input=PROMPTS[0], max_tokens=2))
     real.infer("tensorrt_llm", _inputs(STOP), request_id=request_id, client_timeout=60)
     assert _stopped_in_log(real, request_id) == [1], "the next request was answered only after the cancelled one ended"
     # Triton counts the cancelled ensemble request once its steps are done (as a success: they all ran)
-    _scrape_until(real, before, lambda w: w.sum("nv_inference_request_success", model="ensemble") >= 2, "the cancelled request ending")
+    _scrape_until(
+        real,
+        before,
+        lambda w: w.sum("nv_inference_request_success", model="ensemble") >= 2,
+        "the cancelled request ending",
+    )
 
 
 DEADLINE = re.compile(r"ran past its server-side deadline.* after ([0-9]+) tokens")
@@ -728,7 +896,9 @@ def test_real_server_side_deadline(real, tokenizer):
     for model in ("tensorrt_llm_bls", "ensemble"):
         seen, timeout_us = [], 1000
         while not any(m and int(m.group(1)) > 0 for m in map(DEADLINE.search, seen)):
-            with pytest.raises(InferenceServerException, match="deadline|[Tt]imeout") as err:  # never finished: no deadline is too long yet
+            with pytest.raises(
+                InferenceServerException, match="deadline|[Tt]imeout"
+            ) as err:  # never finished: no deadline is too long yet
                 real.infer(model, _inputs(values), timeout=timeout_us, client_timeout=900)
             seen.append(err.value.message())
             timeout_us *= 2
@@ -744,8 +914,10 @@ def test_real_unary_ttft_is_when_the_first_token_came(real, num_draft_tokens):
     puts all the passes in the first span and none in the second."""
     model, extra = ("ensemble", {}) if num_draft_tokens is None else ("tensorrt_llm_bls", {"num_draft_tokens": 0})
     r = infer(real, model, text_input=PROMPTS[0], max_tokens=256, end_id=-1, return_perf_metrics=True, **extra)
-    arrival, scheduled, first, last = (int(r.as_numpy(x).reshape(-1)[0]) for x in
-                                       ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns"))  # fmt: skip
+    arrival, scheduled, first, last = (
+        int(r.as_numpy(x).reshape(-1)[0])
+        for x in ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns")
+    )
     assert arrival <= scheduled < first < last
     assert first - scheduled < last - first, (arrival, scheduled, first, last)
 
@@ -756,8 +928,10 @@ def test_real_kv_block_counts_agree_on_both_paths(real):
     counts = {}
     for model in ("ensemble", "tensorrt_llm_bls"):
         r = infer(real, model, text_input=PROMPTS[1], max_tokens=40, end_id=-1, return_perf_metrics=True)
-        counts[model] = [int(r.as_numpy(x).reshape(-1)[0]) for x in
-                         ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks")]  # fmt: skip
+        counts[model] = [
+            int(r.as_numpy(x).reshape(-1)[0])
+            for x in ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks")
+        ]
         new, reused, total = counts[model]
         assert total >= 1 and new + reused == total
     assert counts["ensemble"][2] == counts["tensorrt_llm_bls"][2], counts
@@ -770,10 +944,17 @@ def test_real_stop_request_ends_the_running_request(real):
     answers (one that arrives before the request is registered stops nothing, and says so in the log); it
     asks for every token the engine allows (end_id -1), so only a stop ends it short of that."""
     long_output = REAL_MAX_SEQ_LEN - 4
-    values = dict(input_ids=np.array([[5, 6, 7, 8]], np.int32), input_lengths=4, request_output_len=long_output, end_id=-1)
+    values = dict(
+        input_ids=np.array([[5, 6, 7, 8]], np.int32), input_lengths=4, request_output_len=long_output, end_id=-1
+    )
     done: queue.Queue = queue.Queue()
-    real.async_infer("tensorrt_llm", _inputs(values), request_id="stop-me", callback=lambda result, error: done.put((result, error)),
-                     client_timeout=900)  # fmt: skip
+    real.async_infer(
+        "tensorrt_llm",
+        _inputs(values),
+        request_id="stop-me",
+        callback=lambda result, error: done.put((result, error)),
+        client_timeout=900,
+    )
     while done.empty():
         answer = real.infer("tensorrt_llm", _inputs(STOP), request_id="stop-me", client_timeout=60)
         assert answer.as_numpy("output_ids").size == 0
@@ -821,11 +1002,15 @@ def test_wait_ready_returns_only_once_the_metrics_endpoint_answers_too(tmp_path)
 
     metrics_server = Lazy()
     threading.Thread(target=http_srv.serve_forever, daemon=True).start()
-    state = types.SimpleNamespace(http_port=http_srv.server_address[1], metrics_port=metrics_port, log=str(tmp_path / "log"))
+    state = types.SimpleNamespace(
+        http_port=http_srv.server_address[1], metrics_port=metrics_port, log=str(tmp_path / "log")
+    )
     fake = types.SimpleNamespace(state=state, alive=lambda: True, stop=lambda: None)
     try:
         server.wait_ready(fake, SERVER_READY_TIMEOUT_S)
-        assert http_srv.hits.count("/v2/health/ready") >= 3 and "/metrics" in http_srv.hits  # waited for it, in that order
+        assert (
+            http_srv.hits.count("/v2/health/ready") >= 3 and "/metrics" in http_srv.hits
+        )  # waited for it, in that order
         assert server.metrics_listening(metrics_port)
     finally:
         http_srv.shutdown()

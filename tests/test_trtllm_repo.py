@@ -6,24 +6,31 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from _trtllm_standin import install_standin, write_hf_checkpoint, write_trtllm_checkpoint
-from specdeploy import backend_stages, trtllm
-from specdeploy.artifacts import Layout
-from specdeploy.config_loader import parse_recipe
-from specdeploy.errors import RepoError
-from specdeploy.triton import gpu_models, llmapi, llmapi_upstream, repository
+
+from specdeploy.core import trtllm_images
+from specdeploy.core.artifacts import Layout
+from specdeploy.core.errors import RepoError
+from specdeploy.deploy import backend_stages
+from specdeploy.gpu import llmapi_repository as llmapi
+from specdeploy.gpu import llmapi_upstream, trtllm, trtllm_build
+from specdeploy.gpu import triton_models as gpu_models
+from specdeploy.recipe.load import parse_recipe
+from specdeploy.triton import layout_models, model_config, repo_inputs, repository
 
 
 def make_recipe(target, draft, backend="trtllm-engine", tp=2, decoupled=False):
-    return parse_recipe({
-        "name": "repo-gpu", "backend": backend,
-        "target": {"model": str(target), "tp_size": tp, "quantization": {"qformat": "fp8"}},
-        "draft": {"model": str(draft), "quantization": {"qformat": "fp8"}},
-        "speculative": {"max_draft_len": 4, "num_draft_tokens": 4},
-        "engine": {"max_batch_size": 1, "kv_cache_free_gpu_mem_fraction": 0.9},
-        "triton": {"decoupled": decoupled, "max_queue_delay_microseconds": 0},
-    })  # fmt: skip
+    return parse_recipe(
+        {
+            "name": "repo-gpu",
+            "backend": backend,
+            "target": {"model": str(target), "tp_size": tp, "quantization": {"qformat": "fp8"}},
+            "draft": {"model": str(draft), "quantization": {"qformat": "fp8"}},
+            "speculative": {"max_draft_len": 4, "num_draft_tokens": 4},
+            "engine": {"max_batch_size": 1, "kv_cache_free_gpu_mem_fraction": 0.9},
+            "triton": {"decoupled": decoupled, "max_queue_delay_microseconds": 0},
+        }
+    )
 
 
 @pytest.fixture
@@ -34,7 +41,7 @@ def built_engines(tmp_path, monkeypatch, tiny_llama_dir, tiny_llama_draft_dir):
     layout = Layout.of(recipe, tmp_path / "project")
     write_trtllm_checkpoint(layout.checkpoint("target"), recipe.name, tiny_llama_dir, tp=2, layers=8)
     write_trtllm_checkpoint(layout.checkpoint("draft"), recipe.name, tiny_llama_draft_dir, tp=1, layers=1)
-    trtllm.build_engine_recipe(recipe, layout, echo=lambda s: None)
+    trtllm_build.build_engine_recipe(recipe, layout, echo=lambda s: None)
     return recipe, layout
 
 
@@ -52,12 +59,12 @@ def built_llmapi(tmp_path, monkeypatch, tiny_llama_dir, tiny_llama_draft_dir):
 
 def test_tensorrtllm_models_parse_and_carry_parameters(built_engines):
     recipe, layout = built_engines
-    inp = repository.repo_inputs(recipe, layout)
+    inp = repo_inputs.repo_inputs(recipe, layout)
     specs = gpu_models.trtllm_engine_models(inp)
     assert [s.name for s in specs] == ["tensorrt_llm", "tensorrt_llm_draft"]
     fractions = {}
     for spec, role in zip(specs, ("target", "draft")):
-        config = repository.check_config(repository.render(spec), spec.name)
+        config = model_config.check_config(model_config.render(spec), spec.name)
         assert config.backend == "tensorrtllm"
         assert config.max_batch_size == 1
         params = {k: v.string_value for k, v in config.parameters.items()}
@@ -88,10 +95,12 @@ def test_decoupled_mode_goes_to_transaction_policy(built_engines):
     import dataclasses
 
     recipe, layout = built_engines
-    inp = repository.repo_inputs(recipe, layout)
-    inp = dataclasses.replace(inp, recipe=dataclasses.replace(recipe, triton=dataclasses.replace(recipe.triton, decoupled=True)))
+    inp = repo_inputs.repo_inputs(recipe, layout)
+    inp = dataclasses.replace(
+        inp, recipe=dataclasses.replace(recipe, triton=dataclasses.replace(recipe.triton, decoupled=True))
+    )
     for spec in gpu_models.trtllm_engine_models(inp):
-        assert repository.check_config(repository.render(spec)).model_transaction_policy.decoupled is True
+        assert model_config.check_config(model_config.render(spec)).model_transaction_policy.decoupled is True
 
 
 def test_kv_split_is_computed_in_load_order():
@@ -111,7 +120,9 @@ def test_the_naive_split_starves_a_draft_loaded_second():
     naive = gpu_models.kv_shares_when_loaded({"draft": 0.09, "target": 0.81}, ("target", "draft"))
     assert naive["draft"] == pytest.approx(0.0171)
     split = gpu_models.kv_fraction_split(0.9, 100, 900)
-    assert gpu_models.kv_shares_when_loaded(split, ("target", "draft")) == pytest.approx({"draft": 0.09, "target": 0.81}, abs=1e-4)
+    assert gpu_models.kv_shares_when_loaded(split, ("target", "draft")) == pytest.approx(
+        {"draft": 0.09, "target": 0.81}, abs=1e-4
+    )
 
 
 def test_a_capped_draft_loaded_first_leaves_the_target_its_share():
@@ -125,7 +136,7 @@ def test_a_capped_draft_loaded_first_leaves_the_target_its_share():
 def test_llmapi_models_config_and_model_yaml(tmp_path, built_llmapi):
     """The speculative llmapi model and its control: same target, the control without speculative_config."""
     recipe, layout = built_llmapi
-    inp = repository.repo_inputs(recipe, layout)
+    inp = repo_inputs.repo_inputs(recipe, layout)
     dest = tmp_path / "repo"
     upstream = tmp_path / "TensorRT-LLM"
     (upstream / llmapi_upstream.UPSTREAM_DIR).mkdir(parents=True)
@@ -135,9 +146,10 @@ def test_llmapi_models_config_and_model_yaml(tmp_path, built_llmapi):
     (upstream / llmapi_upstream.UPSTREAM_DIR / "helpers.py").write_text("# upstream helpers.py\n")
     assert llmapi.write_models(inp, layout, dest, upstream) == []
     assert llmapi.write_models(inp, layout, tmp_path / "from-image") == [  # the container's start copies them in
-        f"{name}/1/{file}" for name in llmapi.MODELS for file in ("model.py", "helpers.py")]
+        f"{name}/1/{file}" for name in llmapi.MODELS for file in ("model.py", "helpers.py")
+    ]
     for name in llmapi.MODELS:
-        config = repository.check_config((dest / name / "config.pbtxt").read_text(), name)
+        config = model_config.check_config((dest / name / "config.pbtxt").read_text(), name)
         assert config.backend == "python" and config.max_batch_size == 0 and not config.parameters
         assert {i.name for i in config.input} >= {"text_input", "sampling_param_max_tokens"}
         assert (dest / name / "1" / "model.py").read_text() == "# upstream model.py\n"
@@ -157,13 +169,20 @@ def test_generate_repository_for_trtllm_engine(built_engines):
     path, written = backend_stages.of(recipe).write_repository(recipe, layout)
     assert written
     names = sorted(p.name for p in path.iterdir() if (p / "config.pbtxt").is_file())
-    assert names == ["ensemble", "postprocessing", "preprocessing", "tensorrt_llm", "tensorrt_llm_bls", "tensorrt_llm_draft"]
+    assert names == [
+        "ensemble",
+        "postprocessing",
+        "preprocessing",
+        "tensorrt_llm",
+        "tensorrt_llm_bls",
+        "tensorrt_llm_draft",
+    ]
     for name in names:
-        config = repository.check_config((path / name / "config.pbtxt").read_text(), name)
+        config = model_config.check_config((path / name / "config.pbtxt").read_text(), name)
         if name in ("tensorrt_llm", "tensorrt_llm_draft"):
             assert config.backend == "tensorrtllm"
             assert not (path / name / "1" / "model.py").exists()  # C++ backend: no python source
-    from specdeploy.artifacts import Manifest
+    from specdeploy.core.artifacts import Manifest
 
     # trtllm-build saves no tokenizer: the generator takes it from the source model the engine manifest names
     assert Manifest.read(path).extra["tokenizer_source"] == recipe.target.model
@@ -173,13 +192,20 @@ def test_generate_llmapi_repository_is_atomic_and_up_to_date(built_llmapi):
     recipe, layout = built_llmapi
     warnings = []
     path, written = llmapi.generate_repository(recipe, layout, echo=warnings.append)
-    assert written and sorted(p.name for p in path.iterdir()) == ["manifest.json", "tensorrt_llm", "tensorrt_llm_control"]
+    assert written and sorted(p.name for p in path.iterdir()) == [
+        "manifest.json",
+        "tensorrt_llm",
+        "tensorrt_llm_control",
+    ]
     # model.py and helpers.py (twice) come from the image at the container's start: said, not faked
     assert len(warnings) == 1 and "tensorrt_llm_control/1/helpers.py come from the image" in warnings[0]
     assert "--trtllm-src" in warnings[0]
     repository.require_repository(recipe, layout)  # the serve stage accepts it
     assert llmapi.generate_repository(recipe, layout)[1] is False
-    assert backend_stages.of(recipe).write_repository(recipe, layout) == (path, False)  # `specdeploy repo` dispatches here
+    assert backend_stages.of(recipe).write_repository(recipe, layout) == (
+        path,
+        False,
+    )  # `specdeploy repo` dispatches here
 
 
 # ---------------------------------------------------------------- tensor names of the image's backend release
@@ -189,19 +215,23 @@ REFERENCE_NAMES = Path(__file__).parent / "data" / "trtllm_backend_tensor_names.
 
 def _model_specs(recipe, layout):
     stages = backend_stages.of(recipe)
-    return repository.model_specs(repository.repo_inputs(recipe, layout), stages.engine_models, stages.finish_models)
+    return layout_models.model_specs(
+        repo_inputs.repo_inputs(recipe, layout), stages.engine_models, stages.finish_models
+    )
 
 
 def _set_built_version(layout, version):
-    from specdeploy.artifacts import Manifest
+    from specdeploy.core.artifacts import Manifest
 
     manifest = Manifest.read(layout.engine("target"))
     manifest.tool_versions["trtllm-build"] = version
     manifest.write(layout.engine("target"))
 
 
-@pytest.mark.parametrize(("version", "tag"), [("0.16.0", "v0.16.0"), ("0.17.0", "v0.17.0"), ("0.18.0", "v0.18.0"),
-                                              ("0.18.2", "v0.18.2"), ("0.19.0", "v0.19.0")])
+@pytest.mark.parametrize(
+    ("version", "tag"),
+    [("0.16.0", "v0.16.0"), ("0.17.0", "v0.17.0"), ("0.18.0", "v0.18.0"), ("0.18.2", "v0.18.2"), ("0.19.0", "v0.19.0")],
+)
 def test_engine_models_declare_the_tensor_names_of_the_release_that_built_the_engines(built_engines, version, tag):
     """Each model the repository writes for trtllm-engine names only tensors NVIDIA's tensorrt_llm model of that
     release declares (config.pbtxt at the tag, extracted into tests/data), and the ensemble and the BLS send
@@ -213,7 +243,7 @@ def test_engine_models_declare_the_tensor_names_of_the_release_that_built_the_en
     _set_built_version(layout, version)
     specs = {s.name: s for s in _model_specs(recipe, layout)}
     for name in ("tensorrt_llm", "tensorrt_llm_draft"):
-        config = repository.check_config(repository.render(specs[name]), name)
+        config = model_config.check_config(model_config.render(specs[name]), name)
         assert {i.name for i in config.input} <= set(reference["inputs"]), name
         assert {o.name for o in config.output} <= set(reference["outputs"]), name
         declared = {i.name for i in config.input}
@@ -221,7 +251,7 @@ def test_engine_models_declare_the_tensor_names_of_the_release_that_built_the_en
     llm_step = next(step for step in ensemble.steps if step.model == "tensorrt_llm")
     assert {k for k, _ in llm_step.input_map} <= declared
     assert {k for k, _ in llm_step.output_map} <= set(reference["outputs"])
-    repository._check_ensemble(ensemble, specs)  # every mapping names a tensor of its step model
+    model_config._check_ensemble(ensemble, specs)  # every mapping names a tensor of its step model
     sent = json.loads(specs["tensorrt_llm_bls"].parameters["engine_tensor_names"])
     bls_names = {sent.get(n, n) for n in ("min_tokens", "seed", "return_perf_metrics", "first_token_time_ns")}
     assert bls_names - {None} <= declared | set(reference["outputs"])
@@ -241,16 +271,21 @@ def test_engines_of_an_unverified_backend_release_are_refused(built_engines):
     assert "trtllm-llmapi" in err.value.hint
 
 
-@pytest.mark.parametrize(("image", "version"), [("nvcr.io/nvidia/tritonserver:25.03-trtllm-python-py3", "0.18.0"),
-                                                ("nvcr.io/nvidia/tritonserver:25.01-trtllm-python-py3", "0.17.0")])
+@pytest.mark.parametrize(
+    ("image", "version"),
+    [
+        ("nvcr.io/nvidia/tritonserver:25.03-trtllm-python-py3", "0.18.0"),
+        ("nvcr.io/nvidia/tritonserver:25.01-trtllm-python-py3", "0.17.0"),
+    ],
+)
 def test_image_table_names_the_release_an_ngc_image_carries(image, version):
-    assert gpu_models.image_trtllm(image) == version
+    assert trtllm_images.image_trtllm(image) == version
 
 
 @pytest.mark.parametrize("image", ["nvcr.io/nvidia/tritonserver:24.11-trtllm-python-py3", "myregistry/triton:latest"])
 def test_an_image_the_table_does_not_know_is_refused_with_the_fix(image):
-    from specdeploy.errors import ConfigError
+    from specdeploy.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="not an NGC Triton TensorRT-LLM image") as err:
-        gpu_models.image_trtllm(image)
+        trtllm_images.image_trtllm(image)
     assert "25.03 (0.18.0)" in err.value.hint

@@ -103,9 +103,9 @@ def tiny_pair_recipe(name: str, target_dir, draft_dir, **sections) -> dict:
 
 def build_quietly(recipe, root: str | Path):
     """Quantize and build `recipe`'s engines under `root` with the project's own stages; returns its Layout."""
-    from specdeploy.artifacts import Layout
-    from specdeploy.engine.build import build_recipe
-    from specdeploy.quantize import quantize_recipe
+    from specdeploy.core.artifacts import Layout
+    from specdeploy.deploy.cpu_build import build_recipe
+    from specdeploy.quantize.stage import quantize_recipe
 
     layout = Layout.of(recipe, root)
     quantize_recipe(recipe, layout, echo=lambda *_: None, progress=False)

@@ -74,8 +74,8 @@ def load_executor(engine_dir: str):
 
 def make_engines(root, target_dir, draft_dir, max_draft_len: int = 4, **recipe_overrides):
     """A recipe and fake 'build' outputs (HF model + tokenizer + engine_spec.json + manifest) under root."""
-    from specdeploy.artifacts import Layout
-    from specdeploy.config_loader import parse_recipe
+    from specdeploy.core.artifacts import Layout
+    from specdeploy.recipe.load import parse_recipe
 
     raw = {
         "name": "tiny",
@@ -100,7 +100,7 @@ def make_engines(root, target_dir, draft_dir, max_draft_len: int = 4, **recipe_o
 def write_engine(dest, src, recipe, role, max_draft_len, fingerprint=None):
     import shutil
 
-    from specdeploy.artifacts import Manifest
+    from specdeploy.core.artifacts import Manifest
 
     dest = Path(dest)
     if dest.exists():

@@ -33,8 +33,14 @@ def per_prompt(report: dict) -> list[dict]:
 
 
 def _row(answer: dict, tokens: int, phase: str) -> dict:
-    return {"prompt_id": answer["prompt_id"], "category": answer["category"], "drafted": answer["drafted"],
-            "accepted": answer["accepted"], "tokens": tokens, "phase": phase}
+    return {
+        "prompt_id": answer["prompt_id"],
+        "category": answer["category"],
+        "drafted": answer["drafted"],
+        "accepted": answer["accepted"],
+        "tokens": tokens,
+        "phase": phase,
+    }
 
 
 def _figures(drafted: np.ndarray, accepted: np.ndarray, tokens: np.ndarray) -> tuple[float, float]:
@@ -50,9 +56,16 @@ def summarize(rows: list[dict]) -> dict | None:
     rate, length = _figures(d, a, t)
     picks = np.random.default_rng(SEED).integers(0, len(rows), size=(RESAMPLES, len(rows)))
     rates, lengths = _figures(d[picks], a[picks], t[picks])
-    return {"prompts": len(rows), "drafted": int(d.sum()), "accepted": int(a.sum()), "tokens": int(t.sum()),
-            "acceptance_rate": float(rate), "acceptance_rate_ci95": _interval(rates),
-            "acceptance_length": float(length), "acceptance_length_ci95": _interval(lengths)}
+    return {
+        "prompts": len(rows),
+        "drafted": int(d.sum()),
+        "accepted": int(a.sum()),
+        "tokens": int(t.sum()),
+        "acceptance_rate": float(rate),
+        "acceptance_rate_ci95": _interval(rates),
+        "acceptance_length": float(length),
+        "acceptance_length_ci95": _interval(lengths),
+    }
 
 
 def _interval(values: np.ndarray) -> list[float]:
@@ -71,8 +84,12 @@ def section(report: dict) -> dict | None:
     lookup = (report.get("speculation") or {}).get("lookup")
     if lookup:  # the deployment's own split of its drafting rounds (whole run, from its metrics endpoint)
         out["by_source"] = {
-            name: {"rounds": rounds, "drafted": drafted, "accepted": accepted,
-                   "accepted_per_round": accepted / rounds if rounds else None}
+            name: {
+                "rounds": rounds,
+                "drafted": drafted,
+                "accepted": accepted,
+                "accepted_per_round": accepted / rounds if rounds else None,
+            }
             for name, rounds, drafted, accepted in (
                 ("head", lookup["head_rounds"], lookup["head_drafted"], lookup["head_accepted"]),
                 ("lookup", lookup["rounds"], lookup["drafted"], lookup["accepted"]),

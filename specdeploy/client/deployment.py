@@ -3,7 +3,7 @@
 A `Deployment` is the whole of it: where the speculative and the control path answer, over which
 protocol and layout, under which model names, with which tokenizer, and what the deployment is known
 to export (a metrics endpoint, a speculation policy, quality reports, a machine price). It is built
-either from a recipe (`specdeploy.recipe_deployment`, the pipeline/CLI layer) or from the CLI options
+either from a recipe (`specdeploy.deploy.recipe_deployment`, the pipeline/CLI layer) or from the CLI options
 of `specdeploy validate --url ... --tokenizer ...` for a deployment specdeploy did not make (`foreign`).
 The client never reads a recipe, a repository or a server state file itself.
 
@@ -12,7 +12,8 @@ Model names (NVIDIA's layouts, the defaults when none is given):
   triton_backend/all_models/inflight_batcher_llm/tensorrt_llm_bls/config.pbtxt:27), control `ensemble`
   (NVIDIA/TensorRT-LLM@2a9abd9 triton_backend/all_models/inflight_batcher_llm/ensemble/config.pbtxt:27);
   triage through `preprocessing` + `tensorrt_llm` (the ensemble's steps).
-- llmapi: speculative `tensorrt_llm` (NVIDIA/TensorRT-LLM@0a71057 triton_backend/all_models/llmapi/tensorrt_llm/config.pbtxt:27);
+- llmapi: speculative `tensorrt_llm` (NVIDIA/TensorRT-LLM@0a71057
+triton_backend/all_models/llmapi/tensorrt_llm/config.pbtxt:27);
   NVIDIA ships one model, so the control is a second one: `tensorrt_llm_control` in the same repository
   (specdeploy's layout; loaded side by side or swapped by Triton's explicit model control), or the same
   name on another server (`control_url`).
@@ -25,17 +26,24 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from specdeploy.client.protocol import CONTROL_MODEL, PREPROCESSING_MODEL, SPECULATIVE_MODEL, TARGET_MODEL
-from specdeploy.errors import ConfigError
+from specdeploy.core.errors import ConfigError
 
 PROTOCOLS = ("triton", "openai")
 LAYOUTS = ("inflight_batcher_llm", "llmapi")
-CONTROL_LOADINGS = ("side_by_side", "load_unload")  # both models loaded; or one at a time (Triton explicit model control)
+CONTROL_LOADINGS = (
+    "side_by_side",
+    "load_unload",
+)  # both models loaded; or one at a time (Triton explicit model control)
 LLMAPI_MODEL, LLMAPI_CONTROL_MODEL = "tensorrt_llm", "tensorrt_llm_control"
 DEFAULT_NAMES = {
     "inflight_batcher_llm": {SPECULATIVE_MODEL: SPECULATIVE_MODEL, CONTROL_MODEL: CONTROL_MODEL},
     "llmapi": {SPECULATIVE_MODEL: LLMAPI_MODEL, CONTROL_MODEL: LLMAPI_CONTROL_MODEL},
 }
-FRONT_SUFFIXES = ("-speculative", "-control", "-canary")  # specdeploy's OpenAI front (specdeploy.openai_api.routes)
+FRONT_SUFFIXES = (
+    "-speculative",
+    "-control",
+    "-canary",
+)  # specdeploy's OpenAI front (specdeploy.ops.openai.requests.routes)
 
 
 @dataclass(frozen=True)
@@ -67,22 +75,33 @@ class Deployment:
         check_choice("--layout", self.layout, LAYOUTS)
         check_choice("--control-loading", self.control_loading, CONTROL_LOADINGS)
         if not self.url:
-            raise ConfigError("no deployment address given", "pass --url HOST:PORT (Triton gRPC, or the OpenAI API's base URL with --protocol openai)")
+            raise ConfigError(
+                "no deployment address given",
+                "pass --url HOST:PORT (Triton gRPC, or the OpenAI API's base URL with --protocol openai)",
+            )
         if self.control_loading == "load_unload" and (self.layout != "llmapi" or self.protocol != "triton"):
-            raise ConfigError("--control-loading load_unload swaps the llmapi layout's two models by Triton's explicit model control",
-                              "use it with --layout llmapi over --protocol triton, or serve the control elsewhere (--control-url)")  # fmt: skip
+            raise ConfigError(
+                "--control-loading load_unload swaps the llmapi layout's two models by Triton's explicit model control",
+                "use it with --layout llmapi over --protocol triton, or serve the control elsewhere (--control-url)",
+            )
         if self.use_draft_logits is not None and not self.per_request_draft_tokens:
-            raise ConfigError("--use-draft-logits/--no-draft-logits is an input of the inflight_batcher_llm layout's BLS",
-                              "drop it, or validate an inflight_batcher_llm deployment over Triton")  # fmt: skip
+            raise ConfigError(
+                "--use-draft-logits/--no-draft-logits is an input of the inflight_batcher_llm layout's BLS",
+                "drop it, or validate an inflight_batcher_llm deployment over Triton",
+            )
         if self.control_loading == "load_unload" and self.control_url:
-            raise ConfigError("--control-loading load_unload and --control-url both say where the control is", "give one of them")
+            raise ConfigError(
+                "--control-loading load_unload and --control-url both say where the control is", "give one of them"
+            )
         if self.protocol == "triton" and self.control_loading != "load_unload":  # (load_unload swaps one name's model)
             names = self.names()
             speculative = (self.url, names[SPECULATIVE_MODEL])
             control = (self.control_url or self.url, names[CONTROL_MODEL])
             if speculative == control:  # parity and speedup would compare a path with itself, and pass
-                raise ConfigError(f"the speculative and the control path are the same model ({speculative[1]} at {speculative[0]})",
-                                  "point --control-model or --control-url at the target alone (for llmapi: the control's own server)")
+                raise ConfigError(
+                    f"the speculative and the control path are the same model ({speculative[1]} at {speculative[0]})",
+                    "point --control-model or --control-url at the target alone (for llmapi: the control's own server)",
+                )
 
     @property
     def title(self) -> str:
@@ -91,9 +110,13 @@ class Deployment:
     def names(self) -> dict[str, str]:
         """Core model name -> served model name (openai: model ids; empty until `openai_ids` resolves them)."""
         if self.protocol == "openai":
-            return {k: v for k, v in ((SPECULATIVE_MODEL, self.speculative_model), (CONTROL_MODEL, self.control_model)) if v}
+            return {
+                k: v for k, v in ((SPECULATIVE_MODEL, self.speculative_model), (CONTROL_MODEL, self.control_model)) if v
+            }
         defaults = DEFAULT_NAMES[self.layout]
-        control_default = defaults[SPECULATIVE_MODEL] if (self.layout == "llmapi" and self.control_url) else defaults[CONTROL_MODEL]
+        control_default = (
+            defaults[SPECULATIVE_MODEL] if (self.layout == "llmapi" and self.control_url) else defaults[CONTROL_MODEL]
+        )
         return {
             SPECULATIVE_MODEL: self.speculative_model or defaults[SPECULATIVE_MODEL],
             CONTROL_MODEL: self.control_model or control_default,
@@ -103,7 +126,8 @@ class Deployment:
 
     @property
     def per_request_draft_tokens(self) -> bool:
-        """Whether a request can carry its own num_draft_tokens (the BLS input); llmapi and OpenAI fix k per deployment."""
+        """Whether a request can carry its own num_draft_tokens (the BLS input); llmapi and OpenAI fix k per
+        deployment."""
         return self.protocol == "triton" and self.layout == "inflight_batcher_llm"
 
     def describe(self) -> dict:
@@ -117,7 +141,9 @@ class Deployment:
 
 def check_choice(option: str, value: str, choices) -> None:
     if value not in choices:
-        raise ConfigError(f"{option} {value!r} is not one of {', '.join(choices)}", f"use {option} " + " or ".join(choices))
+        raise ConfigError(
+            f"{option} {value!r} is not one of {', '.join(choices)}", f"use {option} " + " or ".join(choices)
+        )
 
 
 def open_endpoint(deployment: Deployment):
@@ -129,30 +155,53 @@ def open_endpoint(deployment: Deployment):
         from specdeploy.client.triton_adapter import TritonEndpoint
 
         triton = TritonEndpoint(deployment.triton_url) if deployment.triton_url else None
-        return OpenAIEndpoint(deployment.url, triton=triton, num_draft_tokens=deployment.fixed_num_draft_tokens, ids=names,
-                              canary_id=deployment.canary_model, control_url=deployment.control_url)  # fmt: skip
+        return OpenAIEndpoint(
+            deployment.url,
+            triton=triton,
+            num_draft_tokens=deployment.fixed_num_draft_tokens,
+            ids=names,
+            canary_id=deployment.canary_model,
+            control_url=deployment.control_url,
+        )
     if deployment.layout == "llmapi":
         from specdeploy.client.llmapi_adapter import LlmapiEndpoint
 
-        main = LlmapiEndpoint(deployment.url, load_unload=deployment.control_loading == "load_unload", names=names,
-                              missing_hint=_missing_hint(deployment))  # fmt: skip
-        control = LlmapiEndpoint(deployment.control_url, names=names, missing_hint=_missing_hint(deployment)) if deployment.control_url else None
+        main = LlmapiEndpoint(
+            deployment.url,
+            load_unload=deployment.control_loading == "load_unload",
+            names=names,
+            missing_hint=_missing_hint(deployment),
+        )
+        control = (
+            LlmapiEndpoint(deployment.control_url, names=names, missing_hint=_missing_hint(deployment))
+            if deployment.control_url
+            else None
+        )
     else:
         from specdeploy.client.triton_adapter import TritonEndpoint
 
         # use_draft_logits: an input of NVIDIA's BLS (NVIDIA/TensorRT-LLM@0193dbd
-        # triton_backend/all_models/inflight_batcher_llm/tensorrt_llm_bls/config.pbtxt:237), beside num_draft_tokens (:231)
+        # triton_backend/all_models/inflight_batcher_llm/tensorrt_llm_bls/config.pbtxt:237), beside num_draft_tokens
+        # (:231)
         knobs = {} if deployment.use_draft_logits is None else {"use_draft_logits": deployment.use_draft_logits}
-        main = TritonEndpoint(deployment.url, names=names, missing_hint=_missing_hint(deployment), speculative_inputs=knobs)
-        control = TritonEndpoint(deployment.control_url, names=names, missing_hint=_missing_hint(deployment)) if deployment.control_url else None
+        main = TritonEndpoint(
+            deployment.url, names=names, missing_hint=_missing_hint(deployment), speculative_inputs=knobs
+        )
+        control = (
+            TritonEndpoint(deployment.control_url, names=names, missing_hint=_missing_hint(deployment))
+            if deployment.control_url
+            else None
+        )
     return ControlElsewhere(main, control) if control is not None else main
 
 
 def _missing_hint(deployment: Deployment) -> str | None:
     if not deployment.foreign:
         return None  # the adapter's own hint: regenerate the repository
-    return ("name the served models: --speculative-model NAME and --control-model NAME "
-            f"(defaults for --layout {deployment.layout}: {', '.join(DEFAULT_NAMES[deployment.layout].values())})")  # fmt: skip
+    return (
+        "name the served models: --speculative-model NAME and --control-model NAME "
+        f"(defaults for --layout {deployment.layout}: {', '.join(DEFAULT_NAMES[deployment.layout].values())})"
+    )
 
 
 class ControlElsewhere:

@@ -105,19 +105,24 @@ def _parity_checks(report: dict, parity: dict, s: dict, min_parity: float, min_c
     planned = len(report.get("prompts") or []) or s["prompts"]
     short = f"; {s['too_short']} too short (< {parity.get('min_compared_tokens')} tokens)" if s["too_short"] else ""
     unchecked = f"; only {s['prompts']} of {planned} prompts checked" if s["prompts"] < planned else ""
-    mode = "exact verification" if parity.get("exact_verification") else f"near-tie margin {parity.get('near_tie_margin')}"
+    mode = (
+        "exact verification" if parity.get("exact_verification") else f"near-tie margin {parity.get('near_tie_margin')}"
+    )
     if s["compared"]:
         rate = s["parity_rate"]
         ok = rate >= min_parity
         parity_check = Check(
             "parity",
             ok,
-            f"parity {rate:.1%} {'>=' if ok else '<'} {min_parity:.1%} over {s['compared']} prompts and {s['tokens']} tokens compared "
-            f"({s['exact']} exact, {s['near_ties']} near-ties, {s['mismatches']} mismatches; {mode}{short}{unchecked})",
+            f"parity {rate:.1%} {'>=' if ok else '<'} {min_parity:.1%} over {s['compared']} prompts and {s['tokens']}"
+            f" tokens compared ({s['exact']} exact, {s['near_ties']} near-ties, {s['mismatches']} mismatches;"
+            f" {mode}{short}{unchecked})",
             EXIT_PARITY,
         )
     else:
-        parity_check = Check("parity", False, f"no prompt compared: all {s['prompts']} too short{unchecked}", EXIT_PARITY)
+        parity_check = Check(
+            "parity", False, f"no prompt compared: all {s['prompts']} too short{unchecked}", EXIT_PARITY
+        )
     share = s["compared"] / planned
     ok = share >= min_compared_share
     checks = [
@@ -125,7 +130,8 @@ def _parity_checks(report: dict, parity: dict, s: dict, min_parity: float, min_c
         Check(
             "evidence",
             ok,
-            f"{s['compared']}/{planned} prompts comparable ({share:.0%} {'>=' if ok else '<'} {min_compared_share:.0%})",
+            f"{s['compared']}/{planned} prompts comparable ({share:.0%} {'>=' if ok else '<'}"
+            f" {min_compared_share:.0%})",
             EXIT_PARITY,
         ),
     ]
@@ -145,20 +151,33 @@ def _parity_checks(report: dict, parity: dict, s: dict, min_parity: float, min_c
 def _drafts_check(report: dict) -> Check | None:
     """Fails where the speculative path returned its draft counts and proposed none in any request: it ran as the
     target alone, so parity and speedup say nothing of speculation. None where no counts came back (not_checked)."""
-    levels = [r for r in (report.get("latency") or {}).get("levels") or [] if r["mode"] == "speculative" and r.get("drafted") is not None]
+    levels = [
+        r
+        for r in (report.get("latency") or {}).get("levels") or []
+        if r["mode"] == "speculative" and r.get("drafted") is not None
+    ]
     if not levels or any(r["drafted"] for r in levels):
         return None
     requests = sum(r["requests"] for r in levels)
-    return Check("drafts", False, f"the speculative path proposed no draft token in {requests} timed requests: it ran as the target "
-                                  "alone (a policy, a gate or a schedule that turned speculation off, or the control's model)", EXIT_SPEED)
+    return Check(
+        "drafts",
+        False,
+        f"the speculative path proposed no draft token in {requests} timed requests: it ran as the target "
+        "alone (a policy, a gate or a schedule that turned speculation off, or the control's model)",
+        EXIT_SPEED,
+    )
 
 
 def _speed_check(report: dict, min_speedup: float) -> Check:
-    rows = [r for r in ((report.get("latency") or {}).get("speedups") or []) if r["category"] == "all" and r["median"] is not None]
+    rows = [
+        r
+        for r in (report.get("latency") or {}).get("speedups") or []
+        if r["category"] == "all" and r["median"] is not None
+    ]
     if not rows:
         return Check("speedup", False, "speedup not measured", EXIT_INCOMPLETE)
     row = min(rows, key=lambda r: r["concurrency"])
-    levels = {r["concurrency"]: r for r in (report["latency"].get("levels") or []) if r["mode"] == "speculative"}
+    levels = {r["concurrency"]: r for r in report["latency"].get("levels") or [] if r["mode"] == "speculative"}
     rate = (levels.get(row["concurrency"]) or {}).get("acceptance_rate")
     k = (report.get("settings") or {}).get("num_draft_tokens")
     extra = f", k={k}" + (f", acceptance {rate:.2f}" if rate is not None else "")

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Sequence
 
 from specdeploy.client.prompts import HFChatTemplate
-from specdeploy.errors import ConfigError
+from specdeploy.core.errors import ConfigError
 
 
 class HFCodec:
@@ -18,9 +18,11 @@ class HFCodec:
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
         except (OSError, ValueError) as exc:  # no such directory / repository, or no tokenizer files in it
-            raise ConfigError(f"cannot load a tokenizer from {str(tokenizer_dir)!r}: {str(exc).splitlines()[0][:300]}",
-                              "pass --tokenizer a directory with tokenizer.json / tokenizer_config.json (the target model's), "
-                              "or a Hugging Face model name already in the local cache") from None  # fmt: skip
+            raise ConfigError(
+                f"cannot load a tokenizer from {str(tokenizer_dir)!r}: {str(exc).splitlines()[0][:300]}",
+                "pass --tokenizer a directory with tokenizer.json / tokenizer_config.json (the target model's), "
+                "or a Hugging Face model name already in the local cache",
+            ) from None
 
     def chat_renderer(self):
         # The repository's preprocessing encodes with add_special_tokens (NVIDIA's default).

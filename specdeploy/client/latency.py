@@ -26,8 +26,15 @@ import numpy as np
 
 from specdeploy.client import runtime_counters
 from specdeploy.client.prompts import Prompt
-from specdeploy.client.protocol import CONTROL_MODEL, SPECULATIVE_MODEL, Endpoint, GenerateRequest, GenerateResult, TokenCodec
-from specdeploy.errors import ClientError
+from specdeploy.client.protocol import (
+    CONTROL_MODEL,
+    SPECULATIVE_MODEL,
+    Endpoint,
+    GenerateRequest,
+    GenerateResult,
+    TokenCodec,
+)
+from specdeploy.core.errors import ClientError
 
 CONTROL, SPECULATIVE = "control", "speculative"
 # RequestSample.tokens_source
@@ -181,10 +188,20 @@ def speedup_table(runs: Sequence[LevelRun]) -> list[dict]:
             per_repeat, spec_samples = [], []
             for control, spec in pairs:
                 pick = (lambda s: True) if category == "all" else (lambda s, g=category: s.category == g)
-                per_repeat.append(speedup_of([s for s in control.samples if pick(s)], [s for s in spec.samples if pick(s)]))
+                per_repeat.append(
+                    speedup_of([s for s in control.samples if pick(s)], [s for s in spec.samples if pick(s)])
+                )
                 spec_samples += [s for s in spec.samples if pick(s)]
             rate, length = acceptance(spec_samples)
-            rows.append({"concurrency": level, "category": category, **spread(per_repeat), "acceptance_rate": rate, "acceptance_length": length})
+            rows.append(
+                {
+                    "concurrency": level,
+                    "category": category,
+                    **spread(per_repeat),
+                    "acceptance_rate": rate,
+                    "acceptance_length": length,
+                }
+            )
     return rows
 
 
@@ -218,13 +235,26 @@ def summarize_levels(runs: Sequence[LevelRun]) -> list[dict]:
 def _timed_rounds(sample: RequestSample) -> bool:
     """The sample carries every round's k and seconds and is long enough for a decode phase."""
     k, d, t = sample.k_rounds, sample.draft_s_rounds, sample.target_s_rounds
-    return bool(k) and len(k) >= 2 and len(k) == len(d or ()) == len(t or ()) and sample.decode_s is not None and sample.output_tokens >= 2
+    return (
+        bool(k)
+        and len(k) >= 2
+        and len(k) == len(d or ()) == len(t or ())
+        and sample.decode_s is not None
+        and sample.output_tokens >= 2
+    )
 
 
 def _by_k_row(k: int, rounds: list[tuple[float, float]], step_s: float) -> dict:
-    """The rounds of one k: (draft seconds, target seconds) each -> count and means, the target call in control steps."""
+    """The rounds of one k: (draft seconds, target seconds) each -> count and means, the target call in control
+    steps."""
     target_s = _mean(t for _, t in rounds)
-    return {"k": k, "rounds": len(rounds), "target_s": target_s, "draft_s": _mean(d for d, _ in rounds), "target_steps": target_s / step_s}
+    return {
+        "k": k,
+        "rounds": len(rounds),
+        "target_s": target_s,
+        "draft_s": _mean(d for d, _ in rounds),
+        "target_steps": target_s / step_s,
+    }
 
 
 def round_profile(runs: Sequence[LevelRun]) -> list[dict]:
@@ -240,9 +270,16 @@ def round_profile(runs: Sequence[LevelRun]) -> list[dict]:
     requests counts whole for each. Levels whose speculative samples carry no round seconds are left out."""
     out = []
     for level in sorted({r.concurrency for r in runs}):
-        spec = [s for r in runs if r.mode == SPECULATIVE and r.concurrency == level for s in r.samples if _timed_rounds(s)]
-        control = [s for r in runs if r.mode == CONTROL and r.concurrency == level for s in r.samples
-                   if s.decode_s is not None and s.output_tokens >= 2]  # fmt: skip
+        spec = [
+            s for r in runs if r.mode == SPECULATIVE and r.concurrency == level for s in r.samples if _timed_rounds(s)
+        ]
+        control = [
+            s
+            for r in runs
+            if r.mode == CONTROL and r.concurrency == level
+            for s in r.samples
+            if s.decode_s is not None and s.output_tokens >= 2
+        ]
         if not spec or not control:
             continue
         step_s = sum(s.decode_s for s in control) / sum(s.output_tokens - 1 for s in control)
@@ -255,23 +292,28 @@ def round_profile(runs: Sequence[LevelRun]) -> list[dict]:
         for s in spec:
             for k, d, t in zip(s.k_rounds[1:], s.draft_s_rounds[1:], s.target_s_rounds[1:]):
                 by_k.setdefault(int(k), []).append((d, t))
-        steps = {name: value / rounds / step_s for name, value in (("draft", draft_s), ("target", target_s), ("rest", rest_s))}
-        out.append({
-            "concurrency": level,
-            "requests": len(spec),
-            "rounds": rounds,
-            "tokens_per_round": tokens / rounds,
-            "control_step_s": step_s,
-            "draft_s_per_round": draft_s / rounds,
-            "target_s_per_round": target_s / rounds,
-            "rest_s_per_round": rest_s / rounds,
-            "draft_steps": steps["draft"],
-            "target_steps": steps["target"],
-            "rest_steps": steps["rest"],
-            "round_steps": sum(steps.values()),
-            "tpot_speedup": tokens / rounds / sum(steps.values()),
-            "by_k": [_by_k_row(k, v, step_s) for k, v in sorted(by_k.items())],
-        })
+        steps = {
+            name: value / rounds / step_s
+            for name, value in (("draft", draft_s), ("target", target_s), ("rest", rest_s))
+        }
+        out.append(
+            {
+                "concurrency": level,
+                "requests": len(spec),
+                "rounds": rounds,
+                "tokens_per_round": tokens / rounds,
+                "control_step_s": step_s,
+                "draft_s_per_round": draft_s / rounds,
+                "target_s_per_round": target_s / rounds,
+                "rest_s_per_round": rest_s / rounds,
+                "draft_steps": steps["draft"],
+                "target_steps": steps["target"],
+                "rest_steps": steps["rest"],
+                "round_steps": sum(steps.values()),
+                "tpot_speedup": tokens / rounds / sum(steps.values()),
+                "by_k": [_by_k_row(k, v, step_s) for k, v in sorted(by_k.items())],
+            }
+        )
     return out
 
 
@@ -308,11 +350,15 @@ def fit_speedup_model(points: Sequence[dict]) -> tuple[float | None, float | Non
     by_rate = [p for p in points if p.get("acceptance_rate") is not None]
     by_length = [p for p in points if p.get("acceptance_length") is not None]
     if by_rate:
+
         def alpha_error(alpha):
             return sum((p["acceptance_rate"] - expected_acceptance_rate(alpha, p["k"])) ** 2 for p in by_rate)
+
     elif by_length:
+
         def alpha_error(alpha):
             return sum((p["acceptance_length"] - expected_tokens_per_round(alpha, p["k"])) ** 2 for p in by_length)
+
     else:
         return None, None
     alpha = float(minimize_scalar(alpha_error, bounds=(0.0, 0.9999), method="bounded").x)
@@ -336,8 +382,12 @@ def recommend_k(points: Sequence[dict], alpha: float | None, cost_ratio: float |
         "best_measured_speedup": best_measured["speedup"] if best_measured else None,
     }
     if points and all(p.get("most_drafts") == 0 for p in points):  # the rounds say no k was drafted: nothing to fit
-        out.update(recommended_k=None, predicted_speedup=None, predicted={},
-                   no_recommendation="no round of any k drafted (the deployment's policy or schedule kept them plain)")
+        out.update(
+            recommended_k=None,
+            predicted_speedup=None,
+            predicted={},
+            no_recommendation="no round of any k drafted (the deployment's policy or schedule kept them plain)",
+        )
     elif alpha is not None and cost_ratio is not None:
         predicted = {k: expected_speedup(alpha, k, cost_ratio) for k in range(1, max_k + 1)}
         k = max(predicted, key=predicted.get)
@@ -359,8 +409,16 @@ def sweep_points(runs: Sequence[LevelRun]) -> list[dict]:
         # deployment capped the request's k (a schedule, the engine's max_draft_len) or the draft never proposed more
         histories = [s.k_rounds for s in spec_samples if s.k_rounds]
         most = max(max(h) for h in histories) if histories else None
-        points.append({"k": k, "acceptance_rate": rate, "acceptance_length": length, "speedup": speed["median"], "speedup_spread": speed,
-                       "most_drafts": most})
+        points.append(
+            {
+                "k": k,
+                "acceptance_rate": rate,
+                "acceptance_length": length,
+                "speedup": speed["median"],
+                "speedup_spread": speed,
+                "most_drafts": most,
+            }
+        )
     return points
 
 
@@ -373,7 +431,9 @@ ProgressFn = Callable[[int], None]
 Reference = dict  # prompt id -> (text, generated tokens or None): the parity phase's output
 
 
-def count_tokens(result: GenerateResult, codec: TokenCodec, reference: tuple[str, int | None] | None) -> tuple[int, str]:
+def count_tokens(
+    result: GenerateResult, codec: TokenCodec, reference: tuple[str, int | None] | None
+) -> tuple[int, str]:
     """(output tokens, where the count comes from): the returned ids, else the server's own count (an OpenAI
     server's `usage`), else the parity phase's exact count for the same text, else the re-tokenized text."""
     if result.token_ids is not None:
@@ -417,7 +477,9 @@ def run_level(
                 if run.error is not None or not queue:
                     return
                 prompt = queue.pop(0)
-            request = GenerateRequest(prompt.text, prompt.max_tokens, num_draft_tokens=run.num_draft_tokens, stream=stream)
+            request = GenerateRequest(
+                prompt.text, prompt.max_tokens, num_draft_tokens=run.num_draft_tokens, stream=stream
+            )
             sent = time.perf_counter() - start
             try:
                 result = endpoint.generate(model, request, timeout_s)
@@ -466,10 +528,18 @@ def run_level(
     return run
 
 
-def warm_up(endpoint: Endpoint, prompts: Sequence[Prompt], num_draft_tokens: int, timeout_s: float, requests: int = 2,
-            modes: Sequence[str] = (CONTROL, SPECULATIVE)) -> None:  # fmt: skip
+def warm_up(
+    endpoint: Endpoint,
+    prompts: Sequence[Prompt],
+    num_draft_tokens: int,
+    timeout_s: float,
+    requests: int = 2,
+    modes: Sequence[str] = (CONTROL, SPECULATIVE),
+) -> None:
     """A few requests to each model (of `modes`) so first-call costs (loading, allocation) stay out of the numbers."""
     for mode in modes:
         for prompt in list(prompts)[:requests]:
             k = num_draft_tokens if mode == SPECULATIVE else None
-            endpoint.generate(MODEL_OF_MODE[mode], GenerateRequest(prompt.text, prompt.max_tokens, num_draft_tokens=k), timeout_s)
+            endpoint.generate(
+                MODEL_OF_MODE[mode], GenerateRequest(prompt.text, prompt.max_tokens, num_draft_tokens=k), timeout_s
+            )

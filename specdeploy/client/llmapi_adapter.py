@@ -21,19 +21,35 @@ from typing import Sequence
 
 import numpy as np
 
-from specdeploy.client.protocol import CONTROL_MODEL, SPECULATIVE_MODEL, GenerateRequest, GenerateResult, PerfMetrics, TargetTrace
+from specdeploy.client.protocol import (
+    CONTROL_MODEL,
+    SPECULATIVE_MODEL,
+    GenerateRequest,
+    GenerateResult,
+    PerfMetrics,
+    TargetTrace,
+)
 from specdeploy.client.triton_adapter import CONNECT_TIMEOUT_S, PERF_OUTPUTS, TritonEndpoint, _perf, _text, timing
-from specdeploy.errors import ClientError
+from specdeploy.core.errors import ClientError
 
-LLMAPI_NAMES = {SPECULATIVE_MODEL: "tensorrt_llm", CONTROL_MODEL: "tensorrt_llm_control"}  # triton/llmapi.py MODELS
+LLMAPI_NAMES = {
+    SPECULATIVE_MODEL: "tensorrt_llm",
+    CONTROL_MODEL: "tensorrt_llm_control",
+}  # gpu/llmapi_repository.py MODELS
 LOAD_TIMEOUT_S = 600.0
 
 
 class LlmapiEndpoint(TritonEndpoint):
     """The llmapi deployment at `url` (gRPC host:port); `load_unload`: one of its two models loaded at a time."""
 
-    def __init__(self, url: str, load_unload: bool = False, load_timeout_s: float = LOAD_TIMEOUT_S, names: dict | None = None,
-                 missing_hint: str | None = None):  # fmt: skip
+    def __init__(
+        self,
+        url: str,
+        load_unload: bool = False,
+        load_timeout_s: float = LOAD_TIMEOUT_S,
+        names: dict | None = None,
+        missing_hint: str | None = None,
+    ):
         llmapi_names = {k: v for k, v in (names or LLMAPI_NAMES).items() if k in LLMAPI_NAMES}
         super().__init__(url, llmapi_names, missing_hint)
         self.one_model_at_a_time = load_unload
@@ -47,8 +63,10 @@ class LlmapiEndpoint(TritonEndpoint):
             return self.names[model]
         if model in self.names.values():  # already a served name
             return model
-        raise ClientError(f"the llmapi layout has no model for '{model}' (it serves {', '.join(self.names.values())})",
-                          "text outputs only: no target-only trace, no preprocessing")  # fmt: skip
+        raise ClientError(
+            f"the llmapi layout has no model for '{model}' (it serves {', '.join(self.names.values())})",
+            "text outputs only: no target-only trace, no preprocessing",
+        )
 
     # ------------------------------------------------------------ readiness and loading
 
@@ -57,13 +75,21 @@ class LlmapiEndpoint(TritonEndpoint):
         if not self.one_model_at_a_time:
             return super().check_ready(names)
         super().check_ready([])  # live
-        index = self._call("the model index", CONNECT_TIMEOUT_S, self._client().get_model_repository_index, as_json=True,
-                           client_timeout=CONNECT_TIMEOUT_S)  # fmt: skip
+        index = self._call(
+            "the model index",
+            CONNECT_TIMEOUT_S,
+            self._client().get_model_repository_index,
+            as_json=True,
+            client_timeout=CONNECT_TIMEOUT_S,
+        )
         entries = {m.get("name"): m for m in index.get("models", [])}
         for name in names:
             if name not in entries:
-                raise ClientError(f"model '{name}' is not in the repository of {self.url} (it has: {', '.join(sorted(entries)) or 'nothing'})",
-                                  self.missing_hint)  # fmt: skip
+                raise ClientError(
+                    f"model '{name}' is not in the repository of {self.url} (it has:"
+                    f" {', '.join(sorted(entries)) or 'nothing'})",
+                    self.missing_hint,
+                )
         ready = [n for n, e in entries.items() if e.get("state") == "READY"]
         self.loaded = ready[0] if len(ready) == 1 else None
 
@@ -79,9 +105,17 @@ class LlmapiEndpoint(TritonEndpoint):
             client = self._client()
             others = sorted(set(self.names.values()) - {name})
             for other in others:
-                self._call(f"unloading {other}", self.load_timeout_s, client.unload_model, other, client_timeout=self.load_timeout_s)
+                self._call(
+                    f"unloading {other}",
+                    self.load_timeout_s,
+                    client.unload_model,
+                    other,
+                    client_timeout=self.load_timeout_s,
+                )
             self._wait_unloaded(others)
-            self._call(f"loading {name}", self.load_timeout_s, client.load_model, name, client_timeout=self.load_timeout_s)
+            self._call(
+                f"loading {name}", self.load_timeout_s, client.load_model, name, client_timeout=self.load_timeout_s
+            )
             self.loaded = name
             self.swaps.append((name, time.perf_counter() - started))
 
@@ -89,13 +123,20 @@ class LlmapiEndpoint(TritonEndpoint):
         """Triton's unload returns before the model's stub has exited; wait until the index says so."""
         deadline = time.monotonic() + self.load_timeout_s
         while time.monotonic() < deadline:
-            index = self._call("the model index", CONNECT_TIMEOUT_S, self._client().get_model_repository_index, as_json=True,
-                               client_timeout=CONNECT_TIMEOUT_S)  # fmt: skip
+            index = self._call(
+                "the model index",
+                CONNECT_TIMEOUT_S,
+                self._client().get_model_repository_index,
+                as_json=True,
+                client_timeout=CONNECT_TIMEOUT_S,
+            )
             states = {m.get("name"): m.get("state") for m in index.get("models", [])}
             if all(states.get(n) not in ("READY", "UNLOADING", "LOADING") for n in names):
                 return
             time.sleep(0.1)
-        raise ClientError(f"{', '.join(names)} did not unload within {self.load_timeout_s:.0f} s on {self.url}", "see the server log")
+        raise ClientError(
+            f"{', '.join(names)} did not unload within {self.load_timeout_s:.0f} s on {self.url}", "see the server log"
+        )
 
     # ------------------------------------------------------------ Endpoint
 
@@ -107,7 +148,9 @@ class LlmapiEndpoint(TritonEndpoint):
     def model_parameters(self, model: str) -> dict[str, str]:
         name = self.served(model)
         if self.one_model_at_a_time and self.loaded != name and name not in self._configs:
-            raise ClientError(f"{name} is not loaded now (load_unload), so its config is not served", "read the recipe instead")
+            raise ClientError(
+                f"{name} is not loaded now (load_unload), so its config is not served", "read the recipe instead"
+            )
         return super().model_parameters(name)
 
     def generate(self, model: str, request: GenerateRequest, timeout_s: float, on_text=None) -> GenerateResult:
@@ -133,13 +176,20 @@ class LlmapiEndpoint(TritonEndpoint):
             if s.seed is not None:
                 inputs["sampling_param_seed"] = np.array([s.seed], dtype=np.uint64)
         inputs = self._declared(name, inputs, required=("text_input", "sampling_param_max_tokens"))
-        outputs = ["text_output", *(o for o in (PERF_OUTPUTS if request.return_perf_metrics else ()) if self._has_output(name, o))]
-        responses, first_s, start, latency = self._exchange(name, super().is_decoupled(name), inputs, outputs, timeout_s, on_text)
+        outputs = [
+            "text_output",
+            *(o for o in (PERF_OUTPUTS if request.return_perf_metrics else ()) if self._has_output(name, o)),
+        ]
+        responses, first_s, start, latency = self._exchange(
+            name, super().is_decoupled(name), inputs, outputs, timeout_s, on_text
+        )
         texts = [t for t in (_text(r) for r in responses) if t]
         perf = _perf(responses[-1]) if request.return_perf_metrics and responses else PerfMetrics()
         ttft, decode, source = timing(request.stream, start, first_s, start + latency, perf)
         return GenerateResult(texts[-1] if texts else "", latency, ttft, source, decode, len(responses), perf)
 
     def trace(self, prompt: str, max_tokens: int, timeout_s: float, with_logits: bool = True) -> TargetTrace:
-        raise ClientError("the llmapi layout has no target-only model to trace (text outputs only)",
-                          "divergences are located in the text; use the inflight_batcher_llm layout to triage with logits")  # fmt: skip
+        raise ClientError(
+            "the llmapi layout has no target-only model to trace (text outputs only)",
+            "divergences are located in the text; use the inflight_batcher_llm layout to triage with logits",
+        )

@@ -22,9 +22,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from specdeploy import metrics as m
 from specdeploy.client.protocol import CONTROL_MODEL, SPECULATIVE_MODEL, GenerateRequest, GenerateResult
-from specdeploy.errors import ClientError
+from specdeploy.core.errors import ClientError
+from specdeploy.core.metrics import names as core_metrics_names
+from specdeploy.core.metrics import reader
 
 # Triton's own counter of successful requests of a model (the control `ensemble` has no metrics of ours)
 TRITON_SUCCESS = "nv_inference_request_success"
@@ -40,7 +41,9 @@ class PathCounts:
     perf_missing: int = 0  # finished requests without draft counts in their perf outputs
     texts: list[str] = field(default_factory=list)
     token_counts: list[int | None] = field(default_factory=list)  # len(output_ids) where returned
-    k_histories: list[list[int]] = field(default_factory=list)  # `speculative_k_history` per request, in finishing order
+    k_histories: list[list[int]] = field(
+        default_factory=list
+    )  # `speculative_k_history` per request, in finishing order
 
 
 class CountingEndpoint:
@@ -102,31 +105,55 @@ def output_tokens(counts: PathCounts, exact: dict[str, int]) -> tuple[int | None
     return (None if unknown else total), unknown
 
 
-def compare(window: m.Snapshot, counts: dict[str, PathCounts], exact: dict[str, int], spec_model: str = SPECULATIVE_MODEL,
-            control_model: str = CONTROL_MODEL, control_here: bool = True) -> dict:  # fmt: skip
+def compare(
+    window: reader.Snapshot,
+    counts: dict[str, PathCounts],
+    exact: dict[str, int],
+    spec_model: str = SPECULATIVE_MODEL,
+    control_model: str = CONTROL_MODEL,
+    control_here: bool = True,
+) -> dict:
     """The report's `metrics_check` section: per path, metric name -> (metrics, client) and the mismatches.
     `counts` are keyed by the core's model names; `spec_model`/`control_model` are the served models' labels;
     `control_here`: the control is served by this endpoint's server (not by a second one).
 
     An endpoint without specdeploy's families (a deployment specdeploy did not make: NVIDIA's BLS exports none for
     speculation) is checked on Triton's own request counters only, and the notes say what that leaves out."""
-    if not window.has(m.REQUESTS.name):
+    if not window.has(core_metrics_names.REQUESTS.name):
         return _compare_triton_only(window, counts, spec_model, control_model, control_here)
     rows, notes = [], []
     spec = counts.get(SPECULATIVE_MODEL, PathCounts())
     control = counts.get(CONTROL_MODEL, PathCounts())
     if spec.errors or control.errors:
-        notes.append(f"{spec.errors + control.errors} requests failed on the client side; their server-side outcome is unknown, so requests are not compared")
-    stats = m.arm_stats(window, m.SPECULATIVE_ARM, spec_model)
+        notes.append(
+            f"{spec.errors + control.errors} requests failed on the client side; their server-side outcome is unknown,"
+            " so requests are not compared"
+        )
+    stats = reader.arm_stats(window, core_metrics_names.SPECULATIVE_ARM, spec_model)
 
     def row(path: str, metric: str, got: float, want: float | None, why_unchecked: str | None = None):
-        rows.append({"path": path, "metric": metric, "metrics": got, "client": want,
-                     "agree": None if want is None else abs(got - want) < 1e-6, "note": why_unchecked})  # fmt: skip
+        rows.append(
+            {
+                "path": path,
+                "metric": metric,
+                "metrics": got,
+                "client": want,
+                "agree": None if want is None else abs(got - want) < 1e-6,
+                "note": why_unchecked,
+            }
+        )
 
     if not (spec.errors or control.errors):
-        row("speculative", m.REQUESTS.name + f'{{model="{spec_model}",arm="speculative"}}', stats.requests, spec.requests)
+        row(
+            "speculative",
+            core_metrics_names.REQUESTS.name + f'{{model="{spec_model}",arm="speculative"}}',
+            stats.requests,
+            spec.requests,
+        )
         if not control_here:
-            notes.append("the control is served by another server (--control-url): its requests are not checked on this endpoint")
+            notes.append(
+                "the control is served by another server (--control-url): its requests are not checked on this endpoint"
+            )
         elif window.has(TRITON_SUCCESS):
             got = window.sum(TRITON_SUCCESS, model=control_model)
             row("control", TRITON_SUCCESS + f'{{model="{control_model}"}}', got, control.requests)
@@ -135,58 +162,95 @@ def compare(window: m.Snapshot, counts: dict[str, PathCounts], exact: dict[str, 
     if spec.perf_missing:
         notes.append(f"{spec.perf_missing} speculative responses carried no draft counts: draft tokens are not checked")
     else:
-        row("speculative", m.DRAFT_TOKENS.name, stats.drafted, spec.drafted)
-        row("speculative", m.ACCEPTED_TOKENS.name, stats.accepted, spec.accepted)
+        row("speculative", core_metrics_names.DRAFT_TOKENS.name, stats.drafted, spec.drafted)
+        row("speculative", core_metrics_names.ACCEPTED_TOKENS.name, stats.accepted, spec.accepted)
     total, unknown = output_tokens(spec, exact)
     if total is None:
-        notes.append(f"{unknown} of {len(spec.texts)} speculative outputs have no exact token count (sampled texts): output tokens are not checked")
+        notes.append(
+            f"{unknown} of {len(spec.texts)} speculative outputs have no exact token count (sampled texts): output"
+            " tokens are not checked"
+        )
     else:
-        row("speculative", m.GENERATION_TOKENS.name, stats.output_tokens, total)
+        row("speculative", core_metrics_names.GENERATION_TOKENS.name, stats.output_tokens, total)
     if spec.k_histories and len(spec.k_histories) == spec.requests:  # one entry per round, one round per target call
-        row("speculative", m.TARGET_PASSES.name, stats.target_passes, sum(len(h) for h in spec.k_histories))
-    control_arm = m.arm_stats(window, m.CONTROL_ARM, spec_model)
+        row(
+            "speculative",
+            core_metrics_names.TARGET_PASSES.name,
+            stats.target_passes,
+            sum(len(h) for h in spec.k_histories),
+        )
+    control_arm = reader.arm_stats(window, core_metrics_names.CONTROL_ARM, spec_model)
     if control_arm.requests:  # validate always sends num_draft_tokens: the canary never picks its requests
-        row("speculative", m.REQUESTS.name + f'{{model="{spec_model}",arm="control"}}', control_arm.requests, 0)
+        row(
+            "speculative",
+            core_metrics_names.REQUESTS.name + f'{{model="{spec_model}",arm="control"}}',
+            control_arm.requests,
+            0,
+        )
     mismatches = [
-        f"{r['metric']}: the metrics endpoint counted {r['metrics']:g}, validate counted {r['client']:g} ({r['path']} path)"
-        for r in rows if r["agree"] is False
-    ]  # fmt: skip
+        f"{r['metric']}: the metrics endpoint counted {r['metrics']:g}, validate counted {r['client']:g} ({r['path']}"
+        " path)"
+        for r in rows
+        if r["agree"] is False
+    ]
     if mismatches:
         notes.append("another client sending to the deployment during the run also makes the counts differ")
     return {"checked": True, "rows": rows, "mismatches": mismatches, "notes": notes, "window_s": window.taken_s}
 
 
-def _compare_triton_only(window: m.Snapshot, counts: dict[str, PathCounts], spec_model: str, control_model: str, control_here: bool) -> dict:
+def _compare_triton_only(
+    window: reader.Snapshot, counts: dict[str, PathCounts], spec_model: str, control_model: str, control_here: bool
+) -> dict:
     """Requests per path from Triton's `nv_inference_request_success`; draft tokens, output tokens and rounds are
     not exported, so not checked (said in the notes)."""
-    rows, notes = [], [f"the endpoint exports no {m.PREFIX}* speculation metrics: draft tokens, accepted tokens, output "
-                       "tokens and rounds are not checked against it"]  # fmt: skip
+    rows, notes = (
+        [],
+        [
+            f"the endpoint exports no {core_metrics_names.PREFIX}* speculation metrics: draft tokens, accepted tokens,"
+            " output tokens and rounds are not checked against it"
+        ],
+    )
     if not window.has(TRITON_SUCCESS):
         notes.append(f"the endpoint exports no {TRITON_SUCCESS} either: nothing to check")
         return {"checked": False, "rows": [], "mismatches": [], "notes": notes, "window_s": window.taken_s}
     spec, control = counts.get(SPECULATIVE_MODEL, PathCounts()), counts.get(CONTROL_MODEL, PathCounts())
     if spec.errors or control.errors:
-        notes.append(f"{spec.errors + control.errors} requests failed on the client side; their server-side outcome is unknown, so requests are not compared")
+        notes.append(
+            f"{spec.errors + control.errors} requests failed on the client side; their server-side outcome is unknown,"
+            " so requests are not compared"
+        )
         return {"checked": False, "rows": [], "mismatches": [], "notes": notes, "window_s": window.taken_s}
     paths = [("speculative", spec_model, spec)] + ([("control", control_model, control)] if control_here else [])
     for path, label, c in paths:
         got = window.sum(TRITON_SUCCESS, model=label)
-        rows.append({"path": path, "metric": TRITON_SUCCESS + f'{{model="{label}"}}', "metrics": got, "client": c.requests,
-                     "agree": abs(got - c.requests) < 1e-6, "note": None})  # fmt: skip
-    mismatches = [f"{r['metric']}: the metrics endpoint counted {r['metrics']:g}, validate counted {r['client']:g} ({r['path']} path)"
-                  for r in rows if not r["agree"]]  # fmt: skip
+        rows.append(
+            {
+                "path": path,
+                "metric": TRITON_SUCCESS + f'{{model="{label}"}}',
+                "metrics": got,
+                "client": c.requests,
+                "agree": abs(got - c.requests) < 1e-6,
+                "note": None,
+            }
+        )
+    mismatches = [
+        f"{r['metric']}: the metrics endpoint counted {r['metrics']:g}, validate counted {r['client']:g} ({r['path']}"
+        " path)"
+        for r in rows
+        if not r["agree"]
+    ]
     if mismatches:
         notes.append("another client sending to the deployment during the run also makes the counts differ")
     return {"checked": True, "rows": rows, "mismatches": mismatches, "notes": notes, "window_s": window.taken_s}
 
 
-def settled(url: str, earliest: m.Snapshot, names: Sequence[str], timeout_s: float) -> m.Snapshot:
+def settled(url: str, earliest: reader.Snapshot, names: Sequence[str], timeout_s: float) -> reader.Snapshot:
     """Scrape until the named counters stop moving (Triton refreshes its own counters lazily)."""
     deadline = time.monotonic() + timeout_s
-    previous = m.scrape(url)
+    previous = reader.scrape(url)
     while time.monotonic() < deadline:
         time.sleep(0.3)
-        snap = m.scrape(url)
+        snap = reader.scrape(url)
         if all(snap.sum(n) == previous.sum(n) for n in names) and any(snap.sum(n) != earliest.sum(n) for n in names):
             return snap
         previous = snap
@@ -200,11 +264,11 @@ class MetricsCheck:
         self.metrics_url = metrics_url
         self.control_here = control_here
         self.endpoint = CountingEndpoint(endpoint)
-        self.before: m.Snapshot | None = None
+        self.before: reader.Snapshot | None = None
         self.error: str | None = None
         if metrics_url:
             try:
-                self.before = m.scrape(metrics_url)
+                self.before = reader.scrape(metrics_url)
             except ClientError as exc:
                 self.error = exc.message
 
@@ -213,27 +277,40 @@ class MetricsCheck:
         section: dict = {"checked": False, "url": self.metrics_url, "rows": [], "mismatches": [], "notes": []}
         window = None
         if not self.metrics_url:
-            section["notes"].append("no metrics endpoint given (pass --metrics-url HOST:PORT): the counters are not checked")
+            section["notes"].append(
+                "no metrics endpoint given (pass --metrics-url HOST:PORT): the counters are not checked"
+            )
         elif getattr(self.endpoint.inner, "one_model_at_a_time", False):
-            section["notes"].append("the models were unloaded and loaded during the run (triton.control load_unload), which "
-                                    "resets their counters: the counters are not checked")  # fmt: skip
+            section["notes"].append(
+                "the models were unloaded and loaded during the run (triton.control load_unload), which "
+                "resets their counters: the counters are not checked"
+            )
         elif self.error or self.before is None:
             section["notes"].append(f"the metrics endpoint could not be read before the run: {self.error}")
         else:
             try:
-                after = settled(self.metrics_url, self.before, (m.REQUESTS.name, TRITON_SUCCESS), SETTLE_S)
+                after = settled(
+                    self.metrics_url, self.before, (core_metrics_names.REQUESTS.name, TRITON_SUCCESS), SETTLE_S
+                )
                 window = after.minus(self.before)
                 window = dataclasses.replace(window, taken_s=after.taken_s - self.before.taken_s)
             except ClientError as exc:
                 section["notes"].append(f"the metrics endpoint could not be read after the run: {exc.message}")
             if window is not None and not report.get("complete", True):
-                section["notes"].append("the run is incomplete (a request may have ended on the server only): the counters are not checked")
+                section["notes"].append(
+                    "the run is incomplete (a request may have ended on the server only): the counters are not checked"
+                )
             elif window is not None:
-                section = {**compare(window, self.endpoint.counts, exact_token_counts(report), *self.labels, self.control_here),
-                           "url": self.metrics_url}  # fmt: skip
+                section = {
+                    **compare(
+                        window, self.endpoint.counts, exact_token_counts(report), *self.labels, self.control_here
+                    ),
+                    "url": self.metrics_url,
+                }
         report["metrics_check"] = section
-        report["speculation"] = speculation_section(window, self.endpoint.counts.get(SPECULATIVE_MODEL, PathCounts()), policy,
-                                                    self.labels[0])  # fmt: skip
+        report["speculation"] = speculation_section(
+            window, self.endpoint.counts.get(SPECULATIVE_MODEL, PathCounts()), policy, self.labels[0]
+        )
         return section
 
     @property
@@ -243,7 +320,7 @@ class MetricsCheck:
         return names.get(SPECULATIVE_MODEL, SPECULATIVE_MODEL), names.get(CONTROL_MODEL, CONTROL_MODEL)
 
 
-def k_counts_from_metrics(stats: m.ArmStats) -> dict[int, float]:
+def k_counts_from_metrics(stats: reader.ArmStats) -> dict[int, float]:
     """Rounds per draft length from the per-position counters: rounds with k > p = drafted at position p."""
     out: dict[int, float] = {}
     if stats.rounds_off:
@@ -257,7 +334,7 @@ def k_counts_from_metrics(stats: m.ArmStats) -> dict[int, float]:
     return out
 
 
-def acceptance_by_position(stats: m.ArmStats) -> list[dict]:
+def acceptance_by_position(stats: reader.ArmStats) -> list[dict]:
     """Per draft position (1-based) from the per-position counters: drafts proposed there, accepted there, their
     ratio (a draft at position p is accepted only after every earlier one of its round was), and the share of the
     rounds that drafted at all whose draft at p was accepted."""
@@ -265,15 +342,32 @@ def acceptance_by_position(stats: m.ArmStats) -> list[dict]:
     rows = []
     for p in sorted(stats.drafted_per_pos):
         drafted, accepted = stats.drafted_per_pos[p], stats.accepted_per_pos.get(p, 0.0)
-        rows.append({"position": p + 1, "drafted": drafted, "accepted": accepted, "rate": accepted / drafted if drafted else None,
-                     "of_drafting_rounds": accepted / rounds if rounds else None})  # fmt: skip
+        rows.append(
+            {
+                "position": p + 1,
+                "drafted": drafted,
+                "accepted": accepted,
+                "rate": accepted / drafted if drafted else None,
+                "of_drafting_rounds": accepted / rounds if rounds else None,
+            }
+        )
     return rows
 
 
-def speculation_section(window: m.Snapshot | None, spec: PathCounts, policy: dict | None, spec_label: str = SPECULATIVE_MODEL) -> dict:
+def speculation_section(
+    window: reader.Snapshot | None, spec: PathCounts, policy: dict | None, spec_label: str = SPECULATIVE_MODEL
+) -> dict:
     """What the deployment's policy did over the run: rounds on/off (and why), k per round."""
-    section: dict = {"policy": policy or {}, "source": None, "rounds_on": None, "rounds_off": None, "speculated_share": None,
-                     "off_reasons": {}, "k_counts": {}, "k_history": None}  # fmt: skip
+    section: dict = {
+        "policy": policy or {},
+        "source": None,
+        "rounds_on": None,
+        "rounds_off": None,
+        "speculated_share": None,
+        "off_reasons": {},
+        "k_counts": {},
+        "k_history": None,
+    }
     if spec.k_histories:
         history = [k for h in spec.k_histories for k in h]
         section["k_history"] = history
@@ -286,7 +380,7 @@ def speculation_section(window: m.Snapshot | None, spec: PathCounts, policy: dic
         on = sum(1 for k in history if k > 0)
         section["rounds_on"], section["rounds_off"] = on, len(history) - on
     if window is not None:
-        stats = m.arm_stats(window, m.SPECULATIVE_ARM, spec_label)
+        stats = reader.arm_stats(window, core_metrics_names.SPECULATIVE_ARM, spec_label)
         if stats.rounds_on or stats.rounds_off:
             section["off_reasons"] = dict(sorted(stats.off_reasons.items(), key=lambda kv: -kv[1]))
             section["metrics_rounds_on"], section["metrics_rounds_off"] = stats.rounds_on, stats.rounds_off
@@ -296,18 +390,32 @@ def speculation_section(window: m.Snapshot | None, spec: PathCounts, policy: dic
                 section["k_counts"] = k_counts_from_metrics(stats)
             section["acceptance_by_position"] = acceptance_by_position(stats)
             if stats.lookup_rounds:  # EAGLE-3 draft.sa_config: the drafting rounds the request's own text drafted
-                section["lookup"] = {"rounds": stats.lookup_rounds, "drafted": stats.lookup_drafted, "accepted": stats.lookup_accepted,
-                                     "head_rounds": stats.rounds_on - stats.lookup_rounds, "head_drafted": stats.drafted - stats.lookup_drafted,
-                                     "head_accepted": stats.accepted - stats.lookup_accepted}  # fmt: skip
+                section["lookup"] = {
+                    "rounds": stats.lookup_rounds,
+                    "drafted": stats.lookup_drafted,
+                    "accepted": stats.lookup_accepted,
+                    "head_rounds": stats.rounds_on - stats.lookup_rounds,
+                    "head_drafted": stats.drafted - stats.lookup_drafted,
+                    "head_accepted": stats.accepted - stats.lookup_accepted,
+                }
     total = (section["rounds_on"] or 0) + (section["rounds_off"] or 0)
     if total:
         section["speculated_share"] = section["rounds_on"] / total
     return section
 
 
-POLICY_PARAMETERS = ("speculation_policy", "num_draft_tokens", "max_draft_len", "draft_len_schedule", "max_concurrency",
-                     "acceptance_rate_window_size", "acceptance_rate_threshold", "acceptance_measure", "probe_interval",
-                     "canary_control_percent")  # fmt: skip
+POLICY_PARAMETERS = (
+    "speculation_policy",
+    "num_draft_tokens",
+    "max_draft_len",
+    "draft_len_schedule",
+    "max_concurrency",
+    "acceptance_rate_window_size",
+    "acceptance_rate_threshold",
+    "acceptance_measure",
+    "probe_interval",
+    "canary_control_percent",
+)
 
 
 def served_policy(endpoint, configured: dict | None = None) -> dict:
@@ -324,24 +432,35 @@ def served_policy(endpoint, configured: dict | None = None) -> dict:
         if not configured:
             return {}
         params = {k: v for k, v in configured.items() if k != "draft_kind"}
-    return {"source": source, **({"draft_kind": configured["draft_kind"]} if "draft_kind" in configured else {}),
-            **{k: v for k, v in params.items() if v not in ("", "{}")}}  # fmt: skip
+    return {
+        "source": source,
+        **({"draft_kind": configured["draft_kind"]} if "draft_kind" in configured else {}),
+        **{k: v for k, v in params.items() if v not in ("", "{}")},
+    }
 
 
 def summary_lines(report: dict) -> list[str]:
-    """Terminal lines: the policy that ran, the share of rounds that speculated and why it was off; the metrics check."""
+    """Terminal lines: the policy that ran, the share of rounds that speculated and why it was off; the metrics
+    check."""
     lines = []
     spec = report.get("speculation") or {}
     total = (spec.get("rounds_on") or 0) + (spec.get("rounds_off") or 0)
     if total:
         reasons = ", ".join(f"{r} {n:g}" for r, n in (spec.get("off_reasons") or {}).items())
         policy = (spec.get("policy") or {}).get("speculation_policy")  # a deployment without a recipe may not say
-        lines.append("speculation: " + (f"policy {policy}, " if policy else "") + f"{spec['speculated_share']:.0%} of "
-                     f"{total:g} rounds speculated" + (f"; off: {reasons}" if reasons else ""))  # fmt: skip
+        lines.append(
+            "speculation: "
+            + (f"policy {policy}, " if policy else "")
+            + f"{spec['speculated_share']:.0%} of {total:g} rounds speculated"
+            + (f"; off: {reasons}" if reasons else "")
+        )
     check = report.get("metrics_check") or {}
     if check.get("checked"):
         agreed = sum(1 for r in check.get("rows", []) if r.get("agree"))
-        lines.append(f"metrics endpoint: {agreed} counts agree" + (f", {len(check['mismatches'])} differ" if check.get("mismatches") else ""))
+        lines.append(
+            f"metrics endpoint: {agreed} counts agree"
+            + (f", {len(check['mismatches'])} differ" if check.get("mismatches") else "")
+        )
     elif check.get("notes"):
         lines.append(f"metrics endpoint: {check['notes'][0]}")
     return lines

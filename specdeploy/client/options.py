@@ -6,16 +6,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specdeploy.client.protocol import Sampling
-from specdeploy.config import SpeculativeConfig, ValidationConfig, exact_verification
-from specdeploy.errors import ConfigError
+from specdeploy.core.errors import ConfigError
+from specdeploy.recipe.config import SpeculativeConfig, ValidationConfig, exact_verification
+from specdeploy.speculation.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
 class Options:
     """Everything a run needs; `from_recipe` takes the recipe's `validation`/`speculative` sections."""
 
-    # Defaults are the recipe's (specdeploy.config), written once there.
+    # Defaults are the recipe's (specdeploy.recipe.config), written once there.
     prompt_set: str = ValidationConfig.prompt_set
     max_prompts: int = ValidationConfig.max_prompts
     max_tokens: int = ValidationConfig.max_tokens
@@ -29,12 +29,12 @@ class Options:
     min_compared_tokens: int = ValidationConfig.min_compared_tokens
     min_compared_share: float = ValidationConfig.min_compared_share
     latency_prompts: int = ValidationConfig.latency_prompts
-    exact_verification: bool = True  # from the recipe's backend (specdeploy.config.exact_verification)
+    exact_verification: bool = True  # from the recipe's backend (specdeploy.recipe.config.exact_verification)
     num_draft_tokens: int = SpeculativeConfig.num_draft_tokens
     max_draft_len: int = SpeculativeConfig.max_draft_len
     stream: bool = False  # decoupled deployments: stream for a client-side TTFT
     sweep_draft_tokens: tuple[int, ...] = ()
-    sampling: Sampling | None = None  # set: also run the statistical sampling comparison
+    sampling: SamplingParams | None = None  # set: also run the statistical sampling comparison
     samples_per_prompt: int = 200
     sample_prompts: int = 4
     sample_max_tokens: int = 2
@@ -70,14 +70,18 @@ class Options:
         options = cls(**{k: v for k, v in fields.items() if v is not None})
         if options.min_compared_tokens > options.max_tokens:
             raise ConfigError(
-                f"min_compared_tokens ({options.min_compared_tokens}) is larger than max_tokens ({options.max_tokens}): no output could be compared",
-                f"raise --max-tokens (validation.max_tokens) to at least {options.min_compared_tokens}, or lower --min-compared-tokens",
+                f"min_compared_tokens ({options.min_compared_tokens}) is larger than max_tokens ({options.max_tokens}):"
+                " no output could be compared",
+                f"raise --max-tokens (validation.max_tokens) to at least {options.min_compared_tokens}, or lower"
+                " --min-compared-tokens",
             )
         for k in options.sweep_draft_tokens:
             if not 1 <= k <= options.max_draft_len:
                 raise ConfigError(
-                    f"--sweep-draft-tokens asks for k={k}, outside 1..{options.max_draft_len} (speculative.max_draft_len)",
-                    f"sweep within 1..{options.max_draft_len}; the target engine is built for at most that many draft tokens",
+                    f"--sweep-draft-tokens asks for k={k}, outside 1..{options.max_draft_len}"
+                    " (speculative.max_draft_len)",
+                    f"sweep within 1..{options.max_draft_len}; the target engine is built for at most that many draft"
+                    " tokens",
                 )
         return options
 
@@ -112,6 +116,8 @@ def parse_range(text: str) -> tuple[int, ...]:
 def check_sweep(options: Options, per_request_draft_tokens: bool, kind: str) -> None:
     """Refuse a draft-length sweep on a deployment whose requests cannot carry their own draft length."""
     if options.sweep_draft_tokens and not per_request_draft_tokens:
-        raise ConfigError(f"--sweep-draft-tokens needs a draft length per request, and the {kind} deployment fixes it per "
-                          "deployment (the llmapi layout: speculative_config.max_draft_len in model.yaml; an OpenAI server: its settings)",
-                          "sweep on the inflight_batcher_llm layout over Triton, or change the draft length and redeploy")  # fmt: skip
+        raise ConfigError(
+            f"--sweep-draft-tokens needs a draft length per request, and the {kind} deployment fixes it per deployment"
+            " (the llmapi layout: speculative_config.max_draft_len in model.yaml; an OpenAI server: its settings)",
+            "sweep on the inflight_batcher_llm layout over Triton, or change the draft length and redeploy",
+        )

@@ -8,13 +8,13 @@ prompt whose control output has fewer than `min_compared_tokens` tokens proves n
 "too short to compare", never a match.
 
 A divergence fails outright on a backend whose verification is exact by construction
-(`Backend.exact_verification` in specdeploy/backends.py: the CPU engine). On the others (GPU engines
+(`Backend.exact_verification` in specdeploy/core/backends.py: the CPU engine). On the others (GPU engines
 verify k+1 rows in reduced precision with batch-dependent kernels) it is triaged with the target's
 logits at the diverging position: when the logits of the two competing tokens (the control's and
 the speculative one's; end_id for a side that ended there) differ by at most `near_tie_margin`, the
 flip is a numerical near-tie; otherwise a real mismatch.
 
-Sampling: outputs are random, so many seeded samples per prompt are compared with a chi-square
+SamplingParams: outputs are random, so many seeded samples per prompt are compared with a chi-square
 test of homogeneity (speculative vs control distributions of the continuation); per-prompt
 p-values are combined with Fisher's method.
 """
@@ -34,10 +34,10 @@ from specdeploy.client.protocol import (
     Endpoint,
     GenerateRequest,
     GenerateResult,
-    Sampling,
     TargetTrace,
     TokenCodec,
 )
+from specdeploy.speculation.sampling import SamplingParams
 
 MATCH, NEAR_TIE, MISMATCH, UNTRIAGED, TOO_SHORT = "match", "near_tie", "mismatch", "untriaged", "too_short"
 # Where the control's token count comes from, best first.
@@ -64,7 +64,9 @@ class PromptParity:
     control_tokens: int  # length of the control output in tokens (a final end_id not counted)
     matched_tokens: int  # tokens before the first divergence (== control_tokens on a match)
     token_source: str = IDS_RETOKENIZED  # output_ids | target | retokenized: where control_tokens comes from
-    generated_tokens: int | None = None  # ids the engine generated for the control, a final end_id included (None: retokenized)
+    generated_tokens: int | None = (
+        None  # ids the engine generated for the control, a final end_id included (None: retokenized)
+    )
     divergence_index: int | None = None  # index into the generated tokens
     control_token: int | None = None  # end_id where the control ended there
     speculative_token: int | None = None  # end_id where the speculative output ended there (None: unknown)
@@ -165,7 +167,9 @@ def content_ids(ids: Sequence[int], end_id: int | None) -> list[int]:
     return ids[:-1] if ids and end_id is not None and ids[-1] == end_id else ids
 
 
-def locate_divergence(control_ids: Sequence[int], speculative_text: str, codec: TokenCodec) -> tuple[int | None, int | None]:
+def locate_divergence(
+    control_ids: Sequence[int], speculative_text: str, codec: TokenCodec
+) -> tuple[int | None, int | None]:
     """(index of the first control token the speculative text does not reproduce, the speculative token there).
 
     Returns (None, None) when the texts agree. The speculative token is None when the speculative
@@ -202,13 +206,20 @@ def first_difference(control_ids: Sequence[int], speculative_ids: Sequence[int])
     return None if len(control_ids) == len(speculative_ids) else min(len(control_ids), len(speculative_ids))
 
 
-def margins(logits_row: np.ndarray, control_token: int | None, speculative_token: int | None) -> tuple[float, float | None]:
+def margins(
+    logits_row: np.ndarray, control_token: int | None, speculative_token: int | None
+) -> tuple[float, float | None]:
     """(top-1 minus top-2 logit, logit of the control token minus that of the speculative token)."""
     row = np.asarray(logits_row, dtype=np.float64)  # [vocab]
     top2 = np.partition(row, -2)[-2:]
     top1_top2 = float(top2.max() - top2.min())
     token_margin = None
-    if control_token is not None and speculative_token is not None and 0 <= min(control_token, speculative_token) and max(control_token, speculative_token) < row.size:
+    if (
+        control_token is not None
+        and speculative_token is not None
+        and 0 <= min(control_token, speculative_token)
+        and max(control_token, speculative_token) < row.size
+    ):
         token_margin = float(row[control_token] - row[speculative_token])
     return top1_top2, token_margin
 
@@ -259,12 +270,23 @@ def compare_greedy(
         if verdict == TOO_SHORT:
             notes.append(f"too short to compare: {len(control)} tokens < {policy.min_compared_tokens}")
         return PromptParity(
-            prompt.id, prompt.category, verdict, control_text, speculative_text, len(control), len(control), source, generated, note=_join(*notes)
+            prompt.id,
+            prompt.category,
+            verdict,
+            control_text,
+            speculative_text,
+            len(control),
+            len(control),
+            source,
+            generated,
+            note=_join(*notes),
         )
 
     # The competing tokens at `index`; a side that ended there competes with end_id.
     control_token = control[index] if index < len(control) else end_id
-    ended_early = spec_token is None and (len(speculative_text) < len(control_text) or (spec is not None and len(spec) < len(control)))
+    ended_early = spec_token is None and (
+        len(speculative_text) < len(control_text) or (spec is not None and len(spec) < len(control))
+    )
     if ended_early:
         spec_token = end_id
     if spec_token is not None and spec_token == control_token:
@@ -313,7 +335,9 @@ def compare_greedy(
     )
 
 
-def _control_ids(control_text: str, codec: TokenCodec, trace: TargetTrace | None, control_ids, notes: list) -> tuple[list[int], str]:
+def _control_ids(
+    control_text: str, codec: TokenCodec, trace: TargetTrace | None, control_ids, notes: list
+) -> tuple[list[int], str]:
     """The control's token ids and where they came from: its model's output_ids, the target alone's, or its text
     re-tokenized (each but the first adds a note)."""
     if control_ids is not None:
@@ -323,14 +347,18 @@ def _control_ids(control_text: str, codec: TokenCodec, trace: TargetTrace | None
             return list(trace.output_ids), IDS_FROM_TARGET
         # the target alone answered other text than the control: its ids are not the control's, and comparing the
         # speculative text against them would call equal outputs a mismatch; the control's own text, re-tokenized, is
-        notes.append("the target alone (tensorrt_llm) and the control returned different text: control tokens counted by "
-                     "re-tokenizing the control's text")
+        notes.append(
+            "the target alone (tensorrt_llm) and the control returned different text: control tokens counted by "
+            "re-tokenizing the control's text"
+        )
         return codec.encode(control_text), IDS_RETOKENIZED
     notes.append("no token ids from the server: control tokens counted by re-tokenizing its text")
     return codec.encode(control_text), IDS_RETOKENIZED
 
 
-def _first_divergence(control: list[int], spec, control_text: str, speculative_text: str, codec: TokenCodec, notes: list):
+def _first_divergence(
+    control: list[int], spec, control_text: str, speculative_text: str, codec: TokenCodec, notes: list
+):
     """(index of the first differing token or None, the speculative token there or None): in token space when the
     speculative path returned ids, else located in its text."""
     if spec is not None:
@@ -346,7 +374,9 @@ def _first_divergence(control: list[int], spec, control_text: str, speculative_t
 
 def _differ(control: GenerateResult, speculative: GenerateResult) -> bool:
     return speculative.text != control.text or (
-        speculative.token_ids is not None and control.token_ids is not None and speculative.token_ids != control.token_ids
+        speculative.token_ids is not None
+        and control.token_ids is not None
+        and speculative.token_ids != control.token_ids
     )
 
 
@@ -373,7 +403,9 @@ def check_prompt(
     trace = None
     if triage and (differ or control.token_ids is None):
         trace = endpoint.trace(prompt.text, prompt.max_tokens, timeout_s, with_logits=differ)
-    item = compare_greedy(prompt, control.text, speculative.text, codec, trace, policy, speculative.token_ids, control.token_ids)
+    item = compare_greedy(
+        prompt, control.text, speculative.text, codec, trace, policy, speculative.token_ids, control.token_ids
+    )
     item.drafted, item.accepted = speculative.perf.total_draft_tokens, speculative.perf.total_accepted_draft_tokens
     tokens = speculative.output_tokens
     item.speculative_tokens = tokens if tokens is not None else speculative.usage_tokens
@@ -381,12 +413,22 @@ def check_prompt(
         notes = []
         for model, request, unary in (
             (CONTROL_MODEL, GenerateRequest(prompt.text, prompt.max_tokens, stream=True), control),
-            (SPECULATIVE_MODEL, GenerateRequest(prompt.text, prompt.max_tokens, num_draft_tokens=num_draft_tokens, stream=True), speculative),
+            (
+                SPECULATIVE_MODEL,
+                GenerateRequest(prompt.text, prompt.max_tokens, num_draft_tokens=num_draft_tokens, stream=True),
+                speculative,
+            ),
         ):
             streamed = endpoint.generate(model, request, timeout_s)
             if streamed.text != unary.text:
-                at = next((i for i, (a, b) in enumerate(zip(streamed.text, unary.text)) if a != b), min(len(streamed.text), len(unary.text)))
-                notes.append(f"{model}: the concatenated stream ({streamed.responses} responses) differs from the non-streamed text at character {at}")
+                at = next(
+                    (i for i, (a, b) in enumerate(zip(streamed.text, unary.text)) if a != b),
+                    min(len(streamed.text), len(unary.text)),
+                )
+                notes.append(
+                    f"{model}: the concatenated stream ({streamed.responses} responses) differs from the non-streamed"
+                    f" text at character {at}"
+                )
         item.stream_equal = not notes
         item.note = _join(item.note, *notes)
     return item
@@ -408,7 +450,9 @@ class SampleTest:
     speculative_counts: dict = field(default_factory=dict)
 
 
-def homogeneity_test(control: Sequence[str], speculative: Sequence[str], min_expected: float = 5.0) -> tuple[float, int, float]:
+def homogeneity_test(
+    control: Sequence[str], speculative: Sequence[str], min_expected: float = 5.0
+) -> tuple[float, int, float]:
     """Chi-square test that two samples come from one distribution: (statistic, dof, p-value).
 
     Outcomes whose pooled expected count is below `min_expected` are merged into one bin so the
@@ -448,7 +492,7 @@ def combine_p_values(p_values: Sequence[float]) -> float:
 def check_prompt_sampling(
     endpoint: Endpoint,
     prompt: Prompt,
-    sampling: Sampling,
+    sampling: SamplingParams,
     samples: int,
     max_tokens: int,
     num_draft_tokens: int,
@@ -460,7 +504,7 @@ def check_prompt_sampling(
     outputs: dict[str, list[str]] = {CONTROL_MODEL: [], SPECULATIVE_MODEL: []}
     for i in range(samples):
         for side, (model, k) in enumerate(((CONTROL_MODEL, None), (SPECULATIVE_MODEL, num_draft_tokens))):
-            seeded = Sampling(sampling.temperature, sampling.top_k, sampling.top_p, seed=seed_base + 2 * i + side)
+            seeded = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, seed=seed_base + 2 * i + side)
             request = GenerateRequest(prompt.text, max_tokens, num_draft_tokens=k, sampling=seeded)
             outputs[model].append(endpoint.generate(model, request, timeout_s).text)
         if progress is not None:

@@ -9,7 +9,7 @@ import dataclasses
 
 from specdeploy.client import parity as par
 from specdeploy.client.options import Options
-from specdeploy.client.prompts import Prompt, spread_over_categories
+from specdeploy.client.prompts import spread_over_categories
 from specdeploy.client.protocol import CONTROL_MODEL, GenerateRequest
 from specdeploy.client.speed_phases import one_model_at_a_time
 
@@ -63,7 +63,14 @@ def run_parity(report, endpoint, codec, options, prompts, triage: bool, decouple
         for prompt in prompts:
             items.append(
                 par.check_prompt(
-                    endpoint, prompt, codec, options.num_draft_tokens, policy, options.request_timeout_s, triage, check_streams=decoupled
+                    endpoint,
+                    prompt,
+                    codec,
+                    options.num_draft_tokens,
+                    policy,
+                    options.request_timeout_s,
+                    triage,
+                    check_streams=decoupled,
                 )
             )
             publish()
@@ -79,8 +86,12 @@ def run_baseline_parity(report, endpoint, baseline, codec, options, prompts, bar
     control_texts = {i["prompt_id"]: i["speculative_text"] for i in report["parity"]["items"]}
     try:
         for prompt in prompts:
-            base = baseline.generate(CONTROL_MODEL, GenerateRequest(prompt.text, prompt.max_tokens), options.request_timeout_s)
-            policy = par.GreedyPolicy(False, options.near_tie_margin, options.min_compared_tokens)  # another deployment: never exact
+            base = baseline.generate(
+                CONTROL_MODEL, GenerateRequest(prompt.text, prompt.max_tokens), options.request_timeout_s
+            )
+            policy = par.GreedyPolicy(
+                False, options.near_tie_margin, options.min_compared_tokens
+            )  # another deployment: never exact
             items.append(par.compare_greedy(prompt, base.text, control_texts[prompt.id], codec, None, policy))
             bar(1)
     finally:
@@ -114,4 +125,6 @@ def run_sampling(report, endpoint, options, prompts, bar) -> None:
             )
             section["tests"].append(dataclasses.asdict(test))
     finally:
-        section["combined_p_value"] = par.combine_p_values([t["p_value"] for t in section["tests"]]) if section["tests"] else None
+        section["combined_p_value"] = (
+            par.combine_p_values([t["p_value"] for t in section["tests"]]) if section["tests"] else None
+        )

@@ -1,5 +1,5 @@
 """Prompt sets for validation: the built-in sets (chat, code, summarization, reasoning), real requests from the
-ShareGPT validation half (`sharegpt` or `sharegpt:SEED`: specdeploy.sharegpt, one user turn per conversation with
+ShareGPT validation half (`sharegpt` or `sharegpt:SEED`: specdeploy.core.sharegpt, one user turn per conversation with
 its earlier turns, categories "first-turn" and "multi-turn") or a user .jsonl, rendered with the target's chat
 template.
 
@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from specdeploy import sharegpt
-from specdeploy.errors import ConfigError
-from specdeploy.text_rules import TextError, check_json, decode_text
+from specdeploy.core import sharegpt
+from specdeploy.core.errors import ConfigError
+from specdeploy.core.text_rules import TextError, check_json, decode_text
 
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "data" / "prompts"
 BUILTIN_CATEGORIES = ("chat", "code", "summarization", "reasoning")
@@ -60,7 +60,7 @@ def load_prompt_set(prompt_set: str, default_max_tokens: int, max_prompts: int =
     else:
         prompts = _read_jsonl(Path(prompt_set), default_max_tokens)
     if not prompts:
-        raise ConfigError(f"prompt set {prompt_set} holds no prompts", "add lines like {\"prompt\": \"...\"}")
+        raise ConfigError(f"prompt set {prompt_set} holds no prompts", 'add lines like {"prompt": "..."}')
     return spread_over_categories(prompts, max_prompts) if max_prompts > 0 else prompts
 
 
@@ -90,7 +90,8 @@ def render_prompts(prompts: Sequence[Prompt], renderer: ChatRenderer | None) -> 
         else:
             raise ConfigError(
                 f"prompt {p.id} is given as 'messages', which need a chat template to become text",
-                "set validation.chat_template: auto with a tokenizer that has a chat template, or give 'prompt' instead",
+                "set validation.chat_template: auto with a tokenizer that has a chat template, or give 'prompt'"
+                " instead",
             )
     return out
 
@@ -135,7 +136,8 @@ def strip_duplicate_bos(text: str, tokenizer) -> str:
     stripped = text[len(bos) :]
     if list(tokenizer(stripped, add_special_tokens=True).input_ids)[: len(meant)] != meant:
         raise ConfigError(
-            "the chat template writes a BOS token that the tokenizer adds again, and removing it changes the prompt's tokens",
+            "the chat template writes a BOS token that the tokenizer adds again, and removing it changes the prompt's"
+            " tokens",
             "set validation.chat_template: none and give already rendered prompts",
         )
     return stripped
@@ -162,13 +164,18 @@ def _read_jsonl(path: Path, default_max_tokens: int) -> list[Prompt]:
             raise ConfigError(f"{where} is not a JSON object", 'e.g. {"prompt": "Hello", "category": "chat"}')
         unknown = sorted(set(obj) - {"prompt", "messages", "category", "max_tokens"})
         if unknown:
-            raise ConfigError(f"{where} has unknown key '{unknown[0]}'", "valid keys: prompt or messages, category, max_tokens")
+            raise ConfigError(
+                f"{where} has unknown key '{unknown[0]}'", "valid keys: prompt or messages, category, max_tokens"
+            )
         text, messages = _prompt_or_messages(obj, where)
         category = obj.get("category", DEFAULT_CATEGORY)
         if not isinstance(category, str) or not category:
             raise ConfigError(f"{where}: 'category' must be a non-empty string")
         if category == "all":  # the report's name for every prompt together: its counts would take these twice
-            raise ConfigError(f"{where}: 'category' is 'all', the report's name for all prompts together", "name the category otherwise")
+            raise ConfigError(
+                f"{where}: 'category' is 'all', the report's name for all prompts together",
+                "name the category otherwise",
+            )
         max_tokens = obj.get("max_tokens", default_max_tokens)
         if type(max_tokens) is not int or max_tokens < 1:
             raise ConfigError(f"{where}: 'max_tokens' must be a positive integer, got {max_tokens!r}")
@@ -200,7 +207,10 @@ def _prompt_or_messages(obj: dict, where: str) -> tuple[str, tuple[Message, ...]
             raise ConfigError(f"{where}: messages[{i}].content must be a non-empty string")
         messages.append((m["role"], m["content"]))
     if messages[-1][0] == "assistant":
-        raise ConfigError(f"{where}: the last message is the assistant's", "end the conversation with a user message: the model answers it")
+        raise ConfigError(
+            f"{where}: the last message is the assistant's",
+            "end the conversation with a user message: the model answers it",
+        )
     return "", tuple(messages)
 
 

@@ -11,6 +11,8 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
+from specdeploy.speculation.sampling import SamplingParams
+
 # Model names of the inflight_batcher_llm layout (tensorrtllm_backend's all_models/inflight_batcher_llm).
 CONTROL_MODEL = "ensemble"  # preprocessing -> tensorrt_llm -> postprocessing: no speculation
 SPECULATIVE_MODEL = "tensorrt_llm_bls"  # draft + target rounds
@@ -21,24 +23,16 @@ TRIAGE_MODELS = (PREPROCESSING_MODEL, TARGET_MODEL)
 
 
 @dataclass(frozen=True)
-class Sampling:
-    """Sampling knobs as TensorRT-LLM reads them: greedy unless top_k or top_p is set (> 0)."""
-
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 0.0
-    seed: int | None = None
-
-
-@dataclass(frozen=True)
 class GenerateRequest:
     prompt: str
     max_tokens: int
     num_draft_tokens: int | None = None  # only for the speculative model
-    sampling: Sampling | None = None  # None: greedy
+    sampling: SamplingParams | None = None  # None: greedy
     stream: bool = False  # decoupled deployments: stream for a client-side TTFT
     return_perf_metrics: bool = True
-    stop_words: tuple[str, ...] = ()  # the deployment's `stop_words` input, where it declares one (the OpenAI front's `stop`)
+    stop_words: tuple[
+        str, ...
+    ] = ()  # the deployment's `stop_words` input, where it declares one (the OpenAI front's `stop`)
 
 
 @dataclass(frozen=True)
@@ -75,13 +69,17 @@ TIMING_STREAM, TIMING_SERVER = "stream", "server"  # where a result's TTFT and d
 class GenerateResult:
     text: str
     latency_s: float  # client-side, request sent -> last response received
-    ttft_s: float | None = None  # streamed: client-side, to the first non-empty response; unary: the server's perf outputs
+    ttft_s: float | None = (
+        None  # streamed: client-side, to the first non-empty response; unary: the server's perf outputs
+    )
     ttft_source: str | None = None  # TIMING_STREAM | TIMING_SERVER | None; also the source of decode_s
     decode_s: float | None = None  # first token -> last token, from the same source as ttft_s
     responses: int = 1
     perf: PerfMetrics = field(default_factory=PerfMetrics)
     token_ids: list[int] | None = None  # generated ids, when the model returns `output_ids`
-    k_history: list[int] | None = None  # draft length per round (0: a plain step), when the BLS returns `speculative_k_history`
+    k_history: list[int] | None = (
+        None  # draft length per round (0: a plain step), when the BLS returns `speculative_k_history`
+    )
     # beside k_history, seconds of each round's draft work and target call (`speculative_draft_seconds` /
     # `speculative_target_seconds`), when the BLS returns them
     draft_s_history: list[float] | None = None

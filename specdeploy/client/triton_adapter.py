@@ -19,14 +19,14 @@ import numpy as np
 from specdeploy.client.protocol import (
     PREPROCESSING_MODEL,
     TARGET_MODEL,
-    GenerateRequest,
     TIMING_SERVER,
     TIMING_STREAM,
+    GenerateRequest,
     GenerateResult,
     PerfMetrics,
     TargetTrace,
 )
-from specdeploy.errors import ClientError
+from specdeploy.core.errors import ClientError
 
 CONNECT_TIMEOUT_S = 5.0
 K_HISTORY_OUTPUT = "speculative_k_history"  # optional BLS output: INT32 [-1], draft length per round (0: plain step)
@@ -56,8 +56,13 @@ class TritonEndpoint:
     """A Triton server at `url` (host:port of its gRPC endpoint). `names`: the core's model names -> the served
     ones (default the same); `missing_hint`: what to do when a model is missing."""
 
-    def __init__(self, url: str, names: dict[str, str] | None = None, missing_hint: str | None = None,
-                 speculative_inputs: dict[str, bool] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        url: str,
+        names: dict[str, str] | None = None,
+        missing_hint: str | None = None,
+        speculative_inputs: dict[str, bool] | None = None,
+    ):
         if "://" in url:
             url = url.split("://", 1)[1]
         self.url = url
@@ -65,7 +70,9 @@ class TritonEndpoint:
         self.served_names = self.names  # the metrics check's `model` labels
         self.missing_hint = missing_hint or REPO_HINT
         self.speculative_inputs = dict(speculative_inputs or {})  # BOOL inputs sent with every speculative request
-        self.dropped_inputs: dict[str, set[str]] = {}  # served model -> inputs it does not declare (left out of requests)
+        self.dropped_inputs: dict[
+            str, set[str]
+        ] = {}  # served model -> inputs it does not declare (left out of requests)
         self._local = threading.local()
         self._decoupled: dict[str, bool] = {}
         self._configs: dict[str, dict] = {}
@@ -112,35 +119,57 @@ class TritonEndpoint:
 
     def check_ready(self, models: Sequence[str]) -> None:
         client = self._client()
-        live = self._call("the liveness check", CONNECT_TIMEOUT_S, client.is_server_live, client_timeout=CONNECT_TIMEOUT_S)
+        live = self._call(
+            "the liveness check", CONNECT_TIMEOUT_S, client.is_server_live, client_timeout=CONNECT_TIMEOUT_S
+        )
         if not live:
             raise ClientError(f"the server at {self.url} is not live", "check the server log")
         for model in (self.served(m) for m in models):
-            ready = self._call(f"the readiness check of {model}", CONNECT_TIMEOUT_S, client.is_model_ready, model, client_timeout=CONNECT_TIMEOUT_S)
+            ready = self._call(
+                f"the readiness check of {model}",
+                CONNECT_TIMEOUT_S,
+                client.is_model_ready,
+                model,
+                client_timeout=CONNECT_TIMEOUT_S,
+            )
             if ready:
                 continue
-            index = self._call("the model index", CONNECT_TIMEOUT_S, client.get_model_repository_index, as_json=True, client_timeout=CONNECT_TIMEOUT_S)
+            index = self._call(
+                "the model index",
+                CONNECT_TIMEOUT_S,
+                client.get_model_repository_index,
+                as_json=True,
+                client_timeout=CONNECT_TIMEOUT_S,
+            )
             entries = {m.get("name"): m for m in index.get("models", [])}
             if model not in entries:
-                raise ClientError(f"model '{model}' is missing on {self.url} (it serves: {', '.join(sorted(entries)) or 'nothing'})",
-                                  self.missing_hint)  # fmt: skip
+                raise ClientError(
+                    f"model '{model}' is missing on {self.url} (it serves: {', '.join(sorted(entries)) or 'nothing'})",
+                    self.missing_hint,
+                )
             entry = entries[model]
             raise ClientError(
-                f"model '{model}' on {self.url} is not ready (state {entry.get('state', '?')}: {entry.get('reason', '')})",
+                f"model '{model}' on {self.url} is not ready (state {entry.get('state', '?')}:"
+                f" {entry.get('reason', '')})",
                 "see the server log for why it failed to load",
             )
 
     def _config(self, model: str) -> dict:
         if model not in self._configs:
             self._configs[model] = self._call(
-                f"reading the config of {model}", CONNECT_TIMEOUT_S, self._client().get_model_config, model, as_json=True, client_timeout=CONNECT_TIMEOUT_S
+                f"reading the config of {model}",
+                CONNECT_TIMEOUT_S,
+                self._client().get_model_config,
+                model,
+                as_json=True,
+                client_timeout=CONNECT_TIMEOUT_S,
             ).get("config", {})
         return self._configs[model]
 
     def model_parameters(self, model: str) -> dict[str, str]:
         """The served model's config parameters (name -> string value), e.g. the BLS's policy settings."""
         params = self._config(self.served(model)).get("parameters", {}) or {}
-        return {k: (v.get("string_value", "") if isinstance(v, dict) else str(v)) for k, v in params.items()}
+        return {k: v.get("string_value", "") if isinstance(v, dict) else str(v) for k, v in params.items()}
 
     def _has_output(self, model: str, name: str) -> bool:
         return any(o.get("name") == name for o in self._config(model).get("output", []))
@@ -153,7 +182,8 @@ class TritonEndpoint:
         missing = [name for name in required if name not in declared]
         if missing:
             raise ClientError(
-                f"model '{model}' on {self.url} has no input {missing[0]!r}; it is not an inflight_batcher_llm deployment",
+                f"model '{model}' on {self.url} has no input {missing[0]!r}; it is not an inflight_batcher_llm"
+                " deployment",
                 "point --url at a deployment generated by specdeploy repo or NVIDIA's tensorrtllm_backend",
             )
         if "seed" in inputs and "seed" not in declared and "random_seed" in declared:  # older NVIDIA name
@@ -176,7 +206,8 @@ class TritonEndpoint:
     # ------------------------------------------------------------ requests
 
     def generate(self, model: str, request: GenerateRequest, timeout_s: float, on_text=None) -> GenerateResult:
-        """One request; `on_text(piece)` (optional) gets each response's text as it arrives (the OpenAI front streams it)."""
+        """One request; `on_text(piece)` (optional) gets each response's text as it arrives (the OpenAI front streams
+        it)."""
         extra = self.speculative_inputs if request.num_draft_tokens is not None else {}
         model = self.served(model)
         inputs = {
@@ -201,34 +232,51 @@ class TritonEndpoint:
             if s.seed is not None:
                 inputs["seed"] = np.array([[s.seed]], dtype=np.uint64)
         inputs = self._declared(model, inputs, required=("text_input", "max_tokens"))
-        outputs = ["text_output", *(o for o in (PERF_OUTPUTS if request.return_perf_metrics else ()) if self._has_output(model, o))]
+        outputs = [
+            "text_output",
+            *(o for o in (PERF_OUTPUTS if request.return_perf_metrics else ()) if self._has_output(model, o)),
+        ]
         with_ids = self._has_output(model, "output_ids")  # exact tokens, where the deployment offers them
         if with_ids:
             outputs.append("output_ids")
-        with_count = not with_ids and self._has_output(model, "sequence_length")  # else their number (specdeploy's models)
+        with_count = not with_ids and self._has_output(
+            model, "sequence_length"
+        )  # else their number (specdeploy's models)
         if with_count:
             outputs.append("sequence_length")
         with_k = request.return_perf_metrics and self._has_output(model, K_HISTORY_OUTPUT)  # the policy's k per round
         if with_k:
             outputs.append(K_HISTORY_OUTPUT)
-        with_s = with_k and all(self._has_output(model, o) for o in ROUND_SECONDS_OUTPUTS)  # the round profile's seconds
+        with_s = with_k and all(
+            self._has_output(model, o) for o in ROUND_SECONDS_OUTPUTS
+        )  # the round profile's seconds
         if with_s:
             outputs += ROUND_SECONDS_OUTPUTS
-        responses, first_s, start, latency = self._exchange(model, self.is_decoupled(model), inputs, outputs, timeout_s, on_text)
+        responses, first_s, start, latency = self._exchange(
+            model, self.is_decoupled(model), inputs, outputs, timeout_s, on_text
+        )
         text = "".join(_text(r) for r in responses)
         perf = _perf(responses[-1]) if request.return_perf_metrics and responses else PerfMetrics()
         ids = [int(t) for r in responses for t in _ids(r)] if with_ids else None
         ttft, decode, source = timing(request.stream, start, first_s, start + latency, perf)
         k_history = [int(k) for r in responses for k in _array(r, K_HISTORY_OUTPUT)] if with_k else None
-        draft_s, target_s = ([[float(x) for r in responses for x in _array(r, o)] for o in ROUND_SECONDS_OUTPUTS] if with_s
-                             else (None, None))  # fmt: skip
+        draft_s, target_s = (
+            [[float(x) for r in responses for x in _array(r, o)] for o in ROUND_SECONDS_OUTPUTS]
+            if with_s
+            else (None, None)
+        )
         count = sum(int(n) for r in responses for n in _array(r, "sequence_length")) if with_count else None
-        return GenerateResult(text, latency, ttft, source, decode, len(responses), perf, ids, k_history, draft_s, target_s, count)
+        return GenerateResult(
+            text, latency, ttft, source, decode, len(responses), perf, ids, k_history, draft_s, target_s, count
+        )
 
     def trace(self, prompt: str, max_tokens: int, timeout_s: float, with_logits: bool = True) -> TargetTrace:
         pre = self._run(
             self.served(PREPROCESSING_MODEL),
-            {"QUERY": np.array([[prompt.encode("utf-8")]], dtype=object), "REQUEST_OUTPUT_LEN": np.array([[max_tokens]], dtype=np.int32)},
+            {
+                "QUERY": np.array([[prompt.encode("utf-8")]], dtype=object),
+                "REQUEST_OUTPUT_LEN": np.array([[max_tokens]], dtype=np.int32),
+            },
             ["INPUT_ID", "REQUEST_INPUT_LEN", "OUT_END_ID", "OUT_PAD_ID"],
             timeout_s,
         )[-1]
@@ -301,22 +349,37 @@ class TritonEndpoint:
 
     def _infer(self, model, inputs, outputs, timeout_s, what):
         tensors, requested = self._tensors(inputs, outputs)
-        return self._call(what, timeout_s, self._client().infer, model, tensors, outputs=requested, client_timeout=timeout_s)
+        return self._call(
+            what, timeout_s, self._client().infer, model, tensors, outputs=requested, client_timeout=timeout_s
+        )
 
     def _stream(self, model, inputs, outputs, timeout_s, what, on_text=None):
         """All responses of one request on the gRPC stream, and the time of the first non-empty one."""
         tensors, requested = self._tensors(inputs, outputs)
         client = self._client()
         results: queue.Queue = queue.Queue()
-        client.start_stream(callback=lambda result, error: results.put((result, error, time.perf_counter())), stream_timeout=timeout_s)
+        client.start_stream(
+            callback=lambda result, error: results.put((result, error, time.perf_counter())), stream_timeout=timeout_s
+        )
         responses, first_s = [], None
         deadline = time.monotonic() + timeout_s
         try:
-            self._call(what, timeout_s, client.async_stream_infer, model, tensors, outputs=requested, enable_empty_final_response=True)
+            self._call(
+                what,
+                timeout_s,
+                client.async_stream_infer,
+                model,
+                tensors,
+                outputs=requested,
+                enable_empty_final_response=True,
+            )
             while True:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise ClientError(f"{what} timed out after {timeout_s:.0f} s (server {self.url})", "raise validation.request_timeout_s or check the server log")
+                    raise ClientError(
+                        f"{what} timed out after {timeout_s:.0f} s (server {self.url})",
+                        "raise validation.request_timeout_s or check the server log",
+                    )
                 try:
                     result, error, at = results.get(timeout=remaining)
                 except queue.Empty:

@@ -18,25 +18,17 @@ import sys
 import time
 from pathlib import Path
 
-from specdeploy.client import acceptance
+from specdeploy.client import acceptance, metrics_check
 from specdeploy.client import latency as lat
-from specdeploy.client import metrics_check
 from specdeploy.client.deployment import Deployment
 from specdeploy.client.hf_codec import HFCodec
-from specdeploy.client.options import (  # noqa: F401 (FOREIGN_SIZE, QUICK_SIZE, parse_range, sized: public here for the CLI)
-    FOREIGN_SIZE,
-    QUICK_SIZE,
-    Options,
-    check_sweep,
-    parse_range,
-    sized,
-)
+from specdeploy.client.options import Options, check_sweep
 from specdeploy.client.parity_phases import run_baseline_parity, run_parity, run_sampling
 from specdeploy.client.prompts import Prompt, load_prompt_set, render_prompts, spread_over_categories
 from specdeploy.client.protocol import CONTROL_MODEL, REQUIRED_MODELS, TRIAGE_MODELS, Endpoint, TokenCodec
 from specdeploy.client.speed_phases import one_model_at_a_time, run_latency, run_sweep, speed_warnings
-from specdeploy.client.summary import not_checked, summary_lines  # noqa: F401 (summary_lines: public here for the CLI)
-from specdeploy.errors import ClientError
+from specdeploy.client.summary import not_checked
+from specdeploy.core.errors import ClientError
 
 REPORT_SCHEMA_VERSION = 1
 
@@ -147,9 +139,13 @@ def _run_phases(report, endpoint, codec, options, prompts, baseline, bar, counte
         bar.phase("warm-up")
         lat.warm_up(endpoint, timed, options.num_draft_tokens, options.request_timeout_s, options.warmup_requests)
     elapsed, left = time.perf_counter() - started, plan["latency"] + plan["sweep"]
-    plan["eta_s_after_warm_up"] = elapsed / max(plan["parity"] + plan["baseline"] + plan["sampling"] + plan["warm_up"], 1) * left
-    bar.note(f"warm-up done after {elapsed:.0f} s; about {plan['eta_s_after_warm_up'] / 60:.1f} min left "
-             f"({left} requests at the mean time of those so far)")
+    plan["eta_s_after_warm_up"] = (
+        elapsed / max(plan["parity"] + plan["baseline"] + plan["sampling"] + plan["warm_up"], 1) * left
+    )
+    bar.note(
+        f"warm-up done after {elapsed:.0f} s; about {plan['eta_s_after_warm_up'] / 60:.1f} min left "
+        f"({left} requests at the mean time of those so far)"
+    )
     bar.phase("latency")
     run_latency(report, endpoint, codec, options, timed, decoupled, bar, counters)
     if options.sweep_draft_tokens:
@@ -160,9 +156,11 @@ def _run_phases(report, endpoint, codec, options, prompts, baseline, bar, counte
         report["settings"]["control_loading"] = {
             "mode": "load_unload",
             "swaps": [{"loaded": name, "seconds": round(seconds, 3)} for name, seconds in endpoint.swaps],
-            "note": "one model loaded at a time: the control and the speculative path were measured one after the "
-                    "other (not interleaved), each after its own warm-up",
-        }  # fmt: skip
+            "note": (
+                "one model loaded at a time: the control and the speculative path were measured one after the "
+                "other (not interleaved), each after its own warm-up"
+            ),
+        }
 
 
 def planned_requests(options: Options, prompts: int, timed: int, with_baseline: bool, streams: bool) -> dict:
@@ -183,8 +181,10 @@ def planned_requests(options: Options, prompts: int, timed: int, with_baseline: 
 def plan_line(plan: dict) -> str:
     phases = ("parity", "baseline", "sampling", "warm_up", "latency", "sweep")
     parts = ", ".join(f"{name.replace('_', '-')} {plan[name]}" for name in phases if plan[name])
-    return (f"plan: {plan['total']} requests ({parts}) over {plan['prompts']} prompts, {plan['timed_prompts']} of them timed; "
-            "--quick or --max-prompts / --concurrency / --repeats change it")
+    return (
+        f"plan: {plan['total']} requests ({parts}) over {plan['prompts']} prompts, {plan['timed_prompts']} of them"
+        " timed; --quick or --max-prompts / --concurrency / --repeats change it"
+    )
 
 
 def _new_report(recipe_name, endpoint, baseline, options, prompts, quality) -> dict:
@@ -229,8 +229,9 @@ def _total_steps(options: Options, prompts: list[Prompt], with_baseline: bool) -
 # ---------------------------------------------------------------- one deployment, end to end
 
 
-def validate_deployment(deployment: Deployment, options: Options, report_dir: str | Path, progress=True,
-                        baseline_url: str | None = None):  # fmt: skip
+def validate_deployment(
+    deployment: Deployment, options: Options, report_dir: str | Path, progress=True, baseline_url: str | None = None
+):
     """Validate `deployment` (a `client.deployment.Deployment`) and write the report; returns (report, paths, verdict).
 
     Server faults do not raise: the verdict then fails with exit code 1 and the report is marked incomplete.
@@ -242,15 +243,20 @@ def validate_deployment(deployment: Deployment, options: Options, report_dir: st
     from specdeploy.client.report import write_report
     from specdeploy.client.runtime_counters import RuntimeCounters
     from specdeploy.client.triton_adapter import TritonEndpoint
-    from specdeploy.cost import cost_section  # cost per response / per 1k tokens at the machine's price
+    from specdeploy.core.cost import cost_section  # cost per response / per 1k tokens at the machine's price
 
-    check_sweep(options, deployment.per_request_draft_tokens, deployment.layout if deployment.protocol == "triton" else "OpenAI")
+    check_sweep(
+        options, deployment.per_request_draft_tokens, deployment.layout if deployment.protocol == "triton" else "OpenAI"
+    )
     codec = HFCodec(deployment.tokenizer)
     # an OpenAI server specdeploy did not make: --metrics-url is its runtime's endpoint, read for acceptance
     runtime = deployment.foreign and deployment.protocol == "openai" and deployment.metrics_url is not None
     counters = RuntimeCounters(deployment.metrics_url) if runtime else None
-    check = metrics_check.MetricsCheck(open_endpoint(deployment), None if runtime else deployment.metrics_url,
-                                       control_here=deployment.control_url is None)  # fmt: skip
+    check = metrics_check.MetricsCheck(
+        open_endpoint(deployment),
+        None if runtime else deployment.metrics_url,
+        control_here=deployment.control_url is None,
+    )
     endpoint = check.endpoint
     baseline = TritonEndpoint(baseline_url) if baseline_url else None
     try:
@@ -258,8 +264,11 @@ def validate_deployment(deployment: Deployment, options: Options, report_dir: st
         report["deployment"] = deployment.describe()
         report["deployment"]["endpoints"] = endpoint.describe() if isinstance(endpoint.inner, OpenAIEndpoint) else None
         if counters is not None:
-            report["runtime_counters"] = {"url": deployment.metrics_url, "errors": counters.errors,
-                                          "read": [w.to_dict() for w in counters.windows]}  # fmt: skip
+            report["runtime_counters"] = {
+                "url": deployment.metrics_url,
+                "errors": counters.errors,
+                "read": [w.to_dict() for w in counters.windows],
+            }
         check.finish(report, metrics_check.served_policy(endpoint, deployment.policy))
         report["acceptance"] = acceptance.section(report)  # again: the speculation section may split it by source
         report["not_checked"] = not_checked(report, deployment, endpoint)
@@ -269,7 +278,11 @@ def validate_deployment(deployment: Deployment, options: Options, report_dir: st
             baseline.close()
     verdict = gate.evaluate(report, options.min_parity, options.min_speedup, options.min_compared_share)
     report["gate"] = verdict.to_dict()
-    report["cost"] = cost_section((report.get("latency") or {}).get("levels", []), deployment.price_per_hour, deployment.currency,
-                                  "`--price-per-hour`" if deployment.foreign else "recipe `cost.machine_price_per_hour`")  # fmt: skip
+    report["cost"] = cost_section(
+        (report.get("latency") or {}).get("levels", []),
+        deployment.price_per_hour,
+        deployment.currency,
+        "`--price-per-hour`" if deployment.foreign else "recipe `cost.machine_price_per_hour`",
+    )
     paths = write_report(report, Path(report_dir))
     return report, paths, verdict

@@ -9,17 +9,17 @@ import threading
 from collections import deque
 from typing import Callable, Iterator
 
+from specdeploy.core.errors import ConfigError
 from specdeploy.engine.eagle3 import HeadPass
 from specdeploy.engine.executor import EnginePass, Executor
 from specdeploy.engine.native import standing_team
-from specdeploy.engine.request import GenerationChunk, GenerationRequest
-from specdeploy.errors import ConfigError
+from specdeploy.engine.request import EngineRequest, GenerationChunk
 
 
 class _Job:
     """A request in a BatchScheduler: its steps generator and the queue its consumer reads."""
 
-    def __init__(self, request: GenerationRequest):
+    def __init__(self, request: EngineRequest):
         self.request = request
         self.steps: Iterator | None = None
         self.out: queue.SimpleQueue = queue.SimpleQueue()  # GenerationChunk | BaseException
@@ -89,7 +89,7 @@ class BatchScheduler:
         2-4x longer (bench/batching.py, README "In-flight batching")."""
         return cls(None, max_batch_size, load)  # type: ignore[arg-type]
 
-    def generate(self, request: GenerationRequest) -> Iterator[GenerationChunk]:
+    def generate(self, request: EngineRequest) -> Iterator[GenerationChunk]:
         job = _Job(request)
         with self._cond:
             if self._stopped:
@@ -148,8 +148,8 @@ class BatchScheduler:
                 pending: dict[_Job, EnginePass | HeadPass] = {}
                 for job in list(active):
                     self._step_to(job, pending, active)
-                # the EAGLE-3 head's forwards first (catch-up and draft steps of the fused loop), the requests' together,
-                # until every request waits for its engine pass
+                # the EAGLE-3 head's forwards first (catch-up and draft steps of the fused loop), the requests'
+                # together, until every request waits for its engine pass
                 while heads := [(job, item) for job, item in pending.items() if isinstance(item, HeadPass)]:
                     self.max_head_batch = max(self.max_head_batch, len(heads))
                     if self._run(self.executor.run_head_passes, heads, pending, active):

@@ -37,7 +37,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from specdeploy.policy_costs import PRIOR_VERIFY_SLOPE, SPECULATION_MARGIN, ewma
+from specdeploy.speculation.costs import PRIOR_VERIFY_SLOPE, SPECULATION_MARGIN, ewma
 
 BINS = 10  # cal(p) in bins of 0.1
 CAL_DECAY = 0.995  # weight of earlier drafts in a bin, per new draft there
@@ -171,7 +171,7 @@ class DraftCost:
         if not points:
             return 1.0, PRIOR_VERIFY_SLOPE
         if len(points) == 1:
-            (rows, seconds), = points
+            ((rows, seconds),) = points
             one = seconds / (1.0 + PRIOR_VERIFY_SLOPE * (rows - 1))
             return one, PRIOR_VERIFY_SLOPE * one
         mean_r = sum(r for r, _ in points) / len(points)

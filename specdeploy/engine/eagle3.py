@@ -42,8 +42,8 @@ hidden_norm only. A head trained with that path is served as the runtimes serve 
 
 Served vocabulary (draft.serve_vocab_size, the CPU engine only): the head's LM head and d2t cut to the draft tokens
 its counts file (EAGLE3_VOCAB_COUNTS) counts most often, at load time. The head's argmax and its probability
-(speculative.draft_p_min) are then over those tokens only; the LM head, about half the head's bytes at an 8,192-token draft vocabulary, shrinks
-with them. Verification decides every draft either way, so the output is the target's.
+(speculative.draft_p_min) are then over those tokens only; the LM head, about half the head's bytes at an 8,192-token
+draft vocabulary, shrinks with them. Verification decides every draft either way, so the output is the target's.
 
 The KV cache is indexed by absolute position; rollback moves the pointer (STYLE.md rule 3).
 """
@@ -59,16 +59,17 @@ from typing import Generator
 import torch
 import torch.nn.functional as F
 
-from specdeploy.config import EAGLE3_HEAD_WEIGHTS, EAGLE3_VOCAB_COUNTS
+from specdeploy.core.errors import ModelError
 from specdeploy.engine.kernels import make_linear
 from specdeploy.engine.kv_cache import KVCache
 from specdeploy.engine.model import LazyTensors, rms_norm, rope_inv_freq
-from specdeploy.errors import ModelError
+from specdeploy.recipe.config import EAGLE3_HEAD_WEIGHTS, EAGLE3_VOCAB_COUNTS
 
 HEAD_CONFIG = "config.json"
 HEAD_WEIGHTS = "model.safetensors"
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # modelopt/torch/export/plugins/hf_spec_configs.py:19
-# how the CPU engine holds the head's linears: recipe draft.head_weights with "auto" resolved (DraftConfig.cpu_head_weights)
+# how the CPU engine holds the head's linears: recipe draft.head_weights with "auto" resolved
+# (DraftConfig.cpu_head_weights)
 HEAD_WEIGHTS_KINDS = tuple(w for w in EAGLE3_HEAD_WEIGHTS if w != "auto")
 
 
@@ -106,20 +107,26 @@ class Eagle3HeadConfig:
     def read(cls, head_dir: Path) -> "Eagle3HeadConfig":
         path = Path(head_dir) / HEAD_CONFIG
         if not path.is_file():
-            raise ModelError(f"{head_dir} is not an EAGLE-3 head (no {HEAD_CONFIG})",
-                             "point draft.head at the folder export_speculative_decoding wrote (config.json + model.safetensors)")
+            raise ModelError(
+                f"{head_dir} is not an EAGLE-3 head (no {HEAD_CONFIG})",
+                "point draft.head at the folder export_speculative_decoding wrote (config.json + model.safetensors)",
+            )
         c = json.loads(path.read_text())
         arch = c.get("architectures") or []
         if ARCHITECTURE not in arch:
-            raise ModelError(f"{path}: architectures is {arch}, expected [{ARCHITECTURE!r}]",
-                             "export the head with modelopt.torch.export.export_speculative_decoding")
+            raise ModelError(
+                f"{path}: architectures is {arch}, expected [{ARCHITECTURE!r}]",
+                "export the head with modelopt.torch.export.export_speculative_decoding",
+            )
         missing = [k for k in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size") if k not in c]
         if missing:
             raise ModelError(f"{path} lacks {', '.join(missing)}", "re-export the head (export_speculative_decoding)")
         eagle = c.get("eagle_config") or {}
         ids = eagle.get("eagle_aux_hidden_state_layer_ids") or c.get("eagle_aux_hidden_state_layer_ids") or None
         rope_scaling = c.get("rope_scaling") or None
-        theta = c.get("rope_theta") or (rope_scaling or {}).get("rope_theta") or 10000.0  # transformers 5 keeps it there
+        theta = (
+            c.get("rope_theta") or (rope_scaling or {}).get("rope_theta") or 10000.0
+        )  # transformers 5 keeps it there
         heads = int(c["num_attention_heads"])
         return cls(
             hidden_size=int(c["hidden_size"]),
@@ -147,19 +154,32 @@ def served_draft_ids(head_dir: Path, draft_vocab_size: int, size: int) -> torch.
         return None
     path = Path(head_dir) / EAGLE3_VOCAB_COUNTS
     if not 0 < size < draft_vocab_size:
-        _fail(head_dir, f"draft.serve_vocab_size is {size}, but the head's draft vocabulary has {draft_vocab_size} tokens",
-              f"set draft.serve_vocab_size to 1..{draft_vocab_size}, or remove it (the whole draft vocabulary)")
-    fix = ("count them: specdeploy draft vocab-counts HEAD_DIR --data DRAFT_DATA_DIR (the head's training data), or "
-           "remove draft.serve_vocab_size")
+        _fail(
+            head_dir,
+            f"draft.serve_vocab_size is {size}, but the head's draft vocabulary has {draft_vocab_size} tokens",
+            f"set draft.serve_vocab_size to 1..{draft_vocab_size}, or remove it (the whole draft vocabulary)",
+        )
+    fix = (
+        "count them: specdeploy draft vocab-counts HEAD_DIR --data DRAFT_DATA_DIR (the head's training data), or "
+        "remove draft.serve_vocab_size"
+    )
     if not path.is_file():
-        _fail(head_dir, f"draft.serve_vocab_size needs {EAGLE3_VOCAB_COUNTS} (how often the target wrote each draft token)", fix)
+        _fail(
+            head_dir,
+            f"draft.serve_vocab_size needs {EAGLE3_VOCAB_COUNTS} (how often the target wrote each draft token)",
+            fix,
+        )
     try:
         counts = [int(c) for c in json.loads(path.read_text())["counts"]]
     except (ValueError, KeyError, TypeError, OverflowError, OSError) as exc:
         _fail(head_dir, f"{EAGLE3_VOCAB_COUNTS} is unreadable ({exc!r})", fix)
     if len(counts) != draft_vocab_size or min(counts, default=0) < 0:
-        _fail(head_dir, f"{EAGLE3_VOCAB_COUNTS} holds {len(counts)} counts (min {min(counts, default='-')}), "
-                        f"expected {draft_vocab_size} non-negative ones, one per draft id", fix)
+        _fail(
+            head_dir,
+            f"{EAGLE3_VOCAB_COUNTS} holds {len(counts)} counts (min {min(counts, default='-')}), "
+            f"expected {draft_vocab_size} non-negative ones, one per draft id",
+            fix,
+        )
     order = sorted(range(draft_vocab_size), key=lambda i: (-counts[i], i))[:size]
     return torch.tensor(sorted(order), dtype=torch.long)
 
@@ -167,8 +187,15 @@ def served_draft_ids(head_dir: Path, draft_vocab_size: int, size: int) -> torch.
 class Eagle3Head:
     """A loaded head, checked against the target engine it drafts for. `catch_up` and `draft` run it."""
 
-    def __init__(self, config: Eagle3HeadConfig, tensors, target, path: Path = Path("<head>"), weights: str = "bf16",
-                 served_ids: torch.Tensor | None = None):
+    def __init__(
+        self,
+        config: Eagle3HeadConfig,
+        tensors,
+        target,
+        path: Path = Path("<head>"),
+        weights: str = "bf16",
+        served_ids: torch.Tensor | None = None,
+    ):
         """`served_ids`: the draft ids the head scores (`served_draft_ids`: draft.serve_vocab_size), all when None."""
         spec, c = target.spec, config
         if weights not in HEAD_WEIGHTS_KINDS:
@@ -180,12 +207,19 @@ class Eagle3Head:
         if c.vocab_size != spec.vocab_size:
             _fail(path, f"vocab_size {c.vocab_size} differs from the target's {spec.vocab_size}")
         if not 0 < c.draft_vocab_size <= c.vocab_size:
-            _fail(path, f"draft_vocab_size {c.draft_vocab_size} is not in 1..vocab_size ({c.vocab_size})", "re-export the head")
+            _fail(
+                path,
+                f"draft_vocab_size {c.draft_vocab_size} is not in 1..vocab_size ({c.vocab_size})",
+                "re-export the head",
+            )
         ids = c.aux_layer_ids if c.aux_layer_ids is not None else default_aux_layer_ids(spec.num_layers)
         bad = [i for i in ids if not 0 <= i < spec.num_layers]
         if bad:
-            _fail(path, f"eagle_aux_hidden_state_layer_ids {list(ids)} name layers {bad} the target (num_layers "
-                        f"{spec.num_layers}) does not have")
+            _fail(
+                path,
+                f"eagle_aux_hidden_state_layer_ids {list(ids)} name layers {bad} the target (num_layers "
+                f"{spec.num_layers}) does not have",
+            )
         self.aux_layer_ids = tuple(sorted(set(ids)))  # the order ModelOpt's hooks fire in
         self.dtype = dtype = target.dtype
         self.native = target.native
@@ -206,7 +240,10 @@ class Eagle3Head:
 
         p = "layers.0."
         self.fc = linear(get("fc.weight", (h, len(ids) * h)))
-        qkv = [get(f"{p}self_attn.{n}_proj.weight", (rows, 2 * h)) for n, rows in (("q", nq * d), ("k", nkv * d), ("v", nkv * d))]
+        qkv = [
+            get(f"{p}self_attn.{n}_proj.weight", (rows, 2 * h))
+            for n, rows in (("q", nq * d), ("k", nkv * d), ("v", nkv * d))
+        ]
         self.qkv = linear(torch.cat(qkv))  # [(nq + 2 nkv) d, 2h], the engine's fused layout
         self.o = linear(get(f"{p}self_attn.o_proj.weight", (h, nq * d)))
         gate = get(f"{p}mlp.gate_proj.weight", (c.intermediate_size, h))
@@ -221,23 +258,36 @@ class Eagle3Head:
         if "lm_head.weight" in tensors:
             self.lm_head = linear(keep(get("lm_head.weight", (c.draft_vocab_size, h))))
         elif served_ids is not None:
-            _fail(path, "draft.serve_vocab_size cuts the head's lm_head, but model.safetensors has none (it uses the target's)",
-                  "remove draft.serve_vocab_size")
+            _fail(
+                path,
+                "draft.serve_vocab_size cuts the head's lm_head, but model.safetensors has none (it uses the target's)",
+                "remove draft.serve_vocab_size",
+            )
         elif c.draft_vocab_size == c.vocab_size:
             self.lm_head = target.lm_head  # hf_spec_export.py:175-176 fills it from the base model on export
         else:
-            _fail(path, "model.safetensors has no lm_head.weight but draft_vocab_size < vocab_size", "re-export the head")
+            _fail(
+                path, "model.safetensors has no lm_head.weight but draft_vocab_size < vocab_size", "re-export the head"
+            )
         if "d2t" in tensors:
             d2t = get("d2t", (c.draft_vocab_size,)).long()
             mapped = torch.arange(c.draft_vocab_size) + d2t
             if int(mapped.min()) < 0 or int(mapped.max()) >= c.vocab_size:
-                _fail(path, f"d2t maps draft ids to target ids outside 0..{c.vocab_size - 1} "
-                            f"(min {int(mapped.min())}, max {int(mapped.max())})", "re-export the head with the target's vocabulary")
+                _fail(
+                    path,
+                    f"d2t maps draft ids to target ids outside 0..{c.vocab_size - 1} "
+                    f"(min {int(mapped.min())}, max {int(mapped.max())})",
+                    "re-export the head with the target's vocabulary",
+                )
             self.draft_to_target = keep(mapped)  # [served draft vocab] target ids
         elif c.draft_vocab_size == c.vocab_size:
             self.draft_to_target = served_ids  # None: draft ids are target ids
         else:
-            _fail(path, "draft_vocab_size < vocab_size but model.safetensors has no d2t", "re-export the head with its draft vocabulary")
+            _fail(
+                path,
+                "draft_vocab_size < vocab_size but model.safetensors has no d2t",
+                "re-export the head with its draft vocabulary",
+            )
         self.embedding = target.embedding  # [vocab, h], the target's table
         inv_freq = rope_inv_freq(d, c.rope_theta, c.rope_scaling)  # [d / 2]
         positions = torch.arange(spec.max_seq_len + spec.max_draft_len + 2, dtype=torch.float32)
@@ -259,7 +309,9 @@ class Eagle3Head:
         config = Eagle3HeadConfig.read(head_dir)
         path = head_dir / HEAD_WEIGHTS
         if not path.is_file():
-            raise ModelError(f"EAGLE-3 head {head_dir} has no {HEAD_WEIGHTS}", "re-export the head (export_speculative_decoding)")
+            raise ModelError(
+                f"EAGLE-3 head {head_dir} has no {HEAD_WEIGHTS}", "re-export the head (export_speculative_decoding)"
+            )
         served = served_draft_ids(head_dir, config.draft_vocab_size, serve_vocab_size)
         with LazyTensors(path) as tensors:
             return cls(config, tensors, target, head_dir, weights, served)
@@ -284,16 +336,21 @@ class Eagle3Head:
         return self.fc(aux.to(self.dtype))
 
     @torch.inference_mode()
-    def forward(self, cache: KVCache, features: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, cache: KVCache, features: torch.Tensor, token_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows at positions cache.length..: features [n, hidden] (fc'd target features or the head's own
         prenorm states), token_ids [n] (the token after each row's position). Returns the draft-vocab
         logits of the last row [draft_vocab] (f32) and the prenorm states [n, hidden]; advances the cache."""
-        logits, prenorm = self.forward_batch([cache], features, torch.as_tensor(token_ids).reshape(-1), [features.shape[0]])
+        logits, prenorm = self.forward_batch(
+            [cache], features, torch.as_tensor(token_ids).reshape(-1), [features.shape[0]]
+        )
         return logits[0], prenorm
 
     @torch.inference_mode()
-    def forward_batch(self, caches: list[KVCache], features: torch.Tensor, token_ids: torch.Tensor,
-                      counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_batch(
+        self, caches: list[KVCache], features: torch.Tensor, token_ids: torch.Tensor, counts: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward` for several sequences at once: counts[i] rows of caches[i], one after the other in features
         [R, hidden] and token_ids [R]. The linear layers run once over all R rows, attention per sequence over its
         own cache (as the target's Decoder.forward_batch). Returns the logits of each sequence's last row
@@ -323,7 +380,9 @@ class Eagle3Head:
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
         prenorm = self.down(act, residual=h)  # [R, h]
-        last = prenorm[-1:] if len(counts) == 1 else prenorm[torch.tensor(counts).cumsum(0) - 1]  # [S, h]: each sequence's last row
+        last = (
+            prenorm[-1:] if len(counts) == 1 else prenorm[torch.tensor(counts).cumsum(0) - 1]
+        )  # [S, h]: each sequence's last row
         if self.final_norm is not None:
             last = self._norm(last, self.final_norm)
         return self.lm_head(last).float(), prenorm
@@ -335,8 +394,12 @@ class Eagle3Head:
         an engine that pads its rows runs its sequences (model.py)."""
         if len(passes) == 1:
             p = passes[0]
-            logits, p.prenorm = self.forward_batch([p.drafter.cache], p.features if p.aux is None else self.project(p.aux),
-                                                   torch.tensor(p.tokens), [len(p.tokens)])
+            logits, p.prenorm = self.forward_batch(
+                [p.drafter.cache],
+                p.features if p.aux is None else self.project(p.aux),
+                torch.tensor(p.tokens),
+                [len(p.tokens)],
+            )
             p.logits = logits[0]
             return
         if not self.row_invariant:  # a sequence's drafts must not depend on its neighbours
@@ -344,7 +407,9 @@ class Eagle3Head:
                 self.run_passes([p])
             return
         aux = [p.aux for p in passes if p.aux is not None]  # the catch-ups' target features, [n_i, L * hidden] each
-        projected = iter(self.project(torch.cat(aux)).split([a.shape[0] for a in aux]) if aux else ())  # [n_i, hidden] each
+        projected = iter(
+            self.project(torch.cat(aux)).split([a.shape[0] for a in aux]) if aux else ()
+        )  # [n_i, hidden] each
         features = [p.features if p.aux is None else next(projected) for p in passes]
         counts = [len(p.tokens) for p in passes]
         tokens = torch.tensor([t for p in passes for t in p.tokens], dtype=torch.long)
@@ -356,8 +421,18 @@ class Eagle3Head:
         """Causal attention of rows start..start+m-1 over the head's cache (RoPE on q, k): [m, nq * d]."""
         c = self.config
         if self.native is not None:
-            return self.native.attention(qkv, self.cos, self.sin, cache.keys[0], cache.values[0], start, m,
-                                         c.num_heads, c.num_kv_heads, self.scale)
+            return self.native.attention(
+                qkv,
+                self.cos,
+                self.sin,
+                cache.keys[0],
+                cache.values[0],
+                start,
+                m,
+                c.num_heads,
+                c.num_kv_heads,
+                self.scale,
+            )
         from specdeploy.engine.model import apply_rope
 
         d, nq, nkv = c.head_size, c.num_heads, c.num_kv_heads
@@ -457,9 +532,9 @@ class Eagle3Drafter:
         draft.serve_vocab_size). The head's probability tracks how often the target accepts (README of the shipped
         head); verification decides every token either way, so the output is unchanged.
 
-        `rule` (an engine.draft_cost.DraftRound: `speculative.policy: cost`) decides draft by draft: `rule.more()` before
-        each head step after the first draft, `rule.verify(p)` for each draft with the head's probability p; drafting
-        stops at the first no."""
+        `rule` (an engine.draft_cost.DraftRound: `speculative.policy: cost`) decides draft by draft: `rule.more()`
+        before each head step after the first draft, `rule.verify(p)` for each draft with the head's probability p;
+        drafting stops at the first no."""
         assert self.logits is not None, "catch_up first"
         base = self.cache.length
         tokens: list[int] = []

@@ -1,8 +1,9 @@
 """What a TensorRT-LLM `tensorrt_llm` model does for one request, over a CPU engine.
 
-`Executor(engine).generate(GenerationRequest)` yields `GenerationChunk`s (`engine.request`). A plain request
-decodes up to `max_new_tokens` tokens (greedy or sampled, see `specdeploy.speculative.is_greedy`). A request with
-`draft_tokens` runs one target pass over input + draft, accepts per `specdeploy.speculative` and returns the
+`Executor(engine).generate(EngineRequest)` yields `GenerationChunk`s (`engine.request`). A plain request
+decodes up to `max_new_tokens` tokens (greedy or sampled, see `specdeploy.speculation.sampling.is_greedy`). A request
+with
+`draft_tokens` runs one target pass over input + draft, accepts per `specdeploy.speculation.loop` and returns the
 accepted prefix plus one token of its own: TensorRT-LLM's `draft_tokens_external` semantics. With an EAGLE-3 head,
 a request with `num_draft_tokens` runs the fused loop (the head drafts inside the executor; greedy or sampled).
 
@@ -36,16 +37,18 @@ from typing import Iterator
 
 import torch
 
-from specdeploy import speculative as spec
+from specdeploy.core.errors import ConfigError
 from specdeploy.engine import logits as lp
 from specdeploy.engine.draft_cost import DraftCost
 from specdeploy.engine.eagle3 import HeadPass
 from specdeploy.engine.kv_pool import CachedSequence, KvPool
 from specdeploy.engine.logits import LogitsParams
 from specdeploy.engine.native import standing_team
-from specdeploy.engine.request import GenerationChunk, GenerationRequest, GenerationStats, check_request, chunk_of
-from specdeploy.errors import ConfigError
-from specdeploy.ngram import SuffixLookup
+from specdeploy.engine.request import EngineRequest, GenerationChunk, GenerationStats, check_request, chunk_of
+from specdeploy.speculation import loop as spec
+from specdeploy.speculation import sampling as speculation_sampling
+from specdeploy.speculation import verify
+from specdeploy.speculation.ngram import SuffixLookup
 
 # Tokens per KV cache block for the kv_cache_* block counts: TensorRT-LLM's default
 # (`PluginConfig._tokens_per_block = 32` in tensorrt_llm/plugin/plugin.py; older releases used 64).
@@ -72,14 +75,15 @@ class EnginePass:
     elapsed_s: float = 0.0
 
 
-
-def argmax_only(request: GenerationRequest, params: LogitsParams) -> bool:
+def argmax_only(request: EngineRequest, params: LogitsParams) -> bool:
     """Whether a request uses nothing of its logits rows but their argmax: greedy, no logits or log probs returned, and
     no processing that can lift a token over another (embedding bias, penalties, min_tokens, bad words). Its passes
     may then screen the LM head (engine/lm_screen.py: every token that can win keeps its exact logit)."""
     returns = request.return_logits or request.return_log_probs or request.return_context_logits
-    reorders = params.embedding_bias is not None or params.uses_penalties or params.min_tokens > 0 or bool(params.bad_words)
-    return spec.is_greedy(request.sampling) and not returns and not reorders
+    reorders = (
+        params.embedding_bias is not None or params.uses_penalties or params.min_tokens > 0 or bool(params.bad_words)
+    )
+    return speculation_sampling.is_greedy(request.sampling) and not returns and not reorders
 
 
 def _token_match(draft: list[int], rows: torch.Tensor, sampler, generator: torch.Generator) -> tuple[int, int]:
@@ -87,13 +91,15 @@ def _token_match(draft: list[int], rows: torch.Tensor, sampler, generator: torch
     alone, as the target alone computes it (a [k + 1, vocab] softmax or sort need not round like one-row ones):
     (accepted drafts, the target's own token)."""
     for i in range(len(draft) + 1):
-        token = spec.choose_token(rows[i], sampler, generator)
+        token = verify.choose_token(rows[i], sampler, generator)
         if i == len(draft) or token != draft[i]:
             return i, token
     raise AssertionError("unreachable")
 
 
-def _append_round(sequence: list[int], new: list[int], request: GenerationRequest, produced: int) -> tuple[list[int], str | None]:
+def _append_round(
+    sequence: list[int], new: list[int], request: EngineRequest, produced: int
+) -> tuple[list[int], str | None]:
     """Append a round's tokens to `sequence`, cut at max_new_tokens and at the first end id or stop word; returns
     the tokens kept and why generation ends there (None: it goes on)."""
     base = len(sequence)
@@ -107,6 +113,7 @@ def _append_round(sequence: list[int], new: list[int], request: GenerationReques
         reason = "length"
     return sequence[base:], reason
 
+
 def _count(per_position: list[int], n: int, size: int) -> None:
     """Add one to positions 0..n-1 of a per-draft-position counter, grown to at least `size` positions."""
     per_position.extend([0] * (size - len(per_position)))
@@ -116,6 +123,9 @@ def _count(per_position: list[int], n: int, size: int) -> None:
 
 class Executor:
     """Runs requests on one engine, one at a time, keeping finished sequences' KV for reuse."""
+
+    # steps() and run_passes(): a BatchScheduler can interleave this executor's requests in shared passes
+    in_flight_batching = True
 
     def __init__(
         self,
@@ -199,8 +209,15 @@ class Executor:
     # ------------------------------------------------------------ engine passes
 
     def _prefill(
-        self, entry: CachedSequence, tokens: list[int], keep: int | None, stats: GenerationStats, request: GenerationRequest, start: float,
-        aux: list | None = None, argmax: bool = False,
+        self,
+        entry: CachedSequence,
+        tokens: list[int],
+        keep: int | None,
+        stats: GenerationStats,
+        request: EngineRequest,
+        start: float,
+        aux: list | None = None,
+        argmax: bool = False,
     ):
         """Run `tokens` in passes of at most `prefill_chunk` positions, checking cancellation and the
         deadline between them: (the logits of the last `keep` positions (all when None), None), or
@@ -227,8 +244,15 @@ class Executor:
         logits = rows[0] if len(rows) == 1 else torch.cat(rows)
         return (logits if keep is None else logits[-keep:]), None
 
-    def _forward(self, entry: CachedSequence, tokens: list[int], stats: GenerationStats, keep: int | None = None, aux: list | None = None,
-                 argmax: bool = False):
+    def _forward(
+        self,
+        entry: CachedSequence,
+        tokens: list[int],
+        stats: GenerationStats,
+        keep: int | None = None,
+        aux: list | None = None,
+        argmax: bool = False,
+    ):
         """One engine pass over `tokens` appended to `entry`: yields a `EnginePass` for the driver (`generate`
         runs it alone, a `BatchScheduler` together with other requests' passes) and returns its logits
         ([n, vocab], or the last `keep` rows). With a list `aux`, the pass captures the head's aux features
@@ -248,9 +272,9 @@ class Executor:
         `forward_batch` and there is more than one, else one by one; sets each pass's logits and time."""
         t0 = self._clock()
         batch = getattr(self.engine, "forward_batch", None)
-        # With a head a plain pass captures too where it costs nothing that counts: a prefill (many rows; the entry keeps
-        # the features for a fused request that reuses the prompt, CachedSequence.store_aux) or a pass in a batch that
-        # captures anyway. Not a plain one-row step alone, where capturing costs (docs/eagle3-serving.md); a fused
+        # With a head a plain pass captures too where it costs nothing that counts: a prefill (many rows; the entry
+        # keeps the features for a fused request that reuses the prompt, CachedSequence.store_aux) or a pass in a batch
+        # that captures anyway. Not a plain one-row step alone, where capturing costs (docs/eagle3-serving.md); a fused
         # request that reuses a plain answer computes its positions again.
         batch_captures = any(p.capture for p in passes)
         capture = [p.capture or (self.head is not None and (batch_captures or len(p.tokens) > 1)) for p in passes]
@@ -264,8 +288,14 @@ class Executor:
             if layers is None:
                 outs = batch([p.entry.cache for p in passes], tokens, [p.keep for p in passes], **extra)
             else:
-                outs, auxs = batch([p.entry.cache for p in passes], tokens, [p.keep for p in passes], aux_layers=layers, capture=capture,
-                                   **extra)
+                outs, auxs = batch(
+                    [p.entry.cache for p in passes],
+                    tokens,
+                    [p.keep for p in passes],
+                    aux_layers=layers,
+                    capture=capture,
+                    **extra,
+                )
         else:
             outs = []
             for i, p in enumerate(passes):
@@ -283,7 +313,9 @@ class Executor:
             p.logits, p.aux, p.elapsed_s = out, aux if p.capture else None, elapsed
             if aux is not None:
                 p.entry.store_aux(len(p.entry.tokens), aux)
-            p.entry.tokens.extend(p.tokens)  # here, not in the request's steps: a request closed now keeps a consistent cache
+            p.entry.tokens.extend(
+                p.tokens
+            )  # here, not in the request's steps: a request closed now keeps a consistent cache
 
     def run_head_passes(self, passes: list[HeadPass]) -> None:
         """Run the EAGLE-3 head forwards of several requests (one per request) in one batched head forward."""
@@ -291,7 +323,7 @@ class Executor:
 
     # ------------------------------------------------------------ requests
 
-    def generate(self, request: GenerationRequest) -> Iterator[GenerationChunk]:
+    def generate(self, request: EngineRequest) -> Iterator[GenerationChunk]:
         """Run one request; yields chunks (one per token when streaming, else one), the last with
         finished=True, finish_reason and stats. Cancellation (`is_cancelled`) and the deadline
         (`timeout_s`) are checked before the first pass, between prefill chunks (`prefill_chunk`
@@ -321,7 +353,7 @@ class Executor:
         finally:
             steps.close()  # a request closed early gives its KV cache back to the pool at once
 
-    def steps(self, request: GenerationRequest) -> Iterator["GenerationChunk | EnginePass | HeadPass"]:
+    def steps(self, request: EngineRequest) -> Iterator["GenerationChunk | EnginePass | HeadPass"]:
         """The request as a sequence of steps: yields a `EnginePass` whenever it needs an engine pass (the
         driver runs it, sets its logits, then resumes the generator), a `HeadPass` whenever the fused loop needs a
         forward of the EAGLE-3 head (`run_head_passes`), and a `GenerationChunk` whenever it has output. Closing
@@ -361,12 +393,17 @@ class Executor:
         finally:
             self.kv_pool.release(entry)
 
-    def fuses(self, request: GenerationRequest) -> bool:
+    def fuses(self, request: EngineRequest) -> bool:
         """Whether the request runs the fused EAGLE-3 loop: a head is loaded, the request asks for draft tokens
         and sends none of its own. Greedy or sampled (a sampled request's drafts are verified by token match)."""
-        return self.head is not None and request.num_draft_tokens > 0 and not request.draft_tokens and self.max_draft_len > 0
+        return (
+            self.head is not None
+            and request.num_draft_tokens > 0
+            and not request.draft_tokens
+            and self.max_draft_len > 0
+        )
 
-    def _interrupted(self, request: GenerationRequest, start: float) -> str | None:
+    def _interrupted(self, request: EngineRequest, start: float) -> str | None:
         if request.is_cancelled is not None and request.is_cancelled():
             return "cancelled"
         if request.timeout_s is not None and self._clock() - start >= request.timeout_s:
@@ -392,15 +429,23 @@ class Executor:
         stats.last_token_time_ns = now_ns
 
     def _decode(
-        self, entry: CachedSequence, request: GenerationRequest, params: LogitsParams, stats: GenerationStats, start: float
+        self, entry: CachedSequence, request: EngineRequest, params: LogitsParams, stats: GenerationStats, start: float
     ) -> Iterator[GenerationChunk]:
         input_ids = list(request.input_ids)
         n_in = len(input_ids)
-        generator = None if spec.is_greedy(request.sampling) else spec.make_generator(request.sampling.seed)
+        generator = (
+            None if speculation_sampling.is_greedy(request.sampling) else verify.make_generator(request.sampling.seed)
+        )
         sampler = lp.sampler_params(request.sampling)
         argmax = argmax_only(request, params)
         logits, reason = yield from self._prefill(
-            entry, input_ids[stats.reused_tokens :], None if request.return_context_logits else 1, stats, request, start, argmax=argmax
+            entry,
+            input_ids[stats.reused_tokens :],
+            None if request.return_context_logits else 1,
+            stats,
+            request,
+            start,
+            argmax=argmax,
         )
         if reason is not None:
             self._finish(stats, [], [], start)
@@ -416,7 +461,7 @@ class Executor:
         pending = 0  # tokens not yet sent (non-streaming sends all at the end)
         while True:
             row = lp.process_row(raw, sequence, len(output), params)  # [vocab]
-            token = spec.choose_token(row, sampler, generator)
+            token = verify.choose_token(row, sampler, generator)
             self._stamp_token(stats, not output, start)
             output.append(token)
             sequence.append(token)
@@ -434,7 +479,15 @@ class Executor:
                 reason = self._interrupted(request, start)
             if reason is not None:
                 self._finish(stats, output, kept_log_probs, start)
-                yield chunk_of(request, output[-pending:], kept_logits[-pending:], kept_log_probs[-pending:], reason, stats, context_logits)
+                yield chunk_of(
+                    request,
+                    output[-pending:],
+                    kept_logits[-pending:],
+                    kept_log_probs[-pending:],
+                    reason,
+                    stats,
+                    context_logits,
+                )
                 return
             if request.streaming:
                 yield chunk_of(request, [token], kept_logits[-1:], kept_log_probs[-1:], None, None, context_logits)
@@ -443,7 +496,7 @@ class Executor:
             raw = (yield from self._forward(entry, [token], stats, 1, argmax=argmax))[0]
 
     def _fused(
-        self, entry: CachedSequence, request: GenerationRequest, params: LogitsParams, stats: GenerationStats, start: float
+        self, entry: CachedSequence, request: EngineRequest, params: LogitsParams, stats: GenerationStats, start: float
     ) -> Iterator[GenerationChunk]:
         """The fused EAGLE-3 loop (TensorRT-LLM's one-model path): every target pass also returns the aux
         features of its rows; the head catches up on the accepted positions and drafts k tokens; the next
@@ -462,7 +515,13 @@ class Executor:
         n_in = len(input_ids)
         aux_parts: list[torch.Tensor] = []
         logits, reason = yield from self._prefill(
-            entry, input_ids[stats.reused_tokens :], None if request.return_context_logits else 1, stats, request, start, aux_parts,
+            entry,
+            input_ids[stats.reused_tokens :],
+            None if request.return_context_logits else 1,
+            stats,
+            request,
+            start,
+            aux_parts,
             argmax_only(request, params),
         )
         if reason is not None:
@@ -474,10 +533,14 @@ class Executor:
         context_logits = logits[:n_in] if request.return_context_logits else None
         raw_rows = logits[-1:]  # [1, vocab]: the rows the tokens of this round were chosen from
         rows = lp.process_rows(raw_rows, input_ids, n_in, 0, params)
-        generator = None if spec.is_greedy(request.sampling) else spec.make_generator(request.sampling.seed)
+        generator = (
+            None if speculation_sampling.is_greedy(request.sampling) else verify.make_generator(request.sampling.seed)
+        )
         sampler = lp.sampler_params(request.sampling)
-        new = [spec.choose_token(rows[0], sampler, generator)]
-        if entry.drafter.length < stats.reused_tokens:  # the reused positions the head has not seen: their kept features
+        new = [verify.choose_token(rows[0], sampler, generator)]
+        if (
+            entry.drafter.length < stats.reused_tokens
+        ):  # the reused positions the head has not seen: their kept features
             aux_parts.insert(0, entry.aux[entry.drafter.length : stats.reused_tokens])
         pending_aux = torch.cat(aux_parts) if len(aux_parts) > 1 else aux_parts[0]  # rows drafter.length..L-1
         sequence = list(input_ids)
@@ -497,23 +560,43 @@ class Executor:
             if request.return_logits:
                 kept_logits.extend(raw_rows[: len(new)])
             if request.return_log_probs:
-                kept_log_probs.extend(lp.token_log_prob(rows[i], t, request.sampling, self.normalize_log_probs) for i, t in enumerate(new))
+                kept_log_probs.extend(
+                    lp.token_log_prob(rows[i], t, request.sampling, self.normalize_log_probs) for i, t in enumerate(new)
+                )
             if reason is None:
                 reason = self._interrupted(request, start)
             if reason is not None:
                 self._finish(stats, output, kept_log_probs, start)
-                yield chunk_of(request, output[-pending:], kept_logits[-pending:], kept_log_probs[-pending:], reason, stats, context_logits)
+                yield chunk_of(
+                    request,
+                    output[-pending:],
+                    kept_logits[-pending:],
+                    kept_log_probs[-pending:],
+                    reason,
+                    stats,
+                    context_logits,
+                )
                 return
             if request.streaming and new:
-                yield chunk_of(request, new, kept_logits[-len(new):], kept_log_probs[-len(new):], None, None, context_logits)
+                yield chunk_of(
+                    request, new, kept_logits[-len(new) :], kept_log_probs[-len(new) :], None, None, context_logits
+                )
                 context_logits = None
                 pending = 0
-            raw_rows, rows, new, pending_aux = yield from self._fused_round(entry, pending_aux, sequence, len(output), request, params,
-                                                                            stats, generator, lookup)
+            raw_rows, rows, new, pending_aux = yield from self._fused_round(
+                entry, pending_aux, sequence, len(output), request, params, stats, generator, lookup
+            )
 
     def _fused_round(
-        self, entry: CachedSequence, pending_aux: torch.Tensor, sequence: list[int], produced: int,
-        request: GenerationRequest, params: LogitsParams, stats: GenerationStats, generator: torch.Generator | None,
+        self,
+        entry: CachedSequence,
+        pending_aux: torch.Tensor,
+        sequence: list[int],
+        produced: int,
+        request: EngineRequest,
+        params: LogitsParams,
+        stats: GenerationStats,
+        generator: torch.Generator | None,
         lookup: SuffixLookup | None = None,
     ):
         """One round of the fused loop: the head catches up on the positions the target computed and kept, drafts up
@@ -528,7 +611,9 @@ class Executor:
         # the request's own text first (no head work, no policy: a row is all such a draft costs)
         looked_up = lookup.draft(k) if lookup is not None else []
         cost = self.draft_cost if k and not looked_up else None
-        plain = cost is not None and not cost.speculate()  # policy cost: drafting does not pay now, nor does the head's work
+        plain = (
+            cost is not None and not cost.speculate()
+        )  # policy cost: drafting does not pay now, nor does the head's work
         idle = plain or k == 0 or bool(looked_up)  # the head drafts nothing this round: it catches up later, if ever
         rule = cost.round() if cost is not None and not idle else None
         if looked_up:
@@ -547,11 +632,13 @@ class Executor:
         # one target pass: the last token + k drafts, k + 1 rows, with their aux features
         aux_parts = []
         forward_before = stats.forward_time_s
-        raw_rows = yield from self._forward(entry, [sequence[-1]] + draft, stats, None, aux_parts, argmax_only(request, params))  # [k + 1, vocab]
+        raw_rows = yield from self._forward(
+            entry, [sequence[-1]] + draft, stats, None, aux_parts, argmax_only(request, params)
+        )  # [k + 1, vocab]
         forward_s = stats.forward_time_s - forward_before
         rows = lp.process_rows(raw_rows, sequence + draft, len(sequence), produced, params)  # [k + 1, vocab]
         if generator is None:
-            accepted, next_token = spec.verify_greedy(draft, rows)
+            accepted, next_token = verify.verify_greedy(draft, rows)
         else:
             accepted, next_token = _token_match(draft, rows, lp.sampler_params(request.sampling), generator)
         if rule is not None:
@@ -564,11 +651,11 @@ class Executor:
         stats.drafted += k
         stats.accepted += accepted
         stats.lookup_accepted += accepted if looked_up else 0
-        stats.drafted_per_round.append(k)  # 0: a plain step (one token left, the head unsure, or the cost policy)
+        stats.k_per_round.append(k)  # 0: a plain step (one token left, the head unsure, or the cost policy)
         stats.accepted_per_round.append(accepted)
         stats.lookup_per_round.append(1 if looked_up else 0)
         stats.draft_s_per_round.append(draft_s)
-        stats.forward_s_per_round.append(forward_s)
+        stats.target_s_per_round.append(forward_s)
         if k:
             _count(stats.drafted_per_position, k, k)
             _count(stats.accepted_per_position, accepted, k)
@@ -577,7 +664,7 @@ class Executor:
     def _verify(
         self,
         entry: CachedSequence,
-        request: GenerationRequest,
+        request: EngineRequest,
         params: LogitsParams,
         draft: list[int],
         stats: GenerationStats,
@@ -592,7 +679,12 @@ class Executor:
         k = len(draft)
         n_in = len(input_ids)
         logits, reason = yield from self._prefill(
-            entry, input_ids[stats.reused_tokens :] + draft, None if request.return_context_logits else k + 1, stats, request, start,
+            entry,
+            input_ids[stats.reused_tokens :] + draft,
+            None if request.return_context_logits else k + 1,
+            stats,
+            request,
+            start,
             argmax=argmax_only(request, params),
         )  # [n_in - reused + k, vocab], or the last k + 1 rows
         if reason is not None:
@@ -605,19 +697,19 @@ class Executor:
         context = input_ids + draft
         rows = lp.process_rows(raw_rows, context, n_in, 0, params)  # [k + 1, vocab]
         sampling = request.sampling
-        if spec.is_greedy(sampling):
-            num_accepted, next_token = spec.verify_greedy(draft, rows)
+        if speculation_sampling.is_greedy(sampling):
+            num_accepted, next_token = verify.verify_greedy(draft, rows)
         else:
-            generator = spec.make_generator(sampling.seed)
+            generator = verify.make_generator(sampling.seed)
             sampler = lp.sampler_params(sampling)
-            target_probs = spec.sampling_distribution(rows, sampler)  # [k + 1, vocab]
+            target_probs = verify.sampling_distribution(rows, sampler)  # [k + 1, vocab]
             if request.draft_logits is not None:
                 # the draft's raw logits, processed as the draft processed them: its own distribution
                 draft_rows = lp.process_rows(request.draft_logits.float(), context, n_in, 0, params)  # [k, vocab]
-                draft_probs = spec.sampling_distribution(draft_rows, sampler)  # [k, vocab]
-                num_accepted, next_token = spec.verify_rejection(draft, draft_probs, target_probs, generator)
+                draft_probs = verify.sampling_distribution(draft_rows, sampler)  # [k, vocab]
+                num_accepted, next_token = verify.verify_rejection(draft, draft_probs, target_probs, generator)
             else:
-                num_accepted, next_token = spec.verify_token_match(draft, target_probs, generator)
+                num_accepted, next_token = verify.verify_token_match(draft, target_probs, generator)
         self._stamp_token(stats, True, start)
         # Keep the KV of the accepted draft tokens only: the pointer moves back past the rejected ones.
         entry.truncate(n_in + num_accepted)
@@ -629,7 +721,9 @@ class Executor:
             reason = "end_id" if output[-1] == request.end_id else "stop_words"
         log_probs = []
         if request.return_log_probs:  # under the target's distribution (the one emitted tokens follow)
-            log_probs = [lp.token_log_prob(rows[i], t, sampling, self.normalize_log_probs) for i, t in enumerate(output)]
+            log_probs = [
+                lp.token_log_prob(rows[i], t, sampling, self.normalize_log_probs) for i, t in enumerate(output)
+            ]
         stats.drafted, stats.accepted = k, num_accepted
         self._finish(stats, output, log_probs, start)
         yield chunk_of(request, output, raw_rows[: len(output)], log_probs, reason, stats, context_logits)

@@ -151,7 +151,9 @@ class Int4AwqLinear:
         n, k = unsigned.shape
         self.fused = dtype == torch.bfloat16 and k % (INT4_INNER_K_TILES * 16) == 0 and n % 8 == 0
         if self.fused:
-            self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned.to(torch.int32), INT4_INNER_K_TILES)
+            self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                unsigned.to(torch.int32), INT4_INNER_K_TILES
+            )
             zeros = torch.zeros_like(scale)
             self.scales_and_zeros = torch.stack([scale.t(), zeros.t()], dim=-1).to(dtype).contiguous()  # [K/G, N, 2]
         else:
@@ -210,7 +212,8 @@ class SmoothQuantLinear:
             sums = torch.ops.aten._weight_int8pack_mm(x_q, self.weight, self._ones)  # [M, N] f32 integer sums
             y = sums * (torch.div(row_max, full) * self.weight_scale)  # the kernel's order of products
         else:
-            # v * (1 / act_scale), rounded to nearest even and saturated to [-128, 127], as TensorRT-LLM's quantizedKernel
+            # v * (1 / act_scale), rounded to nearest even and saturated to [-128, 127], as TensorRT-LLM's
+            # quantizedKernel
             x_q = torch.round(v * self.inv_act_scale).clamp_(-128.0, 127.0)  # [M, K] integer-valued f32
             y = torch.ops.aten._weight_int8pack_mm(x_q, self.weight, self.out_scale)
         # the bias joins the f32 result before the one rounding to the compute dtype, as in the kernel's epilogue
@@ -233,8 +236,15 @@ class NativeLinear:
 
     row_invariant = True
 
-    def __init__(self, ops, t: dict, quant_algo: str | None, dtype: torch.dtype, group_size: int | None,
-                 int8_variant: int | None = None):
+    def __init__(
+        self,
+        ops,
+        t: dict,
+        quant_algo: str | None,
+        dtype: torch.dtype,
+        group_size: int | None,
+        int8_variant: int | None = None,
+    ):
         """`int8_variant`: the int8 kernel variant (its own weight layout) where it is not the one this CPU gets
         (native.int8_variant()), to compare variants."""
         from specdeploy.engine import native
@@ -290,8 +300,17 @@ class NativeLinear:
     def args(self) -> tuple:
         """The native kernel's arguments after x: (packed, kind, N, group_scale, group_size, pre_quant_scale,
         act_scale, out_scale, bias), as `linear` and `Decoder.set_linear` take them."""
-        return (self.packed, self.kind, self.n, self.group_scale, self.group_size, self.pre_quant_scale,
-                self.act_scale, self.out_scale, self.bias)
+        return (
+            self.packed,
+            self.kind,
+            self.n,
+            self.group_scale,
+            self.group_size,
+            self.pre_quant_scale,
+            self.act_scale,
+            self.out_scale,
+            self.bias,
+        )
 
     def __call__(self, x, residual=None):
         return self.ops.linear(x.contiguous(), *self.args(), residual)

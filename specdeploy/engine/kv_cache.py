@@ -54,7 +54,8 @@ class KVCache:
         self.values[layer, :, start : start + n] = self._store(layer, v).transpose(0, 1)
 
     def read(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of positions [0, end) (values of the compute dtype, in f32): two [kv_heads, end, head_size]."""
+        """Keys and values of positions [0, end) (values of the compute dtype, in f32): two [kv_heads, end,
+        head_size]."""
         k = self.keys[layer, :, :end]
         v = self.values[layer, :, :end]
         if self.quant_algo is None:

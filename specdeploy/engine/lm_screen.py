@@ -1,4 +1,5 @@
-"""A greedy step's LM head at int8 bytes, with the bf16 head's argmax: screen every token, recompute the few that can win.
+"""A greedy step's LM head at int8 bytes, with the bf16 head's argmax: screen every token, recompute the few that can
+win.
 
 A decode step of the bundled model reads 107 MB of int8 layers and the 57 MB bf16 LM head (ModelOpt and
 TensorRT-LLM keep lm_head unquantized, and `specdeploy build` refuses a quantized one), so on a machine that
@@ -115,11 +116,16 @@ class ScreenedHead:
     @staticmethod
     def supports(lm_head) -> bool:
         """Whether an engine's LM head can be screened: the native bf16 kernel with no bias, and not disabled."""
-        return (isinstance(lm_head, NativeLinear) and lm_head.kind == native.BF16 and lm_head.bias is None
-                and os.environ.get(DISABLE_ENV, "1") != "0")
+        return (
+            isinstance(lm_head, NativeLinear)
+            and lm_head.kind == native.BF16
+            and lm_head.bias is None
+            and os.environ.get(DISABLE_ENV, "1") != "0"
+        )
 
     def nbytes(self) -> int:
-        """Bytes of the screen a greedy step reads (its int8 copy, scales and bounds; the candidates' rows are a few KB)."""
+        """Bytes of the screen a greedy step reads (its int8 copy, scales and bounds; the candidates' rows are a few
+        KB)."""
         if self.kind == "int8":
             extra = sum(t.numel() * t.element_size() for t in (self.packed, self.out_scale, self.slack_act))
         else:
@@ -130,7 +136,9 @@ class ScreenedHead:
         """The screen's own logits of x [rows, hidden] (bf16) before any bound: the int8 copy's (A), for tests."""
         if self.kind == "w8a16":
             return self.screen(x.contiguous())
-        rows = self.ops.int8_linear(x.contiguous(), self.packed, self.vocab, self.variant, None, 0.0, self.out_scale, None, None)
+        rows = self.ops.int8_linear(
+            x.contiguous(), self.packed, self.vocab, self.variant, None, 0.0, self.out_scale, None, None
+        )
         return rows.float()
 
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -139,13 +147,26 @@ class ScreenedHead:
         leaves too many candidates or sees non-finite values."""
         x = x.contiguous()
         self.rows += x.shape[0]
-        if self.kind == "int8":  # the codes of x and of its residual, the bound, the candidates' bf16 rows: one native call
-            logits, candidates = self.ops.screen_logits_int8(x, self.packed, self.variant, self.out_scale, self.slack, self.slack_act,
-                                                             self.weight, BF16_ROUNDING, self.max_candidates)
+        if (
+            self.kind == "int8"
+        ):  # the codes of x and of its residual, the bound, the candidates' bf16 rows: one native call
+            logits, candidates = self.ops.screen_logits_int8(
+                x,
+                self.packed,
+                self.variant,
+                self.out_scale,
+                self.slack,
+                self.slack_act,
+                self.weight,
+                BF16_ROUNDING,
+                self.max_candidates,
+            )
         else:
             screened = self.screen(x)  # [rows, vocab] bf16, A
             # ||x||, the candidates, their rows packed and run through the bf16 kernel, -inf elsewhere: one native call
-            logits, candidates = self.ops.screen_logits(x, screened, self.slack, self.weight, BF16_ROUNDING, self.max_candidates)
+            logits, candidates = self.ops.screen_logits(
+                x, screened, self.slack, self.weight, BF16_ROUNDING, self.max_candidates
+            )
         if candidates == 0:  # a non-finite value, or too many candidates
             self.fallbacks += 1
             return self.full(x).float()

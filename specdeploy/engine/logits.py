@@ -16,7 +16,7 @@ NVIDIA/TensorRT-LLM) followed by its bad-words layer (`banBadWords.cu`), then sa
    by this request (`currentStep - inputLen < minLength` in the kernel);
 5. bad words: the last token of every bad word whose other tokens end the sequence is set to -inf;
 6. the token is chosen from the result: argmax when greedy, else a draw from
-   `specdeploy.speculative.sampling_distribution` with temperature 1 (it was applied in step 2).
+   `specdeploy.speculation.verify.sampling_distribution` with temperature 1 (it was applied in step 2).
 
 Because the penalties count the whole sequence (prompt + output), a position's processing depends
 only on the tokens before it: a (k + 1)-row verification pass over `input + draft` processes row i
@@ -42,9 +42,10 @@ from typing import Sequence
 
 import torch
 
-from specdeploy import speculative as spec
-from specdeploy.errors import ConfigError
-from specdeploy.speculative import SamplingParams
+from specdeploy.core.errors import ConfigError
+from specdeploy.speculation import sampling as speculation_sampling
+from specdeploy.speculation import verify
+from specdeploy.speculation.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -146,17 +147,21 @@ def process_row(row: torch.Tensor, sequence: Sequence[int], generated: int, para
     return mask_bad_words(row, sequence, params.bad_words)
 
 
-def process_rows(rows: torch.Tensor, context: Sequence[int], start: int, generated: int, params: LogitsParams) -> torch.Tensor:
+def process_rows(
+    rows: torch.Tensor, context: Sequence[int], start: int, generated: int, params: LogitsParams
+) -> torch.Tensor:
     """Rows [n, vocab] scoring positions start, start + 1, ... of `context`: row i is processed over
     context[: start + i] with generated + i tokens generated (a verification pass over input + draft
     is `start = len(input)`, `generated = 0`)."""
-    return torch.stack([process_row(rows[i], context[: start + i], generated + i, params) for i in range(rows.shape[0])])
+    return torch.stack(
+        [process_row(rows[i], context[: start + i], generated + i, params) for i in range(rows.shape[0])]
+    )
 
 
 def sampler_params(sampling: SamplingParams) -> SamplingParams:
     """The parameters to draw from a processed row with: temperature was applied by `process_row`,
     so it is 1 here, unless the request is greedy (then argmax, whatever the temperature)."""
-    if spec.is_greedy(sampling) or sampling.temperature == 1.0:
+    if speculation_sampling.is_greedy(sampling) or sampling.temperature == 1.0:
         return sampling
     return replace(sampling, temperature=1.0)
 
@@ -168,6 +173,6 @@ def token_log_prob(processed: torch.Tensor, token: int, sampling: SamplingParams
     renormalization, 0 for a greedy token. normalize=False: log_softmax of the processed row.
     """
     if normalize:
-        probs = spec.sampling_distribution(processed, sampler_params(sampling))  # [vocab]
+        probs = verify.sampling_distribution(processed, sampler_params(sampling))  # [vocab]
         return float(torch.log(probs[token]))
     return float(torch.log_softmax(processed.float(), dim=-1)[token])

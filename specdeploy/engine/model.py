@@ -29,12 +29,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from specdeploy.core.errors import BuildError, ConfigError
 from specdeploy.engine import native
 from specdeploy.engine.kernels import NativeLinear, PackedGemm, make_linear
 from specdeploy.engine.kv_cache import KVCache
 from specdeploy.engine.lm_screen import ScreenedHead
 from specdeploy.engine.spec import ENGINE_WEIGHTS, UNPADDED_CHUNK, EngineSpec
-from specdeploy.errors import BuildError, ConfigError
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -76,9 +76,18 @@ class LazyTensors(Mapping):
     target, and, with one view kept alive, for good. The format (an 8-byte little-endian header length, a
     JSON header of dtype, shape and data_offsets, then the data) is read here with plain file reads."""
 
-    DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-              "F8_E4M3": torch.float8_e4m3fn, "I8": torch.int8, "U8": torch.uint8, "I32": torch.int32,
-              "I64": torch.int64, "BOOL": torch.bool}
+    DTYPES = {
+        "BF16": torch.bfloat16,
+        "F16": torch.float16,
+        "F32": torch.float32,
+        "F64": torch.float64,
+        "F8_E4M3": torch.float8_e4m3fn,
+        "I8": torch.int8,
+        "U8": torch.uint8,
+        "I32": torch.int32,
+        "I64": torch.int64,
+        "BOOL": torch.bool,
+    }
 
     def __init__(self, path: Path):
         self.file = open(path, "rb")
@@ -123,7 +132,9 @@ class CpuEngine:
         dtype = self.dtype
         self.native = native.ops() if dtype == torch.bfloat16 else None  # torch.ops.specdeploy_cpu or None
         self.embedding = tensors["embedding.weight"].to(dtype).contiguous()  # [vocab, hidden]
-        lm_head = self.embedding if "lm_head.weight" not in tensors else tensors["lm_head.weight"].to(dtype).contiguous()
+        lm_head = (
+            self.embedding if "lm_head.weight" not in tensors else tensors["lm_head.weight"].to(dtype).contiguous()
+        )
         if self.native is not None and NativeLinear.supports(self.native, {"weight": lm_head}, None, None):
             self.lm_head = NativeLinear(self.native, {"weight": lm_head}, None, dtype, None)  # tied: a packed copy
         else:
@@ -172,10 +183,14 @@ class CpuEngine:
                 "rebuild the engine with a larger engine.max_seq_len",
             )
         s = self.spec
-        return KVCache(s.num_layers, s.num_kv_heads, s.head_size, max_len, self.dtype, s.kv_cache_quant_algo, self.kv_scales)
+        return KVCache(
+            s.num_layers, s.num_kv_heads, s.head_size, max_len, self.dtype, s.kv_cache_quant_algo, self.kv_scales
+        )
 
     @torch.inference_mode()
-    def forward(self, cache: KVCache, token_ids: torch.Tensor, aux_layers: tuple[int, ...] | None = None, greedy: bool = False):
+    def forward(
+        self, cache: KVCache, token_ids: torch.Tensor, aux_layers: tuple[int, ...] | None = None, greedy: bool = False
+    ):
         """Logits [n, vocab] (fp32) of n tokens placed at positions cache.length.. ; advances cache.length by n.
         With `aux_layers` (an EAGLE-3 head's layer ids, ascending): (logits, aux) where aux [n, len * hidden]
         (compute dtype) holds the outputs of those layers for every row, concatenated in layer order. The
@@ -190,7 +205,9 @@ class CpuEngine:
                 "shorten the prompt or generate fewer tokens (engine.max_seq_len bounds both)",
             )
         if n and (int(token_ids.min()) < 0 or int(token_ids.max()) >= self.spec.vocab_size):
-            raise ConfigError(f"token ids must lie in [0, {self.spec.vocab_size})", "check the tokenizer matches the model")
+            raise ConfigError(
+                f"token ids must lie in [0, {self.spec.vocab_size})", "check the tokenizer matches the model"
+            )
         if aux_layers is None:
             return self._forward_rows(cache, token_ids, None, greedy=greedy)
         aux: list[torch.Tensor] = []
@@ -200,8 +217,10 @@ class CpuEngine:
     def _check_aux(self, aux_layers) -> tuple[int, ...]:
         layers = tuple(aux_layers)
         if list(layers) != sorted(set(layers)) or not layers or not 0 <= layers[0] <= layers[-1] < self.spec.num_layers:
-            raise ConfigError(f"aux_layers {list(layers)} must be distinct ascending layer ids in 0..{self.spec.num_layers - 1}",
-                              "check the EAGLE-3 head's eagle_aux_hidden_state_layer_ids")
+            raise ConfigError(
+                f"aux_layers {list(layers)} must be distinct ascending layer ids in 0..{self.spec.num_layers - 1}",
+                "check the EAGLE-3 head's eagle_aux_hidden_state_layer_ids",
+            )
         return layers
 
     def _join_aux(self, parts: list[torch.Tensor], layers) -> torch.Tensor:
@@ -209,8 +228,9 @@ class CpuEngine:
             return torch.empty(0, len(layers) * self.spec.hidden_size, dtype=self.dtype)
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def _forward_rows(self, cache: KVCache, token_ids: torch.Tensor, keep: int | None, aux_layers=None, aux=None,
-                      greedy: bool = False) -> torch.Tensor:
+    def _forward_rows(
+        self, cache: KVCache, token_ids: torch.Tensor, keep: int | None, aux_layers=None, aux=None, greedy: bool = False
+    ) -> torch.Tensor:
         """forward's chunks; logits of the last `keep` rows only (None: all). With aux_layers, each chunk's
         aux features [m, len * hidden] are appended to the list `aux`."""
         n, step = token_ids.numel(), self.chunk_rows
@@ -218,15 +238,22 @@ class CpuEngine:
         chunks = []
         for i in range(0, n, step):
             end = min(i + step, n)
-            chunks.append(self._forward_chunk(cache, token_ids[i:end], max(0, end - max(i, first_kept)), aux_layers, aux, greedy))
+            chunks.append(
+                self._forward_chunk(cache, token_ids[i:end], max(0, end - max(i, first_kept)), aux_layers, aux, greedy)
+            )
         if len(chunks) == 1:  # a decode step or a verification pass: no copy of the logits
             return chunks[0]
         return torch.cat(chunks) if chunks else torch.empty(0, self.spec.vocab_size)
 
     @torch.inference_mode()
     def forward_batch(
-        self, caches: list[KVCache], token_ids: list[torch.Tensor], keep: list[int | None] | None = None,
-        aux_layers: tuple[int, ...] | None = None, capture: list[bool] | None = None, greedy: list[bool] | None = None,
+        self,
+        caches: list[KVCache],
+        token_ids: list[torch.Tensor],
+        keep: list[int | None] | None = None,
+        aux_layers: tuple[int, ...] | None = None,
+        capture: list[bool] | None = None,
+        greedy: list[bool] | None = None,
     ):
         """Several sequences' new tokens in one pass (in-flight batching): sequence i places token_ids[i] at
         positions caches[i].length.. and gets back the fp32 logits of its last keep[i] rows (None: all).
@@ -251,7 +278,9 @@ class CpuEngine:
                     "shorten the prompt or generate fewer tokens (engine.max_seq_len bounds both)",
                 )
             if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.spec.vocab_size):
-                raise ConfigError(f"token ids must lie in [0, {self.spec.vocab_size})", "check the tokenizer matches the model")
+                raise ConfigError(
+                    f"token ids must lie in [0, {self.spec.vocab_size})", "check the tokenizer matches the model"
+                )
         layers = None if aux_layers is None else self._check_aux(aux_layers)
         capture = list(capture) if capture is not None else [True] * len(ids)
         greedy = list(greedy) if greedy is not None else [False] * len(ids)
@@ -337,17 +366,26 @@ class CpuEngine:
         gate/up projection; else None and _forward_chunk loops over the layers in Python."""
         s = self.spec
         if self.native is None or not all(
-            all(isinstance(getattr(layer, name), NativeLinear) for name in _native_linears(layer)) for layer in self.layers
+            all(isinstance(getattr(layer, name), NativeLinear) for name in _native_linears(layer))
+            for layer in self.layers
         ):
             return None
-        decoder = torch.classes.specdeploy_cpu.Decoder(s.num_layers, s.num_heads, s.num_kv_heads, self.scale,
-                                                       s.norm_epsilon, self.cos, self.sin)
+        decoder = torch.classes.specdeploy_cpu.Decoder(
+            s.num_layers, s.num_heads, s.num_kv_heads, self.scale, s.norm_epsilon, self.cos, self.sin
+        )
         for i, layer in enumerate(self.layers):
             _set_layer(decoder, i, layer)
         return decoder
 
-    def _forward_chunk(self, cache: KVCache, ids: torch.Tensor, keep: int | None = None, aux_layers=None, aux=None,
-                       greedy: bool = False) -> torch.Tensor:
+    def _forward_chunk(
+        self,
+        cache: KVCache,
+        ids: torch.Tensor,
+        keep: int | None = None,
+        aux_layers=None,
+        aux=None,
+        greedy: bool = False,
+    ) -> torch.Tensor:
         """Logits [m, vocab] of one chunk of m rows, or of its last `keep` rows (the others skip the LM head,
         except in an engine that pads: its LM head runs on all rows, as every call). With aux_layers, the
         outputs of those layers for the m rows go to `aux` as one [m, len * hidden] tensor."""
@@ -395,8 +433,18 @@ class CpuEngine:
         at a time over exactly the keys 0..p it may see. qkv [rows, ...] -> [rows, heads * head_size]."""
         s, rows = self.spec, qkv.shape[0]
         if self.native is not None and cache.quant_algo is None:
-            return self.native.attention(qkv, self.cos, self.sin, cache.keys[layer], cache.values[layer], start, m,
-                                         s.num_heads, s.num_kv_heads, self.scale)
+            return self.native.attention(
+                qkv,
+                self.cos,
+                self.sin,
+                cache.keys[layer],
+                cache.values[layer],
+                start,
+                m,
+                s.num_heads,
+                s.num_kv_heads,
+                self.scale,
+            )
         cos, sin = self.cos[start : start + rows], self.sin[start : start + rows]  # [rows, head_size]
         qk_heads, qk_size = s.num_heads + s.num_kv_heads, self.q_size + self.kv_size
         qk = apply_rope(qkv[:, :qk_size].view(rows, qk_heads, s.head_size), cos, sin)  # [rows, qk_heads, head_size]

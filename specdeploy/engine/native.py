@@ -23,16 +23,22 @@ from pathlib import Path
 
 import torch
 
-from specdeploy import artifacts
+from specdeploy.core import artifacts
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 # INT8 SmoothQuant on integer dot products (issue 25), one extension with cpu_kernels.cpp; int8_gemv.inc is its
 # per-instruction-set body.
 INT8_SOURCE = Path(__file__).parent / "csrc" / "int8_kernels.cpp"
-SOURCES = (SOURCE, INT8_SOURCE, Path(__file__).parent / "csrc" / "int8_gemv.inc", Path(__file__).parent / "csrc" / "step_team.h")
+SOURCES = (
+    SOURCE,
+    INT8_SOURCE,
+    Path(__file__).parent / "csrc" / "int8_gemv.inc",
+    Path(__file__).parent / "csrc" / "step_team.h",
+)
 DISABLE_ENV = "SPECDEPLOY_NATIVE"  # "0": always use the torch path
 # The kernels are built for the CPU that loads them (-march=native, one build folder per CPU feature set):
-# the 16-lane AVX-512 variant where the CPU has AVX-512F, else the 8-lane AVX2 + FMA one. "0" forces the AVX2 variant on an AVX-512 CPU (to compare the two).
+# the 16-lane AVX-512 variant where the CPU has AVX-512F, else the 8-lane AVX2 + FMA one. "0" forces the AVX2 variant on
+# an AVX-512 CPU (to compare the two).
 AVX512_ENV = "SPECDEPLOY_NATIVE_AVX512"
 # The int8 SmoothQuant kernels are compiled for every instruction set into the one binary and one variant is
 # picked per engine load from the CPU's flags (`int8_variant`): AVX512-VNNI, else AVX-VNNI, else AVX2. "0"
@@ -81,7 +87,8 @@ def standing_team(native_ops):
 
 
 def cpu_supported() -> bool:
-    """Whether this CPU runs the kernels: AVX-512 (16-lane build) or AVX2 + FMA (8-lane build); torch reports AVX2 only where FMA is present too."""
+    """Whether this CPU runs the kernels: AVX-512 (16-lane build) or AVX2 + FMA (8-lane build); torch reports AVX2 only
+    where FMA is present too."""
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512", "AMX")
 
 
@@ -89,8 +96,14 @@ def build_dir() -> Path:
     """One folder per source, torch, Python and CPU feature set: the build uses -march=native, so a home folder
     shared by machines with different CPUs must not hand one of them another's binary."""
     source = b"\0".join(path.read_bytes() for path in SOURCES)
-    parts = [source, torch.__version__.encode(), platform.machine().encode(), sys.version.split()[0].encode(),
-             _cpu_flags().encode(), " ".join(_cflags()).encode()]
+    parts = [
+        source,
+        torch.__version__.encode(),
+        platform.machine().encode(),
+        sys.version.split()[0].encode(),
+        _cpu_flags().encode(),
+        " ".join(_cflags()).encode(),
+    ]
     return artifacts.home() / "native" / hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
@@ -179,8 +192,11 @@ def _load() -> None:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     directory = build_dir()
     if not any(directory.glob("*.so")):
-        print(f"compiling native CPU kernels into {directory} (once per machine, about a minute)", file=sys.stderr,
-              flush=True)
+        print(
+            f"compiling native CPU kernels into {directory} (once per machine, about a minute)",
+            file=sys.stderr,
+            flush=True,
+        )
     directory.mkdir(parents=True, exist_ok=True)
     with _build_lock(directory):
         load(
@@ -212,8 +228,11 @@ def _build_lock(directory: Path):
         try:
             baton = directory / TORCH_BATON
             if baton.exists():
-                print(f"removing {baton}: left by a kernel build that was killed (pytorch/pytorch#189245)", file=sys.stderr,
-                      flush=True)
+                print(
+                    f"removing {baton}: left by a kernel build that was killed (pytorch/pytorch#189245)",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 baton.unlink(missing_ok=True)
             yield
         finally:

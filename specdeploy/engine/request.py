@@ -1,4 +1,4 @@
-"""What crosses the executor's seam: a `tensorrt_llm` request (`GenerationRequest`), the chunks it yields
+"""What crosses the executor's seam: a `tensorrt_llm` request (`EngineRequest`), the chunks it yields
 (`GenerationChunk`), the counts and stamps of its run (`GenerationStats`), the checks a request passes before it
 runs (`check_request`), and `run`, which drains a request's chunks into one.
 
@@ -13,13 +13,14 @@ from typing import Callable
 
 import torch
 
+from specdeploy.core.errors import ConfigError
 from specdeploy.engine.logits import LogitsParams
-from specdeploy.errors import ConfigError
-from specdeploy.speculative import SamplingParams
+from specdeploy.speculation.sampling import SamplingParams
+from specdeploy.speculation.verify import RoundStats
 
 
 @dataclass
-class GenerationRequest:
+class EngineRequest:
     """One `tensorrt_llm` request. Logits processing (penalties, min_tokens, embedding bias, bad
     words) has TensorRT-LLM's meaning and order: see `specdeploy.engine.logits`."""
 
@@ -49,9 +50,7 @@ class GenerationRequest:
 
 
 @dataclass
-class GenerationStats:
-    drafted: int = 0
-    accepted: int = 0
+class GenerationStats(RoundStats):
     iterations: int = 0  # engine forward passes
     input_tokens: int = 0
     reused_tokens: int = 0  # input positions whose KV came from the pool
@@ -74,23 +73,20 @@ class GenerationStats:
     # fused EAGLE-3 (Executor with a head, request.num_draft_tokens > 0): drafted/accepted above are the totals
     fused: bool = False  # the request ran the fused loop (False: target alone, e.g. a sampled request)
     draft_time_s: float = 0.0  # head time: catch-up rows and draft steps
-    accepted_per_round: list[int] = field(default_factory=list)
-    drafted_per_round: list[int] = field(default_factory=list)  # every verification pass after the prefill (0: a plain step)
     drafted_per_position: list[int] = field(default_factory=list)  # [i]: rounds that drafted a token at position i
     accepted_per_position: list[int] = field(default_factory=list)  # [i]: rounds whose token at position i was accepted
-    lookup_rounds: int = 0  # rounds whose drafts were the request's own text (Executor lookup_threshold), not the head's
+    lookup_rounds: int = (
+        0  # rounds whose drafts were the request's own text (Executor lookup_threshold), not the head's
+    )
     lookup_accepted: int = 0  # of `accepted`, those drafted by the lookup
-    lookup_per_round: list[int] = field(default_factory=list)  # beside drafted_per_round: 1 where the lookup drafted
-    # beside drafted_per_round, seconds: the round's head work (catch-up and draft steps, with the wait for the other
-    # requests' head rows batched with it) and its verification pass (a pass shared with other requests: all of it)
-    draft_s_per_round: list[float] = field(default_factory=list)
-    forward_s_per_round: list[float] = field(default_factory=list)
 
 
 @dataclass
 class GenerationChunk:
     token_ids: list[int]  # new tokens of this chunk
-    logits: torch.Tensor | None = None  # [len(token_ids), vocab]: the raw engine logits each was chosen from (generation_logits)
+    logits: torch.Tensor | None = (
+        None  # [len(token_ids), vocab]: the raw engine logits each was chosen from (generation_logits)
+    )
     finished: bool = False
     # "length" | "end_id" | "stop_words" | "draft" (a verification pass) | "cancelled" | "timeout"
     finish_reason: str | None = None
@@ -99,7 +95,7 @@ class GenerationChunk:
     context_logits: torch.Tensor | None = None  # [prompt_len, vocab], first chunk only (with return_context_logits)
 
 
-def check_request(request: GenerationRequest, max_draft_len: int, max_seq_len: int, vocab_size: int | None) -> LogitsParams:
+def check_request(request: EngineRequest, max_draft_len: int, max_seq_len: int, vocab_size: int | None) -> LogitsParams:
     """Refuse what an engine of these limits cannot run, naming the field; returns the request's logits processing."""
     n = len(request.input_ids)
     if n == 0:
@@ -110,17 +106,21 @@ def check_request(request: GenerationRequest, max_draft_len: int, max_seq_len: i
     if k > max_draft_len:
         raise ConfigError(
             f"Number of draft tokens ({k}) is larger than maximum number of draft tokens ({max_draft_len})",
-            "build the target engine with a larger max_draft_len (speculative.max_draft_len) or send fewer draft tokens",
+            "build the target engine with a larger max_draft_len (speculative.max_draft_len) or send fewer draft"
+            " tokens",
         )
     if n + max(request.max_new_tokens, k + 1) > max_seq_len:
         raise ConfigError(
-            f"input ({n} tokens) + output ({max(request.max_new_tokens, k + 1)}) exceeds the engine's max_seq_len {max_seq_len}",
+            f"input ({n} tokens) + output ({max(request.max_new_tokens, k + 1)}) exceeds the engine's max_seq_len"
+            f" {max_seq_len}",
             "shorten the prompt or ask for fewer tokens, or rebuild with a larger engine.max_seq_len",
         )
     if request.draft_logits is not None and tuple(request.draft_logits.shape[:1]) != (k,):
         raise ConfigError(f"draft_logits has shape {tuple(request.draft_logits.shape)}, expected [{k}, vocab]")
     if request.num_draft_tokens < 0:
-        raise ConfigError(f"num_draft_tokens is {request.num_draft_tokens}, must be >= 0", "send 0 for the target alone")
+        raise ConfigError(
+            f"num_draft_tokens is {request.num_draft_tokens}, must be >= 0", "send 0 for the target alone"
+        )
     if request.timeout_s is not None and not request.timeout_s > 0:
         raise ConfigError(f"timeout_s is {request.timeout_s}, must be > 0", "leave it unset for no deadline")
     bias = request.embedding_bias
@@ -141,7 +141,7 @@ def check_request(request: GenerationRequest, max_draft_len: int, max_seq_len: i
     )
 
 
-def chunk_of(request: GenerationRequest, tokens, logits, log_probs, reason, stats, context_logits) -> GenerationChunk:
+def chunk_of(request: EngineRequest, tokens, logits, log_probs, reason, stats, context_logits) -> GenerationChunk:
     """A chunk of `tokens` with what the request asked for: the logits each was chosen from, their log probs."""
     rows = None
     if request.return_logits and len(tokens):
@@ -157,7 +157,7 @@ def chunk_of(request: GenerationRequest, tokens, logits, log_probs, reason, stat
     )
 
 
-def run(executor, request: GenerationRequest) -> GenerationChunk:
+def run(executor, request: EngineRequest) -> GenerationChunk:
     """Drain a request through `executor.generate` (an Executor, a BatchScheduler) into one chunk (all tokens,
     logits, log probs, the context logits, the final reason and stats)."""
     tokens: list[int] = []

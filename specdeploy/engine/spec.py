@@ -68,7 +68,7 @@ class EngineSpec:
 
     @classmethod
     def read(cls, directory: Path) -> "EngineSpec":
-        from specdeploy.errors import BuildError
+        from specdeploy.core.errors import BuildError
 
         path = Path(directory) / ENGINE_CONFIG
         if not path.is_file():

@@ -16,8 +16,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdeploy.artifacts import home
-from specdeploy.errors import ServerError
+from specdeploy.core.artifacts import home
+from specdeploy.core.errors import ServerError
 
 PYTRITON_WHEEL = "nvidia-pytriton==0.7.0"
 BINARY_ENV = "SPECDEPLOY_TRITONSERVER"
@@ -76,8 +76,13 @@ def fetch_wheel() -> Path:
                             os.chmod(staging / info.filename, mode)
             binary = staging / "pytriton" / "tritonserver" / "bin" / "tritonserver"
             if not binary.is_file():
-                raise ServerError(f"{wheels[0].name} has no pytriton/tritonserver/bin/tritonserver", "pass --server-binary PATH")
-            for path in [binary, *(staging / "pytriton" / "tritonserver" / "python_backend_stubs").glob("*/triton_python_backend_stub")]:
+                raise ServerError(
+                    f"{wheels[0].name} has no pytriton/tritonserver/bin/tritonserver", "pass --server-binary PATH"
+                )
+            for path in [
+                binary,
+                *(staging / "pytriton" / "tritonserver" / "python_backend_stubs").glob("*/triton_python_backend_stub"),
+            ]:
                 path.chmod(0o755)
             dest.parent.mkdir(parents=True, exist_ok=True)
             if dest.exists():
@@ -114,7 +119,9 @@ def prepare(binary: Path) -> Install:
     if not stubs.is_dir():  # a regular install (/opt/tritonserver): its backends/ is ready as it is
         backend_dir = root / "backends"
         if not (backend_dir / "python").is_dir():
-            raise ServerError(f"{backend_dir} has no python backend", "use a tritonserver build with the python backend")
+            raise ServerError(
+                f"{backend_dir} has no python backend", "use a tritonserver build with the python backend"
+            )
         return Install(binary, backend_dir, libs)
     stub = stubs / version / "triton_python_backend_stub"
     if not stub.is_file():

@@ -5,7 +5,7 @@ are in gpu_models.py). `model_specs` puts them in load order.
 
 from __future__ import annotations
 
-from specdeploy.policy import PolicySettings
+from specdeploy.speculation.policy import PolicySettings
 from specdeploy.triton.model_config import EnsembleStep, ModelSpec
 from specdeploy.triton.repo_inputs import RepoInputs
 from specdeploy.triton.tensors import (
@@ -52,7 +52,11 @@ def preprocessing_spec(inp: RepoInputs) -> ModelSpec:
         max_batch_size=r.engine.max_batch_size,
         inputs=PREPROCESSING_INPUTS,
         outputs=PREPROCESSING_OUTPUTS,
-        parameters={**_tokenizer_params(PREPROCESSING), "add_special_tokens": "true", "max_input_len": str(inp.max_input_len)},
+        parameters={
+            **_tokenizer_params(PREPROCESSING),
+            "add_special_tokens": "true",
+            "max_input_len": str(inp.max_input_len),
+        },
         instance_count=1,  # tokenizing takes microseconds; each extra instance costs a process and its start-up
         source="preprocessing.py",
     )
@@ -142,7 +146,8 @@ def ensemble_spec(inp: RepoInputs) -> ModelSpec:
         TARGET_MODEL,
         input_map=ENSEMBLE_LLM_INPUTS,
         # sequence_length under its own name: the postprocessing's input and the ensemble's output (OUTPUT_COUNT)
-        output_map=(("output_ids", "_TOKENS_BATCH"), ("sequence_length", "sequence_length")) + tuple((t.name, t.name) for t in RESULT_OUTPUTS),
+        output_map=(("output_ids", "_TOKENS_BATCH"), ("sequence_length", "sequence_length"))
+        + tuple((t.name, t.name) for t in RESULT_OUTPUTS),
     )
     post = EnsembleStep(
         POSTPROCESSING,
@@ -160,11 +165,9 @@ def ensemble_spec(inp: RepoInputs) -> ModelSpec:
     )
 
 
-
-
 def bls_spec(inp: RepoInputs) -> ModelSpec:
     r = inp.recipe
-    from specdeploy import ngram
+    from specdeploy.speculation import ngram
 
     return ModelSpec(
         name=BLS,
@@ -173,7 +176,11 @@ def bls_spec(inp: RepoInputs) -> ModelSpec:
         outputs=TEXT_OUTPUTS + RESULT_OUTPUTS + OUTPUT_COUNT + BLS_EXTRA_OUTPUTS,
         parameters={
             # draft.kind ngram: the BLS proposes by prompt lookup itself (no call to tensorrt_llm_draft)
-            **({"draft_kind": "ngram", **ngram.to_parameters(ngram.settings_from_recipe(r))} if r.draft.is_ngram else {}),
+            **(
+                {"draft_kind": "ngram", **ngram.to_parameters(ngram.settings_from_recipe(r))}
+                if r.draft.is_ngram
+                else {}
+            ),
             # draft.kind eagle3: tensorrt_llm drafts with its head inside; the BLS passes k, one call per request
             **({"draft_kind": "eagle3"} if r.draft.is_eagle3 else {}),
             **_tokenizer_params(BLS),
@@ -193,9 +200,10 @@ def bls_spec(inp: RepoInputs) -> ModelSpec:
             "request_timeout_s": str(r.triton.request_timeout_s),
             # each draft/target call's Triton timeout: the BLS checks its own cancellation between them
             "cancel_check_interval_s": "0.5",
-            # speculation policy (specdeploy.policy): its state lives in the BLS instance
+            # speculation policy (specdeploy.speculation.policy): its state lives in the BLS instance
             **PolicySettings.from_recipe(r.speculative).to_parameters(),
-            # the canary's control arm (specdeploy.metrics.BlsOps): this share of requests takes the plain path
+            # the canary's control arm (specdeploy.core.metrics.recorder.BlsOps): this share of requests takes the plain
+            # path
             "canary_control_percent": str(r.canary.control_percent),
         },
         instance_count=r.bls_instance_count,
@@ -223,8 +231,12 @@ def eagle3_head_parameters(r) -> dict[str, str]:
     """draft.kind eagle3 on cpu: how the CPU engine runs the head, as model parameters of either layout (specdeploy's
     own; TensorRT-LLM has none of them): its cut-off (speculative.draft_p_min), its linears (draft.head_weights), the
     draft tokens it scores (draft.serve_vocab_size, 0: all) and the suffix lookup (draft.sa_config, 0: off)."""
-    return {"eagle3_draft_p_min": str(r.speculative.draft_p_min), "eagle3_head_weights": r.draft.cpu_head_weights,
-            "eagle3_serve_vocab_size": str(r.draft.serve_vocab_size), "eagle3_sa_threshold": str(r.draft.lookup_threshold)}
+    return {
+        "eagle3_draft_p_min": str(r.speculative.draft_p_min),
+        "eagle3_head_weights": r.draft.cpu_head_weights,
+        "eagle3_serve_vocab_size": str(r.draft.serve_vocab_size),
+        "eagle3_sa_threshold": str(r.draft.lookup_threshold),
+    }
 
 
 def cpu_engine_models(inp: RepoInputs) -> list[ModelSpec]:
@@ -247,8 +259,15 @@ def cpu_engine_models(inp: RepoInputs) -> list[ModelSpec]:
                 outputs=LLM_OUTPUTS + (EAGLE3_LLM_OUTPUTS if eagle3 else ()),
                 parameters={
                     # relative to the model's folder, like tokenizer_dir (common.resolve_dir)
-                    **({"eagle3_head": EAGLE3_HEAD_SUBDIR, "eagle3_policy": r.speculative.policy,
-                        **eagle3_head_parameters(r)} if eagle3 else {}),
+                    **(
+                        {
+                            "eagle3_head": EAGLE3_HEAD_SUBDIR,
+                            "eagle3_policy": r.speculative.policy,
+                            **eagle3_head_parameters(r),
+                        }
+                        if eagle3
+                        else {}
+                    ),
                     **engine_model_parameters(inp, role),
                     "kv_cache_free_gpu_mem_fraction": str(r.engine.kv_cache_free_gpu_mem_fraction),
                     "executor_factory": inp.executor_factory,
@@ -272,8 +291,8 @@ def cpu_engine_models(inp: RepoInputs) -> list[ModelSpec]:
 
 def _ngram_draft_model(inp: RepoInputs) -> ModelSpec:
     """tensorrt_llm_draft for draft.kind ngram: a python model with the tensorrt_llm interface that proposes
-    from input_ids by prompt lookup (specdeploy.ngram); no engine, no weights."""
-    from specdeploy import ngram
+    from input_ids by prompt lookup (specdeploy.speculation.ngram); no engine, no weights."""
+    from specdeploy.speculation import ngram
 
     r = inp.recipe
     return ModelSpec(

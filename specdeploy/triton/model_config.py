@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specdeploy.errors import RepoError
+from specdeploy.core.errors import RepoError
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,11 @@ def _t(name, dtype, dims, optional=False, ragged=False) -> Tensor:
 def _tensor_block(tensors: tuple[Tensor, ...]) -> str:
     items = []
     for t in tensors:
-        lines = [f'    name: "{t.name}"', f"    data_type: TYPE_{t.dtype}", f"    dims: [ {', '.join(map(str, t.dims))} ]"]
+        lines = [
+            f'    name: "{t.name}"',
+            f"    data_type: TYPE_{t.dtype}",
+            f"    dims: [ {', '.join(map(str, t.dims))} ]",
+        ]
         if t.optional:
             lines.append("    optional: true")
         if t.ragged:
@@ -94,7 +98,9 @@ def render(spec: ModelSpec) -> str:
         out.append(f"instance_group [\n  {{\n    count: {spec.instance_count}\n    kind: KIND_CPU\n  }}\n]")
     for key, value in spec.parameters.items():
         if value is None:
-            raise RepoError(f"model {spec.name}: parameter '{key}' has no value", "this is a bug in the repository generator")
+            raise RepoError(
+                f"model {spec.name}: parameter '{key}' has no value", "this is a bug in the repository generator"
+            )
         out.append(f"parameters: {{\n  key: {_quote(key)}\n  value: {{ string_value: {_quote(str(value))} }}\n}}")
     return "\n".join(out) + "\n"
 
@@ -107,7 +113,9 @@ def check_config(text: str, expected_name: str | None = None):
     try:
         config = text_format.Parse(text, model_config_pb2.ModelConfig())
     except text_format.ParseError as exc:
-        raise RepoError(f"config of model {expected_name or '?'} does not parse as Triton's ModelConfig: {exc}") from exc
+        raise RepoError(
+            f"config of model {expected_name or '?'} does not parse as Triton's ModelConfig: {exc}"
+        ) from exc
     if expected_name is not None and config.name != expected_name:
         raise RepoError(f"config names model {config.name!r}, expected {expected_name!r}")
     return config

@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass
 
-from specdeploy.errors import ServerError
+from specdeploy.core.errors import ServerError
 
 HOST = "127.0.0.1"
 
@@ -37,7 +37,9 @@ class Ports:
         chosen = []
         for name, port in (("grpc_port", grpc), ("http_port", http), ("metrics_port", metrics)):
             if port and _port_taken(port):
-                raise ServerError(f"port {port} (triton.{name}) is already in use", f"set triton.{name}: 0 to pick a free one")
+                raise ServerError(
+                    f"port {port} (triton.{name}) is already in use", f"set triton.{name}: 0 to pick a free one"
+                )
             while not port or port in chosen:
                 port = free_port()
             chosen.append(port)

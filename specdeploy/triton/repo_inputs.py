@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdeploy.artifacts import Manifest, fingerprint, require
-from specdeploy.config import EAGLE3_VOCAB_COUNTS, Recipe
-from specdeploy.errors import RepoError
+from specdeploy.core.artifacts import Manifest, fingerprint, require
+from specdeploy.core.errors import RepoError
+from specdeploy.recipe.config import EAGLE3_VOCAB_COUNTS, Recipe
 
 CPU_EXECUTOR_FACTORY = "specdeploy.triton.models.common:load_cpu_executor"
 # draft.kind eagle3: the files of the head (copied into the repository, their hash in its fingerprint)
@@ -71,7 +71,7 @@ def find_tokenizer(engine_dir: Path, manifest: Manifest, model: str | None = Non
             return path
     model = manifest.extra.get("model") if isinstance(manifest.extra.get("model"), str) else model
     if model:
-        from specdeploy import models
+        from specdeploy.core import model_store as models
 
         source = Path(models.resolve(model))
         if _has_tokenizer(source):
@@ -90,7 +90,7 @@ def repo_inputs(recipe: Recipe, layout, recipe_path: str = "RECIPE", executor_fa
         engine_dir = Path(layout.engine(role)).resolve()
         manifests[role] = require(engine_dir, "build", f"specdeploy build {recipe_path}")
         if manifests[role].recipe_name != recipe.name:
-            from specdeploy.errors import StaleArtifactError
+            from specdeploy.core.errors import StaleArtifactError
 
             raise StaleArtifactError(
                 f"{engine_dir} was built for recipe {manifests[role].recipe_name!r}, not {recipe.name!r}",
@@ -98,7 +98,7 @@ def repo_inputs(recipe: Recipe, layout, recipe_path: str = "RECIPE", executor_fa
             )
         expected = _expected_engine_fingerprint(recipe, layout, role)
         if expected is not None and manifests[role].fingerprint != expected:
-            from specdeploy.errors import StaleArtifactError
+            from specdeploy.core.errors import StaleArtifactError
 
             raise StaleArtifactError(
                 f"the {role} engine {engine_dir} is stale: its checkpoint or the recipe's engine settings changed",
@@ -119,21 +119,27 @@ def repo_inputs(recipe: Recipe, layout, recipe_path: str = "RECIPE", executor_fa
 def eagle3_head(recipe: Recipe, layout, recipe_path: str) -> tuple[Path, str]:
     """draft.kind eagle3: (the head folder, the hash of its files). BuildError when there is none (`specdeploy run` asks
     before it quantizes, so a missing head is said before minutes of work)."""
-    from specdeploy.artifacts import file_hash
-    from specdeploy.config import EAGLE3_HEAD_TRAINED
-    from specdeploy.errors import BuildError
-    from specdeploy.preflight import vocab_counts_fix
+    from specdeploy.core.artifacts import file_hash
+    from specdeploy.core.errors import BuildError
+    from specdeploy.deploy.preflight import vocab_counts_fix
+    from specdeploy.recipe.config import EAGLE3_HEAD_TRAINED
 
     trained = recipe.draft.head == EAGLE3_HEAD_TRAINED
     head_dir = layout.eagle3_head_source(recipe.draft.head).resolve()
     missing = [name for name in EAGLE3_HEAD_FILES if not (head_dir / name).is_file()]
     if missing:
-        fix = f"train it with: specdeploy draft train {recipe_path}" if trained else "set draft.head to an exported EAGLE-3 checkpoint folder"
+        fix = (
+            f"train it with: specdeploy draft train {recipe_path}"
+            if trained
+            else "set draft.head to an exported EAGLE-3 checkpoint folder"
+        )
         raise BuildError(f"no EAGLE-3 head at {head_dir} (no {', '.join(missing)})", fix)
     if recipe.draft.serve_vocab_size and not (head_dir / EAGLE3_VOCAB_COUNTS).is_file():
-        raise BuildError(f"draft.serve_vocab_size is {recipe.draft.serve_vocab_size}, but the EAGLE-3 head at {head_dir} has no "
-                         f"{EAGLE3_VOCAB_COUNTS} (how often the target wrote each draft token)",
-                         vocab_counts_fix(recipe, head_dir, layout))  # fmt: skip
+        raise BuildError(
+            f"draft.serve_vocab_size is {recipe.draft.serve_vocab_size}, but the EAGLE-3 head at {head_dir} has no "
+            f"{EAGLE3_VOCAB_COUNTS} (how often the target wrote each draft token)",
+            vocab_counts_fix(recipe, head_dir, layout),
+        )
     return head_dir, fingerprint(**{name: file_hash(head_dir / name) for name in eagle3_head_files(recipe)})
 
 
@@ -152,17 +158,21 @@ def check_eagle3_head(inp: RepoInputs) -> None:
     from specdeploy.engine.eagle3 import Eagle3Head
     from specdeploy.engine.model import CpuEngine
 
-    Eagle3Head.load(inp.eagle3_head_dir, CpuEngine.load(str(inp.engine_dirs["target"])), serve_vocab_size=inp.recipe.draft.serve_vocab_size)
+    Eagle3Head.load(
+        inp.eagle3_head_dir,
+        CpuEngine.load(str(inp.engine_dirs["target"])),
+        serve_vocab_size=inp.recipe.draft.serve_vocab_size,
+    )
 
 
 def _expected_engine_fingerprint(recipe: Recipe, layout, role: str) -> str | None:
-    """What the CPU build (engine/build.py) would record for the engine of `role` now. None on the GPU backends:
+    """What the CPU build (deploy/cpu_build.py) would record for the engine of `role` now. None on the GPU backends:
     trtllm.build_engine_recipe checks its own fingerprints, and the LLM API has no engine to check."""
-    from specdeploy import backends
+    from specdeploy.core import backends
 
     if backends.of(recipe).gpu:
         return None
-    from specdeploy.engine.build import engine_fingerprint
+    from specdeploy.deploy.cpu_build import engine_fingerprint
 
     checkpoint = Manifest.read(layout.checkpoint(role))
     if checkpoint is None:

@@ -1,7 +1,7 @@
 """The Triton model repository: typed model configs -> checked `config.pbtxt` files -> `triton_repo/<recipe>/`.
 
-Layout and tensor names are those of NVIDIA's `inflight_batcher_llm` (tensorrtllm_backend's all_models/inflight_batcher_llm) so that
-clients written for a TensorRT-LLM deployment work unchanged:
+Layout and tensor names are those of NVIDIA's `inflight_batcher_llm` (tensorrtllm_backend's
+all_models/inflight_batcher_llm) so that clients written for a TensorRT-LLM deployment work unchanged:
 
     preprocessing ─▶ tensorrt_llm ─▶ postprocessing      = ensemble (the unaccelerated control)
     tensorrt_llm_bls: tokenize, then rounds of tensorrt_llm_draft (k tokens) + tensorrt_llm
@@ -9,9 +9,9 @@ clients written for a TensorRT-LLM deployment work unchanged:
 
 preprocessing, postprocessing, ensemble and tensorrt_llm_bls are the same on every backend; the
 two engine models (`tensorrt_llm`, `tensorrt_llm_draft`) are handed in by the recipe's backend
-(`specdeploy.backend_stages`: `cpu_engine_models` here, the GPU ones in gpu_models.py, which imports this module).
-Every config is rendered from typed objects and parsed with Triton's own `ModelConfig` protobuf before anything is
-written. The parts, one module each: `triton.model_config` (ModelSpec, render, check_config), `triton.tensors` (the
+(`specdeploy.deploy.backend_stages`: `cpu_engine_models` here, the GPU ones in gpu_models.py, which imports this
+module). Every config is rendered from typed objects and parsed with Triton's own `ModelConfig` protobuf before anything
+is written. The parts, one module each: `triton.model_config` (ModelSpec, render, check_config), `triton.tensors` (the
 layout's model names and tensors), `triton.layout_models` (the models as ModelSpecs), `triton.repo_inputs` (the
 engines, tokenizer and head it is generated from). This module is the stage: fingerprint, write, require.
 """
@@ -21,28 +21,14 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from specdeploy.artifacts import Manifest, atomic_output, fingerprint, require, tool_versions
-from specdeploy.config import Recipe, to_plain
+from specdeploy.core.artifacts import Manifest, atomic_output, fingerprint, require, tool_versions
+from specdeploy.recipe.config import Recipe, to_plain
 
 # The parts, one module each; the names other modules and the tests use stay importable from here.
-from specdeploy.triton.layout_models import EAGLE3_HEAD_SUBDIR, TOKENIZER_SUBDIR, cpu_engine_models, engine_model_parameters, model_specs  # noqa: F401
-from specdeploy.triton.model_config import ModelSpec, Tensor, _check_ensemble, _t, check_config, render  # noqa: F401
+from specdeploy.triton.layout_models import EAGLE3_HEAD_SUBDIR, TOKENIZER_SUBDIR, model_specs
+from specdeploy.triton.model_config import _check_ensemble, check_config, render
 from specdeploy.triton.repo_inputs import RepoInputs, check_eagle3_head, find_tokenizer, repo_inputs, stage_eagle3_head
-from specdeploy.triton.tensors import (  # noqa: F401
-    BLS,
-    BLS_EXTRA_OUTPUTS,
-    DRAFT_MODEL,
-    ENGINE_MODEL_NAMES,
-    ENSEMBLE,
-    LLM_INPUTS,
-    LLM_OUTPUTS,
-    OUTPUT_COUNT,
-    POSTPROCESSING_INPUTS,
-    POSTPROCESSING_OUTPUTS,
-    PREPROCESSING,
-    RESULT_OUTPUTS,
-    TARGET_MODEL,
-)
+from specdeploy.triton.tensors import PREPROCESSING, TARGET_MODEL
 
 STAGE = "repo"
 MODEL_SOURCES = Path(__file__).parent / "models"
@@ -65,7 +51,7 @@ TOKENIZER_FILES = (
 
 
 def _sources_hash() -> str:
-    from specdeploy.artifacts import file_hash
+    from specdeploy.core.artifacts import file_hash
 
     return fingerprint(**{p.name: file_hash(p) for p in sorted(MODEL_SOURCES.glob("*.py"))})
 
@@ -74,8 +60,11 @@ def _eagle3_served(r: Recipe) -> dict:
     """The draft keys of an eagle3 recipe that the repository carries (model parameters, model.yaml): how the head's
     linears are held, the draft tokens it scores, the suffix lookup. Its data and train keys reach it only through the
     head's files (eagle3_head_hash)."""
-    return {"head_weights": r.draft.head_weights, "serve_vocab_size": r.draft.serve_vocab_size,
-            "sa_config": to_plain(r.draft.sa_config) if r.draft.sa_config is not None else None}
+    return {
+        "head_weights": r.draft.head_weights,
+        "serve_vocab_size": r.draft.serve_vocab_size,
+        "sa_config": to_plain(r.draft.sa_config) if r.draft.sa_config is not None else None,
+    }
 
 
 def repo_fingerprint(inp: RepoInputs) -> str:
@@ -88,8 +77,17 @@ def repo_fingerprint(inp: RepoInputs) -> str:
         draft=to_plain(r.draft) if r.draft.is_ngram else None,
         **({"eagle3_head": inp.eagle3_head_hash, "eagle3_served": _eagle3_served(r)} if r.draft.is_eagle3 else {}),
         engine=to_plain(r.engine),
-        triton={k: getattr(r.triton, k) for k in ("instance_count", "decoupled", "max_queue_delay_microseconds", "request_timeout_s",
-                                                  "inflight_batching")} | {"bls_instance_count": r.bls_instance_count},
+        triton={
+            k: getattr(r.triton, k)
+            for k in (
+                "instance_count",
+                "decoupled",
+                "max_queue_delay_microseconds",
+                "request_timeout_s",
+                "inflight_batching",
+            )
+        }
+        | {"bls_instance_count": r.bls_instance_count},
         layout=r.layout,
         **({"control": r.control} if r.layout == "llmapi" else {}),
         executor_factory=inp.executor_factory,
@@ -99,8 +97,13 @@ def repo_fingerprint(inp: RepoInputs) -> str:
 
 
 def generate_layout_repository(
-    recipe: Recipe, layout, engine_models, recipe_path: str = "RECIPE", force: bool = False,
-    executor_factory: str | None = None, finish_models=None,
+    recipe: Recipe,
+    layout,
+    engine_models,
+    recipe_path: str = "RECIPE",
+    force: bool = False,
+    executor_factory: str | None = None,
+    finish_models=None,
 ) -> tuple[Path, bool]:
     """The inflight_batcher_llm layout (cpu, trtllm-engine): `layout.repo`, or (path, False) when up to date.
     `engine_models(inp)` gives the backend's `tensorrt_llm` and `tensorrt_llm_draft`, `finish_models` its renames
@@ -160,7 +163,10 @@ def generate_layout_repository(
             inputs={f"{role}_engine": m.fingerprint for role, m in inp.engine_manifests.items()}
             | ({"eagle3_head": inp.eagle3_head_hash} if inp.eagle3_head_dir is not None else {}),
             tool_versions=tool_versions("tritonclient", "transformers"),
-            extra={"engine_dirs": {r: str(d) for r, d in inp.engine_dirs.items()}, "tokenizer_source": str(tokenizer_src)}
+            extra={
+                "engine_dirs": {r: str(d) for r, d in inp.engine_dirs.items()},
+                "tokenizer_source": str(tokenizer_src),
+            }
             | ({"eagle3_head_source": str(inp.eagle3_head_dir)} if inp.eagle3_head_dir is not None else {}),
         ).write(tmp)
     return dest, True
@@ -168,7 +174,7 @@ def generate_layout_repository(
 
 def require_repository(recipe: Recipe, layout, recipe_path: str = "RECIPE") -> Manifest:
     """The repository's manifest if it matches the engines and recipe now; StaleArtifactError otherwise."""
-    from specdeploy.errors import StaleArtifactError
+    from specdeploy.core.errors import StaleArtifactError
 
     manifest = require(layout.repo, STAGE, f"specdeploy repo {recipe_path}")
     try:

@@ -26,21 +26,21 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from specdeploy.artifacts import ProcessIdentity, pid_alive, process_identity
-from specdeploy.errors import ServerError
+from specdeploy.core.artifacts import ProcessIdentity, pid_alive, process_identity
+from specdeploy.core.errors import ServerError
 from specdeploy.triton import shm
-from specdeploy.triton.install import find_binary, prepare, python_lib_dir, site_paths  # noqa: F401 (find_binary: importable from here)
-from specdeploy.triton.ports import HOST, Ports, free_port  # noqa: F401 (free_port: importable from here)
+from specdeploy.triton.install import find_binary, prepare, python_lib_dir, site_paths
+from specdeploy.triton.ports import HOST, Ports
 from specdeploy.triton.server_state import STATE_FILE, ServerState, is_same_process
-from specdeploy.triton.stubs import DEAD_STUB, STUB_BINARY, orphans_line, python_stubs, reap, stub_changes  # noqa: F401
+from specdeploy.triton.stubs import DEAD_STUB, orphans_line, python_stubs, reap, stub_changes
 
 LOG_FILE = "tritonserver.log"
 STUB_SHM_BYTES = 64 * 2**20
 # The python stubs of one server (preprocessing, BLS, tensorrt_llm, draft, postprocessing) share the machine's
 # cores, each with its own OpenMP pool. libgomp's default waits for work by spinning, so a pool whose threads lost
 # their core to another stub spins at every barrier (docs/stages.md "Why native kernels" has the figures). Passive
-# waiting sleeps instead; a user's own OMP_WAIT_POLICY wins. The CPU engine runs each step's parallel loops on one team that spins only within the
-# step (engine/csrc/step_team.h), so sleeping costs a wake-up per step, not per loop.
+# waiting sleeps instead; a user's own OMP_WAIT_POLICY wins. The CPU engine runs each step's parallel loops on one team
+# that spins only within the step (engine/csrc/step_team.h), so sleeping costs a wake-up per step, not per loop.
 OMP_WAIT_POLICY = "PASSIVE"
 EXIT_TIMEOUT_S = 10
 
@@ -127,8 +127,17 @@ def start(
             preexec_fn=_die_with_parent if die_with_parent else None,
         )
     me = process_identity(process.pid)  # Popen returns after the exec, so this is tritonserver's command line
-    state = ServerState(process.pid, ports.grpc, ports.http, ports.metrics, str(log_path), str(repo), time.time(),
-                        me.start_ticks if me else None, list(me.cmdline) if me else None)  # fmt: skip
+    state = ServerState(
+        process.pid,
+        ports.grpc,
+        ports.http,
+        ports.metrics,
+        str(log_path),
+        str(repo),
+        time.time(),
+        me.start_ticks if me else None,
+        list(me.cmdline) if me else None,
+    )
     return Server(process, state, exit_timeout_s)
 
 
@@ -166,7 +175,8 @@ def wait_ready(server: Server, timeout_s: float) -> None:
     while time.monotonic() < deadline:
         if not server.alive():
             raise ServerError(
-                f"tritonserver exited with code {server.process.returncode} while starting\n{relevant_log(server.state.log)}",
+                f"tritonserver exited with code {server.process.returncode} while"
+                f" starting\n{relevant_log(server.state.log)}",
                 f"full log: {server.state.log}",
             )
         if is_ready(server.state.http_port) and metrics_listening(server.state.metrics_port):
@@ -200,6 +210,7 @@ def relevant_log(path: str | os.PathLike, tail: int = 25) -> str:
             in_trace = False
     chosen = picked[-tail:] if picked else lines[-tail:]
     return "\n".join("  | " + line for line in chosen)
+
 
 def stop_pid(
     pid: int,
@@ -257,8 +268,10 @@ def refuse_running(state_dir, recipe_path: str = "RECIPE") -> "ServerState | Non
     """The recorded server of `state_dir` if it has exited (None if there is none); a ServerError if it still runs."""
     existing = ServerState.read(state_dir)
     if existing is not None and existing.running():
-        raise ServerError(f"a server for this recipe is already running (pid {existing.pid}, grpc {existing.grpc_url})",
-                          f"stop it first: specdeploy stop {recipe_path}")  # fmt: skip
+        raise ServerError(
+            f"a server for this recipe is already running (pid {existing.pid}, grpc {existing.grpc_url})",
+            f"stop it first: specdeploy stop {recipe_path}",
+        )
     return existing
 
 
@@ -284,8 +297,15 @@ def serve(
         if said:
             echo(f"the previous tritonserver (pid {existing.pid}) had exited{said}")
     ports = Ports.pick(triton_cfg.grpc_port, triton_cfg.http_port, triton_cfg.metrics_port)
-    server = start(repo, ports, Path(state_dir) / LOG_FILE, binary=binary, extra_site=extra_site, extra_args=extra_args,
-                   die_with_parent=not detach)
+    server = start(
+        repo,
+        ports,
+        Path(state_dir) / LOG_FILE,
+        binary=binary,
+        extra_site=extra_site,
+        extra_args=extra_args,
+        die_with_parent=not detach,
+    )
     try:
         with terminate_as_interrupt():  # a SIGTERM (a job's time limit) mid-start stops it too, not only Ctrl-C
             wait_ready(server, triton_cfg.startup_timeout_s)
@@ -367,9 +387,10 @@ def status(state_dir: Path) -> tuple[ServerState | None, str]:
     if not state.running():
         return state, f"not running (pid {state.pid} has exited{_reused(state)}; log: {state.log}){orphans_line(state)}"
     ready = "ready" if is_ready(state.http_port) else "not ready"
-    line = f"running, {ready}: pid {state.pid}, grpc {state.grpc_url}, http {state.http_url}, metrics {state.metrics_url}"
+    line = (
+        f"running, {ready}: pid {state.pid}, grpc {state.grpc_url}, http {state.http_url}, metrics {state.metrics_url}"
+    )
     return state, line + stub_changes(state)
-
 
 
 def stop(state_dir: Path) -> str:
@@ -383,7 +404,6 @@ def stop(state_dir: Path) -> str:
         message = f"tritonserver (pid {state.pid}) had already exited{_reused(state)}" + reap(state)
     (Path(state_dir) / STATE_FILE).unlink(missing_ok=True)
     return message
-
 
 
 def _reused(state: ServerState) -> str:

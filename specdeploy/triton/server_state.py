@@ -8,7 +8,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from specdeploy.artifacts import ProcessIdentity, process_identity
+from specdeploy.core.artifacts import ProcessIdentity, process_identity
 from specdeploy.triton.ports import HOST
 
 STATE_FILE = "server.json"
@@ -33,7 +33,9 @@ class ServerState:
     stubs: dict[str, int] | None = None
 
     def identity(self) -> ProcessIdentity | None:
-        return None if self.start_ticks is None else ProcessIdentity(self.pid, self.start_ticks, tuple(self.cmdline or ()))
+        return (
+            None if self.start_ticks is None else ProcessIdentity(self.pid, self.start_ticks, tuple(self.cmdline or ()))
+        )
 
     def running(self) -> bool:
         """True when `pid` is still the server this state recorded (not a later process given the same PID)."""

@@ -83,7 +83,11 @@ def unused(directory: Path | None = None, min_age_s: float = 60.0) -> list[Path]
     live process names on its command line and that are older than `min_age_s` (a server creates a region just
     before it starts the stub that names it)."""
     try:
-        candidates = [path for path in (directory or SHM_DIR).iterdir() if _OURS.match(path.name) or path.name.startswith(TRITON_DEFAULT)]
+        candidates = [
+            path
+            for path in (directory or SHM_DIR).iterdir()
+            if _OURS.match(path.name) or path.name.startswith(TRITON_DEFAULT)
+        ]
     except OSError:
         return []
     if not candidates:

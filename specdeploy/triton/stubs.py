@@ -50,9 +50,11 @@ def stub_changes(state: ServerState) -> str:
     dead = [f"{name} (pid {state.stubs[name]})" for name in gone if name not in now]
     parts = []
     if dead:
-        parts.append(f"python stub {', '.join(dead)} {DEAD_STUB}; tritonserver does not restart it and "
-                     "requests to that instance fail with 'Stub process ... is not healthy': restart the server "
-                     "(specdeploy stop RECIPE, then specdeploy serve RECIPE --detach)")  # fmt: skip
+        parts.append(
+            f"python stub {', '.join(dead)} {DEAD_STUB}; tritonserver does not restart it and "
+            "requests to that instance fail with 'Stub process ... is not healthy': restart the server "
+            "(specdeploy stop RECIPE, then specdeploy serve RECIPE --detach)"
+        )
     if restarted:
         parts.append(f"python stub restarted: {', '.join(restarted)}")
     return "; " + "; ".join(parts)
@@ -60,8 +62,8 @@ def stub_changes(state: ServerState) -> str:
 
 def _orphans(state: ServerState) -> tuple[list, list[Path]]:
     """(stub processes, shared-memory regions) a server that is gone left behind. tritonserver 2.51's python stubs
-    outlive a SIGKILLed server (seen: some still running a minute later, each holding its model and its region). Its stubs
-    are found by the region prefix their command line names (a prefix is unique to one server)."""
+    outlive a SIGKILLed server (seen: some still running a minute later, each holding its model and its region). Its
+    stubs are found by the region prefix their command line names (a prefix is unique to one server)."""
     import psutil
 
     prefixes = shm.prefixes_in(state.cmdline or ())
@@ -77,8 +79,10 @@ def orphans_line(state: ServerState) -> str:
     stubs, regions = _orphans(state)
     if not (stubs or regions):
         return ""
-    return (f"; it left {len(stubs)} python stubs running and {len(regions)} shared-memory regions "
-            "(specdeploy stop, or the next serve, removes them)")  # fmt: skip
+    return (
+        f"; it left {len(stubs)} python stubs running and {len(regions)} shared-memory regions "
+        "(specdeploy stop, or the next serve, removes them)"
+    )
 
 
 def reap(state: ServerState) -> str:

@@ -6,7 +6,8 @@ The template placeholders are filled (`${logits_datatype}` -> TYPE_FP32, the oth
 config is parsed with tritonclient's ModelConfig protobuf. Run once against a clone of that
 repository; the output, trtllm_backend_c2e65b8_tensors.json, is what tests/test_triton_repo.py reads:
 
-    python tests/data/extract_trtllm_reference.py /path/to/tensorrtllm_backend > tests/data/trtllm_backend_c2e65b8_tensors.json
+    python tests/data/extract_trtllm_reference.py /path/to/tensorrtllm_backend >
+    tests/data/trtllm_backend_c2e65b8_tensors.json
 """
 
 import json
@@ -23,13 +24,20 @@ MODELS = ("preprocessing", "tensorrt_llm", "tensorrt_llm_bls", "postprocessing",
 
 def tensors(items) -> list[dict]:
     return [
-        {"name": t.name, "dtype": model_config_pb2.DataType.Name(t.data_type).removeprefix("TYPE_"), "dims": list(t.dims), "optional": bool(getattr(t, "optional", False))}  # outputs have no such field
+        {
+            "name": t.name,
+            "dtype": model_config_pb2.DataType.Name(t.data_type).removeprefix("TYPE_"),
+            "dims": list(t.dims),
+            "optional": bool(getattr(t, "optional", False)),
+        }  # outputs have no such field
         for t in items
     ]
 
 
 def main(clone: str) -> None:
-    out = {"source": f"triton-inference-server/tensorrtllm_backend@{COMMIT}:all_models/inflight_batcher_llm/*/config.pbtxt"}
+    out = {
+        "source": f"triton-inference-server/tensorrtllm_backend@{COMMIT}:all_models/inflight_batcher_llm/*/config.pbtxt"
+    }
     for model in MODELS:
         path = f"{COMMIT}:all_models/inflight_batcher_llm/{model}/config.pbtxt"
         text = subprocess.run(["git", "-C", clone, "show", path], capture_output=True, text=True, check=True).stdout

@@ -1,5 +1,5 @@
 """The speculative loop's draft and target over BLS calls: tensorrt_llm_draft and tensorrt_llm as a
-`specdeploy.speculative` `Proposer` and `Verifier`, with the tensor names of NVIDIA's layout.
+`specdeploy.speculation.loop` `Proposer` and `Verifier`, with the tensor names of NVIDIA's layout.
 
 `LlmCall` (one BLS call to a tensorrt_llm-layout model, in time slices when not decoupled), `TritonProposer`,
 `TritonVerifier` (and `Record`, what the target calls of one request returned besides tokens), and
@@ -12,8 +12,8 @@ import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
-from specdeploy import speculative as spec
-from specdeploy.triton.models import common
+from specdeploy.speculation import loop as spec
+from specdeploy.triton.models import cancellation, stub_safety
 
 
 class BlsModelError(Exception):
@@ -35,7 +35,7 @@ class Record:
 class LlmCall:
     """One BLS call to a tensorrt_llm-layout model; returns (new token ids, generation logits or None, outputs)."""
 
-    def __init__(self, model_name: str, decoupled: bool, slice_s: float, held: common.HeldResponses, names=None):
+    def __init__(self, model_name: str, decoupled: bool, slice_s: float, held: stub_safety.HeldResponses, names=None):
         self.model_name = model_name
         self.decoupled = decoupled
         self.slice_s = slice_s  # each call's first Triton timeout (0: none), see common.call_in_slices
@@ -44,8 +44,18 @@ class LlmCall:
         # NVIDIA's c2e65b8 name -> the release's name, or None where the release has no such tensor
         self.names = names or {}
 
-    def __call__(self, sequence, output_len, sampling, extra, return_logits, more_outputs=(), stop_check=None, slice_s=None,
-                 on_tokens=None):
+    def __call__(
+        self,
+        sequence,
+        output_len,
+        sampling,
+        extra,
+        return_logits,
+        more_outputs=(),
+        stop_check=None,
+        slice_s=None,
+        on_tokens=None,
+    ):
         """`on_tokens(ids)`: called with each response's new token ids as it arrives (decoupled calls only; a call that
         sends `streaming` gets one response per run of tokens, so the caller can pass them on before the call ends).
         A streamed response holds only its new tokens, on the CPU models as from NVIDIA's tensorrt_llm, whose streamed
@@ -60,20 +70,39 @@ class LlmCall:
             # BLS's own request ends (_call). A call that does not stream runs to its end: streaming it only to check
             # cost a non-streamed fused request 7-8 % (docs/triton-stub-workarounds.md).
             streams = stop_check is not None and "streaming" in extra
-            return self._call(sequence, output_len, sampling, extra, return_logits, more_outputs, 0, on_tokens,
-                              stop_check if streams else None)  # fmt: skip
+            return self._call(
+                sequence,
+                output_len,
+                sampling,
+                extra,
+                return_logits,
+                more_outputs,
+                0,
+                on_tokens,
+                stop_check if streams else None,
+            )
         if not self.slice_s or stop_check is None:
             return self._call(sequence, output_len, sampling, extra, return_logits, more_outputs, 0)
         attempt = lambda s: self._call(sequence, output_len, sampling, extra, return_logits, more_outputs, int(s * 1e6))  # noqa: E731
         try:
-            return common.call_in_slices(attempt, stop_check, max(self.slice_s, slice_s or 0.0))
-        except common.ParentStopped as exc:
+            return cancellation.call_in_slices(attempt, stop_check, max(self.slice_s, slice_s or 0.0))
+        except cancellation.ParentStopped as exc:
             raise BlsModelError(f"{self.model_name}: {exc}") from None
 
-    def _call(self, sequence, output_len, sampling, extra, return_logits, more_outputs, timeout_us, on_tokens=None,
-              stop_check=None):
-        """`stop_check` (a streamed decoupled call): asked as each response arrives; once it fires, the call's request id
-        gets TensorRT-LLM's `stop` (_send_stop) and the call ends with the tokens it has."""
+    def _call(
+        self,
+        sequence,
+        output_len,
+        sampling,
+        extra,
+        return_logits,
+        more_outputs,
+        timeout_us,
+        on_tokens=None,
+        stop_check=None,
+    ):
+        """`stop_check` (a streamed decoupled call): asked as each response arrives; once it fires, the call's request
+        id gets TensorRT-LLM's `stop` (_send_stop) and the call ends with the tokens it has."""
         tensors = {
             "input_ids": np.array([sequence], dtype=np.int32),
             "input_lengths": np.array([[len(sequence)]], dtype=np.int32),
@@ -88,7 +117,9 @@ class LlmCall:
         }
         if sampling.seed is not None:
             tensors["seed"] = np.array([[sampling.seed]], dtype=np.uint64)
-        wanted = ["output_ids", "sequence_length"] + (["generation_logits"] if return_logits else []) + list(more_outputs)
+        wanted = (
+            ["output_ids", "sequence_length"] + (["generation_logits"] if return_logits else []) + list(more_outputs)
+        )
         named = {self.names.get(k, k): v for k, v in tensors.items() if self.names.get(k, k) is not None}
         # an id of its own, as NVIDIA's BLS gives each request it sends (str(uuid.uuid4()), tensorrtllm_backend c2e65b8
         # all_models/inflight_batcher_llm/tensorrt_llm_bls/1/model.py:195), which `stop` names
@@ -108,8 +139,8 @@ class LlmCall:
                 stop_id = ""  # the rest of the responses come as they were, ending soon
             if response.has_error():
                 message = response.error().message()
-                if timeout_us and common.is_slice_expiry(message):
-                    raise common.SliceExpired(message)
+                if timeout_us and cancellation.is_slice_expiry(message):
+                    raise cancellation.SliceExpired(message)
                 raise BlsModelError(f"{self.model_name}: {message}")
             out = pb_utils.get_output_tensor_by_name(response, "output_ids")
             if out is None:  # the empty final response of a decoupled model
@@ -132,18 +163,30 @@ class LlmCall:
         """TensorRT-LLM's `stop` for the running call `request_id`: a request of that id with stop=true and no tokens,
         as NVIDIA's BLS sends it (tensorrtllm_backend c2e65b8 all_models/inflight_batcher_llm/tensorrt_llm_bls/1/lib/
         triton_decoder.py:194-216; the input: all_models/inflight_batcher_llm/tensorrt_llm/config.pbtxt:293-298). Its
-        C++ backend cancels the executor's requests of that id (inflight_batcher_llm/src/model_instance_state.cc:871-905),
-        its Python model alike (all_models/inflight_batcher_llm/tensorrt_llm/1/model.py:1336-1352), and specdeploy's
-        CPU model ends them with the tokens they have (tensorrt_llm.py `_serve`). A stop that fails is reported in the
-        log and the call runs on to its end, as before."""
-        tensors = {"input_ids": np.zeros([1, 1], dtype=np.int32), "input_lengths": np.zeros([1, 1], dtype=np.int32),
-                   "request_output_len": np.zeros([1, 1], dtype=np.int32), "stop": np.array([[True]])}  # fmt: skip
+        C++ backend cancels the executor's requests of that id
+        (inflight_batcher_llm/src/model_instance_state.cc:871-905), its Python model alike
+        (all_models/inflight_batcher_llm/tensorrt_llm/1/model.py:1336-1352), and specdeploy's CPU model ends them with
+        the tokens they have (tensorrt_llm.py `_serve`). A stop that fails is reported in the log and the call runs on
+        to its end, as before."""
+        tensors = {
+            "input_ids": np.zeros([1, 1], dtype=np.int32),
+            "input_lengths": np.zeros([1, 1], dtype=np.int32),
+            "request_output_len": np.zeros([1, 1], dtype=np.int32),
+            "stop": np.array([[True]]),
+        }
         named = {self.names.get(k, k): v for k, v in tensors.items()}
-        request = pb_utils.InferenceRequest(model_name=self.model_name, requested_output_names=[], request_id=request_id,
-                                            inputs=[pb_utils.Tensor(k, v) for k, v in named.items()])  # fmt: skip
+        request = pb_utils.InferenceRequest(
+            model_name=self.model_name,
+            requested_output_names=[],
+            request_id=request_id,
+            inputs=[pb_utils.Tensor(k, v) for k, v in named.items()],
+        )
         for response in self.held.hold(request.exec(decoupled=True)):
             if response.has_error():
-                print(f"{self.model_name}: the stop for request id {request_id!r} failed: {response.error().message()}", flush=True)
+                print(
+                    f"{self.model_name}: the stop for request id {request_id!r} failed: {response.error().message()}",
+                    flush=True,
+                )
 
 
 def request_tensors(job, produced: int) -> dict:
@@ -162,25 +205,33 @@ def request_tensors(job, produced: int) -> dict:
 
 
 class TritonProposer:
-    """specdeploy.speculative.Proposer over tensorrt_llm_draft."""
+    """specdeploy.speculation.loop.Proposer over tensorrt_llm_draft."""
 
     def __init__(self, call: LlmCall, job):
         self.call, self.job = call, job
 
     def propose(self, sequence, num_tokens, sampling, return_logits):
-        extra = {"bad_words_list": self.job["bad_words_list"][None], **request_tensors(self.job, len(sequence) - len(self.job["prompt_ids"]))}
-        tokens, logits, _ = self.call(sequence, num_tokens, sampling, extra, return_logits, stop_check=self.job.get("stop_check"))
+        extra = {
+            "bad_words_list": self.job["bad_words_list"][None],
+            **request_tensors(self.job, len(sequence) - len(self.job["prompt_ids"])),
+        }
+        tokens, logits, _ = self.call(
+            sequence, num_tokens, sampling, extra, return_logits, stop_check=self.job.get("stop_check")
+        )
         # a draft that ended at the end id returns the logits row of that step too (no token for it)
         return spec.Proposal(tokens, None if logits is None else logits[: len(tokens)])
 
 
 class TritonVerifier:
-    """specdeploy.speculative.Verifier over tensorrt_llm with draft_input_ids (request_output_len = k + 1)."""
+    """specdeploy.speculation.loop.Verifier over tensorrt_llm with draft_input_ids (request_output_len = k + 1)."""
 
     def __init__(self, call: LlmCall, job, record: Record, costs=None, active=lambda: 1, stream_sink=None):
         self.call, self.job, self.record = call, job, record
-        self.stream_sink = stream_sink  # a streamed request's sink for a plain run's tokens as they come (PlainRunStream)
-        self.costs = costs  # the deployment's measured costs (specdeploy.policy.CostModel), to size a plain run's time slice
+        self.stream_sink = (
+            stream_sink  # a streamed request's sink for a plain run's tokens as they come (PlainRunStream)
+        )
+        # the deployment's measured costs (specdeploy.speculation.costs.CostModel), to size a plain run's time slice
+        self.costs = costs
         self.active = active  # requests the BLS instances are serving now (policy.ActiveCount)
 
     def verify(self, sequence, draft_tokens, draft_logits, sampling, output_len=None):
@@ -212,12 +263,23 @@ class TritonVerifier:
             extra["streaming"] = np.array([[True]])
             on_tokens = PlainRunStream(sequence, job["end_id"], job["stop_words"], self.stream_sink)
         # output_len: a plain run of the policy, or the canary's plain path (the whole answer in one call,
-        # specdeploy.metrics.PlainVerifier)
+        # specdeploy.core.metrics.recorder.PlainVerifier)
         tokens, logits, outputs = self.call(
-            sequence, output_len or len(draft_tokens) + 1, sampling, extra, job["return_generation_logits"] and not draft_tokens, wanted,
-            stop_check=job.get("stop_check"), slice_s=self._run_slice_s(output_len), on_tokens=on_tokens,
+            sequence,
+            output_len or len(draft_tokens) + 1,
+            sampling,
+            extra,
+            job["return_generation_logits"] and not draft_tokens,
+            wanted,
+            stop_check=job.get("stop_check"),
+            slice_s=self._run_slice_s(output_len),
+            on_tokens=on_tokens,
         )
-        log_probs = [float(x) for a in outputs.get("output_log_probs", []) for x in a.reshape(-1)] if job["return_log_probs"] else None
+        log_probs = (
+            [float(x) for a in outputs.get("output_log_probs", []) for x in a.reshape(-1)]
+            if job["return_log_probs"]
+            else None
+        )
         self.record.rounds.append((log_probs, logits))
         if "context_logits" in outputs:
             rows = outputs["context_logits"][0]
@@ -238,7 +300,7 @@ class TritonVerifier:
             return None
         costs = self.costs
         per_token = (costs.plain_token_s or costs.verify_s.get(1)) if costs is not None else None
-        return common.run_slice_s(output_len, per_token or RUN_TOKEN_GUESS_S, self.active())
+        return cancellation.run_slice_s(output_len, per_token or RUN_TOKEN_GUESS_S, self.active())
 
 
 class PlainRunStream:

@@ -113,8 +113,8 @@ def request_cancel_check(request, default_timeout_s: float, lock=None) -> Cancel
     return CancelCheck(is_cancelled, deadline_s(timeout_us, default_timeout_s))
 
 
-# ---------------------------------------------------------------- BLS calls in time slices (cancellation inside a round)
-# A BLS request's draft/target calls do not see the client's cancellation of the BLS request. So
+# ---------------------------------------------------------------- BLS calls in time slices (cancellation inside a
+# round) A BLS request's draft/target calls do not see the client's cancellation of the BLS request. So
 # each call carries a short Triton timeout: the engine model stops at it (between prefill chunks and
 # tokens, its KV stays cached), the BLS checks its own request, and re-sends the call if it goes on;
 # the re-sent call reuses the cached prefix, so it resumes where the expired one stopped.

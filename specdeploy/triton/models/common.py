@@ -21,47 +21,7 @@ import importlib
 import os
 from pathlib import Path
 
-from specdeploy.triton.models.cancellation import (  # noqa: F401
-    CANCEL_CHECK_INTERVAL_S,
-    CancelCheck,
-    ParentStopped,
-    RunningRequests,
-    SliceExpired,
-    call_in_slices,
-    deadline_s,
-    is_slice_expiry,
-    request_cancel_check,
-    run_slice_s,
-)
-from specdeploy.triton.models.optional_inputs import (  # noqa: F401
-    IGNORED,
-    NEUTRAL,
-    NEUTRAL_TEXT,
-    PENALTY_NEUTRAL,
-    embedding_bias_from_words,
-    penalty_fields,
-    refuse_unsupported,
-    request_kwargs,
-)
-from specdeploy.triton.models.request_inputs import (  # noqa: F401
-    RequestError,
-    batch_size,
-    check_output_len,
-    check_token_ids,
-    cut_at_stop_text,
-    decode_utf8,
-    encode_prompt,
-    encode_words,
-    from_words_list,
-    input_reader,
-    require_single,
-    sampling_fields,
-    scalar,
-    strings,
-    to_words_list,
-)
-from specdeploy.triton.models.stub_safety import HeldResponses, StubLock, send  # noqa: F401
-from specdeploy.triton.models.text_stream import HoldBack, TextStream, chunk_decoding_problem  # noqa: F401
+from specdeploy.triton.models.stub_safety import send
 
 # A python stub that dies on a signal (SIGSEGV, SIGABRT from a corrupted heap) prints every thread's Python stack
 # into the server log first (the stub's stderr), so a crash is readable from a CI log.
@@ -114,14 +74,21 @@ def load_object(spec: str):
 
 def load_cpu_executor(engine_dir: str):
     """The default executor factory: specdeploy's CPU engine behind the KV-reusing Executor."""
-    from specdeploy.engine.model import CpuEngine
     from specdeploy.engine.executor import Executor
+    from specdeploy.engine.model import CpuEngine
 
     return Executor(CpuEngine.load(engine_dir), max_cached_sequences=int(os.environ.get("SPECDEPLOY_KV_POOL", "4")))
 
 
-def with_eagle3_head(executor, head_dir, draft_p_min: float = 0.0, head_weights: str = "bf16", policy: str = "static",
-                     lookup_threshold: int = 0, serve_vocab_size: int = 0):
+def with_eagle3_head(
+    executor,
+    head_dir,
+    draft_p_min: float = 0.0,
+    head_weights: str = "bf16",
+    policy: str = "static",
+    lookup_threshold: int = 0,
+    serve_vocab_size: int = 0,
+):
     """draft.kind eagle3: the executor with the EAGLE-3 head of `head_dir` loaded against its engine (the fused loop,
     engine/executor.py), its linears held as `head_weights` (draft.head_weights: bf16 or int8), scoring
     `serve_vocab_size` of its draft tokens (draft.serve_vocab_size; 0: all), its draft cut-off
@@ -184,8 +151,16 @@ KV_TOKENS_PER_BLOCK = 64  # TensorRT-LLM's default tokens_per_block, for the kv_
 
 def kv_blocks(stats, total_tokens: int) -> tuple[int, int, int]:
     """(new, reused, total) KV blocks of a request: the executor's counts, else derived from its token counts."""
-    if stats is not None and getattr(stats, "kv_cache_alloc_total_blocks", None) is not None and hasattr(stats, "kv_cache_reused_blocks"):
-        return int(stats.kv_cache_alloc_new_blocks), int(stats.kv_cache_reused_blocks), int(stats.kv_cache_alloc_total_blocks)
+    if (
+        stats is not None
+        and getattr(stats, "kv_cache_alloc_total_blocks", None) is not None
+        and hasattr(stats, "kv_cache_reused_blocks")
+    ):
+        return (
+            int(stats.kv_cache_alloc_new_blocks),
+            int(stats.kv_cache_reused_blocks),
+            int(stats.kv_cache_alloc_total_blocks),
+        )
     reused = int(getattr(stats, "reused_tokens", 0) or 0) // KV_TOKENS_PER_BLOCK
     total = -(-total_tokens // KV_TOKENS_PER_BLOCK)
     return total - reused, reused, total

@@ -4,8 +4,8 @@ The BLS calls it exactly as it calls a model draft: `input_ids` (prompt + output
 `input_lengths`, `request_output_len` (k) -> `output_ids` [1, 1, n], `sequence_length` [1, 1] with
 n <= k proposed tokens (possibly none: no pattern matched), cut before `end_id` when one is sent. Every
 other optional input of the tensorrt_llm layout is accepted and has no effect on a proposal (the target's
-verification applies the request's sampling, penalties and stop conditions). `return_generation_logits` is refused: an n-gram
-draft has no logits. The pool (public or per request) is `specdeploy.ngram.NGramDrafts`.
+verification applies the request's sampling, penalties and stop conditions). `return_generation_logits` is refused: an
+n-gram draft has no logits. The pool (public or per request) is `specdeploy.speculation.ngram.NGramDrafts`.
 """
 
 import os
@@ -20,9 +20,12 @@ import traceback  # noqa: E402
 import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
-from specdeploy import ngram  # noqa: E402
-from specdeploy.triton.models import common  # noqa: E402
-from specdeploy.triton.models.common import RequestError  # noqa: E402
+from specdeploy.speculation import ngram  # noqa: E402
+from specdeploy.triton.models import (
+    common,  # noqa: E402
+    request_inputs,
+)
+from specdeploy.triton.models.request_inputs import RequestError  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -41,11 +44,11 @@ class TritonPythonModel:
 
     def _serve(self, request, emit):
         arrival_ns = time.time_ns()
-        get = common.input_reader(request)
+        get = request_inputs.input_reader(request)
         try:
             ids, out_len, exclude_input = self._parse(get)
             tokens = self.drafts.draft(ids, out_len)
-            end_id = common.scalar(get("end_id"), "end_id", int, None)
+            end_id = request_inputs.scalar(get("end_id"), "end_id", int, None)
             if end_id is not None and end_id in tokens:
                 # a tensorrt_llm model's output_ids stop before the end id (tensorrt_llm.py _without_end_token):
                 # the proposal does too, as a model draft's would
@@ -70,21 +73,23 @@ class TritonPythonModel:
 
     def _parse(self, get):
         input_ids = get("input_ids")
-        common.require_single(input_ids, "input_ids")
+        request_inputs.require_single(input_ids, "input_ids")
         ids = input_ids.reshape(-1).tolist()
-        length = common.scalar(get("input_lengths"), "input_lengths", int, len(ids))
+        length = request_inputs.scalar(get("input_lengths"), "input_lengths", int, len(ids))
         if not 0 < length <= len(ids):
             raise RequestError(f"input_lengths is {length} but input_ids holds {len(ids)} ids")
         ids = [int(t) for t in ids[:length]]
         if len(ids) > self.max_input_len:
             raise RequestError(f"the sequence has {len(ids)} tokens, more than max_input_len ({self.max_input_len})")
-        out_len = common.scalar(get("request_output_len"), "request_output_len", int)
+        out_len = request_inputs.scalar(get("request_output_len"), "request_output_len", int)
         if out_len < 0:
             raise RequestError(f"request_output_len is {out_len}; ask for 0 or more tokens")
-        if common.scalar(get("return_generation_logits"), "return_generation_logits", bool, False):
-            raise RequestError("return_generation_logits is true, but an n-gram draft has no logits; send false "
-                               "(the BLS does when use_draft_logits is false)")  # fmt: skip
-        exclude = common.scalar(get("exclude_input_in_output"), "exclude_input_in_output", bool, False)
+        if request_inputs.scalar(get("return_generation_logits"), "return_generation_logits", bool, False):
+            raise RequestError(
+                "return_generation_logits is true, but an n-gram draft has no logits; send false "
+                "(the BLS does when use_draft_logits is false)"
+            )
+        exclude = request_inputs.scalar(get("exclude_input_in_output"), "exclude_input_in_output", bool, False)
         return ids, out_len, exclude
 
     def finalize(self):

@@ -11,7 +11,6 @@ import numpy as np
 
 from specdeploy.triton.models.request_inputs import RequestError, decode_utf8, scalar
 
-
 # ---------------------------------------------------------------- NVIDIA's optional inputs: honoured or refused
 # Inputs of NVIDIA's layout the CPU models cannot honour. Each is accepted when absent or at its
 # neutral value (the predicate) and refused otherwise with an error naming it; the README table
@@ -78,9 +77,17 @@ NEUTRAL_TEXT = {
 }
 # Accepted at any value: no effect with beam width 1 (as in TensorRT-LLM) or a cache hint.
 IGNORED = (
-    "len_penalty", "length_penalty", "early_stopping", "beam_search_diversity_rate", "runtime_top_p_min",
-    "runtime_top_p_reset_ids", "retention_token_range_starts", "retention_token_range_ends",
-    "retention_token_range_priorities", "retention_token_range_durations_ms", "retention_decode_priority",
+    "len_penalty",
+    "length_penalty",
+    "early_stopping",
+    "beam_search_diversity_rate",
+    "runtime_top_p_min",
+    "runtime_top_p_reset_ids",
+    "retention_token_range_starts",
+    "retention_token_range_ends",
+    "retention_token_range_priorities",
+    "retention_token_range_durations_ms",
+    "retention_decode_priority",
     "retention_decode_duration_ms",
 )
 
@@ -112,7 +119,8 @@ def embedding_bias_from_words(tokenizer, words, weights, vocab_size: int) -> np.
     weights = [float(w) for w in np.asarray(weights).reshape(-1).tolist()]
     if len(words) != len(weights):
         raise RequestError(
-            f"embedding_bias_words has {len(words)} words but embedding_bias_weights {len(weights)} weights; send one weight per word"
+            f"embedding_bias_words has {len(words)} words but embedding_bias_weights {len(weights)} weights; send one"
+            " weight per word"
         )
     bias = np.zeros(vocab_size, dtype=np.float32)
     for word, weight in zip(words, weights):
@@ -132,11 +140,17 @@ def penalty_fields(get) -> dict:
     }
 
 
-PENALTY_NEUTRAL = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_tokens": 0, "embedding_bias": None}
+PENALTY_NEUTRAL = {
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "min_tokens": 0,
+    "embedding_bias": None,
+}
 
 
 def request_kwargs(request_type, values: dict) -> dict:
-    """`values` for the engine's GenerationRequest; RequestError naming a non-neutral one it lacks a field for."""
+    """`values` for the engine's EngineRequest; RequestError naming a non-neutral one it lacks a field for."""
     import dataclasses
 
     known = {f.name for f in dataclasses.fields(request_type)}

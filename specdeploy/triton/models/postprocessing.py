@@ -28,7 +28,9 @@ class TritonPythonModel:
             lengths = pb_utils.get_input_tensor_by_name(request, "SEQUENCE_LENGTH").as_numpy()  # [batch, beam]
             try:
                 texts = self._decode(tokens, lengths)
-            except ValueError as exc:  # ids or lengths a client sent directly: refused with what is wrong, not a traceback
+            except (
+                ValueError
+            ) as exc:  # ids or lengths a client sent directly: refused with what is wrong, not a traceback
                 responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"postprocessing: {exc}")))
                 continue
             # [batch * beam], flat as NVIDIA's postprocessing sends it (its clients read text_output[0] as bytes)
@@ -40,7 +42,9 @@ class TritonPythonModel:
         if tokens.ndim == 2:
             tokens = tokens[:, None, :]
         if lengths.size != tokens.shape[0] * tokens.shape[1]:
-            raise ValueError(f"SEQUENCE_LENGTH has {lengths.size} values, TOKENS_BATCH has {tokens.shape[0] * tokens.shape[1]} beams")
+            raise ValueError(
+                f"SEQUENCE_LENGTH has {lengths.size} values, TOKENS_BATCH has {tokens.shape[0] * tokens.shape[1]} beams"
+            )
         lengths = lengths.reshape(tokens.shape[0], -1)
         texts = []
         for b in range(tokens.shape[0]):
@@ -48,13 +52,18 @@ class TritonPythonModel:
             for w in range(tokens.shape[1]):
                 n = int(lengths[b, w])
                 if not 0 <= n <= tokens.shape[2]:
-                    raise ValueError(f"SEQUENCE_LENGTH {n} is outside [0, {tokens.shape[2]}] (the tokens TOKENS_BATCH holds per beam)")
+                    raise ValueError(
+                        f"SEQUENCE_LENGTH {n} is outside [0, {tokens.shape[2]}] (the tokens TOKENS_BATCH holds per"
+                        " beam)"
+                    )
                 ids = tokens[b, w, :n]
                 # ids past the tokenizer's vocabulary decode to nothing (a model's embedding may be padded past it);
                 # a negative one fails inside the tokenizer (OverflowError)
                 if ids.size and int(ids.min()) < 0:
                     raise ValueError(f"TOKENS_BATCH holds token id {int(ids.min())}; token ids are >= 0")
-                beams.append(self.tokenizer.decode(ids.tolist(), skip_special_tokens=self.skip_special_tokens).encode("utf-8"))
+                beams.append(
+                    self.tokenizer.decode(ids.tolist(), skip_special_tokens=self.skip_special_tokens).encode("utf-8")
+                )
             texts.append(beams)
         return texts
 

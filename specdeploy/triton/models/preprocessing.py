@@ -12,9 +12,12 @@ sys.path[:0] = [p for p in os.environ.get("SPECDEPLOY_SITE", "").split(os.pathse
 import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
-from specdeploy.triton.models import common  # noqa: E402
-from specdeploy.triton.models.common import RequestError  # noqa: E402
-
+from specdeploy.triton.models import (
+    common,  # noqa: E402
+    optional_inputs,
+    request_inputs,
+)
+from specdeploy.triton.models.request_inputs import RequestError  # noqa: E402
 
 # NVIDIA's preprocessing inputs this model cannot honour (accepted only at their neutral value).
 REFUSED = ("DECODER_QUERY", "IMAGE_BYTES", "IMAGE_URL", "VIDEO_BYTES", "PROMPT_TABLE_EXTRA_ID")
@@ -34,39 +37,51 @@ class TritonPythonModel:
         for request in requests:
             try:
                 responses.append(self._run(request))
-            except (RequestError, common.RequestError) as exc:
+            except (RequestError, request_inputs.RequestError) as exc:
                 responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"preprocessing: {exc}")))
         return responses
 
     def _run(self, request):
-        get = common.input_reader(request)
+        get = request_inputs.input_reader(request)
         query = get("QUERY")
         out_len = get("REQUEST_OUTPUT_LEN")
-        batch = common.batch_size(query, "QUERY")
+        batch = request_inputs.batch_size(query, "QUERY")
         if out_len is None:  # required, yet Triton let it through with an optional input in its place (bench/fuzz.py)
             raise RequestError("input 'REQUEST_OUTPUT_LEN' (max_tokens) is required")
         bad = get("BAD_WORDS_DICT")
         stop = get("STOP_WORDS_DICT")
         end_in = get("END_ID")
         pad_in = get("PAD_ID")
-        common.refuse_unsupported(get, REFUSED)
+        optional_inputs.refuse_unsupported(get, REFUSED)
         bias_words = get("EMBEDDING_BIAS_WORDS")
         bias_weights = get("EMBEDDING_BIAS_WEIGHTS")
 
         ids, out_lens, bad_lists, stop_lists, ends, pads, biases = [], [], [], [], [], [], []
         for i in range(batch):
-            text = common.decode_utf8(query[i].reshape(-1)[0], "text_input")
-            ids.append(common.encode_prompt(self.tokenizer, text, self.add_special_tokens, self.max_input_len))
-            n = common.scalar(out_len[i], "max_tokens", int)
+            text = request_inputs.decode_utf8(query[i].reshape(-1)[0], "text_input")
+            ids.append(request_inputs.encode_prompt(self.tokenizer, text, self.add_special_tokens, self.max_input_len))
+            n = request_inputs.scalar(out_len[i], "max_tokens", int)
             if n <= 0:
                 raise RequestError(f"max_tokens is {n}; ask for at least 1 token")
             out_lens.append(n)
-            bad_lists.append(common.to_words_list(common.encode_words(self.tokenizer, common.strings(None if bad is None else bad[i], "bad_words"))))
-            stop_lists.append(common.to_words_list(common.encode_words(self.tokenizer, common.strings(None if stop is None else stop[i], "stop_words"))))
-            ends.append(common.scalar(None if end_in is None else end_in[i], "end_id", int, self.end_id))
-            pads.append(common.scalar(None if pad_in is None else pad_in[i], "pad_id", int, self.pad_id))
+            bad_lists.append(
+                request_inputs.to_words_list(
+                    request_inputs.encode_words(
+                        self.tokenizer, request_inputs.strings(None if bad is None else bad[i], "bad_words")
+                    )
+                )
+            )
+            stop_lists.append(
+                request_inputs.to_words_list(
+                    request_inputs.encode_words(
+                        self.tokenizer, request_inputs.strings(None if stop is None else stop[i], "stop_words")
+                    )
+                )
+            )
+            ends.append(request_inputs.scalar(None if end_in is None else end_in[i], "end_id", int, self.end_id))
+            pads.append(request_inputs.scalar(None if pad_in is None else pad_in[i], "pad_id", int, self.pad_id))
             biases.append(
-                common.embedding_bias_from_words(
+                optional_inputs.embedding_bias_from_words(
                     self.tokenizer,
                     None if bias_words is None else bias_words[i],
                     None if bias_weights is None else bias_weights[i],

@@ -11,7 +11,7 @@ from typing import Sequence
 
 import numpy as np
 
-from specdeploy.text_rules import TextError, check_count, check_text, decode_text
+from specdeploy.core.text_rules import TextError, check_count, check_text, decode_text
 
 
 class RequestError(Exception):
@@ -58,7 +58,9 @@ def require_single(array: np.ndarray, name: str) -> None:
         raise RequestError(f"input '{name}' is required")
     n = batch_size(array, name)
     if n != 1:
-        raise RequestError(f"input '{name}' has batch size {n}; this model takes one sequence per request (send batch 1)")
+        raise RequestError(
+            f"input '{name}' has batch size {n}; this model takes one sequence per request (send batch 1)"
+        )
 
 
 def decode_utf8(value, name: str) -> str:
@@ -126,7 +128,9 @@ def from_words_list(array: np.ndarray | None, name: str) -> list[list[int]]:
             raise RequestError(f"input '{name}' has batch size {arr.shape[0]}; send one word list per request")
         arr = arr[0]
     if arr.ndim != 2 or arr.shape[0] != 2:
-        raise RequestError(f"input '{name}' must have shape [2, L] per request (ids, end offsets), got {list(np.shape(array))}")
+        raise RequestError(
+            f"input '{name}' must have shape [2, L] per request (ids, end offsets), got {list(np.shape(array))}"
+        )
     ids, offsets = arr[0].tolist(), [int(o) for o in arr[1].tolist() if o >= 0]
     words, start = [], 0
     for end in offsets:
@@ -138,7 +142,9 @@ def from_words_list(array: np.ndarray | None, name: str) -> list[list[int]]:
     return words
 
 
-def check_output_len(prompt_len: int, max_tokens: int, max_seq_len: int, name: str = "max_tokens", clamp: bool = True) -> int:
+def check_output_len(
+    prompt_len: int, max_tokens: int, max_seq_len: int, name: str = "max_tokens", clamp: bool = True
+) -> int:
     """The tokens to generate: at least one asked for; where the prompt plus them pass max_seq_len, as many as fit
     (`clamp`: TensorRT-LLM's LlmRequest::validate lowers mMaxNewTokens to maxSequenceLen - promptLen with a warning
     instead of refusing, cpp/tensorrt_llm/batch_manager/llmRequest.cpp), refused only when none fits."""

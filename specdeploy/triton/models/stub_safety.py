@@ -36,7 +36,8 @@ class HeldResponses:
             self._held.clear()
 
     def clear(self) -> None:
-        """At `finalize`, not later: a response freed at the stub's teardown would touch its shared memory after it is gone."""
+        """At `finalize`, not later: a response freed at the stub's teardown would touch its shared memory after it is
+        gone."""
         self._held.clear()
 
     def __len__(self) -> int:

@@ -1,6 +1,6 @@
 """tensorrt_llm_bls: speculative decoding over BLS calls to tensorrt_llm_draft and tensorrt_llm.
 
-The loop is `specdeploy.speculative.speculative_generate` (no Triton import there); `bls_calls` maps its
+The loop is `specdeploy.speculation.loop.speculative_generate` (no Triton import there); `bls_calls` maps its
 `Proposer` / `Verifier` protocols to BLS requests with the tensor names of NVIDIA's layout; this file
 tokenizes the prompt, detokenizes the output, and checks the request. With `stream` (decoupled
 mode) each round's new text is sent as it comes, holding back an incomplete UTF-8 character; a call that makes several
@@ -10,7 +10,7 @@ Where a round costs:
   - k = 0 (the policy fell back, the gate tripped, the request asked for no draft tokens): one target
     call for a run of plain tokens (`policy.plain_tokens`), not one call per token;
   - draft.kind ngram (BLS parameter `draft_kind`): the proposal is computed here from the token ids the
-    BLS already holds (`specdeploy.ngram.NGramProposer`, same settings and pool semantics as the
+    BLS already holds (`specdeploy.speculation.ngram.NGramProposer`, same settings and pool semantics as the
     `tensorrt_llm_draft` python model, which stays in the repository for clients that call it), so a
     round is one Triton call, to the target;
   - draft.kind eagle3 (`draft_kind` eagle3): tensorrt_llm runs the EAGLE-3 head inside (the fused loop of
@@ -37,12 +37,24 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
-from specdeploy import metrics  # noqa: E402
-from specdeploy import ngram  # noqa: E402
-from specdeploy import policy as pol  # noqa: E402
-from specdeploy import speculative as spec  # noqa: E402
-from specdeploy.errors import SpecDeployError  # noqa: E402
-from specdeploy.triton.models.bls_calls import (  # noqa: E402
+from specdeploy.core.errors import SpecDeployError  # noqa: E402
+from specdeploy.core.metrics import recorder
+from specdeploy.speculation import loop as spec  # noqa: E402
+from specdeploy.speculation import (
+    ngram,  # noqa: E402
+    sharing,
+)
+from specdeploy.speculation import policy as pol  # noqa: E402
+from specdeploy.speculation import sampling as speculation_sampling
+from specdeploy.triton.models import (
+    cancellation,
+    common,  # noqa: E402
+    optional_inputs,
+    request_inputs,
+    stub_safety,
+    text_stream,
+)
+from specdeploy.triton.models.bls_calls import (
     RUN_TOKEN_GUESS_S,
     BlsModelError,
     LlmCall,
@@ -51,17 +63,27 @@ from specdeploy.triton.models.bls_calls import (  # noqa: E402
     TritonVerifier,
     request_tensors,
 )
-from specdeploy.triton.models import common  # noqa: E402
-from specdeploy.triton.models.common import RequestError  # noqa: E402
+from specdeploy.triton.models.request_inputs import RequestError  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
 # NVIDIA's BLS inputs this model cannot honour (accepted only at their neutral value).
 REFUSED = (
-    "decoder_text_input", "image_input", "image_bytes_input", "image_url_input", "video_bytes_input", "beam_width",
-    "prompt_embedding_table", "prompt_vocab_size", "prompt_table_extra_id", "lora_task_id", "lora_weights",
-    "lora_config", "guided_decoding_guide_type", "guided_decoding_guide",
+    "decoder_text_input",
+    "image_input",
+    "image_bytes_input",
+    "image_url_input",
+    "video_bytes_input",
+    "beam_width",
+    "prompt_embedding_table",
+    "prompt_vocab_size",
+    "prompt_table_extra_id",
+    "lora_task_id",
+    "lora_weights",
+    "lora_config",
+    "guided_decoding_guide_type",
+    "guided_decoding_guide",
 )
 
 
@@ -82,8 +104,8 @@ class TritonPythonModel:
         # The engine models share our transaction policy (the generator writes both from the recipe).
         # Each draft/target call runs at most cancel_check_interval_s before the BLS checks whether its own
         # request was cancelled (or passed its deadline); an unfinished call is re-sent and resumes from its KV.
-        slice_s = float(params.get("cancel_check_interval_s") or common.CANCEL_CHECK_INTERVAL_S)
-        self.held = common.HeldResponses()  # one queue barrier serves both models' calls
+        slice_s = float(params.get("cancel_check_interval_s") or cancellation.CANCEL_CHECK_INTERVAL_S)
+        self.held = stub_safety.HeldResponses()  # one queue barrier serves both models' calls
         names = json.loads(params.get("engine_tensor_names") or "{}")
         self.target = LlmCall(params["tensorrt_llm_model_name"], self.decoupled, slice_s, self.held, names)
         self.draft = LlmCall(params["tensorrt_llm_draft_model_name"], self.decoupled, slice_s, self.held, names)
@@ -96,20 +118,24 @@ class TritonPythonModel:
         # response per round; a plain run: a response per token) and sends the text as it comes. tensorrt_llm refuses
         # `streaming` for a tokenizer whose chunks do not decode alone (its stream_problem, the same tokenizer as ours);
         # with such a tokenizer the text of such a call goes when the call returns.
-        self.engine_streams = self.decoupled and common.chunk_decoding_problem(self.tokenizer) is None
-        # Speculation policy (specdeploy.policy): the instances of this repository share the active count, and those
-        # of this server (its tritonserver is our parent) the measured costs, acceptance and gate
-        pol.remove_abandoned(tempfile.gettempdir())
-        folder = pol.instances_folder(tempfile.gettempdir(), args.get("model_repository", ""))
-        self.active = pol.ActiveCount(folder)
-        self.deployment = pol.Deployment(pol.PolicySettings.from_parameters(params, self.default_num_draft_tokens), self.active)
-        self.shared = pol.SharedState(folder, self.deployment, os.getppid())
+        self.engine_streams = self.decoupled and text_stream.chunk_decoding_problem(self.tokenizer) is None
+        # Speculation policy (specdeploy.speculation.policy): the instances of this repository share the active count,
+        # and those of this server (its tritonserver is our parent) the measured costs, acceptance and gate
+        sharing.remove_abandoned(tempfile.gettempdir())
+        folder = sharing.instances_folder(tempfile.gettempdir(), args.get("model_repository", ""))
+        self.active = sharing.ActiveCount(folder)
+        self.deployment = pol.SharedPolicy(
+            pol.PolicySettings.from_parameters(params, self.default_num_draft_tokens), self.active
+        )
+        self.shared = sharing.SharedState(folder, self.deployment, os.getppid())
         # Prometheus metrics on Triton's metrics port and the canary's control arm (specdeploy.metrics)
-        self.ops = metrics.BlsOps.in_triton(pb_utils, self.name, self.max_draft_len, params)
+        self.ops = recorder.BlsOps.in_triton(pb_utils, self.name, self.max_draft_len, params)
 
     def execute(self, requests):
         arrival_ns = time.time_ns()
-        return common.execute_all(requests, self.decoupled, lambda request, emit: self._serve(request, emit, arrival_ns), FINAL)
+        return common.execute_all(
+            requests, self.decoupled, lambda request, emit: self._serve(request, emit, arrival_ns), FINAL
+        )
 
     def _serve(self, request, emit, arrival_ns):
         try:
@@ -117,9 +143,11 @@ class TritonPythonModel:
         except (RequestError, SpecDeployError) as exc:
             emit(_error(f"{self.name}: {common.error_text(exc)}"), True)
             return
-        job["stop_check"] = common.request_cancel_check(request, self.request_timeout_s)
+        job["stop_check"] = cancellation.request_cancel_check(request, self.request_timeout_s)
         job["wanted"] = _requested_outputs(request)
-        job["ops"] = self.ops.start(requested_k=pb_utils.get_input_tensor_by_name(request, "num_draft_tokens") is not None)
+        job["ops"] = self.ops.start(
+            requested_k=pb_utils.get_input_tensor_by_name(request, "num_draft_tokens") is not None
+        )
         ok = False
         try:
             self.active.set_busy(True)
@@ -136,15 +164,17 @@ class TritonPythonModel:
             self.ops.finish(job["ops"], len(job["prompt_ids"]), bool(ok))
 
     def _parse(self, request) -> dict:
-        get = common.input_reader(request)
-        common.refuse_unsupported(get, REFUSED)
+        get = request_inputs.input_reader(request)
+        optional_inputs.refuse_unsupported(get, REFUSED)
         text_input = get("text_input")
-        common.require_single(text_input, "text_input")
-        text = common.decode_utf8(text_input.reshape(-1)[0], "text_input")
-        prompt_ids = common.encode_prompt(self.tokenizer, text, self.add_special_tokens, self.max_input_len)
-        max_tokens = common.scalar(get("max_tokens"), "max_tokens", int)
-        max_tokens = common.check_output_len(len(prompt_ids), max_tokens, self.max_seq_len)
-        num_draft_tokens = common.scalar(get("num_draft_tokens"), "num_draft_tokens", int, self.default_num_draft_tokens)
+        request_inputs.require_single(text_input, "text_input")
+        text = request_inputs.decode_utf8(text_input.reshape(-1)[0], "text_input")
+        prompt_ids = request_inputs.encode_prompt(self.tokenizer, text, self.add_special_tokens, self.max_input_len)
+        max_tokens = request_inputs.scalar(get("max_tokens"), "max_tokens", int)
+        max_tokens = request_inputs.check_output_len(len(prompt_ids), max_tokens, self.max_seq_len)
+        num_draft_tokens = request_inputs.scalar(
+            get("num_draft_tokens"), "num_draft_tokens", int, self.default_num_draft_tokens
+        )
         if num_draft_tokens < 0:
             raise RequestError(f"num_draft_tokens is {num_draft_tokens}, must be >= 0")
         if num_draft_tokens > self.max_draft_len:
@@ -152,19 +182,23 @@ class TritonPythonModel:
                 f"num_draft_tokens ({num_draft_tokens}) is larger than the target engine's max_draft_len "
                 f"({self.max_draft_len}); send at most {self.max_draft_len}"
             )
-        sampling = spec.SamplingParams(**common.sampling_fields(get, "top_k", "top_p"))
-        end_id = common.scalar(get("end_id"), "end_id", int, self.default_end_id)
-        stream = common.scalar(get("stream"), "stream", bool, False)
+        sampling = speculation_sampling.SamplingParams(**request_inputs.sampling_fields(get, "top_k", "top_p"))
+        end_id = request_inputs.scalar(get("end_id"), "end_id", int, self.default_end_id)
+        stream = request_inputs.scalar(get("stream"), "stream", bool, False)
         if stream and not self.decoupled:
             raise RequestError("stream needs the model deployed in decoupled mode (recipe triton.decoupled: true)")
-        n_seq = common.scalar(get("num_return_sequences"), "num_return_sequences", int, 1)
+        n_seq = request_inputs.scalar(get("num_return_sequences"), "num_return_sequences", int, 1)
         if n_seq != 1:
-            raise RequestError(f"input 'num_return_sequences' is {n_seq}; tensorrt_llm_bls returns one sequence (send 1, or use ensemble)")
-        stop_texts = common.strings(get("stop_words"), "stop_words")
-        stop_words = common.encode_words(self.tokenizer, stop_texts)
-        bad_words = common.encode_words(self.tokenizer, common.strings(get("bad_words"), "bad_words"))
-        bias = common.embedding_bias_from_words(self.tokenizer, get("embedding_bias_words"), get("embedding_bias_weights"),
-                                                len(self.tokenizer))
+            raise RequestError(
+                f"input 'num_return_sequences' is {n_seq}; tensorrt_llm_bls returns one sequence (send 1, or use"
+                " ensemble)"
+            )
+        stop_texts = request_inputs.strings(get("stop_words"), "stop_words")
+        stop_words = request_inputs.encode_words(self.tokenizer, stop_texts)
+        bad_words = request_inputs.encode_words(self.tokenizer, request_inputs.strings(get("bad_words"), "bad_words"))
+        bias = optional_inputs.embedding_bias_from_words(
+            self.tokenizer, get("embedding_bias_words"), get("embedding_bias_weights"), len(self.tokenizer)
+        )
         return {
             "prompt_ids": prompt_ids,
             "max_tokens": max_tokens,
@@ -173,17 +207,25 @@ class TritonPythonModel:
             "end_id": end_id if end_id is not None and end_id >= 0 else None,
             "stop_words": stop_words,
             "stop_texts": stop_texts,
-            "bad_words_list": common.to_words_list(bad_words),
-            "stop_words_list": common.to_words_list(stop_words),
-            "use_draft_logits": common.scalar(get("use_draft_logits"), "use_draft_logits", bool, self.default_use_draft_logits),
+            "bad_words_list": request_inputs.to_words_list(bad_words),
+            "stop_words_list": request_inputs.to_words_list(stop_words),
+            "use_draft_logits": request_inputs.scalar(
+                get("use_draft_logits"), "use_draft_logits", bool, self.default_use_draft_logits
+            ),
             "stream": stream,
-            "exclude_input": common.scalar(get("exclude_input_in_output"), "exclude_input_in_output", bool, False),
-            "perf": common.scalar(get("return_perf_metrics"), "return_perf_metrics", bool, False),
-            "penalties": common.penalty_fields(get),
+            "exclude_input": request_inputs.scalar(
+                get("exclude_input_in_output"), "exclude_input_in_output", bool, False
+            ),
+            "perf": request_inputs.scalar(get("return_perf_metrics"), "return_perf_metrics", bool, False),
+            "penalties": optional_inputs.penalty_fields(get),
             "embedding_bias": bias,
-            "return_log_probs": common.scalar(get("return_log_probs"), "return_log_probs", bool, False),
-            "return_context_logits": common.scalar(get("return_context_logits"), "return_context_logits", bool, False),
-            "return_generation_logits": common.scalar(get("return_generation_logits"), "return_generation_logits", bool, False),
+            "return_log_probs": request_inputs.scalar(get("return_log_probs"), "return_log_probs", bool, False),
+            "return_context_logits": request_inputs.scalar(
+                get("return_context_logits"), "return_context_logits", bool, False
+            ),
+            "return_generation_logits": request_inputs.scalar(
+                get("return_generation_logits"), "return_generation_logits", bool, False
+            ),
         }
 
     def _run(self, job, arrival_ns, emit):
@@ -191,7 +233,7 @@ class TritonPythonModel:
             return self._run_fused(job, arrival_ns, emit)
         record = Record()
         times = {"arrival": arrival_ns, "scheduled": time.time_ns(), "first": None}
-        stream = common.TextStream(self.tokenizer, self.skip_special_tokens) if job["stream"] else None
+        stream = text_stream.TextStream(self.tokenizer, self.skip_special_tokens) if job["stream"] else None
         streamed = [0]  # output tokens already pushed into `stream`
 
         def send(ids):
@@ -200,12 +242,22 @@ class TritonPythonModel:
             if delta:
                 emit(self._response(delta, job, None, times, record, None), False)
 
-        proposer = ngram.NGramProposer(self.ngram, self.ngram_pool) if self.ngram is not None else TritonProposer(self.draft, job)
+        proposer = (
+            ngram.NGramProposer(self.ngram, self.ngram_pool)
+            if self.ngram is not None
+            else TritonProposer(self.draft, job)
+        )
         # a plain run's tokens as they come (bls_calls.PlainRunStream). Not kept in `job`: `send` holds the job and the
         # response sender, and a cycle through them left the sender to the garbage collector, which freed it at the
         # stub's teardown after its shared memory was gone (SIGSEGV, "Garbage-collecting", tests/test_triton_server.py)
-        verifier = TritonVerifier(self.target, job, record, self.deployment.costs, self.active,
-                                  stream_sink=send if stream is not None and self.engine_streams else None)
+        verifier = TritonVerifier(
+            self.target,
+            job,
+            record,
+            self.deployment.costs,
+            self.active,
+            stream_sink=send if stream is not None and self.engine_streams else None,
+        )
         ops = job["ops"]  # the canary arm and the metrics of this request
         rounds = spec.speculative_generate(
             proposer,
@@ -213,8 +265,11 @@ class TritonPythonModel:
             job["prompt_ids"],
             max_new_tokens=job["max_tokens"],
             # logits come only from calls without drafts (TritonVerifier.verify): such a request is served plain
-            num_draft_tokens=0 if job["return_context_logits"] or job["return_generation_logits"]
-            else self.ops.num_draft_tokens(ops, job["num_draft_tokens"]),
+            num_draft_tokens=(
+                0
+                if job["return_context_logits"] or job["return_generation_logits"]
+                else self.ops.num_draft_tokens(ops, job["num_draft_tokens"])
+            ),
             sampling=job["sampling"],
             end_id=job["end_id"],
             stop_words=job["stop_words"],
@@ -271,8 +326,13 @@ class TritonPythonModel:
         times = {"arrival": arrival_ns, "scheduled": time.time_ns(), "first": None}
         wants_logits = job["return_context_logits"] or job["return_generation_logits"]
         # the static policy: schedule and gate may turn it off
-        k, plain_reason = self.ops.fused_k(ops, 0 if wants_logits else job["num_draft_tokens"], self.max_draft_len,
-                                           self.deployment.fused_request(), self.deployment)  # fmt: skip
+        k, plain_reason = self.ops.fused_k(
+            ops,
+            0 if wants_logits else job["num_draft_tokens"],
+            self.max_draft_len,
+            self.deployment.fused_request(),
+            self.deployment,
+        )
         extra = {
             "bad_words_list": job["bad_words_list"][None],
             "stop_words_list": job["stop_words_list"][None],
@@ -281,12 +341,20 @@ class TritonPythonModel:
             "num_draft_tokens": np.array([[k]], dtype=np.int32),
             **request_tensors(job, 0),
         }
-        wanted = ["output_log_probs", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks", "first_token_time_ns",
-                  "draft_tokens_per_round", "accepted_draft_tokens_per_round", "lookup_draft_rounds", "draft_seconds_per_round",
-                  "forward_seconds_per_pass"] + (["context_logits"] if job["return_context_logits"] else [])
+        wanted = [
+            "output_log_probs",
+            "kv_cache_reused_blocks",
+            "kv_cache_alloc_total_blocks",
+            "first_token_time_ns",
+            "draft_tokens_per_round",
+            "accepted_draft_tokens_per_round",
+            "lookup_draft_rounds",
+            "draft_seconds_per_round",
+            "forward_seconds_per_pass",
+        ] + (["context_logits"] if job["return_context_logits"] else [])
         stream, on_tokens = None, None
         if job["stream"]:
-            stream = common.TextStream(self.tokenizer, self.skip_special_tokens)
+            stream = text_stream.TextStream(self.tokenizer, self.skip_special_tokens)
             if self.engine_streams:
                 extra["streaming"] = np.array([[True]])
 
@@ -297,8 +365,14 @@ class TritonPythonModel:
 
         started = time.perf_counter()
         tokens, logits, outputs = self.target(
-            job["prompt_ids"], job["max_tokens"], job["sampling"], extra, job["return_generation_logits"], wanted,
-            stop_check=job["stop_check"], slice_s=common.run_slice_s(job["max_tokens"], RUN_TOKEN_GUESS_S, self.active()),
+            job["prompt_ids"],
+            job["max_tokens"],
+            job["sampling"],
+            extra,
+            job["return_generation_logits"],
+            wanted,
+            stop_check=job["stop_check"],
+            slice_s=cancellation.run_slice_s(job["max_tokens"], RUN_TOKEN_GUESS_S, self.active()),
             on_tokens=on_tokens,
         )
         call_s = time.perf_counter() - started
@@ -308,11 +382,27 @@ class TritonPythonModel:
             return
         flat = lambda name, kind=int: [kind(x) for a in outputs.get(name, []) for x in a.reshape(-1)]  # noqa: E731
         drafted_rounds, accepted_rounds = flat("draft_tokens_per_round"), flat("accepted_draft_tokens_per_round")
-        rounds = self.ops.fused_rounds(ops, k, self.max_draft_len, job["max_tokens"], drafted_rounds, accepted_rounds, len(tokens),
-                                       call_s, plain_reason, self.deployment.settings.policy, flat("lookup_draft_rounds"),
-                                       flat("forward_seconds_per_pass", float), flat("draft_seconds_per_round", float))  # fmt: skip
+        rounds = self.ops.fused_rounds(
+            ops,
+            k,
+            self.max_draft_len,
+            job["max_tokens"],
+            drafted_rounds,
+            accepted_rounds,
+            len(tokens),
+            call_s,
+            plain_reason,
+            self.deployment.settings.policy,
+            flat("lookup_draft_rounds"),
+            flat("forward_seconds_per_pass", float),
+            flat("draft_seconds_per_round", float),
+        )
         record = Record()
-        log_probs = [float(x) for a in outputs.get("output_log_probs", []) for x in a.reshape(-1)] if job["return_log_probs"] else None
+        log_probs = (
+            [float(x) for a in outputs.get("output_log_probs", []) for x in a.reshape(-1)]
+            if job["return_log_probs"]
+            else None
+        )
         if outputs.get("context_logits"):
             rows = outputs["context_logits"][0]
             record.context_logits = rows.reshape(-1, rows.shape[-1])
@@ -321,9 +411,17 @@ class TritonPythonModel:
         record.kv_total = last.get("kv_cache_alloc_total_blocks", 0)
         times["first"] = last.get("first_token_time_ns", 0) or (time.time_ns() if tokens else None)
         self.ops.tokens(ops, len(tokens))
-        stats = spec.SpecStats(drafted=sum(drafted_rounds), accepted=sum(accepted_rounds), output_tokens=len(tokens),
-                               k_per_round=rounds.k, accepted_per_round=rounds.accepted, target_iterations=len(rounds.k),
-                               draft_s_per_round=rounds.draft_s, target_s_per_round=rounds.target_s, policy="eagle3-fused")
+        stats = spec.SpecStats(
+            drafted=sum(drafted_rounds),
+            accepted=sum(accepted_rounds),
+            output_tokens=len(tokens),
+            k_per_round=rounds.k,
+            accepted_per_round=rounds.accepted,
+            target_iterations=len(rounds.k),
+            draft_s_per_round=rounds.draft_s,
+            target_s_per_round=rounds.target_s,
+            policy="eagle3-fused",
+        )
         extras = {"log_probs": log_probs or [], "logits": [logits[: len(tokens)]] if logits is not None else []}
         if stream is not None:
             if on_tokens is None:  # not streamed by tensorrt_llm: the whole text now
@@ -340,8 +438,12 @@ class TritonPythonModel:
         (tensorrtllm_backend c2e65b8, tensorrt_llm_bls/1/model.py:146-167: the stop words in their order, from the
         generation's start), also where the model wrote the word inside other tokens than its own (the engine stops
         only where the tokens match)."""
-        start = 0 if job["exclude_input"] else len(self.tokenizer.decode(job["prompt_ids"], skip_special_tokens=self.skip_special_tokens))
-        return common.cut_at_stop_text(text, job["stop_texts"], start)
+        start = (
+            0
+            if job["exclude_input"]
+            else len(self.tokenizer.decode(job["prompt_ids"], skip_special_tokens=self.skip_special_tokens))
+        )
+        return request_inputs.cut_at_stop_text(text, job["stop_texts"], start)
 
     def _response(self, text, job, stats, times, record, extras, n_output=0):
         # [1], flat as NVIDIA's BLS sends it (its clients read text_output[0] as bytes)
@@ -354,10 +456,14 @@ class TritonPythonModel:
             "cum_log_probs": np.array([[sum(log_probs)]], dtype=np.float32),
             "output_log_probs": np.array(log_probs, dtype=np.float32).reshape(1, 1, -1),
             "context_logits": (
-                record.context_logits[None].astype(np.float32) if record.context_logits is not None else np.zeros((1, 0, 0), np.float32)
+                record.context_logits[None].astype(np.float32)
+                if record.context_logits is not None
+                else np.zeros((1, 0, 0), np.float32)
             ),
             "generation_logits": (
-                torch.cat(extras["logits"]).float().numpy()[None, None] if extras["logits"] else np.zeros((1, 1, 0, 0), np.float32)
+                torch.cat(extras["logits"]).float().numpy()[None, None]
+                if extras["logits"]
+                else np.zeros((1, 1, 0, 0), np.float32)
             ),
             "batch_index": np.array([[0]], dtype=np.int32),
             "sequence_index": np.array([[0]], dtype=np.int32),
@@ -372,12 +478,16 @@ class TritonPythonModel:
             "total_accepted_draft_tokens": np.array([[stats.accepted]], dtype=np.int32),
             "total_draft_tokens": np.array([[stats.drafted]], dtype=np.int32),
         }
-        if "sequence_length" in job["wanted"]:  # the answer's output tokens, [batch, beam] as tensorrt_llm's (OUTPUT_COUNT)
+        if (
+            "sequence_length" in job["wanted"]
+        ):  # the answer's output tokens, [batch, beam] as tensorrt_llm's (OUTPUT_COUNT)
             values["sequence_length"] = np.array([[n_output]], dtype=np.int32)
         # per round, [1, rounds], only when asked for (the seconds are empty where the target did not time its passes)
-        for name, per_round, dtype in (("speculative_k_history", stats.k_per_round, np.int32),
-                                       ("speculative_draft_seconds", stats.draft_s_per_round, np.float32),
-                                       ("speculative_target_seconds", stats.target_s_per_round, np.float32)):  # fmt: skip
+        for name, per_round, dtype in (
+            ("speculative_k_history", stats.k_per_round, np.int32),
+            ("speculative_draft_seconds", stats.draft_s_per_round, np.float32),
+            ("speculative_target_seconds", stats.target_s_per_round, np.float32),
+        ):
             if name in job["wanted"]:
                 values[name] = np.array(per_round, dtype=dtype).reshape(1, -1)
         outputs += [pb_utils.Tensor(k, v) for k, v in values.items()]
@@ -399,4 +509,3 @@ def _requested_outputs(request) -> set:
 
 def _error(message: str):
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(message))
-

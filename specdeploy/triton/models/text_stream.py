@@ -59,7 +59,10 @@ def chunk_decoding_problem(tokenizer) -> str | None:
         return "the tokenizer has no fast (tokenizers) backend"
     decoder = json.loads(backend.to_str()).get("decoder") or {}
     if decoder.get("type") != "ByteLevel":
-        return f"its decoder is {decoder.get('type') or 'none'}, not ByteLevel (a chunk decoded alone can lose its leading space)"
+        return (
+            f"its decoder is {decoder.get('type') or 'none'}, not ByteLevel (a chunk decoded alone can lose its leading"
+            " space)"
+        )
     return None
 
 

@@ -1,6 +1,6 @@
 """Re-records llama_*.json / llama_spec.sse: real llama-server answers to POST /v1/completions (README.md here).
 
-    .venv/bin/python tests/data/runtime_counters/record_llama.py
+.venv/bin/python tests/data/runtime_counters/record_llama.py
 """
 
 from __future__ import annotations
@@ -21,15 +21,16 @@ PROMPT = "<|im_start|>user\nName three primary colors.<|im_end|>\n<|im_start|>as
 
 
 def post(port: int, body: dict) -> bytes:
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})  # fmt: skip
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=300) as response:
         return response.read()
 
 
 def main() -> None:
-    from specdeploy.artifacts import BUNDLED_HEADS
-    from specdeploy.models import resolve
+    from specdeploy.core.artifacts import BUNDLED_HEADS
+    from specdeploy.core.model_store import resolve
 
     hf_dir = Path(resolve("smollm2-135m-instruct"))
     head = llama_cpp.convert_head(BUNDLED_HEADS / "smollm2-135m-instruct-eagle3", hf_dir)

@@ -1,0 +1,1 @@
+"""The `specdeploy` command: one module per group of commands; `main` assembles them."""

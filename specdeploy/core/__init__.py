@@ -1,0 +1,1 @@
+"""What every layer shares: errors, artifacts and their manifests, locks, model store, backend facts, metrics."""

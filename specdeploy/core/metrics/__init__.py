@@ -1,0 +1,1 @@
+"""The metrics a deployment exports: names, sinks, the BLS's recorder, the endpoint's reader, the dashboard."""

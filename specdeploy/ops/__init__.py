@@ -1,0 +1,1 @@
+"""Operating a deployment: doctor, monitor, canary and the OpenAI-compatible front."""

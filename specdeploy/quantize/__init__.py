@@ -1,0 +1,1 @@
+"""The quantize stage: ModelOpt calibration and export into TensorRT-LLM checkpoints, formats, quality."""
