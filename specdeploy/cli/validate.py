@@ -34,6 +34,21 @@ FOREIGN_OPTIONS = (
 )
 
 
+# the gate's thresholds, the same option on validate and run
+MIN_PARITY = click.option(
+    "--min-parity",
+    type=float,
+    default=None,
+    help="Least share of prompts with greedy parity [recipe validation.min_parity].",
+)
+MIN_SPEEDUP = click.option(
+    "--min-speedup",
+    type=float,
+    default=None,
+    help="Least speedup at the lowest concurrency; 0 disables [recipe validation.min_speedup].",
+)
+
+
 @click.command("validate")
 @click.argument("recipe", type=click.Path(dir_okay=False), required=False)
 @click.option(
@@ -119,18 +134,8 @@ FOREIGN_OPTIONS = (
     default=None,
     help="Where to write the report [engines/<recipe>/report/; without RECIPE: ./specdeploy-report/].",
 )
-@click.option(
-    "--min-parity",
-    type=float,
-    default=None,
-    help="Least share of prompts with greedy parity [recipe validation.min_parity].",
-)
-@click.option(
-    "--min-speedup",
-    type=float,
-    default=None,
-    help="Least speedup at the lowest concurrency; 0 disables [recipe validation.min_speedup].",
-)
+@MIN_PARITY
+@MIN_SPEEDUP
 @click.option(
     "--sweep-draft-tokens",
     default=None,
@@ -403,18 +408,8 @@ def _validate_foreign(url, protocol, openai_url, metrics_url, baseline_url, repo
     default=None,
     help="Where to write the report [engines/<recipe>/report/].",
 )
-@click.option(
-    "--min-parity",
-    type=float,
-    default=None,
-    help="Least share of prompts with greedy parity [recipe validation.min_parity].",
-)
-@click.option(
-    "--min-speedup",
-    type=float,
-    default=None,
-    help="Least speedup at the lowest concurrency; 0 disables [recipe validation.min_speedup].",
-)
+@MIN_PARITY
+@MIN_SPEEDUP
 @click.option(
     "--sweep-draft-tokens", default=None, metavar="1..K", help="Also measure each draft length and recommend k."
 )
