@@ -6,6 +6,9 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# grpc's fork handlers can block a fork (subprocess.Popen of tritonserver) forever while a channel's threads are
+# busy (grpc/grpc#37259); every fork here is followed by exec, the case grpc documents this switch for
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 import pytest
 import torch

@@ -9,6 +9,7 @@ gRPC stream API (required by Triton for them), which also gives a client-side TT
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -43,6 +44,10 @@ PERF_OUTPUTS = (
 
 
 def _tc():
+    # Before grpc starts: its fork handlers can block a later fork (the tritonserver a process starts) forever while a
+    # channel's threads are busy (grpc/grpc#37259); every fork specdeploy makes is followed by exec, the case grpc
+    # documents this switch for (doc/fork_support.md).
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
