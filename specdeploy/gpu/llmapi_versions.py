@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from specdeploy.core.errors import ConfigError
 
@@ -145,28 +145,24 @@ LLMAPI_VERSIONS = {
             "(EAGLE-3 one-model), PR #15775 (DRAFT_TARGET one-model)"
         ),
     ),
-    "1.4": LlmApiVersion(
-        name="1.4",
-        releases="1.4.x",
-        decoding_types={"draft_target": "Draft_Target", "ngram": "NGram", "eagle3": "Eagle3"},
-        draft_model_key="speculative_model",
-        draft_len_schedule="upper",
-        acceptance_keys=("acceptance_rate_window_size", "acceptance_rate_threshold"),
-        acceptance_measure="rate",
-        evidence="as 1.3 (main after PR #12905)",
-        eagle3_fields=("eagle3_layers_to_capture", "sa_config", "use_dynamic_tree"),
-        eagle3_evidence=(
-            "1.4.0rc1 API page Eagle3DecodingConfig: Literal['Eagle3'], speculative_model, "
-            "eagle3_layers_to_capture, sa_config (no eagle3_one_model listed)"
-        ),
-        rejection_sampling=("eagle3", "draft_target"),
-        rejection_sampling_evidence=(
-            "1.4.0rc1 and 1.4.0rc4 API pages: DecodingBaseConfig.use_rejection_sampling; "
-            "PR #12588 (EAGLE-3 one-model), PR #15775 (DRAFT_TARGET one-model)"
-        ),
-    ),
 }
 
+
+# 1.4 spells every option as 1.3 does (main after PR #12905); only the evidence differs
+LLMAPI_VERSIONS["1.4"] = replace(
+    LLMAPI_VERSIONS["1.3"],
+    name="1.4",
+    releases="1.4.x",
+    evidence="as 1.3 (main after PR #12905)",
+    eagle3_evidence=(
+        "1.4.0rc1 API page Eagle3DecodingConfig: Literal['Eagle3'], speculative_model, "
+        "eagle3_layers_to_capture, sa_config (no eagle3_one_model listed)"
+    ),
+    rejection_sampling_evidence=(
+        "1.4.0rc1 and 1.4.0rc4 API pages: DecodingBaseConfig.use_rejection_sampling; "
+        "PR #12588 (EAGLE-3 one-model), PR #15775 (DRAFT_TARGET one-model)"
+    ),
+)
 
 # The first release candidate of a line whose option names LLMAPI_VERSIONS describes (earlier ones are refused here
 # and by the image's version gate, packaging.dockerfile).
