@@ -766,3 +766,48 @@ def test_a_generated_prompt_holding_a_held_out_turn_is_dropped_and_counted(tmp_p
     assert not collector.offer(draft_prompts.PromptSpec("x", "self_instruct", (("user", "Tell me: " + turn),)))
     assert collector.offer(draft_prompts.PromptSpec("y", "self_instruct", (("user", "Something of its own."),)))
     assert collector.dropped_heldout == {"self_instruct": 1}
+
+
+@needs_sharegpt
+def test_scored_share_stores_sharegpt_replies_for_that_share_of_prompts_and_generates_the_rest(tmp_path, chat_model):
+    from specdeploy.eagle3.generation import ChatFormat
+    from specdeploy.engine.generate import load_tokenizer
+
+    data = {"sources": ["sharegpt"], "num_prompts": 12, "samples_per_prompt": 1, "max_new_tokens": 2}
+    recipe, layout = _torch_recipe(tmp_path / "half", chat_model, {**data, "scored_share": 0.5})
+    dest, _ = _make(recipe, layout)
+    records = _read(dest / "train.jsonl") + _read(dest / "heldout.jsonl")
+    replies = [r for r in records if r["source"] == "sharegpt_reply"]
+    answers = [r for r in records if r["source"] == "sharegpt"]
+    assert replies and answers
+    assert len(replies) + len(answers) == Manifest.read(dest).extra["total"]["prompts"]  # one sample a prompt
+    chat = ChatFormat(load_tokenizer(str(chat_model), str(chat_model)))
+    plan = {f"{p.id}/reply": p for p in draft_prompts.sharegpt_prompts(0)}
+    for r in replies:  # the prompt in the chat template, then the conversation's own reply and the end token
+        prompt = plan[r["id"]]
+        ids = chat.prompt_ids(prompt.messages)
+        assert r["loss_start"] == len(ids) and r["input_ids"][: len(ids)] == ids and not r["sampled"]
+        assert r["input_ids"][len(ids) :] == (ids + chat.answer_ids(prompt.reply))[len(ids) : len(r["input_ids"])]
+        conversation = next(c for c in sharegpt.load().conversations if prompt.id.startswith(f"sharegpt-{c.id}-"))
+        turn = int(prompt.id.rsplit("-", 1)[1])
+        assert prompt.reply and (
+            ("assistant", prompt.reply) == (conversation.turns[turn + 1][0], conversation.turns[turn + 1][1].strip())
+        )
+    assert all(len(r["input_ids"]) - r["loss_start"] <= 2 for r in records)  # replies cut as answers: max_new_tokens
+    assert Manifest.read(dest).extra["total"]["by_source"]["sharegpt_reply"]["samples"] == len(replies)
+    # all scored: nothing generated; the same prompts are scored for the same seed
+    recipe, layout = _torch_recipe(tmp_path / "all", chat_model, {**data, "scored_share": 1.0})
+    dest, _ = _make(recipe, layout)
+    every = _read(dest / "train.jsonl") + _read(dest / "heldout.jsonl")
+    assert {r["source"] for r in every} == {"sharegpt_reply"}
+    assert {r["id"] for r in replies} < {r["id"] for r in every}
+
+
+def test_scored_share_is_refused_outside_zero_to_one_and_without_the_sharegpt_source(tmp_path, chat_model):
+    for data, expected in (
+        ({"sources": ["sharegpt"], "scored_share": 1.5}, "between 0.0 and 1.0"),
+        ({"sources": ["calibration"], "scored_share": 0.5}, "no sharegpt"),
+    ):
+        with pytest.raises(ConfigError) as exc:
+            _torch_recipe(tmp_path, chat_model, data)
+        assert "draft.data.scored_share" in exc.value.message and expected in exc.value.message

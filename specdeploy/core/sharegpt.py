@@ -179,6 +179,14 @@ def user_prompts(conversation: Conversation) -> Iterator[tuple[int, tuple[Messag
             yield i, messages
 
 
+def reply_to(conversation: Conversation, turn: int) -> str:
+    """The assistant turn that answered user turn `turn` ("" where none did: the conversation ends there)."""
+    turns = list(conversation.turns)
+    if turn + 1 < len(turns) and turns[turn + 1][0] == "assistant":
+        return turns[turn + 1][1].strip()
+    return ""
+
+
 def validation_prompts(count: int, seed: int, corpus: Corpus | None = None) -> list[tuple[str, tuple[Message, ...]]]:
     """`count` prompts (id "<conversation id>/<turn>", messages) of the validation ("0") half, English, at most one per
     conversation, drawn with `seed`: the same seed gives the same prompts."""

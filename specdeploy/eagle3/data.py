@@ -17,7 +17,9 @@ Prompt sources:
   ShareGPT (specdeploy.core.sharegpt; the optional extra specdeploy[sharegpt]), English only, in the seed's order;
 - a .jsonl file ({"prompt": ...} or {"messages": [...]} per line) or a .txt file (one prompt per line).
 `text_files` are texts already on the machine, cut into chunks and stored as scored text (loss from position 0,
-nothing generated: the trainer computes the target's distribution over them).
+nothing generated: the trainer computes the target's distribution over them). draft.data.scored_share of the
+sharegpt prompts are stored the same way with their conversation's own assistant turn as the answer (source
+"sharegpt_reply", loss from the reply's first token), in place of answers the target writes.
 
 The validation prompt sets (specdeploy/data/prompts/*.jsonl and the recipe's validation.prompt_set) are never
 used: a prompt file holding one of their prompts is refused, a calibration or self-instruct prompt equal to one
@@ -59,6 +61,7 @@ from specdeploy.eagle3.prompts import (
     CALIBRATION_FILE,
     NAMED_SOURCES,
     PromptCollector,
+    PromptSpec,
     calibration_prompts,
     check_sources,
     check_text_files,
@@ -78,6 +81,7 @@ STAGE = "draft-data"
 RERUN = "specdeploy draft data {recipe}"
 HELDOUT_PERCENT = 5
 WORK_SUFFIX = ".partial"
+SCORED_SUFFIX = "_reply"  # a scored reply's source in the files and the manifest: "sharegpt_reply"
 MIN_ANSWER_TOKENS = 8  # a prompt that leaves fewer positions for the answer (max_seq_len) is dropped as too long
 
 
@@ -398,7 +402,10 @@ def _answer_jobs(collector: PromptCollector, chat: ChatFormat, data, max_seq_len
         if max_new < min(MIN_ANSWER_TOKENS, data.max_new_tokens):
             too_long += 1
             continue
-        plan.append((prompt, ids))
+        if scored(prompt, data):
+            plan.append((prompt, ids, chat.answer_ids(prompt.reply)[:max_new]))  # as long as an answer may be
+            continue
+        plan.append((prompt, ids, None))
         for k in range(data.samples_per_prompt):
             jobs.append(
                 Job(
@@ -412,6 +419,14 @@ def _answer_jobs(collector: PromptCollector, chat: ChatFormat, data, max_seq_len
     return jobs, plan, too_long
 
 
+def scored(prompt: PromptSpec, data) -> bool:
+    """Whether the prompt's sample is its source's reply scored by the target (draft.data.scored_share of the prompts
+    that carry one, drawn by a hash of the prompt's id and the seed: the same prompts for the same settings)."""
+    if not prompt.reply or data.scored_share <= 0.0:
+        return False
+    return derived_seed(data.seed, prompt.id, "scored") % 10_000 < round(data.scored_share * 10_000)
+
+
 def _records(recipe: Recipe, journal: Journal, plan, tokenizer, max_seq_len: int):
     """The samples (answers from the journal, then the text files' chunks) as [(key, record)], and the keys held out.
 
@@ -423,8 +438,22 @@ def _records(recipe: Recipe, journal: Journal, plan, tokenizer, max_seq_len: int
     data = recipe.draft.data
     records: list[tuple[str, dict]] = []
     group_of: dict[str, str] = {}
-    for prompt, ids in plan:
+    for prompt, ids, reply_ids in plan:
         group_of[prompt.key] = prompt.group
+        if reply_ids is not None:
+            records.append(
+                (
+                    prompt.key,
+                    {
+                        "id": f"{prompt.id}/reply",
+                        "source": f"{prompt.source}{SCORED_SUFFIX}",
+                        "input_ids": ids + reply_ids,
+                        "loss_start": len(ids),
+                        "sampled": False,
+                    },
+                )
+            )
+            continue
         for k in range(data.samples_per_prompt):
             entry = journal.done[f"{prompt.id}/{k}"]
             records.append(

@@ -50,6 +50,11 @@ class ChatFormat:
         )
         return self._ids(text)
 
+    def answer_ids(self, text: str) -> list[int]:
+        """An assistant turn's content as the target would have written it after prompt_ids: its tokens and the end
+        token (an answer the target writes ends with it too)."""
+        return [*self.tokenizer(text, add_special_tokens=False).input_ids, self.end_id]
+
     def user_turn_prefix(self) -> list[int]:
         """The ids the template writes before a (first) user turn's content, system prompt included."""
         text = self.tokenizer.apply_chat_template(

@@ -107,6 +107,9 @@ class PromptSpec:
     # what the prompt is held out with: prompts sharing a text (a calibration passage in its five requests) go to
     # the same side, or a held-out request would be judged on a passage the head learned by heart; "": the prompt
     group_text: str = ""
+    # the assistant turn that answered it in its source (sharegpt), which draft.data.scored_share may score in place
+    # of the target's answers; "" for the other sources
+    reply: str = ""
 
     @property
     def key(self) -> str:
@@ -115,8 +118,9 @@ class PromptSpec:
 
     @property
     def text(self) -> str:
-        """Every message's content (what is screened for validation prompts: a system message may hold one too)."""
-        return "\n".join(content for _, content in self.messages)
+        """Every message's content and the reply (what is screened for validation prompts: a system message or a
+        scored reply may hold one too)."""
+        return "\n".join([*(content for _, content in self.messages), *([self.reply] if self.reply else [])])
 
     @property
     def group(self) -> str:
@@ -352,7 +356,13 @@ def sharegpt_prompts(seed: int) -> list[PromptSpec]:
     conversations = [c for c in sharegpt.load().conversations if not sharegpt.is_heldout(c.id) and sharegpt.english(c)]
     random.Random(derived_seed(seed, "sharegpt")).shuffle(conversations)
     return [
-        PromptSpec(f"sharegpt-{c.id}-{turn}", "sharegpt", messages, group_text=f"sharegpt {c.id}")
+        PromptSpec(
+            f"sharegpt-{c.id}-{turn}",
+            "sharegpt",
+            messages,
+            group_text=f"sharegpt {c.id}",
+            reply=sharegpt.reply_to(c, turn),
+        )
         for c in conversations
         for turn, messages in sharegpt.user_prompts(c)
     ]

@@ -508,6 +508,14 @@ def _check_eagle3(r: Recipe) -> None:
     _at_least("draft.train.ttt_steps", t.ttt_steps, 1)
     _at_least("draft.data.num_prompts", d.data.num_prompts, 1)
     _at_least("draft.data.samples_per_prompt", d.data.samples_per_prompt, 1)
+    if not 0.0 <= d.data.scored_share <= 1.0:
+        raise ConfigError(f"key 'draft.data.scored_share' is {d.data.scored_share}, must be between 0.0 and 1.0")
+    if d.data.scored_share > 0.0 and "sharegpt" not in d.data.sources:
+        raise ConfigError(
+            f"key 'draft.data.scored_share' is {d.data.scored_share}, but draft.data.sources has no sharegpt: only"
+            " ShareGPT's conversations carry an answer to score",
+            "add sharegpt to draft.data.sources, or remove scored_share (other texts: draft.data.text_files)",
+        )
 
 
 def _check_tree(r: Recipe, backend) -> None:

@@ -118,6 +118,11 @@ class Eagle3DataConfig:
     text_files: tuple[str, ...] = ()
     num_prompts: int = 512
     samples_per_prompt: int = 2  # the first answer greedy, the others sampled at `temperature`
+    # The share of the sharegpt source's prompts whose sample is the conversation's own assistant turn, scored by
+    # the target (a prefill: its features and distribution at every answer position) instead of answers the target
+    # writes: 0.0 all on-policy, 1.0 all scored text. A scored sample costs the data stage only its tokenization
+    # (the prefill runs at `draft train`, features: engine); docs/eagle3-data.md "Two kinds of samples".
+    scored_share: float = 0.0
     temperature: float = 0.8
     max_new_tokens: int = 256
     seed: int = 0
