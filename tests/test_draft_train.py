@@ -983,7 +983,7 @@ def test_new_train_keys_at_their_defaults_keep_a_heads_fingerprint_and_bad_ones_
     old = {
         k: v
         for k, v in to_plain(recipe.draft.train).items()
-        if k not in ("features", "init_head", "length_grouping", "data_dir", "label_top_k")
+        if k not in ("features", "init_head", "length_grouping", "data_dir", "label_top_k", "heldout_samples")
     }
     assert draft_train.stage_fingerprint(recipe, "t", "d") == fingerprint(
         stage=draft_train.STAGE, target="t", data="d", train=old
@@ -999,6 +999,8 @@ def test_new_train_keys_at_their_defaults_keep_a_heads_fingerprint_and_bad_ones_
         recipe_for(Path("/x"), label_top_k=8)
     with pytest.raises(ConfigError, match="label_top_k' is -1"):
         recipe_for(Path("/x"), features="engine", label_top_k=-1)
+    with pytest.raises(ConfigError, match="heldout_samples' is -1"):
+        recipe_for(Path("/x"), heldout_samples=-1)
     with pytest.raises(ConfigError, match="draft.train.features' is engine on backend trtllm-llmapi") as err:
         parse_recipe(
             {
@@ -1150,3 +1152,18 @@ def test_data_curve_trains_nested_parts_of_one_folder_and_measures_each_on_the_s
     assert json.loads(out.read_text())["references"] == [
         {"name": "same", "head": full["head"], "heldout": full["heldout"]}
     ]
+
+
+def test_heldout_samples_measures_a_seeded_subset_of_the_held_out_samples(tiny):
+    from dataclasses import replace
+
+    _, _, data_dir = tiny
+    data = draft_samples.read_draft_data(data_dir, VOCAB)
+    assert len(data.heldout) >= 3
+    cut = replace(recipe_for(Path("/x")).draft.train, heldout_samples=2)
+    subset = draft_train.heldout_subset(data, cut).heldout
+    assert len(subset) == 2 and set(subset) <= set(data.heldout)
+    assert subset == draft_train.heldout_subset(data, cut).heldout  # the same seed: the same samples
+    assert list(subset) == [s for s in data.heldout if s in subset]  # in the file's order
+    assert draft_train.heldout_subset(data, replace(cut, heldout_samples=0)) is data
+    assert draft_train.heldout_subset(data, replace(cut, heldout_samples=len(data.heldout))) is data

@@ -442,3 +442,17 @@ def test_triton_requests_use_the_given_names_and_knobs_and_record_what_a_model_d
     }
     with pytest.raises(Exception, match="input of the inflight_batcher_llm layout's BLS"):
         Deployment("127.0.0.1:1", "tok", layout="llmapi", use_draft_logits=True)
+
+
+@pytest.mark.server
+def test_a_time_budget_too_small_cuts_the_timed_phases_and_says_so(inflight, model_dir, prompts, tmp_path):
+    _, _, srv = inflight
+    args = ["--url", srv.state.grpc_url, "--tokenizer", str(model_dir), "--prompts", prompts, *RUN_SIZE]
+    result, report = _validate([*args, "--repeats", "4", "--time-budget", "0.0001"], tmp_path)
+    assert report["complete"], report["errors"]
+    _parity_computed(report)  # parity is never cut
+    budget = report["plan"]["budget"]
+    assert (budget["repeats"], budget["timed_prompts"], budget["fits"]) == (2, len(PROMPTS), False)
+    assert report["settings"]["repeats"] == 2 and len(report["latency"]["runs"]) == 2 * 2  # 2 repeats x 2 sides
+    assert any("--time-budget" in w and "does not fit" in w for w in report["warnings"]), report["warnings"]
+    assert "--time-budget" in result.output

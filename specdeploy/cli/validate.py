@@ -222,6 +222,16 @@ MIN_SPEEDUP = click.option(
     ),
 )
 @click.option(
+    "--time-budget",
+    type=click.FloatRange(min=0.0, min_open=True),
+    default=None,
+    metavar="MIN",
+    help=(
+        "Minutes the whole run should take: after the warm-up, the timed phases are cut (repeats, then timed "
+        "prompts) to what fits at the mean request time so far; parity is never cut. The report says what was cut."
+    ),
+)
+@click.option(
     "--protocol",
     type=click.Choice(_dep.PROTOCOLS),
     default=_dep.Deployment.protocol,
@@ -276,6 +286,7 @@ def validate(
     repeats,
     stream,
     quick,
+    time_budget,
     **foreign,
 ):
     """Check greedy parity and measure the speedup of a deployment against its unaccelerated control.
@@ -304,6 +315,7 @@ def validate(
         sampling=SamplingParams(temperature, top_k or 0, top_p or 0.0, seed=0) if (top_k or top_p) else None,
         samples_per_prompt=samples,
         stream=stream,
+        time_budget_s=time_budget * 60 if time_budget else None,
     )
     if quick:
         overrides = client_options.sized(overrides, client_options.QUICK_SIZE)

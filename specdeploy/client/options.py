@@ -39,6 +39,9 @@ class Options:
     sample_prompts: int = 4
     sample_max_tokens: int = 2
     warmup_requests: int = 2
+    # --time-budget: seconds the whole run should take; 0: no budget. After the warm-up the timed phases are cut to
+    # what fits at the mean request time so far (client.validate.fit_budget); parity is never cut.
+    time_budget_s: float = 0.0
 
     @classmethod
     def from_recipe(cls, recipe, **overrides) -> "Options":

@@ -146,6 +146,19 @@ def _run_phases(report, endpoint, codec, options, prompts, baseline, bar, counte
         f"warm-up done after {elapsed:.0f} s; about {plan['eta_s_after_warm_up'] / 60:.1f} min left "
         f"({left} requests at the mean time of those so far)"
     )
+    if options.time_budget_s:
+        fitted, kept = fit_budget(options, timed, elapsed, plan)
+        if fitted.repeats != options.repeats or len(kept) != len(timed) or not plan["budget"]["fits"]:
+            line = (
+                f"--time-budget {options.time_budget_s / 60:g} min: the timed phases cut to {fitted.repeats} repeats"
+                f" (of {options.repeats}) over {len(kept)} prompts (of {len(timed)}) for the"
+                f" {max(plan['budget']['left_s'], 0):.0f} s left; parity is never cut"
+                + ("" if plan["budget"]["fits"] else "; even this smallest run does not fit the budget")
+            )
+            report["warnings"].append(line)
+            bar.note(line)
+            report["settings"].update(repeats=fitted.repeats, latency_prompt_ids=[p.id for p in kept])
+            options, timed = fitted, kept
     bar.phase("latency")
     run_latency(report, endpoint, codec, options, timed, decoupled, bar, counters)
     if options.sweep_draft_tokens:
@@ -161,6 +174,42 @@ def _run_phases(report, endpoint, codec, options, prompts, baseline, bar, counte
                 "other (not interleaved), each after its own warm-up"
             ),
         }
+
+
+MIN_BUDGET_REPEATS = 2  # one repeat with each side first (ABBA): fewer, and the order would decide the speedup
+
+
+def fit_budget(options: Options, timed: list[Prompt], elapsed_s: float, plan: dict) -> tuple[Options, list[Prompt]]:
+    """The timed phases cut to fit options.time_budget_s, at the mean time of the requests sent so far: repeats
+    first (down to MIN_BUDGET_REPEATS, even), then the timed prompts (down to one a category). Records
+    plan["budget"]; a budget too small for the smallest run keeps the smallest (the warning says so)."""
+    done = plan["parity"] + plan["baseline"] + plan["sampling"] + plan["warm_up"]
+    per_request = elapsed_s / max(done, 1)
+    left_s = options.time_budget_s - elapsed_s
+
+    def seconds(repeats: int, prompts: int) -> float:
+        latency = 2 * prompts * len(options.concurrency) * repeats
+        sweep = prompts * (1 + len(options.sweep_draft_tokens)) * repeats if options.sweep_draft_tokens else 0
+        return per_request * (latency + sweep)
+
+    floor = min(MIN_BUDGET_REPEATS, options.repeats)
+    # even counts below the asked one, so each side runs first equally often
+    candidates = [options.repeats, *(r for r in range(options.repeats - 1, floor - 1, -1) if r % 2 == 0 or r == floor)]
+    prompts = len(timed)
+    repeats = next((r for r in candidates if seconds(r, prompts) <= left_s), candidates[-1])
+    categories = len({p.category for p in timed})
+    while seconds(repeats, prompts) > left_s and prompts > categories:
+        prompts -= 1
+    kept = spread_over_categories(timed, prompts) if prompts < len(timed) else timed
+    plan["budget"] = {
+        "budget_s": options.time_budget_s,
+        "left_s": left_s,
+        "per_request_s": per_request,
+        "repeats": repeats,
+        "timed_prompts": len(kept),
+        "fits": seconds(repeats, prompts) <= left_s,
+    }
+    return dataclasses.replace(options, repeats=repeats), kept
 
 
 def planned_requests(options: Options, prompts: int, timed: int, with_baseline: bool, streams: bool) -> dict:

@@ -77,7 +77,14 @@ def _available_memory(device: str) -> int | None:
 
 # draft.train keys added after heads were shipped: at their defaults they stay out of the fingerprint, so those
 # heads stay up to date
-_LATER_KEYS = {"features": "target", "init_head": "", "length_grouping": False, "data_dir": "", "label_top_k": 0}
+_LATER_KEYS = {
+    "features": "target",
+    "init_head": "",
+    "length_grouping": False,
+    "data_dir": "",
+    "label_top_k": 0,
+    "heldout_samples": 0,
+}
 
 
 def stage_fingerprint(
@@ -94,6 +101,18 @@ def stage_fingerprint(
     limit = {} if time_limit_s is None else {"time_limit_s": time_limit_s}
     train = {k: v for k, v in to_plain(recipe.draft.train).items() if _LATER_KEYS.get(k, object()) != v}
     return fingerprint(stage=STAGE, target=target_hash, data=data_fingerprint, train=train, **limit, **(inputs or {}))
+
+
+def heldout_subset(data, t):
+    """`data` with its held-out samples cut to draft.train.heldout_samples (the first N in the seed's order)."""
+    import random
+    from dataclasses import replace
+
+    if not t.heldout_samples or len(data.heldout) <= t.heldout_samples:
+        return data
+    order = list(range(len(data.heldout)))
+    random.Random(t.seed).shuffle(order)
+    return replace(data, heldout=tuple(data.heldout[i] for i in sorted(order[: t.heldout_samples])))
 
 
 def init_head_folder(recipe: Recipe, layout, aux_ids: list[int]) -> Path | None:
@@ -203,7 +222,7 @@ def train_recipe(
     target_dir = models.resolve(recipe.target.model)
     target_config = json.loads((target_dir / "config.json").read_text())
     vocab = target_config["vocab_size"]
-    data = read_draft_data(layout.train_data(recipe.draft.train.data_dir), vocab)
+    data = heldout_subset(read_draft_data(layout.train_data(recipe.draft.train.data_dir), vocab), t)
     target_hash = dir_hash(target_dir)
     aux_ids = aux_layer_ids(target_config, t)
     init = init_head_folder(recipe, layout, aux_ids)

@@ -486,6 +486,7 @@ def _check_eagle3(r: Recipe) -> None:
             "key 'draft.train.init_head' is 'trained': the head this recipe trains cannot be its own start",
             "name another head's folder or a bundled head (specdeploy/data/heads), or remove init_head",
         )
+    _at_least("draft.train.heldout_samples", t.heldout_samples, 0)
     if t.label_top_k < 0:
         raise ConfigError(
             f"key 'draft.train.label_top_k' is {t.label_top_k}",

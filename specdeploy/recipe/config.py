@@ -174,6 +174,9 @@ class Eagle3TrainConfig:
     # distribution renormalized over them) instead of all of it; 0: all. The held-out passes keep the whole
     # distribution (specdeploy.eagle3.features.TopKFeatures)
     label_top_k: int = 0
+    # held-out samples the acceptance is measured on before and after training (and at each epoch's end): the first N
+    # in an order drawn with `seed`; 0: all. A pass over all of them is time a CPU run's --time-limit does not train
+    heldout_samples: int = 0
 
 
 @dataclass(frozen=True)
