@@ -43,7 +43,8 @@ BINS = 10  # cal(p) in bins of 0.1
 CAL_DECAY = 0.995  # weight of earlier drafts in a bin, per new draft there
 PRIOR_TRIALS = 2.0  # pseudo-drafts at the bin's lower edge
 FIT_ROWS = 32  # passes of up to this many rows fit V(R); longer prefill chunks are another regime
-MIN_ROW_SHARE = 0.03  # the least a row costs, as a share of a one-row pass (2-core EPYC: 0.05-0.1)
+# the least a row costs, as a share of a one-row pass: below what rows measured (docs/eagle3-serving.md "Using it")
+MIN_ROW_SHARE = 0.03
 PRIOR_ABAR = 0.5  # acceptance of a draft after an accepted one, before any is measured
 PLAIN_ROUNDS = 8  # request rounds without the head once drafting stopped paying (the BLS policy's probe_interval)
 MAX_PLAIN_ROUNDS = 64
