@@ -31,19 +31,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specdeploy.recipe.config import NGRAM_MAX_MATCHING_NGRAM_SIZE
+from specdeploy.recipe.config import NGRAM_MAX_MATCHING_NGRAM_SIZE, DraftConfig
 from specdeploy.speculation.loop import Proposal
 from specdeploy.speculation.sampling import SamplingParams
 
 Pattern = tuple[int, ...]
-FIELDS = (
-    "max_draft_len",
-    "max_matching_ngram_size",
-    "is_keep_all",
-    "is_use_oldest",
-    "is_public_pool",
-    "min_matching_ngram_size",
-)
+FIELDS = DraftConfig.NGRAM_KEYS  # the recipe's draft keys, NGramSettings' fields and the model's parameters
 TRTLLM_FIELDS = FIELDS[:5]  # NGramDecodingConfig's; min_matching_ngram_size is specdeploy's own
 
 
