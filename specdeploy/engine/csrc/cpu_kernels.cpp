@@ -26,6 +26,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "exact_float.h"
 #include "step_team.h"
 
 #if !defined(__AVX512F__) && !(defined(__AVX2__) && defined(__FMA__))
@@ -52,19 +53,7 @@ enum WeightKind : int64_t { kBf16 = 0, kFp8 = 1, kInt8 = 2, kInt4 = 3, kInt8Sq =
 
 inline float round_bf16(float v) { return static_cast<float>(c10::BFloat16(v)); }
 
-// Clears flush-to-zero and denormals-are-zero in MXCSR for the guard's lifetime (per thread), restoring them
-// after: the FP8 decode below makes f32 subnormals (E4M3 subnormals, and products of small values), which
-// must stay exact whatever mode the process runs in (torch.set_flush_denormal(True) sets both bits).
-struct ExactFloatMode {
-  static constexpr unsigned kFtzDaz = 0x8040;
-  unsigned saved;
-  ExactFloatMode() : saved(_mm_getcsr()) {
-    if (saved & kFtzDaz) _mm_setcsr(saved & ~kFtzDaz);
-  }
-  ~ExactFloatMode() {
-    if (saved & kFtzDaz) _mm_setcsr(saved);
-  }
-};
+using ::specdeploy::ExactFloatMode;  // exact_float.h: the FP8 decode's subnormals stay exact
 
 // ---------------------------------------------------------------- vector primitives, one set per ISA
 // Vec holds kLanes f32. Everything below the primitives is written once against them. Results differ

@@ -53,6 +53,7 @@
 #include <utility>
 #include <vector>
 
+#include "exact_float.h"
 #include "step_team.h"
 
 // The epilogue's multiply and add must stay two roundings in every variant (no FMA contraction), as the
@@ -80,17 +81,7 @@ inline __attribute__((always_inline)) void unroll(F&& f) {
   unroll_each(f, std::make_index_sequence<N>{});
 }
 
-// Clears FTZ/DAZ for the guard's lifetime (as cpu_kernels.cpp): scales and products stay exact IEEE f32.
-struct ExactFloatMode {
-  static constexpr unsigned kFtzDaz = 0x8040;
-  unsigned saved;
-  ExactFloatMode() : saved(_mm_getcsr()) {
-    if (saved & kFtzDaz) _mm_setcsr(saved & ~kFtzDaz);
-  }
-  ~ExactFloatMode() {
-    if (saved & kFtzDaz) _mm_setcsr(saved);
-  }
-};
+using ::specdeploy::ExactFloatMode;  // exact_float.h: scales and products stay exact IEEE f32
 
 struct Out {
   const float* out_scale;          // [N]
