@@ -25,11 +25,10 @@ in one pass of its own when drafting resumes.
 A draft's survival s_j = cal(p_1) ... cal(p_j) is the chance that it and every draft before it are accepted, its
 expected tokens. Maximising tokens per second over many rounds, an action pays when it buys tokens cheaper than
 they cost now (Dinkelbach's rule for a ratio): draft j is verified when s_j tau > b (b: a row's slope of V), and
-the head drafts j + 1 only when s_j abar tau > h + b. One request alone on the 2-core EPYC (tau ~6.5 ms, b
-~0.6-0.8 ms, h ~0.35 ms) verifies a draft it gives 0.1-0.2 and drafts on after one it gives ~0.3 or more; four
-requests sharing a step make a token cost about a quarter of that, and only drafts the head is sure of are worth a
-row. Verification decides every token either way: the output is the target's whatever is drafted (greedy and
-sampled).
+the head drafts j + 1 only when s_j abar tau > h + b. One request alone, whose token costs a whole step, verifies
+even drafts the head gives little; four requests sharing a step make a token cost about a quarter of that, and only
+drafts the head is sure of are worth a row (docs/eagle3-serving.md "Using it"). Verification decides every token
+either way: the output is the target's whatever is drafted (greedy and sampled).
 """
 
 from __future__ import annotations
