@@ -132,6 +132,7 @@ LAYER_OF = {
     ),  # the target answering from its weights with torch (a GPU), batch-invariant sampling
     "eagle3.prompts": "stages",  # the training prompts' sources, the validation exclusion, self-instruct
     "eagle3.data": "stages",  # draft.kind eagle3: the head's training data, written by the target engine
+    "eagle3.head": "stages",  # the head a recipe drafts with: its folder and files, refused before any work
     # client: validation over the transport-free protocol and its adapters; never a stage
     "client.protocol": "client",
     "client.prompts": "client",
@@ -176,6 +177,53 @@ LAYER_OF = {
     "cli.main": "cli",
     "__main__": "cli",  # python -m specdeploy
 }
+
+# The stages of the stages layer in the order `specdeploy run` chains them (the EAGLE-3 head is made before the build
+# that serves it); a name ending in "." is a whole package. A stage module imports its own stage's modules and earlier
+# ones: what a later stage needs from an earlier one is handed down, and a check before any work asks the stage that
+# makes an artifact, never the one that consumes it. The pre-flight checks are asked by every stage, of every stage.
+STAGES = {
+    "quantize": ("quantize.",),
+    "eagle3": ("eagle3.",),
+    "build": (
+        "deploy.cpu_build",
+        "deploy.cpu_compile",
+        "gpu.trtllm_build",
+        "gpu.trtllm",
+        "gpu.llmapi_options",
+        "gpu.llmapi_versions",
+    ),
+    "repository": (
+        "triton.model_config",
+        "triton.tensors",
+        "triton.repo_inputs",
+        "triton.layout_models",
+        "triton.repository",
+        "gpu.triton_models",
+        "gpu.llmapi_upstream",
+        "gpu.llmapi_repository",
+    ),
+    "serve": (
+        "triton.shm",
+        "triton.install",
+        "triton.ports",
+        "triton.server_state",
+        "triton.stubs",
+        "triton.server",
+        "gpu.launch_command",
+        "gpu.k8s",
+        "gpu.launch",
+        "gpu.image",
+    ),
+}
+STAGE_CHECKS = {"deploy.preflight"}
+
+
+def stage_of(module: str) -> str | None:
+    for stage, names in STAGES.items():
+        if any(module == n or (n.endswith(".") and module.startswith(n)) for n in names):
+            return stage
+    return None
 
 
 # ---------------------------------------------------------------- reading the imports
@@ -297,6 +345,20 @@ def test_packages_are_namespaces():
 def test_no_import_against_the_direction():
     found = layer_violations(import_graph(PACKAGE), LAYER_OF, MAY_IMPORT)
     assert found == [], "imports against the layers of docs/architecture.md:\n  " + "\n  ".join(found)
+
+
+def test_no_stage_imports_a_later_stage():
+    stages = {m for m, layer in LAYER_OF.items() if layer == "stages"} - STAGE_CHECKS
+    unplaced = sorted(m for m in stages if stage_of(m) is None)
+    assert not unplaced, f"give {unplaced} a stage in STAGES (tests/test_architecture.py)"
+    order = list(STAGES)
+    found = [
+        f"{importer} ({stage_of(importer)}) imports {target} ({stage_of(target)})"
+        for importer, targets in sorted(import_graph(PACKAGE).items())
+        for target in sorted(targets)
+        if importer in stages and target in stages and order.index(stage_of(target)) > order.index(stage_of(importer))
+    ]
+    assert found == [], "stages that ask a later stage (hand the value down instead):\n  " + "\n  ".join(found)
 
 
 def test_no_import_cycles():

@@ -347,3 +347,12 @@ def _bls(client, prompt: str, max_tokens: int, outputs=("text_output",), **scala
         inputs.append(tensor)
     requested = [tritonclient_grpc.InferRequestedOutput(name) for name in outputs]
     return client.infer(tensors.BLS, inputs, outputs=requested, client_timeout=60)
+
+
+def test_the_recipes_ngram_keys_are_the_settings_fields():
+    """One list: the recipe's draft keys (DraftConfig.NGRAM_KEYS) are NGramSettings' fields and the model's
+    parameters, in one order."""
+    from dataclasses import fields
+
+    assert ngram.FIELDS == tuple(f.name for f in fields(NGramSettings))
+    assert set(ngram.from_parameters(ngram.to_parameters(NGramSettings())).__dict__) == set(ngram.FIELDS)

@@ -370,7 +370,15 @@ def test_specdeploy_run_refuses_what_its_last_stages_would_before_quantizing(tmp
     # a second prompt set (run --also-prompt-set) is checked as well, before the first stage
     assert "gone.jsonl not found" in attempt(also=((str(tmp_path / "gone.jsonl"), 4),))[0].message
     assert "must be a non-negative integer" in attempt(also=(("sharegpt:x", 4),))[0].message
-    assert "no EAGLE-3 head at" in attempt(draft={"kind": "eagle3", "head": str(tmp_path / "no-head")})[0].message
+    missing = attempt(draft={"kind": "eagle3", "head": str(tmp_path / "no-head")})[0]
+    assert (
+        "no EAGLE-3 head at" in missing.message
+        and missing.hint == "set draft.head to an exported EAGLE-3 checkpoint folder"
+    )
+    untrained = attempt(draft={"kind": "eagle3", "head": "trained"})[0]  # `draft train` has not written it yet
+    assert (
+        "no EAGLE-3 head at" in untrained.message and untrained.hint == "train it with: specdeploy draft train pf.yaml"
+    )
     layout = Layout.of(
         parse_recipe({"name": "pf", "target": {"model": "m"}, "draft": {"kind": "ngram"}}), tmp_path / "root"
     )

@@ -14,6 +14,13 @@ from specdeploy.recipe import config as cfg
 from specdeploy.recipe.load import load_recipe
 
 RECIPE = click.argument("recipe", type=click.Path(dir_okay=False))
+# the commands that start tritonserver here: serve, run
+SERVER_BINARY = click.option(
+    "--server-binary",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="A tritonserver binary (default: $SPECDEPLOY_TRITONSERVER, else the one in the nvidia-pytriton wheel).",
+)
 
 
 class Context:

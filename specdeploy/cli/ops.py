@@ -8,6 +8,12 @@ import click
 
 from specdeploy.cli.common import RECIPE, handle_errors, pass_ctx
 
+METRICS_URL = click.option(
+    "--url",
+    default=None,
+    help="Triton's metrics endpoint, HOST:PORT or a /metrics URL [the server `serve --detach` started].",
+)
+
 
 def _metrics_url(ctx, r, url: str | None, recipe_path: str) -> str:
     if url:
@@ -26,11 +32,7 @@ def _metrics_url(ctx, r, url: str | None, recipe_path: str) -> str:
 
 @click.command("monitor")
 @RECIPE
-@click.option(
-    "--url",
-    default=None,
-    help="Triton's metrics endpoint, HOST:PORT or a /metrics URL [the server `serve --detach` started].",
-)
+@METRICS_URL
 @click.option(
     "--interval", type=click.FloatRange(min=0.1), default=2.0, show_default=True, help="Seconds between frames."
 )
@@ -47,11 +49,7 @@ def monitor(ctx, recipe, url, interval, once):
 
 @click.command("canary")
 @RECIPE
-@click.option(
-    "--url",
-    default=None,
-    help="Triton's metrics endpoint, HOST:PORT or a /metrics URL [the server `serve --detach` started].",
-)
+@METRICS_URL
 @click.option(
     "--window",
     type=click.FloatRange(min=0.1),

@@ -6,18 +6,13 @@ import functools
 
 import click
 
-from specdeploy.cli.common import RECIPE, handle_errors, pass_ctx
+from specdeploy.cli.common import RECIPE, SERVER_BINARY, handle_errors, pass_ctx
 
 
 @click.command("serve")
 @RECIPE
 @click.option("--detach", is_flag=True, help="Leave the server running in the background (see `stop`, `status`).")
-@click.option(
-    "--server-binary",
-    type=click.Path(dir_okay=False),
-    default=None,
-    help="A tritonserver binary (default: $SPECDEPLOY_TRITONSERVER, else the one in the nvidia-pytriton wheel).",
-)
+@SERVER_BINARY
 @click.option(
     "--print-only", is_flag=True, help="GPU backends: print the launch and its docker equivalent; start nothing."
 )

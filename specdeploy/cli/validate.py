@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from specdeploy.cli.common import RECIPE, handle_errors, pass_ctx
+from specdeploy.cli.common import RECIPE, SERVER_BINARY, handle_errors, pass_ctx
 from specdeploy.client import deployment as _dep  # choices and defaults of validate's deployment options
 
 
@@ -426,12 +426,7 @@ def _validate_foreign(url, protocol, openai_url, metrics_url, baseline_url, repo
     "--sweep-draft-tokens", default=None, metavar="1..K", help="Also measure each draft length and recommend k."
 )
 @click.option("--max-prompts", type=int, default=None, help="Use at most N prompts [recipe validation.max_prompts].")
-@click.option(
-    "--server-binary",
-    type=click.Path(dir_okay=False),
-    default=None,
-    help="A tritonserver binary (default: $SPECDEPLOY_TRITONSERVER, else the one in the nvidia-pytriton wheel).",
-)
+@SERVER_BINARY
 @click.option(
     "--also-prompt-set",
     "also",

@@ -75,14 +75,7 @@ class LlmapiEndpoint(TritonEndpoint):
         if not self.one_model_at_a_time:
             return super().check_ready(names)
         super().check_ready([])  # live
-        index = self._call(
-            "the model index",
-            CONNECT_TIMEOUT_S,
-            self._client().get_model_repository_index,
-            as_json=True,
-            client_timeout=CONNECT_TIMEOUT_S,
-        )
-        entries = {m.get("name"): m for m in index.get("models", [])}
+        entries = self._model_index()
         for name in names:
             if name not in entries:
                 raise ClientError(
@@ -92,6 +85,17 @@ class LlmapiEndpoint(TritonEndpoint):
                 )
         ready = [n for n, e in entries.items() if e.get("state") == "READY"]
         self.loaded = ready[0] if len(ready) == 1 else None
+
+    def _model_index(self) -> dict[str, dict]:
+        """The repository index: model name -> its entry (state, version)."""
+        index = self._call(
+            "the model index",
+            CONNECT_TIMEOUT_S,
+            self._client().get_model_repository_index,
+            as_json=True,
+            client_timeout=CONNECT_TIMEOUT_S,
+        )
+        return {m.get("name"): m for m in index.get("models", [])}
 
     def use(self, model: str) -> None:
         """load_unload: make `model` the loaded one (unload the other first: memory for one target)."""
@@ -123,14 +127,7 @@ class LlmapiEndpoint(TritonEndpoint):
         """Triton's unload returns before the model's stub has exited; wait until the index says so."""
         deadline = time.monotonic() + self.load_timeout_s
         while time.monotonic() < deadline:
-            index = self._call(
-                "the model index",
-                CONNECT_TIMEOUT_S,
-                self._client().get_model_repository_index,
-                as_json=True,
-                client_timeout=CONNECT_TIMEOUT_S,
-            )
-            states = {m.get("name"): m.get("state") for m in index.get("models", [])}
+            states = {name: entry.get("state") for name, entry in self._model_index().items()}
             if all(states.get(n) not in ("READY", "UNLOADING", "LOADING") for n in names):
                 return
             time.sleep(0.1)

@@ -90,7 +90,7 @@ class Options:
 
 
 # The run's size where no recipe sets it: the default recipe's (build/smollm2-135m.yaml validation; a test holds them
-# equal), about 260 requests, ~5 minutes against a 135M model on 2 cores.
+# equal): docs/validate.md "A deployment specdeploy did not make".
 FOREIGN_SIZE = {"max_prompts": 32, "latency_prompts": 8, "concurrency": (1, 2), "repeats": 4}
 # --quick: parity on 8 prompts (2 a category), 4 of them timed at concurrency 1 over 2 repeats: ~50 requests.
 QUICK_SIZE = {"max_prompts": 8, "latency_prompts": 4, "concurrency": (1,), "repeats": 2}

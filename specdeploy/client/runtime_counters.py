@@ -12,8 +12,6 @@ Pure functions except `read` (one GET).
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 from dataclasses import asdict, dataclass
 
 from specdeploy.core.errors import ClientError
@@ -81,16 +79,8 @@ Reading = reader.Snapshot | list  # Prometheus text (vLLM, SGLang) or trtllm-ser
 
 def read(url: str, timeout_s: float = 5.0) -> Reading:
     """GET the runtime's metrics endpoint: a Snapshot of its Prometheus text, or trtllm-serve's list of iterations."""
-    full = reader.metrics_url(url)
-    try:
-        with urllib.request.urlopen(full, timeout=timeout_s) as response:
-            text = response.read().decode("utf-8", errors="replace")
-    except (urllib.error.URLError, OSError) as exc:
-        raise ClientError(
-            f"cannot read the runtime's metrics at {full}: {exc}",
-            "pass the runtime's metrics endpoint: --metrics-url http://HOST:PORT/metrics",
-        ) from None
-    return parse(text)
+    hint = "pass the runtime's metrics endpoint: --metrics-url http://HOST:PORT/metrics"
+    return parse(reader.fetch(url, timeout_s, hint, "the runtime's metrics"))
 
 
 def parse(text: str) -> Reading:

@@ -76,7 +76,7 @@ WEIGHT_DTYPES = {
 
 def row_bucket_for(max_draft_len: int | None, dtype: str) -> int:
     """Rows every GEMM of a target runs on: one verification pass (max_draft_len + 1), no more, since padding
-    costs time (an 8-row bf16 GEMM took ~2x a 1-row GEMV here). fp32/fp16 GEMMs (MKL) handle a remainder of
+    costs time (docs/stages.md "2. build"). fp32/fp16 GEMMs (MKL) handle a remainder of
     rows with other micro-kernels, so a row's result depends on its place in the block: there the bucket is
     a multiple of 8, where every row position computes alike (tests/test_engine.py checks both bit for bit).
     A draft is not padded: it decodes one row at a time and prefills in chunks of UNPADDED_CHUNK rows."""

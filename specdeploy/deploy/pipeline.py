@@ -65,9 +65,9 @@ def run(
 
 
 def _check_before_work(recipe, layout, recipe_path: str, overrides: dict) -> None:
-    """What the last stages would refuse, asked before the first: validate's options and prompt set, the EAGLE-3 head
-    the repository needs, and a detached server of the recipe (the pipeline's own would write over its log, and two
-    servers on one machine skew the speedup measured)."""
+    """What the last stages would refuse, asked before the first of the module that owns it: validate's options and
+    prompt set, the EAGLE-3 head (eagle3.head, whose files the repository copies), and a detached server of the recipe
+    (the pipeline's own would write over its log, and two servers on one machine skew the speedup measured)."""
     from specdeploy.client.prompts import load_prompt_set
     from specdeploy.core.errors import ConfigError
     from specdeploy.deploy.recipe_deployment import recipe_options
@@ -76,9 +76,9 @@ def _check_before_work(recipe, layout, recipe_path: str, overrides: dict) -> Non
     options = recipe_options(recipe, **overrides)
     load_prompt_set(options.prompt_set, options.max_tokens, options.max_prompts)
     if recipe.draft.is_eagle3:
-        from specdeploy.triton.repo_inputs import eagle3_head
+        from specdeploy.eagle3.head import require_head
 
-        eagle3_head(recipe, layout, recipe_path)
+        require_head(recipe, layout, recipe_path)
     detached = server_state.ServerState.read(layout.server_state)
     if detached is not None and detached.running():
         raise ConfigError(

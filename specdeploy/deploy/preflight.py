@@ -448,6 +448,8 @@ def check_served_vocabulary(recipe: Recipe, layout) -> list[Finding]:
             )
         ]
     if not (head / EAGLE3_VOCAB_COUNTS).is_file():
+        from specdeploy.eagle3.head import vocab_counts_fix
+
         return [
             Finding(
                 "error",
@@ -458,18 +460,6 @@ def check_served_vocabulary(recipe: Recipe, layout) -> list[Finding]:
             )
         ]
     return []
-
-
-def vocab_counts_fix(recipe: Recipe, head: Path, layout) -> str:
-    """How to give an eagle3 recipe's head its counts file: `draft vocab-counts` over the recipe's training data
-    folder (Layout.train_data) where it has one."""
-    own = layout.train_data(recipe.draft.train.data_dir)
-    data = (
-        str(own)
-        if (own / "train.jsonl").is_file()
-        else "DRAFT_DATA_DIR (a `specdeploy draft data` folder of this target's answers)"
-    )
-    return f"count them: specdeploy draft vocab-counts {head} --data {data}, or remove draft.serve_vocab_size"
 
 
 # ---------------------------------------------------------------- LLM-API options of the target release

@@ -1,9 +1,9 @@
 """The target answering for `specdeploy draft data` with torch (draft.data.backend: torch): its Hugging Face weights on
 a GPU where torch sees one, many rows at a time.
 
-Why this is written here: the data stage's CPU engine writes ~200 answer tokens/s on 2 cores, and EAGLE-3 heads are
-trained on ~10^7 of them. On a GPU, Hugging Face `generate` made 17,343 tokens/s at 1,024 rows on an H200
-(docs/eagle3-train.md), far under what a 135M model allows: its per-step work is Python and cache bookkeeping, and
+Why this is written here: the data stage's CPU engine is far too slow for the ~10^7 answer tokens EAGLE-3 heads are
+trained on (docs/eagle3-data.md "On a GPU"), and on a GPU Hugging Face `generate` stays far under what a 135M model
+allows (docs/eagle3-train.md "On a GPU"): its per-step work is Python and cache bookkeeping, and
 its sampled rows share one random stream, so a row's sample depends on the rows beside it. `TorchGenerator` keeps
 the model's own modules (norms, projections, rotary embedding: the numerics are Hugging Face's) and writes only the
 loop around them: a preallocated KV cache per layer, batch_size slots each holding one answer at its own positions

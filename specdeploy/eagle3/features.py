@@ -4,9 +4,9 @@ ModelOpt's EAGLE-3 model runs the target's Hugging Face weights inside every tra
 takes the target's outputs from the caller (its offline mode: `eagle_offline`, the step's `base_model_outputs`
 with `aux_hidden_states`, `base_model_hidden_states` and `base_model_logits`; plugins/hf_eagle.py `forward` and
 `EagleBaseModelOutput.from_offline_dict`). Here the caller is the recipe's built CPU engine: the quantized target
-the head will draft for (its features and its distribution, as served), at ~700 tokens/s on 2 cores where torch
-runs the unquantized target at ~200-400 (docs/eagle3-train.md). ModelOpt has no engine of its own on CPU, so this
-part is written here; the head's forward, training-time test, loss and export stay ModelOpt's.
+the head will draft for (its features and its distribution, as served), several times faster than torch runs the
+unquantized target (docs/eagle3-train.md "Training further on the CPU"). ModelOpt has no engine of its own on CPU,
+so this part is written here; the head's forward, training-time test, loss and export stay ModelOpt's.
 """
 
 from __future__ import annotations

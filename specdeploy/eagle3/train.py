@@ -53,8 +53,7 @@ TOOL_DISTRIBUTIONS = ("nvidia-modelopt", "torch", "transformers", "safetensors")
 
 def train_precision(t: Eagle3TrainConfig, device: str) -> str:
     """draft.train.precision resolved: "auto" is bfloat16 on a GPU or on a CPU that multiplies bf16 in hardware
-    (measured on a 2-core AMX Xeon, SmolLM2-135M, 4 x 384 tokens a step: 190-250 tokens/s fp32, 540-700 bf16, the
-    same loss to 2 decimals over the first steps), else float32."""
+    (faster there with the same loss: docs/eagle3-train.md "Inputs"), else float32."""
     if t.precision != "auto":
         return t.precision
     from specdeploy.engine.native import bf16_native

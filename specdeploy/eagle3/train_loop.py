@@ -218,8 +218,8 @@ def epoch_batches(lengths: list[int], t: Eagle3TrainConfig, epoch: int) -> list[
     """The epoch's batches (sample indices), a function of (seed, epoch) alone, so a resumed run takes the same.
     Shuffled and cut in order; with draft.train.length_grouping the shuffled order is cut into pools of
     GROUP_POOL_BATCHES batches, each pool sorted by length and cut, and the batches shuffled again: the same number
-    of batches, each of similar lengths (padding is what a CPU pays for most: 45 % of the padded tokens of the
-    shipped head's data in shuffled batches of 32)."""
+    of batches, each of similar lengths (padding is what a CPU pays for most: docs/eagle3-train.md "Training further
+    on the CPU")."""
     import torch
 
     order = epoch_order(len(lengths), t.seed, epoch)

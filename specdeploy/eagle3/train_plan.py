@@ -12,13 +12,13 @@ from specdeploy.eagle3.samples import DraftData
 from specdeploy.recipe.config import Eagle3TrainConfig
 
 # Throughput assumed for the time estimate (as specdeploy.quantize.calibration: labelled estimates; they decide a
-# refusal only when far off). Training on CPU in fp32 runs well below calibration's forward-only figure. Measured on 2
-# cores (docs/eagle3-train.md): ~1e11 FLOP/s fp32 and ~3e11 bf16 autocast on an idle AMX Xeon, 2e10 fp32 under load ~20;
-# the figures below sit between, so a busy machine still finishes near the estimate.
+# refusal only when far off). Training on CPU in fp32 runs well below calibration's forward-only figure. The CPU
+# figures sit between an idle and a loaded machine's, so a busy machine still finishes near the estimate
+# (docs/eagle3-train.md "Caching, resuming, refusing").
 CPU_FLOPS = 4.0e10
 CPU_BF16_FLOPS = 1.2e11  # where draft.train.precision resolves to bfloat16 (AMX / AVX512-BF16)
-# draft.train.features engine: the CPU engine's prefill with every row's logits and the aux layers captured
-# (int8_sq SmolLM2-135M, 2 cores, AVX-512 EPYC: ~720 tokens/s measured, docs/eagle3-train.md)
+# draft.train.features engine: the CPU engine's prefill with every row's logits and the aux layers captured, set
+# below what it measured (docs/eagle3-train.md "Training further on the CPU")
 ENGINE_FEATURE_TOKENS_PER_S = 500.0
 GPU_FLOPS = 1.0e14
 ADAM_BYTES_PER_PARAM = 16  # fp32 weight, gradient, two Adam moments

@@ -86,7 +86,7 @@ class BatchScheduler:
         work (loading, prepacking, every step) runs in that one thread. torch's OpenMP (libgomp) gives every
         thread that runs a parallel region its own team; a second team on a machine with as many cores as one
         team has threads makes all of them sleep between regions instead of spinning, and a step then took
-        2-4x longer (bench/batching.py, README "In-flight batching")."""
+        several times longer (docs/benchmarks.md "In-flight batching")."""
         return cls(None, max_batch_size, load)  # type: ignore[arg-type]
 
     def generate(self, request: EngineRequest) -> Iterator[GenerationChunk]:

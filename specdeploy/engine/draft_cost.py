@@ -25,11 +25,10 @@ in one pass of its own when drafting resumes.
 A draft's survival s_j = cal(p_1) ... cal(p_j) is the chance that it and every draft before it are accepted, its
 expected tokens. Maximising tokens per second over many rounds, an action pays when it buys tokens cheaper than
 they cost now (Dinkelbach's rule for a ratio): draft j is verified when s_j tau > b (b: a row's slope of V), and
-the head drafts j + 1 only when s_j abar tau > h + b. One request alone on the 2-core EPYC (tau ~6.5 ms, b
-~0.6-0.8 ms, h ~0.35 ms) verifies a draft it gives 0.1-0.2 and drafts on after one it gives ~0.3 or more; four
-requests sharing a step make a token cost about a quarter of that, and only drafts the head is sure of are worth a
-row. Verification decides every token either way: the output is the target's whatever is drafted (greedy and
-sampled).
+the head drafts j + 1 only when s_j abar tau > h + b. One request alone, whose token costs a whole step, verifies
+even drafts the head gives little; four requests sharing a step make a token cost about a quarter of that, and only
+drafts the head is sure of are worth a row (docs/eagle3-serving.md "Using it"). Verification decides every token
+either way: the output is the target's whatever is drafted (greedy and sampled).
 """
 
 from __future__ import annotations
@@ -43,7 +42,8 @@ BINS = 10  # cal(p) in bins of 0.1
 CAL_DECAY = 0.995  # weight of earlier drafts in a bin, per new draft there
 PRIOR_TRIALS = 2.0  # pseudo-drafts at the bin's lower edge
 FIT_ROWS = 32  # passes of up to this many rows fit V(R); longer prefill chunks are another regime
-MIN_ROW_SHARE = 0.03  # the least a row costs, as a share of a one-row pass (2-core EPYC: 0.05-0.1)
+# the least a row costs, as a share of a one-row pass: below what rows measured (docs/eagle3-serving.md "Using it")
+MIN_ROW_SHARE = 0.03
 PRIOR_ABAR = 0.5  # acceptance of a draft after an accepted one, before any is measured
 PLAIN_ROUNDS = 8  # request rounds without the head once drafting stopped paying (the BLS policy's probe_interval)
 MAX_PLAIN_ROUNDS = 64

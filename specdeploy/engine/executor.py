@@ -421,6 +421,25 @@ class Executor:
         stats.kv_cache_alloc_total_blocks = total
         stats.kv_cache_alloc_new_blocks = total - stats.kv_cache_reused_blocks
 
+    def _last_chunk(
+        self,
+        request: EngineRequest,
+        stats: GenerationStats,
+        start: float,
+        reason: str,
+        output: list[int],
+        logits: list,
+        log_probs: list[float],
+        pending: int,
+        context_logits,
+    ) -> GenerationChunk:
+        """The request's final chunk: its stats finished over the whole output, and the `pending` tokens (with their
+        logits and log probs) that no streamed chunk has carried yet."""
+        self._finish(stats, output, log_probs, start)
+        return chunk_of(
+            request, output[-pending:], logits[-pending:], log_probs[-pending:], reason, stats, context_logits
+        )
+
     def _stamp_token(self, stats: GenerationStats, first: bool, start: float) -> None:
         now_ns = self._wall_ns()
         if first:
@@ -478,15 +497,8 @@ class Executor:
             else:
                 reason = self._interrupted(request, start)
             if reason is not None:
-                self._finish(stats, output, kept_log_probs, start)
-                yield chunk_of(
-                    request,
-                    output[-pending:],
-                    kept_logits[-pending:],
-                    kept_log_probs[-pending:],
-                    reason,
-                    stats,
-                    context_logits,
+                yield self._last_chunk(
+                    request, stats, start, reason, output, kept_logits, kept_log_probs, pending, context_logits
                 )
                 return
             if request.streaming:
@@ -566,15 +578,8 @@ class Executor:
             if reason is None:
                 reason = self._interrupted(request, start)
             if reason is not None:
-                self._finish(stats, output, kept_log_probs, start)
-                yield chunk_of(
-                    request,
-                    output[-pending:],
-                    kept_logits[-pending:],
-                    kept_log_probs[-pending:],
-                    reason,
-                    stats,
-                    context_logits,
+                yield self._last_chunk(
+                    request, stats, start, reason, output, kept_logits, kept_log_probs, pending, context_logits
                 )
                 return
             if request.streaming and new:

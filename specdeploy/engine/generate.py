@@ -109,16 +109,7 @@ def target_only_generate(
         streaming=True,
         is_cancelled=should_stop,
     )
-    stats = SpecStats()
-    for chunk in target.generate(request):
-        stats.output_tokens += len(chunk.token_ids)
-        if chunk.token_ids:
-            yield chunk.token_ids
-        if chunk.finished:
-            stats.target_iterations = chunk.stats.iterations
-            stats.target_time_s = chunk.stats.forward_time_s
-            stats.finish_reason = chunk.finish_reason
-    yield stats
+    yield from _streamed(target, request, SpecStats(), rounds=False)
 
 
 def fused_generate(
@@ -147,14 +138,24 @@ def fused_generate(
     stats = SpecStats(
         policy="eagle3-fused" if target.fuses(request) else "eagle3-fused (no draft tokens asked: target alone)"
     )
+    yield from _streamed(target, request, stats, rounds=True)
+
+
+def _streamed(
+    target: Executor, request: EngineRequest, stats: SpecStats, rounds: bool
+) -> Iterator[list[int] | SpecStats]:
+    """The executor's tokens as they come, then `stats` with the finished request's counts; `rounds`: also the fused
+    loop's drafts and rounds (the same RoundStats fields) and its prefill time."""
     for chunk in target.generate(request):
         stats.output_tokens += len(chunk.token_ids)
         if chunk.token_ids:
             yield chunk.token_ids
-        if chunk.finished:
-            s = chunk.stats
-            stats.target_iterations = s.iterations
-            stats.target_time_s = s.forward_time_s
+        if not chunk.finished:
+            continue
+        s = chunk.stats
+        stats.target_iterations, stats.target_time_s = s.iterations, s.forward_time_s
+        stats.finish_reason = chunk.finish_reason
+        if rounds:
             stats.draft_time_s = s.draft_time_s
             stats.drafted, stats.accepted = s.drafted, s.accepted
             stats.accepted_per_round = list(s.accepted_per_round)
@@ -162,7 +163,6 @@ def fused_generate(
             stats.lookup_per_round = list(s.lookup_per_round)
             stats.draft_s_per_round, stats.target_s_per_round = list(s.draft_s_per_round), list(s.target_s_per_round)
             stats.prefill_s = s.first_forward_time_s
-            stats.finish_reason = chunk.finish_reason
     yield stats
 
 

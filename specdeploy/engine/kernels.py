@@ -36,10 +36,9 @@ INT4_INNER_K_TILES = 2
 class PackedGemm:
     """y = x W^T (+ b) in bf16 with the weight reordered once into oneDNN's blocked layout.
 
-    Plain `F.linear` on a bf16 weight lets oneDNN reorder the weight on every call; prepacking halved the
-    LM-head GEMM time here (8.7 -> 4.5 ms at 5 rows). The layout is chosen for one row (a decode step);
-    packing for 7 rows gave 1-row calls no gain and 7-row calls ~10%. Other dtypes, or a torch without the
-    mkldnn ops, use `F.linear`.
+    Plain `F.linear` on a bf16 weight lets oneDNN reorder the weight on every call; prepacking halves the LM-head
+    GEMM's time. The layout is chosen for one row (a decode step): packing for more rows gained little
+    (docs/stages.md "Why native kernels"). Other dtypes, or a torch without the mkldnn ops, use `F.linear`.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):

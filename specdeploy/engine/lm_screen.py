@@ -13,12 +13,11 @@ Two screens, chosen by the CPU (`default_kind`):
     no smoothing). A row x is quantized as the kernel does (s1 q1, its own codes) and so is its residual
     bf16(x - s1 q1) (s2 q2): two kernel rows per row, one stream of the codes, A_j = their two outputs summed. The
     residual's codes make the activations' error ~1/127 of a single code's, so the bound stays as tight as W8A16's
-    (the same ~2-5 candidates a row on chat text; one code alone left 30-450). The integer sums are exact and cheap:
-    1.37 / 1.40 / 1.46 / 2.28 ms a call of 1 / 2 / 4 / 8 rows against W8A16's 1.54 / 1.61 / 1.89 / 3.70, whose f32
-    decode of every weight grows with the rows (bench/kernels.py on the 2-core Xeon: docs/benchmarks.md).
-  - "w8a16" (AVX2-only CPUs: their int8 kernel's cost grows with the rows about as fast, 1.53 / 2.23 one-row passes
-    at 4 / 8 rows in bench/kernels.py, so two rows a row would gain nothing): the int8 weight-only kernel, f32
-    activations, so no activation rounding to bound.
+    (the same few candidates a row on chat text; one code alone left tens to hundreds). The integer sums are exact
+    and cheaper than W8A16's, whose f32 decode of every weight grows with the rows (docs/benchmarks.md "The LM
+    screen on integer dot products").
+  - "w8a16" (AVX2-only CPUs: their int8 kernel's cost grows with the rows about as fast, so two rows a row would gain
+    nothing; the same section): the int8 weight-only kernel, f32 activations, so no activation rounding to bound.
 
 Why the argmax is the bf16 head's, bit for bit. Per row x and token j, with R_j = sum_k x_k W_jk exact:
   - the bf16 head returns C_j = bf16(fl(sum_k x_k W_jk));

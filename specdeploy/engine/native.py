@@ -34,6 +34,7 @@ SOURCES = (
     INT8_SOURCE,
     Path(__file__).parent / "csrc" / "int8_gemv.inc",
     Path(__file__).parent / "csrc" / "step_team.h",
+    Path(__file__).parent / "csrc" / "exact_float.h",
 )
 DISABLE_ENV = "SPECDEPLOY_NATIVE"  # "0": always use the torch path
 # The kernels are built for the CPU that loads them (-march=native, one build folder per CPU feature set):

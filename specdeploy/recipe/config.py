@@ -155,12 +155,14 @@ class Eagle3TrainConfig:
     # start the head's layer from the target's last layer and its LM head from the target's rows (ModelOpt: random)
     init_from_target: bool = False
     # the forward passes under torch autocast in bfloat16 (master weights and optimizer stay fp32). auto: bfloat16
-    # where the CPU multiplies bf16 natively (AMX / AVX512-BF16; ~3x faster than fp32 there) or on a GPU, else float32
+    # where the CPU multiplies bf16 natively (AMX / AVX512-BF16) or on a GPU, else float32 (docs/eagle3-train.md
+    # "Inputs")
     precision: str = "auto"
     # where the target's features (its aux layers' outputs) and its distribution (the soft labels) come from.
     # target: ModelOpt runs the target's Hugging Face weights in torch inside each step (its online mode). engine: the
-    # recipe's built CPU engine computes them (the quantized target the head will draft for, ~3x faster than torch
-    # on 2 cores) and ModelOpt trains through its offline mode (`eagle_offline`, `base_model_outputs`)
+    # recipe's built CPU engine computes them (the quantized target the head will draft for, faster than torch) and
+    # ModelOpt trains through its offline mode (`eagle_offline`, `base_model_outputs`): docs/eagle3-train.md
+    # "Training further on the CPU"
     features: str = "target"
     # start from an exported head (a folder, or a head bundled with specdeploy by name) instead of a fresh one: a
     # head trained further. Its aux layers and draft vocabulary (d2t) are kept; the optimizer starts anew
@@ -217,8 +219,8 @@ class DraftConfig(ModelConfig):
     head: str = ""
     # kind eagle3, backend cpu: how the CPU engine holds the head's linear layers. int8: int8 per output channel
     # (weight-only, the target's int8_wo numerics), half the bytes a draft pass reads; bf16: as exported. auto: int8
-    # on backend cpu (on the 2-core EPYC the head's time a round 1.25 against 1.49 ms, the built-in prompts' accepted
-    # drafts alike: docs/recipes.md, docs/benchmarks.md); TensorRT-LLM loads the head as exported on the GPU backends.
+    # on backend cpu, faster with the same accepted drafts (docs/recipes.md "The default recipe, key by key");
+    # TensorRT-LLM loads the head as exported on the GPU backends.
     head_weights: str = "auto"
     # kind eagle3, backend cpu: the head scores only this many of its draft tokens, the ones the target wrote most in
     # the answers its counts come from (draft_vocab_counts.json beside the head: `specdeploy draft vocab-counts`); its

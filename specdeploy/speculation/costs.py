@@ -15,7 +15,7 @@ PRIOR_VERIFY_SLOPE = 0.1  # verification cost per extra row, in plain steps, bef
 MIN_SAMPLES = 2  # timing samples a row count needs before exploration stops asking for it
 # A speculating k must be predicted this much faster than plain steps to be chosen: the prediction is as noisy
 # as the timings it comes from, and a round trip's overheads vary, so a k predicted at break-even loses about
-# half the time (the fresh `make demo` speculated 51 % of its rounds at acceptance 0.96 and ran at 0.91x).
+# half the time (docs/adaptive-speculation.md "policy: cost").
 SPECULATION_MARGIN = 0.05
 
 

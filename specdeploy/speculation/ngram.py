@@ -17,7 +17,7 @@ TensorRT-LLM's NGram speculative decoding (`NGramDecodingConfig`; the pool is
 One field of specdeploy's own, not TensorRT-LLM's (vLLM calls it `prompt_lookup_min`):
   - `min_matching_ngram_size` (default 1, TensorRT-LLM's behaviour): the shortest pattern that may propose.
     A lone last token matches often and is right rarely (SmolLM2's answers to the built-in prompts: a
-    2-token minimum raised the predicted speedup in every category, README "Adaptive speculation"), and on
+    2-token minimum raised the predicted speedup in every category, docs/adaptive-speculation.md), and on
     a CPU every drafted row costs real time. The GPU configurations refuse a value other than 1.
 
 A pattern's match never crosses the end of the sequence, and the tail that is rescanned on each call
@@ -31,19 +31,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specdeploy.recipe.config import NGRAM_MAX_MATCHING_NGRAM_SIZE
+from specdeploy.recipe.config import NGRAM_MAX_MATCHING_NGRAM_SIZE, DraftConfig
 from specdeploy.speculation.loop import Proposal
 from specdeploy.speculation.sampling import SamplingParams
 
 Pattern = tuple[int, ...]
-FIELDS = (
-    "max_draft_len",
-    "max_matching_ngram_size",
-    "is_keep_all",
-    "is_use_oldest",
-    "is_public_pool",
-    "min_matching_ngram_size",
-)
+FIELDS = DraftConfig.NGRAM_KEYS  # the recipe's draft keys, NGramSettings' fields and the model's parameters
 TRTLLM_FIELDS = FIELDS[:5]  # NGramDecodingConfig's; min_matching_ngram_size is specdeploy's own
 
 

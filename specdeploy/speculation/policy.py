@@ -355,9 +355,7 @@ def _plain_run(d: SharedPolicy, asked: int, remaining: int) -> int:
 
 
 def _empty_run(d: SharedPolicy, remaining: int) -> int:
-    """probe_interval plain tokens when the draft had nothing to propose. Replaying SmolLM2's greedy answers to
-    the 32 built-in prompts through the n-gram pool of build/smollm2-135m-ngram.yaml with the served call costs
-    (one call: ~6.5 ms + 12.2 ms per token; 2 rows 19.6 ms, 5 rows 32 ms), the served speedup per category (chat,
-    code, reasoning, summarisation) is 0.67/0.74/0.70/0.82 with one-token calls after a miss, 0.94/0.98/0.95/1.05
-    with runs of 8: a run misses a few matches, one-token calls pay a round trip for each token."""
+    """probe_interval plain tokens when the draft had nothing to propose: replayed with the served call costs, runs
+    beat one-token calls after a miss in every category; a run misses a few matches, one-token calls pay a round
+    trip for each token (docs/adaptive-speculation.md "Plain runs")."""
     return max(1, min(remaining, d.settings.probe_interval))

@@ -25,16 +25,17 @@ from specdeploy.speculation.sampling import SamplingParams, is_greedy
 
 def greedy_token(logits: torch.Tensor) -> int:
     """The argmax of one logits row [vocab]; ties go to the lowest token id, a NaN wins (the first), as torch's CPU
-    argmax. A float32 row goes through numpy's argmax, which agrees on both (tests/test_speculative.py) and is SIMD:
-    9 us against torch's 104-144 us on a 49,152-token row (2-core Xeon, 2026-11-29), paid once a token per request."""
+    argmax. A float32 row goes through numpy's argmax, which agrees on both (tests/test_speculative.py) and is SIMD,
+    an order of magnitude faster on a 49,152-token row, paid once a token per request (docs/benchmarks.md "Batched
+    decode steps")."""
     if logits.dtype == torch.float32 and logits.dim() == 1 and logits.is_cpu:
         return int(np.argmax(logits.numpy()))
     return int(torch.argmax(logits))
 
 
 def greedy_tokens(rows: torch.Tensor) -> list[int]:
-    """greedy_token of each row of rows [n, vocab] (a verification pass: 0.36 ms a pass of ~3 rows through torch's
-    argmax in the fused loop's profile, 2-core Xeon, 2026-11-29)."""
+    """greedy_token of each row of rows [n, vocab] (a verification pass; docs/benchmarks.md "The LM screen on integer
+    dot products" has torch's argmax's cost there)."""
     if rows.dtype == torch.float32 and rows.dim() == 2 and rows.is_cpu:
         return np.argmax(rows.numpy(), axis=-1).tolist()
     return rows.argmax(-1).tolist()

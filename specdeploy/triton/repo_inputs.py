@@ -6,19 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdeploy.core.artifacts import Manifest, fingerprint, require
+from specdeploy.core.artifacts import Manifest, require
 from specdeploy.core.errors import RepoError
-from specdeploy.recipe.config import EAGLE3_VOCAB_COUNTS, Recipe
+from specdeploy.eagle3.head import eagle3_head_files, require_head
+from specdeploy.recipe.config import Recipe
 
 CPU_EXECUTOR_FACTORY = "specdeploy.triton.models.common:load_cpu_executor"
-# draft.kind eagle3: the files of the head (copied into the repository, their hash in its fingerprint)
-EAGLE3_HEAD_FILES = ("config.json", "model.safetensors")
-
-
-def eagle3_head_files(recipe: Recipe) -> tuple[str, ...]:
-    """The head's files the repository holds: EAGLE3_HEAD_FILES, and its draft-token counts when the CPU engine cuts
-    its vocabulary to the most counted (draft.serve_vocab_size)."""
-    return EAGLE3_HEAD_FILES + ((EAGLE3_VOCAB_COUNTS,) if recipe.draft.serve_vocab_size else ())
 
 
 @dataclass(frozen=True)
@@ -30,7 +23,7 @@ class RepoInputs:
     engine_manifests: dict[str, Manifest]
     executor_factory: str  # "module:callable" that loads an Executor from an engine dir
     eagle3_head_dir: Path | None = None  # draft.kind eagle3: the head folder draft.head names (absolute)
-    eagle3_head_hash: str = ""  # the hash of its files (eagle3_head_files)
+    eagle3_head_hash: str = ""  # the hash of its files (eagle3.head.eagle3_head_files)
 
     def engine_setting(self, role: str, key: str, default):
         """A build setting from the engine's manifest (top level or its `engine` section), else `default`."""
@@ -105,7 +98,7 @@ def repo_inputs(recipe: Recipe, layout, recipe_path: str = "RECIPE", executor_fa
                 f"run: specdeploy build {recipe_path}",
             )
         dirs[role] = engine_dir
-    head_dir, head_hash = eagle3_head(recipe, layout, recipe_path) if recipe.draft.is_eagle3 else (None, "")
+    head_dir, head_hash = require_head(recipe, layout, recipe_path) if recipe.draft.is_eagle3 else (None, "")
     inp = RepoInputs(recipe, dirs, manifests, executor_factory or CPU_EXECUTOR_FACTORY, head_dir, head_hash)
     if recipe.speculative.num_draft_tokens > inp.target_max_draft_len:
         raise RepoError(
@@ -114,33 +107,6 @@ def repo_inputs(recipe: Recipe, layout, recipe_path: str = "RECIPE", executor_fa
             f"rebuild the target with a larger max_draft_len: specdeploy build {recipe_path} --force",
         )
     return inp
-
-
-def eagle3_head(recipe: Recipe, layout, recipe_path: str) -> tuple[Path, str]:
-    """draft.kind eagle3: (the head folder, the hash of its files). BuildError when there is none (`specdeploy run` asks
-    before it quantizes, so a missing head is said before minutes of work)."""
-    from specdeploy.core.artifacts import file_hash
-    from specdeploy.core.errors import BuildError
-    from specdeploy.deploy.preflight import vocab_counts_fix
-    from specdeploy.recipe.config import EAGLE3_HEAD_TRAINED
-
-    trained = recipe.draft.head == EAGLE3_HEAD_TRAINED
-    head_dir = layout.eagle3_head_source(recipe.draft.head).resolve()
-    missing = [name for name in EAGLE3_HEAD_FILES if not (head_dir / name).is_file()]
-    if missing:
-        fix = (
-            f"train it with: specdeploy draft train {recipe_path}"
-            if trained
-            else "set draft.head to an exported EAGLE-3 checkpoint folder"
-        )
-        raise BuildError(f"no EAGLE-3 head at {head_dir} (no {', '.join(missing)})", fix)
-    if recipe.draft.serve_vocab_size and not (head_dir / EAGLE3_VOCAB_COUNTS).is_file():
-        raise BuildError(
-            f"draft.serve_vocab_size is {recipe.draft.serve_vocab_size}, but the EAGLE-3 head at {head_dir} has no "
-            f"{EAGLE3_VOCAB_COUNTS} (how often the target wrote each draft token)",
-            vocab_counts_fix(recipe, head_dir, layout),
-        )
-    return head_dir, fingerprint(**{name: file_hash(head_dir / name) for name in eagle3_head_files(recipe)})
 
 
 def stage_eagle3_head(inp: RepoInputs, dest: Path) -> None:

@@ -168,18 +168,21 @@ def metrics_url(url: str) -> str:
     return url if url.rstrip("/").endswith("/metrics") else url.rstrip("/") + "/metrics"
 
 
-def scrape(url: str, timeout_s: float = 5.0) -> Snapshot:
-    """GET the metrics endpoint and parse it; ClientError when it cannot be read."""
+def fetch(url: str, timeout_s: float, hint: str, what: str = "metrics") -> str:
+    """The text of the metrics endpoint `url` names (metrics_url); a ClientError that names `what` it could not read,
+    with `hint`."""
     full = metrics_url(url)
     try:
         with urllib.request.urlopen(full, timeout=timeout_s) as response:
-            text = response.read().decode("utf-8", errors="replace")
+            return response.read().decode("utf-8", errors="replace")
     except (urllib.error.URLError, OSError) as exc:
-        raise ClientError(
-            f"cannot read metrics from {full}: {exc}",
-            "start the server (specdeploy serve RECIPE --detach) or pass --url host:metrics_port",
-        ) from exc
-    return parse(text)
+        raise ClientError(f"cannot read {what} from {full}: {exc}", hint) from exc
+
+
+def scrape(url: str, timeout_s: float = 5.0) -> Snapshot:
+    """GET the metrics endpoint and parse it; ClientError when it cannot be read."""
+    hint = "start the server (specdeploy serve RECIPE --detach) or pass --url host:metrics_port"
+    return parse(fetch(url, timeout_s, hint))
 
 
 def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> float | None:

@@ -26,6 +26,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "exact_float.h"
 #include "step_team.h"
 
 #if !defined(__AVX512F__) && !(defined(__AVX2__) && defined(__FMA__))
@@ -52,19 +53,7 @@ enum WeightKind : int64_t { kBf16 = 0, kFp8 = 1, kInt8 = 2, kInt4 = 3, kInt8Sq =
 
 inline float round_bf16(float v) { return static_cast<float>(c10::BFloat16(v)); }
 
-// Clears flush-to-zero and denormals-are-zero in MXCSR for the guard's lifetime (per thread), restoring them
-// after: the FP8 decode below makes f32 subnormals (E4M3 subnormals, and products of small values), which
-// must stay exact whatever mode the process runs in (torch.set_flush_denormal(True) sets both bits).
-struct ExactFloatMode {
-  static constexpr unsigned kFtzDaz = 0x8040;
-  unsigned saved;
-  ExactFloatMode() : saved(_mm_getcsr()) {
-    if (saved & kFtzDaz) _mm_setcsr(saved & ~kFtzDaz);
-  }
-  ~ExactFloatMode() {
-    if (saved & kFtzDaz) _mm_setcsr(saved);
-  }
-};
+using ::specdeploy::ExactFloatMode;  // exact_float.h: the FP8 decode's subnormals stay exact
 
 // ---------------------------------------------------------------- vector primitives, one set per ISA
 // Vec holds kLanes f32. Everything below the primitives is written once against them. Results differ
@@ -261,8 +250,8 @@ inline __m256 round_e4m3(__m256 v) {
 
 // Packed weights (`pack`): channels in blocks of kChannelBlock, the last N % kChannelBlock in blocks of one;
 // within a block, for each step of kStep inputs, that step's chunk of each channel in turn. A thread then
-// reads its part of the matrix front to back, which the hardware prefetchers follow (row-major [N, K]
-// bf16 reached ~6 GB/s per core here, since every block jumps between rows only K elements long).
+// reads its part of the matrix front to back, which the hardware prefetchers follow (row-major [N, K] bf16 streams
+// slower: every block jumps between rows only K elements long; docs/stages.md "Why native kernels").
 //
 // One policy per weight kind: kStep inputs per step (one vector), kChunk bytes per channel and step, the
 // activation type it multiplies (f32 after the prologue, or bf16 as given), decode (operator(): one chunk to
@@ -284,10 +273,10 @@ struct Bf16Weights {
 // its low half is cleared and w[2j]'s once shifted left by 16, so 32 weights take two integer instructions to
 // decode, shared by every row of the tile, then one FMA per 16 products and row. The activations are split the
 // same way once per call (prologue_pairs: per step of 32, the 16 even then the 16 odd ones, exact in f32).
-// Why not VDPBF16PS (32 products per instruction) on every AVX512-BF16 CPU: on the Xeon this was measured on it
-// issued at a quarter of the FMA rate (1.26 G/s against 5.1 G/s per core, register-only loop), so past ~2 rows,
-// where the LM head's pass stops being memory-bound, it is the slower of the two there; on the AMD EPYC it is the
-// faster (native.py BF16_ENV: the maker picks the build, docs/benchmarks.md).
+// Why not VDPBF16PS (32 products per instruction) on every AVX512-BF16 CPU: the Xeon issues it at a quarter of the
+// FMA rate, so past ~2 rows, where the LM head's pass stops being memory-bound, it is the slower of the two there;
+// on the AMD EPYC it is the faster (native.py BF16_ENV: the maker picks the build; docs/stages.md "Why native
+// kernels").
 struct Bf16Weights {
   static constexpr int64_t kStep = 2 * kLanes, kChunk = 4 * kLanes;
   using Activation = float;
@@ -334,9 +323,8 @@ struct F32Madd {
 // (1 + m/8) * 2^-6, and then loses its implicit one by subtracting +-2^-6: exact, both operands normal.
 // Why not leave the value scaled by 2^-120 (3 instructions instead of 7) and rescale the sum at the end, or
 // multiply it back at once: the products and partial sums, or the multiply's inputs, are then f32
-// subnormals, which Intel cores compute through microcode assists (measured on an AVX512-BF16 Xeon, one
-// 1536 x 576 row: 1,270 us with random codes against 48 us with no subnormal code; passes over 4 rows cost
-// 3.4 one-row passes instead of 1.5). AMD Zen cores take no such penalty, but one decode serves both.
+// subnormals, which Intel cores compute through slow microcode assists (docs/stages.md "Why native kernels"). AMD
+// Zen cores take no such penalty, but one decode serves both.
 struct Fp8Weights : F32Madd {
   static constexpr int64_t kChunk = kLanes;
   static constexpr int kBits = static_cast<int>(0x87f00000u), kExponent = 0x07800000, kSign = static_cast<int>(0x80000000u);
@@ -766,8 +754,8 @@ at::Tensor swiglu(const at::Tensor& gate_up) {
 // rows + i, the int8 codes of x and of its rounding residual, A = screened[i, j] + screened[rows + i, j] (f32) and
 // b = rounding * (|A| + |screened[rows + i, j]|) + norms[i] * slack[j] + residuals[i] * slack_act[j]. Returns them
 // sorted, each once; empty where a row holds a non-finite value or more than max_candidates qualify (the caller then
-// runs the whole head). Two passes over each row, vectorized by the OpenMP simd reductions (torch's max, comparison
-// and nonzero over 49,152 logits took ~0.3 ms a row here).
+// runs the whole head). Two passes over each row, vectorized by the OpenMP simd reductions, in place of torch's max,
+// comparison and nonzero (docs/stages.md "Why native kernels").
 template <bool Residual>
 at::Tensor screen_candidates(const at::Tensor& screened, int64_t rows, const float* norms, const float* residuals,
                              const float* s, const float* s_act, double rounding, int64_t max_candidates) {
@@ -859,8 +847,7 @@ std::tuple<at::Tensor, int64_t> candidate_logits(const at::Tensor& x, const at::
 // The logits [rows, vocab] (f32) of a screened LM head's rows (engine/lm_screen.py), the W8A16 screen: x [rows, K] bf16
 // the final norm's rows, screened [rows, vocab] bf16 their int8 copy's logits, slack [vocab], head [vocab, K] bf16 the
 // head's weight; the candidates (screen_candidates, with ||x|| rounded up) through candidate_logits. One call for what
-// took eight torch ops, ~0.5 ms a step after the layers had streamed the caches out (measured on the 2-core Xeon:
-// docs/benchmarks.md).
+// took eight torch ops (docs/benchmarks.md "A greedy step's LM head").
 std::tuple<at::Tensor, int64_t> screen_logits(const at::Tensor& x, const at::Tensor& screened, const at::Tensor& slack,
                                               const at::Tensor& head, double rounding, int64_t max_candidates) {
   check_screen_args(x, head, slack);
@@ -1113,8 +1100,7 @@ struct AttentionUnit {
 // sequences' are 0). Tasks: a row of several (verification, prefill) reads a KV head's keys once for up to
 // kUnitRows rows x that head's query heads (attend_queries); a one-row sequence (decode) runs one task per query
 // head, so the rows of a batched decode step share one loop over both threads (one task per KV head for the
-// one-row sequences of a batch measured 1.37-1.45 one-row steps for 4 sequences at 300 positions against 1.46, in
-// the VM's noise, 2026-11-29: not kept).
+// one-row sequences of a batch gained nothing: docs/benchmarks.md "Batched decode steps").
 at::Tensor attention_batch(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                            const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
                            const std::vector<int64_t>& starts, const std::vector<int64_t>& sizes, int64_t num_heads,
@@ -1244,8 +1230,8 @@ struct LayerParams {
 };
 
 // The decoder layers of an engine in one call, with the same ops in the same order as CpuEngine's layer
-// loop over the single kernels above, so without a Python round trip per op (a step of 30 layers made
-// ~240 calls, ~20 us each through torch.ops). Python sets it up once, then calls forward per chunk.
+// loop over the single kernels above, so without a Python round trip per op (docs/stages.md "2. build"). Python sets
+// it up once, then calls forward per chunk.
 struct Decoder : torch::CustomClassHolder {
   int64_t num_heads, num_kv_heads;
   double scale, eps;

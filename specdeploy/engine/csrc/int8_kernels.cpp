@@ -53,6 +53,7 @@
 #include <utility>
 #include <vector>
 
+#include "exact_float.h"
 #include "step_team.h"
 
 // The epilogue's multiply and add must stay two roundings in every variant (no FMA contraction), as the
@@ -80,17 +81,7 @@ inline __attribute__((always_inline)) void unroll(F&& f) {
   unroll_each(f, std::make_index_sequence<N>{});
 }
 
-// Clears FTZ/DAZ for the guard's lifetime (as cpu_kernels.cpp): scales and products stay exact IEEE f32.
-struct ExactFloatMode {
-  static constexpr unsigned kFtzDaz = 0x8040;
-  unsigned saved;
-  ExactFloatMode() : saved(_mm_getcsr()) {
-    if (saved & kFtzDaz) _mm_setcsr(saved & ~kFtzDaz);
-  }
-  ~ExactFloatMode() {
-    if (saved & kFtzDaz) _mm_setcsr(saved);
-  }
-};
+using ::specdeploy::ExactFloatMode;  // exact_float.h: scales and products stay exact IEEE f32
 
 struct Out {
   const float* out_scale;          // [N]
@@ -288,16 +279,15 @@ namespace avx512vnni {
 // Its own weight layout (int8_pack(weight, kAvx512Vnni), see the file's comment): per block of 16 channels, each 4
 // bytes of K for all 16 channels form one 64-byte vector, and a row's 4 activation bytes, broadcast, multiply it
 // (VPDPBUSD): each accumulator holds 16 channels' sums, so no lane sums follow the products and the epilogue is 16
-// outputs of one row in one vector. Measured (a 1536 x 576 GEMV in L2, 8 rows, one core, the 2-core Xeon, builds in
-// turns): 31-37 us against 48-52 with the 4-channel blocks and their horizontal sums (docs/benchmarks.md "The
+// outputs of one row in one vector: faster than 4-channel blocks and their horizontal sums (docs/benchmarks.md "The
 // AVX-512 int8 layout").
 
 constexpr int64_t kMaxRows = 8;  // rows of one register tile
 // Blocks of a tile: 16 accumulators at most (the other 16 registers: weights and broadcast activations).
 template <int64_t R> constexpr int64_t kTileBlocks = R <= 4 ? 4 : 2;
-// Each block's bytes requested this far ahead of its loads (past a block's end: the next block's, contiguous). The 30
-// layers' GEMVs from memory, 8 rows over one, 2 threads, in turns on the Xeon: 1.36-1.43 against 1.47-1.69 without
-// (4 runs each; 1 row alike); 1,024 bytes ahead measured between the two, and a whole group ahead slowed 1 row.
+// Each block's bytes requested this far ahead of its loads (past a block's end: the next block's, contiguous): 8 rows
+// cost less over one than without, 1,024 bytes gained less and a whole group ahead slowed 1 row (docs/benchmarks.md
+// "The AVX-512 int8 layout").
 constexpr int64_t kAhead = 4096;
 
 // The products of rows [m, m + R) with CB consecutive blocks over all of K, each accumulator stored whole to `raw`.

@@ -3,8 +3,8 @@
 //
 // A step of 30 layers makes ~180 parallel loops (every GEMV and attention). Through at::parallel_for each is an
 // OpenMP region: the served stubs wait for work passively (OMP_WAIT_POLICY=PASSIVE, triton/server.py: spinning
-// pools on 2 shared cores made a step 1.2 s), so every region starts by waking the sleeping second thread
-// (futex), ~4 ms of a ~12 ms one-token step measured in process against libgomp's spinning default.
+// pools on 2 shared cores slowed a step many times over), so every region starts by waking the sleeping second
+// thread (futex), a third of a one-token step (docs/stages.md "Why native kernels").
 //
 // Decoder::forward instead opens one region for the whole step (`run_step`): the calling thread runs the step's
 // ops as before, and each parallel loop (`parallel_for`) is handed to the team's helpers, which spin for it
@@ -144,10 +144,10 @@ void run_step(const Step& step) {
 //
 // While it stands, torch's own parallel loops (a logits copy, a cat: at::parallel_for on libgomp's pool) run on the
 // calling thread alone (omp_set_num_threads(1) until close()): a libgomp worker they woke would spin on for its
-// GOMP_SPINCOUNT after each loop (OMP_WAIT_POLICY's default), taking the second core from this team's helper. In
-// process with the default policy that made a one-row int8_sq step 9.7 ms (median 12.0) against 7.2 without a
-// team, and 7.3 with torch's loops kept on the caller (/tmp script, 2-core AMD EPYC, 2026-11-27); under PASSIVE
-// (the served stubs) it saves the futex wake of each such loop.
+// GOMP_SPINCOUNT after each loop (OMP_WAIT_POLICY's default), taking the second core from this team's helper: in
+// process that made a step with a team slower than one without, and kept on the caller they are alike
+// (docs/benchmarks.md "Rows, attention and the head on an AVX-512 EPYC"); under PASSIVE (the served stubs) it saves
+// the futex wake of each such loop.
 class Standing {
  public:
   static Standing& get() {
@@ -176,8 +176,8 @@ class Standing {
 
   // Does not wait for the helpers to leave: each finished the step's last loop before it returned (Team::run waits
   // for them), and one that lost its core in its spin leaves when it gets the core back and sees `stop`. Waiting for
-  // that here put the whole wait on the step's critical path: with another process on the 2 cores, team_close took
-  // 3.5 ms a step (cProfile of BatchScheduler at concurrency 4 beside a test run, 2026-11-29). A helper still spinning
+  // that here put the whole wait on the step's critical path when another process held a core (docs/benchmarks.md
+  // "Batched decode steps"). A helper still spinning
   // when the next open() comes simply stays: it serves the new steps' loops (Team::helper's epoch check keeps it off
   // a task it saw being published late).
   void close() {

@@ -68,7 +68,7 @@ class LlmCall:
             # detected", then "Stub process is not healthy"), so there the BLS checks between rounds, and a call that
             # streams (a streamed request's fused call or plain run) is stopped with TensorRT-LLM's `stop` once the
             # BLS's own request ends (_call). A call that does not stream runs to its end: streaming it only to check
-            # cost a non-streamed fused request 7-8 % (docs/triton-stub-workarounds.md).
+            # would slow every non-streamed fused request (docs/triton-stub-workarounds.md).
             streams = stop_check is not None and "streaming" in extra
             return self._call(
                 sequence,

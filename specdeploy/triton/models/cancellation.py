@@ -139,9 +139,8 @@ def is_slice_expiry(message: str) -> bool:
 def run_slice_s(output_len: int, per_token_s: float, active: int) -> float:
     """The first time slice of a plain run: a slice that expires mid-run loses every token it generated, so it
     allows twice the run's time at the per-token cost measured so far, times the requests in flight (their steps
-    share the target: at concurrency 2 a token cost ~1.7x the one-request cost the deployment had measured), plus
-    a second for the prompt's prefill. With a slice of 2x the one-request time, 2 concurrent BLS plain runs of 64
-    tokens took 2.1x the ensemble's time (most first slices expired; with no slicing 1.15x)."""
+    share the target, so a token costs more than one request alone measured), plus a second for the prompt's
+    prefill; a slice sized for one request alone expired in most runs at concurrency 2 (docs/stages.md "3. repo")."""
     return 2.0 * max(1, active) * output_len * per_token_s + 1.0
 
 

@@ -305,12 +305,7 @@ class TritonPythonModel:
             what = "ran past its server-side deadline" if job["stop_check"].reason == "timeout" else "was cancelled"
             emit(_error(f"{self.name}: the request {what} after {len(output)} tokens"), True)
             return
-        if stream is not None:
-            text = stream.flush()
-        else:
-            ids = output if job["exclude_input"] else job["prompt_ids"] + output
-            text = self._cut_at_stop_text(self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens), job)
-        emit(self._response(text, job, stats, times, record, extras, len(output)), True)
+        emit(self._response(self._last_text(job, stream, output), job, stats, times, record, extras, len(output)), True)
         return True
 
     def _run_fused(self, job, arrival_ns, emit):
@@ -423,15 +418,18 @@ class TritonPythonModel:
             policy="eagle3-fused",
         )
         extras = {"log_probs": log_probs or [], "logits": [logits[: len(tokens)]] if logits is not None else []}
-        if stream is not None:
-            if on_tokens is None:  # not streamed by tensorrt_llm: the whole text now
-                stream.push(tokens)
-            text = stream.flush()
-        else:
-            ids = tokens if job["exclude_input"] else job["prompt_ids"] + tokens
-            text = self._cut_at_stop_text(self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens), job)
-        emit(self._response(text, job, stats, times, record, extras, len(tokens)), True)
+        if stream is not None and on_tokens is None:  # not streamed by tensorrt_llm: the whole text now
+            stream.push(tokens)
+        emit(self._response(self._last_text(job, stream, tokens), job, stats, times, record, extras, len(tokens)), True)
         return True
+
+    def _last_text(self, job, stream, output: list[int]) -> str:
+        """The last response's text: a streamed request's text not sent yet, else the whole answer (with the prompt
+        unless excluded), cut at its first stop text."""
+        if stream is not None:
+            return stream.flush()
+        ids = output if job["exclude_input"] else job["prompt_ids"] + output
+        return self._cut_at_stop_text(self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens), job)
 
     def _cut_at_stop_text(self, text: str, job) -> str:
         """A whole answer ends after its first stop word found in the generated text, as NVIDIA's BLS cuts text_output
