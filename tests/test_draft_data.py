@@ -191,7 +191,7 @@ def test_the_requests_around_one_calibration_passage_are_held_out_together(tmp_p
             data=SimpleNamespace(samples_per_prompt=1, text_files=()), train=SimpleNamespace(seq_len=64)
         )
     )
-    plan = [(p, [1, 2, 3]) for p in prompts]
+    plan = [(p, [1, 2, 3], None) for p in prompts]  # (prompt, its ids, no scored reply)
     records, held = dd._records(recipe, journal, plan, tokenizer=None, max_seq_len=64)
     passage_of = lambda record: record["id"].split("-")[1]  # noqa: E731  (calibration-{passage}-{template}/0)
     held_passages = {passage_of(r) for key, r in records if key in held}
@@ -219,7 +219,7 @@ def test_a_set_of_one_group_still_holds_a_prompt_out():
             data=SimpleNamespace(samples_per_prompt=1, text_files=()), train=SimpleNamespace(seq_len=64)
         )
     )
-    records, held = dd._records(recipe, journal, [(p, [1]) for p in prompts], tokenizer=None, max_seq_len=64)
+    records, held = dd._records(recipe, journal, [(p, [1], None) for p in prompts], tokenizer=None, max_seq_len=64)
     assert len(held) == 1 and len(records) == len(draft_prompts.CALIBRATION_TEMPLATES)
 
 
