@@ -9,7 +9,7 @@ Prompts: `--prompts heldout` (default): the held-out prompts of a `specdeploy dr
 the head's training recipe's, engines/smollm2-135m-eagle3/draft-data), never trained on and never the validation
 prompts: choose draft_p_min here. `--prompts builtin`: the built-in validation prompts, to report what a chosen value
 does there (never to choose it). `--prompts sharegpt`: real requests of ShareGPT's validation half (seed 0), which
-no head trains on (docs/validate.md).
+no head trains on (docs/validate.md); `--prompts sharegpt-reported`: the reported half, never chosen on.
 
 The sweep estimates the speedup of each cut-off with a cost model in target steps: a round of 1 + k rows costs
 ROWS[k] (default: bench/eagle3.py's 1.00 / 1.11 / 1.24 / 1.31 steps for 1..4 rows) plus HEAD per draft step of the
@@ -77,7 +77,8 @@ def load_pair(recipe_path: str, root: str):
 
 def prompts_of(kind: str, data_dir: str, count: int, tokenizer, max_tokens: int) -> list[tuple[str, list[int]]]:
     """`heldout`: the draft-data folder's greedy held-out prompts; `builtin`: the built-in validation prompts;
-    `sharegpt`: ShareGPT's validation half (`validate --prompt-set sharegpt`, seed 0)."""
+    `sharegpt`: ShareGPT's validation half (`validate --prompt-set sharegpt`, seed 0); `sharegpt-reported`: its
+    reported half (reported beside it, never chosen on)."""
     if kind == "heldout":
         return heldout_prompts(Path(data_dir), count)
     from bench.eagle3_peer import chat_prompts
@@ -228,7 +229,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", default=str(ROOT / "build" / "smollm2-135m.yaml"))
     ap.add_argument("--root", default=str(ROOT))
-    ap.add_argument("--prompts", choices=("heldout", "builtin", "sharegpt"), default="heldout")
+    ap.add_argument("--prompts", choices=("heldout", "builtin", "sharegpt", "sharegpt-reported"), default="heldout")
     ap.add_argument("--data", default=str(ROOT / "engines" / "smollm2-135m-eagle3" / "draft-data"))
     ap.add_argument("--count", type=int, default=24)
     ap.add_argument("--max-tokens", type=int, default=64)

