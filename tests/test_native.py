@@ -222,6 +222,23 @@ def test_decoder_call_equals_the_per_op_native_loop(kind, bf16_engines, int8_sq_
         torch.set_num_threads(threads)
 
 
+def test_the_decoders_profile_counts_its_parts_and_changes_no_bits(int8_sq_engines):
+    """Decoder.set_profile (bench/round_profile.py): the timed call gives the untimed call's bits and aux features,
+    every part of a pass gets time, one call is counted per call; set_profile(False) clears the sums."""
+    engine = CpuEngine.load(int8_sq_engines["per_token"])
+    ids = torch.randint(0, 512, (5,), generator=torch.Generator().manual_seed(8))
+    layers = (0, engine.spec.num_layers - 1)
+    plain = engine.forward(engine.new_cache(), ids, aux_layers=layers)
+    engine.decoder.set_profile(True)
+    timed = engine.forward(engine.new_cache(), ids, aux_layers=layers)
+    seconds = engine.decoder.profile().tolist()
+    engine.decoder.set_profile(False)
+    assert torch.equal(plain[0], timed[0]) and torch.equal(plain[1], timed[1])
+    assert len(seconds) == 10 and seconds[-1] == 1  # norms, qkv, rope+kv, attention, o, gate_up, swiglu, down, capture
+    assert all(s > 0 for s in seconds[:-1])
+    assert engine.decoder.profile().tolist() == [0.0] * 10
+
+
 def test_an_error_inside_the_one_call_step_is_raised_and_the_next_step_runs(bf16_engines):
     engine = CpuEngine.load(bf16_engines)
     ids = torch.randint(0, 512, (6,), generator=torch.Generator().manual_seed(6))

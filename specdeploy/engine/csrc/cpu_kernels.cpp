@@ -20,6 +20,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <numeric>
@@ -1118,7 +1119,7 @@ struct AttentionUnit {
 at::Tensor attention_batch(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                            const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
                            const std::vector<int64_t>& starts, const std::vector<int64_t>& sizes, int64_t num_heads,
-                           int64_t num_kv_heads, double scale) {
+                           int64_t num_kv_heads, double scale, double* rope_seconds = nullptr) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kBFloat16 && qkv.is_contiguous(), "qkv: expected contiguous bf16");
   TORCH_CHECK(!keys.empty() && keys.size() == values.size() && keys.size() == starts.size() && keys.size() == sizes.size(),
               "attention: one cache, start and size per sequence");
@@ -1142,6 +1143,7 @@ at::Tensor attention_batch(const at::Tensor& qkv, const at::Tensor& cos, const a
     offset += m;
   }
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  auto rope_begin = std::chrono::steady_clock::now();
   for (const AttentionSeq& a : seqs) {
     for (int64_t r = 0; r < a.m; ++r) {
       const c10::BFloat16* row = a.qkv + r * width;
@@ -1154,6 +1156,8 @@ at::Tensor attention_batch(const at::Tensor& qkv, const at::Tensor& cos, const a
       }
     }
   }
+  if (rope_seconds != nullptr)
+    *rope_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - rope_begin).count();
   // head sizes of 1, 2, 4 or 8 vectors: attend_queries (the sums in registers); others: a dot product per key
   int64_t vectors = D % kLanes == 0 ? D / kLanes : 0;
   bool fast = vectors == 1 || vectors == 2 || vectors == 4 || vectors == 8;
@@ -1251,6 +1255,11 @@ struct Decoder : torch::CustomClassHolder {
   double scale, eps;
   at::Tensor cos, sin;
   std::vector<LayerParams> layers;
+  // Per-op seconds summed over the calls since set_profile(true) (bench/round_profile.py), in the order of
+  // kProfileParts; off by default (then no clock is read).
+  static constexpr int64_t kProfileParts = 10;  // norms, qkv, rope+kv, attention, o, gate_up, swiglu, down, capture, calls
+  bool profiling = false;
+  std::vector<double> seconds = std::vector<double>(kProfileParts, 0.0);
 
   Decoder(int64_t num_layers, int64_t num_heads, int64_t num_kv_heads, double scale, double eps, at::Tensor cos,
           at::Tensor sin)
@@ -1272,6 +1281,13 @@ struct Decoder : torch::CustomClassHolder {
     *target = LinearParams{std::move(packed), kind, n, group_size, std::move(group_scale), std::move(pre_quant_scale),
                            std::move(out_scale), std::move(bias), act_scale};
   }
+
+  void set_profile(bool on) {
+    profiling = on;
+    std::fill(seconds.begin(), seconds.end(), 0.0);
+  }
+
+  at::Tensor profile() const { return at::tensor(seconds, at::kDouble); }
 
   // x [rows, hidden] bf16 -> the hidden states after every layer; keys/values [layers, KV, max_len, D] f32.
   // The whole step on one OpenMP team (step_team.h): its parallel loops wake no sleeping thread.
@@ -1305,22 +1321,49 @@ struct Decoder : torch::CustomClassHolder {
                                   const std::vector<int64_t>& starts, const std::vector<int64_t>& sizes,
                                   const std::vector<int64_t>* capture = nullptr, std::vector<at::Tensor>* captured = nullptr) {
     int64_t total = std::accumulate(sizes.begin(), sizes.end(), int64_t{0});
+    // the profile's clock: adds the time since the last mark to part `part` (nothing when not profiling)
+    using Clock = std::chrono::steady_clock;
+    Clock::time_point last = profiling ? Clock::now() : Clock::time_point{};
+    auto mark = [&](int part) {
+      if (!profiling) return;
+      Clock::time_point now = Clock::now();
+      seconds[part] += std::chrono::duration<double>(now - last).count();
+      last = now;
+    };
+    double rope_seconds = 0.0;
     for (size_t i = 0; i < layers.size(); ++i) {
       const LayerParams& l = layers[i];
-      at::Tensor qkv = l.qkv(rms_norm(x, l.input_norm, eps));
+      at::Tensor normed = rms_norm(x, l.input_norm, eps);
+      mark(0);
+      at::Tensor qkv = l.qkv(normed);
+      mark(1);
       std::vector<at::Tensor> layer_keys, layer_values;  // one sequence: its rows may include padding past sizes[0]
       for (size_t s = 0; s < keys.size(); ++s) {
         layer_keys.push_back(keys[s].select(0, i));
         layer_values.push_back(values[s].select(0, i));
       }
-      at::Tensor attn = attention_batch(qkv, cos, sin, layer_keys, layer_values, starts, sizes, num_heads, num_kv_heads, scale);
+      at::Tensor attn = attention_batch(qkv, cos, sin, layer_keys, layer_values, starts, sizes, num_heads, num_kv_heads,
+                                        scale, profiling ? &rope_seconds : nullptr);
+      mark(3);  // rope_seconds moves from attention to rope+kv below
       x = l.o(attn, x);
+      mark(4);
       at::Tensor h = rms_norm(x, l.post_norm, eps);
+      mark(0);
       // unfused: swiglu of [gate | up] has the bits of torch's silu(gate) * up (CpuEngine's unfused loop)
       at::Tensor gate_up = l.gate_up.packed.defined() ? l.gate_up(h) : at::cat({l.gate(h), l.up(h)}, 1);
-      x = l.down(swiglu(gate_up), x);
+      mark(5);
+      at::Tensor act = swiglu(gate_up);
+      mark(6);
+      x = l.down(act, x);
+      mark(7);
       if (capture != nullptr && std::find(capture->begin(), capture->end(), static_cast<int64_t>(i)) != capture->end())
         captured->push_back(x.narrow(0, 0, total).clone());
+      mark(8);
+    }
+    if (profiling) {
+      seconds[2] += rope_seconds;
+      seconds[3] -= rope_seconds;
+      seconds[9] += 1;
     }
     return x;
   }
@@ -1340,7 +1383,9 @@ TORCH_LIBRARY(specdeploy_cpu, ops) {
       .def("set_linear", &specdeploy::Decoder::set_linear)
       .def("forward", &specdeploy::Decoder::forward)
       .def("forward_batch", &specdeploy::Decoder::forward_batch)
-      .def("forward_capture", &specdeploy::Decoder::forward_capture);
+      .def("forward_capture", &specdeploy::Decoder::forward_capture)
+      .def("set_profile", &specdeploy::Decoder::set_profile)
+      .def("profile", &specdeploy::Decoder::profile);
   ops.def("team_open", &team_open);
   ops.def("team_close", &team_close);
   ops.def("pack", &pack);
