@@ -142,6 +142,21 @@ def test_rms_norm_and_swiglu_match_torch():
     assert torch.equal(OPS.swiglu(x), F.silu(gate) * up)
 
 
+@pytest.mark.parametrize("inter", [1536, 40])  # SmolLM2's intermediate size (whole vectors), and a scalar tail
+def test_swiglu_of_gate_and_up_apart_equals_swiglu_of_the_two_side_by_side(inter):
+    """The decoder's int8_sq layers (gate and up apart) take swiglu(gate, up) instead of swiglu(cat(gate, up)): the same
+    bits, and torch's, at every row count a pass runs."""
+    g = torch.Generator().manual_seed(9)
+    for rows in range(1, 10):
+        gate = (torch.randn(rows, inter, generator=g) * 4).to(torch.bfloat16)
+        up = (torch.randn(rows, inter, generator=g) * 4).to(torch.bfloat16)
+        apart = OPS.swiglu(gate, up)
+        assert torch.equal(apart, OPS.swiglu(torch.cat([gate, up], dim=1))), rows
+        assert torch.equal(apart, F.silu(gate) * up), rows
+    with pytest.raises(RuntimeError, match="up"):
+        OPS.swiglu(gate, up[:, :-1].contiguous())
+
+
 def test_bad_arguments_are_errors_not_crashes():
     packed = OPS.pack(torch.zeros(8, 32, dtype=torch.bfloat16), native.BF16, 32)
     with pytest.raises(RuntimeError, match="multiple of"):

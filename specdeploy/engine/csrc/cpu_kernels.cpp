@@ -735,19 +735,26 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return y;
 }
 
-// [M, 2I] -> [M, I]: bf16(silu(gate)) * up, each rounded to bf16 as torch's bf16 ops do.
-at::Tensor swiglu(const at::Tensor& gate_up) {
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kBFloat16 && gate_up.is_contiguous() &&
-                  gate_up.size(1) % 2 == 0, "gate_up: expected contiguous bf16 [M, 2I]");
-  int64_t M = gate_up.size(0), I = gate_up.size(1) / 2;
+// [M, 2I] -> [M, I]: bf16(silu(gate)) * up, each rounded to bf16 as torch's bf16 ops do. With `up` ([M, I]),
+// gate_up is the gate alone ([M, I]): the same products from two tensors, so a checkpoint that keeps gate and up apart
+// (int8_sq) needs no [M, 2I] copy of both first.
+at::Tensor swiglu(const at::Tensor& gate_up, const std::optional<at::Tensor>& up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kBFloat16 && gate_up.is_contiguous(),
+              "gate_up: expected contiguous bf16 [M, 2I]");
+  TORCH_CHECK(up.has_value() || gate_up.size(1) % 2 == 0, "gate_up: expected [M, 2I]");
+  TORCH_CHECK(!up.has_value() || (up->scalar_type() == at::kBFloat16 && up->is_contiguous() && up->sizes() == gate_up.sizes()),
+              "up: expected contiguous bf16 of the gate's shape");
+  int64_t M = gate_up.size(0), I = up.has_value() ? gate_up.size(1) : gate_up.size(1) / 2;
+  int64_t stride = up.has_value() ? I : 2 * I;  // a row of the gate (and of up)
   at::Tensor y = at::empty({M, I}, gate_up.options());
   const c10::BFloat16* gp = gate_up.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* upp = up.has_value() ? up->data_ptr<c10::BFloat16>() : gp + I;
   c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
   if (I % kLanes == 0) {  // kLanes at a time, with exp_ps
     Vec one = vset1(1.0f);
     for (int64_t m = 0; m < M; ++m)
       for (int64_t i = 0; i < I; i += kLanes) {
-        Vec g = load_bf16(gp + m * 2 * I + i), u = load_bf16(gp + m * 2 * I + I + i);
+        Vec g = load_bf16(gp + m * stride + i), u = load_bf16(upp + m * stride + i);
         Vec silu = vdiv(g, vadd(one, exp_ps(vmul(vset1(-1.0f), g))));
         store_bf16(yp + m * I + i, vmul(round_bf16(silu), u));
       }
@@ -755,7 +762,7 @@ at::Tensor swiglu(const at::Tensor& gate_up) {
   }
   for (int64_t m = 0; m < M; ++m)
     for (int64_t i = 0; i < I; ++i) {
-      float g = static_cast<float>(gp[m * 2 * I + i]), u = static_cast<float>(gp[m * 2 * I + I + i]);
+      float g = static_cast<float>(gp[m * stride + i]), u = static_cast<float>(upp[m * stride + i]);
       yp[m * I + i] = c10::BFloat16(round_bf16(g / (1.0f + std::exp(-g))) * u);
     }
   return y;
@@ -1349,10 +1356,18 @@ struct Decoder : torch::CustomClassHolder {
       mark(4);
       at::Tensor h = rms_norm(x, l.post_norm, eps);
       mark(0);
-      // unfused: swiglu of [gate | up] has the bits of torch's silu(gate) * up (CpuEngine's unfused loop)
-      at::Tensor gate_up = l.gate_up.packed.defined() ? l.gate_up(h) : at::cat({l.gate(h), l.up(h)}, 1);
-      mark(5);
-      at::Tensor act = swiglu(gate_up);
+      // unfused (int8_sq): swiglu of gate and up apart has the bits of torch's silu(gate) * up (CpuEngine's unfused
+      // loop), with no [rows, 2I] copy of the two
+      at::Tensor act;
+      if (l.gate_up.packed.defined()) {
+        at::Tensor gate_up = l.gate_up(h);
+        mark(5);
+        act = swiglu(gate_up, std::nullopt);
+      } else {
+        at::Tensor gate = l.gate(h), up = l.up(h);
+        mark(5);
+        act = swiglu(gate, up);
+      }
       mark(6);
       x = l.down(act, x);
       mark(7);
@@ -1392,7 +1407,7 @@ TORCH_LIBRARY(specdeploy_cpu, ops) {
   ops.def("k_multiple", &k_multiple);
   ops.def("linear", &linear);
   ops.def("rms_norm", &rms_norm);
-  ops.def("swiglu", &swiglu);
+  ops.def("swiglu(Tensor gate_up, Tensor? up=None) -> Tensor", &swiglu);
   ops.def("screen_logits", &screen_logits);
   ops.def("screen_logits_int8", &screen_logits_int8);
   ops.def(
