@@ -1,4 +1,5 @@
-"""Per-op profile of the served round (issue 59, `make bench`): where a fused EAGLE-3 round's time goes, in one-row steps.
+"""Per-op profile of the served round (issue 59, `make bench`): where a fused EAGLE-3 round's time goes, in one-row
+steps.
 
 The recipe's target engine and head (`draft.head`), after a context of --context tokens of built-in chat prompts, in
 process, on the engine's own code paths:
@@ -287,7 +288,8 @@ def main(argv=None) -> int:
     if args.prompts:
         result["round"] = round_section(args, recipe, engine, head, tokenizer)
     print_tables(result)
-    out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"round_profile-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"round_profile-{stamp}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")
@@ -302,10 +304,12 @@ def _medians(rows: list[dict]) -> dict:
 def part_bytes(engine, head, context: int) -> dict:
     """The bytes each part must read: weights (as packed for the kernels) and, for attention, the KV cache."""
     s = engine.spec
+
     # int8_sq keeps gate and up apart (each its own scales): the decoder's gate_up part runs both
-    nbytes = lambda layer, name: sum(
-        lin.nbytes() for lin in ((layer.gate, layer.up) if name == "gate_up" and layer.gate_up is None else (getattr(layer, name),))
-    )
+    def nbytes(layer, name):
+        apart = name == "gate_up" and layer.gate_up is None
+        return sum(lin.nbytes() for lin in ((layer.gate, layer.up) if apart else (getattr(layer, name),)))
+
     per_linear = {name: sum(nbytes(layer, name) for layer in engine.layers) for name in LINEARS}
     kv_bytes = lambda m: s.num_layers * 2 * s.num_kv_heads * (context + m) * s.head_size * 2  # bf16 K and V
     head_bytes = {n: getattr(head, n).nbytes() for n in ("fc", "qkv", "o", "gate_up", "down", "lm_head")}
@@ -327,6 +331,8 @@ def floors(engine, head, nbytes: dict, gb_s: float) -> dict:
     operations per row."""
     s = engine.spec
     to_s = lambda b: None if b is None else b / (gb_s * 1e9)
+    rope = (s.num_heads + s.num_kv_heads) * s.head_size
+    flops = s.num_layers * (8 * s.hidden_size + 4 * rope)
     return {
         "bytes": nbytes,
         "seconds": {
@@ -339,8 +345,8 @@ def floors(engine, head, nbytes: dict, gb_s: float) -> dict:
         },
         # parts that read next to nothing: the operations per row
         "ops_per_row": {
-            "norms+rope": f"{s.num_layers} x (2 rms norms of {s.hidden_size} + rope of "
-            f"{(s.num_heads + s.num_kv_heads) * s.head_size}): ~{s.num_layers * (8 * s.hidden_size + 4 * (s.num_heads + s.num_kv_heads) * s.head_size) / 1e3:.0f} kflop",
+            "norms+rope": f"{s.num_layers} x (2 rms norms of {s.hidden_size} + rope of {rope}): "
+            f"~{flops / 1e3:.0f} kflop a row",
             "swiglu": f"{s.num_layers} x {s.intermediate_size} silu x mul",
             "aux capture": f"copies {len(head.aux_layer_ids)} x {s.hidden_size} bf16 values",
             "verify": f"an argmax over {s.vocab_size} f32 logits ({s.vocab_size * 4 / 1e3:.0f} kB)",
@@ -427,7 +433,8 @@ def round_section(args, recipe, engine, head, tokenizer) -> dict:
         "pass_steps": per("fwd"),
         "rest_steps": rest,
         "plain_rest_steps": plain_rest,
-        "speedup": statistics.median(r["t"] / r["out"] for r in plain) / statistics.median(r["t"] / r["out"] for r in fused),
+        "speedup": statistics.median(r["t"] / r["out"] for r in plain)
+        / statistics.median(r["t"] / r["out"] for r in fused),
     }
 
 
@@ -446,7 +453,8 @@ def print_tables(r: dict) -> None:
     first = r["passes"]["step"]
     print(
         f"{'floor':10}{'':12}{first['floor linears']:12.3f}{first['floor attention']:12.3f}{'~0':>12}{'~0':>12}"
-        f"{first['floor screen']:12.3f}{'0':>12}{'0':>12}{'~0':>12}{first['floor screen']:9.3f}{first['floor full head']:7.3f}"
+        f"{first['floor screen']:12.3f}{'0':>12}{'0':>12}{'~0':>12}"
+        f"{first['floor screen']:9.3f}{first['floor full head']:7.3f}"
     )
     print(f"\n{'head':12}{'total':>8}{'fc':>8}{'lm head':>9}{'layer+py':>10}{'floor':>8}")
     for key, d in r["head"].items():
