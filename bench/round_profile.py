@@ -55,13 +55,15 @@ LINEARS = ("qkv", "o", "gate_up", "down")
 
 class Timers:
     """Seconds per part of the call being measured; `wrap` puts a timer around an object's method (a hook on the
-    engine's own code path, not a copy of it)."""
+    engine's own code path, not a copy of it), `unwrap` takes every timer off again."""
 
     def __init__(self):
         self.parts: dict[str, float] = {}
+        self.wrapped: list[tuple[object, str, bool, object]] = []
 
     def wrap(self, obj, name: str, part: str) -> None:
         inner = getattr(obj, name)
+        self.wrapped.append((obj, name, name in vars(obj), inner))
 
         def timed(*args, **kwargs):
             t0 = time.perf_counter()
@@ -71,6 +73,14 @@ class Timers:
                 self.parts[part] = self.parts.get(part, 0.0) + time.perf_counter() - t0
 
         setattr(obj, name, timed)
+
+    def unwrap(self) -> None:
+        for obj, name, own, inner in reversed(self.wrapped):
+            if own:
+                setattr(obj, name, inner)  # an attribute of the object itself (the head's LM head)
+            else:
+                delattr(obj, name)  # a method: the class's again
+        self.wrapped = []
 
 
 def context_ids(tokenizer, length: int) -> list[int]:
@@ -101,23 +111,11 @@ def lscpu_summary() -> dict:
     return {"model": model, "flags": [f for f in wanted if f in flags], "cores": os.cpu_count()}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--recipe", default=str(ROOT / "build" / "smollm2-135m.yaml"))
-    ap.add_argument("--root", default=str(ROOT))
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=15)
-    ap.add_argument("--context", type=int, default=200)
-    ap.add_argument("--prompts", type=int, default=4, help="chat prompts of the round section (0: skip it)")
-    ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--draft-len", type=int, default=3)
-    ap.add_argument("--round-repeats", type=int, default=2)
-    ap.add_argument("--out", default="")
-    args = ap.parse_args(argv)
-
+def profile(engine, head, context: list[int], repeats: int, threads: int, draft_len: int) -> dict:
+    """The profile of a loaded engine and head after `context`: medians per part, floors, the tables (see the module
+    docstring). The engine and head are as before when it returns."""
     import torch
 
-    from bench.eagle3_confidence import load_pair
     from bench.kernels import memory_probe
     from specdeploy.engine import logits as lp
     from specdeploy.engine import native
@@ -125,14 +123,8 @@ def main(argv=None) -> int:
     from specdeploy.engine.request import EngineRequest, check_request
     from specdeploy.speculation import verify
 
-    torch.set_num_threads(args.threads)
-    recipe, layout, engine, head, tokenizer = load_pair(args.recipe, args.root)
-    if engine.decoder is None:
-        print("round_profile: the engine runs no native decoder here (no AVX2/AVX-512 kernels): skipped")
-        return 0
     decoder, ops = engine.decoder, engine.native
     layers = head.aux_layer_ids
-    context = context_ids(tokenizer, args.context)
     length = len(context)
     floor_bytes = part_bytes(engine, head, length)  # before the timers wrap the head's LM head
     timers = Timers()
@@ -206,7 +198,7 @@ def main(argv=None) -> int:
 
     def head_round():  # the head's work in a round of 3 drafts as the loop asks for it (catch-up, drafts, Python)
         drafter.catch_up(pass_aux[:2], cont[1:3])
-        drafter.draft(args.draft_len, 1e-9)  # a p_min that cuts nothing: the probabilities are computed, as served
+        drafter.draft(draft_len, 1e-9)  # a p_min that cuts nothing: the probabilities are computed, as served
         drafter.truncate(length)
 
     def verify_rows(m):
@@ -231,14 +223,14 @@ def main(argv=None) -> int:
         calls[f"full head {m}"] = (step, lambda m=m: engine.lm_head(normed[m]))
     calls.update({f"catch-up {n}": (step, catch_up(n)) for n in CATCH_UP})
     calls["draft step"] = (after_catch_up, draft_step)
-    calls[f"head round {args.draft_len}"] = (step, head_round)
+    calls[f"head round {draft_len}"] = (step, head_round)
     calls.update({f"verify {m}": (step, verify_rows(m)) for m in ROWS})
-    probe = memory_probe(args.threads)
+    probe = memory_probe(threads)
     bandwidth: list[float] = []
 
     samples: dict[str, list[dict]] = {key: [] for key in calls}
     order = list(calls)
-    for rep in range(args.repeats + 1):  # the first round warms up
+    for rep in range(repeats + 1):  # the first round warms up
         bandwidth_now = probe()
         for key in order if rep % 2 == 0 else order[::-1]:
             setup, call = calls[key]
@@ -275,9 +267,9 @@ def main(argv=None) -> int:
         "isa": native.isa(),
         "int8_variant": native.INT8_VARIANT_NAMES[native.int8_variant()],
         "screen": None if screen is None else screen.kind,
-        "threads": args.threads,
+        "threads": threads,
         "context": length,
-        "repeats": args.repeats,
+        "repeats": repeats,
         "read_gb_s": gb_s,
         "step_ms": unit * 1e3,
         "medians_s": med,
@@ -285,6 +277,34 @@ def main(argv=None) -> int:
     result["floors"] = floors(engine, head, floor_bytes, gb_s)
     result["passes"] = pass_table(med, unit, result["floors"])
     result["head"] = head_table(med, unit, result["floors"])
+    timers.unwrap()
+    return result
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--recipe", default=str(ROOT / "build" / "smollm2-135m.yaml"))
+    ap.add_argument("--root", default=str(ROOT))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--context", type=int, default=200)
+    ap.add_argument("--prompts", type=int, default=4, help="chat prompts of the round section (0: skip it)")
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--draft-len", type=int, default=3)
+    ap.add_argument("--round-repeats", type=int, default=2)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from bench.eagle3_confidence import load_pair
+
+    torch.set_num_threads(args.threads)
+    recipe, layout, engine, head, tokenizer = load_pair(args.recipe, args.root)
+    if engine.decoder is None:
+        print("round_profile: the engine runs no native decoder here (no AVX2/AVX-512 kernels): skipped")
+        return 0
+    result = profile(engine, head, context_ids(tokenizer, args.context), args.repeats, args.threads, args.draft_len)
     if args.prompts:
         result["round"] = round_section(args, recipe, engine, head, tokenizer)
     print_tables(result)
