@@ -53,7 +53,9 @@ test: setup
 # loop beside llama.cpp's draft-eagle3 (same head: the recipe's trained one, else the bundled one; skipped with one
 # line when there is none); batching.py serves the control path at concurrency 1/2/4/8 with the in-process baseline,
 # levels in turns over 4 repeats (ABBA); validate_llama.py validates llama.cpp plain against llama.cpp with the same
-# head over its OpenAI API (`specdeploy validate --protocol openai`, a deployment specdeploy did not make). The n-gram recipe's target is the default's (same quantization, engine and
+# head over its OpenAI API (`specdeploy validate --protocol openai`, a deployment specdeploy did not make);
+# round_profile.py splits the fused round (the verification pass of 1..8 rows, the head, the loop) into its parts,
+# each beside its floor (docs/benchmarks.md "A per-op profile of the served round"). The n-gram recipe's target is the default's (same quantization, engine and
 # triton sections), so it is not measured twice.
 bench: setup models
 	$(SD) quantize $(RECIPE)
@@ -63,6 +65,7 @@ bench: setup models
 	$(BIN)/python -m pip install --quiet --target $(VENV)/bench-site --no-deps torchao==0.18.0
 	$(BIN)/python bench/engine.py --recipe $(MODEL_DRAFT_RECIPE)
 	$(BIN)/python bench/kernels.py --recipe $(RECIPE) --threads 2 --repeats 9
+	$(BIN)/python bench/round_profile.py --recipe $(RECIPE) --threads 2
 	$(BIN)/python bench/eagle3_peer.py --recipe $(RECIPE) --threads 2
 	$(BIN)/python bench/batching.py --recipe $(RECIPE) --levels 1,2,4,8 --models ensemble --variants after --repeats 4 --in-process --out engines/batching.json
 	$(BIN)/python bench/validate_llama.py --recipe $(RECIPE) --threads 2

@@ -86,6 +86,29 @@ def test_process_rows_processes_each_position_over_its_own_prefix():
     assert out[2].tolist() == [1.0, -2.0, -0.5, 2.0]  # + 3
 
 
+@pytest.mark.parametrize(
+    "params, nothing",
+    [
+        (LogitsParams(), True),
+        (LogitsParams(temperature=0.0), True),
+        (LogitsParams(temperature=0.7), False),
+        (LogitsParams(repetition_penalty=1.2), False),
+        (LogitsParams(min_tokens=2, end_id=3), False),
+        (LogitsParams(bad_words=((1,),)), False),
+        (LogitsParams(embedding_bias=torch.zeros(4)), False),
+    ],
+)
+def test_process_rows_without_processing_returns_the_rows_each_row_would_give(params, nothing):
+    """The fused loop's rounds: where nothing processes a row, process_rows hands the rows back without a copy, the
+    bits of processing each row alone (process_row), which is what it does otherwise."""
+    rows = torch.stack([ROW, -ROW, ROW * 2])
+    out = lp.process_rows(rows, [0, 1, 2, 3], start=1, generated=0, params=params)
+    each = torch.stack([lp.process_row(rows[i], [0, 1, 2, 3][: 1 + i], i, params) for i in range(3)])
+    assert params.processes_nothing is nothing
+    assert torch.equal(out, each) and out.dtype == torch.float32
+    assert (out.data_ptr() == rows.data_ptr()) is nothing
+
+
 def test_invalid_params_name_the_field():
     with pytest.raises(ConfigError, match="repetition_penalty"):
         LogitsParams(repetition_penalty=0.0)

@@ -142,6 +142,21 @@ def test_rms_norm_and_swiglu_match_torch():
     assert torch.equal(OPS.swiglu(x), F.silu(gate) * up)
 
 
+@pytest.mark.parametrize("inter", [1536, 40])  # SmolLM2's intermediate size (whole vectors), and a scalar tail
+def test_swiglu_of_gate_and_up_apart_equals_swiglu_of_the_two_side_by_side(inter):
+    """The decoder's int8_sq layers (gate and up apart) take swiglu(gate, up) instead of swiglu(cat(gate, up)): the same
+    bits, and torch's, at every row count a pass runs."""
+    g = torch.Generator().manual_seed(9)
+    for rows in range(1, 10):
+        gate = (torch.randn(rows, inter, generator=g) * 4).to(torch.bfloat16)
+        up = (torch.randn(rows, inter, generator=g) * 4).to(torch.bfloat16)
+        apart = OPS.swiglu(gate, up)
+        assert torch.equal(apart, OPS.swiglu(torch.cat([gate, up], dim=1))), rows
+        assert torch.equal(apart, F.silu(gate) * up), rows
+    with pytest.raises(RuntimeError, match="up"):
+        OPS.swiglu(gate, up[:, :-1].contiguous())
+
+
 def test_bad_arguments_are_errors_not_crashes():
     packed = OPS.pack(torch.zeros(8, 32, dtype=torch.bfloat16), native.BF16, 32)
     with pytest.raises(RuntimeError, match="multiple of"):
@@ -220,6 +235,23 @@ def test_decoder_call_equals_the_per_op_native_loop(kind, bf16_engines, int8_sq_
         assert torch.equal(torch.cat(steps), one_call)  # a prefill then decode steps: the rows' bits again
     finally:
         torch.set_num_threads(threads)
+
+
+def test_the_decoders_profile_counts_its_parts_and_changes_no_bits(int8_sq_engines):
+    """Decoder.set_profile (bench/round_profile.py): the timed call gives the untimed call's bits and aux features,
+    every part of a pass gets time, one call is counted per call; set_profile(False) clears the sums."""
+    engine = CpuEngine.load(int8_sq_engines["per_token"])
+    ids = torch.randint(0, 512, (5,), generator=torch.Generator().manual_seed(8))
+    layers = (0, engine.spec.num_layers - 1)
+    plain = engine.forward(engine.new_cache(), ids, aux_layers=layers)
+    engine.decoder.set_profile(True)
+    timed = engine.forward(engine.new_cache(), ids, aux_layers=layers)
+    seconds = engine.decoder.profile().tolist()
+    engine.decoder.set_profile(False)
+    assert torch.equal(plain[0], timed[0]) and torch.equal(plain[1], timed[1])
+    assert len(seconds) == 10 and seconds[-1] == 1  # norms, qkv, rope+kv, attention, o, gate_up, swiglu, down, capture
+    assert all(s > 0 for s in seconds[:-1])
+    assert engine.decoder.profile().tolist() == [0.0] * 10
 
 
 def test_an_error_inside_the_one_call_step_is_raised_and_the_next_step_runs(bf16_engines):

@@ -78,6 +78,18 @@ class LogitsParams:
     def uses_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
+    @property
+    def processes_nothing(self) -> bool:
+        """Whether `process_row` returns every row as it is (as f32): no bias, no temperature to divide by, no
+        penalties, no min_tokens, no bad words."""
+        return (
+            self.embedding_bias is None
+            and self.temperature in (0.0, 1.0)
+            and not self.uses_penalties
+            and self.min_tokens == 0
+            and not self.bad_words
+        )
+
 
 def apply_penalties(
     row: torch.Tensor, sequence: Sequence[int], repetition: float = 1.0, presence: float = 0.0, frequency: float = 0.0
@@ -153,6 +165,8 @@ def process_rows(
     """Rows [n, vocab] scoring positions start, start + 1, ... of `context`: row i is processed over
     context[: start + i] with generated + i tokens generated (a verification pass over input + draft
     is `start = len(input)`, `generated = 0`)."""
+    if params.processes_nothing:  # the rows themselves: no per-row calls, no [n, vocab] copy (every fused round)
+        return rows.float()
     return torch.stack(
         [process_row(rows[i], context[: start + i], generated + i, params) for i in range(rows.shape[0])]
     )

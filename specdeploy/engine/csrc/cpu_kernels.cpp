@@ -20,6 +20,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <numeric>
@@ -722,19 +723,26 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return y;
 }
 
-// [M, 2I] -> [M, I]: bf16(silu(gate)) * up, each rounded to bf16 as torch's bf16 ops do.
-at::Tensor swiglu(const at::Tensor& gate_up) {
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kBFloat16 && gate_up.is_contiguous() &&
-                  gate_up.size(1) % 2 == 0, "gate_up: expected contiguous bf16 [M, 2I]");
-  int64_t M = gate_up.size(0), I = gate_up.size(1) / 2;
+// [M, 2I] -> [M, I]: bf16(silu(gate)) * up, each rounded to bf16 as torch's bf16 ops do. With `up` ([M, I]),
+// gate_up is the gate alone ([M, I]): the same products from two tensors, so a checkpoint that keeps gate and up apart
+// (int8_sq) needs no [M, 2I] copy of both first.
+at::Tensor swiglu(const at::Tensor& gate_up, const std::optional<at::Tensor>& up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kBFloat16 && gate_up.is_contiguous(),
+              "gate_up: expected contiguous bf16 [M, 2I]");
+  TORCH_CHECK(up.has_value() || gate_up.size(1) % 2 == 0, "gate_up: expected [M, 2I]");
+  TORCH_CHECK(!up.has_value() || (up->scalar_type() == at::kBFloat16 && up->is_contiguous() && up->sizes() == gate_up.sizes()),
+              "up: expected contiguous bf16 of the gate's shape");
+  int64_t M = gate_up.size(0), I = up.has_value() ? gate_up.size(1) : gate_up.size(1) / 2;
+  int64_t stride = up.has_value() ? I : 2 * I;  // a row of the gate (and of up)
   at::Tensor y = at::empty({M, I}, gate_up.options());
   const c10::BFloat16* gp = gate_up.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* upp = up.has_value() ? up->data_ptr<c10::BFloat16>() : gp + I;
   c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
   if (I % kLanes == 0) {  // kLanes at a time, with exp_ps
     Vec one = vset1(1.0f);
     for (int64_t m = 0; m < M; ++m)
       for (int64_t i = 0; i < I; i += kLanes) {
-        Vec g = load_bf16(gp + m * 2 * I + i), u = load_bf16(gp + m * 2 * I + I + i);
+        Vec g = load_bf16(gp + m * stride + i), u = load_bf16(upp + m * stride + i);
         Vec silu = vdiv(g, vadd(one, exp_ps(vmul(vset1(-1.0f), g))));
         store_bf16(yp + m * I + i, vmul(round_bf16(silu), u));
       }
@@ -742,7 +750,7 @@ at::Tensor swiglu(const at::Tensor& gate_up) {
   }
   for (int64_t m = 0; m < M; ++m)
     for (int64_t i = 0; i < I; ++i) {
-      float g = static_cast<float>(gp[m * 2 * I + i]), u = static_cast<float>(gp[m * 2 * I + I + i]);
+      float g = static_cast<float>(gp[m * stride + i]), u = static_cast<float>(upp[m * stride + i]);
       yp[m * I + i] = c10::BFloat16(round_bf16(g / (1.0f + std::exp(-g))) * u);
     }
   return y;
@@ -1104,7 +1112,7 @@ struct AttentionUnit {
 at::Tensor attention_batch(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                            const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
                            const std::vector<int64_t>& starts, const std::vector<int64_t>& sizes, int64_t num_heads,
-                           int64_t num_kv_heads, double scale) {
+                           int64_t num_kv_heads, double scale, double* rope_seconds = nullptr) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kBFloat16 && qkv.is_contiguous(), "qkv: expected contiguous bf16");
   TORCH_CHECK(!keys.empty() && keys.size() == values.size() && keys.size() == starts.size() && keys.size() == sizes.size(),
               "attention: one cache, start and size per sequence");
@@ -1128,6 +1136,7 @@ at::Tensor attention_batch(const at::Tensor& qkv, const at::Tensor& cos, const a
     offset += m;
   }
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  auto rope_begin = std::chrono::steady_clock::now();
   for (const AttentionSeq& a : seqs) {
     for (int64_t r = 0; r < a.m; ++r) {
       const c10::BFloat16* row = a.qkv + r * width;
@@ -1140,6 +1149,8 @@ at::Tensor attention_batch(const at::Tensor& qkv, const at::Tensor& cos, const a
       }
     }
   }
+  if (rope_seconds != nullptr)
+    *rope_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - rope_begin).count();
   // head sizes of 1, 2, 4 or 8 vectors: attend_queries (the sums in registers); others: a dot product per key
   int64_t vectors = D % kLanes == 0 ? D / kLanes : 0;
   bool fast = vectors == 1 || vectors == 2 || vectors == 4 || vectors == 8;
@@ -1237,6 +1248,11 @@ struct Decoder : torch::CustomClassHolder {
   double scale, eps;
   at::Tensor cos, sin;
   std::vector<LayerParams> layers;
+  // Per-op seconds summed over the calls since set_profile(true) (bench/round_profile.py), in the order of
+  // kProfileParts; off by default (then no clock is read).
+  static constexpr int64_t kProfileParts = 10;  // norms, qkv, rope+kv, attention, o, gate_up, swiglu, down, capture, calls
+  bool profiling = false;
+  std::vector<double> seconds = std::vector<double>(kProfileParts, 0.0);
 
   Decoder(int64_t num_layers, int64_t num_heads, int64_t num_kv_heads, double scale, double eps, at::Tensor cos,
           at::Tensor sin)
@@ -1258,6 +1274,13 @@ struct Decoder : torch::CustomClassHolder {
     *target = LinearParams{std::move(packed), kind, n, group_size, std::move(group_scale), std::move(pre_quant_scale),
                            std::move(out_scale), std::move(bias), act_scale};
   }
+
+  void set_profile(bool on) {
+    profiling = on;
+    std::fill(seconds.begin(), seconds.end(), 0.0);
+  }
+
+  at::Tensor profile() const { return at::tensor(seconds, at::kDouble); }
 
   // x [rows, hidden] bf16 -> the hidden states after every layer; keys/values [layers, KV, max_len, D] f32.
   // The whole step on one OpenMP team (step_team.h): its parallel loops wake no sleeping thread.
@@ -1291,22 +1314,57 @@ struct Decoder : torch::CustomClassHolder {
                                   const std::vector<int64_t>& starts, const std::vector<int64_t>& sizes,
                                   const std::vector<int64_t>* capture = nullptr, std::vector<at::Tensor>* captured = nullptr) {
     int64_t total = std::accumulate(sizes.begin(), sizes.end(), int64_t{0});
+    // the profile's clock: adds the time since the last mark to part `part` (nothing when not profiling)
+    using Clock = std::chrono::steady_clock;
+    Clock::time_point last = profiling ? Clock::now() : Clock::time_point{};
+    auto mark = [&](int part) {
+      if (!profiling) return;
+      Clock::time_point now = Clock::now();
+      seconds[part] += std::chrono::duration<double>(now - last).count();
+      last = now;
+    };
+    double rope_seconds = 0.0;
     for (size_t i = 0; i < layers.size(); ++i) {
       const LayerParams& l = layers[i];
-      at::Tensor qkv = l.qkv(rms_norm(x, l.input_norm, eps));
+      at::Tensor normed = rms_norm(x, l.input_norm, eps);
+      mark(0);
+      at::Tensor qkv = l.qkv(normed);
+      mark(1);
       std::vector<at::Tensor> layer_keys, layer_values;  // one sequence: its rows may include padding past sizes[0]
       for (size_t s = 0; s < keys.size(); ++s) {
         layer_keys.push_back(keys[s].select(0, i));
         layer_values.push_back(values[s].select(0, i));
       }
-      at::Tensor attn = attention_batch(qkv, cos, sin, layer_keys, layer_values, starts, sizes, num_heads, num_kv_heads, scale);
+      at::Tensor attn = attention_batch(qkv, cos, sin, layer_keys, layer_values, starts, sizes, num_heads, num_kv_heads,
+                                        scale, profiling ? &rope_seconds : nullptr);
+      mark(3);  // rope_seconds moves from attention to rope+kv below
       x = l.o(attn, x);
+      mark(4);
       at::Tensor h = rms_norm(x, l.post_norm, eps);
-      // unfused: swiglu of [gate | up] has the bits of torch's silu(gate) * up (CpuEngine's unfused loop)
-      at::Tensor gate_up = l.gate_up.packed.defined() ? l.gate_up(h) : at::cat({l.gate(h), l.up(h)}, 1);
-      x = l.down(swiglu(gate_up), x);
+      mark(0);
+      // unfused (int8_sq): swiglu of gate and up apart has the bits of torch's silu(gate) * up (CpuEngine's unfused
+      // loop), with no [rows, 2I] copy of the two
+      at::Tensor act;
+      if (l.gate_up.packed.defined()) {
+        at::Tensor gate_up = l.gate_up(h);
+        mark(5);
+        act = swiglu(gate_up, std::nullopt);
+      } else {
+        at::Tensor gate = l.gate(h), up = l.up(h);
+        mark(5);
+        act = swiglu(gate, up);
+      }
+      mark(6);
+      x = l.down(act, x);
+      mark(7);
       if (capture != nullptr && std::find(capture->begin(), capture->end(), static_cast<int64_t>(i)) != capture->end())
         captured->push_back(x.narrow(0, 0, total).clone());
+      mark(8);
+    }
+    if (profiling) {
+      seconds[2] += rope_seconds;
+      seconds[3] -= rope_seconds;
+      seconds[9] += 1;
     }
     return x;
   }
@@ -1326,14 +1384,16 @@ TORCH_LIBRARY(specdeploy_cpu, ops) {
       .def("set_linear", &specdeploy::Decoder::set_linear)
       .def("forward", &specdeploy::Decoder::forward)
       .def("forward_batch", &specdeploy::Decoder::forward_batch)
-      .def("forward_capture", &specdeploy::Decoder::forward_capture);
+      .def("forward_capture", &specdeploy::Decoder::forward_capture)
+      .def("set_profile", &specdeploy::Decoder::set_profile)
+      .def("profile", &specdeploy::Decoder::profile);
   ops.def("team_open", &team_open);
   ops.def("team_close", &team_close);
   ops.def("pack", &pack);
   ops.def("k_multiple", &k_multiple);
   ops.def("linear", &linear);
   ops.def("rms_norm", &rms_norm);
-  ops.def("swiglu", &swiglu);
+  ops.def("swiglu(Tensor gate_up, Tensor? up=None) -> Tensor", &swiglu);
   ops.def("screen_logits", &screen_logits);
   ops.def("screen_logits_int8", &screen_logits_int8);
   ops.def(

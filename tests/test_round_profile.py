@@ -1,0 +1,47 @@
+"""bench/round_profile.py on the tiny bf16 target and a random head: every part of every pass and of the head gets its
+time, the tables come out in one-row steps, and the engine and head are as they were afterwards (the timers are
+hooks around their own methods, taken off again)."""
+
+from __future__ import annotations
+
+import bench_modules
+import pytest
+import torch
+from eagle3_heads import make_eagle3_head
+from tiny_models import make_tiny_model
+
+from specdeploy.engine import native
+from specdeploy.engine.eagle3 import Eagle3Head
+
+pytestmark = pytest.mark.skipif(
+    not native.cpu_supported() or native.ops() is None, reason="the profile times the native decoder's parts"
+)
+
+
+def test_the_round_profile_times_every_part_and_leaves_engine_and_head_as_they_were(tmp_path, tiny_tokenizer_dir):
+    from tests.test_eagle3_fused import AUX, _engine
+
+    make_tiny_model(tmp_path / "hf", tiny_tokenizer_dir, seed=0, num_hidden_layers=4)
+    engine = _engine(tmp_path / "hf", tmp_path / "engine", "bfloat16")
+    head = Eagle3Head.load(make_eagle3_head(tmp_path / "head", 64, 512, AUX), engine)
+    assert engine.decoder is not None and engine.screen is not None
+    lm_head = head.lm_head
+    rp = bench_modules.load("round_profile")
+    context = torch.randint(4, 512, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    before = engine.forward(engine.new_cache(), torch.tensor(context))
+
+    result = rp.profile(engine, head, context, repeats=1, threads=2, draft_len=3)
+
+    assert set(result["passes"]) == {"step"} | {f"pass {m}" for m in rp.ROWS}
+    assert result["passes"]["step"]["total"] == 1.0
+    for parts in result["passes"].values():
+        assert all(parts[p] > 0 for p in ("linears", "attention", "norms+rope", "lm head", "screen alone"))
+    assert all(result["passes"][f"pass {m}"]["verify"] > 0 for m in rp.ROWS)
+    assert set(result["head"]) == {f"catch-up {n}" for n in rp.CATCH_UP} | {"draft step", "head round 3"}
+    assert all(h["total"] > 0 and h["lm head"] > 0 for h in result["head"].values())
+    assert result["head"]["catch-up 1"]["fc"] > 0 and result["head"]["draft step"]["fc"] == 0
+    assert result["floors"]["bytes"]["linears"] > 0 and result["read_gb_s"] > 0
+    # the hooks are off again: the engine's and head's own methods, the same bits
+    assert not {"_logits", "_norm", "_native_batch"} & set(vars(engine)) and "project" not in vars(head)
+    assert head.lm_head is lm_head
+    assert torch.equal(engine.forward(engine.new_cache(), torch.tensor(context)), before)
