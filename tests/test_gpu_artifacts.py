@@ -74,6 +74,9 @@ _EAGLE3_13 = {
     "eagle3_model_arch",
     "sa_config",
 }
+# SADecodingConfig, the standalone suffix automaton: 1.3.0rc27 and 1.4.0rc4 API pages
+# (llm-api/reference/SADecodingConfig.html), llm_args.py@0004396; 1.1.0 / 1.2.0 have no "SA" key in from_dict
+_SA = {"max_matching_ngram_size", "enable_global_pool", "global_pool_size"}
 FIELDS = {
     # 1.1.0 / 1.2.0 llm_args.py (gh-pages 1.1.0 @8660c11, 1.2.0 @7e873e5 _modules/tensorrt_llm/llmapi/llm_args.html):
     # DecodingBaseConfig max_draft_len, speculative_model_dir, max_concurrency, load_format; 1.2 adds
@@ -97,12 +100,18 @@ FIELDS = {
     },
     # 1.3.0rc27 API pages llm-api/reference/Eagle3DecodingConfig.html and DFlashDecodingConfig.html (the base
     # fields every config shares, then the Eagle3 ones)
-    "1.3": {"Draft_Target": _BASE_13, "NGram": _BASE_13 | _NGRAM, "Eagle3": _BASE_13 | _EAGLE3_13},
+    "1.3": {
+        "Draft_Target": _BASE_13,
+        "NGram": _BASE_13 | _NGRAM,
+        "Eagle3": _BASE_13 | _EAGLE3_13,
+        "SA": _BASE_13 | _SA,
+    },
     # 1.4.0rc1 Eagle3DecodingConfig.html: the 1.3 fields plus moe_backend and spec_dec_variant
     "1.4": {
         "Draft_Target": _BASE_13 | {"moe_backend", "spec_dec_variant"},
         "NGram": _BASE_13 | _NGRAM | {"moe_backend", "spec_dec_variant"},
         "Eagle3": _BASE_13 | _EAGLE3_13 | {"moe_backend", "spec_dec_variant"},
+        "SA": _BASE_13 | _SA | {"moe_backend", "moe_tactic", "spec_dec_variant"},  # 1.4.0rc4 SADecodingConfig.html
     },
 }
 for _release in ("1.1", "1.2"):
@@ -129,6 +138,8 @@ def rule_exclusive(spec: dict, release: str) -> list[str]:
         out.append("sa_config is an Eagle3DecodingConfig field")
     if spec.get("use_rejection_sampling") and "sa_config" in spec:
         out.append("use_rejection_sampling with sa_config")
+    if "global_pool_size" in spec and not spec.get("enable_global_pool"):  # SADecodingConfig.validate_sa_config
+        out.append("global_pool_size requires enable_global_pool=True")
     return out
 
 
@@ -144,6 +155,11 @@ def rule_ranges(spec: dict, release: str) -> list[str]:
         "acceptance_rate_threshold": lambda v: 0 <= v <= 1,
         "max_matching_ngram_size": lambda v: v > 0,
     }
+    if spec.get("decoding_type") == "SA":  # llm_args.py@0004396 SADecodingConfig.validate_sa_config
+        checks["max_draft_len"] = lambda v: v > 0
+        pooled = spec.get("enable_global_pool")
+        checks["max_matching_ngram_size"] = lambda v: v == -1 or (1 <= v <= 64 if pooled else v > 0)
+        checks["global_pool_size"] = lambda v: v >= 1
     for key, ok in checks.items():
         if key in spec and not ok(spec[key]):
             out.append(f"{key} {spec[key]} out of range")
@@ -298,6 +314,16 @@ BROKEN_SPECS = [  # (rule, release, a broken speculative_config)
         },
     ),
     (rule_extra_keys, "1.2", {"decoding_type": "Eagle", "max_draft_len": 4, "use_dynamic_tree": True}),
+    (rule_extra_keys, "1.2", {"decoding_type": "SA", "max_draft_len": 4}),  # no SA before 1.3
+    (rule_extra_keys, "1.4", {"decoding_type": "SA", "max_draft_len": 4, "is_keep_all": True}),  # NGram's, not SA's
+    (rule_ranges, "1.4", {"decoding_type": "SA", "max_draft_len": 4, "max_matching_ngram_size": 0}),
+    (rule_ranges, "1.4", {"decoding_type": "SA", "max_draft_len": 0, "max_matching_ngram_size": -1}),
+    (
+        rule_ranges,
+        "1.3",
+        {"decoding_type": "SA", "max_draft_len": 4, "max_matching_ngram_size": 65, "enable_global_pool": True},
+    ),
+    (rule_exclusive, "1.4", {"decoding_type": "SA", "max_draft_len": 4, "global_pool_size": 64}),
 ]
 
 
@@ -540,3 +566,45 @@ def test_a_tree_with_the_suffix_automaton_or_on_the_cpu_is_refused():
     assert "backend trtllm-llmapi" in err.value.hint
     with pytest.raises(ConfigError, match="'draft.tree' applies to draft.kind eagle3 only"):
         gpu_recipe("llama3-70b-fp8.yaml", "1.4", draft={"model": "d", "tree": {"max_topk": 2}})
+
+
+# ---------------------------------------------------------------- the standalone suffix automaton (draft.kind suffix)
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_the_suffix_kind_writes_sa_where_the_release_has_it(release, tmp_path):
+    """draft.kind suffix -> SADecodingConfig (1.3.0rc27 / 1.4.0rc4 pages); 1.1 and 1.2 have no SA decoding type:
+    refused, naming the releases that have it."""
+    suffix = {"kind": "suffix", "max_matching_ngram_size": 8}
+    recipe = gpu_recipe("llama3-70b-fp8.yaml", release, draft=suffix)
+    if release in ("1.1", "1.2"):
+        with pytest.raises(ConfigError, match=f"SADecodingConfig, which TensorRT-LLM {release} does not have") as err:
+            spec_of(recipe, tmp_path)
+        assert err.value.hint == "set trtllm_version to 1.3 or 1.4"
+        return
+    options = llmapi_options.llmapi_options(recipe, Layout.of(recipe, tmp_path))
+    spec = options["speculative_config"]
+    n = recipe.speculative.num_draft_tokens
+    assert spec == {
+        "decoding_type": "SA",
+        "max_draft_len": n,
+        "max_matching_ngram_size": 8,
+        "enable_global_pool": False,
+    }
+    assert options["disable_overlap_scheduler"] is False  # SADecodingConfig: "supports ... overlap scheduler"
+    assert [v for rule in SPEC_RULES for v in rule(spec, release)] == []
+    pooled = gpu_recipe(
+        "llama3-70b-fp8.yaml", release, draft={"kind": "suffix", "enable_global_pool": True, "global_pool_size": 64}
+    )
+    pooled_spec = spec_of(pooled, tmp_path)
+    assert pooled_spec["global_pool_size"] == 64 and pooled_spec["max_matching_ngram_size"] == -1
+    assert [v for rule in SPEC_RULES for v in rule(pooled_spec, release)] == []
+
+
+def test_check_reports_the_suffix_refusal_on_an_old_release():
+    from specdeploy.deploy import preflight
+
+    (finding,) = preflight.check_llmapi_options(gpu_recipe("llama3-70b-fp8.yaml", "1.2", draft={"kind": "suffix"}))
+    assert finding.level == "error" and "SADecodingConfig" in finding.message
+    (finding,) = preflight.check_llmapi_options(gpu_recipe("llama3-70b-fp8.yaml", "1.4", draft={"kind": "suffix"}))
+    assert finding.level == "info" and "decoding_type SA" in finding.message

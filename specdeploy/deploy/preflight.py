@@ -482,8 +482,7 @@ def check_llmapi_options(recipe: Recipe) -> list[Finding]:
 
     try:
         version = llmapi_versions.llmapi_version(recipe.trtllm_version)
-        kind = "eagle3" if recipe.draft.is_eagle3 else ("ngram" if recipe.draft.is_ngram else "draft_target")
-        llmapi_options.speculative_options(recipe, version, Path("draft"), kind)
+        llmapi_options.speculative_options(recipe, version, Path("draft"), llmapi_options.decoding_kind(recipe))
     except SpecDeployError as exc:
         return [Finding("error", "llmapi", exc.message, exc.hint)]
     return [Finding("info", "llmapi", "; ".join(llmapi_options.llmapi_mapping_notes(recipe, version)))]

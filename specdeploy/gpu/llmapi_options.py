@@ -135,6 +135,7 @@ def speculative_options(
       (LlmApiVersion.rejection_sampling), refused where it does not.
     """
     s = recipe.speculative
+    _check_decoding_type(recipe, version, kind)
     if s.use_draft_logits:
         _check_rejection_sampling(recipe, version, kind)
     spec = {
@@ -149,11 +150,49 @@ def speculative_options(
 
         settings = settings_from_recipe(recipe)
         spec = {"decoding_type": version.decoding_types[kind], **{f: getattr(settings, f) for f in TRTLLM_FIELDS}}
+    if kind == "suffix":  # SADecodingConfig: no draft model either
+        from specdeploy.speculation.ngram import suffix_settings_from_recipe
+
+        settings, d = suffix_settings_from_recipe(recipe), recipe.draft
+        spec = {
+            "decoding_type": version.decoding_types[kind],
+            "max_draft_len": settings.max_draft_len,
+            "max_matching_ngram_size": settings.max_matching_ngram_size,
+            "enable_global_pool": bool(d.enable_global_pool),
+        }
+        if d.global_pool_size is not None:
+            spec["global_pool_size"] = d.global_pool_size
     if s.use_draft_logits:
         spec["use_rejection_sampling"] = True
     if s.dynamic is None:
         return spec
     return _with_dynamic(spec, s.dynamic, version)
+
+
+# The recipe's draft kind as TensorRT-LLM names its class, for refusals
+DECODING_CLASSES = {
+    "draft_target": "DraftTargetDecodingConfig",
+    "ngram": "NGramDecodingConfig",
+    "eagle3": "Eagle3DecodingConfig",
+    "suffix": "SADecodingConfig",
+}
+
+
+def decoding_kind(recipe: Recipe) -> str:
+    """The recipe's draft as a key of LlmApiVersion.decoding_types."""
+    return "draft_target" if recipe.draft.kind == "model" else recipe.draft.kind
+
+
+def _check_decoding_type(recipe: Recipe, version: LlmApiVersion, kind: str) -> None:
+    """Refuse a draft kind whose decoding type the release does not have, naming the releases that have it."""
+    if kind in version.decoding_types:
+        return
+    able = [v.name for v in LLMAPI_VERSIONS.values() if kind in v.decoding_types]
+    raise ConfigError(
+        f"draft.kind {recipe.draft.kind} is TensorRT-LLM's {DECODING_CLASSES[kind]}, which TensorRT-LLM "
+        f"{version.name} does not have ({version.decoding_evidence or version.evidence})",
+        f"set trtllm_version to {' or '.join(able)}" if able else "use another draft.kind",
+    )
 
 
 def _check_rejection_sampling(recipe: Recipe, version: LlmApiVersion, kind: str) -> None:
@@ -236,10 +275,11 @@ def llmapi_options(
         "max_batch_size": e.max_batch_size,
         "max_input_len": engine_max_input_len(recipe),  # the speculative flow resends prompt + output
         "max_seq_len": e.max_seq_len,
-        # NVIDIA's quick start runs Draft/Target and NGram without the overlap scheduler; EAGLE-3 one-model keeps it
-        # (NVIDIA/TensorRT-LLM@b35ac1b tensorrt_llm/_torch/speculative/interface.py support_overlap_scheduler:
-        # eagle3_one_model in every version of it read, draft models only in the newest)
-        "disable_overlap_scheduler": not recipe.draft.is_eagle3,
+        # NVIDIA's quick start runs Draft/Target and NGram without the overlap scheduler; EAGLE-3 one-model and the
+        # suffix automaton keep it (NVIDIA/TensorRT-LLM@b35ac1b tensorrt_llm/_torch/speculative/interface.py
+        # support_overlap_scheduler: eagle3_one_model in every version of it read, is_sa() and draft models in the
+        # newest; @0004396 llm_args.py SADecodingConfig: "supports CUDA graph and overlap scheduler")
+        "disable_overlap_scheduler": decoding_kind(recipe) in ("draft_target", "ngram"),
         "kv_cache_config": {
             "free_gpu_memory_fraction": e.kv_cache_free_gpu_mem_fraction,
             # NVIDIA's own DraftTarget tests run with block reuse off, before and after the speculative_model
@@ -260,16 +300,15 @@ def _speculative_config(recipe: Recipe, layout: Layout, version: LlmApiVersion, 
         # container and the Kubernetes volume mount at the same path): speculative_model points there
         head_config = read_eagle3_head_config(eagle3_head_source(recipe, layout))
         return speculative_options(recipe, version, draft_dir or layout.engine("draft"), "eagle3", head_config)
-    return speculative_options(
-        recipe, version, draft_dir or layout.checkpoint("draft"), "ngram" if d.is_ngram else "draft_target"
-    )
+    return speculative_options(recipe, version, draft_dir or layout.checkpoint("draft"), decoding_kind(recipe))
 
 
 def llmapi_mapping_notes(recipe: Recipe, version: LlmApiVersion | None = None) -> list[str]:
     """What the options file does with the recipe's speculative settings, for the dry run and the manifest."""
     version = version or llmapi_version(recipe.trtllm_version)
     s = recipe.speculative
-    kind = "eagle3" if recipe.draft.is_eagle3 else ("ngram" if recipe.draft.is_ngram else "draft_target")
+    kind = decoding_kind(recipe)
+    _check_decoding_type(recipe, version, kind)
     notes = [
         (
             f"TensorRT-LLM {version.name} ({version.releases}): decoding_type {version.decoding_types[kind]}, "

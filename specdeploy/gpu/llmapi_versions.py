@@ -62,6 +62,13 @@ from specdeploy.core.errors import ConfigError
 #   other *DecodingConfig page). PR #12588 (merged 2026-05-15) added it for EAGLE-3 one-model, PR #15775 (2026-07)
 #   extended it to one-model MTP / DRAFT_TARGET / PARD / DFLASH. 1.1.0's and 1.2.0's DecodingBaseConfig (read as
 #   above) have no such field, and a StrictBaseModel rejects the key. n-gram drafts have no distribution to sample.
+# - suffix (draft.kind suffix): SADecodingConfig, the standalone suffix automaton (no draft model). Main's llm_args.py
+#   (NVIDIA/TensorRT-LLM@0004396): `decoding_type: Literal["SA"]`, `max_matching_ngram_size: int = -1` (-1: longest
+#   match; n > 0: sizes n down to 1; 0 refused), `enable_global_pool: bool = False`, `global_pool_size:
+#   Optional[PositiveInt] = None` (requires enable_global_pool; max_matching_ngram_size in [1, 64] or -1 with it),
+#   max_draft_len > 0. The 1.3.0rc27 and 1.4.0rc4 API pages (llm-api/reference/SADecodingConfig.html) list the same
+#   fields; 1.1.0's and 1.2.0's from_dict tables (gh-pages @8660c11, @7e873e5) have no "SA" key ("Invalid decoding
+#   type"). The 1.3.0 candidates rc22-rc26 were not read.
 # Release lines from PyPI upload dates: 1.1.0 2025-12-19, 1.2.0 2026-03-12 (branch: rc6 2025-12-23),
 # 1.3.0rc0 2026-01-22 ... rc22 2026-07-22, 1.4.0rc0 2026-10-13. The 1.3.0 release candidates before rc22 straddle
 # PRs #10860 and #12905, so specdeploy names no options for them rather than guess.
@@ -73,7 +80,9 @@ class LlmApiVersion:
 
     name: str
     releases: str  # which releases this covers, in words
-    decoding_types: dict  # draft kind ("draft_target", "ngram", "eagle3") -> decoding_type value
+    # draft kind ("draft_target", "ngram", "eagle3", "suffix", ...) -> decoding_type value; a kind missing here is a
+    # decoding type this release does not have (refused, naming the releases that have it)
+    decoding_types: dict
     draft_model_key: str  # speculative_model_dir | speculative_model (the EAGLE-3 head's key too)
     draft_len_schedule: str | None  # None (no such option verified) | "lower" | "upper" bounds
     acceptance_keys: tuple[str, str] | None  # (window key, threshold key)
@@ -84,6 +93,8 @@ class LlmApiVersion:
     # decoding types (keys of decoding_types) whose config takes use_rejection_sampling in this release
     rejection_sampling: tuple[str, ...] = ()
     rejection_sampling_evidence: str = "no use_rejection_sampling in this release's DecodingBaseConfig"
+    # where this release's decoding types beyond draft_target, ngram and eagle3 were read
+    decoding_evidence: str = ""
 
 
 LLMAPI_VERSIONS = {
@@ -107,6 +118,10 @@ LLMAPI_VERSIONS = {
             "1.1.0 llm_args.py (release docs, gh-pages @8660c11): EagleDecodingConfig 'Eagle', "
             "eagle3_one_model, eagle3_layers_to_capture, speculative_model_dir"
         ),
+        decoding_evidence=(
+            "1.1.0 llm_args.py (gh-pages @8660c11) DecodingBaseConfig.from_dict keys: MTP, Medusa, Eagle, "
+            "Lookahead, NGram, DraftTarget, UserProvided, AUTO"
+        ),
     ),
     "1.2": LlmApiVersion(
         name="1.2",
@@ -124,11 +139,15 @@ LLMAPI_VERSIONS = {
             "1.2.0 llm_args.py (release docs, gh-pages @7e873e5): from_dict 'Eagle' -> "
             "EagleDecodingConfig, eagle3_one_model, eagle3_layers_to_capture, speculative_model_dir alias"
         ),
+        decoding_evidence=(
+            "1.2.0 llm_args.py (gh-pages @7e873e5) DecodingBaseConfig.from_dict keys: MTP, Medusa, Eagle, "
+            "Lookahead, NGram, DraftTarget, SaveState, UserProvided, AUTO"
+        ),
     ),
     "1.3": LlmApiVersion(
         name="1.3",
         releases="1.3.0rc22 and later 1.3 releases",
-        decoding_types={"draft_target": "Draft_Target", "ngram": "NGram", "eagle3": "Eagle3"},
+        decoding_types={"draft_target": "Draft_Target", "ngram": "NGram", "eagle3": "Eagle3", "suffix": "SA"},
         draft_model_key="speculative_model",
         draft_len_schedule="upper",
         acceptance_keys=("acceptance_rate_window_size", "acceptance_rate_threshold"),
@@ -144,6 +163,8 @@ LLMAPI_VERSIONS = {
             "1.3.0rc27 API pages: DecodingBaseConfig.use_rejection_sampling; PR #12588 "
             "(EAGLE-3 one-model), PR #15775 (DRAFT_TARGET one-model)"
         ),
+        decoding_evidence="1.3.0rc27 API page SADecodingConfig: Literal['SA'], max_matching_ngram_size -1, "
+        "enable_global_pool, global_pool_size",
     ),
 }
 
@@ -162,6 +183,8 @@ LLMAPI_VERSIONS["1.4"] = replace(
         "1.4.0rc1 and 1.4.0rc4 API pages: DecodingBaseConfig.use_rejection_sampling; "
         "PR #12588 (EAGLE-3 one-model), PR #15775 (DRAFT_TARGET one-model)"
     ),
+    decoding_evidence="1.4.0rc4 API page SADecodingConfig: Literal['SA'], max_matching_ngram_size -1, "
+    "enable_global_pool, global_pool_size",
 )
 
 # The first release candidate of a line whose option names LLMAPI_VERSIONS describes (earlier ones are refused here

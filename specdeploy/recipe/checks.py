@@ -353,8 +353,16 @@ def _check_draft_kind(r: Recipe) -> None:
                 raise ConfigError(
                     f"key 'draft.{key}' applies to draft.kind eagle3 only", "remove it, or set draft.kind: eagle3"
                 )
-    else:
+    suffix_only = [k for k in DraftConfig.SUFFIX_KEYS if k not in DraftConfig.NGRAM_KEYS and getattr(d, k) is not None]
+    if suffix_only and not d.is_suffix:
+        raise ConfigError(
+            f"key 'draft.{suffix_only[0]}' applies to draft.kind suffix only", "remove it, or set draft.kind: suffix"
+        )
+    if d.is_eagle3:
         _check_eagle3(r)
+        return
+    if d.is_suffix:
+        _check_suffix(r)
         return
     if not d.is_ngram:
         if not d.model:
@@ -368,12 +376,7 @@ def _check_draft_kind(r: Recipe) -> None:
                 f"key 'draft.{extra[0]}' applies to draft.kind ngram only", "remove it, or set draft.kind: ngram"
             )
         return
-    if d.model or d.quantization != QuantConfig() or (d.tp_size, d.pp_size) != (1, 1):
-        key = "model" if d.model else ("quantization" if d.quantization != QuantConfig() else "tp_size")
-        raise ConfigError(
-            f"key 'draft.{key}' does not apply to draft.kind ngram (it has no weights)",
-            "remove it from the draft section",
-        )
+    _check_no_weights(d)
     s = r.speculative
     if d.max_draft_len is not None:
         _at_least("draft.max_draft_len", d.max_draft_len, 1)
@@ -412,6 +415,79 @@ def _check_draft_kind(r: Recipe) -> None:
             f"draft.kind ngram is not wired for backend {r.backend}",
             f"use backend {' or '.join(b.name for b in _backends.ALL if b.ngram_draft)} (trtllm-llmapi: decoding_type"
             " NGram)",
+        )
+
+
+def _check_no_weights(d: DraftConfig) -> None:
+    """A draft kind without weights of its own (ngram, suffix) takes none of a model's keys."""
+    if d.model or d.quantization != QuantConfig() or (d.tp_size, d.pp_size) != (1, 1):
+        key = "model" if d.model else ("quantization" if d.quantization != QuantConfig() else "tp_size")
+        raise ConfigError(
+            f"key 'draft.{key}' does not apply to draft.kind {d.kind} (it has no weights)",
+            "remove it from the draft section",
+        )
+
+
+def _check_suffix(r: Recipe) -> None:
+    """draft.kind suffix: TensorRT-LLM's SADecodingConfig and its validator (NVIDIA/TensorRT-LLM@0004396
+    tensorrt_llm/llmapi/llm_args.py SADecodingConfig.validate_sa_config): max_draft_len > 0; max_matching_ngram_size
+    -1 (longest match) or > 0, and in [1, 64] beside enable_global_pool; global_pool_size >= 1 and only with
+    enable_global_pool (its description: >= max_batch_size). Which releases have it: gpu/llmapi_versions.py."""
+    d, s = r.draft, r.speculative
+    _check_no_weights(d)
+    extra = [k for k in DraftConfig.NGRAM_KEYS if k not in DraftConfig.SUFFIX_KEYS and getattr(d, k) is not None]
+    if extra:
+        raise ConfigError(f"key 'draft.{extra[0]}' applies to draft.kind ngram only", "remove it")
+    if d.max_draft_len is not None:
+        _at_least("draft.max_draft_len", d.max_draft_len, 1)
+        if d.max_draft_len > s.max_draft_len:
+            raise ConfigError(
+                f"key 'draft.max_draft_len' ({d.max_draft_len}) is larger than speculative.max_draft_len"
+                f" ({s.max_draft_len})",
+                f"set draft.max_draft_len <= {s.max_draft_len}",
+            )
+    size = d.max_matching_ngram_size
+    if size is not None and size != -1 and size < 1:
+        raise ConfigError(
+            f"key 'draft.max_matching_ngram_size' is {size}",
+            "use -1 (the longest earlier match, TensorRT-LLM's default) or a size >= 1",
+        )
+    if d.enable_global_pool and size not in (None, -1) and size > 64:
+        raise ConfigError(
+            f"key 'draft.max_matching_ngram_size' is {size} with enable_global_pool, but TensorRT-LLM's global pool "
+            "compares at most 64 tokens",
+            "use -1 or a size in [1, 64], or remove enable_global_pool",
+        )
+    if d.global_pool_size is not None:
+        _at_least("draft.global_pool_size", d.global_pool_size, 1)
+        if not d.enable_global_pool:
+            raise ConfigError(
+                "key 'draft.global_pool_size' is set, but TensorRT-LLM's global_pool_size requires "
+                "enable_global_pool: true",
+                "set draft.enable_global_pool: true, or remove global_pool_size",
+            )
+        if d.global_pool_size < r.engine.max_batch_size:
+            raise ConfigError(
+                f"key 'draft.global_pool_size' ({d.global_pool_size}) is smaller than engine.max_batch_size "
+                f"({r.engine.max_batch_size}): TensorRT-LLM needs a slot for every request in flight",
+                f"set global_pool_size >= {r.engine.max_batch_size}, or remove it (max(64, max_batch_size))",
+            )
+    backend = _backends.get(r.backend)
+    if d.enable_global_pool and not backend.gpu:
+        raise ConfigError(
+            "key 'draft.enable_global_pool' is true, but the CPU engine looks up each request's own tokens only",
+            "remove it (false), or use backend trtllm-llmapi",
+        )
+    if s.use_draft_logits:
+        raise ConfigError(
+            "key 'speculative.use_draft_logits' is true, but a suffix-automaton draft has no logits",
+            "set use_draft_logits: false (sampled requests are then verified by token matching)",
+        )
+    if not backend.suffix_draft:
+        raise ConfigError(
+            f"draft.kind suffix is not wired for backend {r.backend}",
+            f"use backend {' or '.join(b.name for b in _backends.ALL if b.suffix_draft)} (trtllm-llmapi: "
+            "decoding_type SA)",
         )
 
 

@@ -57,12 +57,14 @@ class QuantConfig:
 BUILD_ONLY_QUANT_KEYS = ("max_calib_hours", "per_token")
 # Quantization keys added after checkpoints existed, with the default that means what those checkpoints were made with.
 LATER_QUANT_KEYS = {"smoothquant_alpha": None}
+# Draft keys added after checkpoints existed (kind suffix only), likewise.
+LATER_DRAFT_KEYS = {"enable_global_pool": None, "global_pool_size": None}
 
 
 def checkpoint_settings(model: "ModelConfig") -> dict:
     """The model's settings that make its checkpoint (what the quantize stage fingerprints and the build compares).
     Keys added after checkpoints were made are left out at their default, so those checkpoints stay up to date."""
-    plain = to_plain(model)
+    plain = {k: v for k, v in to_plain(model).items() if not (k in LATER_DRAFT_KEYS and v == LATER_DRAFT_KEYS[k])}
     plain["quantization"] = checkpoint_quantization(plain["quantization"])
     return plain
 
@@ -85,7 +87,7 @@ class ModelConfig:
     pp_size: int = 1
 
 
-DRAFT_KINDS = ("model", "ngram", "eagle3")  # draft.kind
+DRAFT_KINDS = ("model", "ngram", "eagle3", "suffix")  # draft.kind
 EAGLE3_HEAD_TRAINED = "trained"  # draft.head: the head `specdeploy draft train RECIPE` wrote for this recipe
 EAGLE3_EXPORT_DTYPES = ("float32", "bfloat16", "float16")  # draft.train.export_dtype
 EAGLE3_TRAIN_PRECISIONS = ("auto", "float32", "bfloat16")  # draft.train.precision
@@ -198,9 +200,11 @@ class TreeConfig:
 
 @dataclass(frozen=True)
 class DraftConfig(ModelConfig):
-    """The draft: a model (quantized and built like the target) or `ngram` (prompt lookup over the request's own
-    tokens, no weights). The n-gram keys are TensorRT-LLM's NGramDecodingConfig fields; null means its default
-    (specdeploy.speculation.ngram.NGramSettings), and max_draft_len null means speculative.num_draft_tokens."""
+    """The draft: a model (quantized and built like the target), `ngram` (prompt lookup over the request's own
+    tokens, no weights), `eagle3` (a head on the target's features) or `suffix` (TensorRT-LLM's standalone suffix
+    automaton: the request's own text, no weights). The n-gram and suffix keys are TensorRT-LLM's
+    NGramDecodingConfig / SADecodingConfig fields; null means its default (specdeploy.speculation.ngram), and
+    max_draft_len null means speculative.num_draft_tokens."""
 
     model: str = ""  # required for kind model
     kind: str = "model"
@@ -210,6 +214,10 @@ class DraftConfig(ModelConfig):
     is_use_oldest: bool | None = None
     is_public_pool: bool | None = None
     min_matching_ngram_size: int | None = None  # specdeploy's own (vLLM: prompt_lookup_min), cpu backend only
+    # kind suffix (TensorRT-LLM's SADecodingConfig, GPU only): other requests' tokens searched too, in a pool of
+    # global_pool_size slots (null: TensorRT-LLM's max(64, max_batch_size)). null: false
+    enable_global_pool: bool | None = None
+    global_pool_size: int | None = None
     # kind eagle3: an exported EAGLE-3 checkpoint folder (config.json + model.safetensors), or "trained"
     head: str = ""
     # kind eagle3, backend cpu: how the CPU engine holds the head's linear layers. int8: int8 per output channel
@@ -239,6 +247,7 @@ class DraftConfig(ModelConfig):
         "is_public_pool",
         "min_matching_ngram_size",
     )
+    SUFFIX_KEYS = ("max_draft_len", "max_matching_ngram_size", "enable_global_pool", "global_pool_size")
 
     @property
     def is_ngram(self) -> bool:
@@ -247,6 +256,10 @@ class DraftConfig(ModelConfig):
     @property
     def is_eagle3(self) -> bool:
         return self.kind == "eagle3"
+
+    @property
+    def is_suffix(self) -> bool:
+        return self.kind == "suffix"
 
     @property
     def cpu_head_weights(self) -> str:
