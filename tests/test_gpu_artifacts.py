@@ -118,6 +118,11 @@ for _release in ("1.1", "1.2"):
     _base = FIELDS[_release]["DraftTarget"]
     FIELDS[_release]["NGram"] = (_base - {"speculative_model_dir", "speculative_model"}) | _NGRAM
     FIELDS[_release]["Eagle"] = _base | {"eagle3_one_model", "eagle3_layers_to_capture"}
+    # AutoDecodingConfig(DecodingBaseConfig), no field of its own ("AUTO" in both from_dict tables)
+    FIELDS[_release]["AUTO"] = _base
+# AutoDecodingConfig: the base fields only (1.3.0rc29 AutoDecodingConfig.html; llm_args.py@0004396 for 1.4)
+FIELDS["1.3"]["AUTO"] = _BASE_13
+FIELDS["1.4"]["AUTO"] = _BASE_13 | {"moe_backend", "spec_dec_variant"}
 
 
 def rule_extra_keys(spec: dict, release: str) -> list[str]:
@@ -324,6 +329,7 @@ BROKEN_SPECS = [  # (rule, release, a broken speculative_config)
         {"decoding_type": "SA", "max_draft_len": 4, "max_matching_ngram_size": 65, "enable_global_pool": True},
     ),
     (rule_exclusive, "1.4", {"decoding_type": "SA", "max_draft_len": 4, "global_pool_size": 64}),
+    (rule_extra_keys, "1.2", {"decoding_type": "AUTO", "max_matching_ngram_size": 3}),  # NGram's, not AUTO's
 ]
 
 
@@ -608,3 +614,53 @@ def test_check_reports_the_suffix_refusal_on_an_old_release():
     assert finding.level == "error" and "SADecodingConfig" in finding.message
     (finding,) = preflight.check_llmapi_options(gpu_recipe("llama3-70b-fp8.yaml", "1.4", draft={"kind": "suffix"}))
     assert finding.level == "info" and "decoding_type SA" in finding.message
+
+
+# ---------------------------------------------------------------- AUTO (draft.kind auto)
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_the_auto_kind_writes_auto_on_every_release(release, tmp_path):
+    """draft.kind auto -> {decoding_type: AUTO} alone (AutoDecodingConfig ignores the base fields), NGram's overlap
+    scheduler setting; the check names what it does with num_draft_tokens."""
+    from specdeploy.deploy import preflight
+
+    recipe = gpu_recipe("llama3-70b-fp8.yaml", release, draft={"kind": "auto"})
+    options = llmapi_options.llmapi_options(recipe, Layout.of(recipe, tmp_path))
+    assert options["speculative_config"] == {"decoding_type": "AUTO"}
+    assert options["disable_overlap_scheduler"] is True  # it picks an NGram draft (auto_heuristic.py@7274a59)
+    assert [v for rule in SPEC_RULES for v in rule(options["speculative_config"], release)] == []
+    (finding,) = preflight.check_llmapi_options(recipe)
+    assert finding.level == "info" and "num_draft_tokens is not passed" in finding.message
+
+
+@pytest.mark.parametrize(
+    ("changes", "words"),
+    [
+        ({"draft": {"kind": "auto", "max_draft_len": 3}}, "does not apply to draft.kind auto"),
+        ({"draft": {"kind": "auto", "model": "d"}}, "does not apply to draft.kind auto"),
+        (
+            {"draft": {"kind": "auto"}, "speculative": {"dynamic": {"max_concurrency": 8}}},
+            "AutoDecodingConfig ignores the settings",
+        ),
+        (
+            {"draft": {"kind": "auto"}, "speculative": {"use_draft_logits": True}},
+            "AutoDecodingConfig ignores the settings",
+        ),
+    ],
+)
+def test_auto_refuses_settings_it_would_drop(changes, words):
+    with pytest.raises(ConfigError, match=words):
+        gpu_recipe("llama3-70b-fp8.yaml", "1.4", **changes)
+
+
+def test_auto_on_the_cpu_is_refused_with_what_it_would_pick():
+    raw = yaml.safe_load((BUILD / "smollm2-135m-ngram.yaml").read_text())
+    raw["draft"] = {"kind": "auto"}
+    with pytest.raises(ConfigError, match="a choice TensorRT-LLM's LLM API makes when it starts") as err:
+        parse_recipe(raw)
+    assert "draft.kind ngram, max_draft_len 5, max_matching_ngram_size 3" in err.value.hint  # max_batch_size 4
+    raw["engine"]["max_batch_size"] = 8
+    with pytest.raises(ConfigError) as err:
+        parse_recipe(raw)
+    assert "max_draft_len 3, max_matching_ngram_size 5" in err.value.hint and "trtllm-llmapi" in err.value.hint

@@ -64,6 +64,7 @@ class Backend:
     # have no such field (specdeploy/gpu/llmapi_versions.py lists the fields of each release)
     draft_confidence_cutoff: bool = False
     suffix_draft: bool = False  # draft.kind suffix (the standalone suffix automaton) is wired
+    auto_draft: bool = False  # draft.kind auto (TensorRT-LLM's AutoDecodingConfig: the LLM API picks the method)
     # quantization.per_token on int8_sq: the CPU engine quantizes activations per token at build time from ModelOpt's
     # checkpoint. ModelOpt 0.47 exports int8_sq as W8A8_SQ_PER_CHANNEL only (modelopt/torch/export/quant_utils.py:728),
     # and TensorRT-LLM's per-token SmoothQuant comes from its own convert_checkpoint.py (--smoothquant --per_token
@@ -170,6 +171,7 @@ TRTLLM_LLMAPI = Backend(
     ngram_draft=True,
     eagle3_draft=True,  # speculative_config Eagle3DecodingConfig (trtllm.LLMAPI_VERSIONS)
     suffix_draft=True,  # SADecodingConfig where the release has it (gpu/llmapi_versions.py)
+    auto_draft=True,  # AutoDecodingConfig, every release (gpu/llmapi_versions.py)
     prequantized_models=True,
     external_build=True,
     tensorrt_engines=False,

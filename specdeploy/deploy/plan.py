@@ -73,6 +73,8 @@ def describe(recipe: Recipe, layout: Layout, recipe_path: str) -> str:
         pairing = "n-gram draft (prompt lookup, no weights)"
     elif recipe.draft.is_suffix:
         pairing = "suffix-automaton draft (the request's own text, no weights)"
+    elif recipe.draft.is_auto:
+        pairing = "AUTO: TensorRT-LLM picks a draft-model-free method (no weights)"
     elif recipe.draft.is_eagle3:
         pairing = "EAGLE-3 head on the target's hidden states (no draft model)"
     elif target_dir is not None and draft_dir is not None:

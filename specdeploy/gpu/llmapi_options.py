@@ -162,6 +162,8 @@ def speculative_options(
         }
         if d.global_pool_size is not None:
             spec["global_pool_size"] = d.global_pool_size
+    if kind == "auto":  # AutoDecodingConfig ignores the base fields: the LLM API picks (recipe checks refuse them)
+        spec = {"decoding_type": version.decoding_types[kind]}
     if s.use_draft_logits:
         spec["use_rejection_sampling"] = True
     if s.dynamic is None:
@@ -175,6 +177,7 @@ DECODING_CLASSES = {
     "ngram": "NGramDecodingConfig",
     "eagle3": "Eagle3DecodingConfig",
     "suffix": "SADecodingConfig",
+    "auto": "AutoDecodingConfig",
 }
 
 
@@ -279,7 +282,7 @@ def llmapi_options(
         # suffix automaton keep it (NVIDIA/TensorRT-LLM@b35ac1b tensorrt_llm/_torch/speculative/interface.py
         # support_overlap_scheduler: eagle3_one_model in every version of it read, is_sa() and draft models in the
         # newest; @0004396 llm_args.py SADecodingConfig: "supports CUDA graph and overlap scheduler")
-        "disable_overlap_scheduler": decoding_kind(recipe) in ("draft_target", "ngram"),
+        "disable_overlap_scheduler": decoding_kind(recipe) in ("draft_target", "ngram", "auto"),  # auto: an NGram
         "kv_cache_config": {
             "free_gpu_memory_fraction": e.kv_cache_free_gpu_mem_fraction,
             # NVIDIA's own DraftTarget tests run with block reuse off, before and after the speculative_model
@@ -321,6 +324,11 @@ def llmapi_mapping_notes(recipe: Recipe, version: LlmApiVersion | None = None) -
     ]
     if s.dynamic and s.dynamic.draft_len_schedule:
         notes.append(f"draft_len_schedule written with {version.draft_len_schedule}-bound keys")
+    if kind == "auto":
+        notes[1] = (
+            "decoding_type AUTO: TensorRT-LLM picks the method and its draft length (an NGram draft in "
+            "auto_heuristic.py@7274a59); speculative.num_draft_tokens is not passed"
+        )
     # The names come from llm_args.py on TensorRT-LLM's main branch around the renames (LLMAPI_VERSIONS), not from
     # each release's tag, which could not be read here; the build's start check (LLM(...)) is what confirms them.
     notes.append(

@@ -69,6 +69,12 @@ from specdeploy.core.errors import ConfigError
 #   max_draft_len > 0. The 1.3.0rc27 and 1.4.0rc4 API pages (llm-api/reference/SADecodingConfig.html) list the same
 #   fields; 1.1.0's and 1.2.0's from_dict tables (gh-pages @8660c11, @7e873e5) have no "SA" key ("Invalid decoding
 #   type"). The 1.3.0 candidates rc22-rc26 were not read.
+# - auto (draft.kind auto): AutoDecodingConfig, "automatically select a good, draft-model free speculation algorithm";
+#   "Attributes that are inherited from the base class are ignored". The "AUTO" key of 1.1.0's and 1.2.0's from_dict
+#   tables (gh-pages @8660c11, @7e873e5; no fields of its own), `decoding_type: Literal['AUTO']` on the 1.3.0rc29 page
+#   and in main's llm_args.py (@0004396). What it picks: NVIDIA/TensorRT-LLM@7274a59
+#   tensorrt_llm/_torch/speculative/auto_heuristic.py (NGram, max_draft_len 5 / 3, max_matching_ngram_size 3 / 5 at
+#   max_batch_size <= 4 / above, max_concurrency 32); that file was not read at the release tags.
 # Release lines from PyPI upload dates: 1.1.0 2025-12-19, 1.2.0 2026-03-12 (branch: rc6 2025-12-23),
 # 1.3.0rc0 2026-01-22 ... rc22 2026-07-22, 1.4.0rc0 2026-10-13. The 1.3.0 release candidates before rc22 straddle
 # PRs #10860 and #12905, so specdeploy names no options for them rather than guess.
@@ -101,7 +107,7 @@ LLMAPI_VERSIONS = {
     "1.1": LlmApiVersion(
         name="1.1",
         releases="1.1.x",
-        decoding_types={"draft_target": "DraftTarget", "ngram": "NGram", "eagle3": "Eagle"},
+        decoding_types={"draft_target": "DraftTarget", "ngram": "NGram", "eagle3": "Eagle", "auto": "AUTO"},
         draft_model_key="speculative_model_dir",
         draft_len_schedule=None,
         # 1.1.0's own llm_args.py (release docs, gh-pages 1.1.0/_modules/tensorrt_llm/llmapi/llm_args.html @8660c11):
@@ -128,7 +134,7 @@ LLMAPI_VERSIONS = {
         releases="1.2.x",
         # DraftTarget and speculative_model_dir are read on both sides of the Literal/rename changes, which the
         # 1.2 branch (cut around Dec 2025) may or may not carry.
-        decoding_types={"draft_target": "DraftTarget", "ngram": "NGram", "eagle3": "Eagle"},
+        decoding_types={"draft_target": "DraftTarget", "ngram": "NGram", "eagle3": "Eagle", "auto": "AUTO"},
         draft_model_key="speculative_model_dir",
         draft_len_schedule="lower",
         acceptance_keys=("acceptance_window", "acceptance_length_threshold"),
@@ -147,7 +153,13 @@ LLMAPI_VERSIONS = {
     "1.3": LlmApiVersion(
         name="1.3",
         releases="1.3.0rc22 and later 1.3 releases",
-        decoding_types={"draft_target": "Draft_Target", "ngram": "NGram", "eagle3": "Eagle3", "suffix": "SA"},
+        decoding_types={
+            "draft_target": "Draft_Target",
+            "ngram": "NGram",
+            "eagle3": "Eagle3",
+            "suffix": "SA",
+            "auto": "AUTO",
+        },
         draft_model_key="speculative_model",
         draft_len_schedule="upper",
         acceptance_keys=("acceptance_rate_window_size", "acceptance_rate_threshold"),
@@ -164,7 +176,7 @@ LLMAPI_VERSIONS = {
             "(EAGLE-3 one-model), PR #15775 (DRAFT_TARGET one-model)"
         ),
         decoding_evidence="1.3.0rc27 API page SADecodingConfig: Literal['SA'], max_matching_ngram_size -1, "
-        "enable_global_pool, global_pool_size",
+        "enable_global_pool, global_pool_size; 1.3.0rc29 AutoDecodingConfig: Literal['AUTO']",
     ),
 }
 
@@ -184,7 +196,7 @@ LLMAPI_VERSIONS["1.4"] = replace(
         "PR #12588 (EAGLE-3 one-model), PR #15775 (DRAFT_TARGET one-model)"
     ),
     decoding_evidence="1.4.0rc4 API page SADecodingConfig: Literal['SA'], max_matching_ngram_size -1, "
-    "enable_global_pool, global_pool_size",
+    "enable_global_pool, global_pool_size; AutoDecodingConfig Literal['AUTO'] on main (llm_args.py@0004396)",
 )
 
 # The first release candidate of a line whose option names LLMAPI_VERSIONS describes (earlier ones are refused here

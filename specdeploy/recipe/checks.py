@@ -364,6 +364,9 @@ def _check_draft_kind(r: Recipe) -> None:
     if d.is_suffix:
         _check_suffix(r)
         return
+    if d.is_auto:
+        _check_auto(r)
+        return
     if not d.is_ngram:
         if not d.model:
             raise ConfigError(
@@ -488,6 +491,41 @@ def _check_suffix(r: Recipe) -> None:
             f"draft.kind suffix is not wired for backend {r.backend}",
             f"use backend {' or '.join(b.name for b in _backends.ALL if b.suffix_draft)} (trtllm-llmapi: "
             "decoding_type SA)",
+        )
+
+
+def _check_auto(r: Recipe) -> None:
+    """draft.kind auto: TensorRT-LLM's AutoDecodingConfig ("Attributes that are inherited from the base class are
+    ignored", llm_args.py 1.2.0 @7e873e5 and @0004396), so no draft key, no dynamic speculation and no rejection
+    sampling: they would be dropped. What it picks (NVIDIA/TensorRT-LLM@7274a59
+    tensorrt_llm/_torch/speculative/auto_heuristic.py suggest_spec_config): NGram with max_draft_len 5 and
+    max_matching_ngram_size 3 up to max_batch_size 4, else 3 and 5, and max_concurrency 32."""
+    d, s = r.draft, r.speculative
+    _check_no_weights(d)
+    keys = [k for k in (*DraftConfig.NGRAM_KEYS, *DraftConfig.SUFFIX_KEYS) if getattr(d, k) is not None]
+    if keys:
+        raise ConfigError(
+            f"key 'draft.{keys[0]}' does not apply to draft.kind auto: TensorRT-LLM's AutoDecodingConfig picks "
+            "the method and its settings itself",
+            "remove it, or write the draft out (draft.kind ngram or suffix with its keys)",
+        )
+    if s.dynamic is not None or s.use_draft_logits:
+        key = "dynamic" if s.dynamic is not None else "use_draft_logits"
+        raise ConfigError(
+            f"key 'speculative.{key}' is set, but TensorRT-LLM's AutoDecodingConfig ignores the settings of "
+            "DecodingBaseConfig (it sets max_concurrency 32 itself)",
+            f"remove speculative.{key}, or use draft.kind ngram with it",
+        )
+    if not _backends.get(r.backend).auto_draft:
+        small = r.engine.max_batch_size <= 4
+        raise ConfigError(
+            f"draft.kind auto is not wired for backend {r.backend}: AUTO is a choice TensorRT-LLM's LLM API makes "
+            "when it starts (auto_heuristic.py suggest_spec_config), and the choice may change from release to "
+            "release; the CPU engine and trtllm-build have no such choice to defer to",
+            f"use backend {' or '.join(b.name for b in _backends.ALL if b.auto_draft)}, or write out what it picks "
+            f"for engine.max_batch_size {r.engine.max_batch_size}: draft.kind ngram, max_draft_len "
+            f"{5 if small else 3}, max_matching_ngram_size {3 if small else 5} (and speculation off above 32 "
+            "requests)",
         )
 
 

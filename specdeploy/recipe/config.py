@@ -87,7 +87,7 @@ class ModelConfig:
     pp_size: int = 1
 
 
-DRAFT_KINDS = ("model", "ngram", "eagle3", "suffix")  # draft.kind
+DRAFT_KINDS = ("model", "ngram", "eagle3", "suffix", "auto")  # draft.kind
 EAGLE3_HEAD_TRAINED = "trained"  # draft.head: the head `specdeploy draft train RECIPE` wrote for this recipe
 EAGLE3_EXPORT_DTYPES = ("float32", "bfloat16", "float16")  # draft.train.export_dtype
 EAGLE3_TRAIN_PRECISIONS = ("auto", "float32", "bfloat16")  # draft.train.precision
@@ -202,7 +202,8 @@ class TreeConfig:
 class DraftConfig(ModelConfig):
     """The draft: a model (quantized and built like the target), `ngram` (prompt lookup over the request's own
     tokens, no weights), `eagle3` (a head on the target's features) or `suffix` (TensorRT-LLM's standalone suffix
-    automaton: the request's own text, no weights). The n-gram and suffix keys are TensorRT-LLM's
+    automaton: the request's own text, no weights) or `auto` (TensorRT-LLM's AutoDecodingConfig: it picks a
+    draft-model-free method itself; trtllm-llmapi only). The n-gram and suffix keys are TensorRT-LLM's
     NGramDecodingConfig / SADecodingConfig fields; null means its default (specdeploy.speculation.ngram), and
     max_draft_len null means speculative.num_draft_tokens."""
 
@@ -260,6 +261,10 @@ class DraftConfig(ModelConfig):
     @property
     def is_suffix(self) -> bool:
         return self.kind == "suffix"
+
+    @property
+    def is_auto(self) -> bool:
+        return self.kind == "auto"
 
     @property
     def cpu_head_weights(self) -> str:
