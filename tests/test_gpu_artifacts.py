@@ -9,6 +9,7 @@ failing on a broken artifact (test_every_rule_fails_on_a_broken_artifact).
 from __future__ import annotations
 
 import copy
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -18,6 +19,7 @@ import yaml
 from click.testing import CliRunner
 
 from specdeploy.cli.main import main
+from specdeploy.core import backends
 from specdeploy.core.artifacts import Layout
 from specdeploy.core.errors import ConfigError, ServerError
 from specdeploy.gpu import image as packaging
@@ -123,6 +125,40 @@ for _release in ("1.1", "1.2"):
 # AutoDecodingConfig: the base fields only (1.3.0rc29 AutoDecodingConfig.html; llm_args.py@0004396 for 1.4)
 FIELDS["1.3"]["AUTO"] = _BASE_13
 FIELDS["1.4"]["AUTO"] = _BASE_13 | {"moe_backend", "spec_dec_variant"}
+# MTPDecodingConfig: 1.1.0 / 1.2.0 llm_args.py (gh-pages @8660c11 / @7e873e5), 1.3.0rc27 / 1.4.0rc1 pages
+_MTP = {"use_relaxed_acceptance_for_thinking", "relaxed_topk", "relaxed_delta", "use_mtp_vanilla"}
+FIELDS["1.1"]["MTP"] = (
+    FIELDS["1.1"]["AUTO"]
+    | _MTP
+    | {
+        "num_nextn_predict_layers",
+        "mtp_eagle_one_model",
+        "num_nextn_predict_layers_from_model_config",
+        "BEGIN_THINKING_PHASE_TOKEN",
+        "END_THINKING_PHASE_TOKEN",
+    }
+)
+FIELDS["1.2"]["MTP"] = (
+    FIELDS["1.2"]["AUTO"]
+    | _MTP
+    | {
+        "num_nextn_predict_layers",
+        "mtp_eagle_one_model",
+        "num_nextn_predict_layers_from_model_config",
+        "begin_thinking_phase_token",
+        "end_thinking_phase_token",
+    }
+)
+_MTP_13 = _MTP | {
+    "use_dynamic_tree",
+    "dynamic_tree_max_topK",
+    "sa_config",
+    "num_nextn_predict_layers",
+    "begin_thinking_phase_token",
+    "end_thinking_phase_token",
+}
+FIELDS["1.3"]["MTP"] = _BASE_13 | _MTP_13
+FIELDS["1.4"]["MTP"] = _BASE_13 | _MTP_13 | {"moe_backend", "spec_dec_variant"}
 
 
 def rule_extra_keys(spec: dict, release: str) -> list[str]:
@@ -160,6 +196,9 @@ def rule_ranges(spec: dict, release: str) -> list[str]:
         "acceptance_rate_threshold": lambda v: 0 <= v <= 1,
         "max_matching_ngram_size": lambda v: v > 0,
     }
+    if spec.get("decoding_type") == "MTP" and release in ("1.3", "1.4"):  # PositiveInt, NonNegativeFloat (pages)
+        checks["relaxed_topk"] = lambda v: v > 0
+        checks["relaxed_delta"] = lambda v: v >= 0
     if spec.get("decoding_type") == "SA":  # llm_args.py@0004396 SADecodingConfig.validate_sa_config
         checks["max_draft_len"] = lambda v: v > 0
         pooled = spec.get("enable_global_pool")
@@ -330,6 +369,9 @@ BROKEN_SPECS = [  # (rule, release, a broken speculative_config)
     ),
     (rule_exclusive, "1.4", {"decoding_type": "SA", "max_draft_len": 4, "global_pool_size": 64}),
     (rule_extra_keys, "1.2", {"decoding_type": "AUTO", "max_matching_ngram_size": 3}),  # NGram's, not AUTO's
+    (rule_extra_keys, "1.1", {"decoding_type": "MTP", "num_nextn_predict_layers": 1, "begin_thinking_phase_token": 1}),
+    (rule_ranges, "1.4", {"decoding_type": "MTP", "max_draft_len": 1, "relaxed_topk": 0}),
+    (rule_ranges, "1.3", {"decoding_type": "MTP", "max_draft_len": 1, "relaxed_delta": -0.1}),
 ]
 
 
@@ -664,3 +706,94 @@ def test_auto_on_the_cpu_is_refused_with_what_it_would_pick():
     with pytest.raises(ConfigError) as err:
         parse_recipe(raw)
     assert "max_draft_len 3, max_matching_ngram_size 5" in err.value.hint and "trtllm-llmapi" in err.value.hint
+
+
+# ---------------------------------------------------------------- MTP (draft.kind mtp)
+
+
+def _mtp_target(tmp_path, **config) -> str:
+    folder = tmp_path / "target"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"architectures": ["DeepseekV3ForCausalLM"], **config}))
+    return str(folder)
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_the_mtp_kind_writes_the_releases_keys(release, tmp_path):
+    """draft.kind mtp -> MTPDecodingConfig: the draft length as num_nextn_predict_layers on 1.1 / 1.2 (from_dict
+    copies it into max_draft_len), max_draft_len on 1.3 / 1.4; relaxed acceptance only when asked, with the thinking
+    tokens in 1.1's upper-case spelling there."""
+    relaxed = {
+        "kind": "mtp",
+        "max_draft_len": 3,
+        "use_relaxed_acceptance_for_thinking": True,
+        "relaxed_topk": 10,
+        "relaxed_delta": 0.01,
+        "begin_thinking_phase_token": 151667,
+        "end_thinking_phase_token": 151668,
+    }
+    plain = gpu_recipe("llama3-70b-fp8.yaml", release, draft={"kind": "mtp", "max_draft_len": 3})
+    options = llmapi_options.llmapi_options(plain, Layout.of(plain, tmp_path))
+    key = "num_nextn_predict_layers" if release in ("1.1", "1.2") else "max_draft_len"
+    assert options["speculative_config"] == {"decoding_type": "MTP", key: 3}
+    assert options["disable_overlap_scheduler"] is False  # support_overlap_scheduler: is_mtp in every version read
+    spec = spec_of(gpu_recipe("llama3-70b-fp8.yaml", release, draft=relaxed), tmp_path)
+    begin, end = (
+        ("BEGIN_THINKING_PHASE_TOKEN", "END_THINKING_PHASE_TOKEN")
+        if release == "1.1"
+        else ("begin_thinking_phase_token", "end_thinking_phase_token")
+    )
+    assert spec == {
+        "decoding_type": "MTP",
+        key: 3,
+        "use_relaxed_acceptance_for_thinking": True,
+        "relaxed_topk": 10,
+        "relaxed_delta": 0.01,
+        begin: 151667,
+        end: 151668,
+    }
+    for s in (options["speculative_config"], spec):
+        assert [v for rule in SPEC_RULES for v in rule(s, release)] == []
+
+
+@pytest.mark.parametrize(
+    ("draft", "words"),
+    [
+        ({"kind": "mtp", "relaxed_topk": 4}, "only acts with use_relaxed_acceptance_for_thinking"),
+        ({"kind": "mtp", "use_relaxed_acceptance_for_thinking": True, "relaxed_topk": 0}, "relaxed_topk' is 0"),
+        ({"kind": "mtp", "use_relaxed_acceptance_for_thinking": True, "relaxed_delta": -0.5}, "relaxed_delta' is -0.5"),
+        ({"kind": "mtp", "max_matching_ngram_size": 3}, "applies to draft.kind ngram only"),
+        ({"kind": "ngram", "relaxed_topk": 3}, "'draft.relaxed_topk' applies to draft.kind mtp only"),
+        ({"kind": "mtp", "model": "d"}, "does not apply to draft.kind mtp"),
+    ],
+)
+def test_mtp_keys_are_checked(draft, words):
+    with pytest.raises(ConfigError, match=words):
+        gpu_recipe("llama3-70b-fp8.yaml", "1.4", draft=draft)
+
+
+def test_mtp_on_the_cpu_is_refused_with_the_reason():
+    raw = yaml.safe_load((BUILD / "smollm2-135m-ngram.yaml").read_text())
+    raw["draft"] = {"kind": "mtp"}
+    with pytest.raises(ConfigError, match="Llama, Mistral and Qwen2 checkpoints") as err:
+        parse_recipe(raw)
+    assert "trtllm-llmapi" in err.value.hint
+
+
+def test_a_target_without_mtp_heads_is_refused_before_the_build(tmp_path):
+    from specdeploy.deploy import preflight
+
+    def findings(**config):
+        recipe = gpu_recipe("llama3-70b-fp8.yaml", "1.4", draft={"kind": "mtp", "max_draft_len": 3})
+        return preflight.check_mtp_heads(recipe, Path(_mtp_target(tmp_path, **config)))
+
+    (error,) = findings(num_hidden_layers=61)
+    assert error.level == "error" and "names no MTP layers" in error.message
+    assert findings(num_nextn_predict_layers=0)[0].level == "error"
+    assert [f.level for f in findings(num_nextn_predict_layers=1)] == ["info"]  # one head, replayed (MTP-Eagle)
+    assert [f.level for f in findings(mtp_num_hidden_layers=1)] == ["info"]  # Qwen3-Next's spelling
+    levels = findings(num_nextn_predict_layers=2)
+    assert [f.level for f in levels] == ["info", "warning"] and "drafts at most 2" in levels[1].message
+    recipe = gpu_recipe("llama3-70b-fp8.yaml", "1.4", draft={"kind": "mtp"})
+    assert [f.level for f in preflight.check_mtp_heads(recipe, None)] == ["info"]  # not on this machine yet
+    assert "mtp_heads" in backends.TRTLLM_LLMAPI.preflight_checks

@@ -65,6 +65,7 @@ class Backend:
     draft_confidence_cutoff: bool = False
     suffix_draft: bool = False  # draft.kind suffix (the standalone suffix automaton) is wired
     auto_draft: bool = False  # draft.kind auto (TensorRT-LLM's AutoDecodingConfig: the LLM API picks the method)
+    mtp_draft: bool = False  # draft.kind mtp (the target's own MTP heads, TensorRT-LLM's MTPDecodingConfig)
     # quantization.per_token on int8_sq: the CPU engine quantizes activations per token at build time from ModelOpt's
     # checkpoint. ModelOpt 0.47 exports int8_sq as W8A8_SQ_PER_CHANNEL only (modelopt/torch/export/quant_utils.py:728),
     # and TensorRT-LLM's per-token SmoothQuant comes from its own convert_checkpoint.py (--smoothquant --per_token
@@ -172,6 +173,7 @@ TRTLLM_LLMAPI = Backend(
     eagle3_draft=True,  # speculative_config Eagle3DecodingConfig (trtllm.LLMAPI_VERSIONS)
     suffix_draft=True,  # SADecodingConfig where the release has it (gpu/llmapi_versions.py)
     auto_draft=True,  # AutoDecodingConfig, every release (gpu/llmapi_versions.py)
+    mtp_draft=True,  # MTPDecodingConfig, every release (gpu/llmapi_versions.py)
     prequantized_models=True,
     external_build=True,
     tensorrt_engines=False,
@@ -179,7 +181,7 @@ TRTLLM_LLMAPI = Backend(
     default_image=None,  # the recipe's trtllm_version picks it (trtllm_images.recipe_image)
     bls_limits=None,
     layouts=(LLMAPI_LAYOUT,),
-    preflight_checks=(*_COMMON_CHECKS, "fp8", "kv_cache", "memory", "llmapi"),
+    preflight_checks=(*_COMMON_CHECKS, "fp8", "kv_cache", "memory", "llmapi", "mtp_heads"),
 )
 
 ALL: tuple[Backend, ...] = (CPU, TRTLLM_ENGINE, TRTLLM_LLMAPI)

@@ -164,6 +164,8 @@ def speculative_options(
             spec["global_pool_size"] = d.global_pool_size
     if kind == "auto":  # AutoDecodingConfig ignores the base fields: the LLM API picks (recipe checks refuse them)
         spec = {"decoding_type": version.decoding_types[kind]}
+    if kind == "mtp":  # MTPDecodingConfig: the target's own heads, no draft model
+        spec = _mtp_options(recipe, version)
     if s.use_draft_logits:
         spec["use_rejection_sampling"] = True
     if s.dynamic is None:
@@ -178,12 +180,31 @@ DECODING_CLASSES = {
     "eagle3": "Eagle3DecodingConfig",
     "suffix": "SADecodingConfig",
     "auto": "AutoDecodingConfig",
+    "mtp": "MTPDecodingConfig",
 }
 
 
 def decoding_kind(recipe: Recipe) -> str:
     """The recipe's draft as a key of LlmApiVersion.decoding_types."""
     return "draft_target" if recipe.draft.kind == "model" else recipe.draft.kind
+
+
+def _mtp_options(recipe: Recipe, version: LlmApiVersion) -> dict:
+    """MTPDecodingConfig for one release: the draft length under the release's key (num_nextn_predict_layers on 1.1
+    / 1.2, max_draft_len after), relaxed acceptance only where the recipe turns it on (llmapi_versions.py)."""
+    d = recipe.draft
+    draft_len = d.max_draft_len if d.max_draft_len is not None else recipe.speculative.num_draft_tokens
+    spec = {"decoding_type": version.decoding_types["mtp"], version.mtp_draft_len_key: draft_len}
+    if d.use_relaxed_acceptance_for_thinking:
+        spec["use_relaxed_acceptance_for_thinking"] = True
+        spec["relaxed_topk"] = d.relaxed_topk if d.relaxed_topk is not None else 1
+        spec["relaxed_delta"] = d.relaxed_delta if d.relaxed_delta is not None else 0.0
+        begin_key, end_key = version.mtp_thinking_keys
+        if d.begin_thinking_phase_token is not None:
+            spec[begin_key] = d.begin_thinking_phase_token
+        if d.end_thinking_phase_token is not None:
+            spec[end_key] = d.end_thinking_phase_token
+    return spec
 
 
 def _check_decoding_type(recipe: Recipe, version: LlmApiVersion, kind: str) -> None:
@@ -324,6 +345,12 @@ def llmapi_mapping_notes(recipe: Recipe, version: LlmApiVersion | None = None) -
     ]
     if s.dynamic and s.dynamic.draft_len_schedule:
         notes.append(f"draft_len_schedule written with {version.draft_len_schedule}-bound keys")
+    if kind == "mtp" and recipe.draft.use_relaxed_acceptance_for_thinking:
+        notes.append(
+            "MTP relaxed acceptance: between the thinking-phase tokens a draft token is accepted when it is among the "
+            "target's top relaxed_topk within relaxed_delta of its top-1, so the output there is not the target's own "
+            "greedy output; validate's parity reports the difference"
+        )
     if kind == "auto":
         notes[1] = (
             "decoding_type AUTO: TensorRT-LLM picks the method and its draft length (an NGram draft in "

@@ -75,6 +75,18 @@ from specdeploy.core.errors import ConfigError
 #   and in main's llm_args.py (@0004396). What it picks: NVIDIA/TensorRT-LLM@7274a59
 #   tensorrt_llm/_torch/speculative/auto_heuristic.py (NGram, max_draft_len 5 / 3, max_matching_ngram_size 3 / 5 at
 #   max_batch_size <= 4 / above, max_concurrency 32); that file was not read at the release tags.
+# - mtp (draft.kind mtp): MTPDecodingConfig, the target's own MTP heads. 1.1.0 (gh-pages @8660c11) and 1.2.0
+#   (@7e873e5): fields `num_nextn_predict_layers: int = 1`, `use_relaxed_acceptance_for_thinking: bool = False`,
+#   `relaxed_topk: int = 1`, `relaxed_delta: float = 0.`, `use_mtp_vanilla`, `mtp_eagle_one_model`, and the thinking
+#   tokens, spelled `BEGIN_THINKING_PHASE_TOKEN` / `END_THINKING_PHASE_TOKEN` in 1.1.0 and
+#   `begin_thinking_phase_token` / `end_thinking_phase_token` in 1.2.0 (128798 / 128799); `from_dict` sets
+#   `max_draft_len = num_nextn_predict_layers`, so the draft length is written as num_nextn_predict_layers there.
+#   1.3.0rc27, 1.4.0rc1 and 1.4.0rc4 pages (MTPDecodingConfig.html): `max_draft_len` (None: from the checkpoint),
+#   `relaxed_topk: PositiveInt = 1`, `relaxed_delta: NonNegativeFloat = 0.0`, `num_nextn_predict_layers: int | None =
+#   None`, which main's llm_args.py (@0004396) marks internal ("Do not set manually") and remaps to max_draft_len with a
+#   deprecation warning: max_draft_len is written there. How many heads the target has: its config.json's
+#   `num_nextn_predict_layers` (DeepSeek-style) or `mtp_num_hidden_layers` (Qwen3-Next-style), 1 when neither
+#   (NVIDIA/TensorRT-LLM@011d093 tensorrt_llm/_torch/speculative/utils.py update_spec_config_from_model_config).
 # Release lines from PyPI upload dates: 1.1.0 2025-12-19, 1.2.0 2026-03-12 (branch: rc6 2025-12-23),
 # 1.3.0rc0 2026-01-22 ... rc22 2026-07-22, 1.4.0rc0 2026-10-13. The 1.3.0 release candidates before rc22 straddle
 # PRs #10860 and #12905, so specdeploy names no options for them rather than guess.
@@ -101,13 +113,22 @@ class LlmApiVersion:
     rejection_sampling_evidence: str = "no use_rejection_sampling in this release's DecodingBaseConfig"
     # where this release's decoding types beyond draft_target, ngram and eagle3 were read
     decoding_evidence: str = ""
+    # MTPDecodingConfig: the key the draft length is written under, and the thinking-phase token keys
+    mtp_draft_len_key: str = "max_draft_len"
+    mtp_thinking_keys: tuple[str, str] = ("begin_thinking_phase_token", "end_thinking_phase_token")
 
 
 LLMAPI_VERSIONS = {
     "1.1": LlmApiVersion(
         name="1.1",
         releases="1.1.x",
-        decoding_types={"draft_target": "DraftTarget", "ngram": "NGram", "eagle3": "Eagle", "auto": "AUTO"},
+        decoding_types={
+            "draft_target": "DraftTarget",
+            "ngram": "NGram",
+            "eagle3": "Eagle",
+            "auto": "AUTO",
+            "mtp": "MTP",
+        },
         draft_model_key="speculative_model_dir",
         draft_len_schedule=None,
         # 1.1.0's own llm_args.py (release docs, gh-pages 1.1.0/_modules/tensorrt_llm/llmapi/llm_args.html @8660c11):
@@ -128,13 +149,21 @@ LLMAPI_VERSIONS = {
             "1.1.0 llm_args.py (gh-pages @8660c11) DecodingBaseConfig.from_dict keys: MTP, Medusa, Eagle, "
             "Lookahead, NGram, DraftTarget, UserProvided, AUTO"
         ),
+        mtp_draft_len_key="num_nextn_predict_layers",
+        mtp_thinking_keys=("BEGIN_THINKING_PHASE_TOKEN", "END_THINKING_PHASE_TOKEN"),
     ),
     "1.2": LlmApiVersion(
         name="1.2",
         releases="1.2.x",
         # DraftTarget and speculative_model_dir are read on both sides of the Literal/rename changes, which the
         # 1.2 branch (cut around Dec 2025) may or may not carry.
-        decoding_types={"draft_target": "DraftTarget", "ngram": "NGram", "eagle3": "Eagle", "auto": "AUTO"},
+        decoding_types={
+            "draft_target": "DraftTarget",
+            "ngram": "NGram",
+            "eagle3": "Eagle",
+            "auto": "AUTO",
+            "mtp": "MTP",
+        },
         draft_model_key="speculative_model_dir",
         draft_len_schedule="lower",
         acceptance_keys=("acceptance_window", "acceptance_length_threshold"),
@@ -149,6 +178,7 @@ LLMAPI_VERSIONS = {
             "1.2.0 llm_args.py (gh-pages @7e873e5) DecodingBaseConfig.from_dict keys: MTP, Medusa, Eagle, "
             "Lookahead, NGram, DraftTarget, SaveState, UserProvided, AUTO"
         ),
+        mtp_draft_len_key="num_nextn_predict_layers",
     ),
     "1.3": LlmApiVersion(
         name="1.3",
@@ -159,6 +189,7 @@ LLMAPI_VERSIONS = {
             "eagle3": "Eagle3",
             "suffix": "SA",
             "auto": "AUTO",
+            "mtp": "MTP",
         },
         draft_model_key="speculative_model",
         draft_len_schedule="upper",

@@ -353,11 +353,12 @@ def _check_draft_kind(r: Recipe) -> None:
                 raise ConfigError(
                     f"key 'draft.{key}' applies to draft.kind eagle3 only", "remove it, or set draft.kind: eagle3"
                 )
-    suffix_only = [k for k in DraftConfig.SUFFIX_KEYS if k not in DraftConfig.NGRAM_KEYS and getattr(d, k) is not None]
-    if suffix_only and not d.is_suffix:
-        raise ConfigError(
-            f"key 'draft.{suffix_only[0]}' applies to draft.kind suffix only", "remove it, or set draft.kind: suffix"
-        )
+    for kind, keys in (("suffix", DraftConfig.SUFFIX_KEYS), ("mtp", DraftConfig.MTP_KEYS)):
+        own = [k for k in keys if k not in DraftConfig.NGRAM_KEYS and getattr(d, k) is not None]
+        if own and d.kind != kind:
+            raise ConfigError(
+                f"key 'draft.{own[0]}' applies to draft.kind {kind} only", f"remove it, or set draft.kind: {kind}"
+            )
     if d.is_eagle3:
         _check_eagle3(r)
         return
@@ -366,6 +367,9 @@ def _check_draft_kind(r: Recipe) -> None:
         return
     if d.is_auto:
         _check_auto(r)
+        return
+    if d.is_mtp:
+        _check_mtp(r)
         return
     if not d.is_ngram:
         if not d.model:
@@ -526,6 +530,54 @@ def _check_auto(r: Recipe) -> None:
             f"for engine.max_batch_size {r.engine.max_batch_size}: draft.kind ngram, max_draft_len "
             f"{5 if small else 3}, max_matching_ngram_size {3 if small else 5} (and speculation off above 32 "
             "requests)",
+        )
+
+
+def _check_mtp(r: Recipe) -> None:
+    """draft.kind mtp: TensorRT-LLM's MTPDecodingConfig, the target's own MTP heads (DeepSeek-V3 and later; whether
+    the target has them is read from its config.json by the pre-flight check, deploy/preflight.py). Ranges from the
+    1.3.0rc27 / 1.4.0rc4 MTPDecodingConfig pages: relaxed_topk PositiveInt, relaxed_delta NonNegativeFloat, the
+    thinking-phase tokens NonNegativeInt; max_draft_len > 0 (llm_args.py@0004396)."""
+    d, s = r.draft, r.speculative
+    _check_no_weights(d)
+    extra = [k for k in DraftConfig.NGRAM_KEYS if k not in DraftConfig.MTP_KEYS and getattr(d, k) is not None]
+    if extra:
+        raise ConfigError(f"key 'draft.{extra[0]}' applies to draft.kind ngram only", "remove it")
+    if d.max_draft_len is not None:
+        _at_least("draft.max_draft_len", d.max_draft_len, 1)
+        if d.max_draft_len > s.max_draft_len:
+            raise ConfigError(
+                f"key 'draft.max_draft_len' ({d.max_draft_len}) is larger than speculative.max_draft_len"
+                f" ({s.max_draft_len})",
+                f"set draft.max_draft_len <= {s.max_draft_len}",
+            )
+    if d.relaxed_topk is not None:
+        _at_least("draft.relaxed_topk", d.relaxed_topk, 1)
+    if d.relaxed_delta is not None and not d.relaxed_delta >= 0.0:
+        raise ConfigError(f"key 'draft.relaxed_delta' is {d.relaxed_delta}, must be >= 0", "e.g. 0.01, or remove it")
+    for key in ("begin_thinking_phase_token", "end_thinking_phase_token"):
+        if getattr(d, key) is not None:
+            _at_least(f"draft.{key}", getattr(d, key), 0)
+    relaxed_keys = [k for k in DraftConfig.MTP_KEYS[2:] if getattr(d, k) is not None]
+    if relaxed_keys and not d.use_relaxed_acceptance_for_thinking:
+        raise ConfigError(
+            f"key 'draft.{relaxed_keys[0]}' is set, but it only acts with use_relaxed_acceptance_for_thinking "
+            "(TensorRT-LLM's MTPDecodingConfig)",
+            "set draft.use_relaxed_acceptance_for_thinking: true, or remove it",
+        )
+    backend = _backends.get(r.backend)
+    if not backend.mtp_draft:
+        raise ConfigError(
+            f"draft.kind mtp is not wired for backend {r.backend}: MTP drafts with layers of the target's own "
+            "checkpoint (DeepSeek-V3 and later), which "
+            + (
+                "the CPU engine does not run: it executes Llama, Mistral and Qwen2 checkpoints "
+                "(engine/spec.py ARCHITECTURES), none of which has MTP layers"
+                if not backend.gpu
+                else "TensorRT-LLM's engine path does not build"
+            ),
+            f"use backend {' or '.join(b.name for b in _backends.ALL if b.mtp_draft)} with a target that has MTP "
+            "heads, or another draft.kind here",
         )
 
 
