@@ -159,6 +159,11 @@ _MTP_13 = _MTP | {
 }
 FIELDS["1.3"]["MTP"] = _BASE_13 | _MTP_13
 FIELDS["1.4"]["MTP"] = _BASE_13 | _MTP_13 | {"moe_backend", "spec_dec_variant"}
+# DFlashDecodingConfig: 1.3.0rc27 DFlashDecodingConfig.html (1.4: main's llm_args.py@0004396); PARDDecodingConfig:
+# 1.4.0rc1 / rc4 PARDDecodingConfig.html (no 1.3 page found)
+FIELDS["1.3"]["DFlash"] = _BASE_13 | {"mask_token_id", "target_layer_ids", "attention_backend"}
+FIELDS["1.4"]["DFlash"] = FIELDS["1.3"]["DFlash"] | {"moe_backend", "spec_dec_variant"}
+FIELDS["1.4"]["PARD"] = _BASE_13 | {"mask_token_id", "sa_config", "moe_backend", "spec_dec_variant"}
 
 
 def rule_extra_keys(spec: dict, release: str) -> list[str]:
@@ -175,8 +180,8 @@ def rule_exclusive(spec: dict, release: str) -> list[str]:
     out = []
     if release in ("1.3", "1.4") and "max_concurrency" in spec and "draft_len_schedule" in spec:
         out.append("max_concurrency and draft_len_schedule are mutually exclusive")
-    if "sa_config" in spec and spec.get("decoding_type") != "Eagle3":
-        out.append("sa_config is an Eagle3DecodingConfig field")
+    if "sa_config" in spec and spec.get("decoding_type") not in ("Eagle3", "PARD", "MTP"):
+        out.append("sa_config is an Eagle3DecodingConfig field (and PARD's, MTP's)")
     if spec.get("use_rejection_sampling") and "sa_config" in spec:
         out.append("use_rejection_sampling with sa_config")
     if "global_pool_size" in spec and not spec.get("enable_global_pool"):  # SADecodingConfig.validate_sa_config
@@ -372,6 +377,8 @@ BROKEN_SPECS = [  # (rule, release, a broken speculative_config)
     (rule_extra_keys, "1.1", {"decoding_type": "MTP", "num_nextn_predict_layers": 1, "begin_thinking_phase_token": 1}),
     (rule_ranges, "1.4", {"decoding_type": "MTP", "max_draft_len": 1, "relaxed_topk": 0}),
     (rule_ranges, "1.3", {"decoding_type": "MTP", "max_draft_len": 1, "relaxed_delta": -0.1}),
+    (rule_extra_keys, "1.3", {"decoding_type": "PARD", "max_draft_len": 4, "speculative_model": "p"}),  # no 1.3 page
+    (rule_extra_keys, "1.4", {"decoding_type": "DFlash", "max_draft_len": 4, "sa_config": {"threshold": 4}}),
 ]
 
 
@@ -797,3 +804,72 @@ def test_a_target_without_mtp_heads_is_refused_before_the_build(tmp_path):
     recipe = gpu_recipe("llama3-70b-fp8.yaml", "1.4", draft={"kind": "mtp"})
     assert [f.level for f in preflight.check_mtp_heads(recipe, None)] == ["info"]  # not on this machine yet
     assert "mtp_heads" in backends.TRTLLM_LLMAPI.preflight_checks
+
+
+# ---------------------------------------------------------------- PARD and DFlash drafts (draft.kind pard, dflash)
+
+
+@pytest.mark.parametrize("kind", ["pard", "dflash"])
+@pytest.mark.parametrize("release", RELEASES)
+def test_pard_and_dflash_write_the_staged_draft_where_the_release_has_them(kind, release, tmp_path):
+    """draft.kind pard / dflash: {decoding_type, max_draft_len, speculative_model} with the draft staged by the build
+    (its config.json supplies the mask token and DFlash's layers). PARD: 1.4 only (pages 1.4.0rc1 / rc4); DFlash: 1.3
+    (1.3.0rc27 page) and 1.4; refused elsewhere, naming the releases that have it."""
+    recipe = gpu_recipe("llama3-70b-fp8.yaml", release, draft={"kind": kind, "head": "/models/draft"})
+    has = {"pard": ("1.4",), "dflash": ("1.3", "1.4")}[kind]
+    if release not in has:
+        with pytest.raises(ConfigError, match="which TensorRT-LLM .* does not have") as err:
+            spec_of(recipe, tmp_path)
+        assert err.value.hint == f"set trtllm_version to {' or '.join(has)}"
+        return
+    layout = Layout.of(recipe, tmp_path)
+    options = llmapi_options.llmapi_options(recipe, layout)
+    spec = options["speculative_config"]
+    assert spec == {
+        "decoding_type": {"pard": "PARD", "dflash": "DFlash"}[kind],
+        "max_draft_len": recipe.speculative.num_draft_tokens,
+        "speculative_model": str(layout.engine("draft")),
+    }
+    assert options["disable_overlap_scheduler"] is True
+    assert [v for rule in SPEC_RULES for v in rule(spec, release)] == []
+    assert recipe.model_roles == ("target",) and recipe.draft.stages_head
+
+
+@pytest.mark.parametrize(
+    ("draft", "words"),
+    [
+        ({"kind": "pard"}, "must name the PARD draft checkpoint folder"),
+        ({"kind": "dflash", "head": "trained"}, "must name the DFlash draft checkpoint folder"),
+        ({"kind": "pard", "head": "/d", "model": "m"}, "loads the draft checkpoint as it is"),
+        ({"kind": "dflash", "head": "/d", "max_draft_len": 3}, "does not apply to draft.kind dflash"),
+        ({"kind": "pard", "head": "/d", "sa_config": {}}, "applies to draft.kind eagle3 only"),
+    ],
+)
+def test_pard_and_dflash_keys_are_checked(draft, words):
+    with pytest.raises(ConfigError, match=words):
+        gpu_recipe("llama3-70b-fp8.yaml", "1.4", draft=draft)
+
+
+def test_pard_and_dflash_on_the_cpu_are_refused_with_the_reason():
+    raw = yaml.safe_load((BUILD / "smollm2-135m-ngram.yaml").read_text())
+    for kind in ("pard", "dflash"):
+        raw["draft"] = {"kind": kind, "head": "/models/draft"}
+        with pytest.raises(ConfigError, match="the CPU engine has neither drafter") as err:
+            parse_recipe(raw)
+        assert "trtllm-llmapi" in err.value.hint
+
+
+def test_the_build_stages_a_pard_draft_like_a_head(tmp_path):
+    """The draft folder travels with the project root: build copies it to engines/<recipe>/draft."""
+    from specdeploy.gpu import trtllm
+
+    draft = tmp_path / "pard-draft"
+    draft.mkdir()
+    (draft / "config.json").write_text("{}")
+    (draft / "model.safetensors").write_bytes(b"x")
+    recipe = gpu_recipe("llama3-70b-fp8.yaml", "1.4", draft={"kind": "pard", "head": str(draft)})
+    layout = Layout.of(recipe, tmp_path / "project")
+    lines = []
+    trtllm._write_draft(recipe, layout, "fp", {}, draft, lines.append)
+    assert (layout.engine("draft") / "model.safetensors").read_bytes() == b"x"
+    assert lines == [f"staging the PARD draft {draft} -> {layout.engine('draft')}"]

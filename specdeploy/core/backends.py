@@ -66,6 +66,7 @@ class Backend:
     suffix_draft: bool = False  # draft.kind suffix (the standalone suffix automaton) is wired
     auto_draft: bool = False  # draft.kind auto (TensorRT-LLM's AutoDecodingConfig: the LLM API picks the method)
     mtp_draft: bool = False  # draft.kind mtp (the target's own MTP heads, TensorRT-LLM's MTPDecodingConfig)
+    parallel_drafts: bool = False  # draft.kind pard / dflash (drafters that propose all k tokens in one pass)
     # quantization.per_token on int8_sq: the CPU engine quantizes activations per token at build time from ModelOpt's
     # checkpoint. ModelOpt 0.47 exports int8_sq as W8A8_SQ_PER_CHANNEL only (modelopt/torch/export/quant_utils.py:728),
     # and TensorRT-LLM's per-token SmoothQuant comes from its own convert_checkpoint.py (--smoothquant --per_token
@@ -174,6 +175,7 @@ TRTLLM_LLMAPI = Backend(
     suffix_draft=True,  # SADecodingConfig where the release has it (gpu/llmapi_versions.py)
     auto_draft=True,  # AutoDecodingConfig, every release (gpu/llmapi_versions.py)
     mtp_draft=True,  # MTPDecodingConfig, every release (gpu/llmapi_versions.py)
+    parallel_drafts=True,  # PARDDecodingConfig / DFlashDecodingConfig where the release has them
     prequantized_models=True,
     external_build=True,
     tensorrt_engines=False,

@@ -181,6 +181,8 @@ DECODING_CLASSES = {
     "suffix": "SADecodingConfig",
     "auto": "AutoDecodingConfig",
     "mtp": "MTPDecodingConfig",
+    "pard": "PARDDecodingConfig",
+    "dflash": "DFlashDecodingConfig",
 }
 
 
@@ -303,7 +305,9 @@ def llmapi_options(
         # suffix automaton keep it (NVIDIA/TensorRT-LLM@b35ac1b tensorrt_llm/_torch/speculative/interface.py
         # support_overlap_scheduler: eagle3_one_model in every version of it read, is_sa() and draft models in the
         # newest; @0004396 llm_args.py SADecodingConfig: "supports CUDA graph and overlap scheduler")
-        "disable_overlap_scheduler": decoding_kind(recipe) in ("draft_target", "ngram", "auto"),  # auto: an NGram
+        # PARD / DFlash: not read in a release's support_overlap_scheduler, so off (it costs speed only)
+        "disable_overlap_scheduler": decoding_kind(recipe)
+        in ("draft_target", "ngram", "auto", "pard", "dflash"),  # auto: an NGram
         "kv_cache_config": {
             "free_gpu_memory_fraction": e.kv_cache_free_gpu_mem_fraction,
             # NVIDIA's own DraftTarget tests run with block reuse off, before and after the speculative_model
@@ -319,6 +323,8 @@ def llmapi_options(
 
 def _speculative_config(recipe: Recipe, layout: Layout, version: LlmApiVersion, draft_dir: Path | None) -> dict:
     d = recipe.draft
+    if d.kind in ("pard", "dflash"):  # the draft folder staged by the build, as for an EAGLE-3 head
+        return speculative_options(recipe, version, draft_dir or layout.engine("draft"), d.kind)
     if d.is_eagle3:
         # the build stages the head in the deployment (engines/<recipe>/draft, under the project root that the
         # container and the Kubernetes volume mount at the same path): speculative_model points there

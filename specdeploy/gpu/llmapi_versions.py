@@ -87,6 +87,15 @@ from specdeploy.core.errors import ConfigError
 #   deprecation warning: max_draft_len is written there. How many heads the target has: its config.json's
 #   `num_nextn_predict_layers` (DeepSeek-style) or `mtp_num_hidden_layers` (Qwen3-Next-style), 1 when neither
 #   (NVIDIA/TensorRT-LLM@011d093 tensorrt_llm/_torch/speculative/utils.py update_spec_config_from_model_config).
+# - pard / dflash (draft.kind pard, dflash): PARDDecodingConfig (`decoding_type: Literal["PARD"]`,
+#   `mask_token_id: Optional[int] = None` "read from the draft model config", `sa_config`) and DFlashDecodingConfig
+#   (`Literal["DFlash"]`,
+#   `mask_token_id`, `target_layer_ids: Optional[List[int]] = None` "read from the draft model config
+#   (dflash_config.target_layer_ids)") in main's llm_args.py (@0004396); both take speculative_model and max_draft_len.
+#   Release pages: DFlashDecodingConfig.html on 1.3.0rc27 (plus `attention_backend`); PARDDecodingConfig.html on
+#   1.4.0rc1 and 1.4.0rc4, none found for 1.3 (so PARD is refused on 1.3 as unverified). 1.1.0 / 1.2.0 have neither
+#   in from_dict. specdeploy writes decoding_type, max_draft_len and speculative_model only (the checkpoint's own
+#   config supplies the rest).
 # Release lines from PyPI upload dates: 1.1.0 2025-12-19, 1.2.0 2026-03-12 (branch: rc6 2025-12-23),
 # 1.3.0rc0 2026-01-22 ... rc22 2026-07-22, 1.4.0rc0 2026-10-13. The 1.3.0 release candidates before rc22 straddle
 # PRs #10860 and #12905, so specdeploy names no options for them rather than guess.
@@ -190,6 +199,7 @@ LLMAPI_VERSIONS = {
             "suffix": "SA",
             "auto": "AUTO",
             "mtp": "MTP",
+            "dflash": "DFlash",
         },
         draft_model_key="speculative_model",
         draft_len_schedule="upper",
@@ -207,7 +217,8 @@ LLMAPI_VERSIONS = {
             "(EAGLE-3 one-model), PR #15775 (DRAFT_TARGET one-model)"
         ),
         decoding_evidence="1.3.0rc27 API page SADecodingConfig: Literal['SA'], max_matching_ngram_size -1, "
-        "enable_global_pool, global_pool_size; 1.3.0rc29 AutoDecodingConfig: Literal['AUTO']",
+        "enable_global_pool, global_pool_size; 1.3.0rc29 AutoDecodingConfig: Literal['AUTO']; 1.3.0rc27 "
+        "DFlashDecodingConfig: Literal['DFlash'] (no PARDDecodingConfig page found for 1.3)",
     ),
 }
 
@@ -216,6 +227,7 @@ LLMAPI_VERSIONS = {
 LLMAPI_VERSIONS["1.4"] = replace(
     LLMAPI_VERSIONS["1.3"],
     name="1.4",
+    decoding_types={**LLMAPI_VERSIONS["1.3"].decoding_types, "pard": "PARD"},
     releases="1.4.x",
     evidence="as 1.3 (main after PR #12905)",
     eagle3_evidence=(
@@ -227,7 +239,8 @@ LLMAPI_VERSIONS["1.4"] = replace(
         "PR #12588 (EAGLE-3 one-model), PR #15775 (DRAFT_TARGET one-model)"
     ),
     decoding_evidence="1.4.0rc4 API page SADecodingConfig: Literal['SA'], max_matching_ngram_size -1, "
-    "enable_global_pool, global_pool_size; AutoDecodingConfig Literal['AUTO'] on main (llm_args.py@0004396)",
+    "enable_global_pool, global_pool_size; PARDDecodingConfig (1.4.0rc1, rc4 pages): Literal['PARD']; "
+    "AutoDecodingConfig Literal['AUTO'] and DFlashDecodingConfig Literal['DFlash'] on main (llm_args.py@0004396)",
 )
 
 # The first release candidate of a line whose option names LLMAPI_VERSIONS describes (earlier ones are refused here

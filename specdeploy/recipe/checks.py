@@ -340,7 +340,7 @@ def _check_draft_kind(r: Recipe) -> None:
     _choice("draft.kind", d.kind, DRAFT_KINDS)
     if not d.is_eagle3:
         defaults = {
-            "head": "",
+            **({} if d.stages_head else {"head": ""}),
             "head_weights": "auto",
             "serve_vocab_size": 0,
             "sa_config": None,
@@ -370,6 +370,9 @@ def _check_draft_kind(r: Recipe) -> None:
         return
     if d.is_mtp:
         _check_mtp(r)
+        return
+    if d.kind in ("pard", "dflash"):
+        _check_parallel_draft(r)
         return
     if not d.is_ngram:
         if not d.model:
@@ -530,6 +533,49 @@ def _check_auto(r: Recipe) -> None:
             f"for engine.max_batch_size {r.engine.max_batch_size}: draft.kind ngram, max_draft_len "
             f"{5 if small else 3}, max_matching_ngram_size {3 if small else 5} (and speculation off above 32 "
             "requests)",
+        )
+
+
+def _check_parallel_draft(r: Recipe) -> None:
+    """draft.kind pard / dflash: TensorRT-LLM's PARDDecodingConfig / DFlashDecodingConfig (llm_args.py@0004396): a
+    draft checkpoint loaded as it is (speculative_model; its mask token and, for DFlash, the target layers it reads
+    come from its config.json), max_draft_len = speculative.num_draft_tokens. Which releases have them:
+    gpu/llmapi_versions.py."""
+    d = r.draft
+    if d.model or d.quantization != QuantConfig() or (d.tp_size, d.pp_size) != (1, 1):
+        key = "model" if d.model else ("quantization" if d.quantization != QuantConfig() else "tp_size")
+        raise ConfigError(
+            f"key 'draft.{key}' does not apply to draft.kind {d.kind}: TensorRT-LLM loads the draft checkpoint as "
+            "it is (speculative_model), unquantized by specdeploy",
+            "remove it; draft.head names the draft folder",
+        )
+    keys = [
+        k
+        for k in (*DraftConfig.NGRAM_KEYS, *DraftConfig.SUFFIX_KEYS, *DraftConfig.MTP_KEYS)
+        if getattr(d, k) is not None
+    ]
+    if keys:
+        raise ConfigError(
+            f"key 'draft.{keys[0]}' does not apply to draft.kind {d.kind}",
+            "remove it (speculative.num_draft_tokens sets max_draft_len)",
+        )
+    if not d.head or d.head == EAGLE3_HEAD_TRAINED:
+        raise ConfigError(
+            f"key 'draft.head' must name the {'PARD' if d.kind == 'pard' else 'DFlash'} draft checkpoint folder "
+            f"(draft.kind {d.kind})",
+            "download or train the draft and set draft.head to its folder",
+        )
+    backend = _backends.get(r.backend)
+    if not backend.parallel_drafts:
+        raise ConfigError(
+            f"draft.kind {d.kind} is not wired for backend {r.backend}: "
+            + (
+                "the CPU engine has neither drafter (PARD verifies k drafts made in one pass over mask tokens, "
+                "DFlash a draft model that attends to target layers' hidden states)"
+                if not backend.gpu
+                else "it is a decoding type of TensorRT-LLM's LLM API only"
+            ),
+            f"use backend {' or '.join(b.name for b in _backends.ALL if b.parallel_drafts)}, or another draft.kind",
         )
 
 

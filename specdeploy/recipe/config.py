@@ -95,7 +95,7 @@ class ModelConfig:
     pp_size: int = 1
 
 
-DRAFT_KINDS = ("model", "ngram", "eagle3", "suffix", "auto", "mtp")  # draft.kind
+DRAFT_KINDS = ("model", "ngram", "eagle3", "suffix", "auto", "mtp", "pard", "dflash")  # draft.kind
 EAGLE3_HEAD_TRAINED = "trained"  # draft.head: the head `specdeploy draft train RECIPE` wrote for this recipe
 EAGLE3_EXPORT_DTYPES = ("float32", "bfloat16", "float16")  # draft.train.export_dtype
 EAGLE3_TRAIN_PRECISIONS = ("auto", "float32", "bfloat16")  # draft.train.precision
@@ -212,7 +212,8 @@ class DraftConfig(ModelConfig):
     tokens, no weights), `eagle3` (a head on the target's features) or `suffix` (TensorRT-LLM's standalone suffix
     automaton: the request's own text, no weights) or `auto` (TensorRT-LLM's AutoDecodingConfig: it picks a
     draft-model-free method itself; trtllm-llmapi only) or `mtp` (the target's own multi-token-prediction heads,
-    TensorRT-LLM's MTPDecodingConfig; trtllm-llmapi only). The n-gram, suffix and MTP keys are TensorRT-LLM's
+    TensorRT-LLM's MTPDecodingConfig; trtllm-llmapi only), `pard` / `dflash` (a PARD or DFlash draft checkpoint,
+    draft.head, loaded by TensorRT-LLM as it is; trtllm-llmapi only). The n-gram, suffix and MTP keys are TensorRT-LLM's
     NGramDecodingConfig / SADecodingConfig fields; null means its default (specdeploy.speculation.ngram), and
     max_draft_len null means speculative.num_draft_tokens."""
 
@@ -237,7 +238,8 @@ class DraftConfig(ModelConfig):
     relaxed_delta: float | None = None
     begin_thinking_phase_token: int | None = None
     end_thinking_phase_token: int | None = None
-    # kind eagle3: an exported EAGLE-3 checkpoint folder (config.json + model.safetensors), or "trained"
+    # kind eagle3: an exported EAGLE-3 checkpoint folder (config.json + model.safetensors), or "trained"; kinds pard and
+    # dflash: the PARD / DFlash draft checkpoint folder
     head: str = ""
     # kind eagle3, backend cpu: how the CPU engine holds the head's linear layers. int8: int8 per output channel
     # (weight-only, the target's int8_wo numerics), half the bytes a draft pass reads; bf16: as exported. auto: int8
@@ -295,6 +297,17 @@ class DraftConfig(ModelConfig):
     @property
     def is_mtp(self) -> bool:
         return self.kind == "mtp"
+
+    @property
+    def stages_head(self) -> bool:
+        """A draft folder (draft.head) that TensorRT-LLM loads as it is (speculative_model): an EAGLE-3 head, or a
+        PARD or DFlash draft; the GPU build stages it in the deployment."""
+        return self.kind in ("eagle3", "pard", "dflash")
+
+    @property
+    def head_name(self) -> str:
+        """What draft.head is, in words: "EAGLE-3 head", "PARD draft", "DFlash draft"."""
+        return {"eagle3": "EAGLE-3 head", "pard": "PARD draft", "dflash": "DFlash draft"}[self.kind]
 
     @property
     def cpu_head_weights(self) -> str:
