@@ -172,7 +172,7 @@ def test_served_suffix_draft_keeps_greedy_parity(tmp_path_factory, tiny_llama_di
                 "model": str(tiny_llama_dir),
                 "quantization": {"qformat": "full_prec", "calib_size": 4, "calib_max_seq_length": 32},
             },
-            "draft": {"kind": "suffix"},
+            "draft": {"kind": "suffix", "max_draft_len": 3},
             "speculative": {"max_draft_len": 4, "num_draft_tokens": 4},
             "engine": {"dtype": "bfloat16", "max_batch_size": 2, "max_input_len": 256, "max_seq_len": 384},
             "validation": {"max_tokens": 48, "min_compared_tokens": 8, "chat_template": "none"},
@@ -186,6 +186,9 @@ def test_served_suffix_draft_keeps_greedy_parity(tmp_path_factory, tiny_llama_di
     bls_config = model_config.check_config((layout.repo / tensors.BLS / "config.pbtxt").read_text())
     assert bls_config.parameters["draft_kind"].string_value == "suffix"
     assert bls_config.parameters["max_matching_ngram_size"].string_value == "-1"
+    # the automaton's own cap beside the target's (the BLS's k is bounded by both)
+    assert bls_config.parameters["draft_max_draft_len"].string_value == "3"
+    assert bls_config.parameters["max_draft_len"].string_value == "4"
     draft_config = model_config.check_config((layout.repo / tensors.DRAFT_MODEL / "config.pbtxt").read_text())
     assert draft_config.parameters["draft_kind"].string_value == "suffix"
     server = server_mod.start(layout.repo, ports.Ports.pick(), layout.server_state / "tritonserver.log")

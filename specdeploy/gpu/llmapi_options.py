@@ -342,11 +342,17 @@ def llmapi_mapping_notes(recipe: Recipe, version: LlmApiVersion | None = None) -
     notes = [
         (
             f"TensorRT-LLM {version.name} ({version.releases}): decoding_type {version.decoding_types[kind]}, "
-            f"draft model key {version.draft_model_key}"
+            + (
+                f"draft model key {version.draft_model_key}"
+                if kind in ("draft_target", "eagle3", "pard", "dflash")
+                else "no draft model"
+            )
         ),
         (
-            f"speculative.num_draft_tokens {s.num_draft_tokens} -> speculative_config.max_draft_len (drafted every "
-            f"iteration); speculative.max_draft_len {s.max_draft_len} only bounds it"
+            f"speculative.num_draft_tokens {s.num_draft_tokens} -> speculative_config."
+            f"{version.mtp_draft_len_key if kind == 'mtp' else 'max_draft_len'} (drafted every iteration; "
+            "draft.max_draft_len where the kind has one); "
+            f"speculative.max_draft_len {s.max_draft_len} only bounds it"
         ),
     ]
     if s.dynamic and s.dynamic.draft_len_schedule:

@@ -183,6 +183,8 @@ def bls_spec(inp: RepoInputs) -> ModelSpec:
             ),
             # draft.kind suffix: likewise, by the suffix automaton over the request's own text
             **(ngram.suffix_settings_from_recipe(r).to_parameters() if r.draft.is_suffix else {}),
+            # the draft's own cap (draft.max_draft_len): "max_draft_len" below is the target's, for the BLS's k
+            **({"draft_max_draft_len": str(_lookup_draft_len(r))} if r.draft.is_ngram or r.draft.is_suffix else {}),
             # draft.kind eagle3: tensorrt_llm drafts with its head inside; the BLS passes k, one call per request
             **({"draft_kind": "eagle3"} if r.draft.is_eagle3 else {}),
             **_tokenizer_params(BLS),
@@ -212,6 +214,14 @@ def bls_spec(inp: RepoInputs) -> ModelSpec:
         decoupled=r.triton.decoupled,
         source="tensorrt_llm_bls.py",
     )
+
+
+def _lookup_draft_len(r) -> int:
+    """The ngram / suffix draft's own max_draft_len (draft.max_draft_len, else speculative.num_draft_tokens)."""
+    from specdeploy.speculation import ngram
+
+    settings = ngram.suffix_settings_from_recipe(r) if r.draft.is_suffix else ngram.settings_from_recipe(r)
+    return settings.max_draft_len
 
 
 def engine_model_parameters(inp: RepoInputs, role: str) -> dict[str, str]:

@@ -112,11 +112,13 @@ class TritonPythonModel:
         self.target = LlmCall(params["tensorrt_llm_model_name"], self.decoupled, slice_s, self.held, names)
         self.draft = LlmCall(params["tensorrt_llm_draft_model_name"], self.decoupled, slice_s, self.held, names)
         self.default_end_id = self.tokenizer.eos_token_id
-        # draft.kind ngram: propose here, from the ids this BLS holds (a public pool is this instance's)
-        self.ngram = ngram.from_parameters(params) if params.get("draft_kind") == "ngram" else None
+        # draft.kind ngram: propose here, from the ids this BLS holds (a public pool is this instance's). Our
+        # "max_draft_len" is the target's; the draft's own cap comes as draft_max_draft_len
+        own = {**params, "max_draft_len": params.get("draft_max_draft_len") or params["max_draft_len"]}
+        self.ngram = ngram.from_parameters(own) if params.get("draft_kind") == "ngram" else None
         self.ngram_pool = ngram.NGramPool(self.ngram) if self.ngram is not None and self.ngram.is_public_pool else None
         # draft.kind suffix: the suffix automaton over each request's own ids, here too
-        self.suffix = ngram.suffix_from_parameters(params) if params.get("draft_kind") == "suffix" else None
+        self.suffix = ngram.suffix_from_parameters(own) if params.get("draft_kind") == "suffix" else None
         self.eagle3 = params.get("draft_kind") == "eagle3"
         # A streamed request asks tensorrt_llm to stream too where one call makes several tokens (a fused request: a
         # response per round; a plain run: a response per token) and sends the text as it comes. tensorrt_llm refuses
