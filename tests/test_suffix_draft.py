@@ -219,3 +219,15 @@ def test_served_suffix_draft_keeps_greedy_parity(tmp_path_factory, tiny_llama_di
     finally:
         server.stop()
     assert drafted > accepted > 0, (drafted, accepted)
+
+
+def test_the_replay_bench_counts_target_passes_by_hand():
+    """bench/lookup_replay.py's rounds, counted by hand."""
+    import bench_modules
+
+    replay = bench_modules.load("lookup_replay").replay
+    # prompt [1, 2, 3], answer [1, 2, 3, 9]: pass 1 drafts nothing (3 has no earlier occurrence) and adds 1; pass 2
+    # drafts [2, 3] after 1 (k=2 cap), both accepted, plus the target's 9: 4 tokens in 2 passes, 2 drafted
+    assert replay(SuffixProposer(SuffixSettings(2, -1)), [1, 2, 3], [1, 2, 3, 9], 2) == (2, 2)
+    # a draft that is wrong from its first token: accepted 0, the pass adds the target's one token
+    assert replay(SuffixProposer(SuffixSettings(2, -1)), [7, 8, 7], [5, 6], 2) == (2, 1)
