@@ -9,6 +9,7 @@ failing on a broken artifact (test_every_rule_fails_on_a_broken_artifact).
 from __future__ import annotations
 
 import copy
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -18,6 +19,7 @@ import yaml
 from click.testing import CliRunner
 
 from specdeploy.cli.main import main
+from specdeploy.core import backends
 from specdeploy.core.artifacts import Layout
 from specdeploy.core.errors import ConfigError, ServerError
 from specdeploy.gpu import image as packaging
@@ -74,6 +76,9 @@ _EAGLE3_13 = {
     "eagle3_model_arch",
     "sa_config",
 }
+# SADecodingConfig, the standalone suffix automaton: 1.3.0rc27 and 1.4.0rc4 API pages
+# (llm-api/reference/SADecodingConfig.html), llm_args.py@0004396; 1.1.0 / 1.2.0 have no "SA" key in from_dict
+_SA = {"max_matching_ngram_size", "enable_global_pool", "global_pool_size"}
 FIELDS = {
     # 1.1.0 / 1.2.0 llm_args.py (gh-pages 1.1.0 @8660c11, 1.2.0 @7e873e5 _modules/tensorrt_llm/llmapi/llm_args.html):
     # DecodingBaseConfig max_draft_len, speculative_model_dir, max_concurrency, load_format; 1.2 adds
@@ -97,18 +102,68 @@ FIELDS = {
     },
     # 1.3.0rc27 API pages llm-api/reference/Eagle3DecodingConfig.html and DFlashDecodingConfig.html (the base
     # fields every config shares, then the Eagle3 ones)
-    "1.3": {"Draft_Target": _BASE_13, "NGram": _BASE_13 | _NGRAM, "Eagle3": _BASE_13 | _EAGLE3_13},
+    "1.3": {
+        "Draft_Target": _BASE_13,
+        "NGram": _BASE_13 | _NGRAM,
+        "Eagle3": _BASE_13 | _EAGLE3_13,
+        "SA": _BASE_13 | _SA,
+    },
     # 1.4.0rc1 Eagle3DecodingConfig.html: the 1.3 fields plus moe_backend and spec_dec_variant
     "1.4": {
         "Draft_Target": _BASE_13 | {"moe_backend", "spec_dec_variant"},
         "NGram": _BASE_13 | _NGRAM | {"moe_backend", "spec_dec_variant"},
         "Eagle3": _BASE_13 | _EAGLE3_13 | {"moe_backend", "spec_dec_variant"},
+        "SA": _BASE_13 | _SA | {"moe_backend", "moe_tactic", "spec_dec_variant"},  # 1.4.0rc4 SADecodingConfig.html
     },
 }
 for _release in ("1.1", "1.2"):
     _base = FIELDS[_release]["DraftTarget"]
     FIELDS[_release]["NGram"] = (_base - {"speculative_model_dir", "speculative_model"}) | _NGRAM
     FIELDS[_release]["Eagle"] = _base | {"eagle3_one_model", "eagle3_layers_to_capture"}
+    # AutoDecodingConfig(DecodingBaseConfig), no field of its own ("AUTO" in both from_dict tables)
+    FIELDS[_release]["AUTO"] = _base
+# AutoDecodingConfig: the base fields only (1.3.0rc29 AutoDecodingConfig.html; llm_args.py@0004396 for 1.4)
+FIELDS["1.3"]["AUTO"] = _BASE_13
+FIELDS["1.4"]["AUTO"] = _BASE_13 | {"moe_backend", "spec_dec_variant"}
+# MTPDecodingConfig: 1.1.0 / 1.2.0 llm_args.py (gh-pages @8660c11 / @7e873e5), 1.3.0rc27 / 1.4.0rc1 pages
+_MTP = {"use_relaxed_acceptance_for_thinking", "relaxed_topk", "relaxed_delta", "use_mtp_vanilla"}
+FIELDS["1.1"]["MTP"] = (
+    FIELDS["1.1"]["AUTO"]
+    | _MTP
+    | {
+        "num_nextn_predict_layers",
+        "mtp_eagle_one_model",
+        "num_nextn_predict_layers_from_model_config",
+        "BEGIN_THINKING_PHASE_TOKEN",
+        "END_THINKING_PHASE_TOKEN",
+    }
+)
+FIELDS["1.2"]["MTP"] = (
+    FIELDS["1.2"]["AUTO"]
+    | _MTP
+    | {
+        "num_nextn_predict_layers",
+        "mtp_eagle_one_model",
+        "num_nextn_predict_layers_from_model_config",
+        "begin_thinking_phase_token",
+        "end_thinking_phase_token",
+    }
+)
+_MTP_13 = _MTP | {
+    "use_dynamic_tree",
+    "dynamic_tree_max_topK",
+    "sa_config",
+    "num_nextn_predict_layers",
+    "begin_thinking_phase_token",
+    "end_thinking_phase_token",
+}
+FIELDS["1.3"]["MTP"] = _BASE_13 | _MTP_13
+FIELDS["1.4"]["MTP"] = _BASE_13 | _MTP_13 | {"moe_backend", "spec_dec_variant"}
+# DFlashDecodingConfig: 1.3.0rc27 DFlashDecodingConfig.html (1.4: main's llm_args.py@0004396); PARDDecodingConfig:
+# 1.4.0rc1 / rc4 PARDDecodingConfig.html (no 1.3 page found)
+FIELDS["1.3"]["DFlash"] = _BASE_13 | {"mask_token_id", "target_layer_ids", "attention_backend"}
+FIELDS["1.4"]["DFlash"] = FIELDS["1.3"]["DFlash"] | {"moe_backend", "spec_dec_variant"}
+FIELDS["1.4"]["PARD"] = _BASE_13 | {"mask_token_id", "sa_config", "moe_backend", "spec_dec_variant"}
 
 
 def rule_extra_keys(spec: dict, release: str) -> list[str]:
@@ -125,10 +180,12 @@ def rule_exclusive(spec: dict, release: str) -> list[str]:
     out = []
     if release in ("1.3", "1.4") and "max_concurrency" in spec and "draft_len_schedule" in spec:
         out.append("max_concurrency and draft_len_schedule are mutually exclusive")
-    if "sa_config" in spec and spec.get("decoding_type") != "Eagle3":
-        out.append("sa_config is an Eagle3DecodingConfig field")
+    if "sa_config" in spec and spec.get("decoding_type") not in ("Eagle3", "PARD", "MTP"):
+        out.append("sa_config is an Eagle3DecodingConfig field (and PARD's, MTP's)")
     if spec.get("use_rejection_sampling") and "sa_config" in spec:
         out.append("use_rejection_sampling with sa_config")
+    if "global_pool_size" in spec and not spec.get("enable_global_pool"):  # SADecodingConfig.validate_sa_config
+        out.append("global_pool_size requires enable_global_pool=True")
     return out
 
 
@@ -144,6 +201,14 @@ def rule_ranges(spec: dict, release: str) -> list[str]:
         "acceptance_rate_threshold": lambda v: 0 <= v <= 1,
         "max_matching_ngram_size": lambda v: v > 0,
     }
+    if spec.get("decoding_type") == "MTP" and release in ("1.3", "1.4"):  # PositiveInt, NonNegativeFloat (pages)
+        checks["relaxed_topk"] = lambda v: v > 0
+        checks["relaxed_delta"] = lambda v: v >= 0
+    if spec.get("decoding_type") == "SA":  # llm_args.py@0004396 SADecodingConfig.validate_sa_config
+        checks["max_draft_len"] = lambda v: v > 0
+        pooled = spec.get("enable_global_pool")
+        checks["max_matching_ngram_size"] = lambda v: v == -1 or (1 <= v <= 64 if pooled else v > 0)
+        checks["global_pool_size"] = lambda v: v >= 1
     for key, ok in checks.items():
         if key in spec and not ok(spec[key]):
             out.append(f"{key} {spec[key]} out of range")
@@ -298,6 +363,22 @@ BROKEN_SPECS = [  # (rule, release, a broken speculative_config)
         },
     ),
     (rule_extra_keys, "1.2", {"decoding_type": "Eagle", "max_draft_len": 4, "use_dynamic_tree": True}),
+    (rule_extra_keys, "1.2", {"decoding_type": "SA", "max_draft_len": 4}),  # no SA before 1.3
+    (rule_extra_keys, "1.4", {"decoding_type": "SA", "max_draft_len": 4, "is_keep_all": True}),  # NGram's, not SA's
+    (rule_ranges, "1.4", {"decoding_type": "SA", "max_draft_len": 4, "max_matching_ngram_size": 0}),
+    (rule_ranges, "1.4", {"decoding_type": "SA", "max_draft_len": 0, "max_matching_ngram_size": -1}),
+    (
+        rule_ranges,
+        "1.3",
+        {"decoding_type": "SA", "max_draft_len": 4, "max_matching_ngram_size": 65, "enable_global_pool": True},
+    ),
+    (rule_exclusive, "1.4", {"decoding_type": "SA", "max_draft_len": 4, "global_pool_size": 64}),
+    (rule_extra_keys, "1.2", {"decoding_type": "AUTO", "max_matching_ngram_size": 3}),  # NGram's, not AUTO's
+    (rule_extra_keys, "1.1", {"decoding_type": "MTP", "num_nextn_predict_layers": 1, "begin_thinking_phase_token": 1}),
+    (rule_ranges, "1.4", {"decoding_type": "MTP", "max_draft_len": 1, "relaxed_topk": 0}),
+    (rule_ranges, "1.3", {"decoding_type": "MTP", "max_draft_len": 1, "relaxed_delta": -0.1}),
+    (rule_extra_keys, "1.3", {"decoding_type": "PARD", "max_draft_len": 4, "speculative_model": "p"}),  # no 1.3 page
+    (rule_extra_keys, "1.4", {"decoding_type": "DFlash", "max_draft_len": 4, "sa_config": {"threshold": 4}}),
 ]
 
 
@@ -540,3 +621,255 @@ def test_a_tree_with_the_suffix_automaton_or_on_the_cpu_is_refused():
     assert "backend trtllm-llmapi" in err.value.hint
     with pytest.raises(ConfigError, match="'draft.tree' applies to draft.kind eagle3 only"):
         gpu_recipe("llama3-70b-fp8.yaml", "1.4", draft={"model": "d", "tree": {"max_topk": 2}})
+
+
+# ---------------------------------------------------------------- the standalone suffix automaton (draft.kind suffix)
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_the_suffix_kind_writes_sa_where_the_release_has_it(release, tmp_path):
+    """draft.kind suffix -> SADecodingConfig (1.3.0rc27 / 1.4.0rc4 pages); 1.1 and 1.2 have no SA decoding type:
+    refused, naming the releases that have it."""
+    suffix = {"kind": "suffix", "max_matching_ngram_size": 8}
+    recipe = gpu_recipe("llama3-70b-fp8.yaml", release, draft=suffix)
+    if release in ("1.1", "1.2"):
+        with pytest.raises(ConfigError, match=f"SADecodingConfig, which TensorRT-LLM {release} does not have") as err:
+            spec_of(recipe, tmp_path)
+        assert err.value.hint == "set trtllm_version to 1.3 or 1.4"
+        return
+    options = llmapi_options.llmapi_options(recipe, Layout.of(recipe, tmp_path))
+    spec = options["speculative_config"]
+    n = recipe.speculative.num_draft_tokens
+    assert spec == {
+        "decoding_type": "SA",
+        "max_draft_len": n,
+        "max_matching_ngram_size": 8,
+        "enable_global_pool": False,
+    }
+    assert options["disable_overlap_scheduler"] is False  # SADecodingConfig: "supports ... overlap scheduler"
+    assert [v for rule in SPEC_RULES for v in rule(spec, release)] == []
+    pooled = gpu_recipe(
+        "llama3-70b-fp8.yaml", release, draft={"kind": "suffix", "enable_global_pool": True, "global_pool_size": 64}
+    )
+    pooled_spec = spec_of(pooled, tmp_path)
+    assert pooled_spec["global_pool_size"] == 64 and pooled_spec["max_matching_ngram_size"] == -1
+    assert [v for rule in SPEC_RULES for v in rule(pooled_spec, release)] == []
+
+
+def test_check_reports_the_suffix_refusal_on_an_old_release():
+    from specdeploy.deploy import preflight
+
+    (finding,) = preflight.check_llmapi_options(gpu_recipe("llama3-70b-fp8.yaml", "1.2", draft={"kind": "suffix"}))
+    assert finding.level == "error" and "SADecodingConfig" in finding.message
+    (finding,) = preflight.check_llmapi_options(gpu_recipe("llama3-70b-fp8.yaml", "1.4", draft={"kind": "suffix"}))
+    assert finding.level == "info" and "decoding_type SA" in finding.message
+
+
+# ---------------------------------------------------------------- AUTO (draft.kind auto)
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_the_auto_kind_writes_auto_on_every_release(release, tmp_path):
+    """draft.kind auto -> {decoding_type: AUTO} alone (AutoDecodingConfig ignores the base fields), NGram's overlap
+    scheduler setting; the check names what it does with num_draft_tokens."""
+    from specdeploy.deploy import preflight
+
+    recipe = gpu_recipe("llama3-70b-fp8.yaml", release, draft={"kind": "auto"})
+    options = llmapi_options.llmapi_options(recipe, Layout.of(recipe, tmp_path))
+    assert options["speculative_config"] == {"decoding_type": "AUTO"}
+    assert options["disable_overlap_scheduler"] is True  # it picks an NGram draft (auto_heuristic.py@7274a59)
+    assert [v for rule in SPEC_RULES for v in rule(options["speculative_config"], release)] == []
+    (finding,) = preflight.check_llmapi_options(recipe)
+    assert finding.level == "info" and "num_draft_tokens is not passed" in finding.message
+
+
+@pytest.mark.parametrize(
+    ("changes", "words"),
+    [
+        ({"draft": {"kind": "auto", "max_draft_len": 3}}, "does not apply to draft.kind auto"),
+        ({"draft": {"kind": "auto", "model": "d"}}, "does not apply to draft.kind auto"),
+        (
+            {"draft": {"kind": "auto"}, "speculative": {"dynamic": {"max_concurrency": 8}}},
+            "AutoDecodingConfig ignores the settings",
+        ),
+        (
+            {"draft": {"kind": "auto"}, "speculative": {"use_draft_logits": True}},
+            "AutoDecodingConfig ignores the settings",
+        ),
+    ],
+)
+def test_auto_refuses_settings_it_would_drop(changes, words):
+    with pytest.raises(ConfigError, match=words):
+        gpu_recipe("llama3-70b-fp8.yaml", "1.4", **changes)
+
+
+def test_auto_on_the_cpu_is_refused_with_what_it_would_pick():
+    raw = yaml.safe_load((BUILD / "smollm2-135m-ngram.yaml").read_text())
+    raw["draft"] = {"kind": "auto"}
+    with pytest.raises(ConfigError, match="a choice TensorRT-LLM's LLM API makes when it starts") as err:
+        parse_recipe(raw)
+    assert "draft.kind ngram, max_draft_len 5, max_matching_ngram_size 3" in err.value.hint  # max_batch_size 4
+    raw["engine"]["max_batch_size"] = 8
+    with pytest.raises(ConfigError) as err:
+        parse_recipe(raw)
+    assert "max_draft_len 3, max_matching_ngram_size 5" in err.value.hint and "trtllm-llmapi" in err.value.hint
+
+
+# ---------------------------------------------------------------- MTP (draft.kind mtp)
+
+
+def _mtp_target(tmp_path, **config) -> str:
+    folder = tmp_path / "target"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"architectures": ["DeepseekV3ForCausalLM"], **config}))
+    return str(folder)
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_the_mtp_kind_writes_the_releases_keys(release, tmp_path):
+    """draft.kind mtp -> MTPDecodingConfig: the draft length as num_nextn_predict_layers on 1.1 / 1.2 (from_dict
+    copies it into max_draft_len), max_draft_len on 1.3 / 1.4; relaxed acceptance only when asked, with the thinking
+    tokens in 1.1's upper-case spelling there."""
+    relaxed = {
+        "kind": "mtp",
+        "max_draft_len": 3,
+        "use_relaxed_acceptance_for_thinking": True,
+        "relaxed_topk": 10,
+        "relaxed_delta": 0.01,
+        "begin_thinking_phase_token": 151667,
+        "end_thinking_phase_token": 151668,
+    }
+    plain = gpu_recipe("llama3-70b-fp8.yaml", release, draft={"kind": "mtp", "max_draft_len": 3})
+    options = llmapi_options.llmapi_options(plain, Layout.of(plain, tmp_path))
+    key = "num_nextn_predict_layers" if release in ("1.1", "1.2") else "max_draft_len"
+    assert options["speculative_config"] == {"decoding_type": "MTP", key: 3}
+    assert options["disable_overlap_scheduler"] is False  # support_overlap_scheduler: is_mtp in every version read
+    spec = spec_of(gpu_recipe("llama3-70b-fp8.yaml", release, draft=relaxed), tmp_path)
+    begin, end = (
+        ("BEGIN_THINKING_PHASE_TOKEN", "END_THINKING_PHASE_TOKEN")
+        if release == "1.1"
+        else ("begin_thinking_phase_token", "end_thinking_phase_token")
+    )
+    assert spec == {
+        "decoding_type": "MTP",
+        key: 3,
+        "use_relaxed_acceptance_for_thinking": True,
+        "relaxed_topk": 10,
+        "relaxed_delta": 0.01,
+        begin: 151667,
+        end: 151668,
+    }
+    for s in (options["speculative_config"], spec):
+        assert [v for rule in SPEC_RULES for v in rule(s, release)] == []
+
+
+@pytest.mark.parametrize(
+    ("draft", "words"),
+    [
+        ({"kind": "mtp", "relaxed_topk": 4}, "only acts with use_relaxed_acceptance_for_thinking"),
+        ({"kind": "mtp", "use_relaxed_acceptance_for_thinking": True, "relaxed_topk": 0}, "relaxed_topk' is 0"),
+        ({"kind": "mtp", "use_relaxed_acceptance_for_thinking": True, "relaxed_delta": -0.5}, "relaxed_delta' is -0.5"),
+        ({"kind": "mtp", "max_matching_ngram_size": 3}, "applies to draft.kind ngram only"),
+        ({"kind": "ngram", "relaxed_topk": 3}, "'draft.relaxed_topk' applies to draft.kind mtp only"),
+        ({"kind": "mtp", "model": "d"}, "does not apply to draft.kind mtp"),
+    ],
+)
+def test_mtp_keys_are_checked(draft, words):
+    with pytest.raises(ConfigError, match=words):
+        gpu_recipe("llama3-70b-fp8.yaml", "1.4", draft=draft)
+
+
+def test_mtp_on_the_cpu_is_refused_with_the_reason():
+    raw = yaml.safe_load((BUILD / "smollm2-135m-ngram.yaml").read_text())
+    raw["draft"] = {"kind": "mtp"}
+    with pytest.raises(ConfigError, match="Llama, Mistral and Qwen2 checkpoints") as err:
+        parse_recipe(raw)
+    assert "trtllm-llmapi" in err.value.hint
+
+
+def test_a_target_without_mtp_heads_is_refused_before_the_build(tmp_path):
+    from specdeploy.deploy import preflight
+
+    def findings(**config):
+        recipe = gpu_recipe("llama3-70b-fp8.yaml", "1.4", draft={"kind": "mtp", "max_draft_len": 3})
+        return preflight.check_mtp_heads(recipe, Path(_mtp_target(tmp_path, **config)))
+
+    (error,) = findings(num_hidden_layers=61)
+    assert error.level == "error" and "names no MTP layers" in error.message
+    assert findings(num_nextn_predict_layers=0)[0].level == "error"
+    assert [f.level for f in findings(num_nextn_predict_layers=1)] == ["info"]  # one head, replayed (MTP-Eagle)
+    assert [f.level for f in findings(mtp_num_hidden_layers=1)] == ["info"]  # Qwen3-Next's spelling
+    levels = findings(num_nextn_predict_layers=2)
+    assert [f.level for f in levels] == ["info", "warning"] and "drafts at most 2" in levels[1].message
+    recipe = gpu_recipe("llama3-70b-fp8.yaml", "1.4", draft={"kind": "mtp"})
+    assert [f.level for f in preflight.check_mtp_heads(recipe, None)] == ["info"]  # not on this machine yet
+    assert "mtp_heads" in backends.TRTLLM_LLMAPI.preflight_checks
+
+
+# ---------------------------------------------------------------- PARD and DFlash drafts (draft.kind pard, dflash)
+
+
+@pytest.mark.parametrize("kind", ["pard", "dflash"])
+@pytest.mark.parametrize("release", RELEASES)
+def test_pard_and_dflash_write_the_staged_draft_where_the_release_has_them(kind, release, tmp_path):
+    """draft.kind pard / dflash: {decoding_type, max_draft_len, speculative_model} with the draft staged by the build
+    (its config.json supplies the mask token and DFlash's layers). PARD: 1.4 only (pages 1.4.0rc1 / rc4); DFlash: 1.3
+    (1.3.0rc27 page) and 1.4; refused elsewhere, naming the releases that have it."""
+    recipe = gpu_recipe("llama3-70b-fp8.yaml", release, draft={"kind": kind, "head": "/models/draft"})
+    has = {"pard": ("1.4",), "dflash": ("1.3", "1.4")}[kind]
+    if release not in has:
+        with pytest.raises(ConfigError, match="which TensorRT-LLM .* does not have") as err:
+            spec_of(recipe, tmp_path)
+        assert err.value.hint == f"set trtllm_version to {' or '.join(has)}"
+        return
+    layout = Layout.of(recipe, tmp_path)
+    options = llmapi_options.llmapi_options(recipe, layout)
+    spec = options["speculative_config"]
+    assert spec == {
+        "decoding_type": {"pard": "PARD", "dflash": "DFlash"}[kind],
+        "max_draft_len": recipe.speculative.num_draft_tokens,
+        "speculative_model": str(layout.engine("draft")),
+    }
+    assert options["disable_overlap_scheduler"] is True
+    assert [v for rule in SPEC_RULES for v in rule(spec, release)] == []
+    assert recipe.model_roles == ("target",) and recipe.draft.stages_head
+
+
+@pytest.mark.parametrize(
+    ("draft", "words"),
+    [
+        ({"kind": "pard"}, "must name the PARD draft checkpoint folder"),
+        ({"kind": "dflash", "head": "trained"}, "must name the DFlash draft checkpoint folder"),
+        ({"kind": "pard", "head": "/d", "model": "m"}, "loads the draft checkpoint as it is"),
+        ({"kind": "dflash", "head": "/d", "max_draft_len": 3}, "does not apply to draft.kind dflash"),
+        ({"kind": "pard", "head": "/d", "sa_config": {}}, "applies to draft.kind eagle3 only"),
+    ],
+)
+def test_pard_and_dflash_keys_are_checked(draft, words):
+    with pytest.raises(ConfigError, match=words):
+        gpu_recipe("llama3-70b-fp8.yaml", "1.4", draft=draft)
+
+
+def test_pard_and_dflash_on_the_cpu_are_refused_with_the_reason():
+    raw = yaml.safe_load((BUILD / "smollm2-135m-ngram.yaml").read_text())
+    for kind in ("pard", "dflash"):
+        raw["draft"] = {"kind": kind, "head": "/models/draft"}
+        with pytest.raises(ConfigError, match="the CPU engine has neither drafter") as err:
+            parse_recipe(raw)
+        assert "trtllm-llmapi" in err.value.hint
+
+
+def test_the_build_stages_a_pard_draft_like_a_head(tmp_path):
+    """The draft folder travels with the project root: build copies it to engines/<recipe>/draft."""
+    from specdeploy.gpu import trtllm
+
+    draft = tmp_path / "pard-draft"
+    draft.mkdir()
+    (draft / "config.json").write_text("{}")
+    (draft / "model.safetensors").write_bytes(b"x")
+    recipe = gpu_recipe("llama3-70b-fp8.yaml", "1.4", draft={"kind": "pard", "head": str(draft)})
+    layout = Layout.of(recipe, tmp_path / "project")
+    lines = []
+    trtllm._write_draft(recipe, layout, "fp", {}, draft, lines.append)
+    assert (layout.engine("draft") / "model.safetensors").read_bytes() == b"x"
+    assert lines == [f"staging the PARD draft {draft} -> {layout.engine('draft')}"]

@@ -406,6 +406,51 @@ def test_ngram_draft_on_the_llmapi_layout_keeps_greedy_parity(built):
     assert drafted > 0
 
 
+@pytest.mark.server
+def test_suffix_draft_on_the_llmapi_layout_keeps_greedy_parity(built):
+    """draft.kind suffix: model.yaml carries TensorRT-LLM's SA fields (in trtllm_version 1.4's names; 1.2 has no SA
+    and is refused), and served, the speculative model drafts with the suffix automaton and answers what the control
+    does."""
+    import tritonclient.grpc as grpcclient
+
+    root, target_dir, draft_dir = built
+    data = _recipe(target_dir, draft_dir)
+    data["draft"] = {"kind": "suffix"}
+    data["speculative"] = {**data.get("speculative", {}), "policy": "static"}
+    with pytest.raises(ConfigError, match="SADecodingConfig, which TensorRT-LLM 1.2 does not have"):
+        recipe = parse_recipe({**data, "trtllm_version": "1.2"})
+        backend_stages.of(recipe).write_repository(recipe, _RepoAt(root, recipe.name, root / "suffix-1.2"))
+    recipe = parse_recipe({**data, "trtllm_version": "1.4"})
+    layout = _RepoAt(root, recipe.name, root / "suffix")
+    repo, _ = backend_stages.of(recipe).write_repository(recipe, layout)
+    spec_yaml = yaml.safe_load((repo / "tensorrt_llm" / "1" / "model.yaml").read_text())
+    assert spec_yaml["speculative_config"] == {
+        "decoding_type": "SA",
+        "max_draft_len": recipe.speculative.num_draft_tokens,
+        "max_matching_ngram_size": -1,
+        "enable_global_pool": False,
+    }
+    srv = _serve(recipe, repo, root, "suffix")
+    client = grpcclient.InferenceServerClient(srv.state.grpc_url)
+    drafted = 0
+    try:
+        for prompt in ("one two three one two three one two", "a b c a b c a b c a b"):
+            ask = dict(
+                text_input=prompt,
+                sampling_param_max_tokens=24,
+                sampling_param_top_k=1,
+                sampling_param_exclude_input_from_output=True,
+                sampling_param_return_perf_metrics=True,
+            )
+            spec, control = _infer(client, "tensorrt_llm", **ask), _infer(client, "tensorrt_llm_control", **ask)
+            assert _text(spec) == _text(control) and _text(control), prompt
+            drafted += int(spec["total_draft_tokens"][0])
+    finally:
+        client.close()
+        srv.stop()
+    assert drafted > 0
+
+
 def _unary_over_the_stream_api(url: str, prompt: str) -> str:
     """The same request without `streaming` (a decoupled model is called over the stream API all the same)."""
     from specdeploy.client.llmapi_adapter import LlmapiEndpoint

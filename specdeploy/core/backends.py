@@ -63,6 +63,10 @@ class Backend:
     # speculative.draft_p_min (the EAGLE-3 head's confidence cut-off) is carried out; TensorRT-LLM's EAGLE-3 options
     # have no such field (specdeploy/gpu/llmapi_versions.py lists the fields of each release)
     draft_confidence_cutoff: bool = False
+    suffix_draft: bool = False  # draft.kind suffix (the standalone suffix automaton) is wired
+    auto_draft: bool = False  # draft.kind auto (TensorRT-LLM's AutoDecodingConfig: the LLM API picks the method)
+    mtp_draft: bool = False  # draft.kind mtp (the target's own MTP heads, TensorRT-LLM's MTPDecodingConfig)
+    parallel_drafts: bool = False  # draft.kind pard / dflash (drafters that propose all k tokens in one pass)
     # quantization.per_token on int8_sq: the CPU engine quantizes activations per token at build time from ModelOpt's
     # checkpoint. ModelOpt 0.47 exports int8_sq as W8A8_SQ_PER_CHANNEL only (modelopt/torch/export/quant_utils.py:728),
     # and TensorRT-LLM's per-token SmoothQuant comes from its own convert_checkpoint.py (--smoothquant --per_token
@@ -105,6 +109,7 @@ CPU = Backend(
     ngram_draft=True,
     eagle3_draft=True,  # specdeploy's own fused CPU engine runs the head
     draft_confidence_cutoff=True,  # Eagle3Drafter.draft(k, p_min)
+    suffix_draft=True,  # speculation.ngram.SuffixProposer
     int8_sq_per_token=True,  # deploy/cpu_compile.py SQ_PER_TOKEN
     prequantized_models=False,
     external_build=False,
@@ -167,6 +172,10 @@ TRTLLM_LLMAPI = Backend(
     dynamic_speculation=True,
     ngram_draft=True,
     eagle3_draft=True,  # speculative_config Eagle3DecodingConfig (trtllm.LLMAPI_VERSIONS)
+    suffix_draft=True,  # SADecodingConfig where the release has it (gpu/llmapi_versions.py)
+    auto_draft=True,  # AutoDecodingConfig, every release (gpu/llmapi_versions.py)
+    mtp_draft=True,  # MTPDecodingConfig, every release (gpu/llmapi_versions.py)
+    parallel_drafts=True,  # PARDDecodingConfig / DFlashDecodingConfig where the release has them
     prequantized_models=True,
     external_build=True,
     tensorrt_engines=False,
@@ -174,7 +183,7 @@ TRTLLM_LLMAPI = Backend(
     default_image=None,  # the recipe's trtllm_version picks it (trtllm_images.recipe_image)
     bls_limits=None,
     layouts=(LLMAPI_LAYOUT,),
-    preflight_checks=(*_COMMON_CHECKS, "fp8", "kv_cache", "memory", "llmapi"),
+    preflight_checks=(*_COMMON_CHECKS, "fp8", "kv_cache", "memory", "llmapi", "mtp_heads"),
 )
 
 ALL: tuple[Backend, ...] = (CPU, TRTLLM_ENGINE, TRTLLM_LLMAPI)

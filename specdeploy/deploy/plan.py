@@ -71,6 +71,14 @@ def describe(recipe: Recipe, layout: Layout, recipe_path: str) -> str:
     target_dir, draft_dir = sources["target"][1], sources.get("draft", ("", None))[1]
     if recipe.draft.is_ngram:
         pairing = "n-gram draft (prompt lookup, no weights)"
+    elif recipe.draft.is_suffix:
+        pairing = "suffix-automaton draft (the request's own text, no weights)"
+    elif recipe.draft.is_auto:
+        pairing = "AUTO: TensorRT-LLM picks a draft-model-free method (no weights)"
+    elif recipe.draft.is_mtp:
+        pairing = "MTP: the target's own multi-token-prediction heads (no draft model)"
+    elif recipe.draft.kind in ("pard", "dflash"):
+        pairing = f"{recipe.draft.kind} draft {recipe.draft.head}, loaded by TensorRT-LLM as it is"
     elif recipe.draft.is_eagle3:
         pairing = "EAGLE-3 head on the target's hidden states (no draft model)"
     elif target_dir is not None and draft_dir is not None:

@@ -24,7 +24,7 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 QFORMAT_WEIGHT_BYTES = {"fp8": 1.0, "int8_sq": 1.0, "int8_wo": 1.0}
 RUNTIME_OVERHEAD_BYTES = int(1.5 * 2**30)  # CUDA context, activations and workspaces per GPU (rough)
 # Every check `run_all` can run; each backend lists those that apply to it (backends.Backend.preflight_checks).
-CHECKS = ("draft_len", "tokenizer", "eagle3_head", "fp8", "kv_cache", "memory", "bls", "llmapi")
+CHECKS = ("draft_len", "tokenizer", "eagle3_head", "fp8", "kv_cache", "memory", "bls", "llmapi", "mtp_heads")
 
 
 @dataclass(frozen=True)
@@ -472,11 +472,62 @@ def check_llmapi_options(recipe: Recipe) -> list[Finding]:
 
     try:
         version = llmapi_versions.llmapi_version(recipe.trtllm_version)
-        kind = "eagle3" if recipe.draft.is_eagle3 else ("ngram" if recipe.draft.is_ngram else "draft_target")
-        llmapi_options.speculative_options(recipe, version, Path("draft"), kind)
+        llmapi_options.speculative_options(recipe, version, Path("draft"), llmapi_options.decoding_kind(recipe))
     except SpecDeployError as exc:
         return [Finding("error", "llmapi", exc.message, exc.hint)]
     return [Finding("info", "llmapi", "; ".join(llmapi_options.llmapi_mapping_notes(recipe, version)))]
+
+
+# ---------------------------------------------------------------- MTP heads of the target
+
+
+# Where a checkpoint's config.json says how many MTP layers it has: DeepSeek-style, then Qwen3-Next-style
+# (NVIDIA/TensorRT-LLM@011d093 tensorrt_llm/_torch/speculative/utils.py update_spec_config_from_model_config, which
+# assumes 1 when neither is there)
+MTP_LAYER_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")
+
+
+def check_mtp_heads(recipe: Recipe, target_dir: Path | None) -> list[Finding]:
+    """draft.kind mtp: the target's config.json names MTP layers (MTP_LAYER_KEYS). TensorRT-LLM would assume one
+    and fail while loading weights that are not there, so a target without them is refused here. Above the layer
+    count, vanilla MTP drafts only that many tokens (the same function warns and cuts max_draft_len)."""
+    if not recipe.draft.is_mtp:
+        return []
+    config_path = target_dir / "config.json" if target_dir is not None else None
+    if config_path is None or not config_path.is_file():
+        return [Finding("info", "mtp_heads", "the target's MTP heads are checked once its config.json is here")]
+    try:
+        config = json.loads(config_path.read_text())
+    except ValueError as exc:
+        return [Finding("error", "mtp_heads", f"{config_path} is not valid JSON: {exc}", "re-download the target")]
+    sections = [config] + ([config["text_config"]] if isinstance(config.get("text_config"), dict) else [])
+    layers = next((int(c[k]) for c in sections for k in MTP_LAYER_KEYS if c.get(k) is not None), 0)
+    if layers < 1:
+        return [
+            Finding(
+                "error",
+                "mtp_heads",
+                f"draft.kind mtp, but the target's config.json ({config_path}) names no MTP layers "
+                f"({' / '.join(MTP_LAYER_KEYS)} absent or 0): {config.get('architectures') or 'this model'} has no "
+                "MTP heads for TensorRT-LLM's MTPDecodingConfig to draft with",
+                "use a target trained with MTP heads (DeepSeek-V3/R1, Qwen3-Next, ...), or draft.kind ngram, suffix, "
+                "eagle3 or model",
+            )
+        ]
+    d = recipe.draft
+    draft_len = d.max_draft_len if d.max_draft_len is not None else recipe.speculative.num_draft_tokens
+    findings = [Finding("info", "mtp_heads", f"the target has {layers} MTP layer(s); {draft_len} drafted a round")]
+    if layers > 1 and draft_len > layers:
+        findings.append(
+            Finding(
+                "warning",
+                "mtp_heads",
+                f"the target has {layers} MTP layers and the recipe drafts {draft_len}: vanilla MTP drafts at most "
+                f"{layers} (TensorRT-LLM cuts max_draft_len to it)",
+                f"set draft.max_draft_len: {layers}",
+            )
+        )
+    return findings
 
 
 # ---------------------------------------------------------------- all together
@@ -536,6 +587,7 @@ def run_all(
         "memory": lambda: check_memory(recipe, shapes, gpus, gpu_memory_bytes),
         "bls": lambda: check_bls(recipe),
         "llmapi": lambda: check_llmapi_options(recipe),
+        "mtp_heads": lambda: check_mtp_heads(recipe, model_dirs.get("target")),
     }
     assert set(checks) == set(CHECKS)
     return [finding for name in backend.preflight_checks for finding in checks[name]()]

@@ -21,7 +21,15 @@ from specdeploy.speculation import loop as spec
 from specdeploy.speculation import policy as pol
 from specdeploy.speculation import sampling as speculation_sampling
 from specdeploy.speculation.loop import Proposal, SpecStats
-from specdeploy.speculation.ngram import NGramPool, NGramProposer, NGramSettings, settings_from_recipe
+from specdeploy.speculation.ngram import (
+    NGramPool,
+    NGramProposer,
+    NGramSettings,
+    SuffixProposer,
+    SuffixSettings,
+    settings_from_recipe,
+    suffix_settings_from_recipe,
+)
 from specdeploy.speculation.sampling import SamplingParams
 
 # ---------------------------------------------------------------- local adapters
@@ -222,7 +230,7 @@ def load_tokenizer(engine_dir: Path, model: str):
 
 @dataclass
 class Session:
-    """Target executor, the draft (an Executor, or n-gram settings), the deployment's speculation policy
+    """Target executor, the draft (an Executor, n-gram or suffix settings), the deployment's speculation policy
     state (specdeploy.speculation.policy.SharedPolicy, shared by every request of the session) and the tokenizer."""
 
     tokenizer: object
@@ -230,6 +238,7 @@ class Session:
     draft: Executor | None = None
     stop_words: list[list[int]] = field(default_factory=list)
     ngram: NGramSettings | None = None  # draft.kind ngram
+    suffix: SuffixSettings | None = None  # draft.kind suffix
     deployment: pol.SharedPolicy = field(default_factory=lambda: pol.SharedPolicy(pol.PolicySettings()))
     ngram_pool: NGramPool | None = None  # the public pool (is_public_pool)
 
@@ -260,7 +269,8 @@ class Session:
                 deployment=pol.SharedPolicy(pol.PolicySettings.from_recipe(recipe.speculative)),
             )
         ngram = settings_from_recipe(recipe) if recipe.draft.is_ngram else None
-        use_draft_model = speculative and ngram is None
+        suffix = suffix_settings_from_recipe(recipe) if recipe.draft.is_suffix else None
+        use_draft_model = speculative and recipe.draft.has_weights_of_its_own
         draft_engine = load_engine(layout.engine("draft"), "draft", recipe_path) if use_draft_model else None
         tokenizer = load_tokenizer(layout.engine("target"), recipe.target.model)
         return cls(
@@ -268,18 +278,21 @@ class Session:
             Executor(target_engine, max_cached_sequences),
             Executor(draft_engine, max_cached_sequences) if draft_engine is not None else None,
             ngram=ngram if speculative else None,
+            suffix=suffix if speculative else None,
             deployment=pol.SharedPolicy(pol.PolicySettings.from_recipe(recipe.speculative)),
         )
 
     @property
     def can_speculate(self) -> bool:
-        return self.draft is not None or self.ngram is not None or self.eagle3
+        return self.draft is not None or self.ngram is not None or self.suffix is not None or self.eagle3
 
     def proposer(self):
-        """A Proposer for one request: over the draft Executor, or an n-gram proposer (its own pool, or
-        the session's public one)."""
+        """A Proposer for one request: over the draft Executor, the suffix automaton over the request's text, or an
+        n-gram proposer (its own pool, or the session's public one)."""
         if self.ngram is not None:
             return NGramProposer(self.ngram, self.ngram_pool)
+        if self.suffix is not None:
+            return SuffixProposer(self.suffix)
         return ExecutorProposer(self.draft, self.end_id)
 
     @property

@@ -108,10 +108,11 @@ RUN python3 -m specdeploy.gpu.llmapi_upstream {llmapi_upstream.STAGED_DIR}
 """
     )
     head = ""
-    if recipe.draft.is_eagle3 and layout is not None:
+    if recipe.draft.stages_head and layout is not None:
         # the models stay out of the image: they come from the project root, mounted at its own path
         head = (
-            f"# The EAGLE-3 head is not in the image: `specdeploy build` stages it in {layout.engine('draft')}, under\n"
+            f"# The {recipe.draft.head_name} is not in the image: `specdeploy build` stages it in {layout.engine('draft')},"
+            " under\n"
             "# the project root that `docker run -v` and the Kubernetes volume mount at the same path, where\n"
             "# speculative_config.speculative_model finds it.\n"
         )

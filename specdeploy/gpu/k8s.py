@@ -292,12 +292,13 @@ PROMETHEUS_ADAPTER_RULE = f"""\
 def _eagle3_head_line(recipe: Recipe, layout: Layout) -> str:
     """draft.kind eagle3 on a GPU backend: where the head is on the volume (the build stages it in the project root,
     so the options file's speculative_model is the same path inside the pod)."""
-    if not recipe.draft.is_eagle3 or not backends.of(recipe).gpu:
+    if not recipe.draft.stages_head or not backends.of(recipe).gpu:
         return ""
     from specdeploy.gpu import llmapi_options
 
     return (
-        f"# EAGLE-3 head: {layout.engine('draft')} (staged from {llmapi_options.eagle3_head_source(recipe, layout)} by "
+        f"# {recipe.draft.head_name}: {layout.engine('draft')} (staged from "
+        f"{llmapi_options.eagle3_head_source(recipe, layout)} by "
         "specdeploy build); speculative_config.speculative_model names that path.\n"
     )
 

@@ -135,6 +135,7 @@ def speculative_options(
       (LlmApiVersion.rejection_sampling), refused where it does not.
     """
     s = recipe.speculative
+    _check_decoding_type(recipe, version, kind)
     if s.use_draft_logits:
         _check_rejection_sampling(recipe, version, kind)
     spec = {
@@ -149,11 +150,75 @@ def speculative_options(
 
         settings = settings_from_recipe(recipe)
         spec = {"decoding_type": version.decoding_types[kind], **{f: getattr(settings, f) for f in TRTLLM_FIELDS}}
+    if kind == "suffix":  # SADecodingConfig: no draft model either
+        from specdeploy.speculation.ngram import suffix_settings_from_recipe
+
+        settings, d = suffix_settings_from_recipe(recipe), recipe.draft
+        spec = {
+            "decoding_type": version.decoding_types[kind],
+            "max_draft_len": settings.max_draft_len,
+            "max_matching_ngram_size": settings.max_matching_ngram_size,
+            "enable_global_pool": bool(d.enable_global_pool),
+        }
+        if d.global_pool_size is not None:
+            spec["global_pool_size"] = d.global_pool_size
+    if kind == "auto":  # AutoDecodingConfig ignores the base fields: the LLM API picks (recipe checks refuse them)
+        spec = {"decoding_type": version.decoding_types[kind]}
+    if kind == "mtp":  # MTPDecodingConfig: the target's own heads, no draft model
+        spec = _mtp_options(recipe, version)
     if s.use_draft_logits:
         spec["use_rejection_sampling"] = True
     if s.dynamic is None:
         return spec
     return _with_dynamic(spec, s.dynamic, version)
+
+
+# The recipe's draft kind as TensorRT-LLM names its class, for refusals
+DECODING_CLASSES = {
+    "draft_target": "DraftTargetDecodingConfig",
+    "ngram": "NGramDecodingConfig",
+    "eagle3": "Eagle3DecodingConfig",
+    "suffix": "SADecodingConfig",
+    "auto": "AutoDecodingConfig",
+    "mtp": "MTPDecodingConfig",
+    "pard": "PARDDecodingConfig",
+    "dflash": "DFlashDecodingConfig",
+}
+
+
+def decoding_kind(recipe: Recipe) -> str:
+    """The recipe's draft as a key of LlmApiVersion.decoding_types."""
+    return "draft_target" if recipe.draft.kind == "model" else recipe.draft.kind
+
+
+def _mtp_options(recipe: Recipe, version: LlmApiVersion) -> dict:
+    """MTPDecodingConfig for one release: the draft length under the release's key (num_nextn_predict_layers on 1.1
+    / 1.2, max_draft_len after), relaxed acceptance only where the recipe turns it on (llmapi_versions.py)."""
+    d = recipe.draft
+    draft_len = d.max_draft_len if d.max_draft_len is not None else recipe.speculative.num_draft_tokens
+    spec = {"decoding_type": version.decoding_types["mtp"], version.mtp_draft_len_key: draft_len}
+    if d.use_relaxed_acceptance_for_thinking:
+        spec["use_relaxed_acceptance_for_thinking"] = True
+        spec["relaxed_topk"] = d.relaxed_topk if d.relaxed_topk is not None else 1
+        spec["relaxed_delta"] = d.relaxed_delta if d.relaxed_delta is not None else 0.0
+        begin_key, end_key = version.mtp_thinking_keys
+        if d.begin_thinking_phase_token is not None:
+            spec[begin_key] = d.begin_thinking_phase_token
+        if d.end_thinking_phase_token is not None:
+            spec[end_key] = d.end_thinking_phase_token
+    return spec
+
+
+def _check_decoding_type(recipe: Recipe, version: LlmApiVersion, kind: str) -> None:
+    """Refuse a draft kind whose decoding type the release does not have, naming the releases that have it."""
+    if kind in version.decoding_types:
+        return
+    able = [v.name for v in LLMAPI_VERSIONS.values() if kind in v.decoding_types]
+    raise ConfigError(
+        f"draft.kind {recipe.draft.kind} is TensorRT-LLM's {DECODING_CLASSES[kind]}, which TensorRT-LLM "
+        f"{version.name} does not have ({version.decoding_evidence or version.evidence})",
+        f"set trtllm_version to {' or '.join(able)}" if able else "use another draft.kind",
+    )
 
 
 def _check_rejection_sampling(recipe: Recipe, version: LlmApiVersion, kind: str) -> None:
@@ -236,10 +301,13 @@ def llmapi_options(
         "max_batch_size": e.max_batch_size,
         "max_input_len": engine_max_input_len(recipe),  # the speculative flow resends prompt + output
         "max_seq_len": e.max_seq_len,
-        # NVIDIA's quick start runs Draft/Target and NGram without the overlap scheduler; EAGLE-3 one-model keeps it
-        # (NVIDIA/TensorRT-LLM@b35ac1b tensorrt_llm/_torch/speculative/interface.py support_overlap_scheduler:
-        # eagle3_one_model in every version of it read, draft models only in the newest)
-        "disable_overlap_scheduler": not recipe.draft.is_eagle3,
+        # NVIDIA's quick start runs Draft/Target and NGram without the overlap scheduler; EAGLE-3 one-model and the
+        # suffix automaton keep it (NVIDIA/TensorRT-LLM@b35ac1b tensorrt_llm/_torch/speculative/interface.py
+        # support_overlap_scheduler: eagle3_one_model in every version of it read, is_sa() and draft models in the
+        # newest; @0004396 llm_args.py SADecodingConfig: "supports CUDA graph and overlap scheduler")
+        # PARD / DFlash: not read in a release's support_overlap_scheduler, so off (it costs speed only)
+        "disable_overlap_scheduler": decoding_kind(recipe)
+        in ("draft_target", "ngram", "auto", "pard", "dflash"),  # auto: an NGram
         "kv_cache_config": {
             "free_gpu_memory_fraction": e.kv_cache_free_gpu_mem_fraction,
             # NVIDIA's own DraftTarget tests run with block reuse off, before and after the speculative_model
@@ -255,33 +323,51 @@ def llmapi_options(
 
 def _speculative_config(recipe: Recipe, layout: Layout, version: LlmApiVersion, draft_dir: Path | None) -> dict:
     d = recipe.draft
+    if d.kind in ("pard", "dflash"):  # the draft folder staged by the build, as for an EAGLE-3 head
+        return speculative_options(recipe, version, draft_dir or layout.engine("draft"), d.kind)
     if d.is_eagle3:
         # the build stages the head in the deployment (engines/<recipe>/draft, under the project root that the
         # container and the Kubernetes volume mount at the same path): speculative_model points there
         head_config = read_eagle3_head_config(eagle3_head_source(recipe, layout))
         return speculative_options(recipe, version, draft_dir or layout.engine("draft"), "eagle3", head_config)
-    return speculative_options(
-        recipe, version, draft_dir or layout.checkpoint("draft"), "ngram" if d.is_ngram else "draft_target"
-    )
+    return speculative_options(recipe, version, draft_dir or layout.checkpoint("draft"), decoding_kind(recipe))
 
 
 def llmapi_mapping_notes(recipe: Recipe, version: LlmApiVersion | None = None) -> list[str]:
     """What the options file does with the recipe's speculative settings, for the dry run and the manifest."""
     version = version or llmapi_version(recipe.trtllm_version)
     s = recipe.speculative
-    kind = "eagle3" if recipe.draft.is_eagle3 else ("ngram" if recipe.draft.is_ngram else "draft_target")
+    kind = decoding_kind(recipe)
+    _check_decoding_type(recipe, version, kind)
     notes = [
         (
             f"TensorRT-LLM {version.name} ({version.releases}): decoding_type {version.decoding_types[kind]}, "
-            f"draft model key {version.draft_model_key}"
+            + (
+                f"draft model key {version.draft_model_key}"
+                if kind in ("draft_target", "eagle3", "pard", "dflash")
+                else "no draft model"
+            )
         ),
         (
-            f"speculative.num_draft_tokens {s.num_draft_tokens} -> speculative_config.max_draft_len (drafted every "
-            f"iteration); speculative.max_draft_len {s.max_draft_len} only bounds it"
+            f"speculative.num_draft_tokens {s.num_draft_tokens} -> speculative_config."
+            f"{version.mtp_draft_len_key if kind == 'mtp' else 'max_draft_len'} (drafted every iteration; "
+            "draft.max_draft_len where the kind has one); "
+            f"speculative.max_draft_len {s.max_draft_len} only bounds it"
         ),
     ]
     if s.dynamic and s.dynamic.draft_len_schedule:
         notes.append(f"draft_len_schedule written with {version.draft_len_schedule}-bound keys")
+    if kind == "mtp" and recipe.draft.use_relaxed_acceptance_for_thinking:
+        notes.append(
+            "MTP relaxed acceptance: between the thinking-phase tokens a draft token is accepted when it is among the "
+            "target's top relaxed_topk within relaxed_delta of its top-1, so the output there is not the target's own "
+            "greedy output; validate's parity reports the difference"
+        )
+    if kind == "auto":
+        notes[1] = (
+            "decoding_type AUTO: TensorRT-LLM picks the method and its draft length (an NGram draft in "
+            "auto_heuristic.py@7274a59); speculative.num_draft_tokens is not passed"
+        )
     # The names come from llm_args.py on TensorRT-LLM's main branch around the renames (LLMAPI_VERSIONS), not from
     # each release's tag, which could not be read here; the build's start check (LLM(...)) is what confirms them.
     notes.append(

@@ -62,6 +62,40 @@ from specdeploy.core.errors import ConfigError
 #   other *DecodingConfig page). PR #12588 (merged 2026-05-15) added it for EAGLE-3 one-model, PR #15775 (2026-07)
 #   extended it to one-model MTP / DRAFT_TARGET / PARD / DFLASH. 1.1.0's and 1.2.0's DecodingBaseConfig (read as
 #   above) have no such field, and a StrictBaseModel rejects the key. n-gram drafts have no distribution to sample.
+# - suffix (draft.kind suffix): SADecodingConfig, the standalone suffix automaton (no draft model). Main's llm_args.py
+#   (NVIDIA/TensorRT-LLM@0004396): `decoding_type: Literal["SA"]`, `max_matching_ngram_size: int = -1` (-1: longest
+#   match; n > 0: sizes n down to 1; 0 refused), `enable_global_pool: bool = False`, `global_pool_size:
+#   Optional[PositiveInt] = None` (requires enable_global_pool; max_matching_ngram_size in [1, 64] or -1 with it),
+#   max_draft_len > 0. The 1.3.0rc27 and 1.4.0rc4 API pages (llm-api/reference/SADecodingConfig.html) list the same
+#   fields; 1.1.0's and 1.2.0's from_dict tables (gh-pages @8660c11, @7e873e5) have no "SA" key ("Invalid decoding
+#   type"). The 1.3.0 candidates rc22-rc26 were not read.
+# - auto (draft.kind auto): AutoDecodingConfig, "automatically select a good, draft-model free speculation algorithm";
+#   "Attributes that are inherited from the base class are ignored". The "AUTO" key of 1.1.0's and 1.2.0's from_dict
+#   tables (gh-pages @8660c11, @7e873e5; no fields of its own), `decoding_type: Literal['AUTO']` on the 1.3.0rc29 page
+#   and in main's llm_args.py (@0004396). What it picks: NVIDIA/TensorRT-LLM@7274a59
+#   tensorrt_llm/_torch/speculative/auto_heuristic.py (NGram, max_draft_len 5 / 3, max_matching_ngram_size 3 / 5 at
+#   max_batch_size <= 4 / above, max_concurrency 32); that file was not read at the release tags.
+# - mtp (draft.kind mtp): MTPDecodingConfig, the target's own MTP heads. 1.1.0 (gh-pages @8660c11) and 1.2.0
+#   (@7e873e5): fields `num_nextn_predict_layers: int = 1`, `use_relaxed_acceptance_for_thinking: bool = False`,
+#   `relaxed_topk: int = 1`, `relaxed_delta: float = 0.`, `use_mtp_vanilla`, `mtp_eagle_one_model`, and the thinking
+#   tokens, spelled `BEGIN_THINKING_PHASE_TOKEN` / `END_THINKING_PHASE_TOKEN` in 1.1.0 and
+#   `begin_thinking_phase_token` / `end_thinking_phase_token` in 1.2.0 (128798 / 128799); `from_dict` sets
+#   `max_draft_len = num_nextn_predict_layers`, so the draft length is written as num_nextn_predict_layers there.
+#   1.3.0rc27, 1.4.0rc1 and 1.4.0rc4 pages (MTPDecodingConfig.html): `max_draft_len` (None: from the checkpoint),
+#   `relaxed_topk: PositiveInt = 1`, `relaxed_delta: NonNegativeFloat = 0.0`, `num_nextn_predict_layers: int | None =
+#   None`, which main's llm_args.py (@0004396) marks internal ("Do not set manually") and remaps to max_draft_len with a
+#   deprecation warning: max_draft_len is written there. How many heads the target has: its config.json's
+#   `num_nextn_predict_layers` (DeepSeek-style) or `mtp_num_hidden_layers` (Qwen3-Next-style), 1 when neither
+#   (NVIDIA/TensorRT-LLM@011d093 tensorrt_llm/_torch/speculative/utils.py update_spec_config_from_model_config).
+# - pard / dflash (draft.kind pard, dflash): PARDDecodingConfig (`decoding_type: Literal["PARD"]`,
+#   `mask_token_id: Optional[int] = None` "read from the draft model config", `sa_config`) and DFlashDecodingConfig
+#   (`Literal["DFlash"]`,
+#   `mask_token_id`, `target_layer_ids: Optional[List[int]] = None` "read from the draft model config
+#   (dflash_config.target_layer_ids)") in main's llm_args.py (@0004396); both take speculative_model and max_draft_len.
+#   Release pages: DFlashDecodingConfig.html on 1.3.0rc27 (plus `attention_backend`); PARDDecodingConfig.html on
+#   1.4.0rc1 and 1.4.0rc4, none found for 1.3 (so PARD is refused on 1.3 as unverified). 1.1.0 / 1.2.0 have neither
+#   in from_dict. specdeploy writes decoding_type, max_draft_len and speculative_model only (the checkpoint's own
+#   config supplies the rest).
 # Release lines from PyPI upload dates: 1.1.0 2025-12-19, 1.2.0 2026-03-12 (branch: rc6 2025-12-23),
 # 1.3.0rc0 2026-01-22 ... rc22 2026-07-22, 1.4.0rc0 2026-10-13. The 1.3.0 release candidates before rc22 straddle
 # PRs #10860 and #12905, so specdeploy names no options for them rather than guess.
@@ -73,7 +107,9 @@ class LlmApiVersion:
 
     name: str
     releases: str  # which releases this covers, in words
-    decoding_types: dict  # draft kind ("draft_target", "ngram", "eagle3") -> decoding_type value
+    # draft kind ("draft_target", "ngram", "eagle3", "suffix", ...) -> decoding_type value; a kind missing here is a
+    # decoding type this release does not have (refused, naming the releases that have it)
+    decoding_types: dict
     draft_model_key: str  # speculative_model_dir | speculative_model (the EAGLE-3 head's key too)
     draft_len_schedule: str | None  # None (no such option verified) | "lower" | "upper" bounds
     acceptance_keys: tuple[str, str] | None  # (window key, threshold key)
@@ -84,13 +120,24 @@ class LlmApiVersion:
     # decoding types (keys of decoding_types) whose config takes use_rejection_sampling in this release
     rejection_sampling: tuple[str, ...] = ()
     rejection_sampling_evidence: str = "no use_rejection_sampling in this release's DecodingBaseConfig"
+    # where this release's decoding types beyond draft_target, ngram and eagle3 were read
+    decoding_evidence: str = ""
+    # MTPDecodingConfig: the key the draft length is written under, and the thinking-phase token keys
+    mtp_draft_len_key: str = "max_draft_len"
+    mtp_thinking_keys: tuple[str, str] = ("begin_thinking_phase_token", "end_thinking_phase_token")
 
 
 LLMAPI_VERSIONS = {
     "1.1": LlmApiVersion(
         name="1.1",
         releases="1.1.x",
-        decoding_types={"draft_target": "DraftTarget", "ngram": "NGram", "eagle3": "Eagle"},
+        decoding_types={
+            "draft_target": "DraftTarget",
+            "ngram": "NGram",
+            "eagle3": "Eagle",
+            "auto": "AUTO",
+            "mtp": "MTP",
+        },
         draft_model_key="speculative_model_dir",
         draft_len_schedule=None,
         # 1.1.0's own llm_args.py (release docs, gh-pages 1.1.0/_modules/tensorrt_llm/llmapi/llm_args.html @8660c11):
@@ -107,13 +154,25 @@ LLMAPI_VERSIONS = {
             "1.1.0 llm_args.py (release docs, gh-pages @8660c11): EagleDecodingConfig 'Eagle', "
             "eagle3_one_model, eagle3_layers_to_capture, speculative_model_dir"
         ),
+        decoding_evidence=(
+            "1.1.0 llm_args.py (gh-pages @8660c11) DecodingBaseConfig.from_dict keys: MTP, Medusa, Eagle, "
+            "Lookahead, NGram, DraftTarget, UserProvided, AUTO"
+        ),
+        mtp_draft_len_key="num_nextn_predict_layers",
+        mtp_thinking_keys=("BEGIN_THINKING_PHASE_TOKEN", "END_THINKING_PHASE_TOKEN"),
     ),
     "1.2": LlmApiVersion(
         name="1.2",
         releases="1.2.x",
         # DraftTarget and speculative_model_dir are read on both sides of the Literal/rename changes, which the
         # 1.2 branch (cut around Dec 2025) may or may not carry.
-        decoding_types={"draft_target": "DraftTarget", "ngram": "NGram", "eagle3": "Eagle"},
+        decoding_types={
+            "draft_target": "DraftTarget",
+            "ngram": "NGram",
+            "eagle3": "Eagle",
+            "auto": "AUTO",
+            "mtp": "MTP",
+        },
         draft_model_key="speculative_model_dir",
         draft_len_schedule="lower",
         acceptance_keys=("acceptance_window", "acceptance_length_threshold"),
@@ -124,11 +183,24 @@ LLMAPI_VERSIONS = {
             "1.2.0 llm_args.py (release docs, gh-pages @7e873e5): from_dict 'Eagle' -> "
             "EagleDecodingConfig, eagle3_one_model, eagle3_layers_to_capture, speculative_model_dir alias"
         ),
+        decoding_evidence=(
+            "1.2.0 llm_args.py (gh-pages @7e873e5) DecodingBaseConfig.from_dict keys: MTP, Medusa, Eagle, "
+            "Lookahead, NGram, DraftTarget, SaveState, UserProvided, AUTO"
+        ),
+        mtp_draft_len_key="num_nextn_predict_layers",
     ),
     "1.3": LlmApiVersion(
         name="1.3",
         releases="1.3.0rc22 and later 1.3 releases",
-        decoding_types={"draft_target": "Draft_Target", "ngram": "NGram", "eagle3": "Eagle3"},
+        decoding_types={
+            "draft_target": "Draft_Target",
+            "ngram": "NGram",
+            "eagle3": "Eagle3",
+            "suffix": "SA",
+            "auto": "AUTO",
+            "mtp": "MTP",
+            "dflash": "DFlash",
+        },
         draft_model_key="speculative_model",
         draft_len_schedule="upper",
         acceptance_keys=("acceptance_rate_window_size", "acceptance_rate_threshold"),
@@ -144,6 +216,9 @@ LLMAPI_VERSIONS = {
             "1.3.0rc27 API pages: DecodingBaseConfig.use_rejection_sampling; PR #12588 "
             "(EAGLE-3 one-model), PR #15775 (DRAFT_TARGET one-model)"
         ),
+        decoding_evidence="1.3.0rc27 API page SADecodingConfig: Literal['SA'], max_matching_ngram_size -1, "
+        "enable_global_pool, global_pool_size; 1.3.0rc29 AutoDecodingConfig: Literal['AUTO']; 1.3.0rc27 "
+        "DFlashDecodingConfig: Literal['DFlash'] (no PARDDecodingConfig page found for 1.3)",
     ),
 }
 
@@ -152,6 +227,7 @@ LLMAPI_VERSIONS = {
 LLMAPI_VERSIONS["1.4"] = replace(
     LLMAPI_VERSIONS["1.3"],
     name="1.4",
+    decoding_types={**LLMAPI_VERSIONS["1.3"].decoding_types, "pard": "PARD"},
     releases="1.4.x",
     evidence="as 1.3 (main after PR #12905)",
     eagle3_evidence=(
@@ -162,6 +238,9 @@ LLMAPI_VERSIONS["1.4"] = replace(
         "1.4.0rc1 and 1.4.0rc4 API pages: DecodingBaseConfig.use_rejection_sampling; "
         "PR #12588 (EAGLE-3 one-model), PR #15775 (DRAFT_TARGET one-model)"
     ),
+    decoding_evidence="1.4.0rc4 API page SADecodingConfig: Literal['SA'], max_matching_ngram_size -1, "
+    "enable_global_pool, global_pool_size; PARDDecodingConfig (1.4.0rc1, rc4 pages): Literal['PARD']; "
+    "AutoDecodingConfig Literal['AUTO'] and DFlashDecodingConfig Literal['DFlash'] on main (llm_args.py@0004396)",
 )
 
 # The first release candidate of a line whose option names LLMAPI_VERSIONS describes (earlier ones are refused here

@@ -147,7 +147,7 @@ def _llmapi_inputs(recipe: Recipe, layout: Layout) -> tuple[dict, Path | None]:
         check_hf_checkpoint(layout.checkpoint(role), role, recipe.model(role).quantization.qformat)
         checkpoint_fps[role] = manifest.fingerprint
     head = None
-    if recipe.draft.is_eagle3:  # the head is an input of the deployment like a checkpoint
+    if recipe.draft.stages_head:  # the head (EAGLE-3, PARD, DFlash draft) is an input like a checkpoint
         head = eagle3_head_source(recipe, layout)
         check_eagle3_head_files(head, recipe)
         checkpoint_fps["eagle3_head"] = head_hash(head)
@@ -167,12 +167,12 @@ def _write_draft(recipe: Recipe, layout: Layout, fp: str, checkpoint_fps: dict, 
         if head is not None:
             # kind eagle3: the head folder itself, so that it travels with the project root (docker -v root:root,
             # the Kubernetes volume) and speculative_model names a path that exists inside the container too
-            echo(f"staging the EAGLE-3 head {head} -> {draft_out}")
+            echo(f"staging the {recipe.draft.head_name} {head} -> {draft_out}")
             _copy_head(head, tmp)
             extra = {
                 "head_source": str(head),
                 "tokenizer_dir": str(layout.checkpoint("target")),
-                "note": f"the EAGLE-3 head speculative_config in {out / LLMAPI_OPTIONS} loads",
+                "note": f"the {recipe.draft.head_name} speculative_config in {out / LLMAPI_OPTIONS} loads",
             }
         Manifest(
             stage=BUILD_STAGE,
@@ -228,18 +228,21 @@ def _write_target(
 def check_eagle3_head_files(head: Path, recipe: Recipe) -> None:
     """The head folder a deployment needs: config.json and its weights (what TensorRT-LLM loads)."""
     trained = recipe.draft.head == EAGLE3_HEAD_TRAINED
+    what = recipe.draft.head_name
     fix = (
         "run: specdeploy draft train <recipe> (it writes the head there)"
         if trained
         else (
             "download the head, e.g. huggingface-cli download yuhuili/EAGLE3-LLaMA3.1-Instruct-8B --local-dir <folder>,"
             " and set draft.head to that folder"
+            if recipe.draft.is_eagle3
+            else f"download the {what} and set draft.head to its folder"
         )
     )
     if not (Path(head) / "config.json").is_file():
-        raise StaleArtifactError(f"the EAGLE-3 head {head} has no config.json (draft.head: {recipe.draft.head})", fix)
+        raise StaleArtifactError(f"the {what} {head} has no config.json (draft.head: {recipe.draft.head})", fix)
     if not any(p for pattern in EAGLE3_WEIGHTS for p in Path(head).glob(pattern)):
-        raise StaleArtifactError(f"the EAGLE-3 head {head} has no weights (*.safetensors or *.bin)", fix)
+        raise StaleArtifactError(f"the {what} {head} has no weights (*.safetensors or *.bin)", fix)
 
 
 def _copy_head(head: Path, dest: Path) -> None:

@@ -340,7 +340,7 @@ def _check_draft_kind(r: Recipe) -> None:
     _choice("draft.kind", d.kind, DRAFT_KINDS)
     if not d.is_eagle3:
         defaults = {
-            "head": "",
+            **({} if d.stages_head else {"head": ""}),
             "head_weights": "auto",
             "serve_vocab_size": 0,
             "sa_config": None,
@@ -353,8 +353,26 @@ def _check_draft_kind(r: Recipe) -> None:
                 raise ConfigError(
                     f"key 'draft.{key}' applies to draft.kind eagle3 only", "remove it, or set draft.kind: eagle3"
                 )
-    else:
+    for kind, keys in (("suffix", DraftConfig.SUFFIX_KEYS), ("mtp", DraftConfig.MTP_KEYS)):
+        own = [k for k in keys if k not in DraftConfig.NGRAM_KEYS and getattr(d, k) is not None]
+        if own and d.kind != kind:
+            raise ConfigError(
+                f"key 'draft.{own[0]}' applies to draft.kind {kind} only", f"remove it, or set draft.kind: {kind}"
+            )
+    if d.is_eagle3:
         _check_eagle3(r)
+        return
+    if d.is_suffix:
+        _check_suffix(r)
+        return
+    if d.is_auto:
+        _check_auto(r)
+        return
+    if d.is_mtp:
+        _check_mtp(r)
+        return
+    if d.kind in ("pard", "dflash"):
+        _check_parallel_draft(r)
         return
     if not d.is_ngram:
         if not d.model:
@@ -368,12 +386,7 @@ def _check_draft_kind(r: Recipe) -> None:
                 f"key 'draft.{extra[0]}' applies to draft.kind ngram only", "remove it, or set draft.kind: ngram"
             )
         return
-    if d.model or d.quantization != QuantConfig() or (d.tp_size, d.pp_size) != (1, 1):
-        key = "model" if d.model else ("quantization" if d.quantization != QuantConfig() else "tp_size")
-        raise ConfigError(
-            f"key 'draft.{key}' does not apply to draft.kind ngram (it has no weights)",
-            "remove it from the draft section",
-        )
+    _check_no_weights(d)
     s = r.speculative
     if d.max_draft_len is not None:
         _at_least("draft.max_draft_len", d.max_draft_len, 1)
@@ -412,6 +425,205 @@ def _check_draft_kind(r: Recipe) -> None:
             f"draft.kind ngram is not wired for backend {r.backend}",
             f"use backend {' or '.join(b.name for b in _backends.ALL if b.ngram_draft)} (trtllm-llmapi: decoding_type"
             " NGram)",
+        )
+
+
+def _check_no_weights(d: DraftConfig) -> None:
+    """A draft kind without weights of its own (ngram, suffix) takes none of a model's keys."""
+    if d.model or d.quantization != QuantConfig() or (d.tp_size, d.pp_size) != (1, 1):
+        key = "model" if d.model else ("quantization" if d.quantization != QuantConfig() else "tp_size")
+        raise ConfigError(
+            f"key 'draft.{key}' does not apply to draft.kind {d.kind} (it has no weights)",
+            "remove it from the draft section",
+        )
+
+
+def _check_suffix(r: Recipe) -> None:
+    """draft.kind suffix: TensorRT-LLM's SADecodingConfig and its validator (NVIDIA/TensorRT-LLM@0004396
+    tensorrt_llm/llmapi/llm_args.py SADecodingConfig.validate_sa_config): max_draft_len > 0; max_matching_ngram_size
+    -1 (longest match) or > 0, and in [1, 64] beside enable_global_pool; global_pool_size >= 1 and only with
+    enable_global_pool (its description: >= max_batch_size). Which releases have it: gpu/llmapi_versions.py."""
+    d, s = r.draft, r.speculative
+    _check_no_weights(d)
+    extra = [k for k in DraftConfig.NGRAM_KEYS if k not in DraftConfig.SUFFIX_KEYS and getattr(d, k) is not None]
+    if extra:
+        raise ConfigError(f"key 'draft.{extra[0]}' applies to draft.kind ngram only", "remove it")
+    if d.max_draft_len is not None:
+        _at_least("draft.max_draft_len", d.max_draft_len, 1)
+        if d.max_draft_len > s.max_draft_len:
+            raise ConfigError(
+                f"key 'draft.max_draft_len' ({d.max_draft_len}) is larger than speculative.max_draft_len"
+                f" ({s.max_draft_len})",
+                f"set draft.max_draft_len <= {s.max_draft_len}",
+            )
+    size = d.max_matching_ngram_size
+    if size is not None and size != -1 and size < 1:
+        raise ConfigError(
+            f"key 'draft.max_matching_ngram_size' is {size}",
+            "use -1 (the longest earlier match, TensorRT-LLM's default) or a size >= 1",
+        )
+    if d.enable_global_pool and size not in (None, -1) and size > 64:
+        raise ConfigError(
+            f"key 'draft.max_matching_ngram_size' is {size} with enable_global_pool, but TensorRT-LLM's global pool "
+            "compares at most 64 tokens",
+            "use -1 or a size in [1, 64], or remove enable_global_pool",
+        )
+    if d.global_pool_size is not None:
+        _at_least("draft.global_pool_size", d.global_pool_size, 1)
+        if not d.enable_global_pool:
+            raise ConfigError(
+                "key 'draft.global_pool_size' is set, but TensorRT-LLM's global_pool_size requires "
+                "enable_global_pool: true",
+                "set draft.enable_global_pool: true, or remove global_pool_size",
+            )
+        if d.global_pool_size < r.engine.max_batch_size:
+            raise ConfigError(
+                f"key 'draft.global_pool_size' ({d.global_pool_size}) is smaller than engine.max_batch_size "
+                f"({r.engine.max_batch_size}): TensorRT-LLM needs a slot for every request in flight",
+                f"set global_pool_size >= {r.engine.max_batch_size}, or remove it (max(64, max_batch_size))",
+            )
+    backend = _backends.get(r.backend)
+    if d.enable_global_pool and not backend.gpu:
+        raise ConfigError(
+            "key 'draft.enable_global_pool' is true, but the CPU engine looks up each request's own tokens only",
+            "remove it (false), or use backend trtllm-llmapi",
+        )
+    if s.use_draft_logits:
+        raise ConfigError(
+            "key 'speculative.use_draft_logits' is true, but a suffix-automaton draft has no logits",
+            "set use_draft_logits: false (sampled requests are then verified by token matching)",
+        )
+    if not backend.suffix_draft:
+        raise ConfigError(
+            f"draft.kind suffix is not wired for backend {r.backend}",
+            f"use backend {' or '.join(b.name for b in _backends.ALL if b.suffix_draft)} (trtllm-llmapi: "
+            "decoding_type SA)",
+        )
+
+
+def _check_auto(r: Recipe) -> None:
+    """draft.kind auto: TensorRT-LLM's AutoDecodingConfig ("Attributes that are inherited from the base class are
+    ignored", llm_args.py 1.2.0 @7e873e5 and @0004396), so no draft key, no dynamic speculation and no rejection
+    sampling: they would be dropped. What it picks (NVIDIA/TensorRT-LLM@7274a59
+    tensorrt_llm/_torch/speculative/auto_heuristic.py suggest_spec_config): NGram with max_draft_len 5 and
+    max_matching_ngram_size 3 up to max_batch_size 4, else 3 and 5, and max_concurrency 32."""
+    d, s = r.draft, r.speculative
+    _check_no_weights(d)
+    keys = [k for k in (*DraftConfig.NGRAM_KEYS, *DraftConfig.SUFFIX_KEYS) if getattr(d, k) is not None]
+    if keys:
+        raise ConfigError(
+            f"key 'draft.{keys[0]}' does not apply to draft.kind auto: TensorRT-LLM's AutoDecodingConfig picks "
+            "the method and its settings itself",
+            "remove it, or write the draft out (draft.kind ngram or suffix with its keys)",
+        )
+    if s.dynamic is not None or s.use_draft_logits:
+        key = "dynamic" if s.dynamic is not None else "use_draft_logits"
+        raise ConfigError(
+            f"key 'speculative.{key}' is set, but TensorRT-LLM's AutoDecodingConfig ignores the settings of "
+            "DecodingBaseConfig (it sets max_concurrency 32 itself)",
+            f"remove speculative.{key}, or use draft.kind ngram with it",
+        )
+    if not _backends.get(r.backend).auto_draft:
+        small = r.engine.max_batch_size <= 4
+        raise ConfigError(
+            f"draft.kind auto is not wired for backend {r.backend}: AUTO is a choice TensorRT-LLM's LLM API makes "
+            "when it starts (auto_heuristic.py suggest_spec_config), and the choice may change from release to "
+            "release; the CPU engine and trtllm-build have no such choice to defer to",
+            f"use backend {' or '.join(b.name for b in _backends.ALL if b.auto_draft)}, or write out what it picks "
+            f"for engine.max_batch_size {r.engine.max_batch_size}: draft.kind ngram, max_draft_len "
+            f"{5 if small else 3}, max_matching_ngram_size {3 if small else 5} (and speculation off above 32 "
+            "requests)",
+        )
+
+
+def _check_parallel_draft(r: Recipe) -> None:
+    """draft.kind pard / dflash: TensorRT-LLM's PARDDecodingConfig / DFlashDecodingConfig (llm_args.py@0004396): a
+    draft checkpoint loaded as it is (speculative_model; its mask token and, for DFlash, the target layers it reads
+    come from its config.json), max_draft_len = speculative.num_draft_tokens. Which releases have them:
+    gpu/llmapi_versions.py."""
+    d = r.draft
+    if d.model or d.quantization != QuantConfig() or (d.tp_size, d.pp_size) != (1, 1):
+        key = "model" if d.model else ("quantization" if d.quantization != QuantConfig() else "tp_size")
+        raise ConfigError(
+            f"key 'draft.{key}' does not apply to draft.kind {d.kind}: TensorRT-LLM loads the draft checkpoint as "
+            "it is (speculative_model), unquantized by specdeploy",
+            "remove it; draft.head names the draft folder",
+        )
+    keys = [
+        k
+        for k in (*DraftConfig.NGRAM_KEYS, *DraftConfig.SUFFIX_KEYS, *DraftConfig.MTP_KEYS)
+        if getattr(d, k) is not None
+    ]
+    if keys:
+        raise ConfigError(
+            f"key 'draft.{keys[0]}' does not apply to draft.kind {d.kind}",
+            "remove it (speculative.num_draft_tokens sets max_draft_len)",
+        )
+    if not d.head or d.head == EAGLE3_HEAD_TRAINED:
+        raise ConfigError(
+            f"key 'draft.head' must name the {'PARD' if d.kind == 'pard' else 'DFlash'} draft checkpoint folder "
+            f"(draft.kind {d.kind})",
+            "download or train the draft and set draft.head to its folder",
+        )
+    backend = _backends.get(r.backend)
+    if not backend.parallel_drafts:
+        raise ConfigError(
+            f"draft.kind {d.kind} is not wired for backend {r.backend}: "
+            + (
+                "the CPU engine has neither drafter (PARD verifies k drafts made in one pass over mask tokens, "
+                "DFlash a draft model that attends to target layers' hidden states)"
+                if not backend.gpu
+                else "it is a decoding type of TensorRT-LLM's LLM API only"
+            ),
+            f"use backend {' or '.join(b.name for b in _backends.ALL if b.parallel_drafts)}, or another draft.kind",
+        )
+
+
+def _check_mtp(r: Recipe) -> None:
+    """draft.kind mtp: TensorRT-LLM's MTPDecodingConfig, the target's own MTP heads (DeepSeek-V3 and later; whether
+    the target has them is read from its config.json by the pre-flight check, deploy/preflight.py). Ranges from the
+    1.3.0rc27 / 1.4.0rc4 MTPDecodingConfig pages: relaxed_topk PositiveInt, relaxed_delta NonNegativeFloat, the
+    thinking-phase tokens NonNegativeInt; max_draft_len > 0 (llm_args.py@0004396)."""
+    d, s = r.draft, r.speculative
+    _check_no_weights(d)
+    extra = [k for k in DraftConfig.NGRAM_KEYS if k not in DraftConfig.MTP_KEYS and getattr(d, k) is not None]
+    if extra:
+        raise ConfigError(f"key 'draft.{extra[0]}' applies to draft.kind ngram only", "remove it")
+    if d.max_draft_len is not None:
+        _at_least("draft.max_draft_len", d.max_draft_len, 1)
+        if d.max_draft_len > s.max_draft_len:
+            raise ConfigError(
+                f"key 'draft.max_draft_len' ({d.max_draft_len}) is larger than speculative.max_draft_len"
+                f" ({s.max_draft_len})",
+                f"set draft.max_draft_len <= {s.max_draft_len}",
+            )
+    if d.relaxed_topk is not None:
+        _at_least("draft.relaxed_topk", d.relaxed_topk, 1)
+    if d.relaxed_delta is not None and not d.relaxed_delta >= 0.0:
+        raise ConfigError(f"key 'draft.relaxed_delta' is {d.relaxed_delta}, must be >= 0", "e.g. 0.01, or remove it")
+    for key in ("begin_thinking_phase_token", "end_thinking_phase_token"):
+        if getattr(d, key) is not None:
+            _at_least(f"draft.{key}", getattr(d, key), 0)
+    relaxed_keys = [k for k in DraftConfig.MTP_KEYS[2:] if getattr(d, k) is not None]
+    if relaxed_keys and not d.use_relaxed_acceptance_for_thinking:
+        raise ConfigError(
+            f"key 'draft.{relaxed_keys[0]}' is set, but it only acts with use_relaxed_acceptance_for_thinking "
+            "(TensorRT-LLM's MTPDecodingConfig)",
+            "set draft.use_relaxed_acceptance_for_thinking: true, or remove it",
+        )
+    backend = _backends.get(r.backend)
+    if not backend.mtp_draft:
+        raise ConfigError(
+            f"draft.kind mtp is not wired for backend {r.backend}: MTP drafts with layers of the target's own "
+            "checkpoint (DeepSeek-V3 and later), which "
+            + (
+                "the CPU engine does not run: it executes Llama, Mistral and Qwen2 checkpoints "
+                "(engine/spec.py ARCHITECTURES), none of which has MTP layers"
+                if not backend.gpu
+                else "TensorRT-LLM's engine path does not build"
+            ),
+            f"use backend {' or '.join(b.name for b in _backends.ALL if b.mtp_draft)} with a target that has MTP "
+            "heads, or another draft.kind here",
         )
 
 

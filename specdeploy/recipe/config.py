@@ -57,12 +57,22 @@ class QuantConfig:
 BUILD_ONLY_QUANT_KEYS = ("max_calib_hours", "per_token")
 # Quantization keys added after checkpoints existed, with the default that means what those checkpoints were made with.
 LATER_QUANT_KEYS = {"smoothquant_alpha": None}
+# Draft keys added after checkpoints existed (kind suffix only), likewise.
+LATER_DRAFT_KEYS = {
+    "enable_global_pool": None,
+    "global_pool_size": None,
+    "use_relaxed_acceptance_for_thinking": None,
+    "relaxed_topk": None,
+    "relaxed_delta": None,
+    "begin_thinking_phase_token": None,
+    "end_thinking_phase_token": None,
+}
 
 
 def checkpoint_settings(model: "ModelConfig") -> dict:
     """The model's settings that make its checkpoint (what the quantize stage fingerprints and the build compares).
     Keys added after checkpoints were made are left out at their default, so those checkpoints stay up to date."""
-    plain = to_plain(model)
+    plain = {k: v for k, v in to_plain(model).items() if not (k in LATER_DRAFT_KEYS and v == LATER_DRAFT_KEYS[k])}
     plain["quantization"] = checkpoint_quantization(plain["quantization"])
     return plain
 
@@ -85,7 +95,7 @@ class ModelConfig:
     pp_size: int = 1
 
 
-DRAFT_KINDS = ("model", "ngram", "eagle3")  # draft.kind
+DRAFT_KINDS = ("model", "ngram", "eagle3", "suffix", "auto", "mtp", "pard", "dflash")  # draft.kind
 EAGLE3_HEAD_TRAINED = "trained"  # draft.head: the head `specdeploy draft train RECIPE` wrote for this recipe
 EAGLE3_EXPORT_DTYPES = ("float32", "bfloat16", "float16")  # draft.train.export_dtype
 EAGLE3_TRAIN_PRECISIONS = ("auto", "float32", "bfloat16")  # draft.train.precision
@@ -203,9 +213,14 @@ class TreeConfig:
 
 @dataclass(frozen=True)
 class DraftConfig(ModelConfig):
-    """The draft: a model (quantized and built like the target) or `ngram` (prompt lookup over the request's own
-    tokens, no weights). The n-gram keys are TensorRT-LLM's NGramDecodingConfig fields; null means its default
-    (specdeploy.speculation.ngram.NGramSettings), and max_draft_len null means speculative.num_draft_tokens."""
+    """The draft: a model (quantized and built like the target), `ngram` (prompt lookup over the request's own
+    tokens, no weights), `eagle3` (a head on the target's features) or `suffix` (TensorRT-LLM's standalone suffix
+    automaton: the request's own text, no weights) or `auto` (TensorRT-LLM's AutoDecodingConfig: it picks a
+    draft-model-free method itself; trtllm-llmapi only) or `mtp` (the target's own multi-token-prediction heads,
+    TensorRT-LLM's MTPDecodingConfig; trtllm-llmapi only), `pard` / `dflash` (a PARD or DFlash draft checkpoint,
+    draft.head, loaded by TensorRT-LLM as it is; trtllm-llmapi only). The n-gram, suffix and MTP keys are TensorRT-LLM's
+    NGramDecodingConfig / SADecodingConfig fields; null means its default (specdeploy.speculation.ngram), and
+    max_draft_len null means speculative.num_draft_tokens."""
 
     model: str = ""  # required for kind model
     kind: str = "model"
@@ -215,7 +230,21 @@ class DraftConfig(ModelConfig):
     is_use_oldest: bool | None = None
     is_public_pool: bool | None = None
     min_matching_ngram_size: int | None = None  # specdeploy's own (vLLM: prompt_lookup_min), cpu backend only
-    # kind eagle3: an exported EAGLE-3 checkpoint folder (config.json + model.safetensors), or "trained"
+    # kind suffix (TensorRT-LLM's SADecodingConfig, GPU only): other requests' tokens searched too, in a pool of
+    # global_pool_size slots (null: TensorRT-LLM's max(64, max_batch_size)). null: false
+    enable_global_pool: bool | None = None
+    global_pool_size: int | None = None
+    # kind mtp (TensorRT-LLM's MTPDecodingConfig: the target's own MTP heads, GPU only): between the thinking-phase
+    # tokens, accept a draft token that is any of the target's relaxed_topk candidates within relaxed_delta of its
+    # top-1 probability (the output there is no longer the target's greedy output). null: TensorRT-LLM's defaults
+    # (false, 1, 0.0, 128798, 128799: DeepSeek-R1's <think> and </think>)
+    use_relaxed_acceptance_for_thinking: bool | None = None
+    relaxed_topk: int | None = None
+    relaxed_delta: float | None = None
+    begin_thinking_phase_token: int | None = None
+    end_thinking_phase_token: int | None = None
+    # kind eagle3: an exported EAGLE-3 checkpoint folder (config.json + model.safetensors), or "trained"; kinds pard and
+    # dflash: the PARD / DFlash draft checkpoint folder
     head: str = ""
     # kind eagle3, backend cpu: how the CPU engine holds the head's linear layers. int8: int8 per output channel
     # (weight-only, the target's int8_wo numerics), half the bytes a draft pass reads; bf16: as exported. auto: int8
@@ -244,6 +273,15 @@ class DraftConfig(ModelConfig):
         "is_public_pool",
         "min_matching_ngram_size",
     )
+    SUFFIX_KEYS = ("max_draft_len", "max_matching_ngram_size", "enable_global_pool", "global_pool_size")
+    MTP_KEYS = (
+        "max_draft_len",
+        "use_relaxed_acceptance_for_thinking",
+        "relaxed_topk",
+        "relaxed_delta",
+        "begin_thinking_phase_token",
+        "end_thinking_phase_token",
+    )
 
     @property
     def is_ngram(self) -> bool:
@@ -252,6 +290,29 @@ class DraftConfig(ModelConfig):
     @property
     def is_eagle3(self) -> bool:
         return self.kind == "eagle3"
+
+    @property
+    def is_suffix(self) -> bool:
+        return self.kind == "suffix"
+
+    @property
+    def is_auto(self) -> bool:
+        return self.kind == "auto"
+
+    @property
+    def is_mtp(self) -> bool:
+        return self.kind == "mtp"
+
+    @property
+    def stages_head(self) -> bool:
+        """A draft folder (draft.head) that TensorRT-LLM loads as it is (speculative_model): an EAGLE-3 head, or a
+        PARD or DFlash draft; the GPU build stages it in the deployment."""
+        return self.kind in ("eagle3", "pard", "dflash")
+
+    @property
+    def head_name(self) -> str:
+        """What draft.head is, in words: "EAGLE-3 head", "PARD draft", "DFlash draft"."""
+        return {"eagle3": "EAGLE-3 head", "pard": "PARD draft", "dflash": "DFlash draft"}[self.kind]
 
     @property
     def cpu_head_weights(self) -> str:

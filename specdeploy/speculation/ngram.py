@@ -1,4 +1,5 @@
-"""Prompt-lookup (n-gram) drafting: a weights-free Proposer over the request's prompt + output.
+"""Prompt-lookup drafting: weights-free Proposers over the request's prompt + output: n-gram (draft.kind ngram,
+below) and the suffix automaton (draft.kind suffix and EAGLE-3's sa_config: SuffixLookup, SuffixProposer at the end).
 
 TensorRT-LLM's NGram speculative decoding (`NGramDecodingConfig`; the pool is
 `tensorrt_llm/_torch/speculative/ngram.py`, `NGramPoolManager`), with its field names and meaning:
@@ -196,9 +197,10 @@ class SuffixLookup:
 
     MAX_MATCH = 64  # matches are compared up to this length (two longer ones: the first of them, as if equal)
 
-    def __init__(self, threshold: int, tokens: list[int] | None = None):
-        assert threshold >= 1, threshold
+    def __init__(self, threshold: int, tokens: list[int] | None = None, max_match: int = MAX_MATCH):
+        assert 1 <= threshold <= max_match, (threshold, max_match)
         self.threshold = threshold
+        self.max_match = max_match
         self.tokens: list[int] = []
         self._positions: dict[int, list[int]] = {}  # token -> where it occurs, in order
         self.extend(tokens or [])
@@ -217,10 +219,96 @@ class SuffixLookup:
         best_len, best_end = 0, -1
         for end in self._positions[seq[-1]][:-1]:  # earlier occurrences of the last token, oldest first
             length = 1
-            while length < self.MAX_MATCH and length <= end and seq[end - length] == seq[n - 1 - length]:
+            while length < self.max_match and length <= end and seq[end - length] == seq[n - 1 - length]:
                 length += 1
             if length > best_len:  # strictly longer: the first occurrence keeps a tie
                 best_len, best_end = length, end
         if best_len < self.threshold:
             return []
         return seq[best_end + 1 : best_end + 1 + num_tokens]
+
+
+# ---------------------------------------------------------------- draft.kind suffix: the automaton alone
+
+
+@dataclass(frozen=True)
+class SuffixSettings:
+    """TensorRT-LLM's SADecodingConfig (standalone suffix automaton, no draft model) as the CPU runs it.
+
+    `max_matching_ngram_size` -1: the longest earlier match of the sequence's suffix, of any length, drafts (up to
+    SuffixLookup.MAX_MATCH tokens compared, TensorRT-LLM's own cap for its global pool); n > 0: matches are
+    compared over at most n tokens ("try ngram sizes from max down to 1", suffix_automaton.py extend_ngram).
+    Either way the tokens that followed the match's first occurrence are the draft (SuffixLookup)."""
+
+    max_draft_len: int = 4
+    max_matching_ngram_size: int = -1
+
+    def __post_init__(self):
+        assert self.max_draft_len >= 1 and (self.max_matching_ngram_size == -1 or self.max_matching_ngram_size >= 1)
+
+    @property
+    def max_match(self) -> int:
+        return SuffixLookup.MAX_MATCH if self.max_matching_ngram_size == -1 else self.max_matching_ngram_size
+
+    def to_parameters(self) -> dict[str, str]:
+        """As Triton model parameters (`suffix_from_parameters` reads them back)."""
+        return {
+            "draft_kind": "suffix",
+            "max_draft_len": str(self.max_draft_len),
+            "max_matching_ngram_size": str(self.max_matching_ngram_size),
+        }
+
+
+def suffix_settings_from_recipe(recipe) -> SuffixSettings:
+    """SuffixSettings of a recipe whose draft.kind is suffix: a null max_draft_len takes
+    speculative.num_draft_tokens, a null max_matching_ngram_size TensorRT-LLM's -1 (longest match)."""
+    d = recipe.draft
+    return SuffixSettings(
+        d.max_draft_len if d.max_draft_len is not None else recipe.speculative.num_draft_tokens,
+        d.max_matching_ngram_size if d.max_matching_ngram_size is not None else -1,
+    )
+
+
+def suffix_from_parameters(params: dict[str, str]) -> SuffixSettings:
+    return SuffixSettings(int(params["max_draft_len"]), int(params["max_matching_ngram_size"]))
+
+
+class SuffixProposer:
+    """specdeploy.speculation.loop.Proposer for one request: the request's own text (prompt + output so far) through
+    a SuffixLookup fed incrementally; drafts wherever any earlier match exists (the standalone automaton has no
+    threshold). A sequence that is not a continuation of the last one (a new request) starts a new lookup."""
+
+    def __init__(self, settings: SuffixSettings):
+        self.settings = settings
+        self.lookup: SuffixLookup | None = None
+
+    def propose(
+        self, sequence: list[int], num_tokens: int, sampling: SamplingParams | None = None, return_logits: bool = False
+    ) -> Proposal:
+        return Proposal(self.draft(sequence, num_tokens))
+
+    def draft(self, sequence: list[int], num_tokens: int) -> list[int]:
+        seen = self.lookup.tokens if self.lookup is not None else None
+        if seen is None or len(seen) > len(sequence) or sequence[: len(seen)] != seen:
+            self.lookup = SuffixLookup(1, [], self.settings.max_match)
+            seen = self.lookup.tokens
+        self.lookup.extend(sequence[len(seen) :])
+        return self.lookup.draft(min(num_tokens, self.settings.max_draft_len))
+
+
+class SuffixDrafts:
+    """The suffix kind's tensorrt_llm_draft model (ngram_draft.py): each call sees the whole sequence, so the lookup
+    is rebuilt from it (no state to find again; a call costs a pass over the sequence)."""
+
+    def __init__(self, settings: SuffixSettings):
+        self.settings = settings
+
+    def draft(self, sequence: list[int], num_tokens: int) -> list[int]:
+        return SuffixProposer(self.settings).draft(sequence, num_tokens)
+
+
+def drafts_from_parameters(params: dict[str, str]) -> "NGramDrafts | SuffixDrafts":
+    """The draft model's proposer from its Triton parameters: draft_kind suffix, else n-gram."""
+    if params.get("draft_kind") == "suffix":
+        return SuffixDrafts(suffix_from_parameters(params))
+    return NGramDrafts(from_parameters(params))

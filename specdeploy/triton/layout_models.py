@@ -181,6 +181,10 @@ def bls_spec(inp: RepoInputs) -> ModelSpec:
                 if r.draft.is_ngram
                 else {}
             ),
+            # draft.kind suffix: likewise, by the suffix automaton over the request's own text
+            **(ngram.suffix_settings_from_recipe(r).to_parameters() if r.draft.is_suffix else {}),
+            # the draft's own cap (draft.max_draft_len): "max_draft_len" below is the target's, for the BLS's k
+            **({"draft_max_draft_len": str(_lookup_draft_len(r))} if r.draft.is_ngram or r.draft.is_suffix else {}),
             # draft.kind eagle3: tensorrt_llm drafts with its head inside; the BLS passes k, one call per request
             **({"draft_kind": "eagle3"} if r.draft.is_eagle3 else {}),
             **_tokenizer_params(BLS),
@@ -210,6 +214,14 @@ def bls_spec(inp: RepoInputs) -> ModelSpec:
         decoupled=r.triton.decoupled,
         source="tensorrt_llm_bls.py",
     )
+
+
+def _lookup_draft_len(r) -> int:
+    """The ngram / suffix draft's own max_draft_len (draft.max_draft_len, else speculative.num_draft_tokens)."""
+    from specdeploy.speculation import ngram
+
+    settings = ngram.suffix_settings_from_recipe(r) if r.draft.is_suffix else ngram.settings_from_recipe(r)
+    return settings.max_draft_len
 
 
 def engine_model_parameters(inp: RepoInputs, role: str) -> dict[str, str]:
@@ -244,7 +256,7 @@ def cpu_engine_models(inp: RepoInputs) -> list[ModelSpec]:
     r = inp.recipe
     specs = []
     for role, name in ENGINE_MODEL_NAMES.items():
-        if role == "draft" and r.draft.is_ngram:
+        if role == "draft" and (r.draft.is_ngram or r.draft.is_suffix):
             specs.append(_ngram_draft_model(inp))
             continue
         if role == "draft" and r.draft.is_eagle3:  # the head runs inside tensorrt_llm: no draft model
@@ -290,18 +302,23 @@ def cpu_engine_models(inp: RepoInputs) -> list[ModelSpec]:
 
 
 def _ngram_draft_model(inp: RepoInputs) -> ModelSpec:
-    """tensorrt_llm_draft for draft.kind ngram: a python model with the tensorrt_llm interface that proposes
-    from input_ids by prompt lookup (specdeploy.speculation.ngram); no engine, no weights."""
+    """tensorrt_llm_draft for draft.kind ngram or suffix: a python model with the tensorrt_llm interface that
+    proposes from input_ids by prompt lookup (specdeploy.speculation.ngram); no engine, no weights."""
     from specdeploy.speculation import ngram
 
     r = inp.recipe
+    settings = (
+        ngram.suffix_settings_from_recipe(r).to_parameters()
+        if r.draft.is_suffix
+        else ngram.to_parameters(ngram.settings_from_recipe(r))
+    )
     return ModelSpec(
         name=DRAFT_MODEL,
         max_batch_size=r.engine.max_batch_size,
         inputs=LLM_INPUTS,
         outputs=LLM_OUTPUTS,
         parameters={
-            **ngram.to_parameters(ngram.settings_from_recipe(r)),
+            **settings,
             "max_input_len": str(inp.max_seq_len),  # the BLS sends prompt + output so far
             "max_seq_len": str(inp.max_seq_len),
         },

@@ -74,7 +74,7 @@ def repo_fingerprint(inp: RepoInputs) -> str:
         engine_dirs={role: str(d) for role, d in inp.engine_dirs.items()},
         backend=r.backend,
         speculative=to_plain(r.speculative),
-        draft=to_plain(r.draft) if r.draft.is_ngram else None,
+        draft=to_plain(r.draft) if r.draft.is_ngram or r.draft.is_suffix else None,
         **({"eagle3_head": inp.eagle3_head_hash, "eagle3_served": _eagle3_served(r)} if r.draft.is_eagle3 else {}),
         engine=to_plain(r.engine),
         triton={

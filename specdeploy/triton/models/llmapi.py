@@ -79,7 +79,7 @@ class TritonPythonModel:
         self.end_id = self.tokenizer.eos_token_id
         self.max_seq_len = int(options.get("max_seq_len") or self.target.engine.spec.max_seq_len)
         self.max_input_len = int(options.get("max_input_len") or self.max_seq_len - 1)
-        self.draft, self.ngram, self.ngram_pool = None, None, None
+        self.draft, self.ngram, self.ngram_pool, self.suffix = None, None, None, None
         self.eagle3 = False
         self.max_draft_len = 0
         speculative = options.get("speculative_config")
@@ -117,10 +117,14 @@ class TritonPythonModel:
                     min_matching_ngram_size=int(params.get("min_matching_ngram_size", "1")),
                 )
                 self.ngram_pool = ngram.NGramPool(self.ngram) if self.ngram.is_public_pool else None
+            elif kind == "SA":  # the standalone suffix automaton over each request's own text
+                self.suffix = ngram.SuffixSettings(
+                    self.max_draft_len, int(speculative.get("max_matching_ngram_size", -1))
+                )
             else:
                 raise pb_utils.TritonModelException(
                     f"{self.name}: decoding_type {kind!r} is not served by the cpu backend "
-                    f"(it serves {', '.join(DRAFT_TARGET_TYPES + EAGLE3_TYPES)} and NGram)"
+                    f"(it serves {', '.join(DRAFT_TARGET_TYPES + EAGLE3_TYPES)}, NGram and SA)"
                 )
             settings = pol.PolicySettings.from_parameters(params, self.max_draft_len)
             self.deployment = pol.SharedPolicy(settings)
@@ -270,6 +274,8 @@ class TritonPythonModel:
             return self._fused_rounds(job, should_stop, timer)
         if self.ngram is not None:
             proposer = ngram.NGramProposer(self.ngram, self.ngram_pool)
+        elif self.suffix is not None:
+            proposer = ngram.SuffixProposer(self.suffix)
         else:
             proposer = ExecutorProposer(self.draft, self.end_id)
         verifier = ExecutorVerifier(self.target, self.end_id)

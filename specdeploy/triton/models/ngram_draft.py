@@ -1,11 +1,12 @@
-"""tensorrt_llm_draft for draft.kind ngram: prompt-lookup drafting behind the tensorrt_llm interface.
+"""tensorrt_llm_draft for draft.kind ngram and suffix: prompt-lookup drafting behind the tensorrt_llm interface.
 
 The BLS calls it exactly as it calls a model draft: `input_ids` (prompt + output so far),
 `input_lengths`, `request_output_len` (k) -> `output_ids` [1, 1, n], `sequence_length` [1, 1] with
 n <= k proposed tokens (possibly none: no pattern matched), cut before `end_id` when one is sent. Every
 other optional input of the tensorrt_llm layout is accepted and has no effect on a proposal (the target's
 verification applies the request's sampling, penalties and stop conditions). `return_generation_logits` is refused: an
-n-gram draft has no logits. The pool (public or per request) is `specdeploy.speculation.ngram.NGramDrafts`.
+n-gram draft has no logits. The pool (public or per request) is `specdeploy.speculation.ngram.NGramDrafts`; with the
+parameter `draft_kind` suffix, `SuffixDrafts` (the suffix automaton over the sequence sent).
 """
 
 import os
@@ -35,8 +36,7 @@ class TritonPythonModel:
         params = common.parameters(args)
         self.name = args["model_name"]
         self.decoupled = common.is_decoupled(args)
-        self.settings = ngram.from_parameters(params)
-        self.drafts = ngram.NGramDrafts(self.settings)
+        self.drafts = ngram.drafts_from_parameters(params)
         self.max_input_len = int(params["max_input_len"])
 
     def execute(self, requests):

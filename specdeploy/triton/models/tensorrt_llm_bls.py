@@ -13,6 +13,8 @@ Where a round costs:
     BLS already holds (`specdeploy.speculation.ngram.NGramProposer`, same settings and pool semantics as the
     `tensorrt_llm_draft` python model, which stays in the repository for clients that call it), so a
     round is one Triton call, to the target;
+  - draft.kind suffix (`draft_kind` suffix): likewise, the suffix automaton over the request's own ids
+    (`specdeploy.speculation.ngram.SuffixProposer`, one per request);
   - draft.kind eagle3 (`draft_kind` eagle3): tensorrt_llm runs the EAGLE-3 head inside (the fused loop of
     engine/executor.py), so a request is ONE call to tensorrt_llm with `num_draft_tokens` = k (0: plain); its
     per-round counts (`draft_tokens_per_round`, `accepted_draft_tokens_per_round`) feed the metrics here.
@@ -110,9 +112,13 @@ class TritonPythonModel:
         self.target = LlmCall(params["tensorrt_llm_model_name"], self.decoupled, slice_s, self.held, names)
         self.draft = LlmCall(params["tensorrt_llm_draft_model_name"], self.decoupled, slice_s, self.held, names)
         self.default_end_id = self.tokenizer.eos_token_id
-        # draft.kind ngram: propose here, from the ids this BLS holds (a public pool is this instance's)
-        self.ngram = ngram.from_parameters(params) if params.get("draft_kind") == "ngram" else None
+        # draft.kind ngram: propose here, from the ids this BLS holds (a public pool is this instance's). Our
+        # "max_draft_len" is the target's; the draft's own cap comes as draft_max_draft_len
+        own = {**params, "max_draft_len": params.get("draft_max_draft_len") or params["max_draft_len"]}
+        self.ngram = ngram.from_parameters(own) if params.get("draft_kind") == "ngram" else None
         self.ngram_pool = ngram.NGramPool(self.ngram) if self.ngram is not None and self.ngram.is_public_pool else None
+        # draft.kind suffix: the suffix automaton over each request's own ids, here too
+        self.suffix = ngram.suffix_from_parameters(own) if params.get("draft_kind") == "suffix" else None
         self.eagle3 = params.get("draft_kind") == "eagle3"
         # A streamed request asks tensorrt_llm to stream too where one call makes several tokens (a fused request: a
         # response per round; a plain run: a response per token) and sends the text as it comes. tensorrt_llm refuses
@@ -242,11 +248,12 @@ class TritonPythonModel:
             if delta:
                 emit(self._response(delta, job, None, times, record, None), False)
 
-        proposer = (
-            ngram.NGramProposer(self.ngram, self.ngram_pool)
-            if self.ngram is not None
-            else TritonProposer(self.draft, job)
-        )
+        if self.ngram is not None:
+            proposer = ngram.NGramProposer(self.ngram, self.ngram_pool)
+        elif self.suffix is not None:
+            proposer = ngram.SuffixProposer(self.suffix)
+        else:
+            proposer = TritonProposer(self.draft, job)
         # a plain run's tokens as they come (bls_calls.PlainRunStream). Not kept in `job`: `send` holds the job and the
         # response sender, and a cycle through them left the sender to the garbage collector, which freed it at the
         # stub's teardown after its shared memory was gone (SIGSEGV, "Garbage-collecting", tests/test_triton_server.py)
