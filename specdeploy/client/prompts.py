@@ -46,8 +46,8 @@ class Prompt:
 
 
 def load_prompt_set(prompt_set: str, default_max_tokens: int, max_prompts: int = 0) -> list[Prompt]:
-    """The prompts of `prompt_set` ("builtin", "sharegpt[-reported][:SEED]" or a .jsonl path), at most `max_prompts` (0: all),
-    not yet rendered.
+    """The prompts of `prompt_set` ("builtin", "sharegpt[-reported][:SEED]" or a .jsonl path), at most `max_prompts`
+    (0: all), not yet rendered.
 
     When limited, prompts are taken round-robin over the categories so that every category stays
     represented.
