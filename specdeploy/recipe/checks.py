@@ -49,6 +49,25 @@ def _at_least(key: str, value, low) -> None:
         raise ConfigError(f"key '{key}' is {value}, must be >= {low}")
 
 
+def _only_draft_keys(d, allowed, hint: str = "remove it") -> None:
+    """Refuse a set draft lookup key (DraftConfig.NGRAM_KEYS) outside `allowed` (the kind's own)."""
+    extra = [k for k in DraftConfig.NGRAM_KEYS if k not in allowed and getattr(d, k) is not None]
+    if extra:
+        raise ConfigError(f"key 'draft.{extra[0]}' applies to draft.kind ngram only", hint)
+
+
+def _check_draft_len(d, s, why: str = "") -> None:
+    """draft.max_draft_len, where set: at least 1 and at most speculative.max_draft_len (what the target verifies)."""
+    if d.max_draft_len is not None:
+        _at_least("draft.max_draft_len", d.max_draft_len, 1)
+        if d.max_draft_len > s.max_draft_len:
+            raise ConfigError(
+                f"key 'draft.max_draft_len' ({d.max_draft_len}) is larger than speculative.max_draft_len"
+                f" ({s.max_draft_len})",
+                f"set draft.max_draft_len <= {s.max_draft_len}{why}",
+            )
+
+
 def _check(r: Recipe) -> None:
     # "." and ".." pass the character check but name no folder of their own: engines/.. is the project root
     if not r.name or r.name in (".", "..") or not all(c.isalnum() or c in "-_." for c in r.name):
@@ -380,23 +399,11 @@ def _check_draft_kind(r: Recipe) -> None:
                 "missing required key 'draft.model'",
                 "name a bundled model or a local Hugging Face folder, or set draft.kind: ngram",
             )
-        extra = [k for k in DraftConfig.NGRAM_KEYS if getattr(d, k) is not None]
-        if extra:
-            raise ConfigError(
-                f"key 'draft.{extra[0]}' applies to draft.kind ngram only", "remove it, or set draft.kind: ngram"
-            )
+        _only_draft_keys(d, (), "remove it, or set draft.kind: ngram")
         return
     _check_no_weights(d)
     s = r.speculative
-    if d.max_draft_len is not None:
-        _at_least("draft.max_draft_len", d.max_draft_len, 1)
-        if d.max_draft_len > s.max_draft_len:
-            raise ConfigError(
-                f"key 'draft.max_draft_len' ({d.max_draft_len}) is larger than speculative.max_draft_len"
-                f" ({s.max_draft_len})",
-                f"set draft.max_draft_len <= {s.max_draft_len}: the target engine verifies at most that many draft"
-                " tokens",
-            )
+    _check_draft_len(d, s, ": the target engine verifies at most that many draft tokens")
     if d.max_matching_ngram_size is not None:
         _at_least("draft.max_matching_ngram_size", d.max_matching_ngram_size, 1)
     if d.min_matching_ngram_size is not None:
@@ -445,17 +452,8 @@ def _check_suffix(r: Recipe) -> None:
     enable_global_pool (its description: >= max_batch_size). Which releases have it: gpu/llmapi_versions.py."""
     d, s = r.draft, r.speculative
     _check_no_weights(d)
-    extra = [k for k in DraftConfig.NGRAM_KEYS if k not in DraftConfig.SUFFIX_KEYS and getattr(d, k) is not None]
-    if extra:
-        raise ConfigError(f"key 'draft.{extra[0]}' applies to draft.kind ngram only", "remove it")
-    if d.max_draft_len is not None:
-        _at_least("draft.max_draft_len", d.max_draft_len, 1)
-        if d.max_draft_len > s.max_draft_len:
-            raise ConfigError(
-                f"key 'draft.max_draft_len' ({d.max_draft_len}) is larger than speculative.max_draft_len"
-                f" ({s.max_draft_len})",
-                f"set draft.max_draft_len <= {s.max_draft_len}",
-            )
+    _only_draft_keys(d, DraftConfig.SUFFIX_KEYS)
+    _check_draft_len(d, s)
     size = d.max_matching_ngram_size
     if size is not None and size != -1 and size < 1:
         raise ConfigError(
@@ -586,17 +584,8 @@ def _check_mtp(r: Recipe) -> None:
     thinking-phase tokens NonNegativeInt; max_draft_len > 0 (llm_args.py@0004396)."""
     d, s = r.draft, r.speculative
     _check_no_weights(d)
-    extra = [k for k in DraftConfig.NGRAM_KEYS if k not in DraftConfig.MTP_KEYS and getattr(d, k) is not None]
-    if extra:
-        raise ConfigError(f"key 'draft.{extra[0]}' applies to draft.kind ngram only", "remove it")
-    if d.max_draft_len is not None:
-        _at_least("draft.max_draft_len", d.max_draft_len, 1)
-        if d.max_draft_len > s.max_draft_len:
-            raise ConfigError(
-                f"key 'draft.max_draft_len' ({d.max_draft_len}) is larger than speculative.max_draft_len"
-                f" ({s.max_draft_len})",
-                f"set draft.max_draft_len <= {s.max_draft_len}",
-            )
+    _only_draft_keys(d, DraftConfig.MTP_KEYS)
+    _check_draft_len(d, s)
     if d.relaxed_topk is not None:
         _at_least("draft.relaxed_topk", d.relaxed_topk, 1)
     if d.relaxed_delta is not None and not d.relaxed_delta >= 0.0:
@@ -635,23 +624,14 @@ def _check_eagle3(r: Recipe) -> None:
             f"key 'draft.{key}' does not apply to draft.kind eagle3 (the head runs inside the target)",
             "remove it from the draft section; draft.head names the head",
         )
-    extra = [k for k in DraftConfig.NGRAM_KEYS if k != "max_draft_len" and getattr(d, k) is not None]
-    if extra:
-        raise ConfigError(f"key 'draft.{extra[0]}' applies to draft.kind ngram only", "remove it")
+    _only_draft_keys(d, ("max_draft_len",))
     if not d.head:
         raise ConfigError(
             "missing required key 'draft.head' (draft.kind eagle3)",
             f"name an exported EAGLE-3 checkpoint folder, or '{EAGLE3_HEAD_TRAINED}' for the head "
             "`specdeploy draft train RECIPE` writes",
         )
-    if d.max_draft_len is not None:
-        _at_least("draft.max_draft_len", d.max_draft_len, 1)
-        if d.max_draft_len > r.speculative.max_draft_len:
-            raise ConfigError(
-                f"key 'draft.max_draft_len' ({d.max_draft_len}) is larger than speculative.max_draft_len"
-                f" ({r.speculative.max_draft_len})",
-                f"set draft.max_draft_len <= {r.speculative.max_draft_len}",
-            )
+    _check_draft_len(d, r.speculative)
     backend = _backends.get(r.backend)
     _choice("draft.head_weights", d.head_weights, EAGLE3_HEAD_WEIGHTS)
     if d.sa_config is not None:
