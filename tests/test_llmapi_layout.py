@@ -360,7 +360,6 @@ def test_ngram_draft_on_the_llmapi_layout_keeps_greedy_parity(built):
     """draft.kind ngram: model.yaml carries TensorRT-LLM's NGram fields only, specdeploy's minimum pattern size
     goes in the model's parameters; served, the speculative model drafts by prompt lookup (repetitive prompts
     give matches) and answers what the control does."""
-    import tritonclient.grpc as grpcclient
 
     root, target_dir, draft_dir = built
     data = _recipe(target_dir, draft_dir)
@@ -385,25 +384,8 @@ def test_ngram_draft_on_the_llmapi_layout_keeps_greedy_parity(built):
     }
     params = model_config.check_config((repo / "tensorrt_llm" / "config.pbtxt").read_text()).parameters
     assert params["min_matching_ngram_size"].string_value == "2"
-    srv = _serve(recipe, repo, root, "ngram")
-    client = grpcclient.InferenceServerClient(srv.state.grpc_url)
-    drafted = 0
-    try:
-        for prompt in ("one two three one two three one two", "a b c a b c a b c a b", PROMPTS[1]):
-            ask = dict(
-                text_input=prompt,
-                sampling_param_max_tokens=24,
-                sampling_param_top_k=1,
-                sampling_param_exclude_input_from_output=True,
-                sampling_param_return_perf_metrics=True,
-            )
-            spec, control = _infer(client, "tensorrt_llm", **ask), _infer(client, "tensorrt_llm_control", **ask)
-            assert _text(spec) == _text(control) and _text(control), prompt
-            drafted += int(spec["total_draft_tokens"][0])
-    finally:
-        client.close()
-        srv.stop()
-    assert drafted > 0
+    prompts = ("one two three one two three one two", "a b c a b c a b c a b", PROMPTS[1])
+    assert _drafted_with_greedy_parity(recipe, repo, root, "ngram", prompts) > 0
 
 
 @pytest.mark.server
@@ -411,7 +393,6 @@ def test_suffix_draft_on_the_llmapi_layout_keeps_greedy_parity(built):
     """draft.kind suffix: model.yaml carries TensorRT-LLM's SA fields (in trtllm_version 1.4's names; 1.2 has no SA
     and is refused), and served, the speculative model drafts with the suffix automaton and answers what the control
     does."""
-    import tritonclient.grpc as grpcclient
 
     root, target_dir, draft_dir = built
     data = _recipe(target_dir, draft_dir)
@@ -430,25 +411,8 @@ def test_suffix_draft_on_the_llmapi_layout_keeps_greedy_parity(built):
         "max_matching_ngram_size": -1,
         "enable_global_pool": False,
     }
-    srv = _serve(recipe, repo, root, "suffix")
-    client = grpcclient.InferenceServerClient(srv.state.grpc_url)
-    drafted = 0
-    try:
-        for prompt in ("one two three one two three one two", "a b c a b c a b c a b"):
-            ask = dict(
-                text_input=prompt,
-                sampling_param_max_tokens=24,
-                sampling_param_top_k=1,
-                sampling_param_exclude_input_from_output=True,
-                sampling_param_return_perf_metrics=True,
-            )
-            spec, control = _infer(client, "tensorrt_llm", **ask), _infer(client, "tensorrt_llm_control", **ask)
-            assert _text(spec) == _text(control) and _text(control), prompt
-            drafted += int(spec["total_draft_tokens"][0])
-    finally:
-        client.close()
-        srv.stop()
-    assert drafted > 0
+    prompts = ("one two three one two three one two", "a b c a b c a b c a b")
+    assert _drafted_with_greedy_parity(recipe, repo, root, "suffix", prompts) > 0
 
 
 def _unary_over_the_stream_api(url: str, prompt: str) -> str:
@@ -514,3 +478,29 @@ def test_the_openai_front_is_refused_on_the_llmapi_layout(tmp_path):
     assert result.exit_code != 0 and "llmapi layout" in result.output and not (tmp_path / "engines").exists(), (
         result.output
     )
+
+
+def _drafted_with_greedy_parity(recipe, repo, root, name: str, prompts) -> int:
+    """Serve `repo`, send each prompt greedily to the speculative and the control model, assert equal non-empty
+    answers, and return the draft tokens the speculative model reported; the server is always stopped."""
+    import tritonclient.grpc as grpcclient
+
+    srv = _serve(recipe, repo, root, name)
+    client = grpcclient.InferenceServerClient(srv.state.grpc_url)
+    drafted = 0
+    try:
+        for prompt in prompts:
+            ask = dict(
+                text_input=prompt,
+                sampling_param_max_tokens=24,
+                sampling_param_top_k=1,
+                sampling_param_exclude_input_from_output=True,
+                sampling_param_return_perf_metrics=True,
+            )
+            spec, control = _infer(client, "tensorrt_llm", **ask), _infer(client, "tensorrt_llm_control", **ask)
+            assert _text(spec) == _text(control) and _text(control), prompt
+            drafted += int(spec["total_draft_tokens"][0])
+    finally:
+        client.close()
+        srv.stop()
+    return drafted
