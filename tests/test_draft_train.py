@@ -7,6 +7,7 @@ writes, in its contract's format), so the head has something to learn: the targe
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -905,6 +906,60 @@ def test_training_on_top_k_labels_raises_heldout_acceptance(tiny, tiny_engine, t
     assert artifacts.Manifest.read(layout.eagle3_head).settings["train"]["label_top_k"] == 8
 
 
+def test_acceptance_losses_are_minus_log_and_one_minus_the_overlap_of_the_two_distributions():
+    """draft.train.loss lk / tv on hand-made distributions: alpha = sum min(p, q) per position, lk the masked mean of
+    -log alpha, tv of 1 - alpha; masked positions count for nothing; a head equal to the target loses nothing."""
+    p = torch.tensor([[[0.7, 0.2, 0.1], [0.1, 0.1, 0.8], [1.0, 0.0, 0.0]]])  # [B 1, S 3, V 3]
+    q = torch.tensor([[[0.5, 0.5, 0.0], [0.1, 0.1, 0.8], [0.0, 0.0, 1.0]]])
+    logits = q.clamp_min(1e-12).log()
+    mask = torch.tensor([[1, 1, 0]])  # the third position (disjoint support) is not an answer token
+    alphas = [0.5 + 0.2 + 0.0, 1.0]
+    lk = modelopt_eagle3.acceptance_loss("lk", p, logits, mask)
+    tv = modelopt_eagle3.acceptance_loss("tv", p, logits, mask)
+    assert lk.item() == pytest.approx(sum(-math.log(a) for a in alphas) / 2, rel=1e-4)
+    assert tv.item() == pytest.approx(sum(1 - a for a in alphas) / 2, rel=1e-4)
+    everything = modelopt_eagle3.acceptance_loss("lk", p, logits, torch.ones(1, 3))
+    assert everything.item() == pytest.approx((-math.log(0.7) - math.log(1e-6)) / 3, rel=1e-3)  # clamped, finite
+    assert modelopt_eagle3.acceptance_loss("lk", p, p.log(), mask).item() == pytest.approx(0.0, abs=1e-5)
+    # the gradient flows to the head's logits and raises the overlap
+    logits = logits.clone().requires_grad_(True)
+    modelopt_eagle3.acceptance_loss("lk", p, logits, mask).backward()
+    assert logits.grad[0, 0, 1] > 0 > logits.grad[0, 0, 0]  # less of the over-drafted token, more of the likely one
+
+
+def test_training_on_the_lk_loss_raises_heldout_acceptance_and_replaces_modelopts_loss(tiny, tmp_path):
+    """draft.train.loss lk: the step's loss is -log alpha (<= ttt_steps * -log 1e-6, and not ModelOpt's cross-entropy
+    on the same batch), the position accuracy is ModelOpt's, and a short run raises held-out acceptance."""
+    root, target, data = tiny
+    t = Eagle3TrainConfig(**TRAIN)
+    samples = _samples(data / "heldout.jsonl")[:6]
+    ids, loss_mask, _ = draft_train_loop.make_batch(samples, 32, 0)
+    draft_ids = modelopt_eagle3.choose_draft_vocab(_samples(data / "train.jsonl"), VOCAB, t.draft_vocab_size)
+    outs = {}
+    for kind in ("kl", "lk", "tv"):
+        torch.manual_seed(0)
+        model = modelopt_eagle3.build_model(target, t, draft_ids, [0, 1])
+        modelopt_eagle3.use_loss(model, kind)
+        model.train()
+        model._mask_cache = draft_train_loop._MaskCache(model)
+        model._mask_cache.use(ids.shape[1])
+        with torch.no_grad():
+            outs[kind] = model(input_ids=ids, loss_mask=loss_mask)
+    assert outs["kl"].train_acc == outs["lk"].train_acc == outs["tv"].train_acc
+    assert 0 < float(outs["tv"].loss) <= t.ttt_steps  # a sum over the steps of 1 - alpha (decayed)
+    assert float(outs["lk"].loss) > float(outs["tv"].loss)  # -log a > 1 - a
+    assert float(outs["lk"].loss) != pytest.approx(float(outs["kl"].loss), rel=1e-3)
+
+    recipe = recipe_for(target, loss="lk")
+    layout = layout_with_data(tmp_path, data, recipe, "lk")
+    lines = []
+    result = draft_train.train_recipe(recipe, layout, echo=lines.append, progress=False)
+    before, after = result.initial_acceptance, result.acceptance
+    assert after.per_position[0] > before.per_position[0] + 0.2, (before, after)
+    assert artifacts.Manifest.read(layout.eagle3_head).settings["train"]["loss"] == "lk"
+    assert any("loss: lk" in line for line in lines)
+
+
 def test_a_head_trained_further_starts_where_the_exported_one_ended(tiny, tmp_path):
     """init_head: the second run's untrained acceptance is the first run's final one (its weights and d2t loaded),
     and it trains on from there; the fingerprint names the head it started from."""
@@ -983,7 +1038,7 @@ def test_new_train_keys_at_their_defaults_keep_a_heads_fingerprint_and_bad_ones_
     old = {
         k: v
         for k, v in to_plain(recipe.draft.train).items()
-        if k not in ("features", "init_head", "length_grouping", "data_dir", "label_top_k", "heldout_samples")
+        if k not in ("features", "init_head", "length_grouping", "data_dir", "label_top_k", "heldout_samples", "loss")
     }
     assert draft_train.stage_fingerprint(recipe, "t", "d") == fingerprint(
         stage=draft_train.STAGE, target="t", data="d", train=old
@@ -1001,6 +1056,11 @@ def test_new_train_keys_at_their_defaults_keep_a_heads_fingerprint_and_bad_ones_
         recipe_for(Path("/x"), features="engine", label_top_k=-1)
     with pytest.raises(ConfigError, match="heldout_samples' is -1"):
         recipe_for(Path("/x"), heldout_samples=-1)
+    assert draft_train.stage_fingerprint(
+        recipe_for(Path("/nonexistent"), loss="lk"), "t", "d"
+    ) != draft_train.stage_fingerprint(recipe, "t", "d")
+    with pytest.raises(ConfigError, match="(?s)draft.train.loss.*kl, lk, tv"):
+        recipe_for(Path("/x"), loss="ce")
     with pytest.raises(ConfigError, match="draft.train.features' is engine on backend trtllm-llmapi") as err:
         parse_recipe(
             {

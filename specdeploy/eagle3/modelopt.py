@@ -239,6 +239,44 @@ def accept_draft_space_logits(model) -> None:
     model._map_logits_to_draft_vocab = mapped
 
 
+def acceptance_loss(kind: str, target_probs, eagle_logits, loss_mask):
+    """draft.train.loss `lk` or `tv` for one training-time-test step, over the positions loss_mask keeps.
+
+    alpha = sum_x min(p(x), q(x)) is the probability that a token drafted from q is accepted against p (speculative
+    sampling's acceptance, 1 - TV(p, q)). lk: the mean of -log alpha, the LK loss of arXiv 2602.23881 ("LK Losses:
+    Direct Acceptance Rate Optimization for Speculative Decoding", Nebius; section 3, the negative log-acceptance form,
+    whose gradient is TV's scaled by 1 / alpha, so it does not vanish where the head is far off); tv: the mean of
+    1 - alpha. target_probs [B, S', V] (ModelOpt's base_output_softmax_logits: the target's distribution over the
+    draft vocabulary), eagle_logits [B, S, V] with S <= S', loss_mask [B, S'']."""
+    import torch
+
+    width = eagle_logits.shape[1]
+    mask = loss_mask[:, :width].float()
+    q = torch.softmax(eagle_logits.float(), dim=2)
+    alpha = torch.minimum(target_probs[:, :width].float(), q).sum(dim=2)  # [B, S]
+    per_position = -torch.log(alpha.clamp_min(1e-6)) if kind == "lk" else 1.0 - alpha
+    return (per_position * mask).sum() / (mask.sum() + 1e-5)  # ModelOpt's normalisation (hf_eagle.py `_eagle_loss`)
+
+
+def use_loss(model, kind: str) -> None:
+    """Train a converted model's head on draft.train.loss `kind`: `kl` leaves ModelOpt's own `_eagle_loss` (0.47,
+    plugins/hf_eagle.py:852-872: soft cross-entropy against the target's softmax, and the position accuracy); `lk` and
+    `tv` replace it by `acceptance_loss` and the same accuracy. ModelOpt calls `self._eagle_loss(...)` once
+    per training-time-test step (hf_eagle.py:812-818), so an attribute of the instance replaces it (as
+    `accept_draft_space_logits` replaces `_map_logits_to_draft_vocab`)."""
+    if kind == "kl":
+        return
+
+    def loss(base_output_softmax_logits, base_output_predict_tok, eagle_logits, loss_mask):
+        width = eagle_logits.shape[1]
+        valid = loss_mask[:, :width].bool()
+        hits = (base_output_predict_tok[:, :width] == eagle_logits.detach().argmax(dim=-1)) & valid
+        accuracy = hits.sum().float() / valid.sum().clamp_min(1).float()  # as ModelOpt's: top-1 equals the target's
+        return acceptance_loss(kind, base_output_softmax_logits, eagle_logits, loss_mask), accuracy
+
+    model._eagle_loss = loss
+
+
 def init_head_from_target(model, draft_ids: list[int] | None, src) -> None:
     """Start the head's decoder layer from the target's last layer `src` and its LM head from the target's rows.
 

@@ -39,6 +39,7 @@ from specdeploy.eagle3.modelopt import (
     draft_target_ids,
     export_head,
     load_exported_head,
+    use_loss,
     write_vocab_counts,
 )
 from specdeploy.eagle3.samples import read_draft_data
@@ -83,6 +84,7 @@ _LATER_KEYS = {
     "data_dir": "",
     "label_top_k": 0,
     "heldout_samples": 0,
+    "loss": "kl",
 }
 
 
@@ -264,6 +266,9 @@ def train_recipe(
         plan, t, dest.parent, free_bytes(dest.parent) + tree_bytes(work)
     )  # the work folder's checkpoint is replaced
     model = build_model(target_dir, t, draft_ids, aux_ids, device, offline=features is not None)
+    use_loss(model, t.loss)
+    if t.loss != "kl":
+        echo(f'  loss: {t.loss} (draft.train.loss; docs/eagle3-train.md "The loss")')
     if init is not None:
         load_exported_head(model, init)  # its weights and its d2t
         echo(f"  starting from the head in {init}")

@@ -18,6 +18,7 @@ from specdeploy.recipe.config import (
     EAGLE3_HEAD_WEIGHTS,
     EAGLE3_LR_SCHEDULES,
     EAGLE3_TRAIN_FEATURES,
+    EAGLE3_TRAIN_LOSSES,
     EAGLE3_TRAIN_PRECISIONS,
     ENGINE_DTYPES,
     KV_CACHE_DTYPES,
@@ -673,6 +674,7 @@ def _check_eagle3(r: Recipe) -> None:
     _choice("draft.train.precision", t.precision, EAGLE3_TRAIN_PRECISIONS)
     _choice("draft.train.lr_schedule", t.lr_schedule, EAGLE3_LR_SCHEDULES)
     _choice("draft.train.features", t.features, EAGLE3_TRAIN_FEATURES)
+    _choice("draft.train.loss", t.loss, EAGLE3_TRAIN_LOSSES)
     if t.init_head == EAGLE3_HEAD_TRAINED:
         raise ConfigError(
             "key 'draft.train.init_head' is 'trained': the head this recipe trains cannot be its own start",

@@ -101,6 +101,7 @@ EAGLE3_EXPORT_DTYPES = ("float32", "bfloat16", "float16")  # draft.train.export_
 EAGLE3_TRAIN_PRECISIONS = ("auto", "float32", "bfloat16")  # draft.train.precision
 EAGLE3_LR_SCHEDULES = ("constant", "cosine")  # draft.train.lr_schedule
 EAGLE3_TRAIN_FEATURES = ("target", "engine")  # draft.train.features
+EAGLE3_TRAIN_LOSSES = ("kl", "lk", "tv")  # draft.train.loss
 EAGLE3_DATA_BACKENDS = ("engine", "torch")  # draft.data.backend
 EAGLE3_HEAD_WEIGHTS = ("auto", "int8", "bf16")  # draft.head_weights
 # beside an EAGLE-3 head, specdeploy's own (the runtimes read config.json and model.safetensors only): how often each
@@ -189,6 +190,11 @@ class Eagle3TrainConfig:
     # held-out samples the acceptance is measured on before and after training (and at each epoch's end): the first N
     # in an order drawn with `seed`; 0: all. A pass over all of them is time a CPU run's --time-limit does not train
     heldout_samples: int = 0
+    # what each draft position is trained to minimise against the target's distribution p (the head's q): kl, ModelOpt's
+    # soft cross-entropy (KL(p || q) up to p's entropy); lk, -log sum_x min(p, q), minus the log of the acceptance
+    # probability (LK losses, arXiv 2602.23881); tv, 1 - sum_x min(p, q), the total variation distance. The held-out
+    # acceptance and the position accuracy are the same whichever (specdeploy.eagle3.modelopt.use_loss)
+    loss: str = "kl"
 
 
 @dataclass(frozen=True)
