@@ -215,6 +215,153 @@ def test_head_passes_of_several_sequences_run_together_as_each_alone(target, hea
         )
 
 
+# ---------------------------------------------------------------- the head's forward in one native call
+
+# (weights, final norm, served vocabulary): the variants of the head's one call
+ONE_CALL_HEADS = [("bf16", True, 0), ("int8", True, 0), ("bf16", False, 16), ("int8", False, 16)]
+
+
+def one_call_mismatches(target, head) -> list[str]:
+    """Where the head's one native call (csrc Eagle3Head) gives other bits than its ops (`_forward_ops`: the same
+    kernels, one call each): catch-ups of 1..5 rows, alone and beside another sequence's draft step (run_passes: fc
+    inside the call), and 1..5 rows of head features (forward_batch), after caches of 5 and 3 rows; logits, prenorm
+    rows and the caches' keys and values."""
+    from specdeploy.engine.eagle3 import HeadPass
+
+    assert head.one_call is not None
+    ids = prompt_of(6, 12)
+    _, aux = target.forward(target.new_cache(64), torch.tensor(ids), aux_layers=AUX)  # [12, 3 * hidden]
+    tokens = ids[1:] + [9]
+    one_call = head.one_call
+
+    def outputs(native: bool) -> list[torch.Tensor]:
+        head.one_call = one_call if native else None
+        try:
+            a, b = head.new_drafter(64), head.new_drafter(64)
+            a.catch_up(aux[:5], tokens[:5])
+            b.catch_up(aux[:3], tokens[:3])
+            got = []
+            for n in range(1, 6):
+                for passes in (
+                    [HeadPass(a, tokens[5 : 5 + n], aux=aux[5 : 5 + n])],
+                    [HeadPass(a, tokens[5 : 5 + n], aux=aux[5 : 5 + n]), HeadPass(b, tokens[3:4], features=b.prenorm)],
+                    [HeadPass(b, tokens[3:4], features=b.prenorm), HeadPass(a, tokens[5 : 5 + n], aux=aux[5 : 5 + n])],
+                ):
+                    head.run_passes(passes)
+                    got += [
+                        x for p in passes for x in (p.logits, p.prenorm, *p.drafter.cache.read(0, p.drafter.length))
+                    ]
+                    a.cache.truncate(5)
+                    b.cache.truncate(3)
+                features = torch.cat([a.prenorm] * n) + torch.arange(n, dtype=head.dtype)[:, None]  # [n, hidden]
+                logits, prenorm = head.forward_batch([a.cache], features, torch.tensor(tokens[5 : 5 + n]), [n])
+                got += [logits, prenorm, *a.cache.read(0, 5 + n)]
+                a.cache.truncate(5)
+            return got
+        finally:
+            head.one_call = one_call
+
+    native, ops = outputs(True), outputs(False)
+    assert len(native) == len(ops)
+    return [f"output {i}" for i, (x, y) in enumerate(zip(native, ops)) if not torch.equal(x, y)]
+
+
+def _one_call_head(path, target, weights, with_norm, served):
+    head_dir = _counted_head(path, [(i * 37) % 11 for i in range(64)], with_norm=with_norm)
+    return Eagle3Head.load(head_dir, target, weights, serve_vocab_size=served)
+
+
+@pytest.fixture(scope="module")
+def bf16_target_dir(four_layer_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("eng_bf16")
+    _engine(four_layer_dir, out, "bfloat16")
+    return out / "bfloat16"
+
+
+@pytest.mark.parametrize("weights, with_norm, served", ONE_CALL_HEADS)
+def test_the_heads_one_native_call_gives_the_bits_of_its_ops(target, tmp_path, weights, with_norm, served):
+    """The head's forward in one native call equals the same kernels called op by op, bit for bit: bf16 and int8
+    linears, with and without a final norm and a served vocabulary; on the f32 target (torch ops) there is no call."""
+    head = _one_call_head(tmp_path / "h", target, weights, with_norm, served)
+    if target.native is None:
+        assert head.one_call is None
+        return
+    assert one_call_mismatches(target, head) == []
+
+
+def test_the_heads_one_native_call_gives_the_bits_of_its_ops_in_the_other_builds(bf16_target_dir, tmp_path):
+    """The same comparison in the other builds of the native kernels this CPU can load (each its own build folder):
+    the AVX2 one on an AVX-512 CPU (SPECDEPLOY_NATIVE_AVX512=0), the other bf16 kernel on an AVX512-BF16 one."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from specdeploy.engine import native
+
+    if native.ops() is None:
+        pytest.skip("no native kernels here")
+    builds = []  # (environment, the build's isa and bf16 kernel)
+    if native.isa().startswith("avx512"):
+        builds.append(({native.AVX512_ENV: "0"}, "avx2 f32"))
+    if native.isa() == "avx512-bf16":
+        other = "pairs" if native.bf16_kernel() == "dpbf16" else "dpbf16"
+        builds.append(({native.BF16_ENV: other}, f"avx512-bf16 {other}"))
+    if not builds:
+        pytest.skip(f"{native.isa()}: no other build of the kernels on this CPU")
+    tests = Path(__file__).parent
+    code = "\n".join(
+        [
+            "import sys, pathlib, test_eagle3_fused as t",
+            "from specdeploy.engine import native",
+            "from specdeploy.engine.model import CpuEngine",
+            f"target = CpuEngine.load({str(bf16_target_dir)!r})",
+            f"root = pathlib.Path({str(tmp_path)!r})",
+            "heads = [(v, t._one_call_head(root / str(i), target, *v)) for i, v in enumerate(t.ONE_CALL_HEADS)]",
+            "bad = [(v, t.one_call_mismatches(target, head)) for v, head in heads]",
+            "print(native.isa(), native.bf16_kernel(), bad)",
+            "sys.exit(any(b for _, b in bad))",
+        ]
+    )
+    for env, build in builds:
+        done = subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, **env, "PYTHONPATH": os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")])},
+            capture_output=True,
+            text=True,
+        )
+        assert done.returncode == 0 and done.stdout.startswith(build), (env, done.stdout[-2000:], done.stderr[-2000:])
+
+
+def test_the_fused_loop_runs_the_heads_one_native_call(target, head_dir, monkeypatch):
+    """Where the native kernels run the head, every head pass of the fused loop is one native call (none op by op),
+    and the output is the target's."""
+    head = Eagle3Head.load(head_dir, target)
+    if target.native is None:
+        assert head.one_call is None
+        return
+    assert head.one_call is not None
+
+    class Counted:
+        def __init__(self, inner):
+            self.inner, self.calls = inner, 0
+
+        def forward(self, *args):
+            self.calls += 1
+            return self.inner.forward(*args)
+
+    head.one_call = counted = Counted(head.one_call)
+
+    def no_ops(*args):
+        raise AssertionError("the head ran op by op")
+
+    monkeypatch.setattr(head, "_forward_ops", no_ops)
+    prompt = prompt_of(7, 9)
+    got = run(Executor(target, head=head), EngineRequest(prompt, 16, num_draft_tokens=3))
+    assert got.token_ids == run(Executor(target), EngineRequest(prompt, 16)).token_ids
+    assert got.stats.drafted > 0 and counted.calls > 0
+
+
 def test_a_request_closed_mid_draft_leaves_the_heads_cache_as_before(target, head_dir):
     """draft_steps closed between two head passes (a request cancelled while the scheduler batches heads) rolls the
     head's cache back to its caught-up rows, as a finished draft does."""

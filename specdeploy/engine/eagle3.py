@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 
 from specdeploy.core.errors import ModelError
-from specdeploy.engine.kernels import make_linear
+from specdeploy.engine.kernels import NativeLinear, make_linear
 from specdeploy.engine.kv_cache import KVCache
 from specdeploy.engine.model import LazyTensors, rms_norm, rope_inv_freq
 from specdeploy.recipe.config import EAGLE3_HEAD_WEIGHTS, EAGLE3_VOCAB_COUNTS
@@ -71,6 +71,7 @@ ARCHITECTURE = "LlamaForCausalLMEagle3"  # modelopt/torch/export/plugins/hf_spec
 # how the CPU engine holds the head's linears: recipe draft.head_weights with "auto" resolved
 # (DraftConfig.cpu_head_weights)
 HEAD_WEIGHTS_KINDS = tuple(w for w in EAGLE3_HEAD_WEIGHTS if w != "auto")
+NATIVE_LINEARS = ("fc", "qkv", "o", "gate_up", "down", "lm_head")  # csrc Eagle3Head.set_linear's names
 
 
 def quantize_int8_per_channel(weight: torch.Tensor, dtype: torch.dtype) -> dict:
@@ -299,6 +300,7 @@ class Eagle3Head:
         self.served_vocab_size = c.draft_vocab_size if served_ids is None else len(served_ids)
         linears = (self.fc, self.qkv, self.o, self.gate_up, self.down, self.lm_head)
         self.row_invariant = all(getattr(lin, "row_invariant", False) for lin in linears)  # forward_batch's rows
+        self.one_call = self._native_head()
 
     @classmethod
     def load(cls, head_dir: str | Path, target, weights: str = "bf16", serve_vocab_size: int = 0) -> "Eagle3Head":
@@ -323,6 +325,20 @@ class Eagle3Head:
     def new_cache(self, max_len: int | None = None) -> KVCache:
         c = self.config
         return KVCache(1, c.num_kv_heads, c.head_size, min(max_len or self.max_len, self.max_len), self.dtype)
+
+    def _native_head(self):
+        """The whole forward in one native call (csrc Eagle3Head: the ops of `_forward_ops`, the same kernels in the
+        same order), where every linear runs on a native kernel; else None and `_forward_ops` runs op by op."""
+        if self.native is None or not all(isinstance(getattr(self, n), NativeLinear) for n in NATIVE_LINEARS):
+            return None
+        c = self.config
+        head = torch.classes.specdeploy_cpu.Eagle3Head(
+            c.num_heads, c.num_kv_heads, self.scale, c.norm_epsilon, self.cos, self.sin, self.embedding
+        )
+        head.set_norms(self.input_norm, self.hidden_norm, self.post_norm, self.final_norm)
+        for name in NATIVE_LINEARS:
+            head.set_linear(name, *getattr(self, name).args())
+        return head
 
     # ------------------------------------------------------------------ the math
 
@@ -358,6 +374,25 @@ class Eagle3Head:
 
         The native kernels compute each row alone (csrc/cpu_kernels.cpp, "Row invariance"), so a sequence's rows are
         the bits its own `forward` gives, whatever it is batched with."""
+        if self.one_call is not None:
+            return self._forward_native(caches, [features], [0], token_ids, counts)
+        return self._forward_ops(caches, features, token_ids, counts)
+
+    def _forward_native(self, caches, inputs, project, token_ids, counts) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward_batch in one native call, from input blocks: the target's aux features of a catch-up where
+        project[i] is 1 (fc runs inside the call), head features where it is 0."""
+        blocks = [x.to(self.dtype).contiguous() for x in inputs]
+        tokens = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
+        keys, values = [c.keys for c in caches], [c.values for c in caches]
+        logits, prenorm = self.one_call.forward(
+            blocks, project, tokens, keys, values, [c.length for c in caches], list(counts)
+        )
+        for cache, n in zip(caches, counts):
+            cache.length += n
+        return logits, prenorm
+
+    def _forward_ops(self, caches, features, token_ids, counts) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward_batch op by op: torch ops, or the native kernels one call each (the reference of the one call)."""
         features = features.to(self.dtype)
         embeds = self.embedding[torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)]  # [R, h]
         x = torch.cat([self._norm(embeds, self.input_norm), self._norm(features, self.hidden_norm)], dim=-1)  # [R, 2h]
@@ -391,7 +426,20 @@ class Eagle3Head:
         """Run the head forwards several sequences ask for (`HeadPass`, one per sequence) as one `forward_batch`
         (the target features of the catch-up passes through fc together); sets each pass's logits and prenorm. A
         head whose linears are not all row-invariant (torch's f32 GEMM: kernels.py) runs them one by one instead, as
-        an engine that pads its rows runs its sequences (model.py)."""
+        an engine that pads its rows runs its sequences (model.py). The one native call takes the passes as they come,
+        fc included."""
+        if self.one_call is not None:
+            logits, prenorm = self._forward_native(
+                [p.drafter.cache for p in passes],
+                [p.features if p.aux is None else p.aux for p in passes],
+                [int(p.aux is not None) for p in passes],
+                torch.tensor([t for p in passes for t in p.tokens], dtype=torch.long),
+                [len(p.tokens) for p in passes],
+            )
+            rows = prenorm.split([len(p.tokens) for p in passes]) if len(passes) > 1 else (prenorm,)
+            for p, row_logits, p_rows in zip(passes, logits, rows):
+                p.logits, p.prenorm = row_logits, p_rows
+            return
         if len(passes) == 1:
             p = passes[0]
             logits, p.prenorm = self.forward_batch(

@@ -689,7 +689,27 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t kind, i
   return y;
 }
 
-// As Hugging Face's LlamaRMSNorm: weight * bf16(x * rsqrt(mean(x^2) + eps)), statistics in f32.
+// As Hugging Face's LlamaRMSNorm, one row of H: out = weight * bf16(x * rsqrt(mean(x^2) + eps)), statistics in f32.
+inline void rms_norm_row(const c10::BFloat16* row, const c10::BFloat16* wp, int64_t H, double eps, c10::BFloat16* out) {
+  if (H % kLanes == 0) {  // the same formula, kLanes at a time (sum of squares in lane order, then hsum)
+    Vec acc = vzero();
+    for (int64_t h = 0; h < H; h += kLanes) {
+      Vec v = load_bf16(row + h);
+      acc = vfmadd(v, v, acc);
+    }
+    float sum = hsum(acc);
+    Vec inv = vset1(1.0f / std::sqrt(sum / static_cast<float>(H) + static_cast<float>(eps)));
+    for (int64_t h = 0; h < H; h += kLanes)
+      store_bf16(out + h, vmul(load_bf16(wp + h), round_bf16(vmul(load_bf16(row + h), inv))));
+    return;
+  }
+  float sum = 0.0f;
+  for (int64_t h = 0; h < H; ++h) sum += static_cast<float>(row[h]) * static_cast<float>(row[h]);
+  float inv = 1.0f / std::sqrt(sum / static_cast<float>(H) + static_cast<float>(eps));
+  for (int64_t h = 0; h < H; ++h) out[h] = c10::BFloat16(static_cast<float>(wp[h]) * round_bf16(static_cast<float>(row[h]) * inv));
+}
+
+// rms_norm_row over the rows of x [M, H].
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x: expected contiguous bf16 [M, H]");
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.numel() == x.size(1), "weight: expected bf16 [H]");
@@ -697,29 +717,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   at::Tensor y = at::empty_like(x);
   const c10::BFloat16 *xp = x.data_ptr<c10::BFloat16>(), *wp = weight.data_ptr<c10::BFloat16>();
   c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
-  if (H % kLanes == 0) {  // the same formula, kLanes at a time (sum of squares in lane order, then hsum)
-    for (int64_t m = 0; m < M; ++m) {
-      const c10::BFloat16* row = xp + m * H;
-      Vec acc = vzero();
-      for (int64_t h = 0; h < H; h += kLanes) {
-        Vec v = load_bf16(row + h);
-        acc = vfmadd(v, v, acc);
-      }
-      float sum = hsum(acc);
-      Vec inv = vset1(1.0f / std::sqrt(sum / static_cast<float>(H) + static_cast<float>(eps)));
-      for (int64_t h = 0; h < H; h += kLanes)
-        store_bf16(yp + m * H + h, vmul(load_bf16(wp + h), round_bf16(vmul(load_bf16(row + h), inv))));
-    }
-    return y;
-  }
-  for (int64_t m = 0; m < M; ++m) {
-    const c10::BFloat16* row = xp + m * H;
-    float sum = 0.0f;
-    for (int64_t h = 0; h < H; ++h) sum += static_cast<float>(row[h]) * static_cast<float>(row[h]);
-    float inv = 1.0f / std::sqrt(sum / static_cast<float>(H) + static_cast<float>(eps));
-    for (int64_t h = 0; h < H; ++h)
-      yp[m * H + h] = c10::BFloat16(static_cast<float>(wp[h]) * round_bf16(static_cast<float>(row[h]) * inv));
-  }
+  for (int64_t m = 0; m < M; ++m) rms_norm_row(xp + m * H, wp, H, eps, yp + m * H);
   return y;
 }
 
@@ -1370,6 +1368,146 @@ struct Decoder : torch::CustomClassHolder {
   }
 };
 
+// An EAGLE-3 head's forward in one call (engine/eagle3.py Eagle3Head.forward_batch, whose ops it runs in the same
+// order with the same kernels, so with the same bits; the math is in that module's docstring): the rows of several
+// sequences, each with its own one-layer KV cache, through fc (the rows of a catch-up), the layer, and the final norm
+// and LM head of each sequence's last row, on one step team. A round's ~12 native and torch calls per head pass, each
+// with its Python and its parallel loops' wake-ups, become one.
+struct Eagle3Head : torch::CustomClassHolder {
+  int64_t num_heads, num_kv_heads;
+  double scale, eps;
+  at::Tensor cos, sin, embedding;  // rope tables [positions, D] f32; the target's embedding [vocab, hidden] bf16
+  at::Tensor input_norm, hidden_norm, post_norm, final_norm;  // final_norm undefined: the head has none
+  LinearParams fc, qkv, o, gate_up, down, lm_head;
+  // Per-part seconds since set_profile(true) (bench/round_profile.py): fc, layer, lm head (with the final norm), calls.
+  static constexpr int64_t kProfileParts = 4;
+  bool profiling = false;
+  std::vector<double> seconds = std::vector<double>(kProfileParts, 0.0);
+
+  Eagle3Head(int64_t num_heads, int64_t num_kv_heads, double scale, double eps, at::Tensor cos, at::Tensor sin,
+             at::Tensor embedding)
+      : num_heads(num_heads), num_kv_heads(num_kv_heads), scale(scale), eps(eps), cos(std::move(cos)),
+        sin(std::move(sin)), embedding(std::move(embedding)) {
+    TORCH_CHECK(this->embedding.dim() == 2 && this->embedding.scalar_type() == at::kBFloat16 && this->embedding.is_contiguous(),
+                "embedding: expected contiguous bf16 [vocab, hidden]");
+  }
+
+  void set_norms(at::Tensor input, at::Tensor hidden, at::Tensor post, std::optional<at::Tensor> final) {
+    int64_t H = embedding.size(1);
+    for (const at::Tensor* w : {&input, &hidden, &post})
+      TORCH_CHECK(w->scalar_type() == at::kBFloat16 && w->is_contiguous() && w->numel() == H, "norms: expected bf16 [hidden]");
+    input_norm = std::move(input);
+    hidden_norm = std::move(hidden);
+    post_norm = std::move(post);
+    final_norm = final.has_value() ? std::move(*final) : at::Tensor();
+  }
+
+  void set_linear(const std::string& name, at::Tensor packed, int64_t kind, int64_t n, std::optional<at::Tensor> group_scale,
+                  int64_t group_size, std::optional<at::Tensor> pre_quant_scale, double act_scale,
+                  std::optional<at::Tensor> out_scale, std::optional<at::Tensor> bias) {
+    LinearParams* target = name == "fc" ? &fc : name == "qkv" ? &qkv : name == "o" ? &o : name == "gate_up" ? &gate_up
+                           : name == "down" ? &down : name == "lm_head" ? &lm_head : nullptr;
+    TORCH_CHECK(target != nullptr, "unknown linear ", name);
+    *target = LinearParams{std::move(packed), kind, n, group_size, std::move(group_scale), std::move(pre_quant_scale),
+                           std::move(out_scale), std::move(bias), act_scale};
+  }
+
+  void set_profile(bool on) {
+    profiling = on;
+    std::fill(seconds.begin(), seconds.end(), 0.0);
+  }
+
+  at::Tensor profile() const { return at::tensor(seconds, at::kDouble); }
+
+  // inputs: the rows' features in blocks, one after the other: a block with project[i] holds the target's aux features
+  // [n, L * hidden] (fc makes them head features, all such blocks in one fc call), any other the head's features
+  // [n, hidden] bf16. tokens [rows] int64: the token after each row. Sequence s has sizes[s] of the rows in turn, at
+  // positions starts[s].. of its cache keys[s] / values[s] ([1, KV, max_len, D] bf16). Returns the logits of each
+  // sequence's last row [sequences, vocab] f32 and the prenorm states [rows, hidden] bf16; writes the caches' rows.
+  std::tuple<at::Tensor, at::Tensor> forward(std::vector<at::Tensor> inputs, std::vector<int64_t> project, at::Tensor tokens,
+                                             std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
+                                             std::vector<int64_t> starts, std::vector<int64_t> sizes) {
+    TORCH_CHECK(!inputs.empty() && inputs.size() == project.size(), "head forward: one project flag per input block");
+    TORCH_CHECK(!keys.empty() && keys.size() == values.size() && keys.size() == starts.size() && keys.size() == sizes.size(),
+                "head forward: one cache, start and size per sequence");
+    int64_t rows = std::accumulate(sizes.begin(), sizes.end(), int64_t{0}), H = embedding.size(1);
+    TORCH_CHECK(tokens.dim() == 1 && tokens.scalar_type() == at::kLong && tokens.numel() == rows,
+                "tokens: expected int64 [rows]");
+    tokens = tokens.contiguous();
+    const int64_t* ids = tokens.data_ptr<int64_t>();
+    for (int64_t r = 0; r < rows; ++r)
+      TORCH_CHECK(ids[r] >= 0 && ids[r] < embedding.size(0), "token id ", ids[r], " outside the embedding");
+    at::Tensor logits, prenorm;
+    step_team::run_step([&] {
+      using Clock = std::chrono::steady_clock;
+      Clock::time_point last = profiling ? Clock::now() : Clock::time_point{};
+      auto mark = [&](int part) {
+        if (!profiling) return;
+        Clock::time_point now = Clock::now();
+        seconds[part] += std::chrono::duration<double>(now - last).count();
+        last = now;
+      };
+      at::Tensor features = head_features(inputs, project, rows, H);  // [rows, H]
+      TORCH_CHECK(features.scalar_type() == at::kBFloat16 && features.dim() == 2 && features.size(0) == rows &&
+                      features.size(1) == H && features.is_contiguous(),
+                  "head forward: the input blocks do not hold bf16 [rows, hidden] features");
+      mark(0);
+      // x = cat(input_norm(embed(token)), hidden_norm(feature)), each half normed in place
+      at::Tensor x = at::empty({rows, 2 * H}, features.options());
+      const c10::BFloat16 *table = embedding.data_ptr<c10::BFloat16>(), *fp = features.data_ptr<c10::BFloat16>();
+      c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+      for (int64_t r = 0; r < rows; ++r) {
+        rms_norm_row(table + ids[r] * H, input_norm.data_ptr<c10::BFloat16>(), H, eps, xp + r * 2 * H);
+        rms_norm_row(fp + r * H, hidden_norm.data_ptr<c10::BFloat16>(), H, eps, xp + r * 2 * H + H);
+      }
+      std::vector<at::Tensor> layer_keys, layer_values;
+      for (size_t s = 0; s < keys.size(); ++s) {
+        layer_keys.push_back(keys[s].select(0, 0));
+        layer_values.push_back(values[s].select(0, 0));
+      }
+      at::Tensor attn = attention_batch(qkv(x), cos, sin, layer_keys, layer_values, starts, sizes, num_heads, num_kv_heads, scale);
+      at::Tensor h = o(attn, features);
+      prenorm = down(swiglu(gate_up(rms_norm(h, post_norm, eps)), std::nullopt), h);  // [rows, H]
+      mark(1);
+      at::Tensor last_rows = at::empty({static_cast<int64_t>(sizes.size()), H}, prenorm.options());  // [sequences, H]
+      int64_t end = 0;
+      for (size_t s = 0; s < sizes.size(); ++s) {
+        end += sizes[s];
+        TORCH_CHECK(sizes[s] > 0, "head forward: a sequence without rows");
+        std::memcpy(last_rows.data_ptr<c10::BFloat16>() + s * H, prenorm.data_ptr<c10::BFloat16>() + (end - 1) * H,
+                    H * sizeof(c10::BFloat16));
+      }
+      if (final_norm.defined()) last_rows = rms_norm(last_rows, final_norm, eps);
+      logits = lm_head(last_rows).to(at::kFloat);
+      mark(2);
+    });
+    if (profiling) seconds[3] += 1;
+    return {logits, prenorm};
+  }
+
+  // The head features [rows, H] of forward's input blocks: the projected blocks through fc together, in one call.
+  at::Tensor head_features(const std::vector<at::Tensor>& inputs, const std::vector<int64_t>& project, int64_t rows, int64_t H) {
+    std::vector<at::Tensor> aux;
+    for (size_t i = 0; i < inputs.size(); ++i)
+      if (project[i]) aux.push_back(inputs[i].contiguous());
+    if (aux.size() == inputs.size() && aux.size() == 1) return fc(aux[0]);  // a catch-up alone
+    if (aux.empty() && inputs.size() == 1) return inputs[0].contiguous();  // a draft step alone
+    at::Tensor projected = aux.empty() ? at::Tensor() : fc(aux.size() == 1 ? aux[0] : at::cat(aux));
+    at::Tensor features = at::empty({rows, H}, embedding.options());
+    int64_t row = 0, taken = 0;  // rows written; rows of `projected` used
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      at::Tensor block = project[i] ? projected.narrow(0, taken, inputs[i].size(0)) : inputs[i].contiguous();
+      TORCH_CHECK(block.size(1) == H && row + block.size(0) <= rows, "head forward: input blocks do not hold the rows");
+      std::memcpy(features.data_ptr<c10::BFloat16>() + row * H, block.data_ptr<c10::BFloat16>(),
+                  block.numel() * sizeof(c10::BFloat16));
+      row += block.size(0);
+      if (project[i]) taken += block.size(0);
+    }
+    TORCH_CHECK(row == rows, "head forward: ", row, " input rows for ", rows, " sequence rows");
+    return features;
+  }
+};
+
 }  // namespace specdeploy
 
 // A standing team around several ops (step_team::Standing): team_open() -> whether this call opened it;
@@ -1387,6 +1525,13 @@ TORCH_LIBRARY(specdeploy_cpu, ops) {
       .def("forward_capture", &specdeploy::Decoder::forward_capture)
       .def("set_profile", &specdeploy::Decoder::set_profile)
       .def("profile", &specdeploy::Decoder::profile);
+  ops.class_<specdeploy::Eagle3Head>("Eagle3Head")
+      .def(torch::init<int64_t, int64_t, double, double, at::Tensor, at::Tensor, at::Tensor>())
+      .def("set_norms", &specdeploy::Eagle3Head::set_norms)
+      .def("set_linear", &specdeploy::Eagle3Head::set_linear)
+      .def("forward", &specdeploy::Eagle3Head::forward)
+      .def("set_profile", &specdeploy::Eagle3Head::set_profile)
+      .def("profile", &specdeploy::Eagle3Head::profile);
   ops.def("team_open", &team_open);
   ops.def("team_close", &team_close);
   ops.def("pack", &pack);
