@@ -14,7 +14,8 @@ process, on the engine's own code paths:
   head      the head's catch-up over n = 1..4 rows (a round accepting n - 1 drafts), one draft step after a catch-up,
             and the head's whole work in a round of --draft-len drafts (Eagle3Drafter.catch_up + draft: Python
             included), as the executor runs them (Eagle3Head.run_passes), split into fc (catch-up only), its LM head
-            and the rest of its layer.
+            and the rest of its layer (timed inside the head's one native call, csrc Eagle3Head.set_profile, where it
+            runs; --head-ops: op by op, the path without it, to compare the two in one run).
   verify    the greedy verification of a pass of m rows (logits.process_rows + verify.verify_greedy).
 A part measured alone runs after an untimed one-row target step, as it follows the target's layers in a round.
   round     the served loop on --prompts chat prompts, k = --draft-len against the target alone: per round the head,
@@ -123,7 +124,7 @@ def profile(engine, head, context: list[int], repeats: int, threads: int, draft_
     from specdeploy.engine.request import EngineRequest, check_request
     from specdeploy.speculation import verify
 
-    decoder, ops = engine.decoder, engine.native
+    decoder, ops, head_call = engine.decoder, engine.native, head.one_call
     layers = head.aux_layer_ids
     length = len(context)
     floor_bytes = part_bytes(engine, head, length)  # before the timers wrap the head's LM head
@@ -239,13 +240,20 @@ def profile(engine, head, context: list[int], repeats: int, threads: int, draft_
                     setup()
                 timers.parts = {}
                 decoder.set_profile(True)
+                if head_call is not None:
+                    head_call.set_profile(True)
                 t0 = time.perf_counter()
                 call()
                 total = time.perf_counter() - t0
             profile = decoder.profile().tolist()
             decoder.set_profile(False)
+            head_profile = [0.0] * 4 if head_call is None else head_call.profile().tolist()  # fc, layer, lm head, calls
+            if head_call is not None:
+                head_call.set_profile(False)
             if rep:
                 parts = dict(timers.parts)
+                if head_profile[-1]:
+                    parts["head fc"], parts["head lm head"] = head_profile[0], head_profile[2]
                 if profile[-1]:
                     parts.update(zip(DECODER_PARTS, profile))
                     # what is left, per call (a median of differences, not a difference of medians)
@@ -268,6 +276,7 @@ def profile(engine, head, context: list[int], repeats: int, threads: int, draft_
         "int8_variant": native.INT8_VARIANT_NAMES[native.int8_variant()],
         "screen": None if screen is None else screen.kind,
         "threads": threads,
+        "head_one_call": head_call is not None,
         "context": length,
         "repeats": repeats,
         "read_gb_s": gb_s,
@@ -293,6 +302,7 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-len", type=int, default=3)
     ap.add_argument("--round-repeats", type=int, default=2)
     ap.add_argument("--out", default="")
+    ap.add_argument("--head-ops", action="store_true", help="run the head op by op, not in its one native call")
     args = ap.parse_args(argv)
 
     import torch
@@ -304,6 +314,8 @@ def main(argv=None) -> int:
     if engine.decoder is None:
         print("round_profile: the engine runs no native decoder here (no AVX2/AVX-512 kernels): skipped")
         return 0
+    if args.head_ops:
+        head.one_call = None
     result = profile(engine, head, context_ids(tokenizer, args.context), args.repeats, args.threads, args.draft_len)
     if args.prompts:
         result["round"] = round_section(args, recipe, engine, head, tokenizer)
@@ -462,7 +474,8 @@ def print_tables(r: dict) -> None:
     cpu = r["cpu"]
     print(
         f"\n{cpu['model']} ({cpu['cores']} cores; {' '.join(cpu['flags'])}), {r['threads']} threads, isa {r['isa']}, "
-        f"int8 {r['int8_variant']}, screen {r['screen']}; context {r['context']}; one-row step {r['step_ms']:.2f} ms; "
+        f"int8 {r['int8_variant']}, screen {r['screen']}, head {'one call' if r['head_one_call'] else 'op by op'}; "
+        f"context {r['context']}; one-row step {r['step_ms']:.2f} ms; "
         f"read bandwidth {r['read_gb_s']:.1f} GB/s; medians of {r['repeats']}, in one-row steps"
     )
     cols = ("total", "linears", "attention", "norms+rope", "aux capture", "lm head", "native call", "python", "verify")

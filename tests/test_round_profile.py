@@ -18,13 +18,20 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def test_the_round_profile_times_every_part_and_leaves_engine_and_head_as_they_were(tmp_path, tiny_tokenizer_dir):
+@pytest.mark.parametrize("one_call", [True, False])
+def test_the_round_profile_times_every_part_and_leaves_engine_and_head_as_they_were(
+    tmp_path, tiny_tokenizer_dir, one_call
+):
+    """The head's parts are timed inside its one native call, or around its ops where it runs op by op."""
     from tests.test_eagle3_fused import AUX, _engine
 
     make_tiny_model(tmp_path / "hf", tiny_tokenizer_dir, seed=0, num_hidden_layers=4)
     engine = _engine(tmp_path / "hf", tmp_path / "engine", "bfloat16")
     head = Eagle3Head.load(make_eagle3_head(tmp_path / "head", 64, 512, AUX), engine)
     assert engine.decoder is not None and engine.screen is not None
+    assert head.one_call is not None
+    if not one_call:
+        head.one_call = None  # what --head-ops does
     lm_head = head.lm_head
     rp = bench_modules.load("round_profile")
     context = torch.randint(4, 512, (40,), generator=torch.Generator().manual_seed(3)).tolist()
@@ -33,7 +40,7 @@ def test_the_round_profile_times_every_part_and_leaves_engine_and_head_as_they_w
     result = rp.profile(engine, head, context, repeats=1, threads=2, draft_len=3)
 
     assert set(result["passes"]) == {"step"} | {f"pass {m}" for m in rp.ROWS}
-    assert result["passes"]["step"]["total"] == 1.0
+    assert result["passes"]["step"]["total"] == 1.0 and result["head_one_call"] == one_call
     for parts in result["passes"].values():
         assert all(parts[p] > 0 for p in ("linears", "attention", "norms+rope", "lm head", "screen alone"))
     assert all(result["passes"][f"pass {m}"]["verify"] > 0 for m in rp.ROWS)

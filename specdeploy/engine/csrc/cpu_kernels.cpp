@@ -1451,7 +1451,7 @@ struct Eagle3Head : torch::CustomClassHolder {
       TORCH_CHECK(features.scalar_type() == at::kBFloat16 && features.dim() == 2 && features.size(0) == rows &&
                       features.size(1) == H && features.is_contiguous(),
                   "head forward: the input blocks do not hold bf16 [rows, hidden] features");
-      mark(0);
+      if (std::any_of(project.begin(), project.end(), [](int64_t p) { return p != 0; })) mark(0);  // else: the layer's
       // x = cat(input_norm(embed(token)), hidden_norm(feature)), each half normed in place
       at::Tensor x = at::empty({rows, 2 * H}, features.options());
       const c10::BFloat16 *table = embedding.data_ptr<c10::BFloat16>(), *fp = features.data_ptr<c10::BFloat16>();
