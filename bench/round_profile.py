@@ -15,11 +15,13 @@ process, on the engine's own code paths:
             and the head's whole work in a round of --draft-len drafts (Eagle3Drafter.catch_up + draft: Python
             included), as the executor runs them (Eagle3Head.run_passes), split into fc (catch-up only), its LM head
             and the rest of its layer (timed inside the head's one native call, csrc Eagle3Head.set_profile, where it
-            runs; --head-ops: op by op, the path without it, to compare the two in one run).
+            runs). Where it runs, the same catch-up of 2 rows, draft step and round also op by op (the path without
+            it), in turns with the rest: `head op by op`.
   verify    the greedy verification of a pass of m rows (logits.process_rows + verify.verify_greedy).
 A part measured alone runs after an untimed one-row target step, as it follows the target's layers in a round.
   round     the served loop on --prompts chat prompts, k = --draft-len against the target alone: per round the head,
-            the pass and the rest (the executor's Python: bookkeeping, lookup, verification), in the control's steps.
+            the pass and the rest (the executor's Python: bookkeeping, lookup, verification), in the control's steps;
+            where the head runs in one native call, also with it op by op, in turns.
 
 Every measurement takes turns with the others in each of --repeats rounds (a slow spell of the shared machine falls on
 all of them) and is reported as a median. Floors: the bytes a part must read over the read bandwidth measured in the
@@ -52,6 +54,20 @@ CATCH_UP = tuple(range(1, 5))
 # the decoder's parts, in the order of csrc Decoder::kProfileParts (the last entry there counts calls)
 DECODER_PARTS = ("norms", "qkv", "rope+kv", "attention", "o", "gate_up", "swiglu", "down", "aux capture")
 LINEARS = ("qkv", "o", "gate_up", "down")
+OP_BY_OP = "ops"  # the prefix of a head measurement's key with the head run op by op
+
+
+def op_by_op(head, call):
+    """`call` with the head run op by op (Eagle3Head._forward_ops), as where its one native call cannot run."""
+
+    def run():
+        one_call, head.one_call = head.one_call, None
+        try:
+            return call()
+        finally:
+            head.one_call = one_call
+
+    return run
 
 
 class Timers:
@@ -225,6 +241,9 @@ def profile(engine, head, context: list[int], repeats: int, threads: int, draft_
     calls.update({f"catch-up {n}": (step, catch_up(n)) for n in CATCH_UP})
     calls["draft step"] = (after_catch_up, draft_step)
     calls[f"head round {draft_len}"] = (step, head_round)
+    if head_call is not None:  # the same work op by op, in turns with the rest
+        for key, (setup, call) in [(k, calls[k]) for k in ("catch-up 2", "draft step", f"head round {draft_len}")]:
+            calls[f"{OP_BY_OP} {key}"] = (setup, op_by_op(head, call))
     calls.update({f"verify {m}": (step, verify_rows(m)) for m in ROWS})
     probe = memory_probe(threads)
     bandwidth: list[float] = []
@@ -286,6 +305,7 @@ def profile(engine, head, context: list[int], repeats: int, threads: int, draft_
     result["floors"] = floors(engine, head, floor_bytes, gb_s)
     result["passes"] = pass_table(med, unit, result["floors"])
     result["head"] = head_table(med, unit, result["floors"])
+    result["head_op_by_op"] = {k[len(OP_BY_OP) + 1 :]: med[k]["total"] / unit for k in med if k.startswith(OP_BY_OP)}
     timers.unwrap()
     return result
 
@@ -302,7 +322,6 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-len", type=int, default=3)
     ap.add_argument("--round-repeats", type=int, default=2)
     ap.add_argument("--out", default="")
-    ap.add_argument("--head-ops", action="store_true", help="run the head op by op, not in its one native call")
     args = ap.parse_args(argv)
 
     import torch
@@ -314,8 +333,6 @@ def main(argv=None) -> int:
     if engine.decoder is None:
         print("round_profile: the engine runs no native decoder here (no AVX2/AVX-512 kernels): skipped")
         return 0
-    if args.head_ops:
-        head.one_call = None
     result = profile(engine, head, context_ids(tokenizer, args.context), args.repeats, args.threads, args.draft_len)
     if args.prompts:
         result["round"] = round_section(args, recipe, engine, head, tokenizer)
@@ -444,30 +461,42 @@ def round_section(args, recipe, engine, head, tokenizer) -> dict:
     prompts = chat_prompts(tokenizer, args.prompts, args.max_tokens)
     executor = Executor(engine, 2, head=head, draft_p_min=recipe.speculative.draft_p_min, lookup_threshold=0)
     run_all(executor, prompts[:1], args.draft_len, 8, tokenizer.eos_token_id)  # warm-up
-    runs = {0: [], args.draft_len: []}
+    arms = {"plain": (0, None), "fused": (args.draft_len, None)}  # name -> (k, how the head runs)
+    if head.one_call is not None:
+        arms[OP_BY_OP] = (args.draft_len, OP_BY_OP)
+    runs = {name: [] for name in arms}
     outputs = {}
     for rep in range(args.round_repeats):
-        for k in (0, args.draft_len) if rep % 2 == 0 else (args.draft_len, 0):
-            tot, outputs[k] = run_all(executor, prompts, k, args.max_tokens, tokenizer.eos_token_id)
-            runs[k].append(tot)
-    plain, fused = runs[0], runs[args.draft_len]
+        for name in list(arms) if rep % 2 == 0 else list(arms)[::-1]:
+            k, how = arms[name]
+            go = lambda k=k: run_all(executor, prompts, k, args.max_tokens, tokenizer.eos_token_id)
+            tot, outputs[name] = (op_by_op(head, go) if how == OP_BY_OP else go)()
+            runs[name].append(tot)
+    plain = runs["plain"]
     step = statistics.median(r["fwd"] / r["passes"] for r in plain)
-    per = lambda key: statistics.median(r[key] / r["passes"] for r in fused) / step
-    rest = statistics.median((r["t"] - r["fwd"] - r["draft"]) / r["passes"] for r in fused) / step
-    plain_rest = statistics.median((r["t"] - r["fwd"]) / r["passes"] for r in plain) / step
-    return {
+
+    def parts(fused: list[dict]) -> dict:
+        per = lambda key: statistics.median(r[key] / r["passes"] for r in fused) / step
+        return {
+            "round_steps": per("t"),
+            "head_steps": per("draft"),
+            "pass_steps": per("fwd"),
+            "rest_steps": statistics.median((r["t"] - r["fwd"] - r["draft"]) / r["passes"] for r in fused) / step,
+            "speedup": statistics.median(r["t"] / r["out"] for r in plain)
+            / statistics.median(r["t"] / r["out"] for r in fused),
+        }
+
+    result = {
         "draft_len": args.draft_len,
         "prompts": len(prompts),
-        "identical_outputs": outputs[0] == outputs[args.draft_len],
-        "tokens_per_pass": statistics.median(r["out"] / r["passes"] for r in fused),
-        "round_steps": per("t"),
-        "head_steps": per("draft"),
-        "pass_steps": per("fwd"),
-        "rest_steps": rest,
-        "plain_rest_steps": plain_rest,
-        "speedup": statistics.median(r["t"] / r["out"] for r in plain)
-        / statistics.median(r["t"] / r["out"] for r in fused),
+        "identical_outputs": all(outputs[name] == outputs["plain"] for name in arms),
+        "tokens_per_pass": statistics.median(r["out"] / r["passes"] for r in runs["fused"]),
+        **parts(runs["fused"]),
+        "plain_rest_steps": statistics.median((r["t"] - r["fwd"]) / r["passes"] for r in plain) / step,
     }
+    if OP_BY_OP in runs:
+        result["head_op_by_op"] = parts(runs[OP_BY_OP])
+    return result
 
 
 def print_tables(r: dict) -> None:
@@ -492,6 +521,8 @@ def print_tables(r: dict) -> None:
     print(f"\n{'head':12}{'total':>8}{'fc':>8}{'lm head':>9}{'layer+py':>10}{'floor':>8}")
     for key, d in r["head"].items():
         print(f"{key:12}{d['total']:8.3f}{d['fc']:8.3f}{d['lm head']:9.3f}{d['layer+python']:10.3f}{d['floor']:8.3f}")
+    if r["head_op_by_op"]:
+        print("head op by op: " + ", ".join(f"{key} {total:.3f}" for key, total in r["head_op_by_op"].items()))
     if "round" in r:
         x = r["round"]
         print(
@@ -500,6 +531,12 @@ def print_tables(r: dict) -> None:
             f"{x['rest_steps']:.2f} (plain decode's rest {x['plain_rest_steps']:.2f}); {x['tokens_per_pass']:.2f} "
             f"tokens a pass; {x['speedup']:.2f}x"
         )
+        if "head_op_by_op" in x:
+            y = x["head_op_by_op"]
+            print(
+                f"  with the head op by op: {y['round_steps']:.2f} steps = head {y['head_steps']:.2f} + pass "
+                f"{y['pass_steps']:.2f} + rest {y['rest_steps']:.2f}; {y['speedup']:.2f}x"
+            )
 
 
 if __name__ == "__main__":

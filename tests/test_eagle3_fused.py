@@ -217,8 +217,15 @@ def test_head_passes_of_several_sequences_run_together_as_each_alone(target, hea
 
 # ---------------------------------------------------------------- the head's forward in one native call
 
-# (weights, final norm, served vocabulary): the variants of the head's one call
-ONE_CALL_HEADS = [("bf16", True, 0), ("int8", True, 0), ("bf16", False, 16), ("int8", False, 16)]
+# (weights, final norm, LM head): the variants of the head's one call; the LM head over all 64 draft tokens, the 16
+# served ones (draft.serve_vocab_size), or the target's (a head without lm_head.weight)
+ONE_CALL_HEADS = [
+    ("bf16", True, "all"),
+    ("int8", True, "all"),
+    ("bf16", False, "served"),
+    ("int8", False, "served"),
+    ("int8", True, "target's"),
+]
 
 
 def one_call_mismatches(target, head) -> list[str]:
@@ -266,9 +273,19 @@ def one_call_mismatches(target, head) -> list[str]:
     return [f"output {i}" for i, (x, y) in enumerate(zip(native, ops)) if not torch.equal(x, y)]
 
 
-def _one_call_head(path, target, weights, with_norm, served):
+def _one_call_head(path, target, weights, with_norm, lm_head):
+    if lm_head == "target's":
+        from safetensors.torch import load_file, save_file
+
+        head_dir = make_eagle3_head(path, 64, 512, AUX, with_norm=with_norm)
+        tensors = load_file(str(head_dir / "model.safetensors"))
+        del tensors["lm_head.weight"]
+        save_file(tensors, str(head_dir / "model.safetensors"))
+        head = Eagle3Head.load(head_dir, target, weights)
+        assert head.lm_head is target.lm_head
+        return head
     head_dir = _counted_head(path, [(i * 37) % 11 for i in range(64)], with_norm=with_norm)
-    return Eagle3Head.load(head_dir, target, weights, serve_vocab_size=served)
+    return Eagle3Head.load(head_dir, target, weights, serve_vocab_size=16 if lm_head == "served" else 0)
 
 
 @pytest.fixture(scope="module")
@@ -278,11 +295,12 @@ def bf16_target_dir(four_layer_dir, tmp_path_factory):
     return out / "bfloat16"
 
 
-@pytest.mark.parametrize("weights, with_norm, served", ONE_CALL_HEADS)
-def test_the_heads_one_native_call_gives_the_bits_of_its_ops(target, tmp_path, weights, with_norm, served):
+@pytest.mark.parametrize("weights, with_norm, lm_head", ONE_CALL_HEADS)
+def test_the_heads_one_native_call_gives_the_bits_of_its_ops(target, tmp_path, weights, with_norm, lm_head):
     """The head's forward in one native call equals the same kernels called op by op, bit for bit: bf16 and int8
-    linears, with and without a final norm and a served vocabulary; on the f32 target (torch ops) there is no call."""
-    head = _one_call_head(tmp_path / "h", target, weights, with_norm, served)
+    linears, with and without a final norm, its own LM head, a served vocabulary of it or the target's; on the f32
+    target (torch ops) there is no call."""
+    head = _one_call_head(tmp_path / "h", target, weights, with_norm, lm_head)
     if target.native is None:
         assert head.one_call is None
         return

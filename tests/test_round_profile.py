@@ -31,7 +31,7 @@ def test_the_round_profile_times_every_part_and_leaves_engine_and_head_as_they_w
     assert engine.decoder is not None and engine.screen is not None
     assert head.one_call is not None
     if not one_call:
-        head.one_call = None  # what --head-ops does
+        head.one_call = None  # as where the native head cannot run
     lm_head = head.lm_head
     rp = bench_modules.load("round_profile")
     context = torch.randint(4, 512, (40,), generator=torch.Generator().manual_seed(3)).tolist()
@@ -47,6 +47,9 @@ def test_the_round_profile_times_every_part_and_leaves_engine_and_head_as_they_w
     assert set(result["head"]) == {f"catch-up {n}" for n in rp.CATCH_UP} | {"draft step", "head round 3"}
     assert all(h["total"] > 0 and h["lm head"] > 0 for h in result["head"].values())
     assert result["head"]["catch-up 1"]["fc"] > 0 and result["head"]["draft step"]["fc"] == 0
+    # where the one call runs, the same head work op by op in turns beside it
+    expected = {"catch-up 2", "draft step", "head round 3"} if one_call else set()
+    assert set(result["head_op_by_op"]) == expected and all(t > 0 for t in result["head_op_by_op"].values())
     assert result["floors"]["bytes"]["linears"] > 0 and result["read_gb_s"] > 0
     # the hooks are off again: the engine's and head's own methods, the same bits
     assert not {"_logits", "_norm", "_native_batch"} & set(vars(engine)) and "project" not in vars(head)
