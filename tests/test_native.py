@@ -583,8 +583,8 @@ def test_attention_follows_a_reference_and_each_rows_bits_are_its_own(head_size,
     (a float64 reference from the same RoPE tables, the cache's earlier keys included), and is bit for bit the row a
     pass of that one row gives, whatever the pass's size (keys in blocks of a vector's lanes: a row's keys count
     never changes another row's sums). A pass of several rows reads each KV head's keys once for a unit of rows x
-    its query heads (csrc attend_queries, the values 3, 2 or 1 queries at a time: groups of 3, 4 and 2 here); one
-    row runs each query head as a task of its own: the same bits."""
+    its query heads (csrc attend_queries, the scores and the values 3, 2 or 1 queries at a time: groups of 3, 4 and 2
+    here); one row runs each query head as a task of its own: the same bits."""
     g = torch.Generator().manual_seed(head_size + start + rows)
     max_len = 80
     width = (heads + 2 * kv_heads) * head_size

@@ -932,28 +932,39 @@ inline float dot(const float* a, const c10::BFloat16* b, int64_t D) {
   return s;
 }
 
-// One query head against keys j_begin..n-1 of its KV head (j_begin a multiple of kLanes), the head size
-// D = C * kLanes (q in registers): p[j] = (q . key_j) * scale, each dot product FMA'd over the head's C vectors from
-// zero, then kLanes keys' lane sums at once (reduce_lanes). p[j]'s bits depend on q and key j alone, never on n (a
-// row's keys count) or the other keys of its block (lanes past n are zeros, never stored).
-template <int C>
-inline void head_scores(const float* qh, const c10::BFloat16* keys, int64_t D, int64_t j_begin, int64_t n, float scale, float* p) {
-  Vec q[C];
-  for (int c = 0; c < C; ++c) q[c] = vload(qh + c * kLanes);
+// Q query heads of one row against keys j_begin..n-1 of their KV head (j_begin a multiple of kLanes), the head size
+// D = C * kLanes (q in registers): p_q[j] = (q . key_j) * scale, each dot product FMA'd over the head's C vectors from
+// zero, then kLanes keys' lane sums at once (reduce_lanes). A key's vectors are loaded once for the Q queries. p_q[j]'s
+// bits depend on q and key j alone, never on n (a row's keys count), Q or the other keys of its block (lanes past n are
+// zeros, never stored).
+template <int C, int Q>
+inline void head_scores(const float* const* qh, const c10::BFloat16* keys, int64_t D, int64_t j_begin, int64_t n,
+                        float scale, float* const* p) {
+  Vec q[Q][C];
+  for (int h = 0; h < Q; ++h)
+    for (int c = 0; c < C; ++c) q[h][c] = vload(qh[h] + c * kLanes);
   for (int64_t j0 = j_begin; j0 < n; j0 += kLanes) {
     int64_t count = std::min<int64_t>(kLanes, n - j0);
-    Vec acc[kLanes];
+    Vec acc[Q][kLanes];
     for (int64_t i = 0; i < kLanes; ++i) {
-      Vec a = vzero();
       if (i < count) {
         const c10::BFloat16* k = keys + (j0 + i) * D;
-        for (int c = 0; c < C; ++c) a = vfmadd(q[c], load_bf16(k + c * kLanes), a);
+        Vec key[C];
+        for (int c = 0; c < C; ++c) key[c] = load_bf16(k + c * kLanes);
+        for (int h = 0; h < Q; ++h) {
+          Vec a = vzero();
+          for (int c = 0; c < C; ++c) a = vfmadd(q[h][c], key[c], a);
+          acc[h][kReduceSlot[i]] = a;
+        }
+      } else {
+        for (int h = 0; h < Q; ++h) acc[h][kReduceSlot[i]] = vzero();
       }
-      acc[kReduceSlot[i]] = a;
     }
-    Vec scores = vmul(reduce_lanes(acc), vset1(scale));
-    if (count == kLanes) vstore(p + j0, scores);
-    else vstore_first(p + j0, scores, count);
+    for (int h = 0; h < Q; ++h) {
+      Vec scores = vmul(reduce_lanes(acc[h]), vset1(scale));
+      if (count == kLanes) vstore(p[h] + j0, scores);
+      else vstore_first(p[h] + j0, scores, count);
+    }
   }
 }
 
@@ -986,6 +997,7 @@ inline float softmax_numerators(float* p, int64_t n, float mx) {
 // Keys (then values) a task reads into L1 at a time; queries of a row whose values are weighed together.
 constexpr int64_t kKeyBlock = 4 * kLanes;
 constexpr int64_t kValueQueries = 3;
+constexpr int64_t kScoreQueries = 3;  // queries of a row whose scores share each key's loads
 
 // acc[q] += w[q][j] * value_j for keys b0..n-1 in order, Q queries with weights w + q * stride and sums acc + q * D.
 template <int C, int Q>
@@ -1023,10 +1035,20 @@ void attend_queries(const float* q, int64_t num_heads, const c10::BFloat16* keys
   auto keys_of = [&](int64_t k) { return start + r0 + k / heads + 1; };
   auto query = [&](int64_t k) { return q + ((r0 + k / heads) * num_heads + h0 + k % heads) * D; };
   for (int64_t b0 = 0; b0 < last; b0 += kKeyBlock) {
-    for (int64_t k = 0; k < queries; ++k) {
+    for (int64_t k = 0; k < queries;) {
       int64_t n = std::min(keys_of(k), b0 + kKeyBlock);
-      if (n <= b0) continue;
-      head_scores<C>(query(k), keys, D, b0, n, scale, p + k * stride);
+      int64_t together = std::min<int64_t>({kScoreQueries, queries - k, heads - k % heads});  // same row: same n
+      if (n > b0) {
+        const float* qs[kScoreQueries];
+        float* ps[kScoreQueries];
+        for (int64_t h = 0; h < together; ++h) qs[h] = query(k + h), ps[h] = p + (k + h) * stride;
+        switch (together) {
+          case 3: head_scores<C, 3>(qs, keys, D, b0, n, scale, ps); break;
+          case 2: head_scores<C, 2>(qs, keys, D, b0, n, scale, ps); break;
+          default: head_scores<C, 1>(qs, keys, D, b0, n, scale, ps);
+        }
+      }
+      k += together;
     }
   }
   for (int64_t k = 0; k < queries; ++k) {
