@@ -1020,10 +1020,11 @@ inline void weigh_values(const float* w, int64_t stride, const c10::BFloat16* va
 }
 
 // The query heads h0..h1-1 of one KV head over rows r0..r1-1, D = C * kLanes, each query's arithmetic its own: its
-// scores kLanes keys at a time (head_scores: FMAs, then reduce_lanes), softmax numerators, w[j] = p[j] / sum, then
-// sum_j w[j] * value_j in key order from zero, rounded to bf16 at the end. A block of kKeyBlock keys (then of values)
-// is read from the cache into L1 once and used by every query of the task before the next block (one query per
-// task streamed a KV head's cache from L2 once per query: a pass of m rows read it 3m times for SmolLM2's groups).
+// scores kLanes keys at a time (head_scores, a row's queries kScoreQueries at a time: FMAs, then reduce_lanes),
+// softmax numerators, w[j] = p[j] / sum, then sum_j w[j] * value_j in key order from zero, rounded to bf16 at the
+// end. A block of kKeyBlock keys (then of values) is read from the cache into L1 once and used by every query of the
+// task before the next block (one query per task streamed a KV head's cache from L2 once per query: a pass of m rows
+// read it 3m times for SmolLM2's groups).
 //   q: [rows, H, D] f32 after RoPE; keys, values: this KV head's cache; p: queries x stride floats of scratch
 //   (stride >= start + r1 + kLanes); acc: queries x D floats; out: [rows, H * D] bf16.
 template <int C>
