@@ -1,18 +1,22 @@
-"""Training throughput of an EAGLE-3 head on the CPU, side by side: the recipe's training step as it is (A: the
-engine's features with the target's whole distribution as the labels) against the same step with
-draft.train.label_top_k (B: the labels kept as the target's top-k draft tokens), same data, same head, same settings.
+"""Training throughput of an EAGLE-3 head on the CPU, side by side: main's training step (A, "today": specdeploy
+imported from a `git archive` of --baseline, main by default) against this tree's (B: the engine's features batched
+with the LM head over the draft vocabulary only, the training-time test's attention on torch's fused CPU kernel, and
+draft.train.feature_cache), the same samples, head and settings: the recipe's draft.train with label_top_k = --top-k
+(64, as build/smollm2-135m-eagle3-sharegpt.yaml; 0: the whole distribution), --epochs passes over --steps batches.
 
 The arms take turns (ABBA ...), each turn in a fresh process (its own peak memory; the machine is shared and its load
 drifts, so neither arm gets the quiet minutes alone). A turn starts from the recipe's init_head (else a fresh head),
-runs --steps training steps of draft.train.batch_size samples and reports the steps' real tokens per second (what
-`draft train` logs as train_tokens_per_s: held-out passes not counted) and its peak resident memory. `--profile`
-also prints where one step's time goes (torch.profiler, each arm, ops by self CPU time).
+runs --epochs x --steps training steps of draft.train.batch_size samples and reports the steps' real tokens per second
+(what `draft train` logs as train_tokens_per_s: held-out passes not counted) in the first epoch and in the later ones
+(where B reads its features from the cache it wrote in the first) and its peak resident memory. `--profile` also
+prints where one step's time goes (torch.profiler, each arm, ops by self CPU time; B twice: its features from the
+engine, then the same batch's from the cache).
 
 The data: ShareGPT's train split as scored text (a user turn and its assistant turn in the chat template, the loss on
 the answer), cut to draft.train.seq_len; the held-out split is never read.
 
     .venv/bin/python bench/eagle3_train_speed.py --recipe build/smollm2-135m-eagle3-tune.yaml --top-k 64 \\
-        [--steps 3] [--order ABBA] [--batch-size 32] [--profile] [--out engines/eagle3-train-speed.json]
+        [--steps 3] [--epochs 2] [--order ABBA] [--batch-size 8] [--profile] [--out engines/eagle3-train-speed.json]
 """
 
 from __future__ import annotations
@@ -64,9 +68,13 @@ def scored_samples(tokenizer, count: int, seq_len: int, seed: int):
 
 
 def one_turn(args) -> dict:
-    """One arm's turn in this process: --steps training steps with the recipe's settings."""
+    """One arm's turn in this process: --epochs x --steps training steps with the recipe's settings; arm A imports
+    specdeploy from --baseline-dir (main's code), B from this tree."""
+    if args.arm == "A":
+        sys.path.insert(0, args.baseline_dir)
     import torch
 
+    import specdeploy
     from specdeploy.core import artifacts
     from specdeploy.core import model_store as models
     from specdeploy.eagle3.features import EngineFeatures
@@ -84,13 +92,15 @@ def one_turn(args) -> dict:
     from specdeploy.engine.generate import load_tokenizer
     from specdeploy.recipe.load import load_recipe
 
+    tree = str(Path(specdeploy.__file__).parent.parent)
+    assert tree == (args.baseline_dir if args.arm == "A" else str(ROOT)), tree
     recipe = load_recipe(args.recipe)
     t = replace(
         recipe.draft.train,
         batch_size=args.batch_size or recipe.draft.train.batch_size,
         length_grouping=False,
-        label_top_k=args.top_k if args.arm == "B" else 0,
-        epochs=1.0,
+        label_top_k=args.top_k,
+        epochs=float(args.epochs),
         lr_schedule="constant",
     )
     layout = artifacts.Layout.of(recipe, ROOT)
@@ -112,27 +122,46 @@ def one_turn(args) -> dict:
         accept_draft_space_logits(model)
     torch.manual_seed(0)
     precision = train_precision(t, "cpu")
-    if args.profile:
-        profile_step(model, samples[: t.batch_size], t, step_features or features, precision, pad_id_of(target_config))
+    pad_id = pad_id_of(target_config)
     with tempfile.TemporaryDirectory() as work:
+        cached = args.arm == "B" and t.label_top_k
+
+        def with_cache(name):
+            from specdeploy.eagle3.feature_cache import CachedFeatures
+
+            return CachedFeatures(step_features, Path(work) / name, data.train, t.seq_len, {})
+
+        if args.profile:
+            batch = samples[: t.batch_size]
+            profile = with_cache("profile") if cached else step_features or features
+            profile_step(model, batch, t, profile, precision, pad_id, "from the engine" if cached else "")
+            if cached:
+                profile_step(model, batch, t, profile, precision, pad_id, "from the cache")
         result = train_head(
             model,
             data,
             t,
-            Path(work),
+            Path(work) / "resume",
             progress=False,
             echo=lambda *_: None,
             precision=precision,
-            pad_id=pad_id_of(target_config),
+            pad_id=pad_id,
             features=features,
-            step_features=step_features,
+            step_features=with_cache("features") if cached else step_features,
         )
+    # the log's cumulative tokens/s at each epoch end -> each epoch's own (every epoch has the same tokens)
+    per_epoch = result.tokens / args.epochs
+    ends = [per_epoch * (i + 1) / entry["train_tokens_per_s"] for i, entry in enumerate(result.log[1:])]
+    epoch_tokens_per_s = [per_epoch / (b - a) for a, b in zip([0.0] + ends, ends)]
     return {
         "arm": args.arm,
+        "tree": tree,
         "tokens": result.tokens,
         "step_seconds": result.step_seconds,
         "steps": result.steps,
         "tokens_per_s": result.tokens_per_s,
+        "epoch_tokens_per_s": epoch_tokens_per_s,
+        "loss": [entry["loss"] for entry in result.log[1:]],
         "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "precision": precision,
         "label_top_k": t.label_top_k,
@@ -140,8 +169,9 @@ def one_turn(args) -> dict:
     }
 
 
-def profile_step(model, chunk, t, features, precision: str, pad_id: int) -> None:
-    """One forward + backward under torch.profiler, the feature call included; the top ops by self CPU time."""
+def profile_step(model, chunk, t, features, precision: str, pad_id: int, what: str = "") -> None:
+    """One forward + backward under torch.profiler, the feature call included; the top ops by self CPU time and the
+    step's parts (engine_features, head_forward, head_backward) by total CPU time."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from specdeploy.eagle3.train_loop import _MaskCache, autocast, make_batch
@@ -158,72 +188,86 @@ def profile_step(model, chunk, t, features, precision: str, pad_id: int) -> None
         with record_function("head_backward"):
             out.loss.backward()
     model.zero_grad(set_to_none=True)
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18), file=sys.stderr, flush=True)
+    events = prof.key_averages()
+    names = ("engine_features", "head_forward", "head_backward")
+    parts = ", ".join(f"{e.key} {e.cpu_time_total / 1e6:.2f}" for e in events if e.key in names)
+    total = sum(e.self_cpu_time_total for e in events) / 1e6
+    print(f"profiled step {what}: {total:.2f} CPU-s; {parts}", file=sys.stderr)
+    print(events.table(sort_by="self_cpu_time_total", row_limit=22), file=sys.stderr, flush=True)
+
+
+def baseline_tree(rev: str, folder: Path) -> str:
+    """`git archive REV specdeploy` unpacked into folder: the code arm A imports."""
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "specdeploy"], check=True, capture_output=True)
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive.stdout, check=True)
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", rev], check=True, capture_output=True, text=True)
+    return commit.stdout.strip()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", default="build/smollm2-135m-eagle3-tune.yaml")
-    parser.add_argument("--top-k", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=3, help="training steps a turn")
+    parser.add_argument("--top-k", type=int, default=64, help="draft.train.label_top_k of both arms")
+    parser.add_argument("--steps", type=int, default=3, help="training steps an epoch")
+    parser.add_argument("--epochs", type=int, default=2, help="passes over the same --steps batches")
     parser.add_argument(
         "--batch-size", type=int, default=0, help="samples a step [the recipe's draft.train.batch_size]"
     )
     parser.add_argument("--order", default="ABBA", help="the arms' turns, e.g. ABBAABBA")
+    parser.add_argument("--baseline", default="main", help="the git revision arm A runs (today's code)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--out", default="")
     parser.add_argument("--arm", choices=["A", "B"], help=argparse.SUPPRESS)  # one turn, in a child process
+    parser.add_argument("--baseline-dir", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.arm:
         print(json.dumps(one_turn(args)), flush=True)
         return
     turns = []
-    for i, arm in enumerate(args.order):
-        cmd = [
-            sys.executable,
-            __file__,
-            "--recipe",
-            args.recipe,
-            "--top-k",
-            str(args.top_k),
-            "--steps",
-            str(args.steps),
-            "--batch-size",
-            str(args.batch_size),
-            "--seed",
-            str(args.seed),
-            "--arm",
-            arm,
-        ]
-        if args.profile and i < 2:
-            cmd.append("--profile")
-        began = time.monotonic()
-        out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout.strip().splitlines()[-1]
-        turns.append(json.loads(out))
-        print(
-            f"turn {i + 1} ({arm}): {turns[-1]['tokens_per_s']:.0f} tokens/s, peak {turns[-1]['peak_rss_gb']:.1f} GB "
-            f"({time.monotonic() - began:.0f} s with set-up)",
-            flush=True,
-        )
+    with tempfile.TemporaryDirectory() as baseline_dir:
+        commit = baseline_tree(args.baseline, Path(baseline_dir))
+        for i, arm in enumerate(args.order):
+            cmd = [sys.executable, __file__, "--recipe", args.recipe, "--top-k", str(args.top_k)]
+            cmd += ["--steps", str(args.steps), "--epochs", str(args.epochs), "--batch-size", str(args.batch_size)]
+            cmd += ["--seed", str(args.seed), "--arm", arm, "--baseline-dir", baseline_dir]
+            if args.profile and i < 2:
+                cmd.append("--profile")
+            began, load = time.monotonic(), os.getloadavg()[0]
+            out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout.strip().splitlines()[-1]
+            turns.append({**json.loads(out), "load_before": load, "load_after": os.getloadavg()[0]})
+            x = turns[-1]
+            epochs = " / ".join(f"{v:.0f}" for v in x["epoch_tokens_per_s"])
+            print(
+                f"turn {i + 1} ({arm}): {x['tokens_per_s']:.0f} tokens/s (epochs {epochs}), peak "
+                f"{x['peak_rss_gb']:.2f} GB, loss {x['loss']}, load {load:.1f} -> {x['load_after']:.1f} "
+                f"({time.monotonic() - began:.0f} s with set-up)",
+                flush=True,
+            )
     summary = {}
     for arm in "AB":
         mine = [x for x in turns if x["arm"] == arm]
         summary[arm] = {
             "tokens_per_s_median": statistics.median(x["tokens_per_s"] for x in mine),
-            "tokens_per_s": [round(x["tokens_per_s"], 1) for x in mine],
+            "first_epoch_median": statistics.median(x["epoch_tokens_per_s"][0] for x in mine),
+            "later_epochs_median": statistics.median(v for x in mine for v in x["epoch_tokens_per_s"][1:]),
             "peak_rss_gb": round(max(x["peak_rss_gb"] for x in mine), 2),
         }
-    ratio = summary["B"]["tokens_per_s_median"] / summary["A"]["tokens_per_s_median"]
     a, b = summary["A"], summary["B"]
+    ratios = {k: b[k] / a[k] for k in ("tokens_per_s_median", "first_epoch_median", "later_epochs_median")}
     print(
-        f"A (whole distribution): {a['tokens_per_s_median']:.0f} tokens/s, peak {a['peak_rss_gb']} GB; "
-        f"B (top {args.top_k}): {b['tokens_per_s_median']:.0f} tokens/s, peak {b['peak_rss_gb']} GB; "
-        f"B/A {ratio:.2f}x"
+        f"A (main {commit[:8]}): first epoch {a['first_epoch_median']:.0f}, later {a['later_epochs_median']:.0f} "
+        f"tokens/s, peak {a['peak_rss_gb']} GB; B (this tree): first epoch {b['first_epoch_median']:.0f}, later "
+        f"{b['later_epochs_median']:.0f} tokens/s, peak {b['peak_rss_gb']} GB; B/A first epoch "
+        f"{ratios['first_epoch_median']:.2f}x, later {ratios['later_epochs_median']:.2f}x, whole run "
+        f"{ratios['tokens_per_s_median']:.2f}x"
     )
     if args.out:
         Path(args.out).write_text(
-            json.dumps({"turns": turns, "summary": summary, "ratio": ratio, "args": vars(args)}, indent=1)
+            json.dumps(
+                {"turns": turns, "summary": summary, "ratios": ratios, "baseline": commit, "args": vars(args)},
+                indent=1,
+            )
         )
 
 

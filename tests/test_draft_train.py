@@ -895,6 +895,169 @@ def test_top_k_labels_give_the_full_distributions_loss_within_the_tail_they_drop
     assert abs(loss(full.top_k(32, list(range(len(draft_ids))))) - whole) > 5e-3 * abs(whole)
 
 
+def _offline_model(target, data, ids):
+    """The tiny target's offline model over the draft vocabulary of the training answers, ready for a forward."""
+    t = Eagle3TrainConfig(**TRAIN)
+    draft_ids = modelopt_eagle3.choose_draft_vocab(_samples(data / "train.jsonl"), VOCAB, t.draft_vocab_size)
+    model = modelopt_eagle3.build_model(target, t, draft_ids, [0, 1], offline=True)
+    modelopt_eagle3.accept_draft_space_logits(model)
+    model.train()
+    model._mask_cache = draft_train_loop._MaskCache(model)
+    model._mask_cache.use(ids.shape[1])
+    return model, draft_ids
+
+
+def test_feature_cache_gives_the_engines_loss_bit_for_bit_and_a_wrong_column_moves_it(tiny, tiny_engine, tmp_path):
+    """draft.train.feature_cache: a step fed from the cache (written on the samples' first use, read back by a fresh
+    reader as a later epoch or a resumed run would) has the engine-fed step's tensors and loss, bit for bit; the same
+    cache with every label moved to the next draft column gives another loss (the check would see a misread)."""
+    from specdeploy.eagle3.feature_cache import CachedFeatures
+    from specdeploy.eagle3.features import EngineFeatures
+
+    root, target, data = tiny
+    train = _samples(data / "train.jsonl")
+    samples = train[3:9]
+    ids, loss_mask, _ = draft_train_loop.make_batch(samples, 32, 0)
+    model, draft_ids = _offline_model(target, data, ids)
+    top = EngineFeatures.load(tiny_engine.engine("target"), [0, 1]).top_k(32, draft_ids)
+
+    def loss(extra):
+        with torch.no_grad():
+            return model(input_ids=ids, loss_mask=loss_mask, **extra).loss
+
+    from_engine = top(samples, ids.shape[1])
+    first = CachedFeatures(top, tmp_path / "cache", train, 32, {})
+    written = first(samples, ids.shape[1])
+    assert first.computed == len(samples)
+    again = CachedFeatures(top, tmp_path / "cache", train, 32, {})
+    read = again(samples, ids.shape[1])
+    assert again.computed == 0  # every sample from the disk
+    for name, tensor in from_engine["base_model_outputs"].items():
+        assert torch.equal(read["base_model_outputs"][name], tensor), name
+        assert torch.equal(written["base_model_outputs"][name], tensor), name
+    assert float(loss(read)) == float(loss(from_engine))
+
+    arrays = again.cache.arrays
+    arrays["top_ids"][:] = (arrays["top_ids"][:] + 1) % len(draft_ids)
+    arrays["top_ids"].flush()
+    shifted = CachedFeatures(top, tmp_path / "cache", train, 32, {})(samples, ids.shape[1])
+    assert abs(float(loss(shifted)) - float(loss(from_engine))) > 1e-3 * abs(float(loss(from_engine)))
+
+
+def test_feature_cache_is_emptied_when_the_samples_or_the_engine_change(tiny, tiny_engine, tmp_path):
+    from specdeploy.eagle3.feature_cache import CachedFeatures
+    from specdeploy.eagle3.features import EngineFeatures
+
+    root, target, data = tiny
+    train = _samples(data / "train.jsonl")
+    draft_ids = list(range(160))
+    engine = EngineFeatures.load(tiny_engine.engine("target"), [0, 1], identity="engine-1")
+    folder = tmp_path / "cache"
+
+    def cached_after_a_step(samples, features):
+        cache = CachedFeatures(features.top_k(8, draft_ids), folder, samples, 32, {})
+        before = [cache.cache.cached(i) for i in range(4)]
+        cache(samples[:4], 32)
+        return before
+
+    assert cached_after_a_step(train, engine) == [False] * 4
+    assert cached_after_a_step(train, engine) == [True] * 4  # the same samples and engine: kept
+    changed = list(train)
+    changed[10] = replace(changed[10], input_ids=changed[10].input_ids[:-1] + (changed[10].input_ids[-1] + 1,))
+    assert cached_after_a_step(changed, engine) == [False] * 4  # one token of another sample changed
+    assert cached_after_a_step(changed, engine) == [True] * 4
+    other = EngineFeatures(engine.engine, [0, 1], identity="engine-2")  # another build (another target or format)
+    assert cached_after_a_step(changed, other) == [False] * 4
+    assert cached_after_a_step(changed, other.top_k(8, draft_ids).full) == [True] * 4
+    cache = CachedFeatures(other.top_k(16, draft_ids), folder, changed, 32, {})  # another k
+    assert not cache.cache.cached(0)
+    assert sorted(p.name for p in folder.parent.iterdir()) == ["cache"]  # no temporary folder left
+
+
+def test_a_resumed_run_reads_its_features_from_the_cache_and_ends_with_the_uncached_runs_weights(
+    tiny, tiny_engine, tmp_path
+):
+    """A run interrupted in its second epoch resumes with every training sample's features read from the cache the
+    first epoch wrote (the engine computes none), and ends with the weights of a run without the cache, bit for bit."""
+    from specdeploy.eagle3.feature_cache import CachedFeatures
+    from specdeploy.eagle3.features import EngineFeatures
+
+    root, target, data = tiny
+    t = Eagle3TrainConfig(**{**TRAIN, "epochs": 2.0, "features": "engine", "label_top_k": 8})
+    d = draft_samples.read_draft_data(data, VOCAB)
+    draft_ids = modelopt_eagle3.choose_draft_vocab(d.train, VOCAB, t.draft_vocab_size)
+    features = EngineFeatures.load(tiny_engine.engine("target"), [0, 1])
+
+    def run(work: Path, cache: bool, stop=None):
+        model = modelopt_eagle3.build_model(target, t, draft_ids, [0, 1], offline=True)
+        modelopt_eagle3.accept_draft_space_logits(model)
+        top = features.top_k(t.label_top_k, draft_ids)
+        steps = CachedFeatures(top, tmp_path / "cache", d.train, t.seq_len, {}) if cache else top
+        try:
+            draft_train_loop.train_head(
+                model,
+                d,
+                t,
+                work,
+                fingerprint="fp",
+                progress=False,
+                echo=lambda m: None,
+                checkpoint_every_s=0.0,
+                features=features,
+                step_features=steps,
+                _stop_after_step=stop,
+            )
+        finally:
+            computed = steps.computed if cache else None
+        return model.eagle_module.state_dict(), computed
+
+    straight, _ = run(tmp_path / "straight", cache=False)
+    steps_per_epoch = -(-len(d.train) // t.batch_size)
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path / "interrupted", cache=True, stop=steps_per_epoch + 1)
+    resumed, computed = run(tmp_path / "interrupted", cache=True)
+    assert computed == 0
+    for key in straight:
+        assert torch.equal(straight[key], resumed[key]), key
+
+
+def test_ttt_attention_runs_on_the_fused_kernel_with_the_math_paths_loss(tiny, tiny_engine):
+    """The training-time test's attention on torch's fused CPU kernel (modelopt_eagle3.fused_ttt_attention) gives the
+    loss of ModelOpt's math path within 1e-6 (fp32; equal here) and its gradients within 1e-5 of their scale (6e-7
+    here); the profiler sees the fused kernel, and not the math path, run."""
+    from torch.profiler import profile
+
+    from specdeploy.eagle3.features import EngineFeatures
+
+    root, target, data = tiny
+    samples = _samples(data / "heldout.jsonl")[:6]
+    ids, loss_mask, _ = draft_train_loop.make_batch(samples, 32, 0)
+    model, draft_ids = _offline_model(target, data, ids)
+    extra = EngineFeatures.load(tiny_engine.engine("target"), [0, 1]).top_k(32, draft_ids)(samples, ids.shape[1])
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        with profile() as prof:
+            loss = model(input_ids=ids, loss_mask=loss_mask, **extra).loss
+            loss.backward()
+        ops = {e.key for e in prof.key_averages()}
+        return (
+            float(loss.detach()),
+            {n: p.grad.clone() for n, p in model.eagle_module.named_parameters() if p.grad is not None},
+            ops,
+        )
+
+    fused_loss, fused_grads, fused_ops = step()
+    model._enable_cp_ttt = type(model)._enable_cp_ttt.__get__(model)  # ModelOpt's own: SDPA's math path
+    math_loss, math_grads, math_ops = step()
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in fused_ops
+    assert "aten::_scaled_dot_product_attention_math" not in fused_ops
+    assert "aten::_scaled_dot_product_attention_math" in math_ops
+    assert abs(fused_loss - math_loss) <= 1e-6 * abs(math_loss), (fused_loss, math_loss)
+    for name, grad in math_grads.items():
+        torch.testing.assert_close(fused_grads[name], grad, rtol=0, atol=1e-5 * float(grad.abs().max()) + 1e-12)
+
+
 def test_training_on_top_k_labels_raises_heldout_acceptance(tiny, tiny_engine, tmp_path):
     layout = artifacts.Layout(tmp_path, "tiny-eagle3-topk")  # its own head folder: the engine and data copied
     shutil.copytree(tiny_engine.engines, layout.engines, ignore=shutil.ignore_patterns("eagle3-head*"))
@@ -1038,11 +1201,28 @@ def test_new_train_keys_at_their_defaults_keep_a_heads_fingerprint_and_bad_ones_
     old = {
         k: v
         for k, v in to_plain(recipe.draft.train).items()
-        if k not in ("features", "init_head", "length_grouping", "data_dir", "label_top_k", "heldout_samples", "loss")
+        if k
+        not in (
+            "features",
+            "init_head",
+            "length_grouping",
+            "data_dir",
+            "label_top_k",
+            "heldout_samples",
+            "loss",
+            "feature_cache",
+        )
     }
     assert draft_train.stage_fingerprint(recipe, "t", "d") == fingerprint(
         stage=draft_train.STAGE, target="t", data="d", train=old
     )
+    # the cache gives the engine's bits: with it or without, the same head (a run resumes across the switch)
+    cached = recipe_for(Path("/nonexistent"), features="engine", label_top_k=8, feature_cache=True)
+    assert draft_train.stage_fingerprint(cached, "t", "d") == draft_train.stage_fingerprint(
+        recipe_for(Path("/nonexistent"), features="engine", label_top_k=8), "t", "d"
+    )
+    with pytest.raises(ConfigError, match="feature_cache' needs draft.train.label_top_k"):
+        recipe_for(Path("/x"), features="engine", feature_cache=True)
     assert draft_train.stage_fingerprint(
         recipe_for(Path("/nonexistent"), length_grouping=True), "t", "d"
     ) != draft_train.stage_fingerprint(recipe, "t", "d")

@@ -7,16 +7,24 @@ with `aux_hidden_states`, `base_model_hidden_states` and `base_model_logits`; pl
 the head will draft for (its features and its distribution, as served), several times faster than torch runs the
 unquantized target (docs/eagle3-train.md "Training further on the CPU"). ModelOpt has no engine of its own on CPU,
 so this part is written here; the head's forward, training-time test, loss and export stay ModelOpt's.
+
+`TopKFeatures` reduces a sample to what a training step reads (its aux features and its top-k labels), which
+`feature_cache.CachedFeatures` keeps on disk for the epochs after the first.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+
+# samples' prefills per engine call (forward_batch: each weight read once for all of them), up to this many rows: the
+# call's logits stay bounded (2,048 x 49,152 fp32 = 400 MB where the whole vocabulary is asked for)
+PREFILL_ROWS = 2048
 
 
 class EngineFeatures:
     """`features(samples, width)` -> the keyword arguments of one ModelOpt forward: each sample's first `width`
-    tokens (at most) run through the engine in one prefill with a fresh cache, its aux layers captured; rows past a
+    tokens (at most) run through the engine in a prefill with a fresh cache, its aux layers captured; rows past a
     sample's length are zeros (the loss mask and attention mask never read them).
 
     The logits stay float32 over the whole vocabulary: the target's greedy token (ModelOpt's
@@ -40,33 +48,67 @@ class EngineFeatures:
 
         return cls(load_engine(Path(engine_dir), "target", ""), aux_ids, identity)
 
-    def __call__(self, samples, width: int) -> dict:
-        return self.outputs(samples, width, lambda out: out.float(), self.vocab)
-
-    def outputs(self, samples, width: int, labels, label_width: int) -> dict:
-        """ModelOpt's `base_model_outputs` for one batch; `labels(logits [n, vocab]) -> [n, label_width]` turns each
-        row's logits into what is passed as base_model_logits."""
+    def prefill(self, samples, width: int, lm_rows=None):
+        """(aux [n, len(aux_ids) * hidden] in the engine's dtype, logits [n, vocab or len(lm_rows)] fp32) of each
+        sample's first n <= width tokens, several samples per engine call; the same bits as one call each (the
+        engine's rows do not depend on their neighbours: batch invariance, specdeploy/engine/model.py)."""
         import torch
 
-        rows = len(samples)
-        aux = torch.zeros(rows, width, len(self.aux_ids) * self.hidden)
-        logits = torch.zeros(rows, width, label_width)
+        lengths = [min(len(s.input_ids), width) for s in samples]
+        out = []
         with torch.no_grad():
-            for row, sample in enumerate(samples):
-                n = min(len(sample.input_ids), width)
-                cache = self.engine.new_cache(n)
-                out, features = self.engine.forward(cache, torch.tensor(sample.input_ids[:n]), aux_layers=self.aux_ids)
-                aux[row, :n] = features.float()
-                logits[row, :n] = labels(out)
-        # only its shape is read when the logits are given (ModelOpt recomputes logits from it otherwise)
-        hidden = torch.zeros(1, 1, self.hidden).expand(rows, width, self.hidden)
-        return {
-            "base_model_outputs": {
-                "base_model_hidden_states": hidden,
-                "aux_hidden_states": aux,
-                "base_model_logits": logits,
-            }
+            for group in _groups(lengths, PREFILL_ROWS):
+                caches = [self.engine.new_cache(lengths[i]) for i in group]
+                ids = [torch.tensor(samples[i].input_ids[: lengths[i]]) for i in group]
+                logits, aux = self.engine.forward_batch(caches, ids, aux_layers=self.aux_ids, lm_rows=lm_rows)
+                out += list(zip(aux, logits))
+        return out
+
+    def __call__(self, samples, width: int) -> dict:
+        import torch
+
+        aux = torch.zeros(len(samples), width, len(self.aux_ids) * self.hidden)
+        logits = torch.zeros(len(samples), width, self.vocab)
+        for row, (features, out) in enumerate(self.prefill(samples, width)):
+            aux[row, : len(out)] = features.float()
+            logits[row, : len(out)] = out
+        return offline_outputs(aux, logits, self.hidden)
+
+
+def _groups(lengths: list[int], rows: int) -> list[list[int]]:
+    """Consecutive indices cut into groups of at most `rows` rows (a longer sample alone)."""
+    groups, current, filled = [], [], 0
+    for i, n in enumerate(lengths):
+        if current and filled + n > rows:
+            groups.append(current)
+            current, filled = [], 0
+        current.append(i)
+        filled += n
+    return groups + [current] if current else groups
+
+
+def offline_outputs(aux, logits, hidden: int) -> dict:
+    """ModelOpt's `base_model_outputs` for one batch: aux [rows, width, len * hidden], logits [rows, width, labels]."""
+    import torch
+
+    # only its shape is read when the logits are given (ModelOpt recomputes logits from it otherwise)
+    hidden_states = torch.zeros(1, 1, hidden).expand(aux.shape[0], aux.shape[1], hidden)
+    return {
+        "base_model_outputs": {
+            "base_model_hidden_states": hidden_states,
+            "aux_hidden_states": aux,
+            "base_model_logits": logits,
         }
+    }
+
+
+@dataclass
+class SampleFeatures:
+    """What a training step reads of one sample (n = its tokens, at most seq_len): all that the cache stores."""
+
+    aux: object  # [n, len(aux_ids) * hidden], the engine's dtype (bf16: exact in fp32)
+    top_ids: object  # [n, k] int64 draft ids, the target's k likeliest
+    top_logits: object  # [n, k] float32, their logits
 
 
 class TopKFeatures:
@@ -76,7 +118,8 @@ class TopKFeatures:
 
     A [rows, width, draft vocabulary] tensor replaces the [rows, width, vocabulary] one (49,152 -> 8,192 columns for
     SmolLM2), and only the k columns carry mass: what the loss drops is the tail past the k-th token
-    (tests/test_draft_train.py bounds it). The model must take the draft-space logits as they are
+    (tests/test_draft_train.py bounds it). The engine computes the LM head over the draft vocabulary's rows alone
+    (`forward_batch(lm_rows=...)`). The model must take the draft-space logits as they are
     (`modelopt_eagle3.accept_draft_space_logits`). The held-out acceptance keeps `EngineFeatures` (the target's
     argmax over the whole vocabulary)."""
 
@@ -87,12 +130,27 @@ class TopKFeatures:
         self.draft_ids = torch.tensor(draft_ids if draft_ids is not None else range(full.vocab))
         self.identity = full.identity
 
-    def labels(self, logits):
+    def samples(self, samples, width: int) -> list[SampleFeatures]:
+        out = []
+        for aux, draft_logits in self.full.prefill(samples, width, lm_rows=self.draft_ids):
+            top = draft_logits.topk(min(self.k, draft_logits.shape[-1]), dim=-1)  # over [n, draft vocabulary]
+            out.append(SampleFeatures(aux, top.indices, top.values))
+        return out
+
+    def assemble(self, features: list[SampleFeatures], width: int) -> dict:
+        """The batch's tensors from its samples' features: rows past a sample's end are zeros (finite, so ModelOpt's
+        softmax over them stays a number; the loss mask drops them)."""
         import torch
 
-        draft = logits.float().index_select(-1, self.draft_ids)  # [n, draft vocabulary]
-        top = draft.topk(min(self.k, draft.shape[-1]), dim=-1)
-        return torch.full_like(draft, float("-inf")).scatter_(-1, top.indices, top.values)
+        rows = len(features)
+        aux = torch.zeros(rows, width, len(self.full.aux_ids) * self.full.hidden)
+        logits = torch.zeros(rows, width, len(self.draft_ids))
+        for row, f in enumerate(features):
+            n = len(f.aux)
+            aux[row, :n] = f.aux.float()
+            logits[row, :n] = float("-inf")
+            logits[row, :n].scatter_(-1, f.top_ids.long(), f.top_logits)
+        return offline_outputs(aux, logits, self.full.hidden)
 
     def __call__(self, samples, width: int) -> dict:
-        return self.full.outputs(samples, width, self.labels, len(self.draft_ids))
+        return self.assemble(self.samples(samples, width), width)

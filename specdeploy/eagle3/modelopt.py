@@ -208,10 +208,37 @@ def build_model(
     # an already normalised vector, so what is trained is what is served; the weight only scales the embeddings'
     # half of q/k/v's input, which q/k/v learn anyway.
     head.layers[0].input_layernorm.weight.requires_grad_(False)
+    fused_ttt_attention(model)
     if t.init_from_target:
         init_head_from_target(model, draft_ids, last_layer)
     model.to(device)
     return model
+
+
+def fused_ttt_attention(model) -> None:
+    """trap 6: let the training-time test's attention take torch's fused CPU kernel.
+
+    In training ModelOpt 0.47 runs every TTT step of the head inside `enable_cp_ttt_patch(eagle_cp_size)`
+    (plugins/hf_eagle.py:196 `_enable_cp_ttt`, speculative/utils.py:570), which limits SDPA to
+    [CUDNN_ATTENTION, MATH] even without context parallelism; on a CPU that leaves the unfused math path, which
+    materialises every [batch, heads, q, (1 + step) * q] score matrix, its softmax and their gradients. torch's CPU
+    flash kernel takes the same dense additive TTT mask (forward and backward), so with one context-parallel rank
+    the steps run under [FLASH_ATTENTION, CUDNN_ATTENTION, MATH] instead: the same attention, other rounding
+    (tests/test_draft_train.py bounds the loss and gradients). The module flag the patch also sets is read by nothing
+    else in ModelOpt 0.47."""
+    import contextlib
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if getattr(model, "eagle_cp_size", 1) > 1:
+        return
+
+    def enable_ttt():
+        if model.training and not model.eagle_mix_hidden_states:
+            return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH])
+        return contextlib.nullcontext()
+
+    model._enable_cp_ttt = enable_ttt
 
 
 def draft_target_ids(model):

@@ -88,6 +88,11 @@ _LATER_KEYS = {
 }
 
 
+# draft.train keys that change how fast a head is made, never its bits: not in the fingerprint (a run resumes and a
+# head stays up to date across them)
+_SAME_HEAD_KEYS = {"feature_cache"}
+
+
 def stage_fingerprint(
     recipe: Recipe,
     target_hash: str,
@@ -100,7 +105,11 @@ def stage_fingerprint(
     from specdeploy.core.artifacts import fingerprint
 
     limit = {} if time_limit_s is None else {"time_limit_s": time_limit_s}
-    train = {k: v for k, v in to_plain(recipe.draft.train).items() if _LATER_KEYS.get(k, object()) != v}
+    train = {
+        k: v
+        for k, v in to_plain(recipe.draft.train).items()
+        if _LATER_KEYS.get(k, object()) != v and k not in _SAME_HEAD_KEYS
+    }
     return fingerprint(stage=STAGE, target=target_hash, data=data_fingerprint, train=train, **limit, **(inputs or {}))
 
 
@@ -195,6 +204,34 @@ def resume_dir(dest: Path) -> Path:
     return dest.parent / f"{dest.name}.partial"
 
 
+def feature_cache_dir(dest: Path) -> Path:
+    """Where draft.train.feature_cache keeps the training samples' features (beside the output; kept after the export,
+    for the next run on the same samples and engine; its key says what it holds)."""
+    return dest.parent / f"{dest.name}.features"
+
+
+def cached_step_features(step_features, data, t: Eagle3TrainConfig, dest: Path, echo=print):
+    """draft.train.feature_cache: the training steps' features through the cache beside `dest`, after checking that
+    its files fit on the disk."""
+    from specdeploy.core.artifacts import free_bytes, tree_bytes
+    from specdeploy.core.errors import DiskFullError
+    from specdeploy.eagle3.feature_cache import CachedFeatures, cache_bytes
+
+    folder = feature_cache_dir(dest)
+    full = step_features.full
+    itemsize = full.engine.dtype.itemsize
+    needed = cache_bytes(data.train, t.seq_len, len(full.aux_ids) * full.hidden, t.label_top_k, itemsize)
+    free = free_bytes(dest.parent) + (tree_bytes(folder) if folder.exists() else 0)
+    if needed > free:
+        raise DiskFullError(
+            f"draft.train.feature_cache needs {needed / 2**30:.1f} GiB in {folder}, {free / 2**30:.1f} GiB are free",
+            "free some space, or set draft.train.feature_cache: false (every epoch then runs the engine)",
+        )
+    cached = CachedFeatures(step_features, folder, data.train, t.seq_len, {})
+    echo(f"  features kept in {folder} ({needed / 2**30:.1f} GiB when all were used: draft.train.feature_cache)")
+    return cached
+
+
 def train_recipe(
     recipe: Recipe, layout, force: bool = False, echo=print, progress: bool = True, time_limit_s: float | None = None
 ) -> TrainResult | None:
@@ -284,6 +321,8 @@ def train_recipe(
         step_features = features.top_k(t.label_top_k, head_ids)
         accept_draft_space_logits(model)
         echo(f"  labels: the target's top {t.label_top_k} draft tokens (draft.train.label_top_k)")
+        if t.feature_cache:
+            step_features = cached_step_features(step_features, data, t, dest, echo)
     pad_id = pad_id_of(target_config)
     echo(f"  forward passes in {precision} (draft.train.precision {t.precision})")
     result = train_head(

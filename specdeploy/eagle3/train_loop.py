@@ -331,6 +331,7 @@ def train_head(
     model.train()
     t0 = last_save = time.monotonic()
     tokens, step_seconds = 0, 0.0
+    epoch_tokens, epoch_seconds = 0, 0.0  # since the last epoch end (a cached epoch runs faster than the first)
     losses: list[float] = []
     accs: list[list[float]] = []
     bar = tqdm(
@@ -365,8 +366,10 @@ def train_head(
             loss.backward()
             optimizer.step()
             step_seconds += time.monotonic() - started
+            epoch_seconds += time.monotonic() - started
             step += 1
             tokens += sum(rows)
+            epoch_tokens += sum(rows)
             losses.append(float(loss.detach()))
             accs.append(train_acc)
             bar.update(1)
@@ -396,8 +399,10 @@ def train_head(
                     "heldout": asdict(acc),
                     "seconds": round(time.monotonic() - t0, 1),
                     "train_tokens_per_s": round(tokens / step_seconds, 1),
+                    "epoch_tokens_per_s": round(epoch_tokens / epoch_seconds, 1),
                 }
                 log.append(entry)
+                epoch_tokens, epoch_seconds = 0, 0.0
                 losses.clear()
                 accs.clear()
                 bar.write(f"epoch {entry['epoch']:g}: loss {entry['loss']:.3f}, {acc.line()}", file=sys.stderr)

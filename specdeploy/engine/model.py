@@ -132,9 +132,12 @@ class CpuEngine:
         dtype = self.dtype
         self.native = native.ops() if dtype == torch.bfloat16 else None  # torch.ops.specdeploy_cpu or None
         self.embedding = tensors["embedding.weight"].to(dtype).contiguous()  # [vocab, hidden]
-        lm_head = (
-            self.embedding if "lm_head.weight" not in tensors else tensors["lm_head.weight"].to(dtype).contiguous()
-        )
+        tied = "lm_head.weight" not in tensors
+        lm_head = self.embedding if tied else tensors["lm_head.weight"].to(dtype).contiguous()
+        # forward_batch's lm_rows: an LM head over some rows is cut from the embedding table where the two are one
+        # tensor (kept anyway); an untied head is not kept twice for it (its rows are then taken from full logits)
+        self._lm_head_rows_of = lm_head if tied else None
+        self._row_heads: dict[bytes, object] = {}  # lm_rows ids -> their LM head (one packed copy per id set)
         if self.native is not None and NativeLinear.supports(self.native, {"weight": lm_head}, None, None):
             self.lm_head = NativeLinear(self.native, {"weight": lm_head}, None, dtype, None)  # tied: a packed copy
         else:
@@ -254,9 +257,12 @@ class CpuEngine:
         aux_layers: tuple[int, ...] | None = None,
         capture: list[bool] | None = None,
         greedy: list[bool] | None = None,
+        lm_rows: torch.Tensor | None = None,
     ):
         """Several sequences' new tokens in one pass (in-flight batching): sequence i places token_ids[i] at
         positions caches[i].length.. and gets back the fp32 logits of its last keep[i] rows (None: all).
+        lm_rows (vocabulary ids): the logits of those tokens only, in that order ([rows, len(lm_rows)]; an EAGLE-3
+        head's training labels over its draft vocabulary), each the bits the whole LM head gives it.
 
         The row-wise ops (embedding, norms, linear layers, LM head) run once over the concatenated rows of
         every sequence, so each weight is read once for the whole batch; attention runs per sequence over
@@ -284,12 +290,14 @@ class CpuEngine:
         layers = None if aux_layers is None else self._check_aux(aux_layers)
         capture = list(capture) if capture is not None else [True] * len(ids)
         greedy = list(greedy) if greedy is not None else [False] * len(ids)
-        if self.pad_rows is not None or len(ids) == 1:
+        if self.pad_rows is not None or (len(ids) == 1 and lm_rows is None):
             logits, aux = [], []
             for cache, t, k, c, g in zip(caches, ids, keep, capture, greedy):
                 parts = [] if layers is not None and c else None
                 logits.append(self._forward_rows(cache, t, k, layers if parts is not None else None, parts, g))
                 aux.append(None if parts is None else self._join_aux(parts, layers))
+            if lm_rows is not None:
+                logits = [x.index_select(-1, lm_rows) for x in logits]
             return logits if layers is None else (logits, aux)
         sizes = [t.numel() for t in ids]
         starts = [cache.length for cache in caches]
@@ -305,7 +313,9 @@ class CpuEngine:
             rows.append(torch.arange(offset + n - take, offset + n))
             offset += n
         index = torch.cat(rows)
-        if index.numel():
+        if lm_rows is not None:
+            logits = self._row_logits(self._norm(x[index], self.final_norm), lm_rows)  # [kept rows, len(lm_rows)]
+        elif index.numel():
             argmax_only = all(g for g, r in zip(greedy, rows) if len(r))  # exact rows for one: exact rows for all
             logits = self._logits(self._norm(x[index], self.final_norm), argmax_only)  # [kept rows, vocab]
         else:
@@ -422,6 +432,20 @@ class CpuEngine:
         if greedy and self.screen is not None and h.shape[0] <= self.screen.max_rows:
             return self.screen.argmax_rows(h)
         return self.lm_head(h).float()
+
+    def _row_logits(self, h: torch.Tensor, lm_rows: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [rows, len(lm_rows)] of the final norm's rows h over the tokens lm_rows: a GEMM over those
+        rows of the LM head (1/6 of SmolLM2's for an 8,192-token draft vocabulary), or the whole head's columns."""
+        if self._lm_head_rows_of is None:
+            return self.lm_head(h).float().index_select(-1, lm_rows)
+        key = lm_rows.to(torch.int64).numpy().tobytes()
+        if key not in self._row_heads:
+            weight = self._lm_head_rows_of.index_select(0, lm_rows).contiguous()  # [len(lm_rows), hidden]
+            if self.native is not None and NativeLinear.supports(self.native, {"weight": weight}, None, None):
+                self._row_heads[key] = NativeLinear(self.native, {"weight": weight}, None, self.dtype, None)
+            else:
+                self._row_heads[key] = PackedGemm(weight, None)
+        return self._row_heads[key](h).float()
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.native is not None:

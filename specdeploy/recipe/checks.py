@@ -691,6 +691,12 @@ def _check_eagle3(r: Recipe) -> None:
             "key 'draft.train.label_top_k' needs draft.train.features: engine (the labels come from the CPU engine)",
             "set features: engine, or remove label_top_k",
         )
+    if t.feature_cache and not t.label_top_k:
+        raise ConfigError(
+            "key 'draft.train.feature_cache' needs draft.train.label_top_k (the cache keeps the top-k labels; the"
+            " whole distribution is 196 KB a token for SmolLM2)",
+            "set features: engine and label_top_k (e.g. 64), or remove feature_cache",
+        )
     if t.features == "engine" and backend.gpu:
         raise ConfigError(
             f"key 'draft.train.features' is engine on backend {r.backend}, but only the CPU engine returns "

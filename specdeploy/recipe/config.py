@@ -187,6 +187,10 @@ class Eagle3TrainConfig:
     # distribution renormalized over them) instead of all of it; 0: all. The held-out passes keep the whole
     # distribution (specdeploy.eagle3.features.TopKFeatures)
     label_top_k: int = 0
+    # with label_top_k: each training sample's aux features and top-k labels computed once, on its first use, kept
+    # beside the head's folder (eagle3-head.features, ~4 KB a token for SmolLM2) and read back by later epochs and
+    # resumed runs: the same bits as the engine's (specdeploy.eagle3.feature_cache)
+    feature_cache: bool = False
     # held-out samples the acceptance is measured on before and after training (and at each epoch's end): the first N
     # in an order drawn with `seed`; 0: all. A pass over all of them is time a CPU run's --time-limit does not train
     heldout_samples: int = 0
