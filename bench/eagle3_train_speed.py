@@ -2,7 +2,8 @@
 imported from a `git archive` of --baseline, main by default) against this tree's (B: the engine's features batched
 with the LM head over the draft vocabulary only, the training-time test's attention on torch's fused CPU kernel, and
 draft.train.feature_cache), the same samples, head and settings: the recipe's draft.train with label_top_k = --top-k
-(64, as build/smollm2-135m-eagle3-sharegpt.yaml; 0: the whole distribution), --epochs passes over --steps batches.
+(64, as build/smollm2-135m-eagle3-sharegpt.yaml; 0: the whole distribution; --today-top-k: A's alone, 0 as main's
+default), --epochs passes over --steps batches.
 
 The arms take turns (ABBA ...), each turn in a fresh process (its own peak memory; the machine is shared and its load
 drifts, so neither arm gets the quiet minutes alone). A turn starts from the recipe's init_head (else a fresh head),
@@ -99,7 +100,7 @@ def one_turn(args) -> dict:
         recipe.draft.train,
         batch_size=args.batch_size or recipe.draft.train.batch_size,
         length_grouping=False,
-        label_top_k=args.top_k,
+        label_top_k=args.top_k if args.arm == "B" or args.today_top_k < 0 else args.today_top_k,
         epochs=float(args.epochs),
         lr_schedule="constant",
     )
@@ -208,6 +209,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", default="build/smollm2-135m-eagle3-tune.yaml")
     parser.add_argument("--top-k", type=int, default=64, help="draft.train.label_top_k of both arms")
+    parser.add_argument(
+        "--today-top-k", type=int, default=-1, help="arm A's label_top_k where it differs (0: main's default) [--top-k]"
+    )
     parser.add_argument("--steps", type=int, default=3, help="training steps an epoch")
     parser.add_argument("--epochs", type=int, default=2, help="passes over the same --steps batches")
     parser.add_argument(
@@ -229,6 +233,7 @@ def main() -> None:
         commit = baseline_tree(args.baseline, Path(baseline_dir))
         for i, arm in enumerate(args.order):
             cmd = [sys.executable, __file__, "--recipe", args.recipe, "--top-k", str(args.top_k)]
+            cmd += ["--today-top-k", str(args.today_top_k)]
             cmd += ["--steps", str(args.steps), "--epochs", str(args.epochs), "--batch-size", str(args.batch_size)]
             cmd += ["--seed", str(args.seed), "--arm", arm, "--baseline-dir", baseline_dir]
             if args.profile and i < 2:
@@ -254,12 +259,13 @@ def main() -> None:
             "peak_rss_gb": round(max(x["peak_rss_gb"] for x in mine), 2),
         }
     a, b = summary["A"], summary["B"]
+    today_k = next(x["label_top_k"] for x in turns if x["arm"] == "A")
     ratios = {k: b[k] / a[k] for k in ("tokens_per_s_median", "first_epoch_median", "later_epochs_median")}
     print(
-        f"A (main {commit[:8]}): first epoch {a['first_epoch_median']:.0f}, later {a['later_epochs_median']:.0f} "
-        f"tokens/s, peak {a['peak_rss_gb']} GB; B (this tree): first epoch {b['first_epoch_median']:.0f}, later "
-        f"{b['later_epochs_median']:.0f} tokens/s, peak {b['peak_rss_gb']} GB; B/A first epoch "
-        f"{ratios['first_epoch_median']:.2f}x, later {ratios['later_epochs_median']:.2f}x, whole run "
+        f"A (main {commit[:8]}, top {today_k}): first epoch {a['first_epoch_median']:.0f}, later "
+        f"{a['later_epochs_median']:.0f} tokens/s, peak {a['peak_rss_gb']} GB; B (this tree): first epoch "
+        f"{b['first_epoch_median']:.0f}, later {b['later_epochs_median']:.0f} tokens/s, peak {b['peak_rss_gb']} GB; "
+        f"B/A first epoch {ratios['first_epoch_median']:.2f}x, later {ratios['later_epochs_median']:.2f}x, whole run "
         f"{ratios['tokens_per_s_median']:.2f}x"
     )
     if args.out:

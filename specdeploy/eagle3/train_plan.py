@@ -85,8 +85,9 @@ def plan_training(
     # held-out passes add about one more target forward per epoch over a smaller set.
     flops = train_tokens * ((0.0 if engine_features else 2.0 * target_params) + 6.0 * head_params * t.ttt_steps)
     seconds = flops / (GPU_FLOPS if device == "cuda" else CPU_BF16_FLOPS if precision == "bfloat16" else CPU_FLOPS)
-    if engine_features:  # the target's forward in the engine, every training token once a step
-        seconds += train_tokens / ENGINE_FEATURE_TOKENS_PER_S
+    if engine_features:  # the target's forward in the engine, every training token once a step (once with the cache)
+        engine_tokens = min(train_tokens, tokens_per_epoch) if t.feature_cache else train_tokens
+        seconds += engine_tokens / ENGINE_FEATURE_TOKENS_PER_S
     # memory: the target in fp32, the head with gradients and Adam, and per batch the target's logits (full
     # vocabulary: logits, softmax, draft-vocabulary copy) and the head's per TTT step
     tokens_per_batch = t.batch_size * t.seq_len
