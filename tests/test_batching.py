@@ -100,6 +100,37 @@ def test_forward_batch_logits_are_bit_identical_to_single_sequences(engine_name,
         assert torch.equal(got, expected if k is None else expected[-k:])
 
 
+@pytest.fixture(scope="module")
+def tied_bf16_engine(tmp_path_factory, tiny_tokenizer_dir):
+    """A tiny model whose LM head is its embedding table (as SmolLM2's), as a bf16 engine."""
+    from tiny_models import make_tiny_model
+
+    path = tmp_path_factory.mktemp("tied")
+    make_tiny_model(path / "hf", tiny_tokenizer_dir, seed=1, tie_word_embeddings=True)
+    return _build(path / "hf", path, "bfloat16")
+
+
+@pytest.mark.parametrize("engine_name", ["tied_bf16_engine", "int8_sq_engine", "fp32_engine"])
+def test_forward_batch_lm_rows_are_those_columns_of_the_whole_heads_logits(engine_name, request):
+    """lm_rows (an EAGLE-3 head's draft vocabulary, draft train's labels): the logits of those tokens, the bits the
+    whole LM head gives them, with the same aux features; a tied head computes only those rows (its own packed copy),
+    an untied one and a padded engine take them from the whole head's logits."""
+    engine = request.getfixturevalue(engine_name)
+    assert engine.pad_rows is None or engine_name == "fp32_engine"
+    assert (engine._lm_head_rows_of is not None) == (engine_name == "tied_bf16_engine")
+    rows = torch.randperm(engine.spec.vocab_size, generator=torch.Generator().manual_seed(0))[:100].sort().values
+    prompts = [torch.tensor(_prompt(i, n)) for i, n in enumerate([7, 40, 1, 66])]
+    whole, aux = engine.forward_batch([engine.new_cache(80) for _ in prompts], prompts, aux_layers=(0, 1))
+    some, some_aux = engine.forward_batch(
+        [engine.new_cache(80) for _ in prompts], prompts, aux_layers=(0, 1), lm_rows=rows
+    )
+    for w, s, a, b in zip(whole, some, aux, some_aux):
+        assert s.shape == (w.shape[0], len(rows)) and torch.equal(s, w.index_select(-1, rows))
+        assert torch.equal(a, b)
+    one, _ = engine.forward_batch([engine.new_cache(80)], prompts[1:2], aux_layers=(0, 1), lm_rows=rows)
+    assert torch.equal(one[0], some[1])
+
+
 def test_forward_batch_refuses_overflow_and_a_repeated_cache(bf16_engine):
     a, b = bf16_engine.new_cache(8), bf16_engine.new_cache(8)
     with pytest.raises(ConfigError, match="exceed the cache of 8 positions"):

@@ -1021,6 +1021,31 @@ def test_a_resumed_run_reads_its_features_from_the_cache_and_ends_with_the_uncac
         assert torch.equal(straight[key], resumed[key]), key
 
 
+def test_draft_train_with_feature_cache_exports_the_uncached_runs_head_and_keeps_the_features(
+    tiny, tiny_engine, tmp_path
+):
+    """`draft train` with draft.train.feature_cache: the exported head is the one trained without it, bit for bit, and
+    every training sample's features stay beside the head for the next run."""
+    from safetensors.torch import load_file
+
+    from specdeploy.eagle3.feature_cache import KEY_FILE
+
+    heads, layouts = {}, {}
+    for cache in (False, True):
+        layout = layouts[cache] = artifacts.Layout(tmp_path / str(cache), "tiny-eagle3-topk")
+        shutil.copytree(tiny_engine.engines, layout.engines, ignore=shutil.ignore_patterns("eagle3-head*"))
+        recipe = engine_recipe(tiny[1], features="engine", label_top_k=8, feature_cache=cache, epochs=3.0)
+        draft_train.train_recipe(recipe, layout, echo=lambda *_: None, progress=False)
+        heads[cache] = load_file(str(layout.eagle3_head / "model.safetensors"))
+    assert heads[True].keys() == heads[False].keys()
+    for key, tensor in heads[False].items():
+        assert torch.equal(heads[True][key], tensor), key
+    folder = draft_train.feature_cache_dir(layouts[True].eagle3_head)
+    assert json.loads((folder / KEY_FILE).read_text())["k"] == 8
+    assert (folder / "done.bin").read_bytes() == bytes([1]) * len(_samples(tiny[2] / "train.jsonl"))
+    assert not draft_train.feature_cache_dir(layouts[False].eagle3_head).exists()
+
+
 def test_ttt_attention_runs_on_the_fused_kernel_with_the_math_paths_loss(tiny, tiny_engine):
     """The training-time test's attention on torch's fused CPU kernel (modelopt_eagle3.fused_ttt_attention) gives the
     loss of ModelOpt's math path within 1e-6 (fp32; equal here) and its gradients within 1e-5 of their scale (6e-7

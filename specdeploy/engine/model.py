@@ -262,7 +262,8 @@ class CpuEngine:
         """Several sequences' new tokens in one pass (in-flight batching): sequence i places token_ids[i] at
         positions caches[i].length.. and gets back the fp32 logits of its last keep[i] rows (None: all).
         lm_rows (vocabulary ids): the logits of those tokens only, in that order ([rows, len(lm_rows)]; an EAGLE-3
-        head's training labels over its draft vocabulary), each the bits the whole LM head gives it.
+        head's training labels over its draft vocabulary), the bits the whole LM head gives them (its kernels reduce
+        each output column alone: tests/test_batching.py).
 
         The row-wise ops (embedding, norms, linear layers, LM head) run once over the concatenated rows of
         every sequence, so each weight is read once for the whole batch; attention runs per sequence over
