@@ -1249,10 +1249,45 @@ struct LinearParams {
   std::optional<at::Tensor> group_scale, pre_quant_scale, out_scale, bias;
   double act_scale = 0.0;
 
+  // the arguments of set_linear (Decoder, Eagle3Head) as Python passes them (kernels.NativeLinear.args)
+  static LinearParams of(at::Tensor packed, int64_t kind, int64_t n, std::optional<at::Tensor> group_scale,
+                         int64_t group_size, std::optional<at::Tensor> pre_quant_scale, double act_scale,
+                         std::optional<at::Tensor> out_scale, std::optional<at::Tensor> bias) {
+    return LinearParams{std::move(packed), kind, n, group_size, std::move(group_scale), std::move(pre_quant_scale),
+                        std::move(out_scale), std::move(bias), act_scale};
+  }
+
   at::Tensor operator()(const at::Tensor& x, const std::optional<at::Tensor>& residual = std::nullopt) const {
     TORCH_CHECK(packed.defined(), "a linear layer of the decoder was not set");
     return linear(x, packed, kind, n, group_scale, group_size, pre_quant_scale, act_scale, out_scale, bias, residual);
   }
+};
+
+// Per-part seconds of a native call summed since reset(true) (set_profile; bench/round_profile.py), off by default:
+// then no clock is read. A call takes start() and marks each part's end.
+struct PartSeconds {
+  using Clock = std::chrono::steady_clock;
+  bool on = false;
+  std::vector<double> seconds;
+
+  explicit PartSeconds(int64_t parts) : seconds(parts, 0.0) {}
+  void reset(bool profiling) {
+    on = profiling;
+    std::fill(seconds.begin(), seconds.end(), 0.0);
+  }
+  at::Tensor tensor() const { return at::tensor(seconds, at::kDouble); }
+
+  struct Marks {  // mark(part): the time since the last mark (or the start) goes to part
+    PartSeconds& owner;
+    Clock::time_point last;
+    void operator()(int part) {
+      if (!owner.on) return;
+      Clock::time_point now = Clock::now();
+      owner.seconds[part] += std::chrono::duration<double>(now - last).count();
+      last = now;
+    }
+  };
+  Marks start() { return Marks{*this, on ? Clock::now() : Clock::time_point{}}; }
 };
 
 struct LayerParams {
@@ -1269,11 +1304,8 @@ struct Decoder : torch::CustomClassHolder {
   double scale, eps;
   at::Tensor cos, sin;
   std::vector<LayerParams> layers;
-  // Per-op seconds summed over the calls since set_profile(true) (bench/round_profile.py), in the order of
-  // kProfileParts; off by default (then no clock is read).
-  static constexpr int64_t kProfileParts = 10;  // norms, qkv, rope+kv, attention, o, gate_up, swiglu, down, capture, calls
-  bool profiling = false;
-  std::vector<double> seconds = std::vector<double>(kProfileParts, 0.0);
+  // per-op seconds: norms, qkv, rope+kv, attention, o, gate_up, swiglu, down, capture, calls
+  PartSeconds clock{10};
 
   Decoder(int64_t num_layers, int64_t num_heads, int64_t num_kv_heads, double scale, double eps, at::Tensor cos,
           at::Tensor sin)
@@ -1292,16 +1324,12 @@ struct Decoder : torch::CustomClassHolder {
     LinearParams* target = name == "qkv" ? &l.qkv : name == "o" ? &l.o : name == "gate_up" ? &l.gate_up
                            : name == "down" ? &l.down : name == "gate" ? &l.gate : name == "up" ? &l.up : nullptr;
     TORCH_CHECK(target != nullptr, "unknown linear ", name);
-    *target = LinearParams{std::move(packed), kind, n, group_size, std::move(group_scale), std::move(pre_quant_scale),
-                           std::move(out_scale), std::move(bias), act_scale};
+    *target = LinearParams::of(std::move(packed), kind, n, std::move(group_scale), group_size,
+                               std::move(pre_quant_scale), act_scale, std::move(out_scale), std::move(bias));
   }
 
-  void set_profile(bool on) {
-    profiling = on;
-    std::fill(seconds.begin(), seconds.end(), 0.0);
-  }
-
-  at::Tensor profile() const { return at::tensor(seconds, at::kDouble); }
+  void set_profile(bool on) { clock.reset(on); }
+  at::Tensor profile() const { return clock.tensor(); }
 
   // x [rows, hidden] bf16 -> the hidden states after every layer; keys/values [layers, KV, max_len, D] f32.
   // The whole step on one OpenMP team (step_team.h): its parallel loops wake no sleeping thread.
@@ -1335,15 +1363,7 @@ struct Decoder : torch::CustomClassHolder {
                                   const std::vector<int64_t>& starts, const std::vector<int64_t>& sizes,
                                   const std::vector<int64_t>* capture = nullptr, std::vector<at::Tensor>* captured = nullptr) {
     int64_t total = std::accumulate(sizes.begin(), sizes.end(), int64_t{0});
-    // the profile's clock: adds the time since the last mark to part `part` (nothing when not profiling)
-    using Clock = std::chrono::steady_clock;
-    Clock::time_point last = profiling ? Clock::now() : Clock::time_point{};
-    auto mark = [&](int part) {
-      if (!profiling) return;
-      Clock::time_point now = Clock::now();
-      seconds[part] += std::chrono::duration<double>(now - last).count();
-      last = now;
-    };
+    PartSeconds::Marks mark = clock.start();
     double rope_seconds = 0.0;
     for (size_t i = 0; i < layers.size(); ++i) {
       const LayerParams& l = layers[i];
@@ -1357,7 +1377,7 @@ struct Decoder : torch::CustomClassHolder {
         layer_values.push_back(values[s].select(0, i));
       }
       at::Tensor attn = attention_batch(qkv, cos, sin, layer_keys, layer_values, starts, sizes, num_heads, num_kv_heads,
-                                        scale, profiling ? &rope_seconds : nullptr);
+                                        scale, clock.on ? &rope_seconds : nullptr);
       mark(3);  // rope_seconds moves from attention to rope+kv below
       x = l.o(attn, x);
       mark(4);
@@ -1382,10 +1402,10 @@ struct Decoder : torch::CustomClassHolder {
         captured->push_back(x.narrow(0, 0, total).clone());
       mark(8);
     }
-    if (profiling) {
-      seconds[2] += rope_seconds;
-      seconds[3] -= rope_seconds;
-      seconds[9] += 1;
+    if (clock.on) {
+      clock.seconds[2] += rope_seconds;
+      clock.seconds[3] -= rope_seconds;
+      clock.seconds[9] += 1;
     }
     return x;
   }
@@ -1402,10 +1422,7 @@ struct Eagle3Head : torch::CustomClassHolder {
   at::Tensor cos, sin, embedding;  // rope tables [positions, D] f32; the target's embedding [vocab, hidden] bf16
   at::Tensor input_norm, hidden_norm, post_norm, final_norm;  // final_norm undefined: the head has none
   LinearParams fc, qkv, o, gate_up, down, lm_head;
-  // Per-part seconds since set_profile(true) (bench/round_profile.py): fc, layer, lm head (with the final norm), calls.
-  static constexpr int64_t kProfileParts = 4;
-  bool profiling = false;
-  std::vector<double> seconds = std::vector<double>(kProfileParts, 0.0);
+  PartSeconds clock{4};  // per-part seconds: fc, layer, lm head (with the final norm), calls
 
   Eagle3Head(int64_t num_heads, int64_t num_kv_heads, double scale, double eps, at::Tensor cos, at::Tensor sin,
              at::Tensor embedding)
@@ -1431,16 +1448,12 @@ struct Eagle3Head : torch::CustomClassHolder {
     LinearParams* target = name == "fc" ? &fc : name == "qkv" ? &qkv : name == "o" ? &o : name == "gate_up" ? &gate_up
                            : name == "down" ? &down : name == "lm_head" ? &lm_head : nullptr;
     TORCH_CHECK(target != nullptr, "unknown linear ", name);
-    *target = LinearParams{std::move(packed), kind, n, group_size, std::move(group_scale), std::move(pre_quant_scale),
-                           std::move(out_scale), std::move(bias), act_scale};
+    *target = LinearParams::of(std::move(packed), kind, n, std::move(group_scale), group_size,
+                               std::move(pre_quant_scale), act_scale, std::move(out_scale), std::move(bias));
   }
 
-  void set_profile(bool on) {
-    profiling = on;
-    std::fill(seconds.begin(), seconds.end(), 0.0);
-  }
-
-  at::Tensor profile() const { return at::tensor(seconds, at::kDouble); }
+  void set_profile(bool on) { clock.reset(on); }
+  at::Tensor profile() const { return clock.tensor(); }
 
   // inputs: the rows' features in blocks, one after the other: a block with project[i] holds the target's aux features
   // [n, L * hidden] (fc makes them head features, all such blocks in one fc call), any other the head's features
@@ -1462,14 +1475,7 @@ struct Eagle3Head : torch::CustomClassHolder {
       TORCH_CHECK(ids[r] >= 0 && ids[r] < embedding.size(0), "token id ", ids[r], " outside the embedding");
     at::Tensor logits, prenorm;
     step_team::run_step([&] {
-      using Clock = std::chrono::steady_clock;
-      Clock::time_point last = profiling ? Clock::now() : Clock::time_point{};
-      auto mark = [&](int part) {
-        if (!profiling) return;
-        Clock::time_point now = Clock::now();
-        seconds[part] += std::chrono::duration<double>(now - last).count();
-        last = now;
-      };
+      PartSeconds::Marks mark = clock.start();
       at::Tensor features = head_features(inputs, project, rows, H);  // [rows, H]
       TORCH_CHECK(features.scalar_type() == at::kBFloat16 && features.dim() == 2 && features.size(0) == rows &&
                       features.size(1) == H && features.is_contiguous(),
@@ -1504,7 +1510,7 @@ struct Eagle3Head : torch::CustomClassHolder {
       logits = lm_head(last_rows).to(at::kFloat);
       mark(2);
     });
-    if (profiling) seconds[3] += 1;
+    if (clock.on) clock.seconds[3] += 1;
     return {logits, prenorm};
   }
 
