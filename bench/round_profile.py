@@ -22,6 +22,9 @@ A part measured alone runs after an untimed one-row target step, as it follows t
   round     the served loop on --prompts chat prompts, k = --draft-len against the target alone: per round the head,
             the pass and the rest (the executor's Python: bookkeeping, lookup, verification), in the control's steps;
             where the head runs in one native call, also with it op by op, in turns.
+  batched   the same with --concurrency requests in flight in one BatchScheduler (as served; their passes shared, their
+            heads' forwards in one), the prompts in groups that start together: per batched step where all of them
+            decode, the heads, the shared pass and the rest, in the control's batched steps at that concurrency.
 
 Every measurement takes turns with the others in each of --repeats rounds (a slow spell of the shared machine falls on
 all of them) and is reported as a median. Floors: the bytes a part must read over the read bandwidth measured in the
@@ -321,6 +324,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--draft-len", type=int, default=3)
     ap.add_argument("--round-repeats", type=int, default=2)
+    ap.add_argument(
+        "--concurrency", type=int, default=2, help="requests in flight of the batched round section (0: skip it)"
+    )
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
 
@@ -336,6 +342,8 @@ def main(argv=None) -> int:
     result = profile(engine, head, context_ids(tokenizer, args.context), args.repeats, args.threads, args.draft_len)
     if args.prompts:
         result["round"] = round_section(args, recipe, engine, head, tokenizer)
+    if args.prompts and args.concurrency > 1:
+        result["batched_round"] = batched_round_section(args, recipe, engine, head, tokenizer)
     print_tables(result)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"round_profile-{stamp}.json"
@@ -499,6 +507,133 @@ def round_section(args, recipe, engine, head, tokenizer) -> dict:
     return result
 
 
+def batched_round_section(args, recipe, engine, head, tokenizer, prompts=None) -> dict:
+    """The served loop with --concurrency requests in flight in one BatchScheduler, as the served model runs them (the
+    requests' passes in one shared pass, their head forwards in one): the prompts in groups that start together,
+    k = --draft-len against the target alone, taking turns. Per batched step, between the ends of two shared passes:
+    the heads' forwards, the pass and the rest (the scheduler's and the requests' Python), in the control's time per
+    batched step at the same concurrency; only steps where every request of the group decodes (no prefill chunk, none
+    finished), so each step is a round of every request. A round here counts once for all the requests in it.
+    `prompts`: (id, token ids) pairs instead of --prompts built-in chat prompts."""
+    import threading
+
+    from bench.eagle3_peer import chat_prompts
+    from specdeploy.engine.batching import BatchScheduler
+    from specdeploy.engine.executor import Executor
+    from specdeploy.engine.request import EngineRequest
+
+    c, k = args.concurrency, args.draft_len
+    prompts = prompts or chat_prompts(tokenizer, max(args.prompts, c), args.max_tokens)
+    groups = [prompts[i : i + c] for i in range(0, len(prompts) - c + 1, c)]
+    executor = Executor(engine, 2 * c, head=head, draft_p_min=recipe.speculative.draft_p_min, lookup_threshold=0)
+
+    def run_group(group, k: int) -> dict:
+        executor.clear_cache()
+        events: list[tuple] = []  # (kind, start, end, [rows of each pass])
+        run_passes, run_heads = executor.run_passes, executor.run_head_passes
+
+        def timed(kind, run):
+            def call(passes):
+                t0 = time.perf_counter()
+                run(passes)
+                rows = [len(p.tokens) for p in passes] if kind == "pass" else [1] * len(passes)
+                events.append((kind, t0, time.perf_counter(), rows))
+
+            return call
+
+        executor.run_passes, executor.run_head_passes = timed("pass", run_passes), timed("head", run_heads)
+        scheduler = BatchScheduler(executor, c)
+        outputs, stats, failures = [None] * len(group), [None] * len(group), []
+
+        def consume(i: int, stream) -> None:
+            tokens = []
+            try:
+                for chunk in stream:
+                    tokens.extend(chunk.token_ids)
+                    if chunk.finished:
+                        stats[i] = chunk.stats
+            except Exception as exc:  # noqa: BLE001 - raised in the caller's thread below
+                failures.append(exc)
+            outputs[i] = tokens
+
+        try:
+            with scheduler.paused():  # every request of the group joins the first step
+                streams = [
+                    scheduler.generate(
+                        EngineRequest(
+                            input_ids=list(ids),
+                            max_new_tokens=args.max_tokens,
+                            end_id=tokenizer.eos_token_id,
+                            num_draft_tokens=k,
+                        )
+                    )
+                    for _, ids in group
+                ]
+                threads = [threading.Thread(target=consume, args=(i, s)) for i, s in enumerate(streams)]
+                for t in threads:
+                    t.start()
+                while scheduler.waiting() < len(group) and not failures:
+                    time.sleep(0.001)
+            for t in threads:
+                t.join()
+            if failures:
+                raise failures[0]
+        finally:
+            scheduler.close()
+            del executor.run_passes, executor.run_head_passes
+        step, head_s, pass_s, steps = [], 0.0, 0.0, 0
+        last_end, heads_since = None, 0.0
+        for kind, t0, t1, rows in events:
+            if kind == "head":
+                heads_since += t1 - t0
+                continue
+            decoding = len(rows) == len(group) and max(rows) <= k + 1
+            if last_end is not None and decoding:
+                step.append(t1 - last_end)
+                head_s += heads_since
+                pass_s += t1 - t0
+                steps += 1
+            last_end, heads_since = t1, 0.0
+        return dict(
+            step_s=sum(step),
+            steps=steps,
+            head_s=head_s,
+            pass_s=pass_s,
+            out=sum(len(o) - 1 for o in outputs),
+            passes=sum(s.iterations - 1 for s in stats),
+            outputs=outputs,
+        )
+
+    run_group(groups[0], k)  # warm-up
+    runs: dict[str, list[dict]] = {"plain": [], "fused": []}
+    for rep in range(args.round_repeats):
+        for name in ("plain", "fused") if rep % 2 == 0 else ("fused", "plain"):
+            per = [run_group(g, k if name == "fused" else 0) for g in groups]
+            runs[name].append(
+                {key: sum(r[key] for r in per) for key in ("step_s", "steps", "head_s", "pass_s", "out", "passes")}
+                | {"outputs": [o for r in per for o in r["outputs"]]}
+            )
+    plain_step = statistics.median(r["step_s"] / r["steps"] for r in runs["plain"])
+    per_step = lambda key: statistics.median(r[key] / r["steps"] for r in runs["fused"]) / plain_step
+    round_steps = per_step("step_s")
+    tokens = statistics.median(r["out"] / r["passes"] for r in runs["fused"])  # a request's tokens a round
+    return {
+        "concurrency": c,
+        "draft_len": k,
+        "prompts": len(groups) * c,
+        "identical_outputs": all(r["outputs"] == runs["plain"][0]["outputs"] for rs in runs.values() for r in rs),
+        "plain_step_ms": 1000 * plain_step,
+        "steps_timed": statistics.median(r["steps"] for r in runs["fused"]),
+        "tokens_per_pass": tokens,
+        "round_steps": round_steps,
+        "head_steps": per_step("head_s"),
+        "pass_steps": per_step("pass_s"),
+        "rest_steps": round_steps - per_step("head_s") - per_step("pass_s"),
+        "plain_pass_steps": statistics.median(r["pass_s"] / r["steps"] for r in runs["plain"]) / plain_step,
+        "tpot_speedup": tokens / round_steps,
+    }
+
+
 def print_tables(r: dict) -> None:
     cpu = r["cpu"]
     print(
@@ -537,6 +672,15 @@ def print_tables(r: dict) -> None:
                 f"  with the head op by op: {y['round_steps']:.2f} steps = head {y['head_steps']:.2f} + pass "
                 f"{y['pass_steps']:.2f} + rest {y['rest_steps']:.2f}; {y['speedup']:.2f}x"
             )
+    if "batched_round" in r:
+        x = r["batched_round"]
+        print(
+            f"served round, {x['concurrency']} requests in flight (k={x['draft_len']}, {x['prompts']} prompts, "
+            f"identical outputs {x['identical_outputs']}, {x['steps_timed']:.0f} steps timed): {x['round_steps']:.2f} "
+            f"steps of {x['plain_step_ms']:.2f} ms = head {x['head_steps']:.2f} + pass {x['pass_steps']:.2f} + rest "
+            f"{x['rest_steps']:.2f} (the control's pass {x['plain_pass_steps']:.2f}); "
+            f"{x['tokens_per_pass']:.2f} tokens a request's pass; TPOT {x['tpot_speedup']:.2f}x"
+        )
 
 
 if __name__ == "__main__":

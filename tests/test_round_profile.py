@@ -55,3 +55,34 @@ def test_the_round_profile_times_every_part_and_leaves_engine_and_head_as_they_w
     assert not {"_logits", "_norm", "_native_batch"} & set(vars(engine)) and "project" not in vars(head)
     assert head.lm_head is lm_head
     assert torch.equal(engine.forward(engine.new_cache(), torch.tensor(context)), before)
+
+
+def test_the_batched_round_profile_times_the_rounds_of_requests_in_flight_together(tmp_path, tiny_tokenizer_dir):
+    """Two requests in one BatchScheduler, as served: every timed step is a round of both, split into the heads, the
+    shared pass and the rest in the control's batched steps; the outputs are the target's alone."""
+    import types
+
+    from transformers import AutoTokenizer
+
+    from tests.test_eagle3_fused import AUX, _engine
+
+    make_tiny_model(tmp_path / "hf", tiny_tokenizer_dir, seed=0, num_hidden_layers=4)
+    engine = _engine(tmp_path / "hf", tmp_path / "engine", "bfloat16")
+    head = Eagle3Head.load(make_eagle3_head(tmp_path / "head", 64, 512, AUX), engine)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    recipe = types.SimpleNamespace(speculative=types.SimpleNamespace(draft_p_min=0.0))
+    args = types.SimpleNamespace(concurrency=2, draft_len=3, prompts=4, max_tokens=12, round_repeats=2)
+    rp = bench_modules.load("round_profile")
+
+    gen = torch.Generator().manual_seed(5)
+    prompts = [(str(i), torch.randint(4, 512, (20 + 3 * i,), generator=gen).tolist()) for i in range(4)]
+
+    r = rp.batched_round_section(args, recipe, engine, head, tokenizer, prompts)
+
+    assert r["concurrency"] == 2 and r["prompts"] == 4 and r["identical_outputs"] is True
+    assert r["steps_timed"] > 0 and r["head_steps"] > 0 and r["pass_steps"] > 0
+    # the three parts are the round: the pass and the heads inside the interval between two passes' ends
+    assert r["head_steps"] + r["pass_steps"] < r["round_steps"]
+    assert r["rest_steps"] == pytest.approx(r["round_steps"] - r["head_steps"] - r["pass_steps"])
+    assert r["tpot_speedup"] == pytest.approx(r["tokens_per_pass"] / r["round_steps"])
+    assert 1 <= r["tokens_per_pass"] <= args.draft_len + 1
