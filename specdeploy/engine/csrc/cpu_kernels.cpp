@@ -1122,8 +1122,9 @@ struct AttentionUnit {
 };
 
 // One layer's attention for several sequences in one parallel loop: sequence s has sizes[s] rows at positions
-// starts[s].. of its own cache (keys[s], values[s]: [KV, max_len, D] f32, this layer's; k after RoPE and v are
-// written at those positions); its rows sit one after another in qkv [rows, (H + 2 KV) * D] bf16; cos, sin
+// starts[s].. of its own cache (keys[s], values[s]: [layers, KV, max_len, D] bf16, of which layer `layer` is read; k
+// after RoPE and v are written at those positions; the layer is picked by pointer, not by a select() per layer and
+// sequence, whose dispatcher calls cost more than a one-row pass's scores); its rows sit one after another in qkv [rows, (H + 2 KV) * D] bf16; cos, sin
 // [positions, D] f32 (sin with its first half negated). Row r of a sequence attends over exactly its positions
 // 0..start+r, in f32; a row's bits are its own, whatever shares the pass. Returns [rows, H * D] bf16 (rows past the
 // sequences' are 0). Tasks: a row of several (verification, prefill) reads a KV head's keys once for up to
@@ -1133,27 +1134,31 @@ struct AttentionUnit {
 at::Tensor attention_batch(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                            const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
                            const std::vector<int64_t>& starts, const std::vector<int64_t>& sizes, int64_t num_heads,
-                           int64_t num_kv_heads, double scale, double* rope_seconds = nullptr) {
+                           int64_t num_kv_heads, double scale, int64_t layer, double* rope_seconds = nullptr) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kBFloat16 && qkv.is_contiguous(), "qkv: expected contiguous bf16");
   TORCH_CHECK(!keys.empty() && keys.size() == values.size() && keys.size() == starts.size() && keys.size() == sizes.size(),
               "attention: one cache, start and size per sequence");
-  int64_t rows = qkv.size(0), D = keys[0].size(2), groups = num_heads / num_kv_heads, width = qkv.size(1);
+  TORCH_CHECK(keys[0].dim() == 4 && layer >= 0 && layer < keys[0].size(0), "keys: expected [layers, KV, max_len, D]");
+  int64_t rows = qkv.size(0), D = keys[0].size(3), groups = num_heads / num_kv_heads, width = qkv.size(1);
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * D, "qkv/cache shapes disagree");
   int64_t total = std::accumulate(sizes.begin(), sizes.end(), int64_t{0});
   TORCH_CHECK(total <= rows, "more rows in the sequences than in qkv");
   std::vector<float> q(total * num_heads * D);
-  at::Tensor out = at::zeros({rows, num_heads * D}, qkv.options());
+  // every (row, head) of the sequences is written by exactly one task: only the padding rows are zeroed here
+  at::Tensor out = at::empty({rows, num_heads * D}, qkv.options());
+  std::memset(out.data_ptr<c10::BFloat16>() + total * num_heads * D, 0, (rows - total) * num_heads * D * sizeof(c10::BFloat16));
   std::vector<AttentionSeq> seqs;
   int64_t offset = 0;
   for (size_t i = 0; i < keys.size(); ++i) {
     const at::Tensor &k = keys[i], &v = values[i];
     TORCH_CHECK(k.scalar_type() == at::kBFloat16 && k.is_contiguous() && v.scalar_type() == at::kBFloat16 && v.is_contiguous() &&
-                    k.dim() == 3 && k.sizes() == v.sizes() && k.size(0) == num_kv_heads && k.size(2) == D,
-                "keys, values: expected contiguous bf16 [KV, max_len, D]");
-    int64_t start = starts[i], m = sizes[i];
-    TORCH_CHECK(start >= 0 && m >= 0 && start + m <= k.size(1) && start + m <= cos.size(0), "positions out of range");
-    seqs.push_back({qkv.data_ptr<c10::BFloat16>() + offset * width, k.data_ptr<c10::BFloat16>(), v.data_ptr<c10::BFloat16>(), k.size(1),
-                    start, m, q.data() + offset * num_heads * D, out.data_ptr<c10::BFloat16>() + offset * num_heads * D});
+                    k.dim() == 4 && k.sizes() == v.sizes() && layer < k.size(0) && k.size(1) == num_kv_heads && k.size(3) == D,
+                "keys, values: expected contiguous bf16 [layers, KV, max_len, D]");
+    int64_t start = starts[i], m = sizes[i], max_len = k.size(2), at_layer = layer * num_kv_heads * max_len * D;
+    TORCH_CHECK(start >= 0 && m >= 0 && start + m <= max_len && start + m <= cos.size(0), "positions out of range");
+    seqs.push_back({qkv.data_ptr<c10::BFloat16>() + offset * width, k.data_ptr<c10::BFloat16>() + at_layer,
+                    v.data_ptr<c10::BFloat16>() + at_layer, max_len, start, m, q.data() + offset * num_heads * D,
+                    out.data_ptr<c10::BFloat16>() + offset * num_heads * D});
     offset += m;
   }
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
@@ -1235,7 +1240,8 @@ at::Tensor attention_batch(const at::Tensor& qkv, const at::Tensor& cos, const a
 at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& keys,
                      at::Tensor& values, int64_t start, int64_t m, int64_t num_heads, int64_t num_kv_heads,
                      double scale) {
-  return attention_batch(qkv, cos, sin, {keys}, {values}, {start}, {m}, num_heads, num_kv_heads, scale);
+  return attention_batch(qkv, cos, sin, {keys.unsqueeze(0)}, {values.unsqueeze(0)}, {start}, {m}, num_heads, num_kv_heads,
+                         scale, 0);
 }
 
 }  // namespace
@@ -1371,13 +1377,9 @@ struct Decoder : torch::CustomClassHolder {
       mark(0);
       at::Tensor qkv = l.qkv(normed);
       mark(1);
-      std::vector<at::Tensor> layer_keys, layer_values;  // one sequence: its rows may include padding past sizes[0]
-      for (size_t s = 0; s < keys.size(); ++s) {
-        layer_keys.push_back(keys[s].select(0, i));
-        layer_values.push_back(values[s].select(0, i));
-      }
-      at::Tensor attn = attention_batch(qkv, cos, sin, layer_keys, layer_values, starts, sizes, num_heads, num_kv_heads,
-                                        scale, clock.on ? &rope_seconds : nullptr);
+      // one sequence: its rows may include padding past sizes[0]
+      at::Tensor attn = attention_batch(qkv, cos, sin, keys, values, starts, sizes, num_heads, num_kv_heads, scale,
+                                        static_cast<int64_t>(i), clock.on ? &rope_seconds : nullptr);
       mark(3);  // rope_seconds moves from attention to rope+kv below
       x = l.o(attn, x);
       mark(4);
@@ -1489,12 +1491,7 @@ struct Eagle3Head : torch::CustomClassHolder {
         rms_norm_row(table + ids[r] * H, input_norm.data_ptr<c10::BFloat16>(), H, eps, xp + r * 2 * H);
         rms_norm_row(fp + r * H, hidden_norm.data_ptr<c10::BFloat16>(), H, eps, xp + r * 2 * H + H);
       }
-      std::vector<at::Tensor> layer_keys, layer_values;
-      for (size_t s = 0; s < keys.size(); ++s) {
-        layer_keys.push_back(keys[s].select(0, 0));
-        layer_values.push_back(values[s].select(0, 0));
-      }
-      at::Tensor attn = attention_batch(qkv(x), cos, sin, layer_keys, layer_values, starts, sizes, num_heads, num_kv_heads, scale);
+      at::Tensor attn = attention_batch(qkv(x), cos, sin, keys, values, starts, sizes, num_heads, num_kv_heads, scale, 0);
       at::Tensor h = o(attn, features);
       prenorm = down(swiglu(gate_up(rms_norm(h, post_norm, eps)), std::nullopt), h);  // [rows, H]
       mark(1);
