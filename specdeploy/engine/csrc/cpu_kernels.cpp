@@ -1194,6 +1194,7 @@ at::Tensor attention_batch(const at::Tensor& qkv, const at::Tensor& cos, const a
         for (int64_t r0 = 0; r0 < m; r0 += unit_rows)
           units.push_back({static_cast<int64_t>(i), r0, std::min(m, r0 + unit_rows), g * groups, (g + 1) * groups});
     } else {
+      if (fast) most_queries = std::max(most_queries, groups);  // a chunk's run of one KV head's queries (below)
       for (int64_t r = 0; r < m; ++r)
         for (int64_t h = 0; h < num_heads; ++h) units.push_back({static_cast<int64_t>(i), r, r + 1, h, h + 1});
     }
@@ -1205,9 +1206,18 @@ at::Tensor attention_batch(const at::Tensor& qkv, const at::Tensor& cos, const a
   specdeploy::step_team::parallel_for(0, units_count, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> p(most_queries * stride), acc(most_queries * D);
     for (int64_t u = begin; u < end; ++u) {
-      const AttentionUnit& t = units[u];
+      AttentionUnit t = units[u];
       const AttentionSeq& a = seqs[t.seq];
       int64_t g = t.h0 / groups;
+      // The one-row tasks a chunk holds of one row and KV head run as one (attend_queries: their scores and values
+      // share each key's and value's loads, as a pass of several rows does), instead of reading that head's cache
+      // once per query head: each query's arithmetic is its own either way, so the bits are those of one task each.
+      // The tasks stay one per query head so that the chunks split a decode step's heads evenly between the threads.
+      if (fast && t.r1 - t.r0 == 1)
+        for (; u + 1 < end && units[u + 1].seq == t.seq && units[u + 1].r0 == t.r0 && units[u + 1].h0 == t.h1 &&
+               units[u + 1].h0 / groups == g;
+             ++u)
+          t.h1 = units[u + 1].h1;
       const c10::BFloat16* key = a.keys + g * a.max_len * D;
       const c10::BFloat16* value = a.values + g * a.max_len * D;
       switch (fast ? vectors : 0) {
