@@ -1137,8 +1137,8 @@ struct AttentionUnit {
 
 // One layer's attention for several sequences in one parallel loop: sequence s has sizes[s] rows at positions
 // starts[s].. of its own cache (keys[s], values[s]: [layers, KV, max_len, D] bf16, of which layer `layer` is read; k
-// after RoPE and v are written at those positions; the layer is picked by pointer, not by a select() per layer and
-// sequence, whose dispatcher calls cost more than a one-row pass's scores); its rows sit one after another in qkv [rows, (H + 2 KV) * D] bf16; cos, sin
+// after RoPE and v are written at those positions; the layer is picked by pointer: a select() per layer and sequence
+// put two dispatcher calls on the step's path for nothing); its rows sit one after another in qkv [rows, (H + 2 KV) * D] bf16; cos, sin
 // [positions, D] f32 (sin with its first half negated). Row r of a sequence attends over exactly its positions
 // 0..start+r, in f32; a row's bits are its own, whatever shares the pass. Returns [rows, H * D] bf16 (rows past the
 // sequences' are 0). Tasks: a row of several (verification, prefill) reads a KV head's keys once for up to
