@@ -623,3 +623,32 @@ def test_attention_follows_a_reference_and_each_rows_bits_are_its_own(head_size,
             expected = p @ all_v[h // group, :n]
             got = out[r, h * head_size : (h + 1) * head_size].double()
             torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("head_size", [16, 32, 64, 128])
+@pytest.mark.parametrize("team", [False, True])
+def test_attention_rows_equal_one_row_passes_over_the_engines_shapes(head_size, team):
+    """Over the shapes the engine runs (groups 1-6, 1-9 rows, 0-200 positions) a pass's every row has the bits of a
+    one-row pass at its position, inside a standing team and without one (other chunks: a one-row pass runs a chunk's
+    query heads of one KV head as one task, csrc attention_batch). A pass of several rows and one of one row are
+    different tasks; that they agree bit for bit, with the reference test above pinning what they compute, is what
+    keeps either from drifting. Padding rows past m come back 0."""
+    g = torch.Generator().manual_seed(head_size)
+    max_len = 216
+    for groups in range(1, 7):
+        kv_heads = 2 if groups < 4 else 1
+        heads = groups * kv_heads
+        width = (heads + 2 * kv_heads) * head_size
+        cos, sin = torch.randn(max_len, head_size, generator=g), torch.randn(max_len, head_size, generator=g)
+        keys0 = torch.randn(kv_heads, max_len, head_size, generator=g).to(torch.bfloat16)
+        values0 = torch.randn(kv_heads, max_len, head_size, generator=g).to(torch.bfloat16)
+        for rows, start in [(1, 0), (2, 1), (3, 15), (4, 16), (5, 63), (6, 64), (7, 100), (8, 191), (9, 200)]:
+            qkv = torch.randn(rows + 1, width, generator=g).to(torch.bfloat16)  # the last row: padding
+            keys, values, scale = keys0.clone(), values0.clone(), head_size**-0.5
+            with native.standing_team(OPS if team else None):
+                out = OPS.attention(qkv, cos, sin, keys, values, start, rows, heads, kv_heads, scale)
+                assert not out[rows].any()
+                for r in range(rows):  # the cache as the pass left it: each row reads only positions 0..start+r
+                    row = qkv[r : r + 1].contiguous()
+                    one = OPS.attention(row, cos, sin, keys, values, start + r, 1, heads, kv_heads, scale)
+                    assert torch.equal(one[0], out[r]), (groups, rows, start, r)

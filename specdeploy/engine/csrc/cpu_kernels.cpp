@@ -932,6 +932,15 @@ inline float dot(const float* a, const c10::BFloat16* b, int64_t D) {
   return s;
 }
 
+// How far ahead of the key (value) in use the first pass over a block asks for the cache's lines: a one-row pass
+// reads each KV head's keys and values once, from L3 after the rest of the step has gone through L2, and the loads
+// of the FMAs alone did not keep enough of those misses in flight. A prefetch changes no bits.
+constexpr int64_t kPrefetchBytes = 2048;
+inline void prefetch_row(const c10::BFloat16* p, int64_t D) {
+  for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(c10::BFloat16)); b += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(p) + b, _MM_HINT_T0);
+}
+
 // Q query heads of one row against keys j_begin..n-1 of their KV head (j_begin a multiple of kLanes), the head size
 // D = C * kLanes (q in registers): p_q[j] = (q . key_j) * scale, each dot product FMA'd over the head's C vectors from
 // zero, then kLanes keys' lane sums at once (reduce_lanes). A key's vectors are loaded once for the Q queries. p_q[j]'s
@@ -939,7 +948,8 @@ inline float dot(const float* a, const c10::BFloat16* b, int64_t D) {
 // zeros, never stored).
 template <int C, int Q>
 inline void head_scores(const float* const* qh, const c10::BFloat16* keys, int64_t D, int64_t j_begin, int64_t n,
-                        float scale, float* const* p) {
+                        float scale, float* const* p, bool prefetch) {
+  const int64_t ahead = std::max<int64_t>(1, kPrefetchBytes / (D * static_cast<int64_t>(sizeof(c10::BFloat16))));
   Vec q[Q][C];
   for (int h = 0; h < Q; ++h)
     for (int c = 0; c < C; ++c) q[h][c] = vload(qh[h] + c * kLanes);
@@ -949,6 +959,7 @@ inline void head_scores(const float* const* qh, const c10::BFloat16* keys, int64
     for (int64_t i = 0; i < kLanes; ++i) {
       if (i < count) {
         const c10::BFloat16* k = keys + (j0 + i) * D;
+        if (prefetch) prefetch_row(k + ahead * D, D);
         Vec key[C];
         for (int c = 0; c < C; ++c) key[c] = load_bf16(k + c * kLanes);
         for (int h = 0; h < Q; ++h) {
@@ -1001,13 +1012,16 @@ constexpr int64_t kScoreQueries = 3;  // queries of a row whose scores share eac
 
 // acc[q] += w[q][j] * value_j for keys b0..n-1 in order, Q queries with weights w + q * stride and sums acc + q * D.
 template <int C, int Q>
-inline void weigh_values(const float* w, int64_t stride, const c10::BFloat16* values, int64_t b0, int64_t n, float* acc) {
+inline void weigh_values(const float* w, int64_t stride, const c10::BFloat16* values, int64_t b0, int64_t n, float* acc,
+                         bool prefetch) {
   constexpr int64_t D = C * kLanes;
+  constexpr int64_t ahead = std::max<int64_t>(1, kPrefetchBytes / (D * static_cast<int64_t>(sizeof(c10::BFloat16))));
   Vec a[Q][C];
   for (int q = 0; q < Q; ++q)
     for (int c = 0; c < C; ++c) a[q][c] = vload(acc + q * D + c * kLanes);
   for (int64_t j = b0; j < n; ++j) {
     const c10::BFloat16* v = values + j * D;
+    if (prefetch) prefetch_row(v + ahead * D, D);
     Vec vv[C];
     for (int c = 0; c < C; ++c) vv[c] = load_bf16(v + c * kLanes);
     for (int q = 0; q < Q; ++q) {
@@ -1044,9 +1058,9 @@ void attend_queries(const float* q, int64_t num_heads, const c10::BFloat16* keys
         float* ps[kScoreQueries];
         for (int64_t h = 0; h < together; ++h) qs[h] = query(k + h), ps[h] = p + (k + h) * stride;
         switch (together) {
-          case 3: head_scores<C, 3>(qs, keys, D, b0, n, scale, ps); break;
-          case 2: head_scores<C, 2>(qs, keys, D, b0, n, scale, ps); break;
-          default: head_scores<C, 1>(qs, keys, D, b0, n, scale, ps);
+          case 3: head_scores<C, 3>(qs, keys, D, b0, n, scale, ps, k == 0); break;
+          case 2: head_scores<C, 2>(qs, keys, D, b0, n, scale, ps, k == 0); break;
+          default: head_scores<C, 1>(qs, keys, D, b0, n, scale, ps, k == 0);
         }
       }
       k += together;
@@ -1067,9 +1081,9 @@ void attend_queries(const float* q, int64_t num_heads, const c10::BFloat16* keys
       int64_t together = std::min<int64_t>({kValueQueries, queries - k, heads - k % heads});  // same row: same n
       if (n > b0) {
         switch (together) {
-          case 3: weigh_values<C, 3>(p + k * stride, stride, values, b0, n, acc + k * D); break;
-          case 2: weigh_values<C, 2>(p + k * stride, stride, values, b0, n, acc + k * D); break;
-          default: weigh_values<C, 1>(p + k * stride, stride, values, b0, n, acc + k * D);
+          case 3: weigh_values<C, 3>(p + k * stride, stride, values, b0, n, acc + k * D, k == 0); break;
+          case 2: weigh_values<C, 2>(p + k * stride, stride, values, b0, n, acc + k * D, k == 0); break;
+          default: weigh_values<C, 1>(p + k * stride, stride, values, b0, n, acc + k * D, k == 0);
         }
       }
       k += together;
@@ -1122,8 +1136,9 @@ struct AttentionUnit {
 };
 
 // One layer's attention for several sequences in one parallel loop: sequence s has sizes[s] rows at positions
-// starts[s].. of its own cache (keys[s], values[s]: [KV, max_len, D] f32, this layer's; k after RoPE and v are
-// written at those positions); its rows sit one after another in qkv [rows, (H + 2 KV) * D] bf16; cos, sin
+// starts[s].. of its own cache (keys[s], values[s]: [layers, KV, max_len, D] bf16, of which layer `layer` is read; k
+// after RoPE and v are written at those positions; the layer is picked by pointer: a select() per layer and sequence
+// put two dispatcher calls on the step's path for nothing); its rows sit one after another in qkv [rows, (H + 2 KV) * D] bf16; cos, sin
 // [positions, D] f32 (sin with its first half negated). Row r of a sequence attends over exactly its positions
 // 0..start+r, in f32; a row's bits are its own, whatever shares the pass. Returns [rows, H * D] bf16 (rows past the
 // sequences' are 0). Tasks: a row of several (verification, prefill) reads a KV head's keys once for up to
@@ -1133,27 +1148,31 @@ struct AttentionUnit {
 at::Tensor attention_batch(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                            const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
                            const std::vector<int64_t>& starts, const std::vector<int64_t>& sizes, int64_t num_heads,
-                           int64_t num_kv_heads, double scale, double* rope_seconds = nullptr) {
+                           int64_t num_kv_heads, double scale, int64_t layer, double* rope_seconds = nullptr) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kBFloat16 && qkv.is_contiguous(), "qkv: expected contiguous bf16");
   TORCH_CHECK(!keys.empty() && keys.size() == values.size() && keys.size() == starts.size() && keys.size() == sizes.size(),
               "attention: one cache, start and size per sequence");
-  int64_t rows = qkv.size(0), D = keys[0].size(2), groups = num_heads / num_kv_heads, width = qkv.size(1);
+  TORCH_CHECK(keys[0].dim() == 4 && layer >= 0 && layer < keys[0].size(0), "keys: expected [layers, KV, max_len, D]");
+  int64_t rows = qkv.size(0), D = keys[0].size(3), groups = num_heads / num_kv_heads, width = qkv.size(1);
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * D, "qkv/cache shapes disagree");
   int64_t total = std::accumulate(sizes.begin(), sizes.end(), int64_t{0});
   TORCH_CHECK(total <= rows, "more rows in the sequences than in qkv");
   std::vector<float> q(total * num_heads * D);
-  at::Tensor out = at::zeros({rows, num_heads * D}, qkv.options());
+  // every (row, head) of the sequences is written by exactly one task: only the padding rows are zeroed here
+  at::Tensor out = at::empty({rows, num_heads * D}, qkv.options());
+  std::memset(out.data_ptr<c10::BFloat16>() + total * num_heads * D, 0, (rows - total) * num_heads * D * sizeof(c10::BFloat16));
   std::vector<AttentionSeq> seqs;
   int64_t offset = 0;
   for (size_t i = 0; i < keys.size(); ++i) {
     const at::Tensor &k = keys[i], &v = values[i];
     TORCH_CHECK(k.scalar_type() == at::kBFloat16 && k.is_contiguous() && v.scalar_type() == at::kBFloat16 && v.is_contiguous() &&
-                    k.dim() == 3 && k.sizes() == v.sizes() && k.size(0) == num_kv_heads && k.size(2) == D,
-                "keys, values: expected contiguous bf16 [KV, max_len, D]");
-    int64_t start = starts[i], m = sizes[i];
-    TORCH_CHECK(start >= 0 && m >= 0 && start + m <= k.size(1) && start + m <= cos.size(0), "positions out of range");
-    seqs.push_back({qkv.data_ptr<c10::BFloat16>() + offset * width, k.data_ptr<c10::BFloat16>(), v.data_ptr<c10::BFloat16>(), k.size(1),
-                    start, m, q.data() + offset * num_heads * D, out.data_ptr<c10::BFloat16>() + offset * num_heads * D});
+                    k.dim() == 4 && k.sizes() == v.sizes() && layer < k.size(0) && k.size(1) == num_kv_heads && k.size(3) == D,
+                "keys, values: expected contiguous bf16 [layers, KV, max_len, D]");
+    int64_t start = starts[i], m = sizes[i], max_len = k.size(2), at_layer = layer * num_kv_heads * max_len * D;
+    TORCH_CHECK(start >= 0 && m >= 0 && start + m <= max_len && start + m <= cos.size(0), "positions out of range");
+    seqs.push_back({qkv.data_ptr<c10::BFloat16>() + offset * width, k.data_ptr<c10::BFloat16>() + at_layer,
+                    v.data_ptr<c10::BFloat16>() + at_layer, max_len, start, m, q.data() + offset * num_heads * D,
+                    out.data_ptr<c10::BFloat16>() + offset * num_heads * D});
     offset += m;
   }
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
@@ -1189,6 +1208,7 @@ at::Tensor attention_batch(const at::Tensor& qkv, const at::Tensor& cos, const a
         for (int64_t r0 = 0; r0 < m; r0 += unit_rows)
           units.push_back({static_cast<int64_t>(i), r0, std::min(m, r0 + unit_rows), g * groups, (g + 1) * groups});
     } else {
+      if (fast) most_queries = std::max(most_queries, groups);  // a chunk's run of one KV head's queries (below)
       for (int64_t r = 0; r < m; ++r)
         for (int64_t h = 0; h < num_heads; ++h) units.push_back({static_cast<int64_t>(i), r, r + 1, h, h + 1});
     }
@@ -1200,9 +1220,18 @@ at::Tensor attention_batch(const at::Tensor& qkv, const at::Tensor& cos, const a
   specdeploy::step_team::parallel_for(0, units_count, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> p(most_queries * stride), acc(most_queries * D);
     for (int64_t u = begin; u < end; ++u) {
-      const AttentionUnit& t = units[u];
+      AttentionUnit t = units[u];
       const AttentionSeq& a = seqs[t.seq];
       int64_t g = t.h0 / groups;
+      // The one-row tasks a chunk holds of one row and KV head run as one (attend_queries: their scores and values
+      // share each key's and value's loads, as a pass of several rows does), instead of reading that head's cache
+      // once per query head: each query's arithmetic is its own either way, so the bits are those of one task each.
+      // The tasks stay one per query head so that the chunks split a decode step's heads evenly between the threads.
+      if (fast && t.r1 - t.r0 == 1)
+        for (; u + 1 < end && units[u + 1].seq == t.seq && units[u + 1].r0 == t.r0 && units[u + 1].h0 == t.h1 &&
+               units[u + 1].h0 / groups == g;
+             ++u)
+          t.h1 = units[u + 1].h1;
       const c10::BFloat16* key = a.keys + g * a.max_len * D;
       const c10::BFloat16* value = a.values + g * a.max_len * D;
       switch (fast ? vectors : 0) {
@@ -1235,7 +1264,8 @@ at::Tensor attention_batch(const at::Tensor& qkv, const at::Tensor& cos, const a
 at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& keys,
                      at::Tensor& values, int64_t start, int64_t m, int64_t num_heads, int64_t num_kv_heads,
                      double scale) {
-  return attention_batch(qkv, cos, sin, {keys}, {values}, {start}, {m}, num_heads, num_kv_heads, scale);
+  return attention_batch(qkv, cos, sin, {keys.unsqueeze(0)}, {values.unsqueeze(0)}, {start}, {m}, num_heads, num_kv_heads,
+                         scale, 0);
 }
 
 }  // namespace
@@ -1371,13 +1401,9 @@ struct Decoder : torch::CustomClassHolder {
       mark(0);
       at::Tensor qkv = l.qkv(normed);
       mark(1);
-      std::vector<at::Tensor> layer_keys, layer_values;  // one sequence: its rows may include padding past sizes[0]
-      for (size_t s = 0; s < keys.size(); ++s) {
-        layer_keys.push_back(keys[s].select(0, i));
-        layer_values.push_back(values[s].select(0, i));
-      }
-      at::Tensor attn = attention_batch(qkv, cos, sin, layer_keys, layer_values, starts, sizes, num_heads, num_kv_heads,
-                                        scale, clock.on ? &rope_seconds : nullptr);
+      // one sequence: its rows may include padding past sizes[0]
+      at::Tensor attn = attention_batch(qkv, cos, sin, keys, values, starts, sizes, num_heads, num_kv_heads, scale,
+                                        static_cast<int64_t>(i), clock.on ? &rope_seconds : nullptr);
       mark(3);  // rope_seconds moves from attention to rope+kv below
       x = l.o(attn, x);
       mark(4);
@@ -1489,12 +1515,7 @@ struct Eagle3Head : torch::CustomClassHolder {
         rms_norm_row(table + ids[r] * H, input_norm.data_ptr<c10::BFloat16>(), H, eps, xp + r * 2 * H);
         rms_norm_row(fp + r * H, hidden_norm.data_ptr<c10::BFloat16>(), H, eps, xp + r * 2 * H + H);
       }
-      std::vector<at::Tensor> layer_keys, layer_values;
-      for (size_t s = 0; s < keys.size(); ++s) {
-        layer_keys.push_back(keys[s].select(0, 0));
-        layer_values.push_back(values[s].select(0, 0));
-      }
-      at::Tensor attn = attention_batch(qkv(x), cos, sin, layer_keys, layer_values, starts, sizes, num_heads, num_kv_heads, scale);
+      at::Tensor attn = attention_batch(qkv(x), cos, sin, keys, values, starts, sizes, num_heads, num_kv_heads, scale, 0);
       at::Tensor h = o(attn, features);
       prenorm = down(swiglu(gate_up(rms_norm(h, post_norm, eps)), std::nullopt), h);  // [rows, H]
       mark(1);
