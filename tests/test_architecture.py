@@ -123,7 +123,8 @@ LAYER_OF = {
     "eagle3.features": (
         "stages"
     ),  # draft.train.features engine: the target's side of a training step from the CPU engine
-    "eagle3.feature_cache": "stages",  # draft.train.feature_cache: the engine's features and labels kept for later epochs
+    # draft.train.feature_cache: the engine's features and labels kept for later epochs
+    "eagle3.feature_cache": "stages",
     "gpu.launch_command": "stages",  # the tritonserver launch plan and its docker equivalent
     "gpu.k8s": "stages",  # the Kubernetes manifests
     "gpu.launch": "stages",
