@@ -253,6 +253,23 @@ def _drafts(model, data: Path):
     return drafts
 
 
+def _train_quietly(model, d, t, work: Path, stop=None, **kwargs) -> None:
+    """train_head without progress or messages, a checkpoint every step, stopped after step `stop` (a
+    KeyboardInterrupt, as an interrupted run), as the resume tests run it."""
+    draft_train_loop.train_head(
+        model,
+        d,
+        t,
+        work,
+        fingerprint="fp",
+        progress=False,
+        echo=lambda m: None,
+        checkpoint_every_s=0.0,
+        _stop_after_step=stop,
+        **kwargs,
+    )
+
+
 def test_resume_after_interruption_gives_the_same_weights(tiny):
     root, target, data = tiny
     recipe = recipe_for(target, epochs=2.0)
@@ -262,17 +279,7 @@ def test_resume_after_interruption_gives_the_same_weights(tiny):
 
     def run(work: Path, stop=None):
         model = modelopt_eagle3.build_model(target, t, draft_ids, [0, 1])
-        draft_train_loop.train_head(
-            model,
-            d,
-            t,
-            work,
-            fingerprint="fp",
-            progress=False,
-            echo=lambda m: None,
-            checkpoint_every_s=0.0,
-            _stop_after_step=stop,
-        )
+        _train_quietly(model, d, t, work, stop)
         return model.eagle_module.state_dict()
 
     straight = run(root / "straight")
@@ -870,15 +877,9 @@ def test_top_k_labels_give_the_full_distributions_loss_within_the_tail_they_drop
     from specdeploy.eagle3.features import EngineFeatures
 
     root, target, data = tiny
-    t = Eagle3TrainConfig(**TRAIN)
     samples = _samples(data / "heldout.jsonl")[:6]
     ids, loss_mask, _ = draft_train_loop.make_batch(samples, 32, 0)
-    draft_ids = modelopt_eagle3.choose_draft_vocab(_samples(data / "train.jsonl"), VOCAB, t.draft_vocab_size)
-    model = modelopt_eagle3.build_model(target, t, draft_ids, [0, 1], offline=True)
-    modelopt_eagle3.accept_draft_space_logits(model)
-    model.train()
-    model._mask_cache = draft_train_loop._MaskCache(model)
-    model._mask_cache.use(ids.shape[1])
+    model, draft_ids = _offline_model(target, data, ids)
     full = EngineFeatures.load(tiny_engine.engine("target"), [0, 1])
     assert modelopt_eagle3.draft_target_ids(model).tolist() == draft_ids
 
@@ -994,19 +995,7 @@ def test_a_resumed_run_reads_its_features_from_the_cache_and_ends_with_the_uncac
         top = features.top_k(t.label_top_k, draft_ids)
         steps = CachedFeatures(top, tmp_path / "cache", d.train, t.seq_len, {}) if cache else top
         try:
-            draft_train_loop.train_head(
-                model,
-                d,
-                t,
-                work,
-                fingerprint="fp",
-                progress=False,
-                echo=lambda m: None,
-                checkpoint_every_s=0.0,
-                features=features,
-                step_features=steps,
-                _stop_after_step=stop,
-            )
+            _train_quietly(model, d, t, work, stop, features=features, step_features=steps)
         finally:
             computed = steps.computed if cache else None
         return model.eagle_module.state_dict(), computed
