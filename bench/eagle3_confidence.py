@@ -11,12 +11,16 @@ prompts: choose draft_p_min here. `--prompts builtin`: the built-in validation p
 does there (never to choose it). `--prompts sharegpt`: real requests of ShareGPT's validation half (seed 0), which
 no head trains on (docs/validate.md); `--prompts sharegpt-reported`: the reported half, never chosen on.
 
-The sweep estimates the speedup of each cut-off with a cost model in target steps: a round of 1 + k rows costs
-ROWS[k] (default: bench/eagle3.py's 1.00 / 1.11 / 1.24 / 1.31 steps for 1..4 rows) plus HEAD per draft step of the
-head (default 0.06, its catch-up included once per round).
+The sweep estimates the speedup of each cut-off with a cost model in one-row target steps: a round of 1 + k rows costs
+ROWS[k] (the idle per-op profile of 2026-12-06, docs/benchmarks.md: 1.02 / 1.07 / 1.15 / 1.25 steps for 1..4 rows),
+the head's catch-up with its first draft CATCH_UP (0.12) and HEAD_STEP (0.06) per later draft step the head ran
+(a cut draft was computed before it was cut). Two rules: `chain`, what the engine does (a draft is cut where its
+probability times those of the drafts before it falls below the cut), and `draft` (each draft's own probability, as
+llama.cpp's --spec-draft-p-min), to compare.
 
     .venv/bin/python bench/eagle3_confidence.py [--recipe build/smollm2-135m.yaml] [--prompts heldout|builtin|sharegpt]
         [--count 24] [--max-tokens 64] [--draft-len 3] [--data DIR] [--out FILE.json]
+    .venv/bin/python bench/eagle3_confidence.py --rounds FILE.json     # the tables again from an --out file's rounds
 """
 
 from __future__ import annotations
@@ -34,9 +38,12 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-ROWS = (1.00, 1.11, 1.24, 1.31, 1.41)  # pass of 1..5 rows in target steps (bench/eagle3.py, README)
-HEAD = 0.06  # one head step in target steps (bench/eagle3.py: 1.7 ms / 29.2 ms)
-CUTS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7)
+# a pass of 1..5 rows in one-row steps (docs/benchmarks.md, the per-op profile idle on 2026-12-06: 1..4 rows; 5: 10:49)
+ROWS = (1.02, 1.07, 1.15, 1.25, 1.41)
+CATCH_UP = 0.12  # the head's catch-up and first draft, every round (the same profile: 0.117)
+HEAD_STEP = 0.06  # one later draft step of the head (0.062)
+CUTS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7)
+RULES = ("chain", "draft")  # the engine's cut (Eagle3Drafter.draft_steps), and each draft alone (llama.cpp's)
 
 
 def heldout_prompts(data_dir: Path, count: int) -> list[tuple[str, list[int]]]:
@@ -199,29 +206,40 @@ def by_repeat(rounds: list[dict]) -> list[tuple[str, int, float, float]]:
     return out
 
 
-def sweep(rounds: list[dict], rows=ROWS, head=HEAD) -> list[dict]:
-    """Per cut-off: drafts and accepted drafts per round, and the estimated speedup (tokens per step-cost)."""
+def kept(probabilities: list[float], cut: float, rule: str) -> int:
+    """Drafts a round keeps at cut-off `cut`: up to the first whose chain probability (`chain`: its own times the
+    drafts' before it) or own probability (`draft`) is below it."""
+    chain, k = 1.0, 0
+    for p in probabilities:
+        chain *= p
+        if (chain if rule == "chain" else p) < cut:
+            break
+        k += 1
+    return k
+
+
+def sweep(rounds: list[dict], rows=ROWS, catch_up=CATCH_UP, step=HEAD_STEP, rule="chain") -> list[dict]:
+    """Per cut-off: drafts and accepted drafts per round, and the estimated speedup (tokens per step-cost; plain
+    decoding costs one step a token)."""
     out = []
     for cut in CUTS:
         drafted = accepted = 0
         cost = 0.0
         for r in rounds:
-            k = 0
-            while k < len(r["probabilities"]) and r["probabilities"][k] >= cut:
-                k += 1
+            k = kept(r["probabilities"], cut, rule)
             drafted, accepted = drafted + k, accepted + min(k, r["accepted"])
-            cost += rows[min(k, len(rows) - 1)] + head * max(
-                1, k
-            )  # the head's catch-up and first draft every round, then each later draft
+            # the head ran a step for each later draft it looked at: the kept ones and the one that was cut
+            cost += rows[min(k, len(rows) - 1)] + catch_up + step * min(k, len(r["probabilities"]) - 1)
         n = len(rounds)
         out.append(
             {
                 "draft_p_min": cut,
+                "rule": rule,
                 "k_per_round": drafted / n,
                 "accepted_per_round": accepted / n,
                 "estimated_speedup": (n + accepted) / cost if cost else 0.0,
             }
-        )  # plain decoding: one step per token
+        )
     return out
 
 
@@ -236,8 +254,28 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-len", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--rounds", default=None, help="print the tables from an --out file's rounds (no engine)")
     args = ap.parse_args(argv)
 
+    if args.rounds:
+        saved = json.loads(Path(args.rounds).read_text())
+        rounds, draft_len = saved["rounds"], max(len(r["probabilities"]) for r in saved["rounds"])
+        print(f"{len(rounds)} rounds of {draft_len} drafts on {saved['prompts']} prompts, from {args.rounds}")
+    else:
+        rounds, draft_len = record(args), args.draft_len
+    groups, repeat, table = report(rounds, draft_len)
+    if args.out:
+        Path(args.out).write_text(
+            json.dumps(
+                {"prompts": args.prompts, "rounds": rounds, "groups": groups, "repeats": repeat, "sweep": table},
+                indent=1,
+            )
+        )
+    return 0
+
+
+def record(args) -> list[dict]:
+    """The rounds of the recipe's fused loop on the chosen prompts, k = --draft-len, no cut-off."""
     import torch
 
     from specdeploy.engine.executor import Executor
@@ -251,38 +289,32 @@ def main(argv=None) -> int:
         f"tokens, k = {args.draft_len}, no cut-off",
         flush=True,
     )
-    rounds = record_rounds(
+    return record_rounds(
         Executor(engine, 2, head=head), head, prompts, args.max_tokens, args.draft_len, tokenizer.eos_token_id
     )
-    print(f"\nfirst draft accepted, by the head's probability of it ({len(rounds)} rounds of {args.draft_len} drafts):")
+
+
+def report(rounds: list[dict], draft_len: int):
+    """Prints the tables; returns (groups, repeat, sweep) for the --out file."""
+    print(f"\nfirst draft accepted, by the head's probability of it ({len(rounds)} rounds of {draft_len} drafts):")
     for start, n, share in by_probability(rounds):
         print(f"  {start:.1f}-{start + 0.1:.1f}  {n:5d} rounds  {share:.2f}")
-    print(
-        f"\naccepted drafts per round (no cut-off) and the share of rounds accepting draft 1..{args.draft_len}, by"
-        " group:"
-    )
-    groups = by_group(rounds, args.draft_len)
+    print(f"\naccepted drafts per round (no cut-off) and the share of rounds accepting draft 1..{draft_len}, by group:")
+    groups = by_group(rounds, draft_len)
     for name, n, mean, shares in groups:
         print(f"  {name:15s} {n:5d} rounds  {mean:.2f}  " + " / ".join(f"{x:.2f}" for x in shares))
     repeat = by_repeat(rounds)
     print("\nby the first drafted position: rounds, first draft accepted, accepted drafts per round")
     for name, n, first, mean in repeat:
         print(f"  {name:19s} {n:5d} rounds  {first:.2f}  {mean:.2f}")
-    table = sweep(rounds)
-    print("\ndraft_p_min  drafts/round  accepted/round  estimated speedup (cost model: bench/eagle3_confidence.py)")
+    table = [row for rule in RULES for row in sweep(rounds, rule=rule)]
+    print("\nrule   draft_p_min  drafts/round  accepted/round  estimated speedup (the cost model above)")
     for row in table:
         print(
-            f"  {row['draft_p_min']:.1f}        {row['k_per_round']:.2f}          {row['accepted_per_round']:.2f}"
-            f"            {row['estimated_speedup']:.2f}x"
+            f"  {row['rule']:5s}  {row['draft_p_min']:.2f}        {row['k_per_round']:.2f}          "
+            f"{row['accepted_per_round']:.2f}            {row['estimated_speedup']:.3f}x"
         )
-    if args.out:
-        Path(args.out).write_text(
-            json.dumps(
-                {"prompts": args.prompts, "rounds": rounds, "groups": groups, "repeats": repeat, "sweep": table},
-                indent=1,
-            )
-        )
-    return 0
+    return groups, repeat, table
 
 
 if __name__ == "__main__":

@@ -21,16 +21,31 @@ def test_first_draft_acceptance_by_probability_bins():
 
 def test_sweep_cuts_each_round_at_its_first_draft_below_the_cut_and_costs_it():
     conf = bench_modules.load("eagle3_confidence")
-    rows, head = (1.0, 1.1, 1.2, 1.3, 1.4), 0.1
-    table = {row["draft_p_min"]: row for row in conf.sweep(ROUNDS, rows, head)}
-    # no cut-off: 3 drafts every round, 6 accepted; each round costs 1.3 + 3 * 0.1
+    rows, catch_up, step = (1.0, 1.1, 1.2, 1.3, 1.4), 0.2, 0.1
+    table = {row["draft_p_min"]: row for row in conf.sweep(ROUNDS, rows, catch_up, step, rule="draft")}
+    # no cut-off: 3 drafts every round, 6 accepted; each round costs 1.3 + the catch-up + 2 later steps
     assert table[0.0]["k_per_round"] == 3 and table[0.0]["accepted_per_round"] == 6 / 4
-    assert table[0.0]["estimated_speedup"] == pytest.approx((4 + 6) / (4 * 1.6))
-    # 0.2: rounds draft 3, 1 (0.15 < 0.2 stops the second), 0, 0; accepted 3 + min(1, 2) = 4
+    assert table[0.0]["estimated_speedup"] == pytest.approx((4 + 6) / (4 * 1.7))
+    # each draft at 0.2: rounds draft 3, 1 (0.15 < 0.2 stops the second, after the step that computed it), 0, 0
     assert table[0.2]["k_per_round"] == 4 / 4 and table[0.2]["accepted_per_round"] == 4 / 4
-    assert table[0.2]["estimated_speedup"] == pytest.approx((4 + 4) / ((1.3 + 0.3) + (1.1 + 0.1) + 2 * (1.0 + 0.1)))
+    costs = (1.3 + 0.2 + 0.2) + (1.1 + 0.2 + 0.1) + 2 * (1.0 + 0.2)
+    assert table[0.2]["estimated_speedup"] == pytest.approx((4 + 4) / costs)
     # 0.7 keeps only the sure round
     assert table[0.7]["k_per_round"] == 3 / 4 and table[0.7]["accepted_per_round"] == 3 / 4
+
+
+def test_the_chain_rule_cuts_where_the_product_of_the_drafts_probabilities_falls_below_the_cut():
+    """The engine's rule (Eagle3Drafter.draft_steps): 0.95 x 0.9 x 0.8 = 0.684 keeps all three at 0.5 and two at 0.7,
+    where each draft alone keeps three; 0.55 x 0.15 = 0.0825 stops the second draft at 0.1."""
+    conf = bench_modules.load("eagle3_confidence")
+    assert [conf.kept(ROUNDS[0]["probabilities"], cut, "chain") for cut in (0.5, 0.7, 0.86, 0.96)] == [3, 2, 1, 0]
+    assert [conf.kept(ROUNDS[0]["probabilities"], cut, "draft") for cut in (0.5, 0.7, 0.86, 0.96)] == [3, 3, 2, 0]
+    table = {row["draft_p_min"]: row for row in conf.sweep(ROUNDS, rule="chain")}
+    # 0.1: rounds keep 3 (0.684), 1 (0.0825 < 0.1), 0 (0.05), 1 (0.12, then 0.06); accepted 3 + 1 + 0 + 1
+    assert table[0.1]["k_per_round"] == 5 / 4 and table[0.1]["accepted_per_round"] == 5 / 4
+    rows, catch_up, step = conf.ROWS, conf.CATCH_UP, conf.HEAD_STEP
+    costs = (rows[3] + catch_up + 2 * step) + 2 * (rows[1] + catch_up + step) + (rows[0] + catch_up)
+    assert table[0.1]["estimated_speedup"] == pytest.approx((4 + 5) / costs)
 
 
 def test_acceptance_by_group_is_per_category_or_source_and_per_draft_position():

@@ -868,9 +868,25 @@ def _first_draft_probability(drafter) -> float:
     return float(torch.softmax(drafter.logits.reshape(-1).float(), -1).max())
 
 
+class _Probabilities:
+    """A draft rule (the cost policy's interface) that keeps every draft and records the head's probability of each."""
+
+    def __init__(self):
+        self.seen: list[float] = []
+
+    def more(self) -> bool:
+        return True
+
+    def verify(self, p: float) -> bool:
+        self.seen.append(p)
+        return True
+
+
 def test_draft_p_min_stops_at_the_first_draft_below_it(target, head_dir):
-    """draft(k, p_min) is the prefix of draft(k) up to the first draft whose probability under the head is below
-    p_min: just above the first draft's probability nothing is proposed, just below it at least that draft."""
+    """draft(k, p_min) is the prefix of draft(k) up to the first draft whose chain probability (its probability under
+    the head times those of the drafts before it) is below p_min: just above the first draft's probability nothing
+    is proposed, just below it at least that draft; just above the chain of the first two, one draft, though the
+    second alone is more likely than that."""
     head = Eagle3Head.load(head_dir, target)
     fused = Executor(target, head=head)
     prompt = prompt_of(3, 9)
@@ -886,6 +902,15 @@ def test_draft_p_min_stops_at_the_first_draft_below_it(target, head_dir):
     for p_min in (0.0, 0.001, 0.002, 0.003, 0.01, 0.5):
         cut = drafter.draft(4, p_min=p_min)
         assert cut == full[: len(cut)], p_min
+    recorded = _Probabilities()
+    assert drafter.draft(4, rule=recorded) == full and recorded.seen[0] == p0
+    chains = [p0]
+    for p in recorded.seen[1:]:
+        chains.append(chains[-1] * p)
+    for i, chain in enumerate(chains):  # cut at draft i + 1 exactly where its chain falls below p_min
+        assert drafter.draft(4, p_min=chain * 1.0001) == full[:i], i
+        assert drafter.draft(4, p_min=chain * 0.9999)[: i + 1] == full[: i + 1], i
+    assert recorded.seen[1] > chains[1] * 1.0001  # the second draft alone would have cleared that cut
     assert drafter.draft(4) == full  # drafting leaves the head's cache as it was
 
 

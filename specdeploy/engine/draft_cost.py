@@ -1,7 +1,8 @@
 """`speculative.policy: cost` for the fused EAGLE-3 loop: which of the head's drafts a round verifies.
 
-The static policy verifies k = num_draft_tokens drafts every round (cut at the first one the head gives less than
-`draft_p_min`). This one decides draft by draft, inside the engine, from what this engine measured:
+The static policy verifies k = num_draft_tokens drafts every round (cut at the first one whose chain probability, the
+head's times the drafts' before it, is less than `draft_p_min`). This one decides draft by draft, inside the engine,
+from what this engine measured:
 
   - V(R): seconds of one engine pass of R rows (all requests' rows of a batched step): a decayed mean per R, and
     through them (passes up to FIT_ROWS rows) a least-squares line, each row costing at least MIN_ROW_SHARE of a

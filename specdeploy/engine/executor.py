@@ -147,7 +147,8 @@ class Executor:
         tensorrtllm_backend): log probs of the top-k/top-p renormalized distribution (0 for a greedy
         token), else log_softmax of the processed row. `head` (an engine.eagle3.Eagle3Head loaded against
         this engine) enables the fused EAGLE-3 loop for requests with num_draft_tokens > 0; `draft_p_min`
-        (recipe speculative.draft_p_min) cuts its drafts at the first one it gives less than that probability;
+        (recipe speculative.draft_p_min) cuts its drafts at the first one whose chain probability (the head's, times the
+        drafts' before it) is less;
         `draft_policy` (recipe speculative.policy) "cost" verifies only the drafts this engine's measured costs and
         acceptance say pay (engine/draft_cost.py), "static" all of them. `lookup_threshold` > 0 (recipe
         draft.sa_config.threshold): a round first looks the sequence's suffix up in the request's own tokens

@@ -369,8 +369,8 @@ class SpeculativeConfig:
     # static: TensorRT-LLM's (num_draft_tokens, dynamic schedule and gate); cost: specdeploy.speculation.policy
     policy: str = "static"
     probe_interval: int = 8  # policy cost: plain rounds before a request that stopped speculating tries again
-    # draft.kind eagle3, cpu backend: the head stops drafting at the first token it gives less than this probability
-    # (llama.cpp's --spec-draft-p-min), so a round it is unsure of costs one target row; 0: k drafts every round
+    # draft.kind eagle3, cpu backend: the head stops drafting at the first token whose chain probability (its own times
+    # the drafts' before it) is less than this, so a round it is unsure of costs one target row; 0: k drafts every round
     draft_p_min: float = 0.0
 
 
