@@ -36,13 +36,16 @@ def test_default_recipe_drafts_with_the_bundled_eagle3_head():
     assert head == artifacts.BUNDLED_HEADS / "smollm2-135m-instruct-eagle3"
     assert (head / "config.json").is_file() and (head / "model.safetensors").is_file()
     # the head was trained for this target as this recipe quantizes it (the training recipes' target section), by
-    # the recipe shipped beside it, which is the GPU one in build/
-    assert (
-        r.target
-        == load_recipe("build/smollm2-135m-eagle3.yaml").target
-        == load_recipe("build/smollm2-135m-eagle3-gpu.yaml").target
-    )
-    assert (head / "recipe.yaml").read_text() == Path("build/smollm2-135m-eagle3-gpu.yaml").read_text()
+    # the recipes shipped beside it: the last stage's at the top, the earlier ones' under lineage/, each the one in
+    # build/ (the GPU run, then the two ShareGPT stages)
+    stages = {
+        ".": "build/smollm2-135m-eagle3-sharegpt2.yaml",
+        "lineage/2-sharegpt": "build/smollm2-135m-eagle3-sharegpt.yaml",
+        "lineage/1-gpu": "build/smollm2-135m-eagle3-gpu.yaml",
+    }
+    assert all(load_recipe(path).target == r.target for path in (*stages.values(), "build/smollm2-135m-eagle3.yaml"))
+    for folder, path in stages.items():
+        assert (head / folder / "recipe.yaml").read_text() == Path(path).read_text(), folder
     gpu = load_recipe("build/smollm2-135m-eagle3-gpu.yaml")
     assert (
         gpu.draft.data.backend == "torch"
