@@ -25,6 +25,9 @@ class CharCodec:
     def decode(self, ids):
         return "".join(chr(i) for i in ids if i != END_ID)
 
+    def prompt_tokens(self, text):
+        return len(text)  # no special tokens added
+
     def chat_renderer(self):
         if not self.template:
             return None

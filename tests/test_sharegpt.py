@@ -9,8 +9,9 @@ import json
 from itertools import count
 
 import pytest
+from client_fakes import CharCodec
 
-from specdeploy.client.prompts import load_prompt_set
+from specdeploy.client.prompts import PromptFit, load_prompt_set
 from specdeploy.core import sharegpt
 from specdeploy.core.errors import ConfigError
 from specdeploy.eagle3.prompts import screen_text
@@ -171,3 +172,20 @@ def test_the_reported_prompt_set_holds_only_conversations_of_the_one_half():
             if any(c.turns[j : j + len(prompt.messages)] == prompt.messages for j in range(len(c.turns)))
         ]
         assert any(_digit(i) == "1" for i in sources), prompt.id
+
+
+@needs_wheel
+def test_the_sharegpt_draw_skips_prompts_longer_than_max_input_len_and_keeps_its_size_and_its_seed():
+    codec = CharCodec()  # one token a character
+    render = codec.chat_renderer()
+    full = load_prompt_set("sharegpt", 64, 24)
+    limit = sorted(len(render(p.messages)) for p in full)[12]
+    fit = PromptFit(codec, render, limit)
+    kept = load_prompt_set("sharegpt", 64, 24, fit)
+    assert len(kept) == 24 and {p.category for p in kept} == {"first-turn", "multi-turn"}
+    assert all(len(render(p.messages)) <= limit for p in kept)
+    assert fit.skipped and all(n > limit for _, n in fit.skipped)
+    # the draw's prompts that fit stay; the skipped ones' places go to the next drawn of their category
+    assert {p.messages for p in full if len(render(p.messages)) <= limit} < {p.messages for p in kept}
+    again = PromptFit(codec, render, limit)
+    assert load_prompt_set("sharegpt", 64, 24, again) == kept and again.skipped == fit.skipped

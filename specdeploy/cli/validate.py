@@ -155,6 +155,16 @@ MIN_SPEEDUP = click.option(
     help="Tokens to generate per prompt [recipe validation.max_tokens].",
 )
 @click.option(
+    "--max-input-len",
+    type=click.IntRange(min=1),
+    default=None,
+    help=(
+        "The deployment's max_input_len: a drawn ShareGPT prompt longer is skipped (another drawn in its place), a"
+        " longer prompt of another set refused before any request [recipe engine.max_input_len; without RECIPE: not"
+        " checked]."
+    ),
+)
+@click.option(
     "--min-compared-tokens",
     type=click.IntRange(min=1),
     default=None,
@@ -280,6 +290,7 @@ def validate(
     openai_url,
     metrics_url,
     max_tokens,
+    max_input_len,
     min_compared_tokens,
     chat,
     concurrency,
@@ -307,6 +318,7 @@ def validate(
         max_prompts=max_prompts,
         prompt_set=prompt_set,
         max_tokens=max_tokens,
+        max_input_len=max_input_len,
         min_compared_tokens=min_compared_tokens,
         chat_template=None if chat is None else ("auto" if chat else "none"),
         repeats=repeats,

@@ -33,3 +33,6 @@ class HFCodec:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def prompt_tokens(self, text: str) -> int:
+        return len(self.tokenizer(text, add_special_tokens=True).input_ids)

@@ -39,6 +39,9 @@ class Options:
     sample_prompts: int = 4
     sample_max_tokens: int = 2
     warmup_requests: int = 2
+    # the deployment's max_input_len (recipe engine.max_input_len, --max-input-len); 0: not known, nothing checked.
+    # A drawn ShareGPT prompt longer is skipped, a longer prompt of a named set refused before any request.
+    max_input_len: int = 0
     # --time-budget: seconds the whole run should take; 0: no budget. After the warm-up the timed phases are cut to
     # what fits at the mean request time so far (client.validate.fit_budget); parity is never cut.
     time_budget_s: float = 0.0
@@ -64,6 +67,7 @@ class Options:
             num_draft_tokens=s.num_draft_tokens,
             max_draft_len=s.max_draft_len,
             stream=recipe.triton.decoupled,
+            max_input_len=recipe.engine.max_input_len,
         )
         return cls.build(**{**base, **{k: v for k, v in overrides.items() if v is not None}})
 

@@ -45,16 +45,19 @@ class Prompt:
     messages: tuple[Message, ...] = ()  # the conversation `text` was rendered from; () when sent raw
 
 
-def load_prompt_set(prompt_set: str, default_max_tokens: int, max_prompts: int = 0) -> list[Prompt]:
+def load_prompt_set(
+    prompt_set: str, default_max_tokens: int, max_prompts: int = 0, fits: Callable[[Prompt], bool] | None = None
+) -> list[Prompt]:
     """The prompts of `prompt_set` ("builtin", "sharegpt[-reported][:SEED]" or a .jsonl path), at most `max_prompts`
     (0: all), not yet rendered.
 
     When limited, prompts are taken round-robin over the categories so that every category stays
-    represented.
+    represented. `fits` (a `PromptFit`): a drawn ShareGPT prompt it rejects is skipped before the set is cut, so
+    another takes its place; a named set is taken as written (the caller refuses a prompt that does not fit).
     """
     seed = sharegpt.prompt_set_seed(prompt_set)
     if seed is not None:
-        return _sharegpt_prompts(seed, default_max_tokens, max_prompts, sharegpt.prompt_set_split(prompt_set))
+        return _sharegpt_prompts(seed, default_max_tokens, max_prompts, sharegpt.prompt_set_split(prompt_set), fits)
     if prompt_set == "builtin":
         prompts = [p for c in BUILTIN_CATEGORIES for p in _read_jsonl(BUILTIN_DIR / f"{c}.jsonl", default_max_tokens)]
     else:
@@ -64,16 +67,20 @@ def load_prompt_set(prompt_set: str, default_max_tokens: int, max_prompts: int =
     return spread_over_categories(prompts, max_prompts) if max_prompts > 0 else prompts
 
 
-def _sharegpt_prompts(seed: int, max_tokens: int, max_prompts: int, split: str) -> list[Prompt]:
+def _sharegpt_prompts(
+    seed: int, max_tokens: int, max_prompts: int, split: str, fits: Callable[[Prompt], bool] | None
+) -> list[Prompt]:
     """Drawn per category (half first turns, half later turns with their context) from the validation half (or the
-    reported one)."""
+    reported one), those `fits` rejects left out."""
     count = max_prompts or SHAREGPT_PROMPTS
     drawn = sharegpt.validation_prompts(4 * count, seed, split=split)  # more than needed: categories cut to their share
     by_category: dict[str, list[Prompt]] = {"first-turn": [], "multi-turn": []}
     for conversation_turn, messages in drawn:
         category = "first-turn" if len(messages) == 1 else "multi-turn"
         group = by_category[category]
-        group.append(Prompt(f"{category}-{len(group)}", "", category, max_tokens, messages))
+        # asked under the conversation's id ("<id>/<turn>"): a skipped prompt is named by where it comes from
+        if fits is None or fits(Prompt(conversation_turn, "", category, max_tokens, messages)):
+            group.append(Prompt(f"{category}-{len(group)}", "", category, max_tokens, messages))
     return spread_over_categories([p for group in by_category.values() for p in group], count)
 
 
@@ -82,19 +89,49 @@ def render_prompts(prompts: Sequence[Prompt], renderer: ChatRenderer | None) -> 
 
     A prompt given as `messages` has no raw form: without a renderer it is an error.
     """
-    out = []
-    for p in prompts:
-        if renderer is not None:
-            out.append(Prompt(p.id, renderer(p.messages), p.category, p.max_tokens, p.messages))
-        elif p.text:
-            out.append(Prompt(p.id, p.text, p.category, p.max_tokens))
-        else:
+    return [render_prompt(p, renderer) for p in prompts]
+
+
+def render_prompt(p: Prompt, renderer: ChatRenderer | None) -> Prompt:
+    if renderer is not None:
+        return Prompt(p.id, renderer(p.messages), p.category, p.max_tokens, p.messages)
+    if p.text:
+        return Prompt(p.id, p.text, p.category, p.max_tokens)
+    raise ConfigError(
+        f"prompt {p.id} is given as 'messages', which need a chat template to become text",
+        "set validation.chat_template: auto with a tokenizer that has a chat template, or give 'prompt' instead",
+    )
+
+
+class PromptFit:
+    """Whether a prompt fits the deployment's `max_input_len`, counted as its server counts it (rendered by
+    `renderer`, encoded with special tokens: `codec.prompt_tokens`); `skipped` holds (id, tokens) of those that did
+    not, in the order asked. The server refuses a longer prompt, and a validation run stops at the first refusal."""
+
+    def __init__(self, codec, renderer: ChatRenderer | None, max_input_len: int):
+        self.codec, self.renderer, self.max_input_len = codec, renderer, max_input_len
+        self.skipped: list[tuple[str, int]] = []
+
+    def tokens(self, prompt: Prompt) -> int:
+        return self.codec.prompt_tokens(render_prompt(prompt, self.renderer).text)
+
+    def __call__(self, prompt: Prompt) -> bool:
+        n = self.tokens(prompt)
+        if n <= self.max_input_len:
+            return True
+        self.skipped.append((prompt.id, n))
+        return False
+
+    def refuse_misfits(self, prompts: Sequence[Prompt], prompt_set: str) -> None:
+        """ConfigError naming every prompt of a set the user chose that is longer than max_input_len."""
+        long = [(p.id, n) for p in prompts if (n := self.tokens(p)) > self.max_input_len]
+        if long:
+            named = ", ".join(f"{i} ({n:,} tokens)" for i, n in long[:5]) + (" ..." if len(long) > 5 else "")
             raise ConfigError(
-                f"prompt {p.id} is given as 'messages', which need a chat template to become text",
-                "set validation.chat_template: auto with a tokenizer that has a chat template, or give 'prompt'"
-                " instead",
+                f"{len(long)} prompt(s) of {prompt_set} are longer than the deployment's max_input_len"
+                f" ({self.max_input_len:,} tokens): {named}",
+                "shorten or drop them, or build the engines with a larger engine.max_input_len",
             )
-    return out
 
 
 def categories(prompts: list[Prompt]) -> list[str]:

@@ -131,3 +131,7 @@ class TokenCodec(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
+
+    def prompt_tokens(self, text: str) -> int:
+        """How many tokens the server makes of a prompt (its preprocessing encodes with special tokens: NVIDIA's
+        add_special_tokens default); compared with the deployment's max_input_len."""

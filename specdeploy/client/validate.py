@@ -24,7 +24,7 @@ from specdeploy.client.deployment import Deployment
 from specdeploy.client.hf_codec import HFCodec
 from specdeploy.client.options import Options, check_sweep
 from specdeploy.client.parity_phases import run_baseline_parity, run_parity, run_sampling
-from specdeploy.client.prompts import Prompt, load_prompt_set, render_prompts, spread_over_categories
+from specdeploy.client.prompts import Prompt, PromptFit, load_prompt_set, render_prompts, spread_over_categories
 from specdeploy.client.protocol import CONTROL_MODEL, REQUIRED_MODELS, TRIAGE_MODELS, Endpoint, TokenCodec
 from specdeploy.client.speed_phases import one_model_at_a_time, run_latency, run_sweep, speed_warnings
 from specdeploy.client.summary import not_checked
@@ -78,9 +78,15 @@ def validate(
 ) -> dict:
     """Run every phase against `endpoint` and return the report dict (never raises on a server fault). `counters`
     (runtime_counters.RuntimeCounters): the runtime's metrics endpoint, read around each speculative latency run."""
-    prompts, template = prepare_prompts(options, codec)
+    prompts, template, skipped = prepare_prompts(options, codec)
     report = _new_report(recipe_name, endpoint, baseline, options, prompts, quality)
     report["settings"]["chat_template_used"] = template
+    report["settings"]["prompts_skipped_too_long"] = [{"id": i, "tokens": n} for i, n in skipped]
+    if skipped:
+        report["warnings"].append(
+            f"{len(skipped)} drawn prompt(s) longer than max_input_len ({options.max_input_len:,} tokens) skipped,"
+            f" others drawn in their place: {', '.join(i for i, _ in skipped)}"
+        )
     bar = _Progress(_total_steps(options, prompts, baseline is not None), progress)
     started = time.perf_counter()
     try:
@@ -96,12 +102,16 @@ def validate(
     return report
 
 
-def prepare_prompts(options: Options, codec: TokenCodec) -> tuple[list[Prompt], bool]:
-    """The prompt set, rendered with the tokenizer's chat template (chat_template auto and one exists);
-    and whether it was."""
-    prompts = load_prompt_set(options.prompt_set, options.max_tokens, options.max_prompts)
+def prepare_prompts(options: Options, codec: TokenCodec) -> tuple[list[Prompt], bool, list[tuple[str, int]]]:
+    """The prompt set, rendered with the tokenizer's chat template (chat_template auto and one exists); whether it
+    was; and the drawn prompts skipped as longer than options.max_input_len ((id, tokens) each). A prompt of a named
+    set (builtin, a file) that is longer is refused here, before any request."""
     renderer = codec.chat_renderer() if options.chat_template == "auto" else None
-    return render_prompts(prompts, renderer), renderer is not None
+    fit = PromptFit(codec, renderer, options.max_input_len) if options.max_input_len > 0 else None
+    prompts = load_prompt_set(options.prompt_set, options.max_tokens, options.max_prompts, fit)
+    if fit is not None:
+        fit.refuse_misfits(prompts, options.prompt_set)
+    return render_prompts(prompts, renderer), renderer is not None, fit.skipped if fit is not None else []
 
 
 def latency_subset(options: Options, prompts: list[Prompt]) -> list[Prompt]:

@@ -255,7 +255,7 @@ def traffic_for(
             f"--drive {drive!r} is not one of {', '.join(DRIVES)}", "use --drive triton or --drive openai"
         )
     options = client_options.Options.from_recipe(recipe)
-    prompts, _ = val.prepare_prompts(options, hf_codec.HFCodec(tokenizer_dir(recipe, layout)))
+    prompts, _, _ = val.prepare_prompts(options, hf_codec.HFCodec(tokenizer_dir(recipe, layout)))
     if drive == "openai":
         from specdeploy.client.openai_adapter import OpenAIEndpoint
 
