@@ -399,6 +399,36 @@ def test_specdeploy_run_refuses_what_its_last_stages_would_before_quantizing(tmp
     assert "runs detached (pid" in error.message and "specdeploy stop pf.yaml" in error.hint
 
 
+def test_specdeploy_run_refuses_a_prompt_longer_than_max_input_len_before_quantizing(tmp_path):
+    """The server would refuse it only after quantize, build and serve: `run` counts each prompt of the set with the
+    target's tokenizer (the bundled model's) first."""
+    from specdeploy.core.artifacts import Layout
+    from specdeploy.core.errors import ConfigError
+    from specdeploy.deploy import pipeline
+
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text(json.dumps({"prompt": "word " * 80, "category": "long"}) + "\n" + '{"prompt": "Hi"}\n')
+    recipe = parse_recipe(
+        {
+            "name": "pf",
+            "backend": "cpu",
+            "target": {"model": "smollm2-135m-instruct"},
+            "draft": {"kind": "ngram"},
+            "engine": {"max_input_len": 64, "max_seq_len": 256},
+            "validation": {"prompt_set": str(prompts)},
+        }
+    )
+    layout = Layout.of(recipe, tmp_path / "root")
+    lines = []
+    with pytest.raises(
+        ConfigError,
+        match=r"1 prompt\(s\) of .*mine.jsonl are longer than the deployment's max_input_len \(64 tokens\):"
+        r" long-0 \(\d+ tokens\)",
+    ):
+        pipeline.run(recipe, layout, "pf.yaml", echo=lines.append, progress=False)
+    assert not any(line.startswith("== quantize") for line in lines) and not layout.checkpoint("target").exists()
+
+
 def test_specdeploy_run_refuses_a_served_vocabulary_without_counts_before_quantizing(tmp_path):
     """On the cpu backend `specdeploy run` checks draft.serve_vocab_size against the head before its first stage."""
     from eagle3_heads import make_eagle3_head

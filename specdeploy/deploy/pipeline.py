@@ -66,11 +66,15 @@ def run(
 
 def _check_before_work(recipe, layout, recipe_path: str, overrides: dict) -> None:
     """What the last stages would refuse, asked before the first of the module that owns it: validate's options and
-    prompt set, the EAGLE-3 head (eagle3.head, whose files the repository copies), and a detached server of the recipe
-    (the pipeline's own would write over its log, and two servers on one machine skew the speedup measured)."""
+    prompt set, the EAGLE-3 head (eagle3.head, whose files the repository copies), a detached server of the recipe
+    (the pipeline's own would write over its log, and two servers on one machine skew the speedup measured), and each
+    prompt within engine.max_input_len, counted with the target's tokenizer where it loads (a target that does not
+    load is the quantize stage's error, with its own hint)."""
+    from specdeploy.client.hf_codec import HFCodec
     from specdeploy.client.prompts import load_prompt_set
+    from specdeploy.client.validate import prepare_prompts
     from specdeploy.core.errors import ConfigError
-    from specdeploy.deploy.recipe_deployment import recipe_options
+    from specdeploy.deploy.recipe_deployment import recipe_options, tokenizer_dir
     from specdeploy.triton import server_state
 
     options = recipe_options(recipe, **overrides)
@@ -87,3 +91,8 @@ def _check_before_work(recipe, layout, recipe_path: str, overrides: dict) -> Non
             f"stop it first (specdeploy stop {recipe_path}), or validate it as it is (specdeploy validate"
             f" {recipe_path})",
         )
+    try:
+        codec = HFCodec(tokenizer_dir(recipe, layout))
+    except ConfigError:
+        return
+    prepare_prompts(options, codec)
