@@ -122,9 +122,10 @@ class PromptFit:
         self.skipped.append((prompt.id, n))
         return False
 
-    def refuse_misfits(self, prompts: Sequence[Prompt], prompt_set: str) -> None:
-        """ConfigError naming every prompt of a set the user chose that is longer than max_input_len."""
-        long = [(p.id, n) for p in prompts if (n := self.tokens(p)) > self.max_input_len]
+    def refuse_misfits(self, rendered: Sequence[Prompt], prompt_set: str) -> None:
+        """ConfigError naming every prompt of a set the user chose (already rendered) that is longer than
+        max_input_len."""
+        long = [(p.id, n) for p in rendered if (n := self.codec.prompt_tokens(p.text)) > self.max_input_len]
         if long:
             named = ", ".join(f"{i} ({n:,} tokens)" for i, n in long[:5]) + (" ..." if len(long) > 5 else "")
             raise ConfigError(

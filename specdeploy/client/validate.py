@@ -108,10 +108,12 @@ def prepare_prompts(options: Options, codec: TokenCodec) -> tuple[list[Prompt], 
     set (builtin, a file) that is longer is refused here, before any request."""
     renderer = codec.chat_renderer() if options.chat_template == "auto" else None
     fit = PromptFit(codec, renderer, options.max_input_len) if options.max_input_len > 0 else None
-    prompts = load_prompt_set(options.prompt_set, options.max_tokens, options.max_prompts, fit)
+    prompts = render_prompts(
+        load_prompt_set(options.prompt_set, options.max_tokens, options.max_prompts, fit), renderer
+    )
     if fit is not None:
         fit.refuse_misfits(prompts, options.prompt_set)
-    return render_prompts(prompts, renderer), renderer is not None, fit.skipped if fit is not None else []
+    return prompts, renderer is not None, fit.skipped if fit is not None else []
 
 
 def latency_subset(options: Options, prompts: list[Prompt]) -> list[Prompt]:

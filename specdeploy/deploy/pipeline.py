@@ -66,10 +66,10 @@ def run(
 
 def _check_before_work(recipe, layout, recipe_path: str, overrides: dict) -> None:
     """What the last stages would refuse, asked before the first of the module that owns it: validate's options and
-    prompt set, the EAGLE-3 head (eagle3.head, whose files the repository copies), a detached server of the recipe
-    (the pipeline's own would write over its log, and two servers on one machine skew the speedup measured), and each
-    prompt within engine.max_input_len, counted with the target's tokenizer where it loads (a target that does not
-    load is the quantize stage's error, with its own hint)."""
+    prompt set (each prompt within engine.max_input_len, counted with the target's tokenizer where it loads; a target
+    that does not load is the quantize stage's error, with its own hint), the EAGLE-3 head (eagle3.head, whose files
+    the repository copies), and a detached server of the recipe (the pipeline's own would write over its log, and two
+    servers on one machine skew the speedup measured)."""
     from specdeploy.client.hf_codec import HFCodec
     from specdeploy.client.prompts import load_prompt_set
     from specdeploy.client.validate import prepare_prompts
@@ -78,7 +78,14 @@ def _check_before_work(recipe, layout, recipe_path: str, overrides: dict) -> Non
     from specdeploy.triton import server_state
 
     options = recipe_options(recipe, **overrides)
-    load_prompt_set(options.prompt_set, options.max_tokens, options.max_prompts)
+    try:
+        codec = HFCodec(tokenizer_dir(recipe, layout))
+    except ConfigError:
+        codec = None
+    if codec is None:
+        load_prompt_set(options.prompt_set, options.max_tokens, options.max_prompts)
+    else:
+        prepare_prompts(options, codec)
     if recipe.draft.is_eagle3:
         from specdeploy.eagle3.head import require_head
 
@@ -91,8 +98,3 @@ def _check_before_work(recipe, layout, recipe_path: str, overrides: dict) -> Non
             f"stop it first (specdeploy stop {recipe_path}), or validate it as it is (specdeploy validate"
             f" {recipe_path})",
         )
-    try:
-        codec = HFCodec(tokenizer_dir(recipe, layout))
-    except ConfigError:
-        return
-    prepare_prompts(options, codec)
